@@ -1,0 +1,47 @@
+//! The crate's one error type. Each variant maps to exactly one C status code (see `ffi`).
+
+/// Everything that can go wrong inside decodev2. Messages name the offending value.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A caller-supplied argument is out of range or malformed.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// A model specification breaks an invariant (shapes, head counts, ...).
+    #[error("invalid model spec: {0}")]
+    InvalidSpec(String),
+    /// Input to the NF4 quantizer cannot be encoded (non-finite values, bad length).
+    #[error("NF4 quantization: {0}")]
+    Quantize(String),
+    /// The request has no KV slot left: position reached max_seq.
+    #[error("sequence full: {0}")]
+    SequenceFull(String),
+    /// The request produced its EOS token; call reset before stepping again.
+    #[error("request finished (EOS produced); reset to start a new request")]
+    Finished,
+    /// No preset of that name exists.
+    #[error("unknown preset: {0}")]
+    UnknownPreset(String),
+    /// The feature or file kind is not supported (yet).
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    /// Reading a file failed.
+    #[error("i/o: {0}")]
+    Io(String),
+    /// A model file is truncated, malformed or inconsistent.
+    #[error("model file: {0}")]
+    ModelFile(String),
+    /// The requested backend cannot run here (no driver, no device).
+    #[error("backend unavailable: {0}")]
+    BackendUnavailable(String),
+    /// The model does not fit in device memory.
+    #[error("out of device memory: {0}")]
+    OutOfMemory(String),
+    /// A CUDA driver or NVRTC call failed.
+    #[error("cuda: {0}")]
+    Cuda(String),
+    /// A bug in decodev2 (a caught panic, a broken internal invariant).
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+pub type Result<T> = std::result::Result<T, Error>;

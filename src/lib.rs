@@ -1,0 +1,16 @@
+//! decodev2: batch-1 greedy decoding of llama-style LLMs with NF4 weights, behind a C ABI.
+//!
+//! The host passes token ids; the engine ([`engine::Engine`]) runs the model on a backend
+//! (CPU reference, or CUDA with everything resident on the device). The CPU f32 oracle
+//! ([`oracle`]) defines what every backend must compute.
+
+pub mod arch;
+pub mod error;
+pub mod model;
+pub mod nf4;
+pub mod oracle;
+mod par;
+pub mod rope;
+pub mod synth;
+
+pub use error::{Error, Result};

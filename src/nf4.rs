@@ -1,0 +1,393 @@
+//! NF4 (4-bit NormalFloat) codec, byte-compatible with bitsandbytes `nf4`.
+//!
+//! Layout, the one place it is written down:
+//! - A matrix `[rows, cols]` (row-major, `cols` = K, the input dimension) is cut into blocks
+//!   of [`BLOCK`] = 64 consecutive elements of the flattened array; since `cols % 64 == 0`,
+//!   every block lies inside one row. Block `b` covers elements `64*b .. 64*b+64`.
+//! - Each block keeps one f32 `absmax` = max |v| over the block.
+//! - Each element is encoded as the 4-bit index of the nearest [`CODEBOOK`] entry to
+//!   `v * (1/absmax)` (the reciprocal taken in f32, as bitsandbytes does); ties go to the
+//!   lower entry, via bitsandbytes' own decision thresholds ([`encode`]).
+//! - Two elements per byte: element `2i` in the **high** nibble of byte `i`, element `2i+1`
+//!   in the low nibble (bitsandbytes `kQuantizeBlockwise`: `q[2j] << 4 | q[2j+1]`).
+//! - Decoding: `CODEBOOK[nibble] * absmax`.
+//!
+//! An all-zero block has absmax 0; bitsandbytes then computes `0 * (1/0) = NaN`, which falls
+//! through its decision tree to index 0, so the codes are 0 and decode to `-1.0 * 0 = 0`.
+//! We reproduce that byte for byte.
+
+use crate::error::{Error, Result};
+
+/// Elements per quantization block (along K).
+pub const BLOCK: usize = 64;
+
+/// The NF4 codebook of QLoRA / bitsandbytes (`get_4bit_type("nf4")`), to f32 precision.
+#[allow(clippy::excessive_precision)] // bitsandbytes' values, verbatim
+pub const CODEBOOK: [f32; 16] = [
+    -1.0,
+    -0.6961928009986877,
+    -0.5250730514526367,
+    -0.39491748809814453,
+    -0.28444138169288635,
+    -0.18477343022823334,
+    -0.09105003625154495,
+    0.0,
+    0.07958029955625534,
+    0.16093020141124725,
+    0.24611230194568634,
+    0.33791524171829224,
+    0.44070982933044434,
+    0.5626170039176941,
+    0.7229568362236023,
+    1.0,
+];
+
+/// Index of the codebook entry bitsandbytes picks for a normalized value (`dQuantizeNF4`).
+/// The thresholds are bitsandbytes' literals (midpoints of neighbouring entries); a value
+/// exactly on a threshold goes to the lower entry, and NaN falls through to index 0.
+#[allow(clippy::excessive_precision)] // bitsandbytes' literals, verbatim
+pub fn encode(x: f32) -> u8 {
+    if x > 0.03979014977812767 {
+        if x > 0.3893125355243683 {
+            if x > 0.6427869200706482 {
+                if x > 0.8614784181118011 {
+                    15
+                } else {
+                    14
+                }
+            } else if x > 0.5016634166240692 {
+                13
+            } else {
+                12
+            }
+        } else if x > 0.2035212516784668 {
+            if x > 0.2920137718319893 {
+                11
+            } else {
+                10
+            }
+        } else if x > 0.1202552504837513 {
+            9
+        } else {
+            8
+        }
+    } else if x > -0.33967943489551544 {
+        if x > -0.13791173323988914 {
+            if x > -0.045525018125772476 {
+                7
+            } else {
+                6
+            }
+        } else if x > -0.23460740596055984 {
+            5
+        } else {
+            4
+        }
+    } else if x > -0.6106329262256622 {
+        if x > -0.4599952697753906 {
+            3
+        } else {
+            2
+        }
+    } else if x > -0.8480964004993439 {
+        1
+    } else {
+        0
+    }
+}
+
+/// A row-major `[rows, cols]` matrix in packed NF4 with per-block f32 absmax.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Nf4Matrix {
+    pub rows: usize,
+    pub cols: usize,
+    /// `rows * cols / 2` bytes, two elements per byte (layout in the module docs).
+    pub packed: Vec<u8>,
+    /// `rows * cols / 64` block scales.
+    pub absmax: Vec<f32>,
+}
+
+impl Nf4Matrix {
+    /// Quantizes `data` (`rows * cols` values, row-major). `cols` must be a multiple of 64
+    /// and every value finite.
+    pub fn quantize(rows: usize, cols: usize, data: &[f32]) -> Result<Self> {
+        if data.len() != rows * cols {
+            return Err(Error::Quantize(format!(
+                "got {} values for a {rows}x{cols} matrix",
+                data.len()
+            )));
+        }
+        Self::quantize_with(rows, cols, |r, row| {
+            row.copy_from_slice(&data[r * cols..(r + 1) * cols])
+        })
+    }
+
+    /// Quantizes a matrix whose row `r` is written by `fill(r, row)`, on every core, one row
+    /// at a time (the f32 matrix never exists whole). `cols` must be a multiple of 64 and
+    /// every value finite; the error names the first bad row and column.
+    pub fn quantize_with(
+        rows: usize,
+        cols: usize,
+        fill: impl Fn(usize, &mut [f32]) + Sync,
+    ) -> Result<Self> {
+        if cols % BLOCK != 0 || cols == 0 {
+            return Err(Error::Quantize(format!(
+                "cols ({cols}) is not a positive multiple of {BLOCK}"
+            )));
+        }
+        let (row_bytes, row_blocks) = (cols / 2, cols / BLOCK);
+        let mut packed = vec![0u8; rows * row_bytes];
+        let mut absmax = vec![0f32; rows * row_blocks];
+        let per = crate::par::rows_per_thread(rows, cols);
+        let first_error = std::sync::Mutex::new(None::<(usize, usize, f32)>);
+        std::thread::scope(|s| {
+            let chunks = packed
+                .chunks_mut(per * row_bytes)
+                .zip(absmax.chunks_mut(per * row_blocks));
+            for (i, (packed, absmax)) in chunks.enumerate() {
+                let (fill, first_error) = (&fill, &first_error);
+                s.spawn(move || {
+                    let mut row = vec![0f32; cols];
+                    let rows = packed
+                        .chunks_exact_mut(row_bytes)
+                        .zip(absmax.chunks_exact_mut(row_blocks));
+                    for (j, (codes, scales)) in rows.enumerate() {
+                        let r = i * per + j;
+                        fill(r, &mut row);
+                        if let Some(c) = row.iter().position(|v| !v.is_finite()) {
+                            let mut e = first_error.lock().unwrap_or_else(|p| p.into_inner());
+                            if e.is_none_or(|(er, _, _)| r < er) {
+                                *e = Some((r, c, row[c]));
+                            }
+                            return;
+                        }
+                        for ((block, out), scale) in row
+                            .chunks_exact(BLOCK)
+                            .zip(codes.chunks_exact_mut(BLOCK / 2))
+                            .zip(scales.iter_mut())
+                        {
+                            *scale = encode_block(block, out);
+                        }
+                    }
+                });
+            }
+        });
+        if let Some((r, c, v)) = first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            return Err(Error::Quantize(format!(
+                "non-finite value {v} at row {r}, col {c}"
+            )));
+        }
+        Ok(Self {
+            rows,
+            cols,
+            packed,
+            absmax,
+        })
+    }
+
+    /// Bytes of packed codes in one row.
+    pub fn row_bytes(&self) -> usize {
+        self.cols / 2
+    }
+
+    /// Decodes row `r` into `out` (`cols` values).
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        let blocks = self.cols / BLOCK;
+        let packed = &self.packed[r * self.row_bytes()..(r + 1) * self.row_bytes()];
+        let scales = &self.absmax[r * blocks..(r + 1) * blocks];
+        for ((codes, scale), dst) in packed
+            .chunks_exact(BLOCK / 2)
+            .zip(scales)
+            .zip(out.chunks_exact_mut(BLOCK))
+        {
+            decode_block(codes, *scale, dst);
+        }
+    }
+
+    /// Decodes the whole matrix (row-major).
+    pub fn dequantize(&self) -> Vec<f32> {
+        let mut out = vec![0f32; self.rows * self.cols];
+        for (r, row) in out.chunks_exact_mut(self.cols).enumerate() {
+            self.dequantize_row(r, row);
+        }
+        out
+    }
+
+    /// A matrix made of the given rows of `self`, in that order. Rows are independent in
+    /// this layout, so this is a byte-exact copy (used to split InternLM2's fused wqkv).
+    pub fn select_rows(&self, rows: &[usize]) -> Self {
+        let rb = self.row_bytes();
+        let blocks = self.cols / BLOCK;
+        let mut packed = Vec::with_capacity(rows.len() * rb);
+        let mut absmax = Vec::with_capacity(rows.len() * blocks);
+        for &r in rows {
+            packed.extend_from_slice(&self.packed[r * rb..(r + 1) * rb]);
+            absmax.extend_from_slice(&self.absmax[r * blocks..(r + 1) * blocks]);
+        }
+        Self {
+            rows: rows.len(),
+            cols: self.cols,
+            packed,
+            absmax,
+        }
+    }
+}
+
+/// Encodes one block of 64 finite values into 32 bytes; returns its absmax.
+fn encode_block(block: &[f32], out: &mut [u8]) -> f32 {
+    let absmax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let inv = 1.0f32 / absmax;
+    for (pair, byte) in block.chunks_exact(2).zip(out.iter_mut()) {
+        *byte = (encode(pair[0] * inv) << 4) | encode(pair[1] * inv);
+    }
+    absmax
+}
+
+/// Decodes 32 bytes of one block into 64 values.
+fn decode_block(codes: &[u8], absmax: f32, out: &mut [f32]) {
+    for (byte, pair) in codes.iter().zip(out.chunks_exact_mut(2)) {
+        pair[0] = CODEBOOK[(byte >> 4) as usize] * absmax;
+        pair[1] = CODEBOOK[(byte & 0x0f) as usize] * absmax;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codebook_matches_bitsandbytes() {
+        // bitsandbytes functional.py, get_4bit_type("nf4"), as printed by Python (f64 repr
+        // of the f32 values).
+        let bnb: [f64; 16] = [
+            -1.0,
+            -0.6961928009986877,
+            -0.5250730514526367,
+            -0.39491748809814453,
+            -0.28444138169288635,
+            -0.18477343022823334,
+            -0.09105003625154495,
+            0.0,
+            0.07958029955625534,
+            0.16093020141124725,
+            0.24611230194568634,
+            0.33791524171829224,
+            0.44070982933044434,
+            0.5626170039176941,
+            0.7229568362236023,
+            1.0,
+        ];
+        for (ours, theirs) in CODEBOOK.iter().zip(bnb) {
+            assert_eq!(*ours as f64, theirs);
+        }
+    }
+
+    #[test]
+    fn every_code_encodes_to_itself_and_thresholds_are_midpoints() {
+        for (i, v) in CODEBOOK.iter().enumerate() {
+            assert_eq!(encode(*v) as usize, i);
+        }
+        for i in 0..15 {
+            let mid = (CODEBOOK[i] + CODEBOOK[i + 1]) / 2.0;
+            let below = encode(mid - 1e-6) as usize;
+            let above = encode(mid + 1e-6) as usize;
+            assert_eq!((below, above), (i, i + 1), "around midpoint {mid}");
+        }
+        assert_eq!(encode(f32::NAN), 0);
+    }
+
+    #[test]
+    fn hand_worked_packing() {
+        // Block: 0.5, -1.0, then 62 zeros. absmax 1.0. 0.5 lies between 0.4407 (12) and
+        // 0.5626 (13), below their midpoint 0.5017, so code 12; -1.0 is code 0: element 0 sits
+        // in the high nibble, so byte 0 is 0xC0. Zeros are code 7: 0x77.
+        let mut block = [0f32; 64];
+        block[0] = 0.5;
+        block[1] = -1.0;
+        let m = Nf4Matrix::quantize(1, 64, &block).unwrap();
+        assert_eq!(m.absmax, vec![1.0]);
+        assert_eq!(m.packed[0], 0xC0);
+        assert!(m.packed[1..].iter().all(|b| *b == 0x77));
+        let back = m.dequantize();
+        assert_eq!(back[0], CODEBOOK[12]);
+        assert_eq!(back[1], -1.0);
+    }
+
+    #[test]
+    fn round_trip_error_is_bounded_per_block() {
+        // The error is at most half the widest gap between neighbouring codes (-1.0 to
+        // -0.6962) times the block's absmax.
+        let max_half_gap = CODEBOOK
+            .windows(2)
+            .map(|w| w[1] - w[0])
+            .fold(0f32, f32::max)
+            / 2.0;
+        assert_eq!(max_half_gap, (CODEBOOK[1] - CODEBOOK[0]) / 2.0);
+        let mut state = 12345u32;
+        let data: Vec<f32> = (0..64 * 40)
+            .map(|i| {
+                state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                let u = (state >> 8) as f32 / (1 << 24) as f32 - 0.5;
+                u * (1 + i / 64) as f32
+            })
+            .collect();
+        let m = Nf4Matrix::quantize(40, 64, &data).unwrap();
+        let back = m.dequantize();
+        for (b, (orig, dec)) in data.chunks(64).zip(back.chunks(64)).enumerate() {
+            let absmax = m.absmax[b];
+            assert_eq!(absmax, orig.iter().fold(0f32, |a, v| a.max(v.abs())));
+            for (o, d) in orig.iter().zip(dec) {
+                assert!((o - d).abs() <= absmax * max_half_gap * 1.0001, "block {b}");
+            }
+        }
+    }
+
+    #[test]
+    fn all_zero_block_decodes_to_zero() {
+        let m = Nf4Matrix::quantize(1, 64, &[0.0; 64]).unwrap();
+        assert_eq!(m.absmax, vec![0.0]);
+        // bitsandbytes' NaN fall-through: every code is 0.
+        assert!(m.packed.iter().all(|b| *b == 0));
+        assert!(m.dequantize().iter().all(|v| *v == 0.0));
+    }
+
+    #[test]
+    fn one_huge_value_survives_exactly() {
+        let mut block = [0.01f32; 64];
+        block[17] = -3.0e30;
+        let m = Nf4Matrix::quantize(1, 64, &block).unwrap();
+        let back = m.dequantize();
+        assert_eq!(back[17], -3.0e30);
+        assert!(back.iter().enumerate().all(|(i, v)| i == 17 || *v == 0.0));
+    }
+
+    #[test]
+    fn non_finite_and_misshaped_input_is_rejected() {
+        let mut block = [0.5f32; 64];
+        block[3] = f32::INFINITY;
+        let err = Nf4Matrix::quantize(1, 64, &block).unwrap_err().to_string();
+        assert!(err.contains("non-finite") && err.contains("col 3"), "{err}");
+        block[3] = f32::NAN;
+        assert!(Nf4Matrix::quantize(1, 64, &block).is_err());
+        let err = Nf4Matrix::quantize(1, 32, &[0.0; 32])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("multiple of 64"), "{err}");
+        assert!(Nf4Matrix::quantize(2, 64, &[0.0; 64]).is_err());
+    }
+
+    #[test]
+    fn select_rows_copies_rows_byte_exactly() {
+        let data: Vec<f32> = (0..3 * 64).map(|i| (i as f32 * 0.37).sin()).collect();
+        let m = Nf4Matrix::quantize(3, 64, &data).unwrap();
+        let s = m.select_rows(&[2, 0]);
+        let mut row = vec![0f32; 64];
+        let mut want = vec![0f32; 64];
+        s.dequantize_row(0, &mut row);
+        m.dequantize_row(2, &mut want);
+        assert_eq!(row, want);
+        s.dequantize_row(1, &mut row);
+        m.dequantize_row(0, &mut want);
+        assert_eq!(row, want);
+    }
+}
