@@ -210,7 +210,8 @@ mod tests {
 
     #[test]
     fn each_broken_invariant_is_named() {
-        let cases: [(fn(&mut ArchSpec), &str); 7] = [
+        type Breaker = fn(&mut ArchSpec);
+        let cases: [(Breaker, &str); 7] = [
             (|s| s.hidden = 65, "hidden (65) != n_q_heads"),
             (|s| s.n_kv_heads = 3, "not a multiple of n_kv_heads"),
             (|s| s.intermediate = 100, "intermediate (100)"),

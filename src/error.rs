@@ -3,6 +3,12 @@
 /// Everything that can go wrong inside decodev2. Messages name the offending value.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// A required pointer argument (named) was NULL.
+    #[error("null pointer: {0}")]
+    NullPointer(&'static str),
+    /// A struct passed across the C ABI has an unknown size or version.
+    #[error("ABI mismatch: {0}")]
+    AbiMismatch(String),
     /// A caller-supplied argument is out of range or malformed.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
@@ -15,6 +21,9 @@ pub enum Error {
     /// The request has no KV slot left: position reached max_seq.
     #[error("sequence full: {0}")]
     SequenceFull(String),
+    /// The call does not fit the engine's state (e.g. step before any prefill).
+    #[error("invalid state: {0}")]
+    InvalidState(String),
     /// The request produced its EOS token; call reset before stepping again.
     #[error("request finished (EOS produced); reset to start a new request")]
     Finished,

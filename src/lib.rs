@@ -5,7 +5,11 @@
 //! ([`oracle`]) defines what every backend must compute.
 
 pub mod arch;
+mod cpu;
+pub mod engine;
 pub mod error;
+pub mod ffi;
+pub mod load;
 pub mod model;
 pub mod nf4;
 pub mod oracle;

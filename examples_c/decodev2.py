@@ -1,0 +1,170 @@
+"""decodev2 through ctypes: a thin Pythonic wrapper over include/decodev2.h.
+
+The shared library is found through $DV2_LIB (a file path) when set, else beside this file,
+else in target/release of the repository this file lives in.
+
+    from decodev2 import Engine
+    with Engine.synthetic("tiny_llama", seed=0, backend="cpu") as e:
+        first = e.prefill([1, 2, 3])
+        ids = e.step_n(8)
+"""
+import ctypes
+import os
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+BACKENDS = {"auto": 0, "cpu": 1, "cuda": 2}
+DV2_OK, DV2_FINISHED = 0, 5
+
+
+def _find_library():
+    env = os.environ.get("DV2_LIB")
+    if env:
+        return env
+    for candidate in (_HERE / "libdecodev2.so", _HERE.parent / "target" / "release" / "libdecodev2.so"):
+        if candidate.exists():
+            return str(candidate)
+    raise OSError("libdecodev2.so not found: set DV2_LIB, or run `cargo build --release`")
+
+
+class Options(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_uint32), ("backend", ctypes.c_int32), ("max_seq", ctypes.c_int32),
+                ("eos_id", ctypes.c_int32), ("device", ctypes.c_int32)]
+
+
+class ModelInfo(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int32) for name in ("n_layers", "hidden", "n_q_heads", "n_kv_heads", "head_dim",
+                                                    "intermediate", "vocab", "max_seq", "backend")]
+
+
+lib = ctypes.CDLL(_find_library())
+_P = ctypes.c_void_p
+_I32P = ctypes.POINTER(ctypes.c_int32)
+for name, restype, argtypes in [
+    ("dv2_version", ctypes.c_char_p, []),
+    ("dv2_last_error", ctypes.c_char_p, []),
+    ("dv2_status_name", ctypes.c_char_p, [ctypes.c_int]),
+    ("dv2_options_default", Options, []),
+    ("dv2_load", ctypes.c_int, [ctypes.c_char_p, ctypes.POINTER(Options), ctypes.POINTER(_P)]),
+    ("dv2_load_synthetic", ctypes.c_int, [ctypes.c_char_p, ctypes.c_uint64, ctypes.POINTER(Options), ctypes.POINTER(_P)]),
+    ("dv2_free", None, [_P]),
+    ("dv2_reset", ctypes.c_int, [_P]),
+    ("dv2_prefill", ctypes.c_int, [_P, _I32P, ctypes.c_size_t, _I32P]),
+    ("dv2_step", ctypes.c_int, [_P, _I32P]),
+    ("dv2_step_n", ctypes.c_int, [_P, ctypes.c_size_t, _I32P, ctypes.POINTER(ctypes.c_size_t)]),
+    ("dv2_next_token", ctypes.c_int, [_P, _I32P]),
+    ("dv2_logits", ctypes.c_int, [_P, ctypes.POINTER(ctypes.c_float), ctypes.c_size_t]),
+    ("dv2_position", ctypes.c_int, [_P, _I32P]),
+    ("dv2_finished", ctypes.c_int, [_P, _I32P]),
+    ("dv2_get_model_info", ctypes.c_int, [_P, ctypes.POINTER(ModelInfo)]),
+]:
+    fn = getattr(lib, name)
+    fn.restype, fn.argtypes = restype, argtypes
+
+
+class Dv2Error(RuntimeError):
+    """A failing call: `status` is the dv2_status name, the message is dv2_last_error()."""
+
+    def __init__(self, status, call):
+        self.status = lib.dv2_status_name(status).decode()
+        self.code = status
+        super().__init__(f"{call}: {self.status}: {lib.dv2_last_error().decode()}")
+
+
+def _check(status, call):
+    if status != DV2_OK:
+        raise Dv2Error(status, call)
+
+
+def version():
+    return lib.dv2_version().decode()
+
+
+class Engine:
+    """One model, one request at a time. Not thread-safe; one thread per Engine."""
+
+    def __init__(self, handle):
+        self._h = handle
+        info = ModelInfo()
+        _check(lib.dv2_get_model_info(self._h, ctypes.byref(info)), "dv2_get_model_info")
+        self.info = info
+
+    @staticmethod
+    def _options(backend, max_seq, eos_id):
+        opts = lib.dv2_options_default()
+        opts.backend, opts.max_seq, opts.eos_id = BACKENDS[backend], max_seq, eos_id
+        return opts
+
+    @classmethod
+    def synthetic(cls, preset, seed=0, backend="auto", max_seq=0, eos_id=-1):
+        h = _P()
+        opts = cls._options(backend, max_seq, eos_id)
+        _check(lib.dv2_load_synthetic(preset.encode(), seed, ctypes.byref(opts), ctypes.byref(h)), "dv2_load_synthetic")
+        return cls(h)
+
+    @classmethod
+    def load(cls, path, backend="auto", max_seq=0, eos_id=-1):
+        h = _P()
+        opts = cls._options(backend, max_seq, eos_id)
+        _check(lib.dv2_load(os.fsencode(path), ctypes.byref(opts), ctypes.byref(h)), "dv2_load")
+        return cls(h)
+
+    def close(self):
+        if self._h:
+            lib.dv2_free(self._h)
+            self._h = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        self.close()
+
+    @property
+    def backend(self):
+        return {v: k for k, v in BACKENDS.items()}[self.info.backend]
+
+    def reset(self):
+        _check(lib.dv2_reset(self._h), "dv2_reset")
+
+    def prefill(self, ids):
+        """Feeds ids from the current position; returns the greedy next id."""
+        arr = (ctypes.c_int32 * len(ids))(*ids)
+        nxt = ctypes.c_int32()
+        _check(lib.dv2_prefill(self._h, arr, len(ids), ctypes.byref(nxt)), "dv2_prefill")
+        return nxt.value
+
+    def step(self):
+        out = ctypes.c_int32()
+        _check(lib.dv2_step(self._h, ctypes.byref(out)), "dv2_step")
+        return out.value
+
+    def step_n(self, n):
+        """Up to n greedy ids in one call; fewer when EOS or max_seq stops the request."""
+        out = (ctypes.c_int32 * n)()
+        count = ctypes.c_size_t()
+        _check(lib.dv2_step_n(self._h, n, out, ctypes.byref(count)), "dv2_step_n")
+        return list(out[: count.value])
+
+    def next_token(self):
+        out = ctypes.c_int32()
+        _check(lib.dv2_next_token(self._h, ctypes.byref(out)), "dv2_next_token")
+        return out.value
+
+    def logits(self):
+        out = (ctypes.c_float * self.info.vocab)()
+        _check(lib.dv2_logits(self._h, out, self.info.vocab), "dv2_logits")
+        return list(out)
+
+    def position(self):
+        out = ctypes.c_int32()
+        _check(lib.dv2_position(self._h, ctypes.byref(out)), "dv2_position")
+        return out.value
+
+    def finished(self):
+        out = ctypes.c_int32()
+        _check(lib.dv2_finished(self._h, ctypes.byref(out)), "dv2_finished")
+        return bool(out.value)

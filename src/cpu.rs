@@ -1,0 +1,110 @@
+//! The CPU backend: the oracle's math with an f32 KV cache and the device-state semantics of
+//! the GPU backend (token, position, valid_len, next_token, finished). It is the reference
+//! every other backend is compared with through the same engine API.
+
+use std::sync::Arc;
+
+use crate::engine::Backend;
+use crate::error::Result;
+use crate::model::HostModel;
+use crate::oracle::{argmax, forward_token, KvCache};
+use crate::rope::RopeTable;
+
+pub struct CpuBackend {
+    model: Arc<HostModel>,
+    rope: RopeTable,
+    kv: KvCache,
+    eos: Option<u32>,
+    token: u32,
+    position: usize,
+    /// KV prefix length attention reads; always `position` after a forward.
+    valid_len: usize,
+    next_token: u32,
+    finished: bool,
+    logits: Vec<f32>,
+}
+
+impl CpuBackend {
+    pub fn new(model: Arc<HostModel>, max_seq: usize, eos: Option<u32>) -> Self {
+        let s = model.spec;
+        Self {
+            rope: RopeTable::new(max_seq, s.head_dim, s.rope_theta),
+            kv: KvCache::new(&s, max_seq),
+            model,
+            eos,
+            token: 0,
+            position: 0,
+            valid_len: 0,
+            next_token: 0,
+            finished: false,
+            logits: vec![0.0; s.vocab],
+        }
+    }
+
+    /// Feeds `id` at `position`, writes its KV slot, advances position and valid_len.
+    fn forward(&mut self, id: u32) -> Result<()> {
+        self.logits = forward_token(&self.model, &self.rope, &mut self.kv, id, self.position)?;
+        self.next_token = argmax(&self.logits);
+        self.position += 1;
+        self.valid_len = self.position;
+        Ok(())
+    }
+
+    fn is_eos(&self, id: u32) -> bool {
+        self.eos == Some(id)
+    }
+}
+
+impl Backend for CpuBackend {
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn reset(&mut self) -> Result<()> {
+        // The KV cache is left dirty on purpose: attention reads only slots < valid_len.
+        self.position = 0;
+        self.valid_len = 0;
+        self.finished = false;
+        Ok(())
+    }
+
+    fn prefill(&mut self, ids: &[u32]) -> Result<()> {
+        for &id in ids {
+            self.forward(id)?;
+        }
+        self.token = self.next_token;
+        self.finished = self.is_eos(self.next_token);
+        Ok(())
+    }
+
+    fn step_n(&mut self, out: &mut [u32]) -> Result<usize> {
+        for (i, slot) in out.iter_mut().enumerate() {
+            self.forward(self.token)?;
+            self.token = self.next_token;
+            self.finished |= self.is_eos(self.next_token);
+            *slot = self.next_token;
+            if self.finished {
+                return Ok(i + 1);
+            }
+        }
+        Ok(out.len())
+    }
+
+    fn next_token(&mut self) -> Result<u32> {
+        Ok(self.next_token)
+    }
+
+    fn logits(&mut self, out: &mut [f32]) -> Result<()> {
+        out.copy_from_slice(&self.logits);
+        Ok(())
+    }
+
+    fn position(&mut self) -> Result<usize> {
+        debug_assert_eq!(self.position, self.valid_len);
+        Ok(self.position)
+    }
+
+    fn finished(&mut self) -> Result<bool> {
+        Ok(self.finished)
+    }
+}

@@ -1,0 +1,288 @@
+//! The backend-agnostic session the C ABI wraps: load, reset, prefill, step, queries.
+//!
+//! State (seed spec §4-5), kept by the backend (on the device for CUDA):
+//! - `token`: the id the next step feeds; `position`: the slot it writes;
+//! - `valid_len`: KV prefix attention reads (= position after each forward);
+//! - `next_token`: the last greedy id; `finished`: set when that id is the EOS id.
+//!
+//! The engine checks every call against a host mirror of position and finished, so a bad
+//! call returns an error before anything runs and leaves the state as it was.
+
+use std::sync::Arc;
+
+use crate::arch::{preset, ArchSpec};
+use crate::cpu::CpuBackend;
+use crate::error::{Error, Result};
+use crate::model::HostModel;
+use crate::synth;
+
+/// Which backend runs the model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendKind {
+    /// CUDA when a device is present and the model fits, else CPU.
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+#[derive(Clone, Debug)]
+pub struct EngineOptions {
+    pub backend: BackendKind,
+    /// KV capacity in tokens; 0 takes the model's `max_seq`.
+    pub max_seq: usize,
+    /// Generating this id sets `finished`; `None` never finishes.
+    pub eos: Option<u32>,
+    /// CUDA device ordinal.
+    pub device: usize,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        Self {
+            backend: BackendKind::Auto,
+            max_seq: 0,
+            eos: None,
+            device: 0,
+        }
+    }
+}
+
+/// What a backend implements. The engine has validated every argument before calling.
+pub trait Backend: Send {
+    fn name(&self) -> &'static str;
+    /// position = valid_len = 0, finished = false; the KV cache is not cleared.
+    fn reset(&mut self) -> Result<()>;
+    /// Teacher-forces `ids` from the current position; then next_token = token = the greedy
+    /// id after the last one, finished = (next_token == eos).
+    fn prefill(&mut self, ids: &[u32]) -> Result<()>;
+    /// Up to `out.len()` greedy steps (feed token, next_token = argmax, token = next_token,
+    /// position += 1, finished |= eos), writing each id; stops after the step that finishes.
+    /// Returns the number of ids written.
+    fn step_n(&mut self, out: &mut [u32]) -> Result<usize>;
+    fn next_token(&mut self) -> Result<u32>;
+    /// Copies the last forward's logits (`vocab` values).
+    fn logits(&mut self, out: &mut [f32]) -> Result<()>;
+    fn position(&mut self) -> Result<usize>;
+    fn finished(&mut self) -> Result<bool>;
+}
+
+/// One decoding session over one model.
+pub struct Engine {
+    spec: ArchSpec,
+    max_seq: usize,
+    backend: Box<dyn Backend>,
+    /// Host mirror of the backend's position (used to check calls, never to run a step).
+    position: usize,
+    finished: bool,
+    /// A forward has run since load: logits and next_token exist.
+    has_output: bool,
+    /// A prompt has been prefilled since the last reset: there is a token to feed.
+    has_token: bool,
+}
+
+impl Engine {
+    /// Builds an engine over a host model.
+    pub fn new(model: HostModel, opts: &EngineOptions) -> Result<Self> {
+        model.validate()?;
+        let spec = model.spec;
+        let max_seq = if opts.max_seq == 0 {
+            spec.max_seq
+        } else {
+            opts.max_seq
+        };
+        if max_seq > i32::MAX as usize {
+            return Err(Error::InvalidArgument(format!(
+                "max_seq {max_seq} does not fit int32"
+            )));
+        }
+        if let Some(eos) = opts.eos {
+            if eos as usize >= spec.vocab {
+                return Err(Error::InvalidArgument(format!(
+                    "eos id {eos} >= vocab {}",
+                    spec.vocab
+                )));
+            }
+        }
+        let model = Arc::new(model);
+        let backend: Box<dyn Backend> = match opts.backend {
+            BackendKind::Cpu | BackendKind::Auto => {
+                Box::new(CpuBackend::new(model, max_seq, opts.eos))
+            }
+            BackendKind::Cuda => {
+                return Err(Error::BackendUnavailable(
+                    "this build of decodev2 has no CUDA backend".into(),
+                ))
+            }
+        };
+        Ok(Self {
+            spec,
+            max_seq,
+            backend,
+            position: 0,
+            finished: false,
+            has_output: false,
+            has_token: false,
+        })
+    }
+
+    /// Builds the synthetic model of a named preset (see [`crate::arch::PRESETS`]).
+    pub fn load_synthetic(preset_name: &str, seed: u64, opts: &EngineOptions) -> Result<Self> {
+        let spec = preset(preset_name)?;
+        Self::new(synth::build(&spec, seed)?, opts)
+    }
+
+    /// Loads a model file or directory (see [`crate::load`]).
+    pub fn load_file(path: &std::path::Path, opts: &EngineOptions) -> Result<Self> {
+        Self::new(crate::load::load(path)?, opts)
+    }
+
+    pub fn spec(&self) -> &ArchSpec {
+        &self.spec
+    }
+
+    /// KV capacity in tokens.
+    pub fn max_seq(&self) -> usize {
+        self.max_seq
+    }
+
+    /// KV slots left in this request (host-side count; no device read).
+    pub fn room(&self) -> usize {
+        self.max_seq - self.position
+    }
+
+    pub fn backend_name(&self) -> &'static str {
+        self.backend.name()
+    }
+
+    /// Starts a new request: position 0, not finished. Does not clear the KV cache.
+    pub fn reset(&mut self) -> Result<()> {
+        self.backend.reset()?;
+        self.position = 0;
+        self.finished = false;
+        self.has_token = false;
+        Ok(())
+    }
+
+    /// Teacher-forces `ids` from the current position and returns the greedy id after the
+    /// last (also `next_token()`). The pending `next_token` from before is not fed: include
+    /// it in `ids` to keep it in the context.
+    pub fn prefill(&mut self, ids: &[u32]) -> Result<u32> {
+        if ids.is_empty() {
+            return Err(Error::InvalidArgument(
+                "prefill needs at least one id".into(),
+            ));
+        }
+        if let Some((i, id)) = ids
+            .iter()
+            .enumerate()
+            .find(|(_, id)| **id as usize >= self.spec.vocab)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "ids[{i}] = {id} is out of range (vocab {})",
+                self.spec.vocab
+            )));
+        }
+        let room = self.max_seq - self.position;
+        if ids.len() > room {
+            return Err(Error::SequenceFull(format!(
+                "prefill of {} ids at position {} exceeds max_seq {}",
+                ids.len(),
+                self.position,
+                self.max_seq
+            )));
+        }
+        self.run(|b| b.prefill(ids))?;
+        self.position += ids.len();
+        self.has_output = true;
+        self.has_token = true;
+        let next = self.run(|b| b.next_token())?;
+        self.finished = self.run(|b| b.finished())?;
+        Ok(next)
+    }
+
+    /// One greedy step; returns the new id.
+    pub fn step(&mut self) -> Result<u32> {
+        let mut id = [0u32];
+        self.step_n(&mut id)?;
+        Ok(id[0])
+    }
+
+    /// Up to `out.len()` greedy steps, writing each id; stops early after the step that
+    /// produces EOS and at max_seq. Returns how many ids were written (at least 1).
+    pub fn step_n(&mut self, out: &mut [u32]) -> Result<usize> {
+        if out.is_empty() {
+            return Err(Error::InvalidArgument("step_n needs n >= 1".into()));
+        }
+        if !self.has_token {
+            return Err(Error::InvalidState(
+                "no pending token: prefill a prompt first".into(),
+            ));
+        }
+        if self.finished {
+            return Err(Error::Finished);
+        }
+        let room = self.max_seq - self.position;
+        if room == 0 {
+            return Err(Error::SequenceFull(format!(
+                "position {} has reached max_seq {}",
+                self.position, self.max_seq
+            )));
+        }
+        let n = out.len().min(room);
+        let done = self.run(|b| b.step_n(&mut out[..n]))?;
+        self.position += done;
+        self.finished = self.run(|b| b.finished())?;
+        Ok(done)
+    }
+
+    /// The last greedy id.
+    pub fn next_token(&mut self) -> Result<u32> {
+        self.require_output()?;
+        self.run(|b| b.next_token())
+    }
+
+    /// Copies the last forward's logits into `out` (`vocab` values).
+    pub fn logits(&mut self, out: &mut [f32]) -> Result<()> {
+        if out.len() != self.spec.vocab {
+            return Err(Error::InvalidArgument(format!(
+                "logits buffer holds {} values, vocab is {}",
+                out.len(),
+                self.spec.vocab
+            )));
+        }
+        self.require_output()?;
+        self.run(|b| b.logits(out))
+    }
+
+    /// Tokens in the KV cache for this request (the next write slot), read from the backend.
+    pub fn position(&mut self) -> Result<usize> {
+        self.run(|b| b.position())
+    }
+
+    /// Whether the request produced EOS, read from the backend.
+    pub fn finished(&mut self) -> Result<bool> {
+        self.run(|b| b.finished())
+    }
+
+    fn require_output(&self) -> Result<()> {
+        if self.has_output {
+            Ok(())
+        } else {
+            Err(Error::InvalidState(
+                "nothing has run yet: prefill first".into(),
+            ))
+        }
+    }
+
+    /// Runs a backend call; a backend error leaves the host mirror unknown, so it is
+    /// resynchronised from the backend where possible.
+    fn run<T>(&mut self, f: impl FnOnce(&mut dyn Backend) -> Result<T>) -> Result<T> {
+        let result = f(self.backend.as_mut());
+        if result.is_err() {
+            if let Ok(p) = self.backend.position() {
+                self.position = p;
+            }
+        }
+        result
+    }
+}

@@ -1,0 +1,707 @@
+//! The C ABI: the only place with `extern "C"`. Thin wrappers over [`crate::engine`].
+//!
+//! Every entry runs inside `catch_unwind`: a panic comes back as `DV2_ERR_INTERNAL` with a
+//! message, never unwinds into C and never aborts. Every pointer is null-checked and every
+//! length and id range-checked before use. A failing call stores its message for
+//! `dv2_last_error()` on the calling thread and, where the docs say so, leaves the handle
+//! exactly as it was.
+
+#![allow(non_camel_case_types)] // C names, as they appear in the header
+
+use std::cell::RefCell;
+use std::ffi::{c_char, c_void, CStr, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Mutex;
+
+use crate::engine::{BackendKind, Engine, EngineOptions};
+use crate::error::{Error, Result};
+
+/// Status code of every call. Numbers are stable and never reused.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum dv2_status {
+    /// Success.
+    DV2_OK = 0,
+    /// A required pointer argument was NULL. The handle is unchanged.
+    DV2_ERR_NULL_POINTER = 1,
+    /// An argument is out of range (id < 0 or >= vocab, n = 0, buffer too small, ...).
+    /// The handle is unchanged.
+    DV2_ERR_INVALID_ARGUMENT = 2,
+    /// The call does not fit the handle's state (e.g. step before any prefill).
+    /// The handle is unchanged.
+    DV2_ERR_INVALID_STATE = 3,
+    /// No KV slot left: position + n would pass max_seq. The handle is unchanged.
+    DV2_ERR_SEQUENCE_FULL = 4,
+    /// The request already produced EOS; call dv2_reset to start a new one.
+    /// The handle is unchanged.
+    DV2_FINISHED = 5,
+    /// No preset of that name.
+    DV2_ERR_UNKNOWN_PRESET = 6,
+    /// The file format or feature is not supported (yet).
+    DV2_ERR_UNSUPPORTED = 7,
+    /// A file could not be read (missing, permissions, ...).
+    DV2_ERR_IO = 8,
+    /// A model file is truncated, malformed or inconsistent.
+    DV2_ERR_MODEL_FILE = 9,
+    /// The requested backend cannot run here (no CUDA driver or device).
+    DV2_ERR_BACKEND_UNAVAILABLE = 10,
+    /// The model does not fit in device memory.
+    DV2_ERR_OUT_OF_MEMORY = 11,
+    /// A CUDA driver or NVRTC call failed.
+    DV2_ERR_CUDA = 12,
+    /// A model's hyper-parameters break an invariant.
+    DV2_ERR_INVALID_SPEC = 13,
+    /// Weights could not be quantized (non-finite values).
+    DV2_ERR_QUANTIZE = 14,
+    /// A struct's `struct_size` does not match this library's.
+    DV2_ERR_ABI_MISMATCH = 15,
+    /// A bug in decodev2 (a caught panic). A handle it happened on is poisoned: every later
+    /// call on it returns this status; free it.
+    DV2_ERR_INTERNAL = 99,
+}
+use dv2_status::*;
+
+fn status_of(e: &Error) -> dv2_status {
+    match e {
+        Error::NullPointer(_) => DV2_ERR_NULL_POINTER,
+        Error::AbiMismatch(_) => DV2_ERR_ABI_MISMATCH,
+        Error::InvalidArgument(_) => DV2_ERR_INVALID_ARGUMENT,
+        Error::InvalidState(_) => DV2_ERR_INVALID_STATE,
+        Error::InvalidSpec(_) => DV2_ERR_INVALID_SPEC,
+        Error::Quantize(_) => DV2_ERR_QUANTIZE,
+        Error::SequenceFull(_) => DV2_ERR_SEQUENCE_FULL,
+        Error::Finished => DV2_FINISHED,
+        Error::UnknownPreset(_) => DV2_ERR_UNKNOWN_PRESET,
+        Error::Unsupported(_) => DV2_ERR_UNSUPPORTED,
+        Error::Io(_) => DV2_ERR_IO,
+        Error::ModelFile(_) => DV2_ERR_MODEL_FILE,
+        Error::BackendUnavailable(_) => DV2_ERR_BACKEND_UNAVAILABLE,
+        Error::OutOfMemory(_) => DV2_ERR_OUT_OF_MEMORY,
+        Error::Cuda(_) => DV2_ERR_CUDA,
+        Error::Internal(_) => DV2_ERR_INTERNAL,
+    }
+}
+
+/// Backend choice in `dv2_options.backend`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum dv2_backend {
+    /// CUDA when a device is present and the model fits, else CPU.
+    DV2_BACKEND_AUTO = 0,
+    /// The CPU reference backend.
+    DV2_BACKEND_CPU = 1,
+    /// CUDA; fails with DV2_ERR_BACKEND_UNAVAILABLE when there is no driver or device.
+    DV2_BACKEND_CUDA = 2,
+}
+
+/// Log levels passed to the log callback.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum dv2_log_level {
+    DV2_LOG_ERROR = 0,
+    DV2_LOG_WARN = 1,
+    DV2_LOG_INFO = 2,
+    DV2_LOG_DEBUG = 3,
+}
+
+/// Load options. Always start from dv2_options_default(), then change fields.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct dv2_options {
+    /// sizeof(dv2_options); set by dv2_options_default(). Calls reject any other value with
+    /// DV2_ERR_ABI_MISMATCH, so a host built against another header fails cleanly.
+    pub struct_size: u32,
+    /// A dv2_backend value.
+    pub backend: i32,
+    /// KV capacity in tokens; 0 = the model's own max_seq.
+    pub max_seq: i32,
+    /// Token id that ends a request (sets finished); -1 = none.
+    pub eos_id: i32,
+    /// CUDA device ordinal (0 = first device).
+    pub device: i32,
+}
+
+/// Model facts, filled by dv2_get_model_info().
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct dv2_model_info {
+    pub n_layers: i32,
+    pub hidden: i32,
+    pub n_q_heads: i32,
+    pub n_kv_heads: i32,
+    pub head_dim: i32,
+    pub intermediate: i32,
+    /// Token ids are 0 .. vocab-1.
+    pub vocab: i32,
+    /// KV capacity of this handle in tokens.
+    pub max_seq: i32,
+    /// The backend actually running (a dv2_backend value, never AUTO).
+    pub backend: i32,
+}
+
+/// An engine: one model, one request at a time. Opaque; create with dv2_load or
+/// dv2_load_synthetic, free with dv2_free. One thread at a time per handle; separate
+/// handles may be used from separate threads.
+pub struct dv2_engine {
+    engine: Engine,
+    poisoned: bool,
+}
+
+/// Log callback: `level` is a dv2_log_level, `message` a NUL-terminated UTF-8 string valid
+/// only during the call.
+pub type dv2_log_callback =
+    Option<unsafe extern "C" fn(level: i32, message: *const c_char, user_data: *mut c_void)>;
+
+struct LogSink {
+    callback: dv2_log_callback,
+    user_data: usize,
+}
+
+static LOG: Mutex<LogSink> = Mutex::new(LogSink {
+    callback: None,
+    user_data: 0,
+});
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+fn log(level: dv2_log_level, message: &str) {
+    let sink = LOG.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(cb) = sink.callback {
+        let text = CString::new(message.replace('\0', " ")).unwrap_or_default();
+        // SAFETY: the host registered `cb` with this user_data through dv2_set_log_callback;
+        // the string lives until the call returns.
+        unsafe { cb(level as i32, text.as_ptr(), sink.user_data as *mut c_void) };
+    }
+}
+
+fn fail(e: &Error) -> dv2_status {
+    let message = e.to_string();
+    log(dv2_log_level::DV2_LOG_WARN, &message);
+    LAST_ERROR.with(|slot| {
+        *slot.borrow_mut() = CString::new(message.replace('\0', " ")).unwrap_or_default()
+    });
+    status_of(e)
+}
+
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    let text = payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into());
+    format!("panic inside decodev2: {text}")
+}
+
+/// Runs an entry's body: errors become statuses with a last-error message, panics become
+/// DV2_ERR_INTERNAL.
+fn guard(body: impl FnOnce() -> Result<()>) -> dv2_status {
+    match catch_unwind(AssertUnwindSafe(body)) {
+        Ok(Ok(())) => DV2_OK,
+        Ok(Err(e)) => fail(&e),
+        Err(payload) => fail(&Error::Internal(panic_message(payload.as_ref()))),
+    }
+}
+
+/// Like [`guard`] for calls on a handle: checks it, and poisons it when the body panics.
+///
+/// # Safety
+/// `handle` is NULL or a live pointer from dv2_load*/not yet freed, used by one thread.
+unsafe fn with_engine(
+    handle: *mut dv2_engine,
+    body: impl FnOnce(&mut Engine) -> Result<()>,
+) -> dv2_status {
+    if handle.is_null() {
+        return fail(&Error::NullPointer("engine"));
+    }
+    // SAFETY: non-null and live by the caller's contract; one thread at a time.
+    let h = unsafe { &mut *handle };
+    if h.poisoned {
+        return fail(&Error::Internal(
+            "this handle was poisoned by an earlier internal error; free it".into(),
+        ));
+    }
+    let status = guard(|| body(&mut h.engine));
+    if status == DV2_ERR_INTERNAL {
+        h.poisoned = true;
+    }
+    status
+}
+
+/// Writes `value` through an out-pointer, or fails naming it.
+///
+/// # Safety
+/// `ptr` is NULL or valid for one write of T.
+unsafe fn write_out<T>(ptr: *mut T, name: &'static str, value: T) -> Result<()> {
+    if ptr.is_null() {
+        return Err(Error::NullPointer(name));
+    }
+    // SAFETY: non-null, and valid for a write by the caller's contract.
+    unsafe { ptr.write(value) };
+    Ok(())
+}
+
+/// Non-null out-pointer check done before any work, so a failing call changes nothing.
+fn require<T>(ptr: *const T, name: &'static str) -> Result<()> {
+    if ptr.is_null() {
+        Err(Error::NullPointer(name))
+    } else {
+        Ok(())
+    }
+}
+
+fn c_str<'a>(ptr: *const c_char, name: &'static str) -> Result<&'a str> {
+    require(ptr, name)?;
+    // SAFETY: non-null; the caller promises a NUL-terminated string live for this call.
+    unsafe { CStr::from_ptr(ptr) }
+        .to_str()
+        .map_err(|_| Error::InvalidArgument(format!("{name} is not valid UTF-8")))
+}
+
+fn engine_options(opts: *const dv2_options) -> Result<EngineOptions> {
+    if opts.is_null() {
+        return Ok(EngineOptions::default());
+    }
+    // SAFETY: non-null; the caller promises a readable dv2_options. Only struct_size is read
+    // before it is known to match the layout.
+    let size = unsafe { std::ptr::addr_of!((*opts).struct_size).read_unaligned() };
+    if size as usize != std::mem::size_of::<dv2_options>() {
+        return Err(Error::AbiMismatch(format!(
+            "dv2_options.struct_size is {size}, this library expects {} (initialise with dv2_options_default())",
+            std::mem::size_of::<dv2_options>()
+        )));
+    }
+    // SAFETY: as above, and the size matches.
+    let o = unsafe { opts.read_unaligned() };
+    let backend = match o.backend {
+        0 => BackendKind::Auto,
+        1 => BackendKind::Cpu,
+        2 => BackendKind::Cuda,
+        b => {
+            return Err(Error::InvalidArgument(format!(
+                "dv2_options.backend = {b} is not a dv2_backend"
+            )))
+        }
+    };
+    let non_negative = |v: i32, name: &str| {
+        usize::try_from(v)
+            .map_err(|_| Error::InvalidArgument(format!("dv2_options.{name} = {v} is negative")))
+    };
+    Ok(EngineOptions {
+        backend,
+        max_seq: non_negative(o.max_seq, "max_seq")?,
+        eos: match o.eos_id {
+            -1 => None,
+            id => Some(non_negative(id, "eos_id")? as u32),
+        },
+        device: non_negative(o.device, "device")?,
+    })
+}
+
+/// Boxes a new engine into `*out`.
+///
+/// # Safety
+/// `out` was checked non-null and is valid for a write.
+unsafe fn hand_out(engine: Engine, out: *mut *mut dv2_engine, what: &str) {
+    log(
+        dv2_log_level::DV2_LOG_INFO,
+        &format!(
+            "loaded {what} on backend {} (max_seq {})",
+            engine.backend_name(),
+            engine.max_seq()
+        ),
+    );
+    let handle = Box::into_raw(Box::new(dv2_engine {
+        engine,
+        poisoned: false,
+    }));
+    // SAFETY: see the function's contract.
+    unsafe { out.write(handle) };
+}
+
+/// The library version, e.g. "0.1.0". Static storage; never free it.
+#[no_mangle]
+pub extern "C" fn dv2_version() -> *const c_char {
+    concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
+}
+
+/// The message of the most recent failing call on this thread ("" if none). Not cleared by
+/// successful calls. Owned by the library; valid until the next failing call on this thread.
+#[no_mangle]
+pub extern "C" fn dv2_last_error() -> *const c_char {
+    LAST_ERROR.with(|slot| slot.borrow().as_ptr())
+}
+
+/// A short constant name for a status ("DV2_OK", ...). Static storage; never free it.
+#[no_mangle]
+pub extern "C" fn dv2_status_name(status: dv2_status) -> *const c_char {
+    let name: &'static str = match status {
+        DV2_OK => "DV2_OK\0",
+        DV2_ERR_NULL_POINTER => "DV2_ERR_NULL_POINTER\0",
+        DV2_ERR_INVALID_ARGUMENT => "DV2_ERR_INVALID_ARGUMENT\0",
+        DV2_ERR_INVALID_STATE => "DV2_ERR_INVALID_STATE\0",
+        DV2_ERR_SEQUENCE_FULL => "DV2_ERR_SEQUENCE_FULL\0",
+        DV2_FINISHED => "DV2_FINISHED\0",
+        DV2_ERR_UNKNOWN_PRESET => "DV2_ERR_UNKNOWN_PRESET\0",
+        DV2_ERR_UNSUPPORTED => "DV2_ERR_UNSUPPORTED\0",
+        DV2_ERR_IO => "DV2_ERR_IO\0",
+        DV2_ERR_MODEL_FILE => "DV2_ERR_MODEL_FILE\0",
+        DV2_ERR_BACKEND_UNAVAILABLE => "DV2_ERR_BACKEND_UNAVAILABLE\0",
+        DV2_ERR_OUT_OF_MEMORY => "DV2_ERR_OUT_OF_MEMORY\0",
+        DV2_ERR_CUDA => "DV2_ERR_CUDA\0",
+        DV2_ERR_INVALID_SPEC => "DV2_ERR_INVALID_SPEC\0",
+        DV2_ERR_QUANTIZE => "DV2_ERR_QUANTIZE\0",
+        DV2_ERR_ABI_MISMATCH => "DV2_ERR_ABI_MISMATCH\0",
+        DV2_ERR_INTERNAL => "DV2_ERR_INTERNAL\0",
+    };
+    name.as_ptr().cast()
+}
+
+/// Sets (or, with NULL, clears) the process-wide log callback. It may be called from any
+/// thread that uses the library, one call at a time; `user_data` is passed back unchanged.
+#[no_mangle]
+pub extern "C" fn dv2_set_log_callback(callback: dv2_log_callback, user_data: *mut c_void) {
+    let mut sink = LOG.lock().unwrap_or_else(|p| p.into_inner());
+    sink.callback = callback;
+    sink.user_data = user_data as usize;
+}
+
+/// Default options: backend AUTO, max_seq 0 (model's), eos_id -1 (none), device 0, and
+/// struct_size set.
+#[no_mangle]
+pub extern "C" fn dv2_options_default() -> dv2_options {
+    dv2_options {
+        struct_size: std::mem::size_of::<dv2_options>() as u32,
+        backend: dv2_backend::DV2_BACKEND_AUTO as i32,
+        max_seq: 0,
+        eos_id: -1,
+        device: 0,
+    }
+}
+
+/// Loads a model file (GGUF) or Hugging Face directory. `opts` may be NULL (defaults).
+/// On success `*out` receives a new handle, owned by the caller, freed with dv2_free.
+/// Returns DV2_ERR_IO (missing/unreadable), DV2_ERR_MODEL_FILE (not a model file),
+/// DV2_ERR_UNSUPPORTED (a recognised format this version cannot read yet); `*out` is then
+/// left untouched.
+///
+/// # Safety
+/// `path` is a NUL-terminated string; `opts` NULL or a dv2_options; `out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn dv2_load(
+    path: *const c_char,
+    opts: *const dv2_options,
+    out: *mut *mut dv2_engine,
+) -> dv2_status {
+    guard(|| {
+        require(out, "out")?;
+        let path = c_str(path, "path")?;
+        let engine = Engine::load_file(std::path::Path::new(path), &engine_options(opts)?)?;
+        // SAFETY: `out` checked non-null above; writable by the caller's contract.
+        unsafe { hand_out(engine, out, path) };
+        Ok(())
+    })
+}
+
+/// Builds a seeded synthetic model ("tiny_llama", "tiny_internlm", "medium_llama",
+/// "qwen25_3b"; the same seed gives the same weights everywhere). `opts` may be NULL.
+/// On success `*out` receives a new handle, owned by the caller, freed with dv2_free.
+///
+/// # Safety
+/// `preset` is a NUL-terminated string; `opts` NULL or a dv2_options; `out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn dv2_load_synthetic(
+    preset: *const c_char,
+    seed: u64,
+    opts: *const dv2_options,
+    out: *mut *mut dv2_engine,
+) -> dv2_status {
+    guard(|| {
+        require(out, "out")?;
+        let name = c_str(preset, "preset")?;
+        let engine = Engine::load_synthetic(name, seed, &engine_options(opts)?)?;
+        // SAFETY: `out` checked non-null above; writable by the caller's contract.
+        unsafe { hand_out(engine, out, &format!("preset {name} seed {seed}")) };
+        Ok(())
+    })
+}
+
+/// Frees a handle and everything it holds (host and device memory). NULL is a no-op. The
+/// handle must not be used afterwards.
+///
+/// # Safety
+/// `engine` is NULL or a handle from dv2_load*/dv2_load_synthetic not yet freed.
+#[no_mangle]
+pub unsafe extern "C" fn dv2_free(engine: *mut dv2_engine) {
+    if engine.is_null() {
+        return;
+    }
+    // SAFETY: a live handle from Box::into_raw by the caller's contract; freed once.
+    let boxed = unsafe { Box::from_raw(engine) };
+    if catch_unwind(AssertUnwindSafe(move || drop(boxed))).is_err() {
+        log(
+            dv2_log_level::DV2_LOG_ERROR,
+            "panic while freeing an engine",
+        );
+    }
+}
+
+/// Starts a new request: position 0, finished cleared. The KV cache is not cleared
+/// (attention never reads past the current position). Also clears DV2_FINISHED.
+///
+/// # Safety
+/// `engine` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn dv2_reset(engine: *mut dv2_engine) -> dv2_status {
+    // SAFETY: forwarded contract.
+    unsafe { with_engine(engine, |e| e.reset()) }
+}
+
+/// Feeds `n_ids` prompt ids from the current position (teacher-forced) and computes the
+/// greedy next token, written to `*out_next` when `out_next` is not NULL. Consecutive calls
+/// append. Errors (handle unchanged): DV2_ERR_NULL_POINTER (ids), DV2_ERR_INVALID_ARGUMENT
+/// (n_ids = 0, an id < 0 or >= vocab), DV2_ERR_SEQUENCE_FULL (position + n_ids > max_seq).
+///
+/// # Safety
+/// `ids` points to `n_ids` readable int32_t; `out_next` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn dv2_prefill(
+    engine: *mut dv2_engine,
+    ids: *const i32,
+    n_ids: usize,
+    out_next: *mut i32,
+) -> dv2_status {
+    // SAFETY: forwarded contract.
+    unsafe {
+        with_engine(engine, |e| {
+            require(ids, "ids")?;
+            if n_ids == 0 {
+                return Err(Error::InvalidArgument("n_ids is 0".into()));
+            }
+            let room = e.room();
+            if n_ids > room {
+                return Err(Error::SequenceFull(format!(
+                    "prefill of {n_ids} ids with {room} of max_seq {} slots left",
+                    e.max_seq()
+                )));
+            }
+            // SAFETY: non-null, n_ids <= max_seq (so the byte length fits isize), readable by
+            // the caller's contract.
+            let ids = std::slice::from_raw_parts(ids, n_ids);
+            let ids = ids
+                .iter()
+                .enumerate()
+                .map(|(i, &id)| {
+                    u32::try_from(id)
+                        .map_err(|_| Error::InvalidArgument(format!("ids[{i}] = {id} is negative")))
+                })
+                .collect::<Result<Vec<u32>>>()?;
+            let next = e.prefill(&ids)?;
+            if !out_next.is_null() {
+                out_next.write(next as i32);
+            }
+            Ok(())
+        })
+    }
+}
+
+/// One greedy decode step: feeds the pending token, writes the new id to `*out_id` when
+/// `out_id` is not NULL. Errors (handle unchanged): DV2_ERR_INVALID_STATE (no prefill since
+/// load/reset), DV2_FINISHED (EOS already produced), DV2_ERR_SEQUENCE_FULL.
+///
+/// # Safety
+/// `engine` NULL or live; `out_id` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn dv2_step(engine: *mut dv2_engine, out_id: *mut i32) -> dv2_status {
+    // SAFETY: forwarded contract.
+    unsafe {
+        with_engine(engine, |e| {
+            let id = e.step()?;
+            if !out_id.is_null() {
+                out_id.write(id as i32);
+            }
+            Ok(())
+        })
+    }
+}
+
+/// Up to `n` greedy steps in one call (one host synchronisation on the GPU), writing the ids
+/// to `out_ids[0 .. *out_count]`. Stops early after the step that produces EOS (the EOS id is
+/// written and finished is set) and when max_seq is reached. Same errors as dv2_step, plus
+/// DV2_ERR_INVALID_ARGUMENT for n = 0; on error `*out_count` is 0.
+///
+/// # Safety
+/// `out_ids` has room for `n` int32_t; `out_count` writable.
+#[no_mangle]
+pub unsafe extern "C" fn dv2_step_n(
+    engine: *mut dv2_engine,
+    n: usize,
+    out_ids: *mut i32,
+    out_count: *mut usize,
+) -> dv2_status {
+    // SAFETY: forwarded contract.
+    unsafe {
+        with_engine(engine, |e| {
+            require(out_ids, "out_ids")?;
+            require(out_count, "out_count")?;
+            out_count.write(0);
+            if n == 0 {
+                return Err(Error::InvalidArgument("n is 0".into()));
+            }
+            // Never more than the slots left, so the buffer below stays small.
+            let n = n.min(e.room().max(1));
+            let mut ids = vec![0u32; n];
+            let done = e.step_n(&mut ids)?;
+            // SAFETY: done <= n <= the caller's n; out_ids has room for n by contract.
+            let out = std::slice::from_raw_parts_mut(out_ids, done);
+            out.iter_mut().zip(&ids).for_each(|(o, id)| *o = *id as i32);
+            out_count.write(done);
+            Ok(())
+        })
+    }
+}
+
+/// The last greedy id (after prefill or step). DV2_ERR_INVALID_STATE before any prefill.
+///
+/// # Safety
+/// `out_id` writable.
+#[no_mangle]
+pub unsafe extern "C" fn dv2_next_token(engine: *mut dv2_engine, out_id: *mut i32) -> dv2_status {
+    // SAFETY: forwarded contract.
+    unsafe {
+        with_engine(engine, |e| {
+            require(out_id, "out_id")?;
+            let id = e.next_token()?;
+            write_out(out_id, "out_id", id as i32)
+        })
+    }
+}
+
+/// Copies the logits of the last forward (prefill's last position or the last step) into
+/// `out[0 .. vocab]`; `n_out` is the buffer's length in floats and must be >= vocab.
+/// DV2_ERR_INVALID_STATE before any prefill.
+///
+/// # Safety
+/// `out` has room for `n_out` floats.
+#[no_mangle]
+pub unsafe extern "C" fn dv2_logits(
+    engine: *mut dv2_engine,
+    out: *mut f32,
+    n_out: usize,
+) -> dv2_status {
+    // SAFETY: forwarded contract.
+    unsafe {
+        with_engine(engine, |e| {
+            require(out, "out")?;
+            let vocab = e.spec().vocab;
+            if n_out < vocab {
+                return Err(Error::InvalidArgument(format!(
+                    "n_out = {n_out} < vocab = {vocab}"
+                )));
+            }
+            // SAFETY: non-null with room for n_out >= vocab floats by contract.
+            e.logits(std::slice::from_raw_parts_mut(out, vocab))
+        })
+    }
+}
+
+/// Tokens in the KV cache for the current request (the next slot a step writes).
+///
+/// # Safety
+/// `out_position` writable.
+#[no_mangle]
+pub unsafe extern "C" fn dv2_position(
+    engine: *mut dv2_engine,
+    out_position: *mut i32,
+) -> dv2_status {
+    // SAFETY: forwarded contract.
+    unsafe {
+        with_engine(engine, |e| {
+            require(out_position, "out_position")?;
+            let p = e.position()?;
+            write_out(out_position, "out_position", p as i32)
+        })
+    }
+}
+
+/// 1 when the current request produced EOS, else 0.
+///
+/// # Safety
+/// `out_finished` writable.
+#[no_mangle]
+pub unsafe extern "C" fn dv2_finished(
+    engine: *mut dv2_engine,
+    out_finished: *mut i32,
+) -> dv2_status {
+    // SAFETY: forwarded contract.
+    unsafe {
+        with_engine(engine, |e| {
+            require(out_finished, "out_finished")?;
+            let f = e.finished()?;
+            write_out(out_finished, "out_finished", f as i32)
+        })
+    }
+}
+
+/// Fills `*out` with the model's shape, this handle's max_seq and the running backend.
+///
+/// # Safety
+/// `out` writable.
+#[no_mangle]
+pub unsafe extern "C" fn dv2_get_model_info(
+    engine: *mut dv2_engine,
+    out: *mut dv2_model_info,
+) -> dv2_status {
+    // SAFETY: forwarded contract.
+    unsafe {
+        with_engine(engine, |e| {
+            let s = *e.spec();
+            let backend = match e.backend_name() {
+                "cuda" => dv2_backend::DV2_BACKEND_CUDA,
+                _ => dv2_backend::DV2_BACKEND_CPU,
+            };
+            let info = dv2_model_info {
+                n_layers: s.n_layers as i32,
+                hidden: s.hidden as i32,
+                n_q_heads: s.n_q_heads as i32,
+                n_kv_heads: s.n_kv_heads as i32,
+                head_dim: s.head_dim as i32,
+                intermediate: s.intermediate as i32,
+                vocab: s.vocab as i32,
+                max_seq: e.max_seq() as i32,
+                backend: backend as i32,
+            };
+            write_out(out, "out", info)
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_panic_comes_back_as_internal_and_poisons_the_handle() {
+        let mut h: *mut dv2_engine = std::ptr::null_mut();
+        let opts = dv2_options_default();
+        // SAFETY: valid strings and pointers.
+        unsafe {
+            assert_eq!(
+                dv2_load_synthetic(c"tiny_llama".as_ptr(), 0, &opts, &mut h),
+                DV2_OK
+            );
+            let status = with_engine(h, |_| panic!("planted test panic"));
+            assert_eq!(status, DV2_ERR_INTERNAL);
+            let msg = CStr::from_ptr(dv2_last_error()).to_str().unwrap();
+            assert!(msg.contains("planted test panic"), "{msg}");
+            assert_eq!(
+                dv2_reset(h),
+                DV2_ERR_INTERNAL,
+                "poisoned handle refuses work"
+            );
+            dv2_free(h);
+        }
+        assert_eq!(guard(|| panic!("no handle")), DV2_ERR_INTERNAL);
+    }
+}

@@ -1,0 +1,38 @@
+//! Model files: recognises the format of a path and yields a [`HostModel`].
+//!
+//! Formats are recognised by content (GGUF magic) or layout (a directory with `config.json`),
+//! never by file name. No format is read yet; each is reported as unsupported by name.
+
+use std::io::Read;
+use std::path::Path;
+
+use crate::error::{Error, Result};
+use crate::model::HostModel;
+
+pub fn load(path: &Path) -> Result<HostModel> {
+    let shown = path.display();
+    let meta = std::fs::metadata(path).map_err(|e| Error::Io(format!("{shown}: {e}")))?;
+    if meta.is_dir() {
+        if path.join("config.json").is_file() {
+            return Err(Error::Unsupported(format!(
+                "{shown}: Hugging Face directories are not supported yet"
+            )));
+        }
+        return Err(Error::ModelFile(format!(
+            "{shown}: a directory without config.json"
+        )));
+    }
+    let mut magic = [0u8; 4];
+    let mut file = std::fs::File::open(path).map_err(|e| Error::Io(format!("{shown}: {e}")))?;
+    let got = file
+        .read(&mut magic)
+        .map_err(|e| Error::Io(format!("{shown}: {e}")))?;
+    if got == 4 && &magic == b"GGUF" {
+        return Err(Error::Unsupported(format!(
+            "{shown}: GGUF files are not supported yet"
+        )));
+    }
+    Err(Error::ModelFile(format!(
+        "{shown}: not a model file (neither GGUF magic nor a directory with config.json)"
+    )))
+}

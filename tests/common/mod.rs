@@ -1,0 +1,121 @@
+//! Shared test support: the oracle-gates fixture and the gate runner every backend uses.
+#![allow(dead_code)] // each test binary uses its own part
+
+use std::path::PathBuf;
+
+use decodev2::engine::{BackendKind, Engine, EngineOptions};
+use decodev2::oracle::argmax;
+
+pub const FIXTURE: &str = "tests/fixtures/oracle_gates.txt";
+
+/// One gate case of the fixture (format documented in the file's header).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Case {
+    pub preset: String,
+    pub seed: u64,
+    pub prompt: Vec<u32>,
+    pub prefill_len: usize,
+    pub greedy: Vec<u32>,
+    pub teacher: Vec<u32>,
+    pub logits_cap: f32,
+}
+
+pub fn fixture_path() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(FIXTURE)
+}
+
+pub fn parse_fixture(text: &str) -> Vec<Case> {
+    let mut cases = Vec::new();
+    let mut cur: Option<Case> = None;
+    let ids = |rest: &[&str]| {
+        rest.iter()
+            .map(|v| v.parse().unwrap())
+            .collect::<Vec<u32>>()
+    };
+    for line in text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+    {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        match (words[0], cur.as_mut()) {
+            ("case", None) => {
+                cur = Some(Case {
+                    preset: words[1].into(),
+                    seed: words[2].parse().unwrap(),
+                    prompt: vec![],
+                    prefill_len: 0,
+                    greedy: vec![],
+                    teacher: vec![],
+                    logits_cap: 0.0,
+                })
+            }
+            ("prompt", Some(c)) => c.prompt = ids(&words[1..]),
+            ("prefill_len", Some(c)) => c.prefill_len = words[1].parse().unwrap(),
+            ("greedy", Some(c)) => c.greedy = ids(&words[1..]),
+            ("teacher", Some(c)) => c.teacher = ids(&words[1..]),
+            ("logits_cap", Some(c)) => c.logits_cap = words[1].parse().unwrap(),
+            ("end", Some(_)) => cases.push(cur.take().unwrap()),
+            (word, _) => panic!("fixture: unexpected line {line:?} ({word})"),
+        }
+    }
+    assert!(cur.is_none(), "fixture: case without end");
+    cases
+}
+
+pub fn load_fixture() -> Vec<Case> {
+    parse_fixture(&std::fs::read_to_string(fixture_path()).expect("read fixture"))
+}
+
+pub fn join(ids: &[u32]) -> String {
+    ids.iter().map(u32::to_string).collect::<Vec<_>>().join(" ")
+}
+
+pub fn options(backend: BackendKind) -> EngineOptions {
+    EngineOptions {
+        backend,
+        ..EngineOptions::default()
+    }
+}
+
+/// Result of running one case through an engine.
+pub struct GateRun {
+    pub greedy: Vec<u32>,
+    pub teacher: Vec<u32>,
+    /// Teacher-forced logits per position, for comparing with the oracle.
+    pub teacher_logits: Vec<Vec<f32>>,
+}
+
+/// Runs a case's gates through the engine API: prefill `prompt[..prefill_len]`, read
+/// next_token, then step `greedy.len() - 1` times; then reset and teacher-force the whole
+/// prompt one id at a time, reading logits after each.
+pub fn run_case(engine: &mut Engine, case: &Case) -> GateRun {
+    engine.reset().unwrap();
+    let mut greedy = vec![engine.prefill(&case.prompt[..case.prefill_len]).unwrap()];
+    let mut steps = vec![0u32; case.greedy.len() - 1];
+    let n = engine.step_n(&mut steps).unwrap();
+    assert_eq!(n, steps.len());
+    greedy.extend(steps);
+    assert_eq!(
+        engine.position().unwrap(),
+        case.prefill_len + case.greedy.len() - 1
+    );
+
+    engine.reset().unwrap();
+    let vocab = engine.spec().vocab;
+    let mut teacher = Vec::new();
+    let mut teacher_logits = Vec::new();
+    for &id in &case.prompt {
+        let next = engine.prefill(&[id]).unwrap();
+        let mut logits = vec![0f32; vocab];
+        engine.logits(&mut logits).unwrap();
+        assert_eq!(argmax(&logits), next, "next_token is the logits' argmax");
+        teacher.push(next);
+        teacher_logits.push(logits);
+    }
+    GateRun {
+        greedy,
+        teacher,
+        teacher_logits,
+    }
+}

@@ -1,0 +1,147 @@
+//! Engine semantics on the CPU backend: reset, EOS, capacity limits, bad calls.
+
+mod common;
+
+use common::*;
+use decodev2::engine::{BackendKind, Engine, EngineOptions};
+use decodev2::Error;
+
+fn tiny_case() -> Case {
+    load_fixture()
+        .into_iter()
+        .find(|c| c.preset == "tiny_internlm")
+        .unwrap()
+}
+
+fn engine(eos: Option<u32>) -> Engine {
+    let case = tiny_case();
+    let opts = EngineOptions {
+        eos,
+        ..options(BackendKind::Cpu)
+    };
+    Engine::load_synthetic(&case.preset, case.seed, &opts).unwrap()
+}
+
+#[test]
+fn reset_then_second_request_equals_a_fresh_engine() {
+    let case = tiny_case();
+    let mut used = engine(None);
+    // A first, different request fills the KV cache with other content.
+    used.prefill(&[9, 8, 7, 6, 5, 4]).unwrap();
+    let mut junk = [0u32; 5];
+    used.step_n(&mut junk).unwrap();
+    let second = run_case(&mut used, &case);
+    let fresh = run_case(&mut engine(None), &case);
+    assert_eq!(second.greedy, fresh.greedy);
+    assert_eq!(second.teacher_logits, fresh.teacher_logits);
+    assert_eq!(second.greedy, case.greedy);
+}
+
+#[test]
+fn eos_sets_finished_and_stops_the_loop() {
+    let case = tiny_case();
+    let eos = case.greedy[3];
+    let first = case.greedy.iter().position(|&id| id == eos).unwrap();
+    let mut e = engine(Some(eos));
+    let next = e.prefill(&case.prompt[..case.prefill_len]).unwrap();
+    assert_eq!(next, case.greedy[0]);
+    let mut out = [0u32; 8];
+    let n = e.step_n(&mut out).unwrap();
+    assert_eq!(n, first, "stops right after the step that produced EOS");
+    assert_eq!(&out[..n], &case.greedy[1..=first]);
+    assert!(e.finished().unwrap());
+    assert_eq!(e.position().unwrap(), case.prefill_len + n);
+    assert!(matches!(e.step(), Err(Error::Finished)));
+    assert!(matches!(e.step_n(&mut out), Err(Error::Finished)));
+    // Still usable: a reset starts over.
+    e.reset().unwrap();
+    assert!(!e.finished().unwrap());
+    assert_eq!(
+        e.prefill(&case.prompt[..case.prefill_len]).unwrap(),
+        case.greedy[0]
+    );
+}
+
+#[test]
+fn prefill_past_max_seq_is_an_error_and_leaves_the_engine_usable() {
+    let case = tiny_case();
+    let mut e = engine(None);
+    let max_seq = e.max_seq();
+    let long: Vec<u32> = (0..max_seq as u32 + 1).map(|i| i % 32).collect();
+    let err = e.prefill(&long).unwrap_err();
+    assert!(matches!(err, Error::SequenceFull(_)), "{err}");
+    assert!(err.to_string().contains("max_seq 16"), "{err}");
+    assert_eq!(e.position().unwrap(), 0);
+    let run = run_case(&mut e, &case);
+    assert_eq!(run.greedy, case.greedy);
+}
+
+#[test]
+fn stepping_to_max_seq_stops_with_sequence_full() {
+    let mut e = engine(None);
+    let max_seq = e.max_seq();
+    e.prefill(&[1, 2, 3]).unwrap();
+    let mut out = vec![0u32; 64];
+    // step_n clips to the room left, then the next call is an error.
+    assert_eq!(e.step_n(&mut out).unwrap(), max_seq - 3);
+    assert_eq!(e.position().unwrap(), max_seq);
+    assert!(matches!(e.step(), Err(Error::SequenceFull(_))));
+    assert!(matches!(e.prefill(&[1]), Err(Error::SequenceFull(_))));
+    e.reset().unwrap();
+    assert_eq!(e.position().unwrap(), 0);
+    e.prefill(&[1]).unwrap();
+}
+
+#[test]
+fn a_prompt_of_exactly_max_seq_fits() {
+    let mut e = engine(None);
+    let ids: Vec<u32> = (0..16).collect();
+    e.prefill(&ids).unwrap();
+    assert_eq!(e.position().unwrap(), 16);
+    assert!(matches!(e.step(), Err(Error::SequenceFull(_))));
+}
+
+#[test]
+fn bad_calls_are_errors_not_panics() {
+    let mut e = engine(None);
+    assert!(matches!(e.step(), Err(Error::InvalidState(_))));
+    assert!(matches!(e.next_token(), Err(Error::InvalidState(_))));
+    assert!(matches!(
+        e.logits(&mut [0.0; 32]),
+        Err(Error::InvalidState(_))
+    ));
+    assert!(matches!(e.prefill(&[]), Err(Error::InvalidArgument(_))));
+    let err = e.prefill(&[1, 32]).unwrap_err().to_string();
+    assert!(err.contains("ids[1] = 32"), "{err}");
+    e.prefill(&[1]).unwrap();
+    assert!(matches!(
+        e.logits(&mut [0.0; 31]),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(e.step_n(&mut []), Err(Error::InvalidArgument(_))));
+    let bad_eos = EngineOptions {
+        eos: Some(32),
+        ..options(BackendKind::Cpu)
+    };
+    assert!(matches!(
+        Engine::load_synthetic("tiny_llama", 0, &bad_eos),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        Engine::load_synthetic("nope", 0, &bad_eos),
+        Err(Error::UnknownPreset(_))
+    ));
+}
+
+#[test]
+fn a_smaller_max_seq_option_is_honoured() {
+    let opts = EngineOptions {
+        max_seq: 6,
+        ..options(BackendKind::Cpu)
+    };
+    let mut e = Engine::load_synthetic("tiny_llama", 0, &opts).unwrap();
+    assert_eq!(e.max_seq(), 6);
+    e.prefill(&[1, 2, 3, 4]).unwrap();
+    let mut out = [0u32; 8];
+    assert_eq!(e.step_n(&mut out).unwrap(), 2);
+}

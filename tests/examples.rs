@@ -1,0 +1,101 @@
+//! The C and Python examples, built and run against the library this `cargo test` built, on
+//! the CPU backend; and the C example under valgrind (no leaks, no invalid accesses).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// target/<profile>/, with libdecodev2.so rebuilt from the current sources: `cargo test`
+/// links the tests against the rlib and leaves the cdylib as the last `cargo build` made it.
+fn lib_dir() -> PathBuf {
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let exe = std::env::current_exe().unwrap();
+            let dir = exe.parent().unwrap().parent().unwrap().to_path_buf();
+            let profile = dir.file_name().unwrap().to_str().unwrap();
+            let profile = if profile == "debug" { "dev" } else { profile };
+            let target_dir = dir.parent().unwrap();
+            run(Command::new(env!("CARGO"))
+                .args(["build", "--lib", "--quiet", "--profile", profile])
+                .arg("--target-dir")
+                .arg(target_dir)
+                .current_dir(root()));
+            assert!(
+                dir.join("libdecodev2.so").exists(),
+                "no libdecodev2.so in {}",
+                dir.display()
+            );
+            dir
+        })
+        .clone()
+}
+
+fn run(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{cmd:?} failed:\n{text}");
+    text
+}
+
+fn build_c_example() -> PathBuf {
+    let build = lib_dir().join("examples_c");
+    run(Command::new("make")
+        .arg("-s")
+        .arg("-C")
+        .arg(root().join("examples_c"))
+        .arg(format!("LIBDIR={}", lib_dir().display()))
+        .arg(format!("BUILD={}", build.display()))
+        .arg("gates"));
+    build.join("gates")
+}
+
+fn gates_passed(text: &str) {
+    assert!(text.contains("3 cases, 0 failed gates"), "{text}");
+}
+
+#[test]
+fn c_example_passes_the_gates_on_cpu() {
+    let exe = build_c_example();
+    let text = run(Command::new(&exe)
+        .args(["--backend", "cpu"])
+        .current_dir(root()));
+    gates_passed(&text);
+}
+
+#[test]
+fn python_example_passes_the_gates_on_cpu() {
+    let text = run(Command::new("python3")
+        .arg(root().join("examples_c/gates.py"))
+        .args(["--backend", "cpu"])
+        .env("DV2_LIB", lib_dir().join("libdecodev2.so")));
+    gates_passed(&text);
+}
+
+#[test]
+fn c_example_is_clean_under_valgrind() {
+    if Command::new("valgrind").arg("--version").output().is_err() {
+        println!("SKIP: valgrind not installed");
+        return;
+    }
+    let exe = build_c_example();
+    let text = run(Command::new("valgrind")
+        .args([
+            "--error-exitcode=3",
+            "--leak-check=full",
+            "--errors-for-leak-kinds=definite,indirect",
+            "--show-leak-kinds=definite,indirect",
+        ])
+        .arg(Path::new(&exe))
+        .args(["--backend", "cpu", "--quiet"])
+        .current_dir(root()));
+    gates_passed(&text);
+    assert!(text.contains("ERROR SUMMARY: 0 errors"), "{text}");
+}
