@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use crate::arch::{preset, ArchSpec};
 use crate::cpu::CpuBackend;
+use crate::cuda::CudaBackend;
 use crate::error::{Error, Result};
 use crate::model::HostModel;
 use crate::synth;
@@ -64,6 +65,11 @@ pub trait Backend: Send {
     fn logits(&mut self, out: &mut [f32]) -> Result<()>;
     fn position(&mut self) -> Result<usize>;
     fn finished(&mut self) -> Result<bool>;
+    /// Diagnostic: true while nothing was written past the last KV slot (backends with a
+    /// guard region check it; others have nothing to check).
+    fn kv_guard_intact(&mut self) -> Result<bool> {
+        Ok(true)
+    }
 }
 
 /// One decoding session over one model.
@@ -103,16 +109,18 @@ impl Engine {
                 )));
             }
         }
-        let model = Arc::new(model);
+        let cuda = || CudaBackend::new(&model, max_seq, opts.eos, opts.device);
         let backend: Box<dyn Backend> = match opts.backend {
-            BackendKind::Cpu | BackendKind::Auto => {
-                Box::new(CpuBackend::new(model, max_seq, opts.eos))
-            }
-            BackendKind::Cuda => {
-                return Err(Error::BackendUnavailable(
-                    "this build of decodev2 has no CUDA backend".into(),
-                ))
-            }
+            BackendKind::Cpu => Box::new(CpuBackend::new(Arc::new(model), max_seq, opts.eos)),
+            BackendKind::Cuda => Box::new(cuda()?),
+            // No device, or a model too large for it: the CPU runs it.
+            BackendKind::Auto => match cuda() {
+                Ok(b) => Box::new(b),
+                Err(Error::BackendUnavailable(_) | Error::OutOfMemory(_)) => {
+                    Box::new(CpuBackend::new(Arc::new(model), max_seq, opts.eos))
+                }
+                Err(e) => return Err(e),
+            },
         };
         Ok(Self {
             spec,
@@ -262,6 +270,11 @@ impl Engine {
     /// Whether the request produced EOS, read from the backend.
     pub fn finished(&mut self) -> Result<bool> {
         self.run(|b| b.finished())
+    }
+
+    /// Diagnostic: true while no KV write ever landed past slot max_seq-1.
+    pub fn kv_guard_intact(&mut self) -> Result<bool> {
+        self.run(|b| b.kv_guard_intact())
     }
 
     fn require_output(&self) -> Result<()> {

@@ -6,6 +6,7 @@
 
 pub mod arch;
 mod cpu;
+pub mod cuda;
 pub mod engine;
 pub mod error;
 pub mod ffi;

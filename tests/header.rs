@@ -5,6 +5,10 @@ use std::path::PathBuf;
 
 #[test]
 fn checked_in_header_is_current() {
+    if !std::path::Path::new(env!("CARGO")).exists() {
+        println!("SKIP: cbindgen needs cargo, which this machine lacks");
+        return;
+    }
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let config = cbindgen::Config::from_file(root.join("cbindgen.toml")).unwrap();
     let mut generated = Vec::new();

@@ -1,0 +1,439 @@
+// decodev2 decode-step kernels, compiled at load by NVRTC (no CUDA headers needed).
+//
+// Layouts (see src/nf4.rs for the NF4 packing):
+//   NF4 matrix [rows, cols]: packed bytes [rows][cols/2] (element 2i in the high nibble of
+//     byte i), absmax f32 [rows][cols/64]. A 16-byte chunk holds 32 elements of one block.
+//   Activations f32. KV cache bf16 [kv_stride slots][n_kv][head_dim] per layer.
+//   State int32[8]: see the STATE_* indices (mirrored in src/cuda/step.rs).
+//
+// File order: helpers, GEMV family (shared row-dot), attention, small kernels.
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+
+#define STATE_TOKEN 0
+#define STATE_POSITION 1
+#define STATE_VALID_LEN 2
+#define STATE_NEXT_TOKEN 3
+#define STATE_FINISHED 4
+
+// Threads per CTA of the GEMV family: 8 warps, shared by the kernels and the host launch
+// (passed as -DGEMV_THREADS by the host so the two cannot drift).
+#ifndef GEMV_THREADS
+#error "GEMV_THREADS must be defined by the host"
+#endif
+#define GEMV_WARPS (GEMV_THREADS / 32)
+// Residency the GEMV register budget is sized for: 6 x 256 threads leaves ~40 registers, enough
+// for the SwiGLU pair without spills, and keeps many loads in flight.
+#define GEMV_MIN_CTAS_PER_SM 6
+#define MAX_HEAD_DIM 256
+#define NEG_INF __int_as_float(0xff800000u)
+#define ATTN_THREADS 128
+#define ATTN_WARPS (ATTN_THREADS / 32)
+
+__device__ __forceinline__ float bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }
+
+// Round to nearest even, NaN kept NaN.
+__device__ __forceinline__ u16 f32_to_bf16(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (u16)(u >> 16);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// The bitsandbytes NF4 codebook, copied to shared memory once per CTA: lanes index different
+// entries, which a __constant__ table would serialize.
+__device__ __forceinline__ void load_codebook(float* lut) {
+    const float nf4[16] = {-1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,
+                           -0.28444138169288635f, -0.18477343022823334f, -0.09105003625154495f, 0.0f,
+                           0.07958029955625534f, 0.16093020141124725f, 0.24611230194568634f,
+                           0.33791524171829224f, 0.44070982933044434f, 0.5626170039176941f,
+                           0.7229568362236023f, 1.0f};
+    if (threadIdx.x < 16) lut[threadIdx.x] = nf4[threadIdx.x];
+}
+
+// Partial dot product of one NF4 row with x over chunks c = first, first+step, ... < n_chunks
+// (one chunk = 16 bytes = 32 elements; its block scale is absmax[c/2]).
+__device__ __forceinline__ float nf4_row_dot(const uint4* __restrict__ w, const float* __restrict__ absmax,
+                                             const float* __restrict__ x, int first, int n_chunks, int step,
+                                             const float* lut) {
+    float acc = 0.0f;
+    for (int c = first; c < n_chunks; c += step) {
+        uint4 q = __ldg(w + c);
+        float scale = __ldg(absmax + (c >> 1));
+        const float4* xv = reinterpret_cast<const float4*>(x + 32 * c);
+        u32 words[4] = {q.x, q.y, q.z, q.w};
+        float part = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            // Word j holds bytes 4j..4j+3 = elements 8j..8j+7; in each byte the high nibble is
+            // the even element.
+            u32 b = words[j];
+            float4 xa = xv[2 * j], xb = xv[2 * j + 1];
+            part += lut[(b >> 4) & 15] * xa.x + lut[b & 15] * xa.y + lut[(b >> 12) & 15] * xa.z +
+                    lut[(b >> 8) & 15] * xa.w + lut[(b >> 20) & 15] * xb.x + lut[(b >> 16) & 15] * xb.y +
+                    lut[(b >> 28) & 15] * xb.z + lut[(b >> 24) & 15] * xb.w;
+        }
+        acc = fmaf(part, scale, acc);
+    }
+    return acc;
+}
+
+struct Nf4Ref {
+    const u8* packed;
+    const float* absmax;
+};
+
+// Which row a warp computes and which K-part of it: `kparts` warps split one row's K.
+struct RowSlot {
+    int row, part;
+};
+
+__device__ __forceinline__ RowSlot row_slot(int kparts) {
+    int warp = threadIdx.x >> 5;
+    RowSlot s;
+    s.row = blockIdx.x * (GEMV_WARPS / kparts) + warp / kparts;
+    s.part = warp % kparts;
+    return s;
+}
+
+__device__ __forceinline__ float row_dot(Nf4Ref m, int row, int cols, const float* x, int part, int kparts,
+                                         const float* lut) {
+    int lane = threadIdx.x & 31;
+    const uint4* w = reinterpret_cast<const uint4*>(m.packed + (size_t)row * (cols >> 1));
+    return nf4_row_dot(w, m.absmax + (size_t)row * (cols >> 6), x, part * 32 + lane, cols >> 5, 32 * kparts,
+                       lut);
+}
+
+// Sums the kparts partials of each row in the CTA; calls epilogue(row_in_cta, sum) on one
+// thread per row.
+template <typename Epilogue>
+__device__ __forceinline__ void reduce_rows(float v, int kparts, Epilogue epilogue) {
+    __shared__ float partial[GEMV_WARPS];
+    v = warp_sum(v);
+    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = v;
+    __syncthreads();
+    int rows_per_cta = GEMV_WARPS / kparts;
+    if (threadIdx.x < rows_per_cta) {
+        float s = 0.0f;
+        for (int p = 0; p < kparts; p++) s += partial[threadIdx.x * kparts + p];
+        epilogue(threadIdx.x, s);
+    }
+}
+
+// y[r] = W[r]·x (+ bias[r]); with `accumulate`, y[r] += W[r]·x (residual add fused).
+extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_CTAS_PER_SM)
+    gemv_nf4(Nf4Ref m, const float* __restrict__ x, float* y, const float* __restrict__ bias, int rows,
+             int cols, int kparts, int accumulate) {
+    __shared__ float lut[16];
+    load_codebook(lut);
+    __syncthreads();
+    RowSlot s = row_slot(kparts);
+    float v = s.row < rows ? row_dot(m, s.row, cols, x, s.part, kparts, lut) : 0.0f;
+    reduce_rows(v, kparts, [&](int i, float sum) {
+        int r = blockIdx.x * (GEMV_WARPS / kparts) + i;
+        if (r >= rows) return;
+        if (bias) sum += bias[r];
+        y[r] = accumulate ? y[r] + sum : sum;
+    });
+}
+
+// q, k and v in one grid sharing x: rows [0, rows0) from m0, then m1, then m2, written
+// contiguously to out with their biases (each bias may be null).
+struct QkvArgs {
+    Nf4Ref m[3];
+    const float* bias[3];
+    int rows[3];
+};
+
+extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_CTAS_PER_SM)
+    gemv_qkv(QkvArgs a, const float* __restrict__ x, float* out, int cols, int kparts) {
+    __shared__ float lut[16];
+    load_codebook(lut);
+    __syncthreads();
+    int total = a.rows[0] + a.rows[1] + a.rows[2];
+    RowSlot s = row_slot(kparts);
+    float v = 0.0f;
+    if (s.row < total) {
+        // Constant indices only: a run-time index would copy the struct to local memory.
+        int r0 = a.rows[0], r01 = a.rows[0] + a.rows[1];
+        Nf4Ref m = s.row < r0 ? a.m[0] : (s.row < r01 ? a.m[1] : a.m[2]);
+        int base = s.row < r0 ? 0 : (s.row < r01 ? r0 : r01);
+        v = row_dot(m, s.row - base, cols, x, s.part, kparts, lut);
+    }
+    reduce_rows(v, kparts, [&](int i, float sum) {
+        int r = blockIdx.x * (GEMV_WARPS / kparts) + i;
+        if (r >= total) return;
+        int r0 = a.rows[0], r01 = a.rows[0] + a.rows[1];
+        const float* bias = r < r0 ? a.bias[0] : (r < r01 ? a.bias[1] : a.bias[2]);
+        int base = r < r0 ? 0 : (r < r01 ? r0 : r01);
+        if (bias) sum += bias[r - base];
+        out[r] = sum;
+    });
+}
+
+// out[r] = silu(gate[r]·x) * (up[r]·x): both rows of a pair share x; SiLU on full sums only.
+extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_CTAS_PER_SM)
+    gemv_swiglu(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, float* out, int rows, int cols,
+                int kparts) {
+    __shared__ float lut[16];
+    __shared__ float gate_sums[GEMV_WARPS];
+    load_codebook(lut);
+    __syncthreads();
+    RowSlot s = row_slot(kparts);
+    float g = 0.0f, u = 0.0f;
+    if (s.row < rows) {
+        g = row_dot(gate, s.row, cols, x, s.part, kparts, lut);
+        u = row_dot(up, s.row, cols, x, s.part, kparts, lut);
+    }
+    reduce_rows(g, kparts, [&](int i, float sum) { gate_sums[i] = sum; });
+    __syncthreads();
+    reduce_rows(u, kparts, [&](int i, float sum) {
+        int r = blockIdx.x * (GEMV_WARPS / kparts) + i;
+        if (r >= rows) return;
+        float gs = gate_sums[i];
+        out[r] = gs / (1.0f + expf(-gs)) * sum;
+    });
+}
+
+// out = x * rsqrt(mean(x^2) + eps) * w, one CTA.
+extern "C" __global__ void rms_norm(const float* __restrict__ x, const u16* __restrict__ w, float* out, int n,
+                                    float eps) {
+    __shared__ float sums[32];
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += x[i] * x[i];
+    ss = warp_sum(ss);
+    if ((threadIdx.x & 31) == 0) sums[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        float v = threadIdx.x < (blockDim.x >> 5) ? sums[threadIdx.x] : 0.0f;
+        v = warp_sum(v);
+        if (threadIdx.x == 0) sums[0] = v;
+    }
+    __syncthreads();
+    float r = rsqrtf(sums[0] / (float)n + eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = x[i] * r * bf16_to_f32(w[i]);
+}
+
+// x = dequantized embedding row of state[TOKEN] (no dense table on the device).
+extern "C" __global__ void embed_row(const int* __restrict__ state, Nf4Ref embed, float* x, int hidden,
+                                     int vocab) {
+    int token = state[STATE_TOKEN];
+    if (token < 0 || token >= vocab) token = 0;  // the engine never lets this happen
+    const u8* row = embed.packed + (size_t)token * (hidden >> 1);
+    const float* scales = embed.absmax + (size_t)token * (hidden >> 6);
+    __shared__ float lut[16];
+    load_codebook(lut);
+    __syncthreads();
+    for (int i = threadIdx.x; i < (hidden >> 1); i += blockDim.x) {
+        u8 b = row[i];
+        float s = scales[i >> 5];
+        x[2 * i] = lut[b >> 4] * s;
+        x[2 * i + 1] = lut[b & 15] * s;
+    }
+}
+
+// Flash-decode attention, one (q head, time split) per CTA, RoPE and the KV write fused.
+//
+// Reads position p from the state; valid_len = p + 1. Every CTA rotates q and the current k
+// itself (the live slot is taken from the projections, never read back from the cache, so
+// sibling heads cannot race the write); the first q head of each KV group, split 0, writes
+// the slot. Slots t < valid_len are split evenly over n_splits; each CTA writes its online-
+// softmax partial (max, sum, acc[head_dim]) for attn_merge.
+struct AttnArgs {
+    const float* qkv;  // this step's q [n_q*hd] | k [n_kv*hd] | v [n_kv*hd]
+    u16* k_cache;      // this layer: [kv_stride][n_kv][hd]
+    u16* v_cache;
+    const float* rope_cos;  // [max_seq][hd/2]
+    const float* rope_sin;
+    const int* state;
+    float* part_acc;  // [n_q][n_splits][hd]
+    float* part_ml;   // [n_q][n_splits][2]
+    int n_q, n_kv, head_dim, max_seq, n_splits;
+    float scale;
+};
+
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode(AttnArgs a) {
+    const int h = blockIdx.x, split = blockIdx.y, hd = a.head_dim, half = hd >> 1;
+    const int group = a.n_q / a.n_kv, kvh = h / group;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int pos = a.state[STATE_POSITION];
+    if (pos >= a.max_seq) return;  // no slot: nothing to write or read
+    const int valid = pos + 1;
+
+    __shared__ float q_s[MAX_HEAD_DIM], k_s[MAX_HEAD_DIM], v_s[MAX_HEAD_DIM];
+    const float* q = a.qkv + h * hd;
+    const float* k = a.qkv + a.n_q * hd + kvh * hd;
+    const float* v = a.qkv + (a.n_q + a.n_kv) * hd + kvh * hd;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        int i = d < half ? d : d - half;
+        float c = a.rope_cos[pos * half + i], s = a.rope_sin[pos * half + i];
+        q_s[d] = d < half ? q[i] * c - q[i + half] * s : q[i + half] * c + q[i] * s;
+        k_s[d] = d < half ? k[i] * c - k[i + half] * s : k[i + half] * c + k[i] * s;
+        v_s[d] = v[d];
+    }
+    __syncthreads();
+    const size_t slot_stride = (size_t)a.n_kv * hd;
+    if (h % group == 0 && split == 0) {
+        for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+            a.k_cache[pos * slot_stride + kvh * hd + d] = f32_to_bf16(k_s[d]);
+            a.v_cache[pos * slot_stride + kvh * hd + d] = f32_to_bf16(v_s[d]);
+        }
+    }
+
+    const int chunk = (valid + a.n_splits - 1) / a.n_splits;
+    const int t0 = split * chunk, t1 = min(valid, t0 + chunk);
+    constexpr int MAX_E = MAX_HEAD_DIM / 32;
+    float m = NEG_INF, l = 0.0f, acc[MAX_E];
+#pragma unroll
+    for (int e = 0; e < MAX_E; e++) acc[e] = 0.0f;
+    for (int t = t0 + warp; t < t1; t += ATTN_WARPS) {
+        const u16* kc = a.k_cache + t * slot_stride + kvh * hd;
+        const u16* vc = a.v_cache + t * slot_stride + kvh * hd;
+        float dot = 0.0f;
+#pragma unroll
+        for (int e = 0; e < MAX_E; e++) {
+            int d = e * 32 + lane;
+            if (d < hd) dot += q_s[d] * (t == pos ? k_s[d] : bf16_to_f32(kc[d]));
+        }
+        float score = warp_sum(dot) * a.scale;
+        float m_new = fmaxf(m, score);
+        float corr = expf(m - m_new), p = expf(score - m_new);
+        l = l * corr + p;
+#pragma unroll
+        for (int e = 0; e < MAX_E; e++) {
+            int d = e * 32 + lane;
+            if (d < hd) acc[e] = acc[e] * corr + p * (t == pos ? v_s[d] : bf16_to_f32(vc[d]));
+        }
+        m = m_new;
+    }
+
+    // Combine the warps of this CTA.
+    __shared__ float w_m[ATTN_WARPS], w_l[ATTN_WARPS], w_acc[ATTN_WARPS][MAX_HEAD_DIM];
+    if (lane == 0) {
+        w_m[warp] = m;
+        w_l[warp] = l;
+    }
+#pragma unroll
+    for (int e = 0; e < MAX_E; e++) {
+        int d = e * 32 + lane;
+        if (d < hd) w_acc[warp][d] = acc[e];
+    }
+    __syncthreads();
+    float M = NEG_INF;
+    for (int w = 0; w < ATTN_WARPS; w++) M = fmaxf(M, w_m[w]);
+    float* out_acc = a.part_acc + ((size_t)h * a.n_splits + split) * hd;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float sum = 0.0f;
+        for (int w = 0; w < ATTN_WARPS; w++)
+            if (w_m[w] != NEG_INF) sum += w_acc[w][d] * expf(w_m[w] - M);
+        out_acc[d] = sum;
+    }
+    if (threadIdx.x == 0) {
+        float L = 0.0f;
+        for (int w = 0; w < ATTN_WARPS; w++)
+            if (w_m[w] != NEG_INF) L += w_l[w] * expf(w_m[w] - M);
+        a.part_ml[((size_t)h * a.n_splits + split) * 2] = M;
+        a.part_ml[((size_t)h * a.n_splits + split) * 2 + 1] = L;
+    }
+}
+
+// out[h*hd + d] = softmax-weighted sum over the splits of head h. Grid n_q, one thread per d.
+extern "C" __global__ void attn_merge(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
+                                      const int* __restrict__ state, float* out, int head_dim, int n_splits,
+                                      int max_seq) {
+    if (state[STATE_POSITION] >= max_seq) return;
+    const int h = blockIdx.x;
+    const float* ml = part_ml + (size_t)h * n_splits * 2;
+    float M = NEG_INF;
+    for (int s = 0; s < n_splits; s++) M = fmaxf(M, ml[2 * s]);
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float num = 0.0f, den = 0.0f;
+        for (int s = 0; s < n_splits; s++) {
+            if (ml[2 * s] == NEG_INF) continue;
+            float w = expf(ml[2 * s] - M);
+            num += part_acc[((size_t)h * n_splits + s) * head_dim + d] * w;
+            den += ml[2 * s + 1] * w;
+        }
+        out[h * head_dim + d] = num / den;
+    }
+}
+
+// state[NEXT_TOKEN] = argmax(logits): lowest index wins ties, NaN never wins. One CTA.
+extern "C" __global__ void argmax_logits(const float* __restrict__ logits, int n, int* state) {
+    float best = NEG_INF;
+    int best_i = -1;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float v = logits[i];
+        if (v > best || (best_i < 0 && v == v)) {
+            best = v;
+            best_i = i;
+        }
+    }
+    __shared__ float s_v[32];
+    __shared__ int s_i[32];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, best, o);
+        int oi = __shfl_xor_sync(0xffffffffu, best_i, o);
+        if (oi >= 0 && (best_i < 0 || ov > best || (ov == best && oi < best_i))) {
+            best = ov;
+            best_i = oi;
+        }
+    }
+    if ((threadIdx.x & 31) == 0) {
+        s_v[threadIdx.x >> 5] = best;
+        s_i[threadIdx.x >> 5] = best_i;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < (int)(blockDim.x >> 5); w++) {
+            if (s_i[w] >= 0 && (best_i < 0 || s_v[w] > best || (s_v[w] == best && s_i[w] < best_i))) {
+                best = s_v[w];
+                best_i = s_i[w];
+            }
+        }
+        state[STATE_NEXT_TOKEN] = best_i < 0 ? 0 : best_i;
+    }
+}
+
+// Prefill: the token of prompt position i (eager only: i is a launch argument).
+extern "C" __global__ void load_token(int* state, const int* __restrict__ ids, int i) {
+    state[STATE_TOKEN] = ids[i];
+}
+
+// After a teacher-forced forward: the slot is written, move on.
+extern "C" __global__ void advance(int* state) {
+    state[STATE_POSITION] += 1;
+    state[STATE_VALID_LEN] = state[STATE_POSITION];
+}
+
+// After the last prompt id: feed the greedy id next; finished iff it is EOS (eos < 0: none).
+extern "C" __global__ void finish_prefill(int* state, int eos) {
+    int next = state[STATE_NEXT_TOKEN];
+    state[STATE_TOKEN] = next;
+    state[STATE_FINISHED] = next == eos ? 1 : 0;
+}
+
+// The greedy commit: token = next_token, position += 1, valid_len = position,
+// finished |= (next_token == eos).
+extern "C" __global__ void commit_step(int* state, int eos) {
+    int next = state[STATE_NEXT_TOKEN];
+    state[STATE_TOKEN] = next;
+    state[STATE_POSITION] += 1;
+    state[STATE_VALID_LEN] = state[STATE_POSITION];
+    if (next == eos) state[STATE_FINISHED] = 1;
+}

@@ -1,0 +1,121 @@
+//! The CUDA device: driver probe, one context and one stream, allocation helpers.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+
+use cudarc::driver::{
+    CudaContext, CudaSlice, CudaStream, DevicePtr, DeviceRepr, DriverError, ValidAsZeroBits,
+};
+
+use crate::error::{Error, Result};
+
+/// Maps a driver error to ours; out-of-memory keeps its own status.
+pub fn driver_error(what: &str) -> impl FnOnce(DriverError) -> Error + '_ {
+    move |e| {
+        let text = format!("{what}: {e:?}");
+        if text.contains("OUT_OF_MEMORY") {
+            Error::OutOfMemory(text)
+        } else {
+            Error::Cuda(text)
+        }
+    }
+}
+
+/// True when libcuda can be loaded. cudarc panics on a missing library, so ask inside
+/// `catch_unwind`.
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to dlopen libcuda.
+    catch_unwind(|| unsafe { cudarc::driver::sys::is_culib_present() }).unwrap_or(false)
+}
+
+/// One device with its context and the stream every launch goes to.
+pub struct Gpu {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+}
+
+impl Gpu {
+    /// Opens device `ordinal`; `BackendUnavailable` when there is no driver or no such device.
+    pub fn open(ordinal: usize) -> Result<Self> {
+        if !driver_present() {
+            return Err(Error::BackendUnavailable(
+                "no CUDA driver (libcuda.so.1 not found)".into(),
+            ));
+        }
+        let open = || -> Result<Self> {
+            let count = CudaContext::device_count().map_err(driver_error("cuDeviceGetCount"))?;
+            if ordinal >= count.max(0) as usize {
+                return Err(Error::BackendUnavailable(format!(
+                    "CUDA device {ordinal} requested, {count} present"
+                )));
+            }
+            let ctx = CudaContext::new(ordinal).map_err(driver_error("cuCtxCreate"))?;
+            // Graph capture needs one stream and no cross-stream event bookkeeping; this must
+            // happen before the first allocation.
+            // SAFETY: no allocation or stream exists yet on this context.
+            unsafe { ctx.disable_event_tracking() };
+            let stream = ctx.new_stream().map_err(driver_error("cuStreamCreate"))?;
+            Ok(Self { ctx, stream })
+        };
+        catch_unwind(AssertUnwindSafe(open)).unwrap_or_else(|_| {
+            Err(Error::BackendUnavailable(
+                "the CUDA driver lacks a required entry point".into(),
+            ))
+        })
+    }
+
+    /// "sm_90" etc.
+    pub fn arch(&self) -> Result<String> {
+        let (major, minor) = self
+            .ctx
+            .compute_capability()
+            .map_err(driver_error("compute capability"))?;
+        Ok(format!("sm_{major}{minor}"))
+    }
+
+    pub fn name(&self) -> String {
+        self.ctx.name().unwrap_or_else(|_| "unknown device".into())
+    }
+
+    /// (free, total) bytes of device memory.
+    pub fn memory(&self) -> Result<(usize, usize)> {
+        self.ctx
+            .mem_get_info()
+            .map_err(driver_error("cuMemGetInfo"))
+    }
+
+    pub fn upload<T: DeviceRepr>(&self, data: &[T]) -> Result<CudaSlice<T>> {
+        self.stream.clone_htod(data).map_err(driver_error("upload"))
+    }
+
+    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, len: usize) -> Result<CudaSlice<T>> {
+        self.stream
+            .alloc_zeros(len.max(1))
+            .map_err(driver_error("allocation"))
+    }
+
+    pub fn download<T: DeviceRepr + Default + Clone>(
+        &self,
+        src: &CudaSlice<T>,
+        len: usize,
+    ) -> Result<Vec<T>> {
+        let mut out = vec![T::default(); len];
+        self.stream
+            .memcpy_dtoh(&src.slice(..len), &mut out)
+            .map_err(driver_error("download"))?;
+        self.sync()?;
+        Ok(out)
+    }
+
+    pub fn sync(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(driver_error("stream synchronize"))
+    }
+
+    /// Raw device address of a buffer, for kernel arguments. Event tracking is off, so this
+    /// records nothing.
+    pub fn ptr<T>(&self, buf: &CudaSlice<T>) -> u64 {
+        buf.device_ptr(&self.stream).0
+    }
+}

@@ -1,0 +1,202 @@
+//! Kernel sources, their NVRTC compilation (cached on disk) and the loaded function table.
+//!
+//! Sources are embedded with `include_str!`; `DV2_KERNEL_DIR` points at a folder of `.cu` files
+//! to use instead (iterate on kernels without rebuilding Rust). The cubin is cached by a hash
+//! of source, options and NVRTC version, per architecture, in `DV2_CACHE_DIR` (default
+//! `$XDG_CACHE_HOME/decodev2` or `~/.cache/decodev2`), so a second load skips NVRTC.
+
+use std::ffi::CString;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::PathBuf;
+
+use cudarc::driver::CudaFunction;
+use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys, Ptx};
+
+use super::device::{driver_error, Gpu};
+use crate::error::{Error, Result};
+
+/// Threads per CTA of the GEMV family; passed to the kernels as `-DGEMV_THREADS`.
+pub const GEMV_THREADS: u32 = 256;
+/// Warps per GEMV CTA: the rows of a CTA times the warps splitting each row's K.
+pub const GEMV_WARPS: u32 = GEMV_THREADS / 32;
+/// Threads per attention CTA (kernels/decode.cu `ATTN_THREADS`).
+pub const ATTN_THREADS: u32 = 128;
+/// Largest head_dim the attention kernel holds in shared memory (`MAX_HEAD_DIM`).
+pub const MAX_HEAD_DIM: usize = 256;
+
+const DECODE_CU: (&str, &str) = ("decode.cu", include_str!("../../kernels/decode.cu"));
+
+/// The source of one kernel file: `DV2_KERNEL_DIR/<name>` when set, else the embedded copy.
+fn source(file: (&'static str, &'static str)) -> Result<String> {
+    match std::env::var_os("DV2_KERNEL_DIR") {
+        Some(dir) => {
+            let path = PathBuf::from(dir).join(file.0);
+            std::fs::read_to_string(&path)
+                .map_err(|e| Error::Io(format!("{}: {e}", path.display())))
+        }
+        None => Ok(file.1.to_owned()),
+    }
+}
+
+/// True when libnvrtc can be loaded (cudarc panics on a missing library).
+pub fn nvrtc_present() -> bool {
+    // SAFETY: only tries to dlopen libnvrtc.
+    catch_unwind(|| unsafe { nvrtc_sys::is_culib_present() }).unwrap_or(false)
+}
+
+fn nvrtc_version() -> Result<(i32, i32)> {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: two valid out-pointers.
+    unsafe { nvrtc_sys::nvrtcVersion(&mut major, &mut minor) }
+        .result()
+        .map_err(|e| Error::Cuda(format!("nvrtcVersion: {e:?}")))?;
+    Ok((major, minor))
+}
+
+fn fnv1a(parts: &[&[u8]]) -> u64 {
+    parts
+        .iter()
+        .flat_map(|p| p.iter())
+        .fold(0xcbf2_9ce4_8422_2325, |h, b| {
+            (h ^ *b as u64).wrapping_mul(0x100_0000_01b3)
+        })
+}
+
+fn cache_dir() -> Option<PathBuf> {
+    if let Some(dir) = std::env::var_os("DV2_CACHE_DIR") {
+        return Some(dir.into());
+    }
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+    Some(base.join("decodev2"))
+}
+
+fn options(arch: &str) -> Vec<String> {
+    vec![
+        format!("--gpu-architecture={arch}"),
+        "--std=c++17".into(),
+        format!("-DGEMV_THREADS={GEMV_THREADS}"),
+    ]
+}
+
+/// Runs NVRTC on `src` and returns the cubin, or the compiler log as the error.
+fn nvrtc_compile(name: &str, src: &str, opts: &[String]) -> Result<Vec<u8>> {
+    let c_src =
+        CString::new(src).map_err(|_| Error::Internal("kernel source holds a NUL".into()))?;
+    let c_name = CString::new(name).unwrap_or_default();
+    let prog = nvrtc::create_program(&c_src, Some(&c_name))
+        .map_err(|e| Error::Cuda(format!("nvrtcCreateProgram: {e:?}")))?;
+    // SAFETY: `prog` is live until destroy_program below; buffers are sized by NVRTC's answers.
+    let result = unsafe {
+        match nvrtc::compile_program(prog, opts) {
+            Err(e) => {
+                let log = nvrtc::get_program_log(prog).unwrap_or_default();
+                let log: Vec<u8> = log
+                    .iter()
+                    .map(|c| *c as u8)
+                    .take_while(|c| *c != 0)
+                    .collect();
+                Err(Error::Cuda(format!(
+                    "NVRTC failed on {name} ({e:?}):\n{}",
+                    String::from_utf8_lossy(&log)
+                )))
+            }
+            Ok(()) => {
+                let mut size = 0usize;
+                nvrtc_sys::nvrtcGetCUBINSize(prog, &mut size)
+                    .result()
+                    .map_err(|e| Error::Cuda(format!("nvrtcGetCUBINSize: {e:?}")))
+                    .and_then(|()| {
+                        let mut cubin = vec![0u8; size];
+                        nvrtc_sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr().cast())
+                            .result()
+                            .map_err(|e| Error::Cuda(format!("nvrtcGetCUBIN: {e:?}")))?;
+                        Ok(cubin)
+                    })
+            }
+        }
+    };
+    // SAFETY: created above, destroyed once.
+    let _ = unsafe { nvrtc::destroy_program(prog) };
+    result
+}
+
+/// The cubin of `kernels/decode.cu` for `arch` (e.g. "sm_90"), from the disk cache when the
+/// same source, options and NVRTC version were compiled before. Needs libnvrtc, not a GPU.
+pub fn compile_decode(arch: &str) -> Result<Vec<u8>> {
+    let compile = || -> Result<Vec<u8>> {
+        let src = source(DECODE_CU)?;
+        let opts = options(arch);
+        let (major, minor) = nvrtc_version()?;
+        let key = fnv1a(&[
+            src.as_bytes(),
+            opts.join(" ").as_bytes(),
+            format!("{major}.{minor}").as_bytes(),
+        ]);
+        let cached = cache_dir().map(|d| d.join(format!("decode-{arch}-{key:016x}.cubin")));
+        if let Some(bytes) = cached.as_ref().and_then(|p| std::fs::read(p).ok()) {
+            return Ok(bytes);
+        }
+        let cubin = nvrtc_compile(DECODE_CU.0, &src, &opts)?;
+        if let Some(path) = cached {
+            // A cache that cannot be written only costs the next load a compile.
+            let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+            let _ = std::fs::create_dir_all(path.parent().unwrap_or(&path))
+                .and_then(|()| std::fs::write(&tmp, &cubin))
+                .and_then(|()| std::fs::rename(&tmp, &path));
+        }
+        Ok(cubin)
+    };
+    if !nvrtc_present() {
+        return Err(Error::BackendUnavailable(
+            "NVRTC not found (libnvrtc.so.13)".into(),
+        ));
+    }
+    catch_unwind(AssertUnwindSafe(compile)).unwrap_or_else(|_| {
+        Err(Error::BackendUnavailable(
+            "libnvrtc lacks a required entry point".into(),
+        ))
+    })
+}
+
+/// Every kernel of decode.cu, loaded into the device's context.
+pub struct Kernels {
+    pub gemv_nf4: CudaFunction,
+    pub gemv_qkv: CudaFunction,
+    pub gemv_swiglu: CudaFunction,
+    pub rms_norm: CudaFunction,
+    pub embed_row: CudaFunction,
+    pub attn_decode: CudaFunction,
+    pub attn_merge: CudaFunction,
+    pub argmax_logits: CudaFunction,
+    pub load_token: CudaFunction,
+    pub advance: CudaFunction,
+    pub finish_prefill: CudaFunction,
+    pub commit_step: CudaFunction,
+}
+
+impl Kernels {
+    pub fn load(gpu: &Gpu) -> Result<Self> {
+        let cubin = compile_decode(&gpu.arch()?)?;
+        let module = gpu
+            .ctx
+            .load_module(Ptx::from_binary(cubin))
+            .map_err(driver_error("cuModuleLoadData"))?;
+        let f = |name: &str| module.load_function(name).map_err(driver_error(name));
+        Ok(Self {
+            gemv_nf4: f("gemv_nf4")?,
+            gemv_qkv: f("gemv_qkv")?,
+            gemv_swiglu: f("gemv_swiglu")?,
+            rms_norm: f("rms_norm")?,
+            embed_row: f("embed_row")?,
+            attn_decode: f("attn_decode")?,
+            attn_merge: f("attn_merge")?,
+            argmax_logits: f("argmax_logits")?,
+            load_token: f("load_token")?,
+            advance: f("advance")?,
+            finish_prefill: f("finish_prefill")?,
+            commit_step: f("commit_step")?,
+        })
+    }
+}

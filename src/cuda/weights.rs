@@ -1,0 +1,115 @@
+//! The model on the device: packed NF4 matrices, f32 biases, bf16 norm weights.
+
+use cudarc::driver::{CudaSlice, DeviceRepr};
+
+use super::device::Gpu;
+use crate::error::Result;
+use crate::model::{internlm_wqkv_rows, HostModel, QkvWeights};
+use crate::nf4::Nf4Matrix;
+
+/// A matrix as the kernels take it (kernels/decode.cu `Nf4Ref`): two device addresses.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Nf4Ref {
+    pub packed: u64,
+    pub absmax: u64,
+}
+
+// SAFETY: plain old data, laid out as the kernels' struct of two pointers.
+unsafe impl DeviceRepr for Nf4Ref {}
+
+pub struct DeviceMatrix {
+    pub rows: usize,
+    pub cols: usize,
+    packed: CudaSlice<u8>,
+    absmax: CudaSlice<f32>,
+}
+
+impl DeviceMatrix {
+    fn upload(gpu: &Gpu, m: &Nf4Matrix) -> Result<Self> {
+        Ok(Self {
+            rows: m.rows,
+            cols: m.cols,
+            packed: gpu.upload(&m.packed)?,
+            absmax: gpu.upload(&m.absmax)?,
+        })
+    }
+
+    pub fn as_ref(&self, gpu: &Gpu) -> Nf4Ref {
+        Nf4Ref {
+            packed: gpu.ptr(&self.packed),
+            absmax: gpu.ptr(&self.absmax),
+        }
+    }
+}
+
+pub struct DeviceLayer {
+    pub attn_norm: CudaSlice<u16>,
+    /// q, k, v (InternLM2's fused wqkv split by rows at upload: byte-exact).
+    pub qkv: [DeviceMatrix; 3],
+    pub qkv_bias: [Option<CudaSlice<f32>>; 3],
+    pub o: DeviceMatrix,
+    pub ffn_norm: CudaSlice<u16>,
+    pub gate: DeviceMatrix,
+    pub up: DeviceMatrix,
+    pub down: DeviceMatrix,
+}
+
+pub struct DeviceModel {
+    pub embed: DeviceMatrix,
+    pub layers: Vec<DeviceLayer>,
+    pub final_norm: CudaSlice<u16>,
+    /// `None` when tied to `embed`.
+    pub lm_head: Option<DeviceMatrix>,
+}
+
+impl DeviceModel {
+    pub fn lm_head(&self) -> &DeviceMatrix {
+        self.lm_head.as_ref().unwrap_or(&self.embed)
+    }
+}
+
+fn norm(gpu: &Gpu, w: &[half::bf16]) -> Result<CudaSlice<u16>> {
+    let bits: Vec<u16> = w.iter().map(|v| v.to_bits()).collect();
+    gpu.upload(&bits)
+}
+
+pub fn upload(gpu: &Gpu, model: &HostModel) -> Result<DeviceModel> {
+    let s = &model.spec;
+    let m = |x: &Nf4Matrix| DeviceMatrix::upload(gpu, x);
+    let mut layers = Vec::with_capacity(model.layers.len());
+    for layer in &model.layers {
+        let (qkv, qkv_bias) = match &layer.qkv {
+            QkvWeights::Separate { q, k, v } => {
+                let bias = |b: &Option<Vec<f32>>| b.as_ref().map(|b| gpu.upload(b)).transpose();
+                (
+                    [m(&q.weight)?, m(&k.weight)?, m(&v.weight)?],
+                    [bias(&q.bias)?, bias(&k.bias)?, bias(&v.bias)?],
+                )
+            }
+            QkvWeights::InternlmFused { wqkv } => {
+                let rows = internlm_wqkv_rows(s);
+                let (q, rest) = rows.split_at(s.hidden);
+                let (k, v) = rest.split_at(s.kv_dim());
+                let part = |r: &[usize]| m(&wqkv.select_rows(r));
+                ([part(q)?, part(k)?, part(v)?], [None, None, None])
+            }
+        };
+        layers.push(DeviceLayer {
+            attn_norm: norm(gpu, &layer.attn_norm)?,
+            qkv,
+            qkv_bias,
+            o: m(&layer.o)?,
+            ffn_norm: norm(gpu, &layer.ffn_norm)?,
+            gate: m(&layer.gate)?,
+            up: m(&layer.up)?,
+            down: m(&layer.down)?,
+        });
+    }
+    Ok(DeviceModel {
+        embed: m(&model.embed)?,
+        layers,
+        final_norm: norm(gpu, &model.final_norm)?,
+        lm_head: model.lm_head.as_ref().map(m).transpose()?,
+    })
+}

@@ -1,0 +1,27 @@
+//! Every kernel compiles through the library's own NVRTC path, for the H200's sm_90, on any
+//! machine with libnvrtc (no GPU needed). Without libnvrtc: SKIP (a failure under
+//! DV2_REQUIRE_CUDA=1).
+
+use decodev2::cuda::kernels::{compile_decode, nvrtc_present};
+
+#[test]
+fn decode_kernels_compile_for_sm_90() {
+    if !nvrtc_present() {
+        assert!(
+            std::env::var_os("DV2_REQUIRE_CUDA").is_none(),
+            "DV2_REQUIRE_CUDA is set but libnvrtc.so.13 was not found"
+        );
+        println!("SKIP: libnvrtc.so.13 not found (set LD_LIBRARY_PATH to a CUDA 13 lib dir)");
+        return;
+    }
+    // A private cache dir so this really runs NVRTC rather than reading an old cubin.
+    let dir = std::env::temp_dir().join(format!("dv2-kernel-cache-{}", std::process::id()));
+    std::env::set_var("DV2_CACHE_DIR", &dir);
+    let cubin = compile_decode("sm_90").unwrap_or_else(|e| panic!("{e}"));
+    assert!(cubin.starts_with(b"\x7fELF"), "a cubin is an ELF image");
+    // The second compile is served from the disk cache, byte for byte.
+    let cached = std::fs::read_dir(&dir).unwrap().count();
+    assert_eq!(cached, 1);
+    assert_eq!(compile_decode("sm_90").unwrap(), cubin);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine, from the repository root, after ../shared/tools/device-pack built
+# .device/ here: every packed test with DV2_REQUIRE_CUDA=1, the C and Python examples with
+# --backend cuda, and compute-sanitizer memcheck/racecheck on the C example.
+# Logs go to $OUT (or ./device-logs). Usage: bash tests/gpu/run-on-device.sh [sanitize]
+set -uo pipefail
+out=${OUT:-device-logs}; mkdir -p "$out"
+export DV2_REQUIRE_CUDA=1 DV2_CACHE_DIR=/tmp/dv2-cache
+export LD_LIBRARY_PATH="$PWD/.device/lib:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+status=0
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
+
+bash .device/run-tests.sh --nocapture > "$out/tests.log" 2>&1 || status=1
+grep -E "^test |test result|SKIP|FAILED|panicked|max \|logit|oracle|built in|qwen25" "$out/tests.log" | grep -v "^test .* ok$" | tail -40
+
+cc -std=c99 -O2 -g -Wall -Iinclude examples_c/gates.c -L.device/lib -ldecodev2 -o /tmp/gates \
+  && /tmp/gates --backend cuda > "$out/c-example.log" 2>&1 && echo "C example (cuda): ok" \
+  || { echo "C example (cuda): FAILED"; status=1; }
+tail -3 "$out/c-example.log"
+DV2_LIB=.device/lib/libdecodev2.so python3 examples_c/gates.py --backend cuda > "$out/py-example.log" 2>&1 \
+  && echo "Python example (cuda): ok" || { echo "Python example (cuda): FAILED"; status=1; }
+tail -1 "$out/py-example.log"
+
+if [[ ${1:-} == sanitize ]]; then
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool $tool --error-exitcode 7 /tmp/gates --backend cuda --quiet > "$out/sanitizer-$tool.log" 2>&1 \
+      && echo "compute-sanitizer $tool: ok" || { echo "compute-sanitizer $tool: FAILED"; status=1; }
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|failed gates" "$out/sanitizer-$tool.log" | tail -3
+  done
+fi
+exit $status
