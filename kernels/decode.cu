@@ -17,6 +17,7 @@ typedef unsigned int u32;
 #define STATE_VALID_LEN 2
 #define STATE_NEXT_TOKEN 3
 #define STATE_FINISHED 4
+#define STATE_RING_COUNT 5
 
 // Threads per CTA of the GEMV family: 8 warps, shared by the kernels and the host launch
 // (passed as -DGEMV_THREADS by the host so the two cannot drift).
@@ -135,9 +136,12 @@ __device__ __forceinline__ void reduce_rows(float v, int kparts, Epilogue epilog
 }
 
 // y[r] = W[r]·x (+ bias[r]); with `accumulate`, y[r] += W[r]·x (residual add fused).
+// When `skip_if` is not null and *skip_if != 0 the kernel does nothing (the lm_head of a step
+// replayed after the request finished must not overwrite the last logits).
 extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_CTAS_PER_SM)
     gemv_nf4(Nf4Ref m, const float* __restrict__ x, float* y, const float* __restrict__ bias, int rows,
-             int cols, int kparts, int accumulate) {
+             int cols, int kparts, int accumulate, const int* skip_if) {
+    if (skip_if && *skip_if) return;
     __shared__ float lut[16];
     load_codebook(lut);
     __syncthreads();
@@ -373,7 +377,9 @@ extern "C" __global__ void attn_merge(const float* __restrict__ part_acc, const 
 }
 
 // state[NEXT_TOKEN] = argmax(logits): lowest index wins ties, NaN never wins. One CTA.
+// Does nothing once the request is finished (next_token stays the EOS id).
 extern "C" __global__ void argmax_logits(const float* __restrict__ logits, int n, int* state) {
+    if (state[STATE_FINISHED]) return;
     float best = NEG_INF;
     int best_i = -1;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
@@ -429,11 +435,17 @@ extern "C" __global__ void finish_prefill(int* state, int eos) {
 }
 
 // The greedy commit: token = next_token, position += 1, valid_len = position,
-// finished |= (next_token == eos).
-extern "C" __global__ void commit_step(int* state, int eos) {
+// finished |= (next_token == eos), and the id appended to the step ring. A step that runs
+// after the request finished (a replay past EOS) commits nothing.
+extern "C" __global__ void commit_step(int* state, int eos, int* ring) {
+    if (state[STATE_FINISHED]) return;
     int next = state[STATE_NEXT_TOKEN];
+    ring[state[STATE_RING_COUNT]++] = next;
     state[STATE_TOKEN] = next;
     state[STATE_POSITION] += 1;
     state[STATE_VALID_LEN] = state[STATE_POSITION];
     if (next == eos) state[STATE_FINISHED] = 1;
 }
+
+// Empties the step ring before a batch of steps.
+extern "C" __global__ void ring_reset(int* state) { state[STATE_RING_COUNT] = 0; }

@@ -35,6 +35,9 @@ pub struct EngineOptions {
     pub eos: Option<u32>,
     /// CUDA device ordinal.
     pub device: usize,
+    /// CUDA: replay the decode step as a captured graph (default on; `DV2_GRAPH=0` turns the
+    /// default off, to measure eager launches against it).
+    pub graph: bool,
 }
 
 impl Default for EngineOptions {
@@ -44,6 +47,7 @@ impl Default for EngineOptions {
             max_seq: 0,
             eos: None,
             device: 0,
+            graph: std::env::var("DV2_GRAPH").map_or(true, |v| v != "0"),
         }
     }
 }
@@ -69,6 +73,10 @@ pub trait Backend: Send {
     /// guard region check it; others have nothing to check).
     fn kv_guard_intact(&mut self) -> Result<bool> {
         Ok(true)
+    }
+    /// Diagnostic: free device memory in bytes (None for host backends).
+    fn device_free_bytes(&mut self) -> Result<Option<usize>> {
+        Ok(None)
     }
 }
 
@@ -109,7 +117,7 @@ impl Engine {
                 )));
             }
         }
-        let cuda = || CudaBackend::new(&model, max_seq, opts.eos, opts.device);
+        let cuda = || CudaBackend::new(&model, max_seq, opts.eos, opts.device, opts.graph);
         let backend: Box<dyn Backend> = match opts.backend {
             BackendKind::Cpu => Box::new(CpuBackend::new(Arc::new(model), max_seq, opts.eos)),
             BackendKind::Cuda => Box::new(cuda()?),
@@ -275,6 +283,11 @@ impl Engine {
     /// Diagnostic: true while no KV write ever landed past slot max_seq-1.
     pub fn kv_guard_intact(&mut self) -> Result<bool> {
         self.run(|b| b.kv_guard_intact())
+    }
+
+    /// Diagnostic: free device memory in bytes (None for host backends).
+    pub fn device_free_bytes(&mut self) -> Result<Option<usize>> {
+        self.run(|b| b.device_free_bytes())
     }
 
     fn require_output(&self) -> Result<()> {

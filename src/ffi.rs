@@ -296,6 +296,7 @@ fn engine_options(opts: *const dv2_options) -> Result<EngineOptions> {
             id => Some(non_negative(id, "eos_id")? as u32),
         },
         device: non_negative(o.device, "device")?,
+        ..EngineOptions::default()
     })
 }
 

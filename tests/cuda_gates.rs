@@ -197,3 +197,107 @@ fn qwen25_3b_shape_first_16_ids_match_the_oracle() {
     println!("qwen25_3b shape: cuda {got:?}\n                 oracle {want:?}");
     assert_eq!(got, want);
 }
+
+#[test]
+fn graph_replay_equals_eager_at_every_position() {
+    for case in load_fixture()
+        .into_iter()
+        .filter(|c| c.preset.starts_with("tiny"))
+    {
+        let graph_opts = EngineOptions {
+            graph: true,
+            ..EngineOptions::default()
+        };
+        let eager_opts = EngineOptions {
+            graph: false,
+            ..EngineOptions::default()
+        };
+        let Some(mut g) = cuda_engine(&case.preset, case.seed, graph_opts) else {
+            return;
+        };
+        let mut e = cuda_engine(&case.preset, case.seed, eager_opts).unwrap();
+        let max_seq = g.max_seq();
+        assert_eq!(
+            g.prefill(&case.prompt[..1]).unwrap(),
+            e.prefill(&case.prompt[..1]).unwrap()
+        );
+        // Positions 1 ..= max_seq-1: one step each, compared after every step.
+        for pos in 1..max_seq {
+            let (a, b) = (g.step().unwrap(), e.step().unwrap());
+            assert_eq!(a, b, "{}: step writing position {pos}", case.preset);
+            assert_eq!(g.next_token().unwrap(), e.next_token().unwrap());
+            assert_eq!(g.position().unwrap(), pos + 1);
+            assert_eq!(e.position().unwrap(), pos + 1);
+        }
+        let mut lg = vec![0f32; g.spec().vocab];
+        let mut le = lg.clone();
+        g.logits(&mut lg).unwrap();
+        e.logits(&mut le).unwrap();
+        assert_eq!(
+            lg, le,
+            "graph and eager run the same kernels on the same data"
+        );
+    }
+}
+
+#[test]
+fn step_n_equals_repeated_steps_and_memory_does_not_grow() {
+    let opts = EngineOptions {
+        max_seq: 128,
+        ..EngineOptions::default()
+    };
+    let Some(mut a) = cuda_engine("medium_llama", 0, opts.clone()) else {
+        return;
+    };
+    let mut b = cuda_engine("medium_llama", 0, opts).unwrap();
+    let prompt = [5u32, 17, 99, 3];
+    a.prefill(&prompt).unwrap();
+    b.prefill(&prompt).unwrap();
+    let mut batch = vec![0u32; 40];
+    assert_eq!(a.step_n(&mut batch).unwrap(), 40);
+    let single: Vec<u32> = (0..40).map(|_| b.step().unwrap()).collect();
+    assert_eq!(batch, single);
+    let free_before = a.device_free_bytes().unwrap().unwrap();
+    let mut more = vec![0u32; 32];
+    assert_eq!(a.step_n(&mut more).unwrap(), 32);
+    for _ in 0..8 {
+        a.step().unwrap();
+    }
+    let free_after = a.device_free_bytes().unwrap().unwrap();
+    assert_eq!(
+        free_before, free_after,
+        "device memory in use changed across 40 steps"
+    );
+}
+
+#[test]
+fn step_n_stops_at_eos_inside_a_batch() {
+    let case = load_fixture()
+        .into_iter()
+        .find(|c| c.preset == "medium_llama")
+        .unwrap();
+    let eos = case.greedy[5];
+    let first = case.greedy.iter().position(|&id| id == eos).unwrap();
+    let opts = EngineOptions {
+        eos: Some(eos),
+        ..EngineOptions::default()
+    };
+    let Some(mut e) = cuda_engine(&case.preset, case.seed, opts) else {
+        return;
+    };
+    e.prefill(&case.prompt[..case.prefill_len]).unwrap();
+    let mut out = vec![0u32; 20];
+    let n = e.step_n(&mut out).unwrap();
+    assert_eq!(n, first);
+    assert_eq!(&out[..n], &case.greedy[1..=first]);
+    assert_eq!(
+        e.next_token().unwrap(),
+        eos,
+        "replays after EOS leave next_token alone"
+    );
+    assert_eq!(e.position().unwrap(), case.prefill_len + n);
+    // The logits are those of the step that produced EOS.
+    let mut logits = vec![0f32; e.spec().vocab];
+    e.logits(&mut logits).unwrap();
+    assert_eq!(decodev2::oracle::argmax(&logits), eos);
+}

@@ -9,7 +9,9 @@ use std::ffi::CString;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
 
-use cudarc::driver::CudaFunction;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaFunction, CudaModule};
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys, Ptx};
 
 use super::device::{driver_error, Gpu};
@@ -24,10 +26,15 @@ pub const ATTN_THREADS: u32 = 128;
 /// Largest head_dim the attention kernel holds in shared memory (`MAX_HEAD_DIM`).
 pub const MAX_HEAD_DIM: usize = 256;
 
-const DECODE_CU: (&str, &str) = ("decode.cu", include_str!("../../kernels/decode.cu"));
+/// A kernel file: its name under kernels/ and its embedded text.
+pub type KernelFile = (&'static str, &'static str);
+
+pub const DECODE_CU: KernelFile = ("decode.cu", include_str!("../../kernels/decode.cu"));
+/// Benchmark-only kernels (the streaming-read floor).
+pub const BENCH_CU: KernelFile = ("bench.cu", include_str!("../../kernels/bench.cu"));
 
 /// The source of one kernel file: `DV2_KERNEL_DIR/<name>` when set, else the embedded copy.
-fn source(file: (&'static str, &'static str)) -> Result<String> {
+fn source(file: KernelFile) -> Result<String> {
     match std::env::var_os("DV2_KERNEL_DIR") {
         Some(dir) => {
             let path = PathBuf::from(dir).join(file.0);
@@ -122,11 +129,16 @@ fn nvrtc_compile(name: &str, src: &str, opts: &[String]) -> Result<Vec<u8>> {
     result
 }
 
-/// The cubin of `kernels/decode.cu` for `arch` (e.g. "sm_90"), from the disk cache when the
-/// same source, options and NVRTC version were compiled before. Needs libnvrtc, not a GPU.
+/// The cubin of `kernels/decode.cu` for `arch` (e.g. "sm_90"); see [`compile`].
 pub fn compile_decode(arch: &str) -> Result<Vec<u8>> {
+    compile(DECODE_CU, arch)
+}
+
+/// The cubin of a kernel file for `arch`, from the disk cache when the same source, options
+/// and NVRTC version were compiled before. Needs libnvrtc, not a GPU.
+pub fn compile(file: KernelFile, arch: &str) -> Result<Vec<u8>> {
     let compile = || -> Result<Vec<u8>> {
-        let src = source(DECODE_CU)?;
+        let src = source(file)?;
         let opts = options(arch);
         let (major, minor) = nvrtc_version()?;
         let key = fnv1a(&[
@@ -134,11 +146,12 @@ pub fn compile_decode(arch: &str) -> Result<Vec<u8>> {
             opts.join(" ").as_bytes(),
             format!("{major}.{minor}").as_bytes(),
         ]);
-        let cached = cache_dir().map(|d| d.join(format!("decode-{arch}-{key:016x}.cubin")));
+        let stem = file.0.trim_end_matches(".cu");
+        let cached = cache_dir().map(|d| d.join(format!("{stem}-{arch}-{key:016x}.cubin")));
         if let Some(bytes) = cached.as_ref().and_then(|p| std::fs::read(p).ok()) {
             return Ok(bytes);
         }
-        let cubin = nvrtc_compile(DECODE_CU.0, &src, &opts)?;
+        let cubin = nvrtc_compile(file.0, &src, &opts)?;
         if let Some(path) = cached {
             // A cache that cannot be written only costs the next load a compile.
             let tmp = path.with_extension(format!("tmp{}", std::process::id()));
@@ -174,15 +187,20 @@ pub struct Kernels {
     pub advance: CudaFunction,
     pub finish_prefill: CudaFunction,
     pub commit_step: CudaFunction,
+    pub ring_reset: CudaFunction,
+}
+
+/// Compiles (or takes from the cache) a kernel file and loads it into the device's context.
+pub fn load_module(gpu: &Gpu, file: KernelFile) -> Result<Arc<CudaModule>> {
+    let cubin = compile(file, &gpu.arch()?)?;
+    gpu.ctx
+        .load_module(Ptx::from_binary(cubin))
+        .map_err(driver_error("cuModuleLoadData"))
 }
 
 impl Kernels {
     pub fn load(gpu: &Gpu) -> Result<Self> {
-        let cubin = compile_decode(&gpu.arch()?)?;
-        let module = gpu
-            .ctx
-            .load_module(Ptx::from_binary(cubin))
-            .map_err(driver_error("cuModuleLoadData"))?;
+        let module = load_module(gpu, DECODE_CU)?;
         let f = |name: &str| module.load_function(name).map_err(driver_error(name));
         Ok(Self {
             gemv_nf4: f("gemv_nf4")?,
@@ -197,6 +215,7 @@ impl Kernels {
             advance: f("advance")?,
             finish_prefill: f("finish_prefill")?,
             commit_step: f("commit_step")?,
+            ring_reset: f("ring_reset")?,
         })
     }
 }

@@ -4,8 +4,25 @@
 //! - [`kernels`]: NVRTC compilation of `kernels/*.cu` (cached on disk) and the function table.
 //! - [`weights`]: the model uploaded as packed NF4.
 //! - [`budget`]: the VRAM estimate checked before anything is allocated.
+//! - [`bench`]: microbenchmarks (streaming-read floor, GEMV shapes, attention).
 //! - [`step`]: the backend itself: arena, state, KV, and the launch sequence of one step.
 
+/// Launches kernel `$f` on `$gpu`'s stream with the named locals as arguments, in order.
+/// Arguments must be locals: the builder keeps references to them until the launch.
+macro_rules! launch {
+    ($gpu:expr, $f:expr, $cfg:expr; $($arg:ident),* $(,)?) => {{
+        let mut builder = $gpu.stream.launch_builder($f);
+        $( builder.arg(&$arg); )*
+        // SAFETY: every launch site passes the argument list its kernel declares (types and
+        // order checked against kernels/*.cu), with device addresses of live buffers sized
+        // for the shapes it passes.
+        unsafe { builder.launch($cfg) }
+            .map(|_| ())
+            .map_err($crate::cuda::device::driver_error("kernel launch"))
+    }};
+}
+
+pub mod bench;
 pub mod budget;
 pub mod device;
 pub mod kernels;

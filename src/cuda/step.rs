@@ -2,7 +2,8 @@
 //! launch sequence of one step. Everything is allocated in `new`; a step allocates nothing,
 //! reads nothing back and never synchronises with the host.
 
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaEvent, CudaGraph, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 
 use super::budget::{self, attn_splits, kv_stride};
 use super::device::{driver_error, Gpu};
@@ -15,11 +16,12 @@ use crate::model::HostModel;
 use crate::rope::RopeTable;
 
 /// Indices into the int32 state buffer (kernels/decode.cu `STATE_*`; 0 is the token).
-const STATE_POSITION: usize = 1;
+pub(crate) const STATE_POSITION: usize = 1;
 const STATE_VALID_LEN: usize = 2;
 const STATE_NEXT_TOKEN: usize = 3;
 const STATE_FINISHED: usize = 4;
-const STATE_LEN: usize = 8;
+const STATE_RING_COUNT: usize = 5;
+pub(crate) const STATE_LEN: usize = 8;
 
 /// bf16 bit pattern written into the KV guard slots (a NaN no kernel produces).
 const KV_POISON: u16 = 0x7fa5;
@@ -27,10 +29,10 @@ const KV_POISON: u16 = 0x7fa5;
 /// kernels/decode.cu `QkvArgs`.
 #[repr(C)]
 #[derive(Clone, Copy)]
-struct QkvArgs {
-    m: [Nf4Ref; 3],
-    bias: [u64; 3],
-    rows: [i32; 3],
+pub(crate) struct QkvArgs {
+    pub(crate) m: [Nf4Ref; 3],
+    pub(crate) bias: [u64; 3],
+    pub(crate) rows: [i32; 3],
 }
 // SAFETY: plain old data matching the kernel's struct (pointers as u64, ints as i32).
 unsafe impl DeviceRepr for QkvArgs {}
@@ -38,24 +40,80 @@ unsafe impl DeviceRepr for QkvArgs {}
 /// kernels/decode.cu `AttnArgs`.
 #[repr(C)]
 #[derive(Clone, Copy)]
-struct AttnArgs {
-    qkv: u64,
-    k_cache: u64,
-    v_cache: u64,
-    rope_cos: u64,
-    rope_sin: u64,
-    state: u64,
-    part_acc: u64,
-    part_ml: u64,
-    n_q: i32,
-    n_kv: i32,
-    head_dim: i32,
-    max_seq: i32,
-    n_splits: i32,
-    scale: f32,
+pub(crate) struct AttnArgs {
+    pub(crate) qkv: u64,
+    pub(crate) k_cache: u64,
+    pub(crate) v_cache: u64,
+    pub(crate) rope_cos: u64,
+    pub(crate) rope_sin: u64,
+    pub(crate) state: u64,
+    pub(crate) part_acc: u64,
+    pub(crate) part_ml: u64,
+    pub(crate) n_q: i32,
+    pub(crate) n_kv: i32,
+    pub(crate) head_dim: i32,
+    pub(crate) max_seq: i32,
+    pub(crate) n_splits: i32,
+    pub(crate) scale: f32,
 }
 // SAFETY: plain old data matching the kernel's struct.
 unsafe impl DeviceRepr for AttnArgs {}
+
+/// Events recorded between kernel groups of one step.
+pub struct StageMarks {
+    start: CudaEvent,
+    marks: Vec<(&'static str, CudaEvent)>,
+}
+
+impl StageMarks {
+    fn new(gpu: &Gpu) -> Result<Self> {
+        let start = timing_event(gpu)?;
+        start
+            .record(&gpu.stream)
+            .map_err(driver_error("event record"))?;
+        Ok(Self {
+            start,
+            marks: Vec::new(),
+        })
+    }
+
+    fn record(&mut self, gpu: &Gpu, label: &'static str) -> Result<()> {
+        let e = timing_event(gpu)?;
+        e.record(&gpu.stream)
+            .map_err(driver_error("event record"))?;
+        self.marks.push((label, e));
+        Ok(())
+    }
+
+    fn totals(&self) -> Result<Vec<(&'static str, f64)>> {
+        let mut out: Vec<(&'static str, f64)> = Vec::new();
+        let mut prev = &self.start;
+        for (label, e) in &self.marks {
+            let ms = prev.elapsed_ms(e).map_err(driver_error("event elapsed"))? as f64;
+            match out.iter_mut().find(|(l, _)| l == label) {
+                Some((_, t)) => *t += ms,
+                None => out.push((label, ms)),
+            }
+            prev = e;
+        }
+        Ok(out)
+    }
+}
+
+/// An event that records time (cudarc's default disables timing).
+pub fn timing_event(gpu: &Gpu) -> Result<CudaEvent> {
+    gpu.ctx
+        .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+        .map_err(driver_error("event create"))
+}
+
+/// The captured step. CUDA graph handles are not internally synchronised but may be used
+/// from any thread when calls are serialised.
+struct StepGraph(CudaGraph);
+
+// SAFETY: the graph is only reached through `&mut CudaBackend` (one thread at a time), which
+// serialises every call on it, as the CUDA graph thread-safety rules require.
+unsafe impl Send for StepGraph {}
 
 /// Activations and logits, allocated once at load.
 struct Arena {
@@ -68,19 +126,8 @@ struct Arena {
     part_acc: CudaSlice<f32>,
     part_ml: CudaSlice<f32>,
     prompt: CudaSlice<i32>,
-}
-
-/// Launches `$f` on the backend's stream with the named locals as arguments, in order.
-/// Arguments must be locals (they have to outlive the builder).
-macro_rules! launch {
-    ($self:expr, $f:expr, $cfg:expr; $($arg:ident),* $(,)?) => {{
-        let mut builder = $self.gpu.stream.launch_builder($f);
-        $( builder.arg(&$arg); )*
-        // SAFETY: every launch site passes the argument list its kernel declares (types and
-        // order checked against kernels/decode.cu), with device addresses of live buffers
-        // sized at load for this model's shapes.
-        unsafe { builder.launch($cfg) }.map(|_| ()).map_err(driver_error("kernel launch"))
-    }};
+    /// The ids of the steps of one step_n call, appended by commit_step.
+    ring: CudaSlice<i32>,
 }
 
 pub struct CudaBackend {
@@ -97,12 +144,17 @@ pub struct CudaBackend {
     rope_sin: CudaSlice<f32>,
     arena: Arena,
     n_splits: usize,
+    /// One greedy step (forward + commit) captured at load; None runs it eagerly.
+    graph: Option<StepGraph>,
+    /// Timings of `new`, for the bench: (load without capture, eager probe + capture) in ms.
+    pub load_ms: f64,
+    pub warmup_ms: f64,
 }
 
 /// Warps splitting one row's K: `DV2_GEMV_NR` (rows per CTA: 1, 2, 4 or 8) when set, else
 /// one warp per row for tall matrices (lm_head, SwiGLU) and more for short ones, so the grid
 /// still fills the device.
-fn gemv_kparts(rows: usize) -> u32 {
+pub(crate) fn gemv_kparts(rows: usize) -> u32 {
     if let Some(nr) = std::env::var("DV2_GEMV_NR")
         .ok()
         .and_then(|v| v.parse::<u32>().ok())
@@ -118,7 +170,7 @@ fn gemv_kparts(rows: usize) -> u32 {
     }
 }
 
-fn gemv_grid(rows: usize, kparts: u32) -> LaunchConfig {
+pub(crate) fn gemv_grid(rows: usize, kparts: u32) -> LaunchConfig {
     let rows_per_cta = (GEMV_WARPS / kparts) as usize;
     LaunchConfig {
         grid_dim: (rows.div_ceil(rows_per_cta) as u32, 1, 1),
@@ -127,7 +179,7 @@ fn gemv_grid(rows: usize, kparts: u32) -> LaunchConfig {
     }
 }
 
-fn one_cta(threads: u32) -> LaunchConfig {
+pub(crate) fn one_cta(threads: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (1, 1, 1),
         block_dim: (threads, 1, 1),
@@ -136,7 +188,16 @@ fn one_cta(threads: u32) -> LaunchConfig {
 }
 
 impl CudaBackend {
-    pub fn new(host: &HostModel, max_seq: usize, eos: Option<u32>, device: usize) -> Result<Self> {
+    /// Uploads the model and allocates everything; with `graph`, runs one eager step as a
+    /// probe and captures the step into a CUDA graph.
+    pub fn new(
+        host: &HostModel,
+        max_seq: usize,
+        eos: Option<u32>,
+        device: usize,
+        graph: bool,
+    ) -> Result<Self> {
+        let started = std::time::Instant::now();
         let s = host.spec;
         if s.head_dim > MAX_HEAD_DIM || s.head_dim % 2 != 0 {
             return Err(Error::Unsupported(format!(
@@ -165,6 +226,7 @@ impl CudaBackend {
             part_acc: gpu.zeros(s.n_q_heads * n_splits * s.head_dim)?,
             part_ml: gpu.zeros(s.n_q_heads * n_splits * 2)?,
             prompt: gpu.zeros(max_seq)?,
+            ring: gpu.zeros(max_seq)?,
         };
         let backend = Self {
             k_cache: gpu.upload(&poison)?,
@@ -180,9 +242,47 @@ impl CudaBackend {
             eos: eos.map_or(-1, |e| e as i32),
             model,
             n_splits,
+            graph: None,
+            load_ms: 0.0,
+            warmup_ms: 0.0,
         };
+        let mut backend = backend;
         backend.gpu.sync()?;
+        backend.load_ms = started.elapsed().as_secs_f64() * 1e3;
+        if graph {
+            let started = std::time::Instant::now();
+            backend.capture()?;
+            backend.warmup_ms = started.elapsed().as_secs_f64() * 1e3;
+        }
         Ok(backend)
+    }
+
+    /// Runs one eager step (so any launch problem surfaces outside a capture), then captures
+    /// the step into a graph. The probe's KV write lands in slot 0, which the next request
+    /// overwrites before reading; the state is reset afterwards.
+    fn capture(&mut self) -> Result<()> {
+        self.record_step()?;
+        self.gpu.sync()?;
+        let stream = self.gpu.stream.clone();
+        stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .map_err(driver_error("begin capture"))?;
+        let recorded = self.record_step();
+        let graph = stream
+            .end_capture(CUgraphInstantiate_flags(0))
+            .map_err(driver_error("end capture"));
+        recorded?;
+        let graph = graph?.ok_or_else(|| Error::Cuda("stream capture produced no graph".into()))?;
+        graph.upload().map_err(driver_error("graph upload"))?;
+        self.graph = Some(StepGraph(graph));
+        self.reset()
+    }
+
+    /// Enqueues one greedy step: forward with logits, then the commit.
+    fn record_step(&self) -> Result<()> {
+        self.forward(true)?;
+        let (state, eos, ring) = (self.ptr(&self.state), self.eos, self.ptr(&self.arena.ring));
+        launch!(self.gpu, &self.k.commit_step, one_cta(1); state, eos, ring)
     }
 
     /// Device name, for logs.
@@ -196,11 +296,12 @@ impl CudaBackend {
 
     fn rms(&self, x: u64, w: &CudaSlice<u16>, out: u64) -> Result<()> {
         let (w, n, eps) = (self.ptr(w), self.spec.hidden as i32, self.spec.rms_eps);
-        launch!(self, &self.k.rms_norm, one_cta(512); x, w, out, n, eps)
+        launch!(self.gpu, &self.k.rms_norm, one_cta(512); x, w, out, n, eps)
     }
 
-    /// `y = W x` (`accumulate`: `y += W x`).
-    fn gemv(&self, m: &DeviceMatrix, x: u64, y: u64, accumulate: bool) -> Result<()> {
+    /// `y = W x` (`accumulate`: `y += W x`); skipped on the device while `*skip_if != 0`
+    /// (`skip_if` = 0: never).
+    fn gemv(&self, m: &DeviceMatrix, x: u64, y: u64, accumulate: bool, skip_if: u64) -> Result<()> {
         let kparts = gemv_kparts(m.rows);
         let (mref, bias, rows, cols, kp, acc) = (
             m.as_ref(&self.gpu),
@@ -210,12 +311,24 @@ impl CudaBackend {
             kparts as i32,
             accumulate as i32,
         );
-        launch!(self, &self.k.gemv_nf4, gemv_grid(m.rows, kparts); mref, x, y, bias, rows, cols, kp, acc)
+        launch!(self.gpu, &self.k.gemv_nf4, gemv_grid(m.rows, kparts); mref, x, y, bias, rows, cols, kp, acc, skip_if)
     }
 
     /// One forward pass for the token in the state buffer at its position: KV slot written;
     /// with `logits`, the logits and next_token too.
     fn forward(&self, logits: bool) -> Result<()> {
+        self.forward_marked(logits, &mut None)
+    }
+
+    /// [`Self::forward`], recording an event after each group of kernels into `marks` when
+    /// given (the per-stage split of the bench).
+    fn forward_marked(&self, logits: bool, marks: &mut Option<&mut StageMarks>) -> Result<()> {
+        let mut mark = |label: &'static str| -> Result<()> {
+            match marks {
+                Some(m) => m.record(&self.gpu, label),
+                None => Ok(()),
+            }
+        };
         let s = &self.spec;
         let a = &self.arena;
         let (x, xn, qkv, attn, act) = (
@@ -228,7 +341,8 @@ impl CudaBackend {
         let state = self.ptr(&self.state);
         let (hidden, vocab) = (s.hidden as i32, s.vocab as i32);
         let embed = self.model.embed.as_ref(&self.gpu);
-        launch!(self, &self.k.embed_row, one_cta(256); state, embed, x, hidden, vocab)?;
+        launch!(self.gpu, &self.k.embed_row, one_cta(256); state, embed, x, hidden, vocab)?;
+        mark("embed")?;
         let layer_elems = (kv_stride(self.max_seq) * s.kv_dim()) as u64;
         let qkv_rows = s.qkv_rows();
         let qkv_kparts = gemv_kparts(qkv_rows);
@@ -244,7 +358,8 @@ impl CudaBackend {
                 rows: [0, 1, 2].map(|i| layer.qkv[i].rows as i32),
             };
             let kp = qkv_kparts as i32;
-            launch!(self, &self.k.gemv_qkv, gemv_grid(qkv_rows, qkv_kparts); args, xn, qkv, hidden, kp)?;
+            launch!(self.gpu, &self.k.gemv_qkv, gemv_grid(qkv_rows, qkv_kparts); args, xn, qkv, hidden, kp)?;
+            mark("attn_norm + qkv")?;
             let attn_args = AttnArgs {
                 qkv,
                 k_cache: self.ptr(&self.k_cache) + 2 * l as u64 * layer_elems,
@@ -266,7 +381,7 @@ impl CudaBackend {
                 block_dim: (ATTN_THREADS, 1, 1),
                 shared_mem_bytes: 0,
             };
-            launch!(self, &self.k.attn_decode, cfg; attn_args)?;
+            launch!(self.gpu, &self.k.attn_decode, cfg; attn_args)?;
             let merge = LaunchConfig {
                 grid_dim: (s.n_q_heads as u32, 1, 1),
                 block_dim: ((s.head_dim as u32).next_multiple_of(32), 1, 1),
@@ -279,8 +394,10 @@ impl CudaBackend {
                 attn_args.n_splits,
                 attn_args.max_seq,
             );
-            launch!(self, &self.k.attn_merge, merge; pa, pm, state, attn, hd, ns, ms)?;
-            self.gemv(&layer.o, attn, x, true)?;
+            launch!(self.gpu, &self.k.attn_merge, merge; pa, pm, state, attn, hd, ns, ms)?;
+            mark("attention + merge")?;
+            self.gemv(&layer.o, attn, x, true, 0)?;
+            mark("o_proj (+residual)")?;
             self.rms(x, &layer.ffn_norm, xn)?;
             let kparts = gemv_kparts(s.intermediate);
             let (g, u, rows, kp) = (
@@ -289,16 +406,33 @@ impl CudaBackend {
                 s.intermediate as i32,
                 kparts as i32,
             );
-            launch!(self, &self.k.gemv_swiglu, gemv_grid(s.intermediate, kparts); g, u, xn, act, rows, hidden, kp)?;
-            self.gemv(&layer.down, act, x, true)?;
+            launch!(self.gpu, &self.k.gemv_swiglu, gemv_grid(s.intermediate, kparts); g, u, xn, act, rows, hidden, kp)?;
+            mark("ffn_norm + gate/up SwiGLU")?;
+            self.gemv(&layer.down, act, x, true, 0)?;
+            mark("down (+residual)")?;
         }
         if logits {
             self.rms(x, &self.model.final_norm, xn)?;
             let out = self.ptr(&a.logits);
-            self.gemv(self.model.lm_head(), xn, out, false)?;
-            launch!(self, &self.k.argmax_logits, one_cta(1024); out, vocab, state)?;
+            let finished = state + 4 * STATE_FINISHED as u64;
+            self.gemv(self.model.lm_head(), xn, out, false, finished)?;
+            launch!(self.gpu, &self.k.argmax_logits, one_cta(1024); out, vocab, state)?;
+            mark("final_norm + lm_head + argmax")?;
         }
         Ok(())
+    }
+
+    /// Runs one eager greedy step with an event after each kernel group; returns the time of
+    /// each stage summed over layers, in ms, in first-seen order. Advances the state like
+    /// step().
+    pub fn profile_step(&mut self) -> Result<Vec<(&'static str, f64)>> {
+        let mut marks = StageMarks::new(&self.gpu)?;
+        self.forward_marked(true, &mut Some(&mut marks))?;
+        let (state, eos, ring) = (self.ptr(&self.state), self.eos, self.ptr(&self.arena.ring));
+        launch!(self.gpu, &self.k.commit_step, one_cta(1); state, eos, ring)?;
+        marks.record(&self.gpu, "commit")?;
+        self.gpu.sync()?;
+        marks.totals()
     }
 
     fn read_state(&self) -> Result<[i32; STATE_LEN]> {
@@ -348,27 +482,34 @@ impl Backend for CudaBackend {
         let (state, prompt) = (self.ptr(&self.state), self.ptr(&self.arena.prompt));
         for i in 0..ids.len() {
             let i32_i = i as i32;
-            launch!(self, &self.k.load_token, one_cta(1); state, prompt, i32_i)?;
+            launch!(self.gpu, &self.k.load_token, one_cta(1); state, prompt, i32_i)?;
             self.forward(i + 1 == ids.len())?;
-            launch!(self, &self.k.advance, one_cta(1); state)?;
+            launch!(self.gpu, &self.k.advance, one_cta(1); state)?;
         }
         let eos = self.eos;
-        launch!(self, &self.k.finish_prefill, one_cta(1); state, eos)?;
+        launch!(self.gpu, &self.k.finish_prefill, one_cta(1); state, eos)?;
         self.gpu.sync()
     }
 
+    /// Enqueues `out.len()` steps (graph replays, or eager launches) with no host wait in
+    /// between, then copies the step ring back once. Steps after the one that finished commit
+    /// nothing on the device.
     fn step_n(&mut self, out: &mut [u32]) -> Result<usize> {
-        let (state, eos) = (self.ptr(&self.state), self.eos);
-        for (i, slot) in out.iter_mut().enumerate() {
-            self.forward(true)?;
-            launch!(self, &self.k.commit_step, one_cta(1); state, eos)?;
-            let st = self.read_state()?;
-            *slot = st[STATE_NEXT_TOKEN] as u32;
-            if st[STATE_FINISHED] != 0 {
-                return Ok(i + 1);
+        let state = self.ptr(&self.state);
+        launch!(self.gpu, &self.k.ring_reset, one_cta(1); state)?;
+        for _ in 0..out.len() {
+            match &self.graph {
+                Some(g) => g.0.launch().map_err(driver_error("graph launch"))?,
+                None => self.record_step()?,
             }
         }
-        Ok(out.len())
+        let st = self.read_state()?;
+        let done = st[STATE_RING_COUNT] as usize;
+        let ring = self.gpu.download(&self.arena.ring, done)?;
+        out.iter_mut()
+            .zip(&ring)
+            .for_each(|(o, id)| *o = *id as u32);
+        Ok(done)
     }
 
     fn next_token(&mut self) -> Result<u32> {
@@ -393,5 +534,9 @@ impl Backend for CudaBackend {
 
     fn kv_guard_intact(&mut self) -> Result<bool> {
         CudaBackend::kv_guard_intact(self)
+    }
+
+    fn device_free_bytes(&mut self) -> Result<Option<usize>> {
+        Ok(Some(self.gpu.memory()?.0))
     }
 }

@@ -1,0 +1,320 @@
+//! Device microbenchmarks: the streaming-read floor, the GEMV kernels on given shapes, and
+//! attention. Each is captured as a graph of launches over copies rotated well past the
+//! 60 MB L2 (so the figures are HBM's), replayed many times, timed with CUDA events; the
+//! median per launch is reported. Inputs are random, never zeros.
+
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+
+use super::budget::{attn_splits, kv_stride};
+use super::device::{driver_error, Gpu};
+use super::kernels::{load_module, Kernels, ATTN_THREADS, BENCH_CU};
+use super::step::{
+    gemv_grid, gemv_kparts, timing_event, AttnArgs, QkvArgs, STATE_LEN, STATE_POSITION,
+};
+use super::weights::Nf4Ref;
+use crate::arch::ArchSpec;
+use crate::error::{Error, Result};
+use crate::rope::RopeTable;
+
+/// Rotate over at least this many bytes of copies: several times the H200's 60 MB L2.
+const ROTATE_BYTES: usize = 512 << 20;
+const WARMUP: usize = 3;
+const REPLAYS: usize = 25;
+
+/// One measured kernel: bytes it must move, median time, and the streaming-read time for the
+/// same byte count on this device.
+#[derive(Clone, Debug)]
+pub struct Timing {
+    pub name: String,
+    pub bytes: usize,
+    pub median_us: f64,
+    pub floor_us: f64,
+}
+
+impl Timing {
+    pub fn gb_per_s(&self) -> f64 {
+        self.bytes as f64 / self.median_us / 1e3
+    }
+    /// Floor time over measured time: 1.0 is the streaming-read speed.
+    pub fn of_floor(&self) -> f64 {
+        self.floor_us / self.median_us
+    }
+}
+
+/// Deterministic random bytes (xorshift), so no input is ever all zeros.
+fn random_bytes(len: usize, seed: u64) -> Vec<u8> {
+    let mut s = seed | 1;
+    (0..len)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 24) as u8
+        })
+        .collect()
+}
+
+/// Uniform f32 in [lo, hi).
+fn random_f32(len: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
+    random_bytes(len * 3, seed)
+        .chunks_exact(3)
+        .map(|b| {
+            lo + (hi - lo) * ((b[0] as u32) << 16 | (b[1] as u32) << 8 | b[2] as u32) as f32
+                / 16_777_216.0
+        })
+        .collect()
+}
+
+struct RandomMatrix {
+    packed: CudaSlice<u8>,
+    absmax: CudaSlice<f32>,
+}
+
+impl RandomMatrix {
+    fn new(gpu: &Gpu, rows: usize, cols: usize, seed: u64) -> Result<Self> {
+        Ok(Self {
+            packed: gpu.upload(&random_bytes(rows * cols / 2, seed))?,
+            absmax: gpu.upload(&random_f32(rows * cols / 64, seed + 1, 0.01, 0.1))?,
+        })
+    }
+    fn as_ref(&self, gpu: &Gpu) -> Nf4Ref {
+        Nf4Ref {
+            packed: gpu.ptr(&self.packed),
+            absmax: gpu.ptr(&self.absmax),
+        }
+    }
+    fn bytes(rows: usize, cols: usize) -> usize {
+        rows * cols / 2 + rows * cols / 64 * 4
+    }
+}
+
+pub struct Bench {
+    gpu: Gpu,
+    k: Kernels,
+    stream_read: CudaFunction,
+    sink: CudaSlice<u32>,
+}
+
+impl Bench {
+    pub fn new(device: usize) -> Result<Self> {
+        let gpu = Gpu::open(device)?;
+        let k = Kernels::load(&gpu)?;
+        let stream_read = load_module(&gpu, BENCH_CU)?
+            .load_function("stream_read")
+            .map_err(driver_error("stream_read"))?;
+        let sink = gpu.zeros(1)?;
+        Ok(Self {
+            gpu,
+            k,
+            stream_read,
+            sink,
+        })
+    }
+
+    pub fn device_name(&self) -> String {
+        self.gpu.name()
+    }
+
+    /// Copies needed so that `bytes_each * copies` spans ROTATE_BYTES (at least 2).
+    fn copies(bytes_each: usize) -> usize {
+        ROTATE_BYTES.div_ceil(bytes_each.max(1)).clamp(2, 256)
+    }
+
+    /// Median µs per launch: `launch(i)` for i in 0..copies captured as one graph, replayed.
+    fn time_rotated(&self, copies: usize, launch: impl Fn(usize) -> Result<()>) -> Result<f64> {
+        let stream = self.gpu.stream.clone();
+        stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .map_err(driver_error("begin capture"))?;
+        let recorded = (0..copies).try_for_each(&launch);
+        let graph = stream
+            .end_capture(CUgraphInstantiate_flags(0))
+            .map_err(driver_error("end capture"));
+        recorded?;
+        let graph = graph?.ok_or_else(|| Error::Cuda("empty capture".into()))?;
+        let (start, end) = (timing_event(&self.gpu)?, timing_event(&self.gpu)?);
+        let mut per_launch = Vec::with_capacity(REPLAYS);
+        for i in 0..WARMUP + REPLAYS {
+            start.record(&stream).map_err(driver_error("event"))?;
+            graph.launch().map_err(driver_error("graph launch"))?;
+            end.record(&stream).map_err(driver_error("event"))?;
+            self.gpu.sync()?;
+            if i >= WARMUP {
+                per_launch.push(
+                    start.elapsed_ms(&end).map_err(driver_error("elapsed"))? as f64 * 1e3
+                        / copies as f64,
+                );
+            }
+        }
+        per_launch.sort_by(f64::total_cmp);
+        Ok(per_launch[per_launch.len() / 2])
+    }
+
+    /// The streaming-read floor: µs to read `bytes` with 16-byte loads (rotated copies).
+    pub fn floor_us(&self, bytes: usize) -> Result<f64> {
+        let bytes = bytes.next_multiple_of(16);
+        let copies = Self::copies(bytes);
+        let data = random_bytes(bytes, 7);
+        let bufs = (0..copies)
+            .map(|_| self.gpu.upload(&data))
+            .collect::<Result<Vec<_>>>()?;
+        let n16 = (bytes / 16) as u64;
+        let sink = self.gpu.ptr(&self.sink);
+        // 8 CTAs of 256 threads per SM, never more CTAs than 16-byte words.
+        let sms = 132u64;
+        let ctas = (sms * 8).min(n16.div_ceil(256)).max(1) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (ctas, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.time_rotated(copies, |i| {
+            let p = self.gpu.ptr(&bufs[i]);
+            launch!(self.gpu, &self.stream_read, cfg; p, n16, sink)
+        })
+    }
+
+    /// Times one GEMV-family kernel on random weights: `kind` is "qkv" (rows = q+k+v rows,
+    /// split 1/8th each for k and v as in GQA 16/2), "swiglu" (gate and up of `rows`),
+    /// "residual" (`y += W x`) or "plain" (`y = W x`).
+    pub fn gemv(&self, name: &str, kind: &str, rows: &[usize], cols: usize) -> Result<Timing> {
+        let total_rows: usize = rows.iter().sum();
+        let mats_per_copy = if kind == "swiglu" { 2 } else { rows.len() };
+        let weight_bytes = match kind {
+            "swiglu" => 2 * RandomMatrix::bytes(rows[0], cols),
+            _ => rows.iter().map(|r| RandomMatrix::bytes(*r, cols)).sum(),
+        };
+        let out_rows = if kind == "swiglu" {
+            rows[0]
+        } else {
+            total_rows
+        };
+        let io_bytes = cols * 4 + out_rows * 4 * if kind == "residual" { 2 } else { 1 };
+        let bytes = weight_bytes + io_bytes + if kind == "qkv" { total_rows * 4 } else { 0 };
+        let copies = Self::copies(weight_bytes);
+        let mut mats = Vec::with_capacity(copies * mats_per_copy);
+        for c in 0..copies {
+            for (j, r) in rows.iter().cycle().take(mats_per_copy).enumerate() {
+                mats.push(RandomMatrix::new(
+                    &self.gpu,
+                    *r,
+                    cols,
+                    (c * 8 + j) as u64 + 11,
+                )?);
+            }
+        }
+        let x = self.gpu.upload(&random_f32(cols, 3, -1.0, 1.0))?;
+        let y = self
+            .gpu
+            .upload(&random_f32(total_rows.max(out_rows), 4, -1.0, 1.0))?;
+        let bias = rows
+            .iter()
+            .map(|r| self.gpu.upload(&random_f32(*r, 5, -0.5, 0.5)))
+            .collect::<Result<Vec<_>>>()?;
+        let (xp, yp, cols_i) = (self.gpu.ptr(&x), self.gpu.ptr(&y), cols as i32);
+        let kparts = gemv_kparts(total_rows.max(out_rows));
+        let kp = kparts as i32;
+        let median_us = self.time_rotated(copies, |c| {
+            let m = &mats[c * mats_per_copy..(c + 1) * mats_per_copy];
+            match kind {
+                "qkv" => {
+                    let args = QkvArgs {
+                        m: [m[0].as_ref(&self.gpu), m[1].as_ref(&self.gpu), m[2].as_ref(&self.gpu)],
+                        bias: [0, 1, 2].map(|i| self.gpu.ptr(&bias[i])),
+                        rows: [rows[0] as i32, rows[1] as i32, rows[2] as i32],
+                    };
+                    launch!(self.gpu, &self.k.gemv_qkv, gemv_grid(total_rows, kparts); args, xp, yp, cols_i, kp)
+                }
+                "swiglu" => {
+                    let (g, u, r) = (m[0].as_ref(&self.gpu), m[1].as_ref(&self.gpu), rows[0] as i32);
+                    launch!(self.gpu, &self.k.gemv_swiglu, gemv_grid(rows[0], kparts); g, u, xp, yp, r, cols_i, kp)
+                }
+                _ => {
+                    let (w, nobias, r, acc, noskip) = (m[0].as_ref(&self.gpu), 0u64, rows[0] as i32, (kind == "residual") as i32, 0u64);
+                    launch!(self.gpu, &self.k.gemv_nf4, gemv_grid(rows[0], kparts); w, xp, yp, nobias, r, cols_i, kp, acc, noskip)
+                }
+            }
+        })?;
+        Ok(Timing {
+            name: name.into(),
+            bytes,
+            median_us,
+            floor_us: self.floor_us(bytes)?,
+        })
+    }
+
+    /// Times attention (flash-decode + merge) of one layer at `valid_len`, rotating over the
+    /// layers of a KV cache of `spec` with `max_seq` slots (random bf16 contents).
+    pub fn attention(&self, spec: &ArchSpec, max_seq: usize, valid_len: usize) -> Result<Timing> {
+        let s = spec;
+        let layer_elems = kv_stride(max_seq) * s.kv_dim();
+        let layers = s.n_layers;
+        let kv_host: Vec<u16> = random_f32(layers * layer_elems, 9, -1.0, 1.0)
+            .iter()
+            .map(|v| half::bf16::from_f32(*v).to_bits())
+            .collect();
+        let (k_cache, v_cache) = (self.gpu.upload(&kv_host)?, self.gpu.upload(&kv_host)?);
+        let qkv = self.gpu.upload(&random_f32(s.qkv_rows(), 10, -1.0, 1.0))?;
+        let rope = RopeTable::new(max_seq, s.head_dim, s.rope_theta);
+        let (cos, sin) = (self.gpu.upload(&rope.cos)?, self.gpu.upload(&rope.sin)?);
+        let mut state_host = [0i32; STATE_LEN];
+        state_host[STATE_POSITION] = valid_len as i32 - 1;
+        let state = self.gpu.upload(&state_host)?;
+        let n_splits = attn_splits(max_seq);
+        let part_acc = self.gpu.zeros::<f32>(s.n_q_heads * n_splits * s.head_dim)?;
+        let part_ml = self.gpu.zeros::<f32>(s.n_q_heads * n_splits * 2)?;
+        let out = self.gpu.zeros::<f32>(s.hidden)?;
+        let base = AttnArgs {
+            qkv: self.gpu.ptr(&qkv),
+            k_cache: 0,
+            v_cache: 0,
+            rope_cos: self.gpu.ptr(&cos),
+            rope_sin: self.gpu.ptr(&sin),
+            state: self.gpu.ptr(&state),
+            part_acc: self.gpu.ptr(&part_acc),
+            part_ml: self.gpu.ptr(&part_ml),
+            n_q: s.n_q_heads as i32,
+            n_kv: s.n_kv_heads as i32,
+            head_dim: s.head_dim as i32,
+            max_seq: max_seq as i32,
+            n_splits: n_splits as i32,
+            scale: 1.0 / (s.head_dim as f32).sqrt(),
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (s.n_q_heads as u32, n_splits as u32, 1),
+            block_dim: (ATTN_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let merge = LaunchConfig {
+            grid_dim: (s.n_q_heads as u32, 1, 1),
+            block_dim: ((s.head_dim as u32).next_multiple_of(32), 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (pa, pm, st, o, hd, ns, ms) = (
+            base.part_acc,
+            base.part_ml,
+            base.state,
+            self.gpu.ptr(&out),
+            base.head_dim,
+            base.n_splits,
+            base.max_seq,
+        );
+        let median_us = self.time_rotated(layers, |l| {
+            let args = AttnArgs {
+                k_cache: self.gpu.ptr(&k_cache) + 2 * (l * layer_elems) as u64,
+                v_cache: self.gpu.ptr(&v_cache) + 2 * (l * layer_elems) as u64,
+                ..base
+            };
+            launch!(self.gpu, &self.k.attn_decode, cfg; args)?;
+            launch!(self.gpu, &self.k.attn_merge, merge; pa, pm, st, o, hd, ns, ms)
+        })?;
+        let bytes = 2 * valid_len * s.kv_dim() * 2 + s.qkv_rows() * 4 + s.hidden * 4;
+        Ok(Timing {
+            name: format!("attention, valid_len {valid_len}"),
+            bytes,
+            median_us,
+            floor_us: self.floor_us(bytes)?,
+        })
+    }
+}
