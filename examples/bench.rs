@@ -117,31 +117,42 @@ fn main() {
         .unwrap_or_else(|| "bench.json".into());
     let mut json = String::from("{\n");
 
-    let bench = Bench::new(0).expect("CUDA device");
-    println!("device: {}", bench.device_name());
-    writeln!(json, "  \"device\": \"{}\",", bench.device_name()).unwrap();
-
-    if !flag("--skip-kernels") {
-        println!("\nstreaming-read floor (16-byte loads, graph of rotated copies):");
-        json += "  \"floor\": [";
-        for mb in [0.26, 1.0, 2.4, 12.4, 24.8, 168.0] {
-            let bytes = (mb * 1e6) as usize;
-            let us = bench.floor_us(bytes).unwrap();
-            println!(
-                "  {:>7.2} MB  {:>8.2} µs  {:>6.0} GB/s",
-                mb,
-                us,
-                bytes as f64 / us / 1e3
-            );
-            write!(json, "{{\"mb\": {mb}, \"us\": {us:.3}}}, ").unwrap();
+    // Kernel microbenchmarks, per variant (DV2_GEMV / DV2_ATTN), in one process.
+    let mut first = true;
+    json += "  \"kernels\": {\n";
+    for variant in ["v2", "v1"] {
+        std::env::set_var("DV2_GEMV", variant);
+        std::env::set_var("DV2_ATTN", variant);
+        let bench = Bench::new(0).expect("CUDA device");
+        if first {
+            println!("device: {}", bench.device_name());
+            first = false;
         }
-        json = json.trim_end_matches(", ").to_string() + "],\n";
-        println!("\nkernels on the Qwen2.5-3B shapes (median µs per launch over rotated copies):");
+        if flag("--skip-kernels") {
+            break;
+        }
+        if variant == "v2" {
+            println!("\nstreaming-read floor (16-byte loads, graph of rotated copies):");
+            for mb in [0.26, 1.0, 2.4, 12.4, 24.8, 168.0] {
+                let bytes = (mb * 1e6) as usize;
+                let us = bench.floor_us(bytes).unwrap();
+                println!(
+                    "  {:>7.2} MB  {:>8.2} µs  {:>6.0} GB/s",
+                    mb,
+                    us,
+                    bytes as f64 / us / 1e3
+                );
+            }
+        }
+        println!(
+            "\nkernels on the Qwen2.5-3B shapes, {} (median µs per launch over rotated copies):",
+            bench.variants()
+        );
         println!(
             "  {:<26} {:>9} {:>9} {:>8} {:>9} {:>7}",
             "kernel", "MB", "µs", "GB/s", "floor µs", "floor%"
         );
-        json += "  \"kernels\": [\n";
+        writeln!(json, "    \"{variant}\": [").unwrap();
         for t in kernel_table(&bench, &QWEN25_3B) {
             println!(
                 "  {:<26} {:>9.2} {:>9.2} {:>8.0} {:>9.2} {:>6.0}%",
@@ -152,11 +163,13 @@ fn main() {
                 t.floor_us,
                 100.0 * t.of_floor()
             );
-            writeln!(json, "    {{\"name\": \"{}\", \"bytes\": {}, \"median_us\": {:.3}, \"floor_us\": {:.3}}},", t.name, t.bytes, t.median_us, t.floor_us).unwrap();
+            writeln!(json, "      {{\"name\": \"{}\", \"bytes\": {}, \"median_us\": {:.3}, \"floor_us\": {:.3}}},", t.name, t.bytes, t.median_us, t.floor_us).unwrap();
         }
-        json = json.trim_end_matches(",\n").to_string() + "\n  ],\n";
+        json = json.trim_end_matches(",\n").to_string() + "\n    ],\n";
     }
-    drop(bench);
+    json = json.trim_end_matches(",\n").to_string() + "\n  },\n";
+    std::env::remove_var("DV2_GEMV");
+    std::env::remove_var("DV2_ATTN");
 
     let mut runs = Vec::new();
     let medium = synth::build(&MEDIUM_LLAMA, 0).unwrap();
@@ -174,6 +187,12 @@ fn main() {
         for graph in [true, false] {
             runs.push(time_decode("qwen25_3b", &qwen, 2048, 48, 128, graph, 3));
         }
+        // The v1 kernels, same process, for the ratio.
+        std::env::set_var("DV2_GEMV", "v1");
+        std::env::set_var("DV2_ATTN", "v1");
+        runs.push(time_decode("qwen25_3b v1", &qwen, 2048, 48, 128, true, 3));
+        std::env::remove_var("DV2_GEMV");
+        std::env::remove_var("DV2_ATTN");
         split = stage_split(&qwen, 2048, 48);
     }
     println!("\ndecode (ignore EOS; median of runs; first decode step excluded):");

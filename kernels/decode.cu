@@ -213,6 +213,212 @@ extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_CTAS_PER_SM)
     });
 }
 
+// ---------------------------------------------------------------------------------------
+// GEMV v2 (default; DV2_GEMV=v1 selects the kernels above). Persistent CTAs walk a block of
+// rows; each warp holds its slice of x in registers for the whole walk (x is read once per
+// warp, not once per row: the v1 kernels re-read 128 bytes of x for every 16 bytes of
+// weights, with lanes 128 bytes apart, which made L1 the bottleneck), and issues the loads
+// of R rows before using any of them.
+//
+// A row's 16-byte chunks are split over `kparts` warps (runtime: 1, 2, 4 or 8); each warp's
+// lane holds J chunks (compile time: 1..3) of the row part, so a part covers 32*J chunks.
+// The CTA's 8 warps are (8 / kparts) row lanes x kparts parts. Every warp runs the same
+// number of iterations, so the per-iteration part reduction may use __syncthreads.
+
+#define GEMV2_MAX_LANES_X_R 32  // (row lanes) x (rows in flight) held in shared memory
+
+template <int J>
+struct XSlice {
+    float v[J][32];
+};
+
+template <int J>
+__device__ __forceinline__ void load_x_slice(const float* __restrict__ x, int part, int n_chunks, XSlice<J>& xs) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int j = 0; j < J; j++) {
+        const int c = (part * J + j) * 32 + lane;
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            float4 v = c < n_chunks ? reinterpret_cast<const float4*>(x + 32 * c)[k] : make_float4(0.f, 0.f, 0.f, 0.f);
+            xs.v[j][4 * k] = v.x;
+            xs.v[j][4 * k + 1] = v.y;
+            xs.v[j][4 * k + 2] = v.z;
+            xs.v[j][4 * k + 3] = v.w;
+        }
+    }
+}
+
+template <int J>
+struct RowChunks {
+    uint4 q[J];
+    float s[J];
+};
+
+// Issues the loads of this lane's chunks of one row part (zero scale past the row's end).
+template <int J>
+__device__ __forceinline__ void load_row(Nf4Ref m, int row, int cols, int part, RowChunks<J>& rc) {
+    const int lane = threadIdx.x & 31, n_chunks = cols >> 5;
+    const uint4* w = reinterpret_cast<const uint4*>(m.packed + (size_t)row * (cols >> 1));
+    const float* a = m.absmax + (size_t)row * (cols >> 6);
+#pragma unroll
+    for (int j = 0; j < J; j++) {
+        const int c = (part * J + j) * 32 + lane;
+        const bool in = c < n_chunks;
+        rc.q[j] = in ? __ldg(w + c) : make_uint4(0u, 0u, 0u, 0u);
+        rc.s[j] = in ? __ldg(a + (c >> 1)) : 0.0f;
+    }
+}
+
+template <int J>
+__device__ __forceinline__ float dot_row(const RowChunks<J>& rc, const XSlice<J>& xs, const float* lut) {
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < J; j++) {
+        const u32 words[4] = {rc.q[j].x, rc.q[j].y, rc.q[j].z, rc.q[j].w};
+        float part = 0.0f;
+#pragma unroll
+        for (int w = 0; w < 4; w++) {
+            const u32 b = words[w];
+            const float* xv = &xs.v[j][8 * w];
+            part += lut[(b >> 4) & 15] * xv[0] + lut[b & 15] * xv[1] + lut[(b >> 12) & 15] * xv[2] +
+                    lut[(b >> 8) & 15] * xv[3] + lut[(b >> 20) & 15] * xv[4] + lut[(b >> 16) & 15] * xv[5] +
+                    lut[(b >> 28) & 15] * xv[6] + lut[(b >> 24) & 15] * xv[7];
+        }
+        acc = fmaf(part, rc.s[j], acc);
+    }
+    return acc;
+}
+
+// The walk shared by the v2 kernels. `Rows` maps a row index to its matrix and epilogue:
+//   Nf4Ref matrix(int row, int* local_row); void store(int row, float sum[NM]) for NM
+//   matrices per row (1, or 2 for SwiGLU's gate and up).
+template <int J, int R, int NM, typename Rows>
+__device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, const float* __restrict__ x, int kparts) {
+    __shared__ float lut[16];
+    __shared__ float partial[GEMV2_MAX_LANES_X_R * NM][GEMV_WARPS];
+    load_codebook(lut);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int part = warp % kparts, row_lane = warp / kparts, row_lanes = GEMV_WARPS / kparts;
+    XSlice<J> xs;
+    load_x_slice<J>(x, part, cols >> 5, xs);
+    __syncthreads();
+    const int per_cta = (rows + gridDim.x - 1) / gridDim.x;
+    const int r0 = blockIdx.x * per_cta, r1 = min(rows, r0 + per_cta);
+    const int block = row_lanes * R;  // rows per iteration
+    for (int base = r0; base < r1; base += block) {
+        RowChunks<J> rc[R][NM];
+#pragma unroll
+        for (int i = 0; i < R; i++) {
+            const int r = base + i * row_lanes + row_lane;
+            if (r < r1) {
+#pragma unroll
+                for (int k = 0; k < NM; k++) load_row<J>(rows_of.matrix(r, k), rows_of.local(r), cols, part, rc[i][k]);
+            }
+        }
+        float sums[R][NM];
+#pragma unroll
+        for (int i = 0; i < R; i++)
+#pragma unroll
+            for (int k = 0; k < NM; k++) sums[i][k] = warp_sum(dot_row<J>(rc[i][k], xs, lut));
+        if (kparts == 1) {
+            if (lane == 0) {
+#pragma unroll
+                for (int i = 0; i < R; i++) {
+                    const int r = base + i * row_lanes + row_lane;
+                    if (r < r1) rows_of.store(r, sums[i]);
+                }
+            }
+            continue;
+        }
+        if (lane == 0) {
+#pragma unroll
+            for (int i = 0; i < R; i++)
+#pragma unroll
+                for (int k = 0; k < NM; k++) partial[(i * row_lanes + row_lane) * NM + k][part] = sums[i][k];
+        }
+        __syncthreads();
+        if (threadIdx.x < block) {
+            const int r = base + threadIdx.x;
+            if (r < r1) {
+                const int i = threadIdx.x / row_lanes, rl = threadIdx.x % row_lanes;
+                float total[NM];
+#pragma unroll
+                for (int k = 0; k < NM; k++) {
+                    total[k] = 0.0f;
+                    for (int p = 0; p < kparts; p++) total[k] += partial[(i * row_lanes + rl) * NM + k][p];
+                }
+                rows_of.store(r, total);
+            }
+        }
+        __syncthreads();
+    }
+}
+
+struct PlainRows {
+    Nf4Ref m;
+    float* y;
+    const float* bias;
+    int accumulate;
+    __device__ Nf4Ref matrix(int, int) const { return m; }
+    __device__ int local(int r) const { return r; }
+    __device__ void store(int r, const float* s) const {
+        float v = s[0] + (bias ? bias[r] : 0.0f);
+        y[r] = accumulate ? y[r] + v : v;
+    }
+};
+
+struct QkvRows {
+    QkvArgs a;
+    float* out;
+    __device__ int seg(int r) const { return r < a.rows[0] ? 0 : (r < a.rows[0] + a.rows[1] ? 1 : 2); }
+    __device__ Nf4Ref matrix(int r, int) const {
+        const int s = seg(r);
+        return s == 0 ? a.m[0] : (s == 1 ? a.m[1] : a.m[2]);
+    }
+    __device__ int local(int r) const {
+        const int s = seg(r);
+        return s == 0 ? r : (s == 1 ? r - a.rows[0] : r - a.rows[0] - a.rows[1]);
+    }
+    __device__ void store(int r, const float* s) const {
+        const int g = seg(r);
+        const float* b = g == 0 ? a.bias[0] : (g == 1 ? a.bias[1] : a.bias[2]);
+        out[r] = s[0] + (b ? b[local(r)] : 0.0f);
+    }
+};
+
+struct SwigluRows {
+    Nf4Ref gate, up;
+    float* out;
+    __device__ Nf4Ref matrix(int, int k) const { return k == 0 ? gate : up; }
+    __device__ int local(int r) const { return r; }
+    __device__ void store(int r, const float* s) const { out[r] = s[0] / (1.0f + expf(-s[0])) * s[1]; }
+};
+
+#define GEMV2_KERNELS(J, R)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 1)                                              \
+        gemv2_nf4_j##J(Nf4Ref m, const float* __restrict__ x, float* y, const float* __restrict__ bias,        \
+                       int rows, int cols, int kparts, int accumulate, const int* skip_if) {                   \
+        if (skip_if && *skip_if) return;                                                                       \
+        PlainRows p{m, y, bias, accumulate};                                                                   \
+        gemv2_walk<J, R, 1>(p, rows, cols, x, kparts);                                                         \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 1)                                              \
+        gemv2_qkv_j##J(QkvArgs a, const float* __restrict__ x, float* out, int cols, int kparts) {             \
+        QkvRows q{a, out};                                                                                     \
+        gemv2_walk<J, R, 1>(q, a.rows[0] + a.rows[1] + a.rows[2], cols, x, kparts);                            \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 1)                                              \
+        gemv2_swiglu_j##J(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, float* out, int rows, int cols, \
+                          int kparts) {                                                                        \
+        SwigluRows g{gate, up, out};                                                                           \
+        gemv2_walk<J, (R > 1 ? R / 2 : 1), 2>(g, rows, cols, x, kparts);                                       \
+    }
+
+GEMV2_KERNELS(1, 4)
+GEMV2_KERNELS(2, 4)
+GEMV2_KERNELS(3, 2)
+
 // out = x * rsqrt(mean(x^2) + eps) * w, one CTA.
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const u16* __restrict__ w, float* out, int n,
                                     float eps) {
@@ -352,6 +558,138 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode(AttnArgs 
             if (w_m[w] != NEG_INF) L += w_l[w] * expf(w_m[w] - M);
         a.part_ml[((size_t)h * a.n_splits + split) * 2] = M;
         a.part_ml[((size_t)h * a.n_splits + split) * 2 + 1] = L;
+    }
+}
+
+// Attention v2 (default; DV2_ATTN=v1 selects the kernels above): one CTA per (KV head, chunk
+// of ATTN2_CHUNK slots), computing every q head of the GQA group, so each K/V row is read
+// from memory once per step instead of once per q head. The chunk's K and V are staged in
+// shared memory with 16-byte loads issued together; scores, softmax and the weighted sum of
+// V run from shared memory. Chunks past valid_len exit at once (the grid stays static).
+// The live slot (t == position) comes from the rotated projections, never from the cache;
+// CTA (kv head, chunk 0) writes it. Partials per (q head, chunk) go to attn2_merge.
+#define ATTN2_CHUNK 32
+#define ATTN2_MAX_GROUP_X_HD 2048  // group * head_dim held in shared memory
+#define ATTN2_MAX_GROUP 16
+
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode(AttnArgs a) {
+    const int kvh = blockIdx.x, chunk = blockIdx.y, hd = a.head_dim, half = hd >> 1;
+    const int group = a.n_q / a.n_kv;
+    const int pos = a.state[STATE_POSITION];
+    if (pos >= a.max_seq) return;
+    const int valid = pos + 1, t0 = chunk * ATTN2_CHUNK;
+    if (t0 >= valid) return;
+    const int n_t = min(ATTN2_CHUNK, valid - t0);
+    const int row_words = (hd >> 1) + 1;  // bf16 pairs per staged row, +1 word of padding
+
+    __shared__ float q_s[ATTN2_MAX_GROUP_X_HD];
+    __shared__ float kcur[MAX_HEAD_DIM], vcur[MAX_HEAD_DIM];
+    __shared__ u32 k_s[ATTN2_CHUNK * (MAX_HEAD_DIM / 2 + 1)], v_s[ATTN2_CHUNK * (MAX_HEAD_DIM / 2 + 1)];
+    __shared__ float p_s[ATTN2_MAX_GROUP][ATTN2_CHUNK];
+    const size_t slot_stride = (size_t)a.n_kv * hd;
+
+    // Stage rows t0 .. t0+n_t-1 of K and V (16-byte loads), skipping the live slot.
+    const int vec_per_row = hd >> 3;  // uint4 = 8 bf16
+    for (int i = threadIdx.x; i < n_t * vec_per_row; i += blockDim.x) {
+        const int t = i / vec_per_row, c = i % vec_per_row;
+        if (t0 + t == pos) continue;
+        const size_t off = (size_t)(t0 + t) * slot_stride + kvh * hd + c * 8;
+        const uint4 kv = *reinterpret_cast<const uint4*>(a.k_cache + off);
+        const uint4 vv = *reinterpret_cast<const uint4*>(a.v_cache + off);
+        u32* kd = k_s + t * row_words + c * 4;
+        u32* vd = v_s + t * row_words + c * 4;
+        kd[0] = kv.x; kd[1] = kv.y; kd[2] = kv.z; kd[3] = kv.w;
+        vd[0] = vv.x; vd[1] = vv.y; vd[2] = vv.z; vd[3] = vv.w;
+    }
+    // Rotate the group's q heads (scale folded in) and the live k; take the live v.
+    const float* qkv_k = a.qkv + a.n_q * hd + kvh * hd;
+    const float* qkv_v = a.qkv + (a.n_q + a.n_kv) * hd + kvh * hd;
+    for (int i = threadIdx.x; i < (group + 1) * hd; i += blockDim.x) {
+        const int g = i / hd, d = i % hd, j = d < half ? d : d - half;
+        const float c = a.rope_cos[pos * half + j], s = a.rope_sin[pos * half + j];
+        const float* src = g < group ? a.qkv + (kvh * group + g) * hd : qkv_k;
+        const float r = d < half ? src[j] * c - src[j + half] * s : src[j + half] * c + src[j] * s;
+        if (g < group) q_s[g * hd + d] = r * a.scale;
+        else kcur[d] = r;
+    }
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) vcur[d] = qkv_v[d];
+    __syncthreads();
+    if (pos >= t0 && pos < t0 + n_t) {
+        const int t = pos - t0;
+        for (int w = threadIdx.x; w < half; w += blockDim.x) {
+            k_s[t * row_words + w] = (u32)f32_to_bf16(kcur[2 * w]) | ((u32)f32_to_bf16(kcur[2 * w + 1]) << 16);
+            v_s[t * row_words + w] = (u32)f32_to_bf16(vcur[2 * w]) | ((u32)f32_to_bf16(vcur[2 * w + 1]) << 16);
+        }
+    }
+    if (chunk == 0) {
+        for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+            a.k_cache[pos * slot_stride + kvh * hd + d] = f32_to_bf16(kcur[d]);
+            a.v_cache[pos * slot_stride + kvh * hd + d] = f32_to_bf16(vcur[d]);
+        }
+    }
+    __syncthreads();
+
+    // Scores: a warp takes one q head at a time, a lane one slot.
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int g = warp; g < group; g += ATTN_WARPS) {
+        float score = NEG_INF;
+        if (lane < n_t) {
+            const u32* krow = k_s + lane * row_words;
+            const float* q = q_s + g * hd;
+            float acc = 0.0f;
+            for (int w = 0; w < half; w++) {
+                const u32 pair = krow[w];
+                acc = fmaf(q[2 * w], bf16_to_f32((u16)(pair & 0xffffu)), acc);
+                acc = fmaf(q[2 * w + 1], bf16_to_f32((u16)(pair >> 16)), acc);
+            }
+            score = acc;
+        }
+        const float m = warp_max(score);
+        const float p = lane < n_t ? expf(score - m) : 0.0f;
+        const float l = warp_sum(p);
+        p_s[g][lane] = p;
+        if (lane == 0) {
+            const size_t at = ((size_t)(kvh * group + g) * gridDim.y + chunk) * 2;
+            a.part_ml[at] = m;
+            a.part_ml[at + 1] = l;
+        }
+    }
+    __syncthreads();
+    // Weighted sum of V: a thread takes one bf16 pair of dims for some heads of the group.
+    const int pairs = half;
+    for (int i = threadIdx.x; i < group * pairs; i += blockDim.x) {
+        const int g = i / pairs, w = i % pairs;
+        float ax = 0.0f, ay = 0.0f;
+        for (int t = 0; t < n_t; t++) {
+            const u32 pair = v_s[t * row_words + w];
+            const float p = p_s[g][t];
+            ax = fmaf(p, bf16_to_f32((u16)(pair & 0xffffu)), ax);
+            ay = fmaf(p, bf16_to_f32((u16)(pair >> 16)), ay);
+        }
+        float* out = a.part_acc + ((size_t)(kvh * group + g) * gridDim.y + chunk) * hd;
+        out[2 * w] = ax;
+        out[2 * w + 1] = ay;
+    }
+}
+
+// Combines the chunks 0 .. ceil(valid_len / ATTN2_CHUNK)-1 of each q head. Grid n_q.
+extern "C" __global__ void attn2_merge(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
+                                       const int* __restrict__ state, float* out, int head_dim, int n_chunks,
+                                       int max_seq) {
+    const int pos = state[STATE_POSITION];
+    if (pos >= max_seq) return;
+    const int used = pos / ATTN2_CHUNK + 1, h = blockIdx.x;
+    const float* ml = part_ml + (size_t)h * n_chunks * 2;
+    float M = NEG_INF;
+    for (int c = 0; c < used; c++) M = fmaxf(M, ml[2 * c]);
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float num = 0.0f, den = 0.0f;
+        for (int c = 0; c < used; c++) {
+            const float w = expf(ml[2 * c] - M);
+            num += part_acc[((size_t)h * n_chunks + c) * head_dim + d] * w;
+            den += ml[2 * c + 1] * w;
+        }
+        out[h * head_dim + d] = num / den;
     }
 }
 

@@ -6,12 +6,11 @@
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 
-use super::budget::{attn_splits, kv_stride};
+use super::budget::kv_stride;
 use super::device::{driver_error, Gpu};
-use super::kernels::{load_module, Kernels, ATTN_THREADS, BENCH_CU};
-use super::step::{
-    gemv_grid, gemv_kparts, timing_event, AttnArgs, QkvArgs, STATE_LEN, STATE_POSITION,
-};
+use super::kernels::{load_module, BENCH_CU};
+use super::ops::{attn_partials, AttnArgs, Ops, QkvArgs};
+use super::step::{timing_event, STATE_LEN, STATE_POSITION};
 use super::weights::Nf4Ref;
 use crate::arch::ArchSpec;
 use crate::error::{Error, Result};
@@ -90,30 +89,33 @@ impl RandomMatrix {
 }
 
 pub struct Bench {
-    gpu: Gpu,
-    k: Kernels,
+    ops: Ops,
     stream_read: CudaFunction,
     sink: CudaSlice<u32>,
 }
 
 impl Bench {
+    /// Kernel variants come from the environment, as in the backend (see [`super::ops`]).
     pub fn new(device: usize) -> Result<Self> {
-        let gpu = Gpu::open(device)?;
-        let k = Kernels::load(&gpu)?;
-        let stream_read = load_module(&gpu, BENCH_CU)?
+        let ops = Ops::new(Gpu::open(device)?)?;
+        let stream_read = load_module(&ops.gpu, BENCH_CU)?
             .load_function("stream_read")
             .map_err(driver_error("stream_read"))?;
-        let sink = gpu.zeros(1)?;
+        let sink = ops.gpu.zeros(1)?;
         Ok(Self {
-            gpu,
-            k,
+            ops,
             stream_read,
             sink,
         })
     }
 
     pub fn device_name(&self) -> String {
-        self.gpu.name()
+        self.ops.gpu.name()
+    }
+
+    /// The kernel variants in use, e.g. "gemv v2, attention v2".
+    pub fn variants(&self) -> String {
+        format!("gemv {:?}, attention {:?}", self.ops.gemv, self.ops.attn).to_lowercase()
     }
 
     /// Copies needed so that `bytes_each * copies` spans ROTATE_BYTES (at least 2).
@@ -123,7 +125,7 @@ impl Bench {
 
     /// Median µs per launch: `launch(i)` for i in 0..copies captured as one graph, replayed.
     fn time_rotated(&self, copies: usize, launch: impl Fn(usize) -> Result<()>) -> Result<f64> {
-        let stream = self.gpu.stream.clone();
+        let stream = self.ops.gpu.stream.clone();
         stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
             .map_err(driver_error("begin capture"))?;
@@ -133,13 +135,13 @@ impl Bench {
             .map_err(driver_error("end capture"));
         recorded?;
         let graph = graph?.ok_or_else(|| Error::Cuda("empty capture".into()))?;
-        let (start, end) = (timing_event(&self.gpu)?, timing_event(&self.gpu)?);
+        let (start, end) = (timing_event(&self.ops.gpu)?, timing_event(&self.ops.gpu)?);
         let mut per_launch = Vec::with_capacity(REPLAYS);
         for i in 0..WARMUP + REPLAYS {
             start.record(&stream).map_err(driver_error("event"))?;
             graph.launch().map_err(driver_error("graph launch"))?;
             end.record(&stream).map_err(driver_error("event"))?;
-            self.gpu.sync()?;
+            self.ops.gpu.sync()?;
             if i >= WARMUP {
                 per_launch.push(
                     start.elapsed_ms(&end).map_err(driver_error("elapsed"))? as f64 * 1e3
@@ -157,10 +159,10 @@ impl Bench {
         let copies = Self::copies(bytes);
         let data = random_bytes(bytes, 7);
         let bufs = (0..copies)
-            .map(|_| self.gpu.upload(&data))
+            .map(|_| self.ops.gpu.upload(&data))
             .collect::<Result<Vec<_>>>()?;
         let n16 = (bytes / 16) as u64;
-        let sink = self.gpu.ptr(&self.sink);
+        let sink = self.ops.gpu.ptr(&self.sink);
         // 8 CTAs of 256 threads per SM, never more CTAs than 16-byte words.
         let sms = 132u64;
         let ctas = (sms * 8).min(n16.div_ceil(256)).max(1) as u32;
@@ -170,8 +172,8 @@ impl Bench {
             shared_mem_bytes: 0,
         };
         self.time_rotated(copies, |i| {
-            let p = self.gpu.ptr(&bufs[i]);
-            launch!(self.gpu, &self.stream_read, cfg; p, n16, sink)
+            let p = self.ops.gpu.ptr(&bufs[i]);
+            launch!(self.ops.gpu, &self.stream_read, cfg; p, n16, sink)
         })
     }
 
@@ -197,43 +199,49 @@ impl Bench {
         for c in 0..copies {
             for (j, r) in rows.iter().cycle().take(mats_per_copy).enumerate() {
                 mats.push(RandomMatrix::new(
-                    &self.gpu,
+                    &self.ops.gpu,
                     *r,
                     cols,
                     (c * 8 + j) as u64 + 11,
                 )?);
             }
         }
-        let x = self.gpu.upload(&random_f32(cols, 3, -1.0, 1.0))?;
+        let x = self.ops.gpu.upload(&random_f32(cols, 3, -1.0, 1.0))?;
         let y = self
+            .ops
             .gpu
             .upload(&random_f32(total_rows.max(out_rows), 4, -1.0, 1.0))?;
         let bias = rows
             .iter()
-            .map(|r| self.gpu.upload(&random_f32(*r, 5, -0.5, 0.5)))
+            .map(|r| self.ops.gpu.upload(&random_f32(*r, 5, -0.5, 0.5)))
             .collect::<Result<Vec<_>>>()?;
-        let (xp, yp, cols_i) = (self.gpu.ptr(&x), self.gpu.ptr(&y), cols as i32);
-        let kparts = gemv_kparts(total_rows.max(out_rows));
-        let kp = kparts as i32;
+        let (xp, yp) = (self.ops.gpu.ptr(&x), self.ops.gpu.ptr(&y));
+        let gpu = &self.ops.gpu;
         let median_us = self.time_rotated(copies, |c| {
             let m = &mats[c * mats_per_copy..(c + 1) * mats_per_copy];
             match kind {
                 "qkv" => {
                     let args = QkvArgs {
-                        m: [m[0].as_ref(&self.gpu), m[1].as_ref(&self.gpu), m[2].as_ref(&self.gpu)],
-                        bias: [0, 1, 2].map(|i| self.gpu.ptr(&bias[i])),
-                        rows: [rows[0] as i32, rows[1] as i32, rows[2] as i32],
+                        m: [0, 1, 2].map(|i| m[i].as_ref(gpu)),
+                        bias: [0, 1, 2].map(|i| gpu.ptr(&bias[i])),
+                        rows: [0, 1, 2].map(|i| rows[i] as i32),
                     };
-                    launch!(self.gpu, &self.k.gemv_qkv, gemv_grid(total_rows, kparts); args, xp, yp, cols_i, kp)
+                    self.ops.qkv(args, cols, xp, yp)
                 }
                 "swiglu" => {
-                    let (g, u, r) = (m[0].as_ref(&self.gpu), m[1].as_ref(&self.gpu), rows[0] as i32);
-                    launch!(self.gpu, &self.k.gemv_swiglu, gemv_grid(rows[0], kparts); g, u, xp, yp, r, cols_i, kp)
+                    self.ops
+                        .swiglu(m[0].as_ref(gpu), m[1].as_ref(gpu), rows[0], cols, xp, yp)
                 }
-                _ => {
-                    let (w, nobias, r, acc, noskip) = (m[0].as_ref(&self.gpu), 0u64, rows[0] as i32, (kind == "residual") as i32, 0u64);
-                    launch!(self.gpu, &self.k.gemv_nf4, gemv_grid(rows[0], kparts); w, xp, yp, nobias, r, cols_i, kp, acc, noskip)
-                }
+                _ => self.ops.gemv(
+                    m[0].as_ref(gpu),
+                    rows[0],
+                    cols,
+                    xp,
+                    yp,
+                    0,
+                    kind == "residual",
+                    0,
+                ),
             }
         })?;
         Ok(Timing {
@@ -254,60 +262,54 @@ impl Bench {
             .iter()
             .map(|v| half::bf16::from_f32(*v).to_bits())
             .collect();
-        let (k_cache, v_cache) = (self.gpu.upload(&kv_host)?, self.gpu.upload(&kv_host)?);
-        let qkv = self.gpu.upload(&random_f32(s.qkv_rows(), 10, -1.0, 1.0))?;
+        let (k_cache, v_cache) = (
+            self.ops.gpu.upload(&kv_host)?,
+            self.ops.gpu.upload(&kv_host)?,
+        );
+        let qkv = self
+            .ops
+            .gpu
+            .upload(&random_f32(s.qkv_rows(), 10, -1.0, 1.0))?;
         let rope = RopeTable::new(max_seq, s.head_dim, s.rope_theta);
-        let (cos, sin) = (self.gpu.upload(&rope.cos)?, self.gpu.upload(&rope.sin)?);
+        let (cos, sin) = (
+            self.ops.gpu.upload(&rope.cos)?,
+            self.ops.gpu.upload(&rope.sin)?,
+        );
         let mut state_host = [0i32; STATE_LEN];
         state_host[STATE_POSITION] = valid_len as i32 - 1;
-        let state = self.gpu.upload(&state_host)?;
-        let n_splits = attn_splits(max_seq);
-        let part_acc = self.gpu.zeros::<f32>(s.n_q_heads * n_splits * s.head_dim)?;
-        let part_ml = self.gpu.zeros::<f32>(s.n_q_heads * n_splits * 2)?;
-        let out = self.gpu.zeros::<f32>(s.hidden)?;
+        let state = self.ops.gpu.upload(&state_host)?;
+        let partials = attn_partials(max_seq);
+        let part_acc = self
+            .ops
+            .gpu
+            .zeros::<f32>(s.n_q_heads * partials * s.head_dim)?;
+        let part_ml = self.ops.gpu.zeros::<f32>(s.n_q_heads * partials * 2)?;
+        let out = self.ops.gpu.zeros::<f32>(s.hidden)?;
+        let gpu = &self.ops.gpu;
         let base = AttnArgs {
-            qkv: self.gpu.ptr(&qkv),
-            k_cache: 0,
-            v_cache: 0,
-            rope_cos: self.gpu.ptr(&cos),
-            rope_sin: self.gpu.ptr(&sin),
-            state: self.gpu.ptr(&state),
-            part_acc: self.gpu.ptr(&part_acc),
-            part_ml: self.gpu.ptr(&part_ml),
+            qkv: gpu.ptr(&qkv),
+            k_cache: gpu.ptr(&k_cache),
+            v_cache: gpu.ptr(&v_cache),
+            rope_cos: gpu.ptr(&cos),
+            rope_sin: gpu.ptr(&sin),
+            state: gpu.ptr(&state),
+            part_acc: gpu.ptr(&part_acc),
+            part_ml: gpu.ptr(&part_ml),
             n_q: s.n_q_heads as i32,
             n_kv: s.n_kv_heads as i32,
             head_dim: s.head_dim as i32,
             max_seq: max_seq as i32,
-            n_splits: n_splits as i32,
+            n_splits: 0,
             scale: 1.0 / (s.head_dim as f32).sqrt(),
         };
-        let cfg = LaunchConfig {
-            grid_dim: (s.n_q_heads as u32, n_splits as u32, 1),
-            block_dim: (ATTN_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let merge = LaunchConfig {
-            grid_dim: (s.n_q_heads as u32, 1, 1),
-            block_dim: ((s.head_dim as u32).next_multiple_of(32), 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let (pa, pm, st, o, hd, ns, ms) = (
-            base.part_acc,
-            base.part_ml,
-            base.state,
-            self.gpu.ptr(&out),
-            base.head_dim,
-            base.n_splits,
-            base.max_seq,
-        );
+        let (layer_bytes, out_ptr) = (2 * layer_elems as u64, gpu.ptr(&out));
         let median_us = self.time_rotated(layers, |l| {
             let args = AttnArgs {
-                k_cache: self.gpu.ptr(&k_cache) + 2 * (l * layer_elems) as u64,
-                v_cache: self.gpu.ptr(&v_cache) + 2 * (l * layer_elems) as u64,
+                k_cache: base.k_cache + l as u64 * layer_bytes,
+                v_cache: base.v_cache + l as u64 * layer_bytes,
                 ..base
             };
-            launch!(self.gpu, &self.k.attn_decode, cfg; args)?;
-            launch!(self.gpu, &self.k.attn_merge, merge; pa, pm, st, o, hd, ns, ms)
+            self.ops.attention(args, out_ptr)
         })?;
         let bytes = 2 * valid_len * s.kv_dim() * 2 + s.qkv_rows() * 4 + s.hidden * 4;
         Ok(Timing {

@@ -64,17 +64,12 @@ pub fn kv_bytes(s: &ArchSpec, max_seq: usize) -> usize {
     2 * s.n_layers * kv_stride(max_seq) * s.kv_dim() * 2
 }
 
-/// Attention time splits: enough CTAs to fill the device at long contexts, one at tiny ones.
-pub fn attn_splits(max_seq: usize) -> usize {
-    (max_seq / 64).clamp(1, 32)
-}
-
 pub fn arena_bytes(s: &ArchSpec, max_seq: usize) -> usize {
     let floats = 3 * s.hidden
         + s.qkv_rows()
         + s.intermediate
         + s.vocab
-        + s.n_q_heads * attn_splits(max_seq) * (s.head_dim + 2);
+        + s.n_q_heads * super::ops::attn_partials(max_seq) * (s.head_dim + 2);
     floats * 4 + max_seq * 4 + 64
 }
 

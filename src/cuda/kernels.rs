@@ -188,6 +188,12 @@ pub struct Kernels {
     pub finish_prefill: CudaFunction,
     pub commit_step: CudaFunction,
     pub ring_reset: CudaFunction,
+    /// GEMV v2 by chunks per lane J = 1, 2, 3.
+    pub gemv2_nf4: [CudaFunction; 3],
+    pub gemv2_qkv: [CudaFunction; 3],
+    pub gemv2_swiglu: [CudaFunction; 3],
+    pub attn2_decode: CudaFunction,
+    pub attn2_merge: CudaFunction,
 }
 
 /// Compiles (or takes from the cache) a kernel file and loads it into the device's context.
@@ -216,6 +222,15 @@ impl Kernels {
             finish_prefill: f("finish_prefill")?,
             commit_step: f("commit_step")?,
             ring_reset: f("ring_reset")?,
+            gemv2_nf4: [f("gemv2_nf4_j1")?, f("gemv2_nf4_j2")?, f("gemv2_nf4_j3")?],
+            gemv2_qkv: [f("gemv2_qkv_j1")?, f("gemv2_qkv_j2")?, f("gemv2_qkv_j3")?],
+            gemv2_swiglu: [
+                f("gemv2_swiglu_j1")?,
+                f("gemv2_swiglu_j2")?,
+                f("gemv2_swiglu_j3")?,
+            ],
+            attn2_decode: f("attn2_decode")?,
+            attn2_merge: f("attn2_merge")?,
         })
     }
 }

@@ -2,6 +2,7 @@
 //!
 //! - [`device`]: driver probe, context and stream, allocation helpers.
 //! - [`kernels`]: NVRTC compilation of `kernels/*.cu` (cached on disk) and the function table.
+//! - [`ops`]: every kernel launch and its launch shape; the kernel variants.
 //! - [`weights`]: the model uploaded as packed NF4.
 //! - [`budget`]: the VRAM estimate checked before anything is allocated.
 //! - [`bench`]: microbenchmarks (streaming-read floor, GEMV shapes, attention).
@@ -26,6 +27,7 @@ pub mod bench;
 pub mod budget;
 pub mod device;
 pub mod kernels;
+pub mod ops;
 pub mod step;
 pub mod weights;
 

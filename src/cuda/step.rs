@@ -1,14 +1,15 @@
 //! The CUDA backend: decode state, KV cache and activation arena on the device, and the
-//! launch sequence of one step. Everything is allocated in `new`; a step allocates nothing,
-//! reads nothing back and never synchronises with the host.
+//! sequence of one step. Everything is allocated in `new`; a step allocates nothing, reads
+//! nothing back and never synchronises with the host. The step is captured once into a CUDA
+//! graph (`DV2_GRAPH=0`: eager launches, for comparison).
 
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaEvent, CudaGraph, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaEvent, CudaGraph, CudaSlice, PushKernelArg};
 
-use super::budget::{self, attn_splits, kv_stride};
+use super::budget::{self, kv_stride};
 use super::device::{driver_error, Gpu};
-use super::kernels::{Kernels, ATTN_THREADS, GEMV_THREADS, GEMV_WARPS, MAX_HEAD_DIM};
-use super::weights::{self, DeviceMatrix, DeviceModel, Nf4Ref};
+use super::ops::{attn_partials, one_cta, AttnArgs, Ops, QkvArgs};
+use super::weights::{self, DeviceModel};
 use crate::arch::ArchSpec;
 use crate::engine::Backend;
 use crate::error::{Error, Result};
@@ -25,39 +26,6 @@ pub(crate) const STATE_LEN: usize = 8;
 
 /// bf16 bit pattern written into the KV guard slots (a NaN no kernel produces).
 const KV_POISON: u16 = 0x7fa5;
-
-/// kernels/decode.cu `QkvArgs`.
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub(crate) struct QkvArgs {
-    pub(crate) m: [Nf4Ref; 3],
-    pub(crate) bias: [u64; 3],
-    pub(crate) rows: [i32; 3],
-}
-// SAFETY: plain old data matching the kernel's struct (pointers as u64, ints as i32).
-unsafe impl DeviceRepr for QkvArgs {}
-
-/// kernels/decode.cu `AttnArgs`.
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub(crate) struct AttnArgs {
-    pub(crate) qkv: u64,
-    pub(crate) k_cache: u64,
-    pub(crate) v_cache: u64,
-    pub(crate) rope_cos: u64,
-    pub(crate) rope_sin: u64,
-    pub(crate) state: u64,
-    pub(crate) part_acc: u64,
-    pub(crate) part_ml: u64,
-    pub(crate) n_q: i32,
-    pub(crate) n_kv: i32,
-    pub(crate) head_dim: i32,
-    pub(crate) max_seq: i32,
-    pub(crate) n_splits: i32,
-    pub(crate) scale: f32,
-}
-// SAFETY: plain old data matching the kernel's struct.
-unsafe impl DeviceRepr for AttnArgs {}
 
 /// Events recorded between kernel groups of one step.
 pub struct StageMarks {
@@ -131,8 +99,7 @@ struct Arena {
 }
 
 pub struct CudaBackend {
-    gpu: Gpu,
-    k: Kernels,
+    ops: Ops,
     spec: ArchSpec,
     max_seq: usize,
     eos: i32,
@@ -143,48 +110,11 @@ pub struct CudaBackend {
     rope_cos: CudaSlice<f32>,
     rope_sin: CudaSlice<f32>,
     arena: Arena,
-    n_splits: usize,
     /// One greedy step (forward + commit) captured at load; None runs it eagerly.
     graph: Option<StepGraph>,
-    /// Timings of `new`, for the bench: (load without capture, eager probe + capture) in ms.
+    /// Timings of `new` for the bench: upload and allocation; eager probe + capture (ms).
     pub load_ms: f64,
     pub warmup_ms: f64,
-}
-
-/// Warps splitting one row's K: `DV2_GEMV_NR` (rows per CTA: 1, 2, 4 or 8) when set, else
-/// one warp per row for tall matrices (lm_head, SwiGLU) and more for short ones, so the grid
-/// still fills the device.
-pub(crate) fn gemv_kparts(rows: usize) -> u32 {
-    if let Some(nr) = std::env::var("DV2_GEMV_NR")
-        .ok()
-        .and_then(|v| v.parse::<u32>().ok())
-    {
-        if matches!(nr, 1 | 2 | 4 | 8) {
-            return GEMV_WARPS / nr;
-        }
-    }
-    match rows {
-        r if r >= 4096 => 1,
-        r if r >= 1024 => 2,
-        _ => 8,
-    }
-}
-
-pub(crate) fn gemv_grid(rows: usize, kparts: u32) -> LaunchConfig {
-    let rows_per_cta = (GEMV_WARPS / kparts) as usize;
-    LaunchConfig {
-        grid_dim: (rows.div_ceil(rows_per_cta) as u32, 1, 1),
-        block_dim: (GEMV_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
-
-pub(crate) fn one_cta(threads: u32) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (1, 1, 1),
-        block_dim: (threads, 1, 1),
-        shared_mem_bytes: 0,
-    }
 }
 
 impl CudaBackend {
@@ -199,23 +129,18 @@ impl CudaBackend {
     ) -> Result<Self> {
         let started = std::time::Instant::now();
         let s = host.spec;
-        if s.head_dim > MAX_HEAD_DIM || s.head_dim % 2 != 0 {
-            return Err(Error::Unsupported(format!(
-                "head_dim {} (the CUDA attention kernel takes even head_dim <= {MAX_HEAD_DIM})",
-                s.head_dim
-            )));
-        }
         let gpu = Gpu::open(device)?;
         let (free, total) = gpu.memory()?;
         budget::estimate(host, max_seq).check(free, total)?;
-        let k = Kernels::load(&gpu)?;
-        let model = weights::upload(&gpu, host)?;
+        let mut ops = Ops::new(gpu)?;
+        ops.fit(&s)?;
+        let gpu = &ops.gpu;
+        let model = weights::upload(gpu, host)?;
         let rope = RopeTable::new(max_seq, s.head_dim, s.rope_theta);
-        let n_splits = attn_splits(max_seq);
-        let kv_len = s.n_layers * kv_stride(max_seq) * s.kv_dim();
+        let partials = attn_partials(max_seq);
         // Every slot starts poisoned: the guard slots stay so (checked by kv_guard_intact),
         // and a kernel that read an unwritten slot would turn the logits into NaN.
-        let poison = vec![KV_POISON; kv_len];
+        let poison = vec![KV_POISON; s.n_layers * kv_stride(max_seq) * s.kv_dim()];
         let arena = Arena {
             x: gpu.zeros(s.hidden)?,
             xn: gpu.zeros(s.hidden)?,
@@ -223,31 +148,28 @@ impl CudaBackend {
             attn: gpu.zeros(s.hidden)?,
             act: gpu.zeros(s.intermediate)?,
             logits: gpu.zeros(s.vocab)?,
-            part_acc: gpu.zeros(s.n_q_heads * n_splits * s.head_dim)?,
-            part_ml: gpu.zeros(s.n_q_heads * n_splits * 2)?,
+            part_acc: gpu.zeros(s.n_q_heads * partials * s.head_dim)?,
+            part_ml: gpu.zeros(s.n_q_heads * partials * 2)?,
             prompt: gpu.zeros(max_seq)?,
             ring: gpu.zeros(max_seq)?,
         };
-        let backend = Self {
+        let mut backend = Self {
             k_cache: gpu.upload(&poison)?,
             v_cache: gpu.upload(&poison)?,
             rope_cos: gpu.upload(&rope.cos)?,
             rope_sin: gpu.upload(&rope.sin)?,
             state: gpu.zeros(STATE_LEN)?,
             arena,
-            gpu,
-            k,
             spec: s,
             max_seq,
             eos: eos.map_or(-1, |e| e as i32),
             model,
-            n_splits,
             graph: None,
             load_ms: 0.0,
             warmup_ms: 0.0,
+            ops,
         };
-        let mut backend = backend;
-        backend.gpu.sync()?;
+        backend.ops.gpu.sync()?;
         backend.load_ms = started.elapsed().as_secs_f64() * 1e3;
         if graph {
             let started = std::time::Instant::now();
@@ -262,8 +184,8 @@ impl CudaBackend {
     /// overwrites before reading; the state is reset afterwards.
     fn capture(&mut self) -> Result<()> {
         self.record_step()?;
-        self.gpu.sync()?;
-        let stream = self.gpu.stream.clone();
+        self.ops.gpu.sync()?;
+        let stream = self.ops.gpu.stream.clone();
         stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
             .map_err(driver_error("begin capture"))?;
@@ -282,36 +204,21 @@ impl CudaBackend {
     fn record_step(&self) -> Result<()> {
         self.forward(true)?;
         let (state, eos, ring) = (self.ptr(&self.state), self.eos, self.ptr(&self.arena.ring));
-        launch!(self.gpu, &self.k.commit_step, one_cta(1); state, eos, ring)
+        launch!(self.ops.gpu, &self.ops.k.commit_step, one_cta(1); state, eos, ring)
     }
 
     /// Device name, for logs.
     pub fn device_name(&self) -> String {
-        self.gpu.name()
+        self.ops.gpu.name()
     }
 
     fn ptr<T>(&self, buf: &CudaSlice<T>) -> u64 {
-        self.gpu.ptr(buf)
+        self.ops.gpu.ptr(buf)
     }
 
     fn rms(&self, x: u64, w: &CudaSlice<u16>, out: u64) -> Result<()> {
         let (w, n, eps) = (self.ptr(w), self.spec.hidden as i32, self.spec.rms_eps);
-        launch!(self.gpu, &self.k.rms_norm, one_cta(512); x, w, out, n, eps)
-    }
-
-    /// `y = W x` (`accumulate`: `y += W x`); skipped on the device while `*skip_if != 0`
-    /// (`skip_if` = 0: never).
-    fn gemv(&self, m: &DeviceMatrix, x: u64, y: u64, accumulate: bool, skip_if: u64) -> Result<()> {
-        let kparts = gemv_kparts(m.rows);
-        let (mref, bias, rows, cols, kp, acc) = (
-            m.as_ref(&self.gpu),
-            0u64,
-            m.rows as i32,
-            m.cols as i32,
-            kparts as i32,
-            accumulate as i32,
-        );
-        launch!(self.gpu, &self.k.gemv_nf4, gemv_grid(m.rows, kparts); mref, x, y, bias, rows, cols, kp, acc, skip_if)
+        launch!(self.ops.gpu, &self.ops.k.rms_norm, one_cta(512); x, w, out, n, eps)
     }
 
     /// One forward pass for the token in the state buffer at its position: KV slot written;
@@ -323,14 +230,14 @@ impl CudaBackend {
     /// [`Self::forward`], recording an event after each group of kernels into `marks` when
     /// given (the per-stage split of the bench).
     fn forward_marked(&self, logits: bool, marks: &mut Option<&mut StageMarks>) -> Result<()> {
+        let gpu = &self.ops.gpu;
         let mut mark = |label: &'static str| -> Result<()> {
             match marks {
-                Some(m) => m.record(&self.gpu, label),
+                Some(m) => m.record(gpu, label),
                 None => Ok(()),
             }
         };
-        let s = &self.spec;
-        let a = &self.arena;
+        let (s, a, ops) = (&self.spec, &self.arena, &self.ops);
         let (x, xn, qkv, attn, act) = (
             self.ptr(&a.x),
             self.ptr(&a.xn),
@@ -340,30 +247,23 @@ impl CudaBackend {
         );
         let state = self.ptr(&self.state);
         let (hidden, vocab) = (s.hidden as i32, s.vocab as i32);
-        let embed = self.model.embed.as_ref(&self.gpu);
-        launch!(self.gpu, &self.k.embed_row, one_cta(256); state, embed, x, hidden, vocab)?;
+        let embed = self.model.embed.as_ref(gpu);
+        launch!(gpu, &ops.k.embed_row, one_cta(256); state, embed, x, hidden, vocab)?;
         mark("embed")?;
-        let layer_elems = (kv_stride(self.max_seq) * s.kv_dim()) as u64;
-        let qkv_rows = s.qkv_rows();
-        let qkv_kparts = gemv_kparts(qkv_rows);
+        let layer_bytes = (2 * kv_stride(self.max_seq) * s.kv_dim()) as u64;
         for (l, layer) in self.model.layers.iter().enumerate() {
             self.rms(x, &layer.attn_norm, xn)?;
             let args = QkvArgs {
-                m: [
-                    layer.qkv[0].as_ref(&self.gpu),
-                    layer.qkv[1].as_ref(&self.gpu),
-                    layer.qkv[2].as_ref(&self.gpu),
-                ],
+                m: [0, 1, 2].map(|i| layer.qkv[i].as_ref(gpu)),
                 bias: [0, 1, 2].map(|i| layer.qkv_bias[i].as_ref().map_or(0, |b| self.ptr(b))),
                 rows: [0, 1, 2].map(|i| layer.qkv[i].rows as i32),
             };
-            let kp = qkv_kparts as i32;
-            launch!(self.gpu, &self.k.gemv_qkv, gemv_grid(qkv_rows, qkv_kparts); args, xn, qkv, hidden, kp)?;
+            ops.qkv(args, s.hidden, xn, qkv)?;
             mark("attn_norm + qkv")?;
             let attn_args = AttnArgs {
                 qkv,
-                k_cache: self.ptr(&self.k_cache) + 2 * l as u64 * layer_elems,
-                v_cache: self.ptr(&self.v_cache) + 2 * l as u64 * layer_elems,
+                k_cache: self.ptr(&self.k_cache) + l as u64 * layer_bytes,
+                v_cache: self.ptr(&self.v_cache) + l as u64 * layer_bytes,
                 rope_cos: self.ptr(&self.rope_cos),
                 rope_sin: self.ptr(&self.rope_sin),
                 state,
@@ -373,50 +273,51 @@ impl CudaBackend {
                 n_kv: s.n_kv_heads as i32,
                 head_dim: s.head_dim as i32,
                 max_seq: self.max_seq as i32,
-                n_splits: self.n_splits as i32,
+                n_splits: 0,
                 scale: 1.0 / (s.head_dim as f32).sqrt(),
             };
-            let cfg = LaunchConfig {
-                grid_dim: (s.n_q_heads as u32, self.n_splits as u32, 1),
-                block_dim: (ATTN_THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            launch!(self.gpu, &self.k.attn_decode, cfg; attn_args)?;
-            let merge = LaunchConfig {
-                grid_dim: (s.n_q_heads as u32, 1, 1),
-                block_dim: ((s.head_dim as u32).next_multiple_of(32), 1, 1),
-                shared_mem_bytes: 0,
-            };
-            let (pa, pm, hd, ns, ms) = (
-                attn_args.part_acc,
-                attn_args.part_ml,
-                attn_args.head_dim,
-                attn_args.n_splits,
-                attn_args.max_seq,
-            );
-            launch!(self.gpu, &self.k.attn_merge, merge; pa, pm, state, attn, hd, ns, ms)?;
+            ops.attention(attn_args, attn)?;
             mark("attention + merge")?;
-            self.gemv(&layer.o, attn, x, true, 0)?;
+            ops.gemv(layer.o.as_ref(gpu), s.hidden, s.hidden, attn, x, 0, true, 0)?;
             mark("o_proj (+residual)")?;
             self.rms(x, &layer.ffn_norm, xn)?;
-            let kparts = gemv_kparts(s.intermediate);
-            let (g, u, rows, kp) = (
-                layer.gate.as_ref(&self.gpu),
-                layer.up.as_ref(&self.gpu),
-                s.intermediate as i32,
-                kparts as i32,
-            );
-            launch!(self.gpu, &self.k.gemv_swiglu, gemv_grid(s.intermediate, kparts); g, u, xn, act, rows, hidden, kp)?;
+            ops.swiglu(
+                layer.gate.as_ref(gpu),
+                layer.up.as_ref(gpu),
+                s.intermediate,
+                s.hidden,
+                xn,
+                act,
+            )?;
             mark("ffn_norm + gate/up SwiGLU")?;
-            self.gemv(&layer.down, act, x, true, 0)?;
+            ops.gemv(
+                layer.down.as_ref(gpu),
+                s.hidden,
+                s.intermediate,
+                act,
+                x,
+                0,
+                true,
+                0,
+            )?;
             mark("down (+residual)")?;
         }
         if logits {
             self.rms(x, &self.model.final_norm, xn)?;
             let out = self.ptr(&a.logits);
+            // Replays after the request finished must not overwrite the last logits.
             let finished = state + 4 * STATE_FINISHED as u64;
-            self.gemv(self.model.lm_head(), xn, out, false, finished)?;
-            launch!(self.gpu, &self.k.argmax_logits, one_cta(1024); out, vocab, state)?;
+            ops.gemv(
+                self.model.lm_head().as_ref(gpu),
+                s.vocab,
+                s.hidden,
+                xn,
+                out,
+                0,
+                false,
+                finished,
+            )?;
+            launch!(gpu, &ops.k.argmax_logits, one_cta(1024); out, vocab, state)?;
             mark("final_norm + lm_head + argmax")?;
         }
         Ok(())
@@ -426,17 +327,17 @@ impl CudaBackend {
     /// each stage summed over layers, in ms, in first-seen order. Advances the state like
     /// step().
     pub fn profile_step(&mut self) -> Result<Vec<(&'static str, f64)>> {
-        let mut marks = StageMarks::new(&self.gpu)?;
+        let mut marks = StageMarks::new(&self.ops.gpu)?;
         self.forward_marked(true, &mut Some(&mut marks))?;
         let (state, eos, ring) = (self.ptr(&self.state), self.eos, self.ptr(&self.arena.ring));
-        launch!(self.gpu, &self.k.commit_step, one_cta(1); state, eos, ring)?;
-        marks.record(&self.gpu, "commit")?;
-        self.gpu.sync()?;
+        launch!(self.ops.gpu, &self.ops.k.commit_step, one_cta(1); state, eos, ring)?;
+        marks.record(&self.ops.gpu, "commit")?;
+        self.ops.gpu.sync()?;
         marks.totals()
     }
 
     fn read_state(&self) -> Result<[i32; STATE_LEN]> {
-        let v = self.gpu.download(&self.state, STATE_LEN)?;
+        let v = self.ops.gpu.download(&self.state, STATE_LEN)?;
         Ok(v.try_into().expect("state length"))
     }
 
@@ -446,7 +347,7 @@ impl CudaBackend {
         let s = &self.spec;
         let per_layer = kv_stride(self.max_seq) * s.kv_dim();
         for cache in [&self.k_cache, &self.v_cache] {
-            let all = self.gpu.download(cache, s.n_layers * per_layer)?;
+            let all = self.ops.gpu.download(cache, s.n_layers * per_layer)?;
             for l in 0..s.n_layers {
                 let guard = &all[l * per_layer + self.max_seq * s.kv_dim()..(l + 1) * per_layer];
                 if guard.iter().any(|v| *v != KV_POISON) {
@@ -466,29 +367,31 @@ impl Backend for CudaBackend {
     fn reset(&mut self) -> Result<()> {
         // position = valid_len = 0, finished = 0; the KV cache keeps its (dirty) contents.
         let zeros = [0i32; STATE_LEN];
-        self.gpu
+        self.ops
+            .gpu
             .stream
             .memcpy_htod(&zeros, &mut self.state)
             .map_err(driver_error("state reset"))?;
-        self.gpu.sync()
+        self.ops.gpu.sync()
     }
 
     fn prefill(&mut self, ids: &[u32]) -> Result<()> {
         let ids: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
-        self.gpu
+        self.ops
+            .gpu
             .stream
             .memcpy_htod(&ids, &mut self.arena.prompt.slice_mut(..ids.len()))
             .map_err(driver_error("prompt upload"))?;
         let (state, prompt) = (self.ptr(&self.state), self.ptr(&self.arena.prompt));
         for i in 0..ids.len() {
             let i32_i = i as i32;
-            launch!(self.gpu, &self.k.load_token, one_cta(1); state, prompt, i32_i)?;
+            launch!(self.ops.gpu, &self.ops.k.load_token, one_cta(1); state, prompt, i32_i)?;
             self.forward(i + 1 == ids.len())?;
-            launch!(self.gpu, &self.k.advance, one_cta(1); state)?;
+            launch!(self.ops.gpu, &self.ops.k.advance, one_cta(1); state)?;
         }
         let eos = self.eos;
-        launch!(self.gpu, &self.k.finish_prefill, one_cta(1); state, eos)?;
-        self.gpu.sync()
+        launch!(self.ops.gpu, &self.ops.k.finish_prefill, one_cta(1); state, eos)?;
+        self.ops.gpu.sync()
     }
 
     /// Enqueues `out.len()` steps (graph replays, or eager launches) with no host wait in
@@ -496,7 +399,7 @@ impl Backend for CudaBackend {
     /// nothing on the device.
     fn step_n(&mut self, out: &mut [u32]) -> Result<usize> {
         let state = self.ptr(&self.state);
-        launch!(self.gpu, &self.k.ring_reset, one_cta(1); state)?;
+        launch!(self.ops.gpu, &self.ops.k.ring_reset, one_cta(1); state)?;
         for _ in 0..out.len() {
             match &self.graph {
                 Some(g) => g.0.launch().map_err(driver_error("graph launch"))?,
@@ -505,7 +408,7 @@ impl Backend for CudaBackend {
         }
         let st = self.read_state()?;
         let done = st[STATE_RING_COUNT] as usize;
-        let ring = self.gpu.download(&self.arena.ring, done)?;
+        let ring = self.ops.gpu.download(&self.arena.ring, done)?;
         out.iter_mut()
             .zip(&ring)
             .for_each(|(o, id)| *o = *id as u32);
@@ -517,7 +420,7 @@ impl Backend for CudaBackend {
     }
 
     fn logits(&mut self, out: &mut [f32]) -> Result<()> {
-        let v = self.gpu.download(&self.arena.logits, self.spec.vocab)?;
+        let v = self.ops.gpu.download(&self.arena.logits, self.spec.vocab)?;
         out.copy_from_slice(&v);
         Ok(())
     }
@@ -537,6 +440,6 @@ impl Backend for CudaBackend {
     }
 
     fn device_free_bytes(&mut self) -> Result<Option<usize>> {
-        Ok(Some(self.gpu.memory()?.0))
+        Ok(Some(self.ops.gpu.memory()?.0))
     }
 }

@@ -13,6 +13,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --f
 bash .device/run-tests.sh --nocapture > "$out/tests.log" 2>&1 || status=1
 grep -E "^test |test result|SKIP|FAILED|panicked|max \|logit|oracle|built in|qwen25" "$out/tests.log" | grep -v "^test .* ok$" | tail -40
 
+# The v1 kernels stay selectable (DV2_GEMV=v1, DV2_ATTN=v1): they must pass the gates too.
+DV2_GEMV=v1 DV2_ATTN=v1 .device/tests/cuda_gates --nocapture gates_match > "$out/tests-v1.log" 2>&1 \
+  && echo "v1 kernels, gates: ok" || { echo "v1 kernels, gates: FAILED"; status=1; }
+grep -E "max \|logit" "$out/tests-v1.log"
+
 cc -std=c99 -O2 -g -Wall -Iinclude examples_c/gates.c -L.device/lib -ldecodev2 -o /tmp/gates \
   && /tmp/gates --backend cuda > "$out/c-example.log" 2>&1 && echo "C example (cuda): ok" \
   || { echo "C example (cuda): FAILED"; status=1; }
