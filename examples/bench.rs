@@ -168,6 +168,31 @@ fn main() {
         json = json.trim_end_matches(",\n").to_string() + "\n    ],\n";
     }
     json = json.trim_end_matches(",\n").to_string() + "\n  },\n";
+    if !flag("--skip-kernels") {
+        println!("\nGEMV v2, CTAs per SM (DV2_GEMV_CTAS), gate+up / down / lm_head µs:");
+        std::env::set_var("DV2_GEMV", "v2");
+        for ctas in ["1", "2", "4"] {
+            std::env::set_var("DV2_GEMV_CTAS", ctas);
+            let bench = Bench::new(0).expect("CUDA device");
+            let s = QWEN25_3B;
+            let t = [
+                bench
+                    .gemv("gate+up", "swiglu", &[s.intermediate], s.hidden)
+                    .unwrap(),
+                bench
+                    .gemv("down", "residual", &[s.hidden], s.intermediate)
+                    .unwrap(),
+                bench
+                    .gemv("lm_head", "plain", &[s.vocab], s.hidden)
+                    .unwrap(),
+            ];
+            println!(
+                "  {ctas}: {:.2} / {:.2} / {:.2}",
+                t[0].median_us, t[1].median_us, t[2].median_us
+            );
+        }
+        std::env::remove_var("DV2_GEMV_CTAS");
+    }
     std::env::remove_var("DV2_GEMV");
     std::env::remove_var("DV2_ATTN");
 

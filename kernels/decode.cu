@@ -306,8 +306,9 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     const int per_cta = (rows + gridDim.x - 1) / gridDim.x;
     const int r0 = blockIdx.x * per_cta, r1 = min(rows, r0 + per_cta);
     const int block = row_lanes * R;  // rows per iteration
-    for (int base = r0; base < r1; base += block) {
-        RowChunks<J> rc[R][NM];
+    // Software pipeline: the loads of the next block are issued before this block's math.
+    RowChunks<J> cur[R][NM], nxt[R][NM];
+    auto load_block = [&](int base, RowChunks<J> (&rc)[R][NM]) {
 #pragma unroll
         for (int i = 0; i < R; i++) {
             const int r = base + i * row_lanes + row_lane;
@@ -316,11 +317,19 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
                 for (int k = 0; k < NM; k++) load_row<J>(rows_of.matrix(r, k), rows_of.local(r), cols, part, rc[i][k]);
             }
         }
+    };
+    load_block(r0, cur);
+    for (int base = r0; base < r1; base += block) {
+        if (base + block < r1) load_block(base + block, nxt);
         float sums[R][NM];
 #pragma unroll
         for (int i = 0; i < R; i++)
 #pragma unroll
-            for (int k = 0; k < NM; k++) sums[i][k] = warp_sum(dot_row<J>(rc[i][k], xs, lut));
+            for (int k = 0; k < NM; k++) sums[i][k] = warp_sum(dot_row<J>(cur[i][k], xs, lut));
+#pragma unroll
+        for (int i = 0; i < R; i++)
+#pragma unroll
+            for (int k = 0; k < NM; k++) cur[i][k] = nxt[i][k];
         if (kparts == 1) {
             if (lane == 0) {
 #pragma unroll
@@ -601,16 +610,25 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode(AttnArgs
         kd[0] = kv.x; kd[1] = kv.y; kd[2] = kv.z; kd[3] = kv.w;
         vd[0] = vv.x; vd[1] = vv.y; vd[2] = vv.z; vd[3] = vv.w;
     }
-    // Rotate the group's q heads (scale folded in) and the live k; take the live v.
+    // Rotate the group's q heads (scale folded in) and the live k, a (d, d + half) pair per
+    // thread per round, the loads of several rounds in flight; take the live v.
     const float* qkv_k = a.qkv + a.n_q * hd + kvh * hd;
     const float* qkv_v = a.qkv + (a.n_q + a.n_kv) * hd + kvh * hd;
-    for (int i = threadIdx.x; i < (group + 1) * hd; i += blockDim.x) {
-        const int g = i / hd, d = i % hd, j = d < half ? d : d - half;
-        const float c = a.rope_cos[pos * half + j], s = a.rope_sin[pos * half + j];
+    const float* cos_p = a.rope_cos + pos * half;
+    const float* sin_p = a.rope_sin + pos * half;
+#pragma unroll 4
+    for (int i = threadIdx.x; i < (group + 1) * half; i += blockDim.x) {
+        const int g = i / half, j = i % half;
         const float* src = g < group ? a.qkv + (kvh * group + g) * hd : qkv_k;
-        const float r = d < half ? src[j] * c - src[j + half] * s : src[j + half] * c + src[j] * s;
-        if (g < group) q_s[g * hd + d] = r * a.scale;
-        else kcur[d] = r;
+        const float c = cos_p[j], s = sin_p[j], x1 = src[j], x2 = src[j + half];
+        const float lo = x1 * c - x2 * s, hi = x2 * c + x1 * s;
+        if (g < group) {
+            q_s[g * hd + j] = lo * a.scale;
+            q_s[g * hd + j + half] = hi * a.scale;
+        } else {
+            kcur[j] = lo;
+            kcur[j + half] = hi;
+        }
     }
     for (int d = threadIdx.x; d < hd; d += blockDim.x) vcur[d] = qkv_v[d];
     __syncthreads();
@@ -636,13 +654,16 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode(AttnArgs
         if (lane < n_t) {
             const u32* krow = k_s + lane * row_words;
             const float* q = q_s + g * hd;
-            float acc = 0.0f;
-            for (int w = 0; w < half; w++) {
-                const u32 pair = krow[w];
-                acc = fmaf(q[2 * w], bf16_to_f32((u16)(pair & 0xffffu)), acc);
-                acc = fmaf(q[2 * w + 1], bf16_to_f32((u16)(pair >> 16)), acc);
+            float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // independent chains
+            for (int w = 0; w < half; w += 2) {
+#pragma unroll
+                for (int u = 0; u < 2; u++) {
+                    const u32 pair = krow[w + u];
+                    acc[2 * u] = fmaf(q[2 * (w + u)], bf16_to_f32((u16)(pair & 0xffffu)), acc[2 * u]);
+                    acc[2 * u + 1] = fmaf(q[2 * (w + u) + 1], bf16_to_f32((u16)(pair >> 16)), acc[2 * u + 1]);
+                }
             }
-            score = acc;
+            score = (acc[0] + acc[1]) + (acc[2] + acc[3]);
         }
         const float m = warp_max(score);
         const float p = lane < n_t ? expf(score - m) : 0.0f;
@@ -672,24 +693,45 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode(AttnArgs
     }
 }
 
-// Combines the chunks 0 .. ceil(valid_len / ATTN2_CHUNK)-1 of each q head. Grid n_q.
+// Combines the chunks 0 .. ceil(valid_len / ATTN2_CHUNK)-1 of each q head. Grid n_q; the
+// chunk weights exp(m_c - M) / L are computed once, in parallel, then every output sums its
+// chunks with the loads in flight together.
+#define ATTN2_MAX_CHUNKS 1024
 extern "C" __global__ void attn2_merge(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
                                        const int* __restrict__ state, float* out, int head_dim, int n_chunks,
                                        int max_seq) {
     const int pos = state[STATE_POSITION];
     if (pos >= max_seq) return;
-    const int used = pos / ATTN2_CHUNK + 1, h = blockIdx.x;
+    const int used = min(pos / ATTN2_CHUNK + 1, ATTN2_MAX_CHUNKS), h = blockIdx.x;
     const float* ml = part_ml + (size_t)h * n_chunks * 2;
+    __shared__ float weight[ATTN2_MAX_CHUNKS];
+    __shared__ float red[32];
+    float m = NEG_INF;
+    for (int c = threadIdx.x; c < used; c += blockDim.x) m = fmaxf(m, ml[2 * c]);
+    m = warp_max(m);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
+    __syncthreads();
     float M = NEG_INF;
-    for (int c = 0; c < used; c++) M = fmaxf(M, ml[2 * c]);
+    for (int w = 0; w < (int)(blockDim.x >> 5); w++) M = fmaxf(M, red[w]);
+    __syncthreads();
+    float l = 0.0f;
+    for (int c = threadIdx.x; c < used; c += blockDim.x) {
+        const float w = expf(ml[2 * c] - M);
+        weight[c] = w;
+        l += ml[2 * c + 1] * w;
+    }
+    l = warp_sum(l);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = l;
+    __syncthreads();
+    float L = 0.0f;
+    for (int w = 0; w < (int)(blockDim.x >> 5); w++) L += red[w];
+    const float inv = 1.0f / L;
+    const float* acc = part_acc + (size_t)h * n_chunks * head_dim;
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float num = 0.0f, den = 0.0f;
-        for (int c = 0; c < used; c++) {
-            const float w = expf(ml[2 * c] - M);
-            num += part_acc[((size_t)h * n_chunks + c) * head_dim + d] * w;
-            den += ml[2 * c + 1] * w;
-        }
-        out[h * head_dim + d] = num / den;
+        float sum = 0.0f;
+#pragma unroll 8
+        for (int c = 0; c < used; c++) sum = fmaf(acc[(size_t)c * head_dim + d], weight[c], sum);
+        out[h * head_dim + d] = sum * inv;
     }
 }
 

@@ -52,6 +52,7 @@ unsafe impl DeviceRepr for AttnArgs {}
 pub const ATTN2_CHUNK: usize = 32;
 const ATTN2_MAX_GROUP: usize = 16;
 const ATTN2_MAX_GROUP_X_HD: usize = 2048;
+const ATTN2_MAX_CHUNKS: usize = 1024;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Variant {
@@ -110,7 +111,7 @@ impl Ops {
 
     /// Checks the shapes the chosen kernels take; attention v2 falls back to v1 where its
     /// shared-memory layout does not fit the model.
-    pub fn fit(&mut self, s: &ArchSpec) -> Result<()> {
+    pub fn fit(&mut self, s: &ArchSpec, max_seq: usize) -> Result<()> {
         if s.head_dim > MAX_HEAD_DIM || s.head_dim % 8 != 0 {
             return Err(Error::Unsupported(format!(
                 "head_dim {} (the CUDA kernels take a multiple of 8 up to {MAX_HEAD_DIM})",
@@ -118,7 +119,10 @@ impl Ops {
             )));
         }
         let group = s.n_q_heads / s.n_kv_heads;
-        if group > ATTN2_MAX_GROUP || group * s.head_dim > ATTN2_MAX_GROUP_X_HD {
+        if group > ATTN2_MAX_GROUP
+            || group * s.head_dim > ATTN2_MAX_GROUP_X_HD
+            || max_seq.div_ceil(ATTN2_CHUNK) > ATTN2_MAX_CHUNKS
+        {
             self.attn = Variant::V1;
         }
         for k in [s.hidden, s.intermediate] {

@@ -133,7 +133,7 @@ impl CudaBackend {
         let (free, total) = gpu.memory()?;
         budget::estimate(host, max_seq).check(free, total)?;
         let mut ops = Ops::new(gpu)?;
-        ops.fit(&s)?;
+        ops.fit(&s, max_seq)?;
         let gpu = &ops.gpu;
         let model = weights::upload(gpu, host)?;
         let rope = RopeTable::new(max_seq, s.head_dim, s.rope_theta);
