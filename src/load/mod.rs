@@ -1,7 +1,11 @@
 //! Model files: recognises the format of a path and yields a [`HostModel`].
 //!
 //! Formats are recognised by content (GGUF magic) or layout (a directory with `config.json`),
-//! never by file name. No format is read yet; each is reported as unsupported by name.
+//! never by file name. One file per format: [`gguf`] (with [`ggml`] for its tensor types).
+//! Hugging Face directories are recognised but not read yet.
+
+pub mod ggml;
+pub mod gguf;
 
 use std::io::Read;
 use std::path::Path;
@@ -28,9 +32,7 @@ pub fn load(path: &Path) -> Result<HostModel> {
         .read(&mut magic)
         .map_err(|e| Error::Io(format!("{shown}: {e}")))?;
     if got == 4 && &magic == b"GGUF" {
-        return Err(Error::Unsupported(format!(
-            "{shown}: GGUF files are not supported yet"
-        )));
+        return gguf::Gguf::open(path)?.model();
     }
     Err(Error::ModelFile(format!(
         "{shown}: not a model file (neither GGUF magic nor a directory with config.json)"
