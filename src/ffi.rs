@@ -398,7 +398,17 @@ pub unsafe extern "C" fn dv2_load(
     guard(|| {
         require(out, "out")?;
         let path = c_str(path, "path")?;
-        let engine = Engine::load_file(std::path::Path::new(path), &engine_options(opts)?)?;
+        let opts = engine_options(opts)?;
+        log(
+            dv2_log_level::DV2_LOG_INFO,
+            &format!(
+                "loading {path} (re-quantizing to NF4 on {} threads)",
+                crate::par::threads()
+            ),
+        );
+        let started = std::time::Instant::now();
+        let engine = Engine::load_file(std::path::Path::new(path), &opts)?;
+        let path = &format!("{path} in {:.2} s", started.elapsed().as_secs_f64());
         // SAFETY: `out` checked non-null above; writable by the caller's contract.
         unsafe { hand_out(engine, out, path) };
         Ok(())
@@ -421,9 +431,14 @@ pub unsafe extern "C" fn dv2_load_synthetic(
     guard(|| {
         require(out, "out")?;
         let name = c_str(preset, "preset")?;
+        let started = std::time::Instant::now();
         let engine = Engine::load_synthetic(name, seed, &engine_options(opts)?)?;
+        let what = format!(
+            "preset {name} seed {seed} in {:.2} s",
+            started.elapsed().as_secs_f64()
+        );
         // SAFETY: `out` checked non-null above; writable by the caller's contract.
-        unsafe { hand_out(engine, out, &format!("preset {name} seed {seed}")) };
+        unsafe { hand_out(engine, out, &what) };
         Ok(())
     })
 }

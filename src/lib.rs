@@ -14,7 +14,7 @@ pub mod load;
 pub mod model;
 pub mod nf4;
 pub mod oracle;
-mod par;
+pub(crate) mod par;
 pub mod rope;
 pub mod synth;
 

@@ -368,7 +368,7 @@ fn loading_failures() {
         expect(
             dv2_load(c(&hf).as_ptr(), &opts, &mut h),
             DV2_ERR_UNSUPPORTED,
-            "Hugging Face",
+            "architecture",
         );
         expect(
             dv2_load_synthetic(c"tiny_lama".as_ptr(), 0, &opts, &mut h),

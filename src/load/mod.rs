@@ -2,10 +2,11 @@
 //!
 //! Formats are recognised by content (GGUF magic) or layout (a directory with `config.json`),
 //! never by file name. One file per format: [`gguf`] (with [`ggml`] for its tensor types).
-//! Hugging Face directories are recognised but not read yet.
+//! [`hf`] reads Hugging Face directories.
 
 pub mod ggml;
 pub mod gguf;
+pub mod hf;
 
 use std::io::Read;
 use std::path::Path;
@@ -18,9 +19,7 @@ pub fn load(path: &Path) -> Result<HostModel> {
     let meta = std::fs::metadata(path).map_err(|e| Error::Io(format!("{shown}: {e}")))?;
     if meta.is_dir() {
         if path.join("config.json").is_file() {
-            return Err(Error::Unsupported(format!(
-                "{shown}: Hugging Face directories are not supported yet"
-            )));
+            return hf::load(path);
         }
         return Err(Error::ModelFile(format!(
             "{shown}: a directory without config.json"

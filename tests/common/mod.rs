@@ -4,6 +4,7 @@
 
 pub mod bpe;
 pub mod gguf_writer;
+pub mod safetensors_writer;
 
 use std::path::PathBuf;
 

@@ -1,0 +1,305 @@
+//! Hugging Face model directories: `config.json` plus `*.safetensors` (one file, or shards
+//! listed by `model.safetensors.index.json`), bf16 / f16 / f32, memory-mapped and re-quantized
+//! to NF4 row by row on every core.
+//!
+//! Architectures: `LlamaForCausalLM`, `MistralForCausalLM` (no biases) and `Qwen2ForCausalLM`
+//! (q/k/v biases). Hugging Face stores q and k in the rotate-half layout decodev2 uses, so no
+//! permutation is undone here (unlike GGUF).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use half::{bf16, f16};
+use safetensors::{Dtype, SafeTensors};
+use serde_json::Value;
+
+use crate::arch::{ArchSpec, Family};
+use crate::error::{Error, Result};
+use crate::model::{HostModel, Layer, Linear, QkvWeights};
+use crate::nf4::Nf4Matrix;
+
+/// The memory maps of a directory's safetensors files and where each tensor lives.
+struct Shards {
+    maps: Vec<(PathBuf, memmap2::Mmap)>,
+    /// tensor name -> index into `maps`
+    index: HashMap<String, usize>,
+}
+
+fn file_err(path: &Path, e: impl std::fmt::Display) -> Error {
+    Error::ModelFile(format!("{}: {e}", path.display()))
+}
+
+impl Shards {
+    fn open(dir: &Path) -> Result<Self> {
+        let index_path = dir.join("model.safetensors.index.json");
+        let files: Vec<String> = if index_path.is_file() {
+            let text = std::fs::read_to_string(&index_path)
+                .map_err(|e| Error::Io(format!("{}: {e}", index_path.display())))?;
+            let json: Value = serde_json::from_str(&text).map_err(|e| file_err(&index_path, e))?;
+            let map = json["weight_map"]
+                .as_object()
+                .ok_or_else(|| file_err(&index_path, "no weight_map object"))?;
+            let mut files: Vec<String> = map
+                .values()
+                .filter_map(|v| v.as_str().map(String::from))
+                .collect();
+            files.sort();
+            files.dedup();
+            files
+        } else if dir.join("model.safetensors").is_file() {
+            vec!["model.safetensors".into()]
+        } else {
+            return Err(Error::ModelFile(format!(
+                "{}: no model.safetensors or model.safetensors.index.json",
+                dir.display()
+            )));
+        };
+        let mut maps = Vec::with_capacity(files.len());
+        let mut index = HashMap::new();
+        for (i, name) in files.iter().enumerate() {
+            let path = dir.join(name);
+            let file = std::fs::File::open(&path)
+                .map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
+            // SAFETY: a read-only map; see load::gguf for the caveat on files changed while mapped.
+            let map = unsafe { memmap2::Mmap::map(&file) }
+                .map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
+            let st = SafeTensors::deserialize(&map).map_err(|e| file_err(&path, e))?;
+            for t in st.names() {
+                index.insert(t.to_string(), i);
+            }
+            maps.push((path, map));
+        }
+        Ok(Self { maps, index })
+    }
+
+    /// The tensor's dtype, shape and bytes.
+    fn get(&self, name: &str) -> Result<(Dtype, Vec<usize>, &[u8], &Path)> {
+        let i = *self
+            .index
+            .get(name)
+            .ok_or_else(|| Error::ModelFile(format!("tensor {name} is missing")))?;
+        let (path, map) = &self.maps[i];
+        let st = SafeTensors::deserialize(map).map_err(|e| file_err(path, e))?;
+        let view = st.tensor(name).map_err(|e| file_err(path, e))?;
+        Ok((view.dtype(), view.shape().to_vec(), view.data(), path))
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
+    /// Checks shape `[rows, cols]` (rows = 0: a vector of cols) and dtype; returns a row reader.
+    fn rows(&self, name: &str, rows: usize, cols: usize) -> Result<RowReader<'_>> {
+        let (dtype, shape, data, path) = self.get(name)?;
+        let want: Vec<usize> = if rows == 0 {
+            vec![cols]
+        } else {
+            vec![rows, cols]
+        };
+        if shape != want {
+            return Err(file_err(
+                path,
+                format!("tensor {name} has shape {shape:?}, config.json says {want:?}"),
+            ));
+        }
+        let elem = match dtype {
+            Dtype::BF16 | Dtype::F16 => 2,
+            Dtype::F32 => 4,
+            other => {
+                return Err(Error::Unsupported(format!(
+                    "{}: tensor {name} has dtype {other:?} (bf16, f16, f32 are read)",
+                    path.display()
+                )))
+            }
+        };
+        Ok(RowReader {
+            dtype,
+            data,
+            row_bytes: cols * elem,
+        })
+    }
+
+    fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
+        let r = self.rows(name, 0, len)?;
+        let mut out = vec![0f32; len];
+        r.read(0, &mut out);
+        if let Some(i) = out.iter().position(|v| !v.is_finite()) {
+            return Err(Error::ModelFile(format!(
+                "tensor {name} holds {} at {i}",
+                out[i]
+            )));
+        }
+        Ok(out)
+    }
+
+    fn norm(&self, name: &str, len: usize) -> Result<Vec<bf16>> {
+        Ok(self
+            .vector(name, len)?
+            .into_iter()
+            .map(bf16::from_f32)
+            .collect())
+    }
+
+    fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Nf4Matrix> {
+        let r = self.rows(name, rows, cols)?;
+        Nf4Matrix::quantize_with(rows, cols, |row, out| r.read(row, out))
+            .map_err(|e| Error::ModelFile(format!("tensor {name}: {e}")))
+    }
+}
+
+struct RowReader<'a> {
+    dtype: Dtype,
+    data: &'a [u8],
+    row_bytes: usize,
+}
+
+impl RowReader<'_> {
+    fn read(&self, row: usize, out: &mut [f32]) {
+        let src = &self.data[row * self.row_bytes..(row + 1) * self.row_bytes];
+        match self.dtype {
+            Dtype::BF16 => src
+                .chunks_exact(2)
+                .zip(out)
+                .for_each(|(b, o)| *o = bf16::from_le_bytes([b[0], b[1]]).to_f32()),
+            Dtype::F16 => src
+                .chunks_exact(2)
+                .zip(out)
+                .for_each(|(b, o)| *o = f16::from_le_bytes([b[0], b[1]]).to_f32()),
+            _ => src
+                .chunks_exact(4)
+                .zip(out)
+                .for_each(|(b, o)| *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+        }
+    }
+}
+
+/// Reads `config.json` into a spec, refusing what decodev2 does not compute.
+fn spec_from_config(dir: &Path) -> Result<ArchSpec> {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
+    let c: Value = serde_json::from_str(&text).map_err(|e| file_err(&path, e))?;
+    let arch = c["architectures"][0].as_str().unwrap_or("");
+    let qwen = match arch {
+        "LlamaForCausalLM" | "MistralForCausalLM" => false,
+        "Qwen2ForCausalLM" => true,
+        other => {
+            return Err(Error::Unsupported(format!(
+                "{}: architecture {other:?} (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM are read)",
+                path.display()
+            )))
+        }
+    };
+    let count = |key: &str| -> Result<usize> {
+        c[key]
+            .as_u64()
+            .map(|v| v as usize)
+            .ok_or_else(|| file_err(&path, format!("{key} is missing or not a count")))
+    };
+    if !c["rope_scaling"].is_null() {
+        return Err(Error::Unsupported(format!(
+            "{}: rope_scaling {}",
+            path.display(),
+            c["rope_scaling"]
+        )));
+    }
+    if c["attention_bias"].as_bool() == Some(true) || c["mlp_bias"].as_bool() == Some(true) {
+        return Err(Error::Unsupported(format!(
+            "{}: attention_bias / mlp_bias on o_proj or the MLP",
+            path.display()
+        )));
+    }
+    if let Some(act) = c["hidden_act"].as_str() {
+        if act != "silu" {
+            return Err(Error::Unsupported(format!(
+                "{}: hidden_act {act}",
+                path.display()
+            )));
+        }
+    }
+    let hidden = count("hidden_size")?;
+    let n_q_heads = count("num_attention_heads")?;
+    let n_kv_heads = c["num_key_value_heads"]
+        .as_u64()
+        .map_or(n_q_heads, |v| v as usize);
+    let head_dim = hidden.checked_div(n_q_heads).unwrap_or(0);
+    if let Some(hd) = c["head_dim"].as_u64() {
+        if hd as usize != head_dim {
+            return Err(Error::Unsupported(format!(
+                "{}: head_dim {hd} != hidden_size / heads ({head_dim})",
+                path.display()
+            )));
+        }
+    }
+    let spec = ArchSpec {
+        family: Family::LlamaSwiglu,
+        n_layers: count("num_hidden_layers")?,
+        hidden,
+        n_q_heads,
+        n_kv_heads,
+        head_dim,
+        intermediate: count("intermediate_size")?,
+        vocab: count("vocab_size")?,
+        max_seq: count("max_position_embeddings")?,
+        rms_eps: c["rms_norm_eps"].as_f64().unwrap_or(1e-6) as f32,
+        rope_theta: c["rope_theta"].as_f64().unwrap_or(10000.0) as f32,
+        qkv_bias: qwen,
+        tied_embed: c["tie_word_embeddings"].as_bool().unwrap_or(false),
+    };
+    spec.validate().map_err(|e| match e {
+        Error::InvalidSpec(m) => Error::Unsupported(format!("{}: {m}", path.display())),
+        other => other,
+    })?;
+    Ok(spec)
+}
+
+/// Loads a Hugging Face model directory.
+pub fn load(dir: &Path) -> Result<HostModel> {
+    let mut spec = spec_from_config(dir)?;
+    let shards = Shards::open(dir)?;
+    let (h, kv, inter) = (spec.hidden, spec.kv_dim(), spec.intermediate);
+    // Some tied checkpoints still ship lm_head.weight; an untied one must.
+    if spec.tied_embed && shards.has("lm_head.weight") {
+        spec.tied_embed = false;
+    }
+    let mut layers = Vec::with_capacity(spec.n_layers);
+    for i in 0..spec.n_layers {
+        let p = |t: &str| format!("model.layers.{i}.{t}");
+        let linear = |t: &str, rows: usize| -> Result<Linear> {
+            Ok(Linear {
+                weight: shards.matrix(&p(&format!("self_attn.{t}.weight")), rows, h)?,
+                bias: if spec.qkv_bias {
+                    Some(shards.vector(&p(&format!("self_attn.{t}.bias")), rows)?)
+                } else {
+                    None
+                },
+            })
+        };
+        layers.push(Layer {
+            attn_norm: shards.norm(&p("input_layernorm.weight"), h)?,
+            qkv: QkvWeights::Separate {
+                q: linear("q_proj", h)?,
+                k: linear("k_proj", kv)?,
+                v: linear("v_proj", kv)?,
+            },
+            o: shards.matrix(&p("self_attn.o_proj.weight"), h, h)?,
+            ffn_norm: shards.norm(&p("post_attention_layernorm.weight"), h)?,
+            gate: shards.matrix(&p("mlp.gate_proj.weight"), inter, h)?,
+            up: shards.matrix(&p("mlp.up_proj.weight"), inter, h)?,
+            down: shards.matrix(&p("mlp.down_proj.weight"), h, inter)?,
+        });
+    }
+    let model = HostModel {
+        spec,
+        embed: shards.matrix("model.embed_tokens.weight", spec.vocab, h)?,
+        layers,
+        final_norm: shards.norm("model.norm.weight", h)?,
+        lm_head: if spec.tied_embed {
+            None
+        } else {
+            Some(shards.matrix("lm_head.weight", spec.vocab, h)?)
+        },
+    };
+    model.validate()?;
+    Ok(model)
+}

@@ -1,0 +1,132 @@
+//! Hugging Face directories the test writes itself: good ones load (single file, sharded,
+//! bf16/f16/f32, Qwen2 biases and tied embeddings), bad ones are errors naming the problem.
+
+mod common;
+
+use common::safetensors_writer::HfWriter;
+use decodev2::load::load;
+use decodev2::model::QkvWeights;
+use decodev2::nf4::Nf4Matrix;
+use decodev2::Error;
+
+fn dir(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir()
+        .join(format!("dv2-hf-{}", std::process::id()))
+        .join(name);
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+#[test]
+fn good_directories_load() {
+    for (arch, shards, dtype) in [
+        ("LlamaForCausalLM", 1, "F32"),
+        ("Qwen2ForCausalLM", 3, "BF16"),
+        ("MistralForCausalLM", 2, "F16"),
+    ] {
+        let mut w = HfWriter::tiny(arch);
+        w.dtype = dtype;
+        let d = dir(&format!("{arch}-{dtype}"));
+        w.write(&d, shards);
+        let m = load(&d).unwrap_or_else(|e| panic!("{arch}: {e}"));
+        let qwen = arch.starts_with("Qwen2");
+        assert_eq!(
+            (m.spec.qkv_bias, m.spec.tied_embed, m.spec.n_kv_heads),
+            (qwen, qwen, 2),
+            "{arch}"
+        );
+        let QkvWeights::Separate { k, .. } = &m.layers[0].qkv else {
+            panic!()
+        };
+        assert_eq!(k.bias.is_some(), qwen);
+        // k rows are stored as written (no permutation for Hugging Face files).
+        let src = &w
+            .tensors
+            .iter()
+            .find(|t| t.0.ends_with("k_proj.weight"))
+            .unwrap()
+            .2;
+        let rounded: Vec<f32> = src[3 * 64..4 * 64]
+            .iter()
+            .map(|v| match dtype {
+                "BF16" => half::bf16::from_f32(*v).to_f32(),
+                "F16" => half::f16::from_f32(*v).to_f32(),
+                _ => *v,
+            })
+            .collect();
+        let mut got = vec![0f32; 64];
+        k.weight.dequantize_row(3, &mut got);
+        assert_eq!(
+            got,
+            Nf4Matrix::quantize(1, 64, &rounded).unwrap().dequantize(),
+            "{arch}"
+        );
+    }
+}
+
+#[test]
+fn bad_directories_are_named_errors() {
+    let check = |name: &str, w: &HfWriter, needle: &str| {
+        let d = dir(name);
+        w.write(&d, 1);
+        let err = load(&d).unwrap_err();
+        assert!(
+            matches!(err, Error::ModelFile(_) | Error::Unsupported(_)),
+            "{name}: {err:?}"
+        );
+        assert!(
+            err.to_string().contains(needle),
+            "{name}: {err} should mention {needle:?}"
+        );
+    };
+    let mut w = HfWriter::tiny("GPT2LMHeadModel");
+    check("arch", &w, "GPT2LMHeadModel");
+    w = HfWriter::tiny("LlamaForCausalLM");
+    w.config["rope_scaling"] = serde_json::json!({"type": "linear", "factor": 2.0});
+    check("rope", &w, "rope_scaling");
+    w = HfWriter::tiny("LlamaForCausalLM");
+    w.tensors.retain(|t| !t.0.ends_with("down_proj.weight"));
+    check(
+        "missing",
+        &w,
+        "model.layers.0.mlp.down_proj.weight is missing",
+    );
+    w = HfWriter::tiny("LlamaForCausalLM");
+    w.tensor_mut("model.layers.0.self_attn.v_proj.weight").1 = vec![64, 32];
+    check("shape", &w, "v_proj.weight has shape [64, 32]");
+    w = HfWriter::tiny("LlamaForCausalLM");
+    w.tensor_mut("model.layers.0.mlp.up_proj.weight").2[5] = f32::NAN;
+    check("nan", &w, "up_proj.weight");
+    w = HfWriter::tiny("LlamaForCausalLM");
+    w.config["hidden_size"] = serde_json::json!(48);
+    w.config["num_attention_heads"] = serde_json::json!(3);
+    w.config["num_key_value_heads"] = serde_json::json!(1);
+    check("hidden", &w, "hidden (48) is not a multiple of 64");
+    w = HfWriter::tiny("LlamaForCausalLM");
+    w.config
+        .as_object_mut()
+        .unwrap()
+        .remove("num_hidden_layers");
+    check("key", &w, "num_hidden_layers is missing");
+
+    // A truncated safetensors file.
+    let d = dir("truncated");
+    HfWriter::tiny("LlamaForCausalLM").write(&d, 1);
+    let f = d.join("model.safetensors");
+    let bytes = std::fs::read(&f).unwrap();
+    std::fs::write(&f, &bytes[..bytes.len() - 10]).unwrap();
+    let err = load(&d).unwrap_err();
+    assert!(matches!(err, Error::ModelFile(_)), "{err:?}");
+    // No weights at all.
+    let d = dir("empty");
+    std::fs::create_dir_all(&d).unwrap();
+    std::fs::write(
+        d.join("config.json"),
+        serde_json::to_vec(&HfWriter::tiny("LlamaForCausalLM").config).unwrap(),
+    )
+    .unwrap();
+    assert!(load(&d)
+        .unwrap_err()
+        .to_string()
+        .contains("no model.safetensors"));
+}
