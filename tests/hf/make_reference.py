@@ -69,7 +69,8 @@ LARGE = {
 @torch.no_grad()
 def build(name, cfg_cls, model_cls, kw, cap, out, dtype):
     torch.manual_seed(0)
-    cfg = cfg_cls(**kw, hidden_act="silu", torch_dtype="float32")
+    cfg = cfg_cls(**kw, hidden_act="silu")
+    cfg.architectures = [model_cls.__name__]
     cfg._attn_implementation = "eager"
     model = model_cls(cfg).to("cuda").float().eval()
     sd = model.state_dict()
