@@ -65,6 +65,27 @@ fn good_directories_load() {
 }
 
 #[test]
+fn rope_theta_from_either_config_generation() {
+    // transformers 4.x: top-level rope_theta; 5.x: rope_parameters.rope_theta.
+    let mut w = HfWriter::tiny("Qwen2ForCausalLM");
+    w.config["rope_theta"] = serde_json::json!(5e5);
+    let d = dir("theta4");
+    w.write(&d, 1);
+    assert_eq!(load(&d).unwrap().spec.rope_theta, 5e5);
+    w.config.as_object_mut().unwrap().remove("rope_theta");
+    w.config["rope_parameters"] = serde_json::json!({"rope_type": "default", "rope_theta": 1e6});
+    let d = dir("theta5");
+    w.write(&d, 1);
+    assert_eq!(load(&d).unwrap().spec.rope_theta, 1e6);
+    // Mistral's sliding window caps the capacity.
+    let mut w = HfWriter::tiny("MistralForCausalLM");
+    w.config["sliding_window"] = serde_json::json!(8);
+    let d = dir("window");
+    w.write(&d, 1);
+    assert_eq!(load(&d).unwrap().spec.max_seq, 8);
+}
+
+#[test]
 fn bad_directories_are_named_errors() {
     let check = |name: &str, w: &HfWriter, needle: &str| {
         let d = dir(name);
@@ -84,6 +105,12 @@ fn bad_directories_are_named_errors() {
     w = HfWriter::tiny("LlamaForCausalLM");
     w.config["rope_scaling"] = serde_json::json!({"type": "linear", "factor": 2.0});
     check("rope", &w, "rope_scaling");
+    w = HfWriter::tiny("LlamaForCausalLM");
+    w.config["rope_parameters"] = serde_json::json!({"rope_type": "yarn", "rope_theta": 1e6});
+    check("rope5", &w, "rope_type yarn");
+    w = HfWriter::tiny("Qwen2ForCausalLM");
+    w.config["use_sliding_window"] = serde_json::json!(true);
+    check("window", &w, "use_sliding_window");
     w = HfWriter::tiny("LlamaForCausalLM");
     w.tensors.retain(|t| !t.0.ends_with("down_proj.weight"));
     check(

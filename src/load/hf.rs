@@ -196,6 +196,7 @@ fn spec_from_config(dir: &Path) -> Result<ArchSpec> {
             .map(|v| v as usize)
             .ok_or_else(|| file_err(&path, format!("{key} is missing or not a count")))
     };
+    // transformers 4.x writes rope_theta (and rope_scaling); 5.x writes rope_parameters.
     if !c["rope_scaling"].is_null() {
         return Err(Error::Unsupported(format!(
             "{}: rope_scaling {}",
@@ -203,6 +204,32 @@ fn spec_from_config(dir: &Path) -> Result<ArchSpec> {
             c["rope_scaling"]
         )));
     }
+    let rope = &c["rope_parameters"];
+    if let Some(kind) = rope["rope_type"].as_str() {
+        if kind != "default" {
+            return Err(Error::Unsupported(format!(
+                "{}: rope_parameters.rope_type {kind}",
+                path.display()
+            )));
+        }
+    }
+    let rope_theta = rope["rope_theta"]
+        .as_f64()
+        .or(c["rope_theta"].as_f64())
+        .unwrap_or(10000.0);
+    if c["use_sliding_window"].as_bool() == Some(true) {
+        return Err(Error::Unsupported(format!(
+            "{}: use_sliding_window",
+            path.display()
+        )));
+    }
+    // Mistral's sliding window is exact attention for sequences no longer than it: cap the
+    // capacity there.
+    let window = if arch == "MistralForCausalLM" {
+        c["sliding_window"].as_u64().map(|w| w as usize)
+    } else {
+        None
+    };
     if c["attention_bias"].as_bool() == Some(true) || c["mlp_bias"].as_bool() == Some(true) {
         return Err(Error::Unsupported(format!(
             "{}: attention_bias / mlp_bias on o_proj or the MLP",
@@ -240,9 +267,9 @@ fn spec_from_config(dir: &Path) -> Result<ArchSpec> {
         head_dim,
         intermediate: count("intermediate_size")?,
         vocab: count("vocab_size")?,
-        max_seq: count("max_position_embeddings")?,
+        max_seq: count("max_position_embeddings")?.min(window.unwrap_or(usize::MAX)),
         rms_eps: c["rms_norm_eps"].as_f64().unwrap_or(1e-6) as f32,
-        rope_theta: c["rope_theta"].as_f64().unwrap_or(10000.0) as f32,
+        rope_theta: rope_theta as f32,
         qkv_bias: qwen,
         tied_embed: c["tie_word_embeddings"].as_bool().unwrap_or(false),
     };
