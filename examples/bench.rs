@@ -212,6 +212,18 @@ fn main() {
         for graph in [true, false] {
             runs.push(time_decode("qwen25_3b", &qwen, 2048, 48, 128, graph, 3));
         }
+        // RMSNorm as its own kernel instead of in the GEMV prologue.
+        std::env::set_var("DV2_FUSE_RMS", "0");
+        runs.push(time_decode(
+            "qwen25_3b rms-unfused",
+            &qwen,
+            2048,
+            48,
+            128,
+            true,
+            3,
+        ));
+        std::env::remove_var("DV2_FUSE_RMS");
         // The v1 kernels, same process, for the ratio.
         std::env::set_var("DV2_GEMV", "v1");
         std::env::set_var("DV2_ATTN", "v1");
@@ -236,7 +248,7 @@ fn main() {
     json += "  \"decode\": [\n";
     for r in &runs {
         println!(
-            "  {:<14} {:>8} {:>7} {:>7} {:>6} {:>8.2} {:>11.2} {:>10.4} {:>9.1}",
+            "  {:<22} {:>8} {:>7} {:>7} {:>6} {:>8.2} {:>11.2} {:>10.4} {:>9.1}",
             r.label,
             r.max_seq,
             r.prompt,

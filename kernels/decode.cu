@@ -232,19 +232,44 @@ struct XSlice {
     float v[J][32];
 };
 
+// RMSNorm folded into the x load: when `norm_w` is not null, x is replaced by
+// x * rsqrt(mean(x^2) + eps) * norm_w, computed by every CTA from the raw x (a persistent CTA
+// reads x once, so the reduction costs one pass over a few KB, not a launch).
+struct NormArgs {
+    const u16* w;
+    float eps;
+};
+
+__device__ __forceinline__ float rms_scale(const float* __restrict__ x, int n, float eps) {
+    __shared__ float red[GEMV_WARPS];
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += x[i] * x[i];
+    ss = warp_sum(ss);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    float total = 0.0f;
+#pragma unroll
+    for (int w = 0; w < GEMV_WARPS; w++) total += red[w];
+    return rsqrtf(total / (float)n + eps);
+}
+
 template <int J>
-__device__ __forceinline__ void load_x_slice(const float* __restrict__ x, int part, int n_chunks, XSlice<J>& xs) {
-    const int lane = threadIdx.x & 31;
+__device__ __forceinline__ void load_x_slice(const float* __restrict__ x, int part, int cols, NormArgs norm,
+                                             XSlice<J>& xs) {
+    const int lane = threadIdx.x & 31, n_chunks = cols >> 5;
+    const float r = norm.w ? rms_scale(x, cols, norm.eps) : 1.0f;
 #pragma unroll
     for (int j = 0; j < J; j++) {
         const int c = (part * J + j) * 32 + lane;
 #pragma unroll
         for (int k = 0; k < 8; k++) {
             float4 v = c < n_chunks ? reinterpret_cast<const float4*>(x + 32 * c)[k] : make_float4(0.f, 0.f, 0.f, 0.f);
-            xs.v[j][4 * k] = v.x;
-            xs.v[j][4 * k + 1] = v.y;
-            xs.v[j][4 * k + 2] = v.z;
-            xs.v[j][4 * k + 3] = v.w;
+            float e[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                const int i = 32 * c + 4 * k + u;
+                xs.v[j][4 * k + u] = norm.w && c < n_chunks ? e[u] * r * bf16_to_f32(norm.w[i]) : e[u];
+            }
         }
     }
 }
@@ -294,14 +319,15 @@ __device__ __forceinline__ float dot_row(const RowChunks<J>& rc, const XSlice<J>
 //   Nf4Ref matrix(int row, int* local_row); void store(int row, float sum[NM]) for NM
 //   matrices per row (1, or 2 for SwiGLU's gate and up).
 template <int J, int R, int NM, typename Rows>
-__device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, const float* __restrict__ x, int kparts) {
+__device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, const float* __restrict__ x,
+                                           NormArgs norm, int kparts) {
     __shared__ float lut[16];
     __shared__ float partial[GEMV2_MAX_LANES_X_R * NM][GEMV_WARPS];
     load_codebook(lut);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int part = warp % kparts, row_lane = warp / kparts, row_lanes = GEMV_WARPS / kparts;
     XSlice<J> xs;
-    load_x_slice<J>(x, part, cols >> 5, xs);
+    load_x_slice<J>(x, part, cols, norm, xs);
     __syncthreads();
     const int per_cta = (rows + gridDim.x - 1) / gridDim.x;
     const int r0 = blockIdx.x * per_cta, r1 = min(rows, r0 + per_cta);
@@ -406,22 +432,24 @@ struct SwigluRows {
 
 #define GEMV2_KERNELS(J, R)                                                                                    \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 1)                                              \
-        gemv2_nf4_j##J(Nf4Ref m, const float* __restrict__ x, float* y, const float* __restrict__ bias,        \
-                       int rows, int cols, int kparts, int accumulate, const int* skip_if) {                   \
+        gemv2_nf4_j##J(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y,                         \
+                       const float* __restrict__ bias, int rows, int cols, int kparts, int accumulate,         \
+                       const int* skip_if) {                                                                   \
         if (skip_if && *skip_if) return;                                                                       \
         PlainRows p{m, y, bias, accumulate};                                                                   \
-        gemv2_walk<J, R, 1>(p, rows, cols, x, kparts);                                                         \
+        gemv2_walk<J, R, 1>(p, rows, cols, x, norm, kparts);                                                   \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 1)                                              \
-        gemv2_qkv_j##J(QkvArgs a, const float* __restrict__ x, float* out, int cols, int kparts) {             \
+        gemv2_qkv_j##J(QkvArgs a, const float* __restrict__ x, NormArgs norm, float* out, int cols,            \
+                       int kparts) {                                                                           \
         QkvRows q{a, out};                                                                                     \
-        gemv2_walk<J, R, 1>(q, a.rows[0] + a.rows[1] + a.rows[2], cols, x, kparts);                            \
+        gemv2_walk<J, R, 1>(q, a.rows[0] + a.rows[1] + a.rows[2], cols, x, norm, kparts);                      \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 1)                                              \
-        gemv2_swiglu_j##J(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, float* out, int rows, int cols, \
-                          int kparts) {                                                                        \
+        gemv2_swiglu_j##J(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm, float* out,     \
+                          int rows, int cols, int kparts) {                                                    \
         SwigluRows g{gate, up, out};                                                                           \
-        gemv2_walk<J, (R > 1 ? R / 2 : 1), 2>(g, rows, cols, x, kparts);                                       \
+        gemv2_walk<J, (R > 1 ? R / 2 : 1), 2>(g, rows, cols, x, norm, kparts);                                 \
     }
 
 GEMV2_KERNELS(1, 4)

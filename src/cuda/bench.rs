@@ -9,7 +9,7 @@ use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 use super::budget::kv_stride;
 use super::device::{driver_error, Gpu};
 use super::kernels::{load_module, BENCH_CU};
-use super::ops::{attn_partials, AttnArgs, Ops, QkvArgs};
+use super::ops::{attn_partials, AttnArgs, Input, Ops, QkvArgs};
 use super::step::{timing_event, STATE_LEN, STATE_POSITION};
 use super::weights::Nf4Ref;
 use crate::arch::ArchSpec;
@@ -226,19 +226,22 @@ impl Bench {
                         bias: [0, 1, 2].map(|i| gpu.ptr(&bias[i])),
                         rows: [0, 1, 2].map(|i| rows[i] as i32),
                     };
-                    self.ops.qkv(args, cols, xp, yp)
+                    self.ops.qkv(args, cols, Input::raw(xp), yp)
                 }
-                "swiglu" => {
-                    self.ops
-                        .swiglu(m[0].as_ref(gpu), m[1].as_ref(gpu), rows[0], cols, xp, yp)
-                }
+                "swiglu" => self.ops.swiglu(
+                    m[0].as_ref(gpu),
+                    m[1].as_ref(gpu),
+                    rows[0],
+                    cols,
+                    Input::raw(xp),
+                    yp,
+                ),
                 _ => self.ops.gemv(
                     m[0].as_ref(gpu),
                     rows[0],
                     cols,
-                    xp,
+                    Input::raw(xp),
                     yp,
-                    0,
                     kind == "residual",
                     0,
                 ),

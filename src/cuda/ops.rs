@@ -3,7 +3,8 @@
 //!
 //! Variants, chosen at load (each kept so its gain can be measured against its absence):
 //! `DV2_GEMV=v1|v2` (default v2: persistent CTAs, x held in registers) and `DV2_ATTN=v1|v2`
-//! (default v2: one CTA per KV head and 32-slot chunk). v1 GEMV takes `DV2_GEMV_NR=1|2|4|8`
+//! (default v2: one CTA per KV head and 32-slot chunk). `DV2_FUSE_RMS=0` runs RMSNorm as
+//! its own kernel instead of in the GEMV v2 prologue. v1 GEMV takes `DV2_GEMV_NR=1|2|4|8`
 //! (rows per CTA); v2 takes `DV2_GEMV_CTAS=n` (CTAs per SM, default 1).
 
 use cudarc::driver::sys::CUdevice_attribute;
@@ -48,6 +49,42 @@ pub struct AttnArgs {
 // SAFETY: plain old data matching the kernel's struct.
 unsafe impl DeviceRepr for AttnArgs {}
 
+/// kernels/decode.cu `NormArgs`: RMSNorm weights (bf16; 0 = no norm) and epsilon.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct NormArgs {
+    pub w: u64,
+    pub eps: f32,
+}
+// SAFETY: plain old data matching the kernel's struct (pointer, float, tail padding).
+unsafe impl DeviceRepr for NormArgs {}
+
+impl NormArgs {
+    const NONE: Self = Self { w: 0, eps: 0.0 };
+}
+
+/// An RMSNorm to apply to a GEMV's input: weights, epsilon, and a buffer for the normed x
+/// when the norm runs as its own kernel.
+#[derive(Clone, Copy)]
+pub struct Norm {
+    pub w: u64,
+    pub eps: f32,
+    pub scratch: u64,
+}
+
+/// A GEMV's input vector, raw or to be RMS-normed first.
+#[derive(Clone, Copy)]
+pub struct Input {
+    pub x: u64,
+    pub norm: Option<Norm>,
+}
+
+impl Input {
+    pub fn raw(x: u64) -> Self {
+        Self { x, norm: None }
+    }
+}
+
 /// Slots per attention v2 chunk (kernels/decode.cu `ATTN2_CHUNK`).
 pub const ATTN2_CHUNK: usize = 32;
 const ATTN2_MAX_GROUP: usize = 16;
@@ -90,6 +127,8 @@ pub struct Ops {
     pub k: Kernels,
     pub gemv: Variant,
     pub attn: Variant,
+    /// RMSNorm folded into the GEMV v2 prologue (`DV2_FUSE_RMS=0` turns it off).
+    pub fuse_rms: bool,
     sms: u32,
 }
 
@@ -105,6 +144,7 @@ impl Ops {
             k,
             gemv: variant("DV2_GEMV"),
             attn: variant("DV2_ATTN"),
+            fuse_rms: std::env::var("DV2_FUSE_RMS").map_or(true, |v| v != "0"),
             sms,
         })
     }
@@ -170,21 +210,43 @@ impl Ops {
         Ok((j, kparts, cfg))
     }
 
-    /// `y = W x (+ bias)`; with `accumulate`, `y += W x`. Skipped on the device while
-    /// `*skip_if != 0` (`skip_if` = 0: never).
+    /// Resolves a GEMV input: with a norm and the fused path (GEMV v2, `DV2_FUSE_RMS` not
+    /// 0), the raw x and the norm arguments for the kernel's prologue; otherwise the RMSNorm
+    /// kernel writes the normed x to the scratch buffer, which the GEMV then reads.
+    fn input(&self, input: Input, cols: usize) -> Result<(u64, NormArgs)> {
+        match input.norm {
+            None => Ok((input.x, NormArgs::NONE)),
+            Some(n) if self.gemv == Variant::V2 && self.fuse_rms => {
+                Ok((input.x, NormArgs { w: n.w, eps: n.eps }))
+            }
+            Some(n) => {
+                self.rms(input.x, n.w, n.scratch, cols, n.eps)?;
+                Ok((n.scratch, NormArgs::NONE))
+            }
+        }
+    }
+
+    /// `out = x * rsqrt(mean(x^2) + eps) * w` over `n` elements (one CTA).
+    pub fn rms(&self, x: u64, w: u64, out: u64, n: usize, eps: f32) -> Result<()> {
+        let n = n as i32;
+        launch!(self.gpu, &self.k.rms_norm, one_cta(512); x, w, out, n, eps)
+    }
+
+    /// `y = W x`; with `accumulate`, `y += W x`. Skipped on the device while `*skip_if != 0`
+    /// (`skip_if` = 0: never).
     #[allow(clippy::too_many_arguments)]
     pub fn gemv(
         &self,
         m: Nf4Ref,
         rows: usize,
         cols: usize,
-        x: u64,
+        input: Input,
         y: u64,
-        bias: u64,
         accumulate: bool,
         skip_if: u64,
     ) -> Result<()> {
-        let (rows_i, cols_i, acc) = (rows as i32, cols as i32, accumulate as i32);
+        let (rows_i, cols_i, acc, bias) = (rows as i32, cols as i32, accumulate as i32, 0u64);
+        let (x, norm) = self.input(input, cols)?;
         match self.gemv {
             Variant::V1 => {
                 let (kparts, cfg) = self.gemv_v1_launch(rows);
@@ -194,15 +256,16 @@ impl Ops {
             Variant::V2 => {
                 let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols)?;
                 let kp = kparts as i32;
-                launch!(self.gpu, &self.k.gemv2_nf4[j - 1], cfg; m, x, y, bias, rows_i, cols_i, kp, acc, skip_if)
+                launch!(self.gpu, &self.k.gemv2_nf4[j - 1], cfg; m, x, norm, y, bias, rows_i, cols_i, kp, acc, skip_if)
             }
         }
     }
 
     /// q, k and v rows of `args` in one grid, written contiguously to `out`.
-    pub fn qkv(&self, args: QkvArgs, cols: usize, x: u64, out: u64) -> Result<()> {
+    pub fn qkv(&self, args: QkvArgs, cols: usize, input: Input, out: u64) -> Result<()> {
         let rows = args.rows.iter().sum::<i32>() as usize;
         let cols_i = cols as i32;
+        let (x, norm) = self.input(input, cols)?;
         match self.gemv {
             Variant::V1 => {
                 let (kparts, cfg) = self.gemv_v1_launch(rows);
@@ -212,22 +275,24 @@ impl Ops {
             Variant::V2 => {
                 let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols)?;
                 let kp = kparts as i32;
-                launch!(self.gpu, &self.k.gemv2_qkv[j - 1], cfg; args, x, out, cols_i, kp)
+                launch!(self.gpu, &self.k.gemv2_qkv[j - 1], cfg; args, x, norm, out, cols_i, kp)
             }
         }
     }
 
     /// `out = silu(gate x) * (up x)`.
+    #[allow(clippy::too_many_arguments)]
     pub fn swiglu(
         &self,
         gate: Nf4Ref,
         up: Nf4Ref,
         rows: usize,
         cols: usize,
-        x: u64,
+        input: Input,
         out: u64,
     ) -> Result<()> {
         let (rows_i, cols_i) = (rows as i32, cols as i32);
+        let (x, norm) = self.input(input, cols)?;
         match self.gemv {
             Variant::V1 => {
                 let (kparts, cfg) = self.gemv_v1_launch(rows);
@@ -237,7 +302,7 @@ impl Ops {
             Variant::V2 => {
                 let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols)?;
                 let kp = kparts as i32;
-                launch!(self.gpu, &self.k.gemv2_swiglu[j - 1], cfg; gate, up, x, out, rows_i, cols_i, kp)
+                launch!(self.gpu, &self.k.gemv2_swiglu[j - 1], cfg; gate, up, x, norm, out, rows_i, cols_i, kp)
             }
         }
     }

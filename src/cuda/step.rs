@@ -8,7 +8,7 @@ use cudarc::driver::{CudaEvent, CudaGraph, CudaSlice, PushKernelArg};
 
 use super::budget::{self, kv_stride};
 use super::device::{driver_error, Gpu};
-use super::ops::{attn_partials, one_cta, AttnArgs, Ops, QkvArgs};
+use super::ops::{attn_partials, one_cta, AttnArgs, Input, Norm, Ops, QkvArgs};
 use super::weights::{self, DeviceModel};
 use crate::arch::ArchSpec;
 use crate::engine::Backend;
@@ -216,9 +216,16 @@ impl CudaBackend {
         self.ops.gpu.ptr(buf)
     }
 
-    fn rms(&self, x: u64, w: &CudaSlice<u16>, out: u64) -> Result<()> {
-        let (w, n, eps) = (self.ptr(w), self.spec.hidden as i32, self.spec.rms_eps);
-        launch!(self.ops.gpu, &self.ops.k.rms_norm, one_cta(512); x, w, out, n, eps)
+    /// The input `x` RMS-normed with weights `w` (into `xn` when not fused).
+    fn normed(&self, x: u64, w: &CudaSlice<u16>, xn: u64) -> Input {
+        Input {
+            x,
+            norm: Some(Norm {
+                w: self.ptr(w),
+                eps: self.spec.rms_eps,
+                scratch: xn,
+            }),
+        }
     }
 
     /// One forward pass for the token in the state buffer at its position: KV slot written;
@@ -252,13 +259,12 @@ impl CudaBackend {
         mark("embed")?;
         let layer_bytes = (2 * kv_stride(self.max_seq) * s.kv_dim()) as u64;
         for (l, layer) in self.model.layers.iter().enumerate() {
-            self.rms(x, &layer.attn_norm, xn)?;
             let args = QkvArgs {
                 m: [0, 1, 2].map(|i| layer.qkv[i].as_ref(gpu)),
                 bias: [0, 1, 2].map(|i| layer.qkv_bias[i].as_ref().map_or(0, |b| self.ptr(b))),
                 rows: [0, 1, 2].map(|i| layer.qkv[i].rows as i32),
             };
-            ops.qkv(args, s.hidden, xn, qkv)?;
+            ops.qkv(args, s.hidden, self.normed(x, &layer.attn_norm, xn), qkv)?;
             mark("attn_norm + qkv")?;
             let attn_args = AttnArgs {
                 qkv,
@@ -278,15 +284,23 @@ impl CudaBackend {
             };
             ops.attention(attn_args, attn)?;
             mark("attention + merge")?;
-            ops.gemv(layer.o.as_ref(gpu), s.hidden, s.hidden, attn, x, 0, true, 0)?;
+            ops.gemv(
+                layer.o.as_ref(gpu),
+                s.hidden,
+                s.hidden,
+                Input::raw(attn),
+                x,
+                true,
+                0,
+            )?;
             mark("o_proj (+residual)")?;
-            self.rms(x, &layer.ffn_norm, xn)?;
+            let input = self.normed(x, &layer.ffn_norm, xn);
             ops.swiglu(
                 layer.gate.as_ref(gpu),
                 layer.up.as_ref(gpu),
                 s.intermediate,
                 s.hidden,
-                xn,
+                input,
                 act,
             )?;
             mark("ffn_norm + gate/up SwiGLU")?;
@@ -294,26 +308,24 @@ impl CudaBackend {
                 layer.down.as_ref(gpu),
                 s.hidden,
                 s.intermediate,
-                act,
+                Input::raw(act),
                 x,
-                0,
                 true,
                 0,
             )?;
             mark("down (+residual)")?;
         }
         if logits {
-            self.rms(x, &self.model.final_norm, xn)?;
             let out = self.ptr(&a.logits);
             // Replays after the request finished must not overwrite the last logits.
             let finished = state + 4 * STATE_FINISHED as u64;
+            let input = self.normed(x, &self.model.final_norm, xn);
             ops.gemv(
                 self.model.lm_head().as_ref(gpu),
                 s.vocab,
                 s.hidden,
-                xn,
+                input,
                 out,
-                0,
                 false,
                 finished,
             )?;
