@@ -234,7 +234,7 @@ fn main() {
     }
     println!("\ndecode (ignore EOS; median of runs; first decode step excluded):");
     println!(
-        "  {:<14} {:>8} {:>7} {:>7} {:>6} {:>8} {:>11} {:>10} {:>9}",
+        "  {:<22} {:>8} {:>7} {:>7} {:>6} {:>8} {:>11} {:>10} {:>9}",
         "model",
         "max_seq",
         "prompt",
