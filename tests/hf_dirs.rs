@@ -80,7 +80,7 @@ fn rope_theta_from_either_config_generation() {
     // Mistral's sliding window caps the capacity.
     let mut w = HfWriter::tiny("MistralForCausalLM");
     w.config["sliding_window"] = serde_json::json!(8);
-    let d = dir("window");
+    let d = dir("mistral-window");
     w.write(&d, 1);
     assert_eq!(load(&d).unwrap().spec.max_seq, 8);
 }
