@@ -212,10 +212,10 @@ fn main() {
         for graph in [true, false] {
             runs.push(time_decode("qwen25_3b", &qwen, 2048, 48, 128, graph, 3));
         }
-        // RMSNorm as its own kernel instead of in the GEMV prologue.
-        std::env::set_var("DV2_FUSE_RMS", "0");
+        // RMSNorm folded into the GEMV prologue instead of its own kernel.
+        std::env::set_var("DV2_FUSE_RMS", "1");
         runs.push(time_decode(
-            "qwen25_3b rms-unfused",
+            "qwen25_3b rms-fused",
             &qwen,
             2048,
             48,

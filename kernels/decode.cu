@@ -326,6 +326,9 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     load_codebook(lut);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int part = warp % kparts, row_lane = warp / kparts, row_lanes = GEMV_WARPS / kparts;
+    XSlice<J> xs;
+    load_x_slice<J>(x, part, cols, norm, xs);
+    __syncthreads();
     const int per_cta = (rows + gridDim.x - 1) / gridDim.x;
     const int r0 = blockIdx.x * per_cta, r1 = min(rows, r0 + per_cta);
     const int block = row_lanes * R;  // rows per iteration
@@ -341,12 +344,7 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
             }
         }
     };
-    // The first weights do not depend on x (the previous kernel's output): their loads go
-    // out before x is read and normed, so the two latencies overlap.
     load_block(r0, cur);
-    XSlice<J> xs;
-    load_x_slice<J>(x, part, cols, norm, xs);
-    __syncthreads();
     for (int base = r0; base < r1; base += block) {
         if (base + block < r1) load_block(base + block, nxt);
         float sums[R][NM];
