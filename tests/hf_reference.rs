@@ -2,8 +2,10 @@
 //! tests/hf/make_reference.py wrote (run it on a machine with torch + transformers, then
 //! point DV2_HF_REF_DIR at its output). Without DV2_HF_REF_DIR: SKIP.
 //!
-//! For each model: greedy ids after the 8-id prompt equal transformers' for 32 steps, and the
-//! teacher-forced logits of each recorded position are within the reference's cap.
+//! For each model: greedy ids after the prompt equal transformers' (all of them, or the
+//! reference's `compare_steps` first ones), and the teacher-forced logits of each recorded
+//! position are within the reference's cap. A reference with a `model` key (a GGUF file, from
+//! tests/hf/gguf_reference.py) loads that file instead of the directory.
 
 use std::path::Path;
 
@@ -43,7 +45,7 @@ fn check_model(dir: &Path, backend: BackendKind) -> Option<String> {
         ..EngineOptions::default()
     };
     let t = std::time::Instant::now();
-    let mut e = match Engine::load_file(dir, &opts) {
+    let mut e = match Engine::load_file(&model_path, &opts) {
         Ok(e) => e,
         Err(Error::BackendUnavailable(why)) if std::env::var_os("DV2_REQUIRE_CUDA").is_none() => {
             println!("SKIP: {why}");

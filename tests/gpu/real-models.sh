@@ -16,6 +16,12 @@ if [[ -n ${DV2_SMOLLM2_GGUF:-} ]]; then
 fi
 ref=/tmp/dv2-hf-ref
 PYTHONUNBUFFERED=1 python3 tests/hf/make_reference.py "$ref" ${1:-} > "$out/hf-make.log" 2>&1 || { echo "make_reference: FAILED"; tail -20 "$out/hf-make.log"; exit 1; }
+# SmolLM2 through transformers' GGUF loader (the gguf wheel travels in .whl/).
+if [[ -n ${DV2_SMOLLM2_GGUF:-} ]] && ls .whl/gguf-*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/gguf-*.whl
+  PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 tests/hf/gguf_reference.py "$DV2_SMOLLM2_GGUF" "$ref/smollm2_gguf" 504,3575,282,4649,314 \
+    >> "$out/hf-make.log" 2>&1 || { echo "gguf_reference: FAILED"; tail -20 "$out/hf-make.log"; status=1; }
+fi
 DV2_HF_REF_DIR=$ref .device/tests/hf_reference --nocapture > "$out/hf-reference.log" 2>&1 && echo "transformers cross-check: ok" || { echo "transformers cross-check: FAILED"; status=1; }
-grep -E "load|panicked|test result" "$out/hf-reference.log"
+grep -E "load|panicked|test result|differ|cap" "$out/hf-reference.log"
 exit $status
