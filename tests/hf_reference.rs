@@ -39,6 +39,12 @@ fn check_model(dir: &Path, backend: BackendKind) -> Option<String> {
         .chunks_exact(4)
         .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
         .collect();
+    let compare = reference["compare_steps"]
+        .as_u64()
+        .map_or(greedy.len(), |n| n as usize);
+    let model_path = reference["model"]
+        .as_str()
+        .map_or(dir.to_path_buf(), std::path::PathBuf::from);
     let opts = EngineOptions {
         backend,
         max_seq: 64,
