@@ -86,9 +86,9 @@ fn check_model(dir: &Path, backend: BackendKind) -> Option<String> {
         e.backend_name(),
         greedy.len()
     );
-    if got != greedy {
+    if same < compare {
         return Some(format!(
-            "{name} [{backend:?}]: greedy ids differ from transformers"
+            "{name} [{backend:?}]: greedy ids differ from transformers at step {same} (need {compare})"
         ));
     }
     (err > cap).then(|| format!("{name} [{backend:?}]: logit error {err} over cap {cap}"))
