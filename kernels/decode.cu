@@ -682,16 +682,16 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode(AttnArgs
         if (lane < n_t) {
             const u32* krow = k_s + lane * row_words;
             const float* q = q_s + g * hd;
-            float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};  // independent chains
-            for (int w = 0; w < half; w += 4) {  // half is a multiple of 4 (head_dim % 8 == 0)
+            float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // independent chains
+            for (int w = 0; w < half; w += 2) {
 #pragma unroll
-                for (int u = 0; u < 4; u++) {
+                for (int u = 0; u < 2; u++) {
                     const u32 pair = krow[w + u];
                     acc[2 * u] = fmaf(q[2 * (w + u)], bf16_to_f32((u16)(pair & 0xffffu)), acc[2 * u]);
                     acc[2 * u + 1] = fmaf(q[2 * (w + u) + 1], bf16_to_f32((u16)(pair >> 16)), acc[2 * u + 1]);
                 }
             }
-            score = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+            score = (acc[0] + acc[1]) + (acc[2] + acc[3]);
         }
         const float m = warp_max(score);
         const float p = lane < n_t ? expf(score - m) : 0.0f;
@@ -708,22 +708,16 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode(AttnArgs
     const int pairs = half;
     for (int i = threadIdx.x; i < group * pairs; i += blockDim.x) {
         const int g = i / pairs, w = i % pairs;
-        // Four slots per round with their own accumulators: independent shared-memory loads
-        // and FMA chains. Rows past n_t were never staged (stale shared memory), so skip them.
-        float ax[4] = {0.0f, 0.0f, 0.0f, 0.0f}, ay[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (int t = 0; t < n_t; t += 4) {
-#pragma unroll
-            for (int u = 0; u < 4; u++) {
-                if (t + u >= n_t) break;
-                const u32 pair = v_s[(t + u) * row_words + w];
-                const float p = p_s[g][t + u];
-                ax[u] = fmaf(p, bf16_to_f32((u16)(pair & 0xffffu)), ax[u]);
-                ay[u] = fmaf(p, bf16_to_f32((u16)(pair >> 16)), ay[u]);
-            }
+        float ax = 0.0f, ay = 0.0f;
+        for (int t = 0; t < n_t; t++) {
+            const u32 pair = v_s[t * row_words + w];
+            const float p = p_s[g][t];
+            ax = fmaf(p, bf16_to_f32((u16)(pair & 0xffffu)), ax);
+            ay = fmaf(p, bf16_to_f32((u16)(pair >> 16)), ay);
         }
         float* out = a.part_acc + ((size_t)(kvh * group + g) * gridDim.y + chunk) * hd;
-        out[2 * w] = (ax[0] + ax[1]) + (ax[2] + ax[3]);
-        out[2 * w + 1] = (ay[0] + ay[1]) + (ay[2] + ay[3]);
+        out[2 * w] = ax;
+        out[2 * w + 1] = ay;
     }
 }
 
