@@ -89,10 +89,7 @@ fn auto_picks_cuda_when_present() {
 
 #[test]
 fn reset_then_second_request_equals_a_fresh_engine() {
-    let case = load_fixture()
-        .into_iter()
-        .find(|c| c.preset == "tiny_internlm")
-        .unwrap();
+    let case = case("tiny_internlm");
     let Some(mut used) = cuda_engine(&case.preset, case.seed, EngineOptions::default()) else {
         return;
     };
@@ -111,10 +108,7 @@ fn reset_then_second_request_equals_a_fresh_engine() {
 
 #[test]
 fn position_counts_steps_and_eos_finishes() {
-    let case = load_fixture()
-        .into_iter()
-        .find(|c| c.preset == "tiny_llama")
-        .unwrap();
+    let case = case("tiny_llama");
     let eos = case.greedy[4];
     let first = case.greedy.iter().position(|&id| id == eos).unwrap();
     let opts = EngineOptions {
@@ -272,10 +266,7 @@ fn step_n_equals_repeated_steps_and_memory_does_not_grow() {
 
 #[test]
 fn step_n_stops_at_eos_inside_a_batch() {
-    let case = load_fixture()
-        .into_iter()
-        .find(|c| c.preset == "medium_llama")
-        .unwrap();
+    let case = case("medium_llama");
     let eos = case.greedy[5];
     let first = case.greedy.iter().position(|&id| id == eos).unwrap();
     let opts = EngineOptions {

@@ -7,10 +7,7 @@ use decodev2::engine::{BackendKind, Engine, EngineOptions};
 use decodev2::Error;
 
 fn tiny_case() -> Case {
-    load_fixture()
-        .into_iter()
-        .find(|c| c.preset == "tiny_internlm")
-        .unwrap()
+    case("tiny_internlm")
 }
 
 fn engine(eos: Option<u32>) -> Engine {

@@ -29,10 +29,7 @@ fn expect(status: dv2_status, want: dv2_status, needle: &str) {
 }
 
 fn tiny() -> (*mut dv2_engine, Case) {
-    let case = load_fixture()
-        .into_iter()
-        .find(|c| c.preset == "tiny_llama")
-        .unwrap();
+    let case = case("tiny_llama");
     let mut h = null_mut();
     let mut opts = dv2_options_default();
     opts.backend = dv2_backend::DV2_BACKEND_CPU as i32;

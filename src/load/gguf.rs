@@ -282,21 +282,11 @@ impl Gguf {
         let t = self.tensor(name, 0, len)?;
         let mut out = vec![0f32; len];
         t.ty.dequantize(self.bytes(t), &mut out);
-        if let Some(i) = out.iter().position(|v| !v.is_finite()) {
-            return Err(Error::ModelFile(format!(
-                "{}: tensor {name} holds {} at {i}",
-                self.name, out[i]
-            )));
-        }
-        Ok(out)
+        super::finite(&self.name, name, out)
     }
 
     fn norm(&self, name: &str, len: usize) -> Result<Vec<bf16>> {
-        Ok(self
-            .vector(name, len)?
-            .into_iter()
-            .map(bf16::from_f32)
-            .collect())
+        Ok(super::to_bf16(self.vector(name, len)?))
     }
 
     /// A `[rows, cols]` matrix re-quantized to NF4; `row_of(r)` names the file row that

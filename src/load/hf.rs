@@ -113,6 +113,7 @@ impl Shards {
             }
         };
         Ok(RowReader {
+            path,
             dtype,
             data,
             row_bytes: cols * elem,
@@ -123,21 +124,11 @@ impl Shards {
         let r = self.rows(name, 0, len)?;
         let mut out = vec![0f32; len];
         r.read(0, &mut out);
-        if let Some(i) = out.iter().position(|v| !v.is_finite()) {
-            return Err(Error::ModelFile(format!(
-                "tensor {name} holds {} at {i}",
-                out[i]
-            )));
-        }
-        Ok(out)
+        super::finite(&r.path.display().to_string(), name, out)
     }
 
     fn norm(&self, name: &str, len: usize) -> Result<Vec<bf16>> {
-        Ok(self
-            .vector(name, len)?
-            .into_iter()
-            .map(bf16::from_f32)
-            .collect())
+        Ok(super::to_bf16(self.vector(name, len)?))
     }
 
     fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Nf4Matrix> {
@@ -148,6 +139,7 @@ impl Shards {
 }
 
 struct RowReader<'a> {
+    path: &'a Path,
     dtype: Dtype,
     data: &'a [u8],
     row_bytes: usize,

@@ -14,6 +14,22 @@ use std::path::Path;
 use crate::error::{Error, Result};
 use crate::model::HostModel;
 
+/// A dequantized vector tensor, refused when it holds NaN or infinity.
+fn finite(file: &str, tensor: &str, values: Vec<f32>) -> Result<Vec<f32>> {
+    match values.iter().position(|v| !v.is_finite()) {
+        Some(i) => Err(Error::ModelFile(format!(
+            "{file}: tensor {tensor} holds {} at {i}",
+            values[i]
+        ))),
+        None => Ok(values),
+    }
+}
+
+/// Norm weights as decodev2 keeps them.
+fn to_bf16(values: Vec<f32>) -> Vec<half::bf16> {
+    values.into_iter().map(half::bf16::from_f32).collect()
+}
+
 pub fn load(path: &Path) -> Result<HostModel> {
     let shown = path.display();
     let meta = std::fs::metadata(path).map_err(|e| Error::Io(format!("{shown}: {e}")))?;

@@ -72,6 +72,14 @@ pub fn load_fixture() -> Vec<Case> {
     parse_fixture(&std::fs::read_to_string(fixture_path()).expect("read fixture"))
 }
 
+/// The fixture's case for a preset.
+pub fn case(preset: &str) -> Case {
+    load_fixture()
+        .into_iter()
+        .find(|c| c.preset == preset)
+        .unwrap_or_else(|| panic!("no fixture case for {preset}"))
+}
+
 pub fn join(ids: &[u32]) -> String {
     ids.iter().map(u32::to_string).collect::<Vec<_>>().join(" ")
 }
