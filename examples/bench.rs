@@ -120,18 +120,9 @@ fn main() {
     // Kernel microbenchmarks, per variant (DV2_GEMV / DV2_ATTN), in one process.
     let mut first = true;
     json += "  \"kernels\": {\n";
-    for variant in ["v2", "v2-no-l2-prefetch", "v1"] {
-        let kernels = if variant == "v1" { "v1" } else { "v2" };
-        std::env::set_var("DV2_GEMV", kernels);
-        std::env::set_var("DV2_ATTN", kernels);
-        std::env::set_var(
-            "DV2_GEMV_L2_PREFETCH",
-            if variant == "v2-no-l2-prefetch" {
-                "0"
-            } else {
-                "1"
-            },
-        );
+    for variant in ["v2", "v1"] {
+        std::env::set_var("DV2_GEMV", variant);
+        std::env::set_var("DV2_ATTN", variant);
         let bench = Bench::new(0).expect("CUDA device");
         if first {
             println!("device: {}", bench.device_name());
@@ -154,7 +145,7 @@ fn main() {
             }
         }
         println!(
-            "\nkernels on the Qwen2.5-3B shapes, {} [{variant}] (median µs per launch over rotated copies):",
+            "\nkernels on the Qwen2.5-3B shapes, {} (median µs per launch over rotated copies):",
             bench.variants()
         );
         println!(
@@ -204,7 +195,6 @@ fn main() {
     }
     std::env::remove_var("DV2_GEMV");
     std::env::remove_var("DV2_ATTN");
-    std::env::remove_var("DV2_GEMV_L2_PREFETCH");
 
     let mut runs = Vec::new();
     let medium = synth::build(&MEDIUM_LLAMA, 0).unwrap();

@@ -274,21 +274,6 @@ __device__ __forceinline__ void load_x_slice(const float* __restrict__ x, int pa
     }
 }
 
-// Weight loads of the v2 GEMVs: read once, so they skip L1, and (unless the host passes
-// -DDV2_NO_L2_PREFETCH, see DV2_GEMV_L2_PREFETCH) ask L2 to fetch 256 bytes around each
-// 16-byte load, which keeps more of a row's bytes in flight per instruction.
-__device__ __forceinline__ uint4 load_weights(const uint4* p) {
-    uint4 v;
-#ifdef DV2_NO_L2_PREFETCH
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-#else
-    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-#endif
-    return v;
-}
-
 template <int J>
 struct RowChunks {
     uint4 q[J];
@@ -305,7 +290,7 @@ __device__ __forceinline__ void load_row(Nf4Ref m, int row, int cols, int part, 
     for (int j = 0; j < J; j++) {
         const int c = (part * J + j) * 32 + lane;
         const bool in = c < n_chunks;
-        rc.q[j] = in ? load_weights(w + c) : make_uint4(0u, 0u, 0u, 0u);
+        rc.q[j] = in ? __ldg(w + c) : make_uint4(0u, 0u, 0u, 0u);
         rc.s[j] = in ? __ldg(a + (c >> 1)) : 0.0f;
     }
 }

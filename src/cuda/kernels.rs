@@ -79,18 +79,12 @@ fn cache_dir() -> Option<PathBuf> {
     Some(base.join("decodev2"))
 }
 
-/// NVRTC options; `DV2_GEMV_L2_PREFETCH=0` compiles the GEMV v2 weight loads without the
-/// 256-byte L2 prefetch hint (for measuring it against its absence).
 fn options(arch: &str) -> Vec<String> {
-    let mut opts = vec![
+    vec![
         format!("--gpu-architecture={arch}"),
         "--std=c++17".into(),
         format!("-DGEMV_THREADS={GEMV_THREADS}"),
-    ];
-    if std::env::var("DV2_GEMV_L2_PREFETCH").is_ok_and(|v| v == "0") {
-        opts.push("-DDV2_NO_L2_PREFETCH".into());
-    }
-    opts
+    ]
 }
 
 /// Runs NVRTC on `src` and returns the cubin, or the compiler log as the error.
