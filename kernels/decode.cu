@@ -4,7 +4,7 @@
 //   NF4 matrix [rows, cols]: packed bytes [rows][cols/2] (element 2i in the high nibble of
 //     byte i), absmax f32 [rows][cols/64]. A 16-byte chunk holds 32 elements of one block.
 //   Activations f32. KV cache bf16 [kv_stride slots][n_kv][head_dim] per layer.
-//   State int32[8]: see the STATE_* indices (mirrored in src/cuda/step.rs).
+//   State int32[8]: the STATE_* indices (src/cuda/kernels.rs `state`).
 //
 // File order: helpers, GEMV family (shared row-dot), attention, small kernels.
 
@@ -12,25 +12,21 @@ typedef unsigned char u8;
 typedef unsigned short u16;
 typedef unsigned int u32;
 
-#define STATE_TOKEN 0
-#define STATE_POSITION 1
-#define STATE_VALID_LEN 2
-#define STATE_NEXT_TOKEN 3
-#define STATE_FINISHED 4
-#define STATE_RING_COUNT 5
-
-// Threads per CTA of the GEMV family: 8 warps, shared by the kernels and the host launch
-// (passed as -DGEMV_THREADS by the host so the two cannot drift).
-#ifndef GEMV_THREADS
-#error "GEMV_THREADS must be defined by the host"
+// Shapes and state indices shared with the host are -D options from src/cuda/kernels.rs
+// (`shared_defines`), so the two sides cannot drift: GEMV_THREADS, ATTN_THREADS, MAX_HEAD_DIM,
+// ATTN2_CHUNK, ATTN2_MAX_GROUP, ATTN2_MAX_GROUP_X_HD, ATTN2_MAX_CHUNKS and STATE_TOKEN,
+// STATE_POSITION, STATE_VALID_LEN, STATE_NEXT_TOKEN, STATE_FINISHED, STATE_RING_COUNT.
+#if !defined(GEMV_THREADS) || !defined(ATTN_THREADS) || !defined(MAX_HEAD_DIM) || !defined(ATTN2_CHUNK) || \
+    !defined(ATTN2_MAX_GROUP) || !defined(ATTN2_MAX_GROUP_X_HD) || !defined(ATTN2_MAX_CHUNKS) ||            \
+    !defined(STATE_TOKEN) || !defined(STATE_POSITION) || !defined(STATE_VALID_LEN) ||                      \
+    !defined(STATE_NEXT_TOKEN) || !defined(STATE_FINISHED) || !defined(STATE_RING_COUNT)
+#error "the host passes the shared constants as -D options (src/cuda/kernels.rs)"
 #endif
 #define GEMV_WARPS (GEMV_THREADS / 32)
 // Residency the GEMV register budget is sized for: 6 x 256 threads leaves ~40 registers, enough
 // for the SwiGLU pair without spills, and keeps many loads in flight.
 #define GEMV_MIN_CTAS_PER_SM 6
-#define MAX_HEAD_DIM 256
 #define NEG_INF __int_as_float(0xff800000u)
-#define ATTN_THREADS 128
 #define ATTN_WARPS (ATTN_THREADS / 32)
 
 __device__ __forceinline__ float bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }
@@ -605,9 +601,6 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode(AttnArgs 
 // V run from shared memory. Chunks past valid_len exit at once (the grid stays static).
 // The live slot (t == position) comes from the rotated projections, never from the cache;
 // CTA (kv head, chunk 0) writes it. Partials per (q head, chunk) go to attn2_merge.
-#define ATTN2_CHUNK 32
-#define ATTN2_MAX_GROUP_X_HD 2048  // group * head_dim held in shared memory
-#define ATTN2_MAX_GROUP 16
 
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode(AttnArgs a) {
     const int kvh = blockIdx.x, chunk = blockIdx.y, hd = a.head_dim, half = hd >> 1;
@@ -724,7 +717,6 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode(AttnArgs
 // Combines the chunks 0 .. ceil(valid_len / ATTN2_CHUNK)-1 of each q head. Grid n_q; the
 // chunk weights exp(m_c - M) / L are computed once, in parallel, then every output sums its
 // chunks with the loads in flight together.
-#define ATTN2_MAX_CHUNKS 1024
 extern "C" __global__ void attn2_merge(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
                                        const int* __restrict__ state, float* out, int head_dim, int n_chunks,
                                        int max_seq) {

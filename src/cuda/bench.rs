@@ -8,9 +8,10 @@ use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::budget::kv_stride;
 use super::device::{driver_error, Gpu};
+use super::kernels::state;
 use super::kernels::{load_module, BENCH_CU};
 use super::ops::{attn_partials, AttnArgs, Input, Ops, QkvArgs};
-use super::step::{timing_event, STATE_LEN, STATE_POSITION};
+use super::step::timing_event;
 use super::weights::Nf4Ref;
 use crate::arch::ArchSpec;
 use crate::error::{Error, Result};
@@ -278,8 +279,8 @@ impl Bench {
             self.ops.gpu.upload(&rope.cos)?,
             self.ops.gpu.upload(&rope.sin)?,
         );
-        let mut state_host = [0i32; STATE_LEN];
-        state_host[STATE_POSITION] = valid_len as i32 - 1;
+        let mut state_host = [0i32; state::LEN];
+        state_host[state::POSITION] = valid_len as i32 - 1;
         let state = self.ops.gpu.upload(&state_host)?;
         let partials = attn_partials(max_seq);
         let part_acc = self

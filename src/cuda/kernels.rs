@@ -17,14 +17,64 @@ use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys, Ptx};
 use super::device::{driver_error, Gpu};
 use crate::error::{Error, Result};
 
-/// Threads per CTA of the GEMV family; passed to the kernels as `-DGEMV_THREADS`.
+// Constants the kernels share with the host. They reach the kernels as -D options
+// (`shared_defines`), never written twice.
+
+/// Threads per CTA of the GEMV family.
 pub const GEMV_THREADS: u32 = 256;
 /// Warps per GEMV CTA: the rows of a CTA times the warps splitting each row's K.
 pub const GEMV_WARPS: u32 = GEMV_THREADS / 32;
-/// Threads per attention CTA (kernels/decode.cu `ATTN_THREADS`).
+/// Threads per attention CTA.
 pub const ATTN_THREADS: u32 = 128;
-/// Largest head_dim the attention kernel holds in shared memory (`MAX_HEAD_DIM`).
+/// Largest head_dim the attention kernels hold in shared memory.
 pub const MAX_HEAD_DIM: usize = 256;
+/// KV slots per attention v2 chunk (one CTA per KV head and chunk).
+pub const ATTN2_CHUNK: usize = 32;
+/// Attention v2 limits: q heads per KV head, their total width, and chunks per merge.
+pub const ATTN2_MAX_GROUP: usize = 16;
+pub const ATTN2_MAX_GROUP_X_HD: usize = 2048;
+pub const ATTN2_MAX_CHUNKS: usize = 1024;
+
+/// Indices into the int32 decode-state buffer on the device.
+pub mod state {
+    /// The id the next step feeds.
+    pub const TOKEN: usize = 0;
+    /// The slot the next forward writes.
+    pub const POSITION: usize = 1;
+    /// KV prefix attention reads (position after a forward).
+    pub const VALID_LEN: usize = 2;
+    /// The last greedy id.
+    pub const NEXT_TOKEN: usize = 3;
+    /// Set when the last greedy id was EOS.
+    pub const FINISHED: usize = 4;
+    /// Ids appended to the step ring by the current step_n.
+    pub const RING_COUNT: usize = 5;
+    /// Length of the buffer.
+    pub const LEN: usize = 8;
+}
+
+/// The -D options that carry the shared constants into every kernel file.
+fn shared_defines() -> Vec<String> {
+    let values = [
+        ("GEMV_THREADS", GEMV_THREADS as usize),
+        ("ATTN_THREADS", ATTN_THREADS as usize),
+        ("MAX_HEAD_DIM", MAX_HEAD_DIM),
+        ("ATTN2_CHUNK", ATTN2_CHUNK),
+        ("ATTN2_MAX_GROUP", ATTN2_MAX_GROUP),
+        ("ATTN2_MAX_GROUP_X_HD", ATTN2_MAX_GROUP_X_HD),
+        ("ATTN2_MAX_CHUNKS", ATTN2_MAX_CHUNKS),
+        ("STATE_TOKEN", state::TOKEN),
+        ("STATE_POSITION", state::POSITION),
+        ("STATE_VALID_LEN", state::VALID_LEN),
+        ("STATE_NEXT_TOKEN", state::NEXT_TOKEN),
+        ("STATE_FINISHED", state::FINISHED),
+        ("STATE_RING_COUNT", state::RING_COUNT),
+    ];
+    values
+        .iter()
+        .map(|(name, v)| format!("-D{name}={v}"))
+        .collect()
+}
 
 /// A kernel file: its name under kernels/ and its embedded text.
 pub type KernelFile = (&'static str, &'static str);
@@ -80,11 +130,9 @@ fn cache_dir() -> Option<PathBuf> {
 }
 
 fn options(arch: &str) -> Vec<String> {
-    vec![
-        format!("--gpu-architecture={arch}"),
-        "--std=c++17".into(),
-        format!("-DGEMV_THREADS={GEMV_THREADS}"),
-    ]
+    let mut opts = vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()];
+    opts.extend(shared_defines());
+    opts
 }
 
 /// Runs NVRTC on `src` and returns the cubin, or the compiler log as the error.

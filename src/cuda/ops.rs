@@ -11,7 +11,10 @@ use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 
 use super::device::{driver_error, Gpu};
-use super::kernels::{Kernels, ATTN_THREADS, GEMV_THREADS, GEMV_WARPS, MAX_HEAD_DIM};
+use super::kernels::{
+    Kernels, ATTN2_CHUNK, ATTN2_MAX_CHUNKS, ATTN2_MAX_GROUP, ATTN2_MAX_GROUP_X_HD, ATTN_THREADS,
+    GEMV_THREADS, GEMV_WARPS, MAX_HEAD_DIM,
+};
 use super::weights::Nf4Ref;
 use crate::arch::ArchSpec;
 use crate::error::{Error, Result};
@@ -84,12 +87,6 @@ impl Input {
         Self { x, norm: None }
     }
 }
-
-/// Slots per attention v2 chunk (kernels/decode.cu `ATTN2_CHUNK`).
-pub const ATTN2_CHUNK: usize = 32;
-const ATTN2_MAX_GROUP: usize = 16;
-const ATTN2_MAX_GROUP_X_HD: usize = 2048;
-const ATTN2_MAX_CHUNKS: usize = 1024;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Variant {

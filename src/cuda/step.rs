@@ -8,6 +8,7 @@ use cudarc::driver::{CudaEvent, CudaGraph, CudaSlice, PushKernelArg};
 
 use super::budget::{self, kv_stride};
 use super::device::{driver_error, Gpu};
+use super::kernels::state;
 use super::ops::{attn_partials, one_cta, AttnArgs, Input, Norm, Ops, QkvArgs};
 use super::weights::{self, DeviceModel};
 use crate::arch::ArchSpec;
@@ -15,14 +16,6 @@ use crate::engine::Backend;
 use crate::error::{Error, Result};
 use crate::model::HostModel;
 use crate::rope::RopeTable;
-
-/// Indices into the int32 state buffer (kernels/decode.cu `STATE_*`; 0 is the token).
-pub(crate) const STATE_POSITION: usize = 1;
-const STATE_VALID_LEN: usize = 2;
-const STATE_NEXT_TOKEN: usize = 3;
-const STATE_FINISHED: usize = 4;
-const STATE_RING_COUNT: usize = 5;
-pub(crate) const STATE_LEN: usize = 8;
 
 /// bf16 bit pattern written into the KV guard slots (a NaN no kernel produces).
 const KV_POISON: u16 = 0x7fa5;
@@ -158,7 +151,7 @@ impl CudaBackend {
             v_cache: gpu.upload(&poison)?,
             rope_cos: gpu.upload(&rope.cos)?,
             rope_sin: gpu.upload(&rope.sin)?,
-            state: gpu.zeros(STATE_LEN)?,
+            state: gpu.zeros(state::LEN)?,
             arena,
             spec: s,
             max_seq,
@@ -318,7 +311,7 @@ impl CudaBackend {
         if logits {
             let out = self.ptr(&a.logits);
             // Replays after the request finished must not overwrite the last logits.
-            let finished = state + 4 * STATE_FINISHED as u64;
+            let finished = state + 4 * state::FINISHED as u64;
             let input = self.normed(x, &self.model.final_norm, xn);
             ops.gemv(
                 self.model.lm_head().as_ref(gpu),
@@ -348,8 +341,8 @@ impl CudaBackend {
         marks.totals()
     }
 
-    fn read_state(&self) -> Result<[i32; STATE_LEN]> {
-        let v = self.ops.gpu.download(&self.state, STATE_LEN)?;
+    fn read_state(&self) -> Result<[i32; state::LEN]> {
+        let v = self.ops.gpu.download(&self.state, state::LEN)?;
         Ok(v.try_into().expect("state length"))
     }
 
@@ -378,7 +371,7 @@ impl Backend for CudaBackend {
 
     fn reset(&mut self) -> Result<()> {
         // position = valid_len = 0, finished = 0; the KV cache keeps its (dirty) contents.
-        let zeros = [0i32; STATE_LEN];
+        let zeros = [0i32; state::LEN];
         self.ops
             .gpu
             .stream
@@ -419,7 +412,7 @@ impl Backend for CudaBackend {
             }
         }
         let st = self.read_state()?;
-        let done = st[STATE_RING_COUNT] as usize;
+        let done = st[state::RING_COUNT] as usize;
         let ring = self.ops.gpu.download(&self.arena.ring, done)?;
         out.iter_mut()
             .zip(&ring)
@@ -428,7 +421,7 @@ impl Backend for CudaBackend {
     }
 
     fn next_token(&mut self) -> Result<u32> {
-        Ok(self.read_state()?[STATE_NEXT_TOKEN] as u32)
+        Ok(self.read_state()?[state::NEXT_TOKEN] as u32)
     }
 
     fn logits(&mut self, out: &mut [f32]) -> Result<()> {
@@ -439,12 +432,12 @@ impl Backend for CudaBackend {
 
     fn position(&mut self) -> Result<usize> {
         let st = self.read_state()?;
-        debug_assert_eq!(st[STATE_POSITION], st[STATE_VALID_LEN]);
-        Ok(st[STATE_POSITION] as usize)
+        debug_assert_eq!(st[state::POSITION], st[state::VALID_LEN]);
+        Ok(st[state::POSITION] as usize)
     }
 
     fn finished(&mut self) -> Result<bool> {
-        Ok(self.read_state()?[STATE_FINISHED] != 0)
+        Ok(self.read_state()?[state::FINISHED] != 0)
     }
 
     fn kv_guard_intact(&mut self) -> Result<bool> {
