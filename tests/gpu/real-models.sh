@@ -24,9 +24,7 @@ if [[ -n ${DV2_SMOLLM2_GGUF:-} ]] && ls .whl/gguf-*.whl > /dev/null 2>&1; then
 fi
 DV2_HF_REF_DIR=$ref .device/tests/hf_reference --nocapture > "$out/hf-reference.log" 2>&1 && echo "transformers cross-check: ok" || { echo "transformers cross-check: FAILED"; status=1; }
 grep -E "load|panicked|test result|differ|cap" "$out/hf-reference.log"
-# The GGUF comparison is separate: decodev2 re-quantizes a 4-bit checkpoint to NF4 while
-# transformers runs its f32 dequantization, so it measures quantization noise as much as the
-# loader (docs/lab.md).
+# The GGUF comparison (transformers with the same NF4 round trip as decodev2's re-quantization).
 if [[ -d $ref-gguf ]]; then
   DV2_HF_REF_DIR=$ref-gguf .device/tests/hf_reference --nocapture > "$out/hf-reference-gguf.log" 2>&1 \
     && echo "SmolLM2 GGUF vs transformers: ok" || { echo "SmolLM2 GGUF vs transformers: FAILED"; status=1; }
