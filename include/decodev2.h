@@ -39,7 +39,8 @@ typedef enum dv2_status {
   DV2_ERR_MODEL_FILE = 9,
   // The requested backend cannot run here (no CUDA driver or device).
   DV2_ERR_BACKEND_UNAVAILABLE = 10,
-  // The model does not fit in device memory.
+  // The model, its KV cache (max_seq) or its tables do not fit in device or host memory;
+  // the message gives the sizes.
   DV2_ERR_OUT_OF_MEMORY = 11,
   // A CUDA driver or NVRTC call failed.
   DV2_ERR_CUDA = 12,

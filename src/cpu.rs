@@ -25,11 +25,11 @@ pub struct CpuBackend {
 }
 
 impl CpuBackend {
-    pub fn new(model: Arc<HostModel>, max_seq: usize, eos: Option<u32>) -> Self {
+    pub fn new(model: Arc<HostModel>, max_seq: usize, eos: Option<u32>) -> Result<Self> {
         let s = model.spec;
-        Self {
-            rope: RopeTable::new(max_seq, s.head_dim, s.rope_theta),
-            kv: KvCache::new(&s, max_seq),
+        Ok(Self {
+            rope: RopeTable::new(max_seq, s.head_dim, s.rope_theta)?,
+            kv: KvCache::new(&s, max_seq)?,
             model,
             eos,
             token: 0,
@@ -38,7 +38,7 @@ impl CpuBackend {
             next_token: 0,
             finished: false,
             logits: vec![0.0; s.vocab],
-        }
+        })
     }
 
     /// Feeds `id` at `position`, writes its KV slot, advances position and valid_len.

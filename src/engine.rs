@@ -119,13 +119,13 @@ impl Engine {
         }
         let cuda = || CudaBackend::new(&model, max_seq, opts.eos, opts.device, opts.graph);
         let backend: Box<dyn Backend> = match opts.backend {
-            BackendKind::Cpu => Box::new(CpuBackend::new(Arc::new(model), max_seq, opts.eos)),
+            BackendKind::Cpu => Box::new(CpuBackend::new(Arc::new(model), max_seq, opts.eos)?),
             BackendKind::Cuda => Box::new(cuda()?),
             // No device, or a model too large for it: the CPU runs it.
             BackendKind::Auto => match cuda() {
                 Ok(b) => Box::new(b),
                 Err(Error::BackendUnavailable(_) | Error::OutOfMemory(_)) => {
-                    Box::new(CpuBackend::new(Arc::new(model), max_seq, opts.eos))
+                    Box::new(CpuBackend::new(Arc::new(model), max_seq, opts.eos)?)
                 }
                 Err(e) => return Err(e),
             },

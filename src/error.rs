@@ -42,8 +42,8 @@ pub enum Error {
     /// The requested backend cannot run here (no driver, no device).
     #[error("backend unavailable: {0}")]
     BackendUnavailable(String),
-    /// The model does not fit in device memory.
-    #[error("out of device memory: {0}")]
+    /// The model, its KV cache or its tables do not fit in device (or host) memory.
+    #[error("out of memory: {0}")]
     OutOfMemory(String),
     /// A CUDA driver or NVRTC call failed.
     #[error("cuda: {0}")]
@@ -54,3 +54,17 @@ pub enum Error {
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
+
+/// A host buffer of `len` default values, or `OutOfMemory` naming `what` instead of the abort
+/// an infallible allocation would cause (a caller-chosen max_seq sizes several buffers).
+pub fn host_buffer<T: Clone + Default>(len: usize, what: &str) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len).map_err(|_| {
+        Error::OutOfMemory(format!(
+            "{what}: {len} elements ({} MiB) do not fit in host memory",
+            len.saturating_mul(std::mem::size_of::<T>()) >> 20
+        ))
+    })?;
+    v.resize(len, T::default());
+    Ok(v)
+}

@@ -24,14 +24,20 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    pub fn new(spec: &ArchSpec, max_seq: usize) -> Self {
-        let len = spec.n_layers * max_seq * spec.kv_dim();
-        Self {
+    pub fn new(spec: &ArchSpec, max_seq: usize) -> Result<Self> {
+        let len = spec
+            .n_layers
+            .checked_mul(max_seq)
+            .and_then(|n| n.checked_mul(spec.kv_dim()))
+            .ok_or_else(|| {
+                Error::OutOfMemory(format!("a KV cache of {max_seq} slots overflows"))
+            })?;
+        Ok(Self {
             max_seq,
             kv_dim: spec.kv_dim(),
-            k: vec![0.0; len],
-            v: vec![0.0; len],
-        }
+            k: crate::error::host_buffer(len, "KV cache (keys)")?,
+            v: crate::error::host_buffer(len, "KV cache (values)")?,
+        })
     }
 
     fn slot(&self, layer: usize, pos: usize) -> std::ops::Range<usize> {
@@ -203,7 +209,7 @@ pub fn step_logits(
     ids: &[u32],
     pos0: usize,
 ) -> Result<Vec<Vec<f32>>> {
-    let rope = RopeTable::new(kv.max_seq, model.spec.head_dim, model.spec.rope_theta);
+    let rope = RopeTable::new(kv.max_seq, model.spec.head_dim, model.spec.rope_theta)?;
     ids.iter()
         .enumerate()
         .map(|(i, &id)| forward_token(model, &rope, kv, id, pos0 + i))
@@ -217,8 +223,8 @@ pub fn greedy(model: &HostModel, prompt: &[u32], n_new: usize) -> Result<Vec<u32
     if prompt.is_empty() {
         return Err(Error::InvalidArgument("empty prompt".into()));
     }
-    let mut kv = KvCache::new(s, s.max_seq);
-    let rope = RopeTable::new(s.max_seq, s.head_dim, s.rope_theta);
+    let mut kv = KvCache::new(s, s.max_seq)?;
+    let rope = RopeTable::new(s.max_seq, s.head_dim, s.rope_theta)?;
     let mut logits = Vec::new();
     for (pos, &id) in prompt.iter().enumerate() {
         logits = forward_token(model, &rope, &mut kv, id, pos)?;
@@ -260,9 +266,9 @@ mod tests {
         for (spec, seed) in [(TINY_LLAMA, 0), (TINY_INTERNLM, 1)] {
             let model = synth::build(&spec, seed).unwrap();
             let ids = [3u32, 7, 1];
-            let mut clean = KvCache::new(&spec, spec.max_seq);
+            let mut clean = KvCache::new(&spec, spec.max_seq).unwrap();
             let want = step_logits(&model, &mut clean, &ids, 0).unwrap();
-            let mut dirty = KvCache::new(&spec, spec.max_seq);
+            let mut dirty = KvCache::new(&spec, spec.max_seq).unwrap();
             dirty.fill_slot(spec.n_layers, spec.max_seq - 1, 1.0e30);
             dirty.fill_slot(spec.n_layers, 5, -7.0e20);
             let got = step_logits(&model, &mut dirty, &ids, 0).unwrap();
@@ -274,10 +280,10 @@ mod tests {
     fn the_dirty_slot_would_matter_if_read() {
         // Guards the test above: the same poison inside the valid range changes the output.
         let model = synth::build(&TINY_LLAMA, 0).unwrap();
-        let mut kv = KvCache::new(&TINY_LLAMA, 16);
+        let mut kv = KvCache::new(&TINY_LLAMA, 16).unwrap();
         let clean = step_logits(&model, &mut kv, &[3, 7], 0).unwrap();
         kv.fill_slot(2, 0, 1.0e3);
-        let rope = RopeTable::new(16, 16, TINY_LLAMA.rope_theta);
+        let rope = RopeTable::new(16, 16, TINY_LLAMA.rope_theta).unwrap();
         let poisoned = forward_token(&model, &rope, &mut kv, 7, 1).unwrap();
         assert_ne!(poisoned, clean[1]);
     }
@@ -306,15 +312,27 @@ mod tests {
         }
         separate.validate().unwrap();
         let ids = [1u32, 2, 3, 4];
-        let a = step_logits(&fused, &mut KvCache::new(&TINY_INTERNLM, 16), &ids, 0).unwrap();
-        let b = step_logits(&separate, &mut KvCache::new(&TINY_INTERNLM, 16), &ids, 0).unwrap();
+        let a = step_logits(
+            &fused,
+            &mut KvCache::new(&TINY_INTERNLM, 16).unwrap(),
+            &ids,
+            0,
+        )
+        .unwrap();
+        let b = step_logits(
+            &separate,
+            &mut KvCache::new(&TINY_INTERNLM, 16).unwrap(),
+            &ids,
+            0,
+        )
+        .unwrap();
         assert_eq!(a, b);
     }
 
     #[test]
     fn bad_ids_and_positions_are_errors() {
         let model = synth::build(&TINY_LLAMA, 0).unwrap();
-        let mut kv = KvCache::new(&TINY_LLAMA, 16);
+        let mut kv = KvCache::new(&TINY_LLAMA, 16).unwrap();
         assert!(matches!(
             step_logits(&model, &mut kv, &[32], 0),
             Err(Error::InvalidArgument(_))

@@ -1,5 +1,7 @@
 //! Rotary position embedding, rotate-half convention (Hugging Face Llama / Qwen2).
 
+use crate::error::{host_buffer, Error, Result};
+
 /// cos/sin tables `[max_seq, head_dim/2]`, built once.
 #[derive(Clone, Debug)]
 pub struct RopeTable {
@@ -10,19 +12,22 @@ pub struct RopeTable {
 
 impl RopeTable {
     /// Angles `pos * theta^(-2i/head_dim)`, computed in f64 and rounded to f32.
-    pub fn new(max_seq: usize, head_dim: usize, theta: f32) -> Self {
+    pub fn new(max_seq: usize, head_dim: usize, theta: f32) -> Result<Self> {
         let half = head_dim / 2;
-        let mut cos = Vec::with_capacity(max_seq * half);
-        let mut sin = Vec::with_capacity(max_seq * half);
+        let len = max_seq.checked_mul(half).ok_or_else(|| {
+            Error::OutOfMemory(format!("RoPE tables for {max_seq} positions overflow"))
+        })?;
+        let mut cos: Vec<f32> = host_buffer(len, "RoPE cos table")?;
+        let mut sin: Vec<f32> = host_buffer(len, "RoPE sin table")?;
         for pos in 0..max_seq {
             for i in 0..half {
                 let inv_freq = (theta as f64).powf(-((2 * i) as f64) / head_dim as f64);
                 let angle = pos as f64 * inv_freq;
-                cos.push(angle.cos() as f32);
-                sin.push(angle.sin() as f32);
+                cos[pos * half + i] = angle.cos() as f32;
+                sin[pos * half + i] = angle.sin() as f32;
             }
         }
-        Self { half, cos, sin }
+        Ok(Self { half, cos, sin })
     }
 
     /// Rotates one head in place: `x*cos + rotate_half(x)*sin`, where
@@ -47,7 +52,7 @@ mod tests {
 
     #[test]
     fn position_zero_is_identity_and_rotation_keeps_norm() {
-        let t = RopeTable::new(8, 16, 10000.0);
+        let t = RopeTable::new(8, 16, 10000.0).unwrap();
         let orig: Vec<f32> = (0..16).map(|i| i as f32 - 7.5).collect();
         let mut x = orig.clone();
         t.apply(&mut x, 0);

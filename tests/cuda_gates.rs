@@ -48,7 +48,7 @@ fn gates_match_the_oracle() {
         let model = synth::build(&spec, case.seed).unwrap();
         let oracle = step_logits(
             &model,
-            &mut KvCache::new(&spec, spec.max_seq),
+            &mut KvCache::new(&spec, spec.max_seq).unwrap(),
             &case.prompt,
             0,
         )

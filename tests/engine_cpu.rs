@@ -142,3 +142,17 @@ fn a_smaller_max_seq_option_is_honoured() {
     let mut out = [0u32; 8];
     assert_eq!(e.step_n(&mut out).unwrap(), 2);
 }
+
+#[test]
+fn a_max_seq_too_large_for_host_memory_is_an_error_not_an_abort() {
+    let opts = EngineOptions {
+        max_seq: i32::MAX as usize,
+        ..options(BackendKind::Cpu)
+    };
+    // 2 layers x 2^31 slots x 32 floats x 2 (k, v) = 1 TiB of KV cache.
+    let err = Engine::load_synthetic("tiny_llama", 0, &opts)
+        .err()
+        .expect("must fail");
+    assert!(matches!(err, Error::OutOfMemory(_)), "{err:?}");
+    assert!(err.to_string().contains("host memory"), "{err}");
+}

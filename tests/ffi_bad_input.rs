@@ -410,6 +410,14 @@ fn bad_options() {
             "max_seq = -4",
         );
         opts = dv2_options_default();
+        opts.backend = dv2_backend::DV2_BACKEND_CPU as i32;
+        opts.max_seq = i32::MAX;
+        expect(
+            dv2_load_synthetic(name.as_ptr(), 0, &opts, &mut h),
+            DV2_ERR_OUT_OF_MEMORY,
+            "host memory",
+        );
+        opts = dv2_options_default();
         opts.eos_id = 32;
         expect(
             dv2_load_synthetic(name.as_ptr(), 0, &opts, &mut h),

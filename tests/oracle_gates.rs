@@ -26,7 +26,7 @@ fn compute_case(name: &str, seed: u64, cap: f32) -> Case {
     let model = synth::build(&spec, seed).unwrap();
     let prompt = synth::prompt(spec.vocab, PROMPT_LEN, seed);
     let greedy_ids = greedy(&model, &prompt[..PREFILL_LEN], STEPS + 1).unwrap();
-    let mut kv = KvCache::new(&spec, spec.max_seq);
+    let mut kv = KvCache::new(&spec, spec.max_seq).unwrap();
     let teacher = step_logits(&model, &mut kv, &prompt, 0)
         .unwrap()
         .iter()

@@ -274,7 +274,7 @@ impl Bench {
             .ops
             .gpu
             .upload(&random_f32(s.qkv_rows(), 10, -1.0, 1.0))?;
-        let rope = RopeTable::new(max_seq, s.head_dim, s.rope_theta);
+        let rope = RopeTable::new(max_seq, s.head_dim, s.rope_theta)?;
         let (cos, sin) = (
             self.ops.gpu.upload(&rope.cos)?,
             self.ops.gpu.upload(&rope.sin)?,

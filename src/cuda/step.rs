@@ -129,7 +129,7 @@ impl CudaBackend {
         ops.fit(&s, max_seq)?;
         let gpu = &ops.gpu;
         let model = weights::upload(gpu, host)?;
-        let rope = RopeTable::new(max_seq, s.head_dim, s.rope_theta);
+        let rope = RopeTable::new(max_seq, s.head_dim, s.rope_theta)?;
         let partials = attn_partials(max_seq);
         // Every slot starts poisoned: the guard slots stay so (checked by kv_guard_intact),
         // and a kernel that read an unwritten slot would turn the logits into NaN.
