@@ -57,14 +57,31 @@ pub type Result<T> = std::result::Result<T, Error>;
 
 /// A host buffer of `len` default values, or `OutOfMemory` naming `what` instead of the abort
 /// an infallible allocation would cause (a caller-chosen max_seq sizes several buffers).
+/// Requests larger than the machine's memory (MemTotal + SwapTotal on Linux) are refused
+/// before allocating: with overcommit, a reservation can succeed and only fail when touched.
 pub fn host_buffer<T: Clone + Default>(len: usize, what: &str) -> Result<Vec<T>> {
-    let mut v = Vec::new();
-    v.try_reserve_exact(len).map_err(|_| {
+    let bytes = len.saturating_mul(std::mem::size_of::<T>());
+    let too_big = || {
         Error::OutOfMemory(format!(
             "{what}: {len} elements ({} MiB) do not fit in host memory",
-            len.saturating_mul(std::mem::size_of::<T>()) >> 20
+            bytes >> 20
         ))
-    })?;
+    };
+    if host_memory_bytes().is_some_and(|total| bytes > total) {
+        return Err(too_big());
+    }
+    let mut v = Vec::new();
+    v.try_reserve_exact(len).map_err(|_| too_big())?;
     v.resize(len, T::default());
     Ok(v)
+}
+
+/// Physical memory plus swap, from /proc/meminfo; None where that file does not exist.
+fn host_memory_bytes() -> Option<usize> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kib = |key: &str| -> Option<usize> {
+        let line = info.lines().find(|l| l.starts_with(key))?;
+        line.split_whitespace().nth(1)?.parse().ok()
+    };
+    Some((kib("MemTotal:")? + kib("SwapTotal:").unwrap_or(0)).saturating_mul(1024))
 }
