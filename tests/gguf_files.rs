@@ -84,6 +84,27 @@ fn a_good_file_loads_with_q_and_k_unpermuted() {
 }
 
 #[test]
+fn internlm2_files_load_like_llama() {
+    // Same tensors under the internlm2 architecture and key prefix: q/k un-permuted too.
+    let mut w = GgufWriter::tiny_llama();
+    for (k, _) in w.meta.iter_mut() {
+        if let Some(rest) = k.strip_prefix("llama.") {
+            *k = format!("internlm2.{rest}");
+        }
+    }
+    w.set_meta("general.architecture", Meta::Str("internlm2".into()));
+    let a = load(&write("internlm2.gguf", &w.bytes())).unwrap();
+    let b = load(&write("llama-same.gguf", &GgufWriter::tiny_llama().bytes())).unwrap();
+    let (QkvWeights::Separate { q: qa, .. }, QkvWeights::Separate { q: qb, .. }) =
+        (&a.layers[0].qkv, &b.layers[0].qkv)
+    else {
+        panic!("separate q/k/v")
+    };
+    assert_eq!(qa.weight, qb.weight);
+    assert_eq!(a.spec, b.spec);
+}
+
+#[test]
 fn truncated_files_name_what_was_cut() {
     let bytes = GgufWriter::tiny_llama().bytes();
     for cut in [3, 10, 40, 300, bytes.len() - 100] {

@@ -1,9 +1,10 @@
 //! GGUF (v2, v3) files: metadata, tensor directory, and the llama-family model they hold,
 //! re-quantized to NF4 at load. The file is memory-mapped; no whole-file copy is made.
 //!
-//! Architectures: `llama`, `mistral` (llama.cpp's converter permutes the rows of Q and K of
-//! these into its interleaved RoPE layout; we undo it, since decodev2 uses rotate-half),
-//! and `qwen2` (no permutation; q/k/v biases).
+//! Architectures: `llama`, `mistral`, `internlm2` (llama.cpp's converter permutes the rows
+//! of Q and K of these into its interleaved RoPE layout, after splitting InternLM2's fused
+//! wqkv; we undo the permutation, since decodev2 uses rotate-half), and `qwen2` (no
+//! permutation; q/k/v biases).
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -316,11 +317,13 @@ impl Gguf {
             Error::ModelFile(format!("{}: general.architecture is missing", self.name))
         })?;
         let permuted = match arch {
-            "llama" | "mistral" => true,
+            // llama.cpp's converter splits InternLM2's wqkv into q/k/v and permutes them
+            // like llama's.
+            "llama" | "mistral" | "internlm2" => true,
             "qwen2" => false,
             other => {
                 return Err(Error::Unsupported(format!(
-                    "{}: architecture {other} (llama, mistral and qwen2 are read)",
+                    "{}: architecture {other} (llama, mistral, internlm2 and qwen2 are read)",
                     self.name
                 )))
             }
