@@ -292,3 +292,26 @@ fn step_n_stops_at_eos_inside_a_batch() {
     e.logits(&mut logits).unwrap();
     assert_eq!(decodev2::oracle::argmax(&logits), eos);
 }
+
+#[test]
+fn a_model_too_large_for_the_device_is_a_clear_error() {
+    let Some(_) = cuda_engine("tiny_llama", 0, EngineOptions::default()) else {
+        return;
+    };
+    // 2 layers x 2^31 slots x 32 values x 2 (k, v) x 2 bytes = 512 GiB of KV cache.
+    let opts = EngineOptions {
+        backend: BackendKind::Cuda,
+        max_seq: i32::MAX as usize,
+        ..EngineOptions::default()
+    };
+    let err = Engine::load_synthetic("tiny_llama", 0, &opts)
+        .err()
+        .expect("must not fit");
+    assert!(matches!(err, Error::OutOfMemory(_)), "{err:?}");
+    let msg = err.to_string();
+    assert!(msg.contains("needs") && msg.contains("free of"), "{msg}");
+    // The device is still usable afterwards.
+    let mut e = cuda_engine("tiny_llama", 0, EngineOptions::default()).unwrap();
+    let case = case("tiny_llama");
+    assert_eq!(run_case(&mut e, &case).greedy, case.greedy);
+}
