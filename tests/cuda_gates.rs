@@ -28,6 +28,20 @@ fn cuda_engine(name: &str, seed: u64, opts: EngineOptions) -> Option<Engine> {
     }
 }
 
+/// A CUDA engine whose EOS id is the fixture's greedy id `k`, with the fixture case, that id,
+/// and the index where it first appears in the greedy ids.
+fn eos_engine(preset: &str, k: usize) -> Option<(Engine, Case, u32, usize)> {
+    let case = case(preset);
+    let eos = case.greedy[k];
+    let first = case.greedy.iter().position(|&id| id == eos).unwrap();
+    let opts = EngineOptions {
+        eos: Some(eos),
+        ..EngineOptions::default()
+    };
+    let e = cuda_engine(&case.preset, case.seed, opts)?;
+    Some((e, case, eos, first))
+}
+
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter()
         .zip(b)
@@ -108,14 +122,7 @@ fn reset_then_second_request_equals_a_fresh_engine() {
 
 #[test]
 fn position_counts_steps_and_eos_finishes() {
-    let case = case("tiny_llama");
-    let eos = case.greedy[4];
-    let first = case.greedy.iter().position(|&id| id == eos).unwrap();
-    let opts = EngineOptions {
-        eos: Some(eos),
-        ..EngineOptions::default()
-    };
-    let Some(mut e) = cuda_engine(&case.preset, case.seed, opts) else {
+    let Some((mut e, case, eos, first)) = eos_engine("tiny_llama", 4) else {
         return;
     };
     assert_eq!(
@@ -266,14 +273,7 @@ fn step_n_equals_repeated_steps_and_memory_does_not_grow() {
 
 #[test]
 fn step_n_stops_at_eos_inside_a_batch() {
-    let case = case("medium_llama");
-    let eos = case.greedy[5];
-    let first = case.greedy.iter().position(|&id| id == eos).unwrap();
-    let opts = EngineOptions {
-        eos: Some(eos),
-        ..EngineOptions::default()
-    };
-    let Some(mut e) = cuda_engine(&case.preset, case.seed, opts) else {
+    let Some((mut e, case, eos, first)) = eos_engine("medium_llama", 5) else {
         return;
     };
     e.prefill(&case.prompt[..case.prefill_len]).unwrap();
