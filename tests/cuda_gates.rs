@@ -122,7 +122,7 @@ fn reset_then_second_request_equals_a_fresh_engine() {
 
 #[test]
 fn position_counts_steps_and_eos_finishes() {
-    let Some((mut e, case, eos, first)) = eos_engine("tiny_llama", 4) else {
+    let Some((mut e, case, _eos, first)) = eos_engine("tiny_llama", 4) else {
         return;
     };
     assert_eq!(
