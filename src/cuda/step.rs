@@ -105,9 +105,6 @@ pub struct CudaBackend {
     arena: Arena,
     /// One greedy step (forward + commit) captured at load; None runs it eagerly.
     graph: Option<StepGraph>,
-    /// Timings of `new` for the bench: upload and allocation; eager probe + capture (ms).
-    pub load_ms: f64,
-    pub warmup_ms: f64,
 }
 
 impl CudaBackend {
@@ -120,7 +117,6 @@ impl CudaBackend {
         device: usize,
         graph: bool,
     ) -> Result<Self> {
-        let started = std::time::Instant::now();
         let s = host.spec;
         let gpu = Gpu::open(device)?;
         let (free, total) = gpu.memory()?;
@@ -158,16 +154,11 @@ impl CudaBackend {
             eos: eos.map_or(-1, |e| e as i32),
             model,
             graph: None,
-            load_ms: 0.0,
-            warmup_ms: 0.0,
             ops,
         };
         backend.ops.gpu.sync()?;
-        backend.load_ms = started.elapsed().as_secs_f64() * 1e3;
         if graph {
-            let started = std::time::Instant::now();
             backend.capture()?;
-            backend.warmup_ms = started.elapsed().as_secs_f64() * 1e3;
         }
         Ok(backend)
     }
@@ -198,11 +189,6 @@ impl CudaBackend {
         self.forward(true)?;
         let (state, eos, ring) = (self.ptr(&self.state), self.eos, self.ptr(&self.arena.ring));
         launch!(self.ops.gpu, &self.ops.k.commit_step, one_cta(1); state, eos, ring)
-    }
-
-    /// Device name, for logs.
-    pub fn device_name(&self) -> String {
-        self.ops.gpu.name()
     }
 
     fn ptr<T>(&self, buf: &CudaSlice<T>) -> u64 {
