@@ -2,6 +2,7 @@
 //! (graph vs eager) on the synthetic presets and the Qwen2.5-3B shape.
 //!
 //!     cargo run --release --example bench -- [--json PATH] [--skip-kernels] [--skip-3b]
+//!                                               [--prefill-only]
 //!
 //! Prints tables and writes every number to the JSON file (default bench.json).
 
@@ -80,7 +81,7 @@ fn time_decode(
 }
 
 fn stage_split(model: &HostModel, max_seq: usize, prompt_len: usize) -> Vec<(&'static str, f64)> {
-    let mut b = CudaBackend::new(model, max_seq, None, 0, false).expect("cuda backend");
+    let mut b = CudaBackend::new(model, max_seq, None, 0, false, 0).expect("cuda backend");
     b.prefill(&synth::prompt(model.spec.vocab, prompt_len, 1))
         .unwrap();
     let runs: Vec<Vec<(&'static str, f64)>> = (0..7).map(|_| b.profile_step().unwrap()).collect();
@@ -89,6 +90,129 @@ fn stage_split(model: &HostModel, max_seq: usize, prompt_len: usize) -> Vec<(&'s
         .enumerate()
         .map(|(i, (label, _))| (*label, median(runs[1..].iter().map(|r| r[i].1).collect())))
         .collect()
+}
+
+/// Median wall time of `prefill(prompt)` (ends in a device sync and the next_token read:
+/// the time to first token) over `reps` runs after one warm-up, for a prefill chunk
+/// (0: tokens one at a time through the decode step, `DV2_PREFILL=n1`).
+fn time_prefill(
+    model: &HostModel,
+    max_seq: usize,
+    prompt_len: usize,
+    chunk: usize,
+    reps: usize,
+) -> f64 {
+    if chunk == 0 {
+        std::env::set_var("DV2_PREFILL", "n1");
+    }
+    let opts = EngineOptions {
+        backend: BackendKind::Cuda,
+        max_seq,
+        graph: false,
+        prefill_chunk: chunk,
+        ..EngineOptions::default()
+    };
+    let mut e = Engine::new(model.clone(), &opts).expect("cuda engine");
+    std::env::remove_var("DV2_PREFILL");
+    let prompt = synth::prompt(model.spec.vocab, prompt_len, 1);
+    let mut ms = Vec::new();
+    for _ in 0..reps + 1 {
+        e.reset().unwrap();
+        let t = Instant::now();
+        e.prefill(&prompt).unwrap();
+        ms.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    median(ms[1..].to_vec())
+}
+
+/// Prefill on the Qwen2.5-3B shape: the GEMM's TFLOP/s by width (v2, and v1 for the
+/// ratio), time to first token for a 48-token prompt and throughput for a 2,048-token
+/// prompt by chunk size, and the kernel ablations at chunk 256.
+fn prefill_tables(qwen: &HostModel, json: &mut String) {
+    let s = &qwen.spec;
+    println!("\nNF4 tensor-core GEMM (plain store, rotated weights), TFLOP/s by columns N:");
+    println!(
+        "  {:<4} {:<10} {:>6} {:>10} {:>9} {:>8}",
+        "gemm", "matrix", "N", "µs", "TFLOP/s", "floor%"
+    );
+    *json += "  \"gemm\": [\n";
+    let shapes = [
+        ("q/k/v", s.qkv_rows(), s.hidden),
+        ("o", s.hidden, s.hidden),
+        ("gate|up", 2 * s.intermediate, s.hidden),
+        ("down", s.hidden, s.intermediate),
+    ];
+    for variant in ["v2", "v1"] {
+        std::env::set_var("DV2_GEMM", variant);
+        let bench = Bench::new(0).expect("CUDA device");
+        for (name, rows, k) in shapes {
+            for n in [1, 16, 64, 128, 256] {
+                let (t, tflops) = bench.gemm(name, rows, k, n).expect("gemm bench");
+                println!(
+                    "  {:<4} {:<10} {:>6} {:>10.2} {:>9.1} {:>7.0}%",
+                    variant,
+                    name,
+                    n,
+                    t.median_us,
+                    tflops,
+                    100.0 * t.of_floor()
+                );
+                writeln!(json, "    {{\"gemm\": \"{variant}\", \"matrix\": \"{name}\", \"rows\": {rows}, \"k\": {k}, \"n\": {n}, \"median_us\": {:.3}, \"tflops\": {tflops:.2}, \"floor_us\": {:.3}}},", t.median_us, t.floor_us).unwrap();
+            }
+        }
+    }
+    std::env::remove_var("DV2_GEMM");
+    *json = json.trim_end_matches(",\n").to_string() + "\n  ],\n";
+    println!("\nprefill, Qwen2.5-3B shape, max_seq 2048 (median ms, wall clock to next_token):");
+    println!(
+        "  {:<24} {:>6} {:>14} {:>16} {:>10}",
+        "variant", "chunk", "48 tokens ms", "2048 tokens ms", "tok/s"
+    );
+    *json += "  \"prefill\": [\n";
+    // (label, environment, chunk)
+    type Run = (&'static str, &'static [(&'static str, &'static str)], usize);
+    let runs: [Run; 10] = [
+        ("n1 (decode step)", &[], 0),
+        ("default", &[], 32),
+        ("default", &[], 64),
+        ("default", &[], 128),
+        ("default", &[], 256),
+        ("default", &[], 512),
+        ("DV2_GEMM=v1", &[("DV2_GEMM", "v1")], 256),
+        ("DV2_GEMM=v2", &[("DV2_GEMM", "v2")], 256),
+        ("DV2_ATTNP=simt", &[("DV2_ATTNP", "simt")], 256),
+        (
+            "DV2_ATTNP=simt, ROWS=32",
+            &[("DV2_ATTNP", "simt"), ("DV2_ATTNP_ROWS", "32")],
+            256,
+        ),
+    ];
+    for (label, env, chunk) in runs {
+        env.iter().for_each(|(k, v)| std::env::set_var(k, v));
+        let ttft = time_prefill(qwen, 2048, 48, chunk, 5);
+        // The token-at-a-time path takes seconds at 2,048 tokens: 48 tokens show its rate.
+        let long = if chunk == 0 {
+            f64::NAN
+        } else {
+            time_prefill(qwen, 2048, 2048, chunk, 3)
+        };
+        env.iter().for_each(|(k, _)| std::env::remove_var(k));
+        println!(
+            "  {:<24} {:>6} {:>14.2} {:>16.1} {:>10.0}",
+            label,
+            chunk,
+            ttft,
+            long,
+            2048.0 / long * 1e3
+        );
+        let long_json = if long.is_nan() {
+            "null".to_string()
+        } else {
+            format!("{long:.3}")
+        };
+        writeln!(json, "    {{\"variant\": \"{label}\", \"chunk\": {chunk}, \"ttft_48_ms\": {ttft:.3}, \"prefill_2048_ms\": {long_json}}},").unwrap();
+    }
+    *json = json.trim_end_matches(",\n").to_string() + "\n  ],\n";
 }
 
 fn kernel_table(bench: &Bench, s: &ArchSpec) -> Vec<Timing> {
@@ -196,6 +320,14 @@ fn main() {
     std::env::remove_var("DV2_GEMV");
     std::env::remove_var("DV2_ATTN");
 
+    if flag("--prefill-only") {
+        let qwen = synth::build(&QWEN25_3B, 0).unwrap();
+        prefill_tables(&qwen, &mut json);
+        json = json.trim_end_matches(",\n").to_string() + "\n}\n";
+        std::fs::write(&json_path, json).unwrap();
+        println!("\nwrote {json_path}");
+        return;
+    }
     let mut runs = Vec::new();
     let medium = synth::build(&MEDIUM_LLAMA, 0).unwrap();
     for graph in [true, false] {
@@ -230,7 +362,20 @@ fn main() {
         runs.push(time_decode("qwen25_3b v1", &qwen, 2048, 48, 128, true, 3));
         std::env::remove_var("DV2_GEMV");
         std::env::remove_var("DV2_ATTN");
+        // The decode step's linears through the tensor-core GEMM at N = 1.
+        std::env::set_var("DV2_LINEAR", "mma");
+        runs.push(time_decode(
+            "qwen25_3b linear=mma",
+            &qwen,
+            2048,
+            48,
+            128,
+            true,
+            3,
+        ));
+        std::env::remove_var("DV2_LINEAR");
         split = stage_split(&qwen, 2048, 48);
+        prefill_tables(&qwen, &mut json);
     }
     println!("\ndecode (ignore EOS; median of runs; first decode step excluded):");
     println!(

@@ -92,6 +92,7 @@ __device__ __forceinline__ float nf4_row_dot(const uint4* __restrict__ w, const 
 struct Nf4Ref {
     const u8* packed;
     const float* absmax;
+    float mma_scale;  // the tensor-core GEMM's power of two on absmax (kernels/prefill.cu)
 };
 
 // Which row a warp computes and which K-part of it: `kparts` warps split one row's K.
@@ -452,9 +453,11 @@ GEMV2_KERNELS(1, 4)
 GEMV2_KERNELS(2, 4)
 GEMV2_KERNELS(3, 2)
 
-// out = x * rsqrt(mean(x^2) + eps) * w, one CTA.
+// out = x * rsqrt(mean(x^2) + eps) * w over n elements; CTA b takes row b of x and out.
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const u16* __restrict__ w, float* out, int n,
                                     float eps) {
+    x += (size_t)blockIdx.x * n;
+    out += (size_t)blockIdx.x * n;
     __shared__ float sums[32];
     float ss = 0.0f;
     for (int i = threadIdx.x; i < n; i += blockDim.x) ss += x[i] * x[i];

@@ -27,9 +27,12 @@ pub struct CpuBackend {
 impl CpuBackend {
     pub fn new(model: Arc<HostModel>, max_seq: usize, eos: Option<u32>) -> Result<Self> {
         let s = model.spec;
+        // The KV cache first: it is the larger allocation, so an impossible max_seq is refused
+        // before the RoPE table spends minutes filling a smaller one that fits.
+        let kv = KvCache::new(&s, max_seq)?;
         Ok(Self {
             rope: RopeTable::new(max_seq, s.head_dim, s.rope_theta)?,
-            kv: KvCache::new(&s, max_seq)?,
+            kv,
             model,
             eos,
             token: 0,

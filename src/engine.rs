@@ -38,6 +38,8 @@ pub struct EngineOptions {
     /// CUDA: replay the decode step as a captured graph (default on; `DV2_GRAPH=0` turns the
     /// default off, to measure eager launches against it).
     pub graph: bool,
+    /// CUDA: prompt tokens per prefill chunk; 0 takes `DV2_PREFILL_CHUNK` or the default.
+    pub prefill_chunk: usize,
 }
 
 impl Default for EngineOptions {
@@ -48,6 +50,7 @@ impl Default for EngineOptions {
             eos: None,
             device: 0,
             graph: std::env::var("DV2_GRAPH").map_or(true, |v| v != "0"),
+            prefill_chunk: 0,
         }
     }
 }
@@ -117,7 +120,16 @@ impl Engine {
                 )));
             }
         }
-        let cuda = || CudaBackend::new(&model, max_seq, opts.eos, opts.device, opts.graph);
+        let cuda = || {
+            CudaBackend::new(
+                &model,
+                max_seq,
+                opts.eos,
+                opts.device,
+                opts.graph,
+                opts.prefill_chunk,
+            )
+        };
         let backend: Box<dyn Backend> = match opts.backend {
             BackendKind::Cpu => Box::new(CpuBackend::new(Arc::new(model), max_seq, opts.eos)?),
             BackendKind::Cuda => Box::new(cuda()?),

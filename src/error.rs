@@ -76,12 +76,32 @@ pub fn host_buffer<T: Clone + Default>(len: usize, what: &str) -> Result<Vec<T>>
     Ok(v)
 }
 
-/// Physical memory plus swap, from /proc/meminfo; None where that file does not exist.
+/// Physical memory plus swap, from /proc/meminfo, capped by the cgroup's memory limit (a
+/// container's /proc/meminfo shows the host's memory, not what the container may use); None
+/// where neither is known.
 fn host_memory_bytes() -> Option<usize> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let info = std::fs::read_to_string("/proc/meminfo").ok();
     let kib = |key: &str| -> Option<usize> {
-        let line = info.lines().find(|l| l.starts_with(key))?;
+        let line = info.as_ref()?.lines().find(|l| l.starts_with(key))?;
         line.split_whitespace().nth(1)?.parse().ok()
     };
-    Some((kib("MemTotal:")? + kib("SwapTotal:").unwrap_or(0)).saturating_mul(1024))
+    let physical =
+        kib("MemTotal:").map(|total| (total + kib("SwapTotal:").unwrap_or(0)).saturating_mul(1024));
+    // cgroup v2, then v1; "max" (or v1's huge sentinel) means no limit.
+    let limit = [
+        "/sys/fs/cgroup/memory.max",
+        "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+    ]
+    .iter()
+    .find_map(|p| {
+        std::fs::read_to_string(p)
+            .ok()?
+            .trim()
+            .parse::<usize>()
+            .ok()
+    });
+    match (physical, limit) {
+        (Some(p), Some(l)) => Some(p.min(l)),
+        (p, l) => p.or(l),
+    }
 }

@@ -9,6 +9,15 @@ use decodev2::engine::{BackendKind, Engine, EngineOptions};
 use decodev2::oracle::{greedy, step_logits, KvCache};
 use decodev2::{synth, Error};
 
+/// Held for the whole of each test: the tests share one device, and the memory checks read
+/// its free bytes, which another test's engine would change.
+fn exclusive_device() -> std::sync::MutexGuard<'static, ()> {
+    static DEVICE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    DEVICE
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 /// A CUDA engine for the preset, or None (after printing SKIP) when no device is present.
 fn cuda_engine(name: &str, seed: u64, opts: EngineOptions) -> Option<Engine> {
     match Engine::load_synthetic(
@@ -51,6 +60,7 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 
 #[test]
 fn gates_match_the_oracle() {
+    let _device = exclusive_device();
     for case in load_fixture() {
         let Some(mut engine) = cuda_engine(&case.preset, case.seed, EngineOptions::default())
         else {
@@ -94,6 +104,7 @@ fn gates_match_the_oracle() {
 
 #[test]
 fn auto_picks_cuda_when_present() {
+    let _device = exclusive_device();
     let Some(_) = cuda_engine("tiny_llama", 0, EngineOptions::default()) else {
         return;
     };
@@ -103,6 +114,7 @@ fn auto_picks_cuda_when_present() {
 
 #[test]
 fn reset_then_second_request_equals_a_fresh_engine() {
+    let _device = exclusive_device();
     let case = case("tiny_internlm");
     let Some(mut used) = cuda_engine(&case.preset, case.seed, EngineOptions::default()) else {
         return;
@@ -122,6 +134,7 @@ fn reset_then_second_request_equals_a_fresh_engine() {
 
 #[test]
 fn position_counts_steps_and_eos_finishes() {
+    let _device = exclusive_device();
     let Some((mut e, case, _eos, first)) = eos_engine("tiny_llama", 4) else {
         return;
     };
@@ -147,6 +160,7 @@ fn position_counts_steps_and_eos_finishes() {
 
 #[test]
 fn no_kv_write_past_the_last_slot() {
+    let _device = exclusive_device();
     let Some(mut e) = cuda_engine("tiny_llama", 0, EngineOptions::default()) else {
         return;
     };
@@ -167,6 +181,7 @@ fn no_kv_write_past_the_last_slot() {
 
 #[test]
 fn qwen25_3b_shape_first_16_ids_match_the_oracle() {
+    let _device = exclusive_device();
     // Probe with a tiny model first: building the 3B one takes a while on a small CPU.
     let Some(_) = cuda_engine("tiny_llama", 0, EngineOptions::default()) else {
         return;
@@ -201,6 +216,7 @@ fn qwen25_3b_shape_first_16_ids_match_the_oracle() {
 
 #[test]
 fn graph_replay_equals_eager_at_every_position() {
+    let _device = exclusive_device();
     for case in load_fixture()
         .into_iter()
         .filter(|c| c.preset.starts_with("tiny"))
@@ -243,6 +259,7 @@ fn graph_replay_equals_eager_at_every_position() {
 
 #[test]
 fn step_n_equals_repeated_steps_and_memory_does_not_grow() {
+    let _device = exclusive_device();
     let opts = EngineOptions {
         max_seq: 128,
         ..EngineOptions::default()
@@ -273,6 +290,7 @@ fn step_n_equals_repeated_steps_and_memory_does_not_grow() {
 
 #[test]
 fn step_n_stops_at_eos_inside_a_batch() {
+    let _device = exclusive_device();
     let Some((mut e, case, eos, first)) = eos_engine("medium_llama", 5) else {
         return;
     };
@@ -295,6 +313,7 @@ fn step_n_stops_at_eos_inside_a_batch() {
 
 #[test]
 fn a_model_too_large_for_the_device_is_a_clear_error() {
+    let _device = exclusive_device();
     let Some(_) = cuda_engine("tiny_llama", 0, EngineOptions::default()) else {
         return;
     };
@@ -314,4 +333,92 @@ fn a_model_too_large_for_the_device_is_a_clear_error() {
     let mut e = cuda_engine("tiny_llama", 0, EngineOptions::default()).unwrap();
     let case = case("tiny_llama");
     assert_eq!(run_case(&mut e, &case).greedy, case.greedy);
+}
+
+/// Issue 6: the chunked tensor-core prefill against the oracle, at chunk 32 (so 31, 32, 33
+/// straddle a chunk boundary) and at the default chunk.
+#[test]
+fn chunked_prefill_matches_the_oracle() {
+    let _device = exclusive_device();
+    const MAX_SEQ: usize = 64;
+    const CAP: f32 = 0.05;
+    for (name, seed) in [
+        ("tiny_llama", 0u64),
+        ("tiny_internlm", 1),
+        ("medium_llama", 2),
+    ] {
+        let mut spec = preset(name).unwrap();
+        spec.max_seq = MAX_SEQ;
+        let model = synth::build(&spec, seed).unwrap();
+        let prompt = synth::prompt(spec.vocab, MAX_SEQ - 1, seed + 100);
+        // The oracle's logits after teacher-forcing prompt[..=i], for every i.
+        let teacher = step_logits(
+            &model,
+            &mut KvCache::new(&spec, MAX_SEQ).unwrap(),
+            &prompt,
+            0,
+        )
+        .unwrap();
+        for chunk in [32, 0] {
+            let opts = EngineOptions {
+                max_seq: MAX_SEQ,
+                prefill_chunk: chunk,
+                ..EngineOptions::default()
+            };
+            let Some(mut e) = cuda_engine(name, seed, opts) else {
+                return;
+            };
+            let free_before = e.device_free_bytes().unwrap().unwrap();
+            // Every prompt length: the last position's logits and argmax.
+            let mut worst = 0f32;
+            let mut ties = Vec::new();
+            for len in 1..MAX_SEQ {
+                e.reset().unwrap();
+                let next = e.prefill(&prompt[..len]).unwrap();
+                assert_eq!(e.position().unwrap(), len);
+                let mut logits = vec![0f32; spec.vocab];
+                e.logits(&mut logits).unwrap();
+                let want = &teacher[len - 1];
+                let err = max_abs_diff(&logits, want);
+                worst = worst.max(err);
+                assert!(
+                    err <= CAP,
+                    "{name} chunk {chunk} len {len}: |logit - oracle| {err}"
+                );
+                let best = decodev2::oracle::argmax(want);
+                if next != best {
+                    // Within an error of `err` per logit, only a top-2 gap under 2 err can swap
+                    // the argmax: anything else is a bug, not rounding.
+                    let gap = want[best as usize] - want[next as usize];
+                    assert!(
+                        gap <= 2.0 * err,
+                        "{name} chunk {chunk} len {len}: argmax {next}, oracle {best} by {gap}"
+                    );
+                    ties.push((len, gap));
+                }
+            }
+            println!(
+                "{name} chunk {chunk}: prompt lengths 1..{MAX_SEQ}, max |logit - oracle| = {worst:.5} (cap {CAP}); argmax differs only at near-ties (len, oracle gap): {ties:?}"
+            );
+            // Prefill then decode: the ids equal the oracle's greedy continuation.
+            for len in [1, 4, 31, 32, 33, MAX_SEQ - 1] {
+                let n_new = (MAX_SEQ - len).min(8);
+                let want = greedy(&model, &prompt[..len], n_new).unwrap();
+                e.reset().unwrap();
+                let mut got = vec![e.prefill(&prompt[..len]).unwrap()];
+                if n_new > 1 {
+                    let mut rest = vec![0u32; n_new - 1];
+                    assert_eq!(e.step_n(&mut rest).unwrap(), n_new - 1);
+                    got.extend(rest);
+                }
+                assert_eq!(got, want, "{name} chunk {chunk} prompt length {len}");
+            }
+            assert!(e.kv_guard_intact().unwrap());
+            assert_eq!(
+                e.device_free_bytes().unwrap().unwrap(),
+                free_before,
+                "prefill allocated device memory"
+            );
+        }
+    }
 }

@@ -2,7 +2,7 @@
 //! machine with libnvrtc (no GPU needed). Without libnvrtc: SKIP (a failure under
 //! DV2_REQUIRE_CUDA=1).
 
-use decodev2::cuda::kernels::{compile, compile_decode, nvrtc_present, BENCH_CU};
+use decodev2::cuda::kernels::{compile, compile_decode, nvrtc_present, BENCH};
 
 #[test]
 fn decode_kernels_compile_for_sm_90() {
@@ -23,6 +23,6 @@ fn decode_kernels_compile_for_sm_90() {
     let cached = std::fs::read_dir(&dir).unwrap().count();
     assert_eq!(cached, 1);
     assert_eq!(compile_decode("sm_90").unwrap(), cubin);
-    assert!(compile(BENCH_CU, "sm_90").unwrap().starts_with(b"\x7fELF"));
+    assert!(compile(&BENCH, "sm_90").unwrap().starts_with(b"\x7fELF"));
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -9,10 +9,10 @@ use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 use super::budget::kv_stride;
 use super::device::{driver_error, Gpu};
 use super::kernels::state;
-use super::kernels::{load_module, BENCH_CU};
-use super::ops::{attn_partials, AttnArgs, Input, Ops, QkvArgs};
+use super::kernels::{load_module, BENCH};
+use super::ops::{attn_partials, AttnArgs, Epilogue, GemmMatrix, Input, Ops, QkvArgs};
 use super::step::timing_event;
-use super::weights::Nf4Ref;
+use super::weights::{mma_scale, Nf4Ref};
 use crate::arch::ArchSpec;
 use crate::error::{Error, Result};
 use crate::rope::RopeTable;
@@ -69,19 +69,23 @@ fn random_f32(len: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
 struct RandomMatrix {
     packed: CudaSlice<u8>,
     absmax: CudaSlice<f32>,
+    mma_scale: f32,
 }
 
 impl RandomMatrix {
     fn new(gpu: &Gpu, rows: usize, cols: usize, seed: u64) -> Result<Self> {
+        let absmax = random_f32(rows * cols / 64, seed + 1, 0.01, 0.1);
         Ok(Self {
             packed: gpu.upload(&random_bytes(rows * cols / 2, seed))?,
-            absmax: gpu.upload(&random_f32(rows * cols / 64, seed + 1, 0.01, 0.1))?,
+            absmax: gpu.upload(&absmax)?,
+            mma_scale: mma_scale(&absmax),
         })
     }
     fn as_ref(&self, gpu: &Gpu) -> Nf4Ref {
         Nf4Ref {
             packed: gpu.ptr(&self.packed),
             absmax: gpu.ptr(&self.absmax),
+            mma_scale: self.mma_scale,
         }
     }
     fn bytes(rows: usize, cols: usize) -> usize {
@@ -99,7 +103,7 @@ impl Bench {
     /// Kernel variants come from the environment, as in the backend (see [`super::ops`]).
     pub fn new(device: usize) -> Result<Self> {
         let ops = Ops::new(Gpu::open(device)?)?;
-        let stream_read = load_module(&ops.gpu, BENCH_CU)?
+        let stream_read = load_module(&ops.gpu, &BENCH)?
             .load_function("stream_read")
             .map_err(driver_error("stream_read"))?;
         let sink = ops.gpu.zeros(1)?;
@@ -254,6 +258,36 @@ impl Bench {
             median_us,
             floor_us: self.floor_us(bytes)?,
         })
+    }
+
+    /// Times the tensor-core GEMM (`y = W x`, plain store) for `rows` x `k` weights over `n`
+    /// columns on random data; returns the timing and TFLOP/s (2 rows k n per launch).
+    pub fn gemm(&self, name: &str, rows: usize, k: usize, n: usize) -> Result<(Timing, f64)> {
+        let weight_bytes = RandomMatrix::bytes(rows, k);
+        let copies = Self::copies(weight_bytes);
+        let mats = (0..copies)
+            .map(|c| RandomMatrix::new(&self.ops.gpu, rows, k, c as u64 + 101))
+            .collect::<Result<Vec<_>>>()?;
+        let x = self.ops.gpu.upload(&random_f32(n * k, 3, -1.0, 1.0))?;
+        let y = self.ops.gpu.zeros::<f32>(n * rows)?;
+        let (xp, yp, gpu) = (self.ops.gpu.ptr(&x), self.ops.gpu.ptr(&y), &self.ops.gpu);
+        let median_us = self.time_rotated(copies, |c| {
+            let m = [GemmMatrix {
+                m: mats[c].as_ref(gpu),
+                rows,
+                bias: 0,
+            }];
+            self.ops.gemm(Epilogue::Store, &m, k, xp, n, yp, rows, 0)
+        })?;
+        let bytes = weight_bytes + n * k * 4 + n * rows * 4;
+        let tflops = 2.0 * (rows * k * n) as f64 / median_us / 1e6;
+        let timing = Timing {
+            name: name.into(),
+            bytes,
+            median_us,
+            floor_us: self.floor_us(bytes)?,
+        };
+        Ok((timing, tflops))
     }
 
     /// Times attention (flash-decode + merge) of one layer at `valid_len`, rotating over the

@@ -64,20 +64,20 @@ pub fn kv_bytes(s: &ArchSpec, max_seq: usize) -> usize {
     2 * s.n_layers * kv_stride(max_seq) * s.kv_dim() * 2
 }
 
-pub fn arena_bytes(s: &ArchSpec, max_seq: usize) -> usize {
-    let floats = 3 * s.hidden
-        + s.qkv_rows()
-        + s.intermediate
+/// Activations for a prefill chunk of `chunk` tokens (the decode step uses their first row),
+/// logits, attention partials, the prompt ids and the step ring.
+pub fn arena_bytes(s: &ArchSpec, max_seq: usize, chunk: usize) -> usize {
+    let floats = chunk.max(1) * (3 * s.hidden + s.qkv_rows() + s.intermediate)
         + s.vocab
         + s.n_q_heads * super::ops::attn_partials(max_seq) * (s.head_dim + 2);
-    floats * 4 + max_seq * 4 + 64
+    floats * 4 + 2 * max_seq * 4 + 64
 }
 
-pub fn estimate(model: &HostModel, max_seq: usize) -> Budget {
+pub fn estimate(model: &HostModel, max_seq: usize, chunk: usize) -> Budget {
     Budget {
         weights: weight_bytes(model),
         kv: kv_bytes(&model.spec, max_seq),
-        arena: arena_bytes(&model.spec, max_seq),
+        arena: arena_bytes(&model.spec, max_seq, chunk),
         reserve: RESERVE_BYTES,
     }
 }

@@ -11,6 +11,7 @@ use std::path::PathBuf;
 
 use std::sync::Arc;
 
+use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaFunction, CudaModule};
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys, Ptx};
 
@@ -34,6 +35,29 @@ pub const ATTN2_CHUNK: usize = 32;
 pub const ATTN2_MAX_GROUP: usize = 16;
 pub const ATTN2_MAX_GROUP_X_HD: usize = 2048;
 pub const ATTN2_MAX_CHUNKS: usize = 1024;
+
+/// Warps per CTA of the NF4 tensor-core GEMM (row tiles x parts of K).
+pub const GEMM_WARPS: usize = 8;
+/// Rows of the weight matrix one GEMM warp computes (two m16 tiles; SwiGLU: 16 outputs).
+pub const GEMM_WARP_ROWS: usize = 32;
+/// Columns (tokens) per n8 tile; the GEMM comes in widths of 1, 4 and 8 tiles per CTA.
+pub const GEMM_NT: [usize; 3] = [1, 4, 8];
+/// u32 words per column of the v2 GEMM's staged B (64 f16 + 2 words of padding).
+pub const GEMM_B2_STRIDE: usize = 34;
+/// The v2 GEMM's largest dynamic shared memory: B staged for 8 K parts of 64 columns.
+pub const GEMM_V2_MAX_SMEM: usize = GEMM_WARPS * 64 * GEMM_B2_STRIDE * 4;
+/// Prefill attention: threads per CTA, the most (token, q head) rows per CTA (kernels come
+/// with 8 and 32), KV slots per staged tile, and the floats of q rows a CTA stages (rows x
+/// head_dim).
+pub const ATTNP_THREADS: u32 = 128;
+pub const ATTNP_ROWS: usize = 32;
+pub const ATTNP_TILE: usize = 32;
+pub const ATTNP_Q_FLOATS: usize = 4096;
+
+/// Tensor-core prefill attention: warps per CTA and (token, q head) rows per CTA (16 a warp).
+pub const ATTNM_WARPS: usize = 4;
+pub const ATTNM_ROWS: usize = 16 * ATTNM_WARPS;
+pub const ATTNM_THREADS: u32 = 32 * ATTNM_WARPS as u32;
 
 /// Indices into the int32 decode-state buffer on the device.
 pub mod state {
@@ -63,6 +87,13 @@ fn shared_defines() -> Vec<String> {
         ("ATTN2_MAX_GROUP", ATTN2_MAX_GROUP),
         ("ATTN2_MAX_GROUP_X_HD", ATTN2_MAX_GROUP_X_HD),
         ("ATTN2_MAX_CHUNKS", ATTN2_MAX_CHUNKS),
+        ("GEMM_WARPS", GEMM_WARPS),
+        ("B2_STRIDE", GEMM_B2_STRIDE),
+        ("ATTNP_THREADS", ATTNP_THREADS as usize),
+        ("ATTNP_ROWS", ATTNP_ROWS),
+        ("ATTNP_TILE", ATTNP_TILE),
+        ("ATTNP_Q_FLOATS", ATTNP_Q_FLOATS),
+        ("ATTNM_WARPS", ATTNM_WARPS),
         ("STATE_TOKEN", state::TOKEN),
         ("STATE_POSITION", state::POSITION),
         ("STATE_VALID_LEN", state::VALID_LEN),
@@ -76,23 +107,47 @@ fn shared_defines() -> Vec<String> {
         .collect()
 }
 
-/// A kernel file: its name under kernels/ and its embedded text.
-pub type KernelFile = (&'static str, &'static str);
+/// A compilation unit: a name (for the cache and NVRTC's messages) and its files under
+/// kernels/ with their embedded text, compiled as one source in this order (later files use
+/// the helpers of earlier ones).
+pub struct KernelUnit {
+    pub name: &'static str,
+    pub files: &'static [(&'static str, &'static str)],
+}
 
-pub const DECODE_CU: KernelFile = ("decode.cu", include_str!("../../kernels/decode.cu"));
+/// The decode step's kernels and the chunked prefill's.
+pub const DECODE: KernelUnit = KernelUnit {
+    name: "decode",
+    files: &[
+        ("decode.cu", include_str!("../../kernels/decode.cu")),
+        ("prefill.cu", include_str!("../../kernels/prefill.cu")),
+    ],
+};
 /// Benchmark-only kernels (the streaming-read floor).
-pub const BENCH_CU: KernelFile = ("bench.cu", include_str!("../../kernels/bench.cu"));
+pub const BENCH: KernelUnit = KernelUnit {
+    name: "bench",
+    files: &[("bench.cu", include_str!("../../kernels/bench.cu"))],
+};
 
-/// The source of one kernel file: `DV2_KERNEL_DIR/<name>` when set, else the embedded copy.
-fn source(file: KernelFile) -> Result<String> {
-    match std::env::var_os("DV2_KERNEL_DIR") {
-        Some(dir) => {
-            let path = PathBuf::from(dir).join(file.0);
-            std::fs::read_to_string(&path)
-                .map_err(|e| Error::Io(format!("{}: {e}", path.display())))
+/// The source of a unit: each file from `DV2_KERNEL_DIR/<name>` when set, else the embedded
+/// copy, with a `#line` directive before each so compiler messages name the right file.
+fn source(unit: &KernelUnit) -> Result<String> {
+    let dir = std::env::var_os("DV2_KERNEL_DIR").map(PathBuf::from);
+    let mut src = String::new();
+    for (name, text) in unit.files {
+        src.push_str(&format!("#line 1 \"{name}\"\n"));
+        match &dir {
+            Some(dir) => {
+                let path = dir.join(name);
+                let text = std::fs::read_to_string(&path)
+                    .map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
+                src.push_str(&text);
+            }
+            None => src.push_str(text),
         }
-        None => Ok(file.1.to_owned()),
+        src.push('\n');
     }
+    Ok(src)
 }
 
 /// True when libnvrtc can be loaded (cudarc panics on a missing library).
@@ -177,16 +232,16 @@ fn nvrtc_compile(name: &str, src: &str, opts: &[String]) -> Result<Vec<u8>> {
     result
 }
 
-/// The cubin of `kernels/decode.cu` for `arch` (e.g. "sm_90"); see [`compile`].
+/// The cubin of the decode unit for `arch` (e.g. "sm_90"); see [`compile`].
 pub fn compile_decode(arch: &str) -> Result<Vec<u8>> {
-    compile(DECODE_CU, arch)
+    compile(&DECODE, arch)
 }
 
 /// The cubin of a kernel file for `arch`, from the disk cache when the same source, options
 /// and NVRTC version were compiled before. Needs libnvrtc, not a GPU.
-pub fn compile(file: KernelFile, arch: &str) -> Result<Vec<u8>> {
+pub fn compile(unit: &KernelUnit, arch: &str) -> Result<Vec<u8>> {
     let compile = || -> Result<Vec<u8>> {
-        let src = source(file)?;
+        let src = source(unit)?;
         let opts = options(arch);
         let (major, minor) = nvrtc_version()?;
         let key = fnv1a(&[
@@ -194,12 +249,11 @@ pub fn compile(file: KernelFile, arch: &str) -> Result<Vec<u8>> {
             opts.join(" ").as_bytes(),
             format!("{major}.{minor}").as_bytes(),
         ]);
-        let stem = file.0.trim_end_matches(".cu");
-        let cached = cache_dir().map(|d| d.join(format!("{stem}-{arch}-{key:016x}.cubin")));
+        let cached = cache_dir().map(|d| d.join(format!("{}-{arch}-{key:016x}.cubin", unit.name)));
         if let Some(bytes) = cached.as_ref().and_then(|p| std::fs::read(p).ok()) {
             return Ok(bytes);
         }
-        let cubin = nvrtc_compile(file.0, &src, &opts)?;
+        let cubin = nvrtc_compile(unit.name, &src, &opts)?;
         if let Some(path) = cached {
             // A cache that cannot be written only costs the next load a compile.
             let tmp = path.with_extension(format!("tmp{}", std::process::id()));
@@ -242,11 +296,23 @@ pub struct Kernels {
     pub gemv2_swiglu: [CudaFunction; 3],
     pub attn2_decode: CudaFunction,
     pub attn2_merge: CudaFunction,
+    /// The NF4 tensor-core GEMM by epilogue: [v1, v2][width index into [`GEMM_NT`]].
+    pub gemm_store: [[CudaFunction; 3]; 2],
+    pub gemm_acc: [[CudaFunction; 3]; 2],
+    pub gemm_swiglu: [[CudaFunction; 3]; 2],
+    pub embed_rows: CudaFunction,
+    pub rope_kv_rows: CudaFunction,
+    pub advance_by: CudaFunction,
+    pub begin_prefill: CudaFunction,
+    /// Prefill attention with 2 and 8 rows per warp (8 and 32 per CTA).
+    pub attn_prefill: [CudaFunction; 2],
+    /// Tensor-core prefill attention for head_dim 16, 32, 64, 128.
+    pub attn_prefill_mma: [CudaFunction; 4],
 }
 
 /// Compiles (or takes from the cache) a kernel file and loads it into the device's context.
-pub fn load_module(gpu: &Gpu, file: KernelFile) -> Result<Arc<CudaModule>> {
-    let cubin = compile(file, &gpu.arch()?)?;
+pub fn load_module(gpu: &Gpu, unit: &KernelUnit) -> Result<Arc<CudaModule>> {
+    let cubin = compile(unit, &gpu.arch()?)?;
     gpu.ctx
         .load_module(Ptx::from_binary(cubin))
         .map_err(driver_error("cuModuleLoadData"))
@@ -254,8 +320,29 @@ pub fn load_module(gpu: &Gpu, file: KernelFile) -> Result<Arc<CudaModule>> {
 
 impl Kernels {
     pub fn load(gpu: &Gpu) -> Result<Self> {
-        let module = load_module(gpu, DECODE_CU)?;
+        let module = load_module(gpu, &DECODE)?;
         let f = |name: &str| module.load_function(name).map_err(driver_error(name));
+        // v2 stages B in dynamic shared memory, up to GEMM_V2_MAX_SMEM bytes.
+        let gemm = |name: &str| -> Result<[[CudaFunction; 3]; 2]> {
+            let width = |v: &str| -> Result<[CudaFunction; 3]> {
+                let fs = [
+                    f(&format!("{name}_nt1_{v}"))?,
+                    f(&format!("{name}_nt4_{v}"))?,
+                    f(&format!("{name}_nt8_{v}"))?,
+                ];
+                if v == "v2" {
+                    for func in &fs {
+                        func.set_attribute(
+                            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                            GEMM_V2_MAX_SMEM as i32,
+                        )
+                        .map_err(driver_error("gemm shared memory attribute"))?;
+                    }
+                }
+                Ok(fs)
+            };
+            Ok([width("v1")?, width("v2")?])
+        };
         Ok(Self {
             gemv_nf4: f("gemv_nf4")?,
             gemv_qkv: f("gemv_qkv")?,
@@ -279,6 +366,20 @@ impl Kernels {
             ],
             attn2_decode: f("attn2_decode")?,
             attn2_merge: f("attn2_merge")?,
+            gemm_store: gemm("gemm_store")?,
+            gemm_acc: gemm("gemm_acc")?,
+            gemm_swiglu: gemm("gemm_swiglu")?,
+            embed_rows: f("embed_rows")?,
+            rope_kv_rows: f("rope_kv_rows")?,
+            advance_by: f("advance_by")?,
+            begin_prefill: f("begin_prefill")?,
+            attn_prefill: [f("attn_prefill_r2")?, f("attn_prefill_r8")?],
+            attn_prefill_mma: [
+                f("attn_prefill_mma_hd16")?,
+                f("attn_prefill_mma_hd32")?,
+                f("attn_prefill_mma_hd64")?,
+                f("attn_prefill_mma_hd128")?,
+            ],
         })
     }
 }

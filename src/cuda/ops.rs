@@ -6,14 +6,21 @@
 //! (default v2: one CTA per KV head and 32-slot chunk). `DV2_FUSE_RMS=1` folds RMSNorm into
 //! the GEMV v2 prologue (off by default: it measured slower than the separate kernel). v1 GEMV takes `DV2_GEMV_NR=1|2|4|8`
 //! (rows per CTA); v2 takes `DV2_GEMV_CTAS=n` (CTAs per SM, default 1).
+//! `DV2_GEMM=v1|v2` forces the tensor-core GEMM kernel (default: v2, B staged in shared
+//! memory, where a CTA takes all of K; v1, B read per warp, where K is split: measured).
+//! `DV2_ATTNP=simt` runs the prefill's attention on CUDA cores (default: tensor cores where
+//! head_dim is 16, 32, 64 or 128), with `DV2_ATTNP_ROWS=8|32` rows per CTA.
+//! `DV2_LINEAR=mma` runs the decode step's linears through the prefill's tensor-core GEMM
+//! at N = 1 (default `gemv`), so the two can be compared on the same step.
 
 use cudarc::driver::sys::CUdevice_attribute;
-use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig, PushKernelArg};
 
 use super::device::{driver_error, Gpu};
 use super::kernels::{
-    Kernels, ATTN2_CHUNK, ATTN2_MAX_CHUNKS, ATTN2_MAX_GROUP, ATTN2_MAX_GROUP_X_HD, ATTN_THREADS,
-    GEMV_THREADS, GEMV_WARPS, MAX_HEAD_DIM,
+    Kernels, ATTN2_CHUNK, ATTN2_MAX_CHUNKS, ATTN2_MAX_GROUP, ATTN2_MAX_GROUP_X_HD, ATTNM_ROWS,
+    ATTNM_THREADS, ATTNP_Q_FLOATS, ATTNP_ROWS, ATTNP_THREADS, ATTN_THREADS, GEMM_B2_STRIDE,
+    GEMM_NT, GEMM_WARPS, GEMM_WARP_ROWS, GEMV_THREADS, GEMV_WARPS, MAX_HEAD_DIM,
 };
 use super::weights::Nf4Ref;
 use crate::arch::ArchSpec;
@@ -52,6 +59,71 @@ pub struct AttnArgs {
 // SAFETY: plain old data matching the kernel's struct.
 unsafe impl DeviceRepr for AttnArgs {}
 
+/// kernels/prefill.cu `GemmArgs`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct GemmArgs {
+    m: [Nf4Ref; 3],
+    bias: [u64; 3],
+    rows: [i32; 3],
+    x: u64,
+    y: u64,
+    skip_if: u64,
+    n: i32,
+    k: i32,
+    ldy: i32,
+    kw: i32,
+}
+// SAFETY: plain old data matching the kernel's struct.
+unsafe impl DeviceRepr for GemmArgs {}
+
+/// kernels/prefill.cu `PrefillAttnArgs`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct PrefillAttnArgs {
+    pub qkv: u64,
+    pub k_cache: u64,
+    pub v_cache: u64,
+    pub state: u64,
+    pub out: u64,
+    pub n: i32,
+    pub ld: i32,
+    pub n_q: i32,
+    pub n_kv: i32,
+    pub head_dim: i32,
+    pub qb: i32,
+    pub scale: f32,
+}
+// SAFETY: plain old data matching the kernel's struct.
+unsafe impl DeviceRepr for PrefillAttnArgs {}
+
+/// What the tensor-core GEMM does with its sums.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Epilogue {
+    /// `y = W x (+ bias)`.
+    Store,
+    /// `y += W x` (the residual add).
+    Accumulate,
+    /// `y = silu(gate x) * (up x)`: the matrices are gate and up.
+    Swiglu,
+}
+
+/// One matrix of a GEMM: stacked matrices (q, k, v) write consecutive rows of y.
+#[derive(Clone, Copy, Debug)]
+pub struct GemmMatrix {
+    pub m: Nf4Ref,
+    pub rows: usize,
+    /// Device address of f32 [rows], or 0.
+    pub bias: u64,
+}
+
+/// Tokens per CTA of the prefill attention for a model's group and head_dim, with at most
+/// `rows` (token, q head) rows per CTA, or None when one token's rows do not fit a CTA.
+pub fn attn_prefill_tokens(group: usize, head_dim: usize, rows: usize) -> Option<usize> {
+    let rows = rows.min(ATTNP_ROWS).min(ATTNP_Q_FLOATS / head_dim);
+    (group <= rows).then(|| rows / group)
+}
+
 /// kernels/decode.cu `NormArgs`: RMSNorm weights (bf16; 0 = no norm) and epsilon.
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -88,10 +160,25 @@ impl Input {
     }
 }
 
+/// Which kernels run the decode step's linears.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Linear {
+    Gemv,
+    Mma,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Variant {
     V1,
     V2,
+}
+
+/// The tensor-core GEMM kernel: by shape (default), or one forced by `DV2_GEMM`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemmVariant {
+    /// v2 where the CTA takes one part of K (its B staging is shared by all warps), else v1.
+    Auto,
+    Fixed(Variant),
 }
 
 fn variant(var: &str) -> Variant {
@@ -127,6 +214,11 @@ pub struct Ops {
     /// RMSNorm folded into the GEMV v2 prologue (`DV2_FUSE_RMS=1`; off by default: measured
     /// slower, docs/lab.md).
     pub fuse_rms: bool,
+    pub linear: Linear,
+    /// The tensor-core GEMM: v2 stages B in shared memory, v1 reads it per warp.
+    pub gemm: GemmVariant,
+    /// The prefill attention on CUDA cores (`DV2_ATTNP=simt`) instead of tensor cores.
+    pub attnp_simt: bool,
     sms: u32,
 }
 
@@ -143,6 +235,16 @@ impl Ops {
             gemv: variant("DV2_GEMV"),
             attn: variant("DV2_ATTN"),
             fuse_rms: std::env::var("DV2_FUSE_RMS").is_ok_and(|v| v == "1"),
+            attnp_simt: std::env::var("DV2_ATTNP").is_ok_and(|v| v == "simt"),
+            gemm: match std::env::var("DV2_GEMM").as_deref() {
+                Ok("v1") => GemmVariant::Fixed(Variant::V1),
+                Ok("v2") => GemmVariant::Fixed(Variant::V2),
+                _ => GemmVariant::Auto,
+            },
+            linear: match std::env::var("DV2_LINEAR").as_deref() {
+                Ok("mma") => Linear::Mma,
+                _ => Linear::Gemv,
+            },
             sms,
         })
     }
@@ -214,7 +316,7 @@ impl Ops {
     fn input(&self, input: Input, cols: usize) -> Result<(u64, NormArgs)> {
         match input.norm {
             None => Ok((input.x, NormArgs::NONE)),
-            Some(n) if self.gemv == Variant::V2 && self.fuse_rms => {
+            Some(n) if self.gemv == Variant::V2 && self.fuse_rms && self.linear == Linear::Gemv => {
                 Ok((input.x, NormArgs { w: n.w, eps: n.eps }))
             }
             Some(n) => {
@@ -226,8 +328,144 @@ impl Ops {
 
     /// `out = x * rsqrt(mean(x^2) + eps) * w` over `n` elements (one CTA).
     pub fn rms(&self, x: u64, w: u64, out: u64, n: usize, eps: f32) -> Result<()> {
+        self.rms_rows(x, w, out, n, eps, 1)
+    }
+
+    /// [`Self::rms`] on each of `rows` consecutive rows of `n` elements (a CTA per row).
+    pub fn rms_rows(
+        &self,
+        x: u64,
+        w: u64,
+        out: u64,
+        n: usize,
+        eps: f32,
+        rows: usize,
+    ) -> Result<()> {
         let n = n as i32;
-        launch!(self.gpu, &self.k.rms_norm, one_cta(512); x, w, out, n, eps)
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            ..one_cta(512)
+        };
+        launch!(self.gpu, &self.k.rms_norm, cfg; x, w, out, n, eps)
+    }
+
+    /// The NF4 tensor-core GEMM over `n` columns: `x` is f32 [n][k], `y` f32 [n][ldy]; the
+    /// matrices are stacked by rows (SwiGLU: gate and up). Skipped on the device while
+    /// `*skip_if != 0` (0: never).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm(
+        &self,
+        epilogue: Epilogue,
+        mats: &[GemmMatrix],
+        k: usize,
+        x: u64,
+        n: usize,
+        y: u64,
+        ldy: usize,
+        skip_if: u64,
+    ) -> Result<()> {
+        let mut args = GemmArgs {
+            m: [Nf4Ref::default(); 3],
+            bias: [0; 3],
+            rows: [0; 3],
+            x,
+            y,
+            skip_if,
+            n: n as i32,
+            k: k as i32,
+            ldy: ldy as i32,
+            kw: 1,
+        };
+        for (i, m) in mats.iter().enumerate() {
+            args.m[i] = m.m;
+            args.bias[i] = m.bias;
+            args.rows[i] = m.rows as i32;
+        }
+        // SwiGLU sums only the gate's rows into outputs; its warps take 16 outputs each.
+        let (out_rows, warp_rows) = match epilogue {
+            Epilogue::Swiglu => (mats[0].rows, GEMM_WARP_ROWS / 2),
+            _ => (mats.iter().map(|m| m.rows).sum(), GEMM_WARP_ROWS),
+        };
+        let (width, ctas_n) = gemm_width(n);
+        let tiles = out_rows.div_ceil(warp_rows);
+        let kw = gemm_k_parts(tiles, ctas_n, k / 64, self.sms as usize);
+        args.kw = kw as i32;
+        // v2 only pays where all eight warps share the staged B (one part of K per CTA).
+        let v2 = match self.gemm {
+            GemmVariant::Auto => kw == 1,
+            GemmVariant::Fixed(v) => v == Variant::V2,
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (tiles.div_ceil(GEMM_WARPS / kw) as u32, ctas_n as u32, 1),
+            block_dim: ((GEMM_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: if v2 {
+                gemm_v2_smem(GEMM_NT[width], kw) as u32
+            } else {
+                0
+            },
+        };
+        let v = v2 as usize;
+        let f = match epilogue {
+            Epilogue::Store => &self.k.gemm_store[v][width],
+            Epilogue::Accumulate => &self.k.gemm_acc[v][width],
+            Epilogue::Swiglu => &self.k.gemm_swiglu[v][width],
+        };
+        launch!(self.gpu, f, cfg; args)
+    }
+
+    /// The tensor-core prefill attention for `head_dim` (16, 32, 64 or 128), unless
+    /// `DV2_ATTNP=simt` asks for the CUDA-core kernels.
+    fn attn_prefill_mma(&self, head_dim: usize) -> Option<&CudaFunction> {
+        if self.attnp_simt {
+            return None;
+        }
+        let i = [16, 32, 64, 128].iter().position(|&d| d == head_dim)?;
+        Some(&self.k.attn_prefill_mma[i])
+    }
+
+    /// Whether the prefill attention takes the model's shape (else prefill runs token by
+    /// token through the decode step).
+    pub fn attn_prefill_fits(&self, group: usize, head_dim: usize) -> bool {
+        self.attn_prefill_mma(head_dim).is_some()
+            || attn_prefill_tokens(group, head_dim, ATTNP_ROWS).is_some()
+    }
+
+    /// Tokens per CTA of the prefill attention: rows per CTA from `DV2_ATTNP_ROWS` (8 or
+    /// 32, default 8: more CTAs), raised to 32 when one token's q heads need it.
+    pub fn attn_prefill_tokens(&self, group: usize, head_dim: usize) -> Option<usize> {
+        let rows = match std::env::var("DV2_ATTNP_ROWS").as_deref() {
+            Ok("32") => 32,
+            _ => 8,
+        };
+        attn_prefill_tokens(group, head_dim, rows)
+            .or_else(|| attn_prefill_tokens(group, head_dim, ATTNP_ROWS))
+    }
+
+    /// Causal attention of a chunk of `args.n` tokens (q and k already rotated, the chunk's
+    /// K/V already in the cache); `args.qb` tokens per CTA from [`Self::attn_prefill_tokens`].
+    pub fn attn_prefill(&self, args: PrefillAttnArgs) -> Result<()> {
+        if let Some(f) = self.attn_prefill_mma(args.head_dim as usize) {
+            let rows = (args.n * args.n_q / args.n_kv) as u32;
+            let cfg = LaunchConfig {
+                grid_dim: (args.n_kv as u32, rows.div_ceil(ATTNM_ROWS as u32), 1),
+                block_dim: (ATTNM_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            return launch!(self.gpu, f, cfg; args);
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (
+                args.n_kv as u32,
+                (args.n as u32).div_ceil(args.qb as u32),
+                1,
+            ),
+            block_dim: (ATTNP_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // The kernel with the fewest rows per warp that holds the CTA's rows.
+        let rows = (args.qb * args.n_q / args.n_kv) as usize;
+        let f = &self.k.attn_prefill[(rows > 8) as usize];
+        launch!(self.gpu, f, cfg; args)
     }
 
     /// `y = W x`; with `accumulate`, `y += W x`. Skipped on the device while `*skip_if != 0`
@@ -245,6 +483,15 @@ impl Ops {
     ) -> Result<()> {
         let (rows_i, cols_i, acc, bias) = (rows as i32, cols as i32, accumulate as i32, 0u64);
         let (x, norm) = self.input(input, cols)?;
+        if self.linear == Linear::Mma {
+            let epilogue = if accumulate {
+                Epilogue::Accumulate
+            } else {
+                Epilogue::Store
+            };
+            let mats = [GemmMatrix { m, rows, bias: 0 }];
+            return self.gemm(epilogue, &mats, cols, x, 1, y, rows, skip_if);
+        }
         match self.gemv {
             Variant::V1 => {
                 let (kparts, cfg) = self.gemv_v1_launch(rows);
@@ -264,6 +511,14 @@ impl Ops {
         let rows = args.rows.iter().sum::<i32>() as usize;
         let cols_i = cols as i32;
         let (x, norm) = self.input(input, cols)?;
+        if self.linear == Linear::Mma {
+            let mats = [0, 1, 2].map(|i| GemmMatrix {
+                m: args.m[i],
+                rows: args.rows[i] as usize,
+                bias: args.bias[i],
+            });
+            return self.gemm(Epilogue::Store, &mats, cols, x, 1, out, rows, 0);
+        }
         match self.gemv {
             Variant::V1 => {
                 let (kparts, cfg) = self.gemv_v1_launch(rows);
@@ -291,6 +546,10 @@ impl Ops {
     ) -> Result<()> {
         let (rows_i, cols_i) = (rows as i32, cols as i32);
         let (x, norm) = self.input(input, cols)?;
+        if self.linear == Linear::Mma {
+            let mats = [gate, up].map(|m| GemmMatrix { m, rows, bias: 0 });
+            return self.gemm(Epilogue::Swiglu, &mats, cols, x, 1, out, rows, 0);
+        }
         match self.gemv {
             Variant::V1 => {
                 let (kparts, cfg) = self.gemv_v1_launch(rows);
@@ -355,6 +614,40 @@ impl Ops {
     }
 }
 
+/// The GEMM width for `n` columns: the index into [`GEMM_NT`] and the CTAs along n.
+fn gemm_width(n: usize) -> (usize, usize) {
+    let idx = GEMM_NT
+        .iter()
+        .position(|&nt| 8 * nt >= n)
+        .unwrap_or(GEMM_NT.len() - 1);
+    (idx, n.div_ceil(8 * GEMM_NT[idx]).max(1))
+}
+
+/// Dynamic shared memory of the v2 GEMM: B staged for `kw` parts of 8 `nt` columns, reused
+/// for the K-part reduction ((GEMM_WARPS / kw) row tiles x 8 nt x 32 floats).
+fn gemm_v2_smem(nt: usize, kw: usize) -> usize {
+    let staging = kw * 8 * nt * GEMM_B2_STRIDE * 4;
+    let reduction = if kw > 1 {
+        GEMM_WARPS / kw * 8 * nt * 32 * 4
+    } else {
+        0
+    };
+    staging.max(reduction)
+}
+
+/// Parts of K per CTA (1, 2, 4, 8): split K while the grid is under two CTAs per SM and
+/// each part keeps at least two 64-element blocks.
+fn gemm_k_parts(row_tiles: usize, ctas_n: usize, k_blocks: usize, sms: usize) -> usize {
+    let mut kw = 1;
+    while kw < GEMM_WARPS
+        && k_blocks / (2 * kw) >= 2
+        && row_tiles.div_ceil(GEMM_WARPS / kw) * ctas_n < 2 * sms
+    {
+        kw *= 2;
+    }
+    kw
+}
+
 /// GEMV v2 shape for K = cols: the fewest warps per row (1, 2, 4, 8) whose lanes need at most
 /// 3 chunks of 32 elements each (the register budget for x).
 pub fn gemv2_shape(cols: usize) -> Result<(usize, u32)> {
@@ -374,6 +667,29 @@ pub fn gemv2_shape(cols: usize) -> Result<(usize, u32)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gemm_shapes() {
+        assert_eq!(gemm_width(1), (0, 1));
+        assert_eq!(gemm_width(8), (0, 1));
+        assert_eq!(gemm_width(9), (1, 1));
+        assert_eq!(gemm_width(64), (2, 1));
+        assert_eq!(gemm_width(200), (2, 4));
+        // Qwen2.5-3B q/k/v at N = 64: 80 row tiles -> split K until the grid fills 132 SMs.
+        assert_eq!(gemm_k_parts(80, 1, 32, 132), 8);
+        // gate/up at N = 128: 688 tiles in 172 CTAs -> two K parts for 2.6 waves.
+        assert_eq!(gemm_k_parts(688, 2, 32, 132), 2);
+        assert_eq!(gemm_k_parts(2752, 1, 32, 132), 1);
+        // K of one block cannot be split.
+        assert_eq!(gemm_k_parts(1, 1, 1, 132), 1);
+        assert!(gemm_v2_smem(8, 8) <= super::super::kernels::GEMM_V2_MAX_SMEM);
+        assert_eq!(gemm_v2_smem(8, 2), 4 * 64 * 32 * 4);
+        assert_eq!(attn_prefill_tokens(8, 128, 32), Some(4));
+        assert_eq!(attn_prefill_tokens(8, 128, 8), Some(1));
+        assert_eq!(attn_prefill_tokens(16, 128, 8), None);
+        assert_eq!(attn_prefill_tokens(2, 256, 32), Some(8));
+        assert_eq!(attn_prefill_tokens(32, 256, 32), None);
+    }
 
     #[test]
     fn gemv2_shapes_cover_k_with_little_waste() {

@@ -2,14 +2,23 @@
 //! sequence of one step. Everything is allocated in `new`; a step allocates nothing, reads
 //! nothing back and never synchronises with the host. The step is captured once into a CUDA
 //! graph (`DV2_GRAPH=0`: eager launches, for comparison).
+//!
+//! A prompt goes through in chunks of up to `chunk` tokens: per layer an RMSNorm, the q/k/v
+//! GEMM, RoPE and the KV write, causal attention over the cached prefix and the chunk, the o
+//! GEMM with the residual, an RMSNorm, the gate/up GEMM with SwiGLU and the down GEMM with
+//! the residual (kernels/prefill.cu); logits only for the prompt's last token.
+//! `DV2_PREFILL=n1` feeds the prompt one token at a time through the decode step instead.
 
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaEvent, CudaGraph, CudaSlice, PushKernelArg};
+use cudarc::driver::{CudaEvent, CudaGraph, CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::budget::{self, kv_stride};
 use super::device::{driver_error, Gpu};
 use super::kernels::state;
-use super::ops::{attn_partials, one_cta, AttnArgs, Input, Norm, Ops, QkvArgs};
+use super::ops::{
+    attn_partials, one_cta, AttnArgs, Epilogue, GemmMatrix, Input, Norm, Ops, PrefillAttnArgs,
+    QkvArgs,
+};
 use super::weights::{self, DeviceModel};
 use crate::arch::ArchSpec;
 use crate::engine::Backend;
@@ -76,7 +85,14 @@ struct StepGraph(CudaGraph);
 // serialises every call on it, as the CUDA graph thread-safety rules require.
 unsafe impl Send for StepGraph {}
 
-/// Activations and logits, allocated once at load.
+/// Prompt tokens per prefill chunk when the options leave it open (`DV2_PREFILL_CHUNK`
+/// overrides it).
+pub const DEFAULT_PREFILL_CHUNK: usize = 64;
+/// The largest chunk the arena may be sized for.
+pub const MAX_PREFILL_CHUNK: usize = 512;
+
+/// Activations (token-major, one row per token of a prefill chunk; the decode step uses
+/// row 0) and logits, allocated once at load.
 struct Arena {
     x: CudaSlice<f32>,
     xn: CudaSlice<f32>,
@@ -105,23 +121,56 @@ pub struct CudaBackend {
     arena: Arena,
     /// One greedy step (forward + commit) captured at load; None runs it eagerly.
     graph: Option<StepGraph>,
+    /// Prompt tokens per prefill chunk; 0: one token at a time through the decode step.
+    chunk: usize,
+    /// Tokens per CTA of the prefill attention.
+    attn_tokens: usize,
+}
+
+/// The prefill chunk: `requested` (0: `DV2_PREFILL_CHUNK`, else the default) capped by
+/// max_seq; 0 (the token-at-a-time path) under `DV2_PREFILL=n1` or when no prefill attention
+/// kernel takes the model's shape.
+pub fn prefill_chunk(ops: &Ops, s: &ArchSpec, max_seq: usize, requested: usize) -> Result<usize> {
+    if std::env::var("DV2_PREFILL").as_deref() == Ok("n1")
+        || !ops.attn_prefill_fits(s.n_q_heads / s.n_kv_heads, s.head_dim)
+    {
+        return Ok(0);
+    }
+    let chunk = match requested {
+        0 => match std::env::var("DV2_PREFILL_CHUNK") {
+            Ok(v) => v
+                .parse::<usize>()
+                .map_err(|_| Error::InvalidArgument(format!("DV2_PREFILL_CHUNK={v}")))?,
+            Err(_) => DEFAULT_PREFILL_CHUNK,
+        },
+        n => n,
+    };
+    if !(1..=MAX_PREFILL_CHUNK).contains(&chunk) {
+        return Err(Error::InvalidArgument(format!(
+            "prefill chunk {chunk} (1 to {MAX_PREFILL_CHUNK})"
+        )));
+    }
+    Ok(chunk.min(max_seq))
 }
 
 impl CudaBackend {
     /// Uploads the model and allocates everything; with `graph`, runs one eager step as a
-    /// probe and captures the step into a CUDA graph.
+    /// probe and captures the step into a CUDA graph. `chunk`: see [`prefill_chunk`].
     pub fn new(
         host: &HostModel,
         max_seq: usize,
         eos: Option<u32>,
         device: usize,
         graph: bool,
+        chunk: usize,
     ) -> Result<Self> {
         let s = host.spec;
         let gpu = Gpu::open(device)?;
         let (free, total) = gpu.memory()?;
-        budget::estimate(host, max_seq).check(free, total)?;
         let mut ops = Ops::new(gpu)?;
+        let chunk = prefill_chunk(&ops, &s, max_seq, chunk)?;
+        let rows = chunk.max(1);
+        budget::estimate(host, max_seq, chunk).check(free, total)?;
         ops.fit(&s, max_seq)?;
         let gpu = &ops.gpu;
         let model = weights::upload(gpu, host)?;
@@ -131,11 +180,11 @@ impl CudaBackend {
         // and a kernel that read an unwritten slot would turn the logits into NaN.
         let poison = vec![KV_POISON; s.n_layers * kv_stride(max_seq) * s.kv_dim()];
         let arena = Arena {
-            x: gpu.zeros(s.hidden)?,
-            xn: gpu.zeros(s.hidden)?,
-            qkv: gpu.zeros(s.qkv_rows())?,
-            attn: gpu.zeros(s.hidden)?,
-            act: gpu.zeros(s.intermediate)?,
+            x: gpu.zeros(rows * s.hidden)?,
+            xn: gpu.zeros(rows * s.hidden)?,
+            qkv: gpu.zeros(rows * s.qkv_rows())?,
+            attn: gpu.zeros(rows * s.hidden)?,
+            act: gpu.zeros(rows * s.intermediate)?,
             logits: gpu.zeros(s.vocab)?,
             part_acc: gpu.zeros(s.n_q_heads * partials * s.head_dim)?,
             part_ml: gpu.zeros(s.n_q_heads * partials * 2)?,
@@ -154,6 +203,10 @@ impl CudaBackend {
             eos: eos.map_or(-1, |e| e as i32),
             model,
             graph: None,
+            chunk,
+            attn_tokens: ops
+                .attn_prefill_tokens(s.n_q_heads / s.n_kv_heads, s.head_dim)
+                .unwrap_or(1),
             ops,
         };
         backend.ops.gpu.sync()?;
@@ -327,6 +380,105 @@ impl CudaBackend {
         marks.totals()
     }
 
+    /// The uploaded prompt of `len` ids, one decode forward per token (`DV2_PREFILL=n1`).
+    fn prefill_by_steps(&self, len: usize) -> Result<()> {
+        let (state, prompt) = (self.ptr(&self.state), self.ptr(&self.arena.prompt));
+        for i in 0..len {
+            let i32_i = i as i32;
+            launch!(self.ops.gpu, &self.ops.k.load_token, one_cta(1); state, prompt, i32_i)?;
+            self.forward(i + 1 == len)?;
+            launch!(self.ops.gpu, &self.ops.k.advance, one_cta(1); state)?;
+        }
+        Ok(())
+    }
+
+    /// Prompt ids `start .. start + n` (uploaded) as one chunk at the state's position: every
+    /// layer's KV slots written; with `last`, the logits and next_token of its last token.
+    fn prefill_chunk(&self, start: usize, n: usize, last: bool) -> Result<()> {
+        let gpu = &self.ops.gpu;
+        let (s, a, ops) = (&self.spec, &self.arena, &self.ops);
+        let (x, xn, qkv, attn, act) = (
+            self.ptr(&a.x),
+            self.ptr(&a.xn),
+            self.ptr(&a.qkv),
+            self.ptr(&a.attn),
+            self.ptr(&a.act),
+        );
+        let state = self.ptr(&self.state);
+        let ids = self.ptr(&a.prompt) + 4 * start as u64;
+        let (hidden, vocab, n_i) = (s.hidden as i32, s.vocab as i32, n as i32);
+        let embed = self.model.embed.as_ref(gpu);
+        let rows = LaunchConfig {
+            grid_dim: (n as u32, 1, 1),
+            ..one_cta(256)
+        };
+        launch!(gpu, &ops.k.embed_rows, rows; ids, embed, x, hidden, vocab)?;
+        let layer_bytes = (2 * kv_stride(self.max_seq) * s.kv_dim()) as u64;
+        let matrix = |m: &super::weights::DeviceMatrix, bias: u64| GemmMatrix {
+            m: m.as_ref(gpu),
+            rows: m.rows,
+            bias,
+        };
+        for (l, layer) in self.model.layers.iter().enumerate() {
+            let (k_cache, v_cache) = (
+                self.ptr(&self.k_cache) + l as u64 * layer_bytes,
+                self.ptr(&self.v_cache) + l as u64 * layer_bytes,
+            );
+            ops.rms_rows(x, self.ptr(&layer.attn_norm), xn, s.hidden, s.rms_eps, n)?;
+            let qkv_mats = [0, 1, 2].map(|i| {
+                let bias = layer.qkv_bias[i].as_ref().map_or(0, |b| self.ptr(b));
+                matrix(&layer.qkv[i], bias)
+            });
+            let ld = s.qkv_rows();
+            ops.gemm(Epilogue::Store, &qkv_mats, s.hidden, xn, n, qkv, ld, 0)?;
+            let (cos, sin, ld_i) = (
+                self.ptr(&self.rope_cos),
+                self.ptr(&self.rope_sin),
+                ld as i32,
+            );
+            let (n_q, n_kv, hd) = (s.n_q_heads as i32, s.n_kv_heads as i32, s.head_dim as i32);
+            launch!(gpu, &ops.k.rope_kv_rows, rows; qkv, k_cache, v_cache, cos, sin, state, ld_i, n_q, n_kv, hd)?;
+            ops.attn_prefill(PrefillAttnArgs {
+                qkv,
+                k_cache,
+                v_cache,
+                state,
+                out: attn,
+                n: n_i,
+                ld: ld_i,
+                n_q,
+                n_kv,
+                head_dim: hd,
+                qb: self.attn_tokens as i32,
+                scale: 1.0 / (s.head_dim as f32).sqrt(),
+            })?;
+            let o = [matrix(&layer.o, 0)];
+            ops.gemm(Epilogue::Accumulate, &o, s.hidden, attn, n, x, s.hidden, 0)?;
+            ops.rms_rows(x, self.ptr(&layer.ffn_norm), xn, s.hidden, s.rms_eps, n)?;
+            let gate_up = [matrix(&layer.gate, 0), matrix(&layer.up, 0)];
+            let inter = s.intermediate;
+            ops.gemm(Epilogue::Swiglu, &gate_up, s.hidden, xn, n, act, inter, 0)?;
+            let down = [matrix(&layer.down, 0)];
+            ops.gemm(Epilogue::Accumulate, &down, inter, act, n, x, s.hidden, 0)?;
+        }
+        if last {
+            let x_last = x + ((n - 1) * s.hidden * 4) as u64;
+            let out = self.ptr(&a.logits);
+            let input = self.normed(x_last, &self.model.final_norm, xn);
+            ops.gemv(
+                self.model.lm_head().as_ref(gpu),
+                s.vocab,
+                s.hidden,
+                input,
+                out,
+                false,
+                0,
+            )?;
+            launch!(gpu, &ops.k.argmax_logits, one_cta(1024); out, vocab, state)?;
+        }
+        launch!(gpu, &ops.k.advance_by, one_cta(1); state, n_i)
+    }
+
     fn read_state(&self) -> Result<[i32; state::LEN]> {
         let v = self.ops.gpu.download(&self.state, state::LEN)?;
         Ok(v.try_into().expect("state length"))
@@ -373,12 +525,15 @@ impl Backend for CudaBackend {
             .stream
             .memcpy_htod(&ids, &mut self.arena.prompt.slice_mut(..ids.len()))
             .map_err(driver_error("prompt upload"))?;
-        let (state, prompt) = (self.ptr(&self.state), self.ptr(&self.arena.prompt));
-        for i in 0..ids.len() {
-            let i32_i = i as i32;
-            launch!(self.ops.gpu, &self.ops.k.load_token, one_cta(1); state, prompt, i32_i)?;
-            self.forward(i + 1 == ids.len())?;
-            launch!(self.ops.gpu, &self.ops.k.advance, one_cta(1); state)?;
+        let state = self.ptr(&self.state);
+        launch!(self.ops.gpu, &self.ops.k.begin_prefill, one_cta(1); state)?;
+        if self.chunk == 0 {
+            self.prefill_by_steps(ids.len())?;
+        } else {
+            for start in (0..ids.len()).step_by(self.chunk) {
+                let n = self.chunk.min(ids.len() - start);
+                self.prefill_chunk(start, n, start + n == ids.len())?;
+            }
         }
         let eos = self.eos;
         launch!(self.ops.gpu, &self.ops.k.finish_prefill, one_cta(1); state, eos)?;

@@ -7,22 +7,41 @@ use crate::error::Result;
 use crate::model::{internlm_wqkv_rows, HostModel, QkvWeights};
 use crate::nf4::Nf4Matrix;
 
-/// A matrix as the kernels take it (kernels/decode.cu `Nf4Ref`): two device addresses.
+/// A matrix as the kernels take it (kernels/decode.cu `Nf4Ref`): two device addresses and
+/// the tensor-core GEMM's scale.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Nf4Ref {
     pub packed: u64,
     pub absmax: u64,
+    /// See [`mma_scale`].
+    pub mma_scale: f32,
 }
 
-// SAFETY: plain old data, laid out as the kernels' struct of two pointers.
+// SAFETY: plain old data, laid out as the kernels' struct (two pointers, a float, padding).
 unsafe impl DeviceRepr for Nf4Ref {}
+
+/// The power of two the tensor-core GEMM multiplies a matrix's absmax by before rounding
+/// weights to f16: it brings the largest |weight| near 2^14, so weights keep f16's full
+/// precision (no subnormals) and never overflow; the GEMM divides it out of its sums.
+pub fn mma_scale(absmax: &[f32]) -> f32 {
+    let max = absmax
+        .iter()
+        .filter(|a| a.is_finite())
+        .fold(0f32, |m, a| m.max(a.abs()));
+    if max == 0.0 {
+        return 1.0;
+    }
+    let exp = (16384.0 / max).log2().floor().clamp(-120.0, 120.0) as i32;
+    2f32.powi(exp)
+}
 
 pub struct DeviceMatrix {
     pub rows: usize,
     pub cols: usize,
     packed: CudaSlice<u8>,
     absmax: CudaSlice<f32>,
+    mma_scale: f32,
 }
 
 impl DeviceMatrix {
@@ -32,6 +51,7 @@ impl DeviceMatrix {
             cols: m.cols,
             packed: gpu.upload(&m.packed)?,
             absmax: gpu.upload(&m.absmax)?,
+            mma_scale: mma_scale(&m.absmax),
         })
     }
 
@@ -39,6 +59,7 @@ impl DeviceMatrix {
         Nf4Ref {
             packed: gpu.ptr(&self.packed),
             absmax: gpu.ptr(&self.absmax),
+            mma_scale: self.mma_scale,
         }
     }
 }
@@ -112,4 +133,20 @@ pub fn upload(gpu: &Gpu, model: &HostModel) -> Result<DeviceModel> {
         final_norm: norm(gpu, &model.final_norm)?,
         lm_head: model.lm_head.as_ref().map(m).transpose()?,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::mma_scale;
+
+    #[test]
+    fn mma_scale_brings_the_largest_absmax_near_2_pow_14() {
+        for max in [1e-6f32, 0.013, 0.5, 1.0, 3.0, 700.0] {
+            let s = mma_scale(&[max / 4.0, -max, f32::NAN, max / 2.0]);
+            assert_eq!(s.log2().fract(), 0.0, "a power of two");
+            let top = max * s;
+            assert!((8192.0..=16384.0).contains(&top), "{max} * {s} = {top}");
+        }
+        assert_eq!(mma_scale(&[0.0, 0.0]), 1.0);
+    }
 }

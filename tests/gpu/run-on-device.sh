@@ -11,7 +11,7 @@ status=0
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
 
 bash .device/run-tests.sh --nocapture > "$out/tests.log" 2>&1 || status=1
-grep -E "^test |test result|SKIP|FAILED|panicked|max \|logit|oracle|built in|qwen25" "$out/tests.log" | grep -v "^test .* ok$" | tail -40
+grep -E "^test |test result|SKIP|FAILED|panicked|max \|logit|oracle|built in|qwen25|chunk" "$out/tests.log" | grep -v "^test .* ok$" | tail -50
 
 # The v1 kernels stay selectable (DV2_GEMV=v1, DV2_ATTN=v1): they must pass the gates too.
 DV2_GEMV=v1 DV2_ATTN=v1 .device/tests/cuda_gates --nocapture gates_match > "$out/tests-v1.log" 2>&1 \
@@ -19,6 +19,20 @@ DV2_GEMV=v1 DV2_ATTN=v1 .device/tests/cuda_gates --nocapture gates_match > "$out
 grep -E "max \|logit" "$out/tests-v1.log"
 DV2_FUSE_RMS=1 .device/tests/cuda_gates --nocapture gates_match > "$out/tests-fused-rms.log" 2>&1 \
   && echo "RMSNorm fused into GEMV, gates: ok" || { echo "RMSNorm fused into GEMV, gates: FAILED"; status=1; }
+# The decode step's linears through the tensor-core GEMM (DV2_LINEAR=mma), and the prompt
+# fed token by token through the decode step (DV2_PREFILL=n1).
+DV2_LINEAR=mma .device/tests/cuda_gates --nocapture gates_match > "$out/tests-linear-mma.log" 2>&1 \
+  && echo "DV2_LINEAR=mma, gates: ok" || { echo "DV2_LINEAR=mma, gates: FAILED"; status=1; }
+grep -E "max \|logit" "$out/tests-linear-mma.log"
+# The prefill kernel variants: CUDA-core attention, each GEMM kernel forced.
+for v in DV2_ATTNP=simt DV2_GEMM=v1 DV2_GEMM=v2; do
+  env $v .device/tests/cuda_gates --nocapture chunked > "$out/tests-prefill-${v#DV2_}.log" 2>&1 \
+    && echo "$v, chunked prefill: ok" || { echo "$v, chunked prefill: FAILED"; status=1; }
+  grep -E "chunk 32" "$out/tests-prefill-${v#DV2_}.log"
+done
+DV2_PREFILL=n1 .device/tests/cuda_gates --nocapture gates_match > "$out/tests-prefill-n1.log" 2>&1 \
+  && echo "DV2_PREFILL=n1, gates: ok" || { echo "DV2_PREFILL=n1, gates: FAILED"; status=1; }
+grep -E "max \|logit" "$out/tests-prefill-n1.log"
 
 cc -std=c99 -O2 -g -Wall -Iinclude examples_c/gates.c -L.device/lib -ldecodev2 -o /tmp/gates \
   && /tmp/gates --backend cuda > "$out/c-example.log" 2>&1 && echo "C example (cuda): ok" \

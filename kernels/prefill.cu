@@ -1,0 +1,717 @@
+// decodev2 chunked-prefill kernels: the NF4 x f16 tensor-core GEMM (also the decode step's
+// linears under DV2_LINEAR=mma), causal attention over a chunk, and the row-wise helpers.
+// Compiled in one unit after decode.cu, whose helpers (Nf4Ref, bf16 bits, warp sums) they use.
+//
+// Layouts: a chunk's activations are f32 [n tokens][width], token-major (row i of the
+// chunk is position pos0 + i, pos0 = state[POSITION] when the chunk starts). Shared constants
+// from the host: GEMM_WARPS, B2_STRIDE, ATTNM_WARPS, ATTNP_THREADS, ATTNP_ROWS, ATTNP_TILE, ATTNP_Q_FLOATS.
+#if !defined(GEMM_WARPS) || !defined(B2_STRIDE) || !defined(ATTNM_WARPS) || !defined(ATTNP_THREADS) || !defined(ATTNP_ROWS) || !defined(ATTNP_TILE) || \
+    !defined(ATTNP_Q_FLOATS)
+#error "the host passes the prefill constants as -D options (src/cuda/kernels.rs)"
+#endif
+#define GEMM_THREADS (GEMM_WARPS * 32)
+#define ATTNP_WARPS (ATTNP_THREADS / 32)
+
+// ---------------------------------------------------------------------------------------
+// NF4 GEMM on tensor cores: Y[n][r] (+)= sum_k W[r][k] X[n][k] for n < N columns (tokens).
+//
+// mma.sync m16n8k16, f16 inputs, f32 accumulation. A (weights) comes from global memory
+// straight into fragments, never through shared memory and never as a dequantized copy:
+// the k order inside each 64-element NF4 block is permuted (the same permutation on A and B
+// leaves the sum unchanged) so that a thread's fragments of one block are 8 contiguous bytes
+// of its row: thread (g = lane/4, t = lane%4) loads bytes 8t..8t+7 of the block for rows g
+// and g+8 of each m16 tile; in k-step s (0..3) byte 2s is its "pair t" and byte 2s+1 its
+// "pair t+4". B (activations, f32) is read at the matching elements 16t+4s..16t+4s+3 and
+// rounded to f16 pairs. Each weight is codebook(nibble) * absmax * mma_scale in f16, where
+// mma_scale is a per-matrix power of two that keeps the product in f16's normal range; the
+// epilogue divides it out. The residual stream and the outputs stay f32.
+//
+// A warp computes 32 rows x 8*NT columns (two m16 tiles; for SwiGLU the 16 gate rows and
+// the 16 up rows of the same outputs). The CTA's GEMM_WARPS warps are (GEMM_WARPS / kw) row
+// tiles x kw parts of K; the parts are summed through shared memory before the epilogue.
+
+struct GemmArgs {
+    Nf4Ref m[3];           // stacked matrices (q, k, v); SwiGLU: gate, up
+    const float* bias[3];  // per matrix, may be null
+    int rows[3];           // rows of each matrix (0 for unused)
+    const float* x;        // [n][k]
+    float* y;              // [n][ldy]
+    const int* skip_if;    // when not null and *skip_if != 0, do nothing
+    int n, k, ldy, kw;
+};
+
+enum { EPI_STORE = 0, EPI_ACCUMULATE = 1, EPI_SWIGLU = 2 };
+
+// f16 pair {lo, hi} (lo in the low half, the lower k index) from two floats.
+__device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
+    u32 r;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+
+__device__ __forceinline__ void mma_16816(float* c, const u32* a, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// The byte of a packed pair dequantized to an f16 pair (high nibble = even element = low
+// half), scaled by s2 (the row's absmax * scale, duplicated).
+__device__ __forceinline__ u32 dequant_pair(const u32* lut16, u32 byte, u32 s2) {
+    return hmul2(__byte_perm(lut16[(byte >> 4) & 15], lut16[byte & 15], 0x5410), s2);
+}
+
+// Row `r` of the stacked matrices: which matrix and which of its rows (r past the last:
+// valid = false and a harmless stand-in, row 0 of matrix 0, that is never stored).
+struct StackedRow {
+    int matrix, local;
+    bool valid;
+};
+
+__device__ __forceinline__ StackedRow stacked_row(const GemmArgs& a, int r) {
+    StackedRow s;
+    s.valid = r < a.rows[0] + a.rows[1] + a.rows[2];
+    s.matrix = !s.valid ? 0 : (r < a.rows[0] ? 0 : (r < a.rows[0] + a.rows[1] ? 1 : 2));
+    s.local = !s.valid ? 0 : r - (s.matrix == 0 ? 0 : (s.matrix == 1 ? a.rows[0] : a.rows[0] + a.rows[1]));
+    return s;
+}
+
+// The row a thread's fragments hold: row g + 8h of m16 tile i of warp tile `tile`. SwiGLU
+// tiles are tile 0 = gate rows, tile 1 = up rows of the same 16 outputs.
+template <int EPI>
+__device__ __forceinline__ StackedRow fragment_row(const GemmArgs& a, int tile, int i, int h, int g) {
+    if (EPI == EPI_SWIGLU) {
+        const int r = tile * 16 + g + 8 * h;
+        StackedRow s;
+        s.valid = r < a.rows[0];
+        s.matrix = i;
+        s.local = s.valid ? r : 0;
+        return s;
+    }
+    return stacked_row(a, tile * 32 + i * 16 + g + 8 * h);
+}
+
+// Constant indices only: a run-time index into the struct's arrays would copy it to local
+// memory.
+__device__ __forceinline__ Nf4Ref pick(const GemmArgs& a, int i) { return i == 0 ? a.m[0] : (i == 1 ? a.m[1] : a.m[2]); }
+__device__ __forceinline__ float pick_scale(const GemmArgs& a, int i) {
+    return i == 0 ? a.m[0].mma_scale : (i == 1 ? a.m[1].mma_scale : a.m[2].mma_scale);
+}
+__device__ __forceinline__ const float* pick_bias(const GemmArgs& a, int i) {
+    return i == 0 ? a.bias[0] : (i == 1 ? a.bias[1] : a.bias[2]);
+}
+
+// A warp's place in the GEMM and the rows its fragments hold.
+struct GemmWarp {
+    int lane, g, t, mw, kp, tile, col0;
+    const u8* wrow[2][2];  // packed bytes of row g + 8h of m16 tile i
+    const float* srow[2][2];
+    float scale[2][2];
+};
+
+template <int NT, int EPI>
+__device__ __forceinline__ GemmWarp gemm_warp(const GemmArgs& a) {
+    GemmWarp w;
+    const int warp = threadIdx.x >> 5;
+    w.lane = threadIdx.x & 31;
+    w.g = w.lane >> 2;
+    w.t = w.lane & 3;
+    const int row_tiles = GEMM_WARPS / a.kw;
+    w.mw = warp % row_tiles;
+    w.kp = warp / row_tiles;
+    w.tile = blockIdx.x * row_tiles + w.mw;
+    w.col0 = blockIdx.y * 8 * NT;
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const StackedRow r = fragment_row<EPI>(a, w.tile, i, h, w.g);
+            const Nf4Ref m = pick(a, r.matrix);
+            w.wrow[i][h] = m.packed + (size_t)r.local * (a.k >> 1);
+            w.srow[i][h] = m.absmax + (size_t)r.local * (a.k >> 6);
+            w.scale[i][h] = pick_scale(a, r.matrix);
+        }
+    return w;
+}
+
+__device__ __forceinline__ void load_codebook_f16(u32* lut16) {
+    if (threadIdx.x < 16) {
+        const float nf4[16] = {-1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,
+                               -0.28444138169288635f, -0.18477343022823334f, -0.09105003625154495f, 0.0f,
+                               0.07958029955625534f, 0.16093020141124725f, 0.24611230194568634f,
+                               0.33791524171829224f, 0.44070982933044434f, 0.5626170039176941f,
+                               0.7229568362236023f, 1.0f};
+        lut16[threadIdx.x] = pack_f16x2(nf4[threadIdx.x], 0.0f);
+    }
+}
+
+// A thread's weights of one 64-element block: 8 bytes of each of its four rows.
+struct ABlock {
+    uint2 w[2][2];
+    float s[2][2];
+};
+
+__device__ __forceinline__ void load_a_block(const GemmWarp& w, int kb, ABlock& b) {
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            b.w[i][h] = __ldg(reinterpret_cast<const uint2*>(w.wrow[i][h] + kb * 32 + 8 * w.t));
+            b.s[i][h] = __ldg(w.srow[i][h] + kb);
+        }
+}
+
+// The A fragments of k-step s (0..3) of a block, dequantized and scaled.
+__device__ __forceinline__ void a_fragments(const GemmWarp& w, const ABlock& b, const u32* lut16, int s,
+                                            u32 (&af)[2][4]) {
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const float sc = b.s[i][h] * w.scale[i][h];
+            const u32 s2 = pack_f16x2(sc, sc);
+            const u32 word = s < 2 ? b.w[i][h].x : b.w[i][h].y;
+            const int shift = (s & 1) * 16;
+            af[i][h] = dequant_pair(lut16, (word >> shift) & 0xff, s2);
+            af[i][2 + h] = dequant_pair(lut16, (word >> (shift + 8)) & 0xff, s2);
+        }
+}
+
+// Sums the K parts through shared memory (`red`: GEMM_WARPS/2 x 8NT x 32 floats), then the
+// epilogue on part 0's warps.
+template <int NT, int EPI>
+__device__ __forceinline__ void gemm_finish(const GemmArgs& a, const GemmWarp& w, float (&acc)[2][NT][4],
+                                            float* red) {
+    // Part p (p >= 1) hands its partials to part 0, one part per round.
+    for (int p = 1; p < a.kw; p++) {
+        if (w.kp == p) {
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+#pragma unroll
+                for (int j = 0; j < NT; j++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) red[(w.mw * 8 * NT + (i * NT + j) * 4 + e) * 32 + w.lane] = acc[i][j][e];
+        }
+        __syncthreads();
+        if (w.kp == 0) {
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+#pragma unroll
+                for (int j = 0; j < NT; j++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) acc[i][j][e] += red[(w.mw * 8 * NT + (i * NT + j) * 4 + e) * 32 + w.lane];
+        }
+        __syncthreads();
+    }
+    if (w.kp != 0) return;
+
+    // c[e]: row g + 8*(e/2) of the tile, column 2t + e%2 of the n8 tile.
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int h = e >> 1, n = w.col0 + 8 * j + 2 * w.t + (e & 1);
+            if (n >= a.n) continue;
+            if (EPI == EPI_SWIGLU) {
+                const StackedRow r = fragment_row<EPI>(a, w.tile, 0, h, w.g);
+                if (!r.valid) continue;
+                const float gs = acc[0][j][e] / a.m[0].mma_scale;
+                const float us = acc[1][j][e] / a.m[1].mma_scale;
+                a.y[(size_t)n * a.ldy + w.tile * 16 + w.g + 8 * h] = gs / (1.0f + expf(-gs)) * us;
+            } else {
+#pragma unroll
+                for (int i = 0; i < 2; i++) {
+                    const StackedRow r = fragment_row<EPI>(a, w.tile, i, h, w.g);
+                    if (!r.valid) continue;
+                    const float* bias = pick_bias(a, r.matrix);
+                    const float v = acc[i][j][e] / pick_scale(a, r.matrix) + (bias ? bias[r.local] : 0.0f);
+                    float* out = a.y + (size_t)n * a.ldy + w.tile * 32 + i * 16 + w.g + 8 * h;
+                    *out = EPI == EPI_ACCUMULATE ? *out + v : v;
+                }
+            }
+        }
+}
+
+// v1 (DV2_GEMM=v1): every warp reads its B fragments straight from global memory (f32,
+// through L1). Simple, but each warp re-reads B for its 32 rows, 16x the bytes of its A,
+// and each load touches 16 cache lines: L1 is the bottleneck (docs/lab.md).
+template <int NT, int EPI>
+__device__ __forceinline__ void gemm_v1_body(const GemmArgs& a) {
+    if (a.skip_if && *a.skip_if) return;
+    __shared__ u32 lut16[16];
+    __shared__ float red[GEMM_WARPS / 2 * 8 * NT * 32];
+    load_codebook_f16(lut16);
+    __syncthreads();
+    const GemmWarp w = gemm_warp<NT, EPI>(a);
+    const int kblocks = a.k >> 6;
+    const int kb0 = w.kp * kblocks / a.kw, kb1 = (w.kp + 1) * kblocks / a.kw;
+    const float* xcol[NT];
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+        const int n = w.col0 + 8 * j + w.g;
+        xcol[j] = n < a.n ? a.x + (size_t)n * a.k + 16 * w.t : nullptr;
+    }
+    float acc[2][NT][4] = {};
+    ABlock next;
+    if (kb0 < kb1) load_a_block(w, kb0, next);
+    for (int kb = kb0; kb < kb1; kb++) {
+        const ABlock cur = next;
+        if (kb + 1 < kb1) load_a_block(w, kb + 1, next);
+#pragma unroll
+        for (int s = 0; s < 4; s++) {
+            u32 af[2][4];
+            a_fragments(w, cur, lut16, s, af);
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                float4 xv = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                if (xcol[j]) xv = __ldg(reinterpret_cast<const float4*>(xcol[j] + kb * 64 + 4 * s));
+                const u32 b0 = pack_f16x2(xv.x, xv.y), b1 = pack_f16x2(xv.z, xv.w);
+#pragma unroll
+                for (int i = 0; i < 2; i++) mma_16816(acc[i][j], af[i], b0, b1);
+            }
+        }
+    }
+    gemm_finish<NT, EPI>(a, w, acc, red);
+}
+
+// v2 (chosen where a CTA takes all of K): the CTA stages B in shared memory once per
+// 64-element block, as f16, for all its warps (coalesced 16-byte loads, converted once), and
+// the warps read their B fragments from there: B moves once per CTA instead of once per
+// warp. A is loaded two blocks ahead. All parts of K step through their blocks together
+// (the same iteration count; a part past its end stages zeros and skips the MMAs). The
+// staging is synchronous (two barriers per block), which loses to v1 where K is split and
+// few warps share a part (docs/lab.md). Dynamic shared memory: max(kw x 8NT x B2_STRIDE
+// words, the K-part reduction).
+// B2_STRIDE (from the host): u32 words per staged column, 32 (64 f16) + 2 of padding, so
+// the fragment reads of a half-warp hit 32 distinct banks.
+
+template <int NT, int EPI>
+__device__ __forceinline__ void gemm_v2_body(const GemmArgs& a) {
+    if (a.skip_if && *a.skip_if) return;
+    extern __shared__ __align__(16) u32 dyn_smem[];
+    __shared__ u32 lut16[16];
+    load_codebook_f16(lut16);
+    const GemmWarp w = gemm_warp<NT, EPI>(a);
+    constexpr int COLS = 8 * NT;
+    const int kblocks = a.k >> 6, per = (kblocks + a.kw - 1) / a.kw;
+    const int kb0 = w.kp * per, kb1 = min(kb0 + per, kblocks);
+    const u32* bpart = dyn_smem + w.kp * COLS * B2_STRIDE;
+    float acc[2][NT][4] = {};
+    ABlock ring[2];
+    if (kb0 < kb1) load_a_block(w, kb0, ring[0]);
+    if (kb0 + 1 < kb1) load_a_block(w, kb0 + 1, ring[1]);
+    for (int it0 = 0; it0 < per; it0 += 2) {
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            const int it = it0 + u;
+            if (it >= per) break;
+            // Stage B of iteration `it` for every part.
+            __syncthreads();
+            for (int idx = threadIdx.x; idx < a.kw * COLS * 16; idx += GEMM_THREADS) {
+                const int p = idx / (COLS * 16), col = (idx / 16) % COLS, q = idx & 15;
+                const int kb = p * per + it, n = w.col0 + col;
+                float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                if (n < a.n && kb < min(p * per + per, kblocks))
+                    v = __ldg(reinterpret_cast<const float4*>(a.x + (size_t)n * a.k + kb * 64 + 4 * q));
+                uint2 packed;
+                packed.x = pack_f16x2(v.x, v.y);
+                packed.y = pack_f16x2(v.z, v.w);
+                *reinterpret_cast<uint2*>(dyn_smem + (p * COLS + col) * B2_STRIDE + 2 * q) = packed;
+            }
+            __syncthreads();
+            const int kb = kb0 + it;
+            if (kb >= kb1) continue;
+            const ABlock cur = ring[u];
+            if (kb + 2 < kb1) load_a_block(w, kb + 2, ring[u]);
+#pragma unroll
+            for (int s = 0; s < 4; s++) {
+                u32 af[2][4];
+                a_fragments(w, cur, lut16, s, af);
+#pragma unroll
+                for (int j = 0; j < NT; j++) {
+                    // Elements 16t+4s .. 16t+4s+3 of column 8j+g: the permuted k of the A side.
+                    const uint2 b = *reinterpret_cast<const uint2*>(bpart + (8 * j + w.g) * B2_STRIDE + 8 * w.t + 2 * s);
+#pragma unroll
+                    for (int i = 0; i < 2; i++) mma_16816(acc[i][j], af[i], b.x, b.y);
+                }
+            }
+        }
+    }
+    __syncthreads();  // the reduction reuses the staging buffer
+    gemm_finish<NT, EPI>(a, w, acc, reinterpret_cast<float*>(dyn_smem));
+}
+
+#define GEMM_KERNELS(name, NT, EPI)                                                                          \
+    extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) name##_v1(GemmArgs a) {                      \
+        gemm_v1_body<NT, EPI>(a);                                                                                \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) name##_v2(GemmArgs a) { gemm_v2_body<NT, EPI>(a); }
+GEMM_KERNELS(gemm_store_nt1, 1, EPI_STORE)
+GEMM_KERNELS(gemm_store_nt4, 4, EPI_STORE)
+GEMM_KERNELS(gemm_store_nt8, 8, EPI_STORE)
+GEMM_KERNELS(gemm_acc_nt1, 1, EPI_ACCUMULATE)
+GEMM_KERNELS(gemm_acc_nt4, 4, EPI_ACCUMULATE)
+GEMM_KERNELS(gemm_acc_nt8, 8, EPI_ACCUMULATE)
+GEMM_KERNELS(gemm_swiglu_nt1, 1, EPI_SWIGLU)
+GEMM_KERNELS(gemm_swiglu_nt4, 4, EPI_SWIGLU)
+GEMM_KERNELS(gemm_swiglu_nt8, 8, EPI_SWIGLU)
+
+// ---------------------------------------------------------------------------------------
+// Row-wise helpers of a chunk.
+
+// x[i] = dequantized embedding row of ids[i], one CTA per token.
+extern "C" __global__ void embed_rows(const int* __restrict__ ids, Nf4Ref embed, float* x, int hidden,
+                                      int vocab) {
+    int token = ids[blockIdx.x];
+    if (token < 0 || token >= vocab) token = 0;  // the engine never lets this happen
+    const u8* row = embed.packed + (size_t)token * (hidden >> 1);
+    const float* scales = embed.absmax + (size_t)token * (hidden >> 6);
+    float* out = x + (size_t)blockIdx.x * hidden;
+    __shared__ float lut[16];
+    load_codebook(lut);
+    __syncthreads();
+    for (int i = threadIdx.x; i < (hidden >> 1); i += blockDim.x) {
+        const u8 b = row[i];
+        const float s = scales[i >> 5];
+        out[2 * i] = lut[b >> 4] * s;
+        out[2 * i + 1] = lut[b & 15] * s;
+    }
+}
+
+// RoPE on q and k of token i (position pos0 + i) in place, then k and v into the KV cache
+// as bf16 at that slot: the same arithmetic as attn2_decode's, so both paths store the same
+// bits. One CTA per token.
+extern "C" __global__ void rope_kv_rows(float* qkv, u16* k_cache, u16* v_cache, const float* __restrict__ rope_cos,
+                                        const float* __restrict__ rope_sin, const int* __restrict__ state, int ld,
+                                        int n_q, int n_kv, int head_dim) {
+    const int i = blockIdx.x, pos = state[STATE_POSITION] + i, half = head_dim >> 1;
+    float* row = qkv + (size_t)i * ld;
+    const float* cos_p = rope_cos + (size_t)pos * half;
+    const float* sin_p = rope_sin + (size_t)pos * half;
+    for (int idx = threadIdx.x; idx < (n_q + n_kv) * half; idx += blockDim.x) {
+        const int h = idx / half, j = idx % half;
+        float* src = row + h * head_dim;
+        const float c = cos_p[j], s = sin_p[j], x1 = src[j], x2 = src[j + half];
+        src[j] = x1 * c - x2 * s;
+        src[j + half] = x2 * c + x1 * s;
+    }
+    __syncthreads();
+    const int kv_dim = n_kv * head_dim;
+    const size_t slot = (size_t)pos * kv_dim;
+    for (int d = threadIdx.x; d < kv_dim; d += blockDim.x) {
+        k_cache[slot + d] = f32_to_bf16(row[n_q * head_dim + d]);
+        v_cache[slot + d] = f32_to_bf16(row[n_q * head_dim + kv_dim + d]);
+    }
+}
+
+// Before a prompt: a prefill computes its logits even after a finished request.
+extern "C" __global__ void begin_prefill(int* state) { state[STATE_FINISHED] = 0; }
+
+// After a chunk of n tokens: its slots are written, move on.
+extern "C" __global__ void advance_by(int* state, int n) {
+    state[STATE_POSITION] += n;
+    state[STATE_VALID_LEN] = state[STATE_POSITION];
+}
+
+// ---------------------------------------------------------------------------------------
+// Causal attention of a chunk. One CTA per (KV head, qb consecutive tokens): its rows are the
+// qb x group (token, q head) pairs, at most 4R (R per warp; R = 2 or 8, ATTNP_ROWS = 32 at most), each
+// with its online-softmax state in registers. The CTA walks the KV slots 0 .. (its last
+// position) in tiles of ATTNP_TILE, staged in shared memory once for all its rows; a row
+// stops at its own position. Scores: a lane per slot; weighted sum: a lane per pair of dims.
+// K rows are stored rotated by their slot index, so the lanes of a score step hit distinct
+// banks without padding.
+
+struct PrefillAttnArgs {
+    const float* qkv;  // [n][ld]: rotated q | rotated k | v of each token
+    const u16* k_cache;
+    const u16* v_cache;
+    const int* state;
+    float* out;  // [n][n_q * head_dim]
+    int n, ld, n_q, n_kv, head_dim, qb;
+    float scale;
+};
+
+template <int R>
+__device__ __forceinline__ void attn_prefill_body(const PrefillAttnArgs& a) {
+    const int kvh = blockIdx.x, hd = a.head_dim, half = hd >> 1, group = a.n_q / a.n_kv;
+    const int tok0 = blockIdx.y * a.qb, ntok = min(a.qb, a.n - tok0), rows = ntok * group;
+    const int pos0 = a.state[STATE_POSITION];
+    const int last = pos0 + tok0 + ntok - 1;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const size_t slot_stride = (size_t)a.n_kv * hd;
+
+    __shared__ float q_s[ATTNP_Q_FLOATS];
+    __shared__ u32 k_s[ATTNP_TILE * MAX_HEAD_DIM / 2], v_s[ATTNP_TILE * MAX_HEAD_DIM / 2];
+    for (int idx = threadIdx.x; idx < rows * hd; idx += blockDim.x) {
+        const int rr = idx / hd, d = idx % hd, ti = rr / group, h = kvh * group + rr % group;
+        q_s[idx] = a.qkv[(size_t)(tok0 + ti) * a.ld + h * hd + d] * a.scale;
+    }
+
+    constexpr int P = MAX_HEAD_DIM / 64;  // pairs of dims per lane
+    float m[R], l[R], acc[R][2 * P];
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        m[r] = NEG_INF;
+        l[r] = 0.0f;
+#pragma unroll
+        for (int e = 0; e < 2 * P; e++) acc[r][e] = 0.0f;
+    }
+
+    for (int t0 = 0; t0 <= last; t0 += ATTNP_TILE) {
+        const int n_t = min(ATTNP_TILE, last + 1 - t0);
+        __syncthreads();  // the previous tile is no longer read
+        for (int idx = threadIdx.x; idx < n_t * half; idx += blockDim.x) {
+            const int t = idx / half, w = idx % half;
+            const size_t off = (size_t)(t0 + t) * slot_stride + kvh * hd + 2 * w;
+            const u32 kw = *reinterpret_cast<const u32*>(a.k_cache + off);  // off is even
+            const u32 vw = *reinterpret_cast<const u32*>(a.v_cache + off);
+            int p = w + t;
+            p = p % half;
+            k_s[t * half + p] = kw;
+            v_s[t * half + w] = vw;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            const int rr = warp + ATTNP_WARPS * r;
+            if (rr >= rows) continue;
+            const int qpos = pos0 + tok0 + rr / group;
+            if (t0 > qpos) continue;
+            const int t = t0 + lane;
+            float score = NEG_INF;
+            if (lane < n_t && t <= qpos) {
+                const float* q = q_s + rr * hd;
+                const u32* krow = k_s + lane * half;
+                float s0 = 0.0f, s1 = 0.0f;
+                int p = lane % half;
+                for (int w = 0; w < half; w++) {
+                    const u32 pair = krow[p];
+                    s0 = fmaf(q[2 * w], bf16_to_f32((u16)(pair & 0xffffu)), s0);
+                    s1 = fmaf(q[2 * w + 1], bf16_to_f32((u16)(pair >> 16)), s1);
+                    p = p + 1 == half ? 0 : p + 1;
+                }
+                score = s0 + s1;
+            }
+            const float m_new = fmaxf(m[r], warp_max(score));
+            const float corr = expf(m[r] - m_new);
+            const float p = score == NEG_INF ? 0.0f : expf(score - m_new);
+            l[r] = l[r] * corr + warp_sum(p);
+#pragma unroll
+            for (int e = 0; e < 2 * P; e++) acc[r][e] *= corr;
+            const int n_use = min(n_t, qpos - t0 + 1);
+            for (int tt = 0; tt < n_use; tt++) {
+                const float pt = __shfl_sync(0xffffffffu, p, tt);
+#pragma unroll
+                for (int e = 0; e < P; e++) {
+                    const int w = e * 32 + lane;
+                    if (w < half) {
+                        const u32 pair = v_s[tt * half + w];
+                        acc[r][2 * e] = fmaf(pt, bf16_to_f32((u16)(pair & 0xffffu)), acc[r][2 * e]);
+                        acc[r][2 * e + 1] = fmaf(pt, bf16_to_f32((u16)(pair >> 16)), acc[r][2 * e + 1]);
+                    }
+                }
+            }
+            m[r] = m_new;
+        }
+    }
+
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        const int rr = warp + ATTNP_WARPS * r;
+        if (rr >= rows) continue;
+        const int ti = rr / group, h = kvh * group + rr % group;
+        float* out = a.out + (size_t)(tok0 + ti) * a.n_q * hd + h * hd;
+        const float inv = 1.0f / l[r];
+#pragma unroll
+        for (int e = 0; e < P; e++) {
+            const int w = e * 32 + lane;
+            if (w < half) {
+                out[2 * w] = acc[r][2 * e] * inv;
+                out[2 * w + 1] = acc[r][2 * e + 1] * inv;
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(ATTNP_THREADS) attn_prefill_r2(PrefillAttnArgs a) { attn_prefill_body<2>(a); }
+extern "C" __global__ void __launch_bounds__(ATTNP_THREADS) attn_prefill_r8(PrefillAttnArgs a) { attn_prefill_body<8>(a); }
+
+// ---------------------------------------------------------------------------------------
+// Causal attention of a chunk on tensor cores (default where head_dim <= 128; DV2_ATTNP=simt
+// selects the kernels above). One CTA per (KV head, 64 rows), rows = (token, q head of the
+// group) pairs in token-major order, 16 per warp. Per tile of ATTNP_TILE slots, staged in
+// shared memory as f16 (K row-major, V transposed): S = Q K^T by mma.sync m16n8k16, the
+// causal mask, online softmax on the S fragments, and O += P V with P taken straight from
+// the S fragments (the C layout of one MMA is the A layout of the next). Q (rotated,
+// scaled), K, V and P enter as f16, sums stay f32.
+
+#define ATTNM_ROWS (16 * ATTNM_WARPS)
+
+template <int HD>
+__device__ __forceinline__ void attn_prefill_mma_body(const PrefillAttnArgs& a) {
+    constexpr int KS = HD / 16;          // k-steps of S = Q K^T
+    constexpr int DT = HD / 8;           // n8 tiles of O
+    constexpr int K_STRIDE = HD / 2 + 4; // u32 words per staged key (f16 pairs + padding)
+    constexpr int V_STRIDE = ATTNP_TILE / 2 + 4;  // u32 words per staged dim of V^T
+    static_assert(ATTNP_TILE == 32, "the S tile is 4 n8 tiles");
+    __shared__ u32 k_s[ATTNP_TILE * K_STRIDE];
+    __shared__ u32 vt_s[HD * V_STRIDE];
+    u16* vt16 = reinterpret_cast<u16*>(vt_s);
+
+    const int kvh = blockIdx.x, group = a.n_q / a.n_kv, rows_total = a.n * group;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int pos0 = a.state[STATE_POSITION];
+    const int row0 = blockIdx.y * ATTNM_ROWS;
+    const int last_row = min(row0 + ATTNM_ROWS, rows_total) - 1;
+    const int last = pos0 + last_row / group;  // the CTA's last slot
+    const size_t slot_stride = (size_t)a.n_kv * HD;
+
+    // This thread's two rows (g, g + 8 of the warp's 16): positions; padding rows attend
+    // to slot 0 only (finite, never stored).
+    int qpos[2];
+    u32 qf[KS][4];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int rr = row0 + warp * 16 + g + 8 * h;
+        const bool valid = rr < rows_total;
+        qpos[h] = valid ? pos0 + rr / group : 0;
+        const float* q = a.qkv + (size_t)(valid ? rr / group : 0) * a.ld + (kvh * group + (valid ? rr % group : 0)) * HD;
+#pragma unroll
+        for (int ks = 0; ks < KS; ks++) {
+            const float2 lo = *reinterpret_cast<const float2*>(q + 16 * ks + 2 * t);
+            const float2 hi = *reinterpret_cast<const float2*>(q + 16 * ks + 2 * t + 8);
+            const float sc = valid ? a.scale : 0.0f;
+            qf[ks][h] = pack_f16x2(lo.x * sc, lo.y * sc);
+            qf[ks][2 + h] = pack_f16x2(hi.x * sc, hi.y * sc);
+        }
+    }
+    const int warp_last = max(qpos[0], qpos[1]);  // the lanes' maximum, below
+    int wl = warp_last;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) wl = max(wl, __shfl_xor_sync(0xffffffffu, wl, o));
+
+    float o_acc[DT][4];
+#pragma unroll
+    for (int d = 0; d < DT; d++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) o_acc[d][e] = 0.0f;
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+
+    for (int t0 = 0; t0 <= last; t0 += ATTNP_TILE) {
+        const int n_t = min(ATTNP_TILE, last + 1 - t0);
+        __syncthreads();  // the previous tile is no longer read
+        // Stage K (f16 pairs, row-major) and V^T (f16): bf16 pairs converted; slots past
+        // n_t are zeros (masked anyway).
+        for (int idx = threadIdx.x; idx < ATTNP_TILE * (HD / 2); idx += blockDim.x) {
+            const int key = idx / (HD / 2), w = idx % (HD / 2);
+            u32 kw = 0, vw = 0;
+            if (key < n_t) {
+                const size_t off = (size_t)(t0 + key) * slot_stride + kvh * HD + 2 * w;
+                kw = *reinterpret_cast<const u32*>(a.k_cache + off);
+                vw = *reinterpret_cast<const u32*>(a.v_cache + off);
+            }
+            k_s[key * K_STRIDE + w] = pack_f16x2(bf16_to_f32((u16)(kw & 0xffffu)), bf16_to_f32((u16)(kw >> 16)));
+            const u32 v2 = pack_f16x2(bf16_to_f32((u16)(vw & 0xffffu)), bf16_to_f32((u16)(vw >> 16)));
+            vt16[(2 * w) * (2 * V_STRIDE) + key] = (u16)(v2 & 0xffffu);
+            vt16[(2 * w + 1) * (2 * V_STRIDE) + key] = (u16)(v2 >> 16);
+        }
+        __syncthreads();
+        if (t0 > wl) continue;  // every row of this warp is before the tile
+
+        // S = Q K^T: 16 rows x 32 slots.
+        float s[4][4];
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) s[nt][e] = 0.0f;
+#pragma unroll
+            for (int ks = 0; ks < KS; ks++) {
+                const u32* kr = k_s + (8 * nt + g) * K_STRIDE + 8 * ks + t;
+                mma_16816(s[nt], qf[ks], kr[0], kr[4]);
+            }
+        }
+        // Mask, row maxima (the 4 lanes of a quad share a row), online softmax.
+        float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int h = e >> 1, key = t0 + 8 * nt + 2 * t + (e & 1);
+                if (key > qpos[h]) s[nt][e] = NEG_INF;
+                mx[h] = fmaxf(mx[h], s[nt][e]);
+            }
+        float corr[2], sum[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+            const float m_new = fmaxf(m[h], mx[h]);
+            corr[h] = m[h] == NEG_INF ? 0.0f : expf(m[h] - m_new);
+            m[h] = m_new;
+        }
+        u32 pf[2][4];  // P as the A fragments of the two 16-slot k-steps
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++) {
+            float p[4];
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int h = e >> 1;
+                p[e] = s[nt][e] == NEG_INF ? 0.0f : expf(s[nt][e] - m[h]);
+                sum[h] += p[e];
+            }
+            pf[nt >> 1][(nt & 1) * 2 + 0] = pack_f16x2(p[0], p[1]);
+            pf[nt >> 1][(nt & 1) * 2 + 1] = pack_f16x2(p[2], p[3]);
+        }
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 1);
+            sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 2);
+            l[h] = l[h] * corr[h] + sum[h];
+        }
+#pragma unroll
+        for (int d = 0; d < DT; d++) {
+            o_acc[d][0] *= corr[0];
+            o_acc[d][1] *= corr[0];
+            o_acc[d][2] *= corr[1];
+            o_acc[d][3] *= corr[1];
+        }
+        // O += P V: k = slots (two k-steps of 16), n = dims.
+#pragma unroll
+        for (int kk = 0; kk < 2; kk++)
+#pragma unroll
+            for (int d = 0; d < DT; d++) {
+                const u32* vr = vt_s + (8 * d + g) * V_STRIDE + 8 * kk + t;
+                mma_16816(o_acc[d], pf[kk], vr[0], vr[4]);
+            }
+    }
+
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int rr = row0 + warp * 16 + g + 8 * h;
+        if (rr >= rows_total) continue;
+        float* out = a.out + (size_t)(rr / group) * a.n_q * HD + (kvh * group + rr % group) * HD;
+        const float inv = 1.0f / l[h];
+#pragma unroll
+        for (int d = 0; d < DT; d++) {
+            out[8 * d + 2 * t] = o_acc[d][2 * h] * inv;
+            out[8 * d + 2 * t + 1] = o_acc[d][2 * h + 1] * inv;
+        }
+    }
+}
+
+#define ATTNM_KERNEL(HD) \
+    extern "C" __global__ void __launch_bounds__(32 * ATTNM_WARPS) attn_prefill_mma_hd##HD(PrefillAttnArgs a) { \
+        attn_prefill_mma_body<HD>(a);                                                                    \
+    }
+ATTNM_KERNEL(16)
+ATTNM_KERNEL(32)
+ATTNM_KERNEL(64)
+ATTNM_KERNEL(128)
