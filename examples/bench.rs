@@ -2,7 +2,7 @@
 //! (graph vs eager) on the synthetic presets and the Qwen2.5-3B shape.
 //!
 //!     cargo run --release --example bench -- [--json PATH] [--skip-kernels] [--skip-3b]
-//!                                               [--prefill-only]
+//!                                               [--prefill-only] [--skip-gemm]
 //!
 //! Prints tables and writes every number to the JSON file (default bench.json).
 
@@ -128,7 +128,7 @@ fn time_prefill(
 /// Prefill on the Qwen2.5-3B shape: the GEMM's TFLOP/s by width (v2, and v1 for the
 /// ratio), time to first token for a 48-token prompt and throughput for a 2,048-token
 /// prompt by chunk size, and the kernel ablations at chunk 256.
-fn prefill_tables(qwen: &HostModel, json: &mut String) {
+fn prefill_tables(qwen: &HostModel, json: &mut String, skip_gemm: bool) {
     let s = &qwen.spec;
     println!("\nNF4 tensor-core GEMM (plain store, rotated weights), TFLOP/s by columns N:");
     println!(
@@ -143,6 +143,9 @@ fn prefill_tables(qwen: &HostModel, json: &mut String) {
         ("down", s.hidden, s.intermediate),
     ];
     for variant in ["v2", "v1"] {
+        if skip_gemm {
+            break;
+        }
         std::env::set_var("DV2_GEMM", variant);
         let bench = Bench::new(0).expect("CUDA device");
         for (name, rows, k) in shapes {
@@ -178,14 +181,10 @@ fn prefill_tables(qwen: &HostModel, json: &mut String) {
         ("default", &[], 128),
         ("default", &[], 256),
         ("default", &[], 512),
-        ("DV2_GEMM=v1", &[("DV2_GEMM", "v1")], 256),
-        ("DV2_GEMM=v2", &[("DV2_GEMM", "v2")], 256),
-        ("DV2_ATTNP=simt", &[("DV2_ATTNP", "simt")], 256),
-        (
-            "DV2_ATTNP=simt, ROWS=32",
-            &[("DV2_ATTNP", "simt"), ("DV2_ATTNP_ROWS", "32")],
-            256,
-        ),
+        ("default", &[], 1024),
+        ("DV2_GEMM=v1", &[("DV2_GEMM", "v1")], 512),
+        ("DV2_GEMM=v2", &[("DV2_GEMM", "v2")], 512),
+        ("DV2_ATTNP=simt", &[("DV2_ATTNP", "simt")], 512),
     ];
     for (label, env, chunk) in runs {
         env.iter().for_each(|(k, v)| std::env::set_var(k, v));
@@ -322,7 +321,7 @@ fn main() {
 
     if flag("--prefill-only") {
         let qwen = synth::build(&QWEN25_3B, 0).unwrap();
-        prefill_tables(&qwen, &mut json);
+        prefill_tables(&qwen, &mut json, flag("--skip-gemm"));
         json = json.trim_end_matches(",\n").to_string() + "\n}\n";
         std::fs::write(&json_path, json).unwrap();
         println!("\nwrote {json_path}");
@@ -375,7 +374,7 @@ fn main() {
         ));
         std::env::remove_var("DV2_LINEAR");
         split = stage_split(&qwen, 2048, 48);
-        prefill_tables(&qwen, &mut json);
+        prefill_tables(&qwen, &mut json, flag("--skip-gemm"));
     }
     println!("\ndecode (ignore EOS; median of runs; first decode step excluded):");
     println!(

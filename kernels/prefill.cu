@@ -281,16 +281,23 @@ __device__ __forceinline__ void gemm_v1_body(const GemmArgs& a) {
     gemm_finish<NT, EPI>(a, w, acc, red);
 }
 
-// v2 (chosen where a CTA takes all of K): the CTA stages B in shared memory once per
-// 64-element block, as f16, for all its warps (coalesced 16-byte loads, converted once), and
-// the warps read their B fragments from there: B moves once per CTA instead of once per
-// warp. A is loaded two blocks ahead. All parts of K step through their blocks together
-// (the same iteration count; a part past its end stages zeros and skips the MMAs). The
-// staging is synchronous (two barriers per block), which loses to v1 where K is split and
-// few warps share a part (docs/lab.md). Dynamic shared memory: max(kw x 8NT x B2_STRIDE
-// words, the K-part reduction).
-// B2_STRIDE (from the host): u32 words per staged column, 32 (64 f16) + 2 of padding, so
-// the fragment reads of a half-warp hit 32 distinct banks.
+// v2: the CTA stages B in shared memory for all its warps, so B moves once per CTA instead
+// of once per warp, with cp.async (no registers, zero-filled past n) two blocks deep: the
+// next block's B is in flight while this one's MMAs run. Staged as f32, [kw parts][8NT
+// columns][B2_STRIDE words]; a warp reads its fragment (elements 16t+4s .. +3 of a column)
+// as one 16-byte load and rounds it to f16 there. Chunk c (4 floats) of a column sits at
+// chunk c ^ ((c >> 3 & 1) << 1), and columns are B2_STRIDE = 68 words apart: the eight
+// lanes of each 16-byte load phase then hit distinct banks. A is loaded two blocks ahead.
+// All parts of K step through their blocks together (one iteration count; a part past its
+// end stages zeros and skips the MMAs). Dynamic shared memory: 2 x kw x 8NT x B2_STRIDE
+// words (kw <= 4), reused for the K-part reduction.
+
+__device__ __forceinline__ int b2_chunk(int c) { return c ^ (((c >> 3) & 1) << 1); }
+
+__device__ __forceinline__ void cp_async16(u32* dst, const void* src, bool valid) {
+    const unsigned saddr = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(saddr), "l"(src), "r"(valid ? 16 : 0));
+}
 
 template <int NT, int EPI>
 __device__ __forceinline__ void gemm_v2_body(const GemmArgs& a) {
@@ -302,49 +309,64 @@ __device__ __forceinline__ void gemm_v2_body(const GemmArgs& a) {
     constexpr int COLS = 8 * NT;
     const int kblocks = a.k >> 6, per = (kblocks + a.kw - 1) / a.kw;
     const int kb0 = w.kp * per, kb1 = min(kb0 + per, kblocks);
-    const u32* bpart = dyn_smem + w.kp * COLS * B2_STRIDE;
+    const int stage_words = a.kw * COLS * B2_STRIDE;
+
+    // Issues the copies of iteration `it`'s B (every part) into buffer `it & 1`.
+    // (Scalars captured by value: a captured reference moves its struct to local memory.)
+    const int col0 = w.col0, kw = a.kw, n_cols = a.n, k = a.k;
+    const float* x = a.x;
+    auto stage = [=](int it) {
+        u32* buf = dyn_smem + (it & 1) * stage_words;
+        for (int idx = threadIdx.x; idx < kw * COLS * 16; idx += GEMM_THREADS) {
+            const int p = idx / (COLS * 16), col = (idx / 16) % COLS, c = idx & 15;
+            const int kb = p * per + it, n = col0 + col;
+            const bool valid = n < n_cols && kb < min(p * per + per, kblocks);
+            const float* src = valid ? x + (size_t)n * k + kb * 64 + 4 * c : x;
+            cp_async16(buf + (p * COLS + col) * B2_STRIDE + 4 * b2_chunk(c), src, valid);
+        }
+        asm volatile("cp.async.commit_group;");
+    };
+
     float acc[2][NT][4] = {};
-    ABlock ring[2];
-    if (kb0 < kb1) load_a_block(w, kb0, ring[0]);
-    if (kb0 + 1 < kb1) load_a_block(w, kb0 + 1, ring[1]);
+    ABlock ring0, ring1;  // blocks kb and kb + 1 (two names: an array indexed by u went to the stack)
+    if (kb0 < kb1) load_a_block(w, kb0, ring0);
+    if (kb0 + 1 < kb1) load_a_block(w, kb0 + 1, ring1);
+    stage(0);
     for (int it0 = 0; it0 < per; it0 += 2) {
 #pragma unroll
         for (int u = 0; u < 2; u++) {
             const int it = it0 + u;
-            if (it >= per) break;
-            // Stage B of iteration `it` for every part.
-            __syncthreads();
-            for (int idx = threadIdx.x; idx < a.kw * COLS * 16; idx += GEMM_THREADS) {
-                const int p = idx / (COLS * 16), col = (idx / 16) % COLS, q = idx & 15;
-                const int kb = p * per + it, n = w.col0 + col;
-                float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                if (n < a.n && kb < min(p * per + per, kblocks))
-                    v = __ldg(reinterpret_cast<const float4*>(a.x + (size_t)n * a.k + kb * 64 + 4 * q));
-                uint2 packed;
-                packed.x = pack_f16x2(v.x, v.y);
-                packed.y = pack_f16x2(v.z, v.w);
-                *reinterpret_cast<uint2*>(dyn_smem + (p * COLS + col) * B2_STRIDE + 2 * q) = packed;
+            if (it >= per) continue;  // (not break: a constant u keeps the ring in registers)
+            if (it + 1 < per) {
+                stage(it + 1);
+                asm volatile("cp.async.wait_group 1;");
+            } else {
+                asm volatile("cp.async.wait_group 0;");
             }
-            __syncthreads();
+            __syncthreads();  // iteration it's B is visible to every warp
             const int kb = kb0 + it;
-            if (kb >= kb1) continue;
-            const ABlock cur = ring[u];
-            if (kb + 2 < kb1) load_a_block(w, kb + 2, ring[u]);
+            if (kb < kb1) {
+                const u32* bpart = dyn_smem + (it & 1) * stage_words + w.kp * COLS * B2_STRIDE;
+                ABlock& slot = u == 0 ? ring0 : ring1;
+                const ABlock cur = slot;
+                if (kb + 2 < kb1) load_a_block(w, kb + 2, slot);
 #pragma unroll
-            for (int s = 0; s < 4; s++) {
-                u32 af[2][4];
-                a_fragments(w, cur, lut16, s, af);
+                for (int s = 0; s < 4; s++) {
+                    u32 af[2][4];
+                    a_fragments(w, cur, lut16, s, af);
 #pragma unroll
-                for (int j = 0; j < NT; j++) {
-                    // Elements 16t+4s .. 16t+4s+3 of column 8j+g: the permuted k of the A side.
-                    const uint2 b = *reinterpret_cast<const uint2*>(bpart + (8 * j + w.g) * B2_STRIDE + 8 * w.t + 2 * s);
+                    for (int j = 0; j < NT; j++) {
+                        const float4 xv = *reinterpret_cast<const float4*>(
+                            bpart + (8 * j + w.g) * B2_STRIDE + 4 * b2_chunk(4 * w.t + s));
+                        const u32 b0 = pack_f16x2(xv.x, xv.y), b1 = pack_f16x2(xv.z, xv.w);
 #pragma unroll
-                    for (int i = 0; i < 2; i++) mma_16816(acc[i][j], af[i], b.x, b.y);
+                        for (int i = 0; i < 2; i++) mma_16816(acc[i][j], af[i], b0, b1);
+                    }
                 }
             }
+            __syncthreads();  // buffer it & 1 is free for iteration it + 2
         }
     }
-    __syncthreads();  // the reduction reuses the staging buffer
     gemm_finish<NT, EPI>(a, w, acc, reinterpret_cast<float*>(dyn_smem));
 }
 
@@ -610,6 +632,7 @@ __device__ __forceinline__ void attn_prefill_mma_body(const PrefillAttnArgs& a) 
         __syncthreads();  // the previous tile is no longer read
         // Stage K (f16 pairs, row-major) and V^T (f16): bf16 pairs converted; slots past
         // n_t are zeros (masked anyway).
+#pragma unroll 8
         for (int idx = threadIdx.x; idx < ATTNP_TILE * (HD / 2); idx += blockDim.x) {
             const int key = idx / (HD / 2), w = idx % (HD / 2);
             u32 kw = 0, vw = 0;

@@ -42,10 +42,14 @@ pub const GEMM_WARPS: usize = 8;
 pub const GEMM_WARP_ROWS: usize = 32;
 /// Columns (tokens) per n8 tile; the GEMM comes in widths of 1, 4 and 8 tiles per CTA.
 pub const GEMM_NT: [usize; 3] = [1, 4, 8];
-/// u32 words per column of the v2 GEMM's staged B (64 f16 + 2 words of padding).
-pub const GEMM_B2_STRIDE: usize = 34;
-/// The v2 GEMM's largest dynamic shared memory: B staged for 8 K parts of 64 columns.
-pub const GEMM_V2_MAX_SMEM: usize = GEMM_WARPS * 64 * GEMM_B2_STRIDE * 4;
+/// u32 words per column of the v2 GEMM's staged B (64 f32 + 4 words of padding).
+pub const GEMM_B2_STRIDE: usize = 68;
+/// The most K parts a v2 GEMM CTA takes (its B staging grows with them).
+pub const GEMM_V2_MAX_KW: usize = 4;
+/// The v2 GEMM's largest dynamic shared memory: two stages of B for 4 K parts of 64 columns.
+pub const GEMM_V2_MAX_SMEM: usize = 2 * GEMM_V2_MAX_KW * 64 * GEMM_B2_STRIDE * 4;
+// Hopper's shared memory per CTA is 227 KiB.
+const _: () = assert!(GEMM_V2_MAX_SMEM <= 227 * 1024);
 /// Prefill attention: threads per CTA, the most (token, q head) rows per CTA (kernels come
 /// with 8 and 32), KV slots per staged tile, and the floats of q rows a CTA stages (rows x
 /// head_dim).
@@ -55,6 +59,7 @@ pub const ATTNP_TILE: usize = 32;
 pub const ATTNP_Q_FLOATS: usize = 4096;
 
 /// Tensor-core prefill attention: warps per CTA and (token, q head) rows per CTA (16 a warp).
+/// Four warps share each staged tile; one warp per CTA (4x the CTAs) measured slower.
 pub const ATTNM_WARPS: usize = 4;
 pub const ATTNM_ROWS: usize = 16 * ATTNM_WARPS;
 pub const ATTNM_THREADS: u32 = 32 * ATTNM_WARPS as u32;

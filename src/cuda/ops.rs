@@ -6,8 +6,9 @@
 //! (default v2: one CTA per KV head and 32-slot chunk). `DV2_FUSE_RMS=1` folds RMSNorm into
 //! the GEMV v2 prologue (off by default: it measured slower than the separate kernel). v1 GEMV takes `DV2_GEMV_NR=1|2|4|8`
 //! (rows per CTA); v2 takes `DV2_GEMV_CTAS=n` (CTAs per SM, default 1).
-//! `DV2_GEMM=v1|v2` forces the tensor-core GEMM kernel (default: v2, B staged in shared
-//! memory, where a CTA takes all of K; v1, B read per warp, where K is split: measured).
+//! `DV2_GEMM=v1|v2` forces the tensor-core GEMM kernel (v2: B staged in shared memory by
+//! cp.async, K split at most 4 ways; v1: B read by each warp from global memory; default:
+//! v1 up to 64 columns, v2 above, as measured).
 //! `DV2_ATTNP=simt` runs the prefill's attention on CUDA cores (default: tensor cores where
 //! head_dim is 16, 32, 64 or 128), with `DV2_ATTNP_ROWS=8|32` rows per CTA.
 //! `DV2_LINEAR=mma` runs the decode step's linears through the prefill's tensor-core GEMM
@@ -20,7 +21,7 @@ use super::device::{driver_error, Gpu};
 use super::kernels::{
     Kernels, ATTN2_CHUNK, ATTN2_MAX_CHUNKS, ATTN2_MAX_GROUP, ATTN2_MAX_GROUP_X_HD, ATTNM_ROWS,
     ATTNM_THREADS, ATTNP_Q_FLOATS, ATTNP_ROWS, ATTNP_THREADS, ATTN_THREADS, GEMM_B2_STRIDE,
-    GEMM_NT, GEMM_WARPS, GEMM_WARP_ROWS, GEMV_THREADS, GEMV_WARPS, MAX_HEAD_DIM,
+    GEMM_NT, GEMM_V2_MAX_KW, GEMM_WARPS, GEMM_WARP_ROWS, GEMV_THREADS, GEMV_WARPS, MAX_HEAD_DIM,
 };
 use super::weights::Nf4Ref;
 use crate::arch::ArchSpec;
@@ -173,10 +174,11 @@ pub enum Variant {
     V2,
 }
 
-/// The tensor-core GEMM kernel: by shape (default), or one forced by `DV2_GEMM`.
+/// The tensor-core GEMM kernel: the default, or one forced by `DV2_GEMM`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GemmVariant {
-    /// v2 where the CTA takes one part of K (its B staging is shared by all warps), else v1.
+    /// v2 above 64 columns, v1 up to 64 (the faster of the two on the Qwen2.5-3B shapes,
+    /// docs/lab.md).
     Auto,
     Fixed(Variant),
 }
@@ -388,13 +390,13 @@ impl Ops {
         };
         let (width, ctas_n) = gemm_width(n);
         let tiles = out_rows.div_ceil(warp_rows);
-        let kw = gemm_k_parts(tiles, ctas_n, k / 64, self.sms as usize);
-        args.kw = kw as i32;
-        // v2 only pays where all eight warps share the staged B (one part of K per CTA).
         let v2 = match self.gemm {
-            GemmVariant::Auto => kw == 1,
+            GemmVariant::Auto => n > 64,
             GemmVariant::Fixed(v) => v == Variant::V2,
         };
+        let max_kw = if v2 { GEMM_V2_MAX_KW } else { GEMM_WARPS };
+        let kw = gemm_k_parts(tiles, ctas_n, k / 64, self.sms as usize, max_kw);
+        args.kw = kw as i32;
         let cfg = LaunchConfig {
             grid_dim: (tiles.div_ceil(GEMM_WARPS / kw) as u32, ctas_n as u32, 1),
             block_dim: ((GEMM_WARPS * 32) as u32, 1, 1),
@@ -623,10 +625,10 @@ fn gemm_width(n: usize) -> (usize, usize) {
     (idx, n.div_ceil(8 * GEMM_NT[idx]).max(1))
 }
 
-/// Dynamic shared memory of the v2 GEMM: B staged for `kw` parts of 8 `nt` columns, reused
-/// for the K-part reduction ((GEMM_WARPS / kw) row tiles x 8 nt x 32 floats).
+/// Dynamic shared memory of the v2 GEMM: two stages of B for `kw` parts of 8 `nt` columns,
+/// reused for the K-part reduction ((GEMM_WARPS / kw) row tiles x 8 nt x 32 floats).
 fn gemm_v2_smem(nt: usize, kw: usize) -> usize {
-    let staging = kw * 8 * nt * GEMM_B2_STRIDE * 4;
+    let staging = 2 * kw * 8 * nt * GEMM_B2_STRIDE * 4;
     let reduction = if kw > 1 {
         GEMM_WARPS / kw * 8 * nt * 32 * 4
     } else {
@@ -635,11 +637,17 @@ fn gemm_v2_smem(nt: usize, kw: usize) -> usize {
     staging.max(reduction)
 }
 
-/// Parts of K per CTA (1, 2, 4, 8): split K while the grid is under two CTAs per SM and
-/// each part keeps at least two 64-element blocks.
-fn gemm_k_parts(row_tiles: usize, ctas_n: usize, k_blocks: usize, sms: usize) -> usize {
+/// Parts of K per CTA (1, 2, 4, 8; at most `max_kw`): split K while the grid is under two
+/// CTAs per SM and each part keeps at least two 64-element blocks.
+fn gemm_k_parts(
+    row_tiles: usize,
+    ctas_n: usize,
+    k_blocks: usize,
+    sms: usize,
+    max_kw: usize,
+) -> usize {
     let mut kw = 1;
-    while kw < GEMM_WARPS
+    while kw < max_kw
         && k_blocks / (2 * kw) >= 2
         && row_tiles.div_ceil(GEMM_WARPS / kw) * ctas_n < 2 * sms
     {
@@ -676,14 +684,19 @@ mod tests {
         assert_eq!(gemm_width(64), (2, 1));
         assert_eq!(gemm_width(200), (2, 4));
         // Qwen2.5-3B q/k/v at N = 64: 80 row tiles -> split K until the grid fills 132 SMs.
-        assert_eq!(gemm_k_parts(80, 1, 32, 132), 8);
+        assert_eq!(gemm_k_parts(80, 1, 32, 132, 8), 8);
+        assert_eq!(gemm_k_parts(80, 1, 32, 132, 4), 4);
         // gate/up at N = 128: 688 tiles in 172 CTAs -> two K parts for 2.6 waves.
-        assert_eq!(gemm_k_parts(688, 2, 32, 132), 2);
-        assert_eq!(gemm_k_parts(2752, 1, 32, 132), 1);
+        assert_eq!(gemm_k_parts(688, 2, 32, 132, 8), 2);
+        assert_eq!(gemm_k_parts(2752, 1, 32, 132, 8), 1);
         // K of one block cannot be split.
-        assert_eq!(gemm_k_parts(1, 1, 1, 132), 1);
-        assert!(gemm_v2_smem(8, 8) <= super::super::kernels::GEMM_V2_MAX_SMEM);
-        assert_eq!(gemm_v2_smem(8, 2), 4 * 64 * 32 * 4);
+        assert_eq!(gemm_k_parts(1, 1, 1, 132, 8), 1);
+        assert_eq!(
+            gemm_v2_smem(8, GEMM_V2_MAX_KW),
+            super::super::kernels::GEMM_V2_MAX_SMEM
+        );
+        // Two stages of 2 parts x 64 columns x 68 words outweigh the reduction.
+        assert_eq!(gemm_v2_smem(8, 2), 2 * 2 * 64 * 68 * 4);
         assert_eq!(attn_prefill_tokens(8, 128, 32), Some(4));
         assert_eq!(attn_prefill_tokens(8, 128, 8), Some(1));
         assert_eq!(attn_prefill_tokens(16, 128, 8), None);

@@ -87,9 +87,9 @@ unsafe impl Send for StepGraph {}
 
 /// Prompt tokens per prefill chunk when the options leave it open (`DV2_PREFILL_CHUNK`
 /// overrides it).
-pub const DEFAULT_PREFILL_CHUNK: usize = 64;
+pub const DEFAULT_PREFILL_CHUNK: usize = 512;
 /// The largest chunk the arena may be sized for.
-pub const MAX_PREFILL_CHUNK: usize = 512;
+pub const MAX_PREFILL_CHUNK: usize = 1024;
 
 /// Activations (token-major, one row per token of a prefill chunk; the decode step uses
 /// row 0) and logits, allocated once at load.
