@@ -87,7 +87,7 @@ unsafe impl Send for StepGraph {}
 
 /// Prompt tokens per prefill chunk when the options leave it open (`DV2_PREFILL_CHUNK`
 /// overrides it).
-pub const DEFAULT_PREFILL_CHUNK: usize = 512;
+pub const DEFAULT_PREFILL_CHUNK: usize = 1024;
 /// The largest chunk the arena may be sized for.
 pub const MAX_PREFILL_CHUNK: usize = 1024;
 
