@@ -2,7 +2,12 @@
 //! (graph vs eager) on the synthetic presets and the Qwen2.5-3B shape.
 //!
 //!     cargo run --release --example bench -- [--json PATH] [--skip-kernels] [--skip-3b]
-//!                                               [--prefill-only] [--skip-gemm]
+//!                                               [--prefill-only] [--skip-gemm] [--skip-variants]
+//!
+//! load s is `Engine::new` (upload, allocation, kernels, warm-up); warmup ms is its eager
+//! probe step + graph capture; prefill ms is the prompt to the first token; ms/token the steps
+//! after the first. `--skip-variants` keeps the 3B run to the default graph (no eager, kernel
+//! variants, stage split or prefill tables).
 //!
 //! Prints tables and writes every number to the JSON file (default bench.json).
 
@@ -23,6 +28,7 @@ struct StepRun {
     tokens: usize,
     graph: bool,
     load_s: f64,
+    warmup_ms: f64,
     prefill_ms: f64,
     ms_per_token: f64,
 }
@@ -52,6 +58,7 @@ fn time_decode(
     let t = Instant::now();
     let mut e = Engine::new(model.clone(), &opts).expect("cuda engine");
     let load_s = t.elapsed().as_secs_f64();
+    let warmup_ms = e.warmup_ms().unwrap_or(0.0);
     let prompt = synth::prompt(model.spec.vocab, prompt_len, 1);
     let mut out = vec![0u32; tokens];
     let (mut prefill, mut decode) = (Vec::new(), Vec::new());
@@ -75,6 +82,7 @@ fn time_decode(
         tokens,
         graph,
         load_s,
+        warmup_ms,
         prefill_ms: median(prefill[1..].to_vec()),
         ms_per_token: median(decode[1..].to_vec()),
     }
@@ -333,21 +341,25 @@ fn main() {
         runs.push(time_decode("medium_llama", &medium, 32, 4, 24, graph, 5));
     }
     let mut split = Vec::new();
-    if !flag("--skip-3b") {
+    let qwen = (!flag("--skip-3b")).then(|| {
         let t = Instant::now();
         let qwen = synth::build(&QWEN25_3B, 0).unwrap();
         println!(
             "\nsynthetic Qwen2.5-3B shape built in {:.1} s",
             t.elapsed().as_secs_f64()
         );
-        for graph in [true, false] {
-            runs.push(time_decode("qwen25_3b", &qwen, 2048, 48, 128, graph, 3));
-        }
+        qwen
+    });
+    if let Some(qwen) = &qwen {
+        runs.push(time_decode("qwen25_3b", qwen, 2048, 48, 128, true, 3));
+    }
+    if let Some(qwen) = qwen.as_ref().filter(|_| !flag("--skip-variants")) {
+        runs.push(time_decode("qwen25_3b", qwen, 2048, 48, 128, false, 3));
         // RMSNorm folded into the GEMV prologue instead of its own kernel.
         std::env::set_var("DV2_FUSE_RMS", "1");
         runs.push(time_decode(
             "qwen25_3b rms-fused",
-            &qwen,
+            qwen,
             2048,
             48,
             128,
@@ -358,14 +370,14 @@ fn main() {
         // The v1 kernels, same process, for the ratio.
         std::env::set_var("DV2_GEMV", "v1");
         std::env::set_var("DV2_ATTN", "v1");
-        runs.push(time_decode("qwen25_3b v1", &qwen, 2048, 48, 128, true, 3));
+        runs.push(time_decode("qwen25_3b v1", qwen, 2048, 48, 128, true, 3));
         std::env::remove_var("DV2_GEMV");
         std::env::remove_var("DV2_ATTN");
         // The decode step's linears through the tensor-core GEMM at N = 1.
         std::env::set_var("DV2_LINEAR", "mma");
         runs.push(time_decode(
             "qwen25_3b linear=mma",
-            &qwen,
+            qwen,
             2048,
             48,
             128,
@@ -373,18 +385,19 @@ fn main() {
             3,
         ));
         std::env::remove_var("DV2_LINEAR");
-        split = stage_split(&qwen, 2048, 48);
-        prefill_tables(&qwen, &mut json, flag("--skip-gemm"));
+        split = stage_split(qwen, 2048, 48);
+        prefill_tables(qwen, &mut json, flag("--skip-gemm"));
     }
     println!("\ndecode (ignore EOS; median of runs; first decode step excluded):");
     println!(
-        "  {:<22} {:>8} {:>7} {:>7} {:>6} {:>8} {:>11} {:>10} {:>9}",
+        "  {:<22} {:>8} {:>7} {:>7} {:>6} {:>8} {:>10} {:>11} {:>10} {:>9}",
         "model",
         "max_seq",
         "prompt",
         "tokens",
         "graph",
         "load s",
+        "warmup ms",
         "prefill ms",
         "ms/token",
         "tok/s"
@@ -392,18 +405,19 @@ fn main() {
     json += "  \"decode\": [\n";
     for r in &runs {
         println!(
-            "  {:<22} {:>8} {:>7} {:>7} {:>6} {:>8.2} {:>11.2} {:>10.4} {:>9.1}",
+            "  {:<22} {:>8} {:>7} {:>7} {:>6} {:>8.2} {:>10.1} {:>11.2} {:>10.4} {:>9.1}",
             r.label,
             r.max_seq,
             r.prompt,
             r.tokens,
             r.graph,
             r.load_s,
+            r.warmup_ms,
             r.prefill_ms,
             r.ms_per_token,
             1e3 / r.ms_per_token
         );
-        writeln!(json, "    {{\"model\": \"{}\", \"max_seq\": {}, \"prompt\": {}, \"tokens\": {}, \"graph\": {}, \"load_s\": {:.3}, \"prefill_ms\": {:.3}, \"ms_per_token\": {:.5}}},", r.label, r.max_seq, r.prompt, r.tokens, r.graph, r.load_s, r.prefill_ms, r.ms_per_token).unwrap();
+        writeln!(json, "    {{\"model\": \"{}\", \"max_seq\": {}, \"prompt\": {}, \"tokens\": {}, \"graph\": {}, \"load_s\": {:.3}, \"warmup_ms\": {:.2}, \"prefill_ms\": {:.3}, \"ms_per_token\": {:.5}}},", r.label, r.max_seq, r.prompt, r.tokens, r.graph, r.load_s, r.warmup_ms, r.prefill_ms, r.ms_per_token).unwrap();
     }
     json = json.trim_end_matches(",\n").to_string() + "\n  ],\n";
     if !split.is_empty() {

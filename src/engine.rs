@@ -81,6 +81,11 @@ pub trait Backend: Send {
     fn device_free_bytes(&mut self) -> Result<Option<usize>> {
         Ok(None)
     }
+    /// Timer: ms of the warm-up at load (CUDA: eager probe step + graph capture); None for
+    /// backends without one.
+    fn warmup_ms(&self) -> Option<f64> {
+        None
+    }
 }
 
 /// One decoding session over one model.
@@ -295,6 +300,12 @@ impl Engine {
     /// Diagnostic: true while no KV write ever landed past slot max_seq-1.
     pub fn kv_guard_intact(&mut self) -> Result<bool> {
         self.run(|b| b.kv_guard_intact())
+    }
+
+    /// ms the backend spent warming up at load (CUDA: eager probe + graph capture), apart
+    /// from the rest of the load; None for the CPU backend.
+    pub fn warmup_ms(&self) -> Option<f64> {
+        self.backend.warmup_ms()
     }
 
     /// Diagnostic: free device memory in bytes (None for host backends).

@@ -233,6 +233,9 @@ fn graph_replay_equals_eager_at_every_position() {
             return;
         };
         let mut e = cuda_engine(&case.preset, case.seed, eager_opts).unwrap();
+        // The warm-up timer covers the probe and the capture, which only the graph engine has.
+        assert!(g.warmup_ms().unwrap() > 0.0);
+        assert_eq!(e.warmup_ms(), Some(0.0));
         let max_seq = g.max_seq();
         assert_eq!(
             g.prefill(&case.prompt[..1]).unwrap(),

@@ -125,6 +125,8 @@ pub struct CudaBackend {
     chunk: usize,
     /// Tokens per CTA of the prefill attention.
     attn_tokens: usize,
+    /// Host time of the eager probe step and the graph capture at load (0 without a graph).
+    warmup_ms: f64,
 }
 
 /// The prefill chunk: `requested` (0: `DV2_PREFILL_CHUNK`, else the default) capped by
@@ -204,6 +206,7 @@ impl CudaBackend {
             model,
             graph: None,
             chunk,
+            warmup_ms: 0.0,
             attn_tokens: ops
                 .attn_prefill_tokens(s.n_q_heads / s.n_kv_heads, s.head_dim)
                 .unwrap_or(1),
@@ -211,7 +214,9 @@ impl CudaBackend {
         };
         backend.ops.gpu.sync()?;
         if graph {
+            let started = std::time::Instant::now();
             backend.capture()?;
+            backend.warmup_ms = started.elapsed().as_secs_f64() * 1e3;
         }
         Ok(backend)
     }
@@ -587,5 +592,9 @@ impl Backend for CudaBackend {
 
     fn device_free_bytes(&mut self) -> Result<Option<usize>> {
         Ok(Some(self.ops.gpu.memory()?.0))
+    }
+
+    fn warmup_ms(&self) -> Option<f64> {
+        Some(self.warmup_ms)
     }
 }
