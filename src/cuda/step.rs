@@ -107,6 +107,15 @@ struct Arena {
     ring: CudaSlice<i32>,
 }
 
+/// Device addresses of the arena's activation buffers (row 0 is the decode step's).
+struct Activations {
+    x: u64,
+    xn: u64,
+    qkv: u64,
+    attn: u64,
+    act: u64,
+}
+
 pub struct CudaBackend {
     ops: Ops,
     spec: ArchSpec,
@@ -253,6 +262,18 @@ impl CudaBackend {
         self.ops.gpu.ptr(buf)
     }
 
+    /// Device addresses of the activation buffers.
+    fn activations(&self) -> Activations {
+        let a = &self.arena;
+        Activations {
+            x: self.ptr(&a.x),
+            xn: self.ptr(&a.xn),
+            qkv: self.ptr(&a.qkv),
+            attn: self.ptr(&a.attn),
+            act: self.ptr(&a.act),
+        }
+    }
+
     /// The input `x` RMS-normed with weights `w` (into `xn` when not fused).
     fn normed(&self, x: u64, w: &CudaSlice<u16>, xn: u64) -> Input {
         Input {
@@ -282,13 +303,13 @@ impl CudaBackend {
             }
         };
         let (s, a, ops) = (&self.spec, &self.arena, &self.ops);
-        let (x, xn, qkv, attn, act) = (
-            self.ptr(&a.x),
-            self.ptr(&a.xn),
-            self.ptr(&a.qkv),
-            self.ptr(&a.attn),
-            self.ptr(&a.act),
-        );
+        let Activations {
+            x,
+            xn,
+            qkv,
+            attn,
+            act,
+        } = self.activations();
         let state = self.ptr(&self.state);
         let (hidden, vocab) = (s.hidden as i32, s.vocab as i32);
         let embed = self.model.embed.as_ref(gpu);
@@ -402,13 +423,13 @@ impl CudaBackend {
     fn prefill_chunk(&self, start: usize, n: usize, last: bool) -> Result<()> {
         let gpu = &self.ops.gpu;
         let (s, a, ops) = (&self.spec, &self.arena, &self.ops);
-        let (x, xn, qkv, attn, act) = (
-            self.ptr(&a.x),
-            self.ptr(&a.xn),
-            self.ptr(&a.qkv),
-            self.ptr(&a.attn),
-            self.ptr(&a.act),
-        );
+        let Activations {
+            x,
+            xn,
+            qkv,
+            attn,
+            act,
+        } = self.activations();
         let state = self.ptr(&self.state);
         let ids = self.ptr(&a.prompt) + 4 * start as u64;
         let (hidden, vocab, n_i) = (s.hidden as i32, s.vocab as i32, n as i32);
