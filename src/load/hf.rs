@@ -18,11 +18,19 @@ use crate::error::{Error, Result};
 use crate::model::{HostModel, Layer, Linear, QkvWeights};
 use crate::nf4::Nf4Matrix;
 
-/// The memory maps of a directory's safetensors files and where each tensor lives.
+/// Where a tensor lives: its file (index into `Shards::maps`), dtype, shape and bytes.
+struct TensorEntry {
+    file: usize,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    bytes: std::ops::Range<usize>,
+}
+
+/// The memory maps of a directory's safetensors files and where each tensor lives (each
+/// file's header parsed once, at open).
 struct Shards {
     maps: Vec<(PathBuf, memmap2::Mmap)>,
-    /// tensor name -> index into `maps`
-    index: HashMap<String, usize>,
+    index: HashMap<String, TensorEntry>,
 }
 
 fn file_err(path: &Path, e: impl std::fmt::Display) -> Error {
@@ -64,8 +72,16 @@ impl Shards {
             let map = unsafe { memmap2::Mmap::map(&file) }
                 .map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
             let st = SafeTensors::deserialize(&map).map_err(|e| file_err(&path, e))?;
-            for t in st.names() {
-                index.insert(t.to_string(), i);
+            for (name, view) in st.tensors() {
+                // The view's data is a slice of the map: keep its offsets, not the borrow.
+                let start = view.data().as_ptr() as usize - map.as_ptr() as usize;
+                let entry = TensorEntry {
+                    file: i,
+                    dtype: view.dtype(),
+                    shape: view.shape().to_vec(),
+                    bytes: start..start + view.data().len(),
+                };
+                index.insert(name, entry);
             }
             maps.push((path, map));
         }
@@ -74,14 +90,12 @@ impl Shards {
 
     /// The tensor's dtype, shape and bytes.
     fn get(&self, name: &str) -> Result<(Dtype, Vec<usize>, &[u8], &Path)> {
-        let i = *self
+        let t = self
             .index
             .get(name)
             .ok_or_else(|| Error::ModelFile(format!("tensor {name} is missing")))?;
-        let (path, map) = &self.maps[i];
-        let st = SafeTensors::deserialize(map).map_err(|e| file_err(path, e))?;
-        let view = st.tensor(name).map_err(|e| file_err(path, e))?;
-        Ok((view.dtype(), view.shape().to_vec(), view.data(), path))
+        let (path, map) = &self.maps[t.file];
+        Ok((t.dtype, t.shape.clone(), &map[t.bytes.clone()], path))
     }
 
     fn has(&self, name: &str) -> bool {
