@@ -416,6 +416,24 @@ fn chunked_prefill_matches_the_oracle() {
                 }
                 assert_eq!(got, want, "{name} chunk {chunk} prompt length {len}");
             }
+            // A prompt fed in two calls (the second starting at position 20, crossing the
+            // chunk boundary at 32) leaves the state one call leaves.
+            e.reset().unwrap();
+            e.prefill(&prompt[..20]).unwrap();
+            let split = e.prefill(&prompt[20..45]).unwrap();
+            let mut split_logits = vec![0f32; spec.vocab];
+            e.logits(&mut split_logits).unwrap();
+            let err = max_abs_diff(&split_logits, &teacher[44]);
+            assert!(err <= CAP, "{name} chunk {chunk} split prefill: {err}");
+            let mut rest = [0u32; 4];
+            e.step_n(&mut rest).unwrap();
+            let mut got = vec![split];
+            got.extend(rest);
+            assert_eq!(
+                got,
+                greedy(&model, &prompt[..45], 5).unwrap(),
+                "{name} split prefill"
+            );
             assert!(e.kv_guard_intact().unwrap());
             assert_eq!(
                 e.device_free_bytes().unwrap().unwrap(),

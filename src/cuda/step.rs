@@ -138,23 +138,31 @@ pub struct CudaBackend {
     warmup_ms: f64,
 }
 
-/// The prefill chunk: `requested` (0: `DV2_PREFILL_CHUNK`, else the default) capped by
-/// max_seq; 0 (the token-at-a-time path) under `DV2_PREFILL=n1` or when no prefill attention
-/// kernel takes the model's shape.
+/// The prefill chunk: 0 (the token-at-a-time path) under `DV2_PREFILL=n1` or when no prefill
+/// attention kernel takes the model's shape, else [`chunk_size`] of `requested` and
+/// `DV2_PREFILL_CHUNK`.
 pub fn prefill_chunk(ops: &Ops, s: &ArchSpec, max_seq: usize, requested: usize) -> Result<usize> {
     if std::env::var("DV2_PREFILL").as_deref() == Ok("n1")
         || !ops.attn_prefill_fits(s.n_q_heads / s.n_kv_heads, s.head_dim)
     {
         return Ok(0);
     }
-    let chunk = match requested {
-        0 => match std::env::var("DV2_PREFILL_CHUNK") {
-            Ok(v) => v
-                .parse::<usize>()
-                .map_err(|_| Error::InvalidArgument(format!("DV2_PREFILL_CHUNK={v}")))?,
-            Err(_) => DEFAULT_PREFILL_CHUNK,
-        },
-        n => n,
+    chunk_size(
+        requested,
+        std::env::var("DV2_PREFILL_CHUNK").ok().as_deref(),
+        max_seq,
+    )
+}
+
+/// Tokens per chunk: `requested`, or when 0 the environment's value, or the default; 1 to
+/// MAX_PREFILL_CHUNK, capped by max_seq.
+fn chunk_size(requested: usize, env: Option<&str>, max_seq: usize) -> Result<usize> {
+    let chunk = match (requested, env) {
+        (0, Some(v)) => v
+            .parse::<usize>()
+            .map_err(|_| Error::InvalidArgument(format!("DV2_PREFILL_CHUNK={v}")))?,
+        (0, None) => DEFAULT_PREFILL_CHUNK,
+        (n, _) => n,
     };
     if !(1..=MAX_PREFILL_CHUNK).contains(&chunk) {
         return Err(Error::InvalidArgument(format!(
@@ -617,5 +625,25 @@ impl Backend for CudaBackend {
 
     fn warmup_ms(&self) -> Option<f64> {
         Some(self.warmup_ms)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunk_size_takes_the_option_then_the_environment_then_the_default() {
+        assert_eq!(chunk_size(32, Some("64"), 2048).unwrap(), 32);
+        assert_eq!(chunk_size(0, Some("64"), 2048).unwrap(), 64);
+        assert_eq!(chunk_size(0, None, 4096).unwrap(), DEFAULT_PREFILL_CHUNK);
+        assert_eq!(chunk_size(0, None, 16).unwrap(), 16, "capped by max_seq");
+        for bad in [
+            chunk_size(MAX_PREFILL_CHUNK + 1, None, 1 << 20),
+            chunk_size(0, Some("0"), 64),
+            chunk_size(0, Some("many"), 64),
+        ] {
+            assert!(matches!(bad, Err(Error::InvalidArgument(_))), "{bad:?}");
+        }
     }
 }
