@@ -4,9 +4,9 @@
 //
 // Layouts: a chunk's activations are f32 [n tokens][width], token-major (row i of the
 // chunk is position pos0 + i, pos0 = state[POSITION] when the chunk starts). Shared constants
-// from the host: GEMM_WARPS, B2_STRIDE, ATTNM_WARPS, ATTNP_THREADS, ATTNP_ROWS, ATTNP_TILE, ATTNP_Q_FLOATS.
-#if !defined(GEMM_WARPS) || !defined(B2_STRIDE) || !defined(ATTNM_WARPS) || !defined(ATTNP_THREADS) || !defined(ATTNP_ROWS) || !defined(ATTNP_TILE) || \
-    !defined(ATTNP_Q_FLOATS)
+// from the host: GEMM_WARPS, B2_STRIDE, ATTNM_WARPS, ATTNP_THREADS, ATTNP_TILE, ATTNP_Q_FLOATS.
+#if !defined(GEMM_WARPS) || !defined(B2_STRIDE) || !defined(ATTNM_WARPS) || !defined(ATTNP_THREADS) || \
+    !defined(ATTNP_TILE) || !defined(ATTNP_Q_FLOATS)
 #error "the host passes the prefill constants as -D options (src/cuda/kernels.rs)"
 #endif
 #define GEMM_THREADS (GEMM_WARPS * 32)
@@ -239,7 +239,7 @@ __device__ __forceinline__ void gemm_finish(const GemmArgs& a, const GemmWarp& w
         }
 }
 
-// v1 (DV2_GEMM=v1): every warp reads its B fragments straight from global memory (f32,
+// v1 (the default up to 64 columns; DV2_GEMM=v1 everywhere): every warp reads its B fragments straight from global memory (f32,
 // through L1). Simple, but each warp re-reads B for its 32 rows, 16x the bytes of its A,
 // and each load touches 16 cache lines: L1 is the bottleneck (docs/lab.md).
 template <int NT, int EPI>
@@ -281,16 +281,16 @@ __device__ __forceinline__ void gemm_v1_body(const GemmArgs& a) {
     gemm_finish<NT, EPI>(a, w, acc, red);
 }
 
-// v2: the CTA stages B in shared memory for all its warps, so B moves once per CTA instead
-// of once per warp, with cp.async (no registers, zero-filled past n) two blocks deep: the
-// next block's B is in flight while this one's MMAs run. Staged as f32, [kw parts][8NT
-// columns][B2_STRIDE words]; a warp reads its fragment (elements 16t+4s .. +3 of a column)
-// as one 16-byte load and rounds it to f16 there. Chunk c (4 floats) of a column sits at
-// chunk c ^ ((c >> 3 & 1) << 1), and columns are B2_STRIDE = 68 words apart: the eight
-// lanes of each 16-byte load phase then hit distinct banks. A is loaded two blocks ahead.
-// All parts of K step through their blocks together (one iteration count; a part past its
-// end stages zeros and skips the MMAs). Dynamic shared memory: 2 x kw x 8NT x B2_STRIDE
-// words (kw <= 4), reused for the K-part reduction.
+// v2 (the default above 64 columns; DV2_GEMM=v2 everywhere): the CTA stages B in shared memory
+// for all its warps, so B moves once per CTA instead of once per warp, with cp.async (no
+// registers, zero-filled past n) two blocks deep: the next block's B is in flight while this
+// one's MMAs run. Staged as f32, [kw parts][8NT columns][B2_STRIDE words]; a warp reads its
+// fragment (elements 16t+4s .. +3 of a column) as one 16-byte load and rounds it to f16 there.
+// Chunk c (4 floats) of a column sits at chunk c ^ ((c >> 3 & 1) << 1), and columns are
+// B2_STRIDE = 68 words apart: the eight lanes of each 16-byte load phase then hit distinct
+// banks. A is loaded two blocks ahead. All parts of K step through their blocks together (one
+// iteration count; a part past its end stages zeros and skips the MMAs). Dynamic shared memory:
+// 2 x kw x 8NT x B2_STRIDE words (kw <= 4), reused for the K-part reduction.
 
 __device__ __forceinline__ int b2_chunk(int c) { return c ^ (((c >> 3) & 1) << 1); }
 
@@ -444,7 +444,7 @@ extern "C" __global__ void advance_by(int* state, int n) {
 
 // ---------------------------------------------------------------------------------------
 // Causal attention of a chunk. One CTA per (KV head, qb consecutive tokens): its rows are the
-// qb x group (token, q head) pairs, at most 4R (R per warp; R = 2 or 8, ATTNP_ROWS = 32 at most), each
+// qb x group (token, q head) pairs, at most 4R (R rows per warp: 2 or 8), each
 // with its online-softmax state in registers. The CTA walks the KV slots 0 .. (its last
 // position) in tiles of ATTNP_TILE, staged in shared memory once for all its rows; a row
 // stops at its own position. Scores: a lane per slot; weighted sum: a lane per pair of dims.

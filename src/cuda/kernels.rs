@@ -95,7 +95,6 @@ fn shared_defines() -> Vec<String> {
         ("GEMM_WARPS", GEMM_WARPS),
         ("B2_STRIDE", GEMM_B2_STRIDE),
         ("ATTNP_THREADS", ATTNP_THREADS as usize),
-        ("ATTNP_ROWS", ATTNP_ROWS),
         ("ATTNP_TILE", ATTNP_TILE),
         ("ATTNP_Q_FLOATS", ATTNP_Q_FLOATS),
         ("ATTNM_WARPS", ATTNM_WARPS),
