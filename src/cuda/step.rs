@@ -382,23 +382,28 @@ impl CudaBackend {
             mark("down (+residual)")?;
         }
         if logits {
-            let out = self.ptr(&a.logits);
             // Replays after the request finished must not overwrite the last logits.
             let finished = state + 4 * state::FINISHED as u64;
-            let input = self.normed(x, &self.model.final_norm, xn);
-            ops.gemv(
-                self.model.lm_head().as_ref(gpu),
-                s.vocab,
-                s.hidden,
-                input,
-                out,
-                false,
-                finished,
-            )?;
-            launch!(gpu, &ops.k.argmax_logits, one_cta(1024); out, vocab, state)?;
+            self.logits_of(x, finished)?;
             mark("final_norm + lm_head + argmax")?;
         }
         Ok(())
+    }
+
+    /// Final RMSNorm of the activation row at `x`, lm_head into the logits, argmax into
+    /// next_token; the lm_head is skipped on the device while `*skip_if != 0` (0: never).
+    fn logits_of(&self, x: u64, skip_if: u64) -> Result<()> {
+        let (s, ops) = (&self.spec, &self.ops);
+        let (out, xn, state) = (
+            self.ptr(&self.arena.logits),
+            self.ptr(&self.arena.xn),
+            self.ptr(&self.state),
+        );
+        let input = self.normed(x, &self.model.final_norm, xn);
+        let lm_head = self.model.lm_head().as_ref(&ops.gpu);
+        ops.gemv(lm_head, s.vocab, s.hidden, input, out, false, skip_if)?;
+        let vocab = s.vocab as i32;
+        launch!(ops.gpu, &ops.k.argmax_logits, one_cta(1024); out, vocab, state)
     }
 
     /// Runs one eager greedy step with an event after each kernel group; returns the time of
@@ -496,19 +501,7 @@ impl CudaBackend {
             ops.gemm(Epilogue::Accumulate, &down, inter, act, n, x, s.hidden, 0)?;
         }
         if last {
-            let x_last = x + ((n - 1) * s.hidden * 4) as u64;
-            let out = self.ptr(&a.logits);
-            let input = self.normed(x_last, &self.model.final_norm, xn);
-            ops.gemv(
-                self.model.lm_head().as_ref(gpu),
-                s.vocab,
-                s.hidden,
-                input,
-                out,
-                false,
-                0,
-            )?;
-            launch!(gpu, &ops.k.argmax_logits, one_cta(1024); out, vocab, state)?;
+            self.logits_of(x + ((n - 1) * s.hidden * 4) as u64, 0)?;
         }
         launch!(gpu, &ops.k.advance_by, one_cta(1); state, n_i)
     }
