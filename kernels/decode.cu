@@ -51,14 +51,18 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// The bitsandbytes NF4 codebook, copied to shared memory once per CTA: lanes index different
-// entries, which a __constant__ table would serialize.
+// The bitsandbytes NF4 codebook (an initializer, so every kernel that copies it keeps its
+// own local table).
+#define NF4_CODEBOOK                                                                               \
+    {-1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f, -0.28444138169288635f, \
+     -0.18477343022823334f, -0.09105003625154495f, 0.0f, 0.07958029955625534f, 0.16093020141124725f,  \
+     0.24611230194568634f, 0.33791524171829224f, 0.44070982933044434f, 0.5626170039176941f,           \
+     0.7229568362236023f, 1.0f}
+
+// The codebook, copied to shared memory once per CTA: lanes index different entries, which a
+// __constant__ table would serialize.
 __device__ __forceinline__ void load_codebook(float* lut) {
-    const float nf4[16] = {-1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,
-                           -0.28444138169288635f, -0.18477343022823334f, -0.09105003625154495f, 0.0f,
-                           0.07958029955625534f, 0.16093020141124725f, 0.24611230194568634f,
-                           0.33791524171829224f, 0.44070982933044434f, 0.5626170039176941f,
-                           0.7229568362236023f, 1.0f};
+    const float nf4[16] = NF4_CODEBOOK;
     if (threadIdx.x < 16) lut[threadIdx.x] = nf4[threadIdx.x];
 }
 
@@ -474,10 +478,8 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const u16* __re
     for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = x[i] * r * bf16_to_f32(w[i]);
 }
 
-// x = dequantized embedding row of state[TOKEN] (no dense table on the device).
-extern "C" __global__ void embed_row(const int* __restrict__ state, Nf4Ref embed, float* x, int hidden,
-                                     int vocab) {
-    int token = state[STATE_TOKEN];
+// out = dequantized embedding row of `token` (one CTA; no dense table on the device).
+__device__ __forceinline__ void embed_token(int token, Nf4Ref embed, float* out, int hidden, int vocab) {
     if (token < 0 || token >= vocab) token = 0;  // the engine never lets this happen
     const u8* row = embed.packed + (size_t)token * (hidden >> 1);
     const float* scales = embed.absmax + (size_t)token * (hidden >> 6);
@@ -485,11 +487,17 @@ extern "C" __global__ void embed_row(const int* __restrict__ state, Nf4Ref embed
     load_codebook(lut);
     __syncthreads();
     for (int i = threadIdx.x; i < (hidden >> 1); i += blockDim.x) {
-        u8 b = row[i];
-        float s = scales[i >> 5];
-        x[2 * i] = lut[b >> 4] * s;
-        x[2 * i + 1] = lut[b & 15] * s;
+        const u8 b = row[i];
+        const float s = scales[i >> 5];
+        out[2 * i] = lut[b >> 4] * s;
+        out[2 * i + 1] = lut[b & 15] * s;
     }
+}
+
+// x = embedding row of state[TOKEN].
+extern "C" __global__ void embed_row(const int* __restrict__ state, Nf4Ref embed, float* x, int hidden,
+                                     int vocab) {
+    embed_token(state[STATE_TOKEN], embed, x, hidden, vocab);
 }
 
 // Flash-decode attention, one (q head, time split) per CTA, RoPE and the KV write fused.

@@ -143,11 +143,7 @@ __device__ __forceinline__ GemmWarp gemm_warp(const GemmArgs& a) {
 
 __device__ __forceinline__ void load_codebook_f16(u32* lut16) {
     if (threadIdx.x < 16) {
-        const float nf4[16] = {-1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,
-                               -0.28444138169288635f, -0.18477343022823334f, -0.09105003625154495f, 0.0f,
-                               0.07958029955625534f, 0.16093020141124725f, 0.24611230194568634f,
-                               0.33791524171829224f, 0.44070982933044434f, 0.5626170039176941f,
-                               0.7229568362236023f, 1.0f};
+        const float nf4[16] = NF4_CODEBOOK;
         lut16[threadIdx.x] = pack_f16x2(nf4[threadIdx.x], 0.0f);
     }
 }
@@ -391,20 +387,7 @@ GEMM_KERNELS(gemm_swiglu_nt8, 8, EPI_SWIGLU)
 // x[i] = dequantized embedding row of ids[i], one CTA per token.
 extern "C" __global__ void embed_rows(const int* __restrict__ ids, Nf4Ref embed, float* x, int hidden,
                                       int vocab) {
-    int token = ids[blockIdx.x];
-    if (token < 0 || token >= vocab) token = 0;  // the engine never lets this happen
-    const u8* row = embed.packed + (size_t)token * (hidden >> 1);
-    const float* scales = embed.absmax + (size_t)token * (hidden >> 6);
-    float* out = x + (size_t)blockIdx.x * hidden;
-    __shared__ float lut[16];
-    load_codebook(lut);
-    __syncthreads();
-    for (int i = threadIdx.x; i < (hidden >> 1); i += blockDim.x) {
-        const u8 b = row[i];
-        const float s = scales[i >> 5];
-        out[2 * i] = lut[b >> 4] * s;
-        out[2 * i + 1] = lut[b & 15] * s;
-    }
+    embed_token(ids[blockIdx.x], embed, x + (size_t)blockIdx.x * hidden, hidden, vocab);
 }
 
 // RoPE on q and k of token i (position pos0 + i) in place, then k and v into the KV cache
