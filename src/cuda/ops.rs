@@ -92,6 +92,7 @@ pub struct PrefillAttnArgs {
     pub n_q: i32,
     pub n_kv: i32,
     pub head_dim: i32,
+    /// Tokens per CTA of the CUDA-core kernels: set by [`Ops::attn_prefill`].
     pub qb: i32,
     pub scale: f32,
 }
@@ -221,6 +222,9 @@ pub struct Ops {
     pub gemm: GemmVariant,
     /// The prefill attention on CUDA cores (`DV2_ATTNP=simt`) instead of tensor cores.
     pub attnp_simt: bool,
+    /// (token, q head) rows per CTA of the CUDA-core prefill attention: `DV2_ATTNP_ROWS=32`,
+    /// default 8 (more CTAs, measured faster).
+    pub attnp_rows: usize,
     sms: u32,
 }
 
@@ -238,6 +242,10 @@ impl Ops {
             attn: variant("DV2_ATTN"),
             fuse_rms: std::env::var("DV2_FUSE_RMS").is_ok_and(|v| v == "1"),
             attnp_simt: std::env::var("DV2_ATTNP").is_ok_and(|v| v == "simt"),
+            attnp_rows: match std::env::var("DV2_ATTNP_ROWS").as_deref() {
+                Ok("32") => 32,
+                _ => 8,
+            },
             gemm: match std::env::var("DV2_GEMM").as_deref() {
                 Ok("v1") => GemmVariant::Fixed(Variant::V1),
                 Ok("v2") => GemmVariant::Fixed(Variant::V2),
@@ -432,19 +440,9 @@ impl Ops {
             || attn_prefill_tokens(group, head_dim, ATTNP_ROWS).is_some()
     }
 
-    /// Tokens per CTA of the prefill attention: rows per CTA from `DV2_ATTNP_ROWS` (8 or
-    /// 32, default 8: more CTAs), raised to 32 when one token's q heads need it.
-    pub fn attn_prefill_tokens(&self, group: usize, head_dim: usize) -> Option<usize> {
-        let rows = match std::env::var("DV2_ATTNP_ROWS").as_deref() {
-            Ok("32") => 32,
-            _ => 8,
-        };
-        attn_prefill_tokens(group, head_dim, rows)
-            .or_else(|| attn_prefill_tokens(group, head_dim, ATTNP_ROWS))
-    }
-
     /// Causal attention of a chunk of `args.n` tokens (q and k already rotated, the chunk's
-    /// K/V already in the cache); `args.qb` tokens per CTA from [`Self::attn_prefill_tokens`].
+    /// K/V already in the cache). `args.qb` is ignored: the CUDA-core kernels take
+    /// `attnp_rows` rows per CTA (raised to ATTNP_ROWS when one token's q heads need it).
     pub fn attn_prefill(&self, args: PrefillAttnArgs) -> Result<()> {
         if let Some(f) = self.attn_prefill_mma(args.head_dim as usize) {
             let rows = (args.n * args.n_q / args.n_kv) as u32;
@@ -455,6 +453,18 @@ impl Ops {
             };
             return launch!(self.gpu, f, cfg; args);
         }
+        let (group, head_dim) = ((args.n_q / args.n_kv) as usize, args.head_dim as usize);
+        let tokens = attn_prefill_tokens(group, head_dim, self.attnp_rows)
+            .or_else(|| attn_prefill_tokens(group, head_dim, ATTNP_ROWS))
+            .ok_or_else(|| {
+                Error::Unsupported(format!(
+                    "prefill attention: {group} q heads per KV head at head_dim {head_dim}"
+                ))
+            })?;
+        let args = PrefillAttnArgs {
+            qb: tokens as i32,
+            ..args
+        };
         let cfg = LaunchConfig {
             grid_dim: (
                 args.n_kv as u32,

@@ -132,8 +132,6 @@ pub struct CudaBackend {
     graph: Option<StepGraph>,
     /// Prompt tokens per prefill chunk; 0: one token at a time through the decode step.
     chunk: usize,
-    /// Tokens per CTA of the prefill attention.
-    attn_tokens: usize,
     /// Host time of the eager probe step and the graph capture at load (0 without a graph).
     warmup_ms: f64,
 }
@@ -224,9 +222,6 @@ impl CudaBackend {
             graph: None,
             chunk,
             warmup_ms: 0.0,
-            attn_tokens: ops
-                .attn_prefill_tokens(s.n_q_heads / s.n_kv_heads, s.head_dim)
-                .unwrap_or(1),
             ops,
         };
         backend.ops.gpu.sync()?;
@@ -488,7 +483,7 @@ impl CudaBackend {
                 n_q,
                 n_kv,
                 head_dim: hd,
-                qb: self.attn_tokens as i32,
+                qb: 0,
                 scale: 1.0 / (s.head_dim as f32).sqrt(),
             })?;
             let o = [matrix(&layer.o, 0)];
