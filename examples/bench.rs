@@ -340,6 +340,18 @@ fn main() {
     for graph in [true, false] {
         runs.push(time_decode("medium_llama", &medium, 32, 4, 24, graph, 5));
     }
+    // Programmatic dependent launch off (DV2_PDL=0), same process, for the ratio.
+    std::env::set_var("DV2_PDL", "0");
+    runs.push(time_decode(
+        "medium_llama pdl=0",
+        &medium,
+        32,
+        4,
+        24,
+        true,
+        5,
+    ));
+    std::env::remove_var("DV2_PDL");
     let mut split = Vec::new();
     let qwen = (!flag("--skip-3b")).then(|| {
         let t = Instant::now();
@@ -352,6 +364,9 @@ fn main() {
     });
     if let Some(qwen) = &qwen {
         runs.push(time_decode("qwen25_3b", qwen, 2048, 48, 128, true, 3));
+        std::env::set_var("DV2_PDL", "0");
+        runs.push(time_decode("qwen25_3b pdl=0", qwen, 2048, 48, 128, true, 3));
+        std::env::remove_var("DV2_PDL");
     }
     if let Some(qwen) = qwen.as_ref().filter(|_| !flag("--skip-variants")) {
         runs.push(time_decode("qwen25_3b", qwen, 2048, 48, 128, false, 3));

@@ -51,6 +51,31 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// Programmatic dependent launch (sm_90+; the host asks for it per launch, src/cuda/device.rs):
+// a kernel may start while the one before it still runs. pdl_wait() returns once the earlier
+// kernels of the stream have finished and their writes are visible, so every kernel calls it
+// before it reads or writes any buffer that another kernel touches; only the constant
+// weights may be loaded before it. pdl_release() lets the next kernel start launching; each
+// kernel calls it right after its wait, so at most one kernel waits ahead of the running one.
+// Both are no-ops in a launch without the attribute.
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_release() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// The start of every kernel that loads nothing before waiting.
+__device__ __forceinline__ void pdl_enter() {
+    pdl_wait();
+    pdl_release();
+}
+
 // The bitsandbytes NF4 codebook (an initializer, so every kernel that copies it keeps its
 // own local table).
 #define NF4_CODEBOOK                                                                               \
@@ -142,6 +167,7 @@ __device__ __forceinline__ void reduce_rows(float v, int kparts, Epilogue epilog
 extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_CTAS_PER_SM)
     gemv_nf4(Nf4Ref m, const float* __restrict__ x, float* y, const float* __restrict__ bias, int rows,
              int cols, int kparts, int accumulate, const int* skip_if) {
+    pdl_enter();
     if (skip_if && *skip_if) return;
     __shared__ float lut[16];
     load_codebook(lut);
@@ -166,6 +192,7 @@ struct QkvArgs {
 
 extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_CTAS_PER_SM)
     gemv_qkv(QkvArgs a, const float* __restrict__ x, float* out, int cols, int kparts) {
+    pdl_enter();
     __shared__ float lut[16];
     load_codebook(lut);
     __syncthreads();
@@ -194,6 +221,7 @@ extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_CTAS_PER_SM)
 extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_CTAS_PER_SM)
     gemv_swiglu(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, float* out, int rows, int cols,
                 int kparts) {
+    pdl_enter();
     __shared__ float lut[16];
     __shared__ float gate_sums[GEMV_WARPS];
     load_codebook(lut);
@@ -321,15 +349,12 @@ __device__ __forceinline__ float dot_row(const RowChunks<J>& rc, const XSlice<J>
 //   matrices per row (1, or 2 for SwiGLU's gate and up).
 template <int J, int R, int NM, typename Rows>
 __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, const float* __restrict__ x,
-                                           NormArgs norm, int kparts) {
+                                           NormArgs norm, int kparts, const int* skip_if) {
     __shared__ float lut[16];
     __shared__ float partial[GEMV2_MAX_LANES_X_R * NM][GEMV_WARPS];
     load_codebook(lut);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int part = warp % kparts, row_lane = warp / kparts, row_lanes = GEMV_WARPS / kparts;
-    XSlice<J> xs;
-    load_x_slice<J>(x, part, cols, norm, xs);
-    __syncthreads();
     const int per_cta = (rows + gridDim.x - 1) / gridDim.x;
     const int r0 = blockIdx.x * per_cta, r1 = min(rows, r0 + per_cta);
     const int block = row_lanes * R;  // rows per iteration
@@ -345,7 +370,14 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
             }
         }
     };
+    // The first block's weights are constant: their loads go out before the wait, so under
+    // PDL they overlap the tail of the kernel that writes x.
     load_block(r0, cur);
+    pdl_enter();
+    if (skip_if && *skip_if) return;
+    XSlice<J> xs;
+    load_x_slice<J>(x, part, cols, norm, xs);
+    __syncthreads();
     for (int base = r0; base < r1; base += block) {
         if (base + block < r1) load_block(base + block, nxt);
         float sums[R][NM];
@@ -436,21 +468,20 @@ struct SwigluRows {
         gemv2_nf4_j##J(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y,                         \
                        const float* __restrict__ bias, int rows, int cols, int kparts, int accumulate,         \
                        const int* skip_if) {                                                                   \
-        if (skip_if && *skip_if) return;                                                                       \
         PlainRows p{m, y, bias, accumulate};                                                                   \
-        gemv2_walk<J, R, 1>(p, rows, cols, x, norm, kparts);                                                   \
+        gemv2_walk<J, R, 1>(p, rows, cols, x, norm, kparts, skip_if);                                          \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 1)                                              \
         gemv2_qkv_j##J(QkvArgs a, const float* __restrict__ x, NormArgs norm, float* out, int cols,            \
                        int kparts) {                                                                           \
         QkvRows q{a, out};                                                                                     \
-        gemv2_walk<J, R, 1>(q, a.rows[0] + a.rows[1] + a.rows[2], cols, x, norm, kparts);                      \
+        gemv2_walk<J, R, 1>(q, a.rows[0] + a.rows[1] + a.rows[2], cols, x, norm, kparts, nullptr);             \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 1)                                              \
         gemv2_swiglu_j##J(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm, float* out,     \
                           int rows, int cols, int kparts) {                                                    \
         SwigluRows g{gate, up, out};                                                                           \
-        gemv2_walk<J, (R > 1 ? R / 2 : 1), 2>(g, rows, cols, x, norm, kparts);                                 \
+        gemv2_walk<J, (R > 1 ? R / 2 : 1), 2>(g, rows, cols, x, norm, kparts, nullptr);                        \
     }
 
 GEMV2_KERNELS(1, 4)
@@ -460,6 +491,7 @@ GEMV2_KERNELS(3, 2)
 // out = x * rsqrt(mean(x^2) + eps) * w over n elements; CTA b takes row b of x and out.
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const u16* __restrict__ w, float* out, int n,
                                     float eps) {
+    pdl_enter();
     x += (size_t)blockIdx.x * n;
     out += (size_t)blockIdx.x * n;
     __shared__ float sums[32];
@@ -497,6 +529,7 @@ __device__ __forceinline__ void embed_token(int token, Nf4Ref embed, float* out,
 // x = embedding row of state[TOKEN].
 extern "C" __global__ void embed_row(const int* __restrict__ state, Nf4Ref embed, float* x, int hidden,
                                      int vocab) {
+    pdl_enter();
     embed_token(state[STATE_TOKEN], embed, x, hidden, vocab);
 }
 
@@ -521,6 +554,7 @@ struct AttnArgs {
 };
 
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode(AttnArgs a) {
+    pdl_enter();
     const int h = blockIdx.x, split = blockIdx.y, hd = a.head_dim, half = hd >> 1;
     const int group = a.n_q / a.n_kv, kvh = h / group;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -614,6 +648,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode(AttnArgs 
 // CTA (kv head, chunk 0) writes it. Partials per (q head, chunk) go to attn2_merge.
 
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode(AttnArgs a) {
+    pdl_enter();
     const int kvh = blockIdx.x, chunk = blockIdx.y, hd = a.head_dim, half = hd >> 1;
     const int group = a.n_q / a.n_kv;
     const int pos = a.state[STATE_POSITION];
@@ -731,6 +766,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode(AttnArgs
 extern "C" __global__ void attn2_merge(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
                                        const int* __restrict__ state, float* out, int head_dim, int n_chunks,
                                        int max_seq) {
+    pdl_enter();
     const int pos = state[STATE_POSITION];
     if (pos >= max_seq) return;
     const int used = min(pos / ATTN2_CHUNK + 1, ATTN2_MAX_CHUNKS), h = blockIdx.x;
@@ -770,6 +806,7 @@ extern "C" __global__ void attn2_merge(const float* __restrict__ part_acc, const
 extern "C" __global__ void attn_merge(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
                                       const int* __restrict__ state, float* out, int head_dim, int n_splits,
                                       int max_seq) {
+    pdl_enter();
     if (state[STATE_POSITION] >= max_seq) return;
     const int h = blockIdx.x;
     const float* ml = part_ml + (size_t)h * n_splits * 2;
@@ -790,6 +827,7 @@ extern "C" __global__ void attn_merge(const float* __restrict__ part_acc, const 
 // state[NEXT_TOKEN] = argmax(logits): lowest index wins ties, NaN never wins. One CTA.
 // Does nothing once the request is finished (next_token stays the EOS id).
 extern "C" __global__ void argmax_logits(const float* __restrict__ logits, int n, int* state) {
+    pdl_enter();
     if (state[STATE_FINISHED]) return;
     float best = NEG_INF;
     int best_i = -1;
@@ -829,17 +867,20 @@ extern "C" __global__ void argmax_logits(const float* __restrict__ logits, int n
 
 // Prefill: the token of prompt position i (eager only: i is a launch argument).
 extern "C" __global__ void load_token(int* state, const int* __restrict__ ids, int i) {
+    pdl_enter();
     state[STATE_TOKEN] = ids[i];
 }
 
 // After a teacher-forced forward: the slot is written, move on.
 extern "C" __global__ void advance(int* state) {
+    pdl_enter();
     state[STATE_POSITION] += 1;
     state[STATE_VALID_LEN] = state[STATE_POSITION];
 }
 
 // After the last prompt id: feed the greedy id next; finished iff it is EOS (eos < 0: none).
 extern "C" __global__ void finish_prefill(int* state, int eos) {
+    pdl_enter();
     int next = state[STATE_NEXT_TOKEN];
     state[STATE_TOKEN] = next;
     state[STATE_FINISHED] = next == eos ? 1 : 0;
@@ -849,6 +890,7 @@ extern "C" __global__ void finish_prefill(int* state, int eos) {
 // finished |= (next_token == eos), and the id appended to the step ring. A step that runs
 // after the request finished (a replay past EOS) commits nothing.
 extern "C" __global__ void commit_step(int* state, int eos, int* ring) {
+    pdl_enter();
     if (state[STATE_FINISHED]) return;
     int next = state[STATE_NEXT_TOKEN];
     ring[state[STATE_RING_COUNT]++] = next;
@@ -859,4 +901,7 @@ extern "C" __global__ void commit_step(int* state, int eos, int* ring) {
 }
 
 // Empties the step ring before a batch of steps.
-extern "C" __global__ void ring_reset(int* state) { state[STATE_RING_COUNT] = 0; }
+extern "C" __global__ void ring_reset(int* state) {
+    pdl_enter();
+    state[STATE_RING_COUNT] = 0;
+}

@@ -368,9 +368,13 @@ __device__ __forceinline__ void gemm_v2_body(const GemmArgs& a) {
 
 #define GEMM_KERNELS(name, NT, EPI)                                                                          \
     extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) name##_v1(GemmArgs a) {                      \
+        pdl_enter();                                                                                             \
         gemm_v1_body<NT, EPI>(a);                                                                                \
     }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) name##_v2(GemmArgs a) { gemm_v2_body<NT, EPI>(a); }
+    extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) name##_v2(GemmArgs a) {                      \
+        pdl_enter();                                                                                             \
+        gemm_v2_body<NT, EPI>(a);                                                                                \
+    }
 GEMM_KERNELS(gemm_store_nt1, 1, EPI_STORE)
 GEMM_KERNELS(gemm_store_nt4, 4, EPI_STORE)
 GEMM_KERNELS(gemm_store_nt8, 8, EPI_STORE)
@@ -387,6 +391,7 @@ GEMM_KERNELS(gemm_swiglu_nt8, 8, EPI_SWIGLU)
 // x[i] = dequantized embedding row of ids[i], one CTA per token.
 extern "C" __global__ void embed_rows(const int* __restrict__ ids, Nf4Ref embed, float* x, int hidden,
                                       int vocab) {
+    pdl_enter();
     embed_token(ids[blockIdx.x], embed, x + (size_t)blockIdx.x * hidden, hidden, vocab);
 }
 
@@ -396,6 +401,7 @@ extern "C" __global__ void embed_rows(const int* __restrict__ ids, Nf4Ref embed,
 extern "C" __global__ void rope_kv_rows(float* qkv, u16* k_cache, u16* v_cache, const float* __restrict__ rope_cos,
                                         const float* __restrict__ rope_sin, const int* __restrict__ state, int ld,
                                         int n_q, int n_kv, int head_dim) {
+    pdl_enter();
     const int i = blockIdx.x, pos = state[STATE_POSITION] + i, half = head_dim >> 1;
     float* row = qkv + (size_t)i * ld;
     const float* cos_p = rope_cos + (size_t)pos * half;
@@ -417,10 +423,14 @@ extern "C" __global__ void rope_kv_rows(float* qkv, u16* k_cache, u16* v_cache, 
 }
 
 // Before a prompt: a prefill computes its logits even after a finished request.
-extern "C" __global__ void begin_prefill(int* state) { state[STATE_FINISHED] = 0; }
+extern "C" __global__ void begin_prefill(int* state) {
+    pdl_enter();
+    state[STATE_FINISHED] = 0;
+}
 
 // After a chunk of n tokens: its slots are written, move on.
 extern "C" __global__ void advance_by(int* state, int n) {
+    pdl_enter();
     state[STATE_POSITION] += n;
     state[STATE_VALID_LEN] = state[STATE_POSITION];
 }
@@ -546,8 +556,14 @@ __device__ __forceinline__ void attn_prefill_body(const PrefillAttnArgs& a) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(ATTNP_THREADS) attn_prefill_r2(PrefillAttnArgs a) { attn_prefill_body<2>(a); }
-extern "C" __global__ void __launch_bounds__(ATTNP_THREADS) attn_prefill_r8(PrefillAttnArgs a) { attn_prefill_body<8>(a); }
+extern "C" __global__ void __launch_bounds__(ATTNP_THREADS) attn_prefill_r2(PrefillAttnArgs a) {
+    pdl_enter();
+    attn_prefill_body<2>(a);
+}
+extern "C" __global__ void __launch_bounds__(ATTNP_THREADS) attn_prefill_r8(PrefillAttnArgs a) {
+    pdl_enter();
+    attn_prefill_body<8>(a);
+}
 
 // ---------------------------------------------------------------------------------------
 // Causal attention of a chunk on tensor cores (default where head_dim <= 128; DV2_ATTNP=simt
@@ -715,6 +731,7 @@ __device__ __forceinline__ void attn_prefill_mma_body(const PrefillAttnArgs& a) 
 
 #define ATTNM_KERNEL(HD) \
     extern "C" __global__ void __launch_bounds__(32 * ATTNM_WARPS) attn_prefill_mma_hd##HD(PrefillAttnArgs a) { \
+        pdl_enter();                                                                                     \
         attn_prefill_mma_body<HD>(a);                                                                    \
     }
 ATTNM_KERNEL(16)

@@ -4,7 +4,7 @@
 //! median per launch is reported. Inputs are random, never zeros.
 
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
 
 use super::budget::kv_stride;
 use super::device::{driver_error, Gpu};

@@ -1,10 +1,16 @@
 //! The CUDA device: driver probe, one context and one stream, allocation helpers.
 
+use std::ffi::c_void;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
+use cudarc::driver::sys::{
+    cuLaunchKernelEx, CUlaunchAttribute, CUlaunchAttributeID, CUlaunchAttributeValue,
+    CUlaunchConfig,
+};
 use cudarc::driver::{
-    CudaContext, CudaSlice, CudaStream, DevicePtr, DeviceRepr, DriverError, ValidAsZeroBits,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, DriverError,
+    LaunchConfig, ValidAsZeroBits,
 };
 
 use crate::error::{Error, Result};
@@ -32,6 +38,15 @@ pub fn driver_present() -> bool {
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
+    /// Programmatic dependent launch (`DV2_PDL`, default on from compute capability 9.0): each
+    /// kernel may start while the one before it drains; the kernels' `pdl_wait()` orders
+    /// their reads and writes after it (kernels/decode.cu).
+    pub pdl: bool,
+}
+
+/// A kernel argument as the driver takes it: the address of the value.
+pub fn kernel_arg<T: DeviceRepr>(value: &T) -> *mut c_void {
+    value as *const T as *mut c_void
 }
 
 impl Gpu {
@@ -55,7 +70,11 @@ impl Gpu {
             // SAFETY: no allocation or stream exists yet on this context.
             unsafe { ctx.disable_event_tracking() };
             let stream = ctx.new_stream().map_err(driver_error("cuStreamCreate"))?;
-            Ok(Self { ctx, stream })
+            let (major, _) = ctx
+                .compute_capability()
+                .map_err(driver_error("compute capability"))?;
+            let pdl = major >= 9 && std::env::var("DV2_PDL").as_deref() != Ok("0");
+            Ok(Self { ctx, stream, pdl })
         };
         catch_unwind(AssertUnwindSafe(open)).unwrap_or_else(|_| {
             Err(Error::BackendUnavailable(
@@ -111,6 +130,54 @@ impl Gpu {
         self.stream
             .synchronize()
             .map_err(driver_error("stream synchronize"))
+    }
+
+    /// Launches `f` on the stream, with programmatic dependent launch when [`Gpu::pdl`].
+    ///
+    /// # Safety
+    /// `args` holds one [`kernel_arg`] per parameter of `f`, in order and of the declared
+    /// types; every device address among them points to a live buffer large enough for the
+    /// shapes passed.
+    pub unsafe fn launch(
+        &self,
+        f: &CudaFunction,
+        cfg: LaunchConfig,
+        args: &mut [*mut c_void],
+    ) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(driver_error("bind context"))?;
+        let mut value: CUlaunchAttributeValue = std::mem::zeroed();
+        value.programmaticStreamSerializationAllowed = 1;
+        let mut pdl = CUlaunchAttribute {
+            id: CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value,
+        };
+        let config = CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: if self.pdl {
+                &mut pdl
+            } else {
+                std::ptr::null_mut()
+            },
+            numAttrs: u32::from(self.pdl),
+        };
+        cuLaunchKernelEx(
+            &config,
+            f.cu_function(),
+            args.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+        .result()
+        .map_err(driver_error("kernel launch"))
     }
 
     /// Raw device address of a buffer, for kernel arguments. Event tracking is off, so this

@@ -9,17 +9,14 @@
 //! - [`step`]: the backend itself: arena, state, KV, and the launch sequence of one step.
 
 /// Launches kernel `$f` on `$gpu`'s stream with the named locals as arguments, in order.
-/// Arguments must be locals: the builder keeps references to them until the launch.
+/// Arguments must be locals: the driver reads them through their addresses at the launch.
 macro_rules! launch {
     ($gpu:expr, $f:expr, $cfg:expr; $($arg:ident),* $(,)?) => {{
-        let mut builder = $gpu.stream.launch_builder($f);
-        $( builder.arg(&$arg); )*
+        let mut args = [$($crate::cuda::device::kernel_arg(&$arg)),*];
         // SAFETY: every launch site passes the argument list its kernel declares (types and
         // order checked against kernels/*.cu), with device addresses of live buffers sized
         // for the shapes it passes.
-        unsafe { builder.launch($cfg) }
-            .map(|_| ())
-            .map_err($crate::cuda::device::driver_error("kernel launch"))
+        unsafe { $gpu.launch($f, $cfg, &mut args) }
     }};
 }
 

@@ -10,7 +10,7 @@
 //! `DV2_PREFILL=n1` feeds the prompt one token at a time through the decode step instead.
 
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaEvent, CudaGraph, CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaEvent, CudaGraph, CudaSlice, LaunchConfig};
 
 use super::budget::{self, kv_stride};
 use super::device::{driver_error, Gpu};
