@@ -251,7 +251,7 @@ fn main() {
     // Kernel microbenchmarks, per variant (DV2_GEMV / DV2_ATTN), in one process.
     let mut first = true;
     json += "  \"kernels\": {\n";
-    for variant in ["v2", "v1"] {
+    for variant in ["v2", "v3", "v1"] {
         std::env::set_var("DV2_GEMV", variant);
         std::env::set_var("DV2_ATTN", variant);
         let bench = Bench::new(0).expect("CUDA device");
@@ -367,6 +367,20 @@ fn main() {
         std::env::set_var("DV2_PDL", "0");
         runs.push(time_decode("qwen25_3b pdl=0", qwen, 2048, 48, 128, true, 3));
         std::env::remove_var("DV2_PDL");
+        // Each GEMV kernel forced (the default picks per matrix), same process, for the ratio.
+        for v in ["v2", "v3"] {
+            std::env::set_var("DV2_GEMV", v);
+            runs.push(time_decode(
+                &format!("qwen25_3b gemv={v}"),
+                qwen,
+                2048,
+                48,
+                128,
+                true,
+                3,
+            ));
+        }
+        std::env::remove_var("DV2_GEMV");
     }
     if let Some(qwen) = qwen.as_ref().filter(|_| !flag("--skip-variants")) {
         runs.push(time_decode("qwen25_3b", qwen, 2048, 48, 128, false, 3));

@@ -370,14 +370,14 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
             }
         }
     };
-    // The first block's weights are constant: their loads go out before the wait, so under
-    // PDL they overlap the tail of the kernel that writes x.
-    load_block(r0, cur);
+    // x first, then the first block's weights: issuing the weight loads before the wait
+    // (they are constant) measured 3% slower, PDL or not (docs/lab.md).
     pdl_enter();
     if (skip_if && *skip_if) return;
     XSlice<J> xs;
     load_x_slice<J>(x, part, cols, norm, xs);
     __syncthreads();
+    load_block(r0, cur);
     for (int base = r0; base < r1; base += block) {
         if (base + block < r1) load_block(base + block, nxt);
         float sums[R][NM];

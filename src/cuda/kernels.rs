@@ -58,6 +58,13 @@ pub const ATTNP_ROWS: usize = 32;
 pub const ATTNP_TILE: usize = 32;
 pub const ATTNP_Q_FLOATS: usize = 4096;
 
+/// Warps per CTA of GEMV v3 (tensor cores): they split K of the CTA's row tiles.
+pub const GEMV3_WARPS: usize = 8;
+/// The largest K GEMV v3 stages (x as f16 pairs in dynamic shared memory: 2K bytes).
+pub const GEMV3_MAX_K: usize = 32768;
+/// GEMV v3's dynamic shared memory limit (its static table takes 32 KiB more).
+pub const GEMV3_MAX_SMEM: usize = GEMV3_MAX_K * 2;
+const _: () = assert!(GEMV3_MAX_SMEM + 32 * 1024 + 1024 <= 227 * 1024);
 /// Tensor-core prefill attention: warps per CTA and (token, q head) rows per CTA (16 a warp).
 /// Four warps share each staged tile; one warp per CTA (4x the CTAs) measured slower.
 pub const ATTNM_WARPS: usize = 4;
@@ -98,6 +105,7 @@ fn shared_defines() -> Vec<String> {
         ("ATTNP_TILE", ATTNP_TILE),
         ("ATTNP_Q_FLOATS", ATTNP_Q_FLOATS),
         ("ATTNM_WARPS", ATTNM_WARPS),
+        ("GEMV3_WARPS", GEMV3_WARPS),
         ("STATE_TOKEN", state::TOKEN),
         ("STATE_POSITION", state::POSITION),
         ("STATE_VALID_LEN", state::VALID_LEN),
@@ -125,6 +133,7 @@ pub const DECODE: KernelUnit = KernelUnit {
     files: &[
         ("decode.cu", include_str!("../../kernels/decode.cu")),
         ("prefill.cu", include_str!("../../kernels/prefill.cu")),
+        ("gemv_mma.cu", include_str!("../../kernels/gemv_mma.cu")),
     ],
 };
 /// Benchmark-only kernels (the streaming-read floor).
@@ -300,6 +309,8 @@ pub struct Kernels {
     pub gemv2_swiglu: [CudaFunction; 3],
     pub attn2_decode: CudaFunction,
     pub attn2_merge: CudaFunction,
+    /// GEMV v3 (tensor cores) by epilogue: store (+bias), accumulate, SwiGLU.
+    pub gemv3: [CudaFunction; 3],
     /// The NF4 tensor-core GEMM by epilogue: [v1, v2][width index into [`GEMM_NT`]].
     pub gemm_store: [[CudaFunction; 3]; 2],
     pub gemm_acc: [[CudaFunction; 3]; 2],
@@ -347,7 +358,17 @@ impl Kernels {
             };
             Ok([width("v1")?, width("v2")?])
         };
+        // GEMV v3 stages x in dynamic shared memory, up to GEMV3_MAX_SMEM bytes.
+        let gemv3 = [f("gemv3_store")?, f("gemv3_acc")?, f("gemv3_swiglu")?];
+        for func in &gemv3 {
+            func.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                GEMV3_MAX_SMEM as i32,
+            )
+            .map_err(driver_error("gemv3 shared memory attribute"))?;
+        }
         Ok(Self {
+            gemv3,
             gemv_nf4: f("gemv_nf4")?,
             gemv_qkv: f("gemv_qkv")?,
             gemv_swiglu: f("gemv_swiglu")?,

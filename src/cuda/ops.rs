@@ -2,7 +2,8 @@
 //! list and grid. The backend and the microbenchmarks both launch through [`Ops`].
 //!
 //! Variants, chosen at load (each kept so its gain can be measured against its absence):
-//! `DV2_GEMV=v1|v2` (default v2: persistent CTAs, x held in registers) and `DV2_ATTN=v1|v2`
+//! `DV2_GEMV=v1|v2|v3` (default: v3 below 8 MB of weights, v2 above; v2: persistent CTAs, x
+//! held in registers; v3: tensor cores, kernels/gemv_mma.cu) and `DV2_ATTN=v1|v2`
 //! (default v2: one CTA per KV head and 32-slot chunk). `DV2_FUSE_RMS=1` folds RMSNorm into
 //! the GEMV v2 prologue (off by default: it measured slower than the separate kernel). v1 GEMV takes `DV2_GEMV_NR=1|2|4|8`
 //! (rows per CTA); v2 takes `DV2_GEMV_CTAS=n` (CTAs per SM, default 1).
@@ -21,7 +22,8 @@ use super::device::{driver_error, Gpu};
 use super::kernels::{
     Kernels, ATTN2_CHUNK, ATTN2_MAX_CHUNKS, ATTN2_MAX_GROUP, ATTN2_MAX_GROUP_X_HD, ATTNM_ROWS,
     ATTNM_THREADS, ATTNP_Q_FLOATS, ATTNP_ROWS, ATTNP_THREADS, ATTN_THREADS, GEMM_B2_STRIDE,
-    GEMM_NT, GEMM_V2_MAX_KW, GEMM_WARPS, GEMM_WARP_ROWS, GEMV_THREADS, GEMV_WARPS, MAX_HEAD_DIM,
+    GEMM_NT, GEMM_V2_MAX_KW, GEMM_WARPS, GEMM_WARP_ROWS, GEMV3_MAX_K, GEMV3_WARPS, GEMV_THREADS,
+    GEMV_WARPS, MAX_HEAD_DIM,
 };
 use super::weights::Nf4Ref;
 use crate::arch::ArchSpec;
@@ -173,7 +175,22 @@ pub enum Linear {
 pub enum Variant {
     V1,
     V2,
+    /// GEMV only: tensor cores (kernels/gemv_mma.cu).
+    V3,
 }
+
+/// The GEMV kernel: the default, or one forced by `DV2_GEMV`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemvChoice {
+    /// v3 (tensor cores) for matrices under [`GEMV3_AUTO_MAX_BYTES`] of packed weights, v2
+    /// for the larger ones: the faster of the two at each Qwen2.5-3B shape (docs/lab.md).
+    Auto,
+    Fixed(Variant),
+}
+
+/// Packed NF4 bytes below which [`GemvChoice::Auto`] takes GEMV v3: v3 measured faster on
+/// q/k/v (3.0 MB) and o (2.4 MB), v2 on down (12.7 MB), gate+up (25 MB) and lm_head.
+pub const GEMV3_AUTO_MAX_BYTES: usize = 8 << 20;
 
 /// The tensor-core GEMM kernel: the default, or one forced by `DV2_GEMM`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -212,7 +229,8 @@ pub fn one_cta(threads: u32) -> LaunchConfig {
 pub struct Ops {
     pub gpu: Gpu,
     pub k: Kernels,
-    pub gemv: Variant,
+    /// The GEMV kernels: [`GemvChoice::Auto`] (default) picks per matrix.
+    pub gemv: GemvChoice,
     pub attn: Variant,
     /// RMSNorm folded into the GEMV v2 prologue (`DV2_FUSE_RMS=1`; off by default: measured
     /// slower, docs/lab.md).
@@ -238,7 +256,12 @@ impl Ops {
         Ok(Self {
             gpu,
             k,
-            gemv: variant("DV2_GEMV"),
+            gemv: match std::env::var("DV2_GEMV").as_deref() {
+                Ok("v1") => GemvChoice::Fixed(Variant::V1),
+                Ok("v2") => GemvChoice::Fixed(Variant::V2),
+                Ok("v3") => GemvChoice::Fixed(Variant::V3),
+                _ => GemvChoice::Auto,
+            },
             attn: variant("DV2_ATTN"),
             fuse_rms: std::env::var("DV2_FUSE_RMS").is_ok_and(|v| v == "1"),
             attnp_simt: std::env::var("DV2_ATTNP").is_ok_and(|v| v == "simt"),
@@ -323,10 +346,10 @@ impl Ops {
     /// Resolves a GEMV input: with a norm and the fused path (GEMV v2 and
     /// `DV2_FUSE_RMS=1`), the raw x and the norm arguments for the kernel's prologue; otherwise the RMSNorm
     /// kernel writes the normed x to the scratch buffer, which the GEMV then reads.
-    fn input(&self, input: Input, cols: usize) -> Result<(u64, NormArgs)> {
+    fn input(&self, input: Input, cols: usize, kernel: Variant) -> Result<(u64, NormArgs)> {
         match input.norm {
             None => Ok((input.x, NormArgs::NONE)),
-            Some(n) if self.gemv == Variant::V2 && self.fuse_rms && self.linear == Linear::Gemv => {
+            Some(n) if kernel == Variant::V2 && self.fuse_rms && self.linear == Linear::Gemv => {
                 Ok((input.x, NormArgs { w: n.w, eps: n.eps }))
             }
             Some(n) => {
@@ -423,6 +446,63 @@ impl Ops {
         launch!(self.gpu, f, cfg; args)
     }
 
+    /// The GEMV kernel for a `rows` x `cols` NF4 matrix (gate and up count together).
+    fn gemv_kernel(&self, rows: usize, cols: usize) -> Variant {
+        match self.gemv {
+            GemvChoice::Fixed(v) => v,
+            GemvChoice::Auto => auto_gemv(rows, cols),
+        }
+    }
+
+    /// GEMV v3: `y = W x` on tensor cores for the stacked matrices `mats` (store with bias,
+    /// accumulate into y, or SwiGLU of gate and up).
+    fn gemv3(
+        &self,
+        epilogue: Epilogue,
+        mats: &[GemmMatrix],
+        k: usize,
+        x: u64,
+        y: u64,
+        skip_if: u64,
+    ) -> Result<()> {
+        if k > GEMV3_MAX_K || k % 64 != 0 {
+            return Err(Error::Unsupported(format!(
+                "K = {k}: GEMV v3 takes multiples of 64 up to {GEMV3_MAX_K}"
+            )));
+        }
+        let mut args = GemmArgs {
+            m: [Nf4Ref::default(); 3],
+            bias: [0; 3],
+            rows: [0; 3],
+            x,
+            y,
+            skip_if,
+            n: 1,
+            k: k as i32,
+            ldy: 0,
+            kw: GEMV3_WARPS as i32,
+        };
+        for (i, m) in mats.iter().enumerate() {
+            args.m[i] = m.m;
+            args.bias[i] = m.bias;
+            args.rows[i] = m.rows as i32;
+        }
+        let (f, outputs) = match epilogue {
+            Epilogue::Store => (&self.k.gemv3[0], mats.iter().map(|m| m.rows).sum()),
+            Epilogue::Accumulate => (&self.k.gemv3[1], mats[0].rows),
+            Epilogue::Swiglu => (&self.k.gemv3[2], mats[0].rows),
+        };
+        // Persistent: two CTAs per SM (the registers allow two), each looping over groups
+        // of 16 outputs.
+        let groups = outputs.div_ceil(16) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (groups.min(2 * self.sms).max(1), 1, 1),
+            block_dim: ((GEMV3_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: (k * 2) as u32,
+        };
+        launch!(self.gpu, f, cfg; args)
+    }
+
     /// The tensor-core prefill attention for `head_dim` (16, 32, 64 or 128), unless
     /// `DV2_ATTNP=simt` asks for the CUDA-core kernels.
     fn attn_prefill_mma(&self, head_dim: usize) -> Option<&CudaFunction> {
@@ -494,7 +574,8 @@ impl Ops {
         skip_if: u64,
     ) -> Result<()> {
         let (rows_i, cols_i, acc, bias) = (rows as i32, cols as i32, accumulate as i32, 0u64);
-        let (x, norm) = self.input(input, cols)?;
+        let kernel = self.gemv_kernel(rows, cols);
+        let (x, norm) = self.input(input, cols, kernel)?;
         if self.linear == Linear::Mma {
             let epilogue = if accumulate {
                 Epilogue::Accumulate
@@ -504,13 +585,28 @@ impl Ops {
             let mats = [GemmMatrix { m, rows, bias: 0 }];
             return self.gemm(epilogue, &mats, cols, x, 1, y, rows, skip_if);
         }
-        match self.gemv {
+        if kernel == Variant::V3 {
+            let epilogue = if accumulate {
+                Epilogue::Accumulate
+            } else {
+                Epilogue::Store
+            };
+            return self.gemv3(
+                epilogue,
+                &[GemmMatrix { m, rows, bias: 0 }],
+                cols,
+                x,
+                y,
+                skip_if,
+            );
+        }
+        match kernel {
             Variant::V1 => {
                 let (kparts, cfg) = self.gemv_v1_launch(rows);
                 let kp = kparts as i32;
                 launch!(self.gpu, &self.k.gemv_nf4, cfg; m, x, y, bias, rows_i, cols_i, kp, acc, skip_if)
             }
-            Variant::V2 => {
+            _ => {
                 let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols)?;
                 let kp = kparts as i32;
                 launch!(self.gpu, &self.k.gemv2_nf4[j - 1], cfg; m, x, norm, y, bias, rows_i, cols_i, kp, acc, skip_if)
@@ -522,22 +618,26 @@ impl Ops {
     pub fn qkv(&self, args: QkvArgs, cols: usize, input: Input, out: u64) -> Result<()> {
         let rows = args.rows.iter().sum::<i32>() as usize;
         let cols_i = cols as i32;
-        let (x, norm) = self.input(input, cols)?;
-        if self.linear == Linear::Mma {
+        let kernel = self.gemv_kernel(rows, cols);
+        let (x, norm) = self.input(input, cols, kernel)?;
+        if self.linear == Linear::Mma || kernel == Variant::V3 {
             let mats = [0, 1, 2].map(|i| GemmMatrix {
                 m: args.m[i],
                 rows: args.rows[i] as usize,
                 bias: args.bias[i],
             });
-            return self.gemm(Epilogue::Store, &mats, cols, x, 1, out, rows, 0);
+            if self.linear == Linear::Mma {
+                return self.gemm(Epilogue::Store, &mats, cols, x, 1, out, rows, 0);
+            }
+            return self.gemv3(Epilogue::Store, &mats, cols, x, out, 0);
         }
-        match self.gemv {
+        match kernel {
             Variant::V1 => {
                 let (kparts, cfg) = self.gemv_v1_launch(rows);
                 let kp = kparts as i32;
                 launch!(self.gpu, &self.k.gemv_qkv, cfg; args, x, out, cols_i, kp)
             }
-            Variant::V2 => {
+            _ => {
                 let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols)?;
                 let kp = kparts as i32;
                 launch!(self.gpu, &self.k.gemv2_qkv[j - 1], cfg; args, x, norm, out, cols_i, kp)
@@ -557,18 +657,22 @@ impl Ops {
         out: u64,
     ) -> Result<()> {
         let (rows_i, cols_i) = (rows as i32, cols as i32);
-        let (x, norm) = self.input(input, cols)?;
-        if self.linear == Linear::Mma {
+        let kernel = self.gemv_kernel(2 * rows, cols);
+        let (x, norm) = self.input(input, cols, kernel)?;
+        if self.linear == Linear::Mma || kernel == Variant::V3 {
             let mats = [gate, up].map(|m| GemmMatrix { m, rows, bias: 0 });
-            return self.gemm(Epilogue::Swiglu, &mats, cols, x, 1, out, rows, 0);
+            if self.linear == Linear::Mma {
+                return self.gemm(Epilogue::Swiglu, &mats, cols, x, 1, out, rows, 0);
+            }
+            return self.gemv3(Epilogue::Swiglu, &mats, cols, x, out, 0);
         }
-        match self.gemv {
+        match kernel {
             Variant::V1 => {
                 let (kparts, cfg) = self.gemv_v1_launch(rows);
                 let kp = kparts as i32;
                 launch!(self.gpu, &self.k.gemv_swiglu, cfg; gate, up, x, out, rows_i, cols_i, kp)
             }
-            Variant::V2 => {
+            _ => {
                 let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols)?;
                 let kp = kparts as i32;
                 launch!(self.gpu, &self.k.gemv2_swiglu[j - 1], cfg; gate, up, x, norm, out, rows_i, cols_i, kp)
@@ -607,7 +711,7 @@ impl Ops {
                 launch!(self.gpu, &self.k.attn_decode, cfg; args)?;
                 launch!(self.gpu, &self.k.attn_merge, merge; pa, pm, st, out, hd, ns, ms)
             }
-            Variant::V2 => {
+            Variant::V2 | Variant::V3 => {
                 let chunks = max_seq.div_ceil(ATTN2_CHUNK);
                 let args = AttnArgs {
                     n_splits: chunks as i32,
@@ -623,6 +727,15 @@ impl Ops {
                 launch!(self.gpu, &self.k.attn2_merge, merge; pa, pm, st, out, hd, nc, ms)
             }
         }
+    }
+}
+
+/// [`GemvChoice::Auto`]'s kernel for a `rows` x `cols` NF4 matrix.
+fn auto_gemv(rows: usize, cols: usize) -> Variant {
+    if rows * cols / 2 < GEMV3_AUTO_MAX_BYTES {
+        Variant::V3
+    } else {
+        Variant::V2
     }
 }
 
@@ -712,6 +825,17 @@ mod tests {
         assert_eq!(attn_prefill_tokens(16, 128, 8), None);
         assert_eq!(attn_prefill_tokens(2, 256, 32), Some(8));
         assert_eq!(attn_prefill_tokens(32, 256, 32), None);
+    }
+
+    #[test]
+    fn auto_gemv_takes_tensor_cores_for_the_small_matrices() {
+        let s = &crate::arch::QWEN25_3B;
+        let qkv = (s.n_q_heads + 2 * s.n_kv_heads) * s.head_dim;
+        assert_eq!(auto_gemv(qkv, s.hidden), Variant::V3);
+        assert_eq!(auto_gemv(s.hidden, s.n_q_heads * s.head_dim), Variant::V3);
+        assert_eq!(auto_gemv(2 * s.intermediate, s.hidden), Variant::V2);
+        assert_eq!(auto_gemv(s.hidden, s.intermediate), Variant::V2);
+        assert_eq!(auto_gemv(s.vocab, s.hidden), Variant::V2);
     }
 
     #[test]

@@ -17,6 +17,14 @@ grep -E "^test |test result|SKIP|FAILED|panicked|max \|logit|oracle|built in|qwe
 DV2_GEMV=v1 DV2_ATTN=v1 .device/tests/cuda_gates --nocapture gates_match > "$out/tests-v1.log" 2>&1 \
   && echo "v1 kernels, gates: ok" || { echo "v1 kernels, gates: FAILED"; status=1; }
 grep -E "max \|logit" "$out/tests-v1.log"
+# The default GEMV picks v3 or v2 per matrix; each forced everywhere must pass too.
+for v in v2 v3; do
+  DV2_GEMV=$v .device/tests/cuda_gates --nocapture gates_match > "$out/tests-gemv-$v.log" 2>&1 \
+    && echo "DV2_GEMV=$v, gates: ok" || { echo "DV2_GEMV=$v, gates: FAILED"; status=1; }
+  grep -E "max \|logit" "$out/tests-gemv-$v.log"
+done
+DV2_PDL=0 .device/tests/cuda_gates --nocapture gates_match > "$out/tests-pdl0.log" 2>&1 \
+  && echo "DV2_PDL=0, gates: ok" || { echo "DV2_PDL=0, gates: FAILED"; status=1; }
 DV2_FUSE_RMS=1 .device/tests/cuda_gates --nocapture gates_match > "$out/tests-fused-rms.log" 2>&1 \
   && echo "RMSNorm fused into GEMV, gates: ok" || { echo "RMSNorm fused into GEMV, gates: FAILED"; status=1; }
 # The decode step's linears through the tensor-core GEMM (DV2_LINEAR=mma), and the prompt

@@ -1,0 +1,193 @@
+// GEMV v3 (DV2_GEMV=v3): the decode step's NF4 matrix-vector products on tensor cores.
+// Compiled after prefill.cu, whose GemmArgs, epilogue kinds, stacked rows and mma_16816 it
+// uses.
+//
+// Why: GEMV v2 spends ~4 instructions per weight (nibble extract, codebook load, FMA) and
+// is issue-bound at ~50% of the bandwidth floor (docs/lab.md). Here a warp runs
+// mma.sync m16n8k16 with x replicated in all eight columns, so one MMA does 256
+// multiply-adds, and the dequantization is one shared-memory load per two weights: a
+// 256-entry table maps a packed byte to its f16 pair, replicated once per bank (entry b of
+// lane l at word 32b + l) so a warp's 32 lookups never conflict.
+//
+// Fragment layout as in the prefill GEMM: thread (g = lane/4, t = lane%4) holds bytes
+// 8t..8t+7 of each 64-element block of rows g and g+8 of a 16-row tile; in k-step s its A
+// pairs are bytes 2s and 2s+1, its B pairs x[16t+4s .. 16t+4s+3] (f16 words 8t+2s, 8t+2s+1
+// of the block). The four k-steps of a block sum into a fresh accumulator that the block's
+// absmax then scales in f32, so no scale touches an f16 value and every column of C holds
+// the same row sums.
+//
+// A row group is T 16-row tiles (SwiGLU: T = 2, the gate and up rows of 16 outputs). A
+// persistent CTA takes every gridDim.x-th group; its GEMV3_WARPS warps split K, and their
+// sums meet in shared memory for the epilogue. x is staged once per CTA as f16 pairs
+// (dynamic shared memory, K/2 words), the table once per CTA too.
+#define GEMV3_THREADS (GEMV3_WARPS * 32)
+#define GEMV3_LUT_WORDS (256 * 32)
+
+// The byte -> f16 pair table, replicated per bank (GEMV3_LUT_WORDS words).
+__device__ __forceinline__ void load_byte_codebook(u32* lut) {
+    __shared__ float nf4[16];
+    load_codebook(nf4);
+    __syncthreads();
+    for (int i = threadIdx.x; i < GEMV3_LUT_WORDS; i += blockDim.x) {
+        const int b = i >> 5;
+        lut[i] = pack_f16x2(nf4[b >> 4], nf4[b & 15]);
+    }
+}
+
+// One block of one tile for this thread: 8 bytes of rows g and g+8, and their absmax.
+struct Gemv3Block {
+    uint2 w[2];
+    float s[2];
+};
+
+template <int T, int S>
+struct Gemv3Stage {
+    Gemv3Block b[S][T];
+};
+
+// Row h (0: g, 1: g + 8) of tile i of row group `group`, as a stacked-matrix row.
+template <int T, int EPI>
+__device__ __forceinline__ StackedRow gemv3_row(const GemmArgs& a, int group, int i, int h, int g) {
+    if (EPI == EPI_SWIGLU) {
+        const int r = group * 16 + g + 8 * h;
+        StackedRow s;
+        s.valid = r < a.rows[0];
+        s.matrix = i;
+        s.local = s.valid ? r : 0;
+        return s;
+    }
+    return stacked_row(a, (group * T + i) * 16 + g + 8 * h);
+}
+
+// Issues the loads of blocks kb .. kb+S-1 (those below kb1) of a row group's tiles.
+template <int T, int S, int EPI>
+__device__ __forceinline__ void gemv3_load(const GemmArgs& a, int group, int kb, int kb1, int g, int t,
+                                           Gemv3Stage<T, S>& st) {
+#pragma unroll
+    for (int i = 0; i < T; i++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const StackedRow r = gemv3_row<T, EPI>(a, group, i, h, g);
+            const Nf4Ref m = pick(a, r.matrix);
+            const u8* wrow = m.packed + (size_t)r.local * (a.k >> 1) + 8 * t;
+            const float* srow = m.absmax + (size_t)r.local * (a.k >> 6);
+#pragma unroll
+            for (int j = 0; j < S; j++) {
+                const bool in = kb + j < kb1;
+                st.b[j][i].w[h] = in ? __ldg(reinterpret_cast<const uint2*>(wrow + (kb + j) * 32)) : make_uint2(0u, 0u);
+                st.b[j][i].s[h] = in ? __ldg(srow + kb + j) : 0.0f;
+            }
+        }
+}
+
+// Persistent: CTA b takes row groups b, b + gridDim.x, ...; each warp walks its K range of
+// every group S blocks at a time, the loads of the next S blocks (of this group or the next)
+// in flight during the math.
+template <int T, int S, int EPI>
+__device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
+    __shared__ u32 lut[GEMV3_LUT_WORDS];
+    __shared__ float red[2][GEMV3_WARPS][T * 16];  // by group parity: one barrier per group
+    extern __shared__ u32 x16[];                   // K/2 f16 pairs
+    load_byte_codebook(lut);
+    pdl_enter();
+    if (a.skip_if && *a.skip_if) return;
+    for (int i = threadIdx.x; i < (a.k >> 2); i += blockDim.x) {
+        const float4 v = reinterpret_cast<const float4*>(a.x)[i];
+        x16[2 * i] = pack_f16x2(v.x, v.y);
+        x16[2 * i + 1] = pack_f16x2(v.z, v.w);
+    }
+    __syncthreads();
+
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const u32* lut_lane = lut + lane;
+    const int outputs = EPI == EPI_SWIGLU ? a.rows[0] : a.rows[0] + a.rows[1] + a.rows[2];
+    const int groups = (outputs + 16 * (EPI == EPI_SWIGLU ? 1 : T) - 1) / (16 * (EPI == EPI_SWIGLU ? 1 : T));
+    const int kblocks = a.k >> 6;
+    const int kb0 = warp * kblocks / GEMV3_WARPS, kb1 = (warp + 1) * kblocks / GEMV3_WARPS;
+    const int stages = (kb1 - kb0 + S - 1) / S;
+
+    Gemv3Stage<T, S> cur, nxt;
+    if (stages > 0 && (int)blockIdx.x < groups) gemv3_load<T, S, EPI>(a, blockIdx.x, kb0, kb1, g, t, cur);
+    int parity = 0;
+    for (int group = blockIdx.x; group < groups; group += gridDim.x, parity ^= 1) {
+        float acc[T][2] = {};
+        for (int st = 0; st < stages; st++) {
+            const int kb = kb0 + st * S;
+            const bool last = st + 1 == stages;
+            const int next_group = last ? group + gridDim.x : group;
+            if (next_group < groups)
+                gemv3_load<T, S, EPI>(a, next_group, last ? kb0 : kb + S, kb1, g, t, nxt);
+#pragma unroll
+            for (int j = 0; j < S; j++) {
+                if (kb + j >= kb1) break;
+                const uint4* xb = reinterpret_cast<const uint4*>(x16 + (kb + j) * 32 + 8 * t);
+                const uint4 x0 = xb[0], x1 = xb[1];
+                const u32 bw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+                for (int i = 0; i < T; i++) {
+                    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                    const Gemv3Block& blk = cur.b[j][i];
+#pragma unroll
+                    for (int s = 0; s < 4; s++) {
+                        const int shift = (s & 1) * 16;
+                        u32 af[4];
+#pragma unroll
+                        for (int h = 0; h < 2; h++) {
+                            const u32 word = s < 2 ? blk.w[h].x : blk.w[h].y;
+                            af[h] = lut_lane[((word >> shift) & 0xff) * 32];
+                            af[2 + h] = lut_lane[((word >> (shift + 8)) & 0xff) * 32];
+                        }
+                        mma_16816(c, af, bw[2 * s], bw[2 * s + 1]);
+                    }
+                    acc[i][0] = fmaf(c[0], blk.s[0], acc[i][0]);
+                    acc[i][1] = fmaf(c[2], blk.s[1], acc[i][1]);
+                }
+            }
+            cur = nxt;
+        }
+
+        // Every column holds the same sums: lanes t = 0 hand rows g and g + 8 of each tile over.
+        if (t == 0) {
+#pragma unroll
+            for (int i = 0; i < T; i++) {
+                red[parity][warp][i * 16 + g] = acc[i][0];
+                red[parity][warp][i * 16 + g + 8] = acc[i][1];
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x < T * 16) {
+            const int i = threadIdx.x / 16, rr = threadIdx.x % 16;
+            float sum = 0.0f;
+#pragma unroll
+            for (int w = 0; w < GEMV3_WARPS; w++) sum += red[parity][w][threadIdx.x];
+            if (EPI == EPI_SWIGLU) {
+                if (i == 0) {
+                    float up = 0.0f;
+#pragma unroll
+                    for (int w = 0; w < GEMV3_WARPS; w++) up += red[parity][w][16 + rr];
+                    const int r = group * 16 + rr;
+                    if (r < a.rows[0]) a.y[r] = sum / (1.0f + expf(-sum)) * up;
+                }
+            } else {
+                const int row = (group * T + i) * 16 + rr;
+                const StackedRow r = stacked_row(a, row);
+                if (r.valid) {
+                    const float* bias = pick_bias(a, r.matrix);
+                    const float v = sum + (bias ? bias[r.local] : 0.0f);
+                    a.y[row] = EPI == EPI_ACCUMULATE ? a.y[row] + v : v;
+                }
+            }
+        }
+    }
+}
+
+// T = 1 tile for the plain epilogues, S = 4 blocks per load; SwiGLU: 2 tiles, 2 blocks.
+extern "C" __global__ void __launch_bounds__(GEMV3_THREADS, 2) gemv3_store(GemmArgs a) {
+    gemv3_body<1, 4, EPI_STORE>(a);
+}
+extern "C" __global__ void __launch_bounds__(GEMV3_THREADS, 2) gemv3_acc(GemmArgs a) {
+    gemv3_body<1, 4, EPI_ACCUMULATE>(a);
+}
+extern "C" __global__ void __launch_bounds__(GEMV3_THREADS, 2) gemv3_swiglu(GemmArgs a) {
+    gemv3_body<2, 2, EPI_SWIGLU>(a);
+}
