@@ -367,17 +367,6 @@ fn main() {
         std::env::set_var("DV2_PDL", "0");
         runs.push(time_decode("qwen25_3b pdl=0", qwen, 2048, 48, 128, true, 3));
         std::env::remove_var("DV2_PDL");
-        std::env::set_var("DV2_GEMV_PREFETCH", "0");
-        runs.push(time_decode(
-            "qwen25_3b prefetch=0",
-            qwen,
-            2048,
-            48,
-            128,
-            true,
-            3,
-        ));
-        std::env::remove_var("DV2_GEMV_PREFETCH");
         // Each GEMV kernel forced (the default picks per matrix), same process, for the ratio.
         for v in ["v2", "v3"] {
             std::env::set_var("DV2_GEMV", v);

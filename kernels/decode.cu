@@ -70,15 +70,6 @@ __device__ __forceinline__ void pdl_release() {
 #endif
 }
 
-// Asks L2 for the line at p (no register, no wait): the GEMVs name their first weights this
-// way before pdl_wait(), so under PDL the fetch overlaps the previous kernel's tail.
-// GEMV_L2_PREFETCH (a -D option, 0 or 1) turns it off or on.
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-#if GEMV_L2_PREFETCH
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-#endif
-}
-
 // The start of every kernel that loads nothing before waiting.
 __device__ __forceinline__ void pdl_enter() {
     pdl_wait();
@@ -318,9 +309,8 @@ struct RowChunks {
     float s[J];
 };
 
-// Issues the loads of this lane's chunks of one row part (zero scale past the row's end);
-// PREFETCH: only asks L2 for them.
-template <int J, bool PREFETCH = false>
+// Issues the loads of this lane's chunks of one row part (zero scale past the row's end).
+template <int J>
 __device__ __forceinline__ void load_row(Nf4Ref m, int row, int cols, int part, RowChunks<J>& rc) {
     const int lane = threadIdx.x & 31, n_chunks = cols >> 5;
     const uint4* w = reinterpret_cast<const uint4*>(m.packed + (size_t)row * (cols >> 1));
@@ -329,13 +319,6 @@ __device__ __forceinline__ void load_row(Nf4Ref m, int row, int cols, int part, 
     for (int j = 0; j < J; j++) {
         const int c = (part * J + j) * 32 + lane;
         const bool in = c < n_chunks;
-        if (PREFETCH) {
-            if (in) {
-                prefetch_l2(w + c);
-                prefetch_l2(a + (c >> 1));
-            }
-            continue;
-        }
         rc.q[j] = in ? __ldg(w + c) : make_uint4(0u, 0u, 0u, 0u);
         rc.s[j] = in ? __ldg(a + (c >> 1)) : 0.0f;
     }
@@ -377,35 +360,26 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     const int block = row_lanes * R;  // rows per iteration
     // Software pipeline: the loads of the next block are issued before this block's math.
     RowChunks<J> cur[R][NM], nxt[R][NM];
-    // prefetch: only asks L2 for the block's weights (rc untouched).
-    auto load_block = [&](int base, RowChunks<J> (&rc)[R][NM], bool prefetch) {
+    auto load_block = [&](int base, RowChunks<J> (&rc)[R][NM]) {
 #pragma unroll
         for (int i = 0; i < R; i++) {
             const int r = base + i * row_lanes + row_lane;
             if (r < r1) {
 #pragma unroll
-                for (int k = 0; k < NM; k++) {
-                    if (prefetch)
-                        load_row<J, true>(rows_of.matrix(r, k), rows_of.local(r), cols, part, rc[i][k]);
-                    else
-                        load_row<J>(rows_of.matrix(r, k), rows_of.local(r), cols, part, rc[i][k]);
-                }
+                for (int k = 0; k < NM; k++) load_row<J>(rows_of.matrix(r, k), rows_of.local(r), cols, part, rc[i][k]);
             }
         }
     };
-    // The first two blocks' weights are constant: L2 is asked for them before the wait.
-    // Loading them into registers there instead measured 3% slower, PDL or not: it delays
-    // the x loads every row needs first (docs/lab.md).
-    load_block(r0, cur, true);
-    load_block(r0 + block, cur, true);
+    // x first, then the first block's weights: issuing the weight loads before the wait
+    // (they are constant) measured 3% slower, PDL or not (docs/lab.md).
     pdl_enter();
     if (skip_if && *skip_if) return;
     XSlice<J> xs;
     load_x_slice<J>(x, part, cols, norm, xs);
     __syncthreads();
-    load_block(r0, cur, false);
+    load_block(r0, cur);
     for (int base = r0; base < r1; base += block) {
-        if (base + block < r1) load_block(base + block, nxt, false);
+        if (base + block < r1) load_block(base + block, nxt);
         float sums[R][NM];
 #pragma unroll
         for (int i = 0; i < R; i++)

@@ -59,9 +59,8 @@ __device__ __forceinline__ StackedRow gemv3_row(const GemmArgs& a, int group, in
     return stacked_row(a, (group * T + i) * 16 + g + 8 * h);
 }
 
-// Issues the loads of blocks kb .. kb+S-1 (those below kb1) of a row group's tiles;
-// PREFETCH: only asks L2 for them.
-template <int T, int S, int EPI, bool PREFETCH = false>
+// Issues the loads of blocks kb .. kb+S-1 (those below kb1) of a row group's tiles.
+template <int T, int S, int EPI>
 __device__ __forceinline__ void gemv3_load(const GemmArgs& a, int group, int kb, int kb1, int g, int t,
                                            Gemv3Stage<T, S>& st) {
 #pragma unroll
@@ -75,13 +74,6 @@ __device__ __forceinline__ void gemv3_load(const GemmArgs& a, int group, int kb,
 #pragma unroll
             for (int j = 0; j < S; j++) {
                 const bool in = kb + j < kb1;
-                if (PREFETCH) {
-                    if (in) {
-                        prefetch_l2(wrow + (kb + j) * 32);
-                        prefetch_l2(srow + kb + j);
-                    }
-                    continue;
-                }
                 st.b[j][i].w[h] = in ? __ldg(reinterpret_cast<const uint2*>(wrow + (kb + j) * 32)) : make_uint2(0u, 0u);
                 st.b[j][i].s[h] = in ? __ldg(srow + kb + j) : 0.0f;
             }
@@ -96,12 +88,6 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
     __shared__ u32 lut[GEMV3_LUT_WORDS];
     __shared__ float red[2][GEMV3_WARPS][T * 16];  // by group parity: one barrier per group
     extern __shared__ u32 x16[];                   // K/2 f16 pairs
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int kblocks = a.k >> 6;
-    const int kb0 = warp * kblocks / GEMV3_WARPS, kb1 = (warp + 1) * kblocks / GEMV3_WARPS;
-    Gemv3Stage<T, S> cur, nxt;
-    // The first stage's weights are constant: L2 is asked for them before the wait.
-    gemv3_load<T, S, EPI, true>(a, blockIdx.x, kb0, kb1, g, t, cur);
     load_byte_codebook(lut);
     pdl_enter();
     if (a.skip_if && *a.skip_if) return;
@@ -112,11 +98,15 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
     }
     __syncthreads();
 
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const u32* lut_lane = lut + lane;
     const int outputs = EPI == EPI_SWIGLU ? a.rows[0] : a.rows[0] + a.rows[1] + a.rows[2];
     const int groups = (outputs + 16 * (EPI == EPI_SWIGLU ? 1 : T) - 1) / (16 * (EPI == EPI_SWIGLU ? 1 : T));
+    const int kblocks = a.k >> 6;
+    const int kb0 = warp * kblocks / GEMV3_WARPS, kb1 = (warp + 1) * kblocks / GEMV3_WARPS;
     const int stages = (kb1 - kb0 + S - 1) / S;
 
+    Gemv3Stage<T, S> cur, nxt;
     if (stages > 0 && (int)blockIdx.x < groups) gemv3_load<T, S, EPI>(a, blockIdx.x, kb0, kb1, g, t, cur);
     int parity = 0;
     for (int group = blockIdx.x; group < groups; group += gridDim.x, parity ^= 1) {

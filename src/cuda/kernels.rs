@@ -200,10 +200,6 @@ fn cache_dir() -> Option<PathBuf> {
 fn options(arch: &str) -> Vec<String> {
     let mut opts = vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()];
     opts.extend(shared_defines());
-    // `DV2_GEMV_PREFETCH=0` drops the GEMVs' L2 prefetch of their first weights before the
-    // PDL wait, so its gain can be measured (a compile-time switch: the cache keys on it).
-    let prefetch = std::env::var("DV2_GEMV_PREFETCH").as_deref() != Ok("0");
-    opts.push(format!("-DGEMV_L2_PREFETCH={}", u8::from(prefetch)));
     opts
 }
 
