@@ -20,20 +20,8 @@
 // persistent CTA takes every gridDim.x-th group; its GEMV3_WARPS warps split K, and their
 // sums meet in shared memory for the epilogue. x is staged once per CTA as f16 pairs
 // (dynamic shared memory, K/2 words), the table once per CTA too.
-//
-// Weights reach the warps through shared memory: each warp keeps a ring of GEMV3_STAGES
-// slots, each S blocks of its T tiles, filled by cp.async, with GEMV3_STAGES - 1 slots in
-// flight while it computes one. Held in registers instead (the first version), the data
-// in flight was bounded by the register file to ~32 KB per SM, and the big matrices ran
-// no faster than GEMV v2 (docs/lab.md); the ring holds ~2x that without registers.
-#if !defined(GEMV3_WARPS) || !defined(GEMV3_STAGES) || !defined(GEMV3_STAGE_BLOCKS) || !defined(GEMV3_ENTRY_BYTES)
-#error "the host passes the GEMV v3 constants as -D options (src/cuda/kernels.rs)"
-#endif
 #define GEMV3_THREADS (GEMV3_WARPS * 32)
 #define GEMV3_LUT_WORDS (256 * 32)
-// One ring entry (GEMV3_ENTRY_BYTES): a block of one tile, 16 bytes per lane (8 of row g,
-// then 8 of row g + 8, where lane = 4g + t), then the 16 rows' absmax.
-static_assert(GEMV3_ENTRY_BYTES == 32 * 16 + 16 * 4, "ring entry layout");
 
 // The byte -> f16 pair table, replicated per bank (GEMV3_LUT_WORDS words).
 __device__ __forceinline__ void load_byte_codebook(u32* lut) {
@@ -46,15 +34,16 @@ __device__ __forceinline__ void load_byte_codebook(u32* lut) {
     }
 }
 
-__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
-    const unsigned saddr = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(saddr), "l"(src));
-}
+// One block of one tile for this thread: 8 bytes of rows g and g+8, and their absmax.
+struct Gemv3Block {
+    uint2 w[2];
+    float s[2];
+};
 
-__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
-    const unsigned saddr = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(saddr), "l"(src));
-}
+template <int T, int S>
+struct Gemv3Stage {
+    Gemv3Block b[S][T];
+};
 
 // Row h (0: g, 1: g + 8) of tile i of row group `group`, as a stacked-matrix row.
 template <int T, int EPI>
@@ -70,12 +59,10 @@ __device__ __forceinline__ StackedRow gemv3_row(const GemmArgs& a, int group, in
     return stacked_row(a, (group * T + i) * 16 + g + 8 * h);
 }
 
-// Starts the copies of blocks kb .. kb+S-1 (those below kb1) of a row group's tiles into
-// ring slot `slot` (S x T entries). Lane (g, t) copies its 8 bytes of rows g and g + 8;
-// lanes t = 0 and 1 copy the absmax of rows g and g + 8.
+// Issues the loads of blocks kb .. kb+S-1 (those below kb1) of a row group's tiles.
 template <int T, int S, int EPI>
-__device__ __forceinline__ void gemv3_issue(const GemmArgs& a, int group, int kb, int kb1, int lane, u8* slot) {
-    const int g = lane >> 2, t = lane & 3;
+__device__ __forceinline__ void gemv3_load(const GemmArgs& a, int group, int kb, int kb1, int g, int t,
+                                           Gemv3Stage<T, S>& st) {
 #pragma unroll
     for (int i = 0; i < T; i++)
 #pragma unroll
@@ -86,51 +73,24 @@ __device__ __forceinline__ void gemv3_issue(const GemmArgs& a, int group, int kb
             const float* srow = m.absmax + (size_t)r.local * (a.k >> 6);
 #pragma unroll
             for (int j = 0; j < S; j++) {
-                if (kb + j >= kb1) break;
-                u8* entry = slot + (j * T + i) * GEMV3_ENTRY_BYTES;
-                cp_async8(entry + lane * 16 + 8 * h, wrow + (kb + j) * 32);
-                if (t == h) cp_async4(entry + 512 + (g + 8 * h) * 4, srow + kb + j);
+                const bool in = kb + j < kb1;
+                st.b[j][i].w[h] = in ? __ldg(reinterpret_cast<const uint2*>(wrow + (kb + j) * 32)) : make_uint2(0u, 0u);
+                st.b[j][i].s[h] = in ? __ldg(srow + kb + j) : 0.0f;
             }
         }
 }
 
+// Persistent: CTA b takes row groups b, b + gridDim.x, ...; each warp walks its K range of
+// every group S blocks at a time, the loads of the next S blocks (of this group or the next)
+// in flight during the math.
 template <int T, int S, int EPI>
 __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
-    static_assert(S * T == GEMV3_STAGE_BLOCKS, "a ring slot holds GEMV3_STAGE_BLOCKS entries");
-    constexpr int P = GEMV3_STAGES;
     __shared__ u32 lut[GEMV3_LUT_WORDS];
     __shared__ float red[2][GEMV3_WARPS][T * 16];  // by group parity: one barrier per group
-    // x as K/2 f16 pairs, then each warp's ring of P slots.
-    extern __shared__ __align__(16) u32 dyn[];
-    u32* x16 = dyn;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    u8* ring = reinterpret_cast<u8*>(dyn + ((a.k >> 1) + 3) / 4 * 4) + warp * P * GEMV3_STAGE_BLOCKS * GEMV3_ENTRY_BYTES;
-    const int outputs = EPI == EPI_SWIGLU ? a.rows[0] : a.rows[0] + a.rows[1] + a.rows[2];
-    const int groups = (outputs + 16 * (EPI == EPI_SWIGLU ? 1 : T) - 1) / (16 * (EPI == EPI_SWIGLU ? 1 : T));
-    const int kblocks = a.k >> 6;
-    const int kb0 = warp * kblocks / GEMV3_WARPS, kb1 = (warp + 1) * kblocks / GEMV3_WARPS;
-    const int stages = (kb1 - kb0 + S - 1) / S;
-    const int my_groups = (int)blockIdx.x < groups ? (groups - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
-    const int items = my_groups * stages;  // (group, stage) pairs this warp walks
-    // Item n: stage n % stages of this CTA's group n / stages, into slot n % P. An item past
-    // the end commits an empty group, so wait_group counts stay uniform.
-    auto issue = [&](int n) {
-        if (n < items) {
-            const int group = (int)blockIdx.x + (n / stages) * (int)gridDim.x;
-            gemv3_issue<T, S, EPI>(a, group, kb0 + (n % stages) * S, kb1, lane,
-                                   ring + (n % P) * GEMV3_STAGE_BLOCKS * GEMV3_ENTRY_BYTES);
-        }
-        asm volatile("cp.async.commit_group;");
-    };
-    // The weights are constant: their first copies start before the wait.
-#pragma unroll
-    for (int n = 0; n < P - 1; n++) issue(n);
+    extern __shared__ u32 x16[];                   // K/2 f16 pairs
     load_byte_codebook(lut);
     pdl_enter();
-    if (a.skip_if && *a.skip_if) {
-        asm volatile("cp.async.wait_all;");
-        return;
-    }
+    if (a.skip_if && *a.skip_if) return;
     for (int i = threadIdx.x; i < (a.k >> 2); i += blockDim.x) {
         const float4 v = reinterpret_cast<const float4*>(a.x)[i];
         x16[2 * i] = pack_f16x2(v.x, v.y);
@@ -138,16 +98,25 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
     }
     __syncthreads();
 
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const u32* lut_lane = lut + lane;
-    int n = 0, parity = 0;
+    const int outputs = EPI == EPI_SWIGLU ? a.rows[0] : a.rows[0] + a.rows[1] + a.rows[2];
+    const int groups = (outputs + 16 * (EPI == EPI_SWIGLU ? 1 : T) - 1) / (16 * (EPI == EPI_SWIGLU ? 1 : T));
+    const int kblocks = a.k >> 6;
+    const int kb0 = warp * kblocks / GEMV3_WARPS, kb1 = (warp + 1) * kblocks / GEMV3_WARPS;
+    const int stages = (kb1 - kb0 + S - 1) / S;
+
+    Gemv3Stage<T, S> cur, nxt;
+    if (stages > 0 && (int)blockIdx.x < groups) gemv3_load<T, S, EPI>(a, blockIdx.x, kb0, kb1, g, t, cur);
+    int parity = 0;
     for (int group = blockIdx.x; group < groups; group += gridDim.x, parity ^= 1) {
         float acc[T][2] = {};
-        for (int st = 0; st < stages; st++, n++) {
-            asm volatile("cp.async.wait_group %0;" ::"n"(P - 2));
-            __syncwarp();  // every lane's copies of item n have landed; slot (n-1) % P is free
-            issue(n + P - 1);
-            const u8* slot = ring + (n % P) * GEMV3_STAGE_BLOCKS * GEMV3_ENTRY_BYTES;
+        for (int st = 0; st < stages; st++) {
             const int kb = kb0 + st * S;
+            const bool last = st + 1 == stages;
+            const int next_group = last ? group + gridDim.x : group;
+            if (next_group < groups)
+                gemv3_load<T, S, EPI>(a, next_group, last ? kb0 : kb + S, kb1, g, t, nxt);
 #pragma unroll
             for (int j = 0; j < S; j++) {
                 if (kb + j >= kb1) break;
@@ -156,27 +125,25 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
                 const u32 bw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
 #pragma unroll
                 for (int i = 0; i < T; i++) {
-                    const u8* entry = slot + (j * T + i) * GEMV3_ENTRY_BYTES;
-                    const uint4 w = *reinterpret_cast<const uint4*>(entry + lane * 16);
-                    const float* sc = reinterpret_cast<const float*>(entry + 512);
-                    const u32 words[2][2] = {{w.x, w.y}, {w.z, w.w}};  // [row half][word]
                     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                    const Gemv3Block& blk = cur.b[j][i];
 #pragma unroll
                     for (int s = 0; s < 4; s++) {
                         const int shift = (s & 1) * 16;
                         u32 af[4];
 #pragma unroll
                         for (int h = 0; h < 2; h++) {
-                            const u32 word = words[h][s >> 1];
+                            const u32 word = s < 2 ? blk.w[h].x : blk.w[h].y;
                             af[h] = lut_lane[((word >> shift) & 0xff) * 32];
                             af[2 + h] = lut_lane[((word >> (shift + 8)) & 0xff) * 32];
                         }
                         mma_16816(c, af, bw[2 * s], bw[2 * s + 1]);
                     }
-                    acc[i][0] = fmaf(c[0], sc[g], acc[i][0]);
-                    acc[i][1] = fmaf(c[2], sc[g + 8], acc[i][1]);
+                    acc[i][0] = fmaf(c[0], blk.s[0], acc[i][0]);
+                    acc[i][1] = fmaf(c[2], blk.s[1], acc[i][1]);
                 }
             }
+            cur = nxt;
         }
 
         // Every column holds the same sums: lanes t = 0 hand rows g and g + 8 of each tile over.
@@ -212,10 +179,9 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
             }
         }
     }
-    asm volatile("cp.async.wait_all;");
 }
 
-// T = 1 tile for the plain epilogues, S = 4 blocks per slot; SwiGLU: 2 tiles, 2 blocks.
+// T = 1 tile for the plain epilogues, S = 4 blocks per load; SwiGLU: 2 tiles, 2 blocks.
 extern "C" __global__ void __launch_bounds__(GEMV3_THREADS, 2) gemv3_store(GemmArgs a) {
     gemv3_body<1, 4, EPI_STORE>(a);
 }

@@ -60,20 +60,10 @@ pub const ATTNP_Q_FLOATS: usize = 4096;
 
 /// Warps per CTA of GEMV v3 (tensor cores): they split K of the CTA's row tiles.
 pub const GEMV3_WARPS: usize = 8;
-/// GEMV v3's weight ring per warp: slots, 64-element blocks (of one 16-row tile) per slot,
-/// and the bytes of one such block in the ring (16 per lane, then 16 absmax).
-pub const GEMV3_STAGES: usize = 3;
-pub const GEMV3_STAGE_BLOCKS: usize = 4;
-pub const GEMV3_ENTRY_BYTES: usize = 32 * 16 + 16 * 4;
 /// The largest K GEMV v3 stages (x as f16 pairs in dynamic shared memory: 2K bytes).
 pub const GEMV3_MAX_K: usize = 32768;
-/// GEMV v3's dynamic shared memory for K: x as f16 pairs (16-byte aligned), then the rings.
-pub const fn gemv3_smem(k: usize) -> usize {
-    (k * 2).next_multiple_of(16)
-        + GEMV3_WARPS * GEMV3_STAGES * GEMV3_STAGE_BLOCKS * GEMV3_ENTRY_BYTES
-}
 /// GEMV v3's dynamic shared memory limit (its static table takes 32 KiB more).
-pub const GEMV3_MAX_SMEM: usize = gemv3_smem(GEMV3_MAX_K);
+pub const GEMV3_MAX_SMEM: usize = GEMV3_MAX_K * 2;
 const _: () = assert!(GEMV3_MAX_SMEM + 32 * 1024 + 1024 <= 227 * 1024);
 /// Tensor-core prefill attention: warps per CTA and (token, q head) rows per CTA (16 a warp).
 /// Four warps share each staged tile; one warp per CTA (4x the CTAs) measured slower.
@@ -116,9 +106,6 @@ fn shared_defines() -> Vec<String> {
         ("ATTNP_Q_FLOATS", ATTNP_Q_FLOATS),
         ("ATTNM_WARPS", ATTNM_WARPS),
         ("GEMV3_WARPS", GEMV3_WARPS),
-        ("GEMV3_STAGES", GEMV3_STAGES),
-        ("GEMV3_STAGE_BLOCKS", GEMV3_STAGE_BLOCKS),
-        ("GEMV3_ENTRY_BYTES", GEMV3_ENTRY_BYTES),
         ("STATE_TOKEN", state::TOKEN),
         ("STATE_POSITION", state::POSITION),
         ("STATE_VALID_LEN", state::VALID_LEN),

@@ -20,10 +20,10 @@ use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig};
 
 use super::device::{driver_error, Gpu};
 use super::kernels::{
-    gemv3_smem, Kernels, ATTN2_CHUNK, ATTN2_MAX_CHUNKS, ATTN2_MAX_GROUP, ATTN2_MAX_GROUP_X_HD,
-    ATTNM_ROWS, ATTNM_THREADS, ATTNP_Q_FLOATS, ATTNP_ROWS, ATTNP_THREADS, ATTN_THREADS,
-    GEMM_B2_STRIDE, GEMM_NT, GEMM_V2_MAX_KW, GEMM_WARPS, GEMM_WARP_ROWS, GEMV3_MAX_K, GEMV3_WARPS,
-    GEMV_THREADS, GEMV_WARPS, MAX_HEAD_DIM,
+    Kernels, ATTN2_CHUNK, ATTN2_MAX_CHUNKS, ATTN2_MAX_GROUP, ATTN2_MAX_GROUP_X_HD, ATTNM_ROWS,
+    ATTNM_THREADS, ATTNP_Q_FLOATS, ATTNP_ROWS, ATTNP_THREADS, ATTN_THREADS, GEMM_B2_STRIDE,
+    GEMM_NT, GEMM_V2_MAX_KW, GEMM_WARPS, GEMM_WARP_ROWS, GEMV3_MAX_K, GEMV3_WARPS, GEMV_THREADS,
+    GEMV_WARPS, MAX_HEAD_DIM,
 };
 use super::weights::Nf4Ref;
 use crate::arch::ArchSpec;
@@ -492,19 +492,13 @@ impl Ops {
             Epilogue::Accumulate => (&self.k.gemv3[1], mats[0].rows),
             Epilogue::Swiglu => (&self.k.gemv3[2], mats[0].rows),
         };
-        // Persistent: as many CTAs as fit on the SMs at once, each looping over groups of 16
-        // outputs.
-        let smem = gemv3_smem(k);
-        let threads = (GEMV3_WARPS * 32) as u32;
-        let per_sm = f
-            .occupancy_max_active_blocks_per_multiprocessor(threads, smem, None)
-            .map_err(driver_error("gemv3 occupancy"))?
-            .max(1);
+        // Persistent: two CTAs per SM (the registers allow two), each looping over groups
+        // of 16 outputs.
         let groups = outputs.div_ceil(16) as u32;
         let cfg = LaunchConfig {
-            grid_dim: (groups.min(per_sm * self.sms).max(1), 1, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: smem as u32,
+            grid_dim: (groups.min(2 * self.sms).max(1), 1, 1),
+            block_dim: ((GEMV3_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: (k * 2) as u32,
         };
         launch!(self.gpu, f, cfg; args)
     }
