@@ -251,9 +251,18 @@ fn main() {
     // Kernel microbenchmarks, per variant (DV2_GEMV / DV2_ATTN), in one process.
     let mut first = true;
     json += "  \"kernels\": {\n";
-    for variant in ["v2", "v3", "v1"] {
-        std::env::set_var("DV2_GEMV", variant);
-        std::env::set_var("DV2_ATTN", variant);
+    for variant in ["v2", "v2-occ2", "v3", "v1"] {
+        let (gemv, occ2) = match variant.split_once('-') {
+            Some((v, _)) => (v, true),
+            None => (variant, false),
+        };
+        std::env::set_var("DV2_GEMV", gemv);
+        std::env::set_var("DV2_ATTN", gemv);
+        if occ2 {
+            std::env::set_var("DV2_GEMV_OCC", "2");
+        } else {
+            std::env::remove_var("DV2_GEMV_OCC");
+        }
         let bench = Bench::new(0).expect("CUDA device");
         if first {
             println!("device: {}", bench.device_name());
@@ -326,6 +335,7 @@ fn main() {
     }
     std::env::remove_var("DV2_GEMV");
     std::env::remove_var("DV2_ATTN");
+    std::env::remove_var("DV2_GEMV_OCC");
 
     if flag("--prefill-only") {
         let qwen = synth::build(&QWEN25_3B, 0).unwrap();
@@ -367,6 +377,17 @@ fn main() {
         std::env::set_var("DV2_PDL", "0");
         runs.push(time_decode("qwen25_3b pdl=0", qwen, 2048, 48, 128, true, 3));
         std::env::remove_var("DV2_PDL");
+        std::env::set_var("DV2_GEMV_OCC", "2");
+        runs.push(time_decode(
+            "qwen25_3b gemv-occ=2",
+            qwen,
+            2048,
+            48,
+            128,
+            true,
+            3,
+        ));
+        std::env::remove_var("DV2_GEMV_OCC");
         // Each GEMV kernel forced (the default picks per matrix), same process, for the ratio.
         for v in ["v2", "v3"] {
             std::env::set_var("DV2_GEMV", v);
