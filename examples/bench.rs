@@ -388,6 +388,18 @@ fn main() {
             3,
         ));
         std::env::remove_var("DV2_GEMV_OCC");
+        // RMSNorm folded into the GEMV prologue instead of its own kernel.
+        std::env::set_var("DV2_FUSE_RMS", "1");
+        runs.push(time_decode(
+            "qwen25_3b rms-fused",
+            qwen,
+            2048,
+            48,
+            128,
+            true,
+            3,
+        ));
+        std::env::remove_var("DV2_FUSE_RMS");
         // Each GEMV kernel forced (the default picks per matrix), same process, for the ratio.
         for v in ["v2", "v3"] {
             std::env::set_var("DV2_GEMV", v);
@@ -405,18 +417,6 @@ fn main() {
     }
     if let Some(qwen) = qwen.as_ref().filter(|_| !flag("--skip-variants")) {
         runs.push(time_decode("qwen25_3b", qwen, 2048, 48, 128, false, 3));
-        // RMSNorm folded into the GEMV prologue instead of its own kernel.
-        std::env::set_var("DV2_FUSE_RMS", "1");
-        runs.push(time_decode(
-            "qwen25_3b rms-fused",
-            qwen,
-            2048,
-            48,
-            128,
-            true,
-            3,
-        ));
-        std::env::remove_var("DV2_FUSE_RMS");
         // The v1 kernels, same process, for the ratio.
         std::env::set_var("DV2_GEMV", "v1");
         std::env::set_var("DV2_ATTN", "v1");
