@@ -251,18 +251,9 @@ fn main() {
     // Kernel microbenchmarks, per variant (DV2_GEMV / DV2_ATTN), in one process.
     let mut first = true;
     json += "  \"kernels\": {\n";
-    for variant in ["v2", "v2-occ2", "v3", "v1"] {
-        let (gemv, occ2) = match variant.split_once('-') {
-            Some((v, _)) => (v, true),
-            None => (variant, false),
-        };
-        std::env::set_var("DV2_GEMV", gemv);
-        std::env::set_var("DV2_ATTN", gemv);
-        if occ2 {
-            std::env::set_var("DV2_GEMV_OCC", "2");
-        } else {
-            std::env::remove_var("DV2_GEMV_OCC");
-        }
+    for variant in ["v2", "v3", "v1"] {
+        std::env::set_var("DV2_GEMV", variant);
+        std::env::set_var("DV2_ATTN", variant);
         let bench = Bench::new(0).expect("CUDA device");
         if first {
             println!("device: {}", bench.device_name());
@@ -335,7 +326,6 @@ fn main() {
     }
     std::env::remove_var("DV2_GEMV");
     std::env::remove_var("DV2_ATTN");
-    std::env::remove_var("DV2_GEMV_OCC");
 
     if flag("--prefill-only") {
         let qwen = synth::build(&QWEN25_3B, 0).unwrap();
@@ -377,17 +367,6 @@ fn main() {
         std::env::set_var("DV2_PDL", "0");
         runs.push(time_decode("qwen25_3b pdl=0", qwen, 2048, 48, 128, true, 3));
         std::env::remove_var("DV2_PDL");
-        std::env::set_var("DV2_GEMV_OCC", "2");
-        runs.push(time_decode(
-            "qwen25_3b gemv-occ=2",
-            qwen,
-            2048,
-            48,
-            128,
-            true,
-            3,
-        ));
-        std::env::remove_var("DV2_GEMV_OCC");
         // RMSNorm folded into the GEMV prologue instead of its own kernel.
         std::env::set_var("DV2_FUSE_RMS", "1");
         runs.push(time_decode(

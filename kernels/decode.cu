@@ -463,34 +463,30 @@ struct SwigluRows {
     __device__ void store(int r, const float* s) const { out[r] = s[0] / (1.0f + expf(-s[0])) * s[1]; }
 };
 
-#define GEMV2_KERNELS(J, R, NAME, MIN_CTAS)                                                                                    \
-    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, MIN_CTAS)                                              \
-        gemv2_nf4_##NAME(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y,                         \
+#define GEMV2_KERNELS(J, R)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 1)                                              \
+        gemv2_nf4_j##J(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y,                         \
                        const float* __restrict__ bias, int rows, int cols, int kparts, int accumulate,         \
                        const int* skip_if) {                                                                   \
         PlainRows p{m, y, bias, accumulate};                                                                   \
         gemv2_walk<J, R, 1>(p, rows, cols, x, norm, kparts, skip_if);                                          \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, MIN_CTAS)                                              \
-        gemv2_qkv_##NAME(QkvArgs a, const float* __restrict__ x, NormArgs norm, float* out, int cols,            \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 1)                                              \
+        gemv2_qkv_j##J(QkvArgs a, const float* __restrict__ x, NormArgs norm, float* out, int cols,            \
                        int kparts) {                                                                           \
         QkvRows q{a, out};                                                                                     \
         gemv2_walk<J, R, 1>(q, a.rows[0] + a.rows[1] + a.rows[2], cols, x, norm, kparts, nullptr);             \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, MIN_CTAS)                                              \
-        gemv2_swiglu_##NAME(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm, float* out,     \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 1)                                              \
+        gemv2_swiglu_j##J(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm, float* out,     \
                           int rows, int cols, int kparts) {                                                    \
         SwigluRows g{gate, up, out};                                                                           \
         gemv2_walk<J, (R > 1 ? R / 2 : 1), 2>(g, rows, cols, x, norm, kparts, nullptr);                        \
     }
 
-GEMV2_KERNELS(1, 4, j1, 1)
-GEMV2_KERNELS(2, 4, j2, 1)
-GEMV2_KERNELS(3, 2, j3, 1)
-// Two CTAs per SM (DV2_GEMV_OCC=2): at most 128 registers, so fewer rows in flight per warp
-// but twice the warps to hide latency (one CTA leaves two warps per scheduler).
-GEMV2_KERNELS(1, 2, j1_o2, 2)
-GEMV2_KERNELS(2, 2, j2_o2, 2)
+GEMV2_KERNELS(1, 4)
+GEMV2_KERNELS(2, 4)
+GEMV2_KERNELS(3, 2)
 
 // out = x * rsqrt(mean(x^2) + eps) * w over n elements; CTA b takes row b of x and out.
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const u16* __restrict__ w, float* out, int n,

@@ -120,16 +120,7 @@ impl Bench {
 
     /// The kernel variants in use, e.g. "gemv v2, attention v2".
     pub fn variants(&self) -> String {
-        let occ = if self.ops.gemv_occ2 {
-            " (2 CTAs/SM)"
-        } else {
-            ""
-        };
-        format!(
-            "gemv {:?}{occ}, attention {:?}",
-            self.ops.gemv, self.ops.attn
-        )
-        .to_lowercase()
+        format!("gemv {:?}, attention {:?}", self.ops.gemv, self.ops.attn).to_lowercase()
     }
 
     /// Copies needed so that `bytes_each * copies` spans ROTATE_BYTES (at least 2).

@@ -307,10 +307,6 @@ pub struct Kernels {
     pub gemv2_nf4: [CudaFunction; 3],
     pub gemv2_qkv: [CudaFunction; 3],
     pub gemv2_swiglu: [CudaFunction; 3],
-    /// GEMV v2 at two CTAs per SM (128 registers), J = 1 and 2 (`DV2_GEMV_OCC=2`).
-    pub gemv2_nf4_o2: [CudaFunction; 2],
-    pub gemv2_qkv_o2: [CudaFunction; 2],
-    pub gemv2_swiglu_o2: [CudaFunction; 2],
     pub attn2_decode: CudaFunction,
     pub attn2_merge: CudaFunction,
     /// GEMV v3 (tensor cores) by epilogue: store (+bias), accumulate, SwiGLU.
@@ -387,9 +383,6 @@ impl Kernels {
             commit_step: f("commit_step")?,
             ring_reset: f("ring_reset")?,
             gemv2_nf4: [f("gemv2_nf4_j1")?, f("gemv2_nf4_j2")?, f("gemv2_nf4_j3")?],
-            gemv2_nf4_o2: [f("gemv2_nf4_j1_o2")?, f("gemv2_nf4_j2_o2")?],
-            gemv2_qkv_o2: [f("gemv2_qkv_j1_o2")?, f("gemv2_qkv_j2_o2")?],
-            gemv2_swiglu_o2: [f("gemv2_swiglu_j1_o2")?, f("gemv2_swiglu_j2_o2")?],
             gemv2_qkv: [f("gemv2_qkv_j1")?, f("gemv2_qkv_j2")?, f("gemv2_qkv_j3")?],
             gemv2_swiglu: [
                 f("gemv2_swiglu_j1")?,

@@ -6,9 +6,7 @@
 //! held in registers; v3: tensor cores, kernels/gemv_mma.cu) and `DV2_ATTN=v1|v2`
 //! (default v2: one CTA per KV head and 32-slot chunk). `DV2_FUSE_RMS=1` folds RMSNorm into
 //! the GEMV v2 prologue (off by default: it measured slower than the separate kernel). v1 GEMV takes `DV2_GEMV_NR=1|2|4|8`
-//! (rows per CTA); v2 takes `DV2_GEMV_CTAS=n` (CTAs per SM, default 1) and `DV2_GEMV_OCC=2`
-//! (kernels limited to 128 registers so two CTAs fit per SM, where a lane holds at most two
-//! 16-byte chunks of a row: K up to 2048 unsplit).
+//! (rows per CTA); v2 takes `DV2_GEMV_CTAS=n` (CTAs per SM, default 1).
 //! `DV2_GEMM=v1|v2` forces the tensor-core GEMM kernel (v2: B staged in shared memory by
 //! cp.async, K split at most 4 ways; v1: B read by each warp from global memory; default:
 //! v1 up to 64 columns, v2 above, as measured).
@@ -234,8 +232,6 @@ pub struct Ops {
     /// The GEMV kernels: [`GemvChoice::Auto`] (default) picks per matrix.
     pub gemv: GemvChoice,
     pub attn: Variant,
-    /// GEMV v2 at two CTAs per SM where K allows (`DV2_GEMV_OCC=2`).
-    pub gemv_occ2: bool,
     /// RMSNorm folded into the GEMV v2 prologue (`DV2_FUSE_RMS=1`; off by default: measured
     /// slower, docs/lab.md).
     pub fuse_rms: bool,
@@ -268,7 +264,6 @@ impl Ops {
             },
             attn: variant("DV2_ATTN"),
             fuse_rms: std::env::var("DV2_FUSE_RMS").is_ok_and(|v| v == "1"),
-            gemv_occ2: std::env::var("DV2_GEMV_OCC").is_ok_and(|v| v == "2"),
             attnp_simt: std::env::var("DV2_ATTNP").is_ok_and(|v| v == "simt"),
             attnp_rows: match std::env::var("DV2_ATTNP_ROWS").as_deref() {
                 Ok("32") => 32,
@@ -328,20 +323,14 @@ impl Ops {
         (kparts, cfg)
     }
 
-    /// v2: (chunks per lane J, warps per row) for K = cols, the persistent grid, and whether
-    /// the two-CTAs-per-SM kernels run (`DV2_GEMV_OCC=2`, J up to 2).
-    fn gemv_v2_launch(&self, rows: usize, cols: usize) -> Result<(usize, u32, LaunchConfig, bool)> {
+    /// v2: (chunks per lane J, warps per row) for K = cols, and the persistent grid.
+    fn gemv_v2_launch(&self, rows: usize, cols: usize) -> Result<(usize, u32, LaunchConfig)> {
         let (j, kparts) = gemv2_shape(cols)?;
-        let occ2 = self.gemv_occ2 && j <= 2;
-        let per_sm = if occ2 {
-            2
-        } else {
-            std::env::var("DV2_GEMV_CTAS")
-                .ok()
-                .and_then(|v| v.parse::<u32>().ok())
-                .filter(|n| (1..=8).contains(n))
-                .unwrap_or(1)
-        };
+        let per_sm = std::env::var("DV2_GEMV_CTAS")
+            .ok()
+            .and_then(|v| v.parse::<u32>().ok())
+            .filter(|n| (1..=8).contains(n))
+            .unwrap_or(1);
         let row_lanes = (GEMV_WARPS / kparts) as usize;
         let ctas = (self.sms * per_sm)
             .min(rows.div_ceil(row_lanes) as u32)
@@ -351,7 +340,7 @@ impl Ops {
             block_dim: (GEMV_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        Ok((j, kparts, cfg, occ2))
+        Ok((j, kparts, cfg))
     }
 
     /// Resolves a GEMV input: with a norm and the fused path (GEMV v2 and
@@ -618,14 +607,9 @@ impl Ops {
                 launch!(self.gpu, &self.k.gemv_nf4, cfg; m, x, y, bias, rows_i, cols_i, kp, acc, skip_if)
             }
             _ => {
-                let (j, kparts, cfg, occ2) = self.gemv_v2_launch(rows, cols)?;
+                let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols)?;
                 let kp = kparts as i32;
-                let f = if occ2 {
-                    &self.k.gemv2_nf4_o2[j - 1]
-                } else {
-                    &self.k.gemv2_nf4[j - 1]
-                };
-                launch!(self.gpu, f, cfg; m, x, norm, y, bias, rows_i, cols_i, kp, acc, skip_if)
+                launch!(self.gpu, &self.k.gemv2_nf4[j - 1], cfg; m, x, norm, y, bias, rows_i, cols_i, kp, acc, skip_if)
             }
         }
     }
@@ -654,14 +638,9 @@ impl Ops {
                 launch!(self.gpu, &self.k.gemv_qkv, cfg; args, x, out, cols_i, kp)
             }
             _ => {
-                let (j, kparts, cfg, occ2) = self.gemv_v2_launch(rows, cols)?;
+                let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols)?;
                 let kp = kparts as i32;
-                let f = if occ2 {
-                    &self.k.gemv2_qkv_o2[j - 1]
-                } else {
-                    &self.k.gemv2_qkv[j - 1]
-                };
-                launch!(self.gpu, f, cfg; args, x, norm, out, cols_i, kp)
+                launch!(self.gpu, &self.k.gemv2_qkv[j - 1], cfg; args, x, norm, out, cols_i, kp)
             }
         }
     }
@@ -694,14 +673,9 @@ impl Ops {
                 launch!(self.gpu, &self.k.gemv_swiglu, cfg; gate, up, x, out, rows_i, cols_i, kp)
             }
             _ => {
-                let (j, kparts, cfg, occ2) = self.gemv_v2_launch(rows, cols)?;
+                let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols)?;
                 let kp = kparts as i32;
-                let f = if occ2 {
-                    &self.k.gemv2_swiglu_o2[j - 1]
-                } else {
-                    &self.k.gemv2_swiglu[j - 1]
-                };
-                launch!(self.gpu, f, cfg; gate, up, x, norm, out, rows_i, cols_i, kp)
+                launch!(self.gpu, &self.k.gemv2_swiglu[j - 1], cfg; gate, up, x, norm, out, rows_i, cols_i, kp)
             }
         }
     }
