@@ -352,6 +352,17 @@ fn main() {
         5,
     ));
     std::env::remove_var("DV2_PDL");
+    std::env::set_var("DV2_FUSE_RMS", "0");
+    runs.push(time_decode(
+        "medium rms-kernel",
+        &medium,
+        32,
+        4,
+        24,
+        true,
+        5,
+    ));
+    std::env::remove_var("DV2_FUSE_RMS");
     let mut split = Vec::new();
     let qwen = (!flag("--skip-3b")).then(|| {
         let t = Instant::now();
@@ -367,10 +378,10 @@ fn main() {
         std::env::set_var("DV2_PDL", "0");
         runs.push(time_decode("qwen25_3b pdl=0", qwen, 2048, 48, 128, true, 3));
         std::env::remove_var("DV2_PDL");
-        // RMSNorm folded into the GEMV prologue instead of its own kernel.
-        std::env::set_var("DV2_FUSE_RMS", "1");
+        // RMSNorm as its own kernel instead of folded into the next GEMV's x load.
+        std::env::set_var("DV2_FUSE_RMS", "0");
         runs.push(time_decode(
-            "qwen25_3b rms-fused",
+            "qwen25_3b rms-kernel",
             qwen,
             2048,
             48,

@@ -39,6 +39,8 @@ __device__ __forceinline__ u16 f32_to_bf16(float f) {
     return (u16)(u >> 16);
 }
 
+__device__ __forceinline__ float sq(float v) { return v * v; }
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -261,32 +263,43 @@ struct XSlice {
     float v[J][32];
 };
 
-// RMSNorm folded into the x load: when `norm_w` is not null, x is replaced by
-// x * rsqrt(mean(x^2) + eps) * norm_w, computed by every CTA from the raw x (a persistent CTA
-// reads x once, so the reduction costs one pass over a few KB, not a launch).
+// RMSNorm folded into the x load (DV2_FUSE_RMS): when `w` is not null, x is replaced by
+// x * rsqrt(mean(x^2) + eps) * w, where sum(x^2) comes as `ss_parts` partial sums that the
+// kernel which wrote x left in `ss` (one per CTA, see block_sum_to), so no kernel and no
+// extra pass over x stands between the producer and this GEMV.
 struct NormArgs {
     const u16* w;
     float eps;
+    int ss_parts;
+    const float* ss;
 };
 
-__device__ __forceinline__ float rms_scale(const float* __restrict__ x, int n, float eps) {
-    __shared__ float red[GEMV_WARPS];
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += x[i] * x[i];
-    ss = warp_sum(ss);
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+// 1 / rms(x) from the producer's partial sums; every lane of every warp gets it (the sums
+// are added in the same order everywhere, so all CTAs agree to the bit).
+__device__ __forceinline__ float norm_factor(NormArgs norm, int n) {
+    float s = 0.0f;
+    for (int i = threadIdx.x & 31; i < norm.ss_parts; i += 32) s += norm.ss[i];
+    return rsqrtf(warp_sum(s) / (float)n + norm.eps);
+}
+
+// Writes the sum of `v` over the CTA to *out (one barrier; every thread must call it).
+__device__ __forceinline__ void block_sum_to(float v, float* out) {
+    __shared__ float red[32];
+    v = warp_sum(v);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
     __syncthreads();
-    float total = 0.0f;
-#pragma unroll
-    for (int w = 0; w < GEMV_WARPS; w++) total += red[w];
-    return rsqrtf(total / (float)n + eps);
+    if (threadIdx.x == 0) {
+        float total = 0.0f;
+        for (int w = 0; w < (int)(blockDim.x >> 5); w++) total += red[w];
+        *out = total;
+    }
 }
 
 template <int J>
 __device__ __forceinline__ void load_x_slice(const float* __restrict__ x, int part, int cols, NormArgs norm,
                                              XSlice<J>& xs) {
     const int lane = threadIdx.x & 31, n_chunks = cols >> 5;
-    const float r = norm.w ? rms_scale(x, cols, norm.eps) : 1.0f;
+    const float r = norm.w ? norm_factor(norm, cols) : 1.0f;
 #pragma unroll
     for (int j = 0; j < J; j++) {
         const int c = (part * J + j) * 32 + lane;
@@ -378,6 +391,7 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     load_x_slice<J>(x, part, cols, norm, xs);
     __syncthreads();
     load_block(r0, cur);
+    float ss = 0.0f;  // squares of the values this thread stored
     for (int base = r0; base < r1; base += block) {
         if (base + block < r1) load_block(base + block, nxt);
         float sums[R][NM];
@@ -394,7 +408,7 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
 #pragma unroll
                 for (int i = 0; i < R; i++) {
                     const int r = base + i * row_lanes + row_lane;
-                    if (r < r1) rows_of.store(r, sums[i]);
+                    if (r < r1) ss += sq(rows_of.store(r, sums[i]));
                 }
             }
             continue;
@@ -416,24 +430,31 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
                     total[k] = 0.0f;
                     for (int p = 0; p < kparts; p++) total[k] += partial[(i * row_lanes + rl) * NM + k][p];
                 }
-                rows_of.store(r, total);
+                ss += sq(rows_of.store(r, total));
             }
         }
         __syncthreads();
     }
+    if (float* out = rows_of.ss_out()) block_sum_to(ss, out + blockIdx.x);
 }
 
+// Each Rows type's store returns the value it wrote; ss_out() (may be null) is where the
+// walk leaves this CTA's sum of their squares, for the next RMSNorm (NormArgs).
 struct PlainRows {
     Nf4Ref m;
     float* y;
     const float* bias;
     int accumulate;
+    float* ss;
     __device__ Nf4Ref matrix(int, int) const { return m; }
     __device__ int local(int r) const { return r; }
-    __device__ void store(int r, const float* s) const {
-        float v = s[0] + (bias ? bias[r] : 0.0f);
-        y[r] = accumulate ? y[r] + v : v;
+    __device__ float store(int r, const float* s) const {
+        const float v = s[0] + (bias ? bias[r] : 0.0f);
+        const float out = accumulate ? y[r] + v : v;
+        y[r] = out;
+        return out;
     }
+    __device__ float* ss_out() const { return ss; }
 };
 
 struct QkvRows {
@@ -448,11 +469,13 @@ struct QkvRows {
         const int s = seg(r);
         return s == 0 ? r : (s == 1 ? r - a.rows[0] : r - a.rows[0] - a.rows[1]);
     }
-    __device__ void store(int r, const float* s) const {
+    __device__ float store(int r, const float* s) const {
         const int g = seg(r);
         const float* b = g == 0 ? a.bias[0] : (g == 1 ? a.bias[1] : a.bias[2]);
         out[r] = s[0] + (b ? b[local(r)] : 0.0f);
+        return out[r];
     }
+    __device__ float* ss_out() const { return nullptr; }
 };
 
 struct SwigluRows {
@@ -460,15 +483,19 @@ struct SwigluRows {
     float* out;
     __device__ Nf4Ref matrix(int, int k) const { return k == 0 ? gate : up; }
     __device__ int local(int r) const { return r; }
-    __device__ void store(int r, const float* s) const { out[r] = s[0] / (1.0f + expf(-s[0])) * s[1]; }
+    __device__ float store(int r, const float* s) const {
+        out[r] = s[0] / (1.0f + expf(-s[0])) * s[1];
+        return out[r];
+    }
+    __device__ float* ss_out() const { return nullptr; }
 };
 
 #define GEMV2_KERNELS(J, R)                                                                                    \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 1)                                              \
         gemv2_nf4_j##J(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y,                         \
                        const float* __restrict__ bias, int rows, int cols, int kparts, int accumulate,         \
-                       const int* skip_if) {                                                                   \
-        PlainRows p{m, y, bias, accumulate};                                                                   \
+                       const int* skip_if, float* ss_out) {                                                    \
+        PlainRows p{m, y, bias, accumulate, ss_out};                                                           \
         gemv2_walk<J, R, 1>(p, rows, cols, x, norm, kparts, skip_if);                                          \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 1)                                              \
@@ -510,27 +537,32 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const u16* __re
     for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = x[i] * r * bf16_to_f32(w[i]);
 }
 
-// out = dequantized embedding row of `token` (one CTA; no dense table on the device).
-__device__ __forceinline__ void embed_token(int token, Nf4Ref embed, float* out, int hidden, int vocab) {
+// out = dequantized embedding row of `token` (one CTA; no dense table on the device). Returns
+// the sum of the squares of the values this thread wrote.
+__device__ __forceinline__ float embed_token(int token, Nf4Ref embed, float* out, int hidden, int vocab) {
     if (token < 0 || token >= vocab) token = 0;  // the engine never lets this happen
     const u8* row = embed.packed + (size_t)token * (hidden >> 1);
     const float* scales = embed.absmax + (size_t)token * (hidden >> 6);
     __shared__ float lut[16];
     load_codebook(lut);
     __syncthreads();
+    float ss = 0.0f;
     for (int i = threadIdx.x; i < (hidden >> 1); i += blockDim.x) {
         const u8 b = row[i];
         const float s = scales[i >> 5];
         out[2 * i] = lut[b >> 4] * s;
         out[2 * i + 1] = lut[b & 15] * s;
+        ss += sq(out[2 * i]) + sq(out[2 * i + 1]);
     }
+    return ss;
 }
 
-// x = embedding row of state[TOKEN].
+// x = embedding row of state[TOKEN]; with ss_out, its sum of squares there (NormArgs).
 extern "C" __global__ void embed_row(const int* __restrict__ state, Nf4Ref embed, float* x, int hidden,
-                                     int vocab) {
+                                     int vocab, float* ss_out) {
     pdl_enter();
-    embed_token(state[STATE_TOKEN], embed, x, hidden, vocab);
+    const float ss = embed_token(state[STATE_TOKEN], embed, x, hidden, vocab);
+    if (ss_out) block_sum_to(ss, ss_out);
 }
 
 // Flash-decode attention, one (q head, time split) per CTA, RoPE and the KV write fused.

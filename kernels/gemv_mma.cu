@@ -91,8 +91,16 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
     load_byte_codebook(lut);
     pdl_enter();
     if (a.skip_if && *a.skip_if) return;
+    const float r = a.norm.w ? norm_factor(a.norm, a.k) : 1.0f;
     for (int i = threadIdx.x; i < (a.k >> 2); i += blockDim.x) {
-        const float4 v = reinterpret_cast<const float4*>(a.x)[i];
+        float4 v = reinterpret_cast<const float4*>(a.x)[i];
+        if (a.norm.w) {
+            const uint2 w = reinterpret_cast<const uint2*>(a.norm.w)[i];  // 4 bf16
+            v.x *= r * bf16_to_f32((u16)(w.x & 0xffffu));
+            v.y *= r * bf16_to_f32((u16)(w.x >> 16));
+            v.z *= r * bf16_to_f32((u16)(w.y & 0xffffu));
+            v.w *= r * bf16_to_f32((u16)(w.y >> 16));
+        }
         x16[2 * i] = pack_f16x2(v.x, v.y);
         x16[2 * i + 1] = pack_f16x2(v.z, v.w);
     }
@@ -109,6 +117,7 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
     Gemv3Stage<T, S> cur, nxt;
     if (stages > 0 && (int)blockIdx.x < groups) gemv3_load<T, S, EPI>(a, blockIdx.x, kb0, kb1, g, t, cur);
     int parity = 0;
+    float ss = 0.0f;  // squares of the values this thread stored (warp 0 stores)
     for (int group = blockIdx.x; group < groups; group += gridDim.x, parity ^= 1) {
         float acc[T][2] = {};
         for (int st = 0; st < stages; st++) {
@@ -174,11 +183,14 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
                 if (r.valid) {
                     const float* bias = pick_bias(a, r.matrix);
                     const float v = sum + (bias ? bias[r.local] : 0.0f);
-                    a.y[row] = EPI == EPI_ACCUMULATE ? a.y[row] + v : v;
+                    const float out = EPI == EPI_ACCUMULATE ? a.y[row] + v : v;
+                    a.y[row] = out;
+                    ss += sq(out);
                 }
             }
         }
     }
+    if (a.ss_out) block_sum_to(ss, a.ss_out + blockIdx.x);
 }
 
 // T = 1 tile for the plain epilogues, S = 4 blocks per load; SwiGLU: 2 tiles, 2 blocks.

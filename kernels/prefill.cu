@@ -38,6 +38,10 @@ struct GemmArgs {
     float* y;              // [n][ldy]
     const int* skip_if;    // when not null and *skip_if != 0, do nothing
     int n, k, ldy, kw;
+    // GEMV v3 only (kernels/gemv_mma.cu): the RMSNorm of x, and where the accumulate
+    // epilogue leaves each CTA's sum of squares of y (may be null).
+    NormArgs norm;
+    float* ss_out;
 };
 
 enum { EPI_STORE = 0, EPI_ACCUMULATE = 1, EPI_SWIGLU = 2 };

@@ -241,15 +241,19 @@ impl Bench {
                     Input::raw(xp),
                     yp,
                 ),
-                _ => self.ops.gemv(
-                    m[0].as_ref(gpu),
-                    rows[0],
-                    cols,
-                    Input::raw(xp),
-                    yp,
-                    kind == "residual",
-                    0,
-                ),
+                _ => self
+                    .ops
+                    .gemv(
+                        m[0].as_ref(gpu),
+                        rows[0],
+                        cols,
+                        Input::raw(xp),
+                        yp,
+                        kind == "residual",
+                        0,
+                        0,
+                    )
+                    .map(|_| ()),
             }
         })?;
         Ok(Timing {

@@ -4,9 +4,11 @@
 //! Variants, chosen at load (each kept so its gain can be measured against its absence):
 //! `DV2_GEMV=v1|v2|v3` (default: v3 below 8 MB of weights, v2 above; v2: persistent CTAs, x
 //! held in registers; v3: tensor cores, kernels/gemv_mma.cu) and `DV2_ATTN=v1|v2`
-//! (default v2: one CTA per KV head and 32-slot chunk). `DV2_FUSE_RMS=1` folds RMSNorm into
-//! the GEMV v2 prologue (off by default: it measured slower than the separate kernel). v1 GEMV takes `DV2_GEMV_NR=1|2|4|8`
-//! (rows per CTA); v2 takes `DV2_GEMV_CTAS=n` (CTAs per SM, default 1).
+//! (default v2: one CTA per KV head and 32-slot chunk). `DV2_FUSE_RMS=0` runs each RMSNorm as
+//! its own kernel instead of folding it into the next GEMV's x load (default, GEMV v2/v3:
+//! the kernel that wrote x leaves partial sums of squares, [`Ops::producer_sums`]). v1 GEMV
+//! takes `DV2_GEMV_NR=1|2|4|8` (rows per CTA); v2 takes `DV2_GEMV_CTAS=n` (CTAs per SM,
+//! default 1).
 //! `DV2_GEMM=v1|v2` forces the tensor-core GEMM kernel (v2: B staged in shared memory by
 //! cp.async, K split at most 4 ways; v1: B read by each warp from global memory; default:
 //! v1 up to 64 columns, v2 above, as measured).
@@ -76,6 +78,8 @@ struct GemmArgs {
     k: i32,
     ldy: i32,
     kw: i32,
+    norm: NormArgs,
+    ss_out: u64,
 }
 // SAFETY: plain old data matching the kernel's struct.
 unsafe impl DeviceRepr for GemmArgs {}
@@ -128,27 +132,49 @@ pub fn attn_prefill_tokens(group: usize, head_dim: usize, rows: usize) -> Option
     (group <= rows).then(|| rows / group)
 }
 
-/// kernels/decode.cu `NormArgs`: RMSNorm weights (bf16; 0 = no norm) and epsilon.
+/// kernels/decode.cu `NormArgs`: RMSNorm weights (bf16; 0 = no norm), epsilon, and the
+/// producer's partial sums of squares of x.
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct NormArgs {
     pub w: u64,
     pub eps: f32,
+    pub ss_parts: i32,
+    pub ss: u64,
 }
-// SAFETY: plain old data matching the kernel's struct (pointer, float, tail padding).
+// SAFETY: plain old data matching the kernel's struct (pointer, float, int, pointer).
 unsafe impl DeviceRepr for NormArgs {}
 
 impl NormArgs {
-    const NONE: Self = Self { w: 0, eps: 0.0 };
+    const NONE: Self = Self {
+        w: 0,
+        eps: 0.0,
+        ss_parts: 0,
+        ss: 0,
+    };
 }
 
-/// An RMSNorm to apply to a GEMV's input: weights, epsilon, and a buffer for the normed x
-/// when the norm runs as its own kernel.
+/// Room for partial sums of squares: more than any GEMV grid (v2: at most 8 CTAs per SM,
+/// v3: 2) on a 132-SM device.
+pub const MAX_PARTIAL_SUMS: usize = 4096;
+
+/// Partial sums of squares of a vector, one per CTA of the kernel that wrote it: `parts`
+/// f32 at device address `ptr`.
+#[derive(Clone, Copy, Debug)]
+pub struct PartialSums {
+    pub ptr: u64,
+    pub parts: usize,
+}
+
+/// An RMSNorm to apply to a GEMV's input: weights, epsilon, a buffer for the normed x when
+/// the norm runs as its own kernel, and the partial sums of squares of x when its producer
+/// left them (then the GEMV v2/v3 kernels fold the norm into their x load).
 #[derive(Clone, Copy)]
 pub struct Norm {
     pub w: u64,
     pub eps: f32,
     pub scratch: u64,
+    pub sums: Option<PartialSums>,
 }
 
 /// A GEMV's input vector, raw or to be RMS-normed first.
@@ -232,8 +258,8 @@ pub struct Ops {
     /// The GEMV kernels: [`GemvChoice::Auto`] (default) picks per matrix.
     pub gemv: GemvChoice,
     pub attn: Variant,
-    /// RMSNorm folded into the GEMV v2 prologue (`DV2_FUSE_RMS=1`; off by default: measured
-    /// slower, docs/lab.md).
+    /// RMSNorm folded into the next GEMV's x load from the producer's partial sums of squares
+    /// (default; `DV2_FUSE_RMS=0`: the RMSNorm kernel).
     pub fuse_rms: bool,
     pub linear: Linear,
     /// The tensor-core GEMM: v2 stages B in shared memory, v1 reads it per warp.
@@ -263,7 +289,7 @@ impl Ops {
                 _ => GemvChoice::Auto,
             },
             attn: variant("DV2_ATTN"),
-            fuse_rms: std::env::var("DV2_FUSE_RMS").is_ok_and(|v| v == "1"),
+            fuse_rms: std::env::var("DV2_FUSE_RMS").as_deref() != Ok("0"),
             attnp_simt: std::env::var("DV2_ATTNP").is_ok_and(|v| v == "simt"),
             attnp_rows: match std::env::var("DV2_ATTNP_ROWS").as_deref() {
                 Ok("32") => 32,
@@ -343,15 +369,26 @@ impl Ops {
         Ok((j, kparts, cfg))
     }
 
-    /// Resolves a GEMV input: with a norm and the fused path (GEMV v2 and
-    /// `DV2_FUSE_RMS=1`), the raw x and the norm arguments for the kernel's prologue; otherwise the RMSNorm
-    /// kernel writes the normed x to the scratch buffer, which the GEMV then reads.
+    /// Resolves a GEMV input: with a norm whose partial sums the producer left and a GEMV v2
+    /// or v3 kernel, the raw x and the norm arguments for the kernel's x load; otherwise the
+    /// RMSNorm kernel writes the normed x to the scratch buffer, which the GEMV then reads.
     fn input(&self, input: Input, cols: usize, kernel: Variant) -> Result<(u64, NormArgs)> {
         match input.norm {
             None => Ok((input.x, NormArgs::NONE)),
-            Some(n) if kernel == Variant::V2 && self.fuse_rms && self.linear == Linear::Gemv => {
-                Ok((input.x, NormArgs { w: n.w, eps: n.eps }))
-            }
+            Some(Norm {
+                w,
+                eps,
+                sums: Some(sums),
+                ..
+            }) if kernel != Variant::V1 && self.linear == Linear::Gemv => Ok((
+                input.x,
+                NormArgs {
+                    w,
+                    eps,
+                    ss_parts: sums.parts as i32,
+                    ss: sums.ptr,
+                },
+            )),
             Some(n) => {
                 self.rms(input.x, n.w, n.scratch, cols, n.eps)?;
                 Ok((n.scratch, NormArgs::NONE))
@@ -408,6 +445,8 @@ impl Ops {
             k: k as i32,
             ldy: ldy as i32,
             kw: 1,
+            norm: NormArgs::NONE,
+            ss_out: 0,
         };
         for (i, m) in mats.iter().enumerate() {
             args.m[i] = m.m;
@@ -456,15 +495,18 @@ impl Ops {
 
     /// GEMV v3: `y = W x` on tensor cores for the stacked matrices `mats` (store with bias,
     /// accumulate into y, or SwiGLU of gate and up).
+    #[allow(clippy::too_many_arguments)]
     fn gemv3(
         &self,
         epilogue: Epilogue,
         mats: &[GemmMatrix],
         k: usize,
         x: u64,
+        norm: NormArgs,
         y: u64,
         skip_if: u64,
-    ) -> Result<()> {
+        ss_out: u64,
+    ) -> Result<usize> {
         if k > GEMV3_MAX_K || k % 64 != 0 {
             return Err(Error::Unsupported(format!(
                 "K = {k}: GEMV v3 takes multiples of 64 up to {GEMV3_MAX_K}"
@@ -481,6 +523,8 @@ impl Ops {
             k: k as i32,
             ldy: 0,
             kw: GEMV3_WARPS as i32,
+            norm,
+            ss_out,
         };
         for (i, m) in mats.iter().enumerate() {
             args.m[i] = m.m;
@@ -500,7 +544,9 @@ impl Ops {
             block_dim: ((GEMV3_WARPS * 32) as u32, 1, 1),
             shared_mem_bytes: (k * 2) as u32,
         };
-        launch!(self.gpu, f, cfg; args)
+        check_sums(ss_out, cfg.grid_dim.0)?;
+        launch!(self.gpu, f, cfg; args)?;
+        Ok(cfg.grid_dim.0 as usize)
     }
 
     /// The tensor-core prefill attention for `head_dim` (16, 32, 64 or 128), unless
@@ -561,7 +607,9 @@ impl Ops {
     }
 
     /// `y = W x`; with `accumulate`, `y += W x`. Skipped on the device while `*skip_if != 0`
-    /// (`skip_if` = 0: never).
+    /// (`skip_if` = 0: never). With `ss_out` (a device address, 0: none; GEMV v2/v3 only, see
+    /// [`Ops::producer_sums`]), each CTA leaves the sum of squares of the y it wrote there;
+    /// returns how many (the CTAs of the launch).
     #[allow(clippy::too_many_arguments)]
     pub fn gemv(
         &self,
@@ -572,7 +620,8 @@ impl Ops {
         y: u64,
         accumulate: bool,
         skip_if: u64,
-    ) -> Result<()> {
+        ss_out: u64,
+    ) -> Result<usize> {
         let (rows_i, cols_i, acc, bias) = (rows as i32, cols as i32, accumulate as i32, 0u64);
         let kernel = self.gemv_kernel(rows, cols);
         let (x, norm) = self.input(input, cols, kernel)?;
@@ -583,7 +632,9 @@ impl Ops {
                 Epilogue::Store
             };
             let mats = [GemmMatrix { m, rows, bias: 0 }];
-            return self.gemm(epilogue, &mats, cols, x, 1, y, rows, skip_if);
+            self.no_sums(ss_out)?;
+            self.gemm(epilogue, &mats, cols, x, 1, y, rows, skip_if)?;
+            return Ok(0);
         }
         if kernel == Variant::V3 {
             let epilogue = if accumulate {
@@ -591,27 +642,40 @@ impl Ops {
             } else {
                 Epilogue::Store
             };
-            return self.gemv3(
-                epilogue,
-                &[GemmMatrix { m, rows, bias: 0 }],
-                cols,
-                x,
-                y,
-                skip_if,
-            );
+            let mats = [GemmMatrix { m, rows, bias: 0 }];
+            return self.gemv3(epilogue, &mats, cols, x, norm, y, skip_if, ss_out);
         }
         match kernel {
             Variant::V1 => {
+                self.no_sums(ss_out)?;
                 let (kparts, cfg) = self.gemv_v1_launch(rows);
                 let kp = kparts as i32;
-                launch!(self.gpu, &self.k.gemv_nf4, cfg; m, x, y, bias, rows_i, cols_i, kp, acc, skip_if)
+                launch!(self.gpu, &self.k.gemv_nf4, cfg; m, x, y, bias, rows_i, cols_i, kp, acc, skip_if)?;
+                Ok(0)
             }
             _ => {
                 let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols)?;
                 let kp = kparts as i32;
-                launch!(self.gpu, &self.k.gemv2_nf4[j - 1], cfg; m, x, norm, y, bias, rows_i, cols_i, kp, acc, skip_if)
+                check_sums(ss_out, cfg.grid_dim.0)?;
+                launch!(self.gpu, &self.k.gemv2_nf4[j - 1], cfg; m, x, norm, y, bias, rows_i, cols_i, kp, acc, skip_if, ss_out)?;
+                Ok(cfg.grid_dim.0 as usize)
             }
         }
+    }
+
+    /// Whether the decode step's GEMVs leave partial sums of squares for the next RMSNorm
+    /// (`DV2_FUSE_RMS`, default on; the GEMV v2 and v3 kernels only).
+    pub fn producer_sums(&self) -> bool {
+        self.fuse_rms && self.linear == Linear::Gemv && self.gemv != GemvChoice::Fixed(Variant::V1)
+    }
+
+    fn no_sums(&self, ss_out: u64) -> Result<()> {
+        if ss_out != 0 {
+            return Err(Error::Internal(
+                "partial sums of squares asked of a kernel without them".into(),
+            ));
+        }
+        Ok(())
     }
 
     /// q, k and v rows of `args` in one grid, written contiguously to `out`.
@@ -629,7 +693,9 @@ impl Ops {
             if self.linear == Linear::Mma {
                 return self.gemm(Epilogue::Store, &mats, cols, x, 1, out, rows, 0);
             }
-            return self.gemv3(Epilogue::Store, &mats, cols, x, out, 0);
+            return self
+                .gemv3(Epilogue::Store, &mats, cols, x, norm, out, 0, 0)
+                .map(|_| ());
         }
         match kernel {
             Variant::V1 => {
@@ -664,7 +730,9 @@ impl Ops {
             if self.linear == Linear::Mma {
                 return self.gemm(Epilogue::Swiglu, &mats, cols, x, 1, out, rows, 0);
             }
-            return self.gemv3(Epilogue::Swiglu, &mats, cols, x, out, 0);
+            return self
+                .gemv3(Epilogue::Swiglu, &mats, cols, x, norm, out, 0, 0)
+                .map(|_| ());
         }
         match kernel {
             Variant::V1 => {
@@ -728,6 +796,16 @@ impl Ops {
             }
         }
     }
+}
+
+/// The partial sums of a grid of `ctas` must fit [`MAX_PARTIAL_SUMS`].
+fn check_sums(ss_out: u64, ctas: u32) -> Result<()> {
+    if ss_out != 0 && ctas as usize > MAX_PARTIAL_SUMS {
+        return Err(Error::Unsupported(format!(
+            "{ctas} CTAs leave more partial sums than the {MAX_PARTIAL_SUMS} the arena holds"
+        )));
+    }
+    Ok(())
 }
 
 /// [`GemvChoice::Auto`]'s kernel for a `rows` x `cols` NF4 matrix.

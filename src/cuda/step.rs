@@ -16,8 +16,8 @@ use super::budget::{self, kv_stride};
 use super::device::{driver_error, Gpu};
 use super::kernels::state;
 use super::ops::{
-    attn_partials, one_cta, AttnArgs, Epilogue, GemmMatrix, Input, Norm, Ops, PrefillAttnArgs,
-    QkvArgs,
+    attn_partials, one_cta, AttnArgs, Epilogue, GemmMatrix, Input, Norm, Ops, PartialSums,
+    PrefillAttnArgs, QkvArgs, MAX_PARTIAL_SUMS,
 };
 use super::weights::{self, DeviceModel};
 use crate::arch::ArchSpec;
@@ -102,6 +102,8 @@ struct Arena {
     logits: CudaSlice<f32>,
     part_acc: CudaSlice<f32>,
     part_ml: CudaSlice<f32>,
+    /// Partial sums of squares of x left by the kernel that last wrote it (DV2_FUSE_RMS).
+    sums: CudaSlice<f32>,
     prompt: CudaSlice<i32>,
     /// The ids of the steps of one step_n call, appended by commit_step.
     ring: CudaSlice<i32>,
@@ -205,6 +207,7 @@ impl CudaBackend {
             logits: gpu.zeros(s.vocab)?,
             part_acc: gpu.zeros(s.n_q_heads * partials * s.head_dim)?,
             part_ml: gpu.zeros(s.n_q_heads * partials * 2)?,
+            sums: gpu.zeros(MAX_PARTIAL_SUMS)?,
             prompt: gpu.zeros(max_seq)?,
             ring: gpu.zeros(max_seq)?,
         };
@@ -277,14 +280,16 @@ impl CudaBackend {
         }
     }
 
-    /// The input `x` RMS-normed with weights `w` (into `xn` when not fused).
-    fn normed(&self, x: u64, w: &CudaSlice<u16>, xn: u64) -> Input {
+    /// The input `x` RMS-normed with weights `w`: folded into the GEMV's x load when x's
+    /// producer left `sums`, else by the RMSNorm kernel into `xn`.
+    fn normed(&self, x: u64, w: &CudaSlice<u16>, xn: u64, sums: Option<PartialSums>) -> Input {
         Input {
             x,
             norm: Some(Norm {
                 w: self.ptr(w),
                 eps: self.spec.rms_eps,
                 scratch: xn,
+                sums,
             }),
         }
     }
@@ -316,7 +321,16 @@ impl CudaBackend {
         let state = self.ptr(&self.state);
         let (hidden, vocab) = (s.hidden as i32, s.vocab as i32);
         let embed = self.model.embed.as_ref(gpu);
-        launch!(gpu, &ops.k.embed_row, one_cta(256); state, embed, x, hidden, vocab)?;
+        // Each writer of x leaves its partial sums of squares for the next RMSNorm, which the
+        // consuming GEMV then folds into its x load (DV2_FUSE_RMS; no RMSNorm kernels).
+        let ss_out = if ops.producer_sums() {
+            self.ptr(&a.sums)
+        } else {
+            0
+        };
+        let sums = |parts: usize| (ss_out != 0).then_some(PartialSums { ptr: ss_out, parts });
+        launch!(gpu, &ops.k.embed_row, one_cta(256); state, embed, x, hidden, vocab, ss_out)?;
+        let mut x_sums = sums(1);
         mark("embed")?;
         let layer_bytes = (2 * kv_stride(self.max_seq) * s.kv_dim()) as u64;
         for (l, layer) in self.model.layers.iter().enumerate() {
@@ -325,7 +339,12 @@ impl CudaBackend {
                 bias: [0, 1, 2].map(|i| layer.qkv_bias[i].as_ref().map_or(0, |b| self.ptr(b))),
                 rows: [0, 1, 2].map(|i| layer.qkv[i].rows as i32),
             };
-            ops.qkv(args, s.hidden, self.normed(x, &layer.attn_norm, xn), qkv)?;
+            ops.qkv(
+                args,
+                s.hidden,
+                self.normed(x, &layer.attn_norm, xn, x_sums),
+                qkv,
+            )?;
             mark("attn_norm + qkv")?;
             let attn_args = AttnArgs {
                 qkv,
@@ -345,7 +364,7 @@ impl CudaBackend {
             };
             ops.attention(attn_args, attn)?;
             mark("attention + merge")?;
-            ops.gemv(
+            let parts = ops.gemv(
                 layer.o.as_ref(gpu),
                 s.hidden,
                 s.hidden,
@@ -353,9 +372,11 @@ impl CudaBackend {
                 x,
                 true,
                 0,
+                ss_out,
             )?;
+            x_sums = sums(parts);
             mark("o_proj (+residual)")?;
-            let input = self.normed(x, &layer.ffn_norm, xn);
+            let input = self.normed(x, &layer.ffn_norm, xn, x_sums);
             ops.swiglu(
                 layer.gate.as_ref(gpu),
                 layer.up.as_ref(gpu),
@@ -365,7 +386,7 @@ impl CudaBackend {
                 act,
             )?;
             mark("ffn_norm + gate/up SwiGLU")?;
-            ops.gemv(
+            let parts = ops.gemv(
                 layer.down.as_ref(gpu),
                 s.hidden,
                 s.intermediate,
@@ -373,30 +394,33 @@ impl CudaBackend {
                 x,
                 true,
                 0,
+                ss_out,
             )?;
+            x_sums = sums(parts);
             mark("down (+residual)")?;
         }
         if logits {
             // Replays after the request finished must not overwrite the last logits.
             let finished = state + 4 * state::FINISHED as u64;
-            self.logits_of(x, finished)?;
+            self.logits_of(x, finished, x_sums)?;
             mark("final_norm + lm_head + argmax")?;
         }
         Ok(())
     }
 
-    /// Final RMSNorm of the activation row at `x`, lm_head into the logits, argmax into
-    /// next_token; the lm_head is skipped on the device while `*skip_if != 0` (0: never).
-    fn logits_of(&self, x: u64, skip_if: u64) -> Result<()> {
+    /// Final RMSNorm of the activation row at `x` (`sums`: its producer's partial sums of
+    /// squares, see [`Self::normed`]), lm_head into the logits, argmax into next_token; the
+    /// lm_head is skipped on the device while `*skip_if != 0` (0: never).
+    fn logits_of(&self, x: u64, skip_if: u64, sums: Option<PartialSums>) -> Result<()> {
         let (s, ops) = (&self.spec, &self.ops);
         let (out, xn, state) = (
             self.ptr(&self.arena.logits),
             self.ptr(&self.arena.xn),
             self.ptr(&self.state),
         );
-        let input = self.normed(x, &self.model.final_norm, xn);
+        let input = self.normed(x, &self.model.final_norm, xn, sums);
         let lm_head = self.model.lm_head().as_ref(&ops.gpu);
-        ops.gemv(lm_head, s.vocab, s.hidden, input, out, false, skip_if)?;
+        ops.gemv(lm_head, s.vocab, s.hidden, input, out, false, skip_if, 0)?;
         let vocab = s.vocab as i32;
         launch!(ops.gpu, &ops.k.argmax_logits, one_cta(1024); out, vocab, state)
     }
@@ -496,7 +520,7 @@ impl CudaBackend {
             ops.gemm(Epilogue::Accumulate, &down, inter, act, n, x, s.hidden, 0)?;
         }
         if last {
-            self.logits_of(x + ((n - 1) * s.hidden * 4) as u64, 0)?;
+            self.logits_of(x + ((n - 1) * s.hidden * 4) as u64, 0, None)?;
         }
         launch!(gpu, &ops.k.advance_by, one_cta(1); state, n_i)
     }
