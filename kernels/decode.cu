@@ -276,9 +276,16 @@ struct NormArgs {
 
 // 1 / rms(x) from the producer's partial sums; every lane of every warp gets it (the sums
 // are added in the same order everywhere, so all CTAs agree to the bit).
+// Eight loads per lane go out before their adds (a plain loop waits on each in turn).
 __device__ __forceinline__ float norm_factor(NormArgs norm, int n) {
     float s = 0.0f;
-    for (int i = threadIdx.x & 31; i < norm.ss_parts; i += 32) s += norm.ss[i];
+    for (int base = threadIdx.x & 31; base < norm.ss_parts; base += 8 * 32) {
+        float v[8];
+#pragma unroll
+        for (int u = 0; u < 8; u++) v[u] = base + 32 * u < norm.ss_parts ? norm.ss[base + 32 * u] : 0.0f;
+#pragma unroll
+        for (int u = 0; u < 8; u++) s += v[u];
+    }
     return rsqrtf(warp_sum(s) / (float)n + norm.eps);
 }
 
