@@ -147,6 +147,7 @@ impl Gpu {
         self.ctx
             .bind_to_thread()
             .map_err(driver_error("bind context"))?;
+        // SAFETY: the attribute value is a C union of plain integers; all zero bits is valid.
         let mut value: CUlaunchAttributeValue = std::mem::zeroed();
         value.programmaticStreamSerializationAllowed = 1;
         let mut pdl = CUlaunchAttribute {
@@ -170,6 +171,8 @@ impl Gpu {
             },
             numAttrs: u32::from(self.pdl),
         };
+        // SAFETY: `config` and the attribute it points to outlive the call; `args` is as this
+        // function's contract requires; the context is bound to this thread.
         cuLaunchKernelEx(
             &config,
             f.cu_function(),
