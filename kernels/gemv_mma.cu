@@ -48,14 +48,7 @@ struct Gemv3Stage {
 // Row h (0: g, 1: g + 8) of tile i of row group `group`, as a stacked-matrix row.
 template <int T, int EPI>
 __device__ __forceinline__ StackedRow gemv3_row(const GemmArgs& a, int group, int i, int h, int g) {
-    if (EPI == EPI_SWIGLU) {
-        const int r = group * 16 + g + 8 * h;
-        StackedRow s;
-        s.valid = r < a.rows[0];
-        s.matrix = i;
-        s.local = s.valid ? r : 0;
-        return s;
-    }
+    if (EPI == EPI_SWIGLU) return swiglu_row(a, group * 16 + g + 8 * h, i);
     return stacked_row(a, (group * T + i) * 16 + g + 8 * h);
 }
 

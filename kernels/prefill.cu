@@ -87,18 +87,20 @@ __device__ __forceinline__ StackedRow stacked_row(const GemmArgs& a, int r) {
     return s;
 }
 
+// Row r of SwiGLU matrix i (0: gate, 1: up); past the last output, valid = false and row 0.
+__device__ __forceinline__ StackedRow swiglu_row(const GemmArgs& a, int r, int i) {
+    StackedRow s;
+    s.valid = r < a.rows[0];
+    s.matrix = i;
+    s.local = s.valid ? r : 0;
+    return s;
+}
+
 // The row a thread's fragments hold: row g + 8h of m16 tile i of warp tile `tile`. SwiGLU
 // tiles are tile 0 = gate rows, tile 1 = up rows of the same 16 outputs.
 template <int EPI>
 __device__ __forceinline__ StackedRow fragment_row(const GemmArgs& a, int tile, int i, int h, int g) {
-    if (EPI == EPI_SWIGLU) {
-        const int r = tile * 16 + g + 8 * h;
-        StackedRow s;
-        s.valid = r < a.rows[0];
-        s.matrix = i;
-        s.local = s.valid ? r : 0;
-        return s;
-    }
+    if (EPI == EPI_SWIGLU) return swiglu_row(a, tile * 16 + g + 8 * h, i);
     return stacked_row(a, tile * 32 + i * 16 + g + 8 * h);
 }
 
