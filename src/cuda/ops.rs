@@ -906,6 +906,14 @@ mod tests {
     }
 
     #[test]
+    fn partial_sums_must_fit_the_arena() {
+        assert!(check_sums(0, u32::MAX).is_ok(), "no sums asked: any grid");
+        assert!(check_sums(0x1000, MAX_PARTIAL_SUMS as u32).is_ok());
+        let err = check_sums(0x1000, MAX_PARTIAL_SUMS as u32 + 1).unwrap_err();
+        assert!(err.to_string().contains("partial sums"), "{err}");
+    }
+
+    #[test]
     fn auto_gemv_takes_tensor_cores_for_the_small_matrices() {
         let s = &crate::arch::QWEN25_3B;
         let qkv = (s.n_q_heads + 2 * s.n_kv_heads) * s.head_dim;
