@@ -479,8 +479,9 @@ struct QkvRows {
     __device__ float store(int r, const float* s) const {
         const int g = seg(r);
         const float* b = g == 0 ? a.bias[0] : (g == 1 ? a.bias[1] : a.bias[2]);
-        out[r] = s[0] + (b ? b[local(r)] : 0.0f);
-        return out[r];
+        const float v = s[0] + (b ? b[local(r)] : 0.0f);
+        out[r] = v;
+        return v;
     }
     __device__ float* ss_out() const { return nullptr; }
 };
@@ -491,8 +492,9 @@ struct SwigluRows {
     __device__ Nf4Ref matrix(int, int k) const { return k == 0 ? gate : up; }
     __device__ int local(int r) const { return r; }
     __device__ float store(int r, const float* s) const {
-        out[r] = s[0] / (1.0f + expf(-s[0])) * s[1];
-        return out[r];
+        const float v = s[0] / (1.0f + expf(-s[0])) * s[1];
+        out[r] = v;
+        return v;
     }
     __device__ float* ss_out() const { return nullptr; }
 };
