@@ -625,25 +625,16 @@ impl Ops {
         let (rows_i, cols_i, acc, bias) = (rows as i32, cols as i32, accumulate as i32, 0u64);
         let kernel = self.gemv_kernel(rows, cols);
         let (x, norm) = self.input(input, cols, kernel)?;
+        let epilogue = if accumulate {
+            Epilogue::Accumulate
+        } else {
+            Epilogue::Store
+        };
+        let mats = [GemmMatrix { m, rows, bias: 0 }];
         if self.linear == Linear::Mma {
-            let epilogue = if accumulate {
-                Epilogue::Accumulate
-            } else {
-                Epilogue::Store
-            };
-            let mats = [GemmMatrix { m, rows, bias: 0 }];
             self.no_sums(ss_out)?;
             self.gemm(epilogue, &mats, cols, x, 1, y, rows, skip_if)?;
             return Ok(0);
-        }
-        if kernel == Variant::V3 {
-            let epilogue = if accumulate {
-                Epilogue::Accumulate
-            } else {
-                Epilogue::Store
-            };
-            let mats = [GemmMatrix { m, rows, bias: 0 }];
-            return self.gemv3(epilogue, &mats, cols, x, norm, y, skip_if, ss_out);
         }
         match kernel {
             Variant::V1 => {
@@ -653,7 +644,8 @@ impl Ops {
                 launch!(self.gpu, &self.k.gemv_nf4, cfg; m, x, y, bias, rows_i, cols_i, kp, acc, skip_if)?;
                 Ok(0)
             }
-            _ => {
+            Variant::V3 => self.gemv3(epilogue, &mats, cols, x, norm, y, skip_if, ss_out),
+            Variant::V2 => {
                 let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols)?;
                 let kp = kparts as i32;
                 check_sums(ss_out, cfg.grid_dim.0)?;
@@ -684,18 +676,13 @@ impl Ops {
         let cols_i = cols as i32;
         let kernel = self.gemv_kernel(rows, cols);
         let (x, norm) = self.input(input, cols, kernel)?;
-        if self.linear == Linear::Mma || kernel == Variant::V3 {
-            let mats = [0, 1, 2].map(|i| GemmMatrix {
-                m: args.m[i],
-                rows: args.rows[i] as usize,
-                bias: args.bias[i],
-            });
-            if self.linear == Linear::Mma {
-                return self.gemm(Epilogue::Store, &mats, cols, x, 1, out, rows, 0);
-            }
-            return self
-                .gemv3(Epilogue::Store, &mats, cols, x, norm, out, 0, 0)
-                .map(|_| ());
+        let mats = [0, 1, 2].map(|i| GemmMatrix {
+            m: args.m[i],
+            rows: args.rows[i] as usize,
+            bias: args.bias[i],
+        });
+        if self.linear == Linear::Mma {
+            return self.gemm(Epilogue::Store, &mats, cols, x, 1, out, rows, 0);
         }
         match kernel {
             Variant::V1 => {
@@ -703,7 +690,10 @@ impl Ops {
                 let kp = kparts as i32;
                 launch!(self.gpu, &self.k.gemv_qkv, cfg; args, x, out, cols_i, kp)
             }
-            _ => {
+            Variant::V3 => self
+                .gemv3(Epilogue::Store, &mats, cols, x, norm, out, 0, 0)
+                .map(|_| ()),
+            Variant::V2 => {
                 let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols)?;
                 let kp = kparts as i32;
                 launch!(self.gpu, &self.k.gemv2_qkv[j - 1], cfg; args, x, norm, out, cols_i, kp)
@@ -725,14 +715,9 @@ impl Ops {
         let (rows_i, cols_i) = (rows as i32, cols as i32);
         let kernel = self.gemv_kernel(2 * rows, cols);
         let (x, norm) = self.input(input, cols, kernel)?;
-        if self.linear == Linear::Mma || kernel == Variant::V3 {
-            let mats = [gate, up].map(|m| GemmMatrix { m, rows, bias: 0 });
-            if self.linear == Linear::Mma {
-                return self.gemm(Epilogue::Swiglu, &mats, cols, x, 1, out, rows, 0);
-            }
-            return self
-                .gemv3(Epilogue::Swiglu, &mats, cols, x, norm, out, 0, 0)
-                .map(|_| ());
+        let mats = [gate, up].map(|m| GemmMatrix { m, rows, bias: 0 });
+        if self.linear == Linear::Mma {
+            return self.gemm(Epilogue::Swiglu, &mats, cols, x, 1, out, rows, 0);
         }
         match kernel {
             Variant::V1 => {
@@ -740,7 +725,10 @@ impl Ops {
                 let kp = kparts as i32;
                 launch!(self.gpu, &self.k.gemv_swiglu, cfg; gate, up, x, out, rows_i, cols_i, kp)
             }
-            _ => {
+            Variant::V3 => self
+                .gemv3(Epilogue::Swiglu, &mats, cols, x, norm, out, 0, 0)
+                .map(|_| ()),
+            Variant::V2 => {
                 let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols)?;
                 let kp = kparts as i32;
                 launch!(self.gpu, &self.k.gemv2_swiglu[j - 1], cfg; gate, up, x, norm, out, rows_i, cols_i, kp)

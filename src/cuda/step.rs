@@ -19,7 +19,7 @@ use super::ops::{
     attn_partials, one_cta, AttnArgs, Epilogue, GemmMatrix, Input, Norm, Ops, PartialSums,
     PrefillAttnArgs, QkvArgs, MAX_PARTIAL_SUMS,
 };
-use super::weights::{self, DeviceModel};
+use super::weights::{self, DeviceMatrix, DeviceModel};
 use crate::arch::ArchSpec;
 use crate::engine::Backend;
 use crate::error::{Error, Result};
@@ -329,6 +329,20 @@ impl CudaBackend {
             0
         };
         let sums = |parts: usize| (ss_out != 0).then_some(PartialSums { ptr: ss_out, parts });
+        // x += W input (the residual add), with the partial sums for the next norm.
+        let residual = |w: &DeviceMatrix, k: usize, input: u64| -> Result<Option<PartialSums>> {
+            let parts = ops.gemv(
+                w.as_ref(gpu),
+                s.hidden,
+                k,
+                Input::raw(input),
+                x,
+                true,
+                0,
+                ss_out,
+            )?;
+            Ok(sums(parts))
+        };
         launch!(gpu, &ops.k.embed_row, one_cta(256); state, embed, x, hidden, vocab, ss_out)?;
         let mut x_sums = sums(1);
         mark("embed")?;
@@ -364,17 +378,7 @@ impl CudaBackend {
             };
             ops.attention(attn_args, attn)?;
             mark("attention + merge")?;
-            let parts = ops.gemv(
-                layer.o.as_ref(gpu),
-                s.hidden,
-                s.hidden,
-                Input::raw(attn),
-                x,
-                true,
-                0,
-                ss_out,
-            )?;
-            x_sums = sums(parts);
+            x_sums = residual(&layer.o, s.hidden, attn)?;
             mark("o_proj (+residual)")?;
             let input = self.normed(x, &layer.ffn_norm, xn, x_sums);
             ops.swiglu(
@@ -386,17 +390,7 @@ impl CudaBackend {
                 act,
             )?;
             mark("ffn_norm + gate/up SwiGLU")?;
-            let parts = ops.gemv(
-                layer.down.as_ref(gpu),
-                s.hidden,
-                s.intermediate,
-                Input::raw(act),
-                x,
-                true,
-                0,
-                ss_out,
-            )?;
-            x_sums = sums(parts);
+            x_sums = residual(&layer.down, s.intermediate, act)?;
             mark("down (+residual)")?;
         }
         if logits {
