@@ -33,6 +33,15 @@ struct StepRun {
     ms_per_token: f64,
 }
 
+/// Runs `f` with the environment variables `vars` set, then removes them: the variants are
+/// read when an engine loads, so one process measures them all.
+fn with_env<T>(vars: &[(&str, &str)], f: impl FnOnce() -> T) -> T {
+    vars.iter().for_each(|(k, v)| std::env::set_var(k, v));
+    let out = f();
+    vars.iter().for_each(|(k, _)| std::env::remove_var(k));
+    out
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -195,15 +204,16 @@ fn prefill_tables(qwen: &HostModel, json: &mut String, skip_gemm: bool) {
         ("DV2_ATTNP=simt", &[("DV2_ATTNP", "simt")], 512),
     ];
     for (label, env, chunk) in runs {
-        env.iter().for_each(|(k, v)| std::env::set_var(k, v));
-        let ttft = time_prefill(qwen, 2048, 48, chunk, 5);
-        // The token-at-a-time path takes seconds at 2,048 tokens: 48 tokens show its rate.
-        let long = if chunk == 0 {
-            f64::NAN
-        } else {
-            time_prefill(qwen, 2048, 2048, chunk, 3)
-        };
-        env.iter().for_each(|(k, _)| std::env::remove_var(k));
+        let (ttft, long) = with_env(env, || {
+            let ttft = time_prefill(qwen, 2048, 48, chunk, 5);
+            // The token-at-a-time path takes seconds at 2,048 tokens: 48 tokens show its rate.
+            let long = if chunk == 0 {
+                f64::NAN
+            } else {
+                time_prefill(qwen, 2048, 2048, chunk, 3)
+            };
+            (ttft, long)
+        });
         println!(
             "  {:<24} {:>6} {:>14.2} {:>16.1} {:>10.0}",
             label,
@@ -340,29 +350,15 @@ fn main() {
     for graph in [true, false] {
         runs.push(time_decode("medium_llama", &medium, 32, 4, 24, graph, 5));
     }
-    // Programmatic dependent launch off (DV2_PDL=0), same process, for the ratio.
-    std::env::set_var("DV2_PDL", "0");
-    runs.push(time_decode(
-        "medium_llama pdl=0",
-        &medium,
-        32,
-        4,
-        24,
-        true,
-        5,
-    ));
-    std::env::remove_var("DV2_PDL");
-    std::env::set_var("DV2_FUSE_RMS", "0");
-    runs.push(time_decode(
-        "medium rms-kernel",
-        &medium,
-        32,
-        4,
-        24,
-        true,
-        5,
-    ));
-    std::env::remove_var("DV2_FUSE_RMS");
+    // Each switch against its absence, same process, for the ratio.
+    for (label, env) in [
+        ("medium_llama pdl=0", &[("DV2_PDL", "0")]),
+        ("medium rms-kernel", &[("DV2_FUSE_RMS", "0")]),
+    ] {
+        runs.push(with_env(env, || {
+            time_decode(label, &medium, 32, 4, 24, true, 5)
+        }));
+    }
     let mut split = Vec::new();
     let qwen = (!flag("--skip-3b")).then(|| {
         let t = Instant::now();
@@ -375,56 +371,31 @@ fn main() {
     });
     if let Some(qwen) = &qwen {
         runs.push(time_decode("qwen25_3b", qwen, 2048, 48, 128, true, 3));
-        std::env::set_var("DV2_PDL", "0");
-        runs.push(time_decode("qwen25_3b pdl=0", qwen, 2048, 48, 128, true, 3));
-        std::env::remove_var("DV2_PDL");
-        // RMSNorm as its own kernel instead of folded into the next GEMV's x load.
-        std::env::set_var("DV2_FUSE_RMS", "0");
-        runs.push(time_decode(
-            "qwen25_3b rms-kernel",
-            qwen,
-            2048,
-            48,
-            128,
-            true,
-            3,
-        ));
-        std::env::remove_var("DV2_FUSE_RMS");
-        // Each GEMV kernel forced (the default picks per matrix), same process, for the ratio.
-        for v in ["v2", "v3"] {
-            std::env::set_var("DV2_GEMV", v);
-            runs.push(time_decode(
-                &format!("qwen25_3b gemv={v}"),
-                qwen,
-                2048,
-                48,
-                128,
-                true,
-                3,
-            ));
+        // Programmatic dependent launch off; RMSNorm as its own kernel instead of folded into
+        // the next GEMV's x load; each GEMV kernel forced (the default picks per matrix).
+        for (label, env) in [
+            ("qwen25_3b pdl=0", &[("DV2_PDL", "0")]),
+            ("qwen25_3b rms-kernel", &[("DV2_FUSE_RMS", "0")]),
+            ("qwen25_3b gemv=v2", &[("DV2_GEMV", "v2")]),
+            ("qwen25_3b gemv=v3", &[("DV2_GEMV", "v3")]),
+        ] {
+            runs.push(with_env(env, || {
+                time_decode(label, qwen, 2048, 48, 128, true, 3)
+            }));
         }
-        std::env::remove_var("DV2_GEMV");
     }
     if let Some(qwen) = qwen.as_ref().filter(|_| !flag("--skip-variants")) {
         runs.push(time_decode("qwen25_3b", qwen, 2048, 48, 128, false, 3));
-        // The v1 kernels, same process, for the ratio.
-        std::env::set_var("DV2_GEMV", "v1");
-        std::env::set_var("DV2_ATTN", "v1");
-        runs.push(time_decode("qwen25_3b v1", qwen, 2048, 48, 128, true, 3));
-        std::env::remove_var("DV2_GEMV");
-        std::env::remove_var("DV2_ATTN");
-        // The decode step's linears through the tensor-core GEMM at N = 1.
-        std::env::set_var("DV2_LINEAR", "mma");
-        runs.push(time_decode(
-            "qwen25_3b linear=mma",
-            qwen,
-            2048,
-            48,
-            128,
-            true,
-            3,
-        ));
-        std::env::remove_var("DV2_LINEAR");
+        // The v1 kernels; the decode step's linears through the tensor-core GEMM at N = 1.
+        let v1: &[(&str, &str)] = &[("DV2_GEMV", "v1"), ("DV2_ATTN", "v1")];
+        for (label, env) in [
+            ("qwen25_3b v1", v1),
+            ("qwen25_3b linear=mma", &[("DV2_LINEAR", "mma")]),
+        ] {
+            runs.push(with_env(env, || {
+                time_decode(label, qwen, 2048, 48, 128, true, 3)
+            }));
+        }
         split = stage_split(qwen, 2048, 48);
         prefill_tables(qwen, &mut json, flag("--skip-gemm"));
     }
