@@ -145,11 +145,31 @@ fn time_prefill(
 /// Prefill on the Qwen2.5-3B shape: the GEMM's TFLOP/s by width (v2, and v1 for the
 /// ratio), time to first token for a 48-token prompt and throughput for a 2,048-token
 /// prompt by chunk size, and the kernel ablations at chunk 256.
+/// One GEMM table: every shape at N = 1, 16, 64, 128, 256 columns under the current environment.
+fn gemm_table(variant: &str, shapes: &[(&str, usize, usize)], json: &mut String) {
+    let bench = Bench::new(0).expect("CUDA device");
+    for (name, rows, k) in shapes.iter().copied() {
+        for n in [1, 16, 64, 128, 256] {
+            let (t, tflops) = bench.gemm(name, rows, k, n).expect("gemm bench");
+            println!(
+                "  {:<6} {:<10} {:>6} {:>10.2} {:>9.1} {:>7.0}%",
+                variant,
+                name,
+                n,
+                t.median_us,
+                tflops,
+                100.0 * t.of_floor()
+            );
+            writeln!(json, "    {{\"gemm\": \"{variant}\", \"matrix\": \"{name}\", \"rows\": {rows}, \"k\": {k}, \"n\": {n}, \"median_us\": {:.3}, \"tflops\": {tflops:.2}, \"floor_us\": {:.3}}},", t.median_us, t.floor_us).unwrap();
+        }
+    }
+}
+
 fn prefill_tables(qwen: &HostModel, json: &mut String, skip_gemm: bool) {
     let s = &qwen.spec;
     println!("\nNF4 tensor-core GEMM (plain store, rotated weights), TFLOP/s by columns N:");
     println!(
-        "  {:<4} {:<10} {:>6} {:>10} {:>9} {:>8}",
+        "  {:<6} {:<10} {:>6} {:>10} {:>9} {:>8}",
         "gemm", "matrix", "N", "µs", "TFLOP/s", "floor%"
     );
     *json += "  \"gemm\": [\n";
@@ -159,29 +179,19 @@ fn prefill_tables(qwen: &HostModel, json: &mut String, skip_gemm: bool) {
         ("gate|up", 2 * s.intermediate, s.hidden),
         ("down", s.hidden, s.intermediate),
     ];
-    for variant in ["v2", "v1"] {
+    // v1 reads f16 activations unless DV2_GEMM_X16=0 (then f32, as v2 does).
+    type Variant = (&'static str, &'static [(&'static str, &'static str)]);
+    let variants: [Variant; 3] = [
+        ("v2", &[("DV2_GEMM", "v2")]),
+        ("v1", &[("DV2_GEMM", "v1")]),
+        ("v1/f32", &[("DV2_GEMM", "v1"), ("DV2_GEMM_X16", "0")]),
+    ];
+    for (variant, env) in variants {
         if skip_gemm {
             break;
         }
-        std::env::set_var("DV2_GEMM", variant);
-        let bench = Bench::new(0).expect("CUDA device");
-        for (name, rows, k) in shapes {
-            for n in [1, 16, 64, 128, 256] {
-                let (t, tflops) = bench.gemm(name, rows, k, n).expect("gemm bench");
-                println!(
-                    "  {:<4} {:<10} {:>6} {:>10.2} {:>9.1} {:>7.0}%",
-                    variant,
-                    name,
-                    n,
-                    t.median_us,
-                    tflops,
-                    100.0 * t.of_floor()
-                );
-                writeln!(json, "    {{\"gemm\": \"{variant}\", \"matrix\": \"{name}\", \"rows\": {rows}, \"k\": {k}, \"n\": {n}, \"median_us\": {:.3}, \"tflops\": {tflops:.2}, \"floor_us\": {:.3}}},", t.median_us, t.floor_us).unwrap();
-            }
-        }
+        with_env(env, || gemm_table(variant, &shapes, json));
     }
-    std::env::remove_var("DV2_GEMM");
     *json = json.trim_end_matches(",\n").to_string() + "\n  ],\n";
     println!("\nprefill, Qwen2.5-3B shape, max_seq 2048 (median ms, wall clock to next_token):");
     println!(
@@ -191,7 +201,7 @@ fn prefill_tables(qwen: &HostModel, json: &mut String, skip_gemm: bool) {
     *json += "  \"prefill\": [\n";
     // (label, environment, chunk)
     type Run = (&'static str, &'static [(&'static str, &'static str)], usize);
-    let runs: [Run; 10] = [
+    let runs: [Run; 11] = [
         ("n1 (decode step)", &[], 0),
         ("default", &[], 32),
         ("default", &[], 64),
@@ -202,6 +212,7 @@ fn prefill_tables(qwen: &HostModel, json: &mut String, skip_gemm: bool) {
         ("DV2_GEMM=v1", &[("DV2_GEMM", "v1")], 512),
         ("DV2_GEMM=v2", &[("DV2_GEMM", "v2")], 512),
         ("DV2_ATTNP=simt", &[("DV2_ATTNP", "simt")], 512),
+        ("DV2_GEMM_X16=0", &[("DV2_GEMM_X16", "0")], 64),
     ];
     for (label, env, chunk) in runs {
         let (ttft, long) = with_env(env, || {

@@ -39,6 +39,30 @@ __device__ __forceinline__ u16 f32_to_bf16(float f) {
     return (u16)(u >> 16);
 }
 
+// f16 pair {lo, hi} (lo in the low half, the lower index) from two floats.
+__device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ u16 f32_to_f16(float f) {
+    unsigned short r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+}
+
+// Stores elements i and i + 1 (i even) of a row of activations: f32, or with `f16` an f16
+// pair at the same element indices (the tensor-core GEMM's input, DV2_GEMM_X16).
+__device__ __forceinline__ void store_pair(float* out, size_t i, float lo, float hi, bool f16) {
+    if (f16) {
+        *reinterpret_cast<u32*>(reinterpret_cast<u16*>(out) + i) = pack_f16x2(lo, hi);
+    } else {
+        out[i] = lo;
+        out[i + 1] = hi;
+    }
+}
+
 __device__ __forceinline__ float sq(float v) { return v * v; }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -525,11 +549,13 @@ GEMV2_KERNELS(2, 4)
 GEMV2_KERNELS(3, 2)
 
 // out = x * rsqrt(mean(x^2) + eps) * w over n elements; CTA b takes row b of x and out.
+// With `out_f16` the output row is f16 (n even).
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const u16* __restrict__ w, float* out, int n,
-                                    float eps) {
+                                    float eps, int out_f16) {
     pdl_enter();
     x += (size_t)blockIdx.x * n;
-    out += (size_t)blockIdx.x * n;
+    out = out_f16 ? reinterpret_cast<float*>(reinterpret_cast<u16*>(out) + (size_t)blockIdx.x * n)
+                  : out + (size_t)blockIdx.x * n;
     __shared__ float sums[32];
     float ss = 0.0f;
     for (int i = threadIdx.x; i < n; i += blockDim.x) ss += x[i] * x[i];
@@ -543,7 +569,12 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const u16* __re
     }
     __syncthreads();
     float r = rsqrtf(sums[0] / (float)n + eps);
-    for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = x[i] * r * bf16_to_f32(w[i]);
+    if (out_f16) {
+        for (int i = 2 * threadIdx.x; i < n; i += 2 * blockDim.x)
+            store_pair(out, i, x[i] * r * bf16_to_f32(w[i]), x[i + 1] * r * bf16_to_f32(w[i + 1]), true);
+    } else {
+        for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = x[i] * r * bf16_to_f32(w[i]);
+    }
 }
 
 // out = dequantized embedding row of `token` (one CTA; no dense table on the device). Returns

@@ -46,13 +46,6 @@ struct GemmArgs {
 
 enum { EPI_STORE = 0, EPI_ACCUMULATE = 1, EPI_SWIGLU = 2 };
 
-// f16 pair {lo, hi} (lo in the low half, the lower k index) from two floats.
-__device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
 __device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
     u32 r;
     asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
@@ -187,8 +180,8 @@ __device__ __forceinline__ void a_fragments(const GemmWarp& w, const ABlock& b, 
 }
 
 // Sums the K parts through shared memory (`red`: GEMM_WARPS/2 x 8NT x 32 floats), then the
-// epilogue on part 0's warps.
-template <int NT, int EPI>
+// epilogue on part 0's warps. With X16 the SwiGLU output is f16 (the next GEMM's input).
+template <int NT, int EPI, bool X16 = false>
 __device__ __forceinline__ void gemm_finish(const GemmArgs& a, const GemmWarp& w, float (&acc)[2][NT][4],
                                             float* red) {
     // Part p (p >= 1) hands its partials to part 0, one part per round.
@@ -226,7 +219,10 @@ __device__ __forceinline__ void gemm_finish(const GemmArgs& a, const GemmWarp& w
                 if (!r.valid) continue;
                 const float gs = acc[0][j][e] / a.m[0].mma_scale;
                 const float us = acc[1][j][e] / a.m[1].mma_scale;
-                a.y[(size_t)n * a.ldy + w.tile * 16 + w.g + 8 * h] = gs / (1.0f + expf(-gs)) * us;
+                const float v = gs / (1.0f + expf(-gs)) * us;
+                const size_t at = (size_t)n * a.ldy + w.tile * 16 + w.g + 8 * h;
+                if (X16) reinterpret_cast<u16*>(a.y)[at] = f32_to_f16(v);
+                else a.y[at] = v;
             } else {
 #pragma unroll
                 for (int i = 0; i < 2; i++) {
@@ -241,10 +237,15 @@ __device__ __forceinline__ void gemm_finish(const GemmArgs& a, const GemmWarp& w
         }
 }
 
-// v1 (the default up to 64 columns; DV2_GEMM=v1 everywhere): every warp reads its B fragments straight from global memory (f32,
-// through L1). Simple, but each warp re-reads B for its 32 rows, 16x the bytes of its A,
-// and each load touches 16 cache lines: L1 is the bottleneck (docs/lab.md).
-template <int NT, int EPI>
+// v1 (the default up to 64 columns; DV2_GEMM=v1 everywhere): every warp reads its B fragments
+// straight from global memory, through L1. Each warp re-reads B for its 32 rows, so L1 is the
+// bottleneck (docs/lab.md). From f32 x, a fragment (elements 16t+4s .. +3 of a column) is a
+// 16-byte load per k-step touching two cache lines per column, rounded to f16 here. With X16
+// (DV2_GEMM_X16, the default in prefill) x is already f16, written so by its producer: a
+// thread's 16 elements of a block are two 16-byte loads, one cache line per column, a
+// quarter of the L1 wavefronts, no conversion; the sums are bit-identical (the producer
+// rounds the same value the same way).
+template <int NT, int EPI, bool X16>
 __device__ __forceinline__ void gemm_v1_body(const GemmArgs& a) {
     if (a.skip_if && *a.skip_if) return;
     __shared__ u32 lut16[16];
@@ -255,10 +256,13 @@ __device__ __forceinline__ void gemm_v1_body(const GemmArgs& a) {
     const int kblocks = a.k >> 6;
     const int kb0 = w.kp * kblocks / a.kw, kb1 = (w.kp + 1) * kblocks / a.kw;
     const float* xcol[NT];
+    const uint4* xcol16[NT];  // X16: the column's f16 elements 16t.. of block 0
 #pragma unroll
     for (int j = 0; j < NT; j++) {
         const int n = w.col0 + 8 * j + w.g;
         xcol[j] = n < a.n ? a.x + (size_t)n * a.k + 16 * w.t : nullptr;
+        xcol16[j] = n < a.n ? reinterpret_cast<const uint4*>(reinterpret_cast<const u16*>(a.x) + (size_t)n * a.k + 16 * w.t)
+                            : nullptr;
     }
     float acc[2][NT][4] = {};
     ABlock next;
@@ -266,21 +270,40 @@ __device__ __forceinline__ void gemm_v1_body(const GemmArgs& a) {
     for (int kb = kb0; kb < kb1; kb++) {
         const ABlock cur = next;
         if (kb + 1 < kb1) load_a_block(w, kb + 1, next);
+        if constexpr (X16) {
+            u32 af[4][2][4];
 #pragma unroll
-        for (int s = 0; s < 4; s++) {
-            u32 af[2][4];
-            a_fragments(w, cur, lut16, s, af);
+            for (int s = 0; s < 4; s++) a_fragments(w, cur, lut16, s, af[s]);
 #pragma unroll
             for (int j = 0; j < NT; j++) {
-                float4 xv = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                if (xcol[j]) xv = __ldg(reinterpret_cast<const float4*>(xcol[j] + kb * 64 + 4 * s));
-                const u32 b0 = pack_f16x2(xv.x, xv.y), b1 = pack_f16x2(xv.z, xv.w);
+                uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;
+                if (xcol16[j]) {
+                    lo = __ldg(xcol16[j] + kb * 8);
+                    hi = __ldg(xcol16[j] + kb * 8 + 1);
+                }
+                const u32 bw[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
-                for (int i = 0; i < 2; i++) mma_16816(acc[i][j], af[i], b0, b1);
+                for (int s = 0; s < 4; s++)
+#pragma unroll
+                    for (int i = 0; i < 2; i++) mma_16816(acc[i][j], af[s][i], bw[2 * s], bw[2 * s + 1]);
+            }
+        } else {
+#pragma unroll
+            for (int s = 0; s < 4; s++) {
+                u32 af[2][4];
+                a_fragments(w, cur, lut16, s, af);
+#pragma unroll
+                for (int j = 0; j < NT; j++) {
+                    float4 xv = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    if (xcol[j]) xv = __ldg(reinterpret_cast<const float4*>(xcol[j] + kb * 64 + 4 * s));
+                    const u32 b0 = pack_f16x2(xv.x, xv.y), b1 = pack_f16x2(xv.z, xv.w);
+#pragma unroll
+                    for (int i = 0; i < 2; i++) mma_16816(acc[i][j], af[i], b0, b1);
+                }
             }
         }
     }
-    gemm_finish<NT, EPI>(a, w, acc, red);
+    gemm_finish<NT, EPI, X16>(a, w, acc, red);
 }
 
 // v2 (the default above 64 columns; DV2_GEMM=v2 everywhere): the CTA stages B in shared memory
@@ -375,7 +398,11 @@ __device__ __forceinline__ void gemm_v2_body(const GemmArgs& a) {
 #define GEMM_KERNELS(name, NT, EPI)                                                                          \
     extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) name##_v1(GemmArgs a) {                      \
         pdl_enter();                                                                                             \
-        gemm_v1_body<NT, EPI>(a);                                                                                \
+        gemm_v1_body<NT, EPI, false>(a);                                                                         \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) name##_v1h(GemmArgs a) {                     \
+        pdl_enter();                                                                                             \
+        gemm_v1_body<NT, EPI, true>(a);                                                                          \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) name##_v2(GemmArgs a) {                      \
         pdl_enter();                                                                                             \
@@ -455,9 +482,10 @@ struct PrefillAttnArgs {
     const u16* k_cache;
     const u16* v_cache;
     const int* state;
-    float* out;  // [n][n_q * head_dim]
+    float* out;  // [n][n_q * head_dim], f32 or (out_f16) f16
     int n, ld, n_q, n_kv, head_dim, qb;
     float scale;
+    int out_f16;
 };
 
 template <int R>
@@ -549,15 +577,12 @@ __device__ __forceinline__ void attn_prefill_body(const PrefillAttnArgs& a) {
         const int rr = warp + ATTNP_WARPS * r;
         if (rr >= rows) continue;
         const int ti = rr / group, h = kvh * group + rr % group;
-        float* out = a.out + (size_t)(tok0 + ti) * a.n_q * hd + h * hd;
+        const size_t out0 = (size_t)(tok0 + ti) * a.n_q * hd + h * hd;
         const float inv = 1.0f / l[r];
 #pragma unroll
         for (int e = 0; e < P; e++) {
             const int w = e * 32 + lane;
-            if (w < half) {
-                out[2 * w] = acc[r][2 * e] * inv;
-                out[2 * w + 1] = acc[r][2 * e + 1] * inv;
-            }
+            if (w < half) store_pair(a.out, out0 + 2 * w, acc[r][2 * e] * inv, acc[r][2 * e + 1] * inv, a.out_f16);
         }
     }
 }
@@ -725,13 +750,11 @@ __device__ __forceinline__ void attn_prefill_mma_body(const PrefillAttnArgs& a) 
     for (int h = 0; h < 2; h++) {
         const int rr = row0 + warp * 16 + g + 8 * h;
         if (rr >= rows_total) continue;
-        float* out = a.out + (size_t)(rr / group) * a.n_q * HD + (kvh * group + rr % group) * HD;
+        const size_t out0 = (size_t)(rr / group) * a.n_q * HD + (kvh * group + rr % group) * HD;
         const float inv = 1.0f / l[h];
 #pragma unroll
-        for (int d = 0; d < DT; d++) {
-            out[8 * d + 2 * t] = o_acc[d][2 * h] * inv;
-            out[8 * d + 2 * t + 1] = o_acc[d][2 * h + 1] * inv;
-        }
+        for (int d = 0; d < DT; d++)
+            store_pair(a.out, out0 + 8 * d + 2 * t, o_acc[d][2 * h] * inv, o_acc[d][2 * h + 1] * inv, a.out_f16);
     }
 }
 

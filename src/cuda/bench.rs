@@ -265,25 +265,34 @@ impl Bench {
     }
 
     /// Times the tensor-core GEMM (`y = W x`, plain store) for `rows` x `k` weights over `n`
-    /// columns on random data; returns the timing and TFLOP/s (2 rows k n per launch).
+    /// columns on random data, x in f16 where a prefill chunk of `n` tokens would have it
+    /// ([`Ops::prefill_f16`]); returns the timing and TFLOP/s (2 rows k n per launch).
     pub fn gemm(&self, name: &str, rows: usize, k: usize, n: usize) -> Result<(Timing, f64)> {
         let weight_bytes = RandomMatrix::bytes(rows, k);
         let copies = Self::copies(weight_bytes);
         let mats = (0..copies)
             .map(|c| RandomMatrix::new(&self.ops.gpu, rows, k, c as u64 + 101))
             .collect::<Result<Vec<_>>>()?;
-        let x = self.ops.gpu.upload(&random_f32(n * k, 3, -1.0, 1.0))?;
+        let f16 = self.ops.prefill_f16(n);
+        let x = random_f32(n * k, 3, -1.0, 1.0);
+        let x16: Vec<u16> = x
+            .iter()
+            .map(|v| half::f16::from_f32(*v).to_bits())
+            .collect();
+        let (x, x16) = (self.ops.gpu.upload(&x)?, self.ops.gpu.upload(&x16)?);
         let y = self.ops.gpu.zeros::<f32>(n * rows)?;
-        let (xp, yp, gpu) = (self.ops.gpu.ptr(&x), self.ops.gpu.ptr(&y), &self.ops.gpu);
+        let gpu = &self.ops.gpu;
+        let (xp, yp) = (if f16 { gpu.ptr(&x16) } else { gpu.ptr(&x) }, gpu.ptr(&y));
         let median_us = self.time_rotated(copies, |c| {
             let m = [GemmMatrix {
                 m: mats[c].as_ref(gpu),
                 rows,
                 bias: 0,
             }];
-            self.ops.gemm(Epilogue::Store, &m, k, xp, n, yp, rows, 0)
+            self.ops
+                .gemm(Epilogue::Store, &m, k, xp, n, yp, rows, 0, f16)
         })?;
-        let bytes = weight_bytes + n * k * 4 + n * rows * 4;
+        let bytes = weight_bytes + n * k * if f16 { 2 } else { 4 } + n * rows * 4;
         let tflops = 2.0 * (rows * k * n) as f64 / median_us / 1e6;
         let timing = Timing {
             name: name.into(),

@@ -311,10 +311,11 @@ pub struct Kernels {
     pub attn2_merge: CudaFunction,
     /// GEMV v3 (tensor cores) by epilogue: store (+bias), accumulate, SwiGLU.
     pub gemv3: [CudaFunction; 3],
-    /// The NF4 tensor-core GEMM by epilogue: [v1, v2][width index into [`GEMM_NT`]].
-    pub gemm_store: [[CudaFunction; 3]; 2],
-    pub gemm_acc: [[CudaFunction; 3]; 2],
-    pub gemm_swiglu: [[CudaFunction; 3]; 2],
+    /// The NF4 tensor-core GEMM by epilogue: [v1, v2, v1 with f16 activations][width index
+    /// into [`GEMM_NT`]].
+    pub gemm_store: [[CudaFunction; 3]; 3],
+    pub gemm_acc: [[CudaFunction; 3]; 3],
+    pub gemm_swiglu: [[CudaFunction; 3]; 3],
     pub embed_rows: CudaFunction,
     pub rope_kv_rows: CudaFunction,
     pub advance_by: CudaFunction,
@@ -338,7 +339,7 @@ impl Kernels {
         let module = load_module(gpu, &DECODE)?;
         let f = |name: &str| module.load_function(name).map_err(driver_error(name));
         // v2 stages B in dynamic shared memory, up to GEMM_V2_MAX_SMEM bytes.
-        let gemm = |name: &str| -> Result<[[CudaFunction; 3]; 2]> {
+        let gemm = |name: &str| -> Result<[[CudaFunction; 3]; 3]> {
             let width = |v: &str| -> Result<[CudaFunction; 3]> {
                 let fs = [
                     f(&format!("{name}_nt1_{v}"))?,
@@ -356,7 +357,7 @@ impl Kernels {
                 }
                 Ok(fs)
             };
-            Ok([width("v1")?, width("v2")?])
+            Ok([width("v1")?, width("v2")?, width("v1h")?])
         };
         // GEMV v3 stages x in dynamic shared memory, up to GEMV3_MAX_SMEM bytes.
         let gemv3 = [f("gemv3_store")?, f("gemv3_acc")?, f("gemv3_swiglu")?];

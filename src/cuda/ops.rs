@@ -101,6 +101,8 @@ pub struct PrefillAttnArgs {
     /// Tokens per CTA of the CUDA-core kernels: set by [`Ops::attn_prefill`].
     pub qb: i32,
     pub scale: f32,
+    /// Nonzero: `out` is written as f16 (the next GEMM's input, see [`Ops::prefill_f16`]).
+    pub out_f16: i32,
 }
 // SAFETY: plain old data matching the kernel's struct.
 unsafe impl DeviceRepr for PrefillAttnArgs {}
@@ -264,6 +266,9 @@ pub struct Ops {
     pub linear: Linear,
     /// The tensor-core GEMM: v2 stages B in shared memory, v1 reads it per warp.
     pub gemm: GemmVariant,
+    /// Prefill chunks on the v1 GEMM keep the GEMMs' inputs in f16, written so by their
+    /// producers (default; `DV2_GEMM_X16=0`: f32, rounded to f16 by the GEMM).
+    pub gemm_x16: bool,
     /// The prefill attention on CUDA cores (`DV2_ATTNP=simt`) instead of tensor cores.
     pub attnp_simt: bool,
     /// (token, q head) rows per CTA of the CUDA-core prefill attention: `DV2_ATTNP_ROWS=32`,
@@ -300,6 +305,7 @@ impl Ops {
                 Ok("v2") => GemmVariant::Fixed(Variant::V2),
                 _ => GemmVariant::Auto,
             },
+            gemm_x16: std::env::var("DV2_GEMM_X16").as_deref() != Ok("0"),
             linear: match std::env::var("DV2_LINEAR").as_deref() {
                 Ok("mma") => Linear::Mma,
                 _ => Linear::Gemv,
@@ -398,10 +404,12 @@ impl Ops {
 
     /// `out = x * rsqrt(mean(x^2) + eps) * w` over `n` elements (one CTA).
     pub fn rms(&self, x: u64, w: u64, out: u64, n: usize, eps: f32) -> Result<()> {
-        self.rms_rows(x, w, out, n, eps, 1)
+        self.rms_rows(x, w, out, n, eps, 1, false)
     }
 
-    /// [`Self::rms`] on each of `rows` consecutive rows of `n` elements (a CTA per row).
+    /// [`Self::rms`] on each of `rows` consecutive rows of `n` elements (a CTA per row);
+    /// with `out_f16`, `out` is written as f16.
+    #[allow(clippy::too_many_arguments)]
     pub fn rms_rows(
         &self,
         x: u64,
@@ -410,18 +418,35 @@ impl Ops {
         n: usize,
         eps: f32,
         rows: usize,
+        out_f16: bool,
     ) -> Result<()> {
-        let n = n as i32;
+        let (n, f16) = (n as i32, out_f16 as i32);
         let cfg = LaunchConfig {
             grid_dim: (rows as u32, 1, 1),
             ..one_cta(512)
         };
-        launch!(self.gpu, &self.k.rms_norm, cfg; x, w, out, n, eps)
+        launch!(self.gpu, &self.k.rms_norm, cfg; x, w, out, n, eps, f16)
+    }
+
+    /// Whether the GEMM takes v2 (B staged in shared memory) at `n` columns.
+    fn gemm_v2(&self, n: usize) -> bool {
+        match self.gemm {
+            GemmVariant::Auto => n > 64,
+            GemmVariant::Fixed(v) => v == Variant::V2,
+        }
+    }
+
+    /// Whether a prefill chunk of `n` tokens keeps its GEMM inputs in f16: the producers (the
+    /// RMSNorm rows, the attention, the SwiGLU epilogue) write f16 and the GEMM (v1) reads
+    /// it as is.
+    pub fn prefill_f16(&self, n: usize) -> bool {
+        self.gemm_x16 && !self.gemm_v2(n)
     }
 
     /// The NF4 tensor-core GEMM over `n` columns: `x` is f32 [n][k], `y` f32 [n][ldy]; the
-    /// matrices are stacked by rows (SwiGLU: gate and up). Skipped on the device while
-    /// `*skip_if != 0` (0: never).
+    /// matrices are stacked by rows (SwiGLU: gate and up). With `f16` (only where
+    /// [`Self::prefill_f16`] says so) x is f16 and the SwiGLU output too. Skipped on the
+    /// device while `*skip_if != 0` (0: never).
     #[allow(clippy::too_many_arguments)]
     pub fn gemm(
         &self,
@@ -433,6 +458,7 @@ impl Ops {
         y: u64,
         ldy: usize,
         skip_if: u64,
+        f16: bool,
     ) -> Result<()> {
         let mut args = GemmArgs {
             m: [Nf4Ref::default(); 3],
@@ -460,10 +486,12 @@ impl Ops {
         };
         let (width, ctas_n) = gemm_width(n);
         let tiles = out_rows.div_ceil(warp_rows);
-        let v2 = match self.gemm {
-            GemmVariant::Auto => n > 64,
-            GemmVariant::Fixed(v) => v == Variant::V2,
-        };
+        let v2 = self.gemm_v2(n);
+        if f16 && v2 {
+            return Err(Error::Unsupported(
+                "the v2 GEMM takes f32 activations only".into(),
+            ));
+        }
         let max_kw = if v2 { GEMM_V2_MAX_KW } else { GEMM_WARPS };
         let kw = gemm_k_parts(tiles, ctas_n, k / 64, self.sms as usize, max_kw);
         args.kw = kw as i32;
@@ -476,7 +504,8 @@ impl Ops {
                 0
             },
         };
-        let v = v2 as usize;
+        // [v1, v2, v1 with f16 activations]
+        let v = if f16 { 2 } else { v2 as usize };
         let f = match epilogue {
             Epilogue::Store => &self.k.gemm_store[v][width],
             Epilogue::Accumulate => &self.k.gemm_acc[v][width],
@@ -633,7 +662,7 @@ impl Ops {
         let mats = [GemmMatrix { m, rows, bias: 0 }];
         if self.linear == Linear::Mma {
             self.no_sums(ss_out)?;
-            self.gemm(epilogue, &mats, cols, x, 1, y, rows, skip_if)?;
+            self.gemm(epilogue, &mats, cols, x, 1, y, rows, skip_if, false)?;
             return Ok(0);
         }
         match kernel {
@@ -682,7 +711,7 @@ impl Ops {
             bias: args.bias[i],
         });
         if self.linear == Linear::Mma {
-            return self.gemm(Epilogue::Store, &mats, cols, x, 1, out, rows, 0);
+            return self.gemm(Epilogue::Store, &mats, cols, x, 1, out, rows, 0, false);
         }
         match kernel {
             Variant::V1 => {
@@ -717,7 +746,7 @@ impl Ops {
         let (x, norm) = self.input(input, cols, kernel)?;
         let mats = [gate, up].map(|m| GemmMatrix { m, rows, bias: 0 });
         if self.linear == Linear::Mma {
-            return self.gemm(Epilogue::Swiglu, &mats, cols, x, 1, out, rows, 0);
+            return self.gemm(Epilogue::Swiglu, &mats, cols, x, 1, out, rows, 0, false);
         }
         match kernel {
             Variant::V1 => {

@@ -460,6 +460,8 @@ impl CudaBackend {
         let ids = self.ptr(&a.prompt) + 4 * start as u64;
         let (hidden, vocab, n_i) = (s.hidden as i32, s.vocab as i32, n as i32);
         let embed = self.model.embed.as_ref(gpu);
+        // The GEMMs' inputs (normed rows, attention output, SwiGLU output) in f16 or f32.
+        let f16 = ops.prefill_f16(n);
         let rows = LaunchConfig {
             grid_dim: (n as u32, 1, 1),
             ..one_cta(256)
@@ -476,13 +478,21 @@ impl CudaBackend {
                 self.ptr(&self.k_cache) + l as u64 * layer_bytes,
                 self.ptr(&self.v_cache) + l as u64 * layer_bytes,
             );
-            ops.rms_rows(x, self.ptr(&layer.attn_norm), xn, s.hidden, s.rms_eps, n)?;
+            ops.rms_rows(
+                x,
+                self.ptr(&layer.attn_norm),
+                xn,
+                s.hidden,
+                s.rms_eps,
+                n,
+                f16,
+            )?;
             let qkv_mats = [0, 1, 2].map(|i| {
                 let bias = layer.qkv_bias[i].as_ref().map_or(0, |b| self.ptr(b));
                 matrix(&layer.qkv[i], bias)
             });
             let ld = s.qkv_rows();
-            ops.gemm(Epilogue::Store, &qkv_mats, s.hidden, xn, n, qkv, ld, 0)?;
+            ops.gemm(Epilogue::Store, &qkv_mats, s.hidden, xn, n, qkv, ld, 0, f16)?;
             let (cos, sin, ld_i) = (
                 self.ptr(&self.rope_cos),
                 self.ptr(&self.rope_sin),
@@ -503,15 +513,54 @@ impl CudaBackend {
                 head_dim: hd,
                 qb: 0,
                 scale: 1.0 / (s.head_dim as f32).sqrt(),
+                out_f16: f16 as i32,
             })?;
             let o = [matrix(&layer.o, 0)];
-            ops.gemm(Epilogue::Accumulate, &o, s.hidden, attn, n, x, s.hidden, 0)?;
-            ops.rms_rows(x, self.ptr(&layer.ffn_norm), xn, s.hidden, s.rms_eps, n)?;
+            ops.gemm(
+                Epilogue::Accumulate,
+                &o,
+                s.hidden,
+                attn,
+                n,
+                x,
+                s.hidden,
+                0,
+                f16,
+            )?;
+            ops.rms_rows(
+                x,
+                self.ptr(&layer.ffn_norm),
+                xn,
+                s.hidden,
+                s.rms_eps,
+                n,
+                f16,
+            )?;
             let gate_up = [matrix(&layer.gate, 0), matrix(&layer.up, 0)];
             let inter = s.intermediate;
-            ops.gemm(Epilogue::Swiglu, &gate_up, s.hidden, xn, n, act, inter, 0)?;
+            ops.gemm(
+                Epilogue::Swiglu,
+                &gate_up,
+                s.hidden,
+                xn,
+                n,
+                act,
+                inter,
+                0,
+                f16,
+            )?;
             let down = [matrix(&layer.down, 0)];
-            ops.gemm(Epilogue::Accumulate, &down, inter, act, n, x, s.hidden, 0)?;
+            ops.gemm(
+                Epilogue::Accumulate,
+                &down,
+                inter,
+                act,
+                n,
+                x,
+                s.hidden,
+                0,
+                f16,
+            )?;
         }
         if last {
             self.logits_of(x + ((n - 1) * s.hidden * 4) as u64, 0, None)?;
