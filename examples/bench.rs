@@ -181,10 +181,9 @@ fn prefill_tables(qwen: &HostModel, json: &mut String, skip_gemm: bool) {
     ];
     // v1 reads f16 activations unless DV2_GEMM_X16=0 (then f32, as v2 does).
     type Variant = (&'static str, &'static [(&'static str, &'static str)]);
-    let variants: [Variant; 4] = [
+    let variants: [Variant; 3] = [
         ("v2", &[("DV2_GEMM", "v2")]),
         ("v1", &[("DV2_GEMM", "v1")]),
-        ("v1/pf0", &[("DV2_GEMM", "v1"), ("DV2_GEMM_PREFETCH", "0")]),
         ("v1/f32", &[("DV2_GEMM", "v1"), ("DV2_GEMM_X16", "0")]),
     ];
     for (variant, env) in variants {
@@ -202,7 +201,7 @@ fn prefill_tables(qwen: &HostModel, json: &mut String, skip_gemm: bool) {
     *json += "  \"prefill\": [\n";
     // (label, environment, chunk)
     type Run = (&'static str, &'static [(&'static str, &'static str)], usize);
-    let runs: [Run; 13] = [
+    let runs: [Run; 11] = [
         ("n1 (decode step)", &[], 0),
         ("default", &[], 32),
         ("default", &[], 64),
@@ -214,8 +213,6 @@ fn prefill_tables(qwen: &HostModel, json: &mut String, skip_gemm: bool) {
         ("DV2_GEMM=v2", &[("DV2_GEMM", "v2")], 512),
         ("DV2_ATTNP=simt", &[("DV2_ATTNP", "simt")], 512),
         ("DV2_GEMM_X16=0", &[("DV2_GEMM_X16", "0")], 64),
-        ("DV2_GEMM_PREFETCH=0", &[("DV2_GEMM_PREFETCH", "0")], 64),
-        ("DV2_GEMM_PREFETCH=8", &[("DV2_GEMM_PREFETCH", "8")], 64),
     ];
     for (label, env, chunk) in runs {
         let (ttft, long) = with_env(env, || {
@@ -326,13 +323,8 @@ fn main() {
     if !flag("--skip-kernels") {
         println!("\nattention v2, valid_len 48 / 512 / 2048 µs (merge folded into the last CTA, or its own kernel):");
         type Env = &'static [(&'static str, &'static str)];
-        let merges: [(&str, Env); 2] = [
-            ("folded", &[("DV2_ATTN", "v2")]),
-            (
-                "kernel",
-                &[("DV2_ATTN", "v2"), ("DV2_ATTN_MERGE", "kernel")],
-            ),
-        ];
+        let merges: [(&str, Env); 2] =
+            [("folded", &[]), ("kernel", &[("DV2_ATTN_MERGE", "kernel")])];
         for (label, env) in merges {
             let us = with_env(env, || {
                 let bench = Bench::new(0).expect("CUDA device");

@@ -878,27 +878,13 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode(AttnArgs
         if (lane == 0) inv_l[g] = 1.0f / l;
     }
     __syncthreads();
-    // Each thread sums its (at most PER) outputs over the chunks, all of a chunk's loads
-    // (and, unrolled, the next chunk's) in flight together; the stores come after every load.
-    constexpr int PER = ATTN2_MAX_GROUP_X_HD / ATTN_THREADS;
-    const int outs = group * hd;
-    float sum[PER];
-#pragma unroll
-    for (int o = 0; o < PER; o++) sum[o] = 0.0f;
-#pragma unroll 2
-    for (int c = 0; c < used; c++) {
-#pragma unroll
-        for (int o = 0; o < PER; o++) {
-            const int i = threadIdx.x + o * ATTN_THREADS, g = i / hd;
-            if (i < outs)
-                sum[o] = fmaf(__ldcg(a.part_acc + (ml0 + (size_t)g * gridDim.y + c) * hd + i % hd), m_s[g * used + c],
-                              sum[o]);
-        }
-    }
-#pragma unroll
-    for (int o = 0; o < PER; o++) {
-        const int i = threadIdx.x + o * ATTN_THREADS;
-        if (i < outs) a.out[(size_t)kvh * outs + i] = sum[o] * inv_l[i / hd];
+    for (int i = threadIdx.x; i < group * hd; i += blockDim.x) {
+        const int g = i / hd, d = i % hd;
+        const float* acc = a.part_acc + (ml0 + (size_t)g * gridDim.y) * hd + d;
+        float sum = 0.0f;
+#pragma unroll 8
+        for (int c = 0; c < used; c++) sum = fmaf(__ldcg(acc + (size_t)c * hd), m_s[g * used + c], sum);
+        a.out[(size_t)(kvh * group + g) * hd + d] = sum * inv_l[g];
     }
 }
 

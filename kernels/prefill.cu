@@ -42,9 +42,6 @@ struct GemmArgs {
     // epilogue leaves each CTA's sum of squares of y (may be null).
     NormArgs norm;
     float* ss_out;
-    // GEMM v1 with f16 activations: pull the weights of the block this many ahead into L2
-    // (DV2_GEMM_PREFETCH; 0: none).
-    int prefetch;
 };
 
 enum { EPI_STORE = 0, EPI_ACCUMULATE = 1, EPI_SWIGLU = 2 };
@@ -166,19 +163,6 @@ __device__ __forceinline__ void load_a_block(const GemmWarp& w, int kb, ABlock& 
         }
 }
 
-// Asks L2 for block kb of the warp's rows (one lane per row; its absmax too), so that the
-// loads of that block, a few blocks later, wait on L2 rather than on HBM.
-__device__ __forceinline__ void prefetch_a_block(const GemmWarp& w, int kb) {
-    if (w.t != 0) return;
-#pragma unroll
-    for (int i = 0; i < 2; i++)
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(w.wrow[i][h] + kb * 32));
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(w.srow[i][h] + kb));
-        }
-}
-
 // The A fragments of k-step s (0..3) of a block, dequantized and scaled.
 __device__ __forceinline__ void a_fragments(const GemmWarp& w, const ABlock& b, const u32* lut16, int s,
                                             u32 (&af)[2][4]) {
@@ -287,9 +271,6 @@ __device__ __forceinline__ void gemm_v1_body(const GemmArgs& a) {
         const ABlock cur = next;
         if (kb + 1 < kb1) load_a_block(w, kb + 1, next);
         if constexpr (X16) {
-            if (kb == kb0)
-                for (int p = 2; p < a.prefetch && kb0 + p < kb1; p++) prefetch_a_block(w, kb0 + p);
-            if (a.prefetch > 1 && kb + a.prefetch < kb1) prefetch_a_block(w, kb + a.prefetch);
             u32 af[4][2][4];
 #pragma unroll
             for (int s = 0; s < 4; s++) a_fragments(w, cur, lut16, s, af[s]);

@@ -85,7 +85,6 @@ struct GemmArgs {
     kw: i32,
     norm: NormArgs,
     ss_out: u64,
-    prefetch: i32,
 }
 // SAFETY: plain old data matching the kernel's struct.
 unsafe impl DeviceRepr for GemmArgs {}
@@ -278,9 +277,6 @@ pub struct Ops {
     /// Prefill chunks on the v1 GEMM keep the GEMMs' inputs in f16, written so by their
     /// producers (default; `DV2_GEMM_X16=0`: f32, rounded to f16 by the GEMM).
     pub gemm_x16: bool,
-    /// With f16 activations, the v1 GEMM asks L2 for the weights this many blocks ahead of
-    /// its loads (`DV2_GEMM_PREFETCH`, default 4; 0 or 1: none).
-    pub gemm_prefetch: i32,
     /// The prefill attention on CUDA cores (`DV2_ATTNP=simt`) instead of tensor cores.
     pub attnp_simt: bool,
     /// (token, q head) rows per CTA of the CUDA-core prefill attention: `DV2_ATTNP_ROWS=32`,
@@ -319,10 +315,6 @@ impl Ops {
                 _ => GemmVariant::Auto,
             },
             gemm_x16: std::env::var("DV2_GEMM_X16").as_deref() != Ok("0"),
-            gemm_prefetch: std::env::var("DV2_GEMM_PREFETCH")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(4),
             linear: match std::env::var("DV2_LINEAR").as_deref() {
                 Ok("mma") => Linear::Mma,
                 _ => Linear::Gemv,
@@ -490,7 +482,6 @@ impl Ops {
             kw: 1,
             norm: NormArgs::NONE,
             ss_out: 0,
-            prefetch: self.gemm_prefetch,
         };
         for (i, m) in mats.iter().enumerate() {
             args.m[i] = m.m;
@@ -572,7 +563,6 @@ impl Ops {
             kw: GEMV3_WARPS as i32,
             norm,
             ss_out,
-            prefetch: 0,
         };
         for (i, m) in mats.iter().enumerate() {
             args.m[i] = m.m;

@@ -37,7 +37,7 @@ DV2_LINEAR=mma .device/tests/cuda_gates --nocapture gates_match > "$out/tests-li
   && echo "DV2_LINEAR=mma, gates: ok" || { echo "DV2_LINEAR=mma, gates: FAILED"; status=1; }
 grep -E "max \|logit" "$out/tests-linear-mma.log"
 # The prefill kernel variants: CUDA-core attention, each GEMM kernel forced.
-for v in DV2_ATTNP=simt DV2_GEMM=v1 DV2_GEMM=v2 DV2_GEMM_X16=0 DV2_GEMM_PREFETCH=0; do
+for v in DV2_ATTNP=simt DV2_GEMM=v1 DV2_GEMM=v2 DV2_GEMM_X16=0; do
   env $v .device/tests/cuda_gates --nocapture chunked > "$out/tests-prefill-${v#DV2_}.log" 2>&1 \
     && echo "$v, chunked prefill: ok" || { echo "$v, chunked prefill: FAILED"; status=1; }
   grep -E "chunk 32" "$out/tests-prefill-${v#DV2_}.log"
