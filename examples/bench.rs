@@ -321,17 +321,6 @@ fn main() {
     }
     json = json.trim_end_matches(",\n").to_string() + "\n  },\n";
     if !flag("--skip-kernels") {
-        println!("\nattention v2, valid_len 48 / 512 / 2048 µs (merge folded into the last CTA, or its own kernel):");
-        type Env = &'static [(&'static str, &'static str)];
-        let merges: [(&str, Env); 2] =
-            [("folded", &[]), ("kernel", &[("DV2_ATTN_MERGE", "kernel")])];
-        for (label, env) in merges {
-            let us = with_env(env, || {
-                let bench = Bench::new(0).expect("CUDA device");
-                [48, 512, 2048].map(|len| bench.attention(&QWEN25_3B, 2048, len).unwrap().median_us)
-            });
-            println!("  {label:<8} {:.2} / {:.2} / {:.2}", us[0], us[1], us[2]);
-        }
         println!("\nGEMV v2, CTAs per SM (DV2_GEMV_CTAS), gate+up / down / lm_head µs:");
         std::env::set_var("DV2_GEMV", "v2");
         for ctas in ["1", "2", "4"] {
@@ -376,7 +365,6 @@ fn main() {
     for (label, env) in [
         ("medium_llama pdl=0", &[("DV2_PDL", "0")]),
         ("medium rms-kernel", &[("DV2_FUSE_RMS", "0")]),
-        ("medium merge-kernel", &[("DV2_ATTN_MERGE", "kernel")]),
     ] {
         runs.push(with_env(env, || {
             time_decode(label, &medium, 32, 4, 24, true, 5)
@@ -401,7 +389,6 @@ fn main() {
             ("qwen25_3b rms-kernel", &[("DV2_FUSE_RMS", "0")]),
             ("qwen25_3b gemv=v2", &[("DV2_GEMV", "v2")]),
             ("qwen25_3b gemv=v3", &[("DV2_GEMV", "v3")]),
-            ("qwen25_3b merge-kernel", &[("DV2_ATTN_MERGE", "kernel")]),
         ] {
             runs.push(with_env(env, || {
                 time_decode(label, qwen, 2048, 48, 128, true, 3)

@@ -623,11 +623,6 @@ struct AttnArgs {
     float* part_ml;   // [n_q][n_splits][2]
     int n_q, n_kv, head_dim, max_seq, n_splits;
     float scale;
-    // attn2 with the merge folded in (DV2_ATTN_MERGE, default): the output [n_q * hd], and per
-    // KV head a count of finished chunk CTAs, zero between launches. done == null: the
-    // partials are left for attn2_merge.
-    float* out;
-    int* done;
 };
 
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode(AttnArgs a) {
@@ -834,57 +829,6 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode(AttnArgs
         float* out = a.part_acc + ((size_t)(kvh * group + g) * gridDim.y + chunk) * hd;
         out[2 * w] = ax;
         out[2 * w + 1] = ay;
-    }
-    if (!a.done) return;
-
-    // The merge, folded in: the last chunk CTA of this KV head to finish combines the group's
-    // chunks (each CTA's partials are made visible device-wide before its arrival is counted;
-    // the last one reads them past L1). This saves a kernel boundary per layer.
-    __shared__ bool last;
-    __threadfence();
-    __syncthreads();
-    const int used = pos / ATTN2_CHUNK + 1;  // the chunk CTAs that did not exit early
-    if (threadIdx.x == 0) {
-        last = atomicAdd(a.done + kvh, 1) == used - 1;
-        if (last) a.done[kvh] = 0;  // ready for the next layer
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    // k_s and v_s are free now: chunk maxima, then weights exp(m_c - M), and sums, of each
-    // (q head, chunk); the host keeps group x chunks within ATTN2_FUSED_MAX.
-    float* m_s = reinterpret_cast<float*>(k_s);
-    float* l_s = reinterpret_cast<float*>(v_s);
-    __shared__ float inv_l[ATTN2_MAX_GROUP];
-    const size_t ml0 = (size_t)kvh * group * gridDim.y;  // (head, chunk) index of (kvh*group, 0)
-    for (int i = threadIdx.x; i < group * used; i += blockDim.x) {
-        const int g = i / used, c = i % used;
-        const float2 ml = __ldcg(reinterpret_cast<const float2*>(a.part_ml) + ml0 + (size_t)g * gridDim.y + c);
-        m_s[i] = ml.x;
-        l_s[i] = ml.y;
-    }
-    __syncthreads();
-    for (int g = warp; g < group; g += ATTN_WARPS) {
-        float m = NEG_INF;
-        for (int c = lane; c < used; c += 32) m = fmaxf(m, m_s[g * used + c]);
-        m = warp_max(m);
-        float l = 0.0f;
-        for (int c = lane; c < used; c += 32) {
-            const float wgt = expf(m_s[g * used + c] - m);
-            m_s[g * used + c] = wgt;
-            l += l_s[g * used + c] * wgt;
-        }
-        l = warp_sum(l);
-        if (lane == 0) inv_l[g] = 1.0f / l;
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < group * hd; i += blockDim.x) {
-        const int g = i / hd, d = i % hd;
-        const float* acc = a.part_acc + (ml0 + (size_t)g * gridDim.y) * hd + d;
-        float sum = 0.0f;
-#pragma unroll 8
-        for (int c = 0; c < used; c++) sum = fmaf(__ldcg(acc + (size_t)c * hd), m_s[g * used + c], sum);
-        a.out[(size_t)(kvh * group + g) * hd + d] = sum * inv_l[g];
     }
 }
 

@@ -22,10 +22,10 @@ use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig};
 
 use super::device::{driver_error, Gpu};
 use super::kernels::{
-    Kernels, ATTN2_CHUNK, ATTN2_FUSED_MAX, ATTN2_MAX_CHUNKS, ATTN2_MAX_GROUP, ATTN2_MAX_GROUP_X_HD,
-    ATTNM_ROWS, ATTNM_THREADS, ATTNP_Q_FLOATS, ATTNP_ROWS, ATTNP_THREADS, ATTN_THREADS,
-    GEMM_B2_STRIDE, GEMM_NT, GEMM_V2_MAX_KW, GEMM_WARPS, GEMM_WARP_ROWS, GEMV3_MAX_K, GEMV3_WARPS,
-    GEMV_THREADS, GEMV_WARPS, MAX_HEAD_DIM,
+    Kernels, ATTN2_CHUNK, ATTN2_MAX_CHUNKS, ATTN2_MAX_GROUP, ATTN2_MAX_GROUP_X_HD, ATTNM_ROWS,
+    ATTNM_THREADS, ATTNP_Q_FLOATS, ATTNP_ROWS, ATTNP_THREADS, ATTN_THREADS, GEMM_B2_STRIDE,
+    GEMM_NT, GEMM_V2_MAX_KW, GEMM_WARPS, GEMM_WARP_ROWS, GEMV3_MAX_K, GEMV3_WARPS, GEMV_THREADS,
+    GEMV_WARPS, MAX_HEAD_DIM,
 };
 use super::weights::Nf4Ref;
 use crate::arch::ArchSpec;
@@ -60,11 +60,6 @@ pub struct AttnArgs {
     pub max_seq: i32,
     pub n_splits: i32,
     pub scale: f32,
-    /// Set by [`Ops::attention`].
-    pub out: u64,
-    /// `n_kv` zeroed ints the merge folded into attention v2 counts with (see
-    /// [`Ops::attention`]).
-    pub done: u64,
 }
 // SAFETY: plain old data matching the kernel's struct.
 unsafe impl DeviceRepr for AttnArgs {}
@@ -265,9 +260,6 @@ pub struct Ops {
     /// The GEMV kernels: [`GemvChoice::Auto`] (default) picks per matrix.
     pub gemv: GemvChoice,
     pub attn: Variant,
-    /// Attention v2's merge folded into its last CTA per KV head (default;
-    /// `DV2_ATTN_MERGE=kernel`: the separate merge kernel).
-    pub attn_merge_fused: bool,
     /// RMSNorm folded into the next GEMV's x load from the producer's partial sums of squares
     /// (default; `DV2_FUSE_RMS=0`: the RMSNorm kernel).
     pub fuse_rms: bool,
@@ -302,7 +294,6 @@ impl Ops {
                 _ => GemvChoice::Auto,
             },
             attn: variant("DV2_ATTN"),
-            attn_merge_fused: std::env::var("DV2_ATTN_MERGE").as_deref() != Ok("kernel"),
             fuse_rms: std::env::var("DV2_FUSE_RMS").as_deref() != Ok("0"),
             attnp_simt: std::env::var("DV2_ATTNP").is_ok_and(|v| v == "simt"),
             attnp_rows: match std::env::var("DV2_ATTNP_ROWS").as_deref() {
@@ -775,9 +766,7 @@ impl Ops {
     }
 
     /// Attention of one layer (RoPE and the KV write fused), then the merge into `out`.
-    /// `args.n_splits` and `args.out` are ignored: set here. With v2 the merge runs in the
-    /// last CTA of each KV head, counting in `args.done`, where its staging fits the group's
-    /// chunks ([`ATTN2_FUSED_MAX`]); else, or with `DV2_ATTN_MERGE=kernel`, in its own kernel.
+    /// `args.n_splits` is ignored: each variant sets its own from `args.max_seq`.
     pub fn attention(&self, args: AttnArgs, out: u64) -> Result<()> {
         let max_seq = args.max_seq as usize;
         let merge = LaunchConfig {
@@ -809,12 +798,8 @@ impl Ops {
             }
             Variant::V2 | Variant::V3 => {
                 let chunks = max_seq.div_ceil(ATTN2_CHUNK);
-                let group = (args.n_q / args.n_kv) as usize;
-                let fused = self.attn_merge_fused && group * chunks <= ATTN2_FUSED_MAX;
                 let args = AttnArgs {
                     n_splits: chunks as i32,
-                    out,
-                    done: if fused { args.done } else { 0 },
                     ..args
                 };
                 let cfg = LaunchConfig {
@@ -824,9 +809,6 @@ impl Ops {
                 };
                 let nc = chunks as i32;
                 launch!(self.gpu, &self.k.attn2_decode, cfg; args)?;
-                if fused {
-                    return Ok(());
-                }
                 launch!(self.gpu, &self.k.attn2_merge, merge; pa, pm, st, out, hd, nc, ms)
             }
         }

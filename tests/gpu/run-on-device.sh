@@ -23,9 +23,6 @@ for v in v2 v3; do
     && echo "DV2_GEMV=$v, gates: ok" || { echo "DV2_GEMV=$v, gates: FAILED"; status=1; }
   grep -E "max \|logit" "$out/tests-gemv-$v.log"
 done
-DV2_ATTN_MERGE=kernel .device/tests/cuda_gates --nocapture gates_match > "$out/tests-merge-kernel.log" 2>&1 \
-  && echo "DV2_ATTN_MERGE=kernel, gates: ok" || { echo "DV2_ATTN_MERGE=kernel, gates: FAILED"; status=1; }
-grep -E "max \|logit" "$out/tests-merge-kernel.log"
 DV2_PDL=0 .device/tests/cuda_gates --nocapture gates_match > "$out/tests-pdl0.log" 2>&1 \
   && echo "DV2_PDL=0, gates: ok" || { echo "DV2_PDL=0, gates: FAILED"; status=1; }
 DV2_FUSE_RMS=0 .device/tests/cuda_gates --nocapture gates_match > "$out/tests-rms-kernel.log" 2>&1 \
