@@ -209,10 +209,10 @@ fn prefill_tables(qwen: &HostModel, json: &mut String, skip_gemm: bool) {
         ("default", &[], 256),
         ("default", &[], 512),
         ("default", &[], 1024),
-        ("DV2_GEMM=v1", &[("DV2_GEMM", "v1")], 512),
+        ("DV2_GEMM=v2", &[("DV2_GEMM", "v2")], 1024),
         ("DV2_GEMM=v2", &[("DV2_GEMM", "v2")], 512),
         ("DV2_ATTNP=simt", &[("DV2_ATTNP", "simt")], 512),
-        ("DV2_GEMM_X16=0", &[("DV2_GEMM_X16", "0")], 64),
+        ("DV2_GEMM_X16=0", &[("DV2_GEMM_X16", "0")], 1024),
     ];
     for (label, env, chunk) in runs {
         let (ttft, long) = with_env(env, || {

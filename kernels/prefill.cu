@@ -237,7 +237,7 @@ __device__ __forceinline__ void gemm_finish(const GemmArgs& a, const GemmWarp& w
         }
 }
 
-// v1 (the default up to 64 columns; DV2_GEMM=v1 everywhere): every warp reads its B fragments
+// v1 (the default; DV2_GEMM=v1 forces it): every warp reads its B fragments
 // straight from global memory, through L1. Each warp re-reads B for its 32 rows, so L1 is the
 // bottleneck (docs/lab.md). From f32 x, a fragment (elements 16t+4s .. +3 of a column) is a
 // 16-byte load per k-step touching two cache lines per column, rounded to f16 here. With X16
@@ -306,7 +306,7 @@ __device__ __forceinline__ void gemm_v1_body(const GemmArgs& a) {
     gemm_finish<NT, EPI, X16>(a, w, acc, red);
 }
 
-// v2 (the default above 64 columns; DV2_GEMM=v2 everywhere): the CTA stages B in shared memory
+// v2 (DV2_GEMM=v2; the default above 64 columns with DV2_GEMM_X16=0): the CTA stages B in shared memory
 // for all its warps, so B moves once per CTA instead of once per warp, with cp.async (no
 // registers, zero-filled past n) two blocks deep: the next block's B is in flight while this
 // one's MMAs run. Staged as f32, [kw parts][8NT columns][B2_STRIDE words]; a warp reads its

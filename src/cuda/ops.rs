@@ -11,7 +11,8 @@
 //! default 1).
 //! `DV2_GEMM=v1|v2` forces the tensor-core GEMM kernel (v2: B staged in shared memory by
 //! cp.async, K split at most 4 ways; v1: B read by each warp from global memory; default:
-//! v1 up to 64 columns, v2 above, as measured).
+//! v1, as measured). `DV2_GEMM_X16=0` keeps the prefill's GEMM inputs in f32 (default f16,
+//! written so by their producers, for v1; with f32 the default is v2 above 64 columns).
 //! `DV2_ATTNP=simt` runs the prefill's attention on CUDA cores (default: tensor cores where
 //! head_dim is 16, 32, 64 or 128), with `DV2_ATTNP_ROWS=8|32` rows per CTA.
 //! `DV2_LINEAR=mma` runs the decode step's linears through the prefill's tensor-core GEMM
@@ -223,8 +224,8 @@ pub const GEMV3_AUTO_MAX_BYTES: usize = 8 << 20;
 /// The tensor-core GEMM kernel: the default, or one forced by `DV2_GEMM`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GemmVariant {
-    /// v2 above 64 columns, v1 up to 64 (the faster of the two on the Qwen2.5-3B shapes,
-    /// docs/lab.md).
+    /// v1 (with f16 activations; with `DV2_GEMM_X16=0`, v2 above 64 columns): the faster
+    /// on the Qwen2.5-3B prefill (docs/lab.md).
     Auto,
     Fixed(Variant),
 }
@@ -428,10 +429,12 @@ impl Ops {
         launch!(self.gpu, &self.k.rms_norm, cfg; x, w, out, n, eps, f16)
     }
 
-    /// Whether the GEMM takes v2 (B staged in shared memory) at `n` columns.
+    /// Whether the GEMM takes v2 (B staged in shared memory) at `n` columns: by default
+    /// never while activations are f16 (v1 reading f16 beat v2 on the 3B prefill at chunk
+    /// 512, docs/lab.md), else above 64 columns.
     fn gemm_v2(&self, n: usize) -> bool {
         match self.gemm {
-            GemmVariant::Auto => n > 64,
+            GemmVariant::Auto => !self.gemm_x16 && n > 64,
             GemmVariant::Fixed(v) => v == Variant::V2,
         }
     }
