@@ -1,7 +1,7 @@
 //! decodev2 bench: kernel microbenchmarks against the streaming-read floor, and decode speed
 //! (graph vs eager) on the synthetic presets and the Qwen2.5-3B shape.
 //!
-//!     cargo run --release --example bench -- [--json PATH] [--skip-kernels] [--skip-3b]
+//!     cargo run --release --example bench -- [--json PATH] [--skip-kernels] [--skip-3b] [--probe]
 //!                                               [--prefill-only] [--skip-gemm] [--skip-variants]
 //!
 //! load s is `Engine::new` (upload, allocation, kernels, warm-up); warmup ms is its eager
@@ -258,6 +258,27 @@ fn kernel_table(bench: &Bench, s: &ArchSpec) -> Vec<Timing> {
     rows.into_iter().map(|r| r.expect("kernel bench")).collect()
 }
 
+/// `--probe`: a few launches of the kernels under study, for a profiler (ncu -k ...): the
+/// gate|up and down GEMMs at 48 columns, the gate+up GEMV, each timed as in the tables.
+fn probe() {
+    let bench = Bench::new(0).expect("CUDA device");
+    let s = QWEN25_3B;
+    for (name, rows, k) in [
+        ("gate|up", 2 * s.intermediate, s.hidden),
+        ("down", s.hidden, s.intermediate),
+    ] {
+        let (t, tflops) = bench.gemm(name, rows, k, 48).expect("gemm bench");
+        println!(
+            "gemm {name} N=48: {:.2} µs, {tflops:.1} TFLOP/s",
+            t.median_us
+        );
+    }
+    let t = bench
+        .gemv("gate+up", "swiglu", &[s.intermediate], s.hidden)
+        .expect("gemv bench");
+    println!("gemv gate+up: {:.2} µs", t.median_us);
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let flag = |f: &str| args.iter().any(|a| a == f);
@@ -268,6 +289,10 @@ fn main() {
         .cloned()
         .unwrap_or_else(|| "bench.json".into());
     let mut json = String::from("{\n");
+    if flag("--probe") {
+        probe();
+        return;
+    }
 
     // Kernel microbenchmarks, per variant (DV2_GEMV / DV2_ATTN), in one process.
     let mut first = true;
