@@ -5,9 +5,8 @@
 // Why: GEMV v2 spends ~4 instructions per weight (nibble extract, codebook load, FMA) and
 // is issue-bound at ~50% of the bandwidth floor (docs/lab.md). Here a warp runs
 // mma.sync m16n8k16 with x replicated in all eight columns, so one MMA does 256
-// multiply-adds, and the dequantization is one shared-memory load per two weights: a
-// 256-entry table maps a packed byte to its f16 pair, replicated once per bank (entry b of
-// lane l at word 32b + l) so a warp's 32 lookups never conflict.
+// multiply-adds, and the dequantization is one shared-memory load per two weights: the
+// byte -> f16 pair table of prefill.cu (load_byte_codebook).
 //
 // Fragment layout as in the prefill GEMM: thread (g = lane/4, t = lane%4) holds bytes
 // 8t..8t+7 of each 64-element block of rows g and g+8 of a 16-row tile; in k-step s its A
@@ -21,18 +20,6 @@
 // sums meet in shared memory for the epilogue. x is staged once per CTA as f16 pairs
 // (dynamic shared memory, K/2 words), the table once per CTA too.
 #define GEMV3_THREADS (GEMV3_WARPS * 32)
-#define GEMV3_LUT_WORDS (256 * 32)
-
-// The byte -> f16 pair table, replicated per bank (GEMV3_LUT_WORDS words).
-__device__ __forceinline__ void load_byte_codebook(u32* lut) {
-    __shared__ float nf4[16];
-    load_codebook(nf4);
-    __syncthreads();
-    for (int i = threadIdx.x; i < GEMV3_LUT_WORDS; i += blockDim.x) {
-        const int b = i >> 5;
-        lut[i] = pack_f16x2(nf4[b >> 4], nf4[b & 15]);
-    }
-}
 
 // One block of one tile for this thread: 8 bytes of rows g and g+8, and their absmax.
 struct Gemv3Block {
@@ -78,7 +65,7 @@ __device__ __forceinline__ void gemv3_load(const GemmArgs& a, int group, int kb,
 // in flight during the math.
 template <int T, int S, int EPI>
 __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
-    __shared__ u32 lut[GEMV3_LUT_WORDS];
+    __shared__ u32 lut[BYTE_LUT_WORDS];
     __shared__ float red[2][GEMV3_WARPS][T * 16];  // by group parity: one barrier per group
     extern __shared__ u32 x16[];                   // K/2 f16 pairs
     load_byte_codebook(lut);

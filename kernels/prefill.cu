@@ -65,6 +65,22 @@ __device__ __forceinline__ u32 dequant_pair(const u32* lut16, u32 byte, u32 s2) 
     return hmul2(__byte_perm(lut16[(byte >> 4) & 15], lut16[byte & 15], 0x5410), s2);
 }
 
+// A 256-entry table maps a packed byte to its f16 pair {codebook(high nibble) in the low
+// half, codebook(low nibble) in the high half}, replicated once per bank (entry b of lane l
+// at word 32b + l) so a warp's 32 lookups never conflict: one shared load per two weights.
+// Used by the GEMM v1 with f16 activations and by GEMV v3 (gemv_mma.cu).
+#define BYTE_LUT_WORDS (256 * 32)
+
+__device__ __forceinline__ void load_byte_codebook(u32* lut) {
+    __shared__ float nf4[16];
+    load_codebook(nf4);
+    __syncthreads();
+    for (int i = threadIdx.x; i < BYTE_LUT_WORDS; i += blockDim.x) {
+        const int b = i >> 5;
+        lut[i] = pack_f16x2(nf4[b >> 4], nf4[b & 15]);
+    }
+}
+
 // Row `r` of the stacked matrices: which matrix and which of its rows (r past the last:
 // valid = false and a harmless stand-in, row 0 of matrix 0, that is never stored).
 struct StackedRow {
@@ -179,6 +195,23 @@ __device__ __forceinline__ void a_fragments(const GemmWarp& w, const ABlock& b, 
         }
 }
 
+// a_fragments from the byte table (`lut_lane` = table + lane): the same f16 pairs, one
+// shared load each instead of two plus a permute.
+__device__ __forceinline__ void a_fragments_lut(const GemmWarp& w, const ABlock& b, const u32* lut_lane, int s,
+                                                u32 (&af)[2][4]) {
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const float sc = b.s[i][h] * w.scale[i][h];
+            const u32 s2 = pack_f16x2(sc, sc);
+            const u32 word = s < 2 ? b.w[i][h].x : b.w[i][h].y;
+            const int shift = (s & 1) * 16;
+            af[i][h] = hmul2(lut_lane[((word >> shift) & 0xff) * 32], s2);
+            af[i][2 + h] = hmul2(lut_lane[((word >> (shift + 8)) & 0xff) * 32], s2);
+        }
+}
+
 // Sums the K parts through shared memory (`red`: GEMM_WARPS/2 x 8NT x 32 floats), then the
 // epilogue on part 0's warps. With X16 the SwiGLU output is f16 (the next GEMM's input).
 template <int NT, int EPI, bool X16 = false>
@@ -248,21 +281,28 @@ __device__ __forceinline__ void gemm_finish(const GemmArgs& a, const GemmWarp& w
 template <int NT, int EPI, bool X16>
 __device__ __forceinline__ void gemm_v1_body(const GemmArgs& a) {
     if (a.skip_if && *a.skip_if) return;
+    constexpr int RED_WORDS = GEMM_WARPS / 2 * 8 * NT * 32;
+    // X16: the byte table, whose space the K-part reduction reuses after the main loop.
+    __shared__ __align__(16) u32 smem[X16 ? (RED_WORDS > BYTE_LUT_WORDS ? RED_WORDS : BYTE_LUT_WORDS) : RED_WORDS];
     __shared__ u32 lut16[16];
-    __shared__ float red[GEMM_WARPS / 2 * 8 * NT * 32];
-    load_codebook_f16(lut16);
+    float* red = reinterpret_cast<float*>(smem);
+    if (X16) load_byte_codebook(smem);
+    else load_codebook_f16(lut16);
     __syncthreads();
     const GemmWarp w = gemm_warp<NT, EPI>(a);
+    const u32* lut_lane = smem + w.lane;
     const int kblocks = a.k >> 6;
     const int kb0 = w.kp * kblocks / a.kw, kb1 = (w.kp + 1) * kblocks / a.kw;
     const float* xcol[NT];
-    const uint4* xcol16[NT];  // X16: the column's f16 elements 16t.. of block 0
+    // X16: the column's f16 elements 16t.. of block 0. Columns past n read column n - 1
+    // instead of testing and zeroing every load: their sums are never stored.
+    const uint4* xcol16[NT];
 #pragma unroll
     for (int j = 0; j < NT; j++) {
         const int n = w.col0 + 8 * j + w.g;
         xcol[j] = n < a.n ? a.x + (size_t)n * a.k + 16 * w.t : nullptr;
-        xcol16[j] = n < a.n ? reinterpret_cast<const uint4*>(reinterpret_cast<const u16*>(a.x) + (size_t)n * a.k + 16 * w.t)
-                            : nullptr;
+        xcol16[j] = reinterpret_cast<const uint4*>(reinterpret_cast<const u16*>(a.x) + (size_t)min(n, a.n - 1) * a.k +
+                                                   16 * w.t);
     }
     float acc[2][NT][4] = {};
     ABlock next;
@@ -273,14 +313,10 @@ __device__ __forceinline__ void gemm_v1_body(const GemmArgs& a) {
         if constexpr (X16) {
             u32 af[4][2][4];
 #pragma unroll
-            for (int s = 0; s < 4; s++) a_fragments(w, cur, lut16, s, af[s]);
+            for (int s = 0; s < 4; s++) a_fragments_lut(w, cur, lut_lane, s, af[s]);
 #pragma unroll
             for (int j = 0; j < NT; j++) {
-                uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;
-                if (xcol16[j]) {
-                    lo = __ldg(xcol16[j] + kb * 8);
-                    hi = __ldg(xcol16[j] + kb * 8 + 1);
-                }
+                const uint4 lo = __ldg(xcol16[j] + kb * 8), hi = __ldg(xcol16[j] + kb * 8 + 1);
                 const u32 bw[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
                 for (int s = 0; s < 4; s++)
@@ -303,6 +339,7 @@ __device__ __forceinline__ void gemm_v1_body(const GemmArgs& a) {
             }
         }
     }
+    if (X16) __syncthreads();  // every warp is done with the table before red overwrites it
     gemm_finish<NT, EPI, X16>(a, w, acc, red);
 }
 
