@@ -201,7 +201,7 @@ fn prefill_tables(qwen: &HostModel, json: &mut String, skip_gemm: bool) {
     *json += "  \"prefill\": [\n";
     // (label, environment, chunk)
     type Run = (&'static str, &'static [(&'static str, &'static str)], usize);
-    let runs: [Run; 11] = [
+    let runs: [Run; 12] = [
         ("n1 (decode step)", &[], 0),
         ("default", &[], 32),
         ("default", &[], 64),
@@ -213,6 +213,7 @@ fn prefill_tables(qwen: &HostModel, json: &mut String, skip_gemm: bool) {
         ("DV2_GEMM=v2", &[("DV2_GEMM", "v2")], 512),
         ("DV2_ATTNP=simt", &[("DV2_ATTNP", "simt")], 512),
         ("DV2_GEMM_X16=0", &[("DV2_GEMM_X16", "0")], 1024),
+        ("DV2_GEMM_NT6=0", &[("DV2_GEMM_NT6", "0")], 1024),
     ];
     for (label, env, chunk) in runs {
         let (ttft, long) = with_env(env, || {
@@ -261,18 +262,23 @@ fn kernel_table(bench: &Bench, s: &ArchSpec) -> Vec<Timing> {
 /// `--probe`: a few launches of the kernels under study, for a profiler (ncu -k ...): the
 /// gate|up and down GEMMs at 48 columns, the gate+up GEMV, each timed as in the tables.
 fn probe() {
-    let bench = Bench::new(0).expect("CUDA device");
     let s = QWEN25_3B;
-    for (name, rows, k) in [
-        ("gate|up", 2 * s.intermediate, s.hidden),
-        ("down", s.hidden, s.intermediate),
-    ] {
-        let (t, tflops) = bench.gemm(name, rows, k, 48).expect("gemm bench");
-        println!(
-            "gemm {name} N=48: {:.2} µs, {tflops:.1} TFLOP/s",
-            t.median_us
-        );
+    type Env = &'static [(&'static str, &'static str)];
+    let widths: [(&str, Env); 2] = [("", &[]), (" (DV2_GEMM_NT6=0)", &[("DV2_GEMM_NT6", "0")])];
+    for (label, env) in widths {
+        let bench = with_env(env, || Bench::new(0).expect("CUDA device"));
+        for (name, rows, k) in [
+            ("gate|up", 2 * s.intermediate, s.hidden),
+            ("down", s.hidden, s.intermediate),
+        ] {
+            let (t, tflops) = bench.gemm(name, rows, k, 48).expect("gemm bench");
+            println!(
+                "gemm {name} N=48{label}: {:.2} µs, {tflops:.1} TFLOP/s",
+                t.median_us
+            );
+        }
     }
+    let bench = Bench::new(0).expect("CUDA device");
     let t = bench
         .gemv("gate+up", "swiglu", &[s.intermediate], s.hidden)
         .expect("gemv bench");

@@ -447,12 +447,15 @@ __device__ __forceinline__ void gemm_v2_body(const GemmArgs& a) {
     }
 GEMM_KERNELS(gemm_store_nt1, 1, EPI_STORE)
 GEMM_KERNELS(gemm_store_nt4, 4, EPI_STORE)
+GEMM_KERNELS(gemm_store_nt6, 6, EPI_STORE)
 GEMM_KERNELS(gemm_store_nt8, 8, EPI_STORE)
 GEMM_KERNELS(gemm_acc_nt1, 1, EPI_ACCUMULATE)
 GEMM_KERNELS(gemm_acc_nt4, 4, EPI_ACCUMULATE)
+GEMM_KERNELS(gemm_acc_nt6, 6, EPI_ACCUMULATE)
 GEMM_KERNELS(gemm_acc_nt8, 8, EPI_ACCUMULATE)
 GEMM_KERNELS(gemm_swiglu_nt1, 1, EPI_SWIGLU)
 GEMM_KERNELS(gemm_swiglu_nt4, 4, EPI_SWIGLU)
+GEMM_KERNELS(gemm_swiglu_nt6, 6, EPI_SWIGLU)
 GEMM_KERNELS(gemm_swiglu_nt8, 8, EPI_SWIGLU)
 
 // ---------------------------------------------------------------------------------------

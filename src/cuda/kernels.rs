@@ -40,8 +40,8 @@ pub const ATTN2_MAX_CHUNKS: usize = 1024;
 pub const GEMM_WARPS: usize = 8;
 /// Rows of the weight matrix one GEMM warp computes (two m16 tiles; SwiGLU: 16 outputs).
 pub const GEMM_WARP_ROWS: usize = 32;
-/// Columns (tokens) per n8 tile; the GEMM comes in widths of 1, 4 and 8 tiles per CTA.
-pub const GEMM_NT: [usize; 3] = [1, 4, 8];
+/// Columns (tokens) per n8 tile; the GEMM comes in widths of 1, 4, 6 and 8 tiles per CTA.
+pub const GEMM_NT: [usize; 4] = [1, 4, 6, 8];
 /// u32 words per column of the v2 GEMM's staged B (64 f32 + 4 words of padding).
 pub const GEMM_B2_STRIDE: usize = 68;
 /// The most K parts a v2 GEMM CTA takes (its B staging grows with them).
@@ -313,9 +313,9 @@ pub struct Kernels {
     pub gemv3: [CudaFunction; 3],
     /// The NF4 tensor-core GEMM by epilogue: [v1, v2, v1 with f16 activations][width index
     /// into [`GEMM_NT`]].
-    pub gemm_store: [[CudaFunction; 3]; 3],
-    pub gemm_acc: [[CudaFunction; 3]; 3],
-    pub gemm_swiglu: [[CudaFunction; 3]; 3],
+    pub gemm_store: [[CudaFunction; 4]; 3],
+    pub gemm_acc: [[CudaFunction; 4]; 3],
+    pub gemm_swiglu: [[CudaFunction; 4]; 3],
     pub embed_rows: CudaFunction,
     pub rope_kv_rows: CudaFunction,
     pub advance_by: CudaFunction,
@@ -339,13 +339,10 @@ impl Kernels {
         let module = load_module(gpu, &DECODE)?;
         let f = |name: &str| module.load_function(name).map_err(driver_error(name));
         // v2 stages B in dynamic shared memory, up to GEMM_V2_MAX_SMEM bytes.
-        let gemm = |name: &str| -> Result<[[CudaFunction; 3]; 3]> {
-            let width = |v: &str| -> Result<[CudaFunction; 3]> {
-                let fs = [
-                    f(&format!("{name}_nt1_{v}"))?,
-                    f(&format!("{name}_nt4_{v}"))?,
-                    f(&format!("{name}_nt8_{v}"))?,
-                ];
+        let gemm = |name: &str| -> Result<[[CudaFunction; 4]; 3]> {
+            let width = |v: &str| -> Result<[CudaFunction; 4]> {
+                let [a, b, c, d] = GEMM_NT.map(|nt| f(&format!("{name}_nt{nt}_{v}")));
+                let fs = [a?, b?, c?, d?];
                 if v == "v2" {
                     for func in &fs {
                         func.set_attribute(

@@ -270,6 +270,9 @@ pub struct Ops {
     /// Prefill chunks on the v1 GEMM keep the GEMMs' inputs in f16, written so by their
     /// producers (default; `DV2_GEMM_X16=0`: f32, rounded to f16 by the GEMM).
     pub gemm_x16: bool,
+    /// The GEMM in 6 n8 tiles (33 to 48 columns; default) besides 1, 4 and 8
+    /// (`DV2_GEMM_NT6=0`: 8 tiles there).
+    pub gemm_nt6: bool,
     /// The prefill attention on CUDA cores (`DV2_ATTNP=simt`) instead of tensor cores.
     pub attnp_simt: bool,
     /// (token, q head) rows per CTA of the CUDA-core prefill attention: `DV2_ATTNP_ROWS=32`,
@@ -307,6 +310,7 @@ impl Ops {
                 _ => GemmVariant::Auto,
             },
             gemm_x16: std::env::var("DV2_GEMM_X16").as_deref() != Ok("0"),
+            gemm_nt6: std::env::var("DV2_GEMM_NT6").as_deref() != Ok("0"),
             linear: match std::env::var("DV2_LINEAR").as_deref() {
                 Ok("mma") => Linear::Mma,
                 _ => Linear::Gemv,
@@ -487,7 +491,7 @@ impl Ops {
             Epilogue::Swiglu => (mats[0].rows, GEMM_WARP_ROWS / 2),
             _ => (mats.iter().map(|m| m.rows).sum(), GEMM_WARP_ROWS),
         };
-        let (width, ctas_n) = gemm_width(n);
+        let (width, ctas_n) = gemm_width(n, self.gemm_nt6);
         let tiles = out_rows.div_ceil(warp_rows);
         let v2 = self.gemm_v2(n);
         if f16 && v2 {
@@ -837,11 +841,12 @@ fn auto_gemv(rows: usize, cols: usize) -> Variant {
     }
 }
 
-/// The GEMM width for `n` columns: the index into [`GEMM_NT`] and the CTAs along n.
-fn gemm_width(n: usize) -> (usize, usize) {
+/// The GEMM width for `n` columns: the index into [`GEMM_NT`] of the narrowest width that
+/// holds them (6 tiles only with `nt6`), and the CTAs along n.
+fn gemm_width(n: usize, nt6: bool) -> (usize, usize) {
     let idx = GEMM_NT
         .iter()
-        .position(|&nt| 8 * nt >= n)
+        .position(|&nt| 8 * nt >= n && (nt6 || nt != 6))
         .unwrap_or(GEMM_NT.len() - 1);
     (idx, n.div_ceil(8 * GEMM_NT[idx]).max(1))
 }
@@ -899,11 +904,15 @@ mod tests {
 
     #[test]
     fn gemm_shapes() {
-        assert_eq!(gemm_width(1), (0, 1));
-        assert_eq!(gemm_width(8), (0, 1));
-        assert_eq!(gemm_width(9), (1, 1));
-        assert_eq!(gemm_width(64), (2, 1));
-        assert_eq!(gemm_width(200), (2, 4));
+        assert_eq!(gemm_width(1, true), (0, 1));
+        assert_eq!(gemm_width(8, true), (0, 1));
+        assert_eq!(gemm_width(9, true), (1, 1));
+        assert_eq!(gemm_width(33, true), (2, 1));
+        assert_eq!(gemm_width(48, true), (2, 1));
+        assert_eq!(gemm_width(48, false), (3, 1));
+        assert_eq!(gemm_width(49, true), (3, 1));
+        assert_eq!(gemm_width(64, true), (3, 1));
+        assert_eq!(gemm_width(200, true), (3, 4));
         // Qwen2.5-3B q/k/v at N = 64: 80 row tiles -> split K until the grid fills 132 SMs.
         assert_eq!(gemm_k_parts(80, 1, 32, 132, 8), 8);
         assert_eq!(gemm_k_parts(80, 1, 32, 132, 4), 4);
