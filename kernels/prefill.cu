@@ -179,8 +179,11 @@ __device__ __forceinline__ void load_a_block(const GemmWarp& w, int kb, ABlock& 
         }
 }
 
-// The A fragments of k-step s (0..3) of a block, dequantized and scaled.
-__device__ __forceinline__ void a_fragments(const GemmWarp& w, const ABlock& b, const u32* lut16, int s,
+// The A fragments of k-step s (0..3) of a block, dequantized and scaled. BYTE: `lut` is the
+// byte -> f16 pair table + lane (one shared load per pair); else the 16-entry codebook (two
+// loads and a permute per pair).
+template <bool BYTE>
+__device__ __forceinline__ void a_fragments(const GemmWarp& w, const ABlock& b, const u32* lut, int s,
                                             u32 (&af)[2][4]) {
 #pragma unroll
     for (int i = 0; i < 2; i++)
@@ -190,25 +193,9 @@ __device__ __forceinline__ void a_fragments(const GemmWarp& w, const ABlock& b, 
             const u32 s2 = pack_f16x2(sc, sc);
             const u32 word = s < 2 ? b.w[i][h].x : b.w[i][h].y;
             const int shift = (s & 1) * 16;
-            af[i][h] = dequant_pair(lut16, (word >> shift) & 0xff, s2);
-            af[i][2 + h] = dequant_pair(lut16, (word >> (shift + 8)) & 0xff, s2);
-        }
-}
-
-// a_fragments from the byte table (`lut_lane` = table + lane): the same f16 pairs, one
-// shared load each instead of two plus a permute.
-__device__ __forceinline__ void a_fragments_lut(const GemmWarp& w, const ABlock& b, const u32* lut_lane, int s,
-                                                u32 (&af)[2][4]) {
-#pragma unroll
-    for (int i = 0; i < 2; i++)
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const float sc = b.s[i][h] * w.scale[i][h];
-            const u32 s2 = pack_f16x2(sc, sc);
-            const u32 word = s < 2 ? b.w[i][h].x : b.w[i][h].y;
-            const int shift = (s & 1) * 16;
-            af[i][h] = hmul2(lut_lane[((word >> shift) & 0xff) * 32], s2);
-            af[i][2 + h] = hmul2(lut_lane[((word >> (shift + 8)) & 0xff) * 32], s2);
+            const u32 lo = (word >> shift) & 0xff, hi = (word >> (shift + 8)) & 0xff;
+            af[i][h] = BYTE ? hmul2(lut[lo * 32], s2) : dequant_pair(lut, lo, s2);
+            af[i][2 + h] = BYTE ? hmul2(lut[hi * 32], s2) : dequant_pair(lut, hi, s2);
         }
 }
 
@@ -313,7 +300,7 @@ __device__ __forceinline__ void gemm_v1_body(const GemmArgs& a) {
         if constexpr (X16) {
             u32 af[4][2][4];
 #pragma unroll
-            for (int s = 0; s < 4; s++) a_fragments_lut(w, cur, lut_lane, s, af[s]);
+            for (int s = 0; s < 4; s++) a_fragments<true>(w, cur, lut_lane, s, af[s]);
 #pragma unroll
             for (int j = 0; j < NT; j++) {
                 const uint4 lo = __ldg(xcol16[j] + kb * 8), hi = __ldg(xcol16[j] + kb * 8 + 1);
@@ -327,7 +314,7 @@ __device__ __forceinline__ void gemm_v1_body(const GemmArgs& a) {
 #pragma unroll
             for (int s = 0; s < 4; s++) {
                 u32 af[2][4];
-                a_fragments(w, cur, lut16, s, af);
+                a_fragments<false>(w, cur, lut16, s, af);
 #pragma unroll
                 for (int j = 0; j < NT; j++) {
                     float4 xv = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -415,7 +402,7 @@ __device__ __forceinline__ void gemm_v2_body(const GemmArgs& a) {
 #pragma unroll
                 for (int s = 0; s < 4; s++) {
                     u32 af[2][4];
-                    a_fragments(w, cur, lut16, s, af);
+                    a_fragments<false>(w, cur, lut16, s, af);
 #pragma unroll
                     for (int j = 0; j < NT; j++) {
                         const float4 xv = *reinterpret_cast<const float4*>(
