@@ -197,8 +197,13 @@ fn cache_dir() -> Option<PathBuf> {
     Some(base.join("decodev2"))
 }
 
+/// NVRTC options; `DV2_LINEINFO=1` adds source line information (for a profiler's source
+/// view; the cache keeps the two builds apart, options being part of its key).
 fn options(arch: &str) -> Vec<String> {
     let mut opts = vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()];
+    if std::env::var("DV2_LINEINFO").as_deref() == Ok("1") {
+        opts.push("--generate-line-info".into());
+    }
     opts.extend(shared_defines());
     opts
 }
