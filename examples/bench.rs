@@ -142,9 +142,6 @@ fn time_prefill(
     median(ms[1..].to_vec())
 }
 
-/// Prefill on the Qwen2.5-3B shape: the GEMM's TFLOP/s by width (v2, and v1 for the
-/// ratio), time to first token for a 48-token prompt and throughput for a 2,048-token
-/// prompt by chunk size, and the kernel ablations at chunk 256.
 /// One GEMM table: every shape at N = 1, 16, 64, 128, 256 columns under the current environment.
 fn gemm_table(variant: &str, shapes: &[(&str, usize, usize)], json: &mut String) {
     let bench = Bench::new(0).expect("CUDA device");
@@ -165,6 +162,9 @@ fn gemm_table(variant: &str, shapes: &[(&str, usize, usize)], json: &mut String)
     }
 }
 
+/// Prefill on the Qwen2.5-3B shape: the GEMM's TFLOP/s by width for each kernel variant,
+/// time to first token for a 48-token prompt and throughput for a 2,048-token prompt by chunk
+/// size, and the kernel ablations (each switch against the default, same process).
 fn prefill_tables(qwen: &HostModel, json: &mut String, skip_gemm: bool) {
     let s = &qwen.spec;
     println!("\nNF4 tensor-core GEMM (plain store, rotated weights), TFLOP/s by columns N:");
