@@ -201,7 +201,7 @@ fn prefill_tables(qwen: &HostModel, json: &mut String, skip_gemm: bool) {
     *json += "  \"prefill\": [\n";
     // (label, environment, chunk)
     type Run = (&'static str, &'static [(&'static str, &'static str)], usize);
-    let runs: [Run; 12] = [
+    let runs: [Run; 14] = [
         ("n1 (decode step)", &[], 0),
         ("default", &[], 32),
         ("default", &[], 64),
@@ -214,6 +214,8 @@ fn prefill_tables(qwen: &HostModel, json: &mut String, skip_gemm: bool) {
         ("DV2_ATTNP=simt", &[("DV2_ATTNP", "simt")], 512),
         ("DV2_GEMM_X16=0", &[("DV2_GEMM_X16", "0")], 1024),
         ("DV2_GEMM_NT6=0", &[("DV2_GEMM_NT6", "0")], 1024),
+        ("DV2_GEMM_CLUSTER=0", &[("DV2_GEMM_CLUSTER", "0")], 1024),
+        ("DV2_ATTNP_STAGE=v1", &[("DV2_ATTNP_STAGE", "v1")], 1024),
     ];
     for (label, env, chunk) in runs {
         let (ttft, long) = with_env(env, || {
@@ -285,9 +287,38 @@ fn probe() {
     println!("gemv gate+up: {:.2} µs", t.median_us);
 }
 
+/// `--prefill-profile LEN CHUNK`: one prefill of a LEN-token prompt in chunks of CHUNK on the
+/// Qwen2.5-3B shape after the engine's warm-up, nothing else, so that a profiler's per-kernel
+/// durations (ncu) add up to one prefill.
+fn prefill_profile(len: usize, chunk: usize) {
+    let qwen = synth::build(&QWEN25_3B, 0).unwrap();
+    let opts = EngineOptions {
+        backend: BackendKind::Cuda,
+        max_seq: 2048,
+        graph: false,
+        prefill_chunk: chunk,
+        ..EngineOptions::default()
+    };
+    let mut e = Engine::new(qwen.clone(), &opts).expect("cuda engine");
+    let prompt = synth::prompt(qwen.spec.vocab, len, 1);
+    let t = Instant::now();
+    e.prefill(&prompt).unwrap();
+    let ms = t.elapsed().as_secs_f64() * 1e3;
+    println!("prefill of {len} tokens, chunk {chunk}: {ms:.2} ms (first, wall clock)");
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let flag = |f: &str| args.iter().any(|a| a == f);
+    if let Some(i) = args.iter().position(|a| a == "--prefill-profile") {
+        let num = |j: usize| args.get(i + j).and_then(|a| a.parse().ok());
+        let (Some(len), Some(chunk)) = (num(1), num(2)) else {
+            eprintln!("usage: bench --prefill-profile LEN CHUNK");
+            std::process::exit(2);
+        };
+        prefill_profile(len, chunk);
+        return;
+    }
     let json_path = args
         .iter()
         .position(|a| a == "--json")

@@ -199,11 +199,43 @@ __device__ __forceinline__ void a_fragments(const GemmWarp& w, const ABlock& b, 
         }
 }
 
+// Thread-block clusters (Hopper): where a GEMM's grid would leave half the SMs idle (few
+// columns, few row tiles: o and down in a short prompt), the host launches it in clusters of
+// two CTAs (grid z = 2) that split K between them; rank 1 hands its sums to rank 0 through
+// distributed shared memory and rank 0 adds them, in a fixed order, before the epilogue.
+// Launched without clusters, the cluster is the CTA alone (size 1) and none of this runs.
+__device__ __forceinline__ int cluster_size() {
+    u32 r;
+    asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
+    return (int)r;
+}
+__device__ __forceinline__ int cluster_rank() {
+    u32 r;
+    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return (int)r;
+}
+// Every thread of every CTA of the cluster arrives, then waits (alternating).
+__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+// Stores v at `local`'s offset in the shared memory of the cluster's CTA `rank`.
+__device__ __forceinline__ void store_in_cta(float* local, int rank, float v) {
+    const u32 addr = (u32)__cvta_generic_to_shared(local);
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(v) : "memory");
+}
+
 // Sums the K parts through shared memory (`red`: GEMM_WARPS/2 x 8NT x 32 floats), then the
 // epilogue on part 0's warps. With X16 the SwiGLU output is f16 (the next GEMM's input).
+//
+// In a cluster of two (v1 only; then kw = GEMM_WARPS, one row tile per CTA) `xred` (8NT x 32
+// floats) receives rank 1's sums in rank 0; rank 1 stops there. The caller arrived at the
+// cluster barrier once, at its start (relaxed), so the first wait here also means the peer
+// CTA has started and its shared memory exists.
 template <int NT, int EPI, bool X16 = false>
 __device__ __forceinline__ void gemm_finish(const GemmArgs& a, const GemmWarp& w, float (&acc)[2][NT][4],
-                                            float* red) {
+                                            float* red, float* xred = nullptr) {
     // Part p (p >= 1) hands its partials to part 0, one part per round.
     for (int p = 1; p < a.kw; p++) {
         if (w.kp == p) {
@@ -224,6 +256,29 @@ __device__ __forceinline__ void gemm_finish(const GemmArgs& a, const GemmWarp& w
                     for (int e = 0; e < 4; e++) acc[i][j][e] += red[(w.mw * 8 * NT + (i * NT + j) * 4 + e) * 32 + w.lane];
         }
         __syncthreads();
+    }
+    if (xred && cluster_size() > 1) {
+        const int rank = cluster_rank();
+        cluster_wait();
+        if (rank == 1 && w.kp == 0) {
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+#pragma unroll
+                for (int j = 0; j < NT; j++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) store_in_cta(&xred[((i * NT + j) * 4 + e) * 32 + w.lane], 0, acc[i][j][e]);
+        }
+        cluster_arrive();
+        cluster_wait();
+        if (rank == 1) return;
+        if (w.kp == 0) {
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+#pragma unroll
+                for (int j = 0; j < NT; j++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) acc[i][j][e] += xred[((i * NT + j) * 4 + e) * 32 + w.lane];
+        }
     }
     if (w.kp != 0) return;
 
@@ -272,6 +327,9 @@ __device__ __forceinline__ void gemm_v1_body(const GemmArgs& a) {
     // X16: the byte table, whose space the K-part reduction reuses after the main loop.
     __shared__ __align__(16) u32 smem[X16 ? (RED_WORDS > BYTE_LUT_WORDS ? RED_WORDS : BYTE_LUT_WORDS) : RED_WORDS];
     __shared__ u32 lut16[16];
+    __shared__ float xred[8 * NT * 32];  // rank 1's sums, in a cluster of two
+    const int split = cluster_size(), rank = cluster_rank();
+    if (split > 1) cluster_arrive_relaxed();
     float* red = reinterpret_cast<float*>(smem);
     if (X16) load_byte_codebook(smem);
     else load_codebook_f16(lut16);
@@ -279,7 +337,9 @@ __device__ __forceinline__ void gemm_v1_body(const GemmArgs& a) {
     const GemmWarp w = gemm_warp<NT, EPI>(a);
     const u32* lut_lane = smem + w.lane;
     const int kblocks = a.k >> 6;
-    const int kb0 = w.kp * kblocks / a.kw, kb1 = (w.kp + 1) * kblocks / a.kw;
+    // K part of this warp: kp of this CTA's kw, after the kw parts of the lower ranks.
+    const int part = rank * a.kw + w.kp, parts = split * a.kw;
+    const int kb0 = part * kblocks / parts, kb1 = (part + 1) * kblocks / parts;
     const float* xcol[NT];
     // X16: the column's f16 elements 16t.. of block 0. Columns past n read column n - 1
     // instead of testing and zeroing every load: their sums are never stored.
@@ -327,7 +387,7 @@ __device__ __forceinline__ void gemm_v1_body(const GemmArgs& a) {
         }
     }
     if (X16) __syncthreads();  // every warp is done with the table before red overwrites it
-    gemm_finish<NT, EPI, X16>(a, w, acc, red);
+    gemm_finish<NT, EPI, X16>(a, w, acc, red, xred);
 }
 
 // v2 (DV2_GEMM=v2; the default above 64 columns with DV2_GEMM_X16=0): the CTA stages B in shared memory
@@ -634,16 +694,76 @@ extern "C" __global__ void __launch_bounds__(ATTNP_THREADS) attn_prefill_r8(Pref
 
 #define ATTNM_ROWS (16 * ATTNM_WARPS)
 
+// Staging of the KV tiles. Pipelined (the default): K and V both row-major f16 at a padded
+// stride (HD/2 + 4 words: the rows of an 8x8 fragment matrix fall in distinct banks), written
+// with 16-byte stores from 16-byte loads that were issued one tile ahead into registers, into
+// two buffers, so each tile costs one barrier and its global latency hides behind the previous
+// tile's MMAs; V's fragments come out transposed by ldmatrix.trans. DV2_ATTNP_STAGE=v1: the
+// first version (V transposed by 2-byte stores, loads issued and awaited inside the tile's two
+// barriers), kept for measuring the difference.
 template <int HD>
+struct KvStage {
+    static constexpr int STRIDE = HD / 2 + 4;               // u32 words per staged row
+    static constexpr int CHUNKS = ATTNP_TILE * HD / 8;      // 16-byte chunks of K (and of V)
+    static constexpr int PER = (CHUNKS + 32 * ATTNM_WARPS - 1) / (32 * ATTNM_WARPS);
+    uint4 k[PER], v[PER];
+
+    // Loads tile t0's K and V (bf16) into registers; slots past `last` read as zeros.
+    __device__ __forceinline__ void load(const PrefillAttnArgs& a, int kvh, int t0, int last) {
+        const size_t slot_stride = (size_t)a.n_kv * HD;
+#pragma unroll
+        for (int i = 0; i < PER; i++) {
+            const int c = threadIdx.x + i * 32 * ATTNM_WARPS, key = c / (HD / 8), col = c % (HD / 8);
+            k[i] = v[i] = make_uint4(0, 0, 0, 0);
+            if (c < CHUNKS && t0 + key <= last) {
+                const size_t off = (size_t)(t0 + key) * slot_stride + kvh * HD + 8 * col;
+                k[i] = *reinterpret_cast<const uint4*>(a.k_cache + off);
+                v[i] = *reinterpret_cast<const uint4*>(a.v_cache + off);
+            }
+        }
+    }
+
+    // Converts the registers to f16 and stores them, row-major, into k_s / v_s.
+    __device__ __forceinline__ void store(u32* k_s, u32* v_s) const {
+#pragma unroll
+        for (int i = 0; i < PER; i++) {
+            const int c = threadIdx.x + i * 32 * ATTNM_WARPS, key = c / (HD / 8), col = c % (HD / 8);
+            if (c >= CHUNKS) continue;
+            *reinterpret_cast<uint4*>(k_s + key * STRIDE + 4 * col) = to_f16(k[i]);
+            *reinterpret_cast<uint4*>(v_s + key * STRIDE + 4 * col) = to_f16(v[i]);
+        }
+    }
+
+    __device__ __forceinline__ static u32 pair_to_f16(u32 w) {
+        return pack_f16x2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+    }
+    __device__ __forceinline__ static uint4 to_f16(uint4 w) {
+        return make_uint4(pair_to_f16(w.x), pair_to_f16(w.y), pair_to_f16(w.z), pair_to_f16(w.w));
+    }
+};
+
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const u32* p) {
+    const unsigned addr = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+template <int HD, bool PIPELINED>
 __device__ __forceinline__ void attn_prefill_mma_body(const PrefillAttnArgs& a) {
     constexpr int KS = HD / 16;          // k-steps of S = Q K^T
     constexpr int DT = HD / 8;           // n8 tiles of O
-    constexpr int K_STRIDE = HD / 2 + 4; // u32 words per staged key (f16 pairs + padding)
-    constexpr int V_STRIDE = ATTNP_TILE / 2 + 4;  // u32 words per staged dim of V^T
     static_assert(ATTNP_TILE == 32, "the S tile is 4 n8 tiles");
-    __shared__ u32 k_s[ATTNP_TILE * K_STRIDE];
-    __shared__ u32 vt_s[HD * V_STRIDE];
+    using Stage = KvStage<HD>;
+    // Pipelined: two buffers of [K | V] row-major at Stage::STRIDE. v1: K row-major at the
+    // same stride, V transposed at V_STRIDE.
+    constexpr int V_STRIDE = ATTNP_TILE / 2 + 4;  // (v1) u32 words per staged dim of V^T
+    constexpr int BUF_WORDS = PIPELINED ? 2 * ATTNP_TILE * Stage::STRIDE : ATTNP_TILE * Stage::STRIDE + HD * V_STRIDE;
+    __shared__ __align__(16) u32 kv_s[(PIPELINED ? 2 : 1) * BUF_WORDS];
+    u32* k_s = kv_s;
+    u32* vt_s = kv_s + ATTNP_TILE * Stage::STRIDE;
     u16* vt16 = reinterpret_cast<u16*>(vt_s);
+    constexpr int K_STRIDE = Stage::STRIDE;
 
     const int kvh = blockIdx.x, group = a.n_q / a.n_kv, rows_total = a.n * group;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -652,6 +772,9 @@ __device__ __forceinline__ void attn_prefill_mma_body(const PrefillAttnArgs& a) 
     const int last_row = min(row0 + ATTNM_ROWS, rows_total) - 1;
     const int last = pos0 + last_row / group;  // the CTA's last slot
     const size_t slot_stride = (size_t)a.n_kv * HD;
+
+    Stage next;
+    if (PIPELINED) next.load(a, kvh, 0, last);
 
     // This thread's two rows (g, g + 8 of the warp's 16): positions; padding rows attend
     // to slot 0 only (finite, never stored).
@@ -685,25 +808,33 @@ __device__ __forceinline__ void attn_prefill_mma_body(const PrefillAttnArgs& a) 
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
 
     for (int t0 = 0; t0 <= last; t0 += ATTNP_TILE) {
-        const int n_t = min(ATTNP_TILE, last + 1 - t0);
-        __syncthreads();  // the previous tile is no longer read
-        // Stage K (f16 pairs, row-major) and V^T (f16): bf16 pairs converted; slots past
-        // n_t are zeros (masked anyway).
+        if constexpr (PIPELINED) {
+            // Buffer (tile & 1) was last read two tiles ago, before the previous barrier.
+            k_s = kv_s + ((t0 / ATTNP_TILE) & 1) * BUF_WORDS;
+            next.store(k_s, k_s + ATTNP_TILE * Stage::STRIDE);
+            __syncthreads();
+            if (t0 + ATTNP_TILE <= last) next.load(a, kvh, t0 + ATTNP_TILE, last);
+        } else {
+            const int n_t = min(ATTNP_TILE, last + 1 - t0);
+            __syncthreads();  // the previous tile is no longer read
+            // Stage K (f16 pairs, row-major) and V^T (f16): bf16 pairs converted; slots past
+            // n_t are zeros (masked anyway).
 #pragma unroll 8
-        for (int idx = threadIdx.x; idx < ATTNP_TILE * (HD / 2); idx += blockDim.x) {
-            const int key = idx / (HD / 2), w = idx % (HD / 2);
-            u32 kw = 0, vw = 0;
-            if (key < n_t) {
-                const size_t off = (size_t)(t0 + key) * slot_stride + kvh * HD + 2 * w;
-                kw = *reinterpret_cast<const u32*>(a.k_cache + off);
-                vw = *reinterpret_cast<const u32*>(a.v_cache + off);
+            for (int idx = threadIdx.x; idx < ATTNP_TILE * (HD / 2); idx += blockDim.x) {
+                const int key = idx / (HD / 2), w = idx % (HD / 2);
+                u32 kw = 0, vw = 0;
+                if (key < n_t) {
+                    const size_t off = (size_t)(t0 + key) * slot_stride + kvh * HD + 2 * w;
+                    kw = *reinterpret_cast<const u32*>(a.k_cache + off);
+                    vw = *reinterpret_cast<const u32*>(a.v_cache + off);
+                }
+                k_s[key * K_STRIDE + w] = Stage::pair_to_f16(kw);
+                const u32 v2 = Stage::pair_to_f16(vw);
+                vt16[(2 * w) * (2 * V_STRIDE) + key] = (u16)(v2 & 0xffffu);
+                vt16[(2 * w + 1) * (2 * V_STRIDE) + key] = (u16)(v2 >> 16);
             }
-            k_s[key * K_STRIDE + w] = pack_f16x2(bf16_to_f32((u16)(kw & 0xffffu)), bf16_to_f32((u16)(kw >> 16)));
-            const u32 v2 = pack_f16x2(bf16_to_f32((u16)(vw & 0xffffu)), bf16_to_f32((u16)(vw >> 16)));
-            vt16[(2 * w) * (2 * V_STRIDE) + key] = (u16)(v2 & 0xffffu);
-            vt16[(2 * w + 1) * (2 * V_STRIDE) + key] = (u16)(v2 >> 16);
+            __syncthreads();
         }
-        __syncthreads();
         if (t0 > wl) continue;  // every row of this warp is before the tile
 
         // S = Q K^T: 16 rows x 32 slots.
@@ -765,12 +896,28 @@ __device__ __forceinline__ void attn_prefill_mma_body(const PrefillAttnArgs& a) 
         }
         // O += P V: k = slots (two k-steps of 16), n = dims.
 #pragma unroll
-        for (int kk = 0; kk < 2; kk++)
+        for (int kk = 0; kk < 2; kk++) {
+            if constexpr (PIPELINED) {
+                // Lane l addresses row l % 8 of matrix l / 8: slots 16kk + 8 (l/8 & 1) + l % 8,
+                // dims 8d + 8 (l / 16) of V; transposed, the four matrices are b0, b1 of dim
+                // tiles d and d + 1.
+                const u32* v_s = k_s + ATTNP_TILE * Stage::STRIDE;
+                const int mi = lane >> 3, slot = 16 * kk + 8 * (mi & 1) + (lane & 7);
 #pragma unroll
-            for (int d = 0; d < DT; d++) {
-                const u32* vr = vt_s + (8 * d + g) * V_STRIDE + 8 * kk + t;
-                mma_16816(o_acc[d], pf[kk], vr[0], vr[4]);
+                for (int d = 0; d < DT; d += 2) {
+                    u32 b[4];
+                    ldmatrix_x4_trans(b, v_s + slot * Stage::STRIDE + 4 * d + 4 * (mi >> 1));
+                    mma_16816(o_acc[d], pf[kk], b[0], b[1]);
+                    mma_16816(o_acc[d + 1], pf[kk], b[2], b[3]);
+                }
+            } else {
+#pragma unroll
+                for (int d = 0; d < DT; d++) {
+                    const u32* vr = vt_s + (8 * d + g) * V_STRIDE + 8 * kk + t;
+                    mma_16816(o_acc[d], pf[kk], vr[0], vr[4]);
+                }
             }
+        }
     }
 
 #pragma unroll
@@ -785,10 +932,14 @@ __device__ __forceinline__ void attn_prefill_mma_body(const PrefillAttnArgs& a) 
     }
 }
 
-#define ATTNM_KERNEL(HD) \
-    extern "C" __global__ void __launch_bounds__(32 * ATTNM_WARPS) attn_prefill_mma_hd##HD(PrefillAttnArgs a) { \
-        pdl_enter();                                                                                     \
-        attn_prefill_mma_body<HD>(a);                                                                    \
+#define ATTNM_KERNEL(HD)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(32 * ATTNM_WARPS) attn_prefill_mma_hd##HD(PrefillAttnArgs a) {  \
+        pdl_enter();                                                                                           \
+        attn_prefill_mma_body<HD, true>(a);                                                                    \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * ATTNM_WARPS) attn_prefill_mma1_hd##HD(PrefillAttnArgs a) { \
+        pdl_enter();                                                                                           \
+        attn_prefill_mma_body<HD, false>(a);                                                                   \
     }
 ATTNM_KERNEL(16)
 ATTNM_KERNEL(32)

@@ -144,17 +144,47 @@ impl Gpu {
         cfg: LaunchConfig,
         args: &mut [*mut c_void],
     ) -> Result<()> {
+        self.launch_in_clusters(f, cfg, 1, args)
+    }
+
+    /// [`Self::launch`] in thread-block clusters of `cluster_z` CTAs along z (1: no clusters;
+    /// the grid's z must be a multiple).
+    ///
+    /// # Safety
+    /// As [`Self::launch`].
+    pub unsafe fn launch_in_clusters(
+        &self,
+        f: &CudaFunction,
+        cfg: LaunchConfig,
+        cluster_z: u32,
+        args: &mut [*mut c_void],
+    ) -> Result<()> {
         self.ctx
             .bind_to_thread()
             .map_err(driver_error("bind context"))?;
         // SAFETY: the attribute value is a C union of plain integers; all zero bits is valid.
-        let mut value: CUlaunchAttributeValue = std::mem::zeroed();
-        value.programmaticStreamSerializationAllowed = 1;
-        let mut pdl = CUlaunchAttribute {
-            id: CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-            pad: [0; 4],
-            value,
-        };
+        let mut pdl_value: CUlaunchAttributeValue = std::mem::zeroed();
+        pdl_value.programmaticStreamSerializationAllowed = 1;
+        // SAFETY: as above.
+        let mut cluster_value: CUlaunchAttributeValue = std::mem::zeroed();
+        cluster_value.clusterDim.x = 1;
+        cluster_value.clusterDim.y = 1;
+        cluster_value.clusterDim.z = cluster_z;
+        let mut attrs = Vec::with_capacity(2);
+        if self.pdl {
+            attrs.push(CUlaunchAttribute {
+                id: CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+                pad: [0; 4],
+                value: pdl_value,
+            });
+        }
+        if cluster_z > 1 {
+            attrs.push(CUlaunchAttribute {
+                id: CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+                pad: [0; 4],
+                value: cluster_value,
+            });
+        }
         let config = CUlaunchConfig {
             gridDimX: cfg.grid_dim.0,
             gridDimY: cfg.grid_dim.1,
@@ -164,14 +194,14 @@ impl Gpu {
             blockDimZ: cfg.block_dim.2,
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: self.stream.cu_stream(),
-            attrs: if self.pdl {
-                &mut pdl
-            } else {
+            attrs: if attrs.is_empty() {
                 std::ptr::null_mut()
+            } else {
+                attrs.as_mut_ptr()
             },
-            numAttrs: u32::from(self.pdl),
+            numAttrs: attrs.len() as u32,
         };
-        // SAFETY: `config` and the attribute it points to outlive the call; `args` is as this
+        // SAFETY: `config` and the attributes it points to outlive the call; `args` is as this
         // function's contract requires; the context is bound to this thread.
         cuLaunchKernelEx(
             &config,

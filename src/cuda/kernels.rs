@@ -327,8 +327,10 @@ pub struct Kernels {
     pub begin_prefill: CudaFunction,
     /// Prefill attention with 2 and 8 rows per warp (8 and 32 per CTA).
     pub attn_prefill: [CudaFunction; 2],
-    /// Tensor-core prefill attention for head_dim 16, 32, 64, 128.
+    /// Tensor-core prefill attention for head_dim 16, 32, 64, 128: KV tiles staged one
+    /// tile ahead (default) and as first written (`DV2_ATTNP_STAGE=v1`).
     pub attn_prefill_mma: [CudaFunction; 4],
+    pub attn_prefill_mma1: [CudaFunction; 4],
 }
 
 /// Compiles (or takes from the cache) a kernel file and loads it into the device's context.
@@ -407,6 +409,12 @@ impl Kernels {
                 f("attn_prefill_mma_hd32")?,
                 f("attn_prefill_mma_hd64")?,
                 f("attn_prefill_mma_hd128")?,
+            ],
+            attn_prefill_mma1: [
+                f("attn_prefill_mma1_hd16")?,
+                f("attn_prefill_mma1_hd32")?,
+                f("attn_prefill_mma1_hd64")?,
+                f("attn_prefill_mma1_hd128")?,
             ],
         })
     }

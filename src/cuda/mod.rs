@@ -18,6 +18,11 @@ macro_rules! launch {
         // for the shapes it passes.
         unsafe { $gpu.launch($f, $cfg, &mut args) }
     }};
+    ($gpu:expr, $f:expr, $cfg:expr, cluster_z = $cz:expr; $($arg:ident),* $(,)?) => {{
+        let mut args = [$($crate::cuda::device::kernel_arg(&$arg)),*];
+        // SAFETY: as above; the kernel takes clusters of `$cz` CTAs along z.
+        unsafe { $gpu.launch_in_clusters($f, $cfg, $cz, &mut args) }
+    }};
 }
 
 pub mod bench;

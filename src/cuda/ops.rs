@@ -13,8 +13,12 @@
 //! cp.async, K split at most 4 ways; v1: B read by each warp from global memory; default:
 //! v1, as measured). `DV2_GEMM_X16=0` keeps the prefill's GEMM inputs in f32 (default f16,
 //! written so by their producers, for v1; with f32 the default is v2 above 64 columns).
+//! `DV2_GEMM_CLUSTER=0` keeps the v1 GEMM out of thread-block clusters (default: clusters of
+//! two CTAs splitting K where the grid would fill at most half the SMs).
 //! `DV2_ATTNP=simt` runs the prefill's attention on CUDA cores (default: tensor cores where
-//! head_dim is 16, 32, 64 or 128), with `DV2_ATTNP_ROWS=8|32` rows per CTA.
+//! head_dim is 16, 32, 64 or 128), with `DV2_ATTNP_ROWS=8|32` rows per CTA;
+//! `DV2_ATTNP_STAGE=v1` stages the tensor-core kernel's KV tiles as first written (loads
+//! awaited inside each tile, V transposed by 2-byte stores; default: one tile ahead).
 //! `DV2_LINEAR=mma` runs the decode step's linears through the prefill's tensor-core GEMM
 //! at N = 1 (default `gemv`), so the two can be compared on the same step.
 
@@ -273,8 +277,14 @@ pub struct Ops {
     /// The GEMM in 6 n8 tiles (33 to 48 columns; default) besides 1, 4 and 8
     /// (`DV2_GEMM_NT6=0`: 8 tiles there).
     pub gemm_nt6: bool,
+    /// The v1 GEMM in clusters of two CTAs splitting K where its grid would fill at most
+    /// half the SMs (default; `DV2_GEMM_CLUSTER=0`: never).
+    pub gemm_cluster: bool,
     /// The prefill attention on CUDA cores (`DV2_ATTNP=simt`) instead of tensor cores.
     pub attnp_simt: bool,
+    /// The tensor-core prefill attention's KV tiles staged as first written
+    /// (`DV2_ATTNP_STAGE=v1`) instead of one tile ahead.
+    pub attnp_stage1: bool,
     /// (token, q head) rows per CTA of the CUDA-core prefill attention: `DV2_ATTNP_ROWS=32`,
     /// default 8 (more CTAs, measured faster).
     pub attnp_rows: usize,
@@ -300,6 +310,7 @@ impl Ops {
             attn: variant("DV2_ATTN"),
             fuse_rms: std::env::var("DV2_FUSE_RMS").as_deref() != Ok("0"),
             attnp_simt: std::env::var("DV2_ATTNP").is_ok_and(|v| v == "simt"),
+            attnp_stage1: std::env::var("DV2_ATTNP_STAGE").as_deref() == Ok("v1"),
             attnp_rows: match std::env::var("DV2_ATTNP_ROWS").as_deref() {
                 Ok("32") => 32,
                 _ => 8,
@@ -311,6 +322,7 @@ impl Ops {
             },
             gemm_x16: std::env::var("DV2_GEMM_X16").as_deref() != Ok("0"),
             gemm_nt6: std::env::var("DV2_GEMM_NT6").as_deref() != Ok("0"),
+            gemm_cluster: std::env::var("DV2_GEMM_CLUSTER").as_deref() != Ok("0"),
             linear: match std::env::var("DV2_LINEAR").as_deref() {
                 Ok("mma") => Linear::Mma,
                 _ => Linear::Gemv,
@@ -502,8 +514,18 @@ impl Ops {
         let max_kw = if v2 { GEMM_V2_MAX_KW } else { GEMM_WARPS };
         let kw = gemm_k_parts(tiles, ctas_n, k / 64, self.sms as usize, max_kw);
         args.kw = kw as i32;
+        let ctas = tiles.div_ceil(GEMM_WARPS / kw) * ctas_n;
+        let cluster_z = if !v2 && self.gemm_cluster {
+            gemm_cluster(ctas, kw, k / 64, self.sms as usize)
+        } else {
+            1
+        };
         let cfg = LaunchConfig {
-            grid_dim: (tiles.div_ceil(GEMM_WARPS / kw) as u32, ctas_n as u32, 1),
+            grid_dim: (
+                tiles.div_ceil(GEMM_WARPS / kw) as u32,
+                ctas_n as u32,
+                cluster_z as u32,
+            ),
             block_dim: ((GEMM_WARPS * 32) as u32, 1, 1),
             shared_mem_bytes: if v2 {
                 gemm_v2_smem(GEMM_NT[width], kw) as u32
@@ -518,7 +540,7 @@ impl Ops {
             Epilogue::Accumulate => &self.k.gemm_acc[v][width],
             Epilogue::Swiglu => &self.k.gemm_swiglu[v][width],
         };
-        launch!(self.gpu, f, cfg; args)
+        launch!(self.gpu, f, cfg, cluster_z = cluster_z as u32; args)
     }
 
     /// The GEMV kernel for a `rows` x `cols` NF4 matrix (gate and up count together).
@@ -592,7 +614,11 @@ impl Ops {
             return None;
         }
         let i = [16, 32, 64, 128].iter().position(|&d| d == head_dim)?;
-        Some(&self.k.attn_prefill_mma[i])
+        Some(if self.attnp_stage1 {
+            &self.k.attn_prefill_mma1[i]
+        } else {
+            &self.k.attn_prefill_mma[i]
+        })
     }
 
     /// Whether the prefill attention takes the model's shape (else prefill runs token by
@@ -863,6 +889,17 @@ fn gemm_v2_smem(nt: usize, kw: usize) -> usize {
     staging.max(reduction)
 }
 
+/// CTAs per cluster of the v1 GEMM (1 or 2): two, splitting K, when the grid of `ctas` CTAs
+/// of one row tile each (`kw` = all warps on K) would leave half the SMs idle and each of the
+/// 2 `kw` parts still gets two 64-element blocks.
+fn gemm_cluster(ctas: usize, kw: usize, k_blocks: usize, sms: usize) -> usize {
+    if kw == GEMM_WARPS && 2 * ctas <= sms && k_blocks >= 2 * 2 * kw {
+        2
+    } else {
+        1
+    }
+}
+
 /// Parts of K per CTA (1, 2, 4, 8; at most `max_kw`): split K while the grid is under two
 /// CTAs per SM and each part keeps at least two 64-element blocks.
 fn gemm_k_parts(
@@ -921,6 +958,13 @@ mod tests {
         assert_eq!(gemm_k_parts(2752, 1, 32, 132, 8), 1);
         // K of one block cannot be split.
         assert_eq!(gemm_k_parts(1, 1, 1, 132, 8), 1);
+        // 48 tokens: o and down (64 row tiles, 64 CTAs) in clusters of two; q/k/v (80 CTAs)
+        // and anything with K parts to spare not.
+        assert_eq!(gemm_cluster(64, 8, 32, 132), 2);
+        assert_eq!(gemm_cluster(64, 8, 172, 132), 2);
+        assert_eq!(gemm_cluster(80, 8, 32, 132), 1);
+        assert_eq!(gemm_cluster(64, 4, 32, 132), 1);
+        assert_eq!(gemm_cluster(64, 8, 16, 132), 1);
         assert_eq!(
             gemm_v2_smem(8, GEMM_V2_MAX_KW),
             super::super::kernels::GEMM_V2_MAX_SMEM
