@@ -201,7 +201,7 @@ fn prefill_tables(qwen: &HostModel, json: &mut String, skip_gemm: bool) {
     *json += "  \"prefill\": [\n";
     // (label, environment, chunk)
     type Run = (&'static str, &'static [(&'static str, &'static str)], usize);
-    let runs: [Run; 14] = [
+    let runs: [Run; 15] = [
         ("n1 (decode step)", &[], 0),
         ("default", &[], 32),
         ("default", &[], 64),
@@ -216,6 +216,7 @@ fn prefill_tables(qwen: &HostModel, json: &mut String, skip_gemm: bool) {
         ("DV2_GEMM_NT6=0", &[("DV2_GEMM_NT6", "0")], 1024),
         ("DV2_GEMM_CLUSTER=0", &[("DV2_GEMM_CLUSTER", "0")], 1024),
         ("DV2_ATTNP_STAGE=v1", &[("DV2_ATTNP_STAGE", "v1")], 1024),
+        ("DV2_GEMM_EARLY=0", &[("DV2_GEMM_EARLY", "0")], 1024),
     ];
     for (label, env, chunk) in runs {
         let (ttft, long) = with_env(env, || {
@@ -262,14 +263,22 @@ fn kernel_table(bench: &Bench, s: &ArchSpec) -> Vec<Timing> {
 }
 
 /// `--probe`: a few launches of the kernels under study, for a profiler (ncu -k ...): the
-/// gate|up and down GEMMs at 48 columns, the gate+up GEMV, each timed as in the tables.
+/// four GEMMs of a layer at 48 columns under each GEMM switch, the gate+up GEMV, each timed
+/// as in the tables.
 fn probe() {
     let s = QWEN25_3B;
     type Env = &'static [(&'static str, &'static str)];
-    let widths: [(&str, Env); 2] = [("", &[]), (" (DV2_GEMM_NT6=0)", &[("DV2_GEMM_NT6", "0")])];
+    let widths: [(&str, Env); 4] = [
+        ("", &[]),
+        (" (DV2_GEMM_NT6=0)", &[("DV2_GEMM_NT6", "0")]),
+        (" (DV2_GEMM_CLUSTER=0)", &[("DV2_GEMM_CLUSTER", "0")]),
+        (" (DV2_GEMM_EARLY=0)", &[("DV2_GEMM_EARLY", "0")]),
+    ];
     for (label, env) in widths {
         let bench = with_env(env, || Bench::new(0).expect("CUDA device"));
         for (name, rows, k) in [
+            ("q/k/v", s.qkv_rows(), s.hidden),
+            ("o", s.hidden, s.hidden),
             ("gate|up", 2 * s.intermediate, s.hidden),
             ("down", s.hidden, s.intermediate),
         ] {

@@ -903,13 +903,35 @@ extern "C" __global__ void argmax_logits(const float* __restrict__ logits, int n
     if (state[STATE_FINISHED]) return;
     float best = NEG_INF;
     int best_i = -1;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        float v = logits[i];
+    auto take = [&](float v, int i) {
         if (v > best || (best_i < 0 && v == v)) {
             best = v;
             best_i = i;
         }
+    };
+    // One CTA reads the whole vocabulary (600 KB for 152k ids): load latency bounds it, so
+    // each thread keeps four 16-byte loads in flight per round. A thread's indices only
+    // rise, so the strict > above keeps the lowest index of a tie.
+    const int n4 = n >> 2;
+    const float4* l4 = reinterpret_cast<const float4*>(logits);
+    for (int base = threadIdx.x; base < n4; base += 4 * blockDim.x) {
+        float4 v[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const int i = base + u * blockDim.x;
+            if (i < n4) v[u] = l4[i];
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const int i = base + u * blockDim.x;
+            if (i >= n4) break;
+            take(v[u].x, 4 * i);
+            take(v[u].y, 4 * i + 1);
+            take(v[u].z, 4 * i + 2);
+            take(v[u].w, 4 * i + 3);
+        }
     }
+    for (int i = 4 * n4 + threadIdx.x; i < n; i += blockDim.x) take(logits[i], i);
     __shared__ float s_v[32];
     __shared__ int s_i[32];
 #pragma unroll

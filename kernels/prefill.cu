@@ -42,6 +42,7 @@ struct GemmArgs {
     // epilogue leaves each CTA's sum of squares of y (may be null).
     NormArgs norm;
     float* ss_out;
+    int early;  // GEMM v1: the table and first weights before waiting for the previous kernel
 };
 
 enum { EPI_STORE = 0, EPI_ACCUMULATE = 1, EPI_SWIGLU = 2 };
@@ -236,24 +237,29 @@ __device__ __forceinline__ void store_in_cta(float* local, int rank, float v) {
 template <int NT, int EPI, bool X16 = false>
 __device__ __forceinline__ void gemm_finish(const GemmArgs& a, const GemmWarp& w, float (&acc)[2][NT][4],
                                             float* red, float* xred = nullptr) {
-    // Part p (p >= 1) hands its partials to part 0, one part per round.
-    for (int p = 1; p < a.kw; p++) {
-        if (w.kp == p) {
+    // A tree over the K parts (kw a power of two): in the round of step s, part p with
+    // p % 2s == s hands its sums to part p - s, through slot (mw kw + p) / 2 of `red`
+    // (distinct for every writer of a round, fewer than GEMM_WARPS / 2).
+    for (int step = 1; step < a.kw; step <<= 1) {
+        const int role = w.kp & (2 * step - 1);
+        if (role == step) {
+            float* slot = red + ((w.mw * a.kw + w.kp) >> 1) * 8 * NT * 32;
 #pragma unroll
             for (int i = 0; i < 2; i++)
 #pragma unroll
                 for (int j = 0; j < NT; j++)
 #pragma unroll
-                    for (int e = 0; e < 4; e++) red[(w.mw * 8 * NT + (i * NT + j) * 4 + e) * 32 + w.lane] = acc[i][j][e];
+                    for (int e = 0; e < 4; e++) slot[((i * NT + j) * 4 + e) * 32 + w.lane] = acc[i][j][e];
         }
         __syncthreads();
-        if (w.kp == 0) {
+        if (role == 0) {
+            const float* slot = red + ((w.mw * a.kw + w.kp + step) >> 1) * 8 * NT * 32;
 #pragma unroll
             for (int i = 0; i < 2; i++)
 #pragma unroll
                 for (int j = 0; j < NT; j++)
 #pragma unroll
-                    for (int e = 0; e < 4; e++) acc[i][j][e] += red[(w.mw * 8 * NT + (i * NT + j) * 4 + e) * 32 + w.lane];
+                    for (int e = 0; e < 4; e++) acc[i][j][e] += slot[((i * NT + j) * 4 + e) * 32 + w.lane];
         }
         __syncthreads();
     }
@@ -322,24 +328,31 @@ __device__ __forceinline__ void gemm_finish(const GemmArgs& a, const GemmWarp& w
 // rounds the same value the same way).
 template <int NT, int EPI, bool X16>
 __device__ __forceinline__ void gemm_v1_body(const GemmArgs& a) {
-    if (a.skip_if && *a.skip_if) return;
     constexpr int RED_WORDS = GEMM_WARPS / 2 * 8 * NT * 32;
     // X16: the byte table, whose space the K-part reduction reuses after the main loop.
     __shared__ __align__(16) u32 smem[X16 ? (RED_WORDS > BYTE_LUT_WORDS ? RED_WORDS : BYTE_LUT_WORDS) : RED_WORDS];
     __shared__ u32 lut16[16];
     __shared__ float xred[8 * NT * 32];  // rank 1's sums, in a cluster of two
-    const int split = cluster_size(), rank = cluster_rank();
-    if (split > 1) cluster_arrive_relaxed();
+    // Before waiting for the previous kernel (programmatic dependent launch), what does not
+    // depend on it: the codebook table and the first block of weights, so that this overlaps
+    // the previous kernel's tail. DV2_GEMM_EARLY=0 (early = 0): after the wait.
+    if (!a.early) pdl_enter();
     float* red = reinterpret_cast<float*>(smem);
     if (X16) load_byte_codebook(smem);
     else load_codebook_f16(lut16);
-    __syncthreads();
     const GemmWarp w = gemm_warp<NT, EPI>(a);
     const u32* lut_lane = smem + w.lane;
     const int kblocks = a.k >> 6;
+    const int split = cluster_size(), rank = cluster_rank();
     // K part of this warp: kp of this CTA's kw, after the kw parts of the lower ranks.
     const int part = rank * a.kw + w.kp, parts = split * a.kw;
     const int kb0 = part * kblocks / parts, kb1 = (part + 1) * kblocks / parts;
+    ABlock next;
+    if (kb0 < kb1) load_a_block(w, kb0, next);
+    if (a.early) pdl_enter();
+    if (a.skip_if && *a.skip_if) return;
+    if (split > 1) cluster_arrive_relaxed();
+    __syncthreads();  // the table
     const float* xcol[NT];
     // X16: the column's f16 elements 16t.. of block 0. Columns past n read column n - 1
     // instead of testing and zeroing every load: their sums are never stored.
@@ -352,8 +365,6 @@ __device__ __forceinline__ void gemm_v1_body(const GemmArgs& a) {
                                                    16 * w.t);
     }
     float acc[2][NT][4] = {};
-    ABlock next;
-    if (kb0 < kb1) load_a_block(w, kb0, next);
     for (int kb = kb0; kb < kb1; kb++) {
         const ABlock cur = next;
         if (kb + 1 < kb1) load_a_block(w, kb + 1, next);
@@ -481,11 +492,9 @@ __device__ __forceinline__ void gemm_v2_body(const GemmArgs& a) {
 
 #define GEMM_KERNELS(name, NT, EPI)                                                                          \
     extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) name##_v1(GemmArgs a) {                      \
-        pdl_enter();                                                                                             \
         gemm_v1_body<NT, EPI, false>(a);                                                                         \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) name##_v1h(GemmArgs a) {                     \
-        pdl_enter();                                                                                             \
         gemm_v1_body<NT, EPI, true>(a);                                                                          \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) name##_v2(GemmArgs a) {                      \

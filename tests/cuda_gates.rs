@@ -9,6 +9,42 @@ use decodev2::engine::{BackendKind, Engine, EngineOptions};
 use decodev2::oracle::{greedy, step_logits, KvCache};
 use decodev2::{synth, Error};
 
+/// Checks a backend's greedy `ids` after `prefix` against the oracle run on the backend's own
+/// ids: each id is the oracle's argmax there, or (rounding can swap a near-tie) short of it by
+/// at most 2 `err`, the backend's measured logit error; anything else fails. Returns the
+/// (step, oracle gap) of each swap; with none, the ids are the oracle's greedy ids.
+fn greedy_near_ties(
+    model: &decodev2::model::HostModel,
+    prefix: &[u32],
+    ids: &[u32],
+    err: f32,
+    name: &str,
+) -> Vec<(usize, f32)> {
+    let mut kv = KvCache::new(&model.spec, model.spec.max_seq).unwrap();
+    let mut logits = step_logits(model, &mut kv, prefix, 0)
+        .unwrap()
+        .pop()
+        .unwrap();
+    let mut ties = Vec::new();
+    for (step, &id) in ids.iter().enumerate() {
+        let best = decodev2::oracle::argmax(&logits);
+        if id != best {
+            let gap = logits[best as usize] - logits[id as usize];
+            assert!(
+                gap <= 2.0 * err,
+                "{name} greedy step {step}: id {id}, oracle {best} by {gap}"
+            );
+            ties.push((step, gap));
+        }
+        let pos = prefix.len() + step;
+        logits = step_logits(model, &mut kv, &[id], pos)
+            .unwrap()
+            .pop()
+            .unwrap();
+    }
+    ties
+}
+
 /// Held for the whole of each test: the tests share one device, and the memory checks read
 /// its free bytes, which another test's engine would change.
 fn exclusive_device() -> std::sync::MutexGuard<'static, ()> {
@@ -83,11 +119,20 @@ fn gates_match_the_oracle() {
             .zip(&oracle)
             .map(|(g, o)| max_abs_diff(g, o))
             .fold(0.0, f32::max);
+        let ties = greedy_near_ties(
+            &model,
+            &case.prompt[..case.prefill_len],
+            &run.greedy,
+            err,
+            &case.preset,
+        );
         println!(
-            "{} seed {}: greedy {:?}, teacher-forced max |logit - oracle| = {err:.5} (cap {})",
+            "{} seed {}: greedy {:?}, teacher-forced max |logit - oracle| = {err:.5} (cap {}); greedy differs only at near-ties (step, oracle gap): {ties:?}",
             case.preset, case.seed, run.greedy, case.logits_cap
         );
-        assert_eq!(run.greedy, case.greedy, "{} greedy ids", case.preset);
+        if ties.is_empty() {
+            assert_eq!(run.greedy, case.greedy, "{} greedy ids", case.preset);
+        }
         assert_eq!(
             run.teacher, case.teacher,
             "{} teacher-forced argmax",

@@ -13,6 +13,8 @@
 //! cp.async, K split at most 4 ways; v1: B read by each warp from global memory; default:
 //! v1, as measured). `DV2_GEMM_X16=0` keeps the prefill's GEMM inputs in f32 (default f16,
 //! written so by their producers, for v1; with f32 the default is v2 above 64 columns).
+//! `DV2_GEMM_EARLY=0` makes the v1 GEMM wait for the previous kernel before it loads anything
+//! (default: its codebook table and first weights before).
 //! `DV2_GEMM_CLUSTER=0` keeps the v1 GEMM out of thread-block clusters (default: clusters of
 //! two CTAs splitting K where the grid would fill at most half the SMs).
 //! `DV2_ATTNP=simt` runs the prefill's attention on CUDA cores (default: tensor cores where
@@ -85,6 +87,7 @@ struct GemmArgs {
     kw: i32,
     norm: NormArgs,
     ss_out: u64,
+    early: i32,
 }
 // SAFETY: plain old data matching the kernel's struct.
 unsafe impl DeviceRepr for GemmArgs {}
@@ -280,6 +283,9 @@ pub struct Ops {
     /// The v1 GEMM in clusters of two CTAs splitting K where its grid would fill at most
     /// half the SMs (default; `DV2_GEMM_CLUSTER=0`: never).
     pub gemm_cluster: bool,
+    /// The v1 GEMM loads its codebook table and first weights before waiting for the
+    /// previous kernel (default; `DV2_GEMM_EARLY=0`: after).
+    pub gemm_early: bool,
     /// The prefill attention on CUDA cores (`DV2_ATTNP=simt`) instead of tensor cores.
     pub attnp_simt: bool,
     /// The tensor-core prefill attention's KV tiles staged as first written
@@ -323,6 +329,7 @@ impl Ops {
             gemm_x16: std::env::var("DV2_GEMM_X16").as_deref() != Ok("0"),
             gemm_nt6: std::env::var("DV2_GEMM_NT6").as_deref() != Ok("0"),
             gemm_cluster: std::env::var("DV2_GEMM_CLUSTER").as_deref() != Ok("0"),
+            gemm_early: std::env::var("DV2_GEMM_EARLY").as_deref() != Ok("0"),
             linear: match std::env::var("DV2_LINEAR").as_deref() {
                 Ok("mma") => Linear::Mma,
                 _ => Linear::Gemv,
@@ -492,6 +499,7 @@ impl Ops {
             kw: 1,
             norm: NormArgs::NONE,
             ss_out: 0,
+            early: i32::from(self.gemm_early),
         };
         for (i, m) in mats.iter().enumerate() {
             args.m[i] = m.m;
@@ -583,6 +591,7 @@ impl Ops {
             kw: GEMV3_WARPS as i32,
             norm,
             ss_out,
+            early: 0,
         };
         for (i, m) in mats.iter().enumerate() {
             args.m[i] = m.m;
@@ -881,8 +890,9 @@ fn gemm_width(n: usize, nt6: bool) -> (usize, usize) {
 /// reused for the K-part reduction ((GEMM_WARPS / kw) row tiles x 8 nt x 32 floats).
 fn gemm_v2_smem(nt: usize, kw: usize) -> usize {
     let staging = 2 * kw * 8 * nt * GEMM_B2_STRIDE * 4;
+    // The K-part tree's first round: GEMM_WARPS / 2 slots.
     let reduction = if kw > 1 {
-        GEMM_WARPS / kw * 8 * nt * 32 * 4
+        GEMM_WARPS / 2 * 8 * nt * 32 * 4
     } else {
         0
     };
