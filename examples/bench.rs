@@ -3,6 +3,7 @@
 //!
 //!     cargo run --release --example bench -- [--json PATH] [--skip-kernels] [--skip-3b] [--probe]
 //!                                               [--prefill-only] [--skip-gemm] [--skip-variants]
+//!                                               [--prefill-profile LEN CHUNK]
 //!
 //! load s is `Engine::new` (upload, allocation, kernels, warm-up); warmup ms is its eager
 //! probe step + graph capture; prefill ms is the prompt to the first token; ms/token the steps
