@@ -9,10 +9,27 @@ use decodev2::engine::{BackendKind, Engine, EngineOptions};
 use decodev2::oracle::{greedy, step_logits, KvCache};
 use decodev2::{synth, Error};
 
+/// None when `id` is the argmax of the oracle's `logits`; else the oracle's margin of its
+/// argmax over `id`, which must be at most 2 `err`: within an error of `err` per logit only
+/// such a near-tie can swap the argmax, anything else is a bug, not rounding.
+fn near_tie(logits: &[f32], id: u32, err: f32, what: impl Fn() -> String) -> Option<f32> {
+    let best = decodev2::oracle::argmax(logits);
+    if id == best {
+        return None;
+    }
+    let gap = logits[best as usize] - logits[id as usize];
+    assert!(
+        gap <= 2.0 * err,
+        "{}: id {id}, oracle {best} by {gap}",
+        what()
+    );
+    Some(gap)
+}
+
 /// Checks a backend's greedy `ids` after `prefix` against the oracle run on the backend's own
-/// ids: each id is the oracle's argmax there, or (rounding can swap a near-tie) short of it by
-/// at most 2 `err`, the backend's measured logit error; anything else fails. Returns the
-/// (step, oracle gap) of each swap; with none, the ids are the oracle's greedy ids.
+/// ids: each id is the oracle's argmax there or a [`near_tie`] within the backend's measured
+/// logit error `err`. Returns the (step, oracle gap) of each swap; with none, the ids are the
+/// oracle's greedy ids.
 fn greedy_near_ties(
     model: &decodev2::model::HostModel,
     prefix: &[u32],
@@ -27,13 +44,7 @@ fn greedy_near_ties(
         .unwrap();
     let mut ties = Vec::new();
     for (step, &id) in ids.iter().enumerate() {
-        let best = decodev2::oracle::argmax(&logits);
-        if id != best {
-            let gap = logits[best as usize] - logits[id as usize];
-            assert!(
-                gap <= 2.0 * err,
-                "{name} greedy step {step}: id {id}, oracle {best} by {gap}"
-            );
+        if let Some(gap) = near_tie(&logits, id, err, || format!("{name} greedy step {step}")) {
             ties.push((step, gap));
         }
         let pos = prefix.len() + step;
@@ -473,15 +484,9 @@ fn chunked_prefill_matches_the_oracle() {
                     err <= CAP,
                     "{name} chunk {chunk} len {len}: |logit - oracle| {err}"
                 );
-                let best = decodev2::oracle::argmax(want);
-                if next != best {
-                    // Within an error of `err` per logit, only a top-2 gap under 2 err can swap
-                    // the argmax: anything else is a bug, not rounding.
-                    let gap = want[best as usize] - want[next as usize];
-                    assert!(
-                        gap <= 2.0 * err,
-                        "{name} chunk {chunk} len {len}: argmax {next}, oracle {best} by {gap}"
-                    );
+                if let Some(gap) = near_tie(want, next, err, || {
+                    format!("{name} chunk {chunk} len {len}")
+                }) {
                     ties.push((len, gap));
                 }
             }
