@@ -227,6 +227,18 @@ __device__ __forceinline__ void store_in_cta(float* local, int rank, float v) {
     asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(v) : "memory");
 }
 
+// Calls f(sum, k) for each of a warp's accumulators, k = its word in an 8NT x 32 block
+// laid out lane-minor (add the lane), the layout every hand-over of sums below uses.
+template <int NT, typename F>
+__device__ __forceinline__ void each_sum(float (&acc)[2][NT][4], F f) {
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) f(acc[i][j][e], ((i * NT + j) * 4 + e) * 32);
+}
+
 // Sums the K parts through shared memory (`red`: GEMM_WARPS/2 x 8NT x 32 floats), then the
 // epilogue on part 0's warps. With X16 the SwiGLU output is f16 (the next GEMM's input).
 //
@@ -244,22 +256,12 @@ __device__ __forceinline__ void gemm_finish(const GemmArgs& a, const GemmWarp& w
         const int role = w.kp & (2 * step - 1);
         if (role == step) {
             float* slot = red + ((w.mw * a.kw + w.kp) >> 1) * 8 * NT * 32;
-#pragma unroll
-            for (int i = 0; i < 2; i++)
-#pragma unroll
-                for (int j = 0; j < NT; j++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) slot[((i * NT + j) * 4 + e) * 32 + w.lane] = acc[i][j][e];
+            each_sum(acc, [&](float& v, int k) { slot[k + w.lane] = v; });
         }
         __syncthreads();
         if (role == 0) {
             const float* slot = red + ((w.mw * a.kw + w.kp + step) >> 1) * 8 * NT * 32;
-#pragma unroll
-            for (int i = 0; i < 2; i++)
-#pragma unroll
-                for (int j = 0; j < NT; j++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) acc[i][j][e] += slot[((i * NT + j) * 4 + e) * 32 + w.lane];
+            each_sum(acc, [&](float& v, int k) { v += slot[k + w.lane]; });
         }
         __syncthreads();
     }
@@ -267,23 +269,13 @@ __device__ __forceinline__ void gemm_finish(const GemmArgs& a, const GemmWarp& w
         const int rank = cluster_rank();
         cluster_wait();
         if (rank == 1 && w.kp == 0) {
-#pragma unroll
-            for (int i = 0; i < 2; i++)
-#pragma unroll
-                for (int j = 0; j < NT; j++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) store_in_cta(&xred[((i * NT + j) * 4 + e) * 32 + w.lane], 0, acc[i][j][e]);
+            each_sum(acc, [&](float& v, int k) { store_in_cta(&xred[k + w.lane], 0, v); });
         }
         cluster_arrive();
         cluster_wait();
         if (rank == 1) return;
         if (w.kp == 0) {
-#pragma unroll
-            for (int i = 0; i < 2; i++)
-#pragma unroll
-                for (int j = 0; j < NT; j++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) acc[i][j][e] += xred[((i * NT + j) * 4 + e) * 32 + w.lane];
+            each_sum(acc, [&](float& v, int k) { v += xred[k + w.lane]; });
         }
     }
     if (w.kp != 0) return;
