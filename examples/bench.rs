@@ -113,13 +113,9 @@ fn stage_split(model: &HostModel, max_seq: usize, prompt_len: usize) -> Vec<(&'s
 /// Median wall time of `prefill(prompt)` (ends in a device sync and the next_token read:
 /// the time to first token) over `reps` runs after one warm-up, for a prefill chunk
 /// (0: tokens one at a time through the decode step, `DV2_PREFILL=n1`).
-fn time_prefill(
-    model: &HostModel,
-    max_seq: usize,
-    prompt_len: usize,
-    chunk: usize,
-    reps: usize,
-) -> f64 {
+/// An eager CUDA engine that prefills in chunks of `chunk` (0: token by token, through the
+/// decode step).
+fn prefill_engine(model: &HostModel, max_seq: usize, chunk: usize) -> Engine {
     if chunk == 0 {
         std::env::set_var("DV2_PREFILL", "n1");
     }
@@ -130,16 +126,31 @@ fn time_prefill(
         prefill_chunk: chunk,
         ..EngineOptions::default()
     };
-    let mut e = Engine::new(model.clone(), &opts).expect("cuda engine");
+    let e = Engine::new(model.clone(), &opts).expect("cuda engine");
     std::env::remove_var("DV2_PREFILL");
+    e
+}
+
+/// Wall-clock ms of one prefill of `prompt` from a reset engine.
+fn timed_prefill(e: &mut Engine, prompt: &[u32]) -> f64 {
+    e.reset().unwrap();
+    let t = Instant::now();
+    e.prefill(prompt).unwrap();
+    t.elapsed().as_secs_f64() * 1e3
+}
+
+fn time_prefill(
+    model: &HostModel,
+    max_seq: usize,
+    prompt_len: usize,
+    chunk: usize,
+    reps: usize,
+) -> f64 {
+    let mut e = prefill_engine(model, max_seq, chunk);
     let prompt = synth::prompt(model.spec.vocab, prompt_len, 1);
-    let mut ms = Vec::new();
-    for _ in 0..reps + 1 {
-        e.reset().unwrap();
-        let t = Instant::now();
-        e.prefill(&prompt).unwrap();
-        ms.push(t.elapsed().as_secs_f64() * 1e3);
-    }
+    let ms: Vec<f64> = (0..reps + 1)
+        .map(|_| timed_prefill(&mut e, &prompt))
+        .collect();
     median(ms[1..].to_vec())
 }
 
@@ -302,18 +313,8 @@ fn probe() {
 /// durations (ncu) add up to one prefill.
 fn prefill_profile(len: usize, chunk: usize) {
     let qwen = synth::build(&QWEN25_3B, 0).unwrap();
-    let opts = EngineOptions {
-        backend: BackendKind::Cuda,
-        max_seq: 2048,
-        graph: false,
-        prefill_chunk: chunk,
-        ..EngineOptions::default()
-    };
-    let mut e = Engine::new(qwen.clone(), &opts).expect("cuda engine");
-    let prompt = synth::prompt(qwen.spec.vocab, len, 1);
-    let t = Instant::now();
-    e.prefill(&prompt).unwrap();
-    let ms = t.elapsed().as_secs_f64() * 1e3;
+    let mut e = prefill_engine(&qwen, 2048, chunk);
+    let ms = timed_prefill(&mut e, &synth::prompt(qwen.spec.vocab, len, 1));
     println!("prefill of {len} tokens, chunk {chunk}: {ms:.2} ms (first, wall clock)");
 }
 
