@@ -170,21 +170,23 @@ impl Gpu {
         cluster_value.clusterDim.x = 1;
         cluster_value.clusterDim.y = 1;
         cluster_value.clusterDim.z = cluster_z;
-        let mut attrs = Vec::with_capacity(2);
-        if self.pdl {
-            attrs.push(CUlaunchAttribute {
-                id: CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-                pad: [0; 4],
-                value: pdl_value,
-            });
-        }
-        if cluster_z > 1 {
-            attrs.push(CUlaunchAttribute {
-                id: CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
-                pad: [0; 4],
-                value: cluster_value,
-            });
-        }
+        let pdl = CUlaunchAttribute {
+            id: CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value: pdl_value,
+        };
+        let cluster = CUlaunchAttribute {
+            id: CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+            pad: [0; 4],
+            value: cluster_value,
+        };
+        // The attributes that apply, first `count` of the array (no allocation per launch).
+        let (mut attrs, count) = match (self.pdl, cluster_z > 1) {
+            (true, true) => ([pdl, cluster], 2),
+            (true, false) => ([pdl, cluster], 1),
+            (false, true) => ([cluster, pdl], 1),
+            (false, false) => ([pdl, cluster], 0),
+        };
         let config = CUlaunchConfig {
             gridDimX: cfg.grid_dim.0,
             gridDimY: cfg.grid_dim.1,
@@ -194,12 +196,12 @@ impl Gpu {
             blockDimZ: cfg.block_dim.2,
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: self.stream.cu_stream(),
-            attrs: if attrs.is_empty() {
+            attrs: if count == 0 {
                 std::ptr::null_mut()
             } else {
                 attrs.as_mut_ptr()
             },
-            numAttrs: attrs.len() as u32,
+            numAttrs: count,
         };
         // SAFETY: `config` and the attributes it points to outlive the call; `args` is as this
         // function's contract requires; the context is bound to this thread.

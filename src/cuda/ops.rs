@@ -522,18 +522,14 @@ impl Ops {
         let max_kw = if v2 { GEMM_V2_MAX_KW } else { GEMM_WARPS };
         let kw = gemm_k_parts(tiles, ctas_n, k / 64, self.sms as usize, max_kw);
         args.kw = kw as i32;
-        let ctas = tiles.div_ceil(GEMM_WARPS / kw) * ctas_n;
+        let ctas_m = tiles.div_ceil(GEMM_WARPS / kw);
         let cluster_z = if !v2 && self.gemm_cluster {
-            gemm_cluster(ctas, kw, k / 64, self.sms as usize)
+            gemm_cluster(ctas_m * ctas_n, kw, k / 64, self.sms as usize)
         } else {
             1
         };
         let cfg = LaunchConfig {
-            grid_dim: (
-                tiles.div_ceil(GEMM_WARPS / kw) as u32,
-                ctas_n as u32,
-                cluster_z as u32,
-            ),
+            grid_dim: (ctas_m as u32, ctas_n as u32, cluster_z),
             block_dim: ((GEMM_WARPS * 32) as u32, 1, 1),
             shared_mem_bytes: if v2 {
                 gemm_v2_smem(GEMM_NT[width], kw) as u32
@@ -548,7 +544,7 @@ impl Ops {
             Epilogue::Accumulate => &self.k.gemm_acc[v][width],
             Epilogue::Swiglu => &self.k.gemm_swiglu[v][width],
         };
-        launch!(self.gpu, f, cfg, cluster_z = cluster_z as u32; args)
+        launch!(self.gpu, f, cfg, cluster_z = cluster_z; args)
     }
 
     /// The GEMV kernel for a `rows` x `cols` NF4 matrix (gate and up count together).
@@ -902,7 +898,7 @@ fn gemm_v2_smem(nt: usize, kw: usize) -> usize {
 /// CTAs per cluster of the v1 GEMM (1 or 2): two, splitting K, when the grid of `ctas` CTAs
 /// of one row tile each (`kw` = all warps on K) would leave half the SMs idle and each of the
 /// 2 `kw` parts still gets two 64-element blocks.
-fn gemm_cluster(ctas: usize, kw: usize, k_blocks: usize, sms: usize) -> usize {
+fn gemm_cluster(ctas: usize, kw: usize, k_blocks: usize, sms: usize) -> u32 {
     if kw == GEMM_WARPS && 2 * ctas <= sms && k_blocks >= 2 * 2 * kw {
         2
     } else {
