@@ -213,7 +213,7 @@ fn prefill_tables(qwen: &HostModel, json: &mut String, skip_gemm: bool) {
     *json += "  \"prefill\": [\n";
     // (label, environment, chunk)
     type Run = (&'static str, &'static [(&'static str, &'static str)], usize);
-    let runs: [Run; 15] = [
+    let runs: [Run; 16] = [
         ("n1 (decode step)", &[], 0),
         ("default", &[], 32),
         ("default", &[], 64),
@@ -229,6 +229,7 @@ fn prefill_tables(qwen: &HostModel, json: &mut String, skip_gemm: bool) {
         ("DV2_GEMM_CLUSTER=0", &[("DV2_GEMM_CLUSTER", "0")], 1024),
         ("DV2_ATTNP_STAGE=v1", &[("DV2_ATTNP_STAGE", "v1")], 1024),
         ("DV2_GEMM_EARLY=0", &[("DV2_GEMM_EARLY", "0")], 1024),
+        ("DV2_PREFILL_TAIL=0", &[("DV2_PREFILL_TAIL", "0")], 1024),
     ];
     for (label, env, chunk) in runs {
         let (ttft, long) = with_env(env, || {

@@ -574,13 +574,14 @@ struct PrefillAttnArgs {
     int n, ld, n_q, n_kv, head_dim, qb;
     float scale;
     int out_f16;
+    int first;  // the chunk's token of row 0 (qkv and out start there): position pos0 + first
 };
 
 template <int R>
 __device__ __forceinline__ void attn_prefill_body(const PrefillAttnArgs& a) {
     const int kvh = blockIdx.x, hd = a.head_dim, half = hd >> 1, group = a.n_q / a.n_kv;
     const int tok0 = blockIdx.y * a.qb, ntok = min(a.qb, a.n - tok0), rows = ntok * group;
-    const int pos0 = a.state[STATE_POSITION];
+    const int pos0 = a.state[STATE_POSITION] + a.first;
     const int last = pos0 + tok0 + ntok - 1;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const size_t slot_stride = (size_t)a.n_kv * hd;
@@ -768,7 +769,7 @@ __device__ __forceinline__ void attn_prefill_mma_body(const PrefillAttnArgs& a) 
 
     const int kvh = blockIdx.x, group = a.n_q / a.n_kv, rows_total = a.n * group;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int pos0 = a.state[STATE_POSITION];
+    const int pos0 = a.state[STATE_POSITION] + a.first;
     const int row0 = blockIdx.y * ATTNM_ROWS;
     const int last_row = min(row0 + ATTNM_ROWS, rows_total) - 1;
     const int last = pos0 + last_row / group;  // the CTA's last slot

@@ -13,6 +13,8 @@
 //! cp.async, K split at most 4 ways; v1: B read by each warp from global memory; default:
 //! v1, as measured). `DV2_GEMM_X16=0` keeps the prefill's GEMM inputs in f32 (default f16,
 //! written so by their producers, for v1; with f32 the default is v2 above 64 columns).
+//! `DV2_PREFILL_TAIL=0` runs the last layer of a prompt's last chunk on every token (default:
+//! attention, o and the FFN on the last token only, the one whose output is used).
 //! `DV2_GEMM_EARLY=0` makes the v1 GEMM wait for the previous kernel before it loads anything
 //! (default: its codebook table and first weights before).
 //! `DV2_GEMM_CLUSTER=0` keeps the v1 GEMM out of thread-block clusters (default: clusters of
@@ -111,6 +113,9 @@ pub struct PrefillAttnArgs {
     pub scale: f32,
     /// Nonzero: `out` is written as f16 (the next GEMM's input, see [`Ops::prefill_f16`]).
     pub out_f16: i32,
+    /// The chunk's token at row 0 of `qkv` and `out` (0, or the last token alone: its
+    /// position is the state's plus `first`; the KV slots of the whole chunk are written).
+    pub first: i32,
 }
 // SAFETY: plain old data matching the kernel's struct.
 unsafe impl DeviceRepr for PrefillAttnArgs {}
@@ -286,6 +291,9 @@ pub struct Ops {
     /// The v1 GEMM loads its codebook table and first weights before waiting for the
     /// previous kernel (default; `DV2_GEMM_EARLY=0`: after).
     pub gemm_early: bool,
+    /// The last layer of a prompt's last chunk runs attention, o and the FFN on the last
+    /// token only (default; `DV2_PREFILL_TAIL=0`: on every token).
+    pub prefill_tail: bool,
     /// The prefill attention on CUDA cores (`DV2_ATTNP=simt`) instead of tensor cores.
     pub attnp_simt: bool,
     /// The tensor-core prefill attention's KV tiles staged as first written
@@ -330,6 +338,7 @@ impl Ops {
             gemm_nt6: std::env::var("DV2_GEMM_NT6").as_deref() != Ok("0"),
             gemm_cluster: std::env::var("DV2_GEMM_CLUSTER").as_deref() != Ok("0"),
             gemm_early: std::env::var("DV2_GEMM_EARLY").as_deref() != Ok("0"),
+            prefill_tail: std::env::var("DV2_PREFILL_TAIL").as_deref() != Ok("0"),
             linear: match std::env::var("DV2_LINEAR").as_deref() {
                 Ok("mma") => Linear::Mma,
                 _ => Linear::Gemv,

@@ -478,6 +478,16 @@ impl CudaBackend {
                 self.ptr(&self.k_cache) + l as u64 * layer_bytes,
                 self.ptr(&self.v_cache) + l as u64 * layer_bytes,
             );
+            // In the last layer of the prompt's last chunk only the last token's output is
+            // used (every token's K and V are in the cache once RoPE ran): attention, o and
+            // the FFN run on that one row (`DV2_PREFILL_TAIL=0`: on all of them).
+            let first = if last && ops.prefill_tail && l + 1 == s.n_layers {
+                n - 1
+            } else {
+                0
+            };
+            let (m, f16_m) = (n - first, ops.prefill_f16(n - first));
+            let x_m = x + (first * s.hidden * 4) as u64;
             ops.rms_rows(
                 x,
                 self.ptr(&layer.attn_norm),
@@ -501,19 +511,20 @@ impl CudaBackend {
             let (n_q, n_kv, hd) = (s.n_q_heads as i32, s.n_kv_heads as i32, s.head_dim as i32);
             launch!(gpu, &ops.k.rope_kv_rows, rows; qkv, k_cache, v_cache, cos, sin, state, ld_i, n_q, n_kv, hd)?;
             ops.attn_prefill(PrefillAttnArgs {
-                qkv,
+                qkv: qkv + (first * ld * 4) as u64,
                 k_cache,
                 v_cache,
                 state,
                 out: attn,
-                n: n_i,
+                n: m as i32,
                 ld: ld_i,
                 n_q,
                 n_kv,
                 head_dim: hd,
                 qb: 0,
                 scale: 1.0 / (s.head_dim as f32).sqrt(),
-                out_f16: f16 as i32,
+                out_f16: f16_m as i32,
+                first: first as i32,
             })?;
             let o = [matrix(&layer.o, 0)];
             ops.gemm(
@@ -521,20 +532,20 @@ impl CudaBackend {
                 &o,
                 s.hidden,
                 attn,
-                n,
-                x,
+                m,
+                x_m,
                 s.hidden,
                 0,
-                f16,
+                f16_m,
             )?;
             ops.rms_rows(
-                x,
+                x_m,
                 self.ptr(&layer.ffn_norm),
                 xn,
                 s.hidden,
                 s.rms_eps,
-                n,
-                f16,
+                m,
+                f16_m,
             )?;
             let gate_up = [matrix(&layer.gate, 0), matrix(&layer.up, 0)];
             let inter = s.intermediate;
@@ -543,11 +554,11 @@ impl CudaBackend {
                 &gate_up,
                 s.hidden,
                 xn,
-                n,
+                m,
                 act,
                 inter,
                 0,
-                f16,
+                f16_m,
             )?;
             let down = [matrix(&layer.down, 0)];
             ops.gemm(
@@ -555,11 +566,11 @@ impl CudaBackend {
                 &down,
                 inter,
                 act,
-                n,
-                x,
+                m,
+                x_m,
                 s.hidden,
                 0,
-                f16,
+                f16_m,
             )?;
         }
         if last {
