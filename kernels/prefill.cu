@@ -106,12 +106,15 @@ __device__ __forceinline__ StackedRow swiglu_row(const GemmArgs& a, int r, int i
     return s;
 }
 
+// The stacked row of row g + 8h of m16 tile i of warp tile `tile` (not SwiGLU).
+__device__ __forceinline__ int fragment_index(int tile, int i, int h, int g) { return tile * 32 + i * 16 + g + 8 * h; }
+
 // The row a thread's fragments hold: row g + 8h of m16 tile i of warp tile `tile`. SwiGLU
 // tiles are tile 0 = gate rows, tile 1 = up rows of the same 16 outputs.
 template <int EPI>
 __device__ __forceinline__ StackedRow fragment_row(const GemmArgs& a, int tile, int i, int h, int g) {
     if (EPI == EPI_SWIGLU) return swiglu_row(a, tile * 16 + g + 8 * h, i);
-    return stacked_row(a, tile * 32 + i * 16 + g + 8 * h);
+    return stacked_row(a, fragment_index(tile, i, h, g));
 }
 
 // Constant indices only: a run-time index into the struct's arrays would copy it to local
@@ -239,6 +242,80 @@ __device__ __forceinline__ void each_sum(float (&acc)[2][NT][4], F f) {
             for (int e = 0; e < 4; e++) f(acc[i][j][e], ((i * NT + j) * 4 + e) * 32);
 }
 
+// The epilogue issues every load before its first store: the compiler cannot tell that
+// the stores do not alias the loads, so a load after a store waits for it, and one load
+// per element in between cost a round trip per element. mma_scale is a power of two, so
+// multiplying by its reciprocal is exact (a division calls a slow-path routine).
+// c[e]: row g + 8*(e/2) of the tile, column 2t + e%2 of the n8 tile.
+
+// SwiGLU: silu(gate) * up of each output; with X16 stored as f16 (the next GEMM's input).
+template <int NT, bool X16>
+__device__ __forceinline__ void swiglu_epilogue(const GemmArgs& a, const GemmWarp& w, float (&acc)[2][NT][4]) {
+    const float inv_gate = 1.0f / a.m[0].mma_scale, inv_up = 1.0f / a.m[1].mma_scale;
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int h = e >> 1, n = w.col0 + 8 * j + 2 * w.t + (e & 1);
+            if (n >= a.n || !fragment_row<EPI_SWIGLU>(a, w.tile, 0, h, w.g).valid) continue;
+            const float gs = acc[0][j][e] * inv_gate, us = acc[1][j][e] * inv_up;
+            const float v = gs / (1.0f + expf(-gs)) * us;
+            const size_t at = (size_t)n * a.ldy + w.tile * 16 + w.g + 8 * h;
+            if (X16) reinterpret_cast<u16*>(a.y)[at] = f32_to_f16(v);
+            else a.y[at] = v;
+        }
+}
+
+// Store (+ bias) or accumulate each of a thread's sums.
+template <int NT, int EPI>
+__device__ __forceinline__ void linear_epilogue(const GemmArgs& a, const GemmWarp& w, float (&acc)[2][NT][4]) {
+    // A thread's four rows (m16 tile i, half h): where they go, their bias, their scale.
+    StackedRow r[2][2];
+    int row[2][2];
+    float bias[2][2], inv[2][2];
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            r[i][h] = fragment_row<EPI>(a, w.tile, i, h, w.g);
+            row[i][h] = fragment_index(w.tile, i, h, w.g);
+            const float* b = pick_bias(a, r[i][h].matrix);
+            bias[i][h] = b && r[i][h].valid ? b[r[i][h].local] : 0.0f;
+            inv[i][h] = 1.0f / pick_scale(a, r[i][h].matrix);
+        }
+    // ACCUMULATE: y's old values.
+    float old[EPI == EPI_ACCUMULATE ? NT : 1][4][2];
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int h = e >> 1, n = w.col0 + 8 * j + 2 * w.t + (e & 1);
+            if (n >= a.n) continue;
+            if constexpr (EPI == EPI_ACCUMULATE) {
+#pragma unroll
+                for (int i = 0; i < 2; i++)
+                    old[j][e][i] = r[i][h].valid ? a.y[(size_t)n * a.ldy + row[i][h]] : 0.0f;
+            }
+        }
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int h = e >> 1, n = w.col0 + 8 * j + 2 * w.t + (e & 1);
+            if (n >= a.n) continue;
+            float v[2];
+#pragma unroll
+            for (int i = 0; i < 2; i++) v[i] = acc[i][j][e] * inv[i][h] + bias[i][h];
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                if (!r[i][h].valid) continue;
+                float* out = a.y + (size_t)n * a.ldy + row[i][h];
+                if constexpr (EPI == EPI_ACCUMULATE) *out = old[j][e][i] + v[i];
+                else *out = v[i];
+            }
+        }
+}
+
 // Sums the K parts through shared memory (`red`: GEMM_WARPS/2 x 8NT x 32 floats), then the
 // epilogue on part 0's warps. With X16 the SwiGLU output is f16 (the next GEMM's input).
 //
@@ -279,35 +356,8 @@ __device__ __forceinline__ void gemm_finish(const GemmArgs& a, const GemmWarp& w
         }
     }
     if (w.kp != 0) return;
-
-    // c[e]: row g + 8*(e/2) of the tile, column 2t + e%2 of the n8 tile.
-#pragma unroll
-    for (int j = 0; j < NT; j++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const int h = e >> 1, n = w.col0 + 8 * j + 2 * w.t + (e & 1);
-            if (n >= a.n) continue;
-            if (EPI == EPI_SWIGLU) {
-                const StackedRow r = fragment_row<EPI>(a, w.tile, 0, h, w.g);
-                if (!r.valid) continue;
-                const float gs = acc[0][j][e] / a.m[0].mma_scale;
-                const float us = acc[1][j][e] / a.m[1].mma_scale;
-                const float v = gs / (1.0f + expf(-gs)) * us;
-                const size_t at = (size_t)n * a.ldy + w.tile * 16 + w.g + 8 * h;
-                if (X16) reinterpret_cast<u16*>(a.y)[at] = f32_to_f16(v);
-                else a.y[at] = v;
-            } else {
-#pragma unroll
-                for (int i = 0; i < 2; i++) {
-                    const StackedRow r = fragment_row<EPI>(a, w.tile, i, h, w.g);
-                    if (!r.valid) continue;
-                    const float* bias = pick_bias(a, r.matrix);
-                    const float v = acc[i][j][e] / pick_scale(a, r.matrix) + (bias ? bias[r.local] : 0.0f);
-                    float* out = a.y + (size_t)n * a.ldy + w.tile * 32 + i * 16 + w.g + 8 * h;
-                    *out = EPI == EPI_ACCUMULATE ? *out + v : v;
-                }
-            }
-        }
+    if constexpr (EPI == EPI_SWIGLU) swiglu_epilogue<NT, X16>(a, w, acc);
+    else linear_epilogue<NT, EPI>(a, w, acc);
 }
 
 // v1 (the default; DV2_GEMM=v1 forces it): every warp reads its B fragments
