@@ -213,7 +213,7 @@ fn prefill_tables(qwen: &HostModel, json: &mut String, skip_gemm: bool) {
     *json += "  \"prefill\": [\n";
     // (label, environment, chunk)
     type Run = (&'static str, &'static [(&'static str, &'static str)], usize);
-    let runs: [Run; 16] = [
+    let runs: [Run; 17] = [
         ("n1 (decode step)", &[], 0),
         ("default", &[], 32),
         ("default", &[], 64),
@@ -230,6 +230,7 @@ fn prefill_tables(qwen: &HostModel, json: &mut String, skip_gemm: bool) {
         ("DV2_ATTNP_STAGE=v1", &[("DV2_ATTNP_STAGE", "v1")], 1024),
         ("DV2_GEMM_EARLY=0", &[("DV2_GEMM_EARLY", "0")], 1024),
         ("DV2_PREFILL_TAIL=0", &[("DV2_PREFILL_TAIL", "0")], 1024),
+        ("DV2_GEMM_SPREAD=0", &[("DV2_GEMM_SPREAD", "0")], 1024),
     ];
     for (label, env, chunk) in runs {
         let (ttft, long) = with_env(env, || {
@@ -281,11 +282,12 @@ fn kernel_table(bench: &Bench, s: &ArchSpec) -> Vec<Timing> {
 fn probe() {
     let s = QWEN25_3B;
     type Env = &'static [(&'static str, &'static str)];
-    let widths: [(&str, Env); 4] = [
+    let widths: [(&str, Env); 5] = [
         ("", &[]),
         (" (DV2_GEMM_NT6=0)", &[("DV2_GEMM_NT6", "0")]),
         (" (DV2_GEMM_CLUSTER=0)", &[("DV2_GEMM_CLUSTER", "0")]),
         (" (DV2_GEMM_EARLY=0)", &[("DV2_GEMM_EARLY", "0")]),
+        (" (DV2_GEMM_SPREAD=0)", &[("DV2_GEMM_SPREAD", "0")]),
     ];
     for (label, env) in widths {
         let bench = with_env(env, || Bench::new(0).expect("CUDA device"));

@@ -43,6 +43,7 @@ struct GemmArgs {
     NormArgs norm;
     float* ss_out;
     int early;  // GEMM v1: the table and first weights before waiting for the previous kernel
+    int spread;  // the epilogue spread over the K parts' warps (see gemm_finish)
 };
 
 enum { EPI_STORE = 0, EPI_ACCUMULATE = 1, EPI_SWIGLU = 2 };
@@ -246,18 +247,20 @@ __device__ __forceinline__ void each_sum(float (&acc)[2][NT][4], F f) {
 // the stores do not alias the loads, so a load after a store waits for it, and one load
 // per element in between cost a round trip per element. mma_scale is a power of two, so
 // multiplying by its reciprocal is exact (a division calls a slow-path routine).
-// c[e]: row g + 8*(e/2) of the tile, column 2t + e%2 of the n8 tile.
+// c[e]: row g + 8*(e/2) of the tile, column 2t + e%2 of the n8 tile. Each runs on the n8
+// tiles j0, j0 + jstep, ... of the warp's sums.
 
 // SwiGLU: silu(gate) * up of each output; with X16 stored as f16 (the next GEMM's input).
 template <int NT, bool X16>
-__device__ __forceinline__ void swiglu_epilogue(const GemmArgs& a, const GemmWarp& w, float (&acc)[2][NT][4]) {
+__device__ __forceinline__ void swiglu_epilogue(const GemmArgs& a, const GemmWarp& w, float (&acc)[2][NT][4], int j0,
+                                                int jstep) {
     const float inv_gate = 1.0f / a.m[0].mma_scale, inv_up = 1.0f / a.m[1].mma_scale;
 #pragma unroll
     for (int j = 0; j < NT; j++)
 #pragma unroll
         for (int e = 0; e < 4; e++) {
             const int h = e >> 1, n = w.col0 + 8 * j + 2 * w.t + (e & 1);
-            if (n >= a.n || !fragment_row<EPI_SWIGLU>(a, w.tile, 0, h, w.g).valid) continue;
+            if (j % jstep != j0 || n >= a.n || !fragment_row<EPI_SWIGLU>(a, w.tile, 0, h, w.g).valid) continue;
             const float gs = acc[0][j][e] * inv_gate, us = acc[1][j][e] * inv_up;
             const float v = gs / (1.0f + expf(-gs)) * us;
             const size_t at = (size_t)n * a.ldy + w.tile * 16 + w.g + 8 * h;
@@ -268,7 +271,8 @@ __device__ __forceinline__ void swiglu_epilogue(const GemmArgs& a, const GemmWar
 
 // Store (+ bias) or accumulate each of a thread's sums.
 template <int NT, int EPI>
-__device__ __forceinline__ void linear_epilogue(const GemmArgs& a, const GemmWarp& w, float (&acc)[2][NT][4]) {
+__device__ __forceinline__ void linear_epilogue(const GemmArgs& a, const GemmWarp& w, float (&acc)[2][NT][4], int j0,
+                                                int jstep) {
     // A thread's four rows (m16 tile i, half h): where they go, their bias, their scale.
     StackedRow r[2][2];
     int row[2][2];
@@ -290,7 +294,7 @@ __device__ __forceinline__ void linear_epilogue(const GemmArgs& a, const GemmWar
 #pragma unroll
         for (int e = 0; e < 4; e++) {
             const int h = e >> 1, n = w.col0 + 8 * j + 2 * w.t + (e & 1);
-            if (n >= a.n) continue;
+            if (j % jstep != j0 || n >= a.n) continue;
             if constexpr (EPI == EPI_ACCUMULATE) {
 #pragma unroll
                 for (int i = 0; i < 2; i++)
@@ -302,7 +306,7 @@ __device__ __forceinline__ void linear_epilogue(const GemmArgs& a, const GemmWar
 #pragma unroll
         for (int e = 0; e < 4; e++) {
             const int h = e >> 1, n = w.col0 + 8 * j + 2 * w.t + (e & 1);
-            if (n >= a.n) continue;
+            if (j % jstep != j0 || n >= a.n) continue;
             float v[2];
 #pragma unroll
             for (int i = 0; i < 2; i++) v[i] = acc[i][j][e] * inv[i][h] + bias[i][h];
@@ -355,9 +359,22 @@ __device__ __forceinline__ void gemm_finish(const GemmArgs& a, const GemmWarp& w
             each_sum(acc, [&](float& v, int k) { v += xred[k + w.lane]; });
         }
     }
-    if (w.kp != 0) return;
-    if constexpr (EPI == EPI_SWIGLU) swiglu_epilogue<NT, X16>(a, w, acc);
-    else linear_epilogue<NT, EPI>(a, w, acc);
+    // Spread: part 0 leaves the row tile's sums in `red` (free after the tree) and each of
+    // the tile's kw warps runs the epilogue of its n8 tiles j = kp, kp + kw, ... (the
+    // epilogue is a chain of dependent steps; in one warp per tile it is a serial tail).
+    const bool spread = a.spread && a.kw > 1;
+    if (spread) {
+        float* slot = red + w.mw * 8 * NT * 32;
+        if (w.kp == 0) each_sum(acc, [&](float& v, int k) { slot[k + w.lane] = v; });
+        __syncthreads();
+        if (w.kp >= NT) return;
+        each_sum(acc, [&](float& v, int k) { v = slot[k + w.lane]; });
+    } else if (w.kp != 0) {
+        return;
+    }
+    const int j0 = spread ? w.kp : 0, jstep = spread ? a.kw : 1;
+    if constexpr (EPI == EPI_SWIGLU) swiglu_epilogue<NT, X16>(a, w, acc, j0, jstep);
+    else linear_epilogue<NT, EPI>(a, w, acc, j0, jstep);
 }
 
 // v1 (the default; DV2_GEMM=v1 forces it): every warp reads its B fragments

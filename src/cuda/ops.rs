@@ -13,6 +13,8 @@
 //! cp.async, K split at most 4 ways; v1: B read by each warp from global memory; default:
 //! v1, as measured). `DV2_GEMM_X16=0` keeps the prefill's GEMM inputs in f32 (default f16,
 //! written so by their producers, for v1; with f32 the default is v2 above 64 columns).
+//! `DV2_GEMM_SPREAD=0` runs the GEMM's epilogue on the warp of K part 0 alone (default: the
+//! row tile's n8 tiles spread over the warps of all its K parts).
 //! `DV2_PREFILL_TAIL=0` runs the last layer of a prompt's last chunk on every token (default:
 //! attention, o and the FFN on the last token only, the one whose output is used).
 //! `DV2_GEMM_EARLY=0` makes the v1 GEMM wait for the previous kernel before it loads anything
@@ -90,6 +92,7 @@ struct GemmArgs {
     norm: NormArgs,
     ss_out: u64,
     early: i32,
+    spread: i32,
 }
 // SAFETY: plain old data matching the kernel's struct.
 unsafe impl DeviceRepr for GemmArgs {}
@@ -294,6 +297,9 @@ pub struct Ops {
     /// The last layer of a prompt's last chunk runs attention, o and the FFN on the last
     /// token only (default; `DV2_PREFILL_TAIL=0`: on every token).
     pub prefill_tail: bool,
+    /// The GEMM's epilogue spread over the warps that summed a row tile's K parts (default;
+    /// `DV2_GEMM_SPREAD=0`: on part 0's warp alone).
+    pub gemm_spread: bool,
     /// The prefill attention on CUDA cores (`DV2_ATTNP=simt`) instead of tensor cores.
     pub attnp_simt: bool,
     /// The tensor-core prefill attention's KV tiles staged as first written
@@ -339,6 +345,7 @@ impl Ops {
             gemm_cluster: std::env::var("DV2_GEMM_CLUSTER").as_deref() != Ok("0"),
             gemm_early: std::env::var("DV2_GEMM_EARLY").as_deref() != Ok("0"),
             prefill_tail: std::env::var("DV2_PREFILL_TAIL").as_deref() != Ok("0"),
+            gemm_spread: std::env::var("DV2_GEMM_SPREAD").as_deref() != Ok("0"),
             linear: match std::env::var("DV2_LINEAR").as_deref() {
                 Ok("mma") => Linear::Mma,
                 _ => Linear::Gemv,
@@ -509,6 +516,7 @@ impl Ops {
             norm: NormArgs::NONE,
             ss_out: 0,
             early: i32::from(self.gemm_early),
+            spread: i32::from(self.gemm_spread),
         };
         for (i, m) in mats.iter().enumerate() {
             args.m[i] = m.m;
@@ -597,6 +605,7 @@ impl Ops {
             norm,
             ss_out,
             early: 0,
+            spread: 0,
         };
         for (i, m) in mats.iter().enumerate() {
             args.m[i] = m.m;

@@ -35,7 +35,7 @@ DV2_LINEAR=mma .device/tests/cuda_gates --nocapture gates_match > "$out/tests-li
 grep -E "max \|logit" "$out/tests-linear-mma.log"
 # The prefill kernel variants: CUDA-core attention, the first KV staging, each GEMM kernel
 # forced, and each GEMM switch off.
-for v in DV2_ATTNP=simt DV2_ATTNP_STAGE=v1 DV2_GEMM=v1 DV2_GEMM=v2 DV2_GEMM_X16=0 DV2_GEMM_CLUSTER=0 DV2_GEMM_EARLY=0 DV2_PREFILL_TAIL=0; do
+for v in DV2_ATTNP=simt DV2_ATTNP_STAGE=v1 DV2_GEMM=v1 DV2_GEMM=v2 DV2_GEMM_X16=0 DV2_GEMM_CLUSTER=0 DV2_GEMM_EARLY=0 DV2_PREFILL_TAIL=0 DV2_GEMM_SPREAD=0; do
   env $v .device/tests/cuda_gates --nocapture chunked > "$out/tests-prefill-${v#DV2_}.log" 2>&1 \
     && echo "$v, chunked prefill: ok" || { echo "$v, chunked prefill: FAILED"; status=1; }
   grep -E "chunk 32|token chunk" "$out/tests-prefill-${v#DV2_}.log"
