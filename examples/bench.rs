@@ -441,6 +441,7 @@ fn main() {
     for (label, env) in [
         ("medium_llama pdl=0", &[("DV2_PDL", "0")]),
         ("medium rms-kernel", &[("DV2_FUSE_RMS", "0")]),
+        ("medium attn-batch=0", &[("DV2_ATTN_BATCH", "0")]),
     ] {
         runs.push(with_env(env, || {
             time_decode(label, &medium, 32, 4, 24, true, 5)
@@ -463,6 +464,7 @@ fn main() {
         for (label, env) in [
             ("qwen25_3b pdl=0", &[("DV2_PDL", "0")]),
             ("qwen25_3b rms-kernel", &[("DV2_FUSE_RMS", "0")]),
+            ("qwen25_3b attn-batch=0", &[("DV2_ATTN_BATCH", "0")]),
             ("qwen25_3b gemv=v2", &[("DV2_GEMV", "v2")]),
             ("qwen25_3b gemv=v3", &[("DV2_GEMV", "v3")]),
         ] {

@@ -719,7 +719,13 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode(AttnArgs 
 // The live slot (t == position) comes from the rotated projections, never from the cache;
 // CTA (kv head, chunk 0) writes it. Partials per (q head, chunk) go to attn2_merge.
 
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode(AttnArgs a) {
+// BATCHED (default; DV2_ATTN_BATCH=0 off): every global load of the prologue (the chunk's K
+// and V rows, the q/k pairs to rotate with their cos and sin, the live v) is issued before
+// its first shared store. Interleaved, each round of loads waited for the previous round's
+// data to be stored (in program order a load may not pass a store the compiler cannot prove
+// to be elsewhere): nine round trips in a row at head_dim 128.
+template <bool BATCHED>
+__device__ __forceinline__ void attn2_decode_body(const AttnArgs& a) {
     pdl_enter();
     const int kvh = blockIdx.x, chunk = blockIdx.y, hd = a.head_dim, half = hd >> 1;
     const int group = a.n_q / a.n_kv;
@@ -736,30 +742,42 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode(AttnArgs
     __shared__ float p_s[ATTN2_MAX_GROUP][ATTN2_CHUNK];
     const size_t slot_stride = (size_t)a.n_kv * hd;
 
-    // Stage rows t0 .. t0+n_t-1 of K and V (16-byte loads), skipping the live slot.
+    // Rows t0 .. t0+n_t-1 of K and V (16-byte loads), skipping the live slot.
     const int vec_per_row = hd >> 3;  // uint4 = 8 bf16
-    for (int i = threadIdx.x; i < n_t * vec_per_row; i += blockDim.x) {
-        const int t = i / vec_per_row, c = i % vec_per_row;
-        if (t0 + t == pos) continue;
-        const size_t off = (size_t)(t0 + t) * slot_stride + kvh * hd + c * 8;
-        const uint4 kv = *reinterpret_cast<const uint4*>(a.k_cache + off);
-        const uint4 vv = *reinterpret_cast<const uint4*>(a.v_cache + off);
-        u32* kd = k_s + t * row_words + c * 4;
-        u32* vd = v_s + t * row_words + c * 4;
+    auto kv_offset = [&](int i) { return (size_t)(t0 + i / vec_per_row) * slot_stride + kvh * hd + (i % vec_per_row) * 8; };
+    auto stage = [&](int i, uint4 kv, uint4 vv) {
+        u32* kd = k_s + (i / vec_per_row) * row_words + (i % vec_per_row) * 4;
+        u32* vd = v_s + (i / vec_per_row) * row_words + (i % vec_per_row) * 4;
         kd[0] = kv.x; kd[1] = kv.y; kd[2] = kv.z; kd[3] = kv.w;
         vd[0] = vv.x; vd[1] = vv.y; vd[2] = vv.z; vd[3] = vv.w;
+    };
+    auto live = [&](int i) { return t0 + i / vec_per_row == pos; };
+    constexpr int KV_VECS = ATTN2_CHUNK * (MAX_HEAD_DIM / 8) / ATTN_THREADS;  // per thread, at most
+    uint4 kreg[BATCHED ? KV_VECS : 1], vreg[BATCHED ? KV_VECS : 1];
+    if constexpr (BATCHED) {
+#pragma unroll
+        for (int u = 0; u < KV_VECS; u++) {
+            const int i = threadIdx.x + u * ATTN_THREADS;
+            if (i < n_t * vec_per_row && !live(i)) {
+                kreg[u] = *reinterpret_cast<const uint4*>(a.k_cache + kv_offset(i));
+                vreg[u] = *reinterpret_cast<const uint4*>(a.v_cache + kv_offset(i));
+            }
+        }
+    } else {
+        for (int i = threadIdx.x; i < n_t * vec_per_row; i += blockDim.x) {
+            if (live(i)) continue;
+            stage(i, *reinterpret_cast<const uint4*>(a.k_cache + kv_offset(i)),
+                  *reinterpret_cast<const uint4*>(a.v_cache + kv_offset(i)));
+        }
     }
     // Rotate the group's q heads (scale folded in) and the live k, a (d, d + half) pair per
-    // thread per round, the loads of several rounds in flight; take the live v.
+    // thread per round; take the live v.
     const float* qkv_k = a.qkv + a.n_q * hd + kvh * hd;
     const float* qkv_v = a.qkv + (a.n_q + a.n_kv) * hd + kvh * hd;
     const float* cos_p = a.rope_cos + pos * half;
     const float* sin_p = a.rope_sin + pos * half;
-#pragma unroll 4
-    for (int i = threadIdx.x; i < (group + 1) * half; i += blockDim.x) {
+    auto rotate = [&](int i, float c, float s, float x1, float x2) {
         const int g = i / half, j = i % half;
-        const float* src = g < group ? a.qkv + (kvh * group + g) * hd : qkv_k;
-        const float c = cos_p[j], s = sin_p[j], x1 = src[j], x2 = src[j + half];
         const float lo = x1 * c - x2 * s, hi = x2 * c + x1 * s;
         if (g < group) {
             q_s[g * hd + j] = lo * a.scale;
@@ -768,8 +786,55 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode(AttnArgs
             kcur[j] = lo;
             kcur[j + half] = hi;
         }
+    };
+    auto pair_src = [&](int i) { return i / half < group ? a.qkv + (kvh * group + i / half) * hd : qkv_k; };
+    if constexpr (BATCHED) {
+        constexpr int RB = 8;  // pairs per thread loaded together
+        constexpr int VL = MAX_HEAD_DIM / ATTN_THREADS;
+        float vl[VL];
+#pragma unroll
+        for (int u = 0; u < VL; u++) {
+            const int d = threadIdx.x + u * ATTN_THREADS;
+            vl[u] = d < hd ? qkv_v[d] : 0.0f;
+        }
+        for (int base = threadIdx.x; base < (group + 1) * half; base += RB * ATTN_THREADS) {
+            float c[RB], sn[RB], x1[RB], x2[RB];
+#pragma unroll
+            for (int u = 0; u < RB; u++) {
+                const int i = base + u * ATTN_THREADS;
+                if (i < (group + 1) * half) {
+                    const float* src = pair_src(i);
+                    c[u] = cos_p[i % half];
+                    sn[u] = sin_p[i % half];
+                    x1[u] = src[i % half];
+                    x2[u] = src[i % half + half];
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < RB; u++) {
+                const int i = base + u * ATTN_THREADS;
+                if (i < (group + 1) * half) rotate(i, c[u], sn[u], x1[u], x2[u]);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < KV_VECS; u++) {
+            const int i = threadIdx.x + u * ATTN_THREADS;
+            if (i < n_t * vec_per_row && !live(i)) stage(i, kreg[u], vreg[u]);
+        }
+#pragma unroll
+        for (int u = 0; u < VL; u++) {
+            const int d = threadIdx.x + u * ATTN_THREADS;
+            if (d < hd) vcur[d] = vl[u];
+        }
+    } else {
+#pragma unroll 4
+        for (int i = threadIdx.x; i < (group + 1) * half; i += blockDim.x) {
+            const float* src = pair_src(i);
+            const int j = i % half;
+            rotate(i, cos_p[j], sin_p[j], src[j], src[j + half]);
+        }
+        for (int d = threadIdx.x; d < hd; d += blockDim.x) vcur[d] = qkv_v[d];
     }
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) vcur[d] = qkv_v[d];
     __syncthreads();
     if (pos >= t0 && pos < t0 + n_t) {
         const int t = pos - t0;
@@ -830,6 +895,11 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode(AttnArgs
         out[2 * w] = ax;
         out[2 * w + 1] = ay;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode(AttnArgs a) { attn2_decode_body<true>(a); }
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode_serial(AttnArgs a) {
+    attn2_decode_body<false>(a);
 }
 
 // Combines the chunks 0 .. ceil(valid_len / ATTN2_CHUNK)-1 of each q head. Grid n_q; the

@@ -313,6 +313,8 @@ pub struct Kernels {
     pub gemv2_qkv: [CudaFunction; 3],
     pub gemv2_swiglu: [CudaFunction; 3],
     pub attn2_decode: CudaFunction,
+    /// The same with its prologue's loads and stores in turn (`DV2_ATTN_BATCH=0`).
+    pub attn2_decode_serial: CudaFunction,
     pub attn2_merge: CudaFunction,
     /// GEMV v3 (tensor cores) by epilogue: store (+bias), accumulate, SwiGLU.
     pub gemv3: [CudaFunction; 3],
@@ -395,6 +397,7 @@ impl Kernels {
                 f("gemv2_swiglu_j3")?,
             ],
             attn2_decode: f("attn2_decode")?,
+            attn2_decode_serial: f("attn2_decode_serial")?,
             attn2_merge: f("attn2_merge")?,
             gemm_store: gemm("gemm_store")?,
             gemm_acc: gemm("gemm_acc")?,

@@ -4,7 +4,8 @@
 //! Variants, chosen at load (each kept so its gain can be measured against its absence):
 //! `DV2_GEMV=v1|v2|v3` (default: v3 below 8 MB of weights, v2 above; v2: persistent CTAs, x
 //! held in registers; v3: tensor cores, kernels/gemv_mma.cu) and `DV2_ATTN=v1|v2`
-//! (default v2: one CTA per KV head and 32-slot chunk). `DV2_FUSE_RMS=0` runs each RMSNorm as
+//! (default v2: one CTA per KV head and 32-slot chunk; `DV2_ATTN_BATCH=0` makes its prologue
+//! load and store in turn instead of issuing every load first). `DV2_FUSE_RMS=0` runs each RMSNorm as
 //! its own kernel instead of folding it into the next GEMV's x load (default, GEMV v2/v3:
 //! the kernel that wrote x leaves partial sums of squares, [`Ops::producer_sums`]). v1 GEMV
 //! takes `DV2_GEMV_NR=1|2|4|8` (rows per CTA); v2 takes `DV2_GEMV_CTAS=n` (CTAs per SM,
@@ -276,6 +277,9 @@ pub struct Ops {
     /// The GEMV kernels: [`GemvChoice::Auto`] (default) picks per matrix.
     pub gemv: GemvChoice,
     pub attn: Variant,
+    /// Attention v2 issues all its prologue loads before its first shared store (default;
+    /// `DV2_ATTN_BATCH=0`: load and store in turn).
+    pub attn_batch: bool,
     /// RMSNorm folded into the next GEMV's x load from the producer's partial sums of squares
     /// (default; `DV2_FUSE_RMS=0`: the RMSNorm kernel).
     pub fuse_rms: bool,
@@ -328,6 +332,7 @@ impl Ops {
                 _ => GemvChoice::Auto,
             },
             attn: variant("DV2_ATTN"),
+            attn_batch: std::env::var("DV2_ATTN_BATCH").as_deref() != Ok("0"),
             fuse_rms: std::env::var("DV2_FUSE_RMS").as_deref() != Ok("0"),
             attnp_simt: std::env::var("DV2_ATTNP").is_ok_and(|v| v == "simt"),
             attnp_stage1: std::env::var("DV2_ATTNP_STAGE").as_deref() == Ok("v1"),
@@ -864,7 +869,12 @@ impl Ops {
                     shared_mem_bytes: 0,
                 };
                 let nc = chunks as i32;
-                launch!(self.gpu, &self.k.attn2_decode, cfg; args)?;
+                let f = if self.attn_batch {
+                    &self.k.attn2_decode
+                } else {
+                    &self.k.attn2_decode_serial
+                };
+                launch!(self.gpu, f, cfg; args)?;
                 launch!(self.gpu, &self.k.attn2_merge, merge; pa, pm, st, out, hd, nc, ms)
             }
         }
