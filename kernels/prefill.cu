@@ -243,10 +243,11 @@ __device__ __forceinline__ void each_sum(float (&acc)[2][NT][4], F f) {
             for (int e = 0; e < 4; e++) f(acc[i][j][e], ((i * NT + j) * 4 + e) * 32);
 }
 
-// The epilogue issues every load before its first store: the compiler cannot tell that
-// the stores do not alias the loads, so a load after a store waits for it, and one load
-// per element in between cost a round trip per element. mma_scale is a power of two, so
-// multiplying by its reciprocal is exact (a division calls a slow-path routine).
+// The epilogues issue every load before their first store: the compiler cannot tell that a
+// store does not alias a later load, so it keeps each load after the store before it, and
+// with each store waiting for the load before it, every element cost a round trip in turn.
+// mma_scale is a power of two, so multiplying by its reciprocal is exact (a division calls a
+// slow-path routine).
 // c[e]: row g + 8*(e/2) of the tile, column 2t + e%2 of the n8 tile. Each runs on the n8
 // tiles j0, j0 + jstep, ... of the warp's sums.
 
