@@ -556,9 +556,23 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const u16* __re
     x += (size_t)blockIdx.x * n;
     out = out_f16 ? reinterpret_cast<float*>(reinterpret_cast<u16*>(out) + (size_t)blockIdx.x * n)
                   : out + (size_t)blockIdx.x * n;
+    // Pairs of elements, RMS_BATCH pairs per thread loaded together: a strided loop issues
+    // one round of loads per iteration and waits for it before the next.
+    constexpr int RMS_BATCH = 4;
+    const int pairs = n >> 1;  // n is even (head_dim and hidden are)
+    const float2* x2 = reinterpret_cast<const float2*>(x);
     __shared__ float sums[32];
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += x[i] * x[i];
+    for (int base = threadIdx.x; base < pairs; base += RMS_BATCH * blockDim.x) {
+        float2 v[RMS_BATCH];
+#pragma unroll
+        for (int u = 0; u < RMS_BATCH; u++) {
+            const int p = base + u * blockDim.x;
+            v[u] = p < pairs ? x2[p] : make_float2(0.0f, 0.0f);
+        }
+#pragma unroll
+        for (int u = 0; u < RMS_BATCH; u++) ss += v[u].x * v[u].x + v[u].y * v[u].y;
+    }
     ss = warp_sum(ss);
     if ((threadIdx.x & 31) == 0) sums[threadIdx.x >> 5] = ss;
     __syncthreads();
@@ -568,12 +582,26 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const u16* __re
         if (threadIdx.x == 0) sums[0] = v;
     }
     __syncthreads();
-    float r = rsqrtf(sums[0] / (float)n + eps);
-    if (out_f16) {
-        for (int i = 2 * threadIdx.x; i < n; i += 2 * blockDim.x)
-            store_pair(out, i, x[i] * r * bf16_to_f32(w[i]), x[i + 1] * r * bf16_to_f32(w[i + 1]), true);
-    } else {
-        for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = x[i] * r * bf16_to_f32(w[i]);
+    const float r = rsqrtf(sums[0] / (float)n + eps);
+    const u32* w2 = reinterpret_cast<const u32*>(w);
+    for (int base = threadIdx.x; base < pairs; base += RMS_BATCH * blockDim.x) {
+        float2 v[RMS_BATCH];
+        u32 wp[RMS_BATCH];
+#pragma unroll
+        for (int u = 0; u < RMS_BATCH; u++) {
+            const int p = base + u * blockDim.x;
+            if (p < pairs) {
+                v[u] = x2[p];
+                wp[u] = w2[p];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < RMS_BATCH; u++) {
+            const int p = base + u * blockDim.x;
+            if (p < pairs)
+                store_pair(out, 2 * (size_t)p, v[u].x * r * bf16_to_f32((u16)(wp[u] & 0xffffu)),
+                           v[u].y * r * bf16_to_f32((u16)(wp[u] >> 16)), out_f16);
+        }
     }
 }
 

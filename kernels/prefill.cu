@@ -584,30 +584,55 @@ extern "C" __global__ void embed_rows(const int* __restrict__ ids, Nf4Ref embed,
     embed_token(ids[blockIdx.x], embed, x + (size_t)blockIdx.x * hidden, hidden, vocab);
 }
 
-// RoPE on q and k of token i (position pos0 + i) in place, then k and v into the KV cache
-// as bf16 at that slot: the same arithmetic as attn2_decode's, so both paths store the same
-// bits. One CTA per token.
+// RoPE on q and k of token i (position pos0 + i) in place, k and v into the KV cache as bf16
+// at that slot: the same arithmetic as attn2_decode's, so both paths store the same bits.
+// One CTA per token. Work items: the (n_q + n_kv) * head_dim/2 pairs to rotate, then the
+// kv_dim elements of v; a thread loads ROPE_BATCH items before it stores any (in program
+// order a load may not pass a store to the same row, so a strided loop waited a round trip
+// per iteration).
 extern "C" __global__ void rope_kv_rows(float* qkv, u16* k_cache, u16* v_cache, const float* __restrict__ rope_cos,
                                         const float* __restrict__ rope_sin, const int* __restrict__ state, int ld,
                                         int n_q, int n_kv, int head_dim) {
     pdl_enter();
+    constexpr int ROPE_BATCH = 8;
     const int i = blockIdx.x, pos = state[STATE_POSITION] + i, half = head_dim >> 1;
     float* row = qkv + (size_t)i * ld;
     const float* cos_p = rope_cos + (size_t)pos * half;
     const float* sin_p = rope_sin + (size_t)pos * half;
-    for (int idx = threadIdx.x; idx < (n_q + n_kv) * half; idx += blockDim.x) {
-        const int h = idx / half, j = idx % half;
-        float* src = row + h * head_dim;
-        const float c = cos_p[j], s = sin_p[j], x1 = src[j], x2 = src[j + half];
-        src[j] = x1 * c - x2 * s;
-        src[j + half] = x2 * c + x1 * s;
-    }
-    __syncthreads();
-    const int kv_dim = n_kv * head_dim;
+    const int kv_dim = n_kv * head_dim, rotations = (n_q + n_kv) * half, items = rotations + kv_dim;
     const size_t slot = (size_t)pos * kv_dim;
-    for (int d = threadIdx.x; d < kv_dim; d += blockDim.x) {
-        k_cache[slot + d] = f32_to_bf16(row[n_q * head_dim + d]);
-        v_cache[slot + d] = f32_to_bf16(row[n_q * head_dim + kv_dim + d]);
+    const float* v_row = row + n_q * head_dim + kv_dim;
+    for (int base = threadIdx.x; base < items; base += ROPE_BATCH * blockDim.x) {
+        float c[ROPE_BATCH], s[ROPE_BATCH], x1[ROPE_BATCH], x2[ROPE_BATCH];
+#pragma unroll
+        for (int u = 0; u < ROPE_BATCH; u++) {
+            const int idx = base + u * blockDim.x;
+            if (idx < rotations) {
+                const int h = idx / half, j = idx % half;
+                c[u] = cos_p[j];
+                s[u] = sin_p[j];
+                x1[u] = row[h * head_dim + j];
+                x2[u] = row[h * head_dim + j + half];
+            } else if (idx < items) {
+                x1[u] = v_row[idx - rotations];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < ROPE_BATCH; u++) {
+            const int idx = base + u * blockDim.x;
+            if (idx < rotations) {
+                const int h = idx / half, j = idx % half;
+                const float lo = x1[u] * c[u] - x2[u] * s[u], hi = x2[u] * c[u] + x1[u] * s[u];
+                row[h * head_dim + j] = lo;
+                row[h * head_dim + j + half] = hi;
+                if (h >= n_q) {
+                    k_cache[slot + (h - n_q) * head_dim + j] = f32_to_bf16(lo);
+                    k_cache[slot + (h - n_q) * head_dim + j + half] = f32_to_bf16(hi);
+                }
+            } else if (idx < items) {
+                v_cache[slot + idx - rotations] = f32_to_bf16(x1[u]);
+            }
+        }
     }
 }
 
