@@ -87,7 +87,7 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
     __syncthreads();
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const u32* lut_lane = lut + lane;
+    const u32 lane4 = 4 * lane;
     const int outputs = EPI == EPI_SWIGLU ? a.rows[0] : a.rows[0] + a.rows[1] + a.rows[2];
     const int groups = (outputs + 16 * (EPI == EPI_SWIGLU ? 1 : T) - 1) / (16 * (EPI == EPI_SWIGLU ? 1 : T));
     const int kblocks = a.k >> 6;
@@ -118,13 +118,13 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
                     const Gemv3Block& blk = cur.b[j][i];
 #pragma unroll
                     for (int s = 0; s < 4; s++) {
-                        const int shift = (s & 1) * 16;
+                        const int k = (s & 1) * 2;
                         u32 af[4];
 #pragma unroll
                         for (int h = 0; h < 2; h++) {
                             const u32 word = s < 2 ? blk.w[h].x : blk.w[h].y;
-                            af[h] = lut_lane[((word >> shift) & 0xff) * 32];
-                            af[2 + h] = lut_lane[((word >> (shift + 8)) & 0xff) * 32];
+                            af[h] = byte_lut_entry(lut, word, k, lane4);
+                            af[2 + h] = byte_lut_entry(lut, word, k + 1, lane4);
                         }
                         mma_16816(c, af, bw[2 * s], bw[2 * s + 1]);
                     }

@@ -73,6 +73,14 @@ __device__ __forceinline__ u32 dequant_pair(const u32* lut16, u32 byte, u32 s2) 
 // Used by the GEMM v1 with f16 activations and by GEMV v3 (gemv_mma.cu).
 #define BYTE_LUT_WORDS (256 * 32)
 
+// The entry of byte k (0..3) of `word` for this lane (lane4 = 4 * lane): byte offset
+// 128 * byte + lane4. The two parts share no bits, so a shift and one LOP3 (mask, then OR)
+// make the address; indexing by byte * 32 + lane took ~4 instructions per lookup.
+__device__ __forceinline__ u32 byte_lut_entry(const u32* lut, u32 word, int k, u32 lane4) {
+    const u32 off = (k == 0 ? word << 7 : word >> (8 * k - 7)) & 0x7f80u;
+    return *reinterpret_cast<const u32*>(reinterpret_cast<const char*>(lut) + (off | lane4));
+}
+
 __device__ __forceinline__ void load_byte_codebook(u32* lut) {
     __shared__ float nf4[16];
     load_codebook(nf4);
@@ -185,8 +193,8 @@ __device__ __forceinline__ void load_a_block(const GemmWarp& w, int kb, ABlock& 
 }
 
 // The A fragments of k-step s (0..3) of a block, dequantized and scaled. BYTE: `lut` is the
-// byte -> f16 pair table + lane (one shared load per pair); else the 16-entry codebook (two
-// loads and a permute per pair).
+// byte -> f16 pair table (one shared load per pair); else the 16-entry codebook (two loads
+// and a permute per pair).
 template <bool BYTE>
 __device__ __forceinline__ void a_fragments(const GemmWarp& w, const ABlock& b, const u32* lut, int s,
                                             u32 (&af)[2][4]) {
@@ -197,10 +205,16 @@ __device__ __forceinline__ void a_fragments(const GemmWarp& w, const ABlock& b, 
             const float sc = b.s[i][h] * w.scale[i][h];
             const u32 s2 = pack_f16x2(sc, sc);
             const u32 word = s < 2 ? b.w[i][h].x : b.w[i][h].y;
-            const int shift = (s & 1) * 16;
-            const u32 lo = (word >> shift) & 0xff, hi = (word >> (shift + 8)) & 0xff;
-            af[i][h] = BYTE ? hmul2(lut[lo * 32], s2) : dequant_pair(lut, lo, s2);
-            af[i][2 + h] = BYTE ? hmul2(lut[hi * 32], s2) : dequant_pair(lut, hi, s2);
+            const int k = (s & 1) * 2;  // the pair t byte; k + 1: the pair t + 4 byte
+            if (BYTE) {
+                const u32 lane4 = 4 * w.lane;
+                af[i][h] = hmul2(byte_lut_entry(lut, word, k, lane4), s2);
+                af[i][2 + h] = hmul2(byte_lut_entry(lut, word, k + 1, lane4), s2);
+            } else {
+                const u32 lo = (word >> (8 * k)) & 0xff, hi = (word >> (8 * k + 8)) & 0xff;
+                af[i][h] = dequant_pair(lut, lo, s2);
+                af[i][2 + h] = dequant_pair(lut, hi, s2);
+            }
         }
 }
 
@@ -401,7 +415,6 @@ __device__ __forceinline__ void gemm_v1_body(const GemmArgs& a) {
     if (X16) load_byte_codebook(smem);
     else load_codebook_f16(lut16);
     const GemmWarp w = gemm_warp<NT, EPI>(a);
-    const u32* lut_lane = smem + w.lane;
     const int kblocks = a.k >> 6;
     const int split = cluster_size(), rank = cluster_rank();
     // K part of this warp: kp of this CTA's kw, after the kw parts of the lower ranks.
@@ -431,7 +444,7 @@ __device__ __forceinline__ void gemm_v1_body(const GemmArgs& a) {
         if constexpr (X16) {
             u32 af[4][2][4];
 #pragma unroll
-            for (int s = 0; s < 4; s++) a_fragments<true>(w, cur, lut_lane, s, af[s]);
+            for (int s = 0; s < 4; s++) a_fragments<true>(w, cur, smem, s, af[s]);
 #pragma unroll
             for (int j = 0; j < NT; j++) {
                 const uint4 lo = __ldg(xcol16[j] + kb * 8), hi = __ldg(xcol16[j] + kb * 8 + 1);
