@@ -447,6 +447,7 @@ fn main() {
         ("medium_llama pdl=0", &[("DV2_PDL", "0")]),
         ("medium rms-kernel", &[("DV2_FUSE_RMS", "0")]),
         ("medium attn-batch=0", &[("DV2_ATTN_BATCH", "0")]),
+        ("medium gemv-wfirst=0", &[("DV2_GEMV_WFIRST", "0")]),
     ] {
         runs.push(with_env(env, || {
             time_decode(label, &medium, 32, 4, 24, true, 5)
@@ -471,6 +472,7 @@ fn main() {
             ("qwen25_3b rms-kernel", &[("DV2_FUSE_RMS", "0")]),
             ("qwen25_3b attn-batch=0", &[("DV2_ATTN_BATCH", "0")]),
             ("qwen25_3b gemv2-pairs=0", &[("DV2_GEMV2_PAIRS", "0")]),
+            ("qwen25_3b gemv-wfirst=0", &[("DV2_GEMV_WFIRST", "0")]),
             ("qwen25_3b gemv=v2", &[("DV2_GEMV", "v2")]),
             ("qwen25_3b gemv=v3", &[("DV2_GEMV", "v3")]),
         ] {

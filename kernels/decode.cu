@@ -442,7 +442,7 @@ __device__ __forceinline__ float dot_row_pairs(const RowChunks<J>& rc, const XSl
 //   matrices per row (1, or 2 for SwiGLU's gate and up).
 template <int J, int R, int NM, bool PAIRS, typename Rows>
 __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, const float* __restrict__ x,
-                                           NormArgs norm, int kparts, const int* skip_if) {
+                                           NormArgs norm, int kparts, const int* skip_if, int w_first) {
     __shared__ float lut[16];
     __shared__ float2 pair_lut[PAIRS ? PAIR_LUT_ENTRIES : 1];
     __shared__ float partial[GEMV2_MAX_LANES_X_R * NM][GEMV_WARPS];
@@ -466,14 +466,17 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
             }
         }
     };
-    // x first, then the first block's weights: issuing the weight loads before the wait
-    // (they are constant) measured 3% slower, PDL or not (docs/lab.md).
+    // The first block's weights after the wait (before it they measured 3% slower, PDL or
+    // not: docs/lab.md). With w_first (DV2_GEMV_WFIRST, default) they are issued before x's
+    // loads, so their fetch overlaps the round trips for the norm's partial sums and x;
+    // without, after x is in registers.
     pdl_enter();
     if (skip_if && *skip_if) return;
+    if (w_first) load_block(r0, cur);
     XSlice<J> xs;
     load_x_slice<J>(x, part, cols, norm, xs);
     __syncthreads();
-    load_block(r0, cur);
+    if (!w_first) load_block(r0, cur);
     float ss = 0.0f;  // squares of the values this thread stored
     for (int base = r0; base < r1; base += block) {
         if (base + block < r1) load_block(base + block, nxt);
@@ -581,21 +584,22 @@ struct SwigluRows {
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 1)                                              \
         gemv2_nf4_j##J##SUFFIX(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y,                 \
                                const float* __restrict__ bias, int rows, int cols, int kparts, int accumulate, \
-                               const int* skip_if, float* ss_out) {                                            \
+                               const int* skip_if, float* ss_out, int w_first) {                               \
         PlainRows p{m, y, bias, accumulate, ss_out};                                                           \
-        gemv2_walk<J, R, 1, PAIRS>(p, rows, cols, x, norm, kparts, skip_if);                                   \
+        gemv2_walk<J, R, 1, PAIRS>(p, rows, cols, x, norm, kparts, skip_if, w_first);                          \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 1)                                              \
         gemv2_qkv_j##J##SUFFIX(QkvArgs a, const float* __restrict__ x, NormArgs norm, float* out, int cols,    \
-                               int kparts) {                                                                   \
+                               int kparts, int w_first) {                                                      \
         QkvRows q{a, out};                                                                                     \
-        gemv2_walk<J, R, 1, PAIRS>(q, a.rows[0] + a.rows[1] + a.rows[2], cols, x, norm, kparts, nullptr);      \
+        gemv2_walk<J, R, 1, PAIRS>(q, a.rows[0] + a.rows[1] + a.rows[2], cols, x, norm, kparts, nullptr,       \
+                                   w_first);                                                                   \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 1)                                              \
         gemv2_swiglu_j##J##SUFFIX(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm,          \
-                                  float* out, int rows, int cols, int kparts) {                                \
+                                  float* out, int rows, int cols, int kparts, int w_first) {                     \
         SwigluRows g{gate, up, out};                                                                           \
-        gemv2_walk<J, (R > 1 ? R / 2 : 1), 2, PAIRS>(g, rows, cols, x, norm, kparts, nullptr);                 \
+        gemv2_walk<J, (R > 1 ? R / 2 : 1), 2, PAIRS>(g, rows, cols, x, norm, kparts, nullptr, w_first);        \
     }
 
 // The pair table (default) and the nibble table (suffix _nib, DV2_GEMV2_PAIRS=0).

@@ -44,6 +44,7 @@ struct GemmArgs {
     float* ss_out;
     int early;  // GEMM v1: the table and first weights before waiting for the previous kernel
     int spread;  // the epilogue spread over the K parts' warps (see gemm_finish)
+    int w_first;  // GEMV v3: the first weights before x is staged (kernels/gemv_mma.cu)
 };
 
 enum { EPI_STORE = 0, EPI_ACCUMULATE = 1, EPI_SWIGLU = 2 };
