@@ -263,26 +263,33 @@ __device__ __forceinline__ void each_sum(float (&acc)[2][NT][4], F f) {
 // with each store waiting for the load before it, every element cost a round trip in turn.
 // mma_scale is a power of two, so multiplying by its reciprocal is exact (a division calls a
 // slow-path routine).
-// c[e]: row g + 8*(e/2) of the tile, column 2t + e%2 of the n8 tile. Each runs on the n8
-// tiles j0, j0 + jstep, ... of the warp's sums.
+
+// Calls f(j, e, h, n) for each sum acc[.][j][e] of the n8 tiles j0, j0 + jstep, ... whose
+// column n exists: c[e] is row g + 8h (h = e/2) of the tile, column n = 2t + e%2 of the n8 tile.
+template <int NT, typename F>
+__device__ __forceinline__ void each_element(const GemmArgs& a, const GemmWarp& w, int j0, int jstep, F f) {
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int n = w.col0 + 8 * j + 2 * w.t + (e & 1);
+            if (j % jstep == j0 && n < a.n) f(j, e, e >> 1, n);
+        }
+}
 
 // SwiGLU: silu(gate) * up of each output; with X16 stored as f16 (the next GEMM's input).
 template <int NT, bool X16>
 __device__ __forceinline__ void swiglu_epilogue(const GemmArgs& a, const GemmWarp& w, float (&acc)[2][NT][4], int j0,
                                                 int jstep) {
     const float inv_gate = 1.0f / a.m[0].mma_scale, inv_up = 1.0f / a.m[1].mma_scale;
-#pragma unroll
-    for (int j = 0; j < NT; j++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const int h = e >> 1, n = w.col0 + 8 * j + 2 * w.t + (e & 1);
-            if (j % jstep != j0 || n >= a.n || !fragment_row<EPI_SWIGLU>(a, w.tile, 0, h, w.g).valid) continue;
-            const float gs = acc[0][j][e] * inv_gate, us = acc[1][j][e] * inv_up;
-            const float v = gs / (1.0f + expf(-gs)) * us;
-            const size_t at = (size_t)n * a.ldy + w.tile * 16 + w.g + 8 * h;
-            if (X16) reinterpret_cast<u16*>(a.y)[at] = f32_to_f16(v);
-            else a.y[at] = v;
-        }
+    each_element<NT>(a, w, j0, jstep, [&](int j, int e, int h, int n) {
+        if (!fragment_row<EPI_SWIGLU>(a, w.tile, 0, h, w.g).valid) return;
+        const float gs = acc[0][j][e] * inv_gate, us = acc[1][j][e] * inv_up;
+        const float v = gs / (1.0f + expf(-gs)) * us;
+        const size_t at = (size_t)n * a.ldy + w.tile * 16 + w.g + 8 * h;
+        if (X16) reinterpret_cast<u16*>(a.y)[at] = f32_to_f16(v);
+        else a.y[at] = v;
+    });
 }
 
 // Store (+ bias) or accumulate each of a thread's sums.
@@ -303,37 +310,26 @@ __device__ __forceinline__ void linear_epilogue(const GemmArgs& a, const GemmWar
             bias[i][h] = b && r[i][h].valid ? b[r[i][h].local] : 0.0f;
             inv[i][h] = 1.0f / pick_scale(a, r[i][h].matrix);
         }
-    // ACCUMULATE: y's old values.
+    // ACCUMULATE: y's old values, all loaded before the first store.
     float old[EPI == EPI_ACCUMULATE ? NT : 1][4][2];
+    if constexpr (EPI == EPI_ACCUMULATE) {
+        each_element<NT>(a, w, j0, jstep, [&](int j, int e, int h, int n) {
 #pragma unroll
-    for (int j = 0; j < NT; j++)
+            for (int i = 0; i < 2; i++) old[j][e][i] = r[i][h].valid ? a.y[(size_t)n * a.ldy + row[i][h]] : 0.0f;
+        });
+    }
+    each_element<NT>(a, w, j0, jstep, [&](int j, int e, int h, int n) {
+        float v[2];
 #pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const int h = e >> 1, n = w.col0 + 8 * j + 2 * w.t + (e & 1);
-            if (j % jstep != j0 || n >= a.n) continue;
-            if constexpr (EPI == EPI_ACCUMULATE) {
+        for (int i = 0; i < 2; i++) v[i] = acc[i][j][e] * inv[i][h] + bias[i][h];
 #pragma unroll
-                for (int i = 0; i < 2; i++)
-                    old[j][e][i] = r[i][h].valid ? a.y[(size_t)n * a.ldy + row[i][h]] : 0.0f;
-            }
+        for (int i = 0; i < 2; i++) {
+            if (!r[i][h].valid) continue;
+            float* out = a.y + (size_t)n * a.ldy + row[i][h];
+            if constexpr (EPI == EPI_ACCUMULATE) *out = old[j][e][i] + v[i];
+            else *out = v[i];
         }
-#pragma unroll
-    for (int j = 0; j < NT; j++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const int h = e >> 1, n = w.col0 + 8 * j + 2 * w.t + (e & 1);
-            if (j % jstep != j0 || n >= a.n) continue;
-            float v[2];
-#pragma unroll
-            for (int i = 0; i < 2; i++) v[i] = acc[i][j][e] * inv[i][h] + bias[i][h];
-#pragma unroll
-            for (int i = 0; i < 2; i++) {
-                if (!r[i][h].valid) continue;
-                float* out = a.y + (size_t)n * a.ldy + row[i][h];
-                if constexpr (EPI == EPI_ACCUMULATE) *out = old[j][e][i] + v[i];
-                else *out = v[i];
-            }
-        }
+    });
 }
 
 // Sums the K parts through shared memory (`red`: GEMM_WARPS/2 x 8NT x 32 floats), then the
