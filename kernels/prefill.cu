@@ -219,6 +219,26 @@ __device__ __forceinline__ void a_fragments(const GemmWarp& w, const ABlock& b, 
         }
 }
 
+// The MMAs of one 64-element block from f32 activations (GEMM v1 without X16, and v2): B's four
+// elements 16t+4s .. +3 of the warp's column in n8 tile j come from b(j, s) (global memory or
+// the staged tile) and are rounded to f16 pairs here.
+template <int NT, typename B>
+__device__ __forceinline__ void mma_block_f32(const GemmWarp& w, const ABlock& cur, const u32* lut16,
+                                              float (&acc)[2][NT][4], B b) {
+#pragma unroll
+    for (int s = 0; s < 4; s++) {
+        u32 af[2][4];
+        a_fragments<false>(w, cur, lut16, s, af);
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            const float4 xv = b(j, s);
+            const u32 b0 = pack_f16x2(xv.x, xv.y), b1 = pack_f16x2(xv.z, xv.w);
+#pragma unroll
+            for (int i = 0; i < 2; i++) mma_16816(acc[i][j], af[i], b0, b1);
+        }
+    }
+}
+
 // Thread-block clusters (Hopper): where a GEMM's grid would leave half the SMs idle (few
 // columns, few row tiles: o and down in a short prompt), the host launches it in clusters of
 // two CTAs (grid z = 2) that split K between them; rank 1 hands its sums to rank 0 through
@@ -452,19 +472,10 @@ __device__ __forceinline__ void gemm_v1_body(const GemmArgs& a) {
                     for (int i = 0; i < 2; i++) mma_16816(acc[i][j], af[s][i], bw[2 * s], bw[2 * s + 1]);
             }
         } else {
-#pragma unroll
-            for (int s = 0; s < 4; s++) {
-                u32 af[2][4];
-                a_fragments<false>(w, cur, lut16, s, af);
-#pragma unroll
-                for (int j = 0; j < NT; j++) {
-                    float4 xv = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                    if (xcol[j]) xv = __ldg(reinterpret_cast<const float4*>(xcol[j] + kb * 64 + 4 * s));
-                    const u32 b0 = pack_f16x2(xv.x, xv.y), b1 = pack_f16x2(xv.z, xv.w);
-#pragma unroll
-                    for (int i = 0; i < 2; i++) mma_16816(acc[i][j], af[i], b0, b1);
-                }
-            }
+            mma_block_f32<NT>(w, cur, lut16, acc, [&](int j, int s) {
+                return xcol[j] ? __ldg(reinterpret_cast<const float4*>(xcol[j] + kb * 64 + 4 * s))
+                               : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            });
         }
     }
     if (X16) __syncthreads();  // every warp is done with the table before red overwrites it
@@ -540,19 +551,10 @@ __device__ __forceinline__ void gemm_v2_body(const GemmArgs& a) {
                 ABlock& slot = u == 0 ? ring0 : ring1;
                 const ABlock cur = slot;
                 if (kb + 2 < kb1) load_a_block(w, kb + 2, slot);
-#pragma unroll
-                for (int s = 0; s < 4; s++) {
-                    u32 af[2][4];
-                    a_fragments<false>(w, cur, lut16, s, af);
-#pragma unroll
-                    for (int j = 0; j < NT; j++) {
-                        const float4 xv = *reinterpret_cast<const float4*>(
-                            bpart + (8 * j + w.g) * B2_STRIDE + 4 * b2_chunk(4 * w.t + s));
-                        const u32 b0 = pack_f16x2(xv.x, xv.y), b1 = pack_f16x2(xv.z, xv.w);
-#pragma unroll
-                        for (int i = 0; i < 2; i++) mma_16816(acc[i][j], af[i], b0, b1);
-                    }
-                }
+                mma_block_f32<NT>(w, cur, lut16, acc, [&](int j, int s) {
+                    return *reinterpret_cast<const float4*>(bpart + (8 * j + w.g) * B2_STRIDE +
+                                                            4 * b2_chunk(4 * w.t + s));
+                });
             }
             __syncthreads();  // buffer it & 1 is free for iteration it + 2
         }
