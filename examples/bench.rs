@@ -304,11 +304,16 @@ fn probe() {
             );
         }
     }
-    let bench = Bench::new(0).expect("CUDA device");
-    let t = bench
-        .gemv("gate+up", "swiglu", &[s.intermediate], s.hidden)
-        .expect("gemv bench");
-    println!("gemv gate+up: {:.2} µs", t.median_us);
+    for (label, env) in [
+        ("", &[][..]),
+        (" (DV2_GEMV2_PAIRS=0)", &[("DV2_GEMV2_PAIRS", "0")][..]),
+    ] {
+        let bench = with_env(env, || Bench::new(0).expect("CUDA device"));
+        let t = bench
+            .gemv("gate+up", "swiglu", &[s.intermediate], s.hidden)
+            .expect("gemv bench");
+        println!("gemv gate+up{label}: {:.2} µs", t.median_us);
+    }
 }
 
 /// `--prefill-profile LEN CHUNK`: one prefill of a LEN-token prompt in chunks of CHUNK on the
@@ -442,6 +447,7 @@ fn main() {
         ("medium_llama pdl=0", &[("DV2_PDL", "0")]),
         ("medium rms-kernel", &[("DV2_FUSE_RMS", "0")]),
         ("medium attn-batch=0", &[("DV2_ATTN_BATCH", "0")]),
+        ("medium gemv-wfirst=0", &[("DV2_GEMV_WFIRST", "0")]),
     ] {
         runs.push(with_env(env, || {
             time_decode(label, &medium, 32, 4, 24, true, 5)
@@ -465,6 +471,8 @@ fn main() {
             ("qwen25_3b pdl=0", &[("DV2_PDL", "0")]),
             ("qwen25_3b rms-kernel", &[("DV2_FUSE_RMS", "0")]),
             ("qwen25_3b attn-batch=0", &[("DV2_ATTN_BATCH", "0")]),
+            ("qwen25_3b gemv2-pairs=0", &[("DV2_GEMV2_PAIRS", "0")]),
+            ("qwen25_3b gemv-wfirst=0", &[("DV2_GEMV_WFIRST", "0")]),
             ("qwen25_3b gemv=v2", &[("DV2_GEMV", "v2")]),
             ("qwen25_3b gemv=v3", &[("DV2_GEMV", "v3")]),
         ] {

@@ -388,16 +388,68 @@ __device__ __forceinline__ float dot_row(const RowChunks<J>& rc, const XSlice<J>
     return acc;
 }
 
+// GEMV v2's byte -> f32-pair table (PAIRS, the default; DV2_GEMV2_PAIRS=0: the 16-entry
+// codebook): entry b is {codebook(high nibble), codebook(low nibble)} of byte b, the even
+// element first, replicated for the 16 lanes of a half-warp (entry b of lane l at float2
+// 16b + l % 16). A 64-bit shared load is served per half-warp, so its 16 lanes hit 16
+// distinct bank pairs: one conflict-free load per two weights. With the nibble table each
+// weight took a shift, a mask, a load and an FMA; here two take a shift, one LOP3 (mask
+// and lane offset), a load and two FMAs.
+#define PAIR_LUT_ENTRIES (256 * 16)
+
+__device__ __forceinline__ void load_pair_codebook(float2* lut) {
+    __shared__ float nf4[16];
+    load_codebook(nf4);
+    __syncthreads();
+    for (int i = threadIdx.x; i < PAIR_LUT_ENTRIES; i += blockDim.x) {
+        const int b = i >> 4;
+        lut[i] = make_float2(nf4[b >> 4], nf4[b & 15]);
+    }
+}
+
+// The pair of byte k of b for this lane: byte offset 128 * byte + 8 * (lane % 16) = lane8.
+template <int K>
+__device__ __forceinline__ float2 nf4_pair(const float2* lut, u32 b, u32 lane8) {
+    const u32 off = (K == 0 ? b << 7 : b >> (8 * K - 7)) & 0x7f80u;
+    return *reinterpret_cast<const float2*>(reinterpret_cast<const char*>(lut) + (off | lane8));
+}
+
+// dot_row through the pair table; the same products summed in the same order.
+template <int J>
+__device__ __forceinline__ float dot_row_pairs(const RowChunks<J>& rc, const XSlice<J>& xs, const float2* lut,
+                                               u32 lane8) {
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < J; j++) {
+        const u32 words[4] = {rc.q[j].x, rc.q[j].y, rc.q[j].z, rc.q[j].w};
+        float part = 0.0f;
+#pragma unroll
+        for (int w = 0; w < 4; w++) {
+            const u32 b = words[w];
+            const float* xv = &xs.v[j][8 * w];
+            const float2 p0 = nf4_pair<0>(lut, b, lane8), p1 = nf4_pair<1>(lut, b, lane8);
+            const float2 p2 = nf4_pair<2>(lut, b, lane8), p3 = nf4_pair<3>(lut, b, lane8);
+            part += p0.x * xv[0] + p0.y * xv[1] + p1.x * xv[2] + p1.y * xv[3] + p2.x * xv[4] + p2.y * xv[5] +
+                    p3.x * xv[6] + p3.y * xv[7];
+        }
+        acc = fmaf(part, rc.s[j], acc);
+    }
+    return acc;
+}
+
 // The walk shared by the v2 kernels. `Rows` maps a row index to its matrix and epilogue:
 //   Nf4Ref matrix(int row, int* local_row); void store(int row, float sum[NM]) for NM
 //   matrices per row (1, or 2 for SwiGLU's gate and up).
-template <int J, int R, int NM, typename Rows>
+template <int J, int R, int NM, bool PAIRS, typename Rows>
 __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, const float* __restrict__ x,
-                                           NormArgs norm, int kparts, const int* skip_if) {
+                                           NormArgs norm, int kparts, const int* skip_if, int w_first) {
     __shared__ float lut[16];
+    __shared__ float2 pair_lut[PAIRS ? PAIR_LUT_ENTRIES : 1];
     __shared__ float partial[GEMV2_MAX_LANES_X_R * NM][GEMV_WARPS];
-    load_codebook(lut);
+    if (PAIRS) load_pair_codebook(pair_lut);
+    else load_codebook(lut);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const u32 lane8 = (lane & 15) * 8;
     const int part = warp % kparts, row_lane = warp / kparts, row_lanes = GEMV_WARPS / kparts;
     const int per_cta = (rows + gridDim.x - 1) / gridDim.x;
     const int r0 = blockIdx.x * per_cta, r1 = min(rows, r0 + per_cta);
@@ -414,14 +466,17 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
             }
         }
     };
-    // x first, then the first block's weights: issuing the weight loads before the wait
-    // (they are constant) measured 3% slower, PDL or not (docs/lab.md).
+    // The first block's weights after the wait (before it they measured 3% slower, PDL or
+    // not: docs/lab.md). With w_first (DV2_GEMV_WFIRST, default) they are issued before x's
+    // loads, so their fetch overlaps the round trips for the norm's partial sums and x;
+    // without, after x is in registers.
     pdl_enter();
     if (skip_if && *skip_if) return;
+    if (w_first) load_block(r0, cur);
     XSlice<J> xs;
     load_x_slice<J>(x, part, cols, norm, xs);
     __syncthreads();
-    load_block(r0, cur);
+    if (!w_first) load_block(r0, cur);
     float ss = 0.0f;  // squares of the values this thread stored
     for (int base = r0; base < r1; base += block) {
         if (base + block < r1) load_block(base + block, nxt);
@@ -429,7 +484,9 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
 #pragma unroll
         for (int i = 0; i < R; i++)
 #pragma unroll
-            for (int k = 0; k < NM; k++) sums[i][k] = warp_sum(dot_row<J>(cur[i][k], xs, lut));
+            for (int k = 0; k < NM; k++)
+                sums[i][k] = warp_sum(PAIRS ? dot_row_pairs<J>(cur[i][k], xs, pair_lut, lane8)
+                                            : dot_row<J>(cur[i][k], xs, lut));
 #pragma unroll
         for (int i = 0; i < R; i++)
 #pragma unroll
@@ -523,30 +580,35 @@ struct SwigluRows {
     __device__ float* ss_out() const { return nullptr; }
 };
 
-#define GEMV2_KERNELS(J, R)                                                                                    \
+#define GEMV2_KERNELS(J, R, PAIRS, SUFFIX)                                                                     \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 1)                                              \
-        gemv2_nf4_j##J(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y,                         \
-                       const float* __restrict__ bias, int rows, int cols, int kparts, int accumulate,         \
-                       const int* skip_if, float* ss_out) {                                                    \
+        gemv2_nf4_j##J##SUFFIX(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y,                 \
+                               const float* __restrict__ bias, int rows, int cols, int kparts, int accumulate, \
+                               const int* skip_if, float* ss_out, int w_first) {                               \
         PlainRows p{m, y, bias, accumulate, ss_out};                                                           \
-        gemv2_walk<J, R, 1>(p, rows, cols, x, norm, kparts, skip_if);                                          \
+        gemv2_walk<J, R, 1, PAIRS>(p, rows, cols, x, norm, kparts, skip_if, w_first);                          \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 1)                                              \
-        gemv2_qkv_j##J(QkvArgs a, const float* __restrict__ x, NormArgs norm, float* out, int cols,            \
-                       int kparts) {                                                                           \
+        gemv2_qkv_j##J##SUFFIX(QkvArgs a, const float* __restrict__ x, NormArgs norm, float* out, int cols,    \
+                               int kparts, int w_first) {                                                      \
         QkvRows q{a, out};                                                                                     \
-        gemv2_walk<J, R, 1>(q, a.rows[0] + a.rows[1] + a.rows[2], cols, x, norm, kparts, nullptr);             \
+        gemv2_walk<J, R, 1, PAIRS>(q, a.rows[0] + a.rows[1] + a.rows[2], cols, x, norm, kparts, nullptr,       \
+                                   w_first);                                                                   \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 1)                                              \
-        gemv2_swiglu_j##J(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm, float* out,     \
-                          int rows, int cols, int kparts) {                                                    \
+        gemv2_swiglu_j##J##SUFFIX(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm,          \
+                                  float* out, int rows, int cols, int kparts, int w_first) {                     \
         SwigluRows g{gate, up, out};                                                                           \
-        gemv2_walk<J, (R > 1 ? R / 2 : 1), 2>(g, rows, cols, x, norm, kparts, nullptr);                        \
+        gemv2_walk<J, (R > 1 ? R / 2 : 1), 2, PAIRS>(g, rows, cols, x, norm, kparts, nullptr, w_first);        \
     }
 
-GEMV2_KERNELS(1, 4)
-GEMV2_KERNELS(2, 4)
-GEMV2_KERNELS(3, 2)
+// The pair table (default) and the nibble table (suffix _nib, DV2_GEMV2_PAIRS=0).
+GEMV2_KERNELS(1, 4, true, )
+GEMV2_KERNELS(2, 4, true, )
+GEMV2_KERNELS(3, 2, true, )
+GEMV2_KERNELS(1, 4, false, _nib)
+GEMV2_KERNELS(2, 4, false, _nib)
+GEMV2_KERNELS(3, 2, false, _nib)
 
 // out = x * rsqrt(mean(x^2) + eps) * w over n elements; CTA b takes row b of x and out.
 // With `out_f16` the output row is f16 (n even).
@@ -556,9 +618,23 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const u16* __re
     x += (size_t)blockIdx.x * n;
     out = out_f16 ? reinterpret_cast<float*>(reinterpret_cast<u16*>(out) + (size_t)blockIdx.x * n)
                   : out + (size_t)blockIdx.x * n;
+    // Pairs of elements, RMS_BATCH pairs per thread loaded together: a strided loop issues
+    // one round of loads per iteration and waits for it before the next.
+    constexpr int RMS_BATCH = 4;
+    const int pairs = n >> 1;  // n is even (head_dim and hidden are)
+    const float2* x2 = reinterpret_cast<const float2*>(x);
     __shared__ float sums[32];
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += x[i] * x[i];
+    for (int base = threadIdx.x; base < pairs; base += RMS_BATCH * blockDim.x) {
+        float2 v[RMS_BATCH];
+#pragma unroll
+        for (int u = 0; u < RMS_BATCH; u++) {
+            const int p = base + u * blockDim.x;
+            v[u] = p < pairs ? x2[p] : make_float2(0.0f, 0.0f);
+        }
+#pragma unroll
+        for (int u = 0; u < RMS_BATCH; u++) ss += v[u].x * v[u].x + v[u].y * v[u].y;
+    }
     ss = warp_sum(ss);
     if ((threadIdx.x & 31) == 0) sums[threadIdx.x >> 5] = ss;
     __syncthreads();
@@ -568,12 +644,26 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const u16* __re
         if (threadIdx.x == 0) sums[0] = v;
     }
     __syncthreads();
-    float r = rsqrtf(sums[0] / (float)n + eps);
-    if (out_f16) {
-        for (int i = 2 * threadIdx.x; i < n; i += 2 * blockDim.x)
-            store_pair(out, i, x[i] * r * bf16_to_f32(w[i]), x[i + 1] * r * bf16_to_f32(w[i + 1]), true);
-    } else {
-        for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = x[i] * r * bf16_to_f32(w[i]);
+    const float r = rsqrtf(sums[0] / (float)n + eps);
+    const u32* w2 = reinterpret_cast<const u32*>(w);
+    for (int base = threadIdx.x; base < pairs; base += RMS_BATCH * blockDim.x) {
+        float2 v[RMS_BATCH];
+        u32 wp[RMS_BATCH];
+#pragma unroll
+        for (int u = 0; u < RMS_BATCH; u++) {
+            const int p = base + u * blockDim.x;
+            if (p < pairs) {
+                v[u] = x2[p];
+                wp[u] = w2[p];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < RMS_BATCH; u++) {
+            const int p = base + u * blockDim.x;
+            if (p < pairs)
+                store_pair(out, 2 * (size_t)p, v[u].x * r * bf16_to_f32((u16)(wp[u] & 0xffffu)),
+                           v[u].y * r * bf16_to_f32((u16)(wp[u] >> 16)), out_f16);
+        }
     }
 }
 

@@ -71,6 +71,18 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
     load_byte_codebook(lut);
     pdl_enter();
     if (a.skip_if && *a.skip_if) return;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const u32 lane4 = 4 * lane;
+    const int outputs = EPI == EPI_SWIGLU ? a.rows[0] : a.rows[0] + a.rows[1] + a.rows[2];
+    const int groups = (outputs + 16 * (EPI == EPI_SWIGLU ? 1 : T) - 1) / (16 * (EPI == EPI_SWIGLU ? 1 : T));
+    const int kblocks = a.k >> 6;
+    const int kb0 = warp * kblocks / GEMV3_WARPS, kb1 = (warp + 1) * kblocks / GEMV3_WARPS;
+    const int stages = (kb1 - kb0 + S - 1) / S;
+    // The first stage's weights: with w_first (DV2_GEMV_WFIRST, default) issued before x is
+    // staged, so their fetch overlaps the round trips for the norm's partial sums and x.
+    Gemv3Stage<T, S> cur, nxt;
+    const bool first_ok = stages > 0 && (int)blockIdx.x < groups;
+    if (a.w_first && first_ok) gemv3_load<T, S, EPI>(a, blockIdx.x, kb0, kb1, g, t, cur);
     const float r = a.norm.w ? norm_factor(a.norm, a.k) : 1.0f;
     for (int i = threadIdx.x; i < (a.k >> 2); i += blockDim.x) {
         float4 v = reinterpret_cast<const float4*>(a.x)[i];
@@ -85,17 +97,7 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
         x16[2 * i + 1] = pack_f16x2(v.z, v.w);
     }
     __syncthreads();
-
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const u32* lut_lane = lut + lane;
-    const int outputs = EPI == EPI_SWIGLU ? a.rows[0] : a.rows[0] + a.rows[1] + a.rows[2];
-    const int groups = (outputs + 16 * (EPI == EPI_SWIGLU ? 1 : T) - 1) / (16 * (EPI == EPI_SWIGLU ? 1 : T));
-    const int kblocks = a.k >> 6;
-    const int kb0 = warp * kblocks / GEMV3_WARPS, kb1 = (warp + 1) * kblocks / GEMV3_WARPS;
-    const int stages = (kb1 - kb0 + S - 1) / S;
-
-    Gemv3Stage<T, S> cur, nxt;
-    if (stages > 0 && (int)blockIdx.x < groups) gemv3_load<T, S, EPI>(a, blockIdx.x, kb0, kb1, g, t, cur);
+    if (!a.w_first && first_ok) gemv3_load<T, S, EPI>(a, blockIdx.x, kb0, kb1, g, t, cur);
     int parity = 0;
     float ss = 0.0f;  // squares of the values this thread stored (warp 0 stores)
     for (int group = blockIdx.x; group < groups; group += gridDim.x, parity ^= 1) {
@@ -118,13 +120,13 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
                     const Gemv3Block& blk = cur.b[j][i];
 #pragma unroll
                     for (int s = 0; s < 4; s++) {
-                        const int shift = (s & 1) * 16;
+                        const int k = (s & 1) * 2;
                         u32 af[4];
 #pragma unroll
                         for (int h = 0; h < 2; h++) {
                             const u32 word = s < 2 ? blk.w[h].x : blk.w[h].y;
-                            af[h] = lut_lane[((word >> shift) & 0xff) * 32];
-                            af[2 + h] = lut_lane[((word >> (shift + 8)) & 0xff) * 32];
+                            af[h] = byte_lut_entry(lut, word, k, lane4);
+                            af[2 + h] = byte_lut_entry(lut, word, k + 1, lane4);
                         }
                         mma_16816(c, af, bw[2 * s], bw[2 * s + 1]);
                     }

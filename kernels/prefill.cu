@@ -44,6 +44,7 @@ struct GemmArgs {
     float* ss_out;
     int early;  // GEMM v1: the table and first weights before waiting for the previous kernel
     int spread;  // the epilogue spread over the K parts' warps (see gemm_finish)
+    int w_first;  // GEMV v3: the first weights before x is staged (kernels/gemv_mma.cu)
 };
 
 enum { EPI_STORE = 0, EPI_ACCUMULATE = 1, EPI_SWIGLU = 2 };
@@ -72,6 +73,14 @@ __device__ __forceinline__ u32 dequant_pair(const u32* lut16, u32 byte, u32 s2) 
 // at word 32b + l) so a warp's 32 lookups never conflict: one shared load per two weights.
 // Used by the GEMM v1 with f16 activations and by GEMV v3 (gemv_mma.cu).
 #define BYTE_LUT_WORDS (256 * 32)
+
+// The entry of byte k (0..3) of `word` for this lane (lane4 = 4 * lane): byte offset
+// 128 * byte + lane4. The two parts share no bits, so a shift and one LOP3 (mask, then OR)
+// make the address; indexing by byte * 32 + lane took ~4 instructions per lookup.
+__device__ __forceinline__ u32 byte_lut_entry(const u32* lut, u32 word, int k, u32 lane4) {
+    const u32 off = (k == 0 ? word << 7 : word >> (8 * k - 7)) & 0x7f80u;
+    return *reinterpret_cast<const u32*>(reinterpret_cast<const char*>(lut) + (off | lane4));
+}
 
 __device__ __forceinline__ void load_byte_codebook(u32* lut) {
     __shared__ float nf4[16];
@@ -185,8 +194,8 @@ __device__ __forceinline__ void load_a_block(const GemmWarp& w, int kb, ABlock& 
 }
 
 // The A fragments of k-step s (0..3) of a block, dequantized and scaled. BYTE: `lut` is the
-// byte -> f16 pair table + lane (one shared load per pair); else the 16-entry codebook (two
-// loads and a permute per pair).
+// byte -> f16 pair table (one shared load per pair); else the 16-entry codebook (two loads
+// and a permute per pair).
 template <bool BYTE>
 __device__ __forceinline__ void a_fragments(const GemmWarp& w, const ABlock& b, const u32* lut, int s,
                                             u32 (&af)[2][4]) {
@@ -197,10 +206,16 @@ __device__ __forceinline__ void a_fragments(const GemmWarp& w, const ABlock& b, 
             const float sc = b.s[i][h] * w.scale[i][h];
             const u32 s2 = pack_f16x2(sc, sc);
             const u32 word = s < 2 ? b.w[i][h].x : b.w[i][h].y;
-            const int shift = (s & 1) * 16;
-            const u32 lo = (word >> shift) & 0xff, hi = (word >> (shift + 8)) & 0xff;
-            af[i][h] = BYTE ? hmul2(lut[lo * 32], s2) : dequant_pair(lut, lo, s2);
-            af[i][2 + h] = BYTE ? hmul2(lut[hi * 32], s2) : dequant_pair(lut, hi, s2);
+            const int k = (s & 1) * 2;  // the pair t byte; k + 1: the pair t + 4 byte
+            if (BYTE) {
+                const u32 lane4 = 4 * w.lane;
+                af[i][h] = hmul2(byte_lut_entry(lut, word, k, lane4), s2);
+                af[i][2 + h] = hmul2(byte_lut_entry(lut, word, k + 1, lane4), s2);
+            } else {
+                const u32 lo = (word >> (8 * k)) & 0xff, hi = (word >> (8 * k + 8)) & 0xff;
+                af[i][h] = dequant_pair(lut, lo, s2);
+                af[i][2 + h] = dequant_pair(lut, hi, s2);
+            }
         }
 }
 
@@ -417,7 +432,6 @@ __device__ __forceinline__ void gemm_v1_body(const GemmArgs& a) {
     if (X16) load_byte_codebook(smem);
     else load_codebook_f16(lut16);
     const GemmWarp w = gemm_warp<NT, EPI>(a);
-    const u32* lut_lane = smem + w.lane;
     const int kblocks = a.k >> 6;
     const int split = cluster_size(), rank = cluster_rank();
     // K part of this warp: kp of this CTA's kw, after the kw parts of the lower ranks.
@@ -447,7 +461,7 @@ __device__ __forceinline__ void gemm_v1_body(const GemmArgs& a) {
         if constexpr (X16) {
             u32 af[4][2][4];
 #pragma unroll
-            for (int s = 0; s < 4; s++) a_fragments<true>(w, cur, lut_lane, s, af[s]);
+            for (int s = 0; s < 4; s++) a_fragments<true>(w, cur, smem, s, af[s]);
 #pragma unroll
             for (int j = 0; j < NT; j++) {
                 const uint4 lo = __ldg(xcol16[j] + kb * 8), hi = __ldg(xcol16[j] + kb * 8 + 1);
@@ -582,30 +596,55 @@ extern "C" __global__ void embed_rows(const int* __restrict__ ids, Nf4Ref embed,
     embed_token(ids[blockIdx.x], embed, x + (size_t)blockIdx.x * hidden, hidden, vocab);
 }
 
-// RoPE on q and k of token i (position pos0 + i) in place, then k and v into the KV cache
-// as bf16 at that slot: the same arithmetic as attn2_decode's, so both paths store the same
-// bits. One CTA per token.
+// RoPE on q and k of token i (position pos0 + i) in place, k and v into the KV cache as bf16
+// at that slot: the same arithmetic as attn2_decode's, so both paths store the same bits.
+// One CTA per token. Work items: the (n_q + n_kv) * head_dim/2 pairs to rotate, then the
+// kv_dim elements of v; a thread loads ROPE_BATCH items before it stores any (in program
+// order a load may not pass a store to the same row, so a strided loop waited a round trip
+// per iteration).
 extern "C" __global__ void rope_kv_rows(float* qkv, u16* k_cache, u16* v_cache, const float* __restrict__ rope_cos,
                                         const float* __restrict__ rope_sin, const int* __restrict__ state, int ld,
                                         int n_q, int n_kv, int head_dim) {
     pdl_enter();
+    constexpr int ROPE_BATCH = 8;
     const int i = blockIdx.x, pos = state[STATE_POSITION] + i, half = head_dim >> 1;
     float* row = qkv + (size_t)i * ld;
     const float* cos_p = rope_cos + (size_t)pos * half;
     const float* sin_p = rope_sin + (size_t)pos * half;
-    for (int idx = threadIdx.x; idx < (n_q + n_kv) * half; idx += blockDim.x) {
-        const int h = idx / half, j = idx % half;
-        float* src = row + h * head_dim;
-        const float c = cos_p[j], s = sin_p[j], x1 = src[j], x2 = src[j + half];
-        src[j] = x1 * c - x2 * s;
-        src[j + half] = x2 * c + x1 * s;
-    }
-    __syncthreads();
-    const int kv_dim = n_kv * head_dim;
+    const int kv_dim = n_kv * head_dim, rotations = (n_q + n_kv) * half, items = rotations + kv_dim;
     const size_t slot = (size_t)pos * kv_dim;
-    for (int d = threadIdx.x; d < kv_dim; d += blockDim.x) {
-        k_cache[slot + d] = f32_to_bf16(row[n_q * head_dim + d]);
-        v_cache[slot + d] = f32_to_bf16(row[n_q * head_dim + kv_dim + d]);
+    const float* v_row = row + n_q * head_dim + kv_dim;
+    for (int base = threadIdx.x; base < items; base += ROPE_BATCH * blockDim.x) {
+        float c[ROPE_BATCH], s[ROPE_BATCH], x1[ROPE_BATCH], x2[ROPE_BATCH];
+#pragma unroll
+        for (int u = 0; u < ROPE_BATCH; u++) {
+            const int idx = base + u * blockDim.x;
+            if (idx < rotations) {
+                const int h = idx / half, j = idx % half;
+                c[u] = cos_p[j];
+                s[u] = sin_p[j];
+                x1[u] = row[h * head_dim + j];
+                x2[u] = row[h * head_dim + j + half];
+            } else if (idx < items) {
+                x1[u] = v_row[idx - rotations];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < ROPE_BATCH; u++) {
+            const int idx = base + u * blockDim.x;
+            if (idx < rotations) {
+                const int h = idx / half, j = idx % half;
+                const float lo = x1[u] * c[u] - x2[u] * s[u], hi = x2[u] * c[u] + x1[u] * s[u];
+                row[h * head_dim + j] = lo;
+                row[h * head_dim + j + half] = hi;
+                if (h >= n_q) {
+                    k_cache[slot + (h - n_q) * head_dim + j] = f32_to_bf16(lo);
+                    k_cache[slot + (h - n_q) * head_dim + j + half] = f32_to_bf16(hi);
+                }
+            } else if (idx < items) {
+                v_cache[slot + idx - rotations] = f32_to_bf16(x1[u]);
+            }
+        }
     }
 }
 

@@ -308,10 +308,10 @@ pub struct Kernels {
     pub finish_prefill: CudaFunction,
     pub commit_step: CudaFunction,
     pub ring_reset: CudaFunction,
-    /// GEMV v2 by chunks per lane J = 1, 2, 3.
-    pub gemv2_nf4: [CudaFunction; 3],
-    pub gemv2_qkv: [CudaFunction; 3],
-    pub gemv2_swiglu: [CudaFunction; 3],
+    /// GEMV v2 by codebook table ([byte -> pair, nibble]) and chunks per lane J = 1, 2, 3.
+    pub gemv2_nf4: [[CudaFunction; 3]; 2],
+    pub gemv2_qkv: [[CudaFunction; 3]; 2],
+    pub gemv2_swiglu: [[CudaFunction; 3]; 2],
     pub attn2_decode: CudaFunction,
     /// The same with its prologue's loads and stores in turn (`DV2_ATTN_BATCH=0`).
     pub attn2_decode_serial: CudaFunction,
@@ -348,6 +348,14 @@ impl Kernels {
         let module = load_module(gpu, &DECODE)?;
         let f = |name: &str| module.load_function(name).map_err(driver_error(name));
         // v2 stages B in dynamic shared memory, up to GEMM_V2_MAX_SMEM bytes.
+        // GEMV v2: [pair table, nibble table (suffix _nib)][J - 1].
+        let gemv2 = |name: &str| -> Result<[[CudaFunction; 3]; 2]> {
+            let by_j = |suffix: &str| -> Result<[CudaFunction; 3]> {
+                let [a, b, c] = [1, 2, 3].map(|j| f(&format!("{name}_j{j}{suffix}")));
+                Ok([a?, b?, c?])
+            };
+            Ok([by_j("")?, by_j("_nib")?])
+        };
         let gemm = |name: &str| -> Result<[[CudaFunction; 4]; 3]> {
             let width = |v: &str| -> Result<[CudaFunction; 4]> {
                 let [a, b, c, d] = GEMM_NT.map(|nt| f(&format!("{name}_nt{nt}_{v}")));
@@ -389,13 +397,9 @@ impl Kernels {
             finish_prefill: f("finish_prefill")?,
             commit_step: f("commit_step")?,
             ring_reset: f("ring_reset")?,
-            gemv2_nf4: [f("gemv2_nf4_j1")?, f("gemv2_nf4_j2")?, f("gemv2_nf4_j3")?],
-            gemv2_qkv: [f("gemv2_qkv_j1")?, f("gemv2_qkv_j2")?, f("gemv2_qkv_j3")?],
-            gemv2_swiglu: [
-                f("gemv2_swiglu_j1")?,
-                f("gemv2_swiglu_j2")?,
-                f("gemv2_swiglu_j3")?,
-            ],
+            gemv2_nf4: gemv2("gemv2_nf4")?,
+            gemv2_qkv: gemv2("gemv2_qkv")?,
+            gemv2_swiglu: gemv2("gemv2_swiglu")?,
             attn2_decode: f("attn2_decode")?,
             attn2_decode_serial: f("attn2_decode_serial")?,
             attn2_merge: f("attn2_merge")?,

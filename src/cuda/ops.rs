@@ -5,7 +5,10 @@
 //! `DV2_GEMV=v1|v2|v3` (default: v3 below 8 MB of weights, v2 above; v2: persistent CTAs, x
 //! held in registers; v3: tensor cores, kernels/gemv_mma.cu) and `DV2_ATTN=v1|v2`
 //! (default v2: one CTA per KV head and 32-slot chunk; `DV2_ATTN_BATCH=0` makes its prologue
-//! load and store in turn instead of issuing every load first). `DV2_FUSE_RMS=0` runs each RMSNorm as
+//! load and store in turn instead of issuing every load first). `DV2_GEMV2_PAIRS=0` makes GEMV
+//! v2 look weights up one at a time in the 16-entry codebook (default: two at a time in a
+//! byte -> f32-pair table). `DV2_GEMV_WFIRST=0` makes GEMV v2 and v3 load x before their
+//! first weights (default: weights first). `DV2_FUSE_RMS=0` runs each RMSNorm as
 //! its own kernel instead of folding it into the next GEMV's x load (default, GEMV v2/v3:
 //! the kernel that wrote x leaves partial sums of squares, [`Ops::producer_sums`]). v1 GEMV
 //! takes `DV2_GEMV_NR=1|2|4|8` (rows per CTA); v2 takes `DV2_GEMV_CTAS=n` (CTAs per SM,
@@ -94,6 +97,7 @@ struct GemmArgs {
     ss_out: u64,
     early: i32,
     spread: i32,
+    w_first: i32,
 }
 // SAFETY: plain old data matching the kernel's struct.
 unsafe impl DeviceRepr for GemmArgs {}
@@ -280,6 +284,12 @@ pub struct Ops {
     /// Attention v2 issues all its prologue loads before its first shared store (default;
     /// `DV2_ATTN_BATCH=0`: load and store in turn).
     pub attn_batch: bool,
+    /// GEMV v2 looks weights up two at a time in a byte -> f32-pair table (default;
+    /// `DV2_GEMV2_PAIRS=0`: one at a time in the 16-entry codebook).
+    pub gemv2_pairs: bool,
+    /// GEMV v2 and v3 issue their first weights before loading x (default;
+    /// `DV2_GEMV_WFIRST=0`: after x is in registers or shared memory).
+    pub gemv_w_first: bool,
     /// RMSNorm folded into the next GEMV's x load from the producer's partial sums of squares
     /// (default; `DV2_FUSE_RMS=0`: the RMSNorm kernel).
     pub fuse_rms: bool,
@@ -333,6 +343,8 @@ impl Ops {
             },
             attn: variant("DV2_ATTN"),
             attn_batch: std::env::var("DV2_ATTN_BATCH").as_deref() != Ok("0"),
+            gemv2_pairs: std::env::var("DV2_GEMV2_PAIRS").as_deref() != Ok("0"),
+            gemv_w_first: std::env::var("DV2_GEMV_WFIRST").as_deref() != Ok("0"),
             fuse_rms: std::env::var("DV2_FUSE_RMS").as_deref() != Ok("0"),
             attnp_simt: std::env::var("DV2_ATTNP").is_ok_and(|v| v == "simt"),
             attnp_stage1: std::env::var("DV2_ATTNP_STAGE").as_deref() == Ok("v1"),
@@ -398,6 +410,11 @@ impl Ops {
             shared_mem_bytes: 0,
         };
         (kparts, cfg)
+    }
+
+    /// GEMV v2's codebook table, the first index of its kernel arrays: 0 byte -> pair, 1 nibble.
+    fn gemv2_table(&self) -> usize {
+        usize::from(!self.gemv2_pairs)
     }
 
     /// v2: (chunks per lane J, warps per row) for K = cols, and the persistent grid.
@@ -522,6 +539,7 @@ impl Ops {
             ss_out: 0,
             early: i32::from(self.gemm_early),
             spread: i32::from(self.gemm_spread),
+            w_first: 0,
         };
         for (i, m) in mats.iter().enumerate() {
             args.m[i] = m.m;
@@ -611,6 +629,7 @@ impl Ops {
             ss_out,
             early: 0,
             spread: 0,
+            w_first: i32::from(self.gemv_w_first),
         };
         for (i, m) in mats.iter().enumerate() {
             args.m[i] = m.m;
@@ -739,7 +758,8 @@ impl Ops {
                 let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols)?;
                 let kp = kparts as i32;
                 check_sums(ss_out, cfg.grid_dim.0)?;
-                launch!(self.gpu, &self.k.gemv2_nf4[j - 1], cfg; m, x, norm, y, bias, rows_i, cols_i, kp, acc, skip_if, ss_out)?;
+                let wf = i32::from(self.gemv_w_first);
+                launch!(self.gpu, &self.k.gemv2_nf4[self.gemv2_table()][j - 1], cfg; m, x, norm, y, bias, rows_i, cols_i, kp, acc, skip_if, ss_out, wf)?;
                 Ok(cfg.grid_dim.0 as usize)
             }
         }
@@ -786,7 +806,8 @@ impl Ops {
             Variant::V2 => {
                 let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols)?;
                 let kp = kparts as i32;
-                launch!(self.gpu, &self.k.gemv2_qkv[j - 1], cfg; args, x, norm, out, cols_i, kp)
+                let wf = i32::from(self.gemv_w_first);
+                launch!(self.gpu, &self.k.gemv2_qkv[self.gemv2_table()][j - 1], cfg; args, x, norm, out, cols_i, kp, wf)
             }
         }
     }
@@ -821,7 +842,8 @@ impl Ops {
             Variant::V2 => {
                 let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols)?;
                 let kp = kparts as i32;
-                launch!(self.gpu, &self.k.gemv2_swiglu[j - 1], cfg; gate, up, x, norm, out, rows_i, cols_i, kp)
+                let wf = i32::from(self.gemv_w_first);
+                launch!(self.gpu, &self.k.gemv2_swiglu[self.gemv2_table()][j - 1], cfg; gate, up, x, norm, out, rows_i, cols_i, kp, wf)
             }
         }
     }
