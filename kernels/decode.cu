@@ -334,14 +334,24 @@ __device__ __forceinline__ void load_x_slice(const float* __restrict__ x, int pa
 #pragma unroll
     for (int j = 0; j < J; j++) {
         const int c = (part * J + j) * 32 + lane;
+        const bool in = c < n_chunks;
+        // The chunk's 32 norm weights in four 16-byte loads (bf16 pairs: word i / 2 of wv);
+        // one 2-byte load per element cost ~0.11 ms per token (docs/lab.md, session 7).
+        u32 wv[16];
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const uint4 w4 = norm.w && in ? reinterpret_cast<const uint4*>(norm.w + 32 * c)[q] : make_uint4(0u, 0u, 0u, 0u);
+            wv[4 * q] = w4.x, wv[4 * q + 1] = w4.y, wv[4 * q + 2] = w4.z, wv[4 * q + 3] = w4.w;
+        }
 #pragma unroll
         for (int k = 0; k < 8; k++) {
-            float4 v = c < n_chunks ? reinterpret_cast<const float4*>(x + 32 * c)[k] : make_float4(0.f, 0.f, 0.f, 0.f);
+            float4 v = in ? reinterpret_cast<const float4*>(x + 32 * c)[k] : make_float4(0.f, 0.f, 0.f, 0.f);
             float e[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
             for (int u = 0; u < 4; u++) {
-                const int i = 32 * c + 4 * k + u;
-                xs.v[j][4 * k + u] = norm.w && c < n_chunks ? e[u] * r * bf16_to_f32(norm.w[i]) : e[u];
+                const int i = 4 * k + u;
+                const float w = bf16_to_f32((u16)(wv[i >> 1] >> (16 * (i & 1))));
+                xs.v[j][i] = norm.w && in ? e[u] * r * w : e[u];
             }
         }
     }
