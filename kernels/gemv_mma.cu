@@ -20,6 +20,7 @@
 // sums meet in shared memory for the epilogue. x is staged once per CTA as f16 pairs
 // (dynamic shared memory, K/2 words), the table once per CTA too.
 #define GEMV3_THREADS (GEMV3_WARPS * 32)
+#define GEMV3_X_BATCH 8  // float4 of x per thread in flight together while staging x
 
 // One block of one tile for this thread: 8 bytes of rows g and g+8, and their absmax.
 struct Gemv3Block {
@@ -60,6 +61,43 @@ __device__ __forceinline__ void gemv3_load(const GemmArgs& a, int group, int kb,
         }
 }
 
+// L2 prefetch (DV2_L2_AHEAD_KB): bulk prefetches of a CTA's next weight rows into L2, issued
+// by one thread, the first before the wait on the previous kernel (an L2 prefetch is only a
+// hint to the point of coherence, so it is safe at any time). Why: v3 keeps its weights in
+// registers, so its bytes in flight are bounded by registers and warps; a prefetch has no
+// such bound and no completion to wait for. Measured on the probe (docs/lab.md, session 7):
+// o 3.98 -> 3.54 us, q/k/v 4.87 -> 4.76; on GEMV v2 it lost (gate+up 14.68 -> 15.88).
+// [from, to) is narrowed to 16-byte bounds (the bulk copy's granule; the allocation is
+// aligned) and sent in pieces of at most 32 KB.
+__device__ __forceinline__ void l2_prefetch(const void* base, size_t from, size_t to) {
+#if __CUDA_ARCH__ >= 900
+    const char* p = static_cast<const char*>(base);
+    for (size_t o = from & ~(size_t)15; o < (to & ~(size_t)15); o += 32768) {
+        const unsigned bytes = (unsigned)min((size_t)32768, (to & ~(size_t)15) - o);
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + o), "r"(bytes) : "memory");
+    }
+#endif
+}
+
+// Rows [row, row + n) of matrix m (K = cols): their packed bytes and absmax.
+__device__ __forceinline__ void l2_prefetch_rows(Nf4Ref m, int row, int n, int cols) {
+    if (n <= 0) return;
+    l2_prefetch(m.packed, (size_t)row * (cols >> 1), (size_t)(row + n) * (cols >> 1));
+    l2_prefetch(m.absmax, (size_t)row * (cols >> 4), (size_t)(row + n) * (cols >> 4));
+}
+
+// The rows of row group `group` into L2 (see l2_prefetch): each tile's rows that exist.
+template <int T, int EPI>
+__device__ __forceinline__ void gemv3_prefetch(const GemmArgs& a, int group) {
+#pragma unroll
+    for (int i = 0; i < T; i++) {
+        const StackedRow r = gemv3_row<T, EPI>(a, group, i, 0, 0);
+        if (!r.valid) continue;
+        const int rows = r.matrix == 0 ? a.rows[0] : (r.matrix == 1 ? a.rows[1] : a.rows[2]);
+        l2_prefetch_rows(pick(a, r.matrix), r.local, min(16, rows - r.local), a.k);
+    }
+}
+
 // Persistent: CTA b takes row groups b, b + gridDim.x, ...; each warp walks its K range of
 // every group S blocks at a time, the loads of the next S blocks (of this group or the next)
 // in flight during the math.
@@ -68,13 +106,18 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
     __shared__ u32 lut[BYTE_LUT_WORDS];
     __shared__ float red[2][GEMV3_WARPS][T * 16];  // by group parity: one barrier per group
     extern __shared__ u32 x16[];                   // K/2 f16 pairs
+    const int outputs = EPI == EPI_SWIGLU ? a.rows[0] : a.rows[0] + a.rows[1] + a.rows[2];
+    const int groups = (outputs + 16 * (EPI == EPI_SWIGLU ? 1 : T) - 1) / (16 * (EPI == EPI_SWIGLU ? 1 : T));
+    // This CTA's first pf_groups row groups into L2 now, then each group's successor
+    // pf_groups ahead as the walk reaches it.
+    if (threadIdx.x == 0)
+        for (int i = 0; i < a.pf_groups && blockIdx.x + i * gridDim.x < groups; i++)
+            gemv3_prefetch<T, EPI>(a, blockIdx.x + i * gridDim.x);
     load_byte_codebook(lut);
     pdl_enter();
     if (a.skip_if && *a.skip_if) return;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const u32 lane4 = 4 * lane;
-    const int outputs = EPI == EPI_SWIGLU ? a.rows[0] : a.rows[0] + a.rows[1] + a.rows[2];
-    const int groups = (outputs + 16 * (EPI == EPI_SWIGLU ? 1 : T) - 1) / (16 * (EPI == EPI_SWIGLU ? 1 : T));
     const int kblocks = a.k >> 6;
     const int kb0 = warp * kblocks / GEMV3_WARPS, kb1 = (warp + 1) * kblocks / GEMV3_WARPS;
     const int stages = (kb1 - kb0 + S - 1) / S;
@@ -83,18 +126,43 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
     Gemv3Stage<T, S> cur, nxt;
     const bool first_ok = stages > 0 && (int)blockIdx.x < groups;
     if (a.w_first && first_ok) gemv3_load<T, S, EPI>(a, blockIdx.x, kb0, kb1, g, t, cur);
-    const float r = a.norm.w ? norm_factor(a.norm, a.k) : 1.0f;
-    for (int i = threadIdx.x; i < (a.k >> 2); i += blockDim.x) {
-        float4 v = reinterpret_cast<const float4*>(a.x)[i];
-        if (a.norm.w) {
-            const uint2 w = reinterpret_cast<const uint2*>(a.norm.w)[i];  // 4 bf16
-            v.x *= r * bf16_to_f32((u16)(w.x & 0xffffu));
-            v.y *= r * bf16_to_f32((u16)(w.x >> 16));
-            v.z *= r * bf16_to_f32((u16)(w.y & 0xffffu));
-            v.w *= r * bf16_to_f32((u16)(w.y >> 16));
+    // x (normed) staged as f16 pairs, GEMV3_X_BATCH float4 per thread loaded before any is
+    // stored: a loop that stored each before loading the next waited one round trip per
+    // float4 (11 in a row at K = 11008). The first batch is in flight during the norm's.
+    const int quads = a.k >> 2;
+    float4 xv[GEMV3_X_BATCH];
+    uint2 wv[GEMV3_X_BATCH];  // 4 bf16 norm weights per float4
+    auto load_x = [&](int base) {
+#pragma unroll
+        for (int u = 0; u < GEMV3_X_BATCH; u++) {
+            const int i = base + u * GEMV3_THREADS;
+            if (i < quads) {
+                xv[u] = reinterpret_cast<const float4*>(a.x)[i];
+                if (a.norm.w) wv[u] = reinterpret_cast<const uint2*>(a.norm.w)[i];
+            }
         }
-        x16[2 * i] = pack_f16x2(v.x, v.y);
-        x16[2 * i + 1] = pack_f16x2(v.z, v.w);
+    };
+    load_x(threadIdx.x);
+    const float r = a.norm.w ? norm_factor(a.norm, a.k) : 1.0f;
+    for (int base = threadIdx.x;;) {
+#pragma unroll
+        for (int u = 0; u < GEMV3_X_BATCH; u++) {
+            const int i = base + u * GEMV3_THREADS;
+            if (i >= quads) break;
+            float4 v = xv[u];
+            if (a.norm.w) {
+                const uint2 w = wv[u];
+                v.x *= r * bf16_to_f32((u16)(w.x & 0xffffu));
+                v.y *= r * bf16_to_f32((u16)(w.x >> 16));
+                v.z *= r * bf16_to_f32((u16)(w.y & 0xffffu));
+                v.w *= r * bf16_to_f32((u16)(w.y >> 16));
+            }
+            x16[2 * i] = pack_f16x2(v.x, v.y);
+            x16[2 * i + 1] = pack_f16x2(v.z, v.w);
+        }
+        base += GEMV3_X_BATCH * GEMV3_THREADS;
+        if (base >= quads) break;
+        load_x(base);
     }
     __syncthreads();
     if (!a.w_first && first_ok) gemv3_load<T, S, EPI>(a, blockIdx.x, kb0, kb1, g, t, cur);
@@ -102,6 +170,8 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
     float ss = 0.0f;  // squares of the values this thread stored (warp 0 stores)
     for (int group = blockIdx.x; group < groups; group += gridDim.x, parity ^= 1) {
         float acc[T][2] = {};
+        const int ahead = group + a.pf_groups * gridDim.x;
+        if (a.pf_groups && threadIdx.x == 0 && ahead < groups) gemv3_prefetch<T, EPI>(a, ahead);
         for (int st = 0; st < stages; st++) {
             const int kb = kb0 + st * S;
             const bool last = st + 1 == stages;

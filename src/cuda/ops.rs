@@ -98,6 +98,7 @@ struct GemmArgs {
     early: i32,
     spread: i32,
     w_first: i32,
+    pf_groups: i32,
 }
 // SAFETY: plain old data matching the kernel's struct.
 unsafe impl DeviceRepr for GemmArgs {}
@@ -231,9 +232,10 @@ pub enum Variant {
 /// The GEMV kernel: the default, or one forced by `DV2_GEMV`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GemvChoice {
-    /// v3 (tensor cores) for matrices under [`GEMV3_AUTO_MAX_BYTES`] of packed weights, v2
-    /// for the larger ones: the faster of the two at each Qwen2.5-3B shape (docs/lab.md).
-    Auto,
+    /// v3 (tensor cores) for matrices under this many bytes of packed weights
+    /// ([`GEMV3_AUTO_MAX_BYTES`] unless `DV2_GEMV3_MAX_MB` says otherwise), v2 for the larger
+    /// ones: the faster of the two at each Qwen2.5-3B shape (docs/lab.md).
+    Auto(usize),
     Fixed(Variant),
 }
 
@@ -290,6 +292,9 @@ pub struct Ops {
     /// GEMV v2 and v3 issue their first weights before loading x (default;
     /// `DV2_GEMV_WFIRST=0`: after x is in registers or shared memory).
     pub gemv_w_first: bool,
+    /// GEMV v3 keeps about this many KB of each CTA's next weight rows prefetched into
+    /// L2 (`DV2_L2_AHEAD_KB`, default 192; 0: no prefetch).
+    pub l2_ahead_kb: usize,
     /// RMSNorm folded into the next GEMV's x load from the producer's partial sums of squares
     /// (default; `DV2_FUSE_RMS=0`: the RMSNorm kernel).
     pub fuse_rms: bool,
@@ -339,12 +344,21 @@ impl Ops {
                 Ok("v1") => GemvChoice::Fixed(Variant::V1),
                 Ok("v2") => GemvChoice::Fixed(Variant::V2),
                 Ok("v3") => GemvChoice::Fixed(Variant::V3),
-                _ => GemvChoice::Auto,
+                _ => GemvChoice::Auto(
+                    std::env::var("DV2_GEMV3_MAX_MB")
+                        .ok()
+                        .and_then(|v| v.parse::<usize>().ok())
+                        .map_or(GEMV3_AUTO_MAX_BYTES, |mb| mb << 20),
+                ),
             },
             attn: variant("DV2_ATTN"),
             attn_batch: std::env::var("DV2_ATTN_BATCH").as_deref() != Ok("0"),
             gemv2_pairs: std::env::var("DV2_GEMV2_PAIRS").as_deref() != Ok("0"),
             gemv_w_first: std::env::var("DV2_GEMV_WFIRST").as_deref() != Ok("0"),
+            l2_ahead_kb: std::env::var("DV2_L2_AHEAD_KB")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(192),
             fuse_rms: std::env::var("DV2_FUSE_RMS").as_deref() != Ok("0"),
             attnp_simt: std::env::var("DV2_ATTNP").is_ok_and(|v| v == "simt"),
             attnp_stage1: std::env::var("DV2_ATTNP_STAGE").as_deref() == Ok("v1"),
@@ -415,6 +429,16 @@ impl Ops {
     /// GEMV v2's codebook table, the first index of its kernel arrays: 0 byte -> pair, 1 nibble.
     fn gemv2_table(&self) -> usize {
         usize::from(!self.gemv2_pairs)
+    }
+
+    /// How many units of `rows` weight rows of K = `cols` fit a CTA's L2 prefetch window
+    /// ([`Self::l2_ahead_kb`]; at least one unless the window is 0).
+    fn l2_ahead(&self, rows: usize, cols: usize) -> usize {
+        let unit = rows * (cols / 2 + cols / 16);
+        match self.l2_ahead_kb {
+            0 => 0,
+            kb => (kb * 1024 / unit).max(1),
+        }
     }
 
     /// v2: (chunks per lane J, warps per row) for K = cols, and the persistent grid.
@@ -540,6 +564,7 @@ impl Ops {
             early: i32::from(self.gemm_early),
             spread: i32::from(self.gemm_spread),
             w_first: 0,
+            pf_groups: 0,
         };
         for (i, m) in mats.iter().enumerate() {
             args.m[i] = m.m;
@@ -591,7 +616,7 @@ impl Ops {
     fn gemv_kernel(&self, rows: usize, cols: usize) -> Variant {
         match self.gemv {
             GemvChoice::Fixed(v) => v,
-            GemvChoice::Auto => auto_gemv(rows, cols),
+            GemvChoice::Auto(v3_max_bytes) => auto_gemv(rows, cols, v3_max_bytes),
         }
     }
 
@@ -630,6 +655,7 @@ impl Ops {
             early: 0,
             spread: 0,
             w_first: i32::from(self.gemv_w_first),
+            pf_groups: 0,
         };
         for (i, m) in mats.iter().enumerate() {
             args.m[i] = m.m;
@@ -641,6 +667,9 @@ impl Ops {
             Epilogue::Accumulate => (&self.k.gemv3[1], mats[0].rows),
             Epilogue::Swiglu => (&self.k.gemv3[2], mats[0].rows),
         };
+        // A row group is 16 outputs: 16 rows, SwiGLU's 16 gate and 16 up rows.
+        let group_rows = if epilogue == Epilogue::Swiglu { 32 } else { 16 };
+        args.pf_groups = self.l2_ahead(group_rows, k) as i32;
         // Persistent: two CTAs per SM (the registers allow two), each looping over groups
         // of 16 outputs.
         let groups = outputs.div_ceil(16) as u32;
@@ -914,8 +943,8 @@ fn check_sums(ss_out: u64, ctas: u32) -> Result<()> {
 }
 
 /// [`GemvChoice::Auto`]'s kernel for a `rows` x `cols` NF4 matrix.
-fn auto_gemv(rows: usize, cols: usize) -> Variant {
-    if rows * cols / 2 < GEMV3_AUTO_MAX_BYTES {
+fn auto_gemv(rows: usize, cols: usize, v3_max_bytes: usize) -> Variant {
+    if rows * cols / 2 < v3_max_bytes {
         Variant::V3
     } else {
         Variant::V2
@@ -1046,11 +1075,23 @@ mod tests {
     fn auto_gemv_takes_tensor_cores_for_the_small_matrices() {
         let s = &crate::arch::QWEN25_3B;
         let qkv = (s.n_q_heads + 2 * s.n_kv_heads) * s.head_dim;
-        assert_eq!(auto_gemv(qkv, s.hidden), Variant::V3);
-        assert_eq!(auto_gemv(s.hidden, s.n_q_heads * s.head_dim), Variant::V3);
-        assert_eq!(auto_gemv(2 * s.intermediate, s.hidden), Variant::V2);
-        assert_eq!(auto_gemv(s.hidden, s.intermediate), Variant::V2);
-        assert_eq!(auto_gemv(s.vocab, s.hidden), Variant::V2);
+        assert_eq!(auto_gemv(qkv, s.hidden, GEMV3_AUTO_MAX_BYTES), Variant::V3);
+        assert_eq!(
+            auto_gemv(s.hidden, s.n_q_heads * s.head_dim, GEMV3_AUTO_MAX_BYTES),
+            Variant::V3
+        );
+        assert_eq!(
+            auto_gemv(2 * s.intermediate, s.hidden, GEMV3_AUTO_MAX_BYTES),
+            Variant::V2
+        );
+        assert_eq!(
+            auto_gemv(s.hidden, s.intermediate, GEMV3_AUTO_MAX_BYTES),
+            Variant::V2
+        );
+        assert_eq!(
+            auto_gemv(s.vocab, s.hidden, GEMV3_AUTO_MAX_BYTES),
+            Variant::V2
+        );
     }
 
     #[test]
