@@ -304,15 +304,51 @@ fn probe() {
             );
         }
     }
+    // The decode step's GEMVs (each kernel the default picks) under each switch: the L2
+    // prefetch window (DV2_L2_AHEAD_KB, default 192) and the v2 table.
+    let (h, kv, inter) = (s.hidden, s.kv_dim(), s.intermediate);
     for (label, env) in [
         ("", &[][..]),
+        (" (DV2_L2_AHEAD_KB=0)", &[("DV2_L2_AHEAD_KB", "0")][..]),
         (" (DV2_GEMV2_PAIRS=0)", &[("DV2_GEMV2_PAIRS", "0")][..]),
+        (" (DV2_GEMV=v3)", &[("DV2_GEMV", "v3")][..]),
+        (
+            " (DV2_GEMV=v3 DV2_L2_AHEAD_KB=0)",
+            &[("DV2_GEMV", "v3"), ("DV2_L2_AHEAD_KB", "0")][..],
+        ),
     ] {
         let bench = with_env(env, || Bench::new(0).expect("CUDA device"));
-        let t = bench
-            .gemv("gate+up", "swiglu", &[s.intermediate], s.hidden)
-            .expect("gemv bench");
-        println!("gemv gate+up{label}: {:.2} µs", t.median_us);
+        for (name, kind, rows, k) in [
+            ("q/k/v", "qkv", &[h, kv, kv][..], h),
+            ("o", "residual", &[h][..], h),
+            ("gate+up", "swiglu", &[inter][..], h),
+            ("down", "residual", &[h][..], inter),
+            ("lm_head", "plain", &[s.vocab][..], h),
+        ] {
+            let t = bench.gemv(name, kind, rows, k).expect("gemv bench");
+            println!(
+                "gemv {name}{label}: {:.2} µs, {:.2} TB/s",
+                t.median_us,
+                t.bytes as f64 / t.median_us * 1e-6
+            );
+        }
+    }
+    // Time against rows at a fixed K: the intercept is what a launch costs besides its rows
+    // (prologue, pipeline fill, tail), the slope the steady state.
+    let bench = Bench::new(0).expect("CUDA device");
+    for (name, kind, k, rows) in [
+        (
+            "gate+up",
+            "swiglu",
+            h,
+            [inter / 4, inter / 2, inter, 2 * inter],
+        ),
+        ("down", "residual", inter, [h / 4, h / 2, h, 2 * h]),
+    ] {
+        for r in rows {
+            let t = bench.gemv(name, kind, &[r], k).expect("gemv bench");
+            println!("gemv scaling {name} rows {r} K {k}: {:.2} µs", t.median_us);
+        }
     }
 }
 
@@ -448,6 +484,7 @@ fn main() {
         ("medium rms-kernel", &[("DV2_FUSE_RMS", "0")]),
         ("medium attn-batch=0", &[("DV2_ATTN_BATCH", "0")]),
         ("medium gemv-wfirst=0", &[("DV2_GEMV_WFIRST", "0")]),
+        ("medium l2-ahead=0", &[("DV2_L2_AHEAD_KB", "0")]),
     ] {
         runs.push(with_env(env, || {
             time_decode(label, &medium, 32, 4, 24, true, 5)
@@ -473,6 +510,8 @@ fn main() {
             ("qwen25_3b attn-batch=0", &[("DV2_ATTN_BATCH", "0")]),
             ("qwen25_3b gemv2-pairs=0", &[("DV2_GEMV2_PAIRS", "0")]),
             ("qwen25_3b gemv-wfirst=0", &[("DV2_GEMV_WFIRST", "0")]),
+            ("qwen25_3b l2-ahead=0", &[("DV2_L2_AHEAD_KB", "0")]),
+            ("qwen25_3b v3<16MB", &[("DV2_GEMV3_MAX_MB", "16")]),
             ("qwen25_3b gemv=v2", &[("DV2_GEMV", "v2")]),
             ("qwen25_3b gemv=v3", &[("DV2_GEMV", "v3")]),
         ] {
