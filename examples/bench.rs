@@ -311,6 +311,7 @@ fn probe() {
         ("", &[][..]),
         (" (DV2_L2_AHEAD_KB=0)", &[("DV2_L2_AHEAD_KB", "0")][..]),
         (" (DV2_GEMV2_PAIRS=0)", &[("DV2_GEMV2_PAIRS", "0")][..]),
+        (" (DV2_GEMV2_XSMEM=0)", &[("DV2_GEMV2_XSMEM", "0")][..]),
         (" (DV2_GEMV=v3)", &[("DV2_GEMV", "v3")][..]),
         (
             " (DV2_GEMV=v3 DV2_L2_AHEAD_KB=0)",
@@ -485,6 +486,7 @@ fn main() {
         ("medium attn-batch=0", &[("DV2_ATTN_BATCH", "0")]),
         ("medium gemv-wfirst=0", &[("DV2_GEMV_WFIRST", "0")]),
         ("medium l2-ahead=0", &[("DV2_L2_AHEAD_KB", "0")]),
+        ("medium gemv2-xsmem=0", &[("DV2_GEMV2_XSMEM", "0")]),
     ] {
         runs.push(with_env(env, || {
             time_decode(label, &medium, 32, 4, 24, true, 5)
@@ -509,6 +511,7 @@ fn main() {
             ("qwen25_3b rms-kernel", &[("DV2_FUSE_RMS", "0")]),
             ("qwen25_3b attn-batch=0", &[("DV2_ATTN_BATCH", "0")]),
             ("qwen25_3b gemv2-pairs=0", &[("DV2_GEMV2_PAIRS", "0")]),
+            ("qwen25_3b gemv2-xsmem=0", &[("DV2_GEMV2_XSMEM", "0")]),
             ("qwen25_3b gemv-wfirst=0", &[("DV2_GEMV_WFIRST", "0")]),
             ("qwen25_3b l2-ahead=0", &[("DV2_L2_AHEAD_KB", "0")]),
             ("qwen25_3b v3<16MB", &[("DV2_GEMV3_MAX_MB", "16")]),

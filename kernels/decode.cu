@@ -357,6 +357,70 @@ __device__ __forceinline__ void load_x_slice(const float* __restrict__ x, int pa
     }
 }
 
+// GEMV v2's x staged once per CTA in dynamic shared memory (DV2_GEMV2_XSMEM, default): the
+// CTA loads x (and the norm's weights) coalesced, 16 bytes a thread, applies the norm, and
+// stores chunk c (32 floats) at X_STAGE_STRIDE * c; each lane then reads its own chunks with
+// 16-byte shared loads, which the stride keeps conflict-free (the 8 lanes of a quarter-warp,
+// on consecutive chunks, start 4 banks apart). Why: read straight from global memory
+// (load_x_slice), each 16-byte load of a warp touches 32 cache lines (a chunk is one 128-byte
+// line per lane), 8x the L1 wavefronts of a coalesced load; the same pattern in the norm's
+// weights (2-byte loads, 16 lines each) cost ~3 us per kernel (docs/lab.md, session 7).
+// Same values in the same order as load_x_slice. X_STAGE_STRIDE comes from the host
+// (src/cuda/kernels.rs), which sizes the dynamic shared memory.
+#define GEMV2_X_BATCH 8  // float4 of x per thread in flight together
+
+__device__ __forceinline__ void stage_x(const float* __restrict__ x, int cols, NormArgs norm, float* x_staged) {
+    const int quads = cols >> 2;
+    float4 xv[GEMV2_X_BATCH];
+    uint2 wv[GEMV2_X_BATCH];  // 4 bf16 norm weights per float4
+    auto load = [&](int base) {
+#pragma unroll
+        for (int u = 0; u < GEMV2_X_BATCH; u++) {
+            const int q = base + u * GEMV_THREADS;
+            if (q < quads) {
+                xv[u] = reinterpret_cast<const float4*>(x)[q];
+                if (norm.w) wv[u] = reinterpret_cast<const uint2*>(norm.w)[q];
+            }
+        }
+    };
+    load(threadIdx.x);  // in flight during the norm's round trip
+    const float r = norm.w ? norm_factor(norm, cols) : 1.0f;
+    for (int base = threadIdx.x;;) {
+#pragma unroll
+        for (int u = 0; u < GEMV2_X_BATCH; u++) {
+            const int q = base + u * GEMV_THREADS;
+            if (q >= quads) break;
+            float e[4] = {xv[u].x, xv[u].y, xv[u].z, xv[u].w};
+            if (norm.w) {
+                const u32 w2[2] = {wv[u].x, wv[u].y};
+#pragma unroll
+                for (int i = 0; i < 4; i++) e[i] = e[i] * r * bf16_to_f32((u16)(w2[i >> 1] >> (16 * (i & 1))));
+            }
+            *reinterpret_cast<float4*>(x_staged + (q >> 3) * X_STAGE_STRIDE + (q & 7) * 4) =
+                make_float4(e[0], e[1], e[2], e[3]);
+        }
+        base += GEMV2_X_BATCH * GEMV_THREADS;
+        if (base >= quads) break;
+        load(base);
+    }
+}
+
+// This lane's chunks of x from the staged copy (zeros past the last chunk, as load_x_slice).
+template <int J>
+__device__ __forceinline__ void read_x_slice(const float* x_staged, int part, int cols, XSlice<J>& xs) {
+    const int lane = threadIdx.x & 31, n_chunks = cols >> 5;
+#pragma unroll
+    for (int j = 0; j < J; j++) {
+        const int c = (part * J + j) * 32 + lane;
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            const float4 v = c < n_chunks ? *reinterpret_cast<const float4*>(x_staged + c * X_STAGE_STRIDE + 4 * k)
+                                          : make_float4(0.f, 0.f, 0.f, 0.f);
+            xs.v[j][4 * k] = v.x, xs.v[j][4 * k + 1] = v.y, xs.v[j][4 * k + 2] = v.z, xs.v[j][4 * k + 3] = v.w;
+        }
+    }
+}
+
 template <int J>
 struct RowChunks {
     uint4 q[J];
@@ -452,7 +516,8 @@ __device__ __forceinline__ float dot_row_pairs(const RowChunks<J>& rc, const XSl
 //   matrices per row (1, or 2 for SwiGLU's gate and up).
 template <int J, int R, int NM, bool PAIRS, typename Rows>
 __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, const float* __restrict__ x,
-                                           NormArgs norm, int kparts, const int* skip_if, int w_first) {
+                                           NormArgs norm, int kparts, const int* skip_if, int w_first,
+                                           int x_smem) {
     __shared__ float lut[16];
     __shared__ float2 pair_lut[PAIRS ? PAIR_LUT_ENTRIES : 1];
     __shared__ float partial[GEMV2_MAX_LANES_X_R * NM][GEMV_WARPS];
@@ -484,8 +549,15 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     if (skip_if && *skip_if) return;
     if (w_first) load_block(r0, cur);
     XSlice<J> xs;
-    load_x_slice<J>(x, part, cols, norm, xs);
-    __syncthreads();
+    if (x_smem) {
+        extern __shared__ __align__(16) float x_staged[];  // cols / 32 * X_STAGE_STRIDE floats
+        stage_x(x, cols, norm, x_staged);
+        __syncthreads();
+        read_x_slice<J>(x_staged, part, cols, xs);
+    } else {
+        load_x_slice<J>(x, part, cols, norm, xs);
+        __syncthreads();
+    }
     if (!w_first) load_block(r0, cur);
     float ss = 0.0f;  // squares of the values this thread stored
     for (int base = r0; base < r1; base += block) {
@@ -594,22 +666,23 @@ struct SwigluRows {
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 1)                                              \
         gemv2_nf4_j##J##SUFFIX(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y,                 \
                                const float* __restrict__ bias, int rows, int cols, int kparts, int accumulate, \
-                               const int* skip_if, float* ss_out, int w_first) {                               \
+                               const int* skip_if, float* ss_out, int w_first, int x_smem) {                   \
         PlainRows p{m, y, bias, accumulate, ss_out};                                                           \
-        gemv2_walk<J, R, 1, PAIRS>(p, rows, cols, x, norm, kparts, skip_if, w_first);                          \
+        gemv2_walk<J, R, 1, PAIRS>(p, rows, cols, x, norm, kparts, skip_if, w_first, x_smem);                  \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 1)                                              \
         gemv2_qkv_j##J##SUFFIX(QkvArgs a, const float* __restrict__ x, NormArgs norm, float* out, int cols,    \
-                               int kparts, int w_first) {                                                      \
+                               int kparts, int w_first, int x_smem) {                                          \
         QkvRows q{a, out};                                                                                     \
         gemv2_walk<J, R, 1, PAIRS>(q, a.rows[0] + a.rows[1] + a.rows[2], cols, x, norm, kparts, nullptr,       \
-                                   w_first);                                                                   \
+                                   w_first, x_smem);                                                           \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 1)                                              \
         gemv2_swiglu_j##J##SUFFIX(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm,          \
-                                  float* out, int rows, int cols, int kparts, int w_first) {                     \
+                                  float* out, int rows, int cols, int kparts, int w_first, int x_smem) {         \
         SwigluRows g{gate, up, out};                                                                           \
-        gemv2_walk<J, (R > 1 ? R / 2 : 1), 2, PAIRS>(g, rows, cols, x, norm, kparts, nullptr, w_first);        \
+        gemv2_walk<J, (R > 1 ? R / 2 : 1), 2, PAIRS>(g, rows, cols, x, norm, kparts, nullptr, w_first,         \
+                                                     x_smem);                                                  \
     }
 
 // The pair table (default) and the nibble table (suffix _nib, DV2_GEMV2_PAIRS=0).

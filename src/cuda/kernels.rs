@@ -58,6 +58,15 @@ pub const ATTNP_ROWS: usize = 32;
 pub const ATTNP_TILE: usize = 32;
 pub const ATTNP_Q_FLOATS: usize = 4096;
 
+/// Floats per 32-float chunk of x as GEMV v2 stages it in shared memory (4 of padding keep
+/// the lanes' 16-byte reads conflict-free).
+pub const GEMV2_X_STRIDE: usize = 36;
+/// The largest K GEMV v2 takes (3 chunks of 32 per lane, 8 warps splitting a row).
+pub const GEMV2_MAX_K: usize = 3 * 32 * 8 * 32;
+/// GEMV v2's dynamic shared memory limit: x staged at the largest K (its static tables take
+/// ~35 KiB more).
+pub const GEMV2_MAX_SMEM: usize = GEMV2_MAX_K / 32 * GEMV2_X_STRIDE * 4;
+const _: () = assert!(GEMV2_MAX_SMEM + 36 * 1024 <= 227 * 1024);
 /// Warps per CTA of GEMV v3 (tensor cores): they split K of the CTA's row tiles.
 pub const GEMV3_WARPS: usize = 8;
 /// The largest K GEMV v3 stages (x as f16 pairs in dynamic shared memory: 2K bytes).
@@ -106,6 +115,7 @@ fn shared_defines() -> Vec<String> {
         ("ATTNP_Q_FLOATS", ATTNP_Q_FLOATS),
         ("ATTNM_WARPS", ATTNM_WARPS),
         ("GEMV3_WARPS", GEMV3_WARPS),
+        ("X_STAGE_STRIDE", GEMV2_X_STRIDE),
         ("STATE_TOKEN", state::TOKEN),
         ("STATE_POSITION", state::POSITION),
         ("STATE_VALID_LEN", state::VALID_LEN),
@@ -349,10 +359,19 @@ impl Kernels {
         let f = |name: &str| module.load_function(name).map_err(driver_error(name));
         // v2 stages B in dynamic shared memory, up to GEMM_V2_MAX_SMEM bytes.
         // GEMV v2: [pair table, nibble table (suffix _nib)][J - 1].
+        // GEMV v2 stages x in dynamic shared memory, up to GEMV2_MAX_SMEM bytes.
         let gemv2 = |name: &str| -> Result<[[CudaFunction; 3]; 2]> {
             let by_j = |suffix: &str| -> Result<[CudaFunction; 3]> {
                 let [a, b, c] = [1, 2, 3].map(|j| f(&format!("{name}_j{j}{suffix}")));
-                Ok([a?, b?, c?])
+                let fs = [a?, b?, c?];
+                for func in &fs {
+                    func.set_attribute(
+                        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        GEMV2_MAX_SMEM as i32,
+                    )
+                    .map_err(driver_error("gemv2 shared memory attribute"))?;
+                }
+                Ok(fs)
             };
             Ok([by_j("")?, by_j("_nib")?])
         };

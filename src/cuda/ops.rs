@@ -39,8 +39,8 @@ use super::device::{driver_error, Gpu};
 use super::kernels::{
     Kernels, ATTN2_CHUNK, ATTN2_MAX_CHUNKS, ATTN2_MAX_GROUP, ATTN2_MAX_GROUP_X_HD, ATTNM_ROWS,
     ATTNM_THREADS, ATTNP_Q_FLOATS, ATTNP_ROWS, ATTNP_THREADS, ATTN_THREADS, GEMM_B2_STRIDE,
-    GEMM_NT, GEMM_V2_MAX_KW, GEMM_WARPS, GEMM_WARP_ROWS, GEMV3_MAX_K, GEMV3_WARPS, GEMV_THREADS,
-    GEMV_WARPS, MAX_HEAD_DIM,
+    GEMM_NT, GEMM_V2_MAX_KW, GEMM_WARPS, GEMM_WARP_ROWS, GEMV2_MAX_K, GEMV2_X_STRIDE, GEMV3_MAX_K,
+    GEMV3_WARPS, GEMV_THREADS, GEMV_WARPS, MAX_HEAD_DIM,
 };
 use super::weights::Nf4Ref;
 use crate::arch::ArchSpec;
@@ -289,6 +289,9 @@ pub struct Ops {
     /// GEMV v2 looks weights up two at a time in a byte -> f32-pair table (default;
     /// `DV2_GEMV2_PAIRS=0`: one at a time in the 16-entry codebook).
     pub gemv2_pairs: bool,
+    /// GEMV v2 stages x once per CTA in shared memory, loaded coalesced (default;
+    /// `DV2_GEMV2_XSMEM=0`: each lane loads its own chunks of x from global memory).
+    pub gemv2_x_smem: bool,
     /// GEMV v2 and v3 issue their first weights before loading x (default;
     /// `DV2_GEMV_WFIRST=0`: after x is in registers or shared memory).
     pub gemv_w_first: bool,
@@ -354,6 +357,7 @@ impl Ops {
             attn: variant("DV2_ATTN"),
             attn_batch: std::env::var("DV2_ATTN_BATCH").as_deref() != Ok("0"),
             gemv2_pairs: std::env::var("DV2_GEMV2_PAIRS").as_deref() != Ok("0"),
+            gemv2_x_smem: std::env::var("DV2_GEMV2_XSMEM").as_deref() != Ok("0"),
             gemv_w_first: std::env::var("DV2_GEMV_WFIRST").as_deref() != Ok("0"),
             l2_ahead_kb: std::env::var("DV2_L2_AHEAD_KB")
                 .ok()
@@ -456,7 +460,11 @@ impl Ops {
         let cfg = LaunchConfig {
             grid_dim: (ctas, 1, 1),
             block_dim: (GEMV_THREADS, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: if self.gemv2_x_smem {
+                (cols / 32 * GEMV2_X_STRIDE * 4) as u32
+            } else {
+                0
+            },
         };
         Ok((j, kparts, cfg))
     }
@@ -787,8 +795,8 @@ impl Ops {
                 let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols)?;
                 let kp = kparts as i32;
                 check_sums(ss_out, cfg.grid_dim.0)?;
-                let wf = i32::from(self.gemv_w_first);
-                launch!(self.gpu, &self.k.gemv2_nf4[self.gemv2_table()][j - 1], cfg; m, x, norm, y, bias, rows_i, cols_i, kp, acc, skip_if, ss_out, wf)?;
+                let (wf, xs) = (i32::from(self.gemv_w_first), i32::from(self.gemv2_x_smem));
+                launch!(self.gpu, &self.k.gemv2_nf4[self.gemv2_table()][j - 1], cfg; m, x, norm, y, bias, rows_i, cols_i, kp, acc, skip_if, ss_out, wf, xs)?;
                 Ok(cfg.grid_dim.0 as usize)
             }
         }
@@ -835,8 +843,8 @@ impl Ops {
             Variant::V2 => {
                 let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols)?;
                 let kp = kparts as i32;
-                let wf = i32::from(self.gemv_w_first);
-                launch!(self.gpu, &self.k.gemv2_qkv[self.gemv2_table()][j - 1], cfg; args, x, norm, out, cols_i, kp, wf)
+                let (wf, xs) = (i32::from(self.gemv_w_first), i32::from(self.gemv2_x_smem));
+                launch!(self.gpu, &self.k.gemv2_qkv[self.gemv2_table()][j - 1], cfg; args, x, norm, out, cols_i, kp, wf, xs)
             }
         }
     }
@@ -871,8 +879,8 @@ impl Ops {
             Variant::V2 => {
                 let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols)?;
                 let kp = kparts as i32;
-                let wf = i32::from(self.gemv_w_first);
-                launch!(self.gpu, &self.k.gemv2_swiglu[self.gemv2_table()][j - 1], cfg; gate, up, x, norm, out, rows_i, cols_i, kp, wf)
+                let (wf, xs) = (i32::from(self.gemv_w_first), i32::from(self.gemv2_x_smem));
+                launch!(self.gpu, &self.k.gemv2_swiglu[self.gemv2_table()][j - 1], cfg; gate, up, x, norm, out, rows_i, cols_i, kp, wf, xs)
             }
         }
     }
@@ -1015,8 +1023,7 @@ pub fn gemv2_shape(cols: usize) -> Result<(usize, u32)> {
         }
     }
     Err(Error::Unsupported(format!(
-        "K = {cols}: the GEMV kernels take K up to {}",
-        3 * 32 * 8 * 32
+        "K = {cols}: the GEMV kernels take K up to {GEMV2_MAX_K}"
     )))
 }
 
