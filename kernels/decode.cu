@@ -281,6 +281,7 @@ extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_CTAS_PER_SM)
 // number of iterations, so the per-iteration part reduction may use __syncthreads.
 
 #define GEMV2_MAX_LANES_X_R 32  // (row lanes) x (rows in flight) held in shared memory
+#define GEMV2_LATE_FLOATS 1024  // K-part sums of a CTA's rows kept for one final reduction
 
 template <int J>
 struct XSlice {
@@ -517,10 +518,11 @@ __device__ __forceinline__ float dot_row_pairs(const RowChunks<J>& rc, const XSl
 template <int J, int R, int NM, bool PAIRS, typename Rows>
 __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, const float* __restrict__ x,
                                            NormArgs norm, int kparts, const int* skip_if, int w_first,
-                                           int x_smem) {
+                                           int x_smem, int late_sum) {
     __shared__ float lut[16];
     __shared__ float2 pair_lut[PAIRS ? PAIR_LUT_ENTRIES : 1];
     __shared__ float partial[GEMV2_MAX_LANES_X_R * NM][GEMV_WARPS];
+    __shared__ float late_partial[GEMV2_LATE_FLOATS];
     if (PAIRS) load_pair_codebook(pair_lut);
     else load_codebook(lut);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -529,6 +531,12 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     const int per_cta = (rows + gridDim.x - 1) / gridDim.x;
     const int r0 = blockIdx.x * per_cta, r1 = min(rows, r0 + per_cta);
     const int block = row_lanes * R;  // rows per iteration
+    // With K split over warps (kparts > 1) and late_sum (DV2_GEMV2_LATE, default), each
+    // iteration leaves its K-part sums in shared memory and the CTA adds them and runs the
+    // epilogue once, after its last iteration: one barrier instead of two per iteration, and
+    // every row's epilogue loads (a residual's old y) in flight together instead of one
+    // round trip per iteration. Same sums in the same order.
+    const bool late = late_sum && kparts > 1 && (r1 - r0) * NM * kparts <= GEMV2_LATE_FLOATS;
     // Software pipeline: the loads of the next block are issued before this block's math.
     RowChunks<J> cur[R][NM], nxt[R][NM];
     auto load_block = [&](int base, RowChunks<J> (&rc)[R][NM]) {
@@ -573,6 +581,19 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
         for (int i = 0; i < R; i++)
 #pragma unroll
             for (int k = 0; k < NM; k++) cur[i][k] = nxt[i][k];
+        if (late) {
+            if (lane == 0) {
+#pragma unroll
+                for (int i = 0; i < R; i++) {
+                    const int r = base + i * row_lanes + row_lane;
+                    if (r < r1) {
+#pragma unroll
+                        for (int k = 0; k < NM; k++) late_partial[((r - r0) * NM + k) * kparts + part] = sums[i][k];
+                    }
+                }
+            }
+            continue;
+        }
         if (kparts == 1) {
             if (lane == 0) {
 #pragma unroll
@@ -604,6 +625,18 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
             }
         }
         __syncthreads();
+    }
+    if (late) {
+        __syncthreads();
+        for (int idx = threadIdx.x; idx < r1 - r0; idx += blockDim.x) {
+            float total[NM];
+#pragma unroll
+            for (int k = 0; k < NM; k++) {
+                total[k] = 0.0f;
+                for (int p = 0; p < kparts; p++) total[k] += late_partial[(idx * NM + k) * kparts + p];
+            }
+            ss += sq(rows_of.store(r0 + idx, total));
+        }
     }
     if (float* out = rows_of.ss_out()) block_sum_to(ss, out + blockIdx.x);
 }
@@ -666,23 +699,24 @@ struct SwigluRows {
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 1)                                              \
         gemv2_nf4_j##J##SUFFIX(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y,                 \
                                const float* __restrict__ bias, int rows, int cols, int kparts, int accumulate, \
-                               const int* skip_if, float* ss_out, int w_first, int x_smem) {                   \
+                               const int* skip_if, float* ss_out, int w_first, int x_smem, int late) {         \
         PlainRows p{m, y, bias, accumulate, ss_out};                                                           \
-        gemv2_walk<J, R, 1, PAIRS>(p, rows, cols, x, norm, kparts, skip_if, w_first, x_smem);                  \
+        gemv2_walk<J, R, 1, PAIRS>(p, rows, cols, x, norm, kparts, skip_if, w_first, x_smem, late);            \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 1)                                              \
         gemv2_qkv_j##J##SUFFIX(QkvArgs a, const float* __restrict__ x, NormArgs norm, float* out, int cols,    \
-                               int kparts, int w_first, int x_smem) {                                          \
+                               int kparts, int w_first, int x_smem, int late) {                                \
         QkvRows q{a, out};                                                                                     \
         gemv2_walk<J, R, 1, PAIRS>(q, a.rows[0] + a.rows[1] + a.rows[2], cols, x, norm, kparts, nullptr,       \
-                                   w_first, x_smem);                                                           \
+                                   w_first, x_smem, late);                                                     \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 1)                                              \
         gemv2_swiglu_j##J##SUFFIX(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm,          \
-                                  float* out, int rows, int cols, int kparts, int w_first, int x_smem) {         \
+                                  float* out, int rows, int cols, int kparts, int w_first, int x_smem,           \
+                                  int late) {                                                                  \
         SwigluRows g{gate, up, out};                                                                           \
         gemv2_walk<J, (R > 1 ? R / 2 : 1), 2, PAIRS>(g, rows, cols, x, norm, kparts, nullptr, w_first,         \
-                                                     x_smem);                                                  \
+                                                     x_smem, late);                                            \
     }
 
 // The pair table (default) and the nibble table (suffix _nib, DV2_GEMV2_PAIRS=0).

@@ -292,6 +292,9 @@ pub struct Ops {
     /// GEMV v2 stages x once per CTA in shared memory, loaded coalesced (default;
     /// `DV2_GEMV2_XSMEM=0`: each lane loads its own chunks of x from global memory).
     pub gemv2_x_smem: bool,
+    /// GEMV v2 with K split over warps adds the parts and runs the epilogue once per CTA,
+    /// after its last rows (default; `DV2_GEMV2_LATE=0`: per iteration, two barriers each).
+    pub gemv2_late: bool,
     /// GEMV v2 and v3 issue their first weights before loading x (default;
     /// `DV2_GEMV_WFIRST=0`: after x is in registers or shared memory).
     pub gemv_w_first: bool,
@@ -358,6 +361,7 @@ impl Ops {
             attn_batch: std::env::var("DV2_ATTN_BATCH").as_deref() != Ok("0"),
             gemv2_pairs: std::env::var("DV2_GEMV2_PAIRS").as_deref() != Ok("0"),
             gemv2_x_smem: std::env::var("DV2_GEMV2_XSMEM").as_deref() != Ok("0"),
+            gemv2_late: std::env::var("DV2_GEMV2_LATE").as_deref() != Ok("0"),
             gemv_w_first: std::env::var("DV2_GEMV_WFIRST").as_deref() != Ok("0"),
             l2_ahead_kb: std::env::var("DV2_L2_AHEAD_KB")
                 .ok()
@@ -795,8 +799,12 @@ impl Ops {
                 let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols)?;
                 let kp = kparts as i32;
                 check_sums(ss_out, cfg.grid_dim.0)?;
-                let (wf, xs) = (i32::from(self.gemv_w_first), i32::from(self.gemv2_x_smem));
-                launch!(self.gpu, &self.k.gemv2_nf4[self.gemv2_table()][j - 1], cfg; m, x, norm, y, bias, rows_i, cols_i, kp, acc, skip_if, ss_out, wf, xs)?;
+                let (wf, xs, late) = (
+                    i32::from(self.gemv_w_first),
+                    i32::from(self.gemv2_x_smem),
+                    i32::from(self.gemv2_late),
+                );
+                launch!(self.gpu, &self.k.gemv2_nf4[self.gemv2_table()][j - 1], cfg; m, x, norm, y, bias, rows_i, cols_i, kp, acc, skip_if, ss_out, wf, xs, late)?;
                 Ok(cfg.grid_dim.0 as usize)
             }
         }
@@ -843,8 +851,12 @@ impl Ops {
             Variant::V2 => {
                 let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols)?;
                 let kp = kparts as i32;
-                let (wf, xs) = (i32::from(self.gemv_w_first), i32::from(self.gemv2_x_smem));
-                launch!(self.gpu, &self.k.gemv2_qkv[self.gemv2_table()][j - 1], cfg; args, x, norm, out, cols_i, kp, wf, xs)
+                let (wf, xs, late) = (
+                    i32::from(self.gemv_w_first),
+                    i32::from(self.gemv2_x_smem),
+                    i32::from(self.gemv2_late),
+                );
+                launch!(self.gpu, &self.k.gemv2_qkv[self.gemv2_table()][j - 1], cfg; args, x, norm, out, cols_i, kp, wf, xs, late)
             }
         }
     }
@@ -879,8 +891,12 @@ impl Ops {
             Variant::V2 => {
                 let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols)?;
                 let kp = kparts as i32;
-                let (wf, xs) = (i32::from(self.gemv_w_first), i32::from(self.gemv2_x_smem));
-                launch!(self.gpu, &self.k.gemv2_swiglu[self.gemv2_table()][j - 1], cfg; gate, up, x, norm, out, rows_i, cols_i, kp, wf, xs)
+                let (wf, xs, late) = (
+                    i32::from(self.gemv_w_first),
+                    i32::from(self.gemv2_x_smem),
+                    i32::from(self.gemv2_late),
+                );
+                launch!(self.gpu, &self.k.gemv2_swiglu[self.gemv2_table()][j - 1], cfg; gate, up, x, norm, out, rows_i, cols_i, kp, wf, xs, late)
             }
         }
     }
