@@ -313,6 +313,10 @@ fn probe() {
         (" (DV2_GEMV2_PAIRS=0)", &[("DV2_GEMV2_PAIRS", "0")][..]),
         (" (DV2_GEMV2_XSMEM=0)", &[("DV2_GEMV2_XSMEM", "0")][..]),
         (" (DV2_GEMV2_LATE=0)", &[("DV2_GEMV2_LATE", "0")][..]),
+        (
+            " (DV2_GEMV3_EPI_EARLY=0)",
+            &[("DV2_GEMV3_EPI_EARLY", "0")][..],
+        ),
         (" (DV2_GEMV=v3)", &[("DV2_GEMV", "v3")][..]),
         (
             " (DV2_GEMV=v3 DV2_L2_AHEAD_KB=0)",
@@ -519,6 +523,10 @@ fn main() {
             ("qwen25_3b gemv2-pairs=0", &[("DV2_GEMV2_PAIRS", "0")]),
             ("qwen25_3b gemv2-xsmem=0", &[("DV2_GEMV2_XSMEM", "0")]),
             ("qwen25_3b gemv2-late=0", &[("DV2_GEMV2_LATE", "0")]),
+            (
+                "qwen25_3b gemv3-epi-early=0",
+                &[("DV2_GEMV3_EPI_EARLY", "0")],
+            ),
             ("qwen25_3b gemv-wfirst=0", &[("DV2_GEMV_WFIRST", "0")]),
             ("qwen25_3b gemv-wfirst=1", &[("DV2_GEMV_WFIRST", "1")]),
             ("qwen25_3b l2-ahead=0", &[("DV2_L2_AHEAD_KB", "0")]),

@@ -170,6 +170,19 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
     float ss = 0.0f;  // squares of the values this thread stored (warp 0 stores)
     for (int group = blockIdx.x; group < groups; group += gridDim.x, parity ^= 1) {
         float acc[T][2] = {};
+        // The epilogue's operands for this group's rows (a thread per row: the bias, the
+        // residual's old y) loaded as the group starts (epi_early, DV2_GEMV3_EPI_EARLY), so
+        // their round trip overlaps the group's math instead of following its reduction.
+        float e_bias = 0.0f, e_old = 0.0f;
+        if (EPI != EPI_SWIGLU && a.epi_early && threadIdx.x < T * 16) {
+            const int row = (group * T + threadIdx.x / 16) * 16 + threadIdx.x % 16;
+            const StackedRow r = stacked_row(a, row);
+            if (r.valid) {
+                const float* bias = pick_bias(a, r.matrix);
+                if (bias) e_bias = bias[r.local];
+                if (EPI == EPI_ACCUMULATE) e_old = a.y[row];
+            }
+        }
         const int ahead = group + a.pf_groups * gridDim.x;
         if (a.pf_groups && threadIdx.x == 0 && ahead < groups) gemv3_prefetch<T, EPI>(a, ahead);
         for (int st = 0; st < stages; st++) {
@@ -234,8 +247,8 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
                 const StackedRow r = stacked_row(a, row);
                 if (r.valid) {
                     const float* bias = pick_bias(a, r.matrix);
-                    const float v = sum + (bias ? bias[r.local] : 0.0f);
-                    const float out = EPI == EPI_ACCUMULATE ? a.y[row] + v : v;
+                    const float v = sum + (a.epi_early ? e_bias : (bias ? bias[r.local] : 0.0f));
+                    const float out = EPI == EPI_ACCUMULATE ? (a.epi_early ? e_old : a.y[row]) + v : v;
                     a.y[row] = out;
                     ss += sq(out);
                 }

@@ -46,6 +46,7 @@ struct GemmArgs {
     int spread;  // the epilogue spread over the K parts' warps (see gemm_finish)
     int w_first;  // GEMV v3: the first weights before x is staged (kernels/gemv_mma.cu)
     int pf_groups;  // GEMV v3: row groups kept prefetched into L2 ahead (0: none)
+    int epi_early;  // GEMV v3: the epilogue's bias and old y loaded when a group starts
 };
 
 enum { EPI_STORE = 0, EPI_ACCUMULATE = 1, EPI_SWIGLU = 2 };

@@ -103,6 +103,7 @@ struct GemmArgs {
     spread: i32,
     w_first: i32,
     pf_groups: i32,
+    epi_early: i32,
 }
 // SAFETY: plain old data matching the kernel's struct.
 unsafe impl DeviceRepr for GemmArgs {}
@@ -309,6 +310,9 @@ pub struct Ops {
     /// GEMV v3 keeps about this many KB of each CTA's next weight rows prefetched into
     /// L2 (`DV2_L2_AHEAD_KB`, default 192; 0: no prefetch).
     pub l2_ahead_kb: usize,
+    /// GEMV v3 loads its epilogue's bias and old y as each row group starts (default;
+    /// `DV2_GEMV3_EPI_EARLY=0`: in the epilogue, after the group's reduction).
+    pub gemv3_epi_early: bool,
     /// RMSNorm folded into the next GEMV's x load from the producer's partial sums of squares
     /// (default; `DV2_FUSE_RMS=0`: the RMSNorm kernel).
     pub fuse_rms: bool,
@@ -376,6 +380,7 @@ impl Ops {
                 Ok("1") => 1,
                 _ => 2,
             },
+            gemv3_epi_early: std::env::var("DV2_GEMV3_EPI_EARLY").as_deref() != Ok("0"),
             l2_ahead_kb: std::env::var("DV2_L2_AHEAD_KB")
                 .ok()
                 .and_then(|v| v.parse().ok())
@@ -590,6 +595,7 @@ impl Ops {
             spread: i32::from(self.gemm_spread),
             w_first: 0,
             pf_groups: 0,
+            epi_early: 0,
         };
         for (i, m) in mats.iter().enumerate() {
             args.m[i] = m.m;
@@ -681,6 +687,7 @@ impl Ops {
             spread: 0,
             w_first: self.gemv_w_first,
             pf_groups: 0,
+            epi_early: i32::from(self.gemv3_epi_early),
         };
         for (i, m) in mats.iter().enumerate() {
             args.m[i] = m.m;

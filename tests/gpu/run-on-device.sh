@@ -35,6 +35,8 @@ DV2_GEMV2_XSMEM=0 .device/tests/cuda_gates --nocapture gates_match > "$out/tests
   && echo "DV2_GEMV2_XSMEM=0, gates: ok" || { echo "DV2_GEMV2_XSMEM=0, gates: FAILED"; status=1; }
 DV2_ATTN_MERGE=kernel .device/tests/cuda_gates --nocapture gates_match > "$out/tests-attn-merge-kernel.log" 2>&1 \
   && echo "DV2_ATTN_MERGE=kernel, gates: ok" || { echo "DV2_ATTN_MERGE=kernel, gates: FAILED"; status=1; }
+DV2_GEMV3_EPI_EARLY=0 .device/tests/cuda_gates --nocapture gates_match > "$out/tests-gemv3-epi-late.log" 2>&1 \
+  && echo "DV2_GEMV3_EPI_EARLY=0, gates: ok" || { echo "DV2_GEMV3_EPI_EARLY=0, gates: FAILED"; status=1; }
 DV2_GEMV2_LATE=0 .device/tests/cuda_gates --nocapture gates_match > "$out/tests-gemv2-per-iteration.log" 2>&1 \
   && echo "DV2_GEMV2_LATE=0, gates: ok" || { echo "DV2_GEMV2_LATE=0, gates: FAILED"; status=1; }
 DV2_L2_AHEAD_KB=0 .device/tests/cuda_gates --nocapture gates_match > "$out/tests-no-l2-prefetch.log" 2>&1 \
