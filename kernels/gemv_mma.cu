@@ -67,8 +67,8 @@ __device__ __forceinline__ void gemv3_load(const GemmArgs& a, int group, int kb,
 // registers, so its bytes in flight are bounded by registers and warps; a prefetch has no
 // such bound and no completion to wait for. Measured on the probe (docs/lab.md, session 7):
 // o 3.98 -> 3.54 us, q/k/v 4.87 -> 4.76; on GEMV v2 it lost (gate+up 14.68 -> 15.88).
-// [from, to) is narrowed to 16-byte bounds (the bulk copy's granule; the allocation is
-// aligned) and sent in pieces of at most 32 KB.
+// Both ends of [from, to) are rounded down to 16 bytes (the bulk copy's granule; the
+// allocation is aligned, so the range stays inside it), sent in pieces of at most 32 KB.
 __device__ __forceinline__ void l2_prefetch(const void* base, size_t from, size_t to) {
 #if __CUDA_ARCH__ >= 900
     const char* p = static_cast<const char*>(base);
