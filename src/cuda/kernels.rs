@@ -348,6 +348,18 @@ pub struct Kernels {
     pub attn_prefill_mma1: [CudaFunction; 4],
 }
 
+/// Lets each of `funcs` take up to `bytes` of dynamic shared memory (past the 48 KiB default).
+fn allow_dynamic_smem(funcs: &[CudaFunction], bytes: usize) -> Result<()> {
+    for func in funcs {
+        func.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            bytes as i32,
+        )
+        .map_err(driver_error("dynamic shared memory attribute"))?;
+    }
+    Ok(())
+}
+
 /// Compiles (or takes from the cache) a kernel file and loads it into the device's context.
 pub fn load_module(gpu: &Gpu, unit: &KernelUnit) -> Result<Arc<CudaModule>> {
     let cubin = compile(unit, &gpu.arch()?)?;
@@ -383,13 +395,7 @@ impl Kernels {
                 let [a, b, c, d] = GEMM_NT.map(|nt| f(&format!("{name}_nt{nt}_{v}")));
                 let fs = [a?, b?, c?, d?];
                 if v == "v2" {
-                    for func in &fs {
-                        func.set_attribute(
-                            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                            GEMM_V2_MAX_SMEM as i32,
-                        )
-                        .map_err(driver_error("gemm shared memory attribute"))?;
-                    }
+                    allow_dynamic_smem(&fs, GEMM_V2_MAX_SMEM)?;
                 }
                 Ok(fs)
             };
@@ -397,13 +403,7 @@ impl Kernels {
         };
         // GEMV v3 stages x in dynamic shared memory, up to GEMV3_MAX_SMEM bytes.
         let gemv3 = [f("gemv3_store")?, f("gemv3_acc")?, f("gemv3_swiglu")?];
-        for func in &gemv3 {
-            func.set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                GEMV3_MAX_SMEM as i32,
-            )
-            .map_err(driver_error("gemv3 shared memory attribute"))?;
-        }
+        allow_dynamic_smem(&gemv3, GEMV3_MAX_SMEM)?;
         Ok(Self {
             gemv3,
             gemv_nf4: f("gemv_nf4")?,
