@@ -379,13 +379,7 @@ impl Kernels {
             let by_j = |suffix: &str| -> Result<[CudaFunction; 3]> {
                 let [a, b, c] = [1, 2, 3].map(|j| f(&format!("{name}_j{j}{suffix}")));
                 let fs = [a?, b?, c?];
-                for func in &fs {
-                    func.set_attribute(
-                        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        GEMV2_MAX_SMEM as i32,
-                    )
-                    .map_err(driver_error("gemv2 shared memory attribute"))?;
-                }
+                allow_dynamic_smem(&fs, GEMV2_MAX_SMEM)?;
                 Ok(fs)
             };
             Ok([by_j("")?, by_j("_nib")?])
