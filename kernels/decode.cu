@@ -358,52 +358,63 @@ __device__ __forceinline__ void load_x_slice(const float* __restrict__ x, int pa
     }
 }
 
-// GEMV v2's x staged once per CTA in dynamic shared memory (DV2_GEMV2_XSMEM, default): the
-// CTA loads x (and the norm's weights) coalesced, 16 bytes a thread, applies the norm, and
-// stores chunk c (32 floats) at X_STAGE_STRIDE * c; each lane then reads its own chunks with
-// 16-byte shared loads, which the stride keeps conflict-free (the 8 lanes of a quarter-warp,
-// on consecutive chunks, start 4 banks apart). Why: read straight from global memory
-// (load_x_slice), each 16-byte load of a warp touches 32 cache lines (a chunk is one 128-byte
-// line per lane), 8x the L1 wavefronts of a coalesced load; the same pattern in the norm's
-// weights (2-byte loads, 16 lines each) cost ~3 us per kernel (docs/lab.md, session 7).
-// Same values in the same order as load_x_slice. X_STAGE_STRIDE comes from the host
-// (src/cuda/kernels.rs), which sizes the dynamic shared memory.
-#define GEMV2_X_BATCH 8  // float4 of x per thread in flight together
-
-__device__ __forceinline__ void stage_x(const float* __restrict__ x, int cols, NormArgs norm, float* x_staged) {
+// x and the RMSNorm's weights, 16 and 8 bytes a thread at a time, for a kernel staging x in
+// shared memory: use(q, x quad q, its 4 bf16 norm weights, 1 / rms) for q = threadIdx.x,
+// + THREADS, ... < cols / 4, coalesced. X_BATCH quads per thread are loaded before any is
+// used (a loop that stored each before loading the next waited one round trip per quad: 11
+// in a row at K = 11008), the first batch in flight during the norm's own round trip. The
+// weights are not loaded without a norm (norm.w null, r = 1).
+#define X_BATCH 8
+template <int THREADS, typename Use>
+__device__ __forceinline__ void for_each_x_quad(const float* __restrict__ x, int cols, NormArgs norm, Use use) {
     const int quads = cols >> 2;
-    float4 xv[GEMV2_X_BATCH];
-    uint2 wv[GEMV2_X_BATCH];  // 4 bf16 norm weights per float4
+    float4 xv[X_BATCH];
+    uint2 wv[X_BATCH];
     auto load = [&](int base) {
 #pragma unroll
-        for (int u = 0; u < GEMV2_X_BATCH; u++) {
-            const int q = base + u * GEMV_THREADS;
+        for (int u = 0; u < X_BATCH; u++) {
+            const int q = base + u * THREADS;
             if (q < quads) {
                 xv[u] = reinterpret_cast<const float4*>(x)[q];
                 if (norm.w) wv[u] = reinterpret_cast<const uint2*>(norm.w)[q];
             }
         }
     };
-    load(threadIdx.x);  // in flight during the norm's round trip
+    load(threadIdx.x);
     const float r = norm.w ? norm_factor(norm, cols) : 1.0f;
     for (int base = threadIdx.x;;) {
 #pragma unroll
-        for (int u = 0; u < GEMV2_X_BATCH; u++) {
-            const int q = base + u * GEMV_THREADS;
+        for (int u = 0; u < X_BATCH; u++) {
+            const int q = base + u * THREADS;
             if (q >= quads) break;
-            float e[4] = {xv[u].x, xv[u].y, xv[u].z, xv[u].w};
-            if (norm.w) {
-                const u32 w2[2] = {wv[u].x, wv[u].y};
-#pragma unroll
-                for (int i = 0; i < 4; i++) e[i] = e[i] * r * bf16_to_f32((u16)(w2[i >> 1] >> (16 * (i & 1))));
-            }
-            *reinterpret_cast<float4*>(x_staged + (q >> 3) * X_STAGE_STRIDE + (q & 7) * 4) =
-                make_float4(e[0], e[1], e[2], e[3]);
+            use(q, xv[u], wv[u], r);
         }
-        base += GEMV2_X_BATCH * GEMV_THREADS;
+        base += X_BATCH * THREADS;
         if (base >= quads) break;
         load(base);
     }
+}
+
+// GEMV v2's x staged once per CTA in dynamic shared memory (DV2_GEMV2_XSMEM, default): the
+// CTA loads x (and the norm's weights) coalesced, applies the norm, and stores chunk c (32
+// floats) at X_STAGE_STRIDE * c; each lane then reads its own chunks with 16-byte shared
+// loads, which the stride keeps conflict-free (the 8 lanes of a quarter-warp, on consecutive
+// chunks, start 4 banks apart). Why: read straight from global memory (load_x_slice), each
+// 16-byte load of a warp touches 32 cache lines (a chunk is one 128-byte line per lane), 8x
+// the L1 wavefronts of a coalesced load; the same pattern in the norm's weights (2-byte
+// loads, 16 lines each) cost ~3 us per kernel (docs/lab.md, session 7). Same values in the
+// same order as load_x_slice. X_STAGE_STRIDE comes from the host (src/cuda/kernels.rs), which
+// sizes the dynamic shared memory.
+__device__ __forceinline__ void stage_x(const float* __restrict__ x, int cols, NormArgs norm, float* x_staged) {
+    for_each_x_quad<GEMV_THREADS>(x, cols, norm, [&](int q, float4 v, uint2 w, float r) {
+        float e[4] = {v.x, v.y, v.z, v.w};
+        if (norm.w) {
+            const u32 w2[2] = {w.x, w.y};
+#pragma unroll
+            for (int i = 0; i < 4; i++) e[i] = e[i] * r * bf16_to_f32((u16)(w2[i >> 1] >> (16 * (i & 1))));
+        }
+        *reinterpret_cast<float4*>(x_staged + (q >> 3) * X_STAGE_STRIDE + (q & 7) * 4) = make_float4(e[0], e[1], e[2], e[3]);
+    });
 }
 
 // This lane's chunks of x from the staged copy (zeros past the last chunk, as load_x_slice).

@@ -20,7 +20,6 @@
 // sums meet in shared memory for the epilogue. x is staged once per CTA as f16 pairs
 // (dynamic shared memory, K/2 words), the table once per CTA too.
 #define GEMV3_THREADS (GEMV3_WARPS * 32)
-#define GEMV3_X_BATCH 8  // float4 of x per thread in flight together while staging x
 
 // One block of one tile for this thread: 8 bytes of rows g and g+8, and their absmax.
 struct Gemv3Block {
@@ -126,44 +125,17 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
     Gemv3Stage<T, S> cur, nxt;
     const bool first_ok = stages > 0 && (int)blockIdx.x < groups;
     if (a.w_first && first_ok) gemv3_load<T, S, EPI>(a, blockIdx.x, kb0, kb1, g, t, cur);
-    // x (normed) staged as f16 pairs, GEMV3_X_BATCH float4 per thread loaded before any is
-    // stored: a loop that stored each before loading the next waited one round trip per
-    // float4 (11 in a row at K = 11008). The first batch is in flight during the norm's.
-    const int quads = a.k >> 2;
-    float4 xv[GEMV3_X_BATCH];
-    uint2 wv[GEMV3_X_BATCH];  // 4 bf16 norm weights per float4
-    auto load_x = [&](int base) {
-#pragma unroll
-        for (int u = 0; u < GEMV3_X_BATCH; u++) {
-            const int i = base + u * GEMV3_THREADS;
-            if (i < quads) {
-                xv[u] = reinterpret_cast<const float4*>(a.x)[i];
-                if (a.norm.w) wv[u] = reinterpret_cast<const uint2*>(a.norm.w)[i];
-            }
+    // x (normed) staged as f16 pairs.
+    for_each_x_quad<GEMV3_THREADS>(a.x, a.k, a.norm, [&](int i, float4 v, uint2 w, float r) {
+        if (a.norm.w) {
+            v.x *= r * bf16_to_f32((u16)(w.x & 0xffffu));
+            v.y *= r * bf16_to_f32((u16)(w.x >> 16));
+            v.z *= r * bf16_to_f32((u16)(w.y & 0xffffu));
+            v.w *= r * bf16_to_f32((u16)(w.y >> 16));
         }
-    };
-    load_x(threadIdx.x);
-    const float r = a.norm.w ? norm_factor(a.norm, a.k) : 1.0f;
-    for (int base = threadIdx.x;;) {
-#pragma unroll
-        for (int u = 0; u < GEMV3_X_BATCH; u++) {
-            const int i = base + u * GEMV3_THREADS;
-            if (i >= quads) break;
-            float4 v = xv[u];
-            if (a.norm.w) {
-                const uint2 w = wv[u];
-                v.x *= r * bf16_to_f32((u16)(w.x & 0xffffu));
-                v.y *= r * bf16_to_f32((u16)(w.x >> 16));
-                v.z *= r * bf16_to_f32((u16)(w.y & 0xffffu));
-                v.w *= r * bf16_to_f32((u16)(w.y >> 16));
-            }
-            x16[2 * i] = pack_f16x2(v.x, v.y);
-            x16[2 * i + 1] = pack_f16x2(v.z, v.w);
-        }
-        base += GEMV3_X_BATCH * GEMV3_THREADS;
-        if (base >= quads) break;
-        load_x(base);
-    }
+        x16[2 * i] = pack_f16x2(v.x, v.y);
+        x16[2 * i + 1] = pack_f16x2(v.z, v.w);
+    });
     __syncthreads();
     if (!a.w_first && first_ok) gemv3_load<T, S, EPI>(a, blockIdx.x, kb0, kb1, g, t, cur);
     int parity = 0;
