@@ -454,8 +454,11 @@ __device__ __forceinline__ void load_row(Nf4Ref m, int row, int cols, int part, 
     }
 }
 
-template <int J>
-__device__ __forceinline__ float dot_row(const RowChunks<J>& rc, const XSlice<J>& xs, const float* lut) {
+// One row part's dot product with this lane's x: each 32-bit word of weights is four bytes,
+// each byte two weights, looked up together by `pair(word, k)` = {codebook(high nibble),
+// codebook(low nibble)} of byte k (the even element first), times the chunk's absmax.
+template <int J, typename Pair>
+__device__ __forceinline__ float dot_row(const RowChunks<J>& rc, const XSlice<J>& xs, Pair pair) {
     float acc = 0.0f;
 #pragma unroll
     for (int j = 0; j < J; j++) {
@@ -465,9 +468,9 @@ __device__ __forceinline__ float dot_row(const RowChunks<J>& rc, const XSlice<J>
         for (int w = 0; w < 4; w++) {
             const u32 b = words[w];
             const float* xv = &xs.v[j][8 * w];
-            part += lut[(b >> 4) & 15] * xv[0] + lut[b & 15] * xv[1] + lut[(b >> 12) & 15] * xv[2] +
-                    lut[(b >> 8) & 15] * xv[3] + lut[(b >> 20) & 15] * xv[4] + lut[(b >> 16) & 15] * xv[5] +
-                    lut[(b >> 28) & 15] * xv[6] + lut[(b >> 24) & 15] * xv[7];
+            const float2 p0 = pair(b, 0), p1 = pair(b, 1), p2 = pair(b, 2), p3 = pair(b, 3);
+            part += p0.x * xv[0] + p0.y * xv[1] + p1.x * xv[2] + p1.y * xv[3] + p2.x * xv[4] + p2.y * xv[5] +
+                    p3.x * xv[6] + p3.y * xv[7];
         }
         acc = fmaf(part, rc.s[j], acc);
     }
@@ -494,33 +497,9 @@ __device__ __forceinline__ void load_pair_codebook(float2* lut) {
 }
 
 // The pair of byte k of b for this lane: byte offset 128 * byte + 8 * (lane % 16) = lane8.
-template <int K>
-__device__ __forceinline__ float2 nf4_pair(const float2* lut, u32 b, u32 lane8) {
-    const u32 off = (K == 0 ? b << 7 : b >> (8 * K - 7)) & 0x7f80u;
+__device__ __forceinline__ float2 nf4_pair(const float2* lut, u32 b, int k, u32 lane8) {
+    const u32 off = (k == 0 ? b << 7 : b >> (8 * k - 7)) & 0x7f80u;
     return *reinterpret_cast<const float2*>(reinterpret_cast<const char*>(lut) + (off | lane8));
-}
-
-// dot_row through the pair table; the same products summed in the same order.
-template <int J>
-__device__ __forceinline__ float dot_row_pairs(const RowChunks<J>& rc, const XSlice<J>& xs, const float2* lut,
-                                               u32 lane8) {
-    float acc = 0.0f;
-#pragma unroll
-    for (int j = 0; j < J; j++) {
-        const u32 words[4] = {rc.q[j].x, rc.q[j].y, rc.q[j].z, rc.q[j].w};
-        float part = 0.0f;
-#pragma unroll
-        for (int w = 0; w < 4; w++) {
-            const u32 b = words[w];
-            const float* xv = &xs.v[j][8 * w];
-            const float2 p0 = nf4_pair<0>(lut, b, lane8), p1 = nf4_pair<1>(lut, b, lane8);
-            const float2 p2 = nf4_pair<2>(lut, b, lane8), p3 = nf4_pair<3>(lut, b, lane8);
-            part += p0.x * xv[0] + p0.y * xv[1] + p1.x * xv[2] + p1.y * xv[3] + p2.x * xv[4] + p2.y * xv[5] +
-                    p3.x * xv[6] + p3.y * xv[7];
-        }
-        acc = fmaf(part, rc.s[j], acc);
-    }
-    return acc;
 }
 
 // The walk shared by the v2 kernels. `Rows` maps a row index to its matrix and epilogue:
@@ -591,8 +570,11 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
         for (int i = 0; i < R; i++)
 #pragma unroll
             for (int k = 0; k < NM; k++)
-                sums[i][k] = warp_sum(PAIRS ? dot_row_pairs<J>(cur[i][k], xs, pair_lut, lane8)
-                                            : dot_row<J>(cur[i][k], xs, lut));
+                sums[i][k] = warp_sum(
+                    PAIRS ? dot_row<J>(cur[i][k], xs, [&](u32 b, int q) { return nf4_pair(pair_lut, b, q, lane8); })
+                          : dot_row<J>(cur[i][k], xs, [&](u32 b, int q) {
+                                return make_float2(lut[(b >> (8 * q + 4)) & 15], lut[(b >> (8 * q)) & 15]);
+                            }));
 #pragma unroll
         for (int i = 0; i < R; i++)
 #pragma unroll
