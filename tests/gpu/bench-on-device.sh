@@ -15,7 +15,7 @@ for what in "${@:-decode probe prefill}"; do
       decode) timeout 300 $bench --skip-kernels --skip-variants > "$out/decode.txt" 2>&1 || status=1
               grep -E "^  (qwen25|medium)|built in" "$out/decode.txt" ;;
       probe) timeout 300 $bench --probe > "$out/probe.txt" 2>&1 || status=1
-             grep -E "^gemv|^gemm .* N=48: " "$out/probe.txt" ;;
+             grep -E "^gemv|^gemm [^ ]+ N=48" "$out/probe.txt" ;;
       prefill) timeout 300 $bench --prefill-only --skip-kernels --skip-gemm > "$out/prefill.txt" 2>&1 || status=1
                grep -E "^  (default|n1|DV2_)" "$out/prefill.txt" ;;
       *) echo "unknown table: $w (decode, probe, prefill)"; status=1 ;;
