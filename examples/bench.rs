@@ -304,8 +304,8 @@ fn probe() {
             );
         }
     }
-    // The decode step's GEMVs (each kernel the default picks) under each switch: the L2
-    // prefetch window (DV2_L2_AHEAD_KB, default 192) and the v2 table.
+    // The decode step's five GEMVs (each the kernel the default picks) under each GEMV switch,
+    // and with v3 forced, with and without its L2 prefetch.
     let (h, kv, inter) = (s.hidden, s.kv_dim(), s.intermediate);
     for (label, env) in [
         ("", &[][..]),
