@@ -496,10 +496,17 @@ __device__ __forceinline__ void load_pair_codebook(float2* lut) {
     }
 }
 
-// The pair of byte k of b for this lane: byte offset 128 * byte + 8 * (lane % 16) = lane8.
+// The byte offset of byte k (0..3) of `word`'s entry in a byte-indexed table of 128 bytes per
+// entry (this table, and the f16-pair table of kernels/prefill.cu): 128 * byte, to be ORed
+// with the lane's offset inside the entry. The two parts share no bits, so a shift and one
+// LOP3 (mask, then OR) make the address; indexing by byte * lanes + lane took ~4 instructions.
+__device__ __forceinline__ u32 byte_entry_offset(u32 word, int k) {
+    return (k == 0 ? word << 7 : word >> (8 * k - 7)) & 0x7f80u;
+}
+
+// The pair of byte k of b for this lane (lane8 = 8 * (lane % 16)).
 __device__ __forceinline__ float2 nf4_pair(const float2* lut, u32 b, int k, u32 lane8) {
-    const u32 off = (k == 0 ? b << 7 : b >> (8 * k - 7)) & 0x7f80u;
-    return *reinterpret_cast<const float2*>(reinterpret_cast<const char*>(lut) + (off | lane8));
+    return *reinterpret_cast<const float2*>(reinterpret_cast<const char*>(lut) + (byte_entry_offset(b, k) | lane8));
 }
 
 // The walk shared by the v2 kernels. `Rows` maps a row index to its matrix and epilogue:

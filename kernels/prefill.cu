@@ -76,12 +76,10 @@ __device__ __forceinline__ u32 dequant_pair(const u32* lut16, u32 byte, u32 s2) 
 // Used by the GEMM v1 with f16 activations and by GEMV v3 (gemv_mma.cu).
 #define BYTE_LUT_WORDS (256 * 32)
 
-// The entry of byte k (0..3) of `word` for this lane (lane4 = 4 * lane): byte offset
-// 128 * byte + lane4. The two parts share no bits, so a shift and one LOP3 (mask, then OR)
-// make the address; indexing by byte * 32 + lane took ~4 instructions per lookup.
+// The entry of byte k (0..3) of `word` for this lane (lane4 = 4 * lane; byte_entry_offset in
+// kernels/decode.cu).
 __device__ __forceinline__ u32 byte_lut_entry(const u32* lut, u32 word, int k, u32 lane4) {
-    const u32 off = (k == 0 ? word << 7 : word >> (8 * k - 7)) & 0x7f80u;
-    return *reinterpret_cast<const u32*>(reinterpret_cast<const char*>(lut) + (off | lane4));
+    return *reinterpret_cast<const u32*>(reinterpret_cast<const char*>(lut) + (byte_entry_offset(word, k) | lane4));
 }
 
 __device__ __forceinline__ void load_byte_codebook(u32* lut) {

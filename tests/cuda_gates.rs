@@ -4,8 +4,9 @@
 mod common;
 
 use common::*;
-use decodev2::arch::{preset, QWEN25_3B};
+use decodev2::arch::{preset, ArchSpec, QWEN25_3B};
 use decodev2::engine::{BackendKind, Engine, EngineOptions};
+use decodev2::model::HostModel;
 use decodev2::oracle::{greedy, step_logits, KvCache};
 use decodev2::{synth, Error};
 
@@ -31,7 +32,7 @@ fn near_tie(logits: &[f32], id: u32, err: f32, what: impl Fn() -> String) -> Opt
 /// logit error `err`. Returns the (step, oracle gap) of each swap; with none, the ids are the
 /// oracle's greedy ids.
 fn greedy_near_ties(
-    model: &decodev2::model::HostModel,
+    model: &HostModel,
     prefix: &[u32],
     ids: &[u32],
     err: f32,
@@ -82,6 +83,21 @@ fn cuda_engine(name: &str, seed: u64, opts: EngineOptions) -> Option<Engine> {
         }
         Err(e) => panic!("CUDA engine for {name}: {e}"),
     }
+}
+
+/// The preset at `max_seq`, its synthetic model (the weights `cuda_engine(name, seed, ..)`
+/// loads) and a seeded prompt of `len` ids: what the oracle comparisons below run.
+fn oracle_case(
+    name: &str,
+    seed: u64,
+    max_seq: usize,
+    len: usize,
+) -> (ArchSpec, HostModel, Vec<u32>) {
+    let mut spec = preset(name).unwrap();
+    spec.max_seq = max_seq;
+    let model = synth::build(&spec, seed).unwrap();
+    let prompt = synth::prompt(spec.vocab, len, seed + 100);
+    (spec, model, prompt)
 }
 
 /// A CUDA engine whose EOS id is the fixture's greedy id `k`, with the fixture case, that id,
@@ -256,7 +272,7 @@ fn qwen25_3b_shape_first_16_ids_match_the_oracle() {
     let t = std::time::Instant::now();
     let mut spec64 = model.spec;
     spec64.max_seq = 64;
-    let oracle_model = decodev2::model::HostModel {
+    let oracle_model = HostModel {
         spec: spec64,
         ..model
     };
@@ -405,10 +421,7 @@ fn long_context_decode_matches_the_oracle() {
     const STEPS: usize = 6;
     const CAP: f32 = 0.05;
     let (name, seed) = ("tiny_llama", 3u64);
-    let mut spec = preset(name).unwrap();
-    spec.max_seq = MAX_SEQ;
-    let model = synth::build(&spec, seed).unwrap();
-    let prompt = synth::prompt(spec.vocab, LEN, seed + 100);
+    let (spec, model, prompt) = oracle_case(name, seed, MAX_SEQ, LEN);
     let opts = EngineOptions {
         max_seq: MAX_SEQ,
         ..EngineOptions::default()
@@ -465,10 +478,7 @@ fn chunked_prefill_of_150_tokens_matches_the_oracle() {
     const MAX_SEQ: usize = 160;
     const LEN: usize = 150;
     for (name, seed) in [("tiny_llama", 0u64), ("medium_llama", 2)] {
-        let mut spec = preset(name).unwrap();
-        spec.max_seq = MAX_SEQ;
-        let model = synth::build(&spec, seed).unwrap();
-        let prompt = synth::prompt(spec.vocab, LEN, seed + 100);
+        let (spec, model, prompt) = oracle_case(name, seed, MAX_SEQ, LEN);
         let opts = EngineOptions {
             max_seq: MAX_SEQ,
             ..EngineOptions::default()
@@ -509,10 +519,7 @@ fn chunked_prefill_matches_the_oracle() {
         ("tiny_internlm", 1),
         ("medium_llama", 2),
     ] {
-        let mut spec = preset(name).unwrap();
-        spec.max_seq = MAX_SEQ;
-        let model = synth::build(&spec, seed).unwrap();
-        let prompt = synth::prompt(spec.vocab, MAX_SEQ - 1, seed + 100);
+        let (spec, model, prompt) = oracle_case(name, seed, MAX_SEQ, MAX_SEQ - 1);
         // The oracle's logits after teacher-forcing prompt[..=i], for every i.
         let teacher = step_logits(
             &model,

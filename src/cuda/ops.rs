@@ -670,6 +670,8 @@ impl Ops {
                 "K = {k}: GEMV v3 takes multiples of 64 up to {GEMV3_MAX_K}"
             )));
         }
+        // A row group is 16 outputs: 16 rows, SwiGLU's 16 gate and 16 up rows.
+        let group_rows = if epilogue == Epilogue::Swiglu { 32 } else { 16 };
         let mut args = GemmArgs {
             m: [Nf4Ref::default(); 3],
             bias: [0; 3],
@@ -686,7 +688,7 @@ impl Ops {
             early: 0,
             spread: 0,
             w_first: self.gemv_w_first,
-            pf_groups: 0,
+            pf_groups: self.l2_ahead(group_rows, k) as i32,
             epi_early: i32::from(self.gemv3_epi_early),
         };
         for (i, m) in mats.iter().enumerate() {
@@ -699,9 +701,6 @@ impl Ops {
             Epilogue::Accumulate => (&self.k.gemv3[1], mats[0].rows),
             Epilogue::Swiglu => (&self.k.gemv3[2], mats[0].rows),
         };
-        // A row group is 16 outputs: 16 rows, SwiGLU's 16 gate and 16 up rows.
-        let group_rows = if epilogue == Epilogue::Swiglu { 32 } else { 16 };
-        args.pf_groups = self.l2_ahead(group_rows, k) as i32;
         // Persistent: two CTAs per SM (the registers allow two), each looping over groups
         // of 16 outputs.
         let groups = outputs.div_ceil(16) as u32;

@@ -18,9 +18,9 @@ grep -E "^test |test result|SKIP|FAILED|panicked|max \|logit|oracle|built in|qwe
 gates_with() {
   local test=$1; shift
   local log="$out/$test-$(echo "$*" | tr ' =' '_-' | tr 'A-Z' 'a-z').log"
-  local errs
-  env "$@" .device/tests/cuda_gates --nocapture "$test" > "$log" 2>&1 && errs=ok || { errs=FAILED; status=1; }
-  echo "$* ($test): $errs, max |logit - oracle| $(grep -oE 'max \|logit - oracle\| = [0-9.]+' "$log" | awk '{print $NF}' | paste -sd/ -)"
+  local result
+  env "$@" .device/tests/cuda_gates --nocapture "$test" > "$log" 2>&1 && result=ok || { result=FAILED; status=1; }
+  echo "$* ($test): $result, max |logit - oracle| $(grep -oE 'max \|logit - oracle\| = [0-9.]+' "$log" | awk '{print $NF}' | paste -sd/ -)"
 }
 # The v1 kernels stay selectable; each GEMV forced everywhere (the default picks per matrix);
 # each decode switch off; the decode step's linears through the tensor-core GEMM; the prompt
