@@ -614,20 +614,12 @@ impl Backend for CudaBackend {
 
     fn reset(&mut self) -> Result<()> {
         // position = valid_len = 0, finished = 0; the KV cache keeps its (dirty) contents.
-        // The attention's arrival counts are zero after every completed launch; zeroed here
-        // too, so that no interrupted step can leave a request miscounting its chunks.
         let zeros = [0i32; state::LEN];
         self.ops
             .gpu
             .stream
             .memcpy_htod(&zeros, &mut self.state)
             .map_err(driver_error("state reset"))?;
-        let counts = vec![0i32; self.spec.n_kv_heads];
-        self.ops
-            .gpu
-            .stream
-            .memcpy_htod(&counts, &mut self.arena.arrivals)
-            .map_err(driver_error("arrival counts reset"))?;
         self.ops.gpu.sync()
     }
 
