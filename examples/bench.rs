@@ -489,7 +489,6 @@ fn main() {
         ("medium_llama pdl=0", &[("DV2_PDL", "0")]),
         ("medium rms-kernel", &[("DV2_FUSE_RMS", "0")]),
         ("medium attn-batch=0", &[("DV2_ATTN_BATCH", "0")]),
-        ("medium attn-merge=kernel", &[("DV2_ATTN_MERGE", "kernel")]),
         ("medium gemv-wfirst=0", &[("DV2_GEMV_WFIRST", "0")]),
         ("medium l2-ahead=0", &[("DV2_L2_AHEAD_KB", "0")]),
         ("medium gemv2-xsmem=0", &[("DV2_GEMV2_XSMEM", "0")]),
@@ -516,10 +515,6 @@ fn main() {
             ("qwen25_3b pdl=0", &[("DV2_PDL", "0")]),
             ("qwen25_3b rms-kernel", &[("DV2_FUSE_RMS", "0")]),
             ("qwen25_3b attn-batch=0", &[("DV2_ATTN_BATCH", "0")]),
-            (
-                "qwen25_3b attn-merge=kernel",
-                &[("DV2_ATTN_MERGE", "kernel")],
-            ),
             ("qwen25_3b gemv2-pairs=0", &[("DV2_GEMV2_PAIRS", "0")]),
             ("qwen25_3b gemv2-xsmem=0", &[("DV2_GEMV2_XSMEM", "0")]),
             ("qwen25_3b gemv2-late=0", &[("DV2_GEMV2_LATE", "0")]),

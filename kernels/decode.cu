@@ -835,11 +835,6 @@ struct AttnArgs {
     float* part_ml;   // [n_q][n_splits][2]
     int n_q, n_kv, head_dim, max_seq, n_splits;
     float scale;
-    // Attention v2 only: when merge_out is set, the last chunk CTA of each KV head to finish
-    // merges that head's group into merge_out (no merge kernel); arrivals[kvh] counts the
-    // chunk CTAs that have written their partials (zero between launches).
-    int* arrivals;
-    float* merge_out;
 };
 
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode(AttnArgs a) {
@@ -925,79 +920,6 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode(AttnArgs 
             if (w_m[w] != NEG_INF) L += w_l[w] * expf(w_m[w] - M);
         a.part_ml[((size_t)h * a.n_splits + split) * 2] = M;
         a.part_ml[((size_t)h * a.n_splits + split) * 2 + 1] = L;
-    }
-}
-
-// The merge of attn2_merge, run by the last of a KV head's `used` chunk CTAs to finish
-// (DV2_ATTN_MERGE, default fused): each chunk CTA makes its partials visible, then counts
-// itself in arrivals[kvh]; the one that completes the count merges the group's q heads and
-// resets the count for the next launch. Why: the merge kernel was a kernel boundary and three
-// dependent round trips per layer for ~16 KB of partials. Its scratch is the chunk's staging
-// memory, free after the barrier: w_s and l_s hold group x used floats (the host fuses only
-// where they fit), inv_s group floats. Same arithmetic as attn2_merge for used <= 32 (the
-// softmax denominator's sum order differs beyond).
-__device__ __forceinline__ void attn2_merge_if_last(const AttnArgs& a, int kvh, int group, int used, u32* k_s,
-                                                    u32* v_s, float* inv_s) {
-    __shared__ int is_last;
-    __threadfence();  // this CTA's partials, device-wide, before it counts itself
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        is_last = atomicAdd(&a.arrivals[kvh], 1) == used - 1;
-        if (is_last) a.arrivals[kvh] = 0;  // every chunk CTA of this launch has arrived
-    }
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();  // the other CTAs' partials, read below through L2 (__ldcg)
-    const int hd = a.head_dim, ns = a.n_splits, h0 = kvh * group;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    float* w_s = reinterpret_cast<float*>(k_s);
-    float* l_s = reinterpret_cast<float*>(v_s);
-    // Per head (a warp each): M = max m_c, weight_c = exp(m_c - M), 1 / sum l_c weight_c.
-    for (int g = warp; g < group; g += ATTN_WARPS) {
-        const float* ml = a.part_ml + (size_t)(h0 + g) * ns * 2;
-        float m = NEG_INF;
-        for (int c = lane; c < used; c += 32) {
-            const float2 v = __ldcg(reinterpret_cast<const float2*>(ml) + c);
-            w_s[g * used + c] = v.x;
-            l_s[g * used + c] = v.y;
-            m = fmaxf(m, v.x);
-        }
-        m = warp_max(m);
-        float l = 0.0f;
-        for (int c = lane; c < used; c += 32) {
-            const float w = expf(w_s[g * used + c] - m);
-            w_s[g * used + c] = w;
-            l += l_s[g * used + c] * w;
-        }
-        l = warp_sum(l);
-        if (lane == 0) inv_s[g] = 1.0f / l;
-    }
-    __syncthreads();
-    // Outputs, four dims a thread at a time, eight chunks' loads in flight together.
-    const int quads = group * hd / 4;
-    for (int i = threadIdx.x; i < quads; i += blockDim.x) {
-        const int g = 4 * i / hd, d = 4 * i % hd;
-        const float* src = a.part_acc + (size_t)(h0 + g) * ns * hd + d;
-        float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int c0 = 0; c0 < used; c0 += 8) {
-            float4 v[8];
-#pragma unroll
-            for (int u = 0; u < 8; u++)
-                v[u] = c0 + u < used ? __ldcg(reinterpret_cast<const float4*>(src + (size_t)(c0 + u) * hd))
-                                     : make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-            for (int u = 0; u < 8; u++) {
-                if (c0 + u >= used) break;
-                const float w = w_s[g * used + c0 + u];
-                sum.x = fmaf(v[u].x, w, sum.x);
-                sum.y = fmaf(v[u].y, w, sum.y);
-                sum.z = fmaf(v[u].z, w, sum.z);
-                sum.w = fmaf(v[u].w, w, sum.w);
-            }
-        }
-        const float inv = inv_s[g];
-        reinterpret_cast<float4*>(a.merge_out + (size_t)(h0 + g) * hd + d)[0] =
-            make_float4(sum.x * inv, sum.y * inv, sum.z * inv, sum.w * inv);
     }
 }
 
@@ -1185,7 +1107,6 @@ __device__ __forceinline__ void attn2_decode_body(const AttnArgs& a) {
         out[2 * w] = ax;
         out[2 * w + 1] = ay;
     }
-    if (a.merge_out) attn2_merge_if_last(a, kvh, group, pos / ATTN2_CHUNK + 1, k_s, v_s, &p_s[0][0]);
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode(AttnArgs a) { attn2_decode_body<true>(a); }

@@ -335,7 +335,6 @@ impl Bench {
             .gpu
             .zeros::<f32>(s.n_q_heads * partials * s.head_dim)?;
         let part_ml = self.ops.gpu.zeros::<f32>(s.n_q_heads * partials * 2)?;
-        let arrivals = self.ops.gpu.zeros::<i32>(s.n_kv_heads)?;
         let out = self.ops.gpu.zeros::<f32>(s.hidden)?;
         let gpu = &self.ops.gpu;
         let base = AttnArgs {
@@ -353,8 +352,6 @@ impl Bench {
             max_seq: max_seq as i32,
             n_splits: 0,
             scale: 1.0 / (s.head_dim as f32).sqrt(),
-            arrivals: gpu.ptr(&arrivals),
-            merge_out: 0,
         };
         let (layer_bytes, out_ptr) = (2 * layer_elems as u64, gpu.ptr(&out));
         let median_us = self.time_rotated(layers, |l| {

@@ -35,9 +35,6 @@ pub const ATTN2_CHUNK: usize = 32;
 pub const ATTN2_MAX_GROUP: usize = 16;
 pub const ATTN2_MAX_GROUP_X_HD: usize = 2048;
 pub const ATTN2_MAX_CHUNKS: usize = 1024;
-/// Attention v2 merges in its last chunk CTA only where (group x chunks) weights fit the
-/// chunk's K staging memory it reuses (kernels/decode.cu `attn2_merge_if_last`).
-pub const ATTN2_FUSED_MERGE_MAX: usize = ATTN2_CHUNK * (MAX_HEAD_DIM / 2 + 1);
 
 /// Warps per CTA of the NF4 tensor-core GEMM (row tiles x parts of K).
 pub const GEMM_WARPS: usize = 8;

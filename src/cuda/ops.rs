@@ -37,10 +37,10 @@ use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig};
 
 use super::device::{driver_error, Gpu};
 use super::kernels::{
-    Kernels, ATTN2_CHUNK, ATTN2_FUSED_MERGE_MAX, ATTN2_MAX_CHUNKS, ATTN2_MAX_GROUP,
-    ATTN2_MAX_GROUP_X_HD, ATTNM_ROWS, ATTNM_THREADS, ATTNP_Q_FLOATS, ATTNP_ROWS, ATTNP_THREADS,
-    ATTN_THREADS, GEMM_B2_STRIDE, GEMM_NT, GEMM_V2_MAX_KW, GEMM_WARPS, GEMM_WARP_ROWS, GEMV2_MAX_K,
-    GEMV2_X_STRIDE, GEMV3_MAX_K, GEMV3_WARPS, GEMV_THREADS, GEMV_WARPS, MAX_HEAD_DIM,
+    Kernels, ATTN2_CHUNK, ATTN2_MAX_CHUNKS, ATTN2_MAX_GROUP, ATTN2_MAX_GROUP_X_HD, ATTNM_ROWS,
+    ATTNM_THREADS, ATTNP_Q_FLOATS, ATTNP_ROWS, ATTNP_THREADS, ATTN_THREADS, GEMM_B2_STRIDE,
+    GEMM_NT, GEMM_V2_MAX_KW, GEMM_WARPS, GEMM_WARP_ROWS, GEMV2_MAX_K, GEMV2_X_STRIDE, GEMV3_MAX_K,
+    GEMV3_WARPS, GEMV_THREADS, GEMV_WARPS, MAX_HEAD_DIM,
 };
 use super::weights::Nf4Ref;
 use crate::arch::ArchSpec;
@@ -75,10 +75,6 @@ pub struct AttnArgs {
     pub max_seq: i32,
     pub n_splits: i32,
     pub scale: f32,
-    /// One i32 per KV head, zero between launches (attention v2's fused merge).
-    pub arrivals: u64,
-    /// Set by [`Ops::attention`]: where the fused merge writes (0: the merge kernel runs).
-    pub merge_out: u64,
 }
 // SAFETY: plain old data matching the kernel's struct.
 unsafe impl DeviceRepr for AttnArgs {}
@@ -291,9 +287,6 @@ pub struct Ops {
     /// Attention v2 issues all its prologue loads before its first shared store (default;
     /// `DV2_ATTN_BATCH=0`: load and store in turn).
     pub attn_batch: bool,
-    /// Attention v2's last chunk CTA of each KV head merges the partials (default, where they
-    /// fit its scratch; `DV2_ATTN_MERGE=kernel`: the merge kernel).
-    pub attn_merge_fused: bool,
     /// GEMV v2 looks weights up two at a time in a byte -> f32-pair table (default;
     /// `DV2_GEMV2_PAIRS=0`: one at a time in the 16-entry codebook).
     pub gemv2_pairs: bool,
@@ -371,7 +364,6 @@ impl Ops {
             },
             attn: variant("DV2_ATTN"),
             attn_batch: std::env::var("DV2_ATTN_BATCH").as_deref() != Ok("0"),
-            attn_merge_fused: std::env::var("DV2_ATTN_MERGE").as_deref() != Ok("kernel"),
             gemv2_pairs: std::env::var("DV2_GEMV2_PAIRS").as_deref() != Ok("0"),
             gemv2_x_smem: std::env::var("DV2_GEMV2_XSMEM").as_deref() != Ok("0"),
             gemv2_late: std::env::var("DV2_GEMV2_LATE").as_deref() != Ok("0"),
@@ -940,7 +932,6 @@ impl Ops {
             Variant::V1 => {
                 let args = AttnArgs {
                     n_splits: attn_splits_v1(max_seq) as i32,
-                    merge_out: 0,
                     ..args
                 };
                 let cfg = LaunchConfig {
@@ -954,13 +945,8 @@ impl Ops {
             }
             Variant::V2 | Variant::V3 => {
                 let chunks = max_seq.div_ceil(ATTN2_CHUNK);
-                let group = (args.n_q / args.n_kv) as usize;
-                let fused = self.attn_merge_fused
-                    && args.arrivals != 0
-                    && group * chunks <= ATTN2_FUSED_MERGE_MAX;
                 let args = AttnArgs {
                     n_splits: chunks as i32,
-                    merge_out: if fused { out } else { 0 },
                     ..args
                 };
                 let cfg = LaunchConfig {
@@ -975,9 +961,6 @@ impl Ops {
                     &self.k.attn2_decode_serial
                 };
                 launch!(self.gpu, f, cfg; args)?;
-                if fused {
-                    return Ok(());
-                }
                 launch!(self.gpu, &self.k.attn2_merge, merge; pa, pm, st, out, hd, nc, ms)
             }
         }

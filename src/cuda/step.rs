@@ -102,8 +102,6 @@ struct Arena {
     logits: CudaSlice<f32>,
     part_acc: CudaSlice<f32>,
     part_ml: CudaSlice<f32>,
-    /// Attention v2's per-KV-head arrival counts for its fused merge (zero between launches).
-    arrivals: CudaSlice<i32>,
     /// Partial sums of squares of x left by the kernel that last wrote it (DV2_FUSE_RMS).
     sums: CudaSlice<f32>,
     prompt: CudaSlice<i32>,
@@ -209,7 +207,6 @@ impl CudaBackend {
             logits: gpu.zeros(s.vocab)?,
             part_acc: gpu.zeros(s.n_q_heads * partials * s.head_dim)?,
             part_ml: gpu.zeros(s.n_q_heads * partials * 2)?,
-            arrivals: gpu.zeros(s.n_kv_heads)?,
             sums: gpu.zeros(MAX_PARTIAL_SUMS)?,
             prompt: gpu.zeros(max_seq)?,
             ring: gpu.zeros(max_seq)?,
@@ -378,8 +375,6 @@ impl CudaBackend {
                 max_seq: self.max_seq as i32,
                 n_splits: 0,
                 scale: 1.0 / (s.head_dim as f32).sqrt(),
-                arrivals: self.ptr(&a.arrivals),
-                merge_out: 0,
             };
             ops.attention(attn_args, attn)?;
             mark("attention + merge")?;
