@@ -546,18 +546,13 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
             }
         }
     };
-    // The first weights after the wait (before it they measured 3% slower, PDL or not:
-    // docs/lab.md). With w_first (DV2_GEMV_WFIRST) they are issued before x's loads, so
-    // their fetch overlaps the round trips for the norm's partial sums and x: w_first 1 the
-    // first block, 2 (default) the first two — the second block's registers idle until the
-    // first iteration anyway, and its fetch otherwise starts only once x is staged. w_first
-    // 0: the first block after x is in registers. They go out before the skip flag is read
-    // (a round trip; weights of a skipped step are only discarded).
+    // The first block's weights after the wait (before it they measured 3% slower, PDL or
+    // not: docs/lab.md). With w_first (DV2_GEMV_WFIRST, default) they are issued before x's
+    // loads, so their fetch overlaps the round trips for the norm's partial sums and x;
+    // without, after x is in registers.
     pdl_enter();
-    const bool second_early = w_first > 1 && r0 + block < r1;
-    if (w_first) load_block(r0, cur);
-    if (second_early) load_block(r0 + block, nxt);
     if (skip_if && *skip_if) return;
+    if (w_first) load_block(r0, cur);
     XSlice<J> xs;
     if (x_smem) {
         extern __shared__ __align__(16) float x_staged[];  // cols / 32 * X_STAGE_STRIDE floats
@@ -571,7 +566,7 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     if (!w_first) load_block(r0, cur);
     float ss = 0.0f;  // squares of the values this thread stored
     for (int base = r0; base < r1; base += block) {
-        if (base + block < r1 && !(second_early && base == r0)) load_block(base + block, nxt);
+        if (base + block < r1) load_block(base + block, nxt);
         float sums[R][NM];
 #pragma unroll
         for (int i = 0; i < R; i++)

@@ -296,10 +296,9 @@ pub struct Ops {
     /// GEMV v2 with K split over warps adds the parts and runs the epilogue once per CTA,
     /// after its last rows (default; `DV2_GEMV2_LATE=0`: per iteration, two barriers each).
     pub gemv2_late: bool,
-    /// GEMV v2 and v3 issue their first weights before loading x: v2 its first two blocks
-    /// (default, 2), or one (`DV2_GEMV_WFIRST=1`; v3 always one); `DV2_GEMV_WFIRST=0`: after x
-    /// is in registers or shared memory.
-    pub gemv_w_first: i32,
+    /// GEMV v2 and v3 issue their first weights before loading x (default;
+    /// `DV2_GEMV_WFIRST=0`: after x is in registers or shared memory).
+    pub gemv_w_first: bool,
     /// GEMV v3 keeps about this many KB of each CTA's next weight rows prefetched into
     /// L2 (`DV2_L2_AHEAD_KB`, default 192; 0: no prefetch).
     pub l2_ahead_kb: usize,
@@ -367,11 +366,7 @@ impl Ops {
             gemv2_pairs: std::env::var("DV2_GEMV2_PAIRS").as_deref() != Ok("0"),
             gemv2_x_smem: std::env::var("DV2_GEMV2_XSMEM").as_deref() != Ok("0"),
             gemv2_late: std::env::var("DV2_GEMV2_LATE").as_deref() != Ok("0"),
-            gemv_w_first: match std::env::var("DV2_GEMV_WFIRST").as_deref() {
-                Ok("0") => 0,
-                Ok("1") => 1,
-                _ => 2,
-            },
+            gemv_w_first: std::env::var("DV2_GEMV_WFIRST").as_deref() != Ok("0"),
             gemv3_epi_early: std::env::var("DV2_GEMV3_EPI_EARLY").as_deref() != Ok("0"),
             l2_ahead_kb: std::env::var("DV2_L2_AHEAD_KB")
                 .ok()
@@ -679,7 +674,7 @@ impl Ops {
             ss_out,
             early: 0,
             spread: 0,
-            w_first: self.gemv_w_first,
+            w_first: i32::from(self.gemv_w_first),
             pf_groups: self.l2_ahead(group_rows, k) as i32,
             epi_early: i32::from(self.gemv3_epi_early),
         };
@@ -811,7 +806,7 @@ impl Ops {
                 let kp = kparts as i32;
                 check_sums(ss_out, cfg.grid_dim.0)?;
                 let (wf, xs, late) = (
-                    self.gemv_w_first,
+                    i32::from(self.gemv_w_first),
                     i32::from(self.gemv2_x_smem),
                     i32::from(self.gemv2_late),
                 );
@@ -863,7 +858,7 @@ impl Ops {
                 let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols)?;
                 let kp = kparts as i32;
                 let (wf, xs, late) = (
-                    self.gemv_w_first,
+                    i32::from(self.gemv_w_first),
                     i32::from(self.gemv2_x_smem),
                     i32::from(self.gemv2_late),
                 );
@@ -903,7 +898,7 @@ impl Ops {
                 let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols)?;
                 let kp = kparts as i32;
                 let (wf, xs, late) = (
-                    self.gemv_w_first,
+                    i32::from(self.gemv_w_first),
                     i32::from(self.gemv2_x_smem),
                     i32::from(self.gemv2_late),
                 );
