@@ -3,12 +3,13 @@
 //!
 //!     cargo run --release --example bench -- [--json PATH] [--skip-kernels] [--skip-3b] [--probe]
 //!                                               [--prefill-only] [--skip-gemm] [--skip-variants]
+//!                                               [--split]
 //!                                               [--prefill-profile LEN CHUNK]
 //!
 //! load s is `Engine::new` (upload, allocation, kernels, warm-up); warmup ms is its eager
 //! probe step + graph capture; prefill ms is the prompt to the first token; ms/token the steps
 //! after the first. `--skip-variants` keeps the 3B run to the default graph (no eager, kernel
-//! variants, stage split or prefill tables).
+//! variants, stage split or prefill tables); `--split` adds the stage split back.
 //!
 //! Prints tables and writes every number to the JSON file (default bench.json).
 
@@ -545,8 +546,13 @@ fn main() {
                 time_decode(label, qwen, 2048, 48, 128, true, 3)
             }));
         }
-        split = stage_split(qwen, 2048, 48);
         prefill_tables(qwen, &mut json, flag("--skip-gemm"));
+    }
+    if let Some(qwen) = qwen
+        .as_ref()
+        .filter(|_| !flag("--skip-variants") || flag("--split"))
+    {
+        split = stage_split(qwen, 2048, 48);
     }
     println!("\ndecode (ignore EOS; median of runs; first decode step excluded):");
     println!(

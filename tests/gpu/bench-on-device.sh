@@ -12,8 +12,8 @@ status=0
 for what in "${@:-decode probe prefill}"; do
   for w in $what; do
     case $w in
-      decode) timeout 300 $bench --skip-kernels --skip-variants > "$out/decode.txt" 2>&1 || status=1
-              grep -E "^  (qwen25|medium)|built in" "$out/decode.txt" ;;
+      decode) timeout 300 $bench --skip-kernels --skip-variants --split > "$out/decode.txt" 2>&1 || status=1
+              grep -E "^  (qwen25|medium)|built in|^  .* ms +[0-9.]+%" "$out/decode.txt" ;;
       probe) timeout 300 $bench --probe > "$out/probe.txt" 2>&1 || status=1
              grep -E "^gemv|^gemm [^ ]+ N=48" "$out/probe.txt" ;;
       prefill) timeout 300 $bench --prefill-only --skip-kernels --skip-gemm > "$out/prefill.txt" 2>&1 || status=1
