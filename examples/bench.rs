@@ -4,7 +4,7 @@
 //!     cargo run --release --example bench -- [--json PATH] [--skip-kernels] [--skip-3b] [--probe]
 //!                                               [--prefill-only] [--skip-gemm] [--skip-variants]
 //!                                               [--split]
-//!                                               [--prefill-profile LEN CHUNK]
+//!                                               [--prefill-profile LEN CHUNK] [--decode-profile STEPS]
 //!
 //! load s is `Engine::new` (upload, allocation, kernels, warm-up); warmup ms is its eager
 //! probe step + graph capture; prefill ms is the prompt to the first token; ms/token the steps
@@ -369,9 +369,28 @@ fn prefill_profile(len: usize, chunk: usize) {
     println!("prefill of {len} tokens, chunk {chunk}: {ms:.2} ms (first, wall clock)");
 }
 
+/// `--decode-profile STEPS`: a 48-token prompt, then STEPS eager decode steps on the
+/// Qwen2.5-3B shape (max_seq 2048), so that a profiler's per-kernel durations (ncu, filtered
+/// to the decode kernels) cover whole steps.
+fn decode_profile(steps: usize) {
+    let qwen = synth::build(&QWEN25_3B, 0).unwrap();
+    let mut e = prefill_engine(&qwen, 2048, 48);
+    e.prefill(&synth::prompt(qwen.spec.vocab, 48, 1)).unwrap();
+    let ids: Vec<u32> = (0..steps).map(|_| e.step().unwrap()).collect();
+    println!("{steps} eager decode steps after a 48-token prompt: {ids:?}");
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let flag = |f: &str| args.iter().any(|a| a == f);
+    if let Some(steps) = args
+        .iter()
+        .position(|a| a == "--decode-profile")
+        .and_then(|i| args.get(i + 1)?.parse().ok())
+    {
+        decode_profile(steps);
+        return;
+    }
     if let Some(i) = args.iter().position(|a| a == "--prefill-profile") {
         let num = |j: usize| args.get(i + j).and_then(|a| a.parse().ok());
         let (Some(len), Some(chunk)) = (num(1), num(2)) else {
@@ -516,6 +535,7 @@ fn main() {
             ("qwen25_3b pdl=0", &[("DV2_PDL", "0")]),
             ("qwen25_3b rms-kernel", &[("DV2_FUSE_RMS", "0")]),
             ("qwen25_3b attn-batch=0", &[("DV2_ATTN_BATCH", "0")]),
+            ("qwen25_3b merge-early=0", &[("DV2_MERGE_EARLY", "0")]),
             ("qwen25_3b gemv2-pairs=0", &[("DV2_GEMV2_PAIRS", "0")]),
             ("qwen25_3b gemv2-xsmem=0", &[("DV2_GEMV2_XSMEM", "0")]),
             ("qwen25_3b gemv2-late=0", &[("DV2_GEMV2_LATE", "0")]),

@@ -1112,18 +1112,36 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode_serial(A
 // Combines the chunks 0 .. ceil(valid_len / ATTN2_CHUNK)-1 of each q head. Grid n_q; the
 // chunk weights exp(m_c - M) / L are computed once, in parallel, then every output sums its
 // chunks with the loads in flight together.
+// With `early` (DV2_MERGE_EARLY, default), the first MERGE_AHEAD chunks' partials are loaded
+// together with the position, before the number of chunks in use is known: their addresses
+// do not depend on it (the buffers hold n_chunks chunks), so the state, m/l and acc round
+// trips become one. Values of chunks past the used ones are never read. Same arithmetic in
+// the same order.
+#define MERGE_AHEAD 8
 extern "C" __global__ void attn2_merge(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
                                        const int* __restrict__ state, float* out, int head_dim, int n_chunks,
-                                       int max_seq) {
+                                       int max_seq, int early) {
     pdl_enter();
+    const int h = blockIdx.x;
+    const float* ml = part_ml + (size_t)h * n_chunks * 2;
+    const float* acc = part_acc + (size_t)h * n_chunks * head_dim;
+    float2 ml_ahead = make_float2(NEG_INF, 0.0f);
+    float acc_ahead[MERGE_AHEAD];
+    const int d0 = threadIdx.x;
+    if (early) {
+        if (d0 < n_chunks) ml_ahead = reinterpret_cast<const float2*>(ml)[d0];
+#pragma unroll
+        for (int c = 0; c < MERGE_AHEAD; c++) acc_ahead[c] = c < n_chunks && d0 < head_dim ? acc[(size_t)c * head_dim + d0] : 0.0f;
+    }
     const int pos = state[STATE_POSITION];
     if (pos >= max_seq) return;
-    const int used = min(pos / ATTN2_CHUNK + 1, ATTN2_MAX_CHUNKS), h = blockIdx.x;
-    const float* ml = part_ml + (size_t)h * n_chunks * 2;
+    const int used = min(pos / ATTN2_CHUNK + 1, ATTN2_MAX_CHUNKS);
+    // m and l of chunk c (this thread's first chunk from the early loads).
+    auto ml_of = [&](int c) { return early && c == d0 ? ml_ahead : reinterpret_cast<const float2*>(ml)[c]; };
     __shared__ float weight[ATTN2_MAX_CHUNKS];
     __shared__ float red[32];
     float m = NEG_INF;
-    for (int c = threadIdx.x; c < used; c += blockDim.x) m = fmaxf(m, ml[2 * c]);
+    for (int c = threadIdx.x; c < used; c += blockDim.x) m = fmaxf(m, ml_of(c).x);
     m = warp_max(m);
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
     __syncthreads();
@@ -1132,9 +1150,10 @@ extern "C" __global__ void attn2_merge(const float* __restrict__ part_acc, const
     __syncthreads();
     float l = 0.0f;
     for (int c = threadIdx.x; c < used; c += blockDim.x) {
-        const float w = expf(ml[2 * c] - M);
+        const float2 mlc = ml_of(c);
+        const float w = expf(mlc.x - M);
         weight[c] = w;
-        l += ml[2 * c + 1] * w;
+        l += mlc.y * w;
     }
     l = warp_sum(l);
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = l;
@@ -1142,11 +1161,18 @@ extern "C" __global__ void attn2_merge(const float* __restrict__ part_acc, const
     float L = 0.0f;
     for (int w = 0; w < (int)(blockDim.x >> 5); w++) L += red[w];
     const float inv = 1.0f / L;
-    const float* acc = part_acc + (size_t)h * n_chunks * head_dim;
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
         float sum = 0.0f;
+        int c = 0;
+        if (early && d == d0) {
+#pragma unroll
+            for (; c < MERGE_AHEAD; c++) {
+                if (c >= used) break;
+                sum = fmaf(acc_ahead[c], weight[c], sum);
+            }
+        }
 #pragma unroll 8
-        for (int c = 0; c < used; c++) sum = fmaf(acc[(size_t)c * head_dim + d], weight[c], sum);
+        for (; c < used; c++) sum = fmaf(acc[(size_t)c * head_dim + d], weight[c], sum);
         out[h * head_dim + d] = sum * inv;
     }
 }

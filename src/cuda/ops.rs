@@ -287,6 +287,9 @@ pub struct Ops {
     /// Attention v2 issues all its prologue loads before its first shared store (default;
     /// `DV2_ATTN_BATCH=0`: load and store in turn).
     pub attn_batch: bool,
+    /// The v2 attention's merge loads its first chunks' partials together with the position
+    /// (default; `DV2_MERGE_EARLY=0`: after it, m and l before the sums).
+    pub merge_early: bool,
     /// GEMV v2 looks weights up two at a time in a byte -> f32-pair table (default;
     /// `DV2_GEMV2_PAIRS=0`: one at a time in the 16-entry codebook).
     pub gemv2_pairs: bool,
@@ -363,6 +366,7 @@ impl Ops {
             },
             attn: variant("DV2_ATTN"),
             attn_batch: std::env::var("DV2_ATTN_BATCH").as_deref() != Ok("0"),
+            merge_early: std::env::var("DV2_MERGE_EARLY").as_deref() != Ok("0"),
             gemv2_pairs: std::env::var("DV2_GEMV2_PAIRS").as_deref() != Ok("0"),
             gemv2_x_smem: std::env::var("DV2_GEMV2_XSMEM").as_deref() != Ok("0"),
             gemv2_late: std::env::var("DV2_GEMV2_LATE").as_deref() != Ok("0"),
@@ -956,7 +960,8 @@ impl Ops {
                     &self.k.attn2_decode_serial
                 };
                 launch!(self.gpu, f, cfg; args)?;
-                launch!(self.gpu, &self.k.attn2_merge, merge; pa, pm, st, out, hd, nc, ms)
+                let early = i32::from(self.merge_early);
+                launch!(self.gpu, &self.k.attn2_merge, merge; pa, pm, st, out, hd, nc, ms, early)
             }
         }
     }
