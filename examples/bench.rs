@@ -536,6 +536,8 @@ fn main() {
             ("qwen25_3b rms-kernel", &[("DV2_FUSE_RMS", "0")]),
             ("qwen25_3b attn-batch=0", &[("DV2_ATTN_BATCH", "0")]),
             ("qwen25_3b merge-early=0", &[("DV2_MERGE_EARLY", "0")]),
+            ("qwen25_3b attn-split=1", &[("DV2_ATTN_SPLIT", "1")]),
+            ("qwen25_3b attn-split=4", &[("DV2_ATTN_SPLIT", "4")]),
             ("qwen25_3b gemv2-pairs=0", &[("DV2_GEMV2_PAIRS", "0")]),
             ("qwen25_3b gemv2-xsmem=0", &[("DV2_GEMV2_XSMEM", "0")]),
             ("qwen25_3b gemv2-late=0", &[("DV2_GEMV2_LATE", "0")]),

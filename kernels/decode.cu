@@ -918,13 +918,17 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode(AttnArgs 
     }
 }
 
-// Attention v2 (default; DV2_ATTN=v1 selects the kernels above): one CTA per (KV head, chunk
-// of ATTN2_CHUNK slots), computing every q head of the GQA group, so each K/V row is read
-// from memory once per step instead of once per q head. The chunk's K and V are staged in
+// Attention v2 (default; DV2_ATTN=v1 selects the kernels above): CTAs per (KV head, chunk
+// of ATTN2_CHUNK slots), each computing several q heads of the GQA group, so each K/V row is
+// read from memory once per step (and from L2 by the KV head's other CTAs) instead of once
+// per q head. With DV2_ATTN_SPLIT=n (default 2) the group's heads are split over n CTAs:
+// the scores and the weighted sum of V are serial loops per thread over heads, so a CTA
+// with half the heads finishes them in half the rounds. The chunk's K and V are staged in
 // shared memory with 16-byte loads issued together; scores, softmax and the weighted sum of
 // V run from shared memory. Chunks past valid_len exit at once (the grid stays static).
 // The live slot (t == position) comes from the rotated projections, never from the cache;
-// CTA (kv head, chunk 0) writes it. Partials per (q head, chunk) go to attn2_merge.
+// the KV head's first CTA of chunk 0 writes it. Partials per (q head, chunk) go to
+// attn2_merge.
 
 // BATCHED (default; DV2_ATTN_BATCH=0 off): every global load of the prologue (the chunk's K
 // and V rows, the q/k pairs to rotate with their cos and sin, the live v) is issued before
@@ -934,8 +938,11 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode(AttnArgs 
 template <bool BATCHED>
 __device__ __forceinline__ void attn2_decode_body(const AttnArgs& a) {
     pdl_enter();
-    const int kvh = blockIdx.x, chunk = blockIdx.y, hd = a.head_dim, half = hd >> 1;
-    const int group = a.n_q / a.n_kv;
+    const int chunk = blockIdx.y, hd = a.head_dim, half = hd >> 1;
+    // gridDim.x = n_kv * parts: `parts` CTAs share a KV head's chunk, each taking gn of its
+    // group's q heads from q head q0 (DV2_ATTN_SPLIT; 1: the whole group in one CTA).
+    const int group = a.n_q / a.n_kv, parts = gridDim.x / a.n_kv, gn = group / parts;
+    const int kvh = blockIdx.x / parts, q0 = kvh * group + (blockIdx.x % parts) * gn;
     const int pos = a.state[STATE_POSITION];
     if (pos >= a.max_seq) return;
     const int valid = pos + 1, t0 = chunk * ATTN2_CHUNK;
@@ -986,7 +993,7 @@ __device__ __forceinline__ void attn2_decode_body(const AttnArgs& a) {
     auto rotate = [&](int i, float c, float s, float x1, float x2) {
         const int g = i / half, j = i % half;
         const float lo = x1 * c - x2 * s, hi = x2 * c + x1 * s;
-        if (g < group) {
+        if (g < gn) {
             q_s[g * hd + j] = lo * a.scale;
             q_s[g * hd + j + half] = hi * a.scale;
         } else {
@@ -994,7 +1001,7 @@ __device__ __forceinline__ void attn2_decode_body(const AttnArgs& a) {
             kcur[j + half] = hi;
         }
     };
-    auto pair_src = [&](int i) { return i / half < group ? a.qkv + (kvh * group + i / half) * hd : qkv_k; };
+    auto pair_src = [&](int i) { return i / half < gn ? a.qkv + (q0 + i / half) * hd : qkv_k; };
     if constexpr (BATCHED) {
         constexpr int RB = 8;  // pairs per thread loaded together
         constexpr int VL = MAX_HEAD_DIM / ATTN_THREADS;
@@ -1004,12 +1011,12 @@ __device__ __forceinline__ void attn2_decode_body(const AttnArgs& a) {
             const int d = threadIdx.x + u * ATTN_THREADS;
             vl[u] = d < hd ? qkv_v[d] : 0.0f;
         }
-        for (int base = threadIdx.x; base < (group + 1) * half; base += RB * ATTN_THREADS) {
+        for (int base = threadIdx.x; base < (gn + 1) * half; base += RB * ATTN_THREADS) {
             float c[RB], sn[RB], x1[RB], x2[RB];
 #pragma unroll
             for (int u = 0; u < RB; u++) {
                 const int i = base + u * ATTN_THREADS;
-                if (i < (group + 1) * half) {
+                if (i < (gn + 1) * half) {
                     const float* src = pair_src(i);
                     c[u] = cos_p[i % half];
                     sn[u] = sin_p[i % half];
@@ -1020,7 +1027,7 @@ __device__ __forceinline__ void attn2_decode_body(const AttnArgs& a) {
 #pragma unroll
             for (int u = 0; u < RB; u++) {
                 const int i = base + u * ATTN_THREADS;
-                if (i < (group + 1) * half) rotate(i, c[u], sn[u], x1[u], x2[u]);
+                if (i < (gn + 1) * half) rotate(i, c[u], sn[u], x1[u], x2[u]);
             }
         }
 #pragma unroll
@@ -1035,7 +1042,7 @@ __device__ __forceinline__ void attn2_decode_body(const AttnArgs& a) {
         }
     } else {
 #pragma unroll 4
-        for (int i = threadIdx.x; i < (group + 1) * half; i += blockDim.x) {
+        for (int i = threadIdx.x; i < (gn + 1) * half; i += blockDim.x) {
             const float* src = pair_src(i);
             const int j = i % half;
             rotate(i, cos_p[j], sin_p[j], src[j], src[j + half]);
@@ -1050,7 +1057,7 @@ __device__ __forceinline__ void attn2_decode_body(const AttnArgs& a) {
             v_s[t * row_words + w] = (u32)f32_to_bf16(vcur[2 * w]) | ((u32)f32_to_bf16(vcur[2 * w + 1]) << 16);
         }
     }
-    if (chunk == 0) {
+    if (chunk == 0 && q0 == kvh * group) {  // one CTA of the KV head writes its slot
         for (int d = threadIdx.x; d < hd; d += blockDim.x) {
             a.k_cache[pos * slot_stride + kvh * hd + d] = f32_to_bf16(kcur[d]);
             a.v_cache[pos * slot_stride + kvh * hd + d] = f32_to_bf16(vcur[d]);
@@ -1060,7 +1067,7 @@ __device__ __forceinline__ void attn2_decode_body(const AttnArgs& a) {
 
     // Scores: a warp takes one q head at a time, a lane one slot.
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    for (int g = warp; g < group; g += ATTN_WARPS) {
+    for (int g = warp; g < gn; g += ATTN_WARPS) {
         float score = NEG_INF;
         if (lane < n_t) {
             const u32* krow = k_s + lane * row_words;
@@ -1081,7 +1088,7 @@ __device__ __forceinline__ void attn2_decode_body(const AttnArgs& a) {
         const float l = warp_sum(p);
         p_s[g][lane] = p;
         if (lane == 0) {
-            const size_t at = ((size_t)(kvh * group + g) * gridDim.y + chunk) * 2;
+            const size_t at = ((size_t)(q0 + g) * gridDim.y + chunk) * 2;
             a.part_ml[at] = m;
             a.part_ml[at + 1] = l;
         }
@@ -1089,7 +1096,7 @@ __device__ __forceinline__ void attn2_decode_body(const AttnArgs& a) {
     __syncthreads();
     // Weighted sum of V: a thread takes one bf16 pair of dims for some heads of the group.
     const int pairs = half;
-    for (int i = threadIdx.x; i < group * pairs; i += blockDim.x) {
+    for (int i = threadIdx.x; i < gn * pairs; i += blockDim.x) {
         const int g = i / pairs, w = i % pairs;
         float ax = 0.0f, ay = 0.0f;
         for (int t = 0; t < n_t; t++) {
@@ -1098,7 +1105,7 @@ __device__ __forceinline__ void attn2_decode_body(const AttnArgs& a) {
             ax = fmaf(p, bf16_to_f32((u16)(pair & 0xffffu)), ax);
             ay = fmaf(p, bf16_to_f32((u16)(pair >> 16)), ay);
         }
-        float* out = a.part_acc + ((size_t)(kvh * group + g) * gridDim.y + chunk) * hd;
+        float* out = a.part_acc + ((size_t)(q0 + g) * gridDim.y + chunk) * hd;
         out[2 * w] = ax;
         out[2 * w + 1] = ay;
     }

@@ -290,6 +290,9 @@ pub struct Ops {
     /// The v2 attention's merge loads its first chunks' partials together with the position
     /// (default; `DV2_MERGE_EARLY=0`: after it, m and l before the sums).
     pub merge_early: bool,
+    /// The CTAs that share a KV head's chunk in attention v2, each taking an equal share of
+    /// its group's q heads (`DV2_ATTN_SPLIT=n`, default 2; 1: the whole group in one CTA).
+    pub attn_split: usize,
     /// GEMV v2 looks weights up two at a time in a byte -> f32-pair table (default;
     /// `DV2_GEMV2_PAIRS=0`: one at a time in the 16-entry codebook).
     pub gemv2_pairs: bool,
@@ -367,6 +370,11 @@ impl Ops {
             attn: variant("DV2_ATTN"),
             attn_batch: std::env::var("DV2_ATTN_BATCH").as_deref() != Ok("0"),
             merge_early: std::env::var("DV2_MERGE_EARLY").as_deref() != Ok("0"),
+            attn_split: std::env::var("DV2_ATTN_SPLIT")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .filter(|&n| n >= 1)
+                .unwrap_or(2),
             gemv2_pairs: std::env::var("DV2_GEMV2_PAIRS").as_deref() != Ok("0"),
             gemv2_x_smem: std::env::var("DV2_GEMV2_XSMEM").as_deref() != Ok("0"),
             gemv2_late: std::env::var("DV2_GEMV2_LATE").as_deref() != Ok("0"),
@@ -948,8 +956,9 @@ impl Ops {
                     n_splits: chunks as i32,
                     ..args
                 };
+                let parts = attn_split_parts(self.attn_split, (args.n_q / args.n_kv) as usize);
                 let cfg = LaunchConfig {
-                    grid_dim: (args.n_kv as u32, chunks as u32, 1),
+                    grid_dim: ((args.n_kv as usize * parts) as u32, chunks as u32, 1),
                     block_dim: (ATTN_THREADS, 1, 1),
                     shared_mem_bytes: 0,
                 };
@@ -965,6 +974,15 @@ impl Ops {
             }
         }
     }
+}
+
+/// CTAs per KV head for attention v2: the largest divisor of the GQA `group` that is at
+/// most `requested`, so every CTA takes the same number of q heads.
+fn attn_split_parts(requested: usize, group: usize) -> usize {
+    (1..=requested.min(group).max(1))
+        .rev()
+        .find(|p| group % p == 0)
+        .unwrap_or(1)
 }
 
 /// The partial sums of a grid of `ctas` must fit [`MAX_PARTIAL_SUMS`].
@@ -1126,6 +1144,15 @@ mod tests {
             auto_gemv(s.vocab, s.hidden, GEMV3_AUTO_MAX_BYTES),
             Variant::V2
         );
+    }
+
+    #[test]
+    fn attention_splits_a_group_evenly() {
+        assert_eq!(attn_split_parts(2, 8), 2);
+        assert_eq!(attn_split_parts(4, 6), 3);
+        assert_eq!(attn_split_parts(2, 1), 1);
+        assert_eq!(attn_split_parts(16, 8), 8);
+        assert_eq!(attn_split_parts(1, 8), 1);
     }
 
     #[test]
