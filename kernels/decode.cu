@@ -921,9 +921,9 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode(AttnArgs 
 // Attention v2 (default; DV2_ATTN=v1 selects the kernels above): CTAs per (KV head, chunk
 // of ATTN2_CHUNK slots), each computing several q heads of the GQA group, so each K/V row is
 // read from memory once per step (and from L2 by the KV head's other CTAs) instead of once
-// per q head. With DV2_ATTN_SPLIT=n (default 2) the group's heads are split over n CTAs:
+// per q head. With DV2_ATTN_SPLIT=n (default 4) the group's heads are split over n CTAs:
 // the scores and the weighted sum of V are serial loops per thread over heads, so a CTA
-// with half the heads finishes them in half the rounds. The chunk's K and V are staged in
+// with a quarter of the heads finishes them in a quarter of the rounds. The chunk's K and V are staged in
 // shared memory with 16-byte loads issued together; scores, softmax and the weighted sum of
 // V run from shared memory. Chunks past valid_len exit at once (the grid stays static).
 // The live slot (t == position) comes from the rotated projections, never from the cache;

@@ -291,7 +291,7 @@ pub struct Ops {
     /// (default; `DV2_MERGE_EARLY=0`: after it, m and l before the sums).
     pub merge_early: bool,
     /// The CTAs that share a KV head's chunk in attention v2, each taking an equal share of
-    /// its group's q heads (`DV2_ATTN_SPLIT=n`, default 2; 1: the whole group in one CTA).
+    /// its group's q heads (`DV2_ATTN_SPLIT=n`, default 4; 1: the whole group in one CTA).
     pub attn_split: usize,
     /// GEMV v2 looks weights up two at a time in a byte -> f32-pair table (default;
     /// `DV2_GEMV2_PAIRS=0`: one at a time in the 16-entry codebook).
@@ -374,7 +374,7 @@ impl Ops {
                 .ok()
                 .and_then(|v| v.parse().ok())
                 .filter(|&n| n >= 1)
-                .unwrap_or(2),
+                .unwrap_or(4),
             gemv2_pairs: std::env::var("DV2_GEMV2_PAIRS").as_deref() != Ok("0"),
             gemv2_x_smem: std::env::var("DV2_GEMV2_XSMEM").as_deref() != Ok("0"),
             gemv2_late: std::env::var("DV2_GEMV2_LATE").as_deref() != Ok("0"),
