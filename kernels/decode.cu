@@ -921,14 +921,14 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode(AttnArgs 
 // Attention v2 (default; DV2_ATTN=v1 selects the kernels above): CTAs per (KV head, chunk
 // of ATTN2_CHUNK slots), each computing several q heads of the GQA group, so each K/V row is
 // read from memory once per step (and from L2 by the KV head's other CTAs) instead of once
-// per q head. With DV2_ATTN_SPLIT=n (default 4) the group's heads are split over n CTAs:
-// the scores and the weighted sum of V are serial loops per thread over heads, so a CTA
-// with a quarter of the heads finishes them in a quarter of the rounds. The chunk's K and V are staged in
-// shared memory with 16-byte loads issued together; scores, softmax and the weighted sum of
-// V run from shared memory. Chunks past valid_len exit at once (the grid stays static).
-// The live slot (t == position) comes from the rotated projections, never from the cache;
-// the KV head's first CTA of chunk 0 writes it. Partials per (q head, chunk) go to
-// attn2_merge.
+// per q head. With DV2_ATTN_SPLIT=n (default 4) the group's heads are split over n CTAs: the
+// scores and the weighted sum of V are serial loops per thread over heads, so a CTA with a
+// quarter of the heads finishes them in a quarter of the rounds (docs/lab.md, session 8).
+// The chunk's K and V are staged in shared memory with 16-byte loads issued together;
+// scores, softmax and the weighted sum of V run from shared memory. Chunks past valid_len
+// exit at once (the grid stays static). The live slot (t == position) comes from the
+// rotated projections, never from the cache; the KV head's first CTA of chunk 0 writes it.
+// Partials per (q head, chunk) go to attn2_merge.
 
 // BATCHED (default; DV2_ATTN_BATCH=0 off): every global load of the prologue (the chunk's K
 // and V rows, the q/k pairs to rotate with their cos and sin, the live v) is issued before
@@ -1122,8 +1122,8 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode_serial(A
 // With `early` (DV2_MERGE_EARLY, default), the first MERGE_AHEAD chunks' partials are loaded
 // together with the position, before the number of chunks in use is known: their addresses
 // do not depend on it (the buffers hold n_chunks chunks), so the state, m/l and acc round
-// trips become one. Values of chunks past the used ones are never read. Same arithmetic in
-// the same order.
+// trips become one. Values loaded for chunks past the used ones are never used. Same
+// arithmetic in the same order.
 #define MERGE_AHEAD 8
 extern "C" __global__ void attn2_merge(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
                                        const int* __restrict__ state, float* out, int head_dim, int n_chunks,

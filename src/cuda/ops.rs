@@ -4,10 +4,15 @@
 //! Variants, chosen at load (each kept so its gain can be measured against its absence):
 //! `DV2_GEMV=v1|v2|v3` (default: v3 below 8 MB of weights, v2 above; v2: persistent CTAs, x
 //! held in registers; v3: tensor cores, kernels/gemv_mma.cu) and `DV2_ATTN=v1|v2`
-//! (default v2: one CTA per KV head and 32-slot chunk; `DV2_ATTN_BATCH=0` makes its prologue
-//! load and store in turn instead of issuing every load first). `DV2_GEMV2_PAIRS=0` makes GEMV
-//! v2 look weights up one at a time in the 16-entry codebook (default: two at a time in a
-//! byte -> f32-pair table). `DV2_GEMV_WFIRST=0` makes GEMV v2 and v3 load x before their
+//! (default v2: `DV2_ATTN_SPLIT=n` CTAs per KV head and 32-slot chunk, default 4, each taking
+//! an equal share of the GQA group's q heads; `DV2_ATTN_BATCH=0` makes its prologue load and
+//! store in turn instead of issuing every load first; `DV2_MERGE_EARLY=0` makes its merge load
+//! the partials only once it has read the position). `DV2_GEMV2_PAIRS=0` makes GEMV v2 look
+//! weights up one at a time in the 16-entry codebook (default: two at a time in a byte ->
+//! f32-pair table); `DV2_GEMV2_XSMEM=0` makes its lanes load x from global memory (default:
+//! staged once per CTA in shared memory); `DV2_GEMV2_LATE=0` runs its K-split sums and
+//! epilogue per iteration (default: once per CTA). `DV2_GEMV3_EPI_EARLY=0` makes GEMV v3 load
+//! its epilogue's operands after the reduction (default: as each row group starts). `DV2_GEMV_WFIRST=0` makes GEMV v2 and v3 load x before their
 //! first weights (default: weights first). `DV2_FUSE_RMS=0` runs each RMSNorm as
 //! its own kernel instead of folding it into the next GEMV's x load (default, GEMV v2/v3:
 //! the kernel that wrote x leaves partial sums of squares, [`Ops::producer_sums`]). v1 GEMV
@@ -466,6 +471,15 @@ impl Ops {
         }
     }
 
+    /// GEMV v2's switch arguments: weights first, x staged in shared memory, late K sums.
+    fn gemv2_switches(&self) -> (i32, i32, i32) {
+        (
+            i32::from(self.gemv_w_first),
+            i32::from(self.gemv2_x_smem),
+            i32::from(self.gemv2_late),
+        )
+    }
+
     /// v2: (chunks per lane J, warps per row) for K = cols, and the persistent grid.
     fn gemv_v2_launch(&self, rows: usize, cols: usize) -> Result<(usize, u32, LaunchConfig)> {
         let (j, kparts) = gemv2_shape(cols)?;
@@ -817,11 +831,7 @@ impl Ops {
                 let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols)?;
                 let kp = kparts as i32;
                 check_sums(ss_out, cfg.grid_dim.0)?;
-                let (wf, xs, late) = (
-                    i32::from(self.gemv_w_first),
-                    i32::from(self.gemv2_x_smem),
-                    i32::from(self.gemv2_late),
-                );
+                let (wf, xs, late) = self.gemv2_switches();
                 launch!(self.gpu, &self.k.gemv2_nf4[self.gemv2_table()][j - 1], cfg; m, x, norm, y, bias, rows_i, cols_i, kp, acc, skip_if, ss_out, wf, xs, late)?;
                 Ok(cfg.grid_dim.0 as usize)
             }
@@ -869,11 +879,7 @@ impl Ops {
             Variant::V2 => {
                 let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols)?;
                 let kp = kparts as i32;
-                let (wf, xs, late) = (
-                    i32::from(self.gemv_w_first),
-                    i32::from(self.gemv2_x_smem),
-                    i32::from(self.gemv2_late),
-                );
+                let (wf, xs, late) = self.gemv2_switches();
                 launch!(self.gpu, &self.k.gemv2_qkv[self.gemv2_table()][j - 1], cfg; args, x, norm, out, cols_i, kp, wf, xs, late)
             }
         }
@@ -909,11 +915,7 @@ impl Ops {
             Variant::V2 => {
                 let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols)?;
                 let kp = kparts as i32;
-                let (wf, xs, late) = (
-                    i32::from(self.gemv_w_first),
-                    i32::from(self.gemv2_x_smem),
-                    i32::from(self.gemv2_late),
-                );
+                let (wf, xs, late) = self.gemv2_switches();
                 launch!(self.gpu, &self.k.gemv2_swiglu[self.gemv2_table()][j - 1], cfg; gate, up, x, norm, out, rows_i, cols_i, kp, wf, xs, late)
             }
         }
