@@ -113,18 +113,22 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
         for (int i = 0; i < a.pf_groups && blockIdx.x + i * gridDim.x < groups; i++)
             gemv3_prefetch<T, EPI>(a, blockIdx.x + i * gridDim.x);
     load_byte_codebook(lut);
-    pdl_enter();
-    if (a.skip_if && *a.skip_if) return;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const u32 lane4 = 4 * lane;
     const int kblocks = a.k >> 6;
     const int kb0 = warp * kblocks / GEMV3_WARPS, kb1 = (warp + 1) * kblocks / GEMV3_WARPS;
     const int stages = (kb1 - kb0 + S - 1) / S;
     // The first stage's weights: with w_first (DV2_GEMV_WFIRST, default) issued before x is
-    // staged, so their fetch overlaps the round trips for the norm's partial sums and x.
+    // staged, so their fetch overlaps the round trips for the norm's partial sums and x;
+    // w_first 2 (DV2_GEMV3_PREWAIT, default) issues them before the wait on the previous
+    // kernel (weights are constant), so a CTA resident early (after the attention's merge,
+    // whose CTAs leave room) fetches them while that kernel runs.
     Gemv3Stage<T, S> cur, nxt;
     const bool first_ok = stages > 0 && (int)blockIdx.x < groups;
-    if (a.w_first && first_ok) gemv3_load<T, S, EPI>(a, blockIdx.x, kb0, kb1, g, t, cur);
+    if (a.w_first == 2 && first_ok) gemv3_load<T, S, EPI>(a, blockIdx.x, kb0, kb1, g, t, cur);
+    pdl_enter();
+    if (a.skip_if && *a.skip_if) return;
+    if (a.w_first == 1 && first_ok) gemv3_load<T, S, EPI>(a, blockIdx.x, kb0, kb1, g, t, cur);
     // x (normed) staged as f16 pairs.
     for_each_x_quad<GEMV3_THREADS>(a.x, a.k, a.norm, [&](int i, float4 v, uint2 w, float r) {
         if (a.norm.w) {

@@ -12,7 +12,9 @@
 //! f32-pair table); `DV2_GEMV2_XSMEM=0` makes its lanes load x from global memory (default:
 //! staged once per CTA in shared memory); `DV2_GEMV2_LATE=0` runs its K-split sums and
 //! epilogue per iteration (default: once per CTA). `DV2_GEMV3_EPI_EARLY=0` makes GEMV v3 load
-//! its epilogue's operands after the reduction (default: as each row group starts). `DV2_GEMV_WFIRST=0` makes GEMV v2 and v3 load x before their
+//! its epilogue's operands after the reduction (default: as each row group starts);
+//! `DV2_GEMV3_PREWAIT=0` makes it issue its first weights after the wait on the previous
+//! kernel (default: before). `DV2_GEMV_WFIRST=0` makes GEMV v2 and v3 load x before their
 //! first weights (default: weights first). `DV2_FUSE_RMS=0` runs each RMSNorm as
 //! its own kernel instead of folding it into the next GEMV's x load (default, GEMV v2/v3:
 //! the kernel that wrote x leaves partial sums of squares, [`Ops::producer_sums`]). v1 GEMV
@@ -316,6 +318,9 @@ pub struct Ops {
     /// GEMV v3 loads its epilogue's bias and old y as each row group starts (default;
     /// `DV2_GEMV3_EPI_EARLY=0`: in the epilogue, after the group's reduction).
     pub gemv3_epi_early: bool,
+    /// GEMV v3 issues its first weights before waiting for the previous kernel (default;
+    /// `DV2_GEMV3_PREWAIT=0`: after the wait).
+    pub gemv3_pre_wait: bool,
     /// RMSNorm folded into the next GEMV's x load from the producer's partial sums of squares
     /// (default; `DV2_FUSE_RMS=0`: the RMSNorm kernel).
     pub fuse_rms: bool,
@@ -385,6 +390,7 @@ impl Ops {
             gemv2_late: std::env::var("DV2_GEMV2_LATE").as_deref() != Ok("0"),
             gemv_w_first: std::env::var("DV2_GEMV_WFIRST").as_deref() != Ok("0"),
             gemv3_epi_early: std::env::var("DV2_GEMV3_EPI_EARLY").as_deref() != Ok("0"),
+            gemv3_pre_wait: std::env::var("DV2_GEMV3_PREWAIT").as_deref() != Ok("0"),
             l2_ahead_kb: std::env::var("DV2_L2_AHEAD_KB")
                 .ok()
                 .and_then(|v| v.parse().ok())
@@ -700,7 +706,11 @@ impl Ops {
             ss_out,
             early: 0,
             spread: 0,
-            w_first: i32::from(self.gemv_w_first),
+            w_first: match (self.gemv_w_first, self.gemv3_pre_wait) {
+                (false, _) => 0,
+                (true, false) => 1,
+                (true, true) => 2,
+            },
             pf_groups: self.l2_ahead(group_rows, k) as i32,
             epi_early: i32::from(self.gemv3_epi_early),
         };
