@@ -26,7 +26,7 @@ gates_with() {
 # each decode switch off; the decode step's linears through the tensor-core GEMM; the prompt
 # fed token by token through the decode step.
 gates_with gates_match DV2_GEMV=v1 DV2_ATTN=v1
-for v in DV2_GEMV=v2 DV2_GEMV=v3 DV2_PDL=0 DV2_ATTN_BATCH=0 DV2_MERGE_EARLY=0 DV2_ATTN_SPLIT=1 DV2_ATTN_SPLIT=2 DV2_ATTN_SPLIT=8 DV2_GEMV2_PAIRS=0 \
+for v in DV2_GEMV=v2 DV2_GEMV=v3 DV2_PDL=0 DV2_ATTN_BATCH=0 DV2_MERGE_EARLY=0 DV2_ATTN_SPLIT=1 DV2_ATTN_SPLIT=2 DV2_ATTN_SPLIT=8 DV2_ATTN_SCORE_SPLIT=0 DV2_GEMV2_PAIRS=0 \
   DV2_GEMV2_XSMEM=0 DV2_GEMV2_LATE=0 DV2_GEMV_WFIRST=0 DV2_GEMV3_EPI_EARLY=0 DV2_GEMV3_PREWAIT=0 \
   DV2_L2_AHEAD_KB=0 DV2_FUSE_RMS=0 DV2_LINEAR=mma DV2_PREFILL=n1; do
   gates_with gates_match $v
