@@ -552,6 +552,7 @@ fn main() {
             ),
             ("qwen25_3b gemv-wfirst=0", &[("DV2_GEMV_WFIRST", "0")]),
             ("qwen25_3b gemv3-prewait=0", &[("DV2_GEMV3_PREWAIT", "0")]),
+            ("qwen25_3b argmax-ctas=1", &[("DV2_ARGMAX_CTAS", "1")]),
             ("qwen25_3b l2-ahead=0", &[("DV2_L2_AHEAD_KB", "0")]),
             ("qwen25_3b v3<16MB", &[("DV2_GEMV3_MAX_MB", "16")]),
             ("qwen25_3b gemv=v2", &[("DV2_GEMV", "v2")]),

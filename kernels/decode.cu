@@ -1229,9 +1229,41 @@ extern "C" __global__ void attn_merge(const float* __restrict__ part_acc, const 
     }
 }
 
-// state[NEXT_TOKEN] = argmax(logits): lowest index wins ties, NaN never wins. One CTA.
-// Does nothing once the request is finished (next_token stays the EOS id).
-extern "C" __global__ void argmax_logits(const float* __restrict__ logits, int n, int* state) {
+// Whether (v, i) beats (best, best_i) in the argmax: a lower index wins ties, a NaN or a
+// missing entry (i < 0) never wins.
+__device__ __forceinline__ bool argmax_beats(float v, int i, float best, int best_i) {
+    return i >= 0 && (best_i < 0 || v > best || (v == best && i < best_i));
+}
+
+// The CTA's argmax of every thread's (best, best_i), left in thread 0's (one barrier).
+__device__ __forceinline__ void block_argmax(float& best, int& best_i) {
+    __shared__ float s_v[32];
+    __shared__ int s_i[32];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, best, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, best_i, o);
+        if (argmax_beats(ov, oi, best, best_i)) best = ov, best_i = oi;
+    }
+    if ((threadIdx.x & 31) == 0) {
+        s_v[threadIdx.x >> 5] = best;
+        s_i[threadIdx.x >> 5] = best_i;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0)
+        for (int w = 1; w < (int)(blockDim.x >> 5); w++)
+            if (argmax_beats(s_v[w], s_i[w], best, best_i)) best = s_v[w], best_i = s_i[w];
+}
+
+// state[NEXT_TOKEN] = argmax(logits): lowest index wins ties, NaN never wins. Does nothing
+// once the request is finished (next_token stays the EOS id).
+// The grid's CTAs (DV2_ARGMAX_CTAS, default one per SM) each take a contiguous slice of the
+// logits and leave their (value, index) in `scratch` (1 + 2 * gridDim.x words: an arrival
+// count, then the pairs); the CTA that arrives last adds nothing but the final argmax over
+// the pairs, in CTA order (so the result does not depend on which CTA is last), and resets
+// the count for the next launch. Why: one CTA reading the whole vocabulary (600 KB at 152k
+// ids) runs at one SM's share of the L2 bandwidth, several microseconds a token.
+extern "C" __global__ void argmax_logits(const float* __restrict__ logits, int n, int* state, int* scratch) {
     pdl_enter();
     if (state[STATE_FINISHED]) return;
     float best = NEG_INF;
@@ -1242,53 +1274,58 @@ extern "C" __global__ void argmax_logits(const float* __restrict__ logits, int n
             best_i = i;
         }
     };
-    // One CTA reads the whole vocabulary (600 KB for 152k ids): load latency bounds it, so
-    // each thread keeps four 16-byte loads in flight per round. A thread's indices only
-    // rise, so the strict > above keeps the lowest index of a tie.
-    const int n4 = n >> 2;
+    // Load latency bounds a slice, so each thread keeps four 16-byte loads in flight per
+    // round. A thread's indices only rise, so the strict > above keeps the lowest index of a
+    // tie. The last CTA also takes the n % 4 logits past the last float4.
+    const int n4 = n >> 2, per = (n4 + gridDim.x - 1) / gridDim.x;
+    const int q0 = blockIdx.x * per, q1 = min(n4, q0 + per);
     const float4* l4 = reinterpret_cast<const float4*>(logits);
-    for (int base = threadIdx.x; base < n4; base += 4 * blockDim.x) {
+    for (int base = q0 + threadIdx.x; base < q1; base += 4 * blockDim.x) {
         float4 v[4];
 #pragma unroll
         for (int u = 0; u < 4; u++) {
             const int i = base + u * blockDim.x;
-            if (i < n4) v[u] = l4[i];
+            if (i < q1) v[u] = l4[i];
         }
 #pragma unroll
         for (int u = 0; u < 4; u++) {
             const int i = base + u * blockDim.x;
-            if (i >= n4) break;
+            if (i >= q1) break;
             take(v[u].x, 4 * i);
             take(v[u].y, 4 * i + 1);
             take(v[u].z, 4 * i + 2);
             take(v[u].w, 4 * i + 3);
         }
     }
-    for (int i = 4 * n4 + threadIdx.x; i < n; i += blockDim.x) take(logits[i], i);
-    __shared__ float s_v[32];
-    __shared__ int s_i[32];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        float ov = __shfl_xor_sync(0xffffffffu, best, o);
-        int oi = __shfl_xor_sync(0xffffffffu, best_i, o);
-        if (oi >= 0 && (best_i < 0 || ov > best || (ov == best && oi < best_i))) {
-            best = ov;
-            best_i = oi;
-        }
+    if (blockIdx.x == gridDim.x - 1)
+        for (int i = 4 * n4 + threadIdx.x; i < n; i += blockDim.x) take(logits[i], i);
+    block_argmax(best, best_i);
+    if (gridDim.x == 1) {
+        if (threadIdx.x == 0) state[STATE_NEXT_TOKEN] = best_i < 0 ? 0 : best_i;
+        return;
     }
-    if ((threadIdx.x & 31) == 0) {
-        s_v[threadIdx.x >> 5] = best;
-        s_i[threadIdx.x >> 5] = best_i;
+    __shared__ bool last;
+    if (threadIdx.x == 0) {
+        scratch[1 + 2 * blockIdx.x] = __float_as_int(best);
+        scratch[2 + 2 * blockIdx.x] = best_i;
+        __threadfence();  // the pair is visible before the count says so
+        last = atomicAdd(scratch, 1) == (int)gridDim.x - 1;
     }
     __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const volatile int* pairs = scratch + 1;
+    best = NEG_INF;
+    best_i = -1;
+    for (int c = threadIdx.x; c < (int)gridDim.x; c += blockDim.x) {
+        const float v = __int_as_float(pairs[2 * c]);
+        const int i = pairs[2 * c + 1];
+        if (argmax_beats(v, i, best, best_i)) best = v, best_i = i;
+    }
+    block_argmax(best, best_i);
     if (threadIdx.x == 0) {
-        for (int w = 1; w < (int)(blockDim.x >> 5); w++) {
-            if (s_i[w] >= 0 && (best_i < 0 || s_v[w] > best || (s_v[w] == best && s_i[w] < best_i))) {
-                best = s_v[w];
-                best_i = s_i[w];
-            }
-        }
         state[STATE_NEXT_TOKEN] = best_i < 0 ? 0 : best_i;
+        scratch[0] = 0;
     }
 }
 

@@ -603,3 +603,61 @@ fn chunked_prefill_matches_the_oracle() {
         }
     }
 }
+
+/// The greedy argmax kernel as the step launches it (`DV2_ARGMAX_CTAS`: each CTA takes a
+/// slice of the logits, the last to finish picks among their winners): the lowest index of
+/// a tie wins across slices and in the tail past the last float4, NaN never wins, an all-NaN
+/// vector gives 0, and on random logits it agrees with the oracle.
+#[test]
+fn argmax_kernel_keeps_the_lowest_index_across_its_ctas() {
+    let _device = exclusive_device();
+    let bench = match decodev2::cuda::bench::Bench::new(0) {
+        Ok(b) => b,
+        Err(Error::BackendUnavailable(why)) if std::env::var_os("DV2_REQUIRE_CUDA").is_none() => {
+            println!("SKIP: no CUDA backend here ({why})");
+            return;
+        }
+        Err(e) => panic!("CUDA bench: {e}"),
+    };
+    let n = QWEN25_3B.vocab + 3;
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+    let random: Vec<f32> = (0..n)
+        .map(|_| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        })
+        .collect();
+    let with = |planted: &[(usize, f32)]| {
+        let mut v = random.clone();
+        for &(i, x) in planted {
+            v[i] = x;
+        }
+        v
+    };
+    let cases: Vec<(&str, Vec<f32>, u32)> = vec![
+        ("random", random.clone(), decodev2::oracle::argmax(&random)),
+        ("tie across slices", with(&[(150_000, 9.0), (7, 9.0)]), 7),
+        (
+            "max in the tail",
+            with(&[(n - 2, 9.0), (n - 1, 9.0)]),
+            n as u32 - 2,
+        ),
+        (
+            "tie with the tail",
+            with(&[(n - 1, 9.0), (40_000, 9.0)]),
+            40_000,
+        ),
+        (
+            "NaN never wins",
+            with(&[(0, f32::NAN), (99_999, 9.0), (100_000, f32::NAN)]),
+            99_999,
+        ),
+        ("all NaN", vec![f32::NAN; n], 0),
+        ("all -inf", vec![f32::NEG_INFINITY; n], 0),
+    ];
+    for (what, logits, want) in cases {
+        assert_eq!(bench.argmax(&logits).unwrap(), want, "{what}");
+    }
+}

@@ -10,7 +10,9 @@ use super::budget::kv_stride;
 use super::device::{driver_error, Gpu};
 use super::kernels::state;
 use super::kernels::{load_module, BENCH};
-use super::ops::{attn_partials, AttnArgs, Epilogue, GemmMatrix, Input, Ops, QkvArgs};
+use super::ops::{
+    attn_partials, AttnArgs, Epilogue, GemmMatrix, Input, Ops, QkvArgs, ARGMAX_SCRATCH,
+};
 use super::step::timing_event;
 use super::weights::{mma_scale, Nf4Ref};
 use crate::arch::ArchSpec;
@@ -301,6 +303,19 @@ impl Bench {
             floor_us: self.floor_us(bytes)?,
         };
         Ok((timing, tflops))
+    }
+
+    /// The greedy argmax kernel's pick over `logits` (state's next_token), as the decode step
+    /// launches it (`DV2_ARGMAX_CTAS`).
+    pub fn argmax(&self, logits: &[f32]) -> Result<u32> {
+        let gpu = &self.ops.gpu;
+        let values = gpu.upload(logits)?;
+        let state = gpu.zeros::<i32>(state::LEN)?;
+        let scratch = gpu.zeros::<i32>(ARGMAX_SCRATCH)?;
+        let (ptr, n) = (gpu.ptr(&values), logits.len() as i32);
+        let (st, sc) = (gpu.ptr(&state), gpu.ptr(&scratch));
+        launch!(gpu, &self.ops.k.argmax_logits, self.ops.argmax_launch(); ptr, n, st, sc)?;
+        Ok(gpu.download(&state, state::LEN)?[state::NEXT_TOKEN] as u32)
     }
 
     /// Times attention (flash-decode + merge) of one layer at `valid_len`, rotating over the

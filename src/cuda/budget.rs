@@ -65,12 +65,13 @@ pub fn kv_bytes(s: &ArchSpec, max_seq: usize) -> usize {
 }
 
 /// Activations for a prefill chunk of `chunk` tokens (the decode step uses their first row),
-/// logits, attention partials, the RMSNorm partial sums, the prompt ids and the step ring.
+/// logits, attention partials, the RMSNorm partial sums, argmax's scratch, the prompt ids and
+/// the step ring.
 pub fn arena_bytes(s: &ArchSpec, max_seq: usize, chunk: usize) -> usize {
     let floats = chunk.max(1) * (3 * s.hidden + s.qkv_rows() + s.intermediate)
         + s.vocab
         + s.n_q_heads * super::ops::attn_partials(max_seq) * (s.head_dim + 2);
-    (floats + super::ops::MAX_PARTIAL_SUMS) * 4 + 2 * max_seq * 4 + 64
+    (floats + super::ops::MAX_PARTIAL_SUMS + super::ops::ARGMAX_SCRATCH) * 4 + 2 * max_seq * 4 + 64
 }
 
 pub fn estimate(model: &HostModel, max_seq: usize, chunk: usize) -> Budget {

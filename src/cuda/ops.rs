@@ -193,6 +193,11 @@ impl NormArgs {
 /// v3: 2) on a 132-SM device.
 pub const MAX_PARTIAL_SUMS: usize = 4096;
 
+/// The most CTAs argmax_logits runs; its scratch holds an arrival count and a (value,
+/// index) pair per CTA.
+pub const MAX_ARGMAX_CTAS: usize = 1024;
+pub const ARGMAX_SCRATCH: usize = 1 + 2 * MAX_ARGMAX_CTAS;
+
 /// Partial sums of squares of a vector, one per CTA of the kernel that wrote it: `parts`
 /// f32 at device address `ptr`.
 #[derive(Clone, Copy, Debug)]
@@ -306,6 +311,9 @@ pub struct Ops {
     /// Attention v2's idle warps take slices of a q head's dims in the scores where a CTA has
     /// fewer heads than warps (default; `DV2_ATTN_SCORE_SPLIT=0`: one warp per head).
     pub attn_score_split: bool,
+    /// CTAs of argmax_logits (`DV2_ARGMAX_CTAS=n`, default one per SM; 1: one CTA of 1024
+    /// threads reads all the logits).
+    pub argmax_ctas: u32,
     /// GEMV v2 looks weights up two at a time in a byte -> f32-pair table (default;
     /// `DV2_GEMV2_PAIRS=0`: one at a time in the 16-entry codebook).
     pub gemv2_pairs: bool,
@@ -392,6 +400,11 @@ impl Ops {
                 .filter(|&n| n >= 1)
                 .unwrap_or(4),
             attn_score_split: std::env::var("DV2_ATTN_SCORE_SPLIT").as_deref() != Ok("0"),
+            argmax_ctas: std::env::var("DV2_ARGMAX_CTAS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .filter(|n| (1..=MAX_ARGMAX_CTAS as u32).contains(n))
+                .unwrap_or(sms.min(MAX_ARGMAX_CTAS as u32)),
             gemv2_pairs: std::env::var("DV2_GEMV2_PAIRS").as_deref() != Ok("0"),
             gemv2_x_smem: std::env::var("DV2_GEMV2_XSMEM").as_deref() != Ok("0"),
             gemv2_late: std::env::var("DV2_GEMV2_LATE").as_deref() != Ok("0"),
@@ -481,6 +494,19 @@ impl Ops {
         match self.l2_ahead_kb {
             0 => 0,
             kb => (kb * 1024 / unit).max(1),
+        }
+    }
+
+    /// argmax_logits' grid: one CTA of 1024 threads, or `argmax_ctas` of 256.
+    pub fn argmax_launch(&self) -> LaunchConfig {
+        let (ctas, threads) = match self.argmax_ctas {
+            1 => (1, 1024),
+            n => (n, 256),
+        };
+        LaunchConfig {
+            grid_dim: (ctas, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
         }
     }
 

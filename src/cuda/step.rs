@@ -17,7 +17,7 @@ use super::device::{driver_error, Gpu};
 use super::kernels::state;
 use super::ops::{
     attn_partials, one_cta, AttnArgs, Epilogue, GemmMatrix, Input, Norm, Ops, PartialSums,
-    PrefillAttnArgs, QkvArgs, MAX_PARTIAL_SUMS,
+    PrefillAttnArgs, QkvArgs, ARGMAX_SCRATCH, MAX_PARTIAL_SUMS,
 };
 use super::weights::{self, DeviceMatrix, DeviceModel};
 use crate::arch::ArchSpec;
@@ -107,6 +107,8 @@ struct Arena {
     prompt: CudaSlice<i32>,
     /// The ids of the steps of one step_n call, appended by commit_step.
     ring: CudaSlice<i32>,
+    /// argmax_logits' arrival count (zero between launches) and its CTAs' (value, index).
+    argmax: CudaSlice<i32>,
 }
 
 /// Device addresses of the arena's activation buffers (row 0 is the decode step's).
@@ -210,6 +212,7 @@ impl CudaBackend {
             sums: gpu.zeros(MAX_PARTIAL_SUMS)?,
             prompt: gpu.zeros(max_seq)?,
             ring: gpu.zeros(max_seq)?,
+            argmax: gpu.zeros(ARGMAX_SCRATCH)?,
         };
         let mut backend = Self {
             k_cache: gpu.upload(&poison)?,
@@ -416,8 +419,8 @@ impl CudaBackend {
         let input = self.normed(x, &self.model.final_norm, xn, sums);
         let lm_head = self.model.lm_head().as_ref(&ops.gpu);
         ops.gemv(lm_head, s.vocab, s.hidden, input, out, false, skip_if, 0)?;
-        let vocab = s.vocab as i32;
-        launch!(ops.gpu, &ops.k.argmax_logits, one_cta(1024); out, vocab, state)
+        let (vocab, scratch) = (s.vocab as i32, self.ptr(&self.arena.argmax));
+        launch!(ops.gpu, &ops.k.argmax_logits, ops.argmax_launch(); out, vocab, state, scratch)
     }
 
     /// Runs one eager greedy step with an event after each kernel group; returns the time of
@@ -610,12 +613,19 @@ impl Backend for CudaBackend {
 
     fn reset(&mut self) -> Result<()> {
         // position = valid_len = 0, finished = 0; the KV cache keeps its (dirty) contents.
+        // argmax_logits' arrival count is zero after every completed launch; zeroed here too,
+        // so that no interrupted step can leave the next one miscounting.
         let zeros = [0i32; state::LEN];
         self.ops
             .gpu
             .stream
             .memcpy_htod(&zeros, &mut self.state)
             .map_err(driver_error("state reset"))?;
+        self.ops
+            .gpu
+            .stream
+            .memcpy_htod(&zeros[..1], &mut self.arena.argmax.slice_mut(..1))
+            .map_err(driver_error("argmax count reset"))?;
         self.ops.gpu.sync()
     }
 
