@@ -830,7 +830,6 @@ struct AttnArgs {
     float* part_ml;   // [n_q][n_splits][2]
     int n_q, n_kv, head_dim, max_seq, n_splits;
     float scale;
-    int score_warps;  // attention v2: warps per q head in the scores (1: one warp per head)
 };
 
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode(AttnArgs a) {
@@ -1066,29 +1065,24 @@ __device__ __forceinline__ void attn2_decode_body(const AttnArgs& a) {
     }
     __syncthreads();
 
-    // Scores: a lane takes one slot. With a.score_warps = 1 a warp takes one q head at a time;
-    // with more (DV2_ATTN_SCORE_SPLIT, default where the CTA has fewer heads than warps), the
-    // head's warps each take an equal slice of its dims and leave their partial dot products in
-    // shared memory for the head's first warp to add, so no warp idles while one walks all
-    // half = hd / 2 words of the K rows.
+    // Scores: a warp takes one q head at a time, a lane one slot.
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    // The dot product of head g's q with slot `lane`'s K row over words [w0, w1).
-    auto dot = [&](int g, int w0, int w1) {
-        const u32* krow = k_s + lane * row_words;
-        const float* q = q_s + g * hd;
-        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // independent chains
-        for (int w = w0; w < w1; w += 2) {
+    for (int g = warp; g < gn; g += ATTN_WARPS) {
+        float score = NEG_INF;
+        if (lane < n_t) {
+            const u32* krow = k_s + lane * row_words;
+            const float* q = q_s + g * hd;
+            float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // independent chains
+            for (int w = 0; w < half; w += 2) {
 #pragma unroll
-            for (int u = 0; u < 2; u++) {
-                const u32 pair = krow[w + u];
-                acc[2 * u] = fmaf(q[2 * (w + u)], bf16_to_f32((u16)(pair & 0xffffu)), acc[2 * u]);
-                acc[2 * u + 1] = fmaf(q[2 * (w + u) + 1], bf16_to_f32((u16)(pair >> 16)), acc[2 * u + 1]);
+                for (int u = 0; u < 2; u++) {
+                    const u32 pair = krow[w + u];
+                    acc[2 * u] = fmaf(q[2 * (w + u)], bf16_to_f32((u16)(pair & 0xffffu)), acc[2 * u]);
+                    acc[2 * u + 1] = fmaf(q[2 * (w + u) + 1], bf16_to_f32((u16)(pair >> 16)), acc[2 * u + 1]);
+                }
             }
+            score = (acc[0] + acc[1]) + (acc[2] + acc[3]);
         }
-        return (acc[0] + acc[1]) + (acc[2] + acc[3]);
-    };
-    // Softmax over the chunk's slots of head g (one warp), its m and l to the partials.
-    auto finish = [&](int g, float score) {
         const float m = warp_max(score);
         const float p = lane < n_t ? expf(score - m) : 0.0f;
         const float l = warp_sum(p);
@@ -1097,23 +1091,6 @@ __device__ __forceinline__ void attn2_decode_body(const AttnArgs& a) {
             const size_t at = ((size_t)(q0 + g) * gridDim.y + chunk) * 2;
             a.part_ml[at] = m;
             a.part_ml[at + 1] = l;
-        }
-    };
-    const int wph = a.score_warps;
-    if (wph <= 1) {
-        for (int g = warp; g < gn; g += ATTN_WARPS) finish(g, lane < n_t ? dot(g, 0, half) : NEG_INF);
-    } else {
-        __shared__ float s_part[ATTN_WARPS][ATTN2_CHUNK];
-        const int g = warp / wph, slice = warp % wph, words = half / wph;
-        if (g < gn) s_part[warp][lane] = lane < n_t ? dot(g, slice * words, (slice + 1) * words) : 0.0f;
-        __syncthreads();
-        if (g < gn && slice == 0) {
-            float score = NEG_INF;
-            if (lane < n_t) {
-                score = s_part[warp][lane];
-                for (int w = 1; w < wph; w++) score += s_part[warp + w][lane];
-            }
-            finish(g, score);
         }
     }
     __syncthreads();

@@ -6,8 +6,7 @@
 //! held in registers; v3: tensor cores, kernels/gemv_mma.cu) and `DV2_ATTN=v1|v2`
 //! (default v2: `DV2_ATTN_SPLIT=n` CTAs per KV head and 32-slot chunk, default 4, each taking
 //! an equal share of the GQA group's q heads; `DV2_ATTN_BATCH=0` makes its prologue load and
-//! store in turn instead of issuing every load first; `DV2_ATTN_SCORE_SPLIT=0` gives each q
-//! head's scores one warp even where the CTA has warps to spare; `DV2_MERGE_EARLY=0` makes its merge load
+//! store in turn instead of issuing every load first; `DV2_MERGE_EARLY=0` makes its merge load
 //! the partials only once it has read the position). `DV2_GEMV2_PAIRS=0` makes GEMV v2 look
 //! weights up one at a time in the 16-entry codebook (default: two at a time in a byte ->
 //! f32-pair table); `DV2_GEMV2_XSMEM=0` makes its lanes load x from global memory (default:
@@ -83,8 +82,6 @@ pub struct AttnArgs {
     pub max_seq: i32,
     pub n_splits: i32,
     pub scale: f32,
-    /// Attention v2: warps per q head in the scores (set by [`Ops::attention`]).
-    pub score_warps: i32,
 }
 // SAFETY: plain old data matching the kernel's struct.
 unsafe impl DeviceRepr for AttnArgs {}
@@ -308,9 +305,6 @@ pub struct Ops {
     /// The CTAs that share a KV head's chunk in attention v2, each taking an equal share of
     /// its group's q heads (`DV2_ATTN_SPLIT=n`, default 4; 1: the whole group in one CTA).
     pub attn_split: usize,
-    /// Attention v2's idle warps take slices of a q head's dims in the scores where a CTA has
-    /// fewer heads than warps (default; `DV2_ATTN_SCORE_SPLIT=0`: one warp per head).
-    pub attn_score_split: bool,
     /// CTAs of argmax_logits (`DV2_ARGMAX_CTAS=n`, default one per SM; 1: one CTA of 1024
     /// threads reads all the logits).
     pub argmax_ctas: u32,
@@ -399,7 +393,6 @@ impl Ops {
                 .and_then(|v| v.parse().ok())
                 .filter(|&n| n >= 1)
                 .unwrap_or(4),
-            attn_score_split: std::env::var("DV2_ATTN_SCORE_SPLIT").as_deref() != Ok("0"),
             argmax_ctas: std::env::var("DV2_ARGMAX_CTAS")
                 .ok()
                 .and_then(|v| v.parse().ok())
@@ -1001,16 +994,7 @@ impl Ops {
                     n_splits: chunks as i32,
                     ..args
                 };
-                let group = (args.n_q / args.n_kv) as usize;
-                let parts = attn_split_parts(self.attn_split, group);
-                let args = AttnArgs {
-                    score_warps: if self.attn_score_split {
-                        score_warps(group / parts, args.head_dim as usize) as i32
-                    } else {
-                        1
-                    },
-                    ..args
-                };
+                let parts = attn_split_parts(self.attn_split, (args.n_q / args.n_kv) as usize);
                 let cfg = LaunchConfig {
                     grid_dim: ((args.n_kv as usize * parts) as u32, chunks as u32, 1),
                     block_dim: (ATTN_THREADS, 1, 1),
@@ -1037,18 +1021,6 @@ fn attn_split_parts(requested: usize, group: usize) -> usize {
         .rev()
         .find(|p| group % p == 0)
         .unwrap_or(1)
-}
-
-/// Warps per q head in attention v2's scores for a CTA of `heads` q heads: the CTA's warps
-/// spread evenly over its heads, where each then takes a whole number of word pairs of the
-/// K rows (`head_dim / 2` words); else one.
-fn score_warps(heads: usize, head_dim: usize) -> usize {
-    let warps = ATTN_THREADS as usize / 32 / heads.max(1);
-    if warps > 1 && (head_dim / 2) % (2 * warps) == 0 {
-        warps
-    } else {
-        1
-    }
 }
 
 /// The partial sums of a grid of `ctas` must fit [`MAX_PARTIAL_SUMS`].
@@ -1219,20 +1191,6 @@ mod tests {
         assert_eq!(attn_split_parts(2, 1), 1);
         assert_eq!(attn_split_parts(16, 8), 8);
         assert_eq!(attn_split_parts(1, 8), 1);
-    }
-
-    #[test]
-    fn score_warps_spread_over_the_heads_of_a_cta() {
-        assert_eq!(score_warps(2, 128), 2);
-        assert_eq!(score_warps(1, 128), 4);
-        assert_eq!(score_warps(4, 128), 1);
-        assert_eq!(score_warps(8, 128), 1);
-        assert_eq!(
-            score_warps(1, 8),
-            1,
-            "2 words per warp would not be whole pairs"
-        );
-        assert_eq!(score_warps(1, 16), 4);
     }
 
     #[test]
