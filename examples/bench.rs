@@ -310,7 +310,7 @@ fn probe() {
     let (h, kv, inter) = (s.hidden, s.kv_dim(), s.intermediate);
     for (label, env) in [
         ("", &[][..]),
-        (" (DV2_L2_AHEAD_KB=0)", &[("DV2_L2_AHEAD_KB", "0")][..]),
+        (" (DV2_L2_AHEAD_KB=192)", &[("DV2_L2_AHEAD_KB", "192")][..]),
         (" (DV2_GEMV2_PAIRS=0)", &[("DV2_GEMV2_PAIRS", "0")][..]),
         (" (DV2_GEMV2_XSMEM=0)", &[("DV2_GEMV2_XSMEM", "0")][..]),
         (" (DV2_GEMV2_LATE=0)", &[("DV2_GEMV2_LATE", "0")][..]),
@@ -320,8 +320,8 @@ fn probe() {
         ),
         (" (DV2_GEMV=v3)", &[("DV2_GEMV", "v3")][..]),
         (
-            " (DV2_GEMV=v3 DV2_L2_AHEAD_KB=0)",
-            &[("DV2_GEMV", "v3"), ("DV2_L2_AHEAD_KB", "0")][..],
+            " (DV2_GEMV=v3 DV2_L2_AHEAD_KB=192)",
+            &[("DV2_GEMV", "v3"), ("DV2_L2_AHEAD_KB", "192")][..],
         ),
     ] {
         let bench = with_env(env, || Bench::new(0).expect("CUDA device"));
@@ -510,7 +510,7 @@ fn main() {
         ("medium rms-kernel", &[("DV2_FUSE_RMS", "0")]),
         ("medium attn-batch=0", &[("DV2_ATTN_BATCH", "0")]),
         ("medium gemv-wfirst=0", &[("DV2_GEMV_WFIRST", "0")]),
-        ("medium l2-ahead=0", &[("DV2_L2_AHEAD_KB", "0")]),
+        ("medium l2-ahead=192", &[("DV2_L2_AHEAD_KB", "192")]),
         ("medium gemv2-xsmem=0", &[("DV2_GEMV2_XSMEM", "0")]),
     ] {
         runs.push(with_env(env, || {
@@ -549,7 +549,7 @@ fn main() {
             ("qwen25_3b gemv-wfirst=0", &[("DV2_GEMV_WFIRST", "0")]),
             ("qwen25_3b gemv3-prewait=0", &[("DV2_GEMV3_PREWAIT", "0")]),
             ("qwen25_3b argmax-ctas=1", &[("DV2_ARGMAX_CTAS", "1")]),
-            ("qwen25_3b l2-ahead=0", &[("DV2_L2_AHEAD_KB", "0")]),
+            ("qwen25_3b l2-ahead=192", &[("DV2_L2_AHEAD_KB", "192")]),
             ("qwen25_3b v3<16MB", &[("DV2_GEMV3_MAX_MB", "16")]),
             ("qwen25_3b gemv=v2", &[("DV2_GEMV", "v2")]),
             ("qwen25_3b gemv=v3", &[("DV2_GEMV", "v3")]),

@@ -65,7 +65,9 @@ __device__ __forceinline__ void gemv3_load(const GemmArgs& a, int group, int kb,
 // hint to the point of coherence, so it is safe at any time). Why: v3 keeps its weights in
 // registers, so its bytes in flight are bounded by registers and warps; a prefetch has no
 // such bound and no completion to wait for. Measured on the probe (docs/lab.md, session 7):
-// o 3.98 -> 3.54 us, q/k/v 4.87 -> 4.76; on GEMV v2 it lost (gate+up 14.68 -> 15.88).
+// o 3.98 -> 3.54 us, q/k/v 4.87 -> 4.76; on GEMV v2 it lost (gate+up 14.68 -> 15.88). Off by
+// default since session 8: once the first weights load before the wait (w_first 2), the
+// decode step measured 1.5294 ms/token without it against 1.5426 with 192 KB.
 // Both ends of [from, to) are rounded down to 16 bytes (the bulk copy's granule; the
 // allocation is aligned, so the range stays inside it), sent in pieces of at most 32 KB.
 __device__ __forceinline__ void l2_prefetch(const void* base, size_t from, size_t to) {

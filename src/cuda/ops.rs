@@ -321,7 +321,7 @@ pub struct Ops {
     /// `DV2_GEMV_WFIRST=0`: after x is in registers or shared memory).
     pub gemv_w_first: bool,
     /// GEMV v3 keeps about this many KB of each CTA's next weight rows prefetched into
-    /// L2 (`DV2_L2_AHEAD_KB`, default 192; 0: no prefetch).
+    /// L2 (`DV2_L2_AHEAD_KB=n`; default 0, no prefetch: docs/lab.md, session 8).
     pub l2_ahead_kb: usize,
     /// GEMV v3 loads its epilogue's bias and old y as each row group starts (default;
     /// `DV2_GEMV3_EPI_EARLY=0`: in the epilogue, after the group's reduction).
@@ -407,7 +407,7 @@ impl Ops {
             l2_ahead_kb: std::env::var("DV2_L2_AHEAD_KB")
                 .ok()
                 .and_then(|v| v.parse().ok())
-                .unwrap_or(192),
+                .unwrap_or(0),
             fuse_rms: std::env::var("DV2_FUSE_RMS").as_deref() != Ok("0"),
             attnp_simt: std::env::var("DV2_ATTNP").is_ok_and(|v| v == "simt"),
             attnp_stage1: std::env::var("DV2_ATTNP_STAGE").as_deref() == Ok("v1"),
