@@ -56,16 +56,23 @@ fn run(cmd: &mut Command) -> String {
     text
 }
 
+/// The C example, built once per test process: two tests running `make` at once could relink
+/// it while the other executes it (ETXTBSY, "Text file busy").
 fn build_c_example() -> PathBuf {
-    let build = lib_dir().join("examples_c");
-    run(Command::new("make")
-        .arg("-s")
-        .arg("-C")
-        .arg(root().join("examples_c"))
-        .arg(format!("LIBDIR={}", lib_dir().display()))
-        .arg(format!("BUILD={}", build.display()))
-        .arg("gates"));
-    build.join("gates")
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let build = lib_dir().join("examples_c");
+            run(Command::new("make")
+                .arg("-s")
+                .arg("-C")
+                .arg(root().join("examples_c"))
+                .arg(format!("LIBDIR={}", lib_dir().display()))
+                .arg(format!("BUILD={}", build.display()))
+                .arg("gates"));
+            build.join("gates")
+        })
+        .clone()
 }
 
 fn gates_passed(text: &str) {
