@@ -73,7 +73,7 @@ impl Gpu {
             let (major, _) = ctx
                 .compute_capability()
                 .map_err(driver_error("compute capability"))?;
-            let pdl = major >= 9 && std::env::var("DV2_PDL").as_deref() != Ok("0");
+            let pdl = major >= 9 && super::switch_on("DV2_PDL");
             Ok(Self { ctx, stream, pdl })
         };
         catch_unwind(AssertUnwindSafe(open)).unwrap_or_else(|_| {

@@ -50,6 +50,7 @@ use super::kernels::{
     GEMV3_WARPS, GEMV_THREADS, GEMV_WARPS, MAX_HEAD_DIM,
 };
 use super::weights::Nf4Ref;
+use super::{env_number, switch_on};
 use crate::arch::ArchSpec;
 use crate::error::{Error, Result};
 
@@ -379,36 +380,27 @@ impl Ops {
                 Ok("v2") => GemvChoice::Fixed(Variant::V2),
                 Ok("v3") => GemvChoice::Fixed(Variant::V3),
                 _ => GemvChoice::Auto(
-                    std::env::var("DV2_GEMV3_MAX_MB")
-                        .ok()
-                        .and_then(|v| v.parse::<usize>().ok())
+                    env_number::<usize>("DV2_GEMV3_MAX_MB")
                         .map_or(GEMV3_AUTO_MAX_BYTES, |mb| mb << 20),
                 ),
             },
             attn: variant("DV2_ATTN"),
-            attn_batch: std::env::var("DV2_ATTN_BATCH").as_deref() != Ok("0"),
-            merge_early: std::env::var("DV2_MERGE_EARLY").as_deref() != Ok("0"),
-            attn_split: std::env::var("DV2_ATTN_SPLIT")
-                .ok()
-                .and_then(|v| v.parse().ok())
+            attn_batch: switch_on("DV2_ATTN_BATCH"),
+            merge_early: switch_on("DV2_MERGE_EARLY"),
+            attn_split: env_number("DV2_ATTN_SPLIT")
                 .filter(|&n| n >= 1)
                 .unwrap_or(4),
-            argmax_ctas: std::env::var("DV2_ARGMAX_CTAS")
-                .ok()
-                .and_then(|v| v.parse().ok())
+            argmax_ctas: env_number("DV2_ARGMAX_CTAS")
                 .filter(|n| (1..=MAX_ARGMAX_CTAS as u32).contains(n))
                 .unwrap_or(sms.min(MAX_ARGMAX_CTAS as u32)),
-            gemv2_pairs: std::env::var("DV2_GEMV2_PAIRS").as_deref() != Ok("0"),
-            gemv2_x_smem: std::env::var("DV2_GEMV2_XSMEM").as_deref() != Ok("0"),
-            gemv2_late: std::env::var("DV2_GEMV2_LATE").as_deref() != Ok("0"),
-            gemv_w_first: std::env::var("DV2_GEMV_WFIRST").as_deref() != Ok("0"),
-            gemv3_epi_early: std::env::var("DV2_GEMV3_EPI_EARLY").as_deref() != Ok("0"),
-            gemv3_pre_wait: std::env::var("DV2_GEMV3_PREWAIT").as_deref() != Ok("0"),
-            l2_ahead_kb: std::env::var("DV2_L2_AHEAD_KB")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(0),
-            fuse_rms: std::env::var("DV2_FUSE_RMS").as_deref() != Ok("0"),
+            gemv2_pairs: switch_on("DV2_GEMV2_PAIRS"),
+            gemv2_x_smem: switch_on("DV2_GEMV2_XSMEM"),
+            gemv2_late: switch_on("DV2_GEMV2_LATE"),
+            gemv_w_first: switch_on("DV2_GEMV_WFIRST"),
+            gemv3_epi_early: switch_on("DV2_GEMV3_EPI_EARLY"),
+            gemv3_pre_wait: switch_on("DV2_GEMV3_PREWAIT"),
+            l2_ahead_kb: env_number("DV2_L2_AHEAD_KB").unwrap_or(0),
+            fuse_rms: switch_on("DV2_FUSE_RMS"),
             attnp_simt: std::env::var("DV2_ATTNP").is_ok_and(|v| v == "simt"),
             attnp_stage1: std::env::var("DV2_ATTNP_STAGE").as_deref() == Ok("v1"),
             attnp_rows: match std::env::var("DV2_ATTNP_ROWS").as_deref() {
@@ -420,12 +412,12 @@ impl Ops {
                 Ok("v2") => GemmVariant::Fixed(Variant::V2),
                 _ => GemmVariant::Auto,
             },
-            gemm_x16: std::env::var("DV2_GEMM_X16").as_deref() != Ok("0"),
-            gemm_nt6: std::env::var("DV2_GEMM_NT6").as_deref() != Ok("0"),
-            gemm_cluster: std::env::var("DV2_GEMM_CLUSTER").as_deref() != Ok("0"),
-            gemm_early: std::env::var("DV2_GEMM_EARLY").as_deref() != Ok("0"),
-            prefill_tail: std::env::var("DV2_PREFILL_TAIL").as_deref() != Ok("0"),
-            gemm_spread: std::env::var("DV2_GEMM_SPREAD").as_deref() != Ok("0"),
+            gemm_x16: switch_on("DV2_GEMM_X16"),
+            gemm_nt6: switch_on("DV2_GEMM_NT6"),
+            gemm_cluster: switch_on("DV2_GEMM_CLUSTER"),
+            gemm_early: switch_on("DV2_GEMM_EARLY"),
+            prefill_tail: switch_on("DV2_PREFILL_TAIL"),
+            gemm_spread: switch_on("DV2_GEMM_SPREAD"),
             linear: match std::env::var("DV2_LINEAR").as_deref() {
                 Ok("mma") => Linear::Mma,
                 _ => Linear::Gemv,
@@ -457,10 +449,7 @@ impl Ops {
     }
 
     fn gemv_v1_launch(&self, rows: usize) -> (u32, LaunchConfig) {
-        let kparts = match std::env::var("DV2_GEMV_NR")
-            .ok()
-            .and_then(|v| v.parse::<u32>().ok())
-        {
+        let kparts = match env_number::<u32>("DV2_GEMV_NR") {
             Some(nr @ (1 | 2 | 4 | 8)) => GEMV_WARPS / nr,
             _ if rows >= 4096 => 1,
             _ if rows >= 1024 => 2,
@@ -515,9 +504,7 @@ impl Ops {
     /// v2: (chunks per lane J, warps per row) for K = cols, and the persistent grid.
     fn gemv_v2_launch(&self, rows: usize, cols: usize) -> Result<(usize, u32, LaunchConfig)> {
         let (j, kparts) = gemv2_shape(cols)?;
-        let per_sm = std::env::var("DV2_GEMV_CTAS")
-            .ok()
-            .and_then(|v| v.parse::<u32>().ok())
+        let per_sm = env_number::<u32>("DV2_GEMV_CTAS")
             .filter(|n| (1..=8).contains(n))
             .unwrap_or(1);
         let row_lanes = (GEMV_WARPS / kparts) as usize;
