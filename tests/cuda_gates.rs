@@ -68,21 +68,23 @@ fn exclusive_device() -> std::sync::MutexGuard<'static, ()> {
 
 /// A CUDA engine for the preset, or None (after printing SKIP) when no device is present.
 fn cuda_engine(name: &str, seed: u64, opts: EngineOptions) -> Option<Engine> {
-    match Engine::load_synthetic(
-        name,
-        seed,
-        &EngineOptions {
-            backend: BackendKind::Cuda,
-            ..opts
-        },
-    ) {
-        Ok(e) => Some(e),
-        Err(Error::BackendUnavailable(why)) if std::env::var_os("DV2_REQUIRE_CUDA").is_none() => {
-            println!("SKIP: no CUDA backend here ({why})");
-            None
-        }
-        Err(e) => panic!("CUDA engine for {name}: {e}"),
-    }
+    let opts = EngineOptions {
+        backend: BackendKind::Cuda,
+        ..opts
+    };
+    cuda_or_skip(
+        &format!("CUDA engine for {name}"),
+        Engine::load_synthetic(name, seed, &opts),
+    )
+}
+
+/// [`cuda_engine`] with `max_seq` slots and the other options at their defaults.
+fn cuda_engine_at(name: &str, seed: u64, max_seq: usize) -> Option<Engine> {
+    let opts = EngineOptions {
+        max_seq,
+        ..EngineOptions::default()
+    };
+    cuda_engine(name, seed, opts)
 }
 
 /// The preset at `max_seq`, its synthetic model (the weights `cuda_engine(name, seed, ..)`
@@ -422,11 +424,7 @@ fn long_context_decode_matches_the_oracle() {
     const CAP: f32 = 0.05;
     let (name, seed) = ("tiny_llama", 3u64);
     let (spec, model, prompt) = oracle_case(name, seed, MAX_SEQ, LEN);
-    let opts = EngineOptions {
-        max_seq: MAX_SEQ,
-        ..EngineOptions::default()
-    };
-    let Some(mut e) = cuda_engine(name, seed, opts) else {
+    let Some(mut e) = cuda_engine_at(name, seed, MAX_SEQ) else {
         return;
     };
     let mut ids = prompt.clone();
@@ -479,11 +477,7 @@ fn chunked_prefill_of_150_tokens_matches_the_oracle() {
     const LEN: usize = 150;
     for (name, seed) in [("tiny_llama", 0u64), ("medium_llama", 2)] {
         let (spec, model, prompt) = oracle_case(name, seed, MAX_SEQ, LEN);
-        let opts = EngineOptions {
-            max_seq: MAX_SEQ,
-            ..EngineOptions::default()
-        };
-        let Some(mut e) = cuda_engine(name, seed, opts) else {
+        let Some(mut e) = cuda_engine_at(name, seed, MAX_SEQ) else {
             return;
         };
         let teacher = step_logits(
@@ -611,13 +605,8 @@ fn chunked_prefill_matches_the_oracle() {
 #[test]
 fn argmax_kernel_keeps_the_lowest_index_across_its_ctas() {
     let _device = exclusive_device();
-    let bench = match decodev2::cuda::bench::Bench::new(0) {
-        Ok(b) => b,
-        Err(Error::BackendUnavailable(why)) if std::env::var_os("DV2_REQUIRE_CUDA").is_none() => {
-            println!("SKIP: no CUDA backend here ({why})");
-            return;
-        }
-        Err(e) => panic!("CUDA bench: {e}"),
+    let Some(bench) = cuda_or_skip("CUDA bench", decodev2::cuda::bench::Bench::new(0)) else {
+        return;
     };
     let n = QWEN25_3B.vocab + 3;
     let mut seed = 0x9e37_79b9_7f4a_7c15u64;

@@ -4,10 +4,9 @@
 mod common;
 
 use common::bpe::Bpe;
-use common::smollm2_path;
+use common::{cuda_or_skip, smollm2_path};
 use decodev2::engine::{BackendKind, Engine, EngineOptions};
 use decodev2::load::gguf::Gguf;
-use decodev2::Error;
 
 const PROMPT: &str = "The capital of France is";
 
@@ -55,13 +54,9 @@ fn smollm2_cuda_ids_equal_cpu_ids_for_32_steps() {
         max_seq: 64,
         ..EngineOptions::default()
     };
-    let mut gpu = match Engine::new(model.clone(), &opts(BackendKind::Cuda)) {
-        Ok(e) => e,
-        Err(Error::BackendUnavailable(why)) if std::env::var_os("DV2_REQUIRE_CUDA").is_none() => {
-            println!("SKIP: no CUDA backend here ({why})");
-            return;
-        }
-        Err(e) => panic!("{e}"),
+    let gpu = Engine::new(model.clone(), &opts(BackendKind::Cuda));
+    let Some(mut gpu) = cuda_or_skip("CUDA engine for SmolLM2", gpu) else {
+        return;
     };
     let mut cpu = Engine::new(model, &opts(BackendKind::Cpu)).unwrap();
     let run = |e: &mut Engine| {

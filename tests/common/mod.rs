@@ -10,6 +10,7 @@ use std::path::PathBuf;
 
 use decodev2::engine::{BackendKind, Engine, EngineOptions};
 use decodev2::oracle::argmax;
+use decodev2::Error;
 
 pub const FIXTURE: &str = "tests/fixtures/oracle_gates.txt";
 
@@ -156,4 +157,17 @@ pub fn smollm2_path() -> Option<PathBuf> {
         path.display()
     );
     None
+}
+
+/// What a CUDA constructor returned, or None (after printing SKIP) when no device is present
+/// and DV2_REQUIRE_CUDA is unset; any other error fails the test.
+pub fn cuda_or_skip<T>(what: &str, made: Result<T, Error>) -> Option<T> {
+    match made {
+        Ok(t) => Some(t),
+        Err(Error::BackendUnavailable(why)) if std::env::var_os("DV2_REQUIRE_CUDA").is_none() => {
+            println!("SKIP: no CUDA backend here ({why})");
+            None
+        }
+        Err(e) => panic!("{what}: {e}"),
+    }
 }
