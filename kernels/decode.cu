@@ -1124,27 +1124,65 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode_serial(A
 // do not depend on it (the buffers hold n_chunks chunks), so the state, m/l and acc round
 // trips become one. Values loaded for chunks past the used ones are never used. Same
 // arithmetic in the same order.
+// With `per_warp` (DV2_MERGE_WARP, default) and at most 32 chunks in use, every warp finds M,
+// the weights and L itself, lane c taking chunk c, and keeps the weights in its own slice of
+// shared memory: no CTA barrier (three before). The same values: the CTA-wide path has only
+// warp 0 holding chunks then, and adds the other warps' zeros.
 #define MERGE_AHEAD 8
+#define MERGE_MAX_WARPS (MAX_HEAD_DIM / 32)
 extern "C" __global__ void attn2_merge(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
                                        const int* __restrict__ state, float* out, int head_dim, int n_chunks,
-                                       int max_seq, int early) {
+                                       int max_seq, int early, int per_warp) {
     pdl_enter();
     const int h = blockIdx.x;
     const float* ml = part_ml + (size_t)h * n_chunks * 2;
     const float* acc = part_acc + (size_t)h * n_chunks * head_dim;
-    float2 ml_ahead = make_float2(NEG_INF, 0.0f);
+    // m and l of chunk `lane` (the per-warp path's) and of chunk d0 (the CTA-wide path's first).
+    float2 ml_lane = make_float2(NEG_INF, 0.0f), ml_d0 = ml_lane;
     float acc_ahead[MERGE_AHEAD];
-    const int d0 = threadIdx.x;
+    const int d0 = threadIdx.x, lane = threadIdx.x & 31;
     if (early) {
-        if (d0 < n_chunks) ml_ahead = reinterpret_cast<const float2*>(ml)[d0];
+        if (lane < n_chunks) ml_lane = reinterpret_cast<const float2*>(ml)[lane];
+        if (d0 != lane && d0 < n_chunks) ml_d0 = reinterpret_cast<const float2*>(ml)[d0];
 #pragma unroll
         for (int c = 0; c < MERGE_AHEAD; c++) acc_ahead[c] = c < n_chunks && d0 < head_dim ? acc[(size_t)c * head_dim + d0] : 0.0f;
     }
     const int pos = state[STATE_POSITION];
     if (pos >= max_seq) return;
     const int used = min(pos / ATTN2_CHUNK + 1, ATTN2_MAX_CHUNKS);
-    // m and l of chunk c (this thread's first chunk from the early loads).
-    auto ml_of = [&](int c) { return early && c == d0 ? ml_ahead : reinterpret_cast<const float2*>(ml)[c]; };
+    // m and l of chunk c (chunks `lane` and d0 from the early loads).
+    auto ml_of = [&](int c) {
+        return early && c == lane ? ml_lane : (early && c == d0 ? ml_d0 : reinterpret_cast<const float2*>(ml)[c]);
+    };
+    // out[d] for this thread's d's: the chunks' partial sums weighted by weight[c], times inv.
+    auto weighted = [&](const float* weight, float inv) {
+        for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+            float sum = 0.0f;
+            int c = 0;
+            if (early && d == d0) {
+#pragma unroll
+                for (; c < MERGE_AHEAD; c++) {
+                    if (c >= used) break;
+                    sum = fmaf(acc_ahead[c], weight[c], sum);
+                }
+            }
+#pragma unroll 8
+            for (; c < used; c++) sum = fmaf(acc[(size_t)c * head_dim + d], weight[c], sum);
+            out[h * head_dim + d] = sum * inv;
+        }
+    };
+    if (per_warp && used <= 32) {
+        __shared__ float warp_weight[MERGE_MAX_WARPS][32];
+        const float2 mlc = lane < used ? ml_of(lane) : make_float2(NEG_INF, 0.0f);
+        const float M = warp_max(mlc.x);
+        const float w = lane < used ? expf(mlc.x - M) : 0.0f;
+        const float L = warp_sum(mlc.y * w);
+        float* mine = warp_weight[threadIdx.x >> 5];
+        mine[lane] = w;
+        __syncwarp();
+        weighted(mine, 1.0f / L);
+        return;
+    }
     __shared__ float weight[ATTN2_MAX_CHUNKS];
     __shared__ float red[32];
     float m = NEG_INF;
@@ -1167,21 +1205,7 @@ extern "C" __global__ void attn2_merge(const float* __restrict__ part_acc, const
     __syncthreads();
     float L = 0.0f;
     for (int w = 0; w < (int)(blockDim.x >> 5); w++) L += red[w];
-    const float inv = 1.0f / L;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float sum = 0.0f;
-        int c = 0;
-        if (early && d == d0) {
-#pragma unroll
-            for (; c < MERGE_AHEAD; c++) {
-                if (c >= used) break;
-                sum = fmaf(acc_ahead[c], weight[c], sum);
-            }
-        }
-#pragma unroll 8
-        for (; c < used; c++) sum = fmaf(acc[(size_t)c * head_dim + d], weight[c], sum);
-        out[h * head_dim + d] = sum * inv;
-    }
+    weighted(weight, 1.0f / L);
 }
 
 // out[h*hd + d] = softmax-weighted sum over the splits of head h. Grid n_q, one thread per d.

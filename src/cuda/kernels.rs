@@ -208,11 +208,18 @@ fn cache_dir() -> Option<PathBuf> {
 }
 
 /// NVRTC options; `DV2_LINEINFO=1` adds source line information (for a profiler's source
-/// view; the cache keeps the two builds apart, options being part of its key).
+/// view; the cache keeps the two builds apart, options being part of its key). The compiler
+/// optimizes the module's kernels on every core (`--split-compile=0`; `DV2_NVRTC_SPLIT=0`:
+/// one thread): a machine's first load compiles the kernels, 32 s in one thread on 2 cores,
+/// 19 s split. The split changes the code of some kernels (scheduling, shared-memory
+/// placement), not what they compute.
 fn options(arch: &str) -> Vec<String> {
     let mut opts = vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()];
     if std::env::var("DV2_LINEINFO").as_deref() == Ok("1") {
         opts.push("--generate-line-info".into());
+    }
+    if super::switch_on("DV2_NVRTC_SPLIT") {
+        opts.push("--split-compile=0".into());
     }
     opts.extend(shared_defines());
     opts

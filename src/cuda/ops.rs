@@ -303,6 +303,9 @@ pub struct Ops {
     /// The v2 attention's merge loads its first chunks' partials together with the position
     /// (default; `DV2_MERGE_EARLY=0`: after it, m and l before the sums).
     pub merge_early: bool,
+    /// The merge's warps each find the chunk weights themselves where at most 32 chunks are in
+    /// use (default; `DV2_MERGE_WARP=0`: once per CTA, behind three barriers).
+    pub merge_warp: bool,
     /// The CTAs that share a KV head's chunk in attention v2, each taking an equal share of
     /// its group's q heads (`DV2_ATTN_SPLIT=n`, default 4; 1: the whole group in one CTA).
     pub attn_split: usize,
@@ -387,6 +390,7 @@ impl Ops {
             attn: variant("DV2_ATTN"),
             attn_batch: switch_on("DV2_ATTN_BATCH"),
             merge_early: switch_on("DV2_MERGE_EARLY"),
+            merge_warp: switch_on("DV2_MERGE_WARP"),
             attn_split: env_number("DV2_ATTN_SPLIT")
                 .filter(|&n| n >= 1)
                 .unwrap_or(4),
@@ -994,8 +998,8 @@ impl Ops {
                     &self.k.attn2_decode_serial
                 };
                 launch!(self.gpu, f, cfg; args)?;
-                let early = i32::from(self.merge_early);
-                launch!(self.gpu, &self.k.attn2_merge, merge; pa, pm, st, out, hd, nc, ms, early)
+                let (early, per_warp) = (i32::from(self.merge_early), i32::from(self.merge_warp));
+                launch!(self.gpu, &self.k.attn2_merge, merge; pa, pm, st, out, hd, nc, ms, early, per_warp)
             }
         }
     }
