@@ -560,6 +560,8 @@ fn main() {
                 time_decode(label, qwen, 2048, 48, 128, true, 3)
             }));
         }
+        // The default again, last: how far the first row of the table sits from it.
+        runs.push(time_decode("qwen25_3b again", qwen, 2048, 48, 128, true, 3));
     }
     if let Some(qwen) = qwen.as_ref().filter(|_| !flag("--skip-variants")) {
         runs.push(time_decode("qwen25_3b", qwen, 2048, 48, 128, false, 3));
