@@ -477,7 +477,7 @@ __device__ __forceinline__ float dot_row(const RowChunks<J>& rc, const XSlice<J>
     return acc;
 }
 
-// GEMV v2's byte -> f32-pair table (PAIRS, the default; DV2_GEMV2_PAIRS=0: the 16-entry
+// GEMV v2's byte -> f32-pair table (GEMV2_PAIR32; DV2_GEMV2_PAIRS=0: the 16-entry
 // codebook): entry b is {codebook(high nibble), codebook(low nibble)} of byte b, the even
 // element first, replicated for the 16 lanes of a half-warp (entry b of lane l at float2
 // 16b + l % 16). A 64-bit shared load is served per half-warp, so its 16 lanes hit 16
@@ -509,21 +509,99 @@ __device__ __forceinline__ float2 nf4_pair(const float2* lut, u32 b, int k, u32 
     return *reinterpret_cast<const float2*>(reinterpret_cast<const char*>(lut) + (byte_entry_offset(b, k) | lane8));
 }
 
+// GEMV v2's tables (template argument TABLE): the 16-entry codebook (GEMV2_NIBBLE,
+// DV2_GEMV2_PAIRS=0), the byte -> f32-pair table above (GEMV2_PAIR32, DV2_GEMV2_H16=0), and the
+// default, the same pairs as f16x2 (GEMV2_PAIR16): 4 bytes per lookup instead of 8, so a
+// warp's lookup is one shared-memory wavefront instead of two (the v2 loop is bound by these
+// lookups, docs/lab.md session 9). Entry b of lane l at word 32 b + l (all 32 lanes, 32 KB),
+// byte offset 128 b + 4 l, so byte_entry_offset makes its address as before. The pairs
+// multiply x as f16x2 (x packed once per walk), each word's four pairs summed by two lanes
+// of an f16x2 FMA chain, then added in f32: the products and those 4-term sums are f16,
+// whose rounding (~2e-5 of the terms' magnitude in a numpy model at K = 2048) is below x's
+// own f16 rounding in GEMV v3.
+#define GEMV2_NIBBLE 0
+#define GEMV2_PAIR32 1
+#define GEMV2_PAIR16 2
+#define PAIR16_LUT_WORDS (256 * 32)
+
+__device__ __forceinline__ void load_pair16_codebook(u32* lut) {
+    __shared__ float nf4[16];
+    load_codebook(nf4);
+    __syncthreads();
+    for (int i = threadIdx.x; i < PAIR16_LUT_WORDS; i += blockDim.x) {
+        const int b = i >> 5;
+        lut[i] = pack_f16x2(nf4[b >> 4], nf4[b & 15]);
+    }
+}
+
+__device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
+    u32 r;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+
+__device__ __forceinline__ float half2_sum(u32 h) {
+    float lo, hi;
+    asm("{.reg .b16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h;}" : "=f"(lo), "=f"(hi) : "r"(h));
+    return lo + hi;
+}
+
+// A lane's x as f16 pairs (element 2i in the low half of h[j][i]), for GEMV2_PAIR16.
+template <int J>
+struct XHalves {
+    u32 h[J][16];
+};
+
+template <int J>
+__device__ __forceinline__ void pack_x_halves(const XSlice<J>& xs, XHalves<J>& xh) {
+#pragma unroll
+    for (int j = 0; j < J; j++)
+#pragma unroll
+        for (int i = 0; i < 16; i++) xh.h[j][i] = pack_f16x2(xs.v[j][2 * i], xs.v[j][2 * i + 1]);
+}
+
+// dot_row with the f16-pair table (lane4 = 4 * lane).
+template <int J>
+__device__ __forceinline__ float dot_row_pair16(const RowChunks<J>& rc, const XHalves<J>& xh, const u32* lut,
+                                                u32 lane4) {
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < J; j++) {
+        const u32 words[4] = {rc.q[j].x, rc.q[j].y, rc.q[j].z, rc.q[j].w};
+        float part = 0.0f;
+#pragma unroll
+        for (int w = 0; w < 4; w++) {
+            u32 h = 0u;
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                const u32 p = *reinterpret_cast<const u32*>(reinterpret_cast<const char*>(lut) +
+                                                            (byte_entry_offset(words[w], k) | lane4));
+                h = hfma2(p, xh.h[j][4 * w + k], h);
+            }
+            part += half2_sum(h);
+        }
+        acc = fmaf(part, rc.s[j], acc);
+    }
+    return acc;
+}
+
 // The walk shared by the v2 kernels. `Rows` maps a row index to its matrix and epilogue:
 //   Nf4Ref matrix(int row, int* local_row); void store(int row, float sum[NM]) for NM
 //   matrices per row (1, or 2 for SwiGLU's gate and up).
-template <int J, int R, int NM, bool PAIRS, typename Rows>
+template <int J, int R, int NM, int TABLE, typename Rows>
 __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, const float* __restrict__ x,
                                            NormArgs norm, int kparts, const int* skip_if, int w_first,
                                            int x_smem, int late_sum) {
     __shared__ float lut[16];
-    __shared__ float2 pair_lut[PAIRS ? PAIR_LUT_ENTRIES : 1];
+    __shared__ float2 pair_lut[TABLE == GEMV2_PAIR32 ? PAIR_LUT_ENTRIES : 1];
+    __shared__ u32 pair16_lut[TABLE == GEMV2_PAIR16 ? PAIR16_LUT_WORDS : 1];
     __shared__ float partial[GEMV2_MAX_LANES_X_R * NM][GEMV_WARPS];
     __shared__ float late_partial[GEMV2_LATE_FLOATS];
-    if (PAIRS) load_pair_codebook(pair_lut);
+    if (TABLE == GEMV2_PAIR16) load_pair16_codebook(pair16_lut);
+    else if (TABLE == GEMV2_PAIR32) load_pair_codebook(pair_lut);
     else load_codebook(lut);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const u32 lane8 = (lane & 15) * 8;
+    const u32 lane8 = (lane & 15) * 8, lane4 = lane * 4;
     const int part = warp % kparts, row_lane = warp / kparts, row_lanes = GEMV_WARPS / kparts;
     const int per_cta = (rows + gridDim.x - 1) / gridDim.x;
     const int r0 = blockIdx.x * per_cta, r1 = min(rows, r0 + per_cta);
@@ -563,6 +641,8 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
         load_x_slice<J>(x, part, cols, norm, xs);
         __syncthreads();
     }
+    XHalves<J> xh;
+    if (TABLE == GEMV2_PAIR16) pack_x_halves<J>(xs, xh);
     if (!w_first) load_block(r0, cur);
     float ss = 0.0f;  // squares of the values this thread stored
     for (int base = r0; base < r1; base += block) {
@@ -573,10 +653,12 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
 #pragma unroll
             for (int k = 0; k < NM; k++)
                 sums[i][k] = warp_sum(
-                    PAIRS ? dot_row<J>(cur[i][k], xs, [&](u32 b, int q) { return nf4_pair(pair_lut, b, q, lane8); })
-                          : dot_row<J>(cur[i][k], xs, [&](u32 b, int q) {
-                                return make_float2(lut[(b >> (8 * q + 4)) & 15], lut[(b >> (8 * q)) & 15]);
-                            }));
+                    TABLE == GEMV2_PAIR16 ? dot_row_pair16<J>(cur[i][k], xh, pair16_lut, lane4)
+                    : TABLE == GEMV2_PAIR32
+                        ? dot_row<J>(cur[i][k], xs, [&](u32 b, int q) { return nf4_pair(pair_lut, b, q, lane8); })
+                        : dot_row<J>(cur[i][k], xs, [&](u32 b, int q) {
+                              return make_float2(lut[(b >> (8 * q + 4)) & 15], lut[(b >> (8 * q)) & 15]);
+                          }));
 #pragma unroll
         for (int i = 0; i < R; i++)
 #pragma unroll
@@ -695,19 +777,19 @@ struct SwigluRows {
     __device__ float* ss_out() const { return nullptr; }
 };
 
-#define GEMV2_KERNELS(J, R, PAIRS, SUFFIX)                                                                     \
+#define GEMV2_KERNELS(J, R, TABLE, SUFFIX)                                                                     \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 1)                                              \
         gemv2_nf4_j##J##SUFFIX(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y,                 \
                                const float* __restrict__ bias, int rows, int cols, int kparts, int accumulate, \
                                const int* skip_if, float* ss_out, int w_first, int x_smem, int late) {         \
         PlainRows p{m, y, bias, accumulate, ss_out};                                                           \
-        gemv2_walk<J, R, 1, PAIRS>(p, rows, cols, x, norm, kparts, skip_if, w_first, x_smem, late);            \
+        gemv2_walk<J, R, 1, TABLE>(p, rows, cols, x, norm, kparts, skip_if, w_first, x_smem, late);            \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 1)                                              \
         gemv2_qkv_j##J##SUFFIX(QkvArgs a, const float* __restrict__ x, NormArgs norm, float* out, int cols,    \
                                int kparts, int w_first, int x_smem, int late) {                                \
         QkvRows q{a, out};                                                                                     \
-        gemv2_walk<J, R, 1, PAIRS>(q, a.rows[0] + a.rows[1] + a.rows[2], cols, x, norm, kparts, nullptr,       \
+        gemv2_walk<J, R, 1, TABLE>(q, a.rows[0] + a.rows[1] + a.rows[2], cols, x, norm, kparts, nullptr,       \
                                    w_first, x_smem, late);                                                     \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 1)                                              \
@@ -715,17 +797,21 @@ struct SwigluRows {
                                   float* out, int rows, int cols, int kparts, int w_first, int x_smem,           \
                                   int late) {                                                                  \
         SwigluRows g{gate, up, out};                                                                           \
-        gemv2_walk<J, (R > 1 ? R / 2 : 1), 2, PAIRS>(g, rows, cols, x, norm, kparts, nullptr, w_first,         \
+        gemv2_walk<J, (R > 1 ? R / 2 : 1), 2, TABLE>(g, rows, cols, x, norm, kparts, nullptr, w_first,         \
                                                      x_smem, late);                                            \
     }
 
-// The pair table (default) and the nibble table (suffix _nib, DV2_GEMV2_PAIRS=0).
-GEMV2_KERNELS(1, 4, true, )
-GEMV2_KERNELS(2, 4, true, )
-GEMV2_KERNELS(3, 2, true, )
-GEMV2_KERNELS(1, 4, false, _nib)
-GEMV2_KERNELS(2, 4, false, _nib)
-GEMV2_KERNELS(3, 2, false, _nib)
+// The f16-pair table (default), the f32-pair table (suffix _p32, DV2_GEMV2_H16=0) and the
+// nibble table (suffix _nib, DV2_GEMV2_PAIRS=0).
+GEMV2_KERNELS(1, 4, GEMV2_PAIR16, )
+GEMV2_KERNELS(2, 4, GEMV2_PAIR16, )
+GEMV2_KERNELS(3, 2, GEMV2_PAIR16, )
+GEMV2_KERNELS(1, 4, GEMV2_PAIR32, _p32)
+GEMV2_KERNELS(2, 4, GEMV2_PAIR32, _p32)
+GEMV2_KERNELS(3, 2, GEMV2_PAIR32, _p32)
+GEMV2_KERNELS(1, 4, GEMV2_NIBBLE, _nib)
+GEMV2_KERNELS(2, 4, GEMV2_NIBBLE, _nib)
+GEMV2_KERNELS(3, 2, GEMV2_NIBBLE, _nib)
 
 // out = x * rsqrt(mean(x^2) + eps) * w over n elements; CTA b takes row b of x and out.
 // With `out_f16` the output row is f16 (n even).

@@ -312,9 +312,11 @@ pub struct Ops {
     /// CTAs of argmax_logits (`DV2_ARGMAX_CTAS=n`, default one per SM; 1: one CTA of 1024
     /// threads reads all the logits).
     pub argmax_ctas: u32,
-    /// GEMV v2 looks weights up two at a time in a byte -> f32-pair table (default;
+    /// GEMV v2 looks weights up two at a time in a byte -> pair table (default;
     /// `DV2_GEMV2_PAIRS=0`: one at a time in the 16-entry codebook).
     pub gemv2_pairs: bool,
+    /// That table's pairs are f16, multiplied with x as f16x2 (default; `DV2_GEMV2_H16=0`: f32).
+    pub gemv2_h16: bool,
     /// GEMV v2 stages x once per CTA in shared memory, loaded coalesced (default;
     /// `DV2_GEMV2_XSMEM=0`: each lane loads its own chunks of x from global memory).
     pub gemv2_x_smem: bool,
@@ -398,6 +400,7 @@ impl Ops {
                 .filter(|n| (1..=MAX_ARGMAX_CTAS as u32).contains(n))
                 .unwrap_or(sms.min(MAX_ARGMAX_CTAS as u32)),
             gemv2_pairs: switch_on("DV2_GEMV2_PAIRS"),
+            gemv2_h16: switch_on("DV2_GEMV2_H16"),
             gemv2_x_smem: switch_on("DV2_GEMV2_XSMEM"),
             gemv2_late: switch_on("DV2_GEMV2_LATE"),
             gemv_w_first: switch_on("DV2_GEMV_WFIRST"),
@@ -468,9 +471,14 @@ impl Ops {
         (kparts, cfg)
     }
 
-    /// GEMV v2's codebook table, the first index of its kernel arrays: 0 byte -> pair, 1 nibble.
+    /// GEMV v2's codebook table, the first index of its kernel arrays: 0 byte -> f16 pair,
+    /// 1 byte -> f32 pair, 2 nibble.
     fn gemv2_table(&self) -> usize {
-        usize::from(!self.gemv2_pairs)
+        match (self.gemv2_pairs, self.gemv2_h16) {
+            (false, _) => 2,
+            (true, false) => 1,
+            (true, true) => 0,
+        }
     }
 
     /// How many units of `rows` weight rows of K = `cols` fit a CTA's L2 prefetch window

@@ -26,7 +26,9 @@ gates_with() {
 # each decode switch off; the decode step's linears through the tensor-core GEMM; the prompt
 # fed token by token through the decode step.
 gates_with gates_match DV2_GEMV=v1 DV2_ATTN=v1
-for v in DV2_GEMV=v2 DV2_GEMV=v3 DV2_PDL=0 DV2_ATTN_BATCH=0 DV2_MERGE_EARLY=0 DV2_MERGE_WARP=0 DV2_ATTN_SPLIT=1 DV2_ATTN_SPLIT=2 DV2_ATTN_SPLIT=8 DV2_GEMV2_PAIRS=0 \
+# GEMV v2 everywhere with its f32-pair table (the tiny presets take v3 by default).
+gates_with gates_match DV2_GEMV=v2 DV2_GEMV2_H16=0
+for v in DV2_GEMV=v2 DV2_GEMV=v3 DV2_PDL=0 DV2_ATTN_BATCH=0 DV2_MERGE_EARLY=0 DV2_MERGE_WARP=0 DV2_ATTN_SPLIT=1 DV2_ATTN_SPLIT=2 DV2_ATTN_SPLIT=8 DV2_GEMV2_PAIRS=0 DV2_GEMV2_H16=0 \
   DV2_GEMV2_XSMEM=0 DV2_GEMV2_LATE=0 DV2_GEMV_WFIRST=0 DV2_GEMV3_EPI_EARLY=0 DV2_GEMV3_PREWAIT=0 DV2_ARGMAX_CTAS=1 DV2_NVRTC_SPLIT=0 \
   DV2_L2_AHEAD_KB=192 DV2_FUSE_RMS=0 DV2_LINEAR=mma DV2_PREFILL=n1; do
   gates_with gates_match $v
