@@ -517,8 +517,8 @@ __device__ __forceinline__ float2 nf4_pair(const float2* lut, u32 b, int k, u32 
 // byte offset 128 b + 4 l, so byte_entry_offset makes its address as before. The pairs
 // multiply x as f16x2 (x packed once per walk), each word's four pairs summed by two lanes
 // of an f16x2 FMA chain, then added in f32: the products and those 4-term sums are f16,
-// whose rounding (~2e-5 of the terms' magnitude in a numpy model at K = 2048) is below x's
-// own f16 rounding in GEMV v3.
+// whose rounding (~2e-5 of the terms' magnitude in a numpy model at K = 2048) is of the
+// order of x's own f16 rounding in GEMV v3; like v3, an |x| past 65504 would overflow.
 #define GEMV2_NIBBLE 0
 #define GEMV2_PAIR32 1
 #define GEMV2_PAIR16 2
