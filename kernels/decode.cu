@@ -497,7 +497,7 @@ __device__ __forceinline__ void load_pair_codebook(float2* lut) {
 }
 
 // The byte offset of byte k (0..3) of `word`'s entry in a byte-indexed table of 128 bytes per
-// entry (this table, and the f16-pair table of kernels/prefill.cu): 128 * byte, to be ORed
+// entry (this table, and the f16-pair table below): 128 * byte, to be ORed
 // with the lane's offset inside the entry. The two parts share no bits, so a shift and one
 // LOP3 (mask, then OR) make the address; indexing by byte * lanes + lane took ~4 instructions.
 __device__ __forceinline__ u32 byte_entry_offset(u32 word, int k) {
@@ -509,12 +509,33 @@ __device__ __forceinline__ float2 nf4_pair(const float2* lut, u32 b, int k, u32 
     return *reinterpret_cast<const float2*>(reinterpret_cast<const char*>(lut) + (byte_entry_offset(b, k) | lane8));
 }
 
+// A 256-entry table maps a packed byte to its f16 pair {codebook(high nibble) in the low
+// half, codebook(low nibble) in the high half}, replicated once per bank (entry b of lane l
+// at word 32b + l) so a warp's 32 lookups never conflict: one shared load per two weights.
+// Used by GEMV v2 (its default table, below), the GEMM v1 with f16 activations
+// (prefill.cu) and GEMV v3 (gemv_mma.cu).
+#define BYTE_LUT_WORDS (256 * 32)
+
+// The entry of byte k (0..3) of `word` for this lane (lane4 = 4 * lane).
+__device__ __forceinline__ u32 byte_lut_entry(const u32* lut, u32 word, int k, u32 lane4) {
+    return *reinterpret_cast<const u32*>(reinterpret_cast<const char*>(lut) + (byte_entry_offset(word, k) | lane4));
+}
+
+__device__ __forceinline__ void load_byte_codebook(u32* lut) {
+    __shared__ float nf4[16];
+    load_codebook(nf4);
+    __syncthreads();
+    for (int i = threadIdx.x; i < BYTE_LUT_WORDS; i += blockDim.x) {
+        const int b = i >> 5;
+        lut[i] = pack_f16x2(nf4[b >> 4], nf4[b & 15]);
+    }
+}
+
 // GEMV v2's tables (template argument TABLE): the 16-entry codebook (GEMV2_NIBBLE,
 // DV2_GEMV2_PAIRS=0), the byte -> f32-pair table above (GEMV2_PAIR32, DV2_GEMV2_H16=0), and the
-// default, the same pairs as f16x2 (GEMV2_PAIR16): 4 bytes per lookup instead of 8, so a
-// warp's lookup is one shared-memory wavefront instead of two (the v2 loop is bound by these
-// lookups, docs/lab.md session 9). Entry b of lane l at word 32 b + l (all 32 lanes, 32 KB),
-// byte offset 128 b + 4 l, so byte_entry_offset makes its address as before. The pairs
+// default, the byte table above (f16 pairs; GEMV2_PAIR16): 4 bytes per lookup instead of 8, so
+// a warp's lookup is one shared-memory wavefront instead of two (the v2 loop is bound by these
+// lookups, docs/lab.md session 9). The pairs
 // multiply x as f16x2 (x packed once per walk), each word's four pairs summed by two lanes
 // of an f16x2 FMA chain, then added in f32: the products and those 4-term sums are f16,
 // whose rounding (~2e-5 of the terms' magnitude in a numpy model at K = 2048) is of the
@@ -522,18 +543,6 @@ __device__ __forceinline__ float2 nf4_pair(const float2* lut, u32 b, int k, u32 
 #define GEMV2_NIBBLE 0
 #define GEMV2_PAIR32 1
 #define GEMV2_PAIR16 2
-#define PAIR16_LUT_WORDS (256 * 32)
-
-__device__ __forceinline__ void load_pair16_codebook(u32* lut) {
-    __shared__ float nf4[16];
-    load_codebook(nf4);
-    __syncthreads();
-    for (int i = threadIdx.x; i < PAIR16_LUT_WORDS; i += blockDim.x) {
-        const int b = i >> 5;
-        lut[i] = pack_f16x2(nf4[b >> 4], nf4[b & 15]);
-    }
-}
-
 __device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
     u32 r;
     asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
@@ -574,9 +583,7 @@ __device__ __forceinline__ float dot_row_pair16(const RowChunks<J>& rc, const XH
             u32 h = 0u;
 #pragma unroll
             for (int k = 0; k < 4; k++) {
-                const u32 p = *reinterpret_cast<const u32*>(reinterpret_cast<const char*>(lut) +
-                                                            (byte_entry_offset(words[w], k) | lane4));
-                h = hfma2(p, xh.h[j][4 * w + k], h);
+                h = hfma2(byte_lut_entry(lut, words[w], k, lane4), xh.h[j][4 * w + k], h);
             }
             part += half2_sum(h);
         }
@@ -594,10 +601,10 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
                                            int x_smem, int late_sum) {
     __shared__ float lut[16];
     __shared__ float2 pair_lut[TABLE == GEMV2_PAIR32 ? PAIR_LUT_ENTRIES : 1];
-    __shared__ u32 pair16_lut[TABLE == GEMV2_PAIR16 ? PAIR16_LUT_WORDS : 1];
+    __shared__ u32 pair16_lut[TABLE == GEMV2_PAIR16 ? BYTE_LUT_WORDS : 1];
     __shared__ float partial[GEMV2_MAX_LANES_X_R * NM][GEMV_WARPS];
     __shared__ float late_partial[GEMV2_LATE_FLOATS];
-    if (TABLE == GEMV2_PAIR16) load_pair16_codebook(pair16_lut);
+    if (TABLE == GEMV2_PAIR16) load_byte_codebook(pair16_lut);
     else if (TABLE == GEMV2_PAIR32) load_pair_codebook(pair_lut);
     else load_codebook(lut);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;

@@ -6,7 +6,7 @@
 // is issue-bound at ~50% of the bandwidth floor (docs/lab.md). Here a warp runs
 // mma.sync m16n8k16 with x replicated in all eight columns, so one MMA does 256
 // multiply-adds, and the dequantization is one shared-memory load per two weights: the
-// byte -> f16 pair table of prefill.cu (load_byte_codebook).
+// byte -> f16 pair table of decode.cu (load_byte_codebook).
 //
 // Fragment layout as in the prefill GEMM: thread (g = lane/4, t = lane%4) holds bytes
 // 8t..8t+7 of each 64-element block of rows g and g+8 of a 16-row tile; in k-step s its A

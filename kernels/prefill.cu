@@ -70,28 +70,6 @@ __device__ __forceinline__ u32 dequant_pair(const u32* lut16, u32 byte, u32 s2) 
     return hmul2(__byte_perm(lut16[(byte >> 4) & 15], lut16[byte & 15], 0x5410), s2);
 }
 
-// A 256-entry table maps a packed byte to its f16 pair {codebook(high nibble) in the low
-// half, codebook(low nibble) in the high half}, replicated once per bank (entry b of lane l
-// at word 32b + l) so a warp's 32 lookups never conflict: one shared load per two weights.
-// Used by the GEMM v1 with f16 activations and by GEMV v3 (gemv_mma.cu).
-#define BYTE_LUT_WORDS (256 * 32)
-
-// The entry of byte k (0..3) of `word` for this lane (lane4 = 4 * lane; byte_entry_offset in
-// kernels/decode.cu).
-__device__ __forceinline__ u32 byte_lut_entry(const u32* lut, u32 word, int k, u32 lane4) {
-    return *reinterpret_cast<const u32*>(reinterpret_cast<const char*>(lut) + (byte_entry_offset(word, k) | lane4));
-}
-
-__device__ __forceinline__ void load_byte_codebook(u32* lut) {
-    __shared__ float nf4[16];
-    load_codebook(nf4);
-    __syncthreads();
-    for (int i = threadIdx.x; i < BYTE_LUT_WORDS; i += blockDim.x) {
-        const int b = i >> 5;
-        lut[i] = pack_f16x2(nf4[b >> 4], nf4[b & 15]);
-    }
-}
-
 // Row `r` of the stacked matrices: which matrix and which of its rows (r past the last:
 // valid = false and a harmless stand-in, row 0 of matrix 0, that is never stored).
 struct StackedRow {
