@@ -542,6 +542,7 @@ fn main() {
             ("qwen25_3b attn-split=8", &[("DV2_ATTN_SPLIT", "8")]),
             ("qwen25_3b gemv2-pairs=0", &[("DV2_GEMV2_PAIRS", "0")]),
             ("qwen25_3b gemv2-h16=0", &[("DV2_GEMV2_H16", "0")]),
+            ("qwen25_3b gemv2-wide=1", &[("DV2_GEMV2_WIDE", "1")]),
             ("qwen25_3b gemv2-xsmem=0", &[("DV2_GEMV2_XSMEM", "0")]),
             ("qwen25_3b gemv2-late=0", &[("DV2_GEMV2_LATE", "0")]),
             (

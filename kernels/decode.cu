@@ -809,10 +809,16 @@ struct SwigluRows {
     }
 
 // The f16-pair table (default), the f32-pair table (suffix _p32, DV2_GEMV2_H16=0) and the
-// nibble table (suffix _nib, DV2_GEMV2_PAIRS=0).
+// nibble table (suffix _nib, DV2_GEMV2_PAIRS=0); the f16-pair table with 1.5x (K = 2048) and
+// 2x (K = 11008) the rows in flight per warp (suffix _wide, DV2_GEMV2_WIDE=1), in the
+// registers the f16 x slice freed. J = 1 keeps its 4 rows: (row lanes) x R must stay within
+// GEMV2_MAX_LANES_X_R where K is split.
 GEMV2_KERNELS(1, 4, GEMV2_PAIR16, )
 GEMV2_KERNELS(2, 4, GEMV2_PAIR16, )
 GEMV2_KERNELS(3, 2, GEMV2_PAIR16, )
+GEMV2_KERNELS(1, 4, GEMV2_PAIR16, _wide)
+GEMV2_KERNELS(2, 6, GEMV2_PAIR16, _wide)
+GEMV2_KERNELS(3, 4, GEMV2_PAIR16, _wide)
 GEMV2_KERNELS(1, 4, GEMV2_PAIR32, _p32)
 GEMV2_KERNELS(2, 4, GEMV2_PAIR32, _p32)
 GEMV2_KERNELS(3, 2, GEMV2_PAIR32, _p32)
