@@ -325,7 +325,8 @@ pub struct Kernels {
     pub finish_prefill: CudaFunction,
     pub commit_step: CudaFunction,
     pub ring_reset: CudaFunction,
-    /// GEMV v2 by codebook table ([byte -> pair, nibble]) and chunks per lane J = 1, 2, 3.
+    /// GEMV v2 by codebook table ([byte -> f16 pair, byte -> f32 pair, nibble, byte -> f16
+    /// pair with more rows in flight]) and chunks per lane J = 1, 2, 3.
     pub gemv2_nf4: [[CudaFunction; 3]; 4],
     pub gemv2_qkv: [[CudaFunction; 3]; 4],
     pub gemv2_swiglu: [[CudaFunction; 3]; 4],
@@ -376,7 +377,6 @@ impl Kernels {
     pub fn load(gpu: &Gpu) -> Result<Self> {
         let module = load_module(gpu, &DECODE)?;
         let f = |name: &str| module.load_function(name).map_err(driver_error(name));
-        // v2 stages B in dynamic shared memory, up to GEMM_V2_MAX_SMEM bytes.
         // GEMV v2: [f16-pair table, f32-pair table (suffix _p32), nibble table (_nib), f16-pair
         // table with more rows in flight (_wide)][J - 1].
         // GEMV v2 stages x in dynamic shared memory, up to GEMV2_MAX_SMEM bytes.
@@ -389,6 +389,7 @@ impl Kernels {
             };
             Ok([by_j("")?, by_j("_p32")?, by_j("_nib")?, by_j("_wide")?])
         };
+        // GEMM v2 stages B in dynamic shared memory, up to GEMM_V2_MAX_SMEM bytes.
         let gemm = |name: &str| -> Result<[[CudaFunction; 4]; 3]> {
             let width = |v: &str| -> Result<[CudaFunction; 4]> {
                 let [a, b, c, d] = GEMM_NT.map(|nt| f(&format!("{name}_nt{nt}_{v}")));
