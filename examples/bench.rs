@@ -3,13 +3,14 @@
 //!
 //!     cargo run --release --example bench -- [--json PATH] [--skip-kernels] [--skip-3b] [--probe]
 //!                                               [--prefill-only] [--skip-gemm] [--skip-variants]
-//!                                               [--split]
+//!                                               [--split] [--boundary]
 //!                                               [--prefill-profile LEN CHUNK] [--decode-profile STEPS]
 //!
 //! load s is `Engine::new` (upload, allocation, kernels, warm-up); warmup ms is its eager
 //! probe step + graph capture; prefill ms is the prompt to the first token; ms/token the steps
 //! after the first. `--skip-variants` keeps the 3B run to the default graph (no eager, kernel
 //! variants, stage split or prefill tables); `--split` adds the stage split back.
+//! `--boundary` prints only what a kernel boundary costs in a graph (chain of empty launches).
 //!
 //! Prints tables and writes every number to the JSON file (default bench.json).
 
@@ -17,7 +18,7 @@ use std::fmt::Write as _;
 use std::time::Instant;
 
 use decodev2::arch::{ArchSpec, MEDIUM_LLAMA, QWEN25_3B};
-use decodev2::cuda::bench::{Bench, Timing};
+use decodev2::cuda::bench::{Bench, Timing, CHAIN_LINK_MAX_SMEM};
 use decodev2::cuda::CudaBackend;
 use decodev2::engine::{Backend, BackendKind, Engine, EngineOptions};
 use decodev2::model::HostModel;
@@ -277,6 +278,24 @@ fn kernel_table(bench: &Bench, s: &ArchSpec) -> Vec<Timing> {
     rows.into_iter().map(|r| r.expect("kernel bench")).collect()
 }
 
+/// `--boundary`: µs per launch of a graph of 216 dependent launches that do nothing else (the
+/// decode step's 6 per layer times 36 layers), one CTA per SM, with programmatic dependent
+/// launch and without, and with the next launch's CTA able to be resident beside the running
+/// one or not (a CTA of ~200 KB of shared memory, as a GEMV v2 CTA's registers fill its SM).
+fn boundary() {
+    const LINKS: usize = 216;
+    println!("kernel boundary in a graph, {LINKS} dependent empty launches, µs per launch:");
+    for pdl in ["1", "0"] {
+        std::env::set_var("DV2_PDL", pdl);
+        let bench = Bench::new(0).expect("CUDA device");
+        for (what, smem) in [("co-resident", 0), ("SM-filling", CHAIN_LINK_MAX_SMEM)] {
+            let us = bench.boundary_us(LINKS, smem).expect("boundary bench");
+            println!("  pdl={pdl} {what:<12} {us:8.3}");
+        }
+    }
+    std::env::remove_var("DV2_PDL");
+}
+
 /// `--probe`: a few launches of the kernels under study, for a profiler (ncu -k ...): the
 /// four GEMMs of a layer at 48 columns under each GEMM switch, the gate+up GEMV, each timed
 /// as in the tables.
@@ -409,6 +428,10 @@ fn main() {
     let mut json = String::from("{\n");
     if flag("--probe") {
         probe();
+        return;
+    }
+    if flag("--boundary") {
+        boundary();
         return;
     }
 

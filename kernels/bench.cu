@@ -20,3 +20,17 @@ extern "C" __global__ void __launch_bounds__(256) stream_read(const uint4* __res
     }
     if (acc == 0x9e3779b9u) *sink = acc;
 }
+
+// One link of a chain of dependent launches (the kernel-boundary microbenchmark): waits for
+// the launch before it (programmatic dependent launch; a no-op in a launch without the
+// attribute), lets the next one start launching, and bumps its CTA's counter, so each link
+// depends on the last and does nothing else. Launched with one CTA per SM; dynamic shared
+// memory (unused) sized by the host decides whether the next link's CTA can be resident
+// beside this one.
+extern "C" __global__ void __launch_bounds__(256, 1) chain_link(u32* counters) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+    if (threadIdx.x == 0) counters[blockIdx.x] += 1;
+}

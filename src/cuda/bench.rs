@@ -9,7 +9,7 @@ use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
 use super::budget::kv_stride;
 use super::device::{driver_error, Gpu};
 use super::kernels::state;
-use super::kernels::{load_module, BENCH};
+use super::kernels::{allow_dynamic_smem, load_module, BENCH};
 use super::ops::{
     attn_partials, AttnArgs, Epilogue, GemmMatrix, Input, Ops, QkvArgs, ARGMAX_SCRATCH,
 };
@@ -98,20 +98,34 @@ impl RandomMatrix {
 pub struct Bench {
     ops: Ops,
     stream_read: CudaFunction,
+    chain_link: CudaFunction,
     sink: CudaSlice<u32>,
 }
+
+/// The most dynamic shared memory a chain link asks for: enough that a second CTA cannot be
+/// resident on its SM (228 KB per SM on an H200), as the GEMV v2 kernels' registers forbid.
+pub const CHAIN_LINK_MAX_SMEM: u32 = 200 * 1024;
 
 impl Bench {
     /// Kernel variants come from the environment, as in the backend (see [`super::ops`]).
     pub fn new(device: usize) -> Result<Self> {
         let ops = Ops::new(Gpu::open(device)?)?;
-        let stream_read = load_module(&ops.gpu, &BENCH)?
+        let module = load_module(&ops.gpu, &BENCH)?;
+        let stream_read = module
             .load_function("stream_read")
             .map_err(driver_error("stream_read"))?;
+        let chain_link = module
+            .load_function("chain_link")
+            .map_err(driver_error("chain_link"))?;
+        allow_dynamic_smem(
+            std::slice::from_ref(&chain_link),
+            CHAIN_LINK_MAX_SMEM as usize,
+        )?;
         let sink = ops.gpu.zeros(1)?;
         Ok(Self {
             ops,
             stream_read,
+            chain_link,
             sink,
         })
     }
@@ -182,6 +196,29 @@ impl Bench {
             let p = self.ops.gpu.ptr(&bufs[i]);
             launch!(self.ops.gpu, &self.stream_read, cfg; p, n16, sink)
         })
+    }
+
+    /// µs per kernel boundary: a graph of `links` dependent launches that do nothing else
+    /// (chain_link, one CTA of 256 threads per SM), replayed; `smem` bytes of dynamic shared
+    /// memory per CTA (at most [`CHAIN_LINK_MAX_SMEM`]; near it, a link's CTA waits for the
+    /// previous link's CTA to leave its SM, as a GEMV v2 CTA does). Programmatic dependent
+    /// launch as the engine uses it (`DV2_PDL=0` off). What the decode step's ~6 launches per
+    /// layer cost at the least, before any kernel's own latency.
+    pub fn boundary_us(&self, links: usize, smem: u32) -> Result<f64> {
+        if smem > CHAIN_LINK_MAX_SMEM {
+            return Err(Error::InvalidArgument(format!(
+                "chain link shared memory {smem} > {CHAIN_LINK_MAX_SMEM}"
+            )));
+        }
+        let sms = self.ops.sms;
+        let counters = self.ops.gpu.zeros::<u32>(sms as usize)?;
+        let ptr = self.ops.gpu.ptr(&counters);
+        let cfg = LaunchConfig {
+            grid_dim: (sms, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        self.time_rotated(links, |_| launch!(self.ops.gpu, &self.chain_link, cfg; ptr))
     }
 
     /// Times one GEMV-family kernel on random weights: `kind` is "qkv" (rows = q+k+v rows,

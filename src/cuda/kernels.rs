@@ -354,7 +354,7 @@ pub struct Kernels {
 }
 
 /// Lets each of `funcs` take up to `bytes` of dynamic shared memory (past the 48 KiB default).
-fn allow_dynamic_smem(funcs: &[CudaFunction], bytes: usize) -> Result<()> {
+pub(super) fn allow_dynamic_smem(funcs: &[CudaFunction], bytes: usize) -> Result<()> {
     for func in funcs {
         func.set_attribute(
             CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,

@@ -370,7 +370,8 @@ pub struct Ops {
     /// (token, q head) rows per CTA of the CUDA-core prefill attention: `DV2_ATTNP_ROWS=32`,
     /// default 8 (more CTAs, measured faster).
     pub attnp_rows: usize,
-    sms: u32,
+    /// Streaming multiprocessors of the device.
+    pub(super) sms: u32,
 }
 
 impl Ops {

@@ -2,7 +2,8 @@
 # Runs on the GPU machine, from the repository root, after ../shared/tools/device-pack built
 # .device/ here: the bench tables docs/lab.md records. Full outputs go to $OUT (or
 # ./device-logs), the rows worth reading to stdout (a device call returns only its tail).
-# Usage: bash tests/gpu/bench-on-device.sh [decode] [probe] [prefill]   (default: all three)
+# Usage: bash tests/gpu/bench-on-device.sh [decode] [probe] [prefill] [boundary]
+#   (default: decode probe prefill)
 set -uo pipefail
 out=${OUT:-device-logs}; mkdir -p "$out"
 export DV2_CACHE_DIR=/tmp/dv2-cache
@@ -18,7 +19,9 @@ for what in "${@:-decode probe prefill}"; do
              grep -E "^gemv|^gemm [^ ]+ N=48" "$out/probe.txt" ;;
       prefill) timeout 300 $bench --prefill-only --skip-kernels --skip-gemm > "$out/prefill.txt" 2>&1 || status=1
                grep -E "^  (default|n1|DV2_)" "$out/prefill.txt" ;;
-      *) echo "unknown table: $w (decode, probe, prefill)"; status=1 ;;
+      boundary) timeout 120 $bench --boundary > "$out/boundary.txt" 2>&1 || status=1
+                cat "$out/boundary.txt" ;;
+      *) echo "unknown table: $w (decode, probe, prefill, boundary)"; status=1 ;;
     esac
   done
 done
