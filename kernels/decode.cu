@@ -1034,9 +1034,16 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode(AttnArgs 
 // its first shared store. Interleaved, each round of loads waited for the previous round's
 // data to be stored (in program order a load may not pass a store the compiler cannot prove
 // to be elsewhere): nine round trips in a row at head_dim 128.
-template <bool BATCHED>
+// PRE_WAIT (default with BATCHED; DV2_ATTN_PREWAIT=0 off): the chunk's K and V rows are loaded
+// before the wait on the q/k/v GEMV, so their round trip overlaps its tail (an attention CTA,
+// 128 threads, fits beside the GEMV's CTAs). They were written by earlier steps, and so was
+// the position; a kernel starts only after the one before it has passed its own wait, so
+// every step before this one's q/k/v GEMV is complete when these loads issue. The live slot
+// and this step's q/k/v are read after the wait, as before.
+template <bool BATCHED, bool PRE_WAIT = false>
 __device__ __forceinline__ void attn2_decode_body(const AttnArgs& a) {
-    pdl_enter();
+    static_assert(BATCHED || !PRE_WAIT, "the early loads are the batched prologue's");
+    if (!PRE_WAIT) pdl_enter();
     const int chunk = blockIdx.y, hd = a.head_dim, half = hd >> 1;
     // gridDim.x = n_kv * parts: `parts` CTAs share a KV head's chunk, each taking gn of its
     // group's q heads from q head q0 (DV2_ATTN_SPLIT; 1: the whole group in one CTA).
@@ -1083,6 +1090,7 @@ __device__ __forceinline__ void attn2_decode_body(const AttnArgs& a) {
                   *reinterpret_cast<const uint4*>(a.v_cache + kv_offset(i)));
         }
     }
+    if (PRE_WAIT) pdl_enter();
     // Rotate the group's q heads (scale folded in) and the live k, a (d, d + half) pair per
     // thread per round; take the live v.
     const float* qkv_k = a.qkv + a.n_q * hd + kvh * hd;
@@ -1210,7 +1218,12 @@ __device__ __forceinline__ void attn2_decode_body(const AttnArgs& a) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode(AttnArgs a) { attn2_decode_body<true>(a); }
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode(AttnArgs a) {
+    attn2_decode_body<true, true>(a);
+}
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode_late(AttnArgs a) {
+    attn2_decode_body<true, false>(a);
+}
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode_serial(AttnArgs a) {
     attn2_decode_body<false>(a);
 }

@@ -333,6 +333,9 @@ pub struct Kernels {
     pub attn2_decode: CudaFunction,
     /// The same with its prologue's loads and stores in turn (`DV2_ATTN_BATCH=0`).
     pub attn2_decode_serial: CudaFunction,
+    /// The same with the chunk's K and V loaded after the wait on the q/k/v GEMV
+    /// (`DV2_ATTN_PREWAIT=0`).
+    pub attn2_decode_late: CudaFunction,
     pub attn2_merge: CudaFunction,
     /// GEMV v3 (tensor cores) by epilogue: store (+bias), accumulate, SwiGLU.
     pub gemv3: [CudaFunction; 3],
@@ -424,6 +427,7 @@ impl Kernels {
             gemv2_swiglu: gemv2("gemv2_swiglu")?,
             attn2_decode: f("attn2_decode")?,
             attn2_decode_serial: f("attn2_decode_serial")?,
+            attn2_decode_late: f("attn2_decode_late")?,
             attn2_merge: f("attn2_merge")?,
             gemm_store: gemm("gemm_store")?,
             gemm_acc: gemm("gemm_acc")?,

@@ -303,6 +303,9 @@ pub struct Ops {
     /// The v2 attention's merge loads its first chunks' partials together with the position
     /// (default; `DV2_MERGE_EARLY=0`: after it, m and l before the sums).
     pub merge_early: bool,
+    /// The v2 attention loads its chunk's K and V before waiting for the q/k/v GEMV (default
+    /// with the batched prologue; `DV2_ATTN_PREWAIT=0`: after).
+    pub attn_pre_wait: bool,
     /// The merge's warps each find the chunk weights themselves where at most 32 chunks are in
     /// use (default; `DV2_MERGE_WARP=0`: once per CTA, behind three barriers).
     pub merge_warp: bool,
@@ -396,6 +399,7 @@ impl Ops {
             attn: variant("DV2_ATTN"),
             attn_batch: switch_on("DV2_ATTN_BATCH"),
             merge_early: switch_on("DV2_MERGE_EARLY"),
+            attn_pre_wait: switch_on("DV2_ATTN_PREWAIT"),
             merge_warp: switch_on("DV2_MERGE_WARP"),
             attn_split: env_number("DV2_ATTN_SPLIT")
                 .filter(|&n| n >= 1)
@@ -1006,10 +1010,10 @@ impl Ops {
                     shared_mem_bytes: 0,
                 };
                 let nc = chunks as i32;
-                let f = if self.attn_batch {
-                    &self.k.attn2_decode
-                } else {
-                    &self.k.attn2_decode_serial
+                let f = match (self.attn_batch, self.attn_pre_wait) {
+                    (true, true) => &self.k.attn2_decode,
+                    (true, false) => &self.k.attn2_decode_late,
+                    (false, _) => &self.k.attn2_decode_serial,
                 };
                 launch!(self.gpu, f, cfg; args)?;
                 let (early, per_warp) = (i32::from(self.merge_early), i32::from(self.merge_warp));
