@@ -784,22 +784,22 @@ struct SwigluRows {
     __device__ float* ss_out() const { return nullptr; }
 };
 
-#define GEMV2_KERNELS(J, R, TABLE, SUFFIX)                                                                     \
-    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 1)                                              \
+#define GEMV2_KERNELS_BOUNDED(J, R, TABLE, SUFFIX, BOUNDS)                                                                     \
+    extern "C" __global__ void BOUNDS                                              \
         gemv2_nf4_j##J##SUFFIX(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y,                 \
                                const float* __restrict__ bias, int rows, int cols, int kparts, int accumulate, \
                                const int* skip_if, float* ss_out, int w_first, int x_smem, int late) {         \
         PlainRows p{m, y, bias, accumulate, ss_out};                                                           \
         gemv2_walk<J, R, 1, TABLE>(p, rows, cols, x, norm, kparts, skip_if, w_first, x_smem, late);            \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 1)                                              \
+    extern "C" __global__ void BOUNDS                                              \
         gemv2_qkv_j##J##SUFFIX(QkvArgs a, const float* __restrict__ x, NormArgs norm, float* out, int cols,    \
                                int kparts, int w_first, int x_smem, int late) {                                \
         QkvRows q{a, out};                                                                                     \
         gemv2_walk<J, R, 1, TABLE>(q, a.rows[0] + a.rows[1] + a.rows[2], cols, x, norm, kparts, nullptr,       \
                                    w_first, x_smem, late);                                                     \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 1)                                              \
+    extern "C" __global__ void BOUNDS                                              \
         gemv2_swiglu_j##J##SUFFIX(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm,          \
                                   float* out, int rows, int cols, int kparts, int w_first, int x_smem,           \
                                   int late) {                                                                  \
@@ -807,6 +807,8 @@ struct SwigluRows {
         gemv2_walk<J, (R > 1 ? R / 2 : 1), 2, TABLE>(g, rows, cols, x, norm, kparts, nullptr, w_first,         \
                                                      x_smem, late);                                            \
     }
+
+#define GEMV2_KERNELS(J, R, TABLE, SUFFIX) GEMV2_KERNELS_BOUNDED(J, R, TABLE, SUFFIX, __launch_bounds__(GEMV_THREADS, 1))
 
 // The f16-pair table (default), the f32-pair table (suffix _p32, DV2_GEMV2_H16=0) and the
 // nibble table (suffix _nib, DV2_GEMV2_PAIRS=0); the f16-pair table with 1.5x (K = 2048) and
@@ -819,6 +821,13 @@ GEMV2_KERNELS(3, 2, GEMV2_PAIR16, )
 GEMV2_KERNELS(1, 4, GEMV2_PAIR16, _wide)
 GEMV2_KERNELS(2, 6, GEMV2_PAIR16, _wide)
 GEMV2_KERNELS(3, 4, GEMV2_PAIR16, _wide)
+// The f16-pair table with half the rows per warp in at most 128 registers (suffix _narrow,
+// DV2_GEMV2_NARROW=1; no spills but SwiGLU's at J = 3, 212 bytes): a CTA fits beside a GEMV v3 CTA (o's, before gate/up), so
+// it can become resident and build its table while that kernel runs, and two fit an SM
+// (DV2_GEMV_CTAS=2: 16 warps per SM, the same rows in flight as one CTA of the default).
+GEMV2_KERNELS_BOUNDED(1, 2, GEMV2_PAIR16, _narrow, __maxnreg__(128))
+GEMV2_KERNELS_BOUNDED(2, 2, GEMV2_PAIR16, _narrow, __maxnreg__(128))
+GEMV2_KERNELS_BOUNDED(3, 1, GEMV2_PAIR16, _narrow, __maxnreg__(128))
 GEMV2_KERNELS(1, 4, GEMV2_PAIR32, _p32)
 GEMV2_KERNELS(2, 4, GEMV2_PAIR32, _p32)
 GEMV2_KERNELS(3, 2, GEMV2_PAIR32, _p32)

@@ -323,6 +323,10 @@ pub struct Ops {
     /// With the f16 pairs, 1.5x (K = 2048) or 2x (K = 11008) the rows in flight per warp
     /// (`DV2_GEMV2_WIDE=1`; default off).
     pub gemv2_wide: bool,
+    /// With the f16 pairs, half the rows in flight per warp in at most 128 registers, so that
+    /// a CTA fits beside a GEMV v3 CTA and two fit an SM (`DV2_GEMV2_NARROW=1`; default off;
+    /// with `DV2_GEMV_CTAS=2` two CTAs per SM).
+    pub gemv2_narrow: bool,
     /// GEMV v2 stages x once per CTA in shared memory, loaded coalesced (default;
     /// `DV2_GEMV2_XSMEM=0`: each lane loads its own chunks of x from global memory).
     pub gemv2_x_smem: bool,
@@ -410,6 +414,7 @@ impl Ops {
             gemv2_pairs: switch_on("DV2_GEMV2_PAIRS"),
             gemv2_h16: switch_on("DV2_GEMV2_H16"),
             gemv2_wide: std::env::var("DV2_GEMV2_WIDE").as_deref() == Ok("1"),
+            gemv2_narrow: std::env::var("DV2_GEMV2_NARROW").as_deref() == Ok("1"),
             gemv2_x_smem: switch_on("DV2_GEMV2_XSMEM"),
             gemv2_late: switch_on("DV2_GEMV2_LATE"),
             gemv_w_first: switch_on("DV2_GEMV_WFIRST"),
@@ -481,13 +486,15 @@ impl Ops {
     }
 
     /// GEMV v2's codebook table, the first index of its kernel arrays: 0 byte -> f16 pair,
-    /// 1 byte -> f32 pair, 2 nibble, 3 byte -> f16 pair with more rows in flight.
+    /// 1 byte -> f32 pair, 2 nibble, 3 byte -> f16 pair with more rows in flight, 4 with fewer
+    /// in 128 registers.
     fn gemv2_table(&self) -> usize {
-        match (self.gemv2_pairs, self.gemv2_h16, self.gemv2_wide) {
-            (false, _, _) => 2,
-            (true, false, _) => 1,
-            (true, true, false) => 0,
-            (true, true, true) => 3,
+        match (self.gemv2_pairs, self.gemv2_h16) {
+            (false, _) => 2,
+            (true, false) => 1,
+            (true, true) if self.gemv2_narrow => 4,
+            (true, true) if self.gemv2_wide => 3,
+            (true, true) => 0,
         }
     }
 
