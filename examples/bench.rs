@@ -572,6 +572,11 @@ fn main() {
                 "qwen25_3b narrow ctas=2",
                 &[("DV2_GEMV2_NARROW", "1"), ("DV2_GEMV_CTAS", "2")],
             ),
+            (
+                "qwen25_3b narrow prewait",
+                &[("DV2_GEMV2_NARROW", "1"), ("DV2_GEMV2_PREWAIT", "1")],
+            ),
+            ("qwen25_3b gemv2-prewait=1", &[("DV2_GEMV2_PREWAIT", "1")]),
             ("qwen25_3b gemv2-xsmem=0", &[("DV2_GEMV2_XSMEM", "0")]),
             ("qwen25_3b gemv2-late=0", &[("DV2_GEMV2_LATE", "0")]),
             (

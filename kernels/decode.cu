@@ -632,12 +632,15 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
         }
     };
     // The first block's weights after the wait (before it they measured 3% slower, PDL or
-    // not: docs/lab.md). With w_first (DV2_GEMV_WFIRST, default) they are issued before x's
-    // loads, so their fetch overlaps the round trips for the norm's partial sums and x;
-    // without, after x is in registers.
+    // not, with CTAs that could not be resident before the previous kernel left: docs/lab.md).
+    // With w_first (DV2_GEMV_WFIRST, default) they are issued before x's loads, so their
+    // fetch overlaps the round trips for the norm's partial sums and x; without, after x is
+    // in registers. w_first 2 (DV2_GEMV2_PREWAIT=1, for the 128-register kernels that fit
+    // beside a GEMV v3 CTA) issues them before the wait: weights are constant.
+    if (w_first == 2) load_block(r0, cur);
     pdl_enter();
     if (skip_if && *skip_if) return;
-    if (w_first) load_block(r0, cur);
+    if (w_first == 1) load_block(r0, cur);
     XSlice<J> xs;
     if (x_smem) {
         extern __shared__ __align__(16) float x_staged[];  // cols / 32 * X_STAGE_STRIDE floats

@@ -327,6 +327,9 @@ pub struct Ops {
     /// a CTA fits beside a GEMV v3 CTA and two fit an SM (`DV2_GEMV2_NARROW=1`; default off;
     /// with `DV2_GEMV_CTAS=2` two CTAs per SM).
     pub gemv2_narrow: bool,
+    /// GEMV v2 issues its first weights before waiting for the previous kernel
+    /// (`DV2_GEMV2_PREWAIT=1`; default off: after the wait).
+    pub gemv2_pre_wait: bool,
     /// GEMV v2 stages x once per CTA in shared memory, loaded coalesced (default;
     /// `DV2_GEMV2_XSMEM=0`: each lane loads its own chunks of x from global memory).
     pub gemv2_x_smem: bool,
@@ -415,6 +418,7 @@ impl Ops {
             gemv2_h16: switch_on("DV2_GEMV2_H16"),
             gemv2_wide: std::env::var("DV2_GEMV2_WIDE").as_deref() == Ok("1"),
             gemv2_narrow: std::env::var("DV2_GEMV2_NARROW").as_deref() == Ok("1"),
+            gemv2_pre_wait: std::env::var("DV2_GEMV2_PREWAIT").as_deref() == Ok("1"),
             gemv2_x_smem: switch_on("DV2_GEMV2_XSMEM"),
             gemv2_late: switch_on("DV2_GEMV2_LATE"),
             gemv_w_first: switch_on("DV2_GEMV_WFIRST"),
@@ -521,10 +525,15 @@ impl Ops {
         }
     }
 
-    /// GEMV v2's switch arguments: weights first, x staged in shared memory, late K sums.
+    /// GEMV v2's switch arguments: weights first (2: before the wait on the previous kernel),
+    /// x staged in shared memory, late K sums.
     fn gemv2_switches(&self) -> (i32, i32, i32) {
         (
-            i32::from(self.gemv_w_first),
+            match (self.gemv_w_first, self.gemv2_pre_wait) {
+                (false, _) => 0,
+                (true, false) => 1,
+                (true, true) => 2,
+            },
             i32::from(self.gemv2_x_smem),
             i32::from(self.gemv2_late),
         )
