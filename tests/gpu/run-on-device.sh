@@ -28,6 +28,9 @@ gates_with() {
 gates_with gates_match DV2_GEMV=v1 DV2_ATTN=v1
 # GEMV v2 everywhere with its f32-pair table (the tiny presets take v3 by default).
 gates_with gates_match DV2_GEMV=v2 DV2_GEMV2_H16=0
+# The f16 table on every linear of the tiny presets, over 35 chunks and from a chunked prefill.
+gates_with long_context DV2_GEMV=v2
+gates_with chunked DV2_GEMV=v2
 for v in DV2_GEMV=v2 DV2_GEMV=v3 DV2_PDL=0 DV2_ATTN_BATCH=0 DV2_MERGE_EARLY=0 DV2_MERGE_WARP=0 DV2_ATTN_SPLIT=1 DV2_ATTN_SPLIT=2 DV2_ATTN_SPLIT=8 DV2_GEMV2_PAIRS=0 DV2_GEMV2_H16=0 \
   DV2_GEMV2_XSMEM=0 DV2_GEMV2_LATE=0 DV2_GEMV_WFIRST=0 DV2_GEMV3_EPI_EARLY=0 DV2_GEMV3_PREWAIT=0 DV2_ARGMAX_CTAS=1 DV2_NVRTC_SPLIT=0 \
   DV2_L2_AHEAD_KB=192 DV2_FUSE_RMS=0 DV2_LINEAR=mma DV2_PREFILL=n1; do
