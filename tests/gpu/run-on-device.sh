@@ -28,6 +28,9 @@ gates_with() {
 gates_with gates_match DV2_GEMV=v1 DV2_ATTN=v1
 # GEMV v2 everywhere with its f32-pair table (the tiny presets take v3 by default).
 gates_with gates_match DV2_GEMV=v2 DV2_GEMV2_H16=0
+# The f16 table on every linear of the tiny presets, over 35 chunks and from a chunked prefill.
+gates_with long_context DV2_GEMV=v2
+gates_with chunked DV2_GEMV=v2
 gates_with gates_match DV2_GEMV=v2 DV2_GEMV2_WIDE=1
 gates_with qwen25_3b_shape DV2_GEMV2_WIDE=1
 gates_with gates_match DV2_GEMV=v2 DV2_GEMV2_NARROW=1
