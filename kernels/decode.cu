@@ -486,14 +486,22 @@ __device__ __forceinline__ float dot_row(const RowChunks<J>& rc, const XSlice<J>
 // and lane offset), a load and two FMAs.
 #define PAIR_LUT_ENTRIES (256 * 16)
 
-__device__ __forceinline__ void load_pair_codebook(float2* lut) {
+// Fills a byte-indexed table of LANES copies per entry (entry b of lane l at LUT index
+// LANES * b + l) with pair(codebook(high nibble of b), codebook(low nibble of b)): this table
+// (f32 pairs, 16 lanes) and the f16-pair table below (32 lanes).
+template <int LANES, typename Entry, typename Pair>
+__device__ __forceinline__ void load_byte_table(Entry* lut, Pair pair) {
     __shared__ float nf4[16];
     load_codebook(nf4);
     __syncthreads();
-    for (int i = threadIdx.x; i < PAIR_LUT_ENTRIES; i += blockDim.x) {
-        const int b = i >> 4;
-        lut[i] = make_float2(nf4[b >> 4], nf4[b & 15]);
+    for (int i = threadIdx.x; i < 256 * LANES; i += blockDim.x) {
+        const int b = (unsigned)i / LANES;  // i >= 0: a shift
+        lut[i] = pair(nf4[b >> 4], nf4[b & 15]);
     }
+}
+
+__device__ __forceinline__ void load_pair_codebook(float2* lut) {
+    load_byte_table<16>(lut, [](float hi, float lo) { return make_float2(hi, lo); });
 }
 
 // The byte offset of byte k (0..3) of `word`'s entry in a byte-indexed table of 128 bytes per
@@ -522,24 +530,18 @@ __device__ __forceinline__ u32 byte_lut_entry(const u32* lut, u32 word, int k, u
 }
 
 __device__ __forceinline__ void load_byte_codebook(u32* lut) {
-    __shared__ float nf4[16];
-    load_codebook(nf4);
-    __syncthreads();
-    for (int i = threadIdx.x; i < BYTE_LUT_WORDS; i += blockDim.x) {
-        const int b = i >> 5;
-        lut[i] = pack_f16x2(nf4[b >> 4], nf4[b & 15]);
-    }
+    load_byte_table<BYTE_LUT_WORDS / 256>(lut, [](float hi, float lo) { return pack_f16x2(hi, lo); });
 }
 
 // GEMV v2's tables (template argument TABLE): the 16-entry codebook (GEMV2_NIBBLE,
 // DV2_GEMV2_PAIRS=0), the byte -> f32-pair table above (GEMV2_PAIR32, DV2_GEMV2_H16=0), and the
 // default, the byte table above (f16 pairs; GEMV2_PAIR16): 4 bytes per lookup instead of 8, so
 // a warp's lookup is one shared-memory wavefront instead of two (the v2 loop is bound by these
-// lookups, docs/lab.md session 9). The pairs
-// multiply x as f16x2 (x packed once per walk), each word's four pairs summed by two lanes
-// of an f16x2 FMA chain, then added in f32: the products and those 4-term sums are f16,
-// whose rounding (~2e-5 of the terms' magnitude in a numpy model at K = 2048) is of the
-// order of x's own f16 rounding in GEMV v3; like v3, an |x| past 65504 would overflow.
+// lookups, docs/lab.md session 9). The pairs multiply x as f16x2 (x packed once per walk),
+// each word's four pairs summed by two lanes of an f16x2 FMA chain, then added in f32: the
+// products and those 4-term sums are f16, whose rounding (~2e-5 of the terms' magnitude in a
+// numpy model at K = 2048) is of the order of x's own f16 rounding in GEMV v3; like v3, an |x|
+// past 65504 would overflow.
 #define GEMV2_NIBBLE 0
 #define GEMV2_PAIR32 1
 #define GEMV2_PAIR16 2
