@@ -315,6 +315,10 @@ pub struct Ops {
     /// GEMV v2 looks weights up two at a time in a byte -> pair table (default;
     /// `DV2_GEMV2_PAIRS=0`: one at a time in the 16-entry codebook).
     pub gemv2_pairs: bool,
+    /// GEMV v1's rows per CTA (`DV2_GEMV_NR=1|2|4|8`; default by the matrix's rows).
+    pub gemv_nr: Option<u32>,
+    /// GEMV v2's CTAs per SM (`DV2_GEMV_CTAS=1..8`, default 1).
+    pub gemv_ctas: u32,
     /// That table's pairs are f16, multiplied with x as f16x2 (default; `DV2_GEMV2_H16=0`: f32).
     pub gemv2_h16: bool,
     /// GEMV v2 stages x once per CTA in shared memory, loaded coalesced (default;
@@ -401,6 +405,10 @@ impl Ops {
                 .filter(|n| (1..=MAX_ARGMAX_CTAS as u32).contains(n))
                 .unwrap_or(sms.min(MAX_ARGMAX_CTAS as u32)),
             gemv2_pairs: switch_on("DV2_GEMV2_PAIRS"),
+            gemv_nr: env_number("DV2_GEMV_NR").filter(|nr| matches!(nr, 1 | 2 | 4 | 8)),
+            gemv_ctas: env_number("DV2_GEMV_CTAS")
+                .filter(|n| (1..=8).contains(n))
+                .unwrap_or(1),
             gemv2_h16: switch_on("DV2_GEMV2_H16"),
             gemv2_x_smem: switch_on("DV2_GEMV2_XSMEM"),
             gemv2_late: switch_on("DV2_GEMV2_LATE"),
@@ -457,8 +465,8 @@ impl Ops {
     }
 
     fn gemv_v1_launch(&self, rows: usize) -> (u32, LaunchConfig) {
-        let kparts = match env_number::<u32>("DV2_GEMV_NR") {
-            Some(nr @ (1 | 2 | 4 | 8)) => GEMV_WARPS / nr,
+        let kparts = match self.gemv_nr {
+            Some(nr) => GEMV_WARPS / nr,
             _ if rows >= 4096 => 1,
             _ if rows >= 1024 => 2,
             _ => 8,
@@ -517,11 +525,8 @@ impl Ops {
     /// v2: (chunks per lane J, warps per row) for K = cols, and the persistent grid.
     fn gemv_v2_launch(&self, rows: usize, cols: usize) -> Result<(usize, u32, LaunchConfig)> {
         let (j, kparts) = gemv2_shape(cols)?;
-        let per_sm = env_number::<u32>("DV2_GEMV_CTAS")
-            .filter(|n| (1..=8).contains(n))
-            .unwrap_or(1);
         let row_lanes = (GEMV_WARPS / kparts) as usize;
-        let ctas = (self.sms * per_sm)
+        let ctas = (self.sms * self.gemv_ctas)
             .min(rows.div_ceil(row_lanes) as u32)
             .max(1);
         let cfg = LaunchConfig {
