@@ -318,6 +318,10 @@ pub struct Ops {
     /// GEMV v2 looks weights up two at a time in a byte -> pair table (default;
     /// `DV2_GEMV2_PAIRS=0`: one at a time in the 16-entry codebook).
     pub gemv2_pairs: bool,
+    /// GEMV v1's rows per CTA (`DV2_GEMV_NR=1|2|4|8`; default by the matrix's rows).
+    pub gemv_nr: Option<u32>,
+    /// GEMV v2's CTAs per SM (`DV2_GEMV_CTAS=1..8`, default 1).
+    pub gemv_ctas: u32,
     /// That table's pairs are f16, multiplied with x as f16x2 (default; `DV2_GEMV2_H16=0`: f32).
     pub gemv2_h16: bool,
     /// With the f16 pairs, 1.5x (K = 2048) or 2x (K = 11008) the rows in flight per warp
@@ -415,6 +419,10 @@ impl Ops {
                 .filter(|n| (1..=MAX_ARGMAX_CTAS as u32).contains(n))
                 .unwrap_or(sms.min(MAX_ARGMAX_CTAS as u32)),
             gemv2_pairs: switch_on("DV2_GEMV2_PAIRS"),
+            gemv_nr: env_number("DV2_GEMV_NR").filter(|nr| matches!(nr, 1 | 2 | 4 | 8)),
+            gemv_ctas: env_number("DV2_GEMV_CTAS")
+                .filter(|n| (1..=8).contains(n))
+                .unwrap_or(1),
             gemv2_h16: switch_on("DV2_GEMV2_H16"),
             gemv2_wide: std::env::var("DV2_GEMV2_WIDE").as_deref() == Ok("1"),
             gemv2_narrow: std::env::var("DV2_GEMV2_NARROW").as_deref() == Ok("1"),
@@ -474,8 +482,8 @@ impl Ops {
     }
 
     fn gemv_v1_launch(&self, rows: usize) -> (u32, LaunchConfig) {
-        let kparts = match env_number::<u32>("DV2_GEMV_NR") {
-            Some(nr @ (1 | 2 | 4 | 8)) => GEMV_WARPS / nr,
+        let kparts = match self.gemv_nr {
+            Some(nr) => GEMV_WARPS / nr,
             _ if rows >= 4096 => 1,
             _ if rows >= 1024 => 2,
             _ => 8,
@@ -542,11 +550,8 @@ impl Ops {
     /// v2: (chunks per lane J, warps per row) for K = cols, and the persistent grid.
     fn gemv_v2_launch(&self, rows: usize, cols: usize) -> Result<(usize, u32, LaunchConfig)> {
         let (j, kparts) = gemv2_shape(cols)?;
-        let per_sm = env_number::<u32>("DV2_GEMV_CTAS")
-            .filter(|n| (1..=8).contains(n))
-            .unwrap_or(1);
         let row_lanes = (GEMV_WARPS / kparts) as usize;
-        let ctas = (self.sms * per_sm)
+        let ctas = (self.sms * self.gemv_ctas)
             .min(rows.div_ceil(row_lanes) as u32)
             .max(1);
         let cfg = LaunchConfig {
