@@ -555,16 +555,28 @@ fn main() {
         // Programmatic dependent launch off; RMSNorm as its own kernel instead of folded into
         // the next GEMV's x load; each GEMV kernel forced (the default picks per matrix).
         for (label, env) in [
-            ("qwen25_3b pdl=0", &[("DV2_PDL", "0")]),
+            ("qwen25_3b pdl=0", &[("DV2_PDL", "0")][..]),
             ("qwen25_3b rms-kernel", &[("DV2_FUSE_RMS", "0")]),
             ("qwen25_3b attn-batch=0", &[("DV2_ATTN_BATCH", "0")]),
             ("qwen25_3b merge-early=0", &[("DV2_MERGE_EARLY", "0")]),
+            ("qwen25_3b attn-prewait=0", &[("DV2_ATTN_PREWAIT", "0")]),
             ("qwen25_3b merge-warp=0", &[("DV2_MERGE_WARP", "0")]),
             ("qwen25_3b attn-split=1", &[("DV2_ATTN_SPLIT", "1")]),
             ("qwen25_3b attn-split=2", &[("DV2_ATTN_SPLIT", "2")]),
             ("qwen25_3b attn-split=8", &[("DV2_ATTN_SPLIT", "8")]),
             ("qwen25_3b gemv2-pairs=0", &[("DV2_GEMV2_PAIRS", "0")]),
             ("qwen25_3b gemv2-h16=0", &[("DV2_GEMV2_H16", "0")]),
+            ("qwen25_3b gemv2-wide=1", &[("DV2_GEMV2_WIDE", "1")]),
+            ("qwen25_3b gemv2-narrow=1", &[("DV2_GEMV2_NARROW", "1")]),
+            (
+                "qwen25_3b narrow ctas=2",
+                &[("DV2_GEMV2_NARROW", "1"), ("DV2_GEMV_CTAS", "2")],
+            ),
+            (
+                "qwen25_3b narrow prewait",
+                &[("DV2_GEMV2_NARROW", "1"), ("DV2_GEMV2_PREWAIT", "1")],
+            ),
+            ("qwen25_3b gemv2-prewait=1", &[("DV2_GEMV2_PREWAIT", "1")]),
             ("qwen25_3b gemv2-xsmem=0", &[("DV2_GEMV2_XSMEM", "0")]),
             ("qwen25_3b gemv2-late=0", &[("DV2_GEMV2_LATE", "0")]),
             (

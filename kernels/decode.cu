@@ -634,12 +634,15 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
         }
     };
     // The first block's weights after the wait (before it they measured 3% slower, PDL or
-    // not: docs/lab.md). With w_first (DV2_GEMV_WFIRST, default) they are issued before x's
-    // loads, so their fetch overlaps the round trips for the norm's partial sums and x;
-    // without, after x is in registers.
+    // not, with CTAs that could not be resident before the previous kernel left: docs/lab.md).
+    // With w_first (DV2_GEMV_WFIRST, default) they are issued before x's loads, so their
+    // fetch overlaps the round trips for the norm's partial sums and x; without, after x is
+    // in registers. w_first 2 (DV2_GEMV2_PREWAIT=1, for the 128-register kernels that fit
+    // beside a GEMV v3 CTA) issues them before the wait: weights are constant.
+    if (w_first == 2) load_block(r0, cur);
     pdl_enter();
     if (skip_if && *skip_if) return;
-    if (w_first) load_block(r0, cur);
+    if (w_first == 1) load_block(r0, cur);
     XSlice<J> xs;
     if (x_smem) {
         extern __shared__ __align__(16) float x_staged[];  // cols / 32 * X_STAGE_STRIDE floats
@@ -786,22 +789,22 @@ struct SwigluRows {
     __device__ float* ss_out() const { return nullptr; }
 };
 
-#define GEMV2_KERNELS(J, R, TABLE, SUFFIX)                                                                     \
-    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 1)                                              \
+#define GEMV2_KERNELS_BOUNDED(J, R, TABLE, SUFFIX, BOUNDS)                                                                     \
+    extern "C" __global__ void BOUNDS                                              \
         gemv2_nf4_j##J##SUFFIX(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y,                 \
                                const float* __restrict__ bias, int rows, int cols, int kparts, int accumulate, \
                                const int* skip_if, float* ss_out, int w_first, int x_smem, int late) {         \
         PlainRows p{m, y, bias, accumulate, ss_out};                                                           \
         gemv2_walk<J, R, 1, TABLE>(p, rows, cols, x, norm, kparts, skip_if, w_first, x_smem, late);            \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 1)                                              \
+    extern "C" __global__ void BOUNDS                                              \
         gemv2_qkv_j##J##SUFFIX(QkvArgs a, const float* __restrict__ x, NormArgs norm, float* out, int cols,    \
                                int kparts, int w_first, int x_smem, int late) {                                \
         QkvRows q{a, out};                                                                                     \
         gemv2_walk<J, R, 1, TABLE>(q, a.rows[0] + a.rows[1] + a.rows[2], cols, x, norm, kparts, nullptr,       \
                                    w_first, x_smem, late);                                                     \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 1)                                              \
+    extern "C" __global__ void BOUNDS                                              \
         gemv2_swiglu_j##J##SUFFIX(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm,          \
                                   float* out, int rows, int cols, int kparts, int w_first, int x_smem,           \
                                   int late) {                                                                  \
@@ -810,11 +813,26 @@ struct SwigluRows {
                                                      x_smem, late);                                            \
     }
 
+#define GEMV2_KERNELS(J, R, TABLE, SUFFIX) GEMV2_KERNELS_BOUNDED(J, R, TABLE, SUFFIX, __launch_bounds__(GEMV_THREADS, 1))
+
 // The f16-pair table (default), the f32-pair table (suffix _p32, DV2_GEMV2_H16=0) and the
-// nibble table (suffix _nib, DV2_GEMV2_PAIRS=0).
+// nibble table (suffix _nib, DV2_GEMV2_PAIRS=0); the f16-pair table with 1.5x (K = 2048) and
+// 2x (K = 11008) the rows in flight per warp (suffix _wide, DV2_GEMV2_WIDE=1), in the
+// registers the f16 x slice freed. J = 1 keeps its 4 rows: (row lanes) x R must stay within
+// GEMV2_MAX_LANES_X_R where K is split.
 GEMV2_KERNELS(1, 4, GEMV2_PAIR16, )
 GEMV2_KERNELS(2, 4, GEMV2_PAIR16, )
 GEMV2_KERNELS(3, 2, GEMV2_PAIR16, )
+GEMV2_KERNELS(1, 4, GEMV2_PAIR16, _wide)
+GEMV2_KERNELS(2, 6, GEMV2_PAIR16, _wide)
+GEMV2_KERNELS(3, 4, GEMV2_PAIR16, _wide)
+// The f16-pair table with half the rows per warp in at most 128 registers (suffix _narrow,
+// DV2_GEMV2_NARROW=1; no spills but SwiGLU's at J = 3, 212 bytes): a CTA fits beside a GEMV v3 CTA (o's, before gate/up), so
+// it can become resident and build its table while that kernel runs, and two fit an SM
+// (DV2_GEMV_CTAS=2: 16 warps per SM, the same rows in flight as one CTA of the default).
+GEMV2_KERNELS_BOUNDED(1, 2, GEMV2_PAIR16, _narrow, __maxnreg__(128))
+GEMV2_KERNELS_BOUNDED(2, 2, GEMV2_PAIR16, _narrow, __maxnreg__(128))
+GEMV2_KERNELS_BOUNDED(3, 1, GEMV2_PAIR16, _narrow, __maxnreg__(128))
 GEMV2_KERNELS(1, 4, GEMV2_PAIR32, _p32)
 GEMV2_KERNELS(2, 4, GEMV2_PAIR32, _p32)
 GEMV2_KERNELS(3, 2, GEMV2_PAIR32, _p32)
@@ -1030,9 +1048,16 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode(AttnArgs 
 // its first shared store. Interleaved, each round of loads waited for the previous round's
 // data to be stored (in program order a load may not pass a store the compiler cannot prove
 // to be elsewhere): nine round trips in a row at head_dim 128.
-template <bool BATCHED>
+// PRE_WAIT (default with BATCHED; DV2_ATTN_PREWAIT=0 off): the chunk's K and V rows are loaded
+// before the wait on the q/k/v GEMV, so their round trip overlaps its tail (an attention CTA,
+// 128 threads, fits beside the GEMV's CTAs). They were written by earlier steps, and so was
+// the position; a kernel starts only after the one before it has passed its own wait, so
+// every step before this one's q/k/v GEMV is complete when these loads issue. The live slot
+// and this step's q/k/v are read after the wait, as before.
+template <bool BATCHED, bool PRE_WAIT = false>
 __device__ __forceinline__ void attn2_decode_body(const AttnArgs& a) {
-    pdl_enter();
+    static_assert(BATCHED || !PRE_WAIT, "the early loads are the batched prologue's");
+    if (!PRE_WAIT) pdl_enter();
     const int chunk = blockIdx.y, hd = a.head_dim, half = hd >> 1;
     // gridDim.x = n_kv * parts: `parts` CTAs share a KV head's chunk, each taking gn of its
     // group's q heads from q head q0 (DV2_ATTN_SPLIT; 1: the whole group in one CTA).
@@ -1079,6 +1104,7 @@ __device__ __forceinline__ void attn2_decode_body(const AttnArgs& a) {
                   *reinterpret_cast<const uint4*>(a.v_cache + kv_offset(i)));
         }
     }
+    if (PRE_WAIT) pdl_enter();
     // Rotate the group's q heads (scale folded in) and the live k, a (d, d + half) pair per
     // thread per round; take the live v.
     const float* qkv_k = a.qkv + a.n_q * hd + kvh * hd;
@@ -1206,7 +1232,12 @@ __device__ __forceinline__ void attn2_decode_body(const AttnArgs& a) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode(AttnArgs a) { attn2_decode_body<true>(a); }
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode(AttnArgs a) {
+    attn2_decode_body<true, true>(a);
+}
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode_late(AttnArgs a) {
+    attn2_decode_body<true, false>(a);
+}
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode_serial(AttnArgs a) {
     attn2_decode_body<false>(a);
 }

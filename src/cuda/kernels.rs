@@ -325,14 +325,17 @@ pub struct Kernels {
     pub finish_prefill: CudaFunction,
     pub commit_step: CudaFunction,
     pub ring_reset: CudaFunction,
-    /// GEMV v2 by codebook table ([byte -> f16 pair, byte -> f32 pair, nibble]) and chunks per
-    /// lane J = 1, 2, 3.
-    pub gemv2_nf4: [[CudaFunction; 3]; 3],
-    pub gemv2_qkv: [[CudaFunction; 3]; 3],
-    pub gemv2_swiglu: [[CudaFunction; 3]; 3],
+    /// GEMV v2 by codebook table ([byte -> f16 pair, byte -> f32 pair, nibble, byte -> f16
+    /// pair with more rows in flight, with fewer in 128 registers]) and chunks per lane J.
+    pub gemv2_nf4: [[CudaFunction; 3]; 5],
+    pub gemv2_qkv: [[CudaFunction; 3]; 5],
+    pub gemv2_swiglu: [[CudaFunction; 3]; 5],
     pub attn2_decode: CudaFunction,
     /// The same with its prologue's loads and stores in turn (`DV2_ATTN_BATCH=0`).
     pub attn2_decode_serial: CudaFunction,
+    /// The same with the chunk's K and V loaded after the wait on the q/k/v GEMV
+    /// (`DV2_ATTN_PREWAIT=0`).
+    pub attn2_decode_late: CudaFunction,
     pub attn2_merge: CudaFunction,
     /// GEMV v3 (tensor cores) by epilogue: store (+bias), accumulate, SwiGLU.
     pub gemv3: [CudaFunction; 3],
@@ -377,16 +380,23 @@ impl Kernels {
     pub fn load(gpu: &Gpu) -> Result<Self> {
         let module = load_module(gpu, &DECODE)?;
         let f = |name: &str| module.load_function(name).map_err(driver_error(name));
-        // GEMV v2: [f16-pair table, f32-pair table (suffix _p32), nibble table (_nib)][J - 1].
+        // GEMV v2: [f16-pair table, f32-pair table (suffix _p32), nibble table (_nib), f16-pair
+        // table with more rows in flight (_wide), with fewer in 128 registers (_narrow)][J - 1].
         // GEMV v2 stages x in dynamic shared memory, up to GEMV2_MAX_SMEM bytes.
-        let gemv2 = |name: &str| -> Result<[[CudaFunction; 3]; 3]> {
+        let gemv2 = |name: &str| -> Result<[[CudaFunction; 3]; 5]> {
             let by_j = |suffix: &str| -> Result<[CudaFunction; 3]> {
                 let [a, b, c] = [1, 2, 3].map(|j| f(&format!("{name}_j{j}{suffix}")));
                 let fs = [a?, b?, c?];
                 allow_dynamic_smem(&fs, GEMV2_MAX_SMEM)?;
                 Ok(fs)
             };
-            Ok([by_j("")?, by_j("_p32")?, by_j("_nib")?])
+            Ok([
+                by_j("")?,
+                by_j("_p32")?,
+                by_j("_nib")?,
+                by_j("_wide")?,
+                by_j("_narrow")?,
+            ])
         };
         // GEMM v2 stages B in dynamic shared memory, up to GEMM_V2_MAX_SMEM bytes.
         let gemm = |name: &str| -> Result<[[CudaFunction; 4]; 3]> {
@@ -423,6 +433,7 @@ impl Kernels {
             gemv2_swiglu: gemv2("gemv2_swiglu")?,
             attn2_decode: f("attn2_decode")?,
             attn2_decode_serial: f("attn2_decode_serial")?,
+            attn2_decode_late: f("attn2_decode_late")?,
             attn2_merge: f("attn2_merge")?,
             gemm_store: gemm("gemm_store")?,
             gemm_acc: gemm("gemm_acc")?,

@@ -303,6 +303,9 @@ pub struct Ops {
     /// The v2 attention's merge loads its first chunks' partials together with the position
     /// (default; `DV2_MERGE_EARLY=0`: after it, m and l before the sums).
     pub merge_early: bool,
+    /// The v2 attention loads its chunk's K and V before waiting for the q/k/v GEMV (default
+    /// with the batched prologue; `DV2_ATTN_PREWAIT=0`: after).
+    pub attn_pre_wait: bool,
     /// The merge's warps each find the chunk weights themselves where at most 32 chunks are in
     /// use (default; `DV2_MERGE_WARP=0`: once per CTA, behind three barriers).
     pub merge_warp: bool,
@@ -321,6 +324,16 @@ pub struct Ops {
     pub gemv_ctas: u32,
     /// That table's pairs are f16, multiplied with x as f16x2 (default; `DV2_GEMV2_H16=0`: f32).
     pub gemv2_h16: bool,
+    /// With the f16 pairs, 1.5x (K = 2048) or 2x (K = 11008) the rows in flight per warp
+    /// (`DV2_GEMV2_WIDE=1`; default off).
+    pub gemv2_wide: bool,
+    /// With the f16 pairs, half the rows in flight per warp in at most 128 registers, so that
+    /// a CTA fits beside a GEMV v3 CTA and two fit an SM (`DV2_GEMV2_NARROW=1`; default off;
+    /// with `DV2_GEMV_CTAS=2` two CTAs per SM).
+    pub gemv2_narrow: bool,
+    /// GEMV v2 issues its first weights before waiting for the previous kernel
+    /// (`DV2_GEMV2_PREWAIT=1`; default off: after the wait).
+    pub gemv2_pre_wait: bool,
     /// GEMV v2 stages x once per CTA in shared memory, loaded coalesced (default;
     /// `DV2_GEMV2_XSMEM=0`: each lane loads its own chunks of x from global memory).
     pub gemv2_x_smem: bool,
@@ -397,6 +410,7 @@ impl Ops {
             attn: variant("DV2_ATTN"),
             attn_batch: switch_on("DV2_ATTN_BATCH"),
             merge_early: switch_on("DV2_MERGE_EARLY"),
+            attn_pre_wait: switch_on("DV2_ATTN_PREWAIT"),
             merge_warp: switch_on("DV2_MERGE_WARP"),
             attn_split: env_number("DV2_ATTN_SPLIT")
                 .filter(|&n| n >= 1)
@@ -410,6 +424,9 @@ impl Ops {
                 .filter(|n| (1..=8).contains(n))
                 .unwrap_or(1),
             gemv2_h16: switch_on("DV2_GEMV2_H16"),
+            gemv2_wide: std::env::var("DV2_GEMV2_WIDE").as_deref() == Ok("1"),
+            gemv2_narrow: std::env::var("DV2_GEMV2_NARROW").as_deref() == Ok("1"),
+            gemv2_pre_wait: std::env::var("DV2_GEMV2_PREWAIT").as_deref() == Ok("1"),
             gemv2_x_smem: switch_on("DV2_GEMV2_XSMEM"),
             gemv2_late: switch_on("DV2_GEMV2_LATE"),
             gemv_w_first: switch_on("DV2_GEMV_WFIRST"),
@@ -481,11 +498,14 @@ impl Ops {
     }
 
     /// GEMV v2's codebook table, the first index of its kernel arrays: 0 byte -> f16 pair,
-    /// 1 byte -> f32 pair, 2 nibble.
+    /// 1 byte -> f32 pair, 2 nibble, 3 byte -> f16 pair with more rows in flight, 4 with fewer
+    /// in 128 registers.
     fn gemv2_table(&self) -> usize {
         match (self.gemv2_pairs, self.gemv2_h16) {
             (false, _) => 2,
             (true, false) => 1,
+            (true, true) if self.gemv2_narrow => 4,
+            (true, true) if self.gemv2_wide => 3,
             (true, true) => 0,
         }
     }
@@ -513,10 +533,15 @@ impl Ops {
         }
     }
 
-    /// GEMV v2's switch arguments: weights first, x staged in shared memory, late K sums.
+    /// GEMV v2's switch arguments: weights first (2: before the wait on the previous kernel),
+    /// x staged in shared memory, late K sums.
     fn gemv2_switches(&self) -> (i32, i32, i32) {
         (
-            i32::from(self.gemv_w_first),
+            match (self.gemv_w_first, self.gemv2_pre_wait) {
+                (false, _) => 0,
+                (true, false) => 1,
+                (true, true) => 2,
+            },
             i32::from(self.gemv2_x_smem),
             i32::from(self.gemv2_late),
         )
@@ -1006,10 +1031,10 @@ impl Ops {
                     shared_mem_bytes: 0,
                 };
                 let nc = chunks as i32;
-                let f = if self.attn_batch {
-                    &self.k.attn2_decode
-                } else {
-                    &self.k.attn2_decode_serial
+                let f = match (self.attn_batch, self.attn_pre_wait) {
+                    (true, true) => &self.k.attn2_decode,
+                    (true, false) => &self.k.attn2_decode_late,
+                    (false, _) => &self.k.attn2_decode_serial,
                 };
                 launch!(self.gpu, f, cfg; args)?;
                 let (early, per_warp) = (i32::from(self.merge_early), i32::from(self.merge_warp));
