@@ -566,17 +566,9 @@ fn main() {
             ("qwen25_3b attn-split=8", &[("DV2_ATTN_SPLIT", "8")]),
             ("qwen25_3b gemv2-pairs=0", &[("DV2_GEMV2_PAIRS", "0")]),
             ("qwen25_3b gemv2-h16=0", &[("DV2_GEMV2_H16", "0")]),
-            ("qwen25_3b gemv2-wide=1", &[("DV2_GEMV2_WIDE", "1")]),
-            ("qwen25_3b gemv2-narrow=1", &[("DV2_GEMV2_NARROW", "1")]),
-            (
-                "qwen25_3b narrow ctas=2",
-                &[("DV2_GEMV2_NARROW", "1"), ("DV2_GEMV_CTAS", "2")],
-            ),
-            (
-                "qwen25_3b narrow prewait",
-                &[("DV2_GEMV2_NARROW", "1"), ("DV2_GEMV2_PREWAIT", "1")],
-            ),
-            ("qwen25_3b gemv2-prewait=1", &[("DV2_GEMV2_PREWAIT", "1")]),
+            ("qwen25_3b gemv2-narrow=0", &[("DV2_GEMV2_NARROW", "0")]),
+            ("qwen25_3b gemv-ctas=1", &[("DV2_GEMV_CTAS", "1")]),
+            ("qwen25_3b gemv2-prewait=0", &[("DV2_GEMV2_PREWAIT", "0")]),
             ("qwen25_3b gemv2-xsmem=0", &[("DV2_GEMV2_XSMEM", "0")]),
             ("qwen25_3b gemv2-late=0", &[("DV2_GEMV2_LATE", "0")]),
             (

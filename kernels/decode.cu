@@ -633,12 +633,13 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
             }
         }
     };
-    // The first block's weights after the wait (before it they measured 3% slower, PDL or
-    // not, with CTAs that could not be resident before the previous kernel left: docs/lab.md).
-    // With w_first (DV2_GEMV_WFIRST, default) they are issued before x's loads, so their
-    // fetch overlaps the round trips for the norm's partial sums and x; without, after x is
-    // in registers. w_first 2 (DV2_GEMV2_PREWAIT=1, for the 128-register kernels that fit
-    // beside a GEMV v3 CTA) issues them before the wait: weights are constant.
+    // The first block's weights: w_first 2 (default, DV2_GEMV2_PREWAIT) issues them before the
+    // wait on the previous kernel (weights are constant; it pays where the CTA is resident
+    // early, as the 128-register kernels are beside a GEMV v3 CTA: 0.01-0.02 ms/token, session
+    // 10; session 3 measured it 3% slower with CTAs that could not be). w_first 1 (DV2_GEMV2_
+    // PREWAIT=0) issues them after the wait but before x's loads, so their fetch overlaps the
+    // round trips for the norm's partial sums and x; 0 (DV2_GEMV_WFIRST=0) after x is in
+    // registers.
     if (w_first == 2) load_block(r0, cur);
     pdl_enter();
     if (skip_if && *skip_if) return;
@@ -815,21 +816,18 @@ struct SwigluRows {
 
 #define GEMV2_KERNELS(J, R, TABLE, SUFFIX) GEMV2_KERNELS_BOUNDED(J, R, TABLE, SUFFIX, __launch_bounds__(GEMV_THREADS, 1))
 
-// The f16-pair table (default), the f32-pair table (suffix _p32, DV2_GEMV2_H16=0) and the
-// nibble table (suffix _nib, DV2_GEMV2_PAIRS=0); the f16-pair table with 1.5x (K = 2048) and
-// 2x (K = 11008) the rows in flight per warp (suffix _wide, DV2_GEMV2_WIDE=1), in the
-// registers the f16 x slice freed. J = 1 keeps its 4 rows: (row lanes) x R must stay within
-// GEMV2_MAX_LANES_X_R where K is split.
+// The f16-pair table with its rows in flight in 182-236 registers, one CTA per SM
+// (DV2_GEMV2_NARROW=0), the f32-pair table (suffix _p32, DV2_GEMV2_H16=0) and the nibble table
+// (suffix _nib, DV2_GEMV2_PAIRS=0). (1.5-2x the rows in flight in up to 255 registers measured
+// slower: docs/lab.md, session 10.)
 GEMV2_KERNELS(1, 4, GEMV2_PAIR16, )
 GEMV2_KERNELS(2, 4, GEMV2_PAIR16, )
 GEMV2_KERNELS(3, 2, GEMV2_PAIR16, )
-GEMV2_KERNELS(1, 4, GEMV2_PAIR16, _wide)
-GEMV2_KERNELS(2, 6, GEMV2_PAIR16, _wide)
-GEMV2_KERNELS(3, 4, GEMV2_PAIR16, _wide)
-// The f16-pair table with half the rows per warp in at most 128 registers (suffix _narrow,
-// DV2_GEMV2_NARROW=1; no spills but SwiGLU's at J = 3, 212 bytes): a CTA fits beside a GEMV v3 CTA (o's, before gate/up), so
-// it can become resident and build its table while that kernel runs, and two fit an SM
-// (DV2_GEMV_CTAS=2: 16 warps per SM, the same rows in flight as one CTA of the default).
+// The default: the f16-pair table with half the rows per warp in at most 128 registers
+// (suffix _narrow; no spills but SwiGLU's at J = 3, 240 bytes): a CTA fits beside a GEMV v3
+// CTA (o's, before gate/up), so it becomes resident and builds its table while that kernel
+// runs, and two fit an SM (DV2_GEMV_CTAS default 2: 16 warps per SM, the rows in flight of
+// one CTA of the kernels above). 6% faster decode (docs/lab.md, session 10).
 GEMV2_KERNELS_BOUNDED(1, 2, GEMV2_PAIR16, _narrow, __maxnreg__(128))
 GEMV2_KERNELS_BOUNDED(2, 2, GEMV2_PAIR16, _narrow, __maxnreg__(128))
 GEMV2_KERNELS_BOUNDED(3, 1, GEMV2_PAIR16, _narrow, __maxnreg__(128))

@@ -327,9 +327,9 @@ pub struct Kernels {
     pub ring_reset: CudaFunction,
     /// GEMV v2 by codebook table ([byte -> f16 pair, byte -> f32 pair, nibble, byte -> f16
     /// pair with more rows in flight, with fewer in 128 registers]) and chunks per lane J.
-    pub gemv2_nf4: [[CudaFunction; 3]; 5],
-    pub gemv2_qkv: [[CudaFunction; 3]; 5],
-    pub gemv2_swiglu: [[CudaFunction; 3]; 5],
+    pub gemv2_nf4: [[CudaFunction; 3]; 4],
+    pub gemv2_qkv: [[CudaFunction; 3]; 4],
+    pub gemv2_swiglu: [[CudaFunction; 3]; 4],
     pub attn2_decode: CudaFunction,
     /// The same with its prologue's loads and stores in turn (`DV2_ATTN_BATCH=0`).
     pub attn2_decode_serial: CudaFunction,
@@ -381,22 +381,16 @@ impl Kernels {
         let module = load_module(gpu, &DECODE)?;
         let f = |name: &str| module.load_function(name).map_err(driver_error(name));
         // GEMV v2: [f16-pair table, f32-pair table (suffix _p32), nibble table (_nib), f16-pair
-        // table with more rows in flight (_wide), with fewer in 128 registers (_narrow)][J - 1].
+        // table with half the rows in flight in 128 registers (_narrow, the default)][J - 1].
         // GEMV v2 stages x in dynamic shared memory, up to GEMV2_MAX_SMEM bytes.
-        let gemv2 = |name: &str| -> Result<[[CudaFunction; 3]; 5]> {
+        let gemv2 = |name: &str| -> Result<[[CudaFunction; 3]; 4]> {
             let by_j = |suffix: &str| -> Result<[CudaFunction; 3]> {
                 let [a, b, c] = [1, 2, 3].map(|j| f(&format!("{name}_j{j}{suffix}")));
                 let fs = [a?, b?, c?];
                 allow_dynamic_smem(&fs, GEMV2_MAX_SMEM)?;
                 Ok(fs)
             };
-            Ok([
-                by_j("")?,
-                by_j("_p32")?,
-                by_j("_nib")?,
-                by_j("_wide")?,
-                by_j("_narrow")?,
-            ])
+            Ok([by_j("")?, by_j("_p32")?, by_j("_nib")?, by_j("_narrow")?])
         };
         // GEMM v2 stages B in dynamic shared memory, up to GEMM_V2_MAX_SMEM bytes.
         let gemm = |name: &str| -> Result<[[CudaFunction; 4]; 3]> {

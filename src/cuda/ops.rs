@@ -19,7 +19,9 @@
 //! its own kernel instead of folding it into the next GEMV's x load (default, GEMV v2/v3:
 //! the kernel that wrote x leaves partial sums of squares, [`Ops::producer_sums`]). v1 GEMV
 //! takes `DV2_GEMV_NR=1|2|4|8` (rows per CTA); v2 takes `DV2_GEMV_CTAS=n` (CTAs per SM,
-//! default 1).
+//! default 2 with its 128-register kernels, 1 with `DV2_GEMV2_NARROW=0`) and
+//! `DV2_GEMV2_PREWAIT=0` (its first weights after the wait on the previous kernel; default
+//! before, as v3).
 //! `DV2_GEMM=v1|v2` forces the tensor-core GEMM kernel (v2: B staged in shared memory by
 //! cp.async, K split at most 4 ways; v1: B read by each warp from global memory; default:
 //! v1, as measured). `DV2_GEMM_X16=0` keeps the prefill's GEMM inputs in f32 (default f16,
@@ -320,19 +322,17 @@ pub struct Ops {
     pub gemv2_pairs: bool,
     /// GEMV v1's rows per CTA (`DV2_GEMV_NR=1|2|4|8`; default by the matrix's rows).
     pub gemv_nr: Option<u32>,
-    /// GEMV v2's CTAs per SM (`DV2_GEMV_CTAS=1..8`, default 1).
+    /// GEMV v2's CTAs per SM (`DV2_GEMV_CTAS=1..8`; default 2 with the narrow kernels, which
+    /// fit two to an SM, else 1).
     pub gemv_ctas: u32,
     /// That table's pairs are f16, multiplied with x as f16x2 (default; `DV2_GEMV2_H16=0`: f32).
     pub gemv2_h16: bool,
-    /// With the f16 pairs, 1.5x (K = 2048) or 2x (K = 11008) the rows in flight per warp
-    /// (`DV2_GEMV2_WIDE=1`; default off).
-    pub gemv2_wide: bool,
     /// With the f16 pairs, half the rows in flight per warp in at most 128 registers, so that
-    /// a CTA fits beside a GEMV v3 CTA and two fit an SM (`DV2_GEMV2_NARROW=1`; default off;
-    /// with `DV2_GEMV_CTAS=2` two CTAs per SM).
+    /// a CTA fits beside a GEMV v3 CTA and two fit an SM (default; `DV2_GEMV2_NARROW=0`: the
+    /// 182-236-register kernels, one CTA per SM).
     pub gemv2_narrow: bool,
-    /// GEMV v2 issues its first weights before waiting for the previous kernel
-    /// (`DV2_GEMV2_PREWAIT=1`; default off: after the wait).
+    /// GEMV v2 issues its first weights before waiting for the previous kernel (default;
+    /// `DV2_GEMV2_PREWAIT=0`: after the wait).
     pub gemv2_pre_wait: bool,
     /// GEMV v2 stages x once per CTA in shared memory, loaded coalesced (default;
     /// `DV2_GEMV2_XSMEM=0`: each lane loads its own chunks of x from global memory).
@@ -422,11 +422,10 @@ impl Ops {
             gemv_nr: env_number("DV2_GEMV_NR").filter(|nr| matches!(nr, 1 | 2 | 4 | 8)),
             gemv_ctas: env_number("DV2_GEMV_CTAS")
                 .filter(|n| (1..=8).contains(n))
-                .unwrap_or(1),
+                .unwrap_or(if switch_on("DV2_GEMV2_NARROW") { 2 } else { 1 }),
             gemv2_h16: switch_on("DV2_GEMV2_H16"),
-            gemv2_wide: std::env::var("DV2_GEMV2_WIDE").as_deref() == Ok("1"),
-            gemv2_narrow: std::env::var("DV2_GEMV2_NARROW").as_deref() == Ok("1"),
-            gemv2_pre_wait: std::env::var("DV2_GEMV2_PREWAIT").as_deref() == Ok("1"),
+            gemv2_narrow: switch_on("DV2_GEMV2_NARROW"),
+            gemv2_pre_wait: switch_on("DV2_GEMV2_PREWAIT"),
             gemv2_x_smem: switch_on("DV2_GEMV2_XSMEM"),
             gemv2_late: switch_on("DV2_GEMV2_LATE"),
             gemv_w_first: switch_on("DV2_GEMV_WFIRST"),
@@ -498,14 +497,13 @@ impl Ops {
     }
 
     /// GEMV v2's codebook table, the first index of its kernel arrays: 0 byte -> f16 pair,
-    /// 1 byte -> f32 pair, 2 nibble, 3 byte -> f16 pair with more rows in flight, 4 with fewer
-    /// in 128 registers.
+    /// 1 byte -> f32 pair, 2 nibble, 3 byte -> f16 pair with half the rows in flight in 128
+    /// registers (the default).
     fn gemv2_table(&self) -> usize {
         match (self.gemv2_pairs, self.gemv2_h16) {
             (false, _) => 2,
             (true, false) => 1,
-            (true, true) if self.gemv2_narrow => 4,
-            (true, true) if self.gemv2_wide => 3,
+            (true, true) if self.gemv2_narrow => 3,
             (true, true) => 0,
         }
     }
