@@ -790,24 +790,24 @@ struct SwigluRows {
     __device__ float* ss_out() const { return nullptr; }
 };
 
-#define GEMV2_KERNELS_BOUNDED(J, R, TABLE, SUFFIX, BOUNDS)                                                                     \
-    extern "C" __global__ void BOUNDS                                              \
+#define GEMV2_KERNELS_BOUNDED(J, R, TABLE, SUFFIX, BOUNDS)                                                     \
+    extern "C" __global__ void BOUNDS                                                                          \
         gemv2_nf4_j##J##SUFFIX(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y,                 \
                                const float* __restrict__ bias, int rows, int cols, int kparts, int accumulate, \
                                const int* skip_if, float* ss_out, int w_first, int x_smem, int late) {         \
         PlainRows p{m, y, bias, accumulate, ss_out};                                                           \
         gemv2_walk<J, R, 1, TABLE>(p, rows, cols, x, norm, kparts, skip_if, w_first, x_smem, late);            \
     }                                                                                                          \
-    extern "C" __global__ void BOUNDS                                              \
+    extern "C" __global__ void BOUNDS                                                                          \
         gemv2_qkv_j##J##SUFFIX(QkvArgs a, const float* __restrict__ x, NormArgs norm, float* out, int cols,    \
                                int kparts, int w_first, int x_smem, int late) {                                \
         QkvRows q{a, out};                                                                                     \
         gemv2_walk<J, R, 1, TABLE>(q, a.rows[0] + a.rows[1] + a.rows[2], cols, x, norm, kparts, nullptr,       \
                                    w_first, x_smem, late);                                                     \
     }                                                                                                          \
-    extern "C" __global__ void BOUNDS                                              \
+    extern "C" __global__ void BOUNDS                                                                          \
         gemv2_swiglu_j##J##SUFFIX(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm,          \
-                                  float* out, int rows, int cols, int kparts, int w_first, int x_smem,           \
+                                  float* out, int rows, int cols, int kparts, int w_first, int x_smem,         \
                                   int late) {                                                                  \
         SwigluRows g{gate, up, out};                                                                           \
         gemv2_walk<J, (R > 1 ? R / 2 : 1), 2, TABLE>(g, rows, cols, x, norm, kparts, nullptr, w_first,         \

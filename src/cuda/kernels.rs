@@ -326,7 +326,7 @@ pub struct Kernels {
     pub commit_step: CudaFunction,
     pub ring_reset: CudaFunction,
     /// GEMV v2 by codebook table ([byte -> f16 pair, byte -> f32 pair, nibble, byte -> f16
-    /// pair with more rows in flight, with fewer in 128 registers]) and chunks per lane J.
+    /// pair with half the rows in flight in 128 registers (the default)]) and chunks per lane J.
     pub gemv2_nf4: [[CudaFunction; 3]; 4],
     pub gemv2_qkv: [[CudaFunction; 3]; 4],
     pub gemv2_swiglu: [[CudaFunction; 3]; 4],
