@@ -3,7 +3,7 @@
 //!
 //!     cargo run --release --example bench -- [--json PATH] [--skip-kernels] [--skip-3b] [--probe]
 //!                                               [--prefill-only] [--skip-gemm] [--skip-variants]
-//!                                               [--split] [--boundary]
+//!                                               [--split] [--boundary] [--rows A,B,..]
 //!                                               [--prefill-profile LEN CHUNK] [--decode-profile STEPS]
 //!
 //! load s is `Engine::new` (upload, allocation, kernels, warm-up); warmup ms is its eager
@@ -11,6 +11,8 @@
 //! after the first. `--skip-variants` keeps the 3B run to the default graph (no eager, kernel
 //! variants, stage split or prefill tables); `--split` adds the stage split back.
 //! `--boundary` prints only what a kernel boundary costs in a graph (chain of empty launches).
+//! `--rows A,B` runs only the switch rows whose label contains one of A, B (the defaults and
+//! the last "again" row always run): a shorter table where device time is short.
 //!
 //! Prints tables and writes every number to the JSON file (default bench.json).
 
@@ -402,6 +404,11 @@ fn decode_profile(steps: usize) {
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let flag = |f: &str| args.iter().any(|a| a == f);
+    let rows = args
+        .iter()
+        .position(|a| a == "--rows")
+        .and_then(|i| args.get(i + 1));
+    let wanted = |label: &str| rows.is_none_or(|r| r.split(',').any(|p| label.contains(p)));
     if let Some(steps) = args
         .iter()
         .position(|a| a == "--decode-profile")
@@ -535,7 +542,10 @@ fn main() {
         ("medium gemv-wfirst=0", &[("DV2_GEMV_WFIRST", "0")]),
         ("medium l2-ahead=192", &[("DV2_L2_AHEAD_KB", "192")]),
         ("medium gemv2-xsmem=0", &[("DV2_GEMV2_XSMEM", "0")]),
-    ] {
+    ]
+    .into_iter()
+    .filter(|(label, _)| wanted(label))
+    {
         runs.push(with_env(env, || {
             time_decode(label, &medium, 32, 4, 24, true, 5)
         }));
@@ -583,7 +593,10 @@ fn main() {
             ("qwen25_3b v3<16MB", &[("DV2_GEMV3_MAX_MB", "16")]),
             ("qwen25_3b gemv=v2", &[("DV2_GEMV", "v2")]),
             ("qwen25_3b gemv=v3", &[("DV2_GEMV", "v3")]),
-        ] {
+        ]
+        .into_iter()
+        .filter(|(label, _)| wanted(label))
+        {
             runs.push(with_env(env, || {
                 time_decode(label, qwen, 2048, 48, 128, true, 3)
             }));

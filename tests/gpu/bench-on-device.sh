@@ -3,7 +3,8 @@
 # .device/ here: the bench tables docs/lab.md records. Full outputs go to $OUT (or
 # ./device-logs), the rows worth reading to stdout (a device call returns only its tail).
 # Usage: bash tests/gpu/bench-on-device.sh [decode] [probe] [prefill] [boundary]
-#   (default: decode probe prefill)
+#   (default: decode probe prefill; ROWS=a,b: the decode table's switch rows whose labels
+#   contain a or b only, besides the defaults)
 set -uo pipefail
 out=${OUT:-device-logs}; mkdir -p "$out"
 export DV2_CACHE_DIR=/tmp/dv2-cache
@@ -13,7 +14,7 @@ status=0
 for what in "${@:-decode probe prefill}"; do
   for w in $what; do
     case $w in
-      decode) timeout 300 $bench --skip-kernels --skip-variants --split > "$out/decode.txt" 2>&1 || status=1
+      decode) timeout 300 $bench --skip-kernels --skip-variants --split ${ROWS:+--rows "$ROWS"} > "$out/decode.txt" 2>&1 || status=1
               grep -E "^  (qwen25|medium)|built in|^  .* ms +[0-9.]+%" "$out/decode.txt" ;;
       probe) timeout 300 $bench --probe > "$out/probe.txt" 2>&1 || status=1
              grep -E "^gemv|^gemm [^ ]+ N=48" "$out/probe.txt" ;;
