@@ -45,7 +45,7 @@ pub struct DeviceMatrix {
 }
 
 impl DeviceMatrix {
-    fn upload(gpu: &Gpu, m: &Nf4Matrix) -> Result<Self> {
+    pub fn upload(gpu: &Gpu, m: &Nf4Matrix) -> Result<Self> {
         Ok(Self {
             rows: m.rows,
             cols: m.cols,

@@ -1,0 +1,215 @@
+//! Every GEMV kernel family against the CPU: `y = W x`, `y += W x`, SwiGLU of gate and up and
+//! q/k/v stacked (with a bias), on random NF4 rows, at a K for each of GEMV v2's shapes (1, 2
+//! and 3 chunks of 32 bytes per lane, K split over 1 to 8 warps). The model gates launch only
+//! the shapes of their presets and of the Qwen2.5-3B shape; SwiGLU at 3 chunks per lane, the
+//! default kernel for K = 2080..3072 (a hidden size of 3072), is checked only here.
+//! With no CUDA device: SKIP; under DV2_REQUIRE_CUDA=1 a missing device fails.
+
+mod common;
+
+use common::cuda_or_skip;
+use decodev2::cuda::device::Gpu;
+use decodev2::cuda::ops::{GemvChoice, Input, Linear, Ops, QkvArgs, Variant};
+use decodev2::cuda::weights::DeviceMatrix;
+use decodev2::nf4::Nf4Matrix;
+
+/// K for each GEMV v2 shape (chunks per lane J, warps per row): (1, 1), (2, 1), (3, 1), (2, 2),
+/// (3, 4), (2, 8), (3, 8) — the last is the largest K v2 takes.
+const KS: [usize; 7] = [256, 2048, 2560, 4096, 11008, 16384, 24576];
+
+/// Deterministic uniform values in [lo, hi) (splitmix64).
+fn random(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x5851_f42d_4c95_7f2d;
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = s;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^= z >> 31;
+            lo + (hi - lo) * ((z >> 40) as f32 / (1u64 << 24) as f32)
+        })
+        .collect()
+}
+
+/// A random NF4 matrix: its host copy (dequantized for the reference) and its device copy.
+struct Matrix {
+    w: Vec<f32>,
+    cols: usize,
+    dev: DeviceMatrix,
+}
+
+impl Matrix {
+    fn new(gpu: &Gpu, rows: usize, cols: usize, seed: u64) -> Matrix {
+        let q = Nf4Matrix::quantize(rows, cols, &random(rows * cols, seed, -1.0, 1.0)).unwrap();
+        Matrix {
+            w: q.dequantize(),
+            cols,
+            dev: DeviceMatrix::upload(gpu, &q).unwrap(),
+        }
+    }
+
+    /// Row r of W x, and the sum of |w x| over the row (what rounding errors scale with).
+    fn dot(&self, r: usize, x: &[f32]) -> (f32, f32) {
+        let row = &self.w[r * self.cols..(r + 1) * self.cols];
+        let (mut sum, mut mag) = (0f64, 0f64);
+        for (w, x) in row.iter().zip(x) {
+            sum += (*w as f64) * (*x as f64);
+            mag += (*w as f64 * *x as f64).abs();
+        }
+        (sum as f32, mag as f32)
+    }
+}
+
+/// The kernels round x and the products to f16 (v2's f16 table, v3, the GEMM): allow 2^-9 of
+/// the sum of |w x| (four times f16's unit roundoff), and a floor for sums near zero.
+fn tolerance(mag: f32) -> f32 {
+    mag / 512.0 + 1e-4
+}
+
+fn silu(g: f32) -> f32 {
+    g / (1.0 + (-g).exp())
+}
+
+type Setting = (&'static str, fn(&mut Ops));
+
+/// The switch settings checked, each applied to [`Ops`] at its defaults: each kernel family
+/// and each GEMV v2 table and variant that a switch selects.
+fn settings() -> Vec<Setting> {
+    vec![
+        ("default (auto)", |_| {}),
+        ("v1", |o| o.gemv = GemvChoice::Fixed(Variant::V1)),
+        ("v2", |o| o.gemv = GemvChoice::Fixed(Variant::V2)),
+        ("v2 one CTA per SM, 182-236 registers", |o| {
+            o.gemv = GemvChoice::Fixed(Variant::V2);
+            o.gemv2_narrow = false;
+            o.gemv_ctas = 1;
+        }),
+        ("v2 f32-pair table", |o| {
+            o.gemv = GemvChoice::Fixed(Variant::V2);
+            o.gemv2_h16 = false;
+        }),
+        ("v2 nibble table", |o| {
+            o.gemv = GemvChoice::Fixed(Variant::V2);
+            o.gemv2_pairs = false;
+        }),
+        ("v2 x from global memory, sums per iteration", |o| {
+            o.gemv = GemvChoice::Fixed(Variant::V2);
+            o.gemv2_x_smem = false;
+            o.gemv2_late = false;
+        }),
+        ("v3", |o| o.gemv = GemvChoice::Fixed(Variant::V3)),
+        ("tensor-core GEMM", |o| o.linear = Linear::Mma),
+    ]
+}
+
+#[test]
+fn every_gemv_kernel_matches_the_cpu_at_every_v2_shape() {
+    let Some(gpu) = cuda_or_skip("GPU", Gpu::open(0)) else {
+        return;
+    };
+    let mut ops = Ops::new(gpu).unwrap();
+    let defaults = (
+        ops.gemv,
+        ops.linear,
+        ops.gemv_ctas,
+        [ops.gemv2_narrow, ops.gemv2_h16, ops.gemv2_pairs],
+        [ops.gemv2_x_smem, ops.gemv2_late],
+    );
+    let gpu = &ops.gpu;
+    let mats: Vec<[Matrix; 3]> = KS
+        .iter()
+        .enumerate()
+        .map(|(i, &k)| {
+            // Rows not a multiple of 16 (v3's tiles) nor of the CTAs' row blocks.
+            let rows = if k > 8192 { 72 } else { 200 };
+            [0, 1, 2].map(|m| Matrix::new(gpu, rows, k, (10 * i + m) as u64))
+        })
+        .collect();
+    let mut worst = 0f32;
+    for (name, set) in settings() {
+        (ops.gemv, ops.linear, ops.gemv_ctas) = (defaults.0, defaults.1, defaults.2);
+        [ops.gemv2_narrow, ops.gemv2_h16, ops.gemv2_pairs] = defaults.3;
+        [ops.gemv2_x_smem, ops.gemv2_late] = defaults.4;
+        set(&mut ops);
+        let gpu = &ops.gpu;
+        for (&k, [a, b, c]) in KS.iter().zip(&mats) {
+            let rows = a.w.len() / k;
+            let x = random(k, k as u64, -1.0, 1.0);
+            let xd = gpu.upload(&x).unwrap();
+            let xp = Input::raw(gpu.ptr(&xd));
+            let mut check = |what: &str, got: &[f32], want: &dyn Fn(usize) -> (f32, f32)| {
+                for (r, g) in got.iter().enumerate() {
+                    let (v, tol) = want(r);
+                    let err = (g - v).abs();
+                    worst = worst.max(err / tol);
+                    assert!(
+                        err <= tol,
+                        "{name}, K = {k}, {what}: row {r} got {g}, want {v} (tolerance {tol})"
+                    );
+                }
+            };
+
+            // y = A x, then y += A x over it.
+            let y = gpu.zeros::<f32>(rows).unwrap();
+            ops.gemv(a.dev.as_ref(gpu), rows, k, xp, gpu.ptr(&y), false, 0, 0)
+                .unwrap();
+            let once = gpu.download(&y, rows).unwrap();
+            check("y = W x", &once, &|r| {
+                let (v, m) = a.dot(r, &x);
+                (v, tolerance(m))
+            });
+            ops.gemv(a.dev.as_ref(gpu), rows, k, xp, gpu.ptr(&y), true, 0, 0)
+                .unwrap();
+            check("y += W x", &gpu.download(&y, rows).unwrap(), &|r| {
+                let (v, m) = a.dot(r, &x);
+                (once[r] + v, 2.0 * tolerance(m))
+            });
+
+            // SwiGLU: silu(A x) * (B x); the error of each dot product carried through.
+            let out = gpu.zeros::<f32>(rows).unwrap();
+            ops.swiglu(
+                a.dev.as_ref(gpu),
+                b.dev.as_ref(gpu),
+                rows,
+                k,
+                xp,
+                gpu.ptr(&out),
+            )
+            .unwrap();
+            check("SwiGLU", &gpu.download(&out, rows).unwrap(), &|r| {
+                let ((g, gm), (u, um)) = (a.dot(r, &x), b.dot(r, &x));
+                let (tg, tu) = (tolerance(gm), tolerance(um));
+                // |silu'| <= 1.1; the bound takes the larger |u| and |silu(g)| within reach.
+                let tol = 1.1 * tg * (u.abs() + tu) + (silu(g).abs() + 1.1 * tg) * tu;
+                (silu(g) * u, tol + 1e-4)
+            });
+
+            // q/k/v: three matrices in one grid (q the first half of A's rows, k and v a
+            // quarter each of B's and C's), q with a bias.
+            let (qr, kr) = (rows / 2, rows / 4);
+            let bias = random(qr, 7, -0.5, 0.5);
+            let bias_d = gpu.upload(&bias).unwrap();
+            let out = gpu.zeros::<f32>(qr + 2 * kr).unwrap();
+            let args = QkvArgs {
+                m: [a, b, c].map(|m| m.dev.as_ref(gpu)),
+                bias: [gpu.ptr(&bias_d), 0, 0],
+                rows: [qr as i32, kr as i32, kr as i32],
+            };
+            ops.qkv(args, k, xp, gpu.ptr(&out)).unwrap();
+            check("q/k/v", &gpu.download(&out, qr + 2 * kr).unwrap(), &|r| {
+                let (m, row, b) = match r {
+                    r if r < qr => (a, r, bias[r]),
+                    r if r < qr + kr => (b, r - qr, 0.0),
+                    r => (c, r - qr - kr, 0.0),
+                };
+                let (v, mag) = m.dot(row, &x);
+                (v + b, tolerance(mag))
+            });
+        }
+    }
+    println!(
+        "GEMV kernels at K = {KS:?}: worst |error| / tolerance {worst:.3} over {} settings",
+        settings().len()
+    );
+}
