@@ -454,27 +454,33 @@ __device__ __forceinline__ void load_row(Nf4Ref m, int row, int cols, int part, 
     }
 }
 
-// One row part's dot product with this lane's x: each 32-bit word of weights is four bytes,
-// each byte two weights, looked up together by `pair(word, k)` = {codebook(high nibble),
-// codebook(low nibble)} of byte k (the even element first), times the chunk's absmax.
-template <int J, typename Pair>
-__device__ __forceinline__ float dot_row(const RowChunks<J>& rc, const XSlice<J>& xs, Pair pair) {
+// One row part's dot product with this lane's x, shared by the v2 tables: each chunk's four
+// 32-bit words of weights summed by `word_sum(j, w, word)` (word w of chunk j: four bytes,
+// each byte two weights), then times the chunk's absmax.
+template <int J, typename WordSum>
+__device__ __forceinline__ float dot_chunks(const RowChunks<J>& rc, WordSum word_sum) {
     float acc = 0.0f;
 #pragma unroll
     for (int j = 0; j < J; j++) {
         const u32 words[4] = {rc.q[j].x, rc.q[j].y, rc.q[j].z, rc.q[j].w};
         float part = 0.0f;
 #pragma unroll
-        for (int w = 0; w < 4; w++) {
-            const u32 b = words[w];
-            const float* xv = &xs.v[j][8 * w];
-            const float2 p0 = pair(b, 0), p1 = pair(b, 1), p2 = pair(b, 2), p3 = pair(b, 3);
-            part += p0.x * xv[0] + p0.y * xv[1] + p1.x * xv[2] + p1.y * xv[3] + p2.x * xv[4] + p2.y * xv[5] +
-                    p3.x * xv[6] + p3.y * xv[7];
-        }
+        for (int w = 0; w < 4; w++) part += word_sum(j, w, words[w]);
         acc = fmaf(part, rc.s[j], acc);
     }
     return acc;
+}
+
+// dot_chunks with the weights looked up as f32 pairs by `pair(word, k)` = {codebook(high
+// nibble), codebook(low nibble)} of byte k (the even element first).
+template <int J, typename Pair>
+__device__ __forceinline__ float dot_row(const RowChunks<J>& rc, const XSlice<J>& xs, Pair pair) {
+    return dot_chunks<J>(rc, [&](int j, int w, u32 b) {
+        const float* xv = &xs.v[j][8 * w];
+        const float2 p0 = pair(b, 0), p1 = pair(b, 1), p2 = pair(b, 2), p3 = pair(b, 3);
+        return p0.x * xv[0] + p0.y * xv[1] + p1.x * xv[2] + p1.y * xv[3] + p2.x * xv[4] + p2.y * xv[5] +
+               p3.x * xv[6] + p3.y * xv[7];
+    });
 }
 
 // GEMV v2's byte -> f32-pair table (GEMV2_PAIR32; DV2_GEMV2_PAIRS=0: the 16-entry
@@ -571,27 +577,17 @@ __device__ __forceinline__ void pack_x_halves(const XSlice<J>& xs, XHalves<J>& x
         for (int i = 0; i < 16; i++) xh.h[j][i] = pack_f16x2(xs.v[j][2 * i], xs.v[j][2 * i + 1]);
 }
 
-// dot_row with the f16-pair table (lane4 = 4 * lane).
+// dot_chunks with the f16-pair table (lane4 = 4 * lane): each word's four pairs an f16x2 FMA
+// chain, summed in f32.
 template <int J>
 __device__ __forceinline__ float dot_row_pair16(const RowChunks<J>& rc, const XHalves<J>& xh, const u32* lut,
                                                 u32 lane4) {
-    float acc = 0.0f;
+    return dot_chunks<J>(rc, [&](int j, int w, u32 word) {
+        u32 h = 0u;
 #pragma unroll
-    for (int j = 0; j < J; j++) {
-        const u32 words[4] = {rc.q[j].x, rc.q[j].y, rc.q[j].z, rc.q[j].w};
-        float part = 0.0f;
-#pragma unroll
-        for (int w = 0; w < 4; w++) {
-            u32 h = 0u;
-#pragma unroll
-            for (int k = 0; k < 4; k++) {
-                h = hfma2(byte_lut_entry(lut, words[w], k, lane4), xh.h[j][4 * w + k], h);
-            }
-            part += half2_sum(h);
-        }
-        acc = fmaf(part, rc.s[j], acc);
-    }
-    return acc;
+        for (int k = 0; k < 4; k++) h = hfma2(byte_lut_entry(lut, word, k, lane4), xh.h[j][4 * w + k], h);
+        return half2_sum(h);
+    });
 }
 
 // The walk shared by the v2 kernels. `Rows` maps a row index to its matrix and epilogue:
