@@ -57,8 +57,8 @@ fn random_bytes(len: usize, seed: u64) -> Vec<u8> {
         .collect()
 }
 
-/// Uniform f32 in [lo, hi).
-fn random_f32(len: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
+/// Deterministic uniform f32 in [lo, hi) (the benches' inputs; the GEMV test's too).
+pub fn random_f32(len: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
     random_bytes(len * 3, seed)
         .chunks_exact(3)
         .map(|b| {
