@@ -103,7 +103,8 @@ pub struct Bench {
 }
 
 /// The most dynamic shared memory a chain link asks for: enough that a second CTA cannot be
-/// resident on its SM (228 KB per SM on an H200), as the GEMV v2 kernels' registers forbid.
+/// resident on its SM (228 KB per SM on an H200), as the registers of GEMV v2's 182-236-register
+/// kernels (`DV2_GEMV2_NARROW=0`) forbid.
 pub const CHAIN_LINK_MAX_SMEM: u32 = 200 * 1024;
 
 impl Bench {

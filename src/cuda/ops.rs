@@ -395,6 +395,7 @@ impl Ops {
             .ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(driver_error("multiprocessor count"))? as u32;
+        let gemv2_narrow = switch_on("DV2_GEMV2_NARROW");
         Ok(Self {
             gpu,
             k,
@@ -422,9 +423,9 @@ impl Ops {
             gemv_nr: env_number("DV2_GEMV_NR").filter(|nr| matches!(nr, 1 | 2 | 4 | 8)),
             gemv_ctas: env_number("DV2_GEMV_CTAS")
                 .filter(|n| (1..=8).contains(n))
-                .unwrap_or(if switch_on("DV2_GEMV2_NARROW") { 2 } else { 1 }),
+                .unwrap_or(if gemv2_narrow { 2 } else { 1 }),
             gemv2_h16: switch_on("DV2_GEMV2_H16"),
-            gemv2_narrow: switch_on("DV2_GEMV2_NARROW"),
+            gemv2_narrow,
             gemv2_pre_wait: switch_on("DV2_GEMV2_PREWAIT"),
             gemv2_x_smem: switch_on("DV2_GEMV2_XSMEM"),
             gemv2_late: switch_on("DV2_GEMV2_LATE"),
