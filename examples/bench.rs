@@ -3,7 +3,7 @@
 //!
 //!     cargo run --release --example bench -- [--json PATH] [--skip-kernels] [--skip-3b] [--probe]
 //!                                               [--prefill-only] [--skip-gemm] [--skip-variants]
-//!                                               [--split] [--boundary] [--rows A,B,..]
+//!                                               [--split] [--boundary] [--l2-hot] [--rows A,B,..]
 //!                                               [--prefill-profile LEN CHUNK] [--decode-profile STEPS]
 //!
 //! load s is `Engine::new` (upload, allocation, kernels, warm-up); warmup ms is its eager
@@ -11,6 +11,7 @@
 //! after the first. `--skip-variants` keeps the 3B run to the default graph (no eager, kernel
 //! variants, stage split or prefill tables); `--split` adds the stage split back.
 //! `--boundary` prints only what a kernel boundary costs in a graph (chain of empty launches).
+//! `--l2-hot` prints only the decode GEMVs with their weights from HBM and from L2.
 //! `--rows A,B` runs only the switch rows whose label contains one of A, B (the defaults and
 //! the last "again" row always run): a shorter table where device time is short.
 //!
@@ -284,6 +285,32 @@ fn kernel_table(bench: &Bench, s: &ArchSpec) -> Vec<Timing> {
 /// decode step's 6 per layer times 36 layers), one CTA per SM, with programmatic dependent
 /// launch and without, and with the next launch's CTA able to be resident beside the running
 /// one or not (a CTA of ~200 KB of shared memory, as a GEMV v2 CTA's registers fill its SM).
+/// `--l2-hot`: each decode GEMV with its weights from HBM (rotated copies) and from L2 (one
+/// copy, launched again and again): what prefetching a kernel's weights into L2 while earlier
+/// kernels run could win at most.
+fn l2_hot() {
+    let s = QWEN25_3B;
+    let bench = Bench::new(0).expect("CUDA device");
+    let (h, kv, inter) = (s.hidden, s.kv_dim(), s.intermediate);
+    println!("decode GEMVs on the Qwen2.5-3B shape, weights from HBM / from L2 (µs per launch):");
+    for (name, kind, rows, k) in [
+        ("q/k/v", "qkv", &[h, kv, kv][..], h),
+        ("o", "residual", &[h][..], h),
+        ("gate+up", "swiglu", &[inter][..], h),
+        ("down", "residual", &[h][..], inter),
+    ] {
+        let [cold, hot] = [false, true].map(|l2| bench.gemv_in(name, kind, rows, k, l2).unwrap());
+        println!(
+            "l2 {name:<8} {:>6.2} MB  HBM {:>6.2} µs  L2 {:>6.2} µs  ({:.2} / {:.2} TB/s)",
+            cold.bytes as f64 / 1e6,
+            cold.median_us,
+            hot.median_us,
+            cold.bytes as f64 / cold.median_us * 1e-6,
+            hot.bytes as f64 / hot.median_us * 1e-6
+        );
+    }
+}
+
 fn boundary() {
     const LINKS: usize = 216;
     println!("kernel boundary in a graph, {LINKS} dependent empty launches, µs per launch:");
@@ -439,6 +466,10 @@ fn main() {
     }
     if flag("--boundary") {
         boundary();
+        return;
+    }
+    if flag("--l2-hot") {
+        l2_hot();
         return;
     }
 

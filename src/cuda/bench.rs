@@ -226,6 +226,20 @@ impl Bench {
     /// split 1/8th each for k and v as in GQA 16/2), "swiglu" (gate and up of `rows`),
     /// "residual" (`y += W x`) or "plain" (`y = W x`).
     pub fn gemv(&self, name: &str, kind: &str, rows: &[usize], cols: usize) -> Result<Timing> {
+        self.gemv_in(name, kind, rows, cols, false)
+    }
+
+    /// [`Self::gemv`] with `l2_hot`: every launch of the graph reads the same copy of the
+    /// weights, so those that fit the L2 come from it (what the kernel would take if its
+    /// weights were prefetched into L2 ahead of it); else rotated copies, from HBM.
+    pub fn gemv_in(
+        &self,
+        name: &str,
+        kind: &str,
+        rows: &[usize],
+        cols: usize,
+        l2_hot: bool,
+    ) -> Result<Timing> {
         let total_rows: usize = rows.iter().sum();
         let mats_per_copy = if kind == "swiglu" { 2 } else { rows.len() };
         let weight_bytes = match kind {
@@ -240,8 +254,9 @@ impl Bench {
         let io_bytes = cols * 4 + out_rows * 4 * if kind == "residual" { 2 } else { 1 };
         let bytes = weight_bytes + io_bytes + if kind == "qkv" { total_rows * 4 } else { 0 };
         let copies = Self::copies(weight_bytes);
-        let mut mats = Vec::with_capacity(copies * mats_per_copy);
-        for c in 0..copies {
+        let distinct = if l2_hot { 1 } else { copies };
+        let mut mats = Vec::with_capacity(distinct * mats_per_copy);
+        for c in 0..distinct {
             for (j, r) in rows.iter().cycle().take(mats_per_copy).enumerate() {
                 mats.push(RandomMatrix::new(
                     &self.ops.gpu,
@@ -263,6 +278,7 @@ impl Bench {
         let (xp, yp) = (self.ops.gpu.ptr(&x), self.ops.gpu.ptr(&y));
         let gpu = &self.ops.gpu;
         let median_us = self.time_rotated(copies, |c| {
+            let c = c % distinct;
             let m = &mats[c * mats_per_copy..(c + 1) * mats_per_copy];
             match kind {
                 "qkv" => {
