@@ -309,6 +309,28 @@ fn l2_hot() {
             hot.bytes as f64 / hot.median_us * 1e-6
         );
     }
+    // Time against rows at a fixed K, weights from L2: the intercept is what a launch costs
+    // besides its rows (prologue, x, tail) with no HBM in the way, the slope the loop's rate.
+    for (name, kind, k, rows) in [
+        ("o", "residual", h, [h / 4, h / 2, h, 2 * h]),
+        (
+            "gate+up",
+            "swiglu",
+            h,
+            [inter / 4, inter / 2, inter, 2 * inter],
+        ),
+        ("down", "residual", inter, [h / 4, h / 2, h, 2 * h]),
+    ] {
+        let us = rows.map(|r| bench.gemv_in(name, kind, &[r], k, true).unwrap().median_us);
+        println!("l2 scaling {name} K {k} rows {rows:?}: {us:.2?} µs");
+    }
+    for valid_len in [49, 176, 1024] {
+        let t = bench.attention(&s, 2048, valid_len).unwrap();
+        println!(
+            "attention + merge, max_seq 2048, valid_len {valid_len}: {:.2} µs",
+            t.median_us
+        );
+    }
 }
 
 fn boundary() {
@@ -608,6 +630,7 @@ fn main() {
             ("qwen25_3b gemv2-pairs=0", &[("DV2_GEMV2_PAIRS", "0")]),
             ("qwen25_3b gemv2-h16=0", &[("DV2_GEMV2_H16", "0")]),
             ("qwen25_3b gemv2-narrow=0", &[("DV2_GEMV2_NARROW", "0")]),
+            ("qwen25_3b table-wide=0", &[("DV2_TABLE_WIDE", "0")]),
             ("qwen25_3b gemv-ctas=1", &[("DV2_GEMV_CTAS", "1")]),
             ("qwen25_3b gemv2-prewait=0", &[("DV2_GEMV2_PREWAIT", "0")]),
             ("qwen25_3b gemv2-xsmem=0", &[("DV2_GEMV2_XSMEM", "0")]),

@@ -494,16 +494,59 @@ __device__ __forceinline__ float dot_row(const RowChunks<J>& rc, const XSlice<J>
 
 // Fills a byte-indexed table of LANES copies per entry (entry b of lane l at LUT index
 // LANES * b + l) with pair(codebook(high nibble of b), codebook(low nibble of b)): this table
-// (f32 pairs, 16 lanes) and the f16-pair table below (32 lanes).
+// (f32 pairs, 16 lanes) and the f16-pair table below (32 lanes). An entry's copies fill one
+// 128-byte line, written as eight 16-byte stores of the entry repeated (TABLE_WIDE_STORES,
+// default; DV2_TABLE_WIDE=0: a 4- or 8-byte store per copy); the loop is unrolled so that
+// its shared loads of the codebook issue together. Why: with a store per copy the loop
+// waited on the codebook's loads 32 times in a row; it took ~20% of GEMV v2's samples at K
+// = 11008 under ncu, and the CTAs of the kernel after a GEMV v2 build it on the critical
+// path, as they cannot be resident before that GEMV's CTAs leave (docs/lab.md, session 11).
+// The table must be 16-byte aligned.
+template <typename Entry>
+__device__ __forceinline__ uint4 repeat16(Entry e) {
+    static_assert(sizeof(Entry) == 4 || sizeof(Entry) == 8, "4- or 8-byte entries");
+    union {
+        Entry e[16 / sizeof(Entry)];
+        uint4 v;
+    } u;
+#pragma unroll
+    for (int i = 0; i < (int)(16 / sizeof(Entry)); i++) u.e[i] = e;
+    return u.v;
+}
+
+#ifndef TABLE_WIDE_STORES
+#error "the host passes TABLE_WIDE_STORES (src/cuda/kernels.rs, options)"
+#endif
 template <int LANES, typename Entry, typename Pair>
 __device__ __forceinline__ void load_byte_table(Entry* lut, Pair pair) {
+    static_assert(LANES * sizeof(Entry) == 128, "an entry's copies fill one 128-byte line");
     __shared__ float nf4[16];
     load_codebook(nf4);
     __syncthreads();
+#if TABLE_WIDE_STORES
+    // Eight 16-byte pieces per entry; a batch's values (its codebook loads) before any of
+    // its stores, which the loads could not pass otherwise.
+    constexpr int PIECES = 256 * 8, BATCH = 8;
+    uint4* lines = reinterpret_cast<uint4*>(lut);
+    for (int base = threadIdx.x; base < PIECES; base += BATCH * blockDim.x) {
+        uint4 v[BATCH];
+#pragma unroll
+        for (int u = 0; u < BATCH; u++) {
+            const int b = min((base + u * blockDim.x) >> 3, 255);  // unconditional: no branches
+            v[u] = repeat16(pair(nf4[b >> 4], nf4[b & 15]));
+        }
+#pragma unroll
+        for (int u = 0; u < BATCH; u++) {
+            const int i = base + u * blockDim.x;
+            if (i < PIECES) lines[i] = v[u];
+        }
+    }
+#else
     for (int i = threadIdx.x; i < 256 * LANES; i += blockDim.x) {
         const int b = (unsigned)i / LANES;  // i >= 0: a shift
         lut[i] = pair(nf4[b >> 4], nf4[b & 15]);
     }
+#endif
 }
 
 __device__ __forceinline__ void load_pair_codebook(float2* lut) {
@@ -598,8 +641,8 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
                                            NormArgs norm, int kparts, const int* skip_if, int w_first,
                                            int x_smem, int late_sum) {
     __shared__ float lut[16];
-    __shared__ float2 pair_lut[TABLE == GEMV2_PAIR32 ? PAIR_LUT_ENTRIES : 1];
-    __shared__ u32 pair16_lut[TABLE == GEMV2_PAIR16 ? BYTE_LUT_WORDS : 1];
+    __shared__ __align__(16) float2 pair_lut[TABLE == GEMV2_PAIR32 ? PAIR_LUT_ENTRIES : 1];
+    __shared__ __align__(16) u32 pair16_lut[TABLE == GEMV2_PAIR16 ? BYTE_LUT_WORDS : 1];
     __shared__ float partial[GEMV2_MAX_LANES_X_R * NM][GEMV_WARPS];
     __shared__ float late_partial[GEMV2_LATE_FLOATS];
     if (TABLE == GEMV2_PAIR16) load_byte_codebook(pair16_lut);

@@ -104,7 +104,7 @@ __device__ __forceinline__ void gemv3_prefetch(const GemmArgs& a, int group) {
 // in flight during the math.
 template <int T, int S, int EPI>
 __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
-    __shared__ u32 lut[BYTE_LUT_WORDS];
+    __shared__ __align__(16) u32 lut[BYTE_LUT_WORDS];
     __shared__ float red[2][GEMV3_WARPS][T * 16];  // by group parity: one barrier per group
     extern __shared__ u32 x16[];                   // K/2 f16 pairs
     const int outputs = EPI == EPI_SWIGLU ? a.rows[0] : a.rows[0] + a.rows[1] + a.rows[2];

@@ -208,7 +208,8 @@ fn cache_dir() -> Option<PathBuf> {
 }
 
 /// NVRTC options; `DV2_LINEINFO=1` adds source line information (for a profiler's source
-/// view; the cache keeps the two builds apart, options being part of its key). The compiler
+/// view; the cache keeps the two builds apart, options being part of its key), as does
+/// `DV2_TABLE_WIDE=0` a kernel variant. The compiler
 /// optimizes the module's kernels on every core (`--split-compile=0`; `DV2_NVRTC_SPLIT=0`:
 /// one thread): a machine's first load compiles the kernels, 32 s in one thread on 2 cores,
 /// 19 s split. The split changes the code of some kernels (scheduling, shared-memory
@@ -221,6 +222,10 @@ fn options(arch: &str) -> Vec<String> {
     if super::switch_on("DV2_NVRTC_SPLIT") {
         opts.push("--split-compile=0".into());
     }
+    // The byte tables' 16-byte stores (kernels/decode.cu, load_byte_table; DV2_TABLE_WIDE=0:
+    // a store per copy, as before session 11).
+    let wide = i32::from(super::switch_on("DV2_TABLE_WIDE"));
+    opts.push(format!("-DTABLE_WIDE_STORES={wide}"));
     opts.extend(shared_defines());
     opts
 }
