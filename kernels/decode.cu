@@ -301,15 +301,21 @@ struct NormArgs {
 
 // 1 / rms(x) from the producer's partial sums; every lane of every warp gets it (the sums
 // are added in the same order everywhere, so all CTAs agree to the bit).
-// Eight loads per lane go out before their adds (a plain loop waits on each in turn).
+// NORM_BATCH loads per lane go out before their adds (a plain loop waits on each in turn).
+// NORM_BATCH comes from the host (DV2_NORM_BATCH, default 12): a GEMV v2 producer on 132 SMs
+// leaves 264 partial sums, which 8 per lane (before session 11) fetched in two round trips.
+// Each lane adds its values in index order either way, so the batch does not change the sum.
+#ifndef NORM_BATCH
+#error "the host passes NORM_BATCH (src/cuda/kernels.rs, options)"
+#endif
 __device__ __forceinline__ float norm_factor(NormArgs norm, int n) {
     float s = 0.0f;
-    for (int base = threadIdx.x & 31; base < norm.ss_parts; base += 8 * 32) {
-        float v[8];
+    for (int base = threadIdx.x & 31; base < norm.ss_parts; base += NORM_BATCH * 32) {
+        float v[NORM_BATCH];
 #pragma unroll
-        for (int u = 0; u < 8; u++) v[u] = base + 32 * u < norm.ss_parts ? norm.ss[base + 32 * u] : 0.0f;
+        for (int u = 0; u < NORM_BATCH; u++) v[u] = base + 32 * u < norm.ss_parts ? norm.ss[base + 32 * u] : 0.0f;
 #pragma unroll
-        for (int u = 0; u < 8; u++) s += v[u];
+        for (int u = 0; u < NORM_BATCH; u++) s += v[u];
     }
     return rsqrtf(warp_sum(s) / (float)n + norm.eps);
 }

@@ -209,7 +209,7 @@ fn cache_dir() -> Option<PathBuf> {
 
 /// NVRTC options; `DV2_LINEINFO=1` adds source line information (for a profiler's source
 /// view; the cache keeps the two builds apart, options being part of its key), as does
-/// `DV2_TABLE_WIDE=0` a kernel variant. The compiler
+/// `DV2_TABLE_WIDE=0` and `DV2_NORM_BATCH` kernel variants. The compiler
 /// optimizes the module's kernels on every core (`--split-compile=0`; `DV2_NVRTC_SPLIT=0`:
 /// one thread): a machine's first load compiles the kernels, 32 s in one thread on 2 cores,
 /// 19 s split. The split changes the code of some kernels (scheduling, shared-memory
@@ -226,6 +226,12 @@ fn options(arch: &str) -> Vec<String> {
     // a store per copy, as before session 11).
     let wide = i32::from(super::switch_on("DV2_TABLE_WIDE"));
     opts.push(format!("-DTABLE_WIDE_STORES={wide}"));
+    // Partial sums of squares each lane loads at once for a fused RMSNorm (kernels/decode.cu,
+    // norm_factor; DV2_NORM_BATCH=n, 1..=16; 8 before session 11).
+    let norm_batch = super::env_number("DV2_NORM_BATCH")
+        .filter(|n: &usize| (1..=16).contains(n))
+        .unwrap_or(12);
+    opts.push(format!("-DNORM_BATCH={norm_batch}"));
     opts.extend(shared_defines());
     opts
 }
