@@ -637,6 +637,11 @@ fn main() {
             ("qwen25_3b gemv2-xsmem=0", &[("DV2_GEMV2_XSMEM", "0")]),
             ("qwen25_3b gemv2-late=0", &[("DV2_GEMV2_LATE", "0")]),
             (
+                "qwen25_3b gemv2-epi-early=0",
+                &[("DV2_GEMV2_EPI_EARLY", "0")],
+            ),
+            ("qwen25_3b gemv2-late1=0", &[("DV2_GEMV2_LATE1", "0")]),
+            (
                 "qwen25_3b gemv3-epi-early=0",
                 &[("DV2_GEMV3_EPI_EARLY", "0")],
             ),

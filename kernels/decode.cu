@@ -282,6 +282,18 @@ extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_CTAS_PER_SM)
 
 #define GEMV2_MAX_LANES_X_R 32  // (row lanes) x (rows in flight) held in shared memory
 #define GEMV2_LATE_FLOATS 1024  // K-part sums of a CTA's rows kept for one final reduction
+// The kernels' `late` flags: K-part sums reduced once at the end (DV2_GEMV2_LATE), then the
+// epilogue operands loaded right after the wait (DV2_GEMV2_EPI_EARLY), and the same end
+// reduction without a K split (DV2_GEMV2_LATE1).
+#define GEMV2_LATE_SUM 1
+#define GEMV2_EPI_EARLY 2
+#define GEMV2_LATE_ONE 4
+
+// A row's epilogue operands (its bias, the old y a residual adds to), which GEMV v2 may load
+// right after its wait instead of after the row's sums (see gemv2_walk, GEMV2_EPI_EARLY).
+struct RowEpi {
+    float bias, old;
+};
 
 template <int J>
 struct XSlice {
@@ -645,7 +657,8 @@ __device__ __forceinline__ float dot_row_pair16(const RowChunks<J>& rc, const XH
 template <int J, int R, int NM, int TABLE, typename Rows>
 __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, const float* __restrict__ x,
                                            NormArgs norm, int kparts, const int* skip_if, int w_first,
-                                           int x_smem, int late_sum) {
+                                           int x_smem, int late_flags) {
+    const bool late_sum = late_flags & GEMV2_LATE_SUM, epi_early = late_flags & GEMV2_EPI_EARLY;
     __shared__ float lut[16];
     __shared__ __align__(16) float2 pair_lut[TABLE == GEMV2_PAIR32 ? PAIR_LUT_ENTRIES : 1];
     __shared__ __align__(16) u32 pair16_lut[TABLE == GEMV2_PAIR16 ? BYTE_LUT_WORDS : 1];
@@ -665,7 +678,10 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     // epilogue once, after its last iteration: one barrier instead of two per iteration, and
     // every row's epilogue loads (a residual's old y) in flight together instead of one
     // round trip per iteration. Same sums in the same order.
-    const bool late = late_sum && kparts > 1 && (r1 - r0) * NM * kparts <= GEMV2_LATE_FLOATS;
+    // GEMV2_LATE_ONE: also without a K split (gate/up, lm_head), so that a warp's rows' epilogues
+    // (SwiGLU's exp and division by lane 0) leave the walk and run in parallel at its end.
+    const bool late = late_sum && (kparts > 1 || (late_flags & GEMV2_LATE_ONE)) &&
+                      (r1 - r0) * NM * kparts <= GEMV2_LATE_FLOATS;
     // Software pipeline: the loads of the next block are issued before this block's math.
     RowChunks<J> cur[R][NM], nxt[R][NM];
     auto load_block = [&](int base, RowChunks<J> (&rc)[R][NM]) {
@@ -689,6 +705,11 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     pdl_enter();
     if (skip_if && *skip_if) return;
     if (w_first == 1) load_block(r0, cur);
+    // With late sums and epi_early, the epilogue operands of the CTA's first blockDim.x rows
+    // (thread i: row r0 + i, as in the final reduction below) load now, so their round trip
+    // overlaps the walk instead of following the last barrier.
+    RowEpi early_epi{0.0f, 0.0f};
+    if (late && epi_early && (int)threadIdx.x < r1 - r0) early_epi = rows_of.epi(r0 + threadIdx.x);
     XSlice<J> xs;
     if (x_smem) {
         extern __shared__ __align__(16) float x_staged[];  // cols / 32 * X_STAGE_STRIDE floats
@@ -775,7 +796,8 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
                 total[k] = 0.0f;
                 for (int p = 0; p < kparts; p++) total[k] += late_partial[(idx * NM + k) * kparts + p];
             }
-            ss += sq(rows_of.store(r0 + idx, total));
+            const RowEpi e = epi_early && idx == (int)threadIdx.x ? early_epi : rows_of.epi(r0 + idx);
+            ss += sq(rows_of.store(r0 + idx, total, e));
         }
     }
     if (float* out = rows_of.ss_out()) block_sum_to(ss, out + blockIdx.x);
@@ -791,12 +813,14 @@ struct PlainRows {
     float* ss;
     __device__ Nf4Ref matrix(int, int) const { return m; }
     __device__ int local(int r) const { return r; }
-    __device__ float store(int r, const float* s) const {
-        const float v = s[0] + (bias ? bias[r] : 0.0f);
-        const float out = accumulate ? y[r] + v : v;
+    __device__ RowEpi epi(int r) const { return {bias ? bias[r] : 0.0f, accumulate ? y[r] : 0.0f}; }
+    __device__ float store(int r, const float* s, RowEpi e) const {
+        const float v = s[0] + e.bias;
+        const float out = accumulate ? e.old + v : v;
         y[r] = out;
         return out;
     }
+    __device__ float store(int r, const float* s) const { return store(r, s, epi(r)); }
     __device__ float* ss_out() const { return ss; }
 };
 
@@ -812,13 +836,17 @@ struct QkvRows {
         const int s = seg(r);
         return s == 0 ? r : (s == 1 ? r - a.rows[0] : r - a.rows[0] - a.rows[1]);
     }
-    __device__ float store(int r, const float* s) const {
+    __device__ RowEpi epi(int r) const {
         const int g = seg(r);
         const float* b = g == 0 ? a.bias[0] : (g == 1 ? a.bias[1] : a.bias[2]);
-        const float v = s[0] + (b ? b[local(r)] : 0.0f);
+        return {b ? b[local(r)] : 0.0f, 0.0f};
+    }
+    __device__ float store(int r, const float* s, RowEpi e) const {
+        const float v = s[0] + e.bias;
         out[r] = v;
         return v;
     }
+    __device__ float store(int r, const float* s) const { return store(r, s, epi(r)); }
     __device__ float* ss_out() const { return nullptr; }
 };
 
@@ -827,6 +855,8 @@ struct SwigluRows {
     float* out;
     __device__ Nf4Ref matrix(int, int k) const { return k == 0 ? gate : up; }
     __device__ int local(int r) const { return r; }
+    __device__ RowEpi epi(int) const { return {0.0f, 0.0f}; }
+    __device__ float store(int r, const float* s, RowEpi) const { return store(r, s); }
     __device__ float store(int r, const float* s) const {
         const float v = s[0] / (1.0f + expf(-s[0])) * s[1];
         out[r] = v;

@@ -340,6 +340,12 @@ pub struct Ops {
     /// GEMV v2 with K split over warps adds the parts and runs the epilogue once per CTA,
     /// after its last rows (default; `DV2_GEMV2_LATE=0`: per iteration, two barriers each).
     pub gemv2_late: bool,
+    /// With late sums, GEMV v2 loads each row's epilogue operands (bias, the residual's old
+    /// y) right after its wait, not after the last barrier (default; `DV2_GEMV2_EPI_EARLY=0`).
+    pub gemv2_epi_early: bool,
+    /// Late sums also without a K split: every row's epilogue after the walk (default;
+    /// `DV2_GEMV2_LATE1=0`: lane 0 of each warp stores its rows as it goes).
+    pub gemv2_late_one: bool,
     /// GEMV v2 and v3 issue their first weights before loading x (default;
     /// `DV2_GEMV_WFIRST=0`: after x is in registers or shared memory).
     pub gemv_w_first: bool,
@@ -429,6 +435,8 @@ impl Ops {
             gemv2_pre_wait: switch_on("DV2_GEMV2_PREWAIT"),
             gemv2_x_smem: switch_on("DV2_GEMV2_XSMEM"),
             gemv2_late: switch_on("DV2_GEMV2_LATE"),
+            gemv2_epi_early: switch_on("DV2_GEMV2_EPI_EARLY"),
+            gemv2_late_one: switch_on("DV2_GEMV2_LATE1"),
             gemv_w_first: switch_on("DV2_GEMV_WFIRST"),
             gemv3_epi_early: switch_on("DV2_GEMV3_EPI_EARLY"),
             gemv3_pre_wait: switch_on("DV2_GEMV3_PREWAIT"),
@@ -533,7 +541,8 @@ impl Ops {
     }
 
     /// GEMV v2's switch arguments: weights first (2: before the wait on the previous kernel),
-    /// x staged in shared memory, late K sums.
+    /// x staged in shared memory, and the `late` flags (kernels/decode.cu: 1 late K sums, 2
+    /// the epilogue operands early, 4 late sums without a K split too).
     fn gemv2_switches(&self) -> (i32, i32, i32) {
         (
             match (self.gemv_w_first, self.gemv2_pre_wait) {
@@ -542,7 +551,9 @@ impl Ops {
                 (true, true) => 2,
             },
             i32::from(self.gemv2_x_smem),
-            i32::from(self.gemv2_late),
+            i32::from(self.gemv2_late)
+                | i32::from(self.gemv2_late && self.gemv2_epi_early) << 1
+                | i32::from(self.gemv2_late && self.gemv2_late_one) << 2,
         )
     }
 
