@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine after ../shared/tools/device-pack: every kernel of the decode graph's
+# replays timed on the GPU (CUPTI activity records, tests/gpu/kernel_trace.c preloaded into the
+# bench), then the Qwen2.5-3B steps of the last graph summed per kernel: mean duration, and the
+# mean gap from the previous kernel's end to its start (negative: it started while the previous
+# one ran, as programmatic dependent launch allows), and one layer's timeline. What the step's
+# time is made of inside the graph, which ncu (one kernel at a time) cannot show.
+# Usage: bash tests/gpu/trace-graph.sh   (switches from the environment; the full CSV, gzipped,
+# goes to $OUT or ./device-logs)
+set -uo pipefail
+out=${OUT:-device-logs}; mkdir -p "$out"
+export DV2_CACHE_DIR=/tmp/dv2-cache
+export LD_LIBRARY_PATH="$PWD/.device/lib:/usr/local/cuda/lib64:/usr/local/cuda/extras/CUPTI/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+inc=$(dirname "$(find /usr/local/cuda/ /usr/local/cuda/extras/CUPTI/ -name cupti.h 2>/dev/null | head -1)")
+lib=$(dirname "$(find /usr/local/cuda/ -name 'libcupti.so*' 2>/dev/null | head -1)")
+[[ -n $inc && -n $lib ]] || { echo "CUPTI not found under /usr/local/cuda"; exit 1; }
+cc -std=c11 -O2 -Wall -shared -fPIC -I"$inc" -I/usr/local/cuda/include tests/gpu/kernel_trace.c \
+  -L"$lib" -lcupti -Wl,-rpath,"$lib" -o /tmp/libkernel_trace.so || exit 1
+DV2_TRACE_OUT=/tmp/kernel-trace.csv LD_PRELOAD=/tmp/libkernel_trace.so timeout 400 \
+  .device/examples/bench --skip-kernels --skip-variants --rows none > "$out/trace-bench.txt" 2>&1
+echo "bench rc=$?"; grep -E "^  qwen25|kernel_trace" "$out/trace-bench.txt"
+gzip -c /tmp/kernel-trace.csv > "$out/kernel-trace.csv.gz"
+python3 - /tmp/kernel-trace.csv <<'PY'
+import csv, sys, statistics as st
+rows = [r for r in csv.DictReader(open(sys.argv[1])) if r["graph"] != "0"]
+last = rows[-1]["graph"] if rows else None
+k = sorted((r for r in rows if r["graph"] == last), key=lambda r: int(r["start_ns"]))
+ends = [i for i, r in enumerate(k) if r["name"] == "commit_step"]
+steps = [k[a + 1 : b + 1] for a, b in zip(ends, ends[1:])]
+if not steps:
+    sys.exit("no two commit_step launches in the last graph")
+n = len(steps[-1])
+steps = [s for s in steps if len(s) == n][-100:]
+t = lambda r, f: int(r[f]) / 1e3  # µs
+span = [t(s[-1], "end_ns") - t(s[0], "start_ns") for s in steps]
+print(f"graph {last}: {len(steps)} steps of {n} kernels; first start to last end, median {st.median(span):.1f} µs")
+# Per position in the step: duration and gap to the previous kernel's end, median over steps.
+dur = [st.median(t(s[i], "end_ns") - t(s[i], "start_ns") for s in steps) for i in range(n)]
+gap = [st.median(t(s[i], "start_ns") - (t(s[i - 1], "end_ns") if i else t(s[0], "start_ns")) for s in steps) for i in range(n)]
+names = [steps[-1][i]["name"] for i in range(n)]
+print(f"{'kernel':<28} {'per step':>8} {'mean µs':>8} {'sum µs':>8} {'mean gap µs':>12}")
+for name in dict.fromkeys(names):
+    idx = [i for i in range(n) if names[i] == name]
+    d = sum(dur[i] for i in idx)
+    print(f"{name[:28]:<28} {len(idx):>8} {d / len(idx):>8.2f} {d:>8.1f} {sum(gap[i] for i in idx) / len(idx):>12.2f}")
+print(f"sum of durations {sum(dur):.1f} µs, of gaps {sum(gap):.1f} µs")
+mid = n // 2
+first = max(i for i in range(mid) if "qkv" in names[i] or names[i].startswith("gemv3_store")) if any(
+    "qkv" in x or x.startswith("gemv3_store") for x in names[:mid]) else mid
+print("one layer (median over steps, µs from its first kernel's start):")
+base = lambda s: t(s[first], "start_ns")
+for i in range(first, min(n, first + 6)):
+    s0 = st.median(t(s[i], "start_ns") - base(s) for s in steps)
+    e0 = st.median(t(s[i], "end_ns") - base(s) for s in steps)
+    r = steps[-1][i]
+    print(f"  {names[i][:28]:<28} {s0:7.2f} .. {e0:7.2f}  grid {r['grid']:>5} block {r['block']:>4} regs {r['regs']:>3} smem {r['smem']:>6}")
+PY
