@@ -52,6 +52,9 @@ __attribute__((constructor)) static void start_trace(void) {
     if (cuptiActivityRegisterCallbacks(buffer_requested, buffer_completed) != CUPTI_SUCCESS ||
         cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) != CUPTI_SUCCESS)
         fprintf(stderr, "kernel_trace: CUPTI activity tracing could not start\n");
+    // Completed buffers also delivered every 100 ms, so that the records are in hand even if
+    // the final flush at exit comes after CUPTI's own teardown.
+    cuptiActivityFlushPeriod(100);
 }
 
 __attribute__((destructor)) static void write_trace(void) {

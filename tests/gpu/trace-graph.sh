@@ -12,24 +12,33 @@ out=${OUT:-device-logs}; mkdir -p "$out"
 export DV2_CACHE_DIR=/tmp/dv2-cache
 export LD_LIBRARY_PATH="$PWD/.device/lib:/usr/local/cuda/lib64:/usr/local/cuda/extras/CUPTI/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 inc=$(dirname "$(find /usr/local/cuda/ /usr/local/cuda/extras/CUPTI/ -name cupti.h 2>/dev/null | head -1)")
-lib=$(dirname "$(find /usr/local/cuda/ -name 'libcupti.so*' 2>/dev/null | head -1)")
-[[ -n $inc && -n $lib ]] || { echo "CUPTI not found under /usr/local/cuda"; exit 1; }
+libfile=$(find /usr/local/cuda/ -name 'libcupti.so*' 2>/dev/null | sort | head -1)
+[[ -n $inc && -n $libfile ]] || { echo "CUPTI not found under /usr/local/cuda"; exit 1; }
 cc -std=c11 -O2 -Wall -shared -fPIC -I"$inc" -I/usr/local/cuda/include tests/gpu/kernel_trace.c \
-  -L"$lib" -lcupti -Wl,-rpath,"$lib" -o /tmp/libkernel_trace.so || exit 1
+  "$libfile" -Wl,-rpath,"$(dirname "$libfile")" -o /tmp/libkernel_trace.so || exit 1
 DV2_TRACE_OUT=/tmp/kernel-trace.csv LD_PRELOAD=/tmp/libkernel_trace.so timeout 400 \
   .device/examples/bench --skip-kernels --skip-variants --rows none > "$out/trace-bench.txt" 2>&1
 echo "bench rc=$?"; grep -E "^  qwen25|kernel_trace" "$out/trace-bench.txt"
 gzip -c /tmp/kernel-trace.csv > "$out/kernel-trace.csv.gz"
 python3 - /tmp/kernel-trace.csv <<'PY'
 import csv, sys, statistics as st
-rows = [r for r in csv.DictReader(open(sys.argv[1])) if r["graph"] != "0"]
-last = rows[-1]["graph"] if rows else None
-k = sorted((r for r in rows if r["graph"] == last), key=lambda r: int(r["start_ns"]))
-ends = [i for i, r in enumerate(k) if r["name"] == "commit_step"]
-steps = [k[a + 1 : b + 1] for a, b in zip(ends, ends[1:])]
-if not steps:
-    sys.exit("no two commit_step launches in the last graph")
-n = len(steps[-1])
+graphs = {}
+for r in csv.DictReader(open(sys.argv[1])):
+    if r["graph"] != "0":
+        graphs.setdefault(r["graph"], []).append(r)
+def steps_of(rows):
+    k = sorted(rows, key=lambda r: int(r["start_ns"]))
+    ends = [i for i, r in enumerate(k) if r["name"] == "commit_step"]
+    return [k[a + 1 : b + 1] for a, b in zip(ends, ends[1:])]
+# The Qwen2.5-3B shape's graph: the one with the most kernels a step (36 layers), the last such.
+best = None
+for g, rows in graphs.items():
+    s = steps_of(rows)
+    if s and (best is None or len(s[-1]) >= best[1]):
+        best = (g, len(s[-1]), s)
+if best is None:
+    sys.exit("no graph with two commit_step launches in the trace")
+last, n, steps = best
 steps = [s for s in steps if len(s) == n][-100:]
 t = lambda r, f: int(r[f]) / 1e3  # µs
 span = [t(s[-1], "end_ns") - t(s[0], "start_ns") for s in steps]
