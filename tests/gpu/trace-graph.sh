@@ -11,10 +11,10 @@ set -uo pipefail
 out=${OUT:-device-logs}; mkdir -p "$out"
 export DV2_CACHE_DIR=/tmp/dv2-cache
 export LD_LIBRARY_PATH="$PWD/.device/lib:/usr/local/cuda/lib64:/usr/local/cuda/extras/CUPTI/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-inc=$(dirname "$(find /usr/local/cuda/ /usr/local/cuda/extras/CUPTI/ -name cupti.h 2>/dev/null | head -1)")
+header=$(find /usr/local/cuda/ -name cupti.h 2>/dev/null | head -1)
 libfile=$(find /usr/local/cuda/ -name 'libcupti.so*' 2>/dev/null | sort | head -1)
-[[ -n $inc && -n $libfile ]] || { echo "CUPTI not found under /usr/local/cuda"; exit 1; }
-cc -std=c11 -O2 -Wall -shared -fPIC -I"$inc" -I/usr/local/cuda/include tests/gpu/kernel_trace.c \
+[[ -n $header && -n $libfile ]] || { echo "CUPTI not found under /usr/local/cuda"; exit 1; }
+cc -std=c11 -O2 -Wall -shared -fPIC -I"$(dirname "$header")" -I/usr/local/cuda/include tests/gpu/kernel_trace.c \
   "$libfile" -Wl,-rpath,"$(dirname "$libfile")" -o /tmp/libkernel_trace.so || exit 1
 DV2_TRACE_OUT=/tmp/kernel-trace.csv LD_PRELOAD=/tmp/libkernel_trace.so timeout 400 \
   .device/examples/bench --skip-kernels --skip-variants --rows none > "$out/trace-bench.txt" 2>&1
