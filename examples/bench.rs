@@ -281,10 +281,6 @@ fn kernel_table(bench: &Bench, s: &ArchSpec) -> Vec<Timing> {
     rows.into_iter().map(|r| r.expect("kernel bench")).collect()
 }
 
-/// `--boundary`: µs per launch of a graph of 216 dependent launches that do nothing else (the
-/// decode step's 6 per layer times 36 layers), one CTA per SM, with programmatic dependent
-/// launch and without, and with the next launch's CTA able to be resident beside the running
-/// one or not (a CTA of ~200 KB of shared memory, as a GEMV v2 CTA's registers fill its SM).
 /// `--l2-hot`: each decode GEMV with its weights from HBM (rotated copies) and from L2 (one
 /// copy, launched again and again): what prefetching a kernel's weights into L2 while earlier
 /// kernels run could win at most.
@@ -333,6 +329,10 @@ fn l2_hot() {
     }
 }
 
+/// `--boundary`: µs per launch of a graph of 216 dependent launches that do nothing else (the
+/// decode step's 6 per layer times 36 layers), one CTA per SM, with programmatic dependent
+/// launch and without, and with the next launch's CTA able to be resident beside the running
+/// one or not (a CTA of ~200 KB of shared memory, as a GEMV v2 CTA's registers fill its SM).
 fn boundary() {
     const LINKS: usize = 216;
     println!("kernel boundary in a graph, {LINKS} dependent empty launches, µs per launch:");
