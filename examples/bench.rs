@@ -641,6 +641,7 @@ fn main() {
                 &[("DV2_GEMV2_EPI_EARLY", "0")],
             ),
             ("qwen25_3b gemv2-late1=0", &[("DV2_GEMV2_LATE1", "0")]),
+            ("qwen25_3b ffn-f16=0", &[("DV2_FFN_F16", "0")]),
             (
                 "qwen25_3b gemv3-epi-early=0",
                 &[("DV2_GEMV3_EPI_EARLY", "0")],

@@ -288,6 +288,12 @@ extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_CTAS_PER_SM)
 #define GEMV2_LATE_SUM 1
 #define GEMV2_EPI_EARLY 2
 #define GEMV2_LATE_ONE 4
+// SwiGLU's output written as f16 (DV2_FFN_F16), for a down GEMV that stages it so (x_smem
+// GEMV2_X_F16): the f32 -> f16 rounding it would do when packing x, moved to the writer.
+#define GEMV2_OUT_F16 8
+// The kernels' `x_smem`: x read by each lane from global memory (0), staged in shared memory
+// (1), or given as f16 and staged so (2; the f16-pair table only).
+#define GEMV2_X_F16 2
 
 // A row's epilogue operands (its bias, the old y a residual adds to), which GEMV v2 may load
 // right after its wait instead of after the row's sums (see gemv2_walk, GEMV2_EPI_EARLY).
@@ -447,6 +453,49 @@ __device__ __forceinline__ void read_x_slice(const float* x_staged, int part, in
             const float4 v = c < n_chunks ? *reinterpret_cast<const float4*>(x_staged + c * X_STAGE_STRIDE + 4 * k)
                                           : make_float4(0.f, 0.f, 0.f, 0.f);
             xs.v[j][4 * k] = v.x, xs.v[j][4 * k + 1] = v.y, xs.v[j][4 * k + 2] = v.z, xs.v[j][4 * k + 3] = v.w;
+        }
+    }
+}
+
+// x given as f16 (GEMV2_X_F16, down's input written so by SwiGLU), staged as the f16-pair
+// walk reads it: chunk c's 16 words (its 32 halves, element 2i in the low half of word i) at
+// X16_STAGE_STRIDE * c, whose 4 words of padding keep a quarter-warp's 16-byte reads of
+// consecutive chunks conflict-free. Why: f32 x staged at K = 11008 is 44 KB of L2 reads per
+// CTA, as many bytes as the CTA's weights, in two round trips of X_BATCH loads; f16 halves
+// them and fits one round trip. The bits are those of the f32 path (the same rounding, done
+// by the writer).
+__device__ __forceinline__ void stage_x16(const u16* __restrict__ x, int cols, u32* staged) {
+    const int pieces = cols >> 3;  // 16 bytes each, 4 per chunk
+    for (int base = threadIdx.x; base < pieces; base += X_BATCH * GEMV_THREADS) {
+        uint4 v[X_BATCH];
+#pragma unroll
+        for (int u = 0; u < X_BATCH; u++) {
+            const int i = base + u * GEMV_THREADS;
+            if (i < pieces) v[u] = reinterpret_cast<const uint4*>(x)[i];
+        }
+#pragma unroll
+        for (int u = 0; u < X_BATCH; u++) {
+            const int i = base + u * GEMV_THREADS;
+            if (i < pieces) *reinterpret_cast<uint4*>(staged + (i >> 2) * X16_STAGE_STRIDE + (i & 3) * 4) = v[u];
+        }
+    }
+}
+
+template <int J>
+struct XHalves;
+
+// This lane's chunks of x as f16 pairs from stage_x16's copy (zeros past the last chunk).
+template <int J>
+__device__ __forceinline__ void read_x16_slice(const u32* staged, int part, int cols, XHalves<J>& xh) {
+    const int lane = threadIdx.x & 31, n_chunks = cols >> 5;
+#pragma unroll
+    for (int j = 0; j < J; j++) {
+        const int c = (part * J + j) * 32 + lane;
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const uint4 v = c < n_chunks ? *reinterpret_cast<const uint4*>(staged + c * X16_STAGE_STRIDE + 4 * q)
+                                         : make_uint4(0u, 0u, 0u, 0u);
+            xh.h[j][4 * q] = v.x, xh.h[j][4 * q + 1] = v.y, xh.h[j][4 * q + 2] = v.z, xh.h[j][4 * q + 3] = v.w;
         }
     }
 }
@@ -711,17 +760,23 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     RowEpi early_epi{0.0f, 0.0f};
     if (late && epi_early && (int)threadIdx.x < r1 - r0) early_epi = rows_of.epi(r0 + threadIdx.x);
     XSlice<J> xs;
-    if (x_smem) {
-        extern __shared__ __align__(16) float x_staged[];  // cols / 32 * X_STAGE_STRIDE floats
-        stage_x(x, cols, norm, x_staged);
-        __syncthreads();
-        read_x_slice<J>(x_staged, part, cols, xs);
-    } else {
-        load_x_slice<J>(x, part, cols, norm, xs);
-        __syncthreads();
-    }
     XHalves<J> xh;
-    if (TABLE == GEMV2_PAIR16) pack_x_halves<J>(xs, xh);
+    extern __shared__ __align__(16) float x_staged[];  // cols / 32 * X_STAGE_STRIDE floats
+    if (TABLE == GEMV2_PAIR16 && x_smem == GEMV2_X_F16) {
+        stage_x16(reinterpret_cast<const u16*>(x), cols, reinterpret_cast<u32*>(x_staged));
+        __syncthreads();
+        read_x16_slice<J>(reinterpret_cast<const u32*>(x_staged), part, cols, xh);
+    } else {
+        if (x_smem) {
+            stage_x(x, cols, norm, x_staged);
+            __syncthreads();
+            read_x_slice<J>(x_staged, part, cols, xs);
+        } else {
+            load_x_slice<J>(x, part, cols, norm, xs);
+            __syncthreads();
+        }
+        if (TABLE == GEMV2_PAIR16) pack_x_halves<J>(xs, xh);
+    }
     if (!w_first) load_block(r0, cur);
     float ss = 0.0f;  // squares of the values this thread stored
     for (int base = r0; base < r1; base += block) {
@@ -853,13 +908,15 @@ struct QkvRows {
 struct SwigluRows {
     Nf4Ref gate, up;
     float* out;
+    bool out_f16;  // GEMV2_OUT_F16
     __device__ Nf4Ref matrix(int, int k) const { return k == 0 ? gate : up; }
     __device__ int local(int r) const { return r; }
     __device__ RowEpi epi(int) const { return {0.0f, 0.0f}; }
     __device__ float store(int r, const float* s, RowEpi) const { return store(r, s); }
     __device__ float store(int r, const float* s) const {
         const float v = s[0] / (1.0f + expf(-s[0])) * s[1];
-        out[r] = v;
+        if (out_f16) reinterpret_cast<u16*>(out)[r] = f32_to_f16(v);
+        else out[r] = v;
         return v;
     }
     __device__ float* ss_out() const { return nullptr; }
@@ -884,7 +941,7 @@ struct SwigluRows {
         gemv2_swiglu_j##J##SUFFIX(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm,          \
                                   float* out, int rows, int cols, int kparts, int w_first, int x_smem,         \
                                   int late) {                                                                  \
-        SwigluRows g{gate, up, out};                                                                           \
+        SwigluRows g{gate, up, out, (late & GEMV2_OUT_F16) != 0};                                                                           \
         gemv2_walk<J, (R > 1 ? R / 2 : 1), 2, TABLE>(g, rows, cols, x, norm, kparts, nullptr, w_first,         \
                                                      x_smem, late);                                            \
     }

@@ -2,7 +2,8 @@
 //! q/k/v stacked (with a bias), on random NF4 rows, at a K for each of GEMV v2's shapes (1, 2
 //! and 3 chunks of 32 bytes per lane, K split over 1 to 8 warps). The model gates launch only
 //! the shapes of their presets and of the Qwen2.5-3B shape; SwiGLU at 3 chunks per lane, the
-//! default kernel for K = 2080..3072 (a hidden size of 3072), is checked only here.
+//! default kernel for K = 2080..3072 (a hidden size of 3072), is checked only here, and so is
+//! GEMV v2's f16 input (DV2_FFN_F16) against the same values in f32, bit for bit.
 //! With no CUDA device: SKIP; under DV2_REQUIRE_CUDA=1 a missing device fails.
 
 mod common;
@@ -13,6 +14,7 @@ use decodev2::cuda::device::Gpu;
 use decodev2::cuda::ops::{GemvChoice, Input, Linear, Ops, QkvArgs, Variant};
 use decodev2::cuda::weights::DeviceMatrix;
 use decodev2::nf4::Nf4Matrix;
+use half::f16;
 
 /// K for each GEMV v2 shape (chunks per lane J, warps per row): (1, 1), (2, 1), (3, 1), (2, 2),
 /// (3, 4), (2, 8), (3, 8) — the last is the largest K v2 takes.
@@ -162,9 +164,54 @@ fn every_gemv_kernel_matches_the_cpu_at_every_v2_shape() {
                 k,
                 xp,
                 gpu.ptr(&out),
+                false,
             )
             .unwrap();
-            check("SwiGLU", &gpu.download(&out, rows).unwrap(), &|r| {
+            let swiglu = gpu.download(&out, rows).unwrap();
+            if ops.swiglu_writes_f16(rows, k) {
+                // Written as f16 (DV2_FFN_F16): the f32 outputs rounded to nearest.
+                let out16 = gpu.zeros::<u16>(rows).unwrap();
+                let (ga, gb) = (a.dev.as_ref(gpu), b.dev.as_ref(gpu));
+                ops.swiglu(ga, gb, rows, k, xp, gpu.ptr(&out16), true)
+                    .unwrap();
+                let want: Vec<u16> = swiglu.iter().map(|&v| f16::from_f32(v).to_bits()).collect();
+                assert_eq!(
+                    gpu.download(&out16, rows).unwrap(),
+                    want,
+                    "{name}, K = {k}, SwiGLU in f16"
+                );
+            }
+            if ops.gemv_takes_f16(rows, k) {
+                // An f16 x gives the bits of the same values in f32: the kernel rounds x to f16.
+                let x16: Vec<u16> = x.iter().map(|&v| f16::from_f32(v).to_bits()).collect();
+                let x_r: Vec<f32> = x16.iter().map(|&h| f16::from_bits(h).to_f32()).collect();
+                let (x16d, x_rd) = (gpu.upload(&x16).unwrap(), gpu.upload(&x_r).unwrap());
+                let y = gpu.zeros::<f32>(2 * rows).unwrap();
+                let m = a.dev.as_ref(gpu);
+                let y_f32 = gpu.ptr(&y);
+                let y_f16 = y_f32 + 4 * rows as u64;
+                ops.gemv(m, rows, k, Input::raw(gpu.ptr(&x_rd)), y_f32, false, 0, 0)
+                    .unwrap();
+                ops.gemv(
+                    m,
+                    rows,
+                    k,
+                    Input::raw_f16(gpu.ptr(&x16d)),
+                    y_f16,
+                    false,
+                    0,
+                    0,
+                )
+                .unwrap();
+                let both = gpu.download(&y, 2 * rows).unwrap();
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&both[rows..]),
+                    bits(&both[..rows]),
+                    "{name}, K = {k}, f16 x"
+                );
+            }
+            check("SwiGLU", &swiglu, &|r| {
                 let ((g, gm), (u, um)) = (a.dot(r, &x), b.dot(r, &x));
                 let (tg, tu) = (tolerance(gm), tolerance(um));
                 // |silu'| <= 1.1; the bound takes the larger |u| and |silu(g)| within reach.

@@ -296,6 +296,7 @@ impl Bench {
                     cols,
                     Input::raw(xp),
                     yp,
+                    false,
                 ),
                 _ => self
                     .ops

@@ -61,6 +61,9 @@ pub const ATTNP_Q_FLOATS: usize = 4096;
 /// Floats per 32-float chunk of x as GEMV v2 stages it in shared memory (4 of padding keep
 /// the lanes' 16-byte reads conflict-free).
 pub const GEMV2_X_STRIDE: usize = 36;
+/// 32-bit words per 32-element chunk of an f16 x as GEMV v2 stages it (`DV2_FFN_F16`: 16
+/// words of halves, 4 of padding for the same conflict-free reads).
+pub const GEMV2_X16_STRIDE: usize = 20;
 /// The largest K GEMV v2 takes (3 chunks of 32 per lane, 8 warps splitting a row).
 pub const GEMV2_MAX_K: usize = 3 * 32 * 8 * 32;
 /// GEMV v2's dynamic shared memory limit: x staged at the largest K (its static tables and
@@ -116,6 +119,7 @@ fn shared_defines() -> Vec<String> {
         ("ATTNM_WARPS", ATTNM_WARPS),
         ("GEMV3_WARPS", GEMV3_WARPS),
         ("X_STAGE_STRIDE", GEMV2_X_STRIDE),
+        ("X16_STAGE_STRIDE", GEMV2_X16_STRIDE),
         ("STATE_TOKEN", state::TOKEN),
         ("STATE_POSITION", state::POSITION),
         ("STATE_VALID_LEN", state::VALID_LEN),

@@ -48,8 +48,8 @@ use super::device::{driver_error, Gpu};
 use super::kernels::{
     Kernels, ATTN2_CHUNK, ATTN2_MAX_CHUNKS, ATTN2_MAX_GROUP, ATTN2_MAX_GROUP_X_HD, ATTNM_ROWS,
     ATTNM_THREADS, ATTNP_Q_FLOATS, ATTNP_ROWS, ATTNP_THREADS, ATTN_THREADS, GEMM_B2_STRIDE,
-    GEMM_NT, GEMM_V2_MAX_KW, GEMM_WARPS, GEMM_WARP_ROWS, GEMV2_MAX_K, GEMV2_X_STRIDE, GEMV3_MAX_K,
-    GEMV3_WARPS, GEMV_THREADS, GEMV_WARPS, MAX_HEAD_DIM,
+    GEMM_NT, GEMM_V2_MAX_KW, GEMM_WARPS, GEMM_WARP_ROWS, GEMV2_MAX_K, GEMV2_X16_STRIDE,
+    GEMV2_X_STRIDE, GEMV3_MAX_K, GEMV3_WARPS, GEMV_THREADS, GEMV_WARPS, MAX_HEAD_DIM,
 };
 use super::weights::Nf4Ref;
 use super::{env_number, switch_on};
@@ -189,6 +189,11 @@ impl NormArgs {
     };
 }
 
+/// GEMV v2's `x_smem` argument for an f16 x (kernels/decode.cu, GEMV2_X_F16) and its `late`
+/// flag for an f16 SwiGLU output (GEMV2_OUT_F16).
+const GEMV2_X_F16: i32 = 2;
+const GEMV2_OUT_F16: i32 = 8;
+
 /// Room for partial sums of squares: more than any GEMV grid (v2: at most 8 CTAs per SM,
 /// v3: 2) on a 132-SM device.
 pub const MAX_PARTIAL_SUMS: usize = 4096;
@@ -217,16 +222,30 @@ pub struct Norm {
     pub sums: Option<PartialSums>,
 }
 
-/// A GEMV's input vector, raw or to be RMS-normed first.
+/// A GEMV's input vector, raw or to be RMS-normed first; f32, or f16 where its writer made
+/// it so ([`Ops::ffn_act_f16`]).
 #[derive(Clone, Copy)]
 pub struct Input {
     pub x: u64,
     pub norm: Option<Norm>,
+    pub f16: bool,
 }
 
 impl Input {
     pub fn raw(x: u64) -> Self {
-        Self { x, norm: None }
+        Self {
+            x,
+            norm: None,
+            f16: false,
+        }
+    }
+
+    /// A raw input of f16 values.
+    pub fn raw_f16(x: u64) -> Self {
+        Self {
+            f16: true,
+            ..Self::raw(x)
+        }
     }
 }
 
@@ -346,6 +365,10 @@ pub struct Ops {
     /// Late sums also without a K split: every row's epilogue after the walk (default;
     /// `DV2_GEMV2_LATE1=0`: lane 0 of each warp stores its rows as it goes).
     pub gemv2_late_one: bool,
+    /// The SwiGLU output written as f16 for the down GEMV, which stages it so: half its bytes
+    /// (default; `DV2_FFN_F16=0`: f32, rounded to f16 by the down GEMV; the same bits). Only
+    /// where both are GEMV v2 with the f16-pair table and x staged ([`Ops::ffn_act_f16`]).
+    pub ffn_f16: bool,
     /// GEMV v2 and v3 issue their first weights before loading x (default;
     /// `DV2_GEMV_WFIRST=0`: after x is in registers or shared memory).
     pub gemv_w_first: bool,
@@ -437,6 +460,7 @@ impl Ops {
             gemv2_late: switch_on("DV2_GEMV2_LATE"),
             gemv2_epi_early: switch_on("DV2_GEMV2_EPI_EARLY"),
             gemv2_late_one: switch_on("DV2_GEMV2_LATE1"),
+            ffn_f16: switch_on("DV2_FFN_F16"),
             gemv_w_first: switch_on("DV2_GEMV_WFIRST"),
             gemv3_epi_early: switch_on("DV2_GEMV3_EPI_EARLY"),
             gemv3_pre_wait: switch_on("DV2_GEMV3_PREWAIT"),
@@ -557,8 +581,14 @@ impl Ops {
         )
     }
 
-    /// v2: (chunks per lane J, warps per row) for K = cols, and the persistent grid.
-    fn gemv_v2_launch(&self, rows: usize, cols: usize) -> Result<(usize, u32, LaunchConfig)> {
+    /// v2: (chunks per lane J, warps per row) for K = cols, and the persistent grid (x staged
+    /// from f16 with `x_f16`).
+    fn gemv_v2_launch(
+        &self,
+        rows: usize,
+        cols: usize,
+        x_f16: bool,
+    ) -> Result<(usize, u32, LaunchConfig)> {
         let (j, kparts) = gemv2_shape(cols)?;
         let row_lanes = (GEMV_WARPS / kparts) as usize;
         let ctas = (self.sms * self.gemv_ctas)
@@ -567,7 +597,9 @@ impl Ops {
         let cfg = LaunchConfig {
             grid_dim: (ctas, 1, 1),
             block_dim: (GEMV_THREADS, 1, 1),
-            shared_mem_bytes: if self.gemv2_x_smem {
+            shared_mem_bytes: if x_f16 {
+                (cols / 32 * GEMV2_X16_STRIDE * 4) as u32
+            } else if self.gemv2_x_smem {
                 (cols / 32 * GEMV2_X_STRIDE * 4) as u32
             } else {
                 0
@@ -882,6 +914,11 @@ impl Ops {
     ) -> Result<usize> {
         let (rows_i, cols_i, acc, bias) = (rows as i32, cols as i32, accumulate as i32, 0u64);
         let kernel = self.gemv_kernel(rows, cols);
+        if input.f16 && !self.stages_f16(kernel) {
+            return Err(Error::Internal(
+                "an f16 input given to a GEMV kernel that reads f32".into(),
+            ));
+        }
         let (x, norm) = self.input(input, cols, kernel)?;
         let epilogue = if accumulate {
             Epilogue::Accumulate
@@ -904,14 +941,43 @@ impl Ops {
             }
             Variant::V3 => self.gemv3(epilogue, &mats, cols, x, norm, y, skip_if, ss_out),
             Variant::V2 => {
-                let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols)?;
+                let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols, input.f16)?;
                 let kp = kparts as i32;
                 check_sums(ss_out, cfg.grid_dim.0)?;
                 let (wf, xs, late) = self.gemv2_switches();
+                let xs = if input.f16 { GEMV2_X_F16 } else { xs };
                 launch!(self.gpu, &self.k.gemv2_nf4[self.gemv2_table()][j - 1], cfg; m, x, norm, y, bias, rows_i, cols_i, kp, acc, skip_if, ss_out, wf, xs, late)?;
                 Ok(cfg.grid_dim.0 as usize)
             }
         }
+    }
+
+    /// Whether a GEMV `kernel` takes an f16 input ([`Input::raw_f16`]): GEMV v2 with the
+    /// f16-pair table and x staged in shared memory.
+    fn stages_f16(&self, kernel: Variant) -> bool {
+        self.linear == Linear::Gemv
+            && kernel == Variant::V2
+            && self.gemv2_x_smem
+            && matches!(self.gemv2_table(), 0 | 3)
+    }
+
+    /// Whether the GEMV of a `rows` x `cols` matrix takes an f16 input.
+    pub fn gemv_takes_f16(&self, rows: usize, cols: usize) -> bool {
+        self.stages_f16(self.gemv_kernel(rows, cols))
+    }
+
+    /// Whether the SwiGLU of two `rows` x `cols` matrices can write f16 (GEMV v2).
+    pub fn swiglu_writes_f16(&self, rows: usize, cols: usize) -> bool {
+        self.linear == Linear::Gemv && self.gemv_kernel(2 * rows, cols) == Variant::V2
+    }
+
+    /// Whether the decode step writes the SwiGLU output (`intermediate` values from K =
+    /// `hidden`) as f16 for the down GEMV (`DV2_FFN_F16`, default on): both are GEMV v2, and
+    /// down stages an f16 x.
+    pub fn ffn_act_f16(&self, intermediate: usize, hidden: usize) -> bool {
+        self.ffn_f16
+            && self.swiglu_writes_f16(intermediate, hidden)
+            && self.gemv_takes_f16(hidden, intermediate)
     }
 
     /// Whether the decode step's GEMVs leave partial sums of squares for the next RMSNorm
@@ -953,7 +1019,7 @@ impl Ops {
                 .gemv3(Epilogue::Store, &mats, cols, x, norm, out, 0, 0)
                 .map(|_| ()),
             Variant::V2 => {
-                let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols)?;
+                let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols, false)?;
                 let kp = kparts as i32;
                 let (wf, xs, late) = self.gemv2_switches();
                 launch!(self.gpu, &self.k.gemv2_qkv[self.gemv2_table()][j - 1], cfg; args, x, norm, out, cols_i, kp, wf, xs, late)
@@ -961,7 +1027,8 @@ impl Ops {
         }
     }
 
-    /// `out = silu(gate x) * (up x)`.
+    /// `out = silu(gate x) * (up x)`, f32, or f16 with `out_f16` (only as
+    /// [`Ops::swiglu_writes_f16`] allows).
     #[allow(clippy::too_many_arguments)]
     pub fn swiglu(
         &self,
@@ -971,9 +1038,15 @@ impl Ops {
         cols: usize,
         input: Input,
         out: u64,
+        out_f16: bool,
     ) -> Result<()> {
         let (rows_i, cols_i) = (rows as i32, cols as i32);
         let kernel = self.gemv_kernel(2 * rows, cols);
+        if out_f16 && !self.swiglu_writes_f16(rows, cols) {
+            return Err(Error::Internal(
+                "an f16 SwiGLU output asked of a kernel that writes f32".into(),
+            ));
+        }
         let (x, norm) = self.input(input, cols, kernel)?;
         let mats = [gate, up].map(|m| GemmMatrix { m, rows, bias: 0 });
         if self.linear == Linear::Mma {
@@ -989,9 +1062,10 @@ impl Ops {
                 .gemv3(Epilogue::Swiglu, &mats, cols, x, norm, out, 0, 0)
                 .map(|_| ()),
             Variant::V2 => {
-                let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols)?;
+                let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols, false)?;
                 let kp = kparts as i32;
                 let (wf, xs, late) = self.gemv2_switches();
+                let late = late | if out_f16 { GEMV2_OUT_F16 } else { 0 };
                 launch!(self.gpu, &self.k.gemv2_swiglu[self.gemv2_table()][j - 1], cfg; gate, up, x, norm, out, rows_i, cols_i, kp, wf, xs, late)
             }
         }

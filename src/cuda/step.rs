@@ -294,6 +294,7 @@ impl CudaBackend {
                 scratch: xn,
                 sums,
             }),
+            f16: false,
         }
     }
 
@@ -333,17 +334,8 @@ impl CudaBackend {
         };
         let sums = |parts: usize| (ss_out != 0).then_some(PartialSums { ptr: ss_out, parts });
         // x += W input (the residual add), with the partial sums for the next norm.
-        let residual = |w: &DeviceMatrix, k: usize, input: u64| -> Result<Option<PartialSums>> {
-            let parts = ops.gemv(
-                w.as_ref(gpu),
-                s.hidden,
-                k,
-                Input::raw(input),
-                x,
-                true,
-                0,
-                ss_out,
-            )?;
+        let residual = |w: &DeviceMatrix, k: usize, input: Input| -> Result<Option<PartialSums>> {
+            let parts = ops.gemv(w.as_ref(gpu), s.hidden, k, input, x, true, 0, ss_out)?;
             Ok(sums(parts))
         };
         launch!(gpu, &ops.k.embed_row, one_cta(256); state, embed, x, hidden, vocab, ss_out)?;
@@ -381,9 +373,10 @@ impl CudaBackend {
             };
             ops.attention(attn_args, attn)?;
             mark("attention + merge")?;
-            x_sums = residual(&layer.o, s.hidden, attn)?;
+            x_sums = residual(&layer.o, s.hidden, Input::raw(attn))?;
             mark("o_proj (+residual)")?;
             let input = self.normed(x, &layer.ffn_norm, xn, x_sums);
+            let act_f16 = ops.ffn_act_f16(s.intermediate, s.hidden);
             ops.swiglu(
                 layer.gate.as_ref(gpu),
                 layer.up.as_ref(gpu),
@@ -391,9 +384,15 @@ impl CudaBackend {
                 s.hidden,
                 input,
                 act,
+                act_f16,
             )?;
             mark("ffn_norm + gate/up SwiGLU")?;
-            x_sums = residual(&layer.down, s.intermediate, act)?;
+            let act_in = if act_f16 {
+                Input::raw_f16(act)
+            } else {
+                Input::raw(act)
+            };
+            x_sums = residual(&layer.down, s.intermediate, act_in)?;
             mark("down (+residual)")?;
         }
         if logits {

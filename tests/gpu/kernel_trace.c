@@ -59,6 +59,8 @@ __attribute__((constructor)) static void start_trace(void) {
 
 __attribute__((destructor)) static void write_trace(void) {
     cuptiActivityFlushAll(1);
+    // A process that launched no kernel (a wrapper the preload reached too) leaves the file alone.
+    if (!n_records) return;
     const char* path = getenv("DV2_TRACE_OUT");
     FILE* f = fopen(path ? path : "kernel-trace.csv", "w");
     if (!f) return;

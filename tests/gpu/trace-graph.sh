@@ -3,7 +3,8 @@
 # replays timed on the GPU (CUPTI activity records, tests/gpu/kernel_trace.c preloaded into the
 # bench), then the Qwen2.5-3B steps of the last graph summed per kernel: mean duration, and the
 # mean gap from the previous kernel's end to its start (negative: it started while the previous
-# one ran, as programmatic dependent launch allows), and one layer's timeline. What the step's
+# one ran, as programmatic dependent launch allows), the mean increment (its end minus the
+# previous kernel's end: what it adds to the step), and one layer's timeline. What the step's
 # time is made of inside the graph, which ncu (one kernel at a time) cannot show.
 # Usage: bash tests/gpu/trace-graph.sh   (switches from the environment; the full CSV, gzipped,
 # goes to $OUT or ./device-logs)
@@ -16,7 +17,8 @@ libfile=$(find /usr/local/cuda/ -name 'libcupti.so*' 2>/dev/null | sort | head -
 [[ -n $header && -n $libfile ]] || { echo "CUPTI not found under /usr/local/cuda"; exit 1; }
 cc -std=c11 -O2 -Wall -shared -fPIC -I"$(dirname "$header")" -I/usr/local/cuda/include tests/gpu/kernel_trace.c \
   "$libfile" -Wl,-rpath,"$(dirname "$libfile")" -o /tmp/libkernel_trace.so || exit 1
-DV2_TRACE_OUT=/tmp/kernel-trace.csv LD_PRELOAD=/tmp/libkernel_trace.so timeout 400 \
+# The preload goes to the bench alone: timeout's own exit would rewrite the file empty.
+timeout 400 env DV2_TRACE_OUT=/tmp/kernel-trace.csv LD_PRELOAD=/tmp/libkernel_trace.so \
   .device/examples/bench --skip-kernels --skip-variants --rows none > "$out/trace-bench.txt" 2>&1
 echo "bench rc=$?"; grep -E "^  qwen25|kernel_trace" "$out/trace-bench.txt"
 gzip -c /tmp/kernel-trace.csv > "$out/kernel-trace.csv.gz"
@@ -47,11 +49,14 @@ print(f"graph {last}: {len(steps)} steps of {n} kernels; first start to last end
 dur = [st.median(t(s[i], "end_ns") - t(s[i], "start_ns") for s in steps) for i in range(n)]
 gap = [st.median(t(s[i], "start_ns") - (t(s[i - 1], "end_ns") if i else t(s[0], "start_ns")) for s in steps) for i in range(n)]
 names = [steps[-1][i]["name"] for i in range(n)]
-print(f"{'kernel':<28} {'per step':>8} {'mean µs':>8} {'sum µs':>8} {'mean gap µs':>12}")
+# What each kernel adds to the step: its end minus the previous kernel's end (with PDL a
+# kernel starts early, so its duration includes waiting; the increments sum to the step).
+inc = [0.0] + [st.median(t(s[i], "end_ns") - t(s[i - 1], "end_ns") for s in steps) for i in range(1, n)]
+print(f"{'kernel':<28} {'per step':>8} {'mean µs':>8} {'sum µs':>8} {'mean gap µs':>12} {'increment µs':>13} {'sum':>7}")
 for name in dict.fromkeys(names):
     idx = [i for i in range(n) if names[i] == name]
-    d = sum(dur[i] for i in idx)
-    print(f"{name[:28]:<28} {len(idx):>8} {d / len(idx):>8.2f} {d:>8.1f} {sum(gap[i] for i in idx) / len(idx):>12.2f}")
+    d, e = sum(dur[i] for i in idx), sum(inc[i] for i in idx)
+    print(f"{name[:28]:<28} {len(idx):>8} {d / len(idx):>8.2f} {d:>8.1f} {sum(gap[i] for i in idx) / len(idx):>12.2f} {e / len(idx):>13.2f} {e:>7.1f}")
 print(f"sum of durations {sum(dur):.1f} µs, of gaps {sum(gap):.1f} µs")
 mid = n // 2
 first = max(i for i in range(mid) if "qkv" in names[i] or names[i].startswith("gemv3_store")) if any(
