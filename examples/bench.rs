@@ -626,7 +626,7 @@ fn main() {
             ("qwen25_3b merge-warp=0", &[("DV2_MERGE_WARP", "0")]),
             ("qwen25_3b attn-split=1", &[("DV2_ATTN_SPLIT", "1")]),
             ("qwen25_3b attn-split=2", &[("DV2_ATTN_SPLIT", "2")]),
-            ("qwen25_3b attn-split=8", &[("DV2_ATTN_SPLIT", "8")]),
+            ("qwen25_3b attn-split=4", &[("DV2_ATTN_SPLIT", "4")]),
             ("qwen25_3b gemv2-pairs=0", &[("DV2_GEMV2_PAIRS", "0")]),
             ("qwen25_3b gemv2-h16=0", &[("DV2_GEMV2_H16", "0")]),
             ("qwen25_3b gemv2-narrow=0", &[("DV2_GEMV2_NARROW", "0")]),

@@ -1164,7 +1164,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode(AttnArgs 
 // Attention v2 (default; DV2_ATTN=v1 selects the kernels above): CTAs per (KV head, chunk
 // of ATTN2_CHUNK slots), each computing several q heads of the GQA group, so each K/V row is
 // read from memory once per step (and from L2 by the KV head's other CTAs) instead of once
-// per q head. With DV2_ATTN_SPLIT=n (default 4) the group's heads are split over n CTAs: the
+// per q head. With DV2_ATTN_SPLIT=n (default 8) the group's heads are split over n CTAs: the
 // scores and the weighted sum of V are serial loops per thread over heads, so a CTA with a
 // quarter of the heads finishes them in a quarter of the rounds (docs/lab.md, session 8).
 // The chunk's K and V are staged in shared memory with 16-byte loads issued together;

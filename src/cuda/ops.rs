@@ -4,7 +4,7 @@
 //! Variants, chosen at load (each kept so its gain can be measured against its absence):
 //! `DV2_GEMV=v1|v2|v3` (default: v3 below 8 MB of weights, v2 above; v2: persistent CTAs, x
 //! held in registers; v3: tensor cores, kernels/gemv_mma.cu) and `DV2_ATTN=v1|v2`
-//! (default v2: `DV2_ATTN_SPLIT=n` CTAs per KV head and 32-slot chunk, default 4, each taking
+//! (default v2: `DV2_ATTN_SPLIT=n` CTAs per KV head and 32-slot chunk, default 8, each taking
 //! an equal share of the GQA group's q heads; `DV2_ATTN_BATCH=0` makes its prologue load and
 //! store in turn instead of issuing every load first; `DV2_MERGE_EARLY=0` makes its merge load
 //! the partials only once it has read the position). `DV2_GEMV2_PAIRS=0` makes GEMV v2 look
@@ -331,7 +331,9 @@ pub struct Ops {
     /// use (default; `DV2_MERGE_WARP=0`: once per CTA, behind three barriers).
     pub merge_warp: bool,
     /// The CTAs that share a KV head's chunk in attention v2, each taking an equal share of
-    /// its group's q heads (`DV2_ATTN_SPLIT=n`, default 4; 1: the whole group in one CTA).
+    /// its group's q heads (`DV2_ATTN_SPLIT=n`, default 8, at most the group: one q head per
+    /// CTA on the Qwen2.5-3B shape, −0.005..−0.006 ms/token against 4, docs/lab.md session 12;
+    /// 1: the whole group in one CTA).
     pub attn_split: usize,
     /// CTAs of argmax_logits (`DV2_ARGMAX_CTAS=n`, default one per SM; 1: one CTA of 1024
     /// threads reads all the logits).
@@ -444,7 +446,7 @@ impl Ops {
             merge_warp: switch_on("DV2_MERGE_WARP"),
             attn_split: env_number("DV2_ATTN_SPLIT")
                 .filter(|&n| n >= 1)
-                .unwrap_or(4),
+                .unwrap_or(8),
             argmax_ctas: env_number("DV2_ARGMAX_CTAS")
                 .filter(|n| (1..=MAX_ARGMAX_CTAS as u32).contains(n))
                 .unwrap_or(sms.min(MAX_ARGMAX_CTAS as u32)),
