@@ -761,7 +761,8 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     if (late && epi_early && (int)threadIdx.x < r1 - r0) early_epi = rows_of.epi(r0 + threadIdx.x);
     XSlice<J> xs;
     XHalves<J> xh;
-    extern __shared__ __align__(16) float x_staged[];  // cols / 32 * X_STAGE_STRIDE floats
+    // cols / 32 * X_STAGE_STRIDE floats, or cols / 32 * X16_STAGE_STRIDE words from f16
+    extern __shared__ __align__(16) float x_staged[];
     if (TABLE == GEMV2_PAIR16 && x_smem == GEMV2_X_F16) {
         stage_x16(reinterpret_cast<const u16*>(x), cols, reinterpret_cast<u32*>(x_staged));
         __syncthreads();
@@ -941,7 +942,7 @@ struct SwigluRows {
         gemv2_swiglu_j##J##SUFFIX(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm,          \
                                   float* out, int rows, int cols, int kparts, int w_first, int x_smem,         \
                                   int late) {                                                                  \
-        SwigluRows g{gate, up, out, (late & GEMV2_OUT_F16) != 0};                                                                           \
+        SwigluRows g{gate, up, out, (late & GEMV2_OUT_F16) != 0};                                              \
         gemv2_walk<J, (R > 1 ? R / 2 : 1), 2, TABLE>(g, rows, cols, x, norm, kparts, nullptr, w_first,         \
                                                      x_smem, late);                                            \
     }
