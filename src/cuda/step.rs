@@ -387,10 +387,9 @@ impl CudaBackend {
                 act_f16,
             )?;
             mark("ffn_norm + gate/up SwiGLU")?;
-            let act_in = if act_f16 {
-                Input::raw_f16(act)
-            } else {
-                Input::raw(act)
+            let act_in = Input {
+                f16: act_f16,
+                ..Input::raw(act)
             };
             x_sums = residual(&layer.down, s.intermediate, act_in)?;
             mark("down (+residual)")?;
