@@ -623,6 +623,7 @@ fn main() {
             ("qwen25_3b attn-batch=0", &[("DV2_ATTN_BATCH", "0")]),
             ("qwen25_3b merge-early=0", &[("DV2_MERGE_EARLY", "0")]),
             ("qwen25_3b attn-prewait=0", &[("DV2_ATTN_PREWAIT", "0")]),
+            ("qwen25_3b attn-hd128=0", &[("DV2_ATTN_HD128", "0")]),
             ("qwen25_3b merge-warp=0", &[("DV2_MERGE_WARP", "0")]),
             ("qwen25_3b attn-split=1", &[("DV2_ATTN_SPLIT", "1")]),
             ("qwen25_3b attn-split=2", &[("DV2_ATTN_SPLIT", "2")]),

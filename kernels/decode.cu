@@ -1185,7 +1185,9 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode(AttnArgs 
 // the position; a kernel starts only after the one before it has passed its own wait, so
 // every step before this one's q/k/v GEMV is complete when these loads issue. The live slot
 // and this step's q/k/v are read after the wait, as before.
-template <bool BATCHED, bool PRE_WAIT = false>
+// HD: the largest head_dim the kernel takes (MAX_HEAD_DIM, or 128 for attn2_decode_hd128):
+// the batched prologue's per-thread loads are unrolled for it.
+template <bool BATCHED, bool PRE_WAIT = false, int HD = MAX_HEAD_DIM>
 __device__ __forceinline__ void attn2_decode_body(const AttnArgs& a) {
     static_assert(BATCHED || !PRE_WAIT, "the early loads are the batched prologue's");
     if (!PRE_WAIT) pdl_enter();
@@ -1217,7 +1219,7 @@ __device__ __forceinline__ void attn2_decode_body(const AttnArgs& a) {
         vd[0] = vv.x; vd[1] = vv.y; vd[2] = vv.z; vd[3] = vv.w;
     };
     auto live = [&](int i) { return t0 + i / vec_per_row == pos; };
-    constexpr int KV_VECS = ATTN2_CHUNK * (MAX_HEAD_DIM / 8) / ATTN_THREADS;  // per thread, at most
+    constexpr int KV_VECS = ATTN2_CHUNK * (HD / 8) / ATTN_THREADS;  // per thread, at most
     uint4 kreg[BATCHED ? KV_VECS : 1], vreg[BATCHED ? KV_VECS : 1];
     if constexpr (BATCHED) {
 #pragma unroll
@@ -1255,8 +1257,8 @@ __device__ __forceinline__ void attn2_decode_body(const AttnArgs& a) {
     };
     auto pair_src = [&](int i) { return i / half < gn ? a.qkv + (q0 + i / half) * hd : qkv_k; };
     if constexpr (BATCHED) {
-        constexpr int RB = 8;  // pairs per thread loaded together
-        constexpr int VL = MAX_HEAD_DIM / ATTN_THREADS;
+        constexpr int RB = HD <= 128 ? 2 : 8;  // pairs per thread loaded together (the hd128 kernel: one head per CTA)
+        constexpr int VL = (HD + ATTN_THREADS - 1) / ATTN_THREADS;
         float vl[VL];
 #pragma unroll
         for (int u = 0; u < VL; u++) {
@@ -1365,6 +1367,13 @@ __device__ __forceinline__ void attn2_decode_body(const AttnArgs& a) {
 
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode(AttnArgs a) {
     attn2_decode_body<true, true>(a);
+}
+// The default kernel for head_dim <= 128 (DV2_ATTN_HD128): its prologue unrolled for 128
+// dims, half the code. Why: session 13 measured an attention kernel's time following its
+// code size (attention v3: 8,440 -> 4,984 SASS instructions, -5 us a layer in the graph),
+// the cold instruction fetch of code each warp runs once.
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode_hd128(AttnArgs a) {
+    attn2_decode_body<true, true, 128>(a);
 }
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode_late(AttnArgs a) {
     attn2_decode_body<true, false>(a);

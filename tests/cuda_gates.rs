@@ -415,56 +415,73 @@ fn a_model_too_large_for_the_device_is_a_clear_error() {
 /// Decode past 1,024 slots: more than 32 attention chunks for the decode step to merge (the
 /// merge's lanes then take two chunks each). Each step's logits against the oracle fed the
 /// engine's own ids, and each id the oracle's argmax or a near-tie within that error.
+/// Decode past 32 chunks of 32 slots (35 in use: the merge's CTA-wide path): tiny_llama
+/// (head_dim 16) and medium_llama (64).
 #[test]
 fn long_context_decode_matches_the_oracle() {
     let _device = exclusive_device();
-    const MAX_SEQ: usize = 1100;
-    const LEN: usize = 1040;
-    const STEPS: usize = 6;
+    for name in ["tiny_llama", "medium_llama"] {
+        decode_vs_oracle(name, 3, 1100, 1040, 6);
+    }
+}
+
+/// Every decode position 1..299 from a one-token prompt: the live slot at every place in
+/// its 32-slot chunk, 1 to 10 chunks in use.
+#[test]
+fn decode_at_every_position_matches_the_oracle() {
+    let _device = exclusive_device();
+    for name in ["tiny_llama", "medium_llama"] {
+        decode_vs_oracle(name, 4, 300, 1, 299);
+    }
+}
+
+/// A prompt of `len` seeded ids prefilled, then `steps` greedy decode steps: each step's
+/// logits within the cap of the oracle's, teacher-forced on the ids the engine chose, which
+/// may differ from the oracle's argmax only at near-ties.
+fn decode_vs_oracle(name: &str, seed: u64, max_seq: usize, len: usize, steps: usize) {
     const CAP: f32 = 0.05;
-    let (name, seed) = ("tiny_llama", 3u64);
-    let (spec, model, prompt) = oracle_case(name, seed, MAX_SEQ, LEN);
-    let Some(mut e) = cuda_engine_at(name, seed, MAX_SEQ) else {
+    let (spec, model, prompt) = oracle_case(name, seed, max_seq, len);
+    let Some(mut e) = cuda_engine_at(name, seed, max_seq) else {
         return;
     };
     let mut ids = prompt.clone();
     ids.push(e.prefill(&prompt).unwrap());
-    let mut got = Vec::with_capacity(STEPS);
-    for _ in 0..STEPS {
+    let mut got = Vec::with_capacity(steps);
+    for _ in 0..steps {
         ids.push(e.step().unwrap());
         let mut logits = vec![0f32; spec.vocab];
         e.logits(&mut logits).unwrap();
         got.push(logits);
     }
-    // teacher[p]: the oracle's logits after ids[..=p]; decode step i fed position LEN + i.
+    // teacher[p]: the oracle's logits after ids[..=p]; decode step i fed position len + i.
     let teacher = step_logits(
         &model,
-        &mut KvCache::new(&spec, MAX_SEQ).unwrap(),
-        &ids[..LEN + STEPS],
+        &mut KvCache::new(&spec, max_seq).unwrap(),
+        &ids[..len + steps],
         0,
     )
     .unwrap();
     let mut worst = 0f32;
     for (i, logits) in got.iter().enumerate() {
-        let err = max_abs_diff(logits, &teacher[LEN + i]);
+        let err = max_abs_diff(logits, &teacher[len + i]);
         worst = worst.max(err);
         assert!(
             err <= CAP,
-            "step {i} at position {}: |logit - oracle| {err}",
-            LEN + i
+            "{name}: step {i} at position {}: |logit - oracle| {err}",
+            len + i
         );
     }
     let mut ties = Vec::new();
-    for (i, want) in teacher[LEN - 1..].iter().enumerate() {
-        if let Some(gap) = near_tie(want, ids[LEN + i], worst.max(1e-6), || {
+    for (i, want) in teacher[len - 1..].iter().enumerate() {
+        if let Some(gap) = near_tie(want, ids[len + i], worst.max(1e-6), || {
             format!("{name} id {i}")
         }) {
             ties.push((i, gap));
         }
     }
     println!(
-        "{name}: decode at positions {LEN}..{}, max |logit - oracle| = {worst:.5} (cap {CAP}); ids differ only at near-ties (step, oracle gap): {ties:?}",
-        LEN + STEPS - 1
+        "{name}: decode at positions {len}..{}, max |logit - oracle| = {worst:.5} (cap {CAP}); ids differ only at near-ties (step, oracle gap): {ties:?}",
+        len + steps - 1
     );
 }
 

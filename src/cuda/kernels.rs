@@ -351,6 +351,8 @@ pub struct Kernels {
     /// The same with the chunk's K and V loaded after the wait on the q/k/v GEMV
     /// (`DV2_ATTN_PREWAIT=0`).
     pub attn2_decode_late: CudaFunction,
+    /// The same as `attn2_decode` for head_dim <= 128, in less code (`DV2_ATTN_HD128`).
+    pub attn2_decode_hd128: CudaFunction,
     pub attn2_merge: CudaFunction,
     /// GEMV v3 (tensor cores) by epilogue: store (+bias), accumulate, SwiGLU.
     pub gemv3: [CudaFunction; 3],
@@ -443,6 +445,7 @@ impl Kernels {
             attn2_decode: f("attn2_decode")?,
             attn2_decode_serial: f("attn2_decode_serial")?,
             attn2_decode_late: f("attn2_decode_late")?,
+            attn2_decode_hd128: f("attn2_decode_hd128")?,
             attn2_merge: f("attn2_merge")?,
             gemm_store: gemm("gemm_store")?,
             gemm_acc: gemm("gemm_acc")?,

@@ -327,6 +327,10 @@ pub struct Ops {
     /// The v2 attention loads its chunk's K and V before waiting for the q/k/v GEMV (default
     /// with the batched prologue; `DV2_ATTN_PREWAIT=0`: after).
     pub attn_pre_wait: bool,
+    /// Attention v2 (batched, loads before the wait) in its kernel unrolled for head_dim <=
+    /// 128 where the model's is (default; `DV2_ATTN_HD128=0`: the kernel for any head_dim).
+    /// The same arithmetic in less code, whose cold fetch each warp waits for.
+    pub attn_hd128: bool,
     /// The merge's warps each find the chunk weights themselves where at most 32 chunks are in
     /// use (default; `DV2_MERGE_WARP=0`: once per CTA, behind three barriers).
     pub merge_warp: bool,
@@ -443,6 +447,7 @@ impl Ops {
             attn_batch: switch_on("DV2_ATTN_BATCH"),
             merge_early: switch_on("DV2_MERGE_EARLY"),
             attn_pre_wait: switch_on("DV2_ATTN_PREWAIT"),
+            attn_hd128: switch_on("DV2_ATTN_HD128"),
             merge_warp: switch_on("DV2_MERGE_WARP"),
             attn_split: env_number("DV2_ATTN_SPLIT")
                 .filter(|&n| n >= 1)
@@ -1118,6 +1123,9 @@ impl Ops {
                 };
                 let nc = chunks as i32;
                 let f = match (self.attn_batch, self.attn_pre_wait) {
+                    (true, true) if self.attn_hd128 && args.head_dim <= 128 => {
+                        &self.k.attn2_decode_hd128
+                    }
                     (true, true) => &self.k.attn2_decode,
                     (true, false) => &self.k.attn2_decode_late,
                     (false, _) => &self.k.attn2_decode_serial,

@@ -5,7 +5,8 @@
 # chain: which instructions the warps wait at, and on what. Prints each kernel's 25 most
 # sampled instructions; the source pages (CSV, gzipped) go to $OUT (or ./device-logs).
 # Usage: bash tests/gpu/profile-source.sh [kernel regex]   (default 'gemv3_store|attn2_decode';
-# switches from the environment; NCU_ARGS: more ncu options)
+# switches from the environment; NCU_ARGS: more ncu options; SKIP: matching launches skipped,
+# default 200, enough past the prompt for two kernels of 36 layers in 4 steps)
 set -uo pipefail
 out=${OUT:-device-logs}; mkdir -p "$out"
 export DV2_CACHE_DIR=/tmp/dv2-cache
@@ -16,7 +17,7 @@ report=/tmp/dv2-source
 # Past the warm-up and the prompt: the 201st and 202nd matching launches (with the default
 # regex, one of each: the step launches them in turn, once per layer).
 timeout 400 "$ncu" --section WarpStateStats --section SourceCounters --import-source no ${NCU_ARGS:-} \
-  --kernel-name regex:"$regex" --launch-skip 200 --launch-count 2 -f -o "$report" \
+  --kernel-name regex:"$regex" --launch-skip ${SKIP:-200} --launch-count 2 -f -o "$report" \
   .device/examples/bench --decode-profile 4 > "$out/ncu-source.log" 2>&1
 echo "ncu rc=$?"
 "$ncu" -i "$report.ncu-rep" --page source --print-source sass --csv > /tmp/dv2-source.csv 2>> "$out/ncu-source.log"
