@@ -107,7 +107,6 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
     __shared__ __align__(16) u32 lut[BYTE_LUT_WORDS];
     __shared__ float red[2][GEMV3_WARPS][T * 16];  // by group parity: one barrier per group
     extern __shared__ u32 x16[];                   // K/2 f16 pairs
-    const bool accumulate = EPI == EPI_ACCUMULATE || (EPI == EPI_STORE_OR_ACC && a.accumulate);
     const int outputs = EPI == EPI_SWIGLU ? a.rows[0] : a.rows[0] + a.rows[1] + a.rows[2];
     const int groups = (outputs + 16 * (EPI == EPI_SWIGLU ? 1 : T) - 1) / (16 * (EPI == EPI_SWIGLU ? 1 : T));
     // This CTA's first pf_groups row groups into L2 now, then each group's successor
@@ -159,7 +158,7 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
             if (r.valid) {
                 const float* bias = pick_bias(a, r.matrix);
                 if (bias) e_bias = bias[r.local];
-                if (accumulate) e_old = a.y[row];
+                if (EPI == EPI_ACCUMULATE) e_old = a.y[row];
             }
         }
         const int ahead = group + a.pf_groups * gridDim.x;
@@ -227,7 +226,7 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
                 if (r.valid) {
                     const float* bias = pick_bias(a, r.matrix);
                     const float v = sum + (a.epi_early ? e_bias : (bias ? bias[r.local] : 0.0f));
-                    const float out = accumulate ? (a.epi_early ? e_old : a.y[row]) + v : v;
+                    const float out = EPI == EPI_ACCUMULATE ? (a.epi_early ? e_old : a.y[row]) + v : v;
                     a.y[row] = out;
                     ss += sq(out);
                 }
@@ -243,12 +242,6 @@ extern "C" __global__ void __launch_bounds__(GEMV3_THREADS, 2) gemv3_store(GemmA
 }
 extern "C" __global__ void __launch_bounds__(GEMV3_THREADS, 2) gemv3_acc(GemmArgs a) {
     gemv3_body<1, 4, EPI_ACCUMULATE>(a);
-}
-// q/k/v (store) and o (accumulate) in one kernel (DV2_GEMV3_SHARED, default): one copy of
-// the code, which o finds still in the instruction cache two kernels after q/k/v ran it
-// (and q/k/v after o, three kernels later), where two kernels fetch their own cold copies.
-extern "C" __global__ void __launch_bounds__(GEMV3_THREADS, 2) gemv3_plain(GemmArgs a) {
-    gemv3_body<1, 4, EPI_STORE_OR_ACC>(a);
 }
 extern "C" __global__ void __launch_bounds__(GEMV3_THREADS, 2) gemv3_swiglu(GemmArgs a) {
     gemv3_body<2, 2, EPI_SWIGLU>(a);

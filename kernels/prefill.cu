@@ -47,11 +47,9 @@ struct GemmArgs {
     int w_first;  // GEMV v3: the first weights before x is staged, 2: before the PDL wait (gemv_mma.cu)
     int pf_groups;  // GEMV v3: row groups kept prefetched into L2 ahead (0: none)
     int epi_early;  // GEMV v3: the epilogue's bias and old y loaded when a group starts
-    int accumulate;  // GEMV v3's EPI_STORE_OR_ACC: accumulate (1) or store (0)
 };
 
-// EPI_STORE_OR_ACC (GEMV v3 only): store or accumulate as GemmArgs::accumulate says.
-enum { EPI_STORE = 0, EPI_ACCUMULATE = 1, EPI_SWIGLU = 2, EPI_STORE_OR_ACC = 3 };
+enum { EPI_STORE = 0, EPI_ACCUMULATE = 1, EPI_SWIGLU = 2 };
 
 __device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
     u32 r;

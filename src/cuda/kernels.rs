@@ -356,8 +356,6 @@ pub struct Kernels {
     pub attn2_merge: CudaFunction,
     /// GEMV v3 (tensor cores) by epilogue: store (+bias), accumulate, SwiGLU.
     pub gemv3: [CudaFunction; 3],
-    /// GEMV v3 storing or accumulating as its arguments say (`DV2_GEMV3_SHARED`).
-    pub gemv3_plain: CudaFunction,
     /// The NF4 tensor-core GEMM by epilogue: [v1, v2, v1 with f16 activations][width index
     /// into [`GEMM_NT`]].
     pub gemm_store: [[CudaFunction; 4]; 3],
@@ -426,11 +424,8 @@ impl Kernels {
         // GEMV v3 stages x in dynamic shared memory, up to GEMV3_MAX_SMEM bytes.
         let gemv3 = [f("gemv3_store")?, f("gemv3_acc")?, f("gemv3_swiglu")?];
         allow_dynamic_smem(&gemv3, GEMV3_MAX_SMEM)?;
-        let gemv3_plain = f("gemv3_plain")?;
-        allow_dynamic_smem(std::slice::from_ref(&gemv3_plain), GEMV3_MAX_SMEM)?;
         Ok(Self {
             gemv3,
-            gemv3_plain,
             gemv_nf4: f("gemv_nf4")?,
             gemv_qkv: f("gemv_qkv")?,
             gemv_swiglu: f("gemv_swiglu")?,

@@ -110,7 +110,6 @@ struct GemmArgs {
     w_first: i32,
     pf_groups: i32,
     epi_early: i32,
-    accumulate: i32,
 }
 // SAFETY: plain old data matching the kernel's struct.
 unsafe impl DeviceRepr for GemmArgs {}
@@ -388,9 +387,6 @@ pub struct Ops {
     /// GEMV v3 issues its first weights before waiting for the previous kernel (default;
     /// `DV2_GEMV3_PREWAIT=0`: after the wait).
     pub gemv3_pre_wait: bool,
-    /// GEMV v3's store (q/k/v) and accumulate (o) epilogues in one kernel, whose code o finds
-    /// in the instruction cache after q/k/v (default; `DV2_GEMV3_SHARED=0`: a kernel each).
-    pub gemv3_shared: bool,
     /// RMSNorm folded into the next GEMV's x load from the producer's partial sums of squares
     /// (default; `DV2_FUSE_RMS=0`: the RMSNorm kernel).
     pub fuse_rms: bool,
@@ -475,7 +471,6 @@ impl Ops {
             gemv_w_first: switch_on("DV2_GEMV_WFIRST"),
             gemv3_epi_early: switch_on("DV2_GEMV3_EPI_EARLY"),
             gemv3_pre_wait: switch_on("DV2_GEMV3_PREWAIT"),
-            gemv3_shared: switch_on("DV2_GEMV3_SHARED"),
             l2_ahead_kb: env_number("DV2_L2_AHEAD_KB").unwrap_or(0),
             fuse_rms: switch_on("DV2_FUSE_RMS"),
             attnp_simt: std::env::var("DV2_ATTNP").is_ok_and(|v| v == "simt"),
@@ -725,7 +720,6 @@ impl Ops {
             w_first: 0,
             pf_groups: 0,
             epi_early: 0,
-            accumulate: 0,
         };
         for (i, m) in mats.iter().enumerate() {
             args.m[i] = m.m;
@@ -824,7 +818,6 @@ impl Ops {
             },
             pf_groups: self.l2_ahead(group_rows, k) as i32,
             epi_early: i32::from(self.gemv3_epi_early),
-            accumulate: i32::from(epilogue == Epilogue::Accumulate),
         };
         for (i, m) in mats.iter().enumerate() {
             args.m[i] = m.m;
@@ -832,9 +825,6 @@ impl Ops {
             args.rows[i] = m.rows as i32;
         }
         let (f, outputs) = match epilogue {
-            Epilogue::Store | Epilogue::Accumulate if self.gemv3_shared => {
-                (&self.k.gemv3_plain, mats.iter().map(|m| m.rows).sum())
-            }
             Epilogue::Store => (&self.k.gemv3[0], mats.iter().map(|m| m.rows).sum()),
             Epilogue::Accumulate => (&self.k.gemv3[1], mats[0].rows),
             Epilogue::Swiglu => (&self.k.gemv3[2], mats[0].rows),
