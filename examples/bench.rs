@@ -648,6 +648,7 @@ fn main() {
                 &[("DV2_GEMV3_EPI_EARLY", "0")],
             ),
             ("qwen25_3b gemv-wfirst=0", &[("DV2_GEMV_WFIRST", "0")]),
+            ("qwen25_3b gemv3-x-batch=8", &[("DV2_GEMV3_X_BATCH", "8")]),
             ("qwen25_3b gemv3-prewait=0", &[("DV2_GEMV3_PREWAIT", "0")]),
             ("qwen25_3b argmax-ctas=1", &[("DV2_ARGMAX_CTAS", "1")]),
             ("qwen25_3b nvrtc-split=0", &[("DV2_NVRTC_SPLIT", "0")]),

@@ -389,14 +389,15 @@ __device__ __forceinline__ void load_x_slice(const float* __restrict__ x, int pa
 // in a row at K = 11008), the first batch in flight during the norm's own round trip. The
 // weights are not loaded without a norm (norm.w null, r = 1).
 #define X_BATCH 8
-template <int THREADS, typename Use>
+// XB: quads per thread per round of loads (X_BATCH, or GEMV v3's GEMV3_X_BATCH).
+template <int THREADS, int XB = X_BATCH, typename Use>
 __device__ __forceinline__ void for_each_x_quad(const float* __restrict__ x, int cols, NormArgs norm, Use use) {
     const int quads = cols >> 2;
-    float4 xv[X_BATCH];
-    uint2 wv[X_BATCH];
+    float4 xv[XB];
+    uint2 wv[XB];
     auto load = [&](int base) {
 #pragma unroll
-        for (int u = 0; u < X_BATCH; u++) {
+        for (int u = 0; u < XB; u++) {
             const int q = base + u * THREADS;
             if (q < quads) {
                 xv[u] = reinterpret_cast<const float4*>(x)[q];
@@ -408,12 +409,12 @@ __device__ __forceinline__ void for_each_x_quad(const float* __restrict__ x, int
     const float r = norm.w ? norm_factor(norm, cols) : 1.0f;
     for (int base = threadIdx.x;;) {
 #pragma unroll
-        for (int u = 0; u < X_BATCH; u++) {
+        for (int u = 0; u < XB; u++) {
             const int q = base + u * THREADS;
             if (q >= quads) break;
             use(q, xv[u], wv[u], r);
         }
-        base += X_BATCH * THREADS;
+        base += XB * THREADS;
         if (base >= quads) break;
         load(base);
     }

@@ -20,6 +20,12 @@
 // sums meet in shared memory for the epilogue. x is staged once per CTA as f16 pairs
 // (dynamic shared memory, K/2 words), the table once per CTA too.
 #define GEMV3_THREADS (GEMV3_WARPS * 32)
+// x's quads per thread per round of loads when staging (DV2_GEMV3_X_BATCH, an NVRTC define;
+// default 4: K up to 4,096 in one round at 256 threads). Fewer than v2's X_BATCH = 8
+// because every warp runs this code once: its size is fetched cold (docs/lab.md, session 13).
+#ifndef GEMV3_X_BATCH
+#define GEMV3_X_BATCH 4
+#endif
 
 // One block of one tile for this thread: 8 bytes of rows g and g+8, and their absmax.
 struct Gemv3Block {
@@ -132,7 +138,7 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
     if (a.skip_if && *a.skip_if) return;
     if (a.w_first == 1 && first_ok) gemv3_load<T, S, EPI>(a, blockIdx.x, kb0, kb1, g, t, cur);
     // x (normed) staged as f16 pairs.
-    for_each_x_quad<GEMV3_THREADS>(a.x, a.k, a.norm, [&](int i, float4 v, uint2 w, float r) {
+    for_each_x_quad<GEMV3_THREADS, GEMV3_X_BATCH>(a.x, a.k, a.norm, [&](int i, float4 v, uint2 w, float r) {
         if (a.norm.w) {
             v.x *= r * bf16_to_f32((u16)(w.x & 0xffffu));
             v.y *= r * bf16_to_f32((u16)(w.x >> 16));

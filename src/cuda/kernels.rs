@@ -213,7 +213,7 @@ fn cache_dir() -> Option<PathBuf> {
 
 /// NVRTC options; `DV2_LINEINFO=1` adds source line information (for a profiler's source
 /// view; the cache keeps the two builds apart, options being part of its key), as it keeps
-/// the kernel variants `DV2_TABLE_WIDE=0` and `DV2_NORM_BATCH=n` apart. The compiler
+/// the kernel variants `DV2_TABLE_WIDE=0`, `DV2_NORM_BATCH=n` and `DV2_GEMV3_X_BATCH=n` apart. The compiler
 /// optimizes the module's kernels on every core (`--split-compile=0`; `DV2_NVRTC_SPLIT=0`:
 /// one thread): a machine's first load compiles the kernels, 32 s in one thread on 2 cores,
 /// 19 s split. The split changes the code of some kernels (scheduling, shared-memory
@@ -236,6 +236,12 @@ fn options(arch: &str) -> Vec<String> {
         .filter(|n: &usize| (1..=16).contains(n))
         .unwrap_or(12);
     opts.push(format!("-DNORM_BATCH={norm_batch}"));
+    // GEMV v3's x quads per thread per round of loads (kernels/gemv_mma.cu, GEMV3_X_BATCH;
+    // DV2_GEMV3_X_BATCH=n, 1..=8; 8 before session 13).
+    let x_batch = super::env_number("DV2_GEMV3_X_BATCH")
+        .filter(|n: &usize| (1..=8).contains(n))
+        .unwrap_or(4);
+    opts.push(format!("-DGEMV3_X_BATCH={x_batch}"));
     opts.extend(shared_defines());
     opts
 }
