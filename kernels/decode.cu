@@ -1258,7 +1258,9 @@ __device__ __forceinline__ void attn2_decode_body(const AttnArgs& a) {
     };
     auto pair_src = [&](int i) { return i / half < gn ? a.qkv + (q0 + i / half) * hd : qkv_k; };
     if constexpr (BATCHED) {
-        constexpr int RB = HD <= 128 ? 2 : 8;  // pairs per thread loaded together (the hd128 kernel: one head per CTA)
+        // RoPE pairs per thread loaded together: the hd128 kernel's 2 cover a q head and the
+        // live k in one round at the default split (one q head per CTA), in less code.
+        constexpr int RB = HD <= 128 ? 2 : 8;
         constexpr int VL = (HD + ATTN_THREADS - 1) / ATTN_THREADS;
         float vl[VL];
 #pragma unroll
@@ -1370,9 +1372,9 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode(AttnArgs
     attn2_decode_body<true, true>(a);
 }
 // The default kernel for head_dim <= 128 (DV2_ATTN_HD128): its prologue unrolled for 128
-// dims, half the code. Why: session 13 measured an attention kernel's time following its
-// code size (attention v3: 8,440 -> 4,984 SASS instructions, -5 us a layer in the graph),
-// the cold instruction fetch of code each warp runs once.
+// dims, 1,720 SASS instructions against 2,896. Why: each warp runs this code once, and its
+// fetch is cold every layer; session 13 measured attention's time following its code size
+// (-0.57 us a layer here; attention v3, not kept: 8,440 -> 4,984 instructions, -5 us).
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode_hd128(AttnArgs a) {
     attn2_decode_body<true, true, 128>(a);
 }
