@@ -412,11 +412,8 @@ fn a_model_too_large_for_the_device_is_a_clear_error() {
     assert_eq!(run_case(&mut e, &case).greedy, case.greedy);
 }
 
-/// Decode past 1,024 slots: more than 32 attention chunks for the decode step to merge (the
-/// merge's lanes then take two chunks each). Each step's logits against the oracle fed the
-/// engine's own ids, and each id the oracle's argmax or a near-tie within that error.
-/// Decode past 32 chunks of 32 slots (35 in use: the merge's CTA-wide path): tiny_llama
-/// (head_dim 16) and medium_llama (64).
+/// Decode past 1,024 slots: more than 32 attention chunks for the decode step to merge (35 in
+/// use: the merge's CTA-wide path), on tiny_llama (head_dim 16) and medium_llama (64).
 #[test]
 fn long_context_decode_matches_the_oracle() {
     let _device = exclusive_device();

@@ -214,9 +214,9 @@ fn cache_dir() -> Option<PathBuf> {
 /// NVRTC options; `DV2_LINEINFO=1` adds source line information (for a profiler's source
 /// view; the cache keeps the two builds apart, options being part of its key), as it keeps
 /// the kernel variants `DV2_TABLE_WIDE=0`, `DV2_NORM_BATCH=n` and `DV2_GEMV3_X_BATCH=n`
-/// apart. The compiler optimizes the module's kernels on every core (`--split-compile=0`; `DV2_NVRTC_SPLIT=0`:
-/// one thread): a machine's first load compiles the kernels, 32 s in one thread on 2 cores,
-/// 19 s split. The split changes the code of some kernels (scheduling, shared-memory
+/// apart. The compiler optimizes the module's kernels on every core (`--split-compile=0`;
+/// `DV2_NVRTC_SPLIT=0`: one thread): a machine's first load compiles the kernels, 32 s in one
+/// thread on 2 cores, 19 s split. The split changes the code of some kernels (scheduling, shared-memory
 /// placement), not what they compute.
 fn options(arch: &str) -> Vec<String> {
     let mut opts = vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()];
