@@ -430,8 +430,14 @@ __device__ __forceinline__ void for_each_x_quad(const float* __restrict__ x, int
 // loads, 16 lines each) cost ~3 us per kernel (docs/lab.md, session 7). Same values in the
 // same order as load_x_slice. X_STAGE_STRIDE comes from the host (src/cuda/kernels.rs), which
 // sizes the dynamic shared memory.
+// GEMV2_X_BATCH (an NVRTC define, DV2_GEMV2_X_BATCH, default 4): quads per thread per round
+// of loads; 4 stage K up to 4,096 in one round (gate/up and lm_head at K = 2,048 need 2) in
+// fewer instructions than 8, code each warp runs once (docs/lab.md, session 13).
+#ifndef GEMV2_X_BATCH
+#define GEMV2_X_BATCH 4
+#endif
 __device__ __forceinline__ void stage_x(const float* __restrict__ x, int cols, NormArgs norm, float* x_staged) {
-    for_each_x_quad<GEMV_THREADS>(x, cols, norm, [&](int q, float4 v, uint2 w, float r) {
+    for_each_x_quad<GEMV_THREADS, GEMV2_X_BATCH>(x, cols, norm, [&](int q, float4 v, uint2 w, float r) {
         float e[4] = {v.x, v.y, v.z, v.w};
         if (norm.w) {
             const u32 w2[2] = {w.x, w.y};

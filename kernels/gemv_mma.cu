@@ -26,6 +26,12 @@
 #ifndef GEMV3_X_BATCH
 #define GEMV3_X_BATCH 4
 #endif
+#ifndef GEMV3_L2_AHEAD
+#define GEMV3_L2_AHEAD 0
+#endif
+#ifndef GEMV3_ACC_ONE
+#define GEMV3_ACC_ONE 1
+#endif
 
 // One block of one tile for this thread: 8 bytes of rows g and g+8, and their absmax.
 struct Gemv3Block {
@@ -38,11 +44,29 @@ struct Gemv3Stage {
     Gemv3Block b[S][T];
 };
 
+// Output row r as a row of the stacked matrices: the accumulate epilogue (o) always has one
+// matrix (the host checks), so with GEMV3_ACC_ONE (DV2_GEMV3_ACC_ONE, default) its kernel
+// carries no code to pick among three (code each warp runs once, whose fetch is the cost:
+// docs/lab.md, session 13).
+template <int EPI>
+__device__ __forceinline__ StackedRow gemv3_stacked(const GemmArgs& a, int r) {
+    if (GEMV3_ACC_ONE && EPI == EPI_ACCUMULATE) return StackedRow{0, r, r < a.rows[0]};
+    return stacked_row(a, r);
+}
+template <int EPI>
+__device__ __forceinline__ Nf4Ref gemv3_pick(const GemmArgs& a, int matrix) {
+    return GEMV3_ACC_ONE && EPI == EPI_ACCUMULATE ? a.m[0] : pick(a, matrix);
+}
+template <int EPI>
+__device__ __forceinline__ const float* gemv3_bias(const GemmArgs& a, int matrix) {
+    return GEMV3_ACC_ONE && EPI == EPI_ACCUMULATE ? a.bias[0] : pick_bias(a, matrix);
+}
+
 // Row h (0: g, 1: g + 8) of tile i of row group `group`, as a stacked-matrix row.
 template <int T, int EPI>
 __device__ __forceinline__ StackedRow gemv3_row(const GemmArgs& a, int group, int i, int h, int g) {
     if (EPI == EPI_SWIGLU) return swiglu_row(a, group * 16 + g + 8 * h, i);
-    return stacked_row(a, (group * T + i) * 16 + g + 8 * h);
+    return gemv3_stacked<EPI>(a, (group * T + i) * 16 + g + 8 * h);
 }
 
 // Issues the loads of blocks kb .. kb+S-1 (those below kb1) of a row group's tiles.
@@ -54,7 +78,7 @@ __device__ __forceinline__ void gemv3_load(const GemmArgs& a, int group, int kb,
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             const StackedRow r = gemv3_row<T, EPI>(a, group, i, h, g);
-            const Nf4Ref m = pick(a, r.matrix);
+            const Nf4Ref m = gemv3_pick<EPI>(a, r.matrix);
             const u8* wrow = m.packed + (size_t)r.local * (a.k >> 1) + 8 * t;
             const float* srow = m.absmax + (size_t)r.local * (a.k >> 6);
 #pragma unroll
@@ -101,7 +125,7 @@ __device__ __forceinline__ void gemv3_prefetch(const GemmArgs& a, int group) {
         const StackedRow r = gemv3_row<T, EPI>(a, group, i, 0, 0);
         if (!r.valid) continue;
         const int rows = r.matrix == 0 ? a.rows[0] : (r.matrix == 1 ? a.rows[1] : a.rows[2]);
-        l2_prefetch_rows(pick(a, r.matrix), r.local, min(16, rows - r.local), a.k);
+        l2_prefetch_rows(gemv3_pick<EPI>(a, r.matrix), r.local, min(16, rows - r.local), a.k);
     }
 }
 
@@ -116,10 +140,14 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
     const int outputs = EPI == EPI_SWIGLU ? a.rows[0] : a.rows[0] + a.rows[1] + a.rows[2];
     const int groups = (outputs + 16 * (EPI == EPI_SWIGLU ? 1 : T) - 1) / (16 * (EPI == EPI_SWIGLU ? 1 : T));
     // This CTA's first pf_groups row groups into L2 now, then each group's successor
-    // pf_groups ahead as the walk reaches it.
+    // pf_groups ahead as the walk reaches it. Compiled only with DV2_L2_AHEAD_KB set (the
+    // NVRTC define GEMV3_L2_AHEAD): ~630 instructions in the middle of code each warp runs
+    // once (docs/lab.md, session 13).
+#if GEMV3_L2_AHEAD
     if (threadIdx.x == 0)
         for (int i = 0; i < a.pf_groups && blockIdx.x + i * gridDim.x < groups; i++)
             gemv3_prefetch<T, EPI>(a, blockIdx.x + i * gridDim.x);
+#endif
     load_byte_codebook(lut);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const u32 lane4 = 4 * lane;
@@ -160,15 +188,17 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
         float e_bias = 0.0f, e_old = 0.0f;
         if (EPI != EPI_SWIGLU && a.epi_early && threadIdx.x < T * 16) {
             const int row = (group * T + threadIdx.x / 16) * 16 + threadIdx.x % 16;
-            const StackedRow r = stacked_row(a, row);
+            const StackedRow r = gemv3_stacked<EPI>(a, row);
             if (r.valid) {
-                const float* bias = pick_bias(a, r.matrix);
+                const float* bias = gemv3_bias<EPI>(a, r.matrix);
                 if (bias) e_bias = bias[r.local];
                 if (EPI == EPI_ACCUMULATE) e_old = a.y[row];
             }
         }
+#if GEMV3_L2_AHEAD
         const int ahead = group + a.pf_groups * gridDim.x;
         if (a.pf_groups && threadIdx.x == 0 && ahead < groups) gemv3_prefetch<T, EPI>(a, ahead);
+#endif
         for (int st = 0; st < stages; st++) {
             const int kb = kb0 + st * S;
             const bool last = st + 1 == stages;
@@ -228,9 +258,9 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
                 }
             } else {
                 const int row = (group * T + i) * 16 + rr;
-                const StackedRow r = stacked_row(a, row);
+                const StackedRow r = gemv3_stacked<EPI>(a, row);
                 if (r.valid) {
-                    const float* bias = pick_bias(a, r.matrix);
+                    const float* bias = gemv3_bias<EPI>(a, r.matrix);
                     const float v = sum + (a.epi_early ? e_bias : (bias ? bias[r.local] : 0.0f));
                     const float out = EPI == EPI_ACCUMULATE ? (a.epi_early ? e_old : a.y[row]) + v : v;
                     a.y[row] = out;

@@ -213,7 +213,8 @@ fn cache_dir() -> Option<PathBuf> {
 
 /// NVRTC options; `DV2_LINEINFO=1` adds source line information (for a profiler's source
 /// view; the cache keeps the two builds apart, options being part of its key), as it keeps
-/// the kernel variants `DV2_TABLE_WIDE=0`, `DV2_NORM_BATCH=n` and `DV2_GEMV3_X_BATCH=n`
+/// the kernel variants `DV2_TABLE_WIDE=0`, `DV2_NORM_BATCH=n`, `DV2_GEMV3_X_BATCH=n`,
+/// `DV2_GEMV2_X_BATCH=n`, `DV2_GEMV3_ACC_ONE=0`, `DV2_GEMV3_L2_CODE=1` and `DV2_L2_AHEAD_KB=n`
 /// apart. The compiler optimizes the module's kernels on every core (`--split-compile=0`;
 /// `DV2_NVRTC_SPLIT=0`: one thread): a machine's first load compiles the kernels, 32 s in one
 /// thread on 2 cores, 19 s split. The split changes the code of some kernels (scheduling, shared-memory
@@ -242,6 +243,22 @@ fn options(arch: &str) -> Vec<String> {
         .filter(|n: &usize| (1..=8).contains(n))
         .unwrap_or(4);
     opts.push(format!("-DGEMV3_X_BATCH={x_batch}"));
+    // The same for GEMV v2's f32 x (kernels/decode.cu, stage_x; DV2_GEMV2_X_BATCH=n, 1..=8;
+    // 8 before).
+    let x_batch2 = super::env_number("DV2_GEMV2_X_BATCH")
+        .filter(|n: &usize| (1..=8).contains(n))
+        .unwrap_or(4);
+    opts.push(format!("-DGEMV2_X_BATCH={x_batch2}"));
+    // GEMV v3's L2 prefetch window (kernels/gemv_mma.cu, GEMV3_L2_AHEAD): compiled in only
+    // where DV2_L2_AHEAD_KB asks for one (Ops::l2_ahead reads the same variable), or with
+    // DV2_GEMV3_L2_CODE=1 (the code present, never run: what its size alone costs).
+    let l2_ahead = super::env_number::<usize>("DV2_L2_AHEAD_KB").is_some_and(|kb| kb > 0)
+        || std::env::var("DV2_GEMV3_L2_CODE").as_deref() == Ok("1");
+    opts.push(format!("-DGEMV3_L2_AHEAD={}", i32::from(l2_ahead)));
+    // GEMV v3's accumulate kernel on one matrix (kernels/gemv_mma.cu, gemv3_stacked;
+    // DV2_GEMV3_ACC_ONE=0: the three-matrix row mapping of the store kernel).
+    let acc_one = i32::from(super::switch_on("DV2_GEMV3_ACC_ONE"));
+    opts.push(format!("-DGEMV3_ACC_ONE={acc_one}"));
     opts.extend(shared_defines());
     opts
 }

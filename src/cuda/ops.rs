@@ -794,6 +794,12 @@ impl Ops {
                 "K = {k}: GEMV v3 takes multiples of 64 up to {GEMV3_MAX_K}"
             )));
         }
+        // The accumulate kernel takes one matrix only (kernels/gemv_mma.cu, gemv3_stacked).
+        if epilogue == Epilogue::Accumulate && mats.len() != 1 {
+            return Err(Error::Internal(
+                "GEMV v3 accumulates one matrix at a time".into(),
+            ));
+        }
         // A row group is 16 outputs: 16 rows, SwiGLU's 16 gate and 16 up rows.
         let group_rows = if epilogue == Epilogue::Swiglu { 32 } else { 16 };
         let mut args = GemmArgs {
