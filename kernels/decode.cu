@@ -1394,20 +1394,30 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode_serial(A
 // Combines the chunks 0 .. ceil(valid_len / ATTN2_CHUNK)-1 of each q head. Grid n_q; the
 // chunk weights exp(m_c - M) / L are computed once, in parallel, then every output sums its
 // chunks with the loads in flight together.
-// With `early` (DV2_MERGE_EARLY, default), the first MERGE_AHEAD chunks' partials are loaded
+// With MERGE_EARLY (DV2_MERGE_EARLY, default), the first MERGE_AHEAD chunks' partials are loaded
 // together with the position, before the number of chunks in use is known: their addresses
 // do not depend on it (the buffers hold n_chunks chunks), so the state, m/l and acc round
 // trips become one. Values loaded for chunks past the used ones are never used. Same
 // arithmetic in the same order.
-// With `per_warp` (DV2_MERGE_WARP, default) and at most 32 chunks in use, every warp finds M,
+// With MERGE_PER_WARP (DV2_MERGE_WARP, default) and at most 32 chunks in use, every warp finds M,
 // the weights and L itself, lane c taking chunk c, and keeps the weights in its own slice of
 // shared memory: no CTA barrier (three before). The same values: the CTA-wide path has only
 // warp 0 holding chunks then, and adds the other warps' zeros.
+// Both are NVRTC defines, MERGE_EARLY and MERGE_PER_WARP (default 1; the host sets them from
+// the switches): each warp runs this code about once, and the unused path's code cost its
+// fetch (320 instructions of 1,320; docs/lab.md, session 13).
+#ifndef MERGE_EARLY
+#define MERGE_EARLY 1
+#endif
+#ifndef MERGE_PER_WARP
+#define MERGE_PER_WARP 1
+#endif
 #define MERGE_AHEAD 8
 #define MERGE_MAX_WARPS (MAX_HEAD_DIM / 32)
 extern "C" __global__ void attn2_merge(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
                                        const int* __restrict__ state, float* out, int head_dim, int n_chunks,
-                                       int max_seq, int early, int per_warp) {
+                                       int max_seq) {
+    constexpr bool early = MERGE_EARLY, per_warp = MERGE_PER_WARP;
     pdl_enter();
     const int h = blockIdx.x;
     const float* ml = part_ml + (size_t)h * n_chunks * 2;

@@ -214,8 +214,8 @@ fn cache_dir() -> Option<PathBuf> {
 /// NVRTC options; `DV2_LINEINFO=1` adds source line information (for a profiler's source
 /// view; the cache keeps the two builds apart, options being part of its key), as it keeps
 /// the kernel variants `DV2_TABLE_WIDE=0`, `DV2_NORM_BATCH=n`, `DV2_GEMV3_X_BATCH=n`,
-/// `DV2_GEMV2_X_BATCH=n`, `DV2_GEMV3_ACC_ONE=0`, `DV2_GEMV3_L2_CODE=1` and `DV2_L2_AHEAD_KB=n`
-/// apart. The compiler optimizes the module's kernels on every core (`--split-compile=0`;
+/// `DV2_GEMV2_X_BATCH=n`, `DV2_GEMV3_ACC_ONE=0`, `DV2_GEMV3_L2_CODE=1`, `DV2_L2_AHEAD_KB=n`,
+/// `DV2_MERGE_EARLY=0` and `DV2_MERGE_WARP=0` apart. The compiler optimizes the module's kernels on every core (`--split-compile=0`;
 /// `DV2_NVRTC_SPLIT=0`: one thread): a machine's first load compiles the kernels, 32 s in one
 /// thread on 2 cores, 19 s split. The split changes the code of some kernels (scheduling, shared-memory
 /// placement), not what they compute.
@@ -259,6 +259,18 @@ fn options(arch: &str) -> Vec<String> {
     // DV2_GEMV3_ACC_ONE=0: the three-matrix row mapping of the store kernel).
     let acc_one = i32::from(super::switch_on("DV2_GEMV3_ACC_ONE"));
     opts.push(format!("-DGEMV3_ACC_ONE={acc_one}"));
+    // Attention v2's merge (kernels/decode.cu, attn2_merge): its early loads
+    // (DV2_MERGE_EARLY=0 off) and per-warp chunk weights (DV2_MERGE_WARP=0 off), compiled in
+    // or out rather than chosen at run time.
+    for (define, switch) in [
+        ("MERGE_EARLY", "DV2_MERGE_EARLY"),
+        ("MERGE_PER_WARP", "DV2_MERGE_WARP"),
+    ] {
+        opts.push(format!(
+            "-D{define}={}",
+            i32::from(super::switch_on(switch))
+        ));
+    }
     opts.extend(shared_defines());
     opts
 }

@@ -321,9 +321,6 @@ pub struct Ops {
     /// Attention v2 issues all its prologue loads before its first shared store (default;
     /// `DV2_ATTN_BATCH=0`: load and store in turn).
     pub attn_batch: bool,
-    /// The v2 attention's merge loads its first chunks' partials together with the position
-    /// (default; `DV2_MERGE_EARLY=0`: after it, m and l before the sums).
-    pub merge_early: bool,
     /// The v2 attention loads its chunk's K and V before waiting for the q/k/v GEMV (default
     /// with the batched prologue; `DV2_ATTN_PREWAIT=0`: after).
     pub attn_pre_wait: bool,
@@ -331,9 +328,6 @@ pub struct Ops {
     /// 128 where the model's is (default; `DV2_ATTN_HD128=0`: the kernel for any head_dim).
     /// The same arithmetic in less code, whose cold fetch each warp waits for.
     pub attn_hd128: bool,
-    /// The merge's warps each find the chunk weights themselves where at most 32 chunks are in
-    /// use (default; `DV2_MERGE_WARP=0`: once per CTA, behind three barriers).
-    pub merge_warp: bool,
     /// The CTAs that share a KV head's chunk in attention v2, each taking an equal share of
     /// its group's q heads (`DV2_ATTN_SPLIT=n`, default 8, at most the group: one q head per
     /// CTA on the Qwen2.5-3B shape, −0.005..−0.006 ms/token against 4, docs/lab.md session 12;
@@ -445,10 +439,8 @@ impl Ops {
             },
             attn: variant("DV2_ATTN"),
             attn_batch: switch_on("DV2_ATTN_BATCH"),
-            merge_early: switch_on("DV2_MERGE_EARLY"),
             attn_pre_wait: switch_on("DV2_ATTN_PREWAIT"),
             attn_hd128: switch_on("DV2_ATTN_HD128"),
-            merge_warp: switch_on("DV2_MERGE_WARP"),
             attn_split: env_number("DV2_ATTN_SPLIT")
                 .filter(|&n| n >= 1)
                 .unwrap_or(8),
@@ -1137,8 +1129,7 @@ impl Ops {
                     (false, _) => &self.k.attn2_decode_serial,
                 };
                 launch!(self.gpu, f, cfg; args)?;
-                let (early, per_warp) = (i32::from(self.merge_early), i32::from(self.merge_warp));
-                launch!(self.gpu, &self.k.attn2_merge, merge; pa, pm, st, out, hd, nc, ms, early, per_warp)
+                launch!(self.gpu, &self.k.attn2_merge, merge; pa, pm, st, out, hd, nc, ms)
             }
         }
     }
