@@ -285,6 +285,9 @@ extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_CTAS_PER_SM)
 // The kernels' `late` flags: K-part sums reduced once at the end (DV2_GEMV2_LATE), then the
 // epilogue operands loaded right after the wait (DV2_GEMV2_EPI_EARLY), and the same end
 // reduction without a K split (DV2_GEMV2_LATE1).
+#ifndef GEMV2_W_FIRST
+#define GEMV2_W_FIRST 2
+#endif
 #define GEMV2_LATE_SUM 1
 #define GEMV2_EPI_EARLY 2
 #define GEMV2_LATE_ONE 4
@@ -712,8 +715,9 @@ __device__ __forceinline__ float dot_row_pair16(const RowChunks<J>& rc, const XH
 //   matrices per row (1, or 2 for SwiGLU's gate and up).
 template <int J, int R, int NM, int TABLE, typename Rows>
 __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, const float* __restrict__ x,
-                                           NormArgs norm, int kparts, const int* skip_if, int w_first,
-                                           int x_smem, int late_flags) {
+                                           NormArgs norm, int kparts, const int* skip_if, int x_smem,
+                                           int late_flags) {
+    constexpr int w_first = GEMV2_W_FIRST;
     const bool late_sum = late_flags & GEMV2_LATE_SUM, epi_early = late_flags & GEMV2_EPI_EARLY;
     __shared__ float lut[16];
     __shared__ __align__(16) float2 pair_lut[TABLE == GEMV2_PAIR32 ? PAIR_LUT_ENTRIES : 1];
@@ -750,7 +754,9 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
             }
         }
     };
-    // The first block's weights: w_first 2 (default, DV2_GEMV2_PREWAIT) issues them before the
+    // The first block's weights (GEMV2_W_FIRST, an NVRTC define the host sets from the
+    // switches: each warp runs this code once, and the unused variants' code cost its fetch,
+    // docs/lab.md, session 13): 2 (default, DV2_GEMV2_PREWAIT) issues them before the
     // wait on the previous kernel (weights are constant; it pays where the CTA is resident
     // early, as the 128-register kernels are beside a GEMV v3 CTA: 0.01-0.02 ms/token, session
     // 10; session 3 measured it 3% slower with CTAs that could not be). w_first 1 (DV2_GEMV2_
@@ -934,24 +940,22 @@ struct SwigluRows {
     extern "C" __global__ void BOUNDS                                                                          \
         gemv2_nf4_j##J##SUFFIX(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y,                 \
                                const float* __restrict__ bias, int rows, int cols, int kparts, int accumulate, \
-                               const int* skip_if, float* ss_out, int w_first, int x_smem, int late) {         \
+                               const int* skip_if, float* ss_out, int x_smem, int late) {                      \
         PlainRows p{m, y, bias, accumulate, ss_out};                                                           \
-        gemv2_walk<J, R, 1, TABLE>(p, rows, cols, x, norm, kparts, skip_if, w_first, x_smem, late);            \
+        gemv2_walk<J, R, 1, TABLE>(p, rows, cols, x, norm, kparts, skip_if, x_smem, late);                     \
     }                                                                                                          \
     extern "C" __global__ void BOUNDS                                                                          \
         gemv2_qkv_j##J##SUFFIX(QkvArgs a, const float* __restrict__ x, NormArgs norm, float* out, int cols,    \
-                               int kparts, int w_first, int x_smem, int late) {                                \
+                               int kparts, int x_smem, int late) {                                             \
         QkvRows q{a, out};                                                                                     \
         gemv2_walk<J, R, 1, TABLE>(q, a.rows[0] + a.rows[1] + a.rows[2], cols, x, norm, kparts, nullptr,       \
-                                   w_first, x_smem, late);                                                     \
+                                   x_smem, late);                                                              \
     }                                                                                                          \
     extern "C" __global__ void BOUNDS                                                                          \
         gemv2_swiglu_j##J##SUFFIX(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm,          \
-                                  float* out, int rows, int cols, int kparts, int w_first, int x_smem,         \
-                                  int late) {                                                                  \
+                                  float* out, int rows, int cols, int kparts, int x_smem, int late) {          \
         SwigluRows g{gate, up, out, (late & GEMV2_OUT_F16) != 0};                                              \
-        gemv2_walk<J, (R > 1 ? R / 2 : 1), 2, TABLE>(g, rows, cols, x, norm, kparts, nullptr, w_first,         \
-                                                     x_smem, late);                                            \
+        gemv2_walk<J, (R > 1 ? R / 2 : 1), 2, TABLE>(g, rows, cols, x, norm, kparts, nullptr, x_smem, late);   \
     }
 
 #define GEMV2_KERNELS(J, R, TABLE, SUFFIX) GEMV2_KERNELS_BOUNDED(J, R, TABLE, SUFFIX, __launch_bounds__(GEMV_THREADS, 1))

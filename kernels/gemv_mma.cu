@@ -32,6 +32,16 @@
 #ifndef GEMV3_ACC_ONE
 #define GEMV3_ACC_ONE 1
 #endif
+// When the first weights load (GEMV3_W_FIRST: 2 before the wait on the previous kernel, 1
+// after it, 0 after x; DV2_GEMV3_PREWAIT, DV2_GEMV_WFIRST) and whether the epilogue operands
+// load as a group starts (GEMV3_EPI_EARLY, DV2_GEMV3_EPI_EARLY): NVRTC defines the host sets
+// from the switches, so the kernel holds only the chosen variant's code.
+#ifndef GEMV3_W_FIRST
+#define GEMV3_W_FIRST 2
+#endif
+#ifndef GEMV3_EPI_EARLY
+#define GEMV3_EPI_EARLY 1
+#endif
 
 // One block of one tile for this thread: 8 bytes of rows g and g+8, and their absmax.
 struct Gemv3Block {
@@ -161,10 +171,10 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
     // whose CTAs leave room) fetches them while that kernel runs.
     Gemv3Stage<T, S> cur, nxt;
     const bool first_ok = stages > 0 && (int)blockIdx.x < groups;
-    if (a.w_first == 2 && first_ok) gemv3_load<T, S, EPI>(a, blockIdx.x, kb0, kb1, g, t, cur);
+    if (GEMV3_W_FIRST == 2 && first_ok) gemv3_load<T, S, EPI>(a, blockIdx.x, kb0, kb1, g, t, cur);
     pdl_enter();
     if (a.skip_if && *a.skip_if) return;
-    if (a.w_first == 1 && first_ok) gemv3_load<T, S, EPI>(a, blockIdx.x, kb0, kb1, g, t, cur);
+    if (GEMV3_W_FIRST == 1 && first_ok) gemv3_load<T, S, EPI>(a, blockIdx.x, kb0, kb1, g, t, cur);
     // x (normed) staged as f16 pairs.
     for_each_x_quad<GEMV3_THREADS, GEMV3_X_BATCH>(a.x, a.k, a.norm, [&](int i, float4 v, uint2 w, float r) {
         if (a.norm.w) {
@@ -177,7 +187,7 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
         x16[2 * i + 1] = pack_f16x2(v.z, v.w);
     });
     __syncthreads();
-    if (!a.w_first && first_ok) gemv3_load<T, S, EPI>(a, blockIdx.x, kb0, kb1, g, t, cur);
+    if (!GEMV3_W_FIRST && first_ok) gemv3_load<T, S, EPI>(a, blockIdx.x, kb0, kb1, g, t, cur);
     int parity = 0;
     float ss = 0.0f;  // squares of the values this thread stored (warp 0 stores)
     for (int group = blockIdx.x; group < groups; group += gridDim.x, parity ^= 1) {
@@ -186,7 +196,7 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
         // residual's old y) loaded as the group starts (epi_early, DV2_GEMV3_EPI_EARLY), so
         // their round trip overlaps the group's math instead of following its reduction.
         float e_bias = 0.0f, e_old = 0.0f;
-        if (EPI != EPI_SWIGLU && a.epi_early && threadIdx.x < T * 16) {
+        if (EPI != EPI_SWIGLU && GEMV3_EPI_EARLY && threadIdx.x < T * 16) {
             const int row = (group * T + threadIdx.x / 16) * 16 + threadIdx.x % 16;
             const StackedRow r = gemv3_stacked<EPI>(a, row);
             if (r.valid) {
@@ -261,8 +271,8 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
                 const StackedRow r = gemv3_stacked<EPI>(a, row);
                 if (r.valid) {
                     const float* bias = gemv3_bias<EPI>(a, r.matrix);
-                    const float v = sum + (a.epi_early ? e_bias : (bias ? bias[r.local] : 0.0f));
-                    const float out = EPI == EPI_ACCUMULATE ? (a.epi_early ? e_old : a.y[row]) + v : v;
+                    const float v = sum + (GEMV3_EPI_EARLY ? e_bias : (bias ? bias[r.local] : 0.0f));
+                    const float out = EPI == EPI_ACCUMULATE ? (GEMV3_EPI_EARLY ? e_old : a.y[row]) + v : v;
                     a.y[row] = out;
                     ss += sq(out);
                 }

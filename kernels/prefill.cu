@@ -44,9 +44,7 @@ struct GemmArgs {
     float* ss_out;
     int early;  // GEMM v1: the table and first weights before waiting for the previous kernel
     int spread;  // the epilogue spread over the K parts' warps (see gemm_finish)
-    int w_first;  // GEMV v3: the first weights before x is staged, 2: before the PDL wait (gemv_mma.cu)
     int pf_groups;  // GEMV v3: row groups kept prefetched into L2 ahead (0: none)
-    int epi_early;  // GEMV v3: the epilogue's bias and old y loaded when a group starts
 };
 
 enum { EPI_STORE = 0, EPI_ACCUMULATE = 1, EPI_SWIGLU = 2 };

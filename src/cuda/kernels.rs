@@ -215,9 +215,11 @@ fn cache_dir() -> Option<PathBuf> {
 /// view; the cache keeps the two builds apart, options being part of its key), as it keeps
 /// the kernel variants `DV2_TABLE_WIDE=0`, `DV2_NORM_BATCH=n`, `DV2_GEMV3_X_BATCH=n`,
 /// `DV2_GEMV2_X_BATCH=n`, `DV2_GEMV3_ACC_ONE=0`, `DV2_GEMV3_L2_CODE=1`, `DV2_L2_AHEAD_KB=n`,
-/// `DV2_MERGE_EARLY=0` and `DV2_MERGE_WARP=0` apart. The compiler optimizes the module's kernels on every core (`--split-compile=0`;
-/// `DV2_NVRTC_SPLIT=0`: one thread): a machine's first load compiles the kernels, 32 s in one
-/// thread on 2 cores, 19 s split. The split changes the code of some kernels (scheduling, shared-memory
+/// `DV2_MERGE_EARLY=0`, `DV2_MERGE_WARP=0`, `DV2_GEMV_WFIRST=0`, `DV2_GEMV2_PREWAIT=0`,
+/// `DV2_GEMV3_PREWAIT=0` and `DV2_GEMV3_EPI_EARLY=0` apart. The compiler optimizes the
+/// module's kernels on every core (`--split-compile=0`; `DV2_NVRTC_SPLIT=0`: one thread): a
+/// machine's first load compiles the kernels, 32 s in one thread on 2 cores, 19 s split. The
+/// split changes the code of some kernels (scheduling, shared-memory
 /// placement), not what they compute.
 fn options(arch: &str) -> Vec<String> {
     let mut opts = vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()];
@@ -259,6 +261,25 @@ fn options(arch: &str) -> Vec<String> {
     // DV2_GEMV3_ACC_ONE=0: the three-matrix row mapping of the store kernel).
     let acc_one = i32::from(super::switch_on("DV2_GEMV3_ACC_ONE"));
     opts.push(format!("-DGEMV3_ACC_ONE={acc_one}"));
+    // When GEMV v2 and v3 issue their first weights (GEMV2_W_FIRST, GEMV3_W_FIRST: 2 before
+    // the wait on the previous kernel, the default; 1 after it, before x, with
+    // DV2_GEMV2_PREWAIT=0 / DV2_GEMV3_PREWAIT=0; 0 after x with DV2_GEMV_WFIRST=0), and whether
+    // GEMV v3 loads its epilogue operands as a group starts (GEMV3_EPI_EARLY;
+    // DV2_GEMV3_EPI_EARLY=0 off): compiled in rather than chosen at run time.
+    let w_first = |prewait: &str| match (
+        super::switch_on("DV2_GEMV_WFIRST"),
+        super::switch_on(prewait),
+    ) {
+        (false, _) => 0,
+        (true, false) => 1,
+        (true, true) => 2,
+    };
+    opts.push(format!("-DGEMV2_W_FIRST={}", w_first("DV2_GEMV2_PREWAIT")));
+    opts.push(format!("-DGEMV3_W_FIRST={}", w_first("DV2_GEMV3_PREWAIT")));
+    opts.push(format!(
+        "-DGEMV3_EPI_EARLY={}",
+        i32::from(super::switch_on("DV2_GEMV3_EPI_EARLY"))
+    ));
     // Attention v2's merge (kernels/decode.cu, attn2_merge): its early loads
     // (DV2_MERGE_EARLY=0 off) and per-warp chunk weights (DV2_MERGE_WARP=0 off), compiled in
     // or out rather than chosen at run time.

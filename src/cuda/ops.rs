@@ -107,9 +107,7 @@ struct GemmArgs {
     ss_out: u64,
     early: i32,
     spread: i32,
-    w_first: i32,
     pf_groups: i32,
-    epi_early: i32,
 }
 // SAFETY: plain old data matching the kernel's struct.
 unsafe impl DeviceRepr for GemmArgs {}
@@ -350,9 +348,6 @@ pub struct Ops {
     /// a CTA fits beside a GEMV v3 CTA and two fit an SM (default; `DV2_GEMV2_NARROW=0`: the
     /// 182-236-register kernels, one CTA per SM).
     pub gemv2_narrow: bool,
-    /// GEMV v2 issues its first weights before waiting for the previous kernel (default;
-    /// `DV2_GEMV2_PREWAIT=0`: after the wait).
-    pub gemv2_pre_wait: bool,
     /// GEMV v2 stages x once per CTA in shared memory, loaded coalesced (default;
     /// `DV2_GEMV2_XSMEM=0`: each lane loads its own chunks of x from global memory).
     pub gemv2_x_smem: bool,
@@ -369,18 +364,9 @@ pub struct Ops {
     /// (default; `DV2_FFN_F16=0`: f32, rounded to f16 by the down GEMV; the same bits). Only
     /// where both are GEMV v2 with the f16-pair table and x staged ([`Ops::ffn_act_f16`]).
     pub ffn_f16: bool,
-    /// GEMV v2 and v3 issue their first weights before loading x (default;
-    /// `DV2_GEMV_WFIRST=0`: after x is in registers or shared memory).
-    pub gemv_w_first: bool,
     /// GEMV v3 keeps about this many KB of each CTA's next weight rows prefetched into
     /// L2 (`DV2_L2_AHEAD_KB=n`; default 0, no prefetch: docs/lab.md, session 8).
     pub l2_ahead_kb: usize,
-    /// GEMV v3 loads its epilogue's bias and old y as each row group starts (default;
-    /// `DV2_GEMV3_EPI_EARLY=0`: in the epilogue, after the group's reduction).
-    pub gemv3_epi_early: bool,
-    /// GEMV v3 issues its first weights before waiting for the previous kernel (default;
-    /// `DV2_GEMV3_PREWAIT=0`: after the wait).
-    pub gemv3_pre_wait: bool,
     /// RMSNorm folded into the next GEMV's x load from the producer's partial sums of squares
     /// (default; `DV2_FUSE_RMS=0`: the RMSNorm kernel).
     pub fuse_rms: bool,
@@ -454,15 +440,11 @@ impl Ops {
                 .unwrap_or(if gemv2_narrow { 2 } else { 1 }),
             gemv2_h16: switch_on("DV2_GEMV2_H16"),
             gemv2_narrow,
-            gemv2_pre_wait: switch_on("DV2_GEMV2_PREWAIT"),
             gemv2_x_smem: switch_on("DV2_GEMV2_XSMEM"),
             gemv2_late: switch_on("DV2_GEMV2_LATE"),
             gemv2_epi_early: switch_on("DV2_GEMV2_EPI_EARLY"),
             gemv2_late_one: switch_on("DV2_GEMV2_LATE1"),
             ffn_f16: switch_on("DV2_FFN_F16"),
-            gemv_w_first: switch_on("DV2_GEMV_WFIRST"),
-            gemv3_epi_early: switch_on("DV2_GEMV3_EPI_EARLY"),
-            gemv3_pre_wait: switch_on("DV2_GEMV3_PREWAIT"),
             l2_ahead_kb: env_number("DV2_L2_AHEAD_KB").unwrap_or(0),
             fuse_rms: switch_on("DV2_FUSE_RMS"),
             attnp_simt: std::env::var("DV2_ATTNP").is_ok_and(|v| v == "simt"),
@@ -563,16 +545,11 @@ impl Ops {
         }
     }
 
-    /// GEMV v2's switch arguments: weights first (2: before the wait on the previous kernel),
-    /// x staged in shared memory, and the `late` flags (kernels/decode.cu: 1 late K sums, 2
-    /// the epilogue operands early, 4 late sums without a K split too).
-    fn gemv2_switches(&self) -> (i32, i32, i32) {
+    /// GEMV v2's switch arguments: x staged in shared memory, and the `late` flags
+    /// (kernels/decode.cu: 1 late K sums, 2 the epilogue operands early, 4 late sums without a
+    /// K split too). When its first weights load is an NVRTC define (kernels.rs, options).
+    fn gemv2_switches(&self) -> (i32, i32) {
         (
-            match (self.gemv_w_first, self.gemv2_pre_wait) {
-                (false, _) => 0,
-                (true, false) => 1,
-                (true, true) => 2,
-            },
             i32::from(self.gemv2_x_smem),
             i32::from(self.gemv2_late)
                 | i32::from(self.gemv2_late && self.gemv2_epi_early) << 1
@@ -709,9 +686,7 @@ impl Ops {
             ss_out: 0,
             early: i32::from(self.gemm_early),
             spread: i32::from(self.gemm_spread),
-            w_first: 0,
             pf_groups: 0,
-            epi_early: 0,
         };
         for (i, m) in mats.iter().enumerate() {
             args.m[i] = m.m;
@@ -809,13 +784,7 @@ impl Ops {
             ss_out,
             early: 0,
             spread: 0,
-            w_first: match (self.gemv_w_first, self.gemv3_pre_wait) {
-                (false, _) => 0,
-                (true, false) => 1,
-                (true, true) => 2,
-            },
             pf_groups: self.l2_ahead(group_rows, k) as i32,
-            epi_early: i32::from(self.gemv3_epi_early),
         };
         for (i, m) in mats.iter().enumerate() {
             args.m[i] = m.m;
@@ -949,9 +918,9 @@ impl Ops {
                 let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols, input.f16)?;
                 let kp = kparts as i32;
                 check_sums(ss_out, cfg.grid_dim.0)?;
-                let (wf, xs, late) = self.gemv2_switches();
+                let (xs, late) = self.gemv2_switches();
                 let xs = if input.f16 { GEMV2_X_F16 } else { xs };
-                launch!(self.gpu, &self.k.gemv2_nf4[self.gemv2_table()][j - 1], cfg; m, x, norm, y, bias, rows_i, cols_i, kp, acc, skip_if, ss_out, wf, xs, late)?;
+                launch!(self.gpu, &self.k.gemv2_nf4[self.gemv2_table()][j - 1], cfg; m, x, norm, y, bias, rows_i, cols_i, kp, acc, skip_if, ss_out, xs, late)?;
                 Ok(cfg.grid_dim.0 as usize)
             }
         }
@@ -1026,8 +995,8 @@ impl Ops {
             Variant::V2 => {
                 let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols, false)?;
                 let kp = kparts as i32;
-                let (wf, xs, late) = self.gemv2_switches();
-                launch!(self.gpu, &self.k.gemv2_qkv[self.gemv2_table()][j - 1], cfg; args, x, norm, out, cols_i, kp, wf, xs, late)
+                let (xs, late) = self.gemv2_switches();
+                launch!(self.gpu, &self.k.gemv2_qkv[self.gemv2_table()][j - 1], cfg; args, x, norm, out, cols_i, kp, xs, late)
             }
         }
     }
@@ -1069,9 +1038,9 @@ impl Ops {
             Variant::V2 => {
                 let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols, false)?;
                 let kp = kparts as i32;
-                let (wf, xs, late) = self.gemv2_switches();
+                let (xs, late) = self.gemv2_switches();
                 let late = late | if out_f16 { GEMV2_OUT_F16 } else { 0 };
-                launch!(self.gpu, &self.k.gemv2_swiglu[self.gemv2_table()][j - 1], cfg; gate, up, x, norm, out, rows_i, cols_i, kp, wf, xs, late)
+                launch!(self.gpu, &self.k.gemv2_swiglu[self.gemv2_table()][j - 1], cfg; gate, up, x, norm, out, rows_i, cols_i, kp, xs, late)
             }
         }
     }
