@@ -620,11 +620,30 @@ fn main() {
         for (label, env) in [
             ("qwen25_3b pdl=0", &[("DV2_PDL", "0")][..]),
             ("qwen25_3b rms-kernel", &[("DV2_FUSE_RMS", "0")]),
-            ("qwen25_3b attn-batch=0", &[("DV2_ATTN_BATCH", "0")]),
-            ("qwen25_3b merge-early=0", &[("DV2_MERGE_EARLY", "0")]),
-            ("qwen25_3b attn-prewait=0", &[("DV2_ATTN_PREWAIT", "0")]),
-            ("qwen25_3b attn-hd128=0", &[("DV2_ATTN_HD128", "0")]),
-            ("qwen25_3b merge-warp=0", &[("DV2_MERGE_WARP", "0")]),
+            ("qwen25_3b attn=v2", &[("DV2_ATTN", "v2")]),
+            ("qwen25_3b attn3-splits=4", &[("DV2_ATTN3_SPLITS", "4")]),
+            ("qwen25_3b attn3-splits=2", &[("DV2_ATTN3_SPLITS", "2")]),
+            // Attention v2's own switches.
+            (
+                "qwen25_3b attn=v2 attn-batch=0",
+                &[("DV2_ATTN", "v2"), ("DV2_ATTN_BATCH", "0")],
+            ),
+            (
+                "qwen25_3b attn=v2 merge-early=0",
+                &[("DV2_ATTN", "v2"), ("DV2_MERGE_EARLY", "0")],
+            ),
+            (
+                "qwen25_3b attn=v2 attn-prewait=0",
+                &[("DV2_ATTN", "v2"), ("DV2_ATTN_PREWAIT", "0")],
+            ),
+            (
+                "qwen25_3b attn=v2 attn-hd128=0",
+                &[("DV2_ATTN", "v2"), ("DV2_ATTN_HD128", "0")],
+            ),
+            (
+                "qwen25_3b attn=v2 merge-warp=0",
+                &[("DV2_ATTN", "v2"), ("DV2_MERGE_WARP", "0")],
+            ),
             ("qwen25_3b attn-split=1", &[("DV2_ATTN_SPLIT", "1")]),
             ("qwen25_3b attn-split=2", &[("DV2_ATTN_SPLIT", "2")]),
             ("qwen25_3b attn-split=4", &[("DV2_ATTN_SPLIT", "4")]),

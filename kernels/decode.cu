@@ -102,6 +102,44 @@ __device__ __forceinline__ void pdl_enter() {
     pdl_release();
 }
 
+// Thread-block clusters (Hopper; the GEMM's K split, attention v3): the cluster's size and
+// this CTA's rank in it (1 and 0 in a launch without clusters).
+__device__ __forceinline__ int cluster_size() {
+    u32 r;
+    asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
+    return (int)r;
+}
+__device__ __forceinline__ int cluster_rank() {
+    u32 r;
+    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return (int)r;
+}
+// Every thread of every CTA of the cluster arrives, then waits (alternating).
+__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+// An arrive that orders this thread's earlier writes for the cluster only (arrive.release
+// fences the whole GPU: MEMBAR.ALL.GPU in the SASS).
+__device__ __forceinline__ void cluster_arrive_cluster_release() {
+    asm volatile("fence.acq_rel.cluster;\n\tbarrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+// Stores v at `local`'s offset in the shared memory of the cluster's CTA `rank`.
+__device__ __forceinline__ void store_in_cta(float* local, int rank, float v) {
+    const u32 addr = (u32)__cvta_generic_to_shared(local);
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(v) : "memory");
+}
+// A float at `local`'s offset in the shared memory of the cluster's CTA `rank`.
+__device__ __forceinline__ float load_from_cta(const float* local, int rank) {
+    const u32 addr = (u32)__cvta_generic_to_shared(local);
+    u32 remote;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+    return v;
+}
+
 // The bitsandbytes NF4 codebook (an initializer, so every kernel that copies it keeps its
 // own local table).
 #define NF4_CODEBOOK                                                                               \
@@ -1196,6 +1234,72 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode(AttnArgs 
 // the position; a kernel starts only after the one before it has passed its own wait, so
 // every step before this one's q/k/v GEMV is complete when these loads issue. The live slot
 // and this step's q/k/v are read after the wait, as before.
+// Attention's RoPE: pair i (of (gn + 1) * half: the gn q heads from q0, then the live k of
+// KV head kvh) is elements (j, j + half) of its vector, j = i % half; the source row, and the
+// rotated pair into q_s (scale folded in) or kcur.
+__device__ __forceinline__ const float* rope_pair_src(const AttnArgs& a, int kvh, int q0, int gn, int i) {
+    const int hd = a.head_dim, half = hd >> 1;
+    return i / half < gn ? a.qkv + (q0 + i / half) * hd : a.qkv + a.n_q * hd + kvh * hd;
+}
+__device__ __forceinline__ void rope_rotate(const AttnArgs& a, int gn, int i, float c, float s, float x1, float x2,
+                                            float* q_s, float* kcur) {
+    const int hd = a.head_dim, half = hd >> 1;
+    const int g = i / half, j = i % half;
+    const float lo = x1 * c - x2 * s, hi = x2 * c + x1 * s;
+    if (g < gn) {
+        q_s[g * hd + j] = lo * a.scale;
+        q_s[g * hd + j + half] = hi * a.scale;
+    } else {
+        kcur[j] = lo;
+        kcur[j + half] = hi;
+    }
+}
+
+// The batched prologue after the wait (DV2_ATTN_BATCH): every load (the live v, RoPE pairs
+// with cos/sin, RB pairs per thread at once) before the stores they feed, the caller's
+// `stage()` (K/V rows from registers into shared memory) between the rotations' stores and v's.
+template <typename Stage>
+__device__ __forceinline__ void rotate_live_batched(const AttnArgs& a, int kvh, int q0, int gn, int pos, float* q_s,
+                                                    float* kcur, float* vcur, Stage stage) {
+    const int hd = a.head_dim, half = hd >> 1;
+    const float* qkv_v = a.qkv + (a.n_q + a.n_kv) * hd + kvh * hd;
+    const float* cos_p = a.rope_cos + pos * half;
+    const float* sin_p = a.rope_sin + pos * half;
+    constexpr int RB = 8;  // pairs per thread loaded together
+    constexpr int VL = MAX_HEAD_DIM / ATTN_THREADS;
+    float vl[VL];
+#pragma unroll
+    for (int u = 0; u < VL; u++) {
+        const int d = threadIdx.x + u * ATTN_THREADS;
+        vl[u] = d < hd ? qkv_v[d] : 0.0f;
+    }
+    for (int base = threadIdx.x; base < (gn + 1) * half; base += RB * ATTN_THREADS) {
+        float c[RB], sn[RB], x1[RB], x2[RB];
+#pragma unroll
+        for (int u = 0; u < RB; u++) {
+            const int i = base + u * ATTN_THREADS;
+            if (i < (gn + 1) * half) {
+                const float* src = rope_pair_src(a, kvh, q0, gn, i);
+                c[u] = cos_p[i % half];
+                sn[u] = sin_p[i % half];
+                x1[u] = src[i % half];
+                x2[u] = src[i % half + half];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < RB; u++) {
+            const int i = base + u * ATTN_THREADS;
+            if (i < (gn + 1) * half) rope_rotate(a, gn, i, c[u], sn[u], x1[u], x2[u], q_s, kcur);
+        }
+    }
+    stage();
+#pragma unroll
+    for (int u = 0; u < VL; u++) {
+        const int d = threadIdx.x + u * ATTN_THREADS;
+        if (d < hd) vcur[d] = vl[u];
+    }
+}
+
 // HD: the largest head_dim the kernel takes (MAX_HEAD_DIM, or 128 for attn2_decode_hd128):
 // the batched prologue's per-thread loads are unrolled for it.
 template <bool BATCHED, bool PRE_WAIT = false, int HD = MAX_HEAD_DIM>
@@ -1249,71 +1353,25 @@ __device__ __forceinline__ void attn2_decode_body(const AttnArgs& a) {
         }
     }
     if (PRE_WAIT) pdl_enter();
-    // Rotate the group's q heads (scale folded in) and the live k, a (d, d + half) pair per
-    // thread per round; take the live v.
-    const float* qkv_k = a.qkv + a.n_q * hd + kvh * hd;
-    const float* qkv_v = a.qkv + (a.n_q + a.n_kv) * hd + kvh * hd;
-    const float* cos_p = a.rope_cos + pos * half;
-    const float* sin_p = a.rope_sin + pos * half;
-    auto rotate = [&](int i, float c, float s, float x1, float x2) {
-        const int g = i / half, j = i % half;
-        const float lo = x1 * c - x2 * s, hi = x2 * c + x1 * s;
-        if (g < gn) {
-            q_s[g * hd + j] = lo * a.scale;
-            q_s[g * hd + j + half] = hi * a.scale;
-        } else {
-            kcur[j] = lo;
-            kcur[j + half] = hi;
-        }
-    };
-    auto pair_src = [&](int i) { return i / half < gn ? a.qkv + (q0 + i / half) * hd : qkv_k; };
+    // Rotate the group's q heads (scale folded in) and the live k; take the live v.
     if constexpr (BATCHED) {
-        // RoPE pairs per thread loaded together: the hd128 kernel's 2 cover a q head and the
-        // live k in one round at the default split (one q head per CTA), in less code.
-        constexpr int RB = HD <= 128 ? 2 : 8;
-        constexpr int VL = (HD + ATTN_THREADS - 1) / ATTN_THREADS;
-        float vl[VL];
+        rotate_live_batched(a, kvh, q0, gn, pos, q_s, kcur, vcur, [&] {
 #pragma unroll
-        for (int u = 0; u < VL; u++) {
-            const int d = threadIdx.x + u * ATTN_THREADS;
-            vl[u] = d < hd ? qkv_v[d] : 0.0f;
-        }
-        for (int base = threadIdx.x; base < (gn + 1) * half; base += RB * ATTN_THREADS) {
-            float c[RB], sn[RB], x1[RB], x2[RB];
-#pragma unroll
-            for (int u = 0; u < RB; u++) {
-                const int i = base + u * ATTN_THREADS;
-                if (i < (gn + 1) * half) {
-                    const float* src = pair_src(i);
-                    c[u] = cos_p[i % half];
-                    sn[u] = sin_p[i % half];
-                    x1[u] = src[i % half];
-                    x2[u] = src[i % half + half];
-                }
+            for (int u = 0; u < KV_VECS; u++) {
+                const int i = threadIdx.x + u * ATTN_THREADS;
+                if (i < n_t * vec_per_row && !live(i)) stage(i, kreg[u], vreg[u]);
             }
-#pragma unroll
-            for (int u = 0; u < RB; u++) {
-                const int i = base + u * ATTN_THREADS;
-                if (i < (gn + 1) * half) rotate(i, c[u], sn[u], x1[u], x2[u]);
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < KV_VECS; u++) {
-            const int i = threadIdx.x + u * ATTN_THREADS;
-            if (i < n_t * vec_per_row && !live(i)) stage(i, kreg[u], vreg[u]);
-        }
-#pragma unroll
-        for (int u = 0; u < VL; u++) {
-            const int d = threadIdx.x + u * ATTN_THREADS;
-            if (d < hd) vcur[d] = vl[u];
-        }
+        });
     } else {
+        const float* cos_p = a.rope_cos + pos * half;
+        const float* sin_p = a.rope_sin + pos * half;
 #pragma unroll 4
         for (int i = threadIdx.x; i < (gn + 1) * half; i += blockDim.x) {
-            const float* src = pair_src(i);
+            const float* src = rope_pair_src(a, kvh, q0, gn, i);
             const int j = i % half;
-            rotate(i, cos_p[j], sin_p[j], src[j], src[j + half]);
+            rope_rotate(a, gn, i, cos_p[j], sin_p[j], src[j], src[j + half], q_s, kcur);
         }
+        const float* qkv_v = a.qkv + (a.n_q + a.n_kv) * hd + kvh * hd;
         for (int d = threadIdx.x; d < hd; d += blockDim.x) vcur[d] = qkv_v[d];
     }
     __syncthreads();
@@ -1393,6 +1451,186 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode_late(Att
 }
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode_serial(AttnArgs a) {
     attn2_decode_body<false>(a);
+}
+
+// Attention v3 (DV2_ATTN=v3, the default where clusters exist): attention v2's CTAs in
+// thread-block clusters that merge their partials through distributed shared memory, so no
+// merge kernel runs. Grid (n_kv * parts, splits), clusters of (1, splits): the CTAs of a
+// cluster take the same q heads (as in v2) and split the valid slots into `splits` equal
+// slices, each walking its slice in 32-slot chunks with an online softmax (the next chunk's K
+// and V rows in registers while this one is used; the first before the wait, as v2's
+// PRE_WAIT). Then rank r writes dims [r hd / splits, (r + 1) hd / splits) of the heads,
+// combining every rank's max, sum and partial output from its shared memory.
+// Why: the merge kernel added 2.1 us a layer in the graph (docs/lab.md, session 12) and v2's
+// grid has a column per 32-slot chunk of max_seq (1,024 CTAs at 2,048 slots, most of which
+// only read the position and leave); here the grid is n_kv * parts * splits CTAs whatever
+// the context. Needs head_dim a multiple of splits (the host checks).
+#define ATTN3_MAX_SPLITS 8
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn3_decode(AttnArgs a, float* out) {
+    const int hd = a.head_dim, half = hd >> 1;
+    const int group = a.n_q / a.n_kv, parts = gridDim.x / a.n_kv, gn = group / parts;
+    const int kvh = blockIdx.x / parts, q0 = kvh * group + (blockIdx.x % parts) * gn;
+    const int splits = cluster_size(), rank = cluster_rank();
+    const int pos = a.state[STATE_POSITION];
+    if (pos >= a.max_seq) return;  // every CTA: no slot to write or read
+    const int valid = pos + 1, per = (valid + splits - 1) / splits;
+    const int t_begin = min(valid, rank * per), t_end = min(valid, t_begin + per);
+    const int row_words = half + 1;  // bf16 pairs per staged row, +1 word of padding
+
+    __shared__ float q_s[ATTN2_MAX_GROUP_X_HD];
+    __shared__ float kcur[MAX_HEAD_DIM], vcur[MAX_HEAD_DIM];
+    __shared__ u32 k_s[ATTN2_CHUNK * (MAX_HEAD_DIM / 2 + 1)], v_s[ATTN2_CHUNK * (MAX_HEAD_DIM / 2 + 1)];
+    __shared__ float p_s[ATTN2_MAX_GROUP][ATTN2_CHUNK];
+    // Per head: the running max and sum, and the last chunk's rescale of the older terms.
+    __shared__ float m_run[ATTN2_MAX_GROUP], l_run[ATTN2_MAX_GROUP], corr_s[ATTN2_MAX_GROUP];
+    const size_t slot_stride = (size_t)a.n_kv * hd;
+
+    // Rows t0 .. of K and V (16-byte loads) into registers, skipping the live slot.
+    const int vec_per_row = hd >> 3;  // uint4 = 8 bf16
+    constexpr int KV_VECS = ATTN2_CHUNK * (MAX_HEAD_DIM / 8) / ATTN_THREADS;  // per thread, at most
+    uint4 kreg[KV_VECS], vreg[KV_VECS];
+    auto kv_vec = [&](int t0, int u, int n_t) {
+        const int i = threadIdx.x + u * ATTN_THREADS;
+        return i < n_t * vec_per_row && t0 + i / vec_per_row != pos ? i : -1;
+    };
+    auto load_rows = [&](int t0) {
+        const int n_t = min(ATTN2_CHUNK, t_end - t0);
+#pragma unroll
+        for (int u = 0; u < KV_VECS; u++) {
+            const int i = kv_vec(t0, u, n_t);
+            if (i >= 0) {
+                const size_t at = (size_t)(t0 + i / vec_per_row) * slot_stride + kvh * hd + (i % vec_per_row) * 8;
+                kreg[u] = *reinterpret_cast<const uint4*>(a.k_cache + at);
+                vreg[u] = *reinterpret_cast<const uint4*>(a.v_cache + at);
+            }
+        }
+    };
+    auto stage_rows = [&](int t0) {
+        const int n_t = min(ATTN2_CHUNK, t_end - t0);
+#pragma unroll
+        for (int u = 0; u < KV_VECS; u++) {
+            const int i = kv_vec(t0, u, n_t);
+            if (i >= 0) {
+                u32* kd = k_s + (i / vec_per_row) * row_words + (i % vec_per_row) * 4;
+                u32* vd = v_s + (i / vec_per_row) * row_words + (i % vec_per_row) * 4;
+                kd[0] = kreg[u].x; kd[1] = kreg[u].y; kd[2] = kreg[u].z; kd[3] = kreg[u].w;
+                vd[0] = vreg[u].x; vd[1] = vreg[u].y; vd[2] = vreg[u].z; vd[3] = vreg[u].w;
+            }
+        }
+    };
+    if (t_begin < t_end) load_rows(t_begin);  // written by earlier steps: before the wait
+    pdl_enter();
+    rotate_live_batched(a, kvh, q0, gn, pos, q_s, kcur, vcur, [] {});
+    if ((int)threadIdx.x < gn) {
+        m_run[threadIdx.x] = NEG_INF;
+        l_run[threadIdx.x] = 0.0f;
+    }
+    // The heads' running partial outputs, [gn][hd] (dynamic: gn * hd floats); a thread
+    // keeps the same pairs of dims in every chunk.
+    extern __shared__ __align__(16) float acc_s[];
+    for (int i = threadIdx.x; i < gn * hd; i += blockDim.x) acc_s[i] = 0.0f;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int t0 = t_begin; t0 < t_end; t0 += ATTN2_CHUNK) {
+        const int n_t = min(ATTN2_CHUNK, t_end - t0);
+        stage_rows(t0);
+        if (t0 + ATTN2_CHUNK < t_end) load_rows(t0 + ATTN2_CHUNK);
+        __syncthreads();
+        if (t0 == t_begin && rank == 0 && q0 == kvh * group) {  // one CTA of the KV head writes its slot
+            for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+                a.k_cache[pos * slot_stride + kvh * hd + d] = f32_to_bf16(kcur[d]);
+                a.v_cache[pos * slot_stride + kvh * hd + d] = f32_to_bf16(vcur[d]);
+            }
+        }
+        if (pos >= t0 && pos < t0 + n_t) {  // the live row, from the projections
+            const int t = pos - t0;
+            for (int w = threadIdx.x; w < half; w += blockDim.x) {
+                k_s[t * row_words + w] = (u32)f32_to_bf16(kcur[2 * w]) | ((u32)f32_to_bf16(kcur[2 * w + 1]) << 16);
+                v_s[t * row_words + w] = (u32)f32_to_bf16(vcur[2 * w]) | ((u32)f32_to_bf16(vcur[2 * w + 1]) << 16);
+            }
+            __syncthreads();
+        }
+        // Scores: a warp takes one q head at a time, a lane one slot; the running max and
+        // sum move on by this chunk.
+        for (int g = warp; g < gn; g += ATTN_WARPS) {
+            float score = NEG_INF;
+            if (lane < n_t) {
+                const u32* krow = k_s + lane * row_words;
+                const float* q = q_s + g * hd;
+                float sacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // independent chains
+                for (int w = 0; w < half; w += 2) {
+#pragma unroll
+                    for (int u = 0; u < 2; u++) {
+                        const u32 pair = krow[w + u];
+                        sacc[2 * u] = fmaf(q[2 * (w + u)], bf16_to_f32((u16)(pair & 0xffffu)), sacc[2 * u]);
+                        sacc[2 * u + 1] = fmaf(q[2 * (w + u) + 1], bf16_to_f32((u16)(pair >> 16)), sacc[2 * u + 1]);
+                    }
+                }
+                score = (sacc[0] + sacc[1]) + (sacc[2] + sacc[3]);
+            }
+            const float m_old = m_run[g];
+            const float m_new = fmaxf(m_old, warp_max(score));
+            const float p = lane < n_t ? expf(score - m_new) : 0.0f;
+            const float l = warp_sum(p);
+            p_s[g][lane] = p;
+            __syncwarp();  // every lane has read m_run[g]
+            if (lane == 0) {
+                const float corr = expf(m_old - m_new);
+                corr_s[g] = corr;
+                m_run[g] = m_new;
+                l_run[g] = l_run[g] * corr + l;
+            }
+        }
+        __syncthreads();
+        // Weighted sum of V: a thread takes bf16 pairs of dims (g, w) of the group's heads.
+        for (int i = threadIdx.x; i < gn * half; i += blockDim.x) {
+            const int g = i / half, w = i % half;
+            float ax = 0.0f, ay = 0.0f;
+            for (int t = 0; t < n_t; t++) {
+                const u32 pair = v_s[t * row_words + w];
+                const float p = p_s[g][t];
+                ax = fmaf(p, bf16_to_f32((u16)(pair & 0xffffu)), ax);
+                ay = fmaf(p, bf16_to_f32((u16)(pair >> 16)), ay);
+            }
+            const float c = corr_s[g];
+            float2* acc = reinterpret_cast<float2*>(acc_s + g * hd + 2 * w);
+            *acc = make_float2(fmaf(acc->x, c, ax), fmaf(acc->y, c, ay));
+        }
+        __syncthreads();  // k_s, v_s, p_s and corr_s free for the next chunk
+    }
+    // The merge across the cluster: rank r's dims of each head from every rank's max, sum and
+    // partial output.
+    const float* part = acc_s;
+    cluster_arrive_cluster_release();  // m_run, l_run and acc_s are complete
+    cluster_wait();
+    const int dims = hd / splits;
+    for (int i = threadIdx.x; i < gn * dims; i += blockDim.x) {
+        const int g = i / dims, d = rank * dims + i % dims;
+        float m[ATTN3_MAX_SPLITS], l[ATTN3_MAX_SPLITS], o[ATTN3_MAX_SPLITS];
+#pragma unroll
+        for (int r = 0; r < ATTN3_MAX_SPLITS; r++) {
+            if (r < splits) {
+                m[r] = load_from_cta(&m_run[g], r);
+                l[r] = load_from_cta(&l_run[g], r);
+                o[r] = load_from_cta(&part[g * hd + d], r);
+            }
+        }
+        float M = NEG_INF;
+#pragma unroll
+        for (int r = 0; r < ATTN3_MAX_SPLITS; r++)
+            if (r < splits) M = fmaxf(M, m[r]);
+        float L = 0.0f, sum = 0.0f;
+#pragma unroll
+        for (int r = 0; r < ATTN3_MAX_SPLITS; r++) {
+            if (r < splits) {
+                const float w = expf(m[r] - M);  // 0 for an empty slice (m = -inf)
+                L = fmaf(l[r], w, L);
+                sum = fmaf(o[r], w, sum);
+            }
+        }
+        out[(size_t)(q0 + g) * hd + d] = sum / L;
+    }
+    cluster_arrive_relaxed();  // this CTA has read its peers' shared memory (the values are used)
+    cluster_wait();
 }
 
 // Combines the chunks 0 .. ceil(valid_len / ATTN2_CHUNK)-1 of each q head. Grid n_q; the

@@ -220,27 +220,7 @@ __device__ __forceinline__ void mma_block_f32(const GemmWarp& w, const ABlock& c
 // two CTAs (grid z = 2) that split K between them; rank 1 hands its sums to rank 0 through
 // distributed shared memory and rank 0 adds them, in a fixed order, before the epilogue.
 // Launched without clusters, the cluster is the CTA alone (size 1) and none of this runs.
-__device__ __forceinline__ int cluster_size() {
-    u32 r;
-    asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
-    return (int)r;
-}
-__device__ __forceinline__ int cluster_rank() {
-    u32 r;
-    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return (int)r;
-}
-// Every thread of every CTA of the cluster arrives, then waits (alternating).
-__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
-// Stores v at `local`'s offset in the shared memory of the cluster's CTA `rank`.
-__device__ __forceinline__ void store_in_cta(float* local, int rank, float v) {
-    const u32 addr = (u32)__cvta_generic_to_shared(local);
-    u32 remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
-    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(v) : "memory");
-}
+// (The cluster helpers are in decode.cu.)
 
 // Calls f(sum, k) for each of a warp's accumulators, k = its word in an 8NT x 32 block
 // laid out lane-minor (add the lane), the layout every hand-over of sums below uses.

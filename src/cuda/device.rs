@@ -42,6 +42,8 @@ pub struct Gpu {
     /// kernel may start while the one before it drains; the kernels' `pdl_wait()` orders
     /// their reads and writes after it (kernels/decode.cu).
     pub pdl: bool,
+    /// Thread-block clusters (compute capability 9.0 and later).
+    pub clusters: bool,
 }
 
 /// A kernel argument as the driver takes it: the address of the value.
@@ -74,7 +76,12 @@ impl Gpu {
                 .compute_capability()
                 .map_err(driver_error("compute capability"))?;
             let pdl = major >= 9 && super::switch_on("DV2_PDL");
-            Ok(Self { ctx, stream, pdl })
+            Ok(Self {
+                ctx,
+                stream,
+                pdl,
+                clusters: major >= 9,
+            })
         };
         catch_unwind(AssertUnwindSafe(open)).unwrap_or_else(|_| {
             Err(Error::BackendUnavailable(
@@ -144,11 +151,11 @@ impl Gpu {
         cfg: LaunchConfig,
         args: &mut [*mut c_void],
     ) -> Result<()> {
-        self.launch_in_clusters(f, cfg, 1, args)
+        self.launch_in_clusters(f, cfg, (1, 1, 1), args)
     }
 
-    /// [`Self::launch`] in thread-block clusters of `cluster_z` CTAs along z (1: no clusters;
-    /// the grid's z must be a multiple).
+    /// [`Self::launch`] in thread-block clusters of `cluster` CTAs along (x, y, z) ((1, 1, 1):
+    /// no clusters; each grid dimension must be a multiple of the cluster's).
     ///
     /// # Safety
     /// As [`Self::launch`].
@@ -156,7 +163,7 @@ impl Gpu {
         &self,
         f: &CudaFunction,
         cfg: LaunchConfig,
-        cluster_z: u32,
+        cluster: (u32, u32, u32),
         args: &mut [*mut c_void],
     ) -> Result<()> {
         self.ctx
@@ -167,21 +174,22 @@ impl Gpu {
         pdl_value.programmaticStreamSerializationAllowed = 1;
         // SAFETY: as above.
         let mut cluster_value: CUlaunchAttributeValue = std::mem::zeroed();
-        cluster_value.clusterDim.x = 1;
-        cluster_value.clusterDim.y = 1;
-        cluster_value.clusterDim.z = cluster_z;
+        cluster_value.clusterDim.x = cluster.0;
+        cluster_value.clusterDim.y = cluster.1;
+        cluster_value.clusterDim.z = cluster.2;
         let pdl = CUlaunchAttribute {
             id: CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
             pad: [0; 4],
             value: pdl_value,
         };
+        let clustered = cluster != (1, 1, 1);
         let cluster = CUlaunchAttribute {
             id: CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
             pad: [0; 4],
             value: cluster_value,
         };
         // The attributes that apply, first `count` of the array (no allocation per launch).
-        let (mut attrs, count) = match (self.pdl, cluster_z > 1) {
+        let (mut attrs, count) = match (self.pdl, clustered) {
             (true, true) => ([pdl, cluster], 2),
             (true, false) => ([pdl, cluster], 1),
             (false, true) => ([cluster, pdl], 1),

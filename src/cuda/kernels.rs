@@ -410,6 +410,8 @@ pub struct Kernels {
     /// The same as `attn2_decode` for head_dim <= 128, in less code (`DV2_ATTN_HD128`).
     pub attn2_decode_hd128: CudaFunction,
     pub attn2_merge: CudaFunction,
+    /// Attention v3: v2's CTAs in clusters that merge through distributed shared memory.
+    pub attn3_decode: CudaFunction,
     /// GEMV v3 (tensor cores) by epilogue: store (+bias), accumulate, SwiGLU.
     pub gemv3: [CudaFunction; 3],
     /// The NF4 tensor-core GEMM by epilogue: [v1, v2, v1 with f16 activations][width index
@@ -480,6 +482,12 @@ impl Kernels {
         // GEMV v3 stages x in dynamic shared memory, up to GEMV3_MAX_SMEM bytes.
         let gemv3 = [f("gemv3_store")?, f("gemv3_acc")?, f("gemv3_swiglu")?];
         allow_dynamic_smem(&gemv3, GEMV3_MAX_SMEM)?;
+        // Attention v3 keeps its q heads' running outputs in dynamic shared memory.
+        let attn3_decode = f("attn3_decode")?;
+        allow_dynamic_smem(
+            std::slice::from_ref(&attn3_decode),
+            ATTN2_MAX_GROUP_X_HD * 4,
+        )?;
         Ok(Self {
             gemv3,
             gemv_nf4: f("gemv_nf4")?,
@@ -503,6 +511,7 @@ impl Kernels {
             attn2_decode_late: f("attn2_decode_late")?,
             attn2_decode_hd128: f("attn2_decode_hd128")?,
             attn2_merge: f("attn2_merge")?,
+            attn3_decode,
             gemm_store: gemm("gemm_store")?,
             gemm_acc: gemm("gemm_acc")?,
             gemm_swiglu: gemm("gemm_swiglu")?,

@@ -18,10 +18,10 @@ macro_rules! launch {
         // for the shapes it passes.
         unsafe { $gpu.launch($f, $cfg, &mut args) }
     }};
-    ($gpu:expr, $f:expr, $cfg:expr, cluster_z = $cz:expr; $($arg:ident),* $(,)?) => {{
+    ($gpu:expr, $f:expr, $cfg:expr, cluster = $c:expr; $($arg:ident),* $(,)?) => {{
         let mut args = [$($crate::cuda::device::kernel_arg(&$arg)),*];
-        // SAFETY: as above; the kernel takes clusters of `$cz` CTAs along z.
-        unsafe { $gpu.launch_in_clusters($f, $cfg, $cz, &mut args) }
+        // SAFETY: as above; the kernel takes clusters of `$c` CTAs (x, y, z).
+        unsafe { $gpu.launch_in_clusters($f, $cfg, $c, &mut args) }
     }};
 }
 

@@ -3,11 +3,14 @@
 //!
 //! Variants, chosen at load (each kept so its gain can be measured against its absence):
 //! `DV2_GEMV=v1|v2|v3` (default: v3 below 8 MB of weights, v2 above; v2: persistent CTAs, x
-//! held in registers; v3: tensor cores, kernels/gemv_mma.cu) and `DV2_ATTN=v1|v2`
-//! (default v2: `DV2_ATTN_SPLIT=n` CTAs per KV head and 32-slot chunk, default 8, each taking
-//! an equal share of the GQA group's q heads; `DV2_ATTN_BATCH=0` makes its prologue load and
-//! store in turn instead of issuing every load first; `DV2_MERGE_EARLY=0` makes its merge load
-//! the partials only once it has read the position). `DV2_GEMV2_PAIRS=0` makes GEMV v2 look
+//! held in registers; v3: tensor cores, kernels/gemv_mma.cu) and `DV2_ATTN=v1|v2|v3`
+//! (default v3 where the device has thread-block clusters, else v2; v2: `DV2_ATTN_SPLIT=n`
+//! CTAs per KV head and 32-slot chunk, default 8, each taking an equal share of the GQA
+//! group's q heads, then the merge kernel; v3: the same CTAs per KV head in clusters of
+//! `DV2_ATTN3_SPLITS=n` (default 8) that split the context and merge among themselves;
+//! `DV2_ATTN_BATCH=0` makes v2's prologue load and store in turn instead of issuing every
+//! load first; `DV2_MERGE_EARLY=0` makes its merge load the partials only once it has read the
+//! position). `DV2_GEMV2_PAIRS=0` makes GEMV v2 look
 //! weights up one at a time in the 16-entry codebook (default: two at a time in a byte ->
 //! f32-pair table); `DV2_GEMV2_XSMEM=0` makes its lanes load x from global memory (default:
 //! staged once per CTA in shared memory); `DV2_GEMV2_LATE=0` runs its K-split sums and
@@ -258,7 +261,8 @@ pub enum Linear {
 pub enum Variant {
     V1,
     V2,
-    /// GEMV only: tensor cores (kernels/gemv_mma.cu).
+    /// GEMV: tensor cores (kernels/gemv_mma.cu); attention: clusters that merge their own
+    /// partials (kernels/decode.cu, attn3_decode).
     V3,
 }
 
@@ -285,13 +289,6 @@ pub enum GemmVariant {
     Fixed(Variant),
 }
 
-fn variant(var: &str) -> Variant {
-    match std::env::var(var).as_deref() {
-        Ok("v1") => Variant::V1,
-        _ => Variant::V2,
-    }
-}
-
 /// Attention time splits of a KV capacity: v1 splits it in up to 32 parts; v2 in chunks
 /// of 32 slots. The arena holds partials for the larger of the two.
 pub fn attn_partials(max_seq: usize) -> usize {
@@ -315,7 +312,14 @@ pub struct Ops {
     pub k: Kernels,
     /// The GEMV kernels: [`GemvChoice::Auto`] (default) picks per matrix.
     pub gemv: GemvChoice,
+    /// The decode attention: v3 (default where the device has thread-block clusters) runs
+    /// v2's CTAs in clusters of [`Ops::attn3_splits`] that split the context and merge through
+    /// distributed shared memory (no merge kernel); `DV2_ATTN=v2`: a CTA per 32-slot chunk
+    /// and the merge kernel; `DV2_ATTN=v1`: a CTA per (q head, split).
     pub attn: Variant,
+    /// Attention v3's CTAs per cluster, each taking an equal slice of the context
+    /// (`DV2_ATTN3_SPLITS=1|2|4|8`, default 8).
+    pub attn3_splits: usize,
     /// Attention v2 issues all its prologue loads before its first shared store (default;
     /// `DV2_ATTN_BATCH=0`: load and store in turn).
     pub attn_batch: bool,
@@ -411,6 +415,7 @@ impl Ops {
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(driver_error("multiprocessor count"))? as u32;
         let gemv2_narrow = switch_on("DV2_GEMV2_NARROW");
+        let gpu_clusters = gpu.clusters;
         Ok(Self {
             gpu,
             k,
@@ -423,7 +428,15 @@ impl Ops {
                         .map_or(GEMV3_AUTO_MAX_BYTES, |mb| mb << 20),
                 ),
             },
-            attn: variant("DV2_ATTN"),
+            attn: match std::env::var("DV2_ATTN").as_deref() {
+                Ok("v1") => Variant::V1,
+                Ok("v2") => Variant::V2,
+                _ if gpu_clusters => Variant::V3,
+                _ => Variant::V2,
+            },
+            attn3_splits: env_number("DV2_ATTN3_SPLITS")
+                .filter(|n| matches!(n, 1 | 2 | 4 | 8))
+                .unwrap_or(8),
             attn_batch: switch_on("DV2_ATTN_BATCH"),
             attn_pre_wait: switch_on("DV2_ATTN_PREWAIT"),
             attn_hd128: switch_on("DV2_ATTN_HD128"),
@@ -472,8 +485,8 @@ impl Ops {
         })
     }
 
-    /// Checks the shapes the chosen kernels take; attention v2 falls back to v1 where its
-    /// shared-memory layout does not fit the model.
+    /// Checks the shapes the chosen kernels take; attention v2 and v3 fall back to v1 where
+    /// their shared-memory layout does not fit the model.
     pub fn fit(&mut self, s: &ArchSpec, max_seq: usize) -> Result<()> {
         if s.head_dim > MAX_HEAD_DIM || s.head_dim % 8 != 0 {
             return Err(Error::Unsupported(format!(
@@ -731,7 +744,7 @@ impl Ops {
             Epilogue::Accumulate => &self.k.gemm_acc[v][width],
             Epilogue::Swiglu => &self.k.gemm_swiglu[v][width],
         };
-        launch!(self.gpu, f, cfg, cluster_z = cluster_z; args)
+        launch!(self.gpu, f, cfg, cluster = (1, 1, cluster_z); args)
     }
 
     /// The GEMV kernel for a `rows` x `cols` NF4 matrix (gate and up count together).
@@ -1076,7 +1089,23 @@ impl Ops {
                 launch!(self.gpu, &self.k.attn_decode, cfg; args)?;
                 launch!(self.gpu, &self.k.attn_merge, merge; pa, pm, st, out, hd, ns, ms)
             }
-            Variant::V2 | Variant::V3 => {
+            Variant::V3 => {
+                let splits = self.attn3_splits as u32;
+                let args = AttnArgs {
+                    n_splits: splits as i32,
+                    ..args
+                };
+                let parts = attn_split_parts(self.attn_split, (args.n_q / args.n_kv) as usize);
+                // Dynamic shared memory: the running outputs of a CTA's q heads.
+                let heads = (args.n_q / args.n_kv) as usize / parts;
+                let cfg = LaunchConfig {
+                    grid_dim: ((args.n_kv as usize * parts) as u32, splits, 1),
+                    block_dim: (ATTN_THREADS, 1, 1),
+                    shared_mem_bytes: (heads * args.head_dim as usize * 4) as u32,
+                };
+                launch!(self.gpu, &self.k.attn3_decode, cfg, cluster = (1, splits, 1); args, out)
+            }
+            Variant::V2 => {
                 let chunks = max_seq.div_ceil(ATTN2_CHUNK);
                 let args = AttnArgs {
                     n_splits: chunks as i32,
