@@ -1258,15 +1258,16 @@ __device__ __forceinline__ void rope_rotate(const AttnArgs& a, int gn, int i, fl
 // The batched prologue after the wait (DV2_ATTN_BATCH): every load (the live v, RoPE pairs
 // with cos/sin, RB pairs per thread at once) before the stores they feed, the caller's
 // `stage()` (K/V rows from registers into shared memory) between the rotations' stores and v's.
-template <typename Stage>
+// HD: the largest head_dim it takes (smaller: fewer loads unrolled per thread).
+template <int HD = MAX_HEAD_DIM, typename Stage>
 __device__ __forceinline__ void rotate_live_batched(const AttnArgs& a, int kvh, int q0, int gn, int pos, float* q_s,
                                                     float* kcur, float* vcur, Stage stage) {
     const int hd = a.head_dim, half = hd >> 1;
     const float* qkv_v = a.qkv + (a.n_q + a.n_kv) * hd + kvh * hd;
     const float* cos_p = a.rope_cos + pos * half;
     const float* sin_p = a.rope_sin + pos * half;
-    constexpr int RB = 8;  // pairs per thread loaded together
-    constexpr int VL = MAX_HEAD_DIM / ATTN_THREADS;
+    constexpr int RB = HD <= 128 ? 2 : 8;  // pairs per thread loaded together
+    constexpr int VL = (HD + ATTN_THREADS - 1) / ATTN_THREADS;
     float vl[VL];
 #pragma unroll
     for (int u = 0; u < VL; u++) {
@@ -1465,9 +1466,13 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode_serial(A
 // grid has a column per 32-slot chunk of max_seq (1,024 CTAs at 2,048 slots, most of which
 // only read the position and leave); here the grid is n_kv * parts * splits CTAs whatever
 // the context. Needs head_dim a multiple of splits (the host checks).
+// HD: the head_dim when known at compile time (64 or 128: the K/V indexing by shifts, half
+// the vectors unrolled), 0 for any. Loops stay rolled (#pragma unroll 1): each warp runs this
+// code about once, and its cold fetch is the cost (docs/lab.md, session 13).
 #define ATTN3_MAX_SPLITS 8
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn3_decode(AttnArgs a, float* out) {
-    const int hd = a.head_dim, half = hd >> 1;
+template <int HD>
+__device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out) {
+    const int hd = HD ? HD : a.head_dim, half = hd >> 1;
     const int group = a.n_q / a.n_kv, parts = gridDim.x / a.n_kv, gn = group / parts;
     const int kvh = blockIdx.x / parts, q0 = kvh * group + (blockIdx.x % parts) * gn;
     const int splits = cluster_size(), rank = cluster_rank();
@@ -1487,7 +1492,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn3_decode(AttnArgs
 
     // Rows t0 .. of K and V (16-byte loads) into registers, skipping the live slot.
     const int vec_per_row = hd >> 3;  // uint4 = 8 bf16
-    constexpr int KV_VECS = ATTN2_CHUNK * (MAX_HEAD_DIM / 8) / ATTN_THREADS;  // per thread, at most
+    constexpr int KV_VECS = ATTN2_CHUNK * ((HD ? HD : MAX_HEAD_DIM) / 8) / ATTN_THREADS;  // per thread, at most
     uint4 kreg[KV_VECS], vreg[KV_VECS];
     auto kv_vec = [&](int t0, int u, int n_t) {
         const int i = threadIdx.x + u * ATTN_THREADS;
@@ -1520,7 +1525,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn3_decode(AttnArgs
     };
     if (t_begin < t_end) load_rows(t_begin);  // written by earlier steps: before the wait
     pdl_enter();
-    rotate_live_batched(a, kvh, q0, gn, pos, q_s, kcur, vcur, [] {});
+    rotate_live_batched<HD ? HD : MAX_HEAD_DIM>(a, kvh, q0, gn, pos, q_s, kcur, vcur, [] {});
     if ((int)threadIdx.x < gn) {
         m_run[threadIdx.x] = NEG_INF;
         l_run[threadIdx.x] = 0.0f;
@@ -1557,6 +1562,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn3_decode(AttnArgs
                 const u32* krow = k_s + lane * row_words;
                 const float* q = q_s + g * hd;
                 float sacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // independent chains
+#pragma unroll 1
                 for (int w = 0; w < half; w += 2) {
 #pragma unroll
                     for (int u = 0; u < 2; u++) {
@@ -1585,6 +1591,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn3_decode(AttnArgs
         for (int i = threadIdx.x; i < gn * half; i += blockDim.x) {
             const int g = i / half, w = i % half;
             float ax = 0.0f, ay = 0.0f;
+#pragma unroll 1
             for (int t = 0; t < n_t; t++) {
                 const u32 pair = v_s[t * row_words + w];
                 const float p = p_s[g][t];
@@ -1631,6 +1638,15 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn3_decode(AttnArgs
     }
     cluster_arrive_relaxed();  // this CTA has read its peers' shared memory (the values are used)
     cluster_wait();
+}
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn3_decode(AttnArgs a, float* out) {
+    attn3_decode_body<0>(a, out);
+}
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn3_decode_hd128(AttnArgs a, float* out) {
+    attn3_decode_body<128>(a, out);
+}
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn3_decode_hd64(AttnArgs a, float* out) {
+    attn3_decode_body<64>(a, out);
 }
 
 // Combines the chunks 0 .. ceil(valid_len / ATTN2_CHUNK)-1 of each q head. Grid n_q; the

@@ -411,7 +411,9 @@ pub struct Kernels {
     pub attn2_decode_hd128: CudaFunction,
     pub attn2_merge: CudaFunction,
     /// Attention v3: v2's CTAs in clusters that merge through distributed shared memory.
-    pub attn3_decode: CudaFunction,
+    /// Attention v3 by head_dim: [any, 128, 64] (the last two with the head_dim built in,
+    /// in less code).
+    pub attn3_decode: [CudaFunction; 3],
     /// GEMV v3 (tensor cores) by epilogue: store (+bias), accumulate, SwiGLU.
     pub gemv3: [CudaFunction; 3],
     /// The NF4 tensor-core GEMM by epilogue: [v1, v2, v1 with f16 activations][width index
@@ -483,11 +485,12 @@ impl Kernels {
         let gemv3 = [f("gemv3_store")?, f("gemv3_acc")?, f("gemv3_swiglu")?];
         allow_dynamic_smem(&gemv3, GEMV3_MAX_SMEM)?;
         // Attention v3 keeps its q heads' running outputs in dynamic shared memory.
-        let attn3_decode = f("attn3_decode")?;
-        allow_dynamic_smem(
-            std::slice::from_ref(&attn3_decode),
-            ATTN2_MAX_GROUP_X_HD * 4,
-        )?;
+        let attn3_decode = [
+            f("attn3_decode")?,
+            f("attn3_decode_hd128")?,
+            f("attn3_decode_hd64")?,
+        ];
+        allow_dynamic_smem(&attn3_decode, ATTN2_MAX_GROUP_X_HD * 4)?;
         Ok(Self {
             gemv3,
             gemv_nf4: f("gemv_nf4")?,

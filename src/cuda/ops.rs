@@ -1103,7 +1103,12 @@ impl Ops {
                     block_dim: (ATTN_THREADS, 1, 1),
                     shared_mem_bytes: (heads * args.head_dim as usize * 4) as u32,
                 };
-                launch!(self.gpu, &self.k.attn3_decode, cfg, cluster = (1, splits, 1); args, out)
+                let f = &self.k.attn3_decode[match args.head_dim {
+                    128 => 1,
+                    64 => 2,
+                    _ => 0,
+                }];
+                launch!(self.gpu, f, cfg, cluster = (1, splits, 1); args, out)
             }
             Variant::V2 => {
                 let chunks = max_seq.div_ceil(ATTN2_CHUNK);
