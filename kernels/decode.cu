@@ -1356,7 +1356,7 @@ __device__ __forceinline__ void attn2_decode_body(const AttnArgs& a) {
     if (PRE_WAIT) pdl_enter();
     // Rotate the group's q heads (scale folded in) and the live k; take the live v.
     if constexpr (BATCHED) {
-        rotate_live_batched(a, kvh, q0, gn, pos, q_s, kcur, vcur, [&] {
+        rotate_live_batched<HD>(a, kvh, q0, gn, pos, q_s, kcur, vcur, [&] {
 #pragma unroll
             for (int u = 0; u < KV_VECS; u++) {
                 const int i = threadIdx.x + u * ATTN_THREADS;
