@@ -219,8 +219,8 @@ fn cache_dir() -> Option<PathBuf> {
 /// `DV2_GEMV3_PREWAIT=0` and `DV2_GEMV3_EPI_EARLY=0` apart. The compiler optimizes the
 /// module's kernels on every core (`--split-compile=0`; `DV2_NVRTC_SPLIT=0`: one thread): a
 /// machine's first load compiles the kernels, 32 s in one thread on 2 cores, 19 s split. The
-/// split changes the code of some kernels (scheduling, shared-memory
-/// placement), not what they compute.
+/// split changes the code of some kernels (scheduling, shared-memory placement), not what they
+/// compute.
 fn options(arch: &str) -> Vec<String> {
     let mut opts = vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()];
     if std::env::var("DV2_LINEINFO").as_deref() == Ok("1") {
@@ -410,9 +410,8 @@ pub struct Kernels {
     /// The same as `attn2_decode` for head_dim <= 128, in less code (`DV2_ATTN_HD128`).
     pub attn2_decode_hd128: CudaFunction,
     pub attn2_merge: CudaFunction,
-    /// Attention v3: v2's CTAs in clusters that merge through distributed shared memory.
-    /// Attention v3 by head_dim: [any, 128, 64] (the last two with the head_dim built in,
-    /// in less code).
+    /// Attention v3 (v2's CTAs in clusters that merge through distributed shared memory) by
+    /// head_dim: [any, 128, 64], the last two with the head_dim built in, in less code.
     pub attn3_decode: [CudaFunction; 3],
     /// GEMV v3 (tensor cores) by epilogue: store (+bias), accumulate, SwiGLU.
     pub gemv3: [CudaFunction; 3],
