@@ -335,6 +335,18 @@ extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_CTAS_PER_SM)
 // The kernels' `x_smem`: x read by each lane from global memory (0), staged in shared memory
 // (1), or given as f16 and staged so (2; the f16-pair table only).
 #define GEMV2_X_F16 2
+// Which of those a kernel's code holds (NVRTC defines the host sets, kernels.rs): the f32-x
+// kernels GEMV2_X_MODE (1, or 0 with DV2_GEMV2_XSMEM=0), the f16-x ones (suffix _x16)
+// GEMV2_X16_MODE (2). GEMV2_X_ANY (DV2_GEMV2_X_ONE=0): every path, the x_smem argument
+// choosing at run time. A warp runs its x path once, and the paths it never takes cost their
+// fetch (docs/lab.md, session 13): one path is 600-1,100 fewer SASS instructions.
+#define GEMV2_X_ANY 3
+#ifndef GEMV2_X_MODE
+#define GEMV2_X_MODE 1
+#endif
+#ifndef GEMV2_X16_MODE
+#define GEMV2_X16_MODE GEMV2_X_F16
+#endif
 
 // A row's epilogue operands (its bias, the old y a residual adds to), which GEMV v2 may load
 // right after its wait instead of after the row's sums (see gemv2_walk, GEMV2_EPI_EARLY).
@@ -751,11 +763,12 @@ __device__ __forceinline__ float dot_row_pair16(const RowChunks<J>& rc, const XH
 // The walk shared by the v2 kernels. `Rows` maps a row index to its matrix and epilogue:
 //   Nf4Ref matrix(int row, int* local_row); void store(int row, float sum[NM]) for NM
 //   matrices per row (1, or 2 for SwiGLU's gate and up).
-template <int J, int R, int NM, int TABLE, typename Rows>
+template <int J, int R, int NM, int TABLE, int XM, typename Rows>
 __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, const float* __restrict__ x,
-                                           NormArgs norm, int kparts, const int* skip_if, int x_smem,
+                                           NormArgs norm, int kparts, const int* skip_if, int x_smem_arg,
                                            int late_flags) {
     constexpr int w_first = GEMV2_W_FIRST;
+    const int x_smem = XM == GEMV2_X_ANY ? x_smem_arg : XM;
     const bool late_sum = late_flags & GEMV2_LATE_SUM, epi_early = late_flags & GEMV2_EPI_EARLY;
     __shared__ float lut[16];
     __shared__ __align__(16) float2 pair_lut[TABLE == GEMV2_PAIR32 ? PAIR_LUT_ENTRIES : 1];
@@ -974,26 +987,31 @@ struct SwigluRows {
     __device__ float* ss_out() const { return nullptr; }
 };
 
-#define GEMV2_KERNELS_BOUNDED(J, R, TABLE, SUFFIX, BOUNDS)                                                     \
+// The kernels of one (J, R, table) by what the rows feed: a plain matrix (nf4), q/k/v, SwiGLU.
+// XM: the x path the code holds (GEMV2_X_MODE above).
+#define GEMV2_NF4_KERNEL(J, R, TABLE, SUFFIX, BOUNDS, XM)                                                      \
     extern "C" __global__ void BOUNDS                                                                          \
         gemv2_nf4_j##J##SUFFIX(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y,                 \
                                const float* __restrict__ bias, int rows, int cols, int kparts, int accumulate, \
                                const int* skip_if, float* ss_out, int x_smem, int late) {                      \
         PlainRows p{m, y, bias, accumulate, ss_out};                                                           \
-        gemv2_walk<J, R, 1, TABLE>(p, rows, cols, x, norm, kparts, skip_if, x_smem, late);                     \
-    }                                                                                                          \
+        gemv2_walk<J, R, 1, TABLE, XM>(p, rows, cols, x, norm, kparts, skip_if, x_smem, late);                 \
+    }
+#define GEMV2_KERNELS_BOUNDED(J, R, TABLE, SUFFIX, BOUNDS)                                                     \
+    GEMV2_NF4_KERNEL(J, R, TABLE, SUFFIX, BOUNDS, GEMV2_X_MODE)                                                \
     extern "C" __global__ void BOUNDS                                                                          \
         gemv2_qkv_j##J##SUFFIX(QkvArgs a, const float* __restrict__ x, NormArgs norm, float* out, int cols,    \
                                int kparts, int x_smem, int late) {                                             \
         QkvRows q{a, out};                                                                                     \
-        gemv2_walk<J, R, 1, TABLE>(q, a.rows[0] + a.rows[1] + a.rows[2], cols, x, norm, kparts, nullptr,       \
-                                   x_smem, late);                                                              \
+        gemv2_walk<J, R, 1, TABLE, GEMV2_X_MODE>(q, a.rows[0] + a.rows[1] + a.rows[2], cols, x, norm, kparts,  \
+                                                 nullptr, x_smem, late);                                       \
     }                                                                                                          \
     extern "C" __global__ void BOUNDS                                                                          \
         gemv2_swiglu_j##J##SUFFIX(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm,          \
                                   float* out, int rows, int cols, int kparts, int x_smem, int late) {          \
         SwigluRows g{gate, up, out, (late & GEMV2_OUT_F16) != 0};                                              \
-        gemv2_walk<J, (R > 1 ? R / 2 : 1), 2, TABLE>(g, rows, cols, x, norm, kparts, nullptr, x_smem, late);   \
+        gemv2_walk<J, (R > 1 ? R / 2 : 1), 2, TABLE, GEMV2_X_MODE>(g, rows, cols, x, norm, kparts, nullptr,    \
+                                                                   x_smem, late);                              \
     }
 
 #define GEMV2_KERNELS(J, R, TABLE, SUFFIX) GEMV2_KERNELS_BOUNDED(J, R, TABLE, SUFFIX, __launch_bounds__(GEMV_THREADS, 1))
@@ -1013,6 +1031,13 @@ GEMV2_KERNELS(3, 2, GEMV2_PAIR16, )
 GEMV2_KERNELS_BOUNDED(1, 2, GEMV2_PAIR16, _narrow, __maxnreg__(128))
 GEMV2_KERNELS_BOUNDED(2, 2, GEMV2_PAIR16, _narrow, __maxnreg__(128))
 GEMV2_KERNELS_BOUNDED(3, 1, GEMV2_PAIR16, _narrow, __maxnreg__(128))
+// The plain-matrix kernels of the f16-pair table for an f16 x (down's, DV2_FFN_F16).
+GEMV2_NF4_KERNEL(1, 4, GEMV2_PAIR16, _x16, __launch_bounds__(GEMV_THREADS, 1), GEMV2_X16_MODE)
+GEMV2_NF4_KERNEL(2, 4, GEMV2_PAIR16, _x16, __launch_bounds__(GEMV_THREADS, 1), GEMV2_X16_MODE)
+GEMV2_NF4_KERNEL(3, 2, GEMV2_PAIR16, _x16, __launch_bounds__(GEMV_THREADS, 1), GEMV2_X16_MODE)
+GEMV2_NF4_KERNEL(1, 2, GEMV2_PAIR16, _narrow_x16, __maxnreg__(128), GEMV2_X16_MODE)
+GEMV2_NF4_KERNEL(2, 2, GEMV2_PAIR16, _narrow_x16, __maxnreg__(128), GEMV2_X16_MODE)
+GEMV2_NF4_KERNEL(3, 1, GEMV2_PAIR16, _narrow_x16, __maxnreg__(128), GEMV2_X16_MODE)
 GEMV2_KERNELS(1, 4, GEMV2_PAIR32, _p32)
 GEMV2_KERNELS(2, 4, GEMV2_PAIR32, _p32)
 GEMV2_KERNELS(3, 2, GEMV2_PAIR32, _p32)

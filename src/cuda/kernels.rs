@@ -216,7 +216,8 @@ fn cache_dir() -> Option<PathBuf> {
 /// the kernel variants `DV2_TABLE_WIDE=0`, `DV2_NORM_BATCH=n`, `DV2_GEMV3_X_BATCH=n`,
 /// `DV2_GEMV2_X_BATCH=n`, `DV2_GEMV3_ACC_ONE=0`, `DV2_GEMV3_L2_CODE=1`, `DV2_L2_AHEAD_KB=n`,
 /// `DV2_MERGE_EARLY=0`, `DV2_MERGE_WARP=0`, `DV2_GEMV_WFIRST=0`, `DV2_GEMV2_PREWAIT=0`,
-/// `DV2_GEMV3_PREWAIT=0` and `DV2_GEMV3_EPI_EARLY=0` apart. The compiler optimizes the
+/// `DV2_GEMV3_PREWAIT=0`, `DV2_GEMV3_EPI_EARLY=0`, `DV2_GEMV2_XSMEM=0` and `DV2_GEMV2_X_ONE=0`
+/// apart. The compiler optimizes the
 /// module's kernels on every core (`--split-compile=0`; `DV2_NVRTC_SPLIT=0`: one thread): a
 /// machine's first load compiles the kernels, 32 s in one thread on 2 cores, 19 s split. The
 /// split changes the code of some kernels (scheduling, shared-memory placement), not what they
@@ -251,6 +252,16 @@ fn options(arch: &str) -> Vec<String> {
         .filter(|n: &usize| (1..=8).contains(n))
         .unwrap_or(4);
     opts.push(format!("-DGEMV2_X_BATCH={x_batch2}"));
+    // The x path GEMV v2's kernels hold (kernels/decode.cu, GEMV2_X_MODE): the f32-x kernels
+    // the one DV2_GEMV2_XSMEM picks, the f16-x kernels theirs; DV2_GEMV2_X_ONE=0: every path,
+    // chosen at run time by the kernels' x_smem argument.
+    let (x_mode, x16_mode) = if !super::switch_on("DV2_GEMV2_X_ONE") {
+        (3, 3)
+    } else {
+        (i32::from(super::switch_on("DV2_GEMV2_XSMEM")), 2)
+    };
+    opts.push(format!("-DGEMV2_X_MODE={x_mode}"));
+    opts.push(format!("-DGEMV2_X16_MODE={x16_mode}"));
     // GEMV v3's L2 prefetch window (kernels/gemv_mma.cu, GEMV3_L2_AHEAD): compiled in only
     // where DV2_L2_AHEAD_KB asks for one (Ops::l2_ahead reads the same variable), or with
     // DV2_GEMV3_L2_CODE=1 (the code present, never run: what its size alone costs).
@@ -399,6 +410,9 @@ pub struct Kernels {
     /// GEMV v2 by codebook table ([byte -> f16 pair, byte -> f32 pair, nibble, byte -> f16
     /// pair with half the rows in flight in 128 registers (the default)]) and chunks per lane J.
     pub gemv2_nf4: [[CudaFunction; 3]; 4],
+    /// The plain-matrix kernels of the byte -> f16 pair table for an f16 x ([all rows in
+    /// flight, half in 128 registers][J - 1]).
+    pub gemv2_nf4_x16: [[CudaFunction; 3]; 2],
     pub gemv2_qkv: [[CudaFunction; 3]; 4],
     pub gemv2_swiglu: [[CudaFunction; 3]; 4],
     pub attn2_decode: CudaFunction,
@@ -459,14 +473,16 @@ impl Kernels {
         // GEMV v2: [f16-pair table, f32-pair table (suffix _p32), nibble table (_nib), f16-pair
         // table with half the rows in flight in 128 registers (_narrow, the default)][J - 1].
         // GEMV v2 stages x in dynamic shared memory, up to GEMV2_MAX_SMEM bytes.
+        let gemv2_by_j = |name: &str, suffix: &str| -> Result<[CudaFunction; 3]> {
+            let [a, b, c] = [1, 2, 3].map(|j| f(&format!("{name}_j{j}{suffix}")));
+            let fs = [a?, b?, c?];
+            allow_dynamic_smem(&fs, GEMV2_MAX_SMEM)?;
+            Ok(fs)
+        };
         let gemv2 = |name: &str| -> Result<[[CudaFunction; 3]; 4]> {
-            let by_j = |suffix: &str| -> Result<[CudaFunction; 3]> {
-                let [a, b, c] = [1, 2, 3].map(|j| f(&format!("{name}_j{j}{suffix}")));
-                let fs = [a?, b?, c?];
-                allow_dynamic_smem(&fs, GEMV2_MAX_SMEM)?;
-                Ok(fs)
-            };
-            Ok([by_j("")?, by_j("_p32")?, by_j("_nib")?, by_j("_narrow")?])
+            let [a, b, c, d] =
+                ["", "_p32", "_nib", "_narrow"].map(|suffix| gemv2_by_j(name, suffix));
+            Ok([a?, b?, c?, d?])
         };
         // GEMM v2 stages B in dynamic shared memory, up to GEMM_V2_MAX_SMEM bytes.
         let gemm = |name: &str| -> Result<[[CudaFunction; 4]; 3]> {
@@ -506,6 +522,10 @@ impl Kernels {
             commit_step: f("commit_step")?,
             ring_reset: f("ring_reset")?,
             gemv2_nf4: gemv2("gemv2_nf4")?,
+            gemv2_nf4_x16: [
+                gemv2_by_j("gemv2_nf4", "_x16")?,
+                gemv2_by_j("gemv2_nf4", "_narrow_x16")?,
+            ],
             gemv2_qkv: gemv2("gemv2_qkv")?,
             gemv2_swiglu: gemv2("gemv2_swiglu")?,
             attn2_decode: f("attn2_decode")?,

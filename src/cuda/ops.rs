@@ -931,8 +931,12 @@ impl Ops {
                 let kp = kparts as i32;
                 check_sums(ss_out, cfg.grid_dim.0)?;
                 let (xs, late) = self.gemv2_switches();
-                let xs = if input.f16 { GEMV2_X_F16 } else { xs };
-                launch!(self.gpu, &self.k.gemv2_nf4[self.gemv2_table()][j - 1], cfg; m, x, norm, y, bias, rows_i, cols_i, kp, acc, skip_if, ss_out, xs, late)?;
+                // An f16 x goes to the kernels built for it (the f16-pair table, stages_f16).
+                let (f, xs) = match (input.f16, self.gemv2_table()) {
+                    (true, table) => (&self.k.gemv2_nf4_x16[usize::from(table == 3)], GEMV2_X_F16),
+                    (false, table) => (&self.k.gemv2_nf4[table], xs),
+                };
+                launch!(self.gpu, &f[j - 1], cfg; m, x, norm, y, bias, rows_i, cols_i, kp, acc, skip_if, ss_out, xs, late)?;
                 Ok(cfg.grid_dim.0 as usize)
             }
         }
