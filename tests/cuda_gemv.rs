@@ -11,6 +11,7 @@ mod common;
 use common::cuda_or_skip;
 use decodev2::cuda::bench::random_f32 as random;
 use decodev2::cuda::device::Gpu;
+use decodev2::cuda::kernels::Kernels;
 use decodev2::cuda::ops::{GemvChoice, Input, Linear, Ops, QkvArgs, Variant};
 use decodev2::cuda::weights::DeviceMatrix;
 use decodev2::nf4::Nf4Matrix;
@@ -59,35 +60,61 @@ fn silu(g: f32) -> f32 {
     g / (1.0 + (-g).exp())
 }
 
-type Setting = (&'static str, fn(&mut Ops));
+/// A switch setting: its name, what it changes in [`Ops`], and a switch its kernels are
+/// compiled with (an NVRTC define: a module of their own), if any.
+type Setting = (
+    &'static str,
+    fn(&mut Ops),
+    Option<(&'static str, &'static str)>,
+);
 
 /// The switch settings checked, each applied to [`Ops`] at its defaults: each kernel family
 /// and each GEMV v2 table and variant that a switch selects.
 fn settings() -> Vec<Setting> {
     vec![
-        ("default (auto)", |_| {}),
-        ("v1", |o| o.gemv = GemvChoice::Fixed(Variant::V1)),
-        ("v2", |o| o.gemv = GemvChoice::Fixed(Variant::V2)),
-        ("v2 one CTA per SM, 182-236 registers", |o| {
-            o.gemv = GemvChoice::Fixed(Variant::V2);
-            o.gemv2_narrow = false;
-            o.gemv_ctas = 1;
-        }),
-        ("v2 f32-pair table", |o| {
-            o.gemv = GemvChoice::Fixed(Variant::V2);
-            o.gemv2_h16 = false;
-        }),
-        ("v2 nibble table", |o| {
-            o.gemv = GemvChoice::Fixed(Variant::V2);
-            o.gemv2_pairs = false;
-        }),
-        ("v2 x from global memory, sums per iteration", |o| {
-            o.gemv = GemvChoice::Fixed(Variant::V2);
-            o.gemv2_x_smem = false;
-            o.gemv2_late = false;
-        }),
-        ("v3", |o| o.gemv = GemvChoice::Fixed(Variant::V3)),
-        ("tensor-core GEMM", |o| o.linear = Linear::Mma),
+        ("default (auto)", |_| {}, None),
+        ("v1", |o| o.gemv = GemvChoice::Fixed(Variant::V1), None),
+        ("v2", |o| o.gemv = GemvChoice::Fixed(Variant::V2), None),
+        (
+            "v2 one CTA per SM, 182-236 registers",
+            |o| {
+                o.gemv = GemvChoice::Fixed(Variant::V2);
+                o.gemv2_narrow = false;
+                o.gemv_ctas = 1;
+            },
+            None,
+        ),
+        (
+            "v2 f32-pair table",
+            |o| {
+                o.gemv = GemvChoice::Fixed(Variant::V2);
+                o.gemv2_h16 = false;
+            },
+            None,
+        ),
+        (
+            "v2 nibble table",
+            |o| {
+                o.gemv = GemvChoice::Fixed(Variant::V2);
+                o.gemv2_pairs = false;
+            },
+            None,
+        ),
+        (
+            "v2 x from global memory, sums per iteration",
+            |o| {
+                o.gemv = GemvChoice::Fixed(Variant::V2);
+                o.gemv2_late = false;
+            },
+            Some(("DV2_GEMV2_XSMEM", "0")),
+        ),
+        (
+            "v2 every x path in the kernels",
+            |o| o.gemv = GemvChoice::Fixed(Variant::V2),
+            Some(("DV2_GEMV2_X_ONE", "0")),
+        ),
+        ("v3", |o| o.gemv = GemvChoice::Fixed(Variant::V3), None),
+        ("tensor-core GEMM", |o| o.linear = Linear::Mma, None),
     ]
 }
 
@@ -102,7 +129,7 @@ fn every_gemv_kernel_matches_the_cpu_at_every_v2_shape() {
         ops.linear,
         ops.gemv_ctas,
         [ops.gemv2_narrow, ops.gemv2_h16, ops.gemv2_pairs],
-        [ops.gemv2_x_smem, ops.gemv2_late],
+        ops.gemv2_late,
     );
     let gpu = &ops.gpu;
     let mats: Vec<[Matrix; 3]> = KS
@@ -116,10 +143,16 @@ fn every_gemv_kernel_matches_the_cpu_at_every_v2_shape() {
         })
         .collect();
     let mut worst = 0f32;
-    for (name, set) in settings() {
+    for (name, set, compiled) in settings() {
         (ops.gemv, ops.linear, ops.gemv_ctas) = (defaults.0, defaults.1, defaults.2);
         [ops.gemv2_narrow, ops.gemv2_h16, ops.gemv2_pairs] = defaults.3;
-        [ops.gemv2_x_smem, ops.gemv2_late] = defaults.4;
+        ops.gemv2_late = defaults.4;
+        if let Some((var, value)) = compiled {
+            // This test is its binary's only one: no other thread reads the environment.
+            std::env::set_var(var, value);
+            ops.k = Kernels::load(&ops.gpu).unwrap();
+            std::env::remove_var(var);
+        }
         set(&mut ops);
         let gpu = &ops.gpu;
         for (&k, [a, b, c]) in KS.iter().zip(&mats) {
@@ -240,6 +273,9 @@ fn every_gemv_kernel_matches_the_cpu_at_every_v2_shape() {
                 let (v, mag) = m.dot(row, &x);
                 (v + b, tolerance(mag))
             });
+        }
+        if compiled.is_some() {
+            ops.k = Kernels::load(&ops.gpu).unwrap();
         }
     }
     println!(

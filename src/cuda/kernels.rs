@@ -211,6 +211,13 @@ fn cache_dir() -> Option<PathBuf> {
     Some(base.join("decodev2"))
 }
 
+/// Whether GEMV v2 stages its f32 x once per CTA in shared memory, loaded coalesced (default;
+/// `DV2_GEMV2_XSMEM=0`: each lane loads its own chunks of x from global memory). Compiled into
+/// the kernels (options), so fixed for a loaded module: [`Kernels::gemv2_x_smem`].
+fn gemv2_x_smem() -> bool {
+    super::switch_on("DV2_GEMV2_XSMEM")
+}
+
 /// NVRTC options; `DV2_LINEINFO=1` adds source line information (for a profiler's source
 /// view; the cache keeps the two builds apart, options being part of its key), as it keeps
 /// the kernel variants `DV2_TABLE_WIDE=0`, `DV2_NORM_BATCH=n`, `DV2_GEMV3_X_BATCH=n`,
@@ -258,7 +265,7 @@ fn options(arch: &str) -> Vec<String> {
     let (x_mode, x16_mode) = if !super::switch_on("DV2_GEMV2_X_ONE") {
         (3, 3)
     } else {
-        (i32::from(super::switch_on("DV2_GEMV2_XSMEM")), 2)
+        (i32::from(gemv2_x_smem()), 2)
     };
     opts.push(format!("-DGEMV2_X_MODE={x_mode}"));
     opts.push(format!("-DGEMV2_X16_MODE={x16_mode}"));
@@ -413,6 +420,9 @@ pub struct Kernels {
     /// The plain-matrix kernels of the byte -> f16 pair table for an f16 x ([all rows in
     /// flight, half in 128 registers][J - 1]).
     pub gemv2_nf4_x16: [[CudaFunction; 3]; 2],
+    /// The GEMV v2 kernels stage their f32 x in shared memory (`DV2_GEMV2_XSMEM`, compiled in;
+    /// else each lane loads x from global memory).
+    pub gemv2_x_smem: bool,
     pub gemv2_qkv: [[CudaFunction; 3]; 4],
     pub gemv2_swiglu: [[CudaFunction; 3]; 4],
     pub attn2_decode: CudaFunction,
@@ -522,6 +532,7 @@ impl Kernels {
             commit_step: f("commit_step")?,
             ring_reset: f("ring_reset")?,
             gemv2_nf4: gemv2("gemv2_nf4")?,
+            gemv2_x_smem: gemv2_x_smem(),
             gemv2_nf4_x16: [
                 gemv2_by_j("gemv2_nf4", "_x16")?,
                 gemv2_by_j("gemv2_nf4", "_narrow_x16")?,

@@ -351,9 +351,6 @@ pub struct Ops {
     /// a CTA fits beside a GEMV v3 CTA and two fit an SM (default; `DV2_GEMV2_NARROW=0`: the
     /// 182-236-register kernels, one CTA per SM).
     pub gemv2_narrow: bool,
-    /// GEMV v2 stages x once per CTA in shared memory, loaded coalesced (default;
-    /// `DV2_GEMV2_XSMEM=0`: each lane loads its own chunks of x from global memory).
-    pub gemv2_x_smem: bool,
     /// GEMV v2 with K split over warps adds the parts and runs the epilogue once per CTA,
     /// after its last rows (default; `DV2_GEMV2_LATE=0`: per iteration, two barriers each).
     pub gemv2_late: bool,
@@ -452,7 +449,6 @@ impl Ops {
                 .unwrap_or(if gemv2_narrow { 2 } else { 1 }),
             gemv2_h16: switch_on("DV2_GEMV2_H16"),
             gemv2_narrow,
-            gemv2_x_smem: switch_on("DV2_GEMV2_XSMEM"),
             gemv2_late: switch_on("DV2_GEMV2_LATE"),
             gemv2_epi_early: switch_on("DV2_GEMV2_EPI_EARLY"),
             gemv2_late_one: switch_on("DV2_GEMV2_LATE1"),
@@ -562,7 +558,7 @@ impl Ops {
     /// K split too). When its first weights load is an NVRTC define (kernels.rs, options).
     fn gemv2_switches(&self) -> (i32, i32) {
         (
-            i32::from(self.gemv2_x_smem),
+            i32::from(self.k.gemv2_x_smem),
             i32::from(self.gemv2_late)
                 | i32::from(self.gemv2_late && self.gemv2_epi_early) << 1
                 | i32::from(self.gemv2_late && self.gemv2_late_one) << 2,
@@ -587,7 +583,7 @@ impl Ops {
             block_dim: (GEMV_THREADS, 1, 1),
             shared_mem_bytes: if x_f16 {
                 (cols / 32 * GEMV2_X16_STRIDE * 4) as u32
-            } else if self.gemv2_x_smem {
+            } else if self.k.gemv2_x_smem {
                 (cols / 32 * GEMV2_X_STRIDE * 4) as u32
             } else {
                 0
@@ -947,7 +943,7 @@ impl Ops {
     fn stages_f16(&self, kernel: Variant) -> bool {
         self.linear == Linear::Gemv
             && kernel == Variant::V2
-            && self.gemv2_x_smem
+            && self.k.gemv2_x_smem
             && matches!(self.gemv2_table(), 0 | 3)
     }
 
