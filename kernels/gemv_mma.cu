@@ -139,10 +139,19 @@ __device__ __forceinline__ void gemv3_prefetch(const GemmArgs& a, int group) {
     }
 }
 
+// What a GEMV v3 kernel's code holds for its input and output (IO): GEMV3_IO_ANY, both
+// chosen at run time (a.norm.w, a.ss_out); else the bits GEMV3_IO_NORM (x normed on load)
+// and GEMV3_IO_SUMS (partial sums of squares left for the next norm), and nothing for what
+// is not set. The decode step's calls each use one pattern (q/k/v norm, o sums), and code a
+// warp runs once or skips costs its fetch (docs/lab.md, sessions 13-14).
+#define GEMV3_IO_ANY -1
+#define GEMV3_IO_NORM 1
+#define GEMV3_IO_SUMS 2
+
 // Persistent: CTA b takes row groups b, b + gridDim.x, ...; each warp walks its K range of
 // every group S blocks at a time, the loads of the next S blocks (of this group or the next)
 // in flight during the math.
-template <int T, int S, int EPI>
+template <int T, int S, int EPI, int IO>
 __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
     __shared__ __align__(16) u32 lut[BYTE_LUT_WORDS];
     __shared__ float red[2][GEMV3_WARPS][T * 16];  // by group parity: one barrier per group
@@ -176,8 +185,10 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
     if (a.skip_if && *a.skip_if) return;
     if (GEMV3_W_FIRST == 1 && first_ok) gemv3_load<T, S, EPI>(a, blockIdx.x, kb0, kb1, g, t, cur);
     // x (normed) staged as f16 pairs.
-    for_each_x_quad<GEMV3_THREADS, GEMV3_X_BATCH>(a.x, a.k, a.norm, [&](int i, float4 v, uint2 w, float r) {
-        if (a.norm.w) {
+    NormArgs norm = a.norm;
+    if (IO != GEMV3_IO_ANY && !(IO & GEMV3_IO_NORM)) norm.w = nullptr;
+    for_each_x_quad<GEMV3_THREADS, GEMV3_X_BATCH>(a.x, a.k, norm, [&](int i, float4 v, uint2 w, float r) {
+        if (norm.w) {
             v.x *= r * bf16_to_f32((u16)(w.x & 0xffffu));
             v.y *= r * bf16_to_f32((u16)(w.x >> 16));
             v.z *= r * bf16_to_f32((u16)(w.y & 0xffffu));
@@ -279,16 +290,20 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
             }
         }
     }
-    if (a.ss_out) block_sum_to(ss, a.ss_out + blockIdx.x);
+    const bool sums = IO == GEMV3_IO_ANY ? a.ss_out != nullptr : (IO & GEMV3_IO_SUMS) != 0;
+    if (sums) block_sum_to(ss, a.ss_out + blockIdx.x);
 }
 
 // T = 1 tile for the plain epilogues, S = 4 blocks per load; SwiGLU: 2 tiles, 2 blocks.
-extern "C" __global__ void __launch_bounds__(GEMV3_THREADS, 2) gemv3_store(GemmArgs a) {
-    gemv3_body<1, 4, EPI_STORE>(a);
-}
-extern "C" __global__ void __launch_bounds__(GEMV3_THREADS, 2) gemv3_acc(GemmArgs a) {
-    gemv3_body<1, 4, EPI_ACCUMULATE>(a);
-}
-extern "C" __global__ void __launch_bounds__(GEMV3_THREADS, 2) gemv3_swiglu(GemmArgs a) {
-    gemv3_body<2, 2, EPI_SWIGLU>(a);
-}
+// Each for any input and output, and (suffix _lean) for the decode step's use of it
+// (DV2_GEMV3_LEAN): q/k/v and SwiGLU norm their x and leave no sums, o leaves sums of a raw x.
+#define GEMV3_KERNEL(NAME, T, S, EPI, IO)                                                                      \
+    extern "C" __global__ void __launch_bounds__(GEMV3_THREADS, 2) NAME(GemmArgs a) {                          \
+        gemv3_body<T, S, EPI, IO>(a);                                                                          \
+    }
+GEMV3_KERNEL(gemv3_store, 1, 4, EPI_STORE, GEMV3_IO_ANY)
+GEMV3_KERNEL(gemv3_acc, 1, 4, EPI_ACCUMULATE, GEMV3_IO_ANY)
+GEMV3_KERNEL(gemv3_swiglu, 2, 2, EPI_SWIGLU, GEMV3_IO_ANY)
+GEMV3_KERNEL(gemv3_store_lean, 1, 4, EPI_STORE, GEMV3_IO_NORM)
+GEMV3_KERNEL(gemv3_acc_lean, 1, 4, EPI_ACCUMULATE, GEMV3_IO_SUMS)
+GEMV3_KERNEL(gemv3_swiglu_lean, 2, 2, EPI_SWIGLU, GEMV3_IO_NORM)

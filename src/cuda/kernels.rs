@@ -439,6 +439,9 @@ pub struct Kernels {
     pub attn3_decode: [CudaFunction; 3],
     /// GEMV v3 (tensor cores) by epilogue: store (+bias), accumulate, SwiGLU.
     pub gemv3: [CudaFunction; 3],
+    /// The same for the decode step's uses alone (store and SwiGLU: a normed x, no sums out;
+    /// accumulate: a raw x, sums out), in less code (`DV2_GEMV3_LEAN`).
+    pub gemv3_lean: [CudaFunction; 3],
     /// The NF4 tensor-core GEMM by epilogue: [v1, v2, v1 with f16 activations][width index
     /// into [`GEMM_NT`]].
     pub gemm_store: [[CudaFunction; 4]; 3],
@@ -509,6 +512,12 @@ impl Kernels {
         // GEMV v3 stages x in dynamic shared memory, up to GEMV3_MAX_SMEM bytes.
         let gemv3 = [f("gemv3_store")?, f("gemv3_acc")?, f("gemv3_swiglu")?];
         allow_dynamic_smem(&gemv3, GEMV3_MAX_SMEM)?;
+        let gemv3_lean = [
+            f("gemv3_store_lean")?,
+            f("gemv3_acc_lean")?,
+            f("gemv3_swiglu_lean")?,
+        ];
+        allow_dynamic_smem(&gemv3_lean, GEMV3_MAX_SMEM)?;
         // Attention v3 keeps its q heads' running outputs in dynamic shared memory.
         let attn3_decode = [
             f("attn3_decode")?,
@@ -518,6 +527,7 @@ impl Kernels {
         allow_dynamic_smem(&attn3_decode, ATTN2_MAX_GROUP_X_HD * 4)?;
         Ok(Self {
             gemv3,
+            gemv3_lean,
             gemv_nf4: f("gemv_nf4")?,
             gemv_qkv: f("gemv_qkv")?,
             gemv_swiglu: f("gemv_swiglu")?,

@@ -367,6 +367,9 @@ pub struct Ops {
     /// GEMV v3 keeps about this many KB of each CTA's next weight rows prefetched into
     /// L2 (`DV2_L2_AHEAD_KB=n`; default 0, no prefetch: docs/lab.md, session 8).
     pub l2_ahead_kb: usize,
+    /// GEMV v3 in kernels holding only the decode step's input and output code where a call is
+    /// that use (default; `DV2_GEMV3_LEAN=0`: the kernels for any, choosing at run time).
+    pub gemv3_lean: bool,
     /// RMSNorm folded into the next GEMV's x load from the producer's partial sums of squares
     /// (default; `DV2_FUSE_RMS=0`: the RMSNorm kernel).
     pub fuse_rms: bool,
@@ -454,6 +457,7 @@ impl Ops {
             gemv2_late_one: switch_on("DV2_GEMV2_LATE1"),
             ffn_f16: switch_on("DV2_FFN_F16"),
             l2_ahead_kb: env_number("DV2_L2_AHEAD_KB").unwrap_or(0),
+            gemv3_lean: switch_on("DV2_GEMV3_LEAN"),
             fuse_rms: switch_on("DV2_FUSE_RMS"),
             attnp_simt: std::env::var("DV2_ATTNP").is_ok_and(|v| v == "simt"),
             attnp_stage1: std::env::var("DV2_ATTNP_STAGE").as_deref() == Ok("v1"),
@@ -799,10 +803,20 @@ impl Ops {
             args.bias[i] = m.bias;
             args.rows[i] = m.rows as i32;
         }
+        // The lean kernels where the call is the decode step's use of its epilogue.
+        let lean = match epilogue {
+            Epilogue::Store | Epilogue::Swiglu => norm.w != 0 && ss_out == 0,
+            Epilogue::Accumulate => norm.w == 0 && ss_out != 0,
+        };
+        let kernels = if lean && self.gemv3_lean {
+            &self.k.gemv3_lean
+        } else {
+            &self.k.gemv3
+        };
         let (f, outputs) = match epilogue {
-            Epilogue::Store => (&self.k.gemv3[0], mats.iter().map(|m| m.rows).sum()),
-            Epilogue::Accumulate => (&self.k.gemv3[1], mats[0].rows),
-            Epilogue::Swiglu => (&self.k.gemv3[2], mats[0].rows),
+            Epilogue::Store => (&kernels[0], mats.iter().map(|m| m.rows).sum()),
+            Epilogue::Accumulate => (&kernels[1], mats[0].rows),
+            Epilogue::Swiglu => (&kernels[2], mats[0].rows),
         };
         // Persistent: two CTAs per SM (the registers allow two), each looping over groups
         // of 16 outputs.
