@@ -1468,7 +1468,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode(AttnArgs
 // The default kernel for head_dim <= 128 (DV2_ATTN_HD128): its prologue unrolled for 128
 // dims, 1,720 SASS instructions against 2,896. Why: each warp runs this code once, and its
 // fetch is cold every layer; session 13 measured attention's time following its code size
-// (-0.57 us a layer here; attention v3, not kept: 8,440 -> 4,984 instructions, -5 us).
+// (-0.57 us a layer here; attention v3: 8,440 -> 4,984 instructions, -5 us).
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode_hd128(AttnArgs a) {
     attn2_decode_body<true, true, 128>(a);
 }
@@ -1490,7 +1490,10 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode_serial(A
 // Why: the merge kernel added 2.1 us a layer in the graph (docs/lab.md, session 12) and v2's
 // grid has a column per 32-slot chunk of max_seq (1,024 CTAs at 2,048 slots, most of which
 // only read the position and leave); here the grid is n_kv * parts * splits CTAs whatever
-// the context. Needs head_dim a multiple of splits (the host checks).
+// the context. Needs head_dim a multiple of splits (the host checks). Measured: -0.027
+// ms/token against v2 and its merge at 1,728 instructions; it lost at 8,440 (+0.27) and 4,984
+// (+0.076), its cluster barrier and GPU-scope fence costing less than the code did
+// (docs/lab.md, sessions 13-14).
 // HD: the head_dim when known at compile time (64 or 128: the K/V indexing by shifts, half
 // the vectors unrolled), 0 for any. Loops stay rolled (#pragma unroll 1): each warp runs this
 // code about once, and its cold fetch is the cost (docs/lab.md, session 13).
