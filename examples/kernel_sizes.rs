@@ -5,7 +5,9 @@
 //! `DV2_NORM_BATCH`, `DV2_GEMV3_X_BATCH`) apply as they do at load.
 //!
 //!     LD_LIBRARY_PATH=<dir holding libnvrtc> cargo run --release --example kernel_sizes \
-//!         [--arch sm_90] [name filters...]
+//!         [--arch sm_90] [--cubin PATH] [name filters...]
+//!
+//! `--cubin PATH` also writes the cubin (for `cuobjdump -sass` or `nvdisasm`).
 //!
 //! Prints each kernel whose name contains one of the filters (all without filters) with its
 //! instruction count (16 bytes each on sm_70 and later), largest first.
@@ -14,14 +16,16 @@ use decodev2::cuda::kernels::{compile_decode, nvrtc_present};
 
 fn main() {
     let mut args: Vec<String> = std::env::args().skip(1).collect();
-    let arch = match args.iter().position(|a| a == "--arch") {
+    let mut option = |flag: &str| match args.iter().position(|a| a == flag) {
         Some(i) if i + 1 < args.len() => {
-            let arch = args.remove(i + 1);
+            let value = args.remove(i + 1);
             args.remove(i);
-            arch
+            Some(value)
         }
-        _ => "sm_90".to_string(),
+        _ => None,
     };
+    let arch = option("--arch").unwrap_or_else(|| "sm_90".to_string());
+    let cubin_path = option("--cubin");
     if !nvrtc_present() {
         eprintln!("libnvrtc not found: set LD_LIBRARY_PATH to the directory that holds it");
         std::process::exit(2);
@@ -30,6 +34,12 @@ fn main() {
         eprintln!("compiling the decode unit for {arch}: {e}");
         std::process::exit(1);
     });
+    if let Some(path) = &cubin_path {
+        std::fs::write(path, &cubin).unwrap_or_else(|e| {
+            eprintln!("writing {path}: {e}");
+            std::process::exit(1);
+        });
+    }
     let mut kernels = text_sections(&cubin).unwrap_or_else(|e| {
         eprintln!("reading the cubin: {e}");
         std::process::exit(1);
