@@ -11,8 +11,9 @@
 //! `DV2_ATTN_BATCH=0` makes v2's prologue load and store in turn instead of issuing every
 //! load first; `DV2_MERGE_EARLY=0` makes its merge load the partials only once it has read the
 //! position). `DV2_GEMV2_PAIRS=0` makes GEMV v2 look weights up one at a time in the
-//! 16-entry codebook (default: two at a time in a byte -> f32-pair table); `DV2_GEMV2_XSMEM=0` makes its lanes load x from global memory (default:
-//! staged once per CTA in shared memory); `DV2_GEMV2_LATE=0` runs its K-split sums and
+//! 16-entry codebook (default: two at a time in a byte -> f32-pair table);
+//! `DV2_GEMV2_XSMEM=0` makes its lanes load x from global memory (default: staged once per
+//! CTA in shared memory); `DV2_GEMV2_LATE=0` runs its K-split sums and
 //! epilogue per iteration (default: once per CTA). `DV2_GEMV3_EPI_EARLY=0` makes GEMV v3 load
 //! its epilogue's operands after the reduction (default: as each row group starts);
 //! `DV2_GEMV3_PREWAIT=0` makes it issue its first weights after the wait on the previous
