@@ -5,7 +5,7 @@
 # them with that in mind (machines differ by 1-2% between calls; within one call, repeated rows
 # agree to ~0.002 ms). Full outputs under $OUT/compare (or ./device-logs/compare).
 # Usage: bash tests/gpu/compare-benches.sh NAME [NAME...]   (NAME: .device/examples/bench-NAME;
-#   "main": .device/examples/bench, the packed checkout's own)
+#   "packed": .device/examples/bench, the packed checkout's own)
 set -uo pipefail
 out=${OUT:-device-logs}/compare; mkdir -p "$out"
 export DV2_CACHE_DIR=/tmp/dv2-cache
@@ -16,7 +16,7 @@ pass=0
 for order in "${names[*]}" "${reversed[*]}"; do
   pass=$((pass + 1))
   for name in $order; do
-    bin=.device/examples/bench-$name; [[ $name == main ]] && bin=.device/examples/bench
+    bin=.device/examples/bench-$name; [[ $name == packed ]] && bin=.device/examples/bench
     timeout 300 "$bin" --skip-kernels --skip-variants --rows none > "$out/$name-$pass.txt" 2>&1
     echo "pass $pass $name: $(grep -E '^  qwen25_3b ' "$out/$name-$pass.txt" | awk '{print $(NF-1)}' | paste -sd' ' -) ms/token (default, again)"
   done
