@@ -1,8 +1,8 @@
 //! SASS instructions per kernel of the decode unit, compiled here by NVRTC (no GPU needed):
 //! the code each warp fetches. Code that a kernel's warps run once costs its cold fetch
 //! every layer (docs/lab.md, session 13: 0.5-1.5 ns per instruction), so this ranks what to
-//! trim before a device run measures it. The NVRTC-define switches (`DV2_TABLE_WIDE`,
-//! `DV2_NORM_BATCH`, `DV2_GEMV3_X_BATCH`) apply as they do at load.
+//! trim before a device run measures it. The switches compiled in as NVRTC defines
+//! (src/cuda/kernels.rs, `options`) apply as they do at load.
 //!
 //!     LD_LIBRARY_PATH=<dir holding libnvrtc> cargo run --release --example kernel_sizes \
 //!         [--arch sm_90] [--cubin PATH] [name filters...]

@@ -224,11 +224,10 @@ fn gemv2_x_smem() -> bool {
 /// `DV2_GEMV2_X_BATCH=n`, `DV2_GEMV3_ACC_ONE=0`, `DV2_GEMV3_L2_CODE=1`, `DV2_L2_AHEAD_KB=n`,
 /// `DV2_MERGE_EARLY=0`, `DV2_MERGE_WARP=0`, `DV2_GEMV_WFIRST=0`, `DV2_GEMV2_PREWAIT=0`,
 /// `DV2_GEMV3_PREWAIT=0`, `DV2_GEMV3_EPI_EARLY=0`, `DV2_GEMV2_XSMEM=0` and `DV2_GEMV2_X_ONE=0`
-/// apart. The compiler optimizes the
-/// module's kernels on every core (`--split-compile=0`; `DV2_NVRTC_SPLIT=0`: one thread): a
-/// machine's first load compiles the kernels, 32 s in one thread on 2 cores, 19 s split. The
-/// split changes the code of some kernels (scheduling, shared-memory placement), not what they
-/// compute.
+/// apart. The compiler optimizes the module's kernels on every core (`--split-compile=0`;
+/// `DV2_NVRTC_SPLIT=0`: one thread): a machine's first load compiles the kernels, 32 s in one
+/// thread on 2 cores, 19 s split. The split changes the code of some kernels (scheduling,
+/// shared-memory placement), not what they compute.
 fn options(arch: &str) -> Vec<String> {
     let mut opts = vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()];
     if std::env::var("DV2_LINEINFO").as_deref() == Ok("1") {
@@ -243,22 +242,27 @@ fn options(arch: &str) -> Vec<String> {
     opts.push(format!("-DTABLE_WIDE_STORES={wide}"));
     // Partial sums of squares each lane loads at once for a fused RMSNorm (kernels/decode.cu,
     // norm_factor; DV2_NORM_BATCH=n, 1..=16; 8 before session 11).
-    let norm_batch = super::env_number("DV2_NORM_BATCH")
-        .filter(|n: &usize| (1..=16).contains(n))
-        .unwrap_or(12);
-    opts.push(format!("-DNORM_BATCH={norm_batch}"));
+    let bounded = |var: &str, max: usize, default: usize| {
+        super::env_number(var)
+            .filter(|n: &usize| (1..=max).contains(n))
+            .unwrap_or(default)
+    };
+    opts.push(format!(
+        "-DNORM_BATCH={}",
+        bounded("DV2_NORM_BATCH", 16, 12)
+    ));
     // GEMV v3's x quads per thread per round of loads (kernels/gemv_mma.cu, GEMV3_X_BATCH;
     // DV2_GEMV3_X_BATCH=n, 1..=8; 8 before session 13).
-    let x_batch = super::env_number("DV2_GEMV3_X_BATCH")
-        .filter(|n: &usize| (1..=8).contains(n))
-        .unwrap_or(4);
-    opts.push(format!("-DGEMV3_X_BATCH={x_batch}"));
+    opts.push(format!(
+        "-DGEMV3_X_BATCH={}",
+        bounded("DV2_GEMV3_X_BATCH", 8, 4)
+    ));
     // The same for GEMV v2's f32 x (kernels/decode.cu, stage_x; DV2_GEMV2_X_BATCH=n, 1..=8;
     // 8 before).
-    let x_batch2 = super::env_number("DV2_GEMV2_X_BATCH")
-        .filter(|n: &usize| (1..=8).contains(n))
-        .unwrap_or(4);
-    opts.push(format!("-DGEMV2_X_BATCH={x_batch2}"));
+    opts.push(format!(
+        "-DGEMV2_X_BATCH={}",
+        bounded("DV2_GEMV2_X_BATCH", 8, 4)
+    ));
     // The x path GEMV v2's kernels hold (kernels/decode.cu, GEMV2_X_MODE): the f32-x kernels
     // the one DV2_GEMV2_XSMEM picks, the f16-x kernels theirs; DV2_GEMV2_X_ONE=0: every path,
     // chosen at run time by the kernels' x_smem argument.

@@ -560,7 +560,7 @@ impl Ops {
 
     /// GEMV v2's switch arguments: x staged in shared memory, and the `late` flags
     /// (kernels/decode.cu: 1 late K sums, 2 the epilogue operands early, 4 late sums without a
-    /// K split too). When its first weights load is an NVRTC define (kernels.rs, options).
+    /// K split too). When it loads its first weights is an NVRTC define (kernels.rs, options).
     fn gemv2_switches(&self) -> (i32, i32) {
         (
             i32::from(self.k.gemv2_x_smem),
