@@ -760,17 +760,10 @@ __device__ __forceinline__ float dot_row_pair16(const RowChunks<J>& rc, const XH
     });
 }
 
-// Blocks of weights GEMV v2's walk keeps in flight (template argument AHEAD of gemv2_walk):
-// GEMV2_AHEAD, 2 unless DV2_GEMV2_PINGPONG=0 (the NVRTC define GEMV2_PINGPONG), except in the
-// 128-register kernels of J = 3 with an f32 x, which would spill 216-304 bytes with two.
-#ifndef GEMV2_PINGPONG
-#define GEMV2_PINGPONG 1
-#endif
-#define GEMV2_AHEAD (GEMV2_PINGPONG ? 2 : 1)
 // The walk shared by the v2 kernels. `Rows` maps a row index to its matrix and epilogue:
 //   Nf4Ref matrix(int row, int* local_row); void store(int row, float sum[NM]) for NM
 //   matrices per row (1, or 2 for SwiGLU's gate and up).
-template <int J, int R, int NM, int TABLE, int XM, int AHEAD, typename Rows>
+template <int J, int R, int NM, int TABLE, int XM, typename Rows>
 __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, const float* __restrict__ x,
                                            NormArgs norm, int kparts, const int* skip_if, int x_smem_arg,
                                            int late_flags) {
@@ -800,8 +793,7 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     // (SwiGLU's exp and division by lane 0) leave the walk and run in parallel at its end.
     const bool late = late_sum && (kparts > 1 || (late_flags & GEMV2_LATE_ONE)) &&
                       (r1 - r0) * NM * kparts <= GEMV2_LATE_FLOATS;
-    // Software pipeline: each block's loads are issued before an earlier block's math (one
-    // block ahead, or two with AHEAD 2 below).
+    // Software pipeline: the loads of the next block are issued before this block's math.
     RowChunks<J> cur[R][NM], nxt[R][NM];
     auto load_block = [&](int base, RowChunks<J> (&rc)[R][NM]) {
 #pragma unroll
@@ -821,15 +813,11 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     // 10; session 3 measured it 3% slower with CTAs that could not be). w_first 1 (DV2_GEMV2_
     // PREWAIT=0) issues them after the wait but before x's loads, so their fetch overlaps the
     // round trips for the norm's partial sums and x; 0 (DV2_GEMV_WFIRST=0) after x is in
-    // registers. With AHEAD 2 the second block's weights go with the first.
-    auto load_first = [&]() {
-        load_block(r0, cur);
-        if (AHEAD == 2 && r0 + block < r1) load_block(r0 + block, nxt);
-    };
-    if (w_first == 2) load_first();
+    // registers.
+    if (w_first == 2) load_block(r0, cur);
     pdl_enter();
     if (skip_if && *skip_if) return;
-    if (w_first == 1) load_first();
+    if (w_first == 1) load_block(r0, cur);
     // With late sums and epi_early, the epilogue operands of the CTA's first blockDim.x rows
     // (thread i: row r0 + i, as in the final reduction below) load now, so their round trip
     // overlaps the walk instead of following the last barrier.
@@ -854,23 +842,26 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
         }
         if (TABLE == GEMV2_PAIR16) pack_x_halves<J>(xs, xh);
     }
-    if (!w_first) load_first();
+    if (!w_first) load_block(r0, cur);
     float ss = 0.0f;  // squares of the values this thread stored
-    // One block's sums from its registers `rc`, then its epilogue (or its K-part sums left for
-    // the late one).
-    auto finish_block = [&](int base, const RowChunks<J> (&rc)[R][NM]) {
+    for (int base = r0; base < r1; base += block) {
+        if (base + block < r1) load_block(base + block, nxt);
         float sums[R][NM];
 #pragma unroll
         for (int i = 0; i < R; i++)
 #pragma unroll
             for (int k = 0; k < NM; k++)
                 sums[i][k] = warp_sum(
-                    TABLE == GEMV2_PAIR16 ? dot_row_pair16<J>(rc[i][k], xh, pair16_lut, lane4)
+                    TABLE == GEMV2_PAIR16 ? dot_row_pair16<J>(cur[i][k], xh, pair16_lut, lane4)
                     : TABLE == GEMV2_PAIR32
-                        ? dot_row<J>(rc[i][k], xs, [&](u32 b, int q) { return nf4_pair(pair_lut, b, q, lane8); })
-                        : dot_row<J>(rc[i][k], xs, [&](u32 b, int q) {
+                        ? dot_row<J>(cur[i][k], xs, [&](u32 b, int q) { return nf4_pair(pair_lut, b, q, lane8); })
+                        : dot_row<J>(cur[i][k], xs, [&](u32 b, int q) {
                               return make_float2(lut[(b >> (8 * q + 4)) & 15], lut[(b >> (8 * q)) & 15]);
                           }));
+#pragma unroll
+        for (int i = 0; i < R; i++)
+#pragma unroll
+            for (int k = 0; k < NM; k++) cur[i][k] = nxt[i][k];
         if (late) {
             if (lane == 0) {
 #pragma unroll
@@ -882,7 +873,7 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
                     }
                 }
             }
-            return;
+            continue;
         }
         if (kparts == 1) {
             if (lane == 0) {
@@ -892,7 +883,7 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
                     if (r < r1) ss += sq(rows_of.store(r, sums[i]));
                 }
             }
-            return;
+            continue;
         }
         if (lane == 0) {
 #pragma unroll
@@ -915,31 +906,6 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
             }
         }
         __syncthreads();
-    };
-    if constexpr (AHEAD == 2) {
-        // Two register sets, each refilled with the block two ahead as soon as its sums are
-        // done: while the warp waits for block i + 1, block i + 2 is in flight too. `base +
-        // block < r1` is the same in every warp of the CTA, so the barriers of the
-        // per-iteration epilogue stay uniform.
-        for (int base = r0; base < r1; base += 2 * block) {
-            finish_block(base, cur);
-            if (base + 2 * block < r1) load_block(base + 2 * block, cur);
-            if (base + block < r1) {
-                finish_block(base + block, nxt);
-                if (base + 3 * block < r1) load_block(base + 3 * block, nxt);
-            }
-        }
-    } else {
-        // One block ahead: the next block's loads issued before this block's math, then copied
-        // into `cur`, which waits for them, so a warp has one block in flight at a time.
-        for (int base = r0; base < r1; base += block) {
-            if (base + block < r1) load_block(base + block, nxt);
-            finish_block(base, cur);
-#pragma unroll
-            for (int i = 0; i < R; i++)
-#pragma unroll
-                for (int k = 0; k < NM; k++) cur[i][k] = nxt[i][k];
-        }
     }
     if (late) {
         __syncthreads();
@@ -1022,35 +988,33 @@ struct SwigluRows {
 };
 
 // The kernels of one (J, R, table) by what the rows feed: a plain matrix (nf4), q/k/v, SwiGLU.
-// XM: the x path the code holds (GEMV2_X_MODE above); AHEAD: the blocks of weights in flight
-// (GEMV2_AHEAD).
-#define GEMV2_NF4_KERNEL(J, R, TABLE, SUFFIX, BOUNDS, XM, AHEAD)                                               \
+// XM: the x path the code holds (GEMV2_X_MODE above).
+#define GEMV2_NF4_KERNEL(J, R, TABLE, SUFFIX, BOUNDS, XM)                                                      \
     extern "C" __global__ void BOUNDS                                                                          \
         gemv2_nf4_j##J##SUFFIX(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y,                 \
                                const float* __restrict__ bias, int rows, int cols, int kparts, int accumulate, \
                                const int* skip_if, float* ss_out, int x_smem, int late) {                      \
         PlainRows p{m, y, bias, accumulate, ss_out};                                                           \
-        gemv2_walk<J, R, 1, TABLE, XM, AHEAD>(p, rows, cols, x, norm, kparts, skip_if, x_smem, late);          \
+        gemv2_walk<J, R, 1, TABLE, XM>(p, rows, cols, x, norm, kparts, skip_if, x_smem, late);                 \
     }
-#define GEMV2_KERNELS_BOUNDED(J, R, TABLE, SUFFIX, BOUNDS, AHEAD)                                              \
-    GEMV2_NF4_KERNEL(J, R, TABLE, SUFFIX, BOUNDS, GEMV2_X_MODE, AHEAD)                                         \
+#define GEMV2_KERNELS_BOUNDED(J, R, TABLE, SUFFIX, BOUNDS)                                                     \
+    GEMV2_NF4_KERNEL(J, R, TABLE, SUFFIX, BOUNDS, GEMV2_X_MODE)                                                \
     extern "C" __global__ void BOUNDS                                                                          \
         gemv2_qkv_j##J##SUFFIX(QkvArgs a, const float* __restrict__ x, NormArgs norm, float* out, int cols,    \
                                int kparts, int x_smem, int late) {                                             \
         QkvRows q{a, out};                                                                                     \
-        gemv2_walk<J, R, 1, TABLE, GEMV2_X_MODE, AHEAD>(q, a.rows[0] + a.rows[1] + a.rows[2], cols, x, norm,   \
-                                                        kparts, nullptr, x_smem, late);                        \
+        gemv2_walk<J, R, 1, TABLE, GEMV2_X_MODE>(q, a.rows[0] + a.rows[1] + a.rows[2], cols, x, norm, kparts,  \
+                                                 nullptr, x_smem, late);                                       \
     }                                                                                                          \
     extern "C" __global__ void BOUNDS                                                                          \
         gemv2_swiglu_j##J##SUFFIX(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm,          \
                                   float* out, int rows, int cols, int kparts, int x_smem, int late) {          \
         SwigluRows g{gate, up, out, (late & GEMV2_OUT_F16) != 0};                                              \
-        gemv2_walk<J, (R > 1 ? R / 2 : 1), 2, TABLE, GEMV2_X_MODE, AHEAD>(g, rows, cols, x, norm, kparts,      \
-                                                                          nullptr, x_smem, late);              \
+        gemv2_walk<J, (R > 1 ? R / 2 : 1), 2, TABLE, GEMV2_X_MODE>(g, rows, cols, x, norm, kparts, nullptr,    \
+                                                                   x_smem, late);                              \
     }
 
-#define GEMV2_KERNELS(J, R, TABLE, SUFFIX) \
-    GEMV2_KERNELS_BOUNDED(J, R, TABLE, SUFFIX, __launch_bounds__(GEMV_THREADS, 1), GEMV2_AHEAD)
+#define GEMV2_KERNELS(J, R, TABLE, SUFFIX) GEMV2_KERNELS_BOUNDED(J, R, TABLE, SUFFIX, __launch_bounds__(GEMV_THREADS, 1))
 
 // The f16-pair table with its rows in flight in 182-236 registers, one CTA per SM
 // (DV2_GEMV2_NARROW=0), the f32-pair table (suffix _p32, DV2_GEMV2_H16=0) and the nibble table
@@ -1063,18 +1027,17 @@ GEMV2_KERNELS(3, 2, GEMV2_PAIR16, )
 // (suffix _narrow; no spills but SwiGLU's at J = 3, 240 bytes): a CTA fits beside a GEMV v3
 // CTA (o's, before gate/up), so it becomes resident and builds its table while that kernel
 // runs, and two fit an SM (DV2_GEMV_CTAS default 2: 16 warps per SM, the rows in flight of
-// one CTA of the kernels above). 6% faster decode (docs/lab.md, session 10). Those of J = 3 walk
-// one block ahead (see GEMV2_AHEAD).
-GEMV2_KERNELS_BOUNDED(1, 2, GEMV2_PAIR16, _narrow, __maxnreg__(128), GEMV2_AHEAD)
-GEMV2_KERNELS_BOUNDED(2, 2, GEMV2_PAIR16, _narrow, __maxnreg__(128), GEMV2_AHEAD)
-GEMV2_KERNELS_BOUNDED(3, 1, GEMV2_PAIR16, _narrow, __maxnreg__(128), 1)
+// one CTA of the kernels above). 6% faster decode (docs/lab.md, session 10).
+GEMV2_KERNELS_BOUNDED(1, 2, GEMV2_PAIR16, _narrow, __maxnreg__(128))
+GEMV2_KERNELS_BOUNDED(2, 2, GEMV2_PAIR16, _narrow, __maxnreg__(128))
+GEMV2_KERNELS_BOUNDED(3, 1, GEMV2_PAIR16, _narrow, __maxnreg__(128))
 // The plain-matrix kernels of the f16-pair table for an f16 x (down's, DV2_FFN_F16).
-GEMV2_NF4_KERNEL(1, 4, GEMV2_PAIR16, _x16, __launch_bounds__(GEMV_THREADS, 1), GEMV2_X16_MODE, GEMV2_AHEAD)
-GEMV2_NF4_KERNEL(2, 4, GEMV2_PAIR16, _x16, __launch_bounds__(GEMV_THREADS, 1), GEMV2_X16_MODE, GEMV2_AHEAD)
-GEMV2_NF4_KERNEL(3, 2, GEMV2_PAIR16, _x16, __launch_bounds__(GEMV_THREADS, 1), GEMV2_X16_MODE, GEMV2_AHEAD)
-GEMV2_NF4_KERNEL(1, 2, GEMV2_PAIR16, _narrow_x16, __maxnreg__(128), GEMV2_X16_MODE, GEMV2_AHEAD)
-GEMV2_NF4_KERNEL(2, 2, GEMV2_PAIR16, _narrow_x16, __maxnreg__(128), GEMV2_X16_MODE, GEMV2_AHEAD)
-GEMV2_NF4_KERNEL(3, 1, GEMV2_PAIR16, _narrow_x16, __maxnreg__(128), GEMV2_X16_MODE, GEMV2_AHEAD)
+GEMV2_NF4_KERNEL(1, 4, GEMV2_PAIR16, _x16, __launch_bounds__(GEMV_THREADS, 1), GEMV2_X16_MODE)
+GEMV2_NF4_KERNEL(2, 4, GEMV2_PAIR16, _x16, __launch_bounds__(GEMV_THREADS, 1), GEMV2_X16_MODE)
+GEMV2_NF4_KERNEL(3, 2, GEMV2_PAIR16, _x16, __launch_bounds__(GEMV_THREADS, 1), GEMV2_X16_MODE)
+GEMV2_NF4_KERNEL(1, 2, GEMV2_PAIR16, _narrow_x16, __maxnreg__(128), GEMV2_X16_MODE)
+GEMV2_NF4_KERNEL(2, 2, GEMV2_PAIR16, _narrow_x16, __maxnreg__(128), GEMV2_X16_MODE)
+GEMV2_NF4_KERNEL(3, 1, GEMV2_PAIR16, _narrow_x16, __maxnreg__(128), GEMV2_X16_MODE)
 GEMV2_KERNELS(1, 4, GEMV2_PAIR32, _p32)
 GEMV2_KERNELS(2, 4, GEMV2_PAIR32, _p32)
 GEMV2_KERNELS(3, 2, GEMV2_PAIR32, _p32)
