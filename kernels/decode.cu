@@ -1498,9 +1498,6 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode_serial(A
 // the vectors unrolled), 0 for any. Loops stay rolled (#pragma unroll 1): each warp runs this
 // code about once, and its cold fetch is the cost (docs/lab.md, session 13).
 #define ATTN3_MAX_SPLITS 8
-#ifndef ATTN3_WARM
-#define ATTN3_WARM 0
-#endif
 template <int HD>
 __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out) {
     const int hd = HD ? HD : a.head_dim, half = hd >> 1;
@@ -1554,131 +1551,121 @@ __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out)
             }
         }
     };
-    // ATTN3_WARM (an NVRTC define, DV2_ATTN3_WARM): the same code runs twice, first dry before
-    // the wait on the q/k/v GEMV (global stores off, its first chunk only), so that the code
-    // after the wait is fetched while the CTA would idle. Why: each warp runs this code about
-    // once a layer and its fetch is cold (docs/lab.md, sessions 13-14); the dry pass reads
-    // stale q/k/v and discards what it computes. Loop kept rolled so the code is one copy.
-#pragma unroll 1
-    for (int pass = ATTN3_WARM ? 0 : 1; pass < 2; pass++) {
-        const bool dry = pass == 0;
-        const int t_stop = dry ? min(t_end, t_begin + ATTN2_CHUNK) : t_end;
-        if (t_begin < t_end) load_rows(t_begin);  // written by earlier steps: before the wait
-        if (!dry) pdl_enter();
-        rotate_live_batched<HD ? HD : MAX_HEAD_DIM>(a, kvh, q0, gn, pos, q_s, kcur, vcur, [] {});
-        if ((int)threadIdx.x < gn) {
-            m_run[threadIdx.x] = NEG_INF;
-            l_run[threadIdx.x] = 0.0f;
-        }
-        // The heads' running partial outputs, [gn][hd] (dynamic: gn * hd floats); a thread
-        // keeps the same pairs of dims in every chunk.
-        extern __shared__ __align__(16) float acc_s[];
-        for (int i = threadIdx.x; i < gn * hd; i += blockDim.x) acc_s[i] = 0.0f;
-        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-        for (int t0 = t_begin; t0 < t_stop; t0 += ATTN2_CHUNK) {
-            const int n_t = min(ATTN2_CHUNK, t_end - t0);
-            stage_rows(t0);
-            if (t0 + ATTN2_CHUNK < t_stop) load_rows(t0 + ATTN2_CHUNK);
-            __syncthreads();
-            if (!dry && t0 == t_begin && rank == 0 && q0 == kvh * group) {  // one CTA of the KV head writes its slot
-                for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-                    a.k_cache[pos * slot_stride + kvh * hd + d] = f32_to_bf16(kcur[d]);
-                    a.v_cache[pos * slot_stride + kvh * hd + d] = f32_to_bf16(vcur[d]);
-                }
-            }
-            if (pos >= t0 && pos < t0 + n_t) {  // the live row, from the projections
-                const int t = pos - t0;
-                for (int w = threadIdx.x; w < half; w += blockDim.x) {
-                    k_s[t * row_words + w] = (u32)f32_to_bf16(kcur[2 * w]) | ((u32)f32_to_bf16(kcur[2 * w + 1]) << 16);
-                    v_s[t * row_words + w] = (u32)f32_to_bf16(vcur[2 * w]) | ((u32)f32_to_bf16(vcur[2 * w + 1]) << 16);
-                }
-                __syncthreads();
-            }
-            // Scores: a warp takes one q head at a time, a lane one slot; the running max and
-            // sum move on by this chunk.
-            for (int g = warp; g < gn; g += ATTN_WARPS) {
-                float score = NEG_INF;
-                if (lane < n_t) {
-                    const u32* krow = k_s + lane * row_words;
-                    const float* q = q_s + g * hd;
-                    float sacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // independent chains
-    #pragma unroll 1
-                    for (int w = 0; w < half; w += 2) {
-    #pragma unroll
-                        for (int u = 0; u < 2; u++) {
-                            const u32 pair = krow[w + u];
-                            sacc[2 * u] = fmaf(q[2 * (w + u)], bf16_to_f32((u16)(pair & 0xffffu)), sacc[2 * u]);
-                            sacc[2 * u + 1] = fmaf(q[2 * (w + u) + 1], bf16_to_f32((u16)(pair >> 16)), sacc[2 * u + 1]);
-                        }
-                    }
-                    score = (sacc[0] + sacc[1]) + (sacc[2] + sacc[3]);
-                }
-                const float m_old = m_run[g];
-                const float m_new = fmaxf(m_old, warp_max(score));
-                const float p = lane < n_t ? expf(score - m_new) : 0.0f;
-                const float l = warp_sum(p);
-                p_s[g][lane] = p;
-                __syncwarp();  // every lane has read m_run[g]
-                if (lane == 0) {
-                    const float corr = expf(m_old - m_new);
-                    corr_s[g] = corr;
-                    m_run[g] = m_new;
-                    l_run[g] = l_run[g] * corr + l;
-                }
-            }
-            __syncthreads();
-            // Weighted sum of V: a thread takes bf16 pairs of dims (g, w) of the group's heads.
-            for (int i = threadIdx.x; i < gn * half; i += blockDim.x) {
-                const int g = i / half, w = i % half;
-                float ax = 0.0f, ay = 0.0f;
-    #pragma unroll 1
-                for (int t = 0; t < n_t; t++) {
-                    const u32 pair = v_s[t * row_words + w];
-                    const float p = p_s[g][t];
-                    ax = fmaf(p, bf16_to_f32((u16)(pair & 0xffffu)), ax);
-                    ay = fmaf(p, bf16_to_f32((u16)(pair >> 16)), ay);
-                }
-                const float c = corr_s[g];
-                float2* acc = reinterpret_cast<float2*>(acc_s + g * hd + 2 * w);
-                *acc = make_float2(fmaf(acc->x, c, ax), fmaf(acc->y, c, ay));
-            }
-            __syncthreads();  // k_s, v_s, p_s and corr_s free for the next chunk
-        }
-        // The merge across the cluster: rank r's dims of each head from every rank's max, sum and
-        // partial output.
-        const float* part = acc_s;
-        cluster_arrive_cluster_release();  // m_run, l_run and acc_s are complete
-        cluster_wait();
-        const int dims = hd / splits;
-        for (int i = threadIdx.x; i < gn * dims; i += blockDim.x) {
-            const int g = i / dims, d = rank * dims + i % dims;
-            float m[ATTN3_MAX_SPLITS], l[ATTN3_MAX_SPLITS], o[ATTN3_MAX_SPLITS];
-    #pragma unroll
-            for (int r = 0; r < ATTN3_MAX_SPLITS; r++) {
-                if (r < splits) {
-                    m[r] = load_from_cta(&m_run[g], r);
-                    l[r] = load_from_cta(&l_run[g], r);
-                    o[r] = load_from_cta(&part[g * hd + d], r);
-                }
-            }
-            float M = NEG_INF;
-    #pragma unroll
-            for (int r = 0; r < ATTN3_MAX_SPLITS; r++)
-                if (r < splits) M = fmaxf(M, m[r]);
-            float L = 0.0f, sum = 0.0f;
-    #pragma unroll
-            for (int r = 0; r < ATTN3_MAX_SPLITS; r++) {
-                if (r < splits) {
-                    const float w = expf(m[r] - M);  // 0 for an empty slice (m = -inf)
-                    L = fmaf(l[r], w, L);
-                    sum = fmaf(o[r], w, sum);
-                }
-            }
-            if (!dry) out[(size_t)(q0 + g) * hd + d] = sum / L;
-        }
-        cluster_arrive_relaxed();  // this CTA has read its peers' shared memory (the values are used)
-        cluster_wait();
+    if (t_begin < t_end) load_rows(t_begin);  // written by earlier steps: before the wait
+    pdl_enter();
+    rotate_live_batched<HD ? HD : MAX_HEAD_DIM>(a, kvh, q0, gn, pos, q_s, kcur, vcur, [] {});
+    if ((int)threadIdx.x < gn) {
+        m_run[threadIdx.x] = NEG_INF;
+        l_run[threadIdx.x] = 0.0f;
     }
+    // The heads' running partial outputs, [gn][hd] (dynamic: gn * hd floats); a thread
+    // keeps the same pairs of dims in every chunk.
+    extern __shared__ __align__(16) float acc_s[];
+    for (int i = threadIdx.x; i < gn * hd; i += blockDim.x) acc_s[i] = 0.0f;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int t0 = t_begin; t0 < t_end; t0 += ATTN2_CHUNK) {
+        const int n_t = min(ATTN2_CHUNK, t_end - t0);
+        stage_rows(t0);
+        if (t0 + ATTN2_CHUNK < t_end) load_rows(t0 + ATTN2_CHUNK);
+        __syncthreads();
+        if (t0 == t_begin && rank == 0 && q0 == kvh * group) {  // one CTA of the KV head writes its slot
+            for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+                a.k_cache[pos * slot_stride + kvh * hd + d] = f32_to_bf16(kcur[d]);
+                a.v_cache[pos * slot_stride + kvh * hd + d] = f32_to_bf16(vcur[d]);
+            }
+        }
+        if (pos >= t0 && pos < t0 + n_t) {  // the live row, from the projections
+            const int t = pos - t0;
+            for (int w = threadIdx.x; w < half; w += blockDim.x) {
+                k_s[t * row_words + w] = (u32)f32_to_bf16(kcur[2 * w]) | ((u32)f32_to_bf16(kcur[2 * w + 1]) << 16);
+                v_s[t * row_words + w] = (u32)f32_to_bf16(vcur[2 * w]) | ((u32)f32_to_bf16(vcur[2 * w + 1]) << 16);
+            }
+            __syncthreads();
+        }
+        // Scores: a warp takes one q head at a time, a lane one slot; the running max and
+        // sum move on by this chunk.
+        for (int g = warp; g < gn; g += ATTN_WARPS) {
+            float score = NEG_INF;
+            if (lane < n_t) {
+                const u32* krow = k_s + lane * row_words;
+                const float* q = q_s + g * hd;
+                float sacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // independent chains
+#pragma unroll 1
+                for (int w = 0; w < half; w += 2) {
+#pragma unroll
+                    for (int u = 0; u < 2; u++) {
+                        const u32 pair = krow[w + u];
+                        sacc[2 * u] = fmaf(q[2 * (w + u)], bf16_to_f32((u16)(pair & 0xffffu)), sacc[2 * u]);
+                        sacc[2 * u + 1] = fmaf(q[2 * (w + u) + 1], bf16_to_f32((u16)(pair >> 16)), sacc[2 * u + 1]);
+                    }
+                }
+                score = (sacc[0] + sacc[1]) + (sacc[2] + sacc[3]);
+            }
+            const float m_old = m_run[g];
+            const float m_new = fmaxf(m_old, warp_max(score));
+            const float p = lane < n_t ? expf(score - m_new) : 0.0f;
+            const float l = warp_sum(p);
+            p_s[g][lane] = p;
+            __syncwarp();  // every lane has read m_run[g]
+            if (lane == 0) {
+                const float corr = expf(m_old - m_new);
+                corr_s[g] = corr;
+                m_run[g] = m_new;
+                l_run[g] = l_run[g] * corr + l;
+            }
+        }
+        __syncthreads();
+        // Weighted sum of V: a thread takes bf16 pairs of dims (g, w) of the group's heads.
+        for (int i = threadIdx.x; i < gn * half; i += blockDim.x) {
+            const int g = i / half, w = i % half;
+            float ax = 0.0f, ay = 0.0f;
+#pragma unroll 1
+            for (int t = 0; t < n_t; t++) {
+                const u32 pair = v_s[t * row_words + w];
+                const float p = p_s[g][t];
+                ax = fmaf(p, bf16_to_f32((u16)(pair & 0xffffu)), ax);
+                ay = fmaf(p, bf16_to_f32((u16)(pair >> 16)), ay);
+            }
+            const float c = corr_s[g];
+            float2* acc = reinterpret_cast<float2*>(acc_s + g * hd + 2 * w);
+            *acc = make_float2(fmaf(acc->x, c, ax), fmaf(acc->y, c, ay));
+        }
+        __syncthreads();  // k_s, v_s, p_s and corr_s free for the next chunk
+    }
+    // The merge across the cluster: rank r's dims of each head from every rank's max, sum and
+    // partial output.
+    const float* part = acc_s;
+    cluster_arrive_cluster_release();  // m_run, l_run and acc_s are complete
+    cluster_wait();
+    const int dims = hd / splits;
+    for (int i = threadIdx.x; i < gn * dims; i += blockDim.x) {
+        const int g = i / dims, d = rank * dims + i % dims;
+        float m[ATTN3_MAX_SPLITS], l[ATTN3_MAX_SPLITS], o[ATTN3_MAX_SPLITS];
+#pragma unroll
+        for (int r = 0; r < ATTN3_MAX_SPLITS; r++) {
+            if (r < splits) {
+                m[r] = load_from_cta(&m_run[g], r);
+                l[r] = load_from_cta(&l_run[g], r);
+                o[r] = load_from_cta(&part[g * hd + d], r);
+            }
+        }
+        float M = NEG_INF;
+#pragma unroll
+        for (int r = 0; r < ATTN3_MAX_SPLITS; r++)
+            if (r < splits) M = fmaxf(M, m[r]);
+        float L = 0.0f, sum = 0.0f;
+#pragma unroll
+        for (int r = 0; r < ATTN3_MAX_SPLITS; r++) {
+            if (r < splits) {
+                const float w = expf(m[r] - M);  // 0 for an empty slice (m = -inf)
+                L = fmaf(l[r], w, L);
+                sum = fmaf(o[r], w, sum);
+            }
+        }
+        out[(size_t)(q0 + g) * hd + d] = sum / L;
+    }
+    cluster_arrive_relaxed();  // this CTA has read its peers' shared memory (the values are used)
+    cluster_wait();
 }
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn3_decode(AttnArgs a, float* out) {
     attn3_decode_body<0>(a, out);

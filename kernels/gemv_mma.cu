@@ -42,9 +42,6 @@
 #ifndef GEMV3_EPI_EARLY
 #define GEMV3_EPI_EARLY 1
 #endif
-#ifndef GEMV3_WARM
-#define GEMV3_WARM 0
-#endif
 
 // One block of one tile for this thread: 8 bytes of rows g and g+8, and their absmax.
 struct Gemv3Block {
@@ -181,135 +178,120 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
     // w_first 2 (DV2_GEMV3_PREWAIT, default) issues them before the wait on the previous
     // kernel (weights are constant), so a CTA resident early (after the attention's merge,
     // whose CTAs leave room) fetches them while that kernel runs.
-    // GEMV3_WARM (an NVRTC define, DV2_GEMV3_WARM): the code below runs twice, first dry
-    // before the wait on the previous kernel (its first row group only, global stores off),
-    // so that the code after the wait is fetched, and this CTA's first weights are in L2,
-    // while the CTA would idle; the dry pass reads a stale x and discards what it computes.
-    // Loop kept rolled so the code is one copy (docs/lab.md, session 15).
-#pragma unroll 1
-    for (int pass = GEMV3_WARM ? (int)blockDim.y - 1 : 1; pass < 2; pass++) {  // blockDim.y is 1: opaque to the compiler
-        const bool dry = pass == 0;
-        const int group_end = dry ? min(groups, (int)blockIdx.x + 1) : groups;
-        // The first group as a value of this pass (blockDim.z is 1), so that the compiler
-        // keeps its addresses inside the loop instead of holding them in registers across it.
-        const int group0 = (int)blockIdx.x + (pass & ((int)blockDim.z >> 1));
-        Gemv3Stage<T, S> cur, nxt;
-        const bool first_ok = stages > 0 && group0 < groups;
-        if (GEMV3_W_FIRST == 2 && first_ok) gemv3_load<T, S, EPI>(a, group0, kb0, kb1, g, t, cur);
-        if (!dry) {
-            pdl_enter();
-            if (a.skip_if && *a.skip_if) return;
+    Gemv3Stage<T, S> cur, nxt;
+    const bool first_ok = stages > 0 && (int)blockIdx.x < groups;
+    if (GEMV3_W_FIRST == 2 && first_ok) gemv3_load<T, S, EPI>(a, blockIdx.x, kb0, kb1, g, t, cur);
+    pdl_enter();
+    if (a.skip_if && *a.skip_if) return;
+    if (GEMV3_W_FIRST == 1 && first_ok) gemv3_load<T, S, EPI>(a, blockIdx.x, kb0, kb1, g, t, cur);
+    // x (normed) staged as f16 pairs.
+    NormArgs norm = a.norm;
+    if (IO != GEMV3_IO_ANY && !(IO & GEMV3_IO_NORM)) norm.w = nullptr;
+    for_each_x_quad<GEMV3_THREADS, GEMV3_X_BATCH>(a.x, a.k, norm, [&](int i, float4 v, uint2 w, float r) {
+        if (norm.w) {
+            v.x *= r * bf16_to_f32((u16)(w.x & 0xffffu));
+            v.y *= r * bf16_to_f32((u16)(w.x >> 16));
+            v.z *= r * bf16_to_f32((u16)(w.y & 0xffffu));
+            v.w *= r * bf16_to_f32((u16)(w.y >> 16));
         }
-        if (GEMV3_W_FIRST == 1 && first_ok) gemv3_load<T, S, EPI>(a, group0, kb0, kb1, g, t, cur);
-        // x (normed) staged as f16 pairs.
-        NormArgs norm = a.norm;
-        if (IO != GEMV3_IO_ANY && !(IO & GEMV3_IO_NORM)) norm.w = nullptr;
-        for_each_x_quad<GEMV3_THREADS, GEMV3_X_BATCH>(a.x, a.k, norm, [&](int i, float4 v, uint2 w, float r) {
-            if (norm.w) {
-                v.x *= r * bf16_to_f32((u16)(w.x & 0xffffu));
-                v.y *= r * bf16_to_f32((u16)(w.x >> 16));
-                v.z *= r * bf16_to_f32((u16)(w.y & 0xffffu));
-                v.w *= r * bf16_to_f32((u16)(w.y >> 16));
+        x16[2 * i] = pack_f16x2(v.x, v.y);
+        x16[2 * i + 1] = pack_f16x2(v.z, v.w);
+    });
+    __syncthreads();
+    if (!GEMV3_W_FIRST && first_ok) gemv3_load<T, S, EPI>(a, blockIdx.x, kb0, kb1, g, t, cur);
+    int parity = 0;
+    float ss = 0.0f;  // squares of the values this thread stored (warp 0 stores)
+    for (int group = blockIdx.x; group < groups; group += gridDim.x, parity ^= 1) {
+        float acc[T][2] = {};
+        // The epilogue's operands for this group's rows (a thread per row: the bias, the
+        // residual's old y) loaded as the group starts (epi_early, DV2_GEMV3_EPI_EARLY), so
+        // their round trip overlaps the group's math instead of following its reduction.
+        float e_bias = 0.0f, e_old = 0.0f;
+        if (EPI != EPI_SWIGLU && GEMV3_EPI_EARLY && threadIdx.x < T * 16) {
+            const int row = (group * T + threadIdx.x / 16) * 16 + threadIdx.x % 16;
+            const StackedRow r = gemv3_stacked<EPI>(a, row);
+            if (r.valid) {
+                const float* bias = gemv3_bias<EPI>(a, r.matrix);
+                if (bias) e_bias = bias[r.local];
+                if (EPI == EPI_ACCUMULATE) e_old = a.y[row];
             }
-            x16[2 * i] = pack_f16x2(v.x, v.y);
-            x16[2 * i + 1] = pack_f16x2(v.z, v.w);
-        });
+        }
+#if GEMV3_L2_AHEAD
+        const int ahead = group + a.pf_groups * gridDim.x;
+        if (a.pf_groups && threadIdx.x == 0 && ahead < groups) gemv3_prefetch<T, EPI>(a, ahead);
+#endif
+        for (int st = 0; st < stages; st++) {
+            const int kb = kb0 + st * S;
+            const bool last = st + 1 == stages;
+            const int next_group = last ? group + gridDim.x : group;
+            if (next_group < groups)
+                gemv3_load<T, S, EPI>(a, next_group, last ? kb0 : kb + S, kb1, g, t, nxt);
+#pragma unroll
+            for (int j = 0; j < S; j++) {
+                if (kb + j >= kb1) break;
+                const uint4* xb = reinterpret_cast<const uint4*>(x16 + (kb + j) * 32 + 8 * t);
+                const uint4 x0 = xb[0], x1 = xb[1];
+                const u32 bw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+                for (int i = 0; i < T; i++) {
+                    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                    const Gemv3Block& blk = cur.b[j][i];
+#pragma unroll
+                    for (int s = 0; s < 4; s++) {
+                        const int k = (s & 1) * 2;
+                        u32 af[4];
+#pragma unroll
+                        for (int h = 0; h < 2; h++) {
+                            const u32 word = s < 2 ? blk.w[h].x : blk.w[h].y;
+                            af[h] = byte_lut_entry(lut, word, k, lane4);
+                            af[2 + h] = byte_lut_entry(lut, word, k + 1, lane4);
+                        }
+                        mma_16816(c, af, bw[2 * s], bw[2 * s + 1]);
+                    }
+                    acc[i][0] = fmaf(c[0], blk.s[0], acc[i][0]);
+                    acc[i][1] = fmaf(c[2], blk.s[1], acc[i][1]);
+                }
+            }
+            cur = nxt;
+        }
+
+        // Every column holds the same sums: lanes t = 0 hand rows g and g + 8 of each tile over.
+        if (t == 0) {
+#pragma unroll
+            for (int i = 0; i < T; i++) {
+                red[parity][warp][i * 16 + g] = acc[i][0];
+                red[parity][warp][i * 16 + g + 8] = acc[i][1];
+            }
+        }
         __syncthreads();
-        if (!GEMV3_W_FIRST && first_ok) gemv3_load<T, S, EPI>(a, group0, kb0, kb1, g, t, cur);
-        int parity = 0;
-        float ss = 0.0f;  // squares of the values this thread stored (warp 0 stores)
-        for (int group = group0; group < group_end; group += gridDim.x, parity ^= 1) {
-            float acc[T][2] = {};
-            // The epilogue's operands for this group's rows (a thread per row: the bias, the
-            // residual's old y) loaded as the group starts (epi_early, DV2_GEMV3_EPI_EARLY), so
-            // their round trip overlaps the group's math instead of following its reduction.
-            float e_bias = 0.0f, e_old = 0.0f;
-            if (EPI != EPI_SWIGLU && GEMV3_EPI_EARLY && threadIdx.x < T * 16) {
-                const int row = (group * T + threadIdx.x / 16) * 16 + threadIdx.x % 16;
+        if (threadIdx.x < T * 16) {
+            const int i = threadIdx.x / 16, rr = threadIdx.x % 16;
+            float sum = 0.0f;
+#pragma unroll
+            for (int w = 0; w < GEMV3_WARPS; w++) sum += red[parity][w][threadIdx.x];
+            if (EPI == EPI_SWIGLU) {
+                if (i == 0) {
+                    float up = 0.0f;
+#pragma unroll
+                    for (int w = 0; w < GEMV3_WARPS; w++) up += red[parity][w][16 + rr];
+                    const int r = group * 16 + rr;
+                    if (r < a.rows[0]) a.y[r] = sum / (1.0f + expf(-sum)) * up;
+                }
+            } else {
+                const int row = (group * T + i) * 16 + rr;
                 const StackedRow r = gemv3_stacked<EPI>(a, row);
                 if (r.valid) {
                     const float* bias = gemv3_bias<EPI>(a, r.matrix);
-                    if (bias) e_bias = bias[r.local];
-                    if (EPI == EPI_ACCUMULATE) e_old = a.y[row];
-                }
-            }
-#if GEMV3_L2_AHEAD
-            const int ahead = group + a.pf_groups * gridDim.x;
-            if (a.pf_groups && threadIdx.x == 0 && ahead < groups) gemv3_prefetch<T, EPI>(a, ahead);
-#endif
-            for (int st = 0; st < stages; st++) {
-                const int kb = kb0 + st * S;
-                const bool last = st + 1 == stages;
-                const int next_group = last ? group + gridDim.x : group;
-                if (next_group < group_end)
-                    gemv3_load<T, S, EPI>(a, next_group, last ? kb0 : kb + S, kb1, g, t, nxt);
-    #pragma unroll
-                for (int j = 0; j < S; j++) {
-                    if (kb + j >= kb1) break;
-                    const uint4* xb = reinterpret_cast<const uint4*>(x16 + (kb + j) * 32 + 8 * t);
-                    const uint4 x0 = xb[0], x1 = xb[1];
-                    const u32 bw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-    #pragma unroll
-                    for (int i = 0; i < T; i++) {
-                        float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                        const Gemv3Block& blk = cur.b[j][i];
-    #pragma unroll
-                        for (int s = 0; s < 4; s++) {
-                            const int k = (s & 1) * 2;
-                            u32 af[4];
-    #pragma unroll
-                            for (int h = 0; h < 2; h++) {
-                                const u32 word = s < 2 ? blk.w[h].x : blk.w[h].y;
-                                af[h] = byte_lut_entry(lut, word, k, lane4);
-                                af[2 + h] = byte_lut_entry(lut, word, k + 1, lane4);
-                            }
-                            mma_16816(c, af, bw[2 * s], bw[2 * s + 1]);
-                        }
-                        acc[i][0] = fmaf(c[0], blk.s[0], acc[i][0]);
-                        acc[i][1] = fmaf(c[2], blk.s[1], acc[i][1]);
-                    }
-                }
-                cur = nxt;
-            }
-
-            // Every column holds the same sums: lanes t = 0 hand rows g and g + 8 of each tile over.
-            if (t == 0) {
-    #pragma unroll
-                for (int i = 0; i < T; i++) {
-                    red[parity][warp][i * 16 + g] = acc[i][0];
-                    red[parity][warp][i * 16 + g + 8] = acc[i][1];
-                }
-            }
-            __syncthreads();
-            if (threadIdx.x < T * 16) {
-                const int i = threadIdx.x / 16, rr = threadIdx.x % 16;
-                float sum = 0.0f;
-    #pragma unroll
-                for (int w = 0; w < GEMV3_WARPS; w++) sum += red[parity][w][threadIdx.x];
-                if (EPI == EPI_SWIGLU) {
-                    if (i == 0) {
-                        float up = 0.0f;
-    #pragma unroll
-                        for (int w = 0; w < GEMV3_WARPS; w++) up += red[parity][w][16 + rr];
-                        const int r = group * 16 + rr;
-                        if (r < a.rows[0] && !dry) a.y[r] = sum / (1.0f + expf(-sum)) * up;
-                    }
-                } else {
-                    const int row = (group * T + i) * 16 + rr;
-                    const StackedRow r = gemv3_stacked<EPI>(a, row);
-                    if (r.valid) {
-                        const float* bias = gemv3_bias<EPI>(a, r.matrix);
-                        const float v = sum + (GEMV3_EPI_EARLY ? e_bias : (bias ? bias[r.local] : 0.0f));
-                        const float out = EPI == EPI_ACCUMULATE ? (GEMV3_EPI_EARLY ? e_old : a.y[row]) + v : v;
-                        if (!dry) a.y[row] = out;
-                        ss += sq(out);
-                    }
+                    const float v = sum + (GEMV3_EPI_EARLY ? e_bias : (bias ? bias[r.local] : 0.0f));
+                    const float out = EPI == EPI_ACCUMULATE ? (GEMV3_EPI_EARLY ? e_old : a.y[row]) + v : v;
+                    a.y[row] = out;
+                    ss += sq(out);
                 }
             }
         }
-        const bool sums = IO == GEMV3_IO_ANY ? a.ss_out != nullptr : (IO & GEMV3_IO_SUMS) != 0;
-        if (sums && !dry) block_sum_to(ss, a.ss_out + blockIdx.x);
     }
+    const bool sums = IO == GEMV3_IO_ANY ? a.ss_out != nullptr : (IO & GEMV3_IO_SUMS) != 0;
+    if (sums) block_sum_to(ss, a.ss_out + blockIdx.x);
 }
 
 // T = 1 tile for the plain epilogues, S = 4 blocks per load; SwiGLU: 2 tiles, 2 blocks.

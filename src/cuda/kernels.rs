@@ -263,14 +263,6 @@ fn options(arch: &str) -> Vec<String> {
         "-DGEMV2_X_BATCH={}",
         bounded("DV2_GEMV2_X_BATCH", 8, 4)
     ));
-    // Attention v3 runs its code once dry before the wait on the q/k/v GEMV, fetching it
-    // (kernels/decode.cu, ATTN3_WARM; DV2_ATTN3_WARM=1; off by default).
-    // The same for GEMV v3 before the wait on the previous kernel (kernels/gemv_mma.cu,
-    // GEMV3_WARM; DV2_GEMV3_WARM=1; off by default).
-    for (define, switch) in [("ATTN3_WARM", "DV2_ATTN3_WARM"), ("GEMV3_WARM", "DV2_GEMV3_WARM")] {
-        let warm = std::env::var(switch).as_deref() == Ok("1");
-        opts.push(format!("-D{define}={}", i32::from(warm)));
-    }
     // The x path GEMV v2's kernels hold (kernels/decode.cu, GEMV2_X_MODE): the f32-x kernels
     // the one DV2_GEMV2_XSMEM picks, the f16-x kernels theirs; DV2_GEMV2_X_ONE=0: every path,
     // chosen at run time by the kernels' x_smem argument.
