@@ -621,6 +621,10 @@ fn main() {
             ("qwen25_3b pdl=0", &[("DV2_PDL", "0")][..]),
             ("qwen25_3b rms-kernel", &[("DV2_FUSE_RMS", "0")]),
             ("qwen25_3b attn=v2", &[("DV2_ATTN", "v2")]),
+            (
+                "qwen25_3b attn3-slot-lanes=0",
+                &[("DV2_ATTN3_SLOT_LANES", "0")],
+            ),
             ("qwen25_3b attn3-splits=4", &[("DV2_ATTN3_SPLITS", "4")]),
             ("qwen25_3b attn3-splits=2", &[("DV2_ATTN3_SPLITS", "2")]),
             // Attention v2's own switches.

@@ -780,7 +780,9 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     else load_codebook(lut);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const u32 lane8 = (lane & 15) * 8, lane4 = lane * 4;
-    const int part = warp % kparts, row_lane = warp / kparts, row_lanes = GEMV_WARPS / kparts;
+    // kparts is 1, 2, 4 or 8 (the host's gemv2_shape): the warp's roles by shifts and masks.
+    const int kshift = __ffs(kparts) - 1;
+    const int part = warp & (kparts - 1), row_lane = warp >> kshift, row_lanes = GEMV_WARPS >> kshift;
     const int per_cta = (rows + gridDim.x - 1) / gridDim.x;
     const int r0 = blockIdx.x * per_cta, r1 = min(rows, r0 + per_cta);
     const int block = row_lanes * R;  // rows per iteration
@@ -895,7 +897,7 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
         if (threadIdx.x < block) {
             const int r = base + threadIdx.x;
             if (r < r1) {
-                const int i = threadIdx.x / row_lanes, rl = threadIdx.x % row_lanes;
+                const int i = threadIdx.x >> (__ffs(row_lanes) - 1), rl = threadIdx.x & (row_lanes - 1);
                 float total[NM];
 #pragma unroll
                 for (int k = 0; k < NM; k++) {
@@ -1148,6 +1150,7 @@ struct AttnArgs {
     float* part_ml;   // [n_q][n_splits][2]
     int n_q, n_kv, head_dim, max_seq, n_splits;
     float scale;
+    int heads_per_cta;  // attention v3: q heads per CTA (the host's division)
 };
 
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode(AttnArgs a) {
@@ -1262,13 +1265,15 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode(AttnArgs 
 // Attention's RoPE: pair i (of (gn + 1) * half: the gn q heads from q0, then the live k of
 // KV head kvh) is elements (j, j + half) of its vector, j = i % half; the source row, and the
 // rotated pair into q_s (scale folded in) or kcur.
-__device__ __forceinline__ const float* rope_pair_src(const AttnArgs& a, int kvh, int q0, int gn, int i) {
-    const int hd = a.head_dim, half = hd >> 1;
+// hd is the head_dim: a constant where the caller's kernel has it built in (its divisions
+// then shifts), else a.head_dim.
+__device__ __forceinline__ const float* rope_pair_src(const AttnArgs& a, int hd, int kvh, int q0, int gn, int i) {
+    const int half = hd >> 1;
     return i / half < gn ? a.qkv + (q0 + i / half) * hd : a.qkv + a.n_q * hd + kvh * hd;
 }
-__device__ __forceinline__ void rope_rotate(const AttnArgs& a, int gn, int i, float c, float s, float x1, float x2,
-                                            float* q_s, float* kcur) {
-    const int hd = a.head_dim, half = hd >> 1;
+__device__ __forceinline__ void rope_rotate(const AttnArgs& a, int hd, int gn, int i, float c, float s, float x1,
+                                            float x2, float* q_s, float* kcur) {
+    const int half = hd >> 1;
     const int g = i / half, j = i % half;
     const float lo = x1 * c - x2 * s, hi = x2 * c + x1 * s;
     if (g < gn) {
@@ -1283,11 +1288,12 @@ __device__ __forceinline__ void rope_rotate(const AttnArgs& a, int gn, int i, fl
 // The batched prologue after the wait (DV2_ATTN_BATCH): every load (the live v, RoPE pairs
 // with cos/sin, RB pairs per thread at once) before the stores they feed, the caller's
 // `stage()` (K/V rows from registers into shared memory) between the rotations' stores and v's.
-// HD: the largest head_dim it takes (smaller: fewer loads unrolled per thread).
-template <int HD = MAX_HEAD_DIM, typename Stage>
+// HD: the largest head_dim it takes (smaller: fewer loads unrolled per thread); EXACT: the
+// head_dim when the kernel has it built in (0: a.head_dim).
+template <int HD = MAX_HEAD_DIM, int EXACT = 0, typename Stage>
 __device__ __forceinline__ void rotate_live_batched(const AttnArgs& a, int kvh, int q0, int gn, int pos, float* q_s,
                                                     float* kcur, float* vcur, Stage stage) {
-    const int hd = a.head_dim, half = hd >> 1;
+    const int hd = EXACT ? EXACT : a.head_dim, half = hd >> 1;
     const float* qkv_v = a.qkv + (a.n_q + a.n_kv) * hd + kvh * hd;
     const float* cos_p = a.rope_cos + pos * half;
     const float* sin_p = a.rope_sin + pos * half;
@@ -1305,7 +1311,7 @@ __device__ __forceinline__ void rotate_live_batched(const AttnArgs& a, int kvh, 
         for (int u = 0; u < RB; u++) {
             const int i = base + u * ATTN_THREADS;
             if (i < (gn + 1) * half) {
-                const float* src = rope_pair_src(a, kvh, q0, gn, i);
+                const float* src = rope_pair_src(a, hd, kvh, q0, gn, i);
                 c[u] = cos_p[i % half];
                 sn[u] = sin_p[i % half];
                 x1[u] = src[i % half];
@@ -1315,7 +1321,7 @@ __device__ __forceinline__ void rotate_live_batched(const AttnArgs& a, int kvh, 
 #pragma unroll
         for (int u = 0; u < RB; u++) {
             const int i = base + u * ATTN_THREADS;
-            if (i < (gn + 1) * half) rope_rotate(a, gn, i, c[u], sn[u], x1[u], x2[u], q_s, kcur);
+            if (i < (gn + 1) * half) rope_rotate(a, hd, gn, i, c[u], sn[u], x1[u], x2[u], q_s, kcur);
         }
     }
     stage();
@@ -1393,9 +1399,9 @@ __device__ __forceinline__ void attn2_decode_body(const AttnArgs& a) {
         const float* sin_p = a.rope_sin + pos * half;
 #pragma unroll 4
         for (int i = threadIdx.x; i < (gn + 1) * half; i += blockDim.x) {
-            const float* src = rope_pair_src(a, kvh, q0, gn, i);
+            const float* src = rope_pair_src(a, a.head_dim, kvh, q0, gn, i);
             const int j = i % half;
-            rope_rotate(a, gn, i, cos_p[j], sin_p[j], src[j], src[j + half], q_s, kcur);
+            rope_rotate(a, a.head_dim, gn, i, cos_p[j], sin_p[j], src[j], src[j + half], q_s, kcur);
         }
         const float* qkv_v = a.qkv + (a.n_q + a.n_kv) * hd + kvh * hd;
         for (int d = threadIdx.x; d < hd; d += blockDim.x) vcur[d] = qkv_v[d];
@@ -1481,7 +1487,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode_serial(A
 
 // Attention v3 (DV2_ATTN=v3, the default where clusters exist): attention v2's CTAs in
 // thread-block clusters that merge their partials through distributed shared memory, so no
-// merge kernel runs. Grid (n_kv * parts, splits), clusters of (1, splits): the CTAs of a
+// merge kernel runs. Grid (parts, splits, n_kv), clusters of (1, splits): the CTAs of a
 // cluster take the same q heads (as in v2) and split the valid slots into `splits` equal
 // slices, each walking its slice in 32-slot chunks with an online softmax (the next chunk's K
 // and V rows in registers while this one is used; the first before the wait, as v2's
@@ -1498,15 +1504,20 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode_serial(A
 // the vectors unrolled), 0 for any. Loops stay rolled (#pragma unroll 1): each warp runs this
 // code about once, and its cold fetch is the cost (docs/lab.md, session 13).
 #define ATTN3_MAX_SPLITS 8
+#ifndef ATTN3_SLOT_LANES
+#define ATTN3_SLOT_LANES 1
+#endif
 template <int HD>
 __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out) {
     const int hd = HD ? HD : a.head_dim, half = hd >> 1;
-    const int group = a.n_q / a.n_kv, parts = gridDim.x / a.n_kv, gn = group / parts;
-    const int kvh = blockIdx.x / parts, q0 = kvh * group + (blockIdx.x % parts) * gn;
+    // Grid (parts, splits, n_kv): KV head z, its q heads [q0, q0 + gn) from the host's count.
+    const int gn = a.heads_per_cta, group = gn * gridDim.x;
+    const int kvh = blockIdx.z, q0 = kvh * group + blockIdx.x * gn;
     const int splits = cluster_size(), rank = cluster_rank();
+    const int split_shift = __ffs(splits) - 1;  // splits: 1, 2, 4 or 8 (the host checks)
     const int pos = a.state[STATE_POSITION];
     if (pos >= a.max_seq) return;  // every CTA: no slot to write or read
-    const int valid = pos + 1, per = (valid + splits - 1) / splits;
+    const int valid = pos + 1, per = (valid + splits - 1) >> split_shift;
     const int t_begin = min(valid, rank * per), t_end = min(valid, t_begin + per);
     const int row_words = half + 1;  // bf16 pairs per staged row, +1 word of padding
 
@@ -1553,7 +1564,7 @@ __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out)
     };
     if (t_begin < t_end) load_rows(t_begin);  // written by earlier steps: before the wait
     pdl_enter();
-    rotate_live_batched<HD ? HD : MAX_HEAD_DIM>(a, kvh, q0, gn, pos, q_s, kcur, vcur, [] {});
+    rotate_live_batched<HD ? HD : MAX_HEAD_DIM, HD>(a, kvh, q0, gn, pos, q_s, kcur, vcur, [] {});
     if ((int)threadIdx.x < gn) {
         m_run[threadIdx.x] = NEG_INF;
         l_run[threadIdx.x] = 0.0f;
@@ -1568,7 +1579,7 @@ __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out)
         stage_rows(t0);
         if (t0 + ATTN2_CHUNK < t_end) load_rows(t0 + ATTN2_CHUNK);
         __syncthreads();
-        if (t0 == t_begin && rank == 0 && q0 == kvh * group) {  // one CTA of the KV head writes its slot
+        if (t0 == t_begin && rank == 0 && blockIdx.x == 0) {  // one CTA of the KV head writes its slot
             for (int d = threadIdx.x; d < hd; d += blockDim.x) {
                 a.k_cache[pos * slot_stride + kvh * hd + d] = f32_to_bf16(kcur[d]);
                 a.v_cache[pos * slot_stride + kvh * hd + d] = f32_to_bf16(vcur[d]);
@@ -1582,16 +1593,26 @@ __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out)
             }
             __syncthreads();
         }
-        // Scores: a warp takes one q head at a time, a lane one slot; the running max and
-        // sum move on by this chunk.
+        // Scores: a warp takes one q head at a time, `lanes` lanes a slot, each a 1/lanes of the
+        // dims, added by shuffles; then lane t holds slot t's. With ATTN3_SLOT_LANES
+        // (DV2_ATTN3_SLOT_LANES, default) 4 lanes a slot up to 8 slots, 2 up to 16: the serial
+        // dot product is 1/4 or 1/2 as long (a lane a slot walked every dim, most lanes idle at
+        // a split's few slots). The running max and sum move on by this chunk.
+        const int lanes = !ATTN3_SLOT_LANES ? 1
+                          : n_t <= 8 && half % 8 == 0 ? 4
+                          : n_t <= 16 && half % 4 == 0 ? 2
+                                                       : 1;
+        const int lane_shift = lanes >> 1;  // log2(lanes) for 1, 2, 4
+        const int slot = lane >> lane_shift, words = half >> lane_shift;
         for (int g = warp; g < gn; g += ATTN_WARPS) {
-            float score = NEG_INF;
-            if (lane < n_t) {
-                const u32* krow = k_s + lane * row_words;
-                const float* q = q_s + g * hd;
+            float part = 0.0f;
+            if (slot < n_t) {
+                const int w0 = (lane & (lanes - 1)) * words;
+                const u32* krow = k_s + slot * row_words + w0;
+                const float* q = q_s + g * hd + 2 * w0;
                 float sacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // independent chains
 #pragma unroll 1
-                for (int w = 0; w < half; w += 2) {
+                for (int w = 0; w < words; w += 2) {
 #pragma unroll
                     for (int u = 0; u < 2; u++) {
                         const u32 pair = krow[w + u];
@@ -1599,8 +1620,11 @@ __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out)
                         sacc[2 * u + 1] = fmaf(q[2 * (w + u) + 1], bf16_to_f32((u16)(pair >> 16)), sacc[2 * u + 1]);
                     }
                 }
-                score = (sacc[0] + sacc[1]) + (sacc[2] + sacc[3]);
+                part = (sacc[0] + sacc[1]) + (sacc[2] + sacc[3]);
             }
+            for (int o = 1; o < lanes; o <<= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
+            if (lanes > 1) part = __shfl_sync(0xffffffffu, part, (lane << lane_shift) & 31);
+            const float score = lane < n_t ? part : NEG_INF;
             const float m_old = m_run[g];
             const float m_new = fmaxf(m_old, warp_max(score));
             const float p = lane < n_t ? expf(score - m_new) : 0.0f;
@@ -1637,9 +1661,11 @@ __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out)
     const float* part = acc_s;
     cluster_arrive_cluster_release();  // m_run, l_run and acc_s are complete
     cluster_wait();
-    const int dims = hd / splits;
+    const int dims = hd >> split_shift;
     for (int i = threadIdx.x; i < gn * dims; i += blockDim.x) {
-        const int g = i / dims, d = rank * dims + i % dims;
+        // HD a power of two: dims too, so i's split is shifts and masks.
+        const int g = HD ? i >> (__ffs(dims) - 1) : i / dims;
+        const int d = rank * dims + (HD ? i & (dims - 1) : i % dims);
         float m[ATTN3_MAX_SPLITS], l[ATTN3_MAX_SPLITS], o[ATTN3_MAX_SPLITS];
 #pragma unroll
         for (int r = 0; r < ATTN3_MAX_SPLITS; r++) {

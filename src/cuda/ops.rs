@@ -88,6 +88,8 @@ pub struct AttnArgs {
     pub max_seq: i32,
     pub n_splits: i32,
     pub scale: f32,
+    /// Attention v3's q heads per CTA (set by [`Ops::attention`]).
+    pub heads_per_cta: i32,
 }
 // SAFETY: plain old data matching the kernel's struct.
 unsafe impl DeviceRepr for AttnArgs {}
@@ -1073,7 +1075,7 @@ impl Ops {
     }
 
     /// Attention of one layer (RoPE and the KV write fused), then the merge into `out`.
-    /// `args.n_splits` is ignored: each variant sets its own from `args.max_seq`.
+    /// `args.n_splits` and `args.heads_per_cta` are ignored: each variant sets its own.
     pub fn attention(&self, args: AttnArgs, out: u64) -> Result<()> {
         let max_seq = args.max_seq as usize;
         let merge = LaunchConfig {
@@ -1105,15 +1107,18 @@ impl Ops {
             }
             Variant::V3 => {
                 let splits = self.attn3_splits as u32;
-                let args = AttnArgs {
-                    n_splits: splits as i32,
-                    ..args
-                };
                 let parts = attn_split_parts(self.attn_split, (args.n_q / args.n_kv) as usize);
                 // Dynamic shared memory: the running outputs of a CTA's q heads.
                 let heads = (args.n_q / args.n_kv) as usize / parts;
+                let args = AttnArgs {
+                    n_splits: splits as i32,
+                    heads_per_cta: heads as i32,
+                    ..args
+                };
+                // Grid (parts, splits, KV heads): the kernel takes its KV head from z and its
+                // heads per CTA from the arguments, no division in code each warp runs once.
                 let cfg = LaunchConfig {
-                    grid_dim: ((args.n_kv as usize * parts) as u32, splits, 1),
+                    grid_dim: (parts as u32, splits, args.n_kv as u32),
                     block_dim: (ATTN_THREADS, 1, 1),
                     shared_mem_bytes: (heads * args.head_dim as usize * 4) as u32,
                 };

@@ -370,6 +370,7 @@ impl CudaBackend {
                 max_seq: self.max_seq as i32,
                 n_splits: 0,
                 scale: 1.0 / (s.head_dim as f32).sqrt(),
+                heads_per_cta: 0,
             };
             ops.attention(attn_args, attn)?;
             mark("attention + merge")?;
