@@ -747,17 +747,40 @@ __device__ __forceinline__ void pack_x_halves(const XSlice<J>& xs, XHalves<J>& x
         for (int i = 0; i < 16; i++) xh.h[j][i] = pack_f16x2(xs.v[j][2 * i], xs.v[j][2 * i + 1]);
 }
 
-// dot_chunks with the f16-pair table (lane4 = 4 * lane): each word's four pairs an f16x2 FMA
-// chain, summed in f32.
+// GEMV2_CHAIN (an NVRTC define, DV2_GEMV2_CHAIN = 1, 2 or 4; default 2): words of a chunk
+// whose pairs one f16x2 FMA chain sums before it is added in f32 (1: each word's four pairs,
+// as before session 15). Longer chains convert and add fewer times: per chunk of 16 bytes 17
+// instructions of sums with 1, 9 with 2, 5 with 4, against 64 for the lookups and products,
+// and the walk is issue-bound (docs/lab.md, session 15). Each f16 partial sum holds 8 (16)
+// products instead of 4: its rounding grows (the gates' logit errors with every linear on
+// v2 moved by up to 0.004, cap 0.05), as does the reach of an |x| outlier toward f16's
+// 65504, which is why the default is 2, not 4.
+#ifndef GEMV2_CHAIN
+#define GEMV2_CHAIN 2
+#endif
+// The row part's dot product with the f16-pair table (lane4 = 4 * lane): each chunk's pairs
+// in f16x2 FMA chains of GEMV2_CHAIN words, summed in f32, times the chunk's absmax.
 template <int J>
 __device__ __forceinline__ float dot_row_pair16(const RowChunks<J>& rc, const XHalves<J>& xh, const u32* lut,
                                                 u32 lane4) {
-    return dot_chunks<J>(rc, [&](int j, int w, u32 word) {
-        u32 h = 0u;
+    static_assert(GEMV2_CHAIN == 1 || GEMV2_CHAIN == 2 || GEMV2_CHAIN == 4, "chains of 1, 2 or 4 words");
+    float acc = 0.0f;
 #pragma unroll
-        for (int k = 0; k < 4; k++) h = hfma2(byte_lut_entry(lut, word, k, lane4), xh.h[j][4 * w + k], h);
-        return half2_sum(h);
-    });
+    for (int j = 0; j < J; j++) {
+        const u32 words[4] = {rc.q[j].x, rc.q[j].y, rc.q[j].z, rc.q[j].w};
+        float part = 0.0f;
+#pragma unroll
+        for (int w0 = 0; w0 < 4; w0 += GEMV2_CHAIN) {
+            u32 h = 0u;
+#pragma unroll
+            for (int w = w0; w < w0 + GEMV2_CHAIN; w++)
+#pragma unroll
+                for (int k = 0; k < 4; k++) h = hfma2(byte_lut_entry(lut, words[w], k, lane4), xh.h[j][4 * w + k], h);
+            part += half2_sum(h);
+        }
+        acc = fmaf(part, rc.s[j], acc);
+    }
+    return acc;
 }
 
 // The walk shared by the v2 kernels. `Rows` maps a row index to its matrix and epilogue:

@@ -224,7 +224,7 @@ fn gemv2_x_smem() -> bool {
 /// `DV2_GEMV2_X_BATCH=n`, `DV2_GEMV3_ACC_ONE=0`, `DV2_GEMV3_L2_CODE=1`, `DV2_L2_AHEAD_KB=n`,
 /// `DV2_MERGE_EARLY=0`, `DV2_MERGE_WARP=0`, `DV2_GEMV_WFIRST=0`, `DV2_GEMV2_PREWAIT=0`,
 /// `DV2_GEMV3_PREWAIT=0`, `DV2_GEMV3_EPI_EARLY=0`, `DV2_GEMV2_XSMEM=0`, `DV2_GEMV2_X_ONE=0` and
-/// `DV2_ATTN3_SLOT_LANES=0` apart. The compiler optimizes the module's kernels on every core
+/// `DV2_ATTN3_SLOT_LANES=0`, `DV2_GEMV2_CHAIN=n` apart. The compiler optimizes the module's kernels on every core
 /// (`--split-compile=0`; `DV2_NVRTC_SPLIT=0`: one thread): a machine's first load compiles the
 /// kernels, 32 s in one thread on 2 cores, 19 s split. The split changes the code of some
 /// kernels (scheduling, shared-memory placement), not what they compute.
@@ -263,6 +263,12 @@ fn options(arch: &str) -> Vec<String> {
         "-DGEMV2_X_BATCH={}",
         bounded("DV2_GEMV2_X_BATCH", 8, 4)
     ));
+    // Words per f16 FMA chain in GEMV v2's f16-pair dot products (kernels/decode.cu,
+    // GEMV2_CHAIN; DV2_GEMV2_CHAIN = 1, 2 (default) or 4; 1 before session 15).
+    let chain = super::env_number("DV2_GEMV2_CHAIN")
+        .filter(|n: &usize| matches!(n, 1 | 2 | 4))
+        .unwrap_or(2);
+    opts.push(format!("-DGEMV2_CHAIN={chain}"));
     // Attention v3's scores with several lanes a slot at a split's few slots (kernels/decode.cu,
     // ATTN3_SLOT_LANES; DV2_ATTN3_SLOT_LANES=0: a lane a slot).
     opts.push(format!(
