@@ -1628,7 +1628,7 @@ __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out)
         const int lane_shift = lanes >> 1;  // log2(lanes) for 1, 2, 4
         const int slot = lane >> lane_shift, words = half >> lane_shift;
         for (int g = warp; g < gn; g += ATTN_WARPS) {
-            float part = 0.0f;
+            float dot = 0.0f;
             if (slot < n_t) {
                 const int w0 = (lane & (lanes - 1)) * words;
                 const u32* krow = k_s + slot * row_words + w0;
@@ -1643,11 +1643,11 @@ __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out)
                         sacc[2 * u + 1] = fmaf(q[2 * (w + u) + 1], bf16_to_f32((u16)(pair >> 16)), sacc[2 * u + 1]);
                     }
                 }
-                part = (sacc[0] + sacc[1]) + (sacc[2] + sacc[3]);
+                dot = (sacc[0] + sacc[1]) + (sacc[2] + sacc[3]);
             }
-            for (int o = 1; o < lanes; o <<= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
-            if (lanes > 1) part = __shfl_sync(0xffffffffu, part, (lane << lane_shift) & 31);
-            const float score = lane < n_t ? part : NEG_INF;
+            for (int o = 1; o < lanes; o <<= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+            if (lanes > 1) dot = __shfl_sync(0xffffffffu, dot, (lane << lane_shift) & 31);
+            const float score = lane < n_t ? dot : NEG_INF;
             const float m_old = m_run[g];
             const float m_new = fmaxf(m_old, warp_max(score));
             const float p = lane < n_t ? expf(score - m_new) : 0.0f;

@@ -223,11 +223,12 @@ fn gemv2_x_smem() -> bool {
 /// the kernel variants `DV2_TABLE_WIDE=0`, `DV2_NORM_BATCH=n`, `DV2_GEMV3_X_BATCH=n`,
 /// `DV2_GEMV2_X_BATCH=n`, `DV2_GEMV3_ACC_ONE=0`, `DV2_GEMV3_L2_CODE=1`, `DV2_L2_AHEAD_KB=n`,
 /// `DV2_MERGE_EARLY=0`, `DV2_MERGE_WARP=0`, `DV2_GEMV_WFIRST=0`, `DV2_GEMV2_PREWAIT=0`,
-/// `DV2_GEMV3_PREWAIT=0`, `DV2_GEMV3_EPI_EARLY=0`, `DV2_GEMV2_XSMEM=0`, `DV2_GEMV2_X_ONE=0` and
-/// `DV2_ATTN3_SLOT_LANES=0`, `DV2_GEMV2_CHAIN=n` apart. The compiler optimizes the module's kernels on every core
-/// (`--split-compile=0`; `DV2_NVRTC_SPLIT=0`: one thread): a machine's first load compiles the
-/// kernels, 32 s in one thread on 2 cores, 19 s split. The split changes the code of some
-/// kernels (scheduling, shared-memory placement), not what they compute.
+/// `DV2_GEMV3_PREWAIT=0`, `DV2_GEMV3_EPI_EARLY=0`, `DV2_GEMV2_XSMEM=0`, `DV2_GEMV2_X_ONE=0`,
+/// `DV2_GEMV2_CHAIN=n` and `DV2_ATTN3_SLOT_LANES=0` apart. The compiler optimizes the module's
+/// kernels on every core (`--split-compile=0`; `DV2_NVRTC_SPLIT=0`: one thread): a machine's
+/// first load compiles the kernels, 32 s in one thread on 2 cores, 19 s split. The split
+/// changes the code of some kernels (scheduling, shared-memory placement), not what they
+/// compute.
 fn options(arch: &str) -> Vec<String> {
     let mut opts = vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()];
     if std::env::var("DV2_LINEINFO").as_deref() == Ok("1") {
