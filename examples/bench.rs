@@ -625,6 +625,11 @@ fn main() {
                 "qwen25_3b attn3-slot-lanes=0",
                 &[("DV2_ATTN3_SLOT_LANES", "0")],
             ),
+            ("qwen25_3b smem-carveout=57", &[("DV2_SMEM_CARVEOUT", "57")]),
+            (
+                "qwen25_3b smem-carveout=100",
+                &[("DV2_SMEM_CARVEOUT", "100")],
+            ),
             ("qwen25_3b attn3-splits=4", &[("DV2_ATTN3_SPLITS", "4")]),
             ("qwen25_3b attn3-splits=2", &[("DV2_ATTN3_SPLITS", "2")]),
             // Attention v2's own switches.

@@ -476,6 +476,18 @@ pub struct Kernels {
     pub attn_prefill_mma1: [CudaFunction; 4],
 }
 
+/// `DV2_SMEM_CARVEOUT=p` (0..=100): every kernel of the decode unit asks for the same
+/// shared-memory carveout, p percent of the most an SM has (unset: the driver picks per
+/// kernel). Why: under ncu (docs/lab.md, session 15) the GEMVs ran in a 132 KiB configuration
+/// and attention v3 in 196 KiB (the driver gives it the occupancy its 46 KB allow, though one
+/// CTA runs per SM); an SM changes its configuration only when empty, so the attention's CTAs
+/// may not start beside q/k/v's, nor o's beside the attention's. 57 is 130 KiB (the driver
+/// takes a supported size at or above it: 132, we expect), 100 all 228 KiB. A hint: a kernel
+/// that needs more shared memory gets it. Prepared in session 15, NOT yet run on a GPU.
+fn smem_carveout() -> Option<i32> {
+    super::env_number("DV2_SMEM_CARVEOUT").filter(|p: &i32| (0..=100).contains(p))
+}
+
 /// Lets each of `funcs` take up to `bytes` of dynamic shared memory (past the 48 KiB default).
 pub(super) fn allow_dynamic_smem(funcs: &[CudaFunction], bytes: usize) -> Result<()> {
     for func in funcs {
@@ -499,7 +511,18 @@ pub fn load_module(gpu: &Gpu, unit: &KernelUnit) -> Result<Arc<CudaModule>> {
 impl Kernels {
     pub fn load(gpu: &Gpu) -> Result<Self> {
         let module = load_module(gpu, &DECODE)?;
-        let f = |name: &str| module.load_function(name).map_err(driver_error(name));
+        let carveout = smem_carveout();
+        let f = |name: &str| -> Result<CudaFunction> {
+            let func = module.load_function(name).map_err(driver_error(name))?;
+            if let Some(percent) = carveout {
+                func.set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                    percent,
+                )
+                .map_err(driver_error("shared memory carveout"))?;
+            }
+            Ok(func)
+        };
         // GEMV v2: [f16-pair table, f32-pair table (suffix _p32), nibble table (_nib), f16-pair
         // table with half the rows in flight in 128 registers (_narrow, the default)][J - 1].
         // GEMV v2 stages x in dynamic shared memory, up to GEMV2_MAX_SMEM bytes.
