@@ -644,9 +644,7 @@ __device__ __forceinline__ uint4 repeat16(Entry e) {
 #ifndef TABLE_WIDE_STORES
 #error "the host passes TABLE_WIDE_STORES (src/cuda/kernels.rs, options)"
 #endif
-// LINES: 128-byte lines from one entry to the next (2: GEMV v2's PRMT-addressed table, whose
-// second line of each entry is never written or read).
-template <int LANES, int LINES = 1, typename Entry, typename Pair>
+template <int LANES, typename Entry, typename Pair>
 __device__ __forceinline__ void load_byte_table(Entry* lut, Pair pair) {
     static_assert(LANES * sizeof(Entry) == 128, "an entry's copies fill one 128-byte line");
     __shared__ float nf4[16];
@@ -667,13 +665,13 @@ __device__ __forceinline__ void load_byte_table(Entry* lut, Pair pair) {
 #pragma unroll
         for (int u = 0; u < BATCH; u++) {
             const int i = base + u * blockDim.x;
-            if (i < PIECES) lines[LINES == 1 ? i : (i >> 3) * 8 * LINES + (i & 7)] = v[u];
+            if (i < PIECES) lines[i] = v[u];
         }
     }
 #else
     for (int i = threadIdx.x; i < 256 * LANES; i += blockDim.x) {
         const int b = (unsigned)i / LANES;  // i >= 0: a shift
-        lut[LINES == 1 ? i : b * LANES * LINES + (i & (LANES - 1))] = pair(nf4[b >> 4], nf4[b & 15]);
+        lut[i] = pair(nf4[b >> 4], nf4[b & 15]);
     }
 #endif
 }
@@ -709,29 +707,6 @@ __device__ __forceinline__ u32 byte_lut_entry(const u32* lut, u32 word, int k, u
 
 __device__ __forceinline__ void load_byte_codebook(u32* lut) {
     load_byte_table<BYTE_LUT_WORDS / 256>(lut, [](float hi, float lo) { return pack_f16x2(hi, lo); });
-}
-
-// GEMV2_PRMT (an NVRTC define, DV2_GEMV2_PRMT=1; default 0): GEMV v2's f16-pair table with
-// 256 bytes from entry to entry (64 KB of dynamic shared memory, the copies in the first 128
-// of each), so that one PRMT makes a lookup's address (byte k of the word into bits 8..15, the
-// lane's offset below them) where a shift and a LOP3 did: one instruction fewer per two
-// weights in the walk. The same 32 KB of entries are written. Measured (docs/lab.md, session
-// 15): lm_head 48.0 -> 44.5 us, but gate/up and down slower and the step +0.039 ms, their CTAs
-// at 81 / 98 KB of shared memory needing a larger configuration than their neighbours' (an
-// SM reconfigures only when empty); kept off, to measure again with DV2_SMEM_CARVEOUT (one
-// configuration for every kernel). Session 10 measured the same layout +0.011 (session 9's
-// f32-pair variant lost on its 64 KB table build).
-// PRMT_LUT_WORDS (the host's GEMV2_PRMT_TABLE / 4): the table's 32-bit words.
-#ifndef GEMV2_PRMT
-#define GEMV2_PRMT 0
-#endif
-__device__ __forceinline__ void load_byte_codebook_prmt(u32* lut) {
-    load_byte_table<BYTE_LUT_WORDS / 256, 2>(lut, [](float hi, float lo) { return pack_f16x2(hi, lo); });
-}
-// The entry of byte k (0..3) of `word` for this lane in that table (lane4 = 4 * lane < 256).
-__device__ __forceinline__ u32 prmt_lut_entry(const u32* lut, u32 word, int k, u32 lane4) {
-    const u32 offset = __byte_perm(lane4, word, 0x1140u | ((u32)k << 4));  // {lane4, byte k, 0, 0}
-    return *reinterpret_cast<const u32*>(reinterpret_cast<const char*>(lut) + offset);
 }
 
 // GEMV v2's tables (template argument TABLE): the 16-entry codebook (GEMV2_NIBBLE,
@@ -800,11 +775,7 @@ __device__ __forceinline__ float dot_row_pair16(const RowChunks<J>& rc, const XH
 #pragma unroll
             for (int w = w0; w < w0 + GEMV2_CHAIN; w++)
 #pragma unroll
-                for (int k = 0; k < 4; k++) {
-                    const u32 e = GEMV2_PRMT ? prmt_lut_entry(lut, words[w], k, lane4)
-                                             : byte_lut_entry(lut, words[w], k, lane4);
-                    h = hfma2(e, xh.h[j][4 * w + k], h);
-                }
+                for (int k = 0; k < 4; k++) h = hfma2(byte_lut_entry(lut, words[w], k, lane4), xh.h[j][4 * w + k], h);
             part += half2_sum(h);
         }
         acc = fmaf(part, rc.s[j], acc);
@@ -824,17 +795,10 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     const bool late_sum = late_flags & GEMV2_LATE_SUM, epi_early = late_flags & GEMV2_EPI_EARLY;
     __shared__ float lut[16];
     __shared__ __align__(16) float2 pair_lut[TABLE == GEMV2_PAIR32 ? PAIR_LUT_ENTRIES : 1];
-    __shared__ __align__(16) u32 pair16_static[TABLE == GEMV2_PAIR16 && !GEMV2_PRMT ? BYTE_LUT_WORDS : 1];
+    __shared__ __align__(16) u32 pair16_lut[TABLE == GEMV2_PAIR16 ? BYTE_LUT_WORDS : 1];
     __shared__ float partial[GEMV2_MAX_LANES_X_R * NM][GEMV_WARPS];
     __shared__ float late_partial[GEMV2_LATE_FLOATS];
-    // Dynamic shared memory: GEMV2_PRMT's table (f16-pair kernels), then x as staged:
-    // cols / 32 * X_STAGE_STRIDE floats, or cols / 32 * X16_STAGE_STRIDE words from f16.
-    extern __shared__ __align__(16) float gemv2_dyn[];
-    constexpr bool prmt_table = TABLE == GEMV2_PAIR16 && GEMV2_PRMT;
-    u32* pair16_lut = prmt_table ? reinterpret_cast<u32*>(gemv2_dyn) : pair16_static;
-    float* x_staged = gemv2_dyn + (prmt_table ? PRMT_LUT_WORDS : 0);
-    if (prmt_table) load_byte_codebook_prmt(pair16_lut);
-    else if (TABLE == GEMV2_PAIR16) load_byte_codebook(pair16_lut);
+    if (TABLE == GEMV2_PAIR16) load_byte_codebook(pair16_lut);
     else if (TABLE == GEMV2_PAIR32) load_pair_codebook(pair_lut);
     else load_codebook(lut);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -886,6 +850,8 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     if (late && epi_early && (int)threadIdx.x < r1 - r0) early_epi = rows_of.epi(r0 + threadIdx.x);
     XSlice<J> xs;
     XHalves<J> xh;
+    // cols / 32 * X_STAGE_STRIDE floats, or cols / 32 * X16_STAGE_STRIDE words from f16
+    extern __shared__ __align__(16) float x_staged[];
     if (TABLE == GEMV2_PAIR16 && x_smem == GEMV2_X_F16) {
         stage_x16(reinterpret_cast<const u16*>(x), cols, reinterpret_cast<u32*>(x_staged));
         __syncthreads();

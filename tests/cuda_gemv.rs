@@ -113,11 +113,6 @@ fn settings() -> Vec<Setting> {
             |o| o.gemv = GemvChoice::Fixed(Variant::V2),
             Some(("DV2_GEMV2_X_ONE", "0")),
         ),
-        (
-            "v2 table addressed by PRMT",
-            |o| o.gemv = GemvChoice::Fixed(Variant::V2),
-            Some(("DV2_GEMV2_PRMT", "1")),
-        ),
         ("v3", |o| o.gemv = GemvChoice::Fixed(Variant::V3), None),
         ("tensor-core GEMM", |o| o.linear = Linear::Mma, None),
     ]

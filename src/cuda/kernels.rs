@@ -69,10 +69,6 @@ pub const GEMV2_MAX_K: usize = 3 * 32 * 8 * 32;
 /// GEMV v2's dynamic shared memory limit: x staged at the largest K (its static tables and
 /// partial sums take ~39 KiB more).
 pub const GEMV2_MAX_SMEM: usize = GEMV2_MAX_K / 32 * GEMV2_X_STRIDE * 4;
-/// GEMV v2's f16-pair table as `DV2_GEMV2_PRMT` lays it out (256 entries 256 bytes apart), in
-/// dynamic shared memory before x.
-pub const GEMV2_PRMT_TABLE: usize = 256 * 256;
-const _: () = assert!(GEMV2_MAX_SMEM + GEMV2_PRMT_TABLE + 8 * 1024 <= 227 * 1024);
 const _: () = assert!(GEMV2_MAX_SMEM + 40 * 1024 <= 227 * 1024);
 /// Warps per CTA of GEMV v3 (tensor cores): they split K of the CTA's row tiles.
 pub const GEMV3_WARPS: usize = 8;
@@ -124,7 +120,6 @@ fn shared_defines() -> Vec<String> {
         ("GEMV3_WARPS", GEMV3_WARPS),
         ("X_STAGE_STRIDE", GEMV2_X_STRIDE),
         ("X16_STAGE_STRIDE", GEMV2_X16_STRIDE),
-        ("PRMT_LUT_WORDS", GEMV2_PRMT_TABLE / 4),
         ("STATE_TOKEN", state::TOKEN),
         ("STATE_POSITION", state::POSITION),
         ("STATE_VALID_LEN", state::VALID_LEN),
@@ -223,24 +218,17 @@ fn gemv2_x_smem() -> bool {
     super::switch_on("DV2_GEMV2_XSMEM")
 }
 
-/// Whether GEMV v2's f16-pair kernels address their table by PRMT (kernels/decode.cu,
-/// GEMV2_PRMT; `DV2_GEMV2_PRMT=1`; default: a shift and a LOP3, the table in static shared
-/// memory). Compiled into the kernels, so fixed for a loaded module: [`Kernels::gemv2_prmt`].
-fn gemv2_prmt() -> bool {
-    std::env::var("DV2_GEMV2_PRMT").as_deref() == Ok("1")
-}
-
 /// NVRTC options; `DV2_LINEINFO=1` adds source line information (for a profiler's source
 /// view; the cache keeps the two builds apart, options being part of its key), as it keeps
 /// the kernel variants `DV2_TABLE_WIDE=0`, `DV2_NORM_BATCH=n`, `DV2_GEMV3_X_BATCH=n`,
 /// `DV2_GEMV2_X_BATCH=n`, `DV2_GEMV3_ACC_ONE=0`, `DV2_GEMV3_L2_CODE=1`, `DV2_L2_AHEAD_KB=n`,
 /// `DV2_MERGE_EARLY=0`, `DV2_MERGE_WARP=0`, `DV2_GEMV_WFIRST=0`, `DV2_GEMV2_PREWAIT=0`,
 /// `DV2_GEMV3_PREWAIT=0`, `DV2_GEMV3_EPI_EARLY=0`, `DV2_GEMV2_XSMEM=0`, `DV2_GEMV2_X_ONE=0`,
-/// `DV2_GEMV2_CHAIN=n`, `DV2_ATTN3_SLOT_LANES=0` and `DV2_GEMV2_PRMT=1` apart. The compiler
-/// optimizes the module's kernels on every core (`--split-compile=0`; `DV2_NVRTC_SPLIT=0`: one
-/// thread): a machine's first load compiles the kernels, 32 s in one thread on 2 cores, 19 s
-/// split. The split changes the code of some kernels (scheduling, shared-memory placement),
-/// not what they compute.
+/// `DV2_GEMV2_CHAIN=n` and `DV2_ATTN3_SLOT_LANES=0` apart. The compiler optimizes the module's
+/// kernels on every core (`--split-compile=0`; `DV2_NVRTC_SPLIT=0`: one thread): a machine's
+/// first load compiles the kernels, 32 s in one thread on 2 cores, 19 s split. The split
+/// changes the code of some kernels (scheduling, shared-memory placement), not what they
+/// compute.
 fn options(arch: &str) -> Vec<String> {
     let mut opts = vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()];
     if std::env::var("DV2_LINEINFO").as_deref() == Ok("1") {
@@ -282,7 +270,6 @@ fn options(arch: &str) -> Vec<String> {
         .filter(|n: &usize| matches!(n, 1 | 2 | 4))
         .unwrap_or(2);
     opts.push(format!("-DGEMV2_CHAIN={chain}"));
-    opts.push(format!("-DGEMV2_PRMT={}", i32::from(gemv2_prmt())));
     // Attention v3's scores with several lanes a slot at a split's few slots (kernels/decode.cu,
     // ATTN3_SLOT_LANES; DV2_ATTN3_SLOT_LANES=0: a lane a slot).
     opts.push(format!(
@@ -453,9 +440,6 @@ pub struct Kernels {
     /// The GEMV v2 kernels stage their f32 x in shared memory (`DV2_GEMV2_XSMEM`, compiled in;
     /// else each lane loads x from global memory).
     pub gemv2_x_smem: bool,
-    /// The f16-pair GEMV v2 kernels take their table in dynamic shared memory before x,
-    /// [`GEMV2_PRMT_TABLE`] bytes (`DV2_GEMV2_PRMT`, compiled in).
-    pub gemv2_prmt: bool,
     pub gemv2_qkv: [[CudaFunction; 3]; 4],
     pub gemv2_swiglu: [[CudaFunction; 3]; 4],
     pub attn2_decode: CudaFunction,
@@ -493,13 +477,12 @@ pub struct Kernels {
 }
 
 /// `DV2_SMEM_CARVEOUT=p` (0..=100): every kernel of the decode unit asks for the same
-/// shared-memory carveout, p percent of the most an SM has (unset: the driver picks per
-/// kernel). Why: under ncu (docs/lab.md, session 15) the GEMVs ran in a 132 KiB configuration
-/// and attention v3 in 196 KiB (the driver gives it the occupancy its 46 KB allow, though one
-/// CTA runs per SM); an SM changes its configuration only when empty, so the attention's CTAs
-/// may not start beside q/k/v's, nor o's beside the attention's. 57 is 130 KiB (the driver
-/// takes a supported size at or above it: 132, we expect), 100 all 228 KiB. A hint: a kernel
-/// that needs more shared memory gets it. Prepared in session 15, NOT yet run on a GPU.
+/// shared-memory carveout, p percent of the most an SM has (unset, the default: the driver
+/// picks per kernel). Why it was tried: under ncu the GEMVs ran in a 132 KiB configuration and
+/// attention v3 in 196 KiB, and an SM changes its configuration only when empty. Measured
+/// (docs/lab.md, session 15): 57 (132 KiB everywhere) +0.008 ms/token, 100 (228 KiB, L1 down
+/// to 28 KiB) +0.069: the GEMVs need their L1 more than the kernels need one configuration.
+/// A hint: a kernel that needs more shared memory gets it.
 fn smem_carveout() -> Option<i32> {
     super::env_number("DV2_SMEM_CARVEOUT").filter(|p: &i32| (0..=100).contains(p))
 }
@@ -541,12 +524,11 @@ impl Kernels {
         };
         // GEMV v2: [f16-pair table, f32-pair table (suffix _p32), nibble table (_nib), f16-pair
         // table with half the rows in flight in 128 registers (_narrow, the default)][J - 1].
-        // GEMV v2 stages x in dynamic shared memory, up to GEMV2_MAX_SMEM bytes, after its
-        // table with DV2_GEMV2_PRMT.
+        // GEMV v2 stages x in dynamic shared memory, up to GEMV2_MAX_SMEM bytes.
         let gemv2_by_j = |name: &str, suffix: &str| -> Result<[CudaFunction; 3]> {
             let [a, b, c] = [1, 2, 3].map(|j| f(&format!("{name}_j{j}{suffix}")));
             let fs = [a?, b?, c?];
-            allow_dynamic_smem(&fs, GEMV2_MAX_SMEM + GEMV2_PRMT_TABLE)?;
+            allow_dynamic_smem(&fs, GEMV2_MAX_SMEM)?;
             Ok(fs)
         };
         let gemv2 = |name: &str| -> Result<[[CudaFunction; 3]; 4]> {
@@ -600,7 +582,6 @@ impl Kernels {
             ring_reset: f("ring_reset")?,
             gemv2_nf4: gemv2("gemv2_nf4")?,
             gemv2_x_smem: gemv2_x_smem(),
-            gemv2_prmt: gemv2_prmt(),
             gemv2_nf4_x16: [
                 gemv2_by_j("gemv2_nf4", "_x16")?,
                 gemv2_by_j("gemv2_nf4", "_narrow_x16")?,

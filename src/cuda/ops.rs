@@ -51,9 +51,8 @@ use super::device::{driver_error, Gpu};
 use super::kernels::{
     Kernels, ATTN2_CHUNK, ATTN2_MAX_CHUNKS, ATTN2_MAX_GROUP, ATTN2_MAX_GROUP_X_HD, ATTNM_ROWS,
     ATTNM_THREADS, ATTNP_Q_FLOATS, ATTNP_ROWS, ATTNP_THREADS, ATTN_THREADS, GEMM_B2_STRIDE,
-    GEMM_NT, GEMM_V2_MAX_KW, GEMM_WARPS, GEMM_WARP_ROWS, GEMV2_MAX_K, GEMV2_PRMT_TABLE,
-    GEMV2_X16_STRIDE, GEMV2_X_STRIDE, GEMV3_MAX_K, GEMV3_WARPS, GEMV_THREADS, GEMV_WARPS,
-    MAX_HEAD_DIM,
+    GEMM_NT, GEMM_V2_MAX_KW, GEMM_WARPS, GEMM_WARP_ROWS, GEMV2_MAX_K, GEMV2_X16_STRIDE,
+    GEMV2_X_STRIDE, GEMV3_MAX_K, GEMV3_WARPS, GEMV_THREADS, GEMV_WARPS, MAX_HEAD_DIM,
 };
 use super::weights::Nf4Ref;
 use super::{env_number, switch_on};
@@ -586,24 +585,16 @@ impl Ops {
         let ctas = (self.sms * self.gemv_ctas)
             .min(rows.div_ceil(row_lanes) as u32)
             .max(1);
-        let x_bytes = if x_f16 {
-            cols / 32 * GEMV2_X16_STRIDE * 4
-        } else if self.k.gemv2_x_smem {
-            cols / 32 * GEMV2_X_STRIDE * 4
-        } else {
-            0
-        };
-        // The f16-pair kernels (f16 x: always) hold their PRMT-addressed table before x.
-        let f16_pairs = x_f16 || matches!(self.gemv2_table(), 0 | 3);
-        let table_bytes = if self.k.gemv2_prmt && f16_pairs {
-            GEMV2_PRMT_TABLE
-        } else {
-            0
-        };
         let cfg = LaunchConfig {
             grid_dim: (ctas, 1, 1),
             block_dim: (GEMV_THREADS, 1, 1),
-            shared_mem_bytes: (table_bytes + x_bytes) as u32,
+            shared_mem_bytes: if x_f16 {
+                (cols / 32 * GEMV2_X16_STRIDE * 4) as u32
+            } else if self.k.gemv2_x_smem {
+                (cols / 32 * GEMV2_X_STRIDE * 4) as u32
+            } else {
+                0
+            },
         };
         Ok((j, kparts, cfg))
     }
