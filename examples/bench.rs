@@ -684,6 +684,7 @@ fn main() {
             ("qwen25_3b gemv3-lean=0", &[("DV2_GEMV3_LEAN", "0")]),
             ("qwen25_3b gemv2-chain=1", &[("DV2_GEMV2_CHAIN", "1")]),
             ("qwen25_3b gemv2-chain=4", &[("DV2_GEMV2_CHAIN", "4")]),
+            ("qwen25_3b gemv2-noalloc=1", &[("DV2_GEMV2_NOALLOC", "1")]),
             ("qwen25_3b gemv3-prewait=0", &[("DV2_GEMV3_PREWAIT", "0")]),
             ("qwen25_3b argmax-ctas=1", &[("DV2_ARGMAX_CTAS", "1")]),
             ("qwen25_3b nvrtc-split=0", &[("DV2_NVRTC_SPLIT", "0")]),

@@ -566,6 +566,26 @@ struct RowChunks {
     float s[J];
 };
 
+// GEMV2_W_NOALLOC (an NVRTC define, DV2_GEMV2_NOALLOC=1; default 0): GEMV v2's weight loads
+// as ld.global.nc.L1::no_allocate (each 16-byte piece is read once). Why: with L1 cut to 28
+// KiB the decode step lost 0.069 ms (docs/lab.md, session 15, run 8), so L1 may bound the
+// weight loads in flight; a load that allocates no line may not be. Prepared in session 15,
+// NOT yet run on a GPU.
+#ifndef GEMV2_W_NOALLOC
+#define GEMV2_W_NOALLOC 0
+#endif
+__device__ __forceinline__ uint4 load_weights16(const uint4* p) {
+#if GEMV2_W_NOALLOC
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+#else
+    return __ldg(p);
+#endif
+}
+
 // Issues the loads of this lane's chunks of one row part (zero scale past the row's end).
 template <int J>
 __device__ __forceinline__ void load_row(Nf4Ref m, int row, int cols, int part, RowChunks<J>& rc) {
@@ -576,7 +596,7 @@ __device__ __forceinline__ void load_row(Nf4Ref m, int row, int cols, int part, 
     for (int j = 0; j < J; j++) {
         const int c = (part * J + j) * 32 + lane;
         const bool in = c < n_chunks;
-        rc.q[j] = in ? __ldg(w + c) : make_uint4(0u, 0u, 0u, 0u);
+        rc.q[j] = in ? load_weights16(w + c) : make_uint4(0u, 0u, 0u, 0u);
         rc.s[j] = in ? __ldg(a + (c >> 1)) : 0.0f;
     }
 }

@@ -113,6 +113,11 @@ fn settings() -> Vec<Setting> {
             |o| o.gemv = GemvChoice::Fixed(Variant::V2),
             Some(("DV2_GEMV2_X_ONE", "0")),
         ),
+        (
+            "v2 weights loaded without an L1 line",
+            |o| o.gemv = GemvChoice::Fixed(Variant::V2),
+            Some(("DV2_GEMV2_NOALLOC", "1")),
+        ),
         ("v3", |o| o.gemv = GemvChoice::Fixed(Variant::V3), None),
         ("tensor-core GEMM", |o| o.linear = Linear::Mma, None),
     ]

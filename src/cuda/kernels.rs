@@ -224,11 +224,11 @@ fn gemv2_x_smem() -> bool {
 /// `DV2_GEMV2_X_BATCH=n`, `DV2_GEMV3_ACC_ONE=0`, `DV2_GEMV3_L2_CODE=1`, `DV2_L2_AHEAD_KB=n`,
 /// `DV2_MERGE_EARLY=0`, `DV2_MERGE_WARP=0`, `DV2_GEMV_WFIRST=0`, `DV2_GEMV2_PREWAIT=0`,
 /// `DV2_GEMV3_PREWAIT=0`, `DV2_GEMV3_EPI_EARLY=0`, `DV2_GEMV2_XSMEM=0`, `DV2_GEMV2_X_ONE=0`,
-/// `DV2_GEMV2_CHAIN=n` and `DV2_ATTN3_SLOT_LANES=0` apart. The compiler optimizes the module's
-/// kernels on every core (`--split-compile=0`; `DV2_NVRTC_SPLIT=0`: one thread): a machine's
-/// first load compiles the kernels, 32 s in one thread on 2 cores, 19 s split. The split
-/// changes the code of some kernels (scheduling, shared-memory placement), not what they
-/// compute.
+/// `DV2_GEMV2_CHAIN=n`, `DV2_ATTN3_SLOT_LANES=0` and `DV2_GEMV2_NOALLOC=1` apart. The compiler
+/// optimizes the module's kernels on every core (`--split-compile=0`; `DV2_NVRTC_SPLIT=0`: one
+/// thread): a machine's first load compiles the kernels, 32 s in one thread on 2 cores, 19 s
+/// split. The split changes the code of some kernels (scheduling, shared-memory placement),
+/// not what they compute.
 fn options(arch: &str) -> Vec<String> {
     let mut opts = vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()];
     if std::env::var("DV2_LINEINFO").as_deref() == Ok("1") {
@@ -270,6 +270,10 @@ fn options(arch: &str) -> Vec<String> {
         .filter(|n: &usize| matches!(n, 1 | 2 | 4))
         .unwrap_or(2);
     opts.push(format!("-DGEMV2_CHAIN={chain}"));
+    // GEMV v2's weight loads without an L1 line (kernels/decode.cu, GEMV2_W_NOALLOC;
+    // DV2_GEMV2_NOALLOC=1; off by default, not yet measured).
+    let no_alloc = std::env::var("DV2_GEMV2_NOALLOC").as_deref() == Ok("1");
+    opts.push(format!("-DGEMV2_W_NOALLOC={}", i32::from(no_alloc)));
     // Attention v3's scores with several lanes a slot at a split's few slots (kernels/decode.cu,
     // ATTN3_SLOT_LANES; DV2_ATTN3_SLOT_LANES=0: a lane a slot).
     opts.push(format!(
