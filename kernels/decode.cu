@@ -71,6 +71,9 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// log2 of n, a power of two (1 << log2_pow2(n) == n): a shift where code would divide.
+__device__ __forceinline__ int log2_pow2(int n) { return __ffs(n) - 1; }
+
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
@@ -602,17 +605,19 @@ __device__ __forceinline__ void load_row(Nf4Ref m, int row, int cols, int part, 
 }
 
 // One row part's dot product with this lane's x, shared by the v2 tables: each chunk's four
-// 32-bit words of weights summed by `word_sum(j, w, word)` (word w of chunk j: four bytes,
-// each byte two weights), then times the chunk's absmax.
-template <int J, typename WordSum>
-__device__ __forceinline__ float dot_chunks(const RowChunks<J>& rc, WordSum word_sum) {
+// 32-bit words of weights (four bytes each, each byte two weights) summed GROUP words at a
+// time by `group_sum(j, w0, words)` (words w0 .. w0 + GROUP - 1 of chunk j), the groups
+// added in f32, then times the chunk's absmax.
+template <int J, int GROUP, typename GroupSum>
+__device__ __forceinline__ float dot_chunks(const RowChunks<J>& rc, GroupSum group_sum) {
+    static_assert(GROUP == 1 || GROUP == 2 || GROUP == 4, "groups of 1, 2 or 4 words");
     float acc = 0.0f;
 #pragma unroll
     for (int j = 0; j < J; j++) {
         const u32 words[4] = {rc.q[j].x, rc.q[j].y, rc.q[j].z, rc.q[j].w};
         float part = 0.0f;
 #pragma unroll
-        for (int w = 0; w < 4; w++) part += word_sum(j, w, words[w]);
+        for (int w0 = 0; w0 < 4; w0 += GROUP) part += group_sum(j, w0, words);
         acc = fmaf(part, rc.s[j], acc);
     }
     return acc;
@@ -622,7 +627,8 @@ __device__ __forceinline__ float dot_chunks(const RowChunks<J>& rc, WordSum word
 // nibble), codebook(low nibble)} of byte k (the even element first).
 template <int J, typename Pair>
 __device__ __forceinline__ float dot_row(const RowChunks<J>& rc, const XSlice<J>& xs, Pair pair) {
-    return dot_chunks<J>(rc, [&](int j, int w, u32 b) {
+    return dot_chunks<J, 1>(rc, [&](int j, int w, const u32* words) {
+        const u32 b = words[w];
         const float* xv = &xs.v[j][8 * w];
         const float2 p0 = pair(b, 0), p1 = pair(b, 1), p2 = pair(b, 2), p3 = pair(b, 3);
         return p0.x * xv[0] + p0.y * xv[1] + p1.x * xv[2] + p1.y * xv[3] + p2.x * xv[4] + p2.y * xv[5] +
@@ -778,29 +784,19 @@ __device__ __forceinline__ void pack_x_halves(const XSlice<J>& xs, XHalves<J>& x
 #ifndef GEMV2_CHAIN
 #define GEMV2_CHAIN 2
 #endif
-// The row part's dot product with the f16-pair table (lane4 = 4 * lane): each chunk's pairs
-// in f16x2 FMA chains of GEMV2_CHAIN words, summed in f32, times the chunk's absmax.
+// dot_chunks with the f16-pair table (lane4 = 4 * lane): each group of GEMV2_CHAIN words one
+// f16x2 FMA chain, summed in f32.
 template <int J>
 __device__ __forceinline__ float dot_row_pair16(const RowChunks<J>& rc, const XHalves<J>& xh, const u32* lut,
                                                 u32 lane4) {
-    static_assert(GEMV2_CHAIN == 1 || GEMV2_CHAIN == 2 || GEMV2_CHAIN == 4, "chains of 1, 2 or 4 words");
-    float acc = 0.0f;
+    return dot_chunks<J, GEMV2_CHAIN>(rc, [&](int j, int w0, const u32* words) {
+        u32 h = 0u;
 #pragma unroll
-    for (int j = 0; j < J; j++) {
-        const u32 words[4] = {rc.q[j].x, rc.q[j].y, rc.q[j].z, rc.q[j].w};
-        float part = 0.0f;
+        for (int w = w0; w < w0 + GEMV2_CHAIN; w++)
 #pragma unroll
-        for (int w0 = 0; w0 < 4; w0 += GEMV2_CHAIN) {
-            u32 h = 0u;
-#pragma unroll
-            for (int w = w0; w < w0 + GEMV2_CHAIN; w++)
-#pragma unroll
-                for (int k = 0; k < 4; k++) h = hfma2(byte_lut_entry(lut, words[w], k, lane4), xh.h[j][4 * w + k], h);
-            part += half2_sum(h);
-        }
-        acc = fmaf(part, rc.s[j], acc);
-    }
-    return acc;
+            for (int k = 0; k < 4; k++) h = hfma2(byte_lut_entry(lut, words[w], k, lane4), xh.h[j][4 * w + k], h);
+        return half2_sum(h);
+    });
 }
 
 // The walk shared by the v2 kernels. `Rows` maps a row index to its matrix and epilogue:
@@ -824,7 +820,7 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const u32 lane8 = (lane & 15) * 8, lane4 = lane * 4;
     // kparts is 1, 2, 4 or 8 (the host's gemv2_shape): the warp's roles by shifts and masks.
-    const int kshift = __ffs(kparts) - 1;
+    const int kshift = log2_pow2(kparts);
     const int part = warp & (kparts - 1), row_lane = warp >> kshift, row_lanes = GEMV_WARPS >> kshift;
     const int per_cta = (rows + gridDim.x - 1) / gridDim.x;
     const int r0 = blockIdx.x * per_cta, r1 = min(rows, r0 + per_cta);
@@ -940,7 +936,7 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
         if (threadIdx.x < block) {
             const int r = base + threadIdx.x;
             if (r < r1) {
-                const int i = threadIdx.x >> (__ffs(row_lanes) - 1), rl = threadIdx.x & (row_lanes - 1);
+                const int i = threadIdx.x >> log2_pow2(row_lanes), rl = threadIdx.x & (row_lanes - 1);
                 float total[NM];
 #pragma unroll
                 for (int k = 0; k < NM; k++) {
@@ -1557,7 +1553,7 @@ __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out)
     const int gn = a.heads_per_cta, group = gn * gridDim.x;
     const int kvh = blockIdx.z, q0 = kvh * group + blockIdx.x * gn;
     const int splits = cluster_size(), rank = cluster_rank();
-    const int split_shift = __ffs(splits) - 1;  // splits: 1, 2, 4 or 8 (the host checks)
+    const int split_shift = log2_pow2(splits);  // splits: 1, 2, 4 or 8 (the host checks)
     const int pos = a.state[STATE_POSITION];
     if (pos >= a.max_seq) return;  // every CTA: no slot to write or read
     const int valid = pos + 1, per = (valid + splits - 1) >> split_shift;
@@ -1707,7 +1703,7 @@ __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out)
     const int dims = hd >> split_shift;
     for (int i = threadIdx.x; i < gn * dims; i += blockDim.x) {
         // HD a power of two: dims too, so i's split is shifts and masks.
-        const int g = HD ? i >> (__ffs(dims) - 1) : i / dims;
+        const int g = HD ? i >> log2_pow2(dims) : i / dims;
         const int d = rank * dims + (HD ? i & (dims - 1) : i % dims);
         float m[ATTN3_MAX_SPLITS], l[ATTN3_MAX_SPLITS], o[ATTN3_MAX_SPLITS];
 #pragma unroll
