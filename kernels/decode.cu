@@ -563,19 +563,67 @@ __device__ __forceinline__ void read_x16_slice(const u32* staged, int part, int 
     }
 }
 
+// L2 prefetch: bulk prefetches into L2 issued by one thread. GEMV v3 (DV2_L2_AHEAD_KB) sends a
+// CTA's next weight rows, the first before the wait on the previous kernel (an L2 prefetch is
+// only a hint to the point of coherence, so it is safe at any time). Why: v3 keeps its weights in
+// registers, so its bytes in flight are bounded by registers and warps; a prefetch has no
+// such bound and no completion to wait for. Measured on the probe (docs/lab.md, session 7):
+// o 3.98 -> 3.54 us, q/k/v 4.87 -> 4.76; on GEMV v2 it lost (gate+up 14.68 -> 15.88). Off by
+// default since session 8: once the first weights load before the wait (w_first 2), the
+// decode step measured 1.5294 ms/token without it against 1.5426 with 192 KB.
+// Both ends of [from, to) are rounded down to 16 bytes (the bulk copy's granule; the
+// allocation is aligned, so the range stays inside it), sent in pieces of at most 32 KB.
+__device__ __forceinline__ void l2_prefetch(const void* base, size_t from, size_t to) {
+#if __CUDA_ARCH__ >= 900
+    const char* p = static_cast<const char*>(base);
+    for (size_t o = from & ~(size_t)15; o < (to & ~(size_t)15); o += 32768) {
+        const unsigned bytes = (unsigned)min((size_t)32768, (to & ~(size_t)15) - o);
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + o), "r"(bytes) : "memory");
+    }
+#endif
+}
+
+// The next layer's q, k and v weights (packed bytes and absmax: up to L2_NEXT_RANGES address
+// ranges of `bytes` each) that a down GEMV v2 prefetches into L2 as its walk ends (DV2_QKV_L2,
+// default; GEMV2_L2_NEXT, an NVRTC define, compiles it in): CTA b sends bytes [b share, (b + 1) share)
+// of each range (the host sizes the shares for the grid: multiples of 16, at most 32 KB). Why:
+// the q/k/v kernel's CTAs become resident only as down's leave (down's two CTAs fill the
+// register file), so their first weights come from HBM after down ends, on the step's serial
+// chain; from L2 the q/k/v GEMV took 0.3 us less (docs/lab.md, session 10, `--l2-hot`).
+// Measured: -0.0065 ms/token (session 16, run 2; DV2_QKV_L2=0 off).
+#define L2_NEXT_RANGES 6
+struct L2Next {
+    const char* addr[L2_NEXT_RANGES];
+    unsigned bytes[L2_NEXT_RANGES], share[L2_NEXT_RANGES];
+};
+#ifndef GEMV2_L2_NEXT
+#define GEMV2_L2_NEXT 1
+#endif
+__device__ __forceinline__ void l2_prefetch_share(const L2Next& next) {
+#if GEMV2_L2_NEXT && __CUDA_ARCH__ >= 900
+    if (threadIdx.x != 0) return;
+#pragma unroll
+    for (int i = 0; i < L2_NEXT_RANGES; i++) {
+        const unsigned from = blockIdx.x * next.share[i];
+        const unsigned n = from < next.bytes[i] ? min(next.share[i], next.bytes[i] - from) & ~15u : 0u;
+        if (n) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(next.addr[i] + from), "r"(n) : "memory");
+    }
+#endif
+}
+
 template <int J>
 struct RowChunks {
     uint4 q[J];
     float s[J];
 };
 
-// GEMV2_W_NOALLOC (an NVRTC define, DV2_GEMV2_NOALLOC=1; default 0): GEMV v2's weight loads
-// as ld.global.nc.L1::no_allocate (each 16-byte piece is read once). Why: with L1 cut to 28
-// KiB the decode step lost 0.069 ms (docs/lab.md, session 15, run 8), so L1 may bound the
-// weight loads in flight; a load that allocates no line may not be. Prepared in session 15,
-// NOT yet run on a GPU.
+// GEMV2_W_NOALLOC (an NVRTC define the host sets, DV2_GEMV2_NOALLOC; 0: __ldg): GEMV v2's
+// weight loads as ld.global.nc.L1::no_allocate (each 16-byte piece is read once). Why: with
+// L1 cut to 28 KiB the decode step lost 0.069 ms (docs/lab.md, session 15, run 8), so L1 may
+// bound the weight loads in flight; a load that allocates no line is not. Measured: -0.004
+// ms/token (session 16, runs 1-2).
 #ifndef GEMV2_W_NOALLOC
-#define GEMV2_W_NOALLOC 0
+#define GEMV2_W_NOALLOC 1
 #endif
 __device__ __forceinline__ uint4 load_weights16(const uint4* p) {
 #if GEMV2_W_NOALLOC
@@ -801,7 +849,8 @@ __device__ __forceinline__ float dot_row_pair16(const RowChunks<J>& rc, const XH
 
 // The walk shared by the v2 kernels. `Rows` maps a row index to its matrix and epilogue:
 //   Nf4Ref matrix(int row, int* local_row); void store(int row, float sum[NM]) for NM
-//   matrices per row (1, or 2 for SwiGLU's gate and up).
+//   matrices per row (1, or 2 for SwiGLU's gate and up); void tail(), run as the walk ends,
+//   and void finish() after the epilogues (every thread of the CTA).
 template <int J, int R, int NM, int TABLE, int XM, typename Rows>
 __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, const float* __restrict__ x,
                                            NormArgs norm, int kparts, const int* skip_if, int x_smem_arg,
@@ -948,6 +997,7 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
         }
         __syncthreads();
     }
+    rows_of.tail();
     if (late) {
         __syncthreads();
         for (int idx = threadIdx.x; idx < r1 - r0; idx += blockDim.x) {
@@ -962,6 +1012,7 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
         }
     }
     if (float* out = rows_of.ss_out()) block_sum_to(ss, out + blockIdx.x);
+    rows_of.finish();
 }
 
 // Each Rows type's store returns the value it wrote; ss_out() (may be null) is where the
@@ -972,6 +1023,9 @@ struct PlainRows {
     const float* bias;
     int accumulate;
     float* ss;
+    L2Next next;
+    __device__ void tail() const { l2_prefetch_share(next); }
+    __device__ void finish() const {}
     __device__ Nf4Ref matrix(int, int) const { return m; }
     __device__ int local(int r) const { return r; }
     __device__ RowEpi epi(int r) const { return {bias ? bias[r] : 0.0f, accumulate ? y[r] : 0.0f}; }
@@ -988,6 +1042,8 @@ struct PlainRows {
 struct QkvRows {
     QkvArgs a;
     float* out;
+    __device__ void tail() const {}
+    __device__ void finish() const {}
     __device__ int seg(int r) const { return r < a.rows[0] ? 0 : (r < a.rows[0] + a.rows[1] ? 1 : 2); }
     __device__ Nf4Ref matrix(int r, int) const {
         const int s = seg(r);
@@ -1015,6 +1071,8 @@ struct SwigluRows {
     Nf4Ref gate, up;
     float* out;
     bool out_f16;  // GEMV2_OUT_F16
+    __device__ void tail() const {}
+    __device__ void finish() const {}
     __device__ Nf4Ref matrix(int, int k) const { return k == 0 ? gate : up; }
     __device__ int local(int r) const { return r; }
     __device__ RowEpi epi(int) const { return {0.0f, 0.0f}; }
@@ -1028,14 +1086,96 @@ struct SwigluRows {
     __device__ float* ss_out() const { return nullptr; }
 };
 
+// Whether (v, i) beats (best, best_i) in the argmax: a lower index wins ties, a NaN or a
+// missing entry (i < 0) never wins.
+__device__ __forceinline__ bool argmax_beats(float v, int i, float best, int best_i) {
+    return i >= 0 && (best_i < 0 || v > best || (v == best && i < best_i));
+}
+
+// The CTA's argmax of every thread's (best, best_i), left in thread 0's (one barrier).
+__device__ __forceinline__ void block_argmax(float& best, int& best_i) {
+    __shared__ float s_v[32];
+    __shared__ int s_i[32];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, best, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, best_i, o);
+        if (argmax_beats(ov, oi, best, best_i)) best = ov, best_i = oi;
+    }
+    if ((threadIdx.x & 31) == 0) {
+        s_v[threadIdx.x >> 5] = best;
+        s_i[threadIdx.x >> 5] = best_i;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0)
+        for (int w = 1; w < (int)(blockDim.x >> 5); w++)
+            if (argmax_beats(s_v[w], s_i[w], best, best_i)) best = s_v[w], best_i = s_i[w];
+}
+
+// lm_head with the greedy argmax folded in (DV2_LOGITS_ARGMAX, default): the logits are stored as by
+// PlainRows, each thread keeps the best of the rows it stored (rows in rising order, so the
+// strict > keeps the lowest index of a tie; NaN never wins), and finish() leaves the CTA's
+// (value, index) in `scratch` as argmax_logits' CTAs do (1 + 2 * gridDim.x words: an arrival
+// count, then the pairs); the CTA that arrives last takes the argmax over the pairs in CTA
+// order, writes state[NEXT_TOKEN] and resets the count. Why: the argmax kernel after lm_head
+// added 4.75-5.25 us a step in the graph (docs/lab.md, sessions 15-16): its launch, wait and
+// second read of the 600 KB of logits. Measured: -0.0017 ms/token (session 16, run 2).
+struct LogitRows {
+    Nf4Ref m;
+    float* y;
+    int* state;
+    int* scratch;
+    mutable float best;
+    mutable int best_i;
+    __device__ Nf4Ref matrix(int, int) const { return m; }
+    __device__ int local(int r) const { return r; }
+    __device__ RowEpi epi(int) const { return {0.0f, 0.0f}; }
+    __device__ float store(int r, const float* s, RowEpi) const { return store(r, s); }
+    __device__ float store(int r, const float* s) const {
+        y[r] = s[0];
+        if (s[0] > best || (best_i < 0 && s[0] == s[0])) best = s[0], best_i = r;
+        return s[0];
+    }
+    __device__ float* ss_out() const { return nullptr; }
+    __device__ void tail() const {}
+    __device__ void finish() const {
+        float b = best;
+        int bi = best_i;
+        block_argmax(b, bi);
+        __shared__ bool last;
+        if (threadIdx.x == 0) {
+            scratch[1 + 2 * blockIdx.x] = __float_as_int(b);
+            scratch[2 + 2 * blockIdx.x] = bi;
+            __threadfence();  // the pair is visible before the count says so
+            last = atomicAdd(scratch, 1) == (int)gridDim.x - 1;
+        }
+        __syncthreads();
+        if (!last) return;
+        __threadfence();
+        const volatile int* pairs = scratch + 1;
+        b = NEG_INF;
+        bi = -1;
+        for (int c = threadIdx.x; c < (int)gridDim.x; c += blockDim.x) {
+            const float v = __int_as_float(pairs[2 * c]);
+            const int i = pairs[2 * c + 1];
+            if (argmax_beats(v, i, b, bi)) b = v, bi = i;
+        }
+        block_argmax(b, bi);
+        if (threadIdx.x == 0) {
+            state[STATE_NEXT_TOKEN] = bi < 0 ? 0 : bi;
+            scratch[0] = 0;
+        }
+    }
+};
+
 // The kernels of one (J, R, table) by what the rows feed: a plain matrix (nf4), q/k/v, SwiGLU.
 // XM: the x path the code holds (GEMV2_X_MODE above).
 #define GEMV2_NF4_KERNEL(J, R, TABLE, SUFFIX, BOUNDS, XM)                                                      \
     extern "C" __global__ void BOUNDS                                                                          \
         gemv2_nf4_j##J##SUFFIX(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y,                 \
                                const float* __restrict__ bias, int rows, int cols, int kparts, int accumulate, \
-                               const int* skip_if, float* ss_out, int x_smem, int late) {                      \
-        PlainRows p{m, y, bias, accumulate, ss_out};                                                           \
+                               const int* skip_if, float* ss_out, int x_smem, int late, L2Next next) {         \
+        PlainRows p{m, y, bias, accumulate, ss_out, next};                                                     \
         gemv2_walk<J, R, 1, TABLE, XM>(p, rows, cols, x, norm, kparts, skip_if, x_smem, late);                 \
     }
 #define GEMV2_KERNELS_BOUNDED(J, R, TABLE, SUFFIX, BOUNDS)                                                     \
@@ -1072,6 +1212,24 @@ GEMV2_KERNELS(3, 2, GEMV2_PAIR16, )
 GEMV2_KERNELS_BOUNDED(1, 2, GEMV2_PAIR16, _narrow, __maxnreg__(128))
 GEMV2_KERNELS_BOUNDED(2, 2, GEMV2_PAIR16, _narrow, __maxnreg__(128))
 GEMV2_KERNELS_BOUNDED(3, 1, GEMV2_PAIR16, _narrow, __maxnreg__(128))
+// lm_head and the argmax in one (LogitRows; DV2_LOGITS_ARGMAX, default), the default kernels'
+// table and rows (compiled only with the switch: GEMV2_LOGITS, an NVRTC define).
+#ifndef GEMV2_LOGITS
+#define GEMV2_LOGITS 1
+#endif
+#if GEMV2_LOGITS
+#define GEMV2_LOGITS_KERNEL(J, R)                                                                              \
+    extern "C" __global__ void __maxnreg__(128)                                                                \
+        gemv2_logits_j##J##_narrow(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y, int rows,   \
+                                   int cols, int kparts, const int* skip_if, int x_smem, int late, int* state, \
+                                   int* scratch) {                                                             \
+        LogitRows p{m, y, state, scratch, NEG_INF, -1};                                                        \
+        gemv2_walk<J, R, 1, GEMV2_PAIR16, GEMV2_X_MODE>(p, rows, cols, x, norm, kparts, skip_if, x_smem, late); \
+    }
+GEMV2_LOGITS_KERNEL(1, 2)
+GEMV2_LOGITS_KERNEL(2, 2)
+GEMV2_LOGITS_KERNEL(3, 1)
+#endif
 // The plain-matrix kernels of the f16-pair table for an f16 x (down's, DV2_FFN_F16).
 GEMV2_NF4_KERNEL(1, 4, GEMV2_PAIR16, _x16, __launch_bounds__(GEMV_THREADS, 1), GEMV2_X16_MODE)
 GEMV2_NF4_KERNEL(2, 4, GEMV2_PAIR16, _x16, __launch_bounds__(GEMV_THREADS, 1), GEMV2_X16_MODE)
@@ -1546,6 +1704,18 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode_serial(A
 #ifndef ATTN3_SLOT_LANES
 #define ATTN3_SLOT_LANES 1
 #endif
+// ATTN3_ILP (an NVRTC define, DV2_ATTN3_ILP, default; 0: as before session 16): the score and
+// weighted-sum loops unrolled by 2 and 4 so that their shared loads issue together, and the
+// softmax's max and sum over only the lanes that can hold a slot (3 shuffle rounds at <= 8
+// slots, 4 at <= 16); the same values in the same order. Why: one q head per CTA leaves those
+// loops one shared-load round trip per iteration on the kernel's serial chain (the weighted
+// sum: 6-22 of them at the 3B shape's 8 splits), and the kernel mostly waits (docs/lab.md,
+// session 15: 0.08 issued per scheduler cycle). Measured: -0.0055 ms/token (session 16, run 2).
+#ifndef ATTN3_ILP
+#define ATTN3_ILP 1
+#endif
+#define DV2_STR(x) #x
+#define DV2_PRAGMA_UNROLL(n) _Pragma(DV2_STR(unroll n))
 template <int HD>
 __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out) {
     const int hd = HD ? HD : a.head_dim, half = hd >> 1;
@@ -1650,7 +1820,7 @@ __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out)
                 const u32* krow = k_s + slot * row_words + w0;
                 const float* q = q_s + g * hd + 2 * w0;
                 float sacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // independent chains
-#pragma unroll 1
+                DV2_PRAGMA_UNROLL(ATTN3_ILP ? 2 : 1)
                 for (int w = 0; w < words; w += 2) {
 #pragma unroll
                     for (int u = 0; u < 2; u++) {
@@ -1665,9 +1835,22 @@ __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out)
             if (lanes > 1) dot = __shfl_sync(0xffffffffu, dot, (lane << lane_shift) & 31);
             const float score = lane < n_t ? dot : NEG_INF;
             const float m_old = m_run[g];
-            const float m_new = fmaxf(m_old, warp_max(score));
+            // With ATTN3_ILP the max and sum over lanes 0 .. span - 1 (every lane that can hold
+            // a slot): lanes below n_t, which use the max, and lane 0, which keeps the sum, get
+            // the warp-wide values, in the same order (the skipped rounds add zeros).
+            const int span = n_t > 16 ? 32 : n_t > 8 ? 16 : 8;
+            float m_chunk = score;
+            if (ATTN3_ILP)
+                for (int o = span >> 1; o > 0; o >>= 1) m_chunk = fmaxf(m_chunk, __shfl_xor_sync(0xffffffffu, m_chunk, o));
+            else
+                m_chunk = warp_max(score);
+            const float m_new = fmaxf(m_old, m_chunk);
             const float p = lane < n_t ? expf(score - m_new) : 0.0f;
-            const float l = warp_sum(p);
+            float l = p;
+            if (ATTN3_ILP)
+                for (int o = span >> 1; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+            else
+                l = warp_sum(p);
             p_s[g][lane] = p;
             __syncwarp();  // every lane has read m_run[g]
             if (lane == 0) {
@@ -1682,12 +1865,17 @@ __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out)
         for (int i = threadIdx.x; i < gn * half; i += blockDim.x) {
             const int g = i / half, w = i % half;
             float ax = 0.0f, ay = 0.0f;
+            constexpr int U = ATTN3_ILP ? 4 : 1;  // slots per iteration, their loads together
 #pragma unroll 1
-            for (int t = 0; t < n_t; t++) {
-                const u32 pair = v_s[t * row_words + w];
-                const float p = p_s[g][t];
-                ax = fmaf(p, bf16_to_f32((u16)(pair & 0xffffu)), ax);
-                ay = fmaf(p, bf16_to_f32((u16)(pair >> 16)), ay);
+            for (int t = 0; t < n_t; t += U) {
+#pragma unroll
+                for (int u = 0; u < U; u++) {
+                    // Past n_t: p_s holds 0, and a zero pair keeps a stale row's bits out.
+                    const u32 pair = U == 1 || t + u < n_t ? v_s[(t + u) * row_words + w] : 0u;
+                    const float p = p_s[g][t + u];
+                    ax = fmaf(p, bf16_to_f32((u16)(pair & 0xffffu)), ax);
+                    ay = fmaf(p, bf16_to_f32((u16)(pair >> 16)), ay);
+                }
             }
             const float c = corr_s[g];
             float2* acc = reinterpret_cast<float2*>(acc_s + g * hd + 2 * w);
@@ -1864,32 +2052,6 @@ extern "C" __global__ void attn_merge(const float* __restrict__ part_acc, const 
         }
         out[h * head_dim + d] = num / den;
     }
-}
-
-// Whether (v, i) beats (best, best_i) in the argmax: a lower index wins ties, a NaN or a
-// missing entry (i < 0) never wins.
-__device__ __forceinline__ bool argmax_beats(float v, int i, float best, int best_i) {
-    return i >= 0 && (best_i < 0 || v > best || (v == best && i < best_i));
-}
-
-// The CTA's argmax of every thread's (best, best_i), left in thread 0's (one barrier).
-__device__ __forceinline__ void block_argmax(float& best, int& best_i) {
-    __shared__ float s_v[32];
-    __shared__ int s_i[32];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, best, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, best_i, o);
-        if (argmax_beats(ov, oi, best, best_i)) best = ov, best_i = oi;
-    }
-    if ((threadIdx.x & 31) == 0) {
-        s_v[threadIdx.x >> 5] = best;
-        s_i[threadIdx.x >> 5] = best_i;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0)
-        for (int w = 1; w < (int)(blockDim.x >> 5); w++)
-            if (argmax_beats(s_v[w], s_i[w], best, best_i)) best = s_v[w], best_i = s_i[w];
 }
 
 // state[NEXT_TOKEN] = argmax(logits): lowest index wins ties, NaN never wins. Does nothing

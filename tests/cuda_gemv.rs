@@ -179,14 +179,24 @@ fn every_gemv_kernel_matches_the_cpu_at_every_v2_shape() {
 
             // y = A x, then y += A x over it.
             let y = gpu.zeros::<f32>(rows).unwrap();
-            ops.gemv(a.dev.as_ref(gpu), rows, k, xp, gpu.ptr(&y), false, 0, 0)
-                .unwrap();
+            ops.gemv(
+                a.dev.as_ref(gpu),
+                rows,
+                k,
+                xp,
+                gpu.ptr(&y),
+                false,
+                0,
+                0,
+                &[],
+            )
+            .unwrap();
             let once = gpu.download(&y, rows).unwrap();
             check("y = W x", &once, &|r| {
                 let (v, m) = a.dot(r, &x);
                 (v, tolerance(m))
             });
-            ops.gemv(a.dev.as_ref(gpu), rows, k, xp, gpu.ptr(&y), true, 0, 0)
+            ops.gemv(a.dev.as_ref(gpu), rows, k, xp, gpu.ptr(&y), true, 0, 0, &[])
                 .unwrap();
             check("y += W x", &gpu.download(&y, rows).unwrap(), &|r| {
                 let (v, m) = a.dot(r, &x);
@@ -228,8 +238,18 @@ fn every_gemv_kernel_matches_the_cpu_at_every_v2_shape() {
                 let m = a.dev.as_ref(gpu);
                 let y_f32 = gpu.ptr(&y);
                 let y_f16 = y_f32 + 4 * rows as u64;
-                ops.gemv(m, rows, k, Input::raw(gpu.ptr(&x_rd)), y_f32, false, 0, 0)
-                    .unwrap();
+                ops.gemv(
+                    m,
+                    rows,
+                    k,
+                    Input::raw(gpu.ptr(&x_rd)),
+                    y_f32,
+                    false,
+                    0,
+                    0,
+                    &[],
+                )
+                .unwrap();
                 ops.gemv(
                     m,
                     rows,
@@ -239,6 +259,7 @@ fn every_gemv_kernel_matches_the_cpu_at_every_v2_shape() {
                     false,
                     0,
                     0,
+                    &[],
                 )
                 .unwrap();
                 let both = gpu.download(&y, 2 * rows).unwrap();

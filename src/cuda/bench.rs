@@ -309,6 +309,7 @@ impl Bench {
                         kind == "residual",
                         0,
                         0,
+                        &[],
                     )
                     .map(|_| ()),
             }

@@ -218,17 +218,31 @@ fn gemv2_x_smem() -> bool {
     super::switch_on("DV2_GEMV2_XSMEM")
 }
 
+/// Whether down's GEMV v2 prefetches the next layer's q/k/v weights into L2 (`DV2_QKV_L2`,
+/// default; `=0` off):
+/// compiled into the kernels (options), so fixed for a loaded module: [`Kernels::qkv_l2`].
+fn qkv_l2() -> bool {
+    super::switch_on("DV2_QKV_L2")
+}
+
+/// Whether lm_head's GEMV v2 takes the argmax too (`DV2_LOGITS_ARGMAX`, default; `=0` off):
+/// its kernels are compiled (options) and loaded ([`Kernels::gemv2_logits`]) only then.
+fn logits_argmax() -> bool {
+    super::switch_on("DV2_LOGITS_ARGMAX")
+}
+
 /// NVRTC options; `DV2_LINEINFO=1` adds source line information (for a profiler's source
 /// view; the cache keeps the two builds apart, options being part of its key), as it keeps
 /// the kernel variants `DV2_TABLE_WIDE=0`, `DV2_NORM_BATCH=n`, `DV2_GEMV3_X_BATCH=n`,
 /// `DV2_GEMV2_X_BATCH=n`, `DV2_GEMV3_ACC_ONE=0`, `DV2_GEMV3_L2_CODE=1`, `DV2_L2_AHEAD_KB=n`,
 /// `DV2_MERGE_EARLY=0`, `DV2_MERGE_WARP=0`, `DV2_GEMV_WFIRST=0`, `DV2_GEMV2_PREWAIT=0`,
 /// `DV2_GEMV3_PREWAIT=0`, `DV2_GEMV3_EPI_EARLY=0`, `DV2_GEMV2_XSMEM=0`, `DV2_GEMV2_X_ONE=0`,
-/// `DV2_GEMV2_CHAIN=n`, `DV2_ATTN3_SLOT_LANES=0` and `DV2_GEMV2_NOALLOC=1` apart. The compiler
-/// optimizes the module's kernels on every core (`--split-compile=0`; `DV2_NVRTC_SPLIT=0`: one
-/// thread): a machine's first load compiles the kernels, 32 s in one thread on 2 cores, 19 s
-/// split. The split changes the code of some kernels (scheduling, shared-memory placement),
-/// not what they compute.
+/// `DV2_GEMV2_CHAIN=n`, `DV2_ATTN3_SLOT_LANES=0`, `DV2_ATTN3_ILP=0`, `DV2_QKV_L2=0`,
+/// `DV2_LOGITS_ARGMAX=0` and `DV2_GEMV2_NOALLOC=0` apart. The compiler optimizes the module's
+/// kernels on every core (`--split-compile=0`; `DV2_NVRTC_SPLIT=0`: one thread): a machine's
+/// first load compiles the kernels, 32 s in one thread on 2 cores, 19 s split. The split
+/// changes the code of some kernels (scheduling, shared-memory placement), not what they
+/// compute.
 fn options(arch: &str) -> Vec<String> {
     let mut opts = vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()];
     if std::env::var("DV2_LINEINFO").as_deref() == Ok("1") {
@@ -271,8 +285,8 @@ fn options(arch: &str) -> Vec<String> {
         .unwrap_or(2);
     opts.push(format!("-DGEMV2_CHAIN={chain}"));
     // GEMV v2's weight loads without an L1 line (kernels/decode.cu, GEMV2_W_NOALLOC;
-    // DV2_GEMV2_NOALLOC=1; off by default, not yet measured).
-    let no_alloc = std::env::var("DV2_GEMV2_NOALLOC").as_deref() == Ok("1");
+    // DV2_GEMV2_NOALLOC=0: __ldg, as before session 16).
+    let no_alloc = super::switch_on("DV2_GEMV2_NOALLOC");
     opts.push(format!("-DGEMV2_W_NOALLOC={}", i32::from(no_alloc)));
     // Attention v3's scores with several lanes a slot at a split's few slots (kernels/decode.cu,
     // ATTN3_SLOT_LANES; DV2_ATTN3_SLOT_LANES=0: a lane a slot).
@@ -280,6 +294,16 @@ fn options(arch: &str) -> Vec<String> {
         "-DATTN3_SLOT_LANES={}",
         i32::from(super::switch_on("DV2_ATTN3_SLOT_LANES"))
     ));
+    // Down's L2 prefetch of the next layer's q/k/v weights (kernels/decode.cu, GEMV2_L2_NEXT;
+    // DV2_QKV_L2=0 off; -0.0065 ms/token, session 16).
+    opts.push(format!("-DGEMV2_L2_NEXT={}", i32::from(qkv_l2())));
+    // lm_head's GEMV v2 with the argmax (kernels/decode.cu, GEMV2_LOGITS; DV2_LOGITS_ARGMAX=0:
+    // argmax_logits after lm_head).
+    opts.push(format!("-DGEMV2_LOGITS={}", i32::from(logits_argmax())));
+    // Attention v3's score and weighted-sum loops unrolled, its softmax reductions over the
+    // lanes that hold slots (kernels/decode.cu, ATTN3_ILP; DV2_ATTN3_ILP=0 off).
+    let ilp = super::switch_on("DV2_ATTN3_ILP");
+    opts.push(format!("-DATTN3_ILP={}", i32::from(ilp)));
     // The x path GEMV v2's kernels hold (kernels/decode.cu, GEMV2_X_MODE): the f32-x kernels
     // the one DV2_GEMV2_XSMEM picks, the f16-x kernels theirs; DV2_GEMV2_X_ONE=0: every path,
     // chosen at run time by the kernels' x_smem argument.
@@ -444,6 +468,10 @@ pub struct Kernels {
     /// The GEMV v2 kernels stage their f32 x in shared memory (`DV2_GEMV2_XSMEM`, compiled in;
     /// else each lane loads x from global memory).
     pub gemv2_x_smem: bool,
+    /// GEMV v2's plain kernels prefetch their `L2Next` ranges (`DV2_QKV_L2`, compiled in).
+    pub qkv_l2: bool,
+    /// lm_head with the argmax folded in, by J (`DV2_LOGITS_ARGMAX`; compiled only then).
+    pub gemv2_logits: Option<[CudaFunction; 3]>,
     pub gemv2_qkv: [[CudaFunction; 3]; 4],
     pub gemv2_swiglu: [[CudaFunction; 3]; 4],
     pub attn2_decode: CudaFunction,
@@ -586,6 +614,12 @@ impl Kernels {
             ring_reset: f("ring_reset")?,
             gemv2_nf4: gemv2("gemv2_nf4")?,
             gemv2_x_smem: gemv2_x_smem(),
+            qkv_l2: qkv_l2(),
+            gemv2_logits: if logits_argmax() {
+                Some(gemv2_by_j("gemv2_logits", "_narrow")?)
+            } else {
+                None
+            },
             gemv2_nf4_x16: [
                 gemv2_by_j("gemv2_nf4", "_x16")?,
                 gemv2_by_j("gemv2_nf4", "_narrow_x16")?,

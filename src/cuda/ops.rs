@@ -70,6 +70,51 @@ pub struct QkvArgs {
 // SAFETY: plain old data matching the kernel's struct (pointers as u64, ints as i32).
 unsafe impl DeviceRepr for QkvArgs {}
 
+/// kernels/decode.cu `L2Next`: address ranges a down GEMV v2 prefetches into L2 as its walk
+/// ends (the next layer's q, k and v weights; `DV2_QKV_L2=1`), CTA b bytes [b share, (b + 1)
+/// share) of each.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct L2Next {
+    addr: [u64; L2_NEXT_RANGES],
+    bytes: [u32; L2_NEXT_RANGES],
+    share: [u32; L2_NEXT_RANGES],
+}
+// SAFETY: plain old data matching the kernel's struct (pointers as u64, then unsigned ints).
+unsafe impl DeviceRepr for L2Next {}
+
+/// Ranges an [`L2Next`] holds: packed bytes and absmax of three matrices.
+pub const L2_NEXT_RANGES: usize = 6;
+
+/// The most bytes one bulk L2 prefetch sends (kernels/decode.cu, l2_prefetch).
+const L2_PREFETCH_MAX: usize = 32 * 1024;
+
+impl L2Next {
+    const NONE: L2Next = L2Next {
+        addr: [0; L2_NEXT_RANGES],
+        bytes: [0; L2_NEXT_RANGES],
+        share: [0; L2_NEXT_RANGES],
+    };
+
+    /// The packed bytes and absmax of `matrices` (`rows` x `cols` each) in shares for `ctas`
+    /// CTAs; none where a share would pass one prefetch's limit.
+    fn of(matrices: &[(Nf4Ref, usize, usize)], ctas: usize) -> L2Next {
+        let mut next = L2Next::NONE;
+        let ranges = matrices.iter().flat_map(|(m, rows, cols)| {
+            [(m.packed, rows * cols / 2), (m.absmax, rows * cols / 16)]
+        });
+        for (i, (addr, bytes)) in ranges.take(L2_NEXT_RANGES).enumerate() {
+            let share = bytes.div_ceil(ctas.max(1)).next_multiple_of(16);
+            if share <= L2_PREFETCH_MAX {
+                next.addr[i] = addr;
+                next.bytes[i] = bytes as u32;
+                next.share[i] = share as u32;
+            }
+        }
+        next
+    }
+}
+
 /// kernels/decode.cu `AttnArgs`.
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -898,7 +943,9 @@ impl Ops {
     /// `y = W x`; with `accumulate`, `y += W x`. Skipped on the device while `*skip_if != 0`
     /// (`skip_if` = 0: never). With `ss_out` (a device address, 0: none; GEMV v2/v3 only, see
     /// [`Ops::producer_sums`]), each CTA leaves the sum of squares of the y it wrote there;
-    /// returns how many (the CTAs of the launch).
+    /// returns how many (the CTAs of the launch). `next`: ranges GEMV v2 prefetches into L2 at
+    /// the end of its walk where the kernels hold the code (`DV2_QKV_L2=1`): matrices (rows, cols),
+    /// at most [`L2_NEXT_RANGES`] / 2; the other kernels ignore it.
     #[allow(clippy::too_many_arguments)]
     pub fn gemv(
         &self,
@@ -910,6 +957,7 @@ impl Ops {
         accumulate: bool,
         skip_if: u64,
         ss_out: u64,
+        next: &[(Nf4Ref, usize, usize)],
     ) -> Result<usize> {
         let (rows_i, cols_i, acc, bias) = (rows as i32, cols as i32, accumulate as i32, 0u64);
         let kernel = self.gemv_kernel(rows, cols);
@@ -949,10 +997,55 @@ impl Ops {
                     (true, table) => (&self.k.gemv2_nf4_x16[usize::from(table == 3)], GEMV2_X_F16),
                     (false, table) => (&self.k.gemv2_nf4[table], xs),
                 };
-                launch!(self.gpu, &f[j - 1], cfg; m, x, norm, y, bias, rows_i, cols_i, kp, acc, skip_if, ss_out, xs, late)?;
+                let next = if self.k.qkv_l2 {
+                    L2Next::of(next, cfg.grid_dim.0 as usize)
+                } else {
+                    L2Next::NONE
+                };
+                launch!(self.gpu, &f[j - 1], cfg; m, x, norm, y, bias, rows_i, cols_i, kp, acc, skip_if, ss_out, xs, late, next)?;
                 Ok(cfg.grid_dim.0 as usize)
             }
         }
+    }
+
+    /// lm_head and the greedy argmax in one GEMV v2 kernel (`DV2_LOGITS_ARGMAX=1`, which
+    /// compiles it): the logits of `m` into `y` as [`Ops::gemv`] stores them, their argmax into
+    /// `state`'s next_token (`scratch`: [`ARGMAX_SCRATCH`] words, zero between launches), both
+    /// skipped while `*skip_if != 0`. Returns false, having launched nothing, where the
+    /// kernel does not apply (not compiled, or lm_head not on the default GEMV v2 kernels); the
+    /// caller then runs [`Ops::gemv`] and argmax_logits.
+    #[allow(clippy::too_many_arguments)]
+    pub fn logits_argmax(
+        &self,
+        m: Nf4Ref,
+        rows: usize,
+        cols: usize,
+        input: Input,
+        y: u64,
+        skip_if: u64,
+        state: u64,
+        scratch: u64,
+    ) -> Result<bool> {
+        let Some(kernels) = &self.k.gemv2_logits else {
+            return Ok(false);
+        };
+        let kernel = self.gemv_kernel(rows, cols);
+        if self.linear != Linear::Gemv
+            || kernel != Variant::V2
+            || input.f16
+            || self.gemv2_table() != 3
+        {
+            return Ok(false);
+        }
+        let (x, norm) = self.input(input, cols, kernel)?;
+        let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols, false)?;
+        if cfg.grid_dim.0 as usize > MAX_ARGMAX_CTAS {
+            return Ok(false);
+        }
+        let (rows_i, cols_i, kp) = (rows as i32, cols as i32, kparts as i32);
+        let (xs, late) = self.gemv2_switches();
+        launch!(self.gpu, &kernels[j - 1], cfg; m, x, norm, y, rows_i, cols_i, kp, skip_if, xs, late, state, scratch)?;
+        Ok(true)
     }
 
     /// Whether a GEMV `kernel` takes an f16 input ([`Input::raw_f16`]): GEMV v2 with the

@@ -19,7 +19,7 @@ use super::ops::{
     attn_partials, one_cta, AttnArgs, Epilogue, GemmMatrix, Input, Norm, Ops, PartialSums,
     PrefillAttnArgs, QkvArgs, ARGMAX_SCRATCH, MAX_PARTIAL_SUMS,
 };
-use super::weights::{self, DeviceMatrix, DeviceModel};
+use super::weights::{self, DeviceMatrix, DeviceModel, Nf4Ref};
 use crate::arch::ArchSpec;
 use crate::engine::Backend;
 use crate::error::{Error, Result};
@@ -333,11 +333,14 @@ impl CudaBackend {
             0
         };
         let sums = |parts: usize| (ss_out != 0).then_some(PartialSums { ptr: ss_out, parts });
-        // x += W input (the residual add), with the partial sums for the next norm.
-        let residual = |w: &DeviceMatrix, k: usize, input: Input| -> Result<Option<PartialSums>> {
-            let parts = ops.gemv(w.as_ref(gpu), s.hidden, k, input, x, true, 0, ss_out)?;
-            Ok(sums(parts))
-        };
+        // x += W input (the residual add), with the partial sums for the next norm; `next`:
+        // weights to prefetch into L2 at the end of the GEMV's walk.
+        let residual =
+            |w: &DeviceMatrix, k: usize, input: Input, next: &[(Nf4Ref, usize, usize)]| {
+                let parts =
+                    ops.gemv(w.as_ref(gpu), s.hidden, k, input, x, true, 0, ss_out, next)?;
+                Ok::<_, Error>(sums(parts))
+            };
         launch!(gpu, &ops.k.embed_row, one_cta(256); state, embed, x, hidden, vocab, ss_out)?;
         let mut x_sums = sums(1);
         mark("embed")?;
@@ -374,7 +377,7 @@ impl CudaBackend {
             };
             ops.attention(attn_args, attn)?;
             mark("attention + merge")?;
-            x_sums = residual(&layer.o, s.hidden, Input::raw(attn))?;
+            x_sums = residual(&layer.o, s.hidden, Input::raw(attn), &[])?;
             mark("o_proj (+residual)")?;
             let input = self.normed(x, &layer.ffn_norm, xn, x_sums);
             let act_f16 = ops.ffn_act_f16(s.intermediate, s.hidden);
@@ -392,7 +395,14 @@ impl CudaBackend {
                 f16: act_f16,
                 ..Input::raw(act)
             };
-            x_sums = residual(&layer.down, s.intermediate, act_in)?;
+            // With DV2_QKV_L2=1, the next layer's q/k/v weights into L2 as down's walk ends.
+            let next = self.model.layers.get(l + 1).map_or(Vec::new(), |n| {
+                n.qkv
+                    .iter()
+                    .map(|m| (m.as_ref(gpu), m.rows, m.cols))
+                    .collect()
+            });
+            x_sums = residual(&layer.down, s.intermediate, act_in, &next)?;
             mark("down (+residual)")?;
         }
         if logits {
@@ -416,8 +426,23 @@ impl CudaBackend {
         );
         let input = self.normed(x, &self.model.final_norm, xn, sums);
         let lm_head = self.model.lm_head().as_ref(&ops.gpu);
-        ops.gemv(lm_head, s.vocab, s.hidden, input, out, false, skip_if, 0)?;
         let (vocab, scratch) = (s.vocab as i32, self.ptr(&self.arena.argmax));
+        if ops.logits_argmax(
+            lm_head, s.vocab, s.hidden, input, out, skip_if, state, scratch,
+        )? {
+            return Ok(());
+        }
+        ops.gemv(
+            lm_head,
+            s.vocab,
+            s.hidden,
+            input,
+            out,
+            false,
+            skip_if,
+            0,
+            &[],
+        )?;
         launch!(ops.gpu, &ops.k.argmax_logits, ops.argmax_launch(); out, vocab, state, scratch)
     }
 
