@@ -297,6 +297,7 @@ impl Bench {
                     Input::raw(xp),
                     yp,
                     false,
+                    &[],
                 ),
                 _ => self
                     .ops
