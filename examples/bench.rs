@@ -688,9 +688,8 @@ fn main() {
             ("qwen25_3b attn3-ilp=0", &[("DV2_ATTN3_ILP", "0")]),
             ("qwen25_3b qkv-l2=0", &[("DV2_QKV_L2", "0")]),
             ("qwen25_3b logits-argmax=0", &[("DV2_LOGITS_ARGMAX", "0")]),
-            ("qwen25_3b first-l2=1", &[("DV2_FIRST_L2", "1")]),
             (
-                "qwen25_3b s16-off",
+                "qwen25_3b s16-none",
                 &[
                     ("DV2_GEMV2_NOALLOC", "0"),
                     ("DV2_ATTN3_ILP", "0"),

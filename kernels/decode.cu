@@ -583,41 +583,30 @@ __device__ __forceinline__ void l2_prefetch(const void* base, size_t from, size_
 #endif
 }
 
-// Address ranges a GEMV v2 prefetches into L2 as its walk ends (up to L2_NEXT_RANGES: the packed
-// bytes and absmax of up to three matrices), each cut into `units` pieces of `unit` bytes,
-// `stride` apart, inside `bytes`; CTA b sends pieces b, b + gridDim.x, ... (the host sizes
-// them: multiples of 16, at most 32 KB). Two uses, each compiled in by an NVRTC define:
-// - down sends the next layer's q, k and v weights, each CTA a 1/grid share (DV2_QKV_L2,
-//   default; GEMV2_L2_NEXT). Why: the q/k/v kernel's CTAs become resident only as down's leave
-//   (down's two CTAs fill the register file), so their first weights came from HBM after down
-//   ended, on the step's serial chain; from L2 the q/k/v GEMV took 0.3 us less (docs/lab.md,
-//   session 10, `--l2-hot`). Measured: -0.0065 ms/token (session 16, run 2).
-// - gate/up sends the first weight block of each of down's CTAs, and the last layer's down
-//   those of lm_head's (DV2_FIRST_L2; GEMV2_L2_FIRST for gate/up's code): the same wait, for
-//   kernels that are resident only after the one before has left. Prepared in session 16.
+// The next layer's q, k and v weights (packed bytes and absmax: up to L2_NEXT_RANGES address
+// ranges of `bytes` each) that a down GEMV v2 prefetches into L2 as its walk ends (DV2_QKV_L2,
+// default; GEMV2_L2_NEXT, an NVRTC define, compiles it in): CTA b sends bytes [b share, (b + 1) share)
+// of each range (the host sizes the shares for the grid: multiples of 16, at most 32 KB). Why:
+// the q/k/v kernel's CTAs become resident only as down's leave (down's two CTAs fill the
+// register file), so their first weights come from HBM after down ends, on the step's serial
+// chain; from L2 the q/k/v GEMV took 0.3 us less (docs/lab.md, session 10, `--l2-hot`).
+// Measured: -0.0065 ms/token (session 16, run 2; DV2_QKV_L2=0 off).
 #define L2_NEXT_RANGES 6
 struct L2Next {
     const char* addr[L2_NEXT_RANGES];
-    unsigned bytes[L2_NEXT_RANGES], unit[L2_NEXT_RANGES], stride[L2_NEXT_RANGES], units[L2_NEXT_RANGES];
+    unsigned bytes[L2_NEXT_RANGES], share[L2_NEXT_RANGES];
 };
 #ifndef GEMV2_L2_NEXT
 #define GEMV2_L2_NEXT 1
 #endif
-#ifndef GEMV2_L2_FIRST
-#define GEMV2_L2_FIRST 0
-#endif
-template <bool ON>
-__device__ __forceinline__ void l2_prefetch_units(const L2Next& next) {
-#if __CUDA_ARCH__ >= 900
-    if (!ON || threadIdx.x != 0) return;
+__device__ __forceinline__ void l2_prefetch_share(const L2Next& next) {
+#if GEMV2_L2_NEXT && __CUDA_ARCH__ >= 900
+    if (threadIdx.x != 0) return;
 #pragma unroll
     for (int i = 0; i < L2_NEXT_RANGES; i++) {
-#pragma unroll 1
-        for (unsigned u = blockIdx.x; u < next.units[i]; u += gridDim.x) {
-            const unsigned from = u * next.stride[i];
-            const unsigned n = from < next.bytes[i] ? min(next.unit[i], next.bytes[i] - from) & ~15u : 0u;
-            if (n) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(next.addr[i] + from), "r"(n) : "memory");
-        }
+        const unsigned from = blockIdx.x * next.share[i];
+        const unsigned n = from < next.bytes[i] ? min(next.share[i], next.bytes[i] - from) & ~15u : 0u;
+        if (n) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(next.addr[i] + from), "r"(n) : "memory");
     }
 #endif
 }
@@ -1035,7 +1024,7 @@ struct PlainRows {
     int accumulate;
     float* ss;
     L2Next next;
-    __device__ void tail() const { l2_prefetch_units<GEMV2_L2_NEXT>(next); }
+    __device__ void tail() const { l2_prefetch_share(next); }
     __device__ void finish() const {}
     __device__ Nf4Ref matrix(int, int) const { return m; }
     __device__ int local(int r) const { return r; }
@@ -1082,8 +1071,7 @@ struct SwigluRows {
     Nf4Ref gate, up;
     float* out;
     bool out_f16;  // GEMV2_OUT_F16
-    L2Next next;
-    __device__ void tail() const { l2_prefetch_units<GEMV2_L2_FIRST>(next); }
+    __device__ void tail() const {}
     __device__ void finish() const {}
     __device__ Nf4Ref matrix(int, int k) const { return k == 0 ? gate : up; }
     __device__ int local(int r) const { return r; }
@@ -1201,9 +1189,8 @@ struct LogitRows {
     }                                                                                                          \
     extern "C" __global__ void BOUNDS                                                                          \
         gemv2_swiglu_j##J##SUFFIX(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm,          \
-                                  float* out, int rows, int cols, int kparts, int x_smem, int late,            \
-                                  L2Next next) {                                                               \
-        SwigluRows g{gate, up, out, (late & GEMV2_OUT_F16) != 0, next};                                        \
+                                  float* out, int rows, int cols, int kparts, int x_smem, int late) {          \
+        SwigluRows g{gate, up, out, (late & GEMV2_OUT_F16) != 0};                                              \
         gemv2_walk<J, (R > 1 ? R / 2 : 1), 2, TABLE, GEMV2_X_MODE>(g, rows, cols, x, norm, kparts, nullptr,    \
                                                                    x_smem, late);                              \
     }

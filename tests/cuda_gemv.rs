@@ -12,7 +12,7 @@ use common::cuda_or_skip;
 use decodev2::cuda::bench::random_f32 as random;
 use decodev2::cuda::device::Gpu;
 use decodev2::cuda::kernels::Kernels;
-use decodev2::cuda::ops::{GemvChoice, Input, L2Range, Linear, Ops, QkvArgs, Variant};
+use decodev2::cuda::ops::{GemvChoice, Input, Linear, Ops, QkvArgs, Variant};
 use decodev2::cuda::weights::DeviceMatrix;
 use decodev2::nf4::Nf4Matrix;
 use half::f16;
@@ -177,8 +177,7 @@ fn every_gemv_kernel_matches_the_cpu_at_every_v2_shape() {
                 }
             };
 
-            // y = A x (prefetching B into L2 as its walk ends where the kernels hold that code,
-            // DV2_QKV_L2: a hint that must leave the results alone), then y += A x over it.
+            // y = A x, then y += A x over it.
             let y = gpu.zeros::<f32>(rows).unwrap();
             ops.gemv(
                 a.dev.as_ref(gpu),
@@ -189,7 +188,7 @@ fn every_gemv_kernel_matches_the_cpu_at_every_v2_shape() {
                 false,
                 0,
                 0,
-                &L2Range::whole(&[(b.dev.as_ref(gpu), rows, k)]),
+                &[],
             )
             .unwrap();
             let once = gpu.download(&y, rows).unwrap();
@@ -205,10 +204,7 @@ fn every_gemv_kernel_matches_the_cpu_at_every_v2_shape() {
             });
 
             // SwiGLU: silu(A x) * (B x); the error of each dot product carried through.
-            // It also prefetches A's first blocks into L2 as its walk ends where the kernels
-            // hold that code (DV2_FIRST_L2=1): a hint that must leave the results alone.
             let out = gpu.zeros::<f32>(rows).unwrap();
-            let first = ops.first_blocks(a.dev.as_ref(gpu), rows, k, false).unwrap();
             ops.swiglu(
                 a.dev.as_ref(gpu),
                 b.dev.as_ref(gpu),
@@ -217,7 +213,6 @@ fn every_gemv_kernel_matches_the_cpu_at_every_v2_shape() {
                 xp,
                 gpu.ptr(&out),
                 false,
-                &first,
             )
             .unwrap();
             let swiglu = gpu.download(&out, rows).unwrap();
@@ -225,7 +220,7 @@ fn every_gemv_kernel_matches_the_cpu_at_every_v2_shape() {
                 // Written as f16 (DV2_FFN_F16): the f32 outputs rounded to nearest.
                 let out16 = gpu.zeros::<u16>(rows).unwrap();
                 let (ga, gb) = (a.dev.as_ref(gpu), b.dev.as_ref(gpu));
-                ops.swiglu(ga, gb, rows, k, xp, gpu.ptr(&out16), true, &[])
+                ops.swiglu(ga, gb, rows, k, xp, gpu.ptr(&out16), true)
                     .unwrap();
                 let want: Vec<u16> = swiglu.iter().map(|&v| f16::from_f32(v).to_bits()).collect();
                 assert_eq!(

@@ -225,13 +225,6 @@ fn qkv_l2() -> bool {
     super::switch_on("DV2_QKV_L2")
 }
 
-/// Whether gate/up's GEMV v2 prefetches the first weight block of each of down's CTAs into L2,
-/// and the last layer's down those of lm_head's (`DV2_FIRST_L2=1`): compiled into the kernels
-/// (options), so fixed for a loaded module: [`Kernels::first_l2`].
-fn first_l2() -> bool {
-    std::env::var("DV2_FIRST_L2").as_deref() == Ok("1")
-}
-
 /// Whether lm_head's GEMV v2 takes the argmax too (`DV2_LOGITS_ARGMAX`, default; `=0` off):
 /// its kernels are compiled (options) and loaded ([`Kernels::gemv2_logits`]) only then.
 fn logits_argmax() -> bool {
@@ -245,7 +238,7 @@ fn logits_argmax() -> bool {
 /// `DV2_MERGE_EARLY=0`, `DV2_MERGE_WARP=0`, `DV2_GEMV_WFIRST=0`, `DV2_GEMV2_PREWAIT=0`,
 /// `DV2_GEMV3_PREWAIT=0`, `DV2_GEMV3_EPI_EARLY=0`, `DV2_GEMV2_XSMEM=0`, `DV2_GEMV2_X_ONE=0`,
 /// `DV2_GEMV2_CHAIN=n`, `DV2_ATTN3_SLOT_LANES=0`, `DV2_ATTN3_ILP=0`, `DV2_QKV_L2=0`,
-/// `DV2_FIRST_L2=1`, `DV2_LOGITS_ARGMAX=0` and `DV2_GEMV2_NOALLOC=0` apart. The compiler optimizes the module's
+/// `DV2_LOGITS_ARGMAX=0` and `DV2_GEMV2_NOALLOC=0` apart. The compiler optimizes the module's
 /// kernels on every core (`--split-compile=0`; `DV2_NVRTC_SPLIT=0`: one thread): a machine's
 /// first load compiles the kernels, 32 s in one thread on 2 cores, 19 s split. The split
 /// changes the code of some kernels (scheduling, shared-memory placement), not what they
@@ -304,9 +297,6 @@ fn options(arch: &str) -> Vec<String> {
     // Down's L2 prefetch of the next layer's q/k/v weights (kernels/decode.cu, GEMV2_L2_NEXT;
     // DV2_QKV_L2=0 off; -0.0065 ms/token, session 16).
     opts.push(format!("-DGEMV2_L2_NEXT={}", i32::from(qkv_l2())));
-    // Down's and lm_head's first weight blocks into L2 from the kernel before (kernels/decode.cu,
-    // GEMV2_L2_FIRST; DV2_FIRST_L2=1; off by default).
-    opts.push(format!("-DGEMV2_L2_FIRST={}", i32::from(first_l2())));
     // lm_head's GEMV v2 with the argmax (kernels/decode.cu, GEMV2_LOGITS; DV2_LOGITS_ARGMAX=0:
     // argmax_logits after lm_head).
     opts.push(format!("-DGEMV2_LOGITS={}", i32::from(logits_argmax())));
@@ -480,8 +470,6 @@ pub struct Kernels {
     pub gemv2_x_smem: bool,
     /// GEMV v2's plain kernels prefetch their `L2Next` ranges (`DV2_QKV_L2`, compiled in).
     pub qkv_l2: bool,
-    /// GEMV v2's SwiGLU kernels prefetch their `L2Next` ranges (`DV2_FIRST_L2=1`, compiled in).
-    pub first_l2: bool,
     /// lm_head with the argmax folded in, by J (`DV2_LOGITS_ARGMAX`; compiled only then).
     pub gemv2_logits: Option<[CudaFunction; 3]>,
     pub gemv2_qkv: [[CudaFunction; 3]; 4],
@@ -627,7 +615,6 @@ impl Kernels {
             gemv2_nf4: gemv2("gemv2_nf4")?,
             gemv2_x_smem: gemv2_x_smem(),
             qkv_l2: qkv_l2(),
-            first_l2: first_l2(),
             gemv2_logits: if logits_argmax() {
                 Some(gemv2_by_j("gemv2_logits", "_narrow")?)
             } else {

@@ -70,17 +70,15 @@ pub struct QkvArgs {
 // SAFETY: plain old data matching the kernel's struct (pointers as u64, ints as i32).
 unsafe impl DeviceRepr for QkvArgs {}
 
-/// kernels/decode.cu `L2Next`: address ranges a GEMV v2 prefetches into L2 as its walk ends,
-/// each in `units` pieces of `unit` bytes `stride` apart inside `bytes`, CTA b taking pieces b,
-/// b + grid, ...
+/// kernels/decode.cu `L2Next`: address ranges a down GEMV v2 prefetches into L2 as its walk
+/// ends (the next layer's q, k and v weights; `DV2_QKV_L2=1`), CTA b bytes [b share, (b + 1)
+/// share) of each.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 struct L2Next {
     addr: [u64; L2_NEXT_RANGES],
     bytes: [u32; L2_NEXT_RANGES],
-    unit: [u32; L2_NEXT_RANGES],
-    stride: [u32; L2_NEXT_RANGES],
-    units: [u32; L2_NEXT_RANGES],
+    share: [u32; L2_NEXT_RANGES],
 }
 // SAFETY: plain old data matching the kernel's struct (pointers as u64, then unsigned ints).
 unsafe impl DeviceRepr for L2Next {}
@@ -91,66 +89,26 @@ pub const L2_NEXT_RANGES: usize = 6;
 /// The most bytes one bulk L2 prefetch sends (kernels/decode.cu, l2_prefetch).
 const L2_PREFETCH_MAX: usize = 32 * 1024;
 
-/// Device memory a GEMV v2 prefetches into L2 as its walk ends ([`Ops::gemv`], [`Ops::swiglu`]):
-/// `units` pieces of `unit` bytes, `stride` apart, of the `bytes` at `addr`; `units` = 0: the
-/// whole range in equal shares for the prefetching grid.
-#[derive(Clone, Copy, Debug)]
-pub struct L2Range {
-    addr: u64,
-    bytes: usize,
-    unit: usize,
-    stride: usize,
-    units: usize,
-}
-
-impl L2Range {
-    /// The packed bytes and absmax of each of `matrices` (`rows` x `cols`), whole.
-    pub fn whole(matrices: &[(Nf4Ref, usize, usize)]) -> Vec<L2Range> {
-        matrices
-            .iter()
-            .flat_map(|&(m, rows, cols)| {
-                [(m.packed, rows * cols / 2), (m.absmax, rows * cols / 16)].map(|(addr, bytes)| {
-                    L2Range {
-                        addr,
-                        bytes,
-                        unit: 0,
-                        stride: 0,
-                        units: 0,
-                    }
-                })
-            })
-            .collect()
-    }
-}
-
 impl L2Next {
     const NONE: L2Next = L2Next {
         addr: [0; L2_NEXT_RANGES],
         bytes: [0; L2_NEXT_RANGES],
-        unit: [0; L2_NEXT_RANGES],
-        stride: [0; L2_NEXT_RANGES],
-        units: [0; L2_NEXT_RANGES],
+        share: [0; L2_NEXT_RANGES],
     };
 
-    /// `ranges` for a grid of `ctas` (the first L2_NEXT_RANGES; a range whose pieces pass one
-    /// prefetch's limit, or whose offsets pass 32 bits, is left out: a prefetch is a hint).
-    fn of(ranges: &[L2Range], ctas: usize) -> L2Next {
+    /// The packed bytes and absmax of `matrices` (`rows` x `cols` each) in shares for `ctas`
+    /// CTAs; none where a share would pass one prefetch's limit.
+    fn of(matrices: &[(Nf4Ref, usize, usize)], ctas: usize) -> L2Next {
         let mut next = L2Next::NONE;
-        for (i, r) in ranges.iter().take(L2_NEXT_RANGES).enumerate() {
-            let (unit, stride, units) = match r.units {
-                0 => {
-                    let share = r.bytes.div_ceil(ctas.max(1)).next_multiple_of(16);
-                    (share, share, ctas)
-                }
-                n => (r.unit, r.stride, n),
-            };
-            let fits = |v: usize| u32::try_from(v).is_ok();
-            if unit <= L2_PREFETCH_MAX && fits(r.bytes) && fits(stride * units) {
-                next.addr[i] = r.addr;
-                next.bytes[i] = r.bytes as u32;
-                next.unit[i] = unit as u32;
-                next.stride[i] = stride as u32;
-                next.units[i] = units as u32;
+        let ranges = matrices.iter().flat_map(|(m, rows, cols)| {
+            [(m.packed, rows * cols / 2), (m.absmax, rows * cols / 16)]
+        });
+        for (i, (addr, bytes)) in ranges.take(L2_NEXT_RANGES).enumerate() {
+            let share = bytes.div_ceil(ctas.max(1)).next_multiple_of(16);
+            if share <= L2_PREFETCH_MAX {
+                next.addr[i] = addr;
+                next.bytes[i] = bytes as u32;
+                next.share[i] = share as u32;
             }
         }
         next
@@ -986,8 +944,8 @@ impl Ops {
     /// (`skip_if` = 0: never). With `ss_out` (a device address, 0: none; GEMV v2/v3 only, see
     /// [`Ops::producer_sums`]), each CTA leaves the sum of squares of the y it wrote there;
     /// returns how many (the CTAs of the launch). `next`: ranges GEMV v2 prefetches into L2 at
-    /// the end of its walk where the kernels hold the code (`DV2_QKV_L2`); the other kernels
-    /// ignore it.
+    /// the end of its walk where the kernels hold the code (`DV2_QKV_L2=1`): matrices (rows, cols),
+    /// at most [`L2_NEXT_RANGES`] / 2; the other kernels ignore it.
     #[allow(clippy::too_many_arguments)]
     pub fn gemv(
         &self,
@@ -999,7 +957,7 @@ impl Ops {
         accumulate: bool,
         skip_if: u64,
         ss_out: u64,
-        next: &[L2Range],
+        next: &[(Nf4Ref, usize, usize)],
     ) -> Result<usize> {
         let (rows_i, cols_i, acc, bias) = (rows as i32, cols as i32, accumulate as i32, 0u64);
         let kernel = self.gemv_kernel(rows, cols);
@@ -1048,33 +1006,6 @@ impl Ops {
                 Ok(cfg.grid_dim.0 as usize)
             }
         }
-    }
-
-    /// The first weight block of each CTA of the GEMV of a `rows` x `cols` matrix (x in f16
-    /// with `x_f16`), as [`L2Range`]s: each CTA's first GEMV_WARPS / kparts rows, packed and
-    /// absmax; none where that GEMV is not v2 (the layout is v2's: consecutive rows per CTA).
-    pub fn first_blocks(
-        &self,
-        m: Nf4Ref,
-        rows: usize,
-        cols: usize,
-        x_f16: bool,
-    ) -> Result<Vec<L2Range>> {
-        if self.linear != Linear::Gemv || self.gemv_kernel(rows, cols) != Variant::V2 {
-            return Ok(Vec::new());
-        }
-        let (_, kparts, cfg) = self.gemv_v2_launch(rows, cols, x_f16)?;
-        let ctas = cfg.grid_dim.0 as usize;
-        let (per_cta, first) = (rows.div_ceil(ctas), (GEMV_WARPS / kparts) as usize);
-        Ok([(m.packed, cols / 2), (m.absmax, cols / 16)]
-            .map(|(addr, row_bytes)| L2Range {
-                addr,
-                bytes: rows * row_bytes,
-                unit: first.min(per_cta) * row_bytes,
-                stride: per_cta * row_bytes,
-                units: ctas,
-            })
-            .to_vec())
     }
 
     /// lm_head and the greedy argmax in one GEMV v2 kernel (`DV2_LOGITS_ARGMAX=1`, which
@@ -1193,8 +1124,7 @@ impl Ops {
     }
 
     /// `out = silu(gate x) * (up x)`, f32, or f16 with `out_f16` (only as
-    /// [`Ops::swiglu_writes_f16`] allows). `next`: ranges GEMV v2 prefetches into L2 at the end
-    /// of its walk where the kernels hold the code (`DV2_FIRST_L2`).
+    /// [`Ops::swiglu_writes_f16`] allows).
     #[allow(clippy::too_many_arguments)]
     pub fn swiglu(
         &self,
@@ -1205,7 +1135,6 @@ impl Ops {
         input: Input,
         out: u64,
         out_f16: bool,
-        next: &[L2Range],
     ) -> Result<()> {
         let (rows_i, cols_i) = (rows as i32, cols as i32);
         let kernel = self.gemv_kernel(2 * rows, cols);
@@ -1233,12 +1162,7 @@ impl Ops {
                 let kp = kparts as i32;
                 let (xs, late) = self.gemv2_switches();
                 let late = late | if out_f16 { GEMV2_OUT_F16 } else { 0 };
-                let next = if self.k.first_l2 {
-                    L2Next::of(next, cfg.grid_dim.0 as usize)
-                } else {
-                    L2Next::NONE
-                };
-                launch!(self.gpu, &self.k.gemv2_swiglu[self.gemv2_table()][j - 1], cfg; gate, up, x, norm, out, rows_i, cols_i, kp, xs, late, next)
+                launch!(self.gpu, &self.k.gemv2_swiglu[self.gemv2_table()][j - 1], cfg; gate, up, x, norm, out, rows_i, cols_i, kp, xs, late)
             }
         }
     }

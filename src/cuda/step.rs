@@ -16,10 +16,10 @@ use super::budget::{self, kv_stride};
 use super::device::{driver_error, Gpu};
 use super::kernels::state;
 use super::ops::{
-    attn_partials, one_cta, AttnArgs, Epilogue, GemmMatrix, Input, L2Range, Norm, Ops, PartialSums,
+    attn_partials, one_cta, AttnArgs, Epilogue, GemmMatrix, Input, Norm, Ops, PartialSums,
     PrefillAttnArgs, QkvArgs, ARGMAX_SCRATCH, MAX_PARTIAL_SUMS,
 };
-use super::weights::{self, DeviceMatrix, DeviceModel};
+use super::weights::{self, DeviceMatrix, DeviceModel, Nf4Ref};
 use crate::arch::ArchSpec;
 use crate::engine::Backend;
 use crate::error::{Error, Result};
@@ -335,10 +335,12 @@ impl CudaBackend {
         let sums = |parts: usize| (ss_out != 0).then_some(PartialSums { ptr: ss_out, parts });
         // x += W input (the residual add), with the partial sums for the next norm; `next`:
         // weights to prefetch into L2 at the end of the GEMV's walk.
-        let residual = |w: &DeviceMatrix, k: usize, input: Input, next: &[L2Range]| {
-            let parts = ops.gemv(w.as_ref(gpu), s.hidden, k, input, x, true, 0, ss_out, next)?;
-            Ok::<_, Error>(sums(parts))
-        };
+        let residual =
+            |w: &DeviceMatrix, k: usize, input: Input, next: &[(Nf4Ref, usize, usize)]| {
+                let parts =
+                    ops.gemv(w.as_ref(gpu), s.hidden, k, input, x, true, 0, ss_out, next)?;
+                Ok::<_, Error>(sums(parts))
+            };
         launch!(gpu, &ops.k.embed_row, one_cta(256); state, embed, x, hidden, vocab, ss_out)?;
         let mut x_sums = sums(1);
         mark("embed")?;
@@ -379,12 +381,6 @@ impl CudaBackend {
             mark("o_proj (+residual)")?;
             let input = self.normed(x, &layer.ffn_norm, xn, x_sums);
             let act_f16 = ops.ffn_act_f16(s.intermediate, s.hidden);
-            // With DV2_FIRST_L2=1, down's first weight blocks into L2 as gate/up's walk ends.
-            let down_first = if ops.k.first_l2 {
-                ops.first_blocks(layer.down.as_ref(gpu), s.hidden, s.intermediate, act_f16)?
-            } else {
-                Vec::new()
-            };
             ops.swiglu(
                 layer.gate.as_ref(gpu),
                 layer.up.as_ref(gpu),
@@ -393,25 +389,19 @@ impl CudaBackend {
                 input,
                 act,
                 act_f16,
-                &down_first,
             )?;
             mark("ffn_norm + gate/up SwiGLU")?;
             let act_in = Input {
                 f16: act_f16,
                 ..Input::raw(act)
             };
-            // As down's walk ends, into L2: the next layer's q/k/v weights (DV2_QKV_L2), or
-            // after the last layer lm_head's first weight blocks (DV2_FIRST_L2=1).
-            let next = match self.model.layers.get(l + 1) {
-                Some(n) => {
-                    L2Range::whole(&n.qkv.each_ref().map(|m| (m.as_ref(gpu), m.rows, m.cols)))
-                }
-                None if logits && ops.k.first_l2 => {
-                    let lm_head = self.model.lm_head().as_ref(gpu);
-                    ops.first_blocks(lm_head, s.vocab, s.hidden, false)?
-                }
-                None => Vec::new(),
-            };
+            // With DV2_QKV_L2=1, the next layer's q/k/v weights into L2 as down's walk ends.
+            let next = self.model.layers.get(l + 1).map_or(Vec::new(), |n| {
+                n.qkv
+                    .iter()
+                    .map(|m| (m.as_ref(gpu), m.rows, m.cols))
+                    .collect()
+            });
             x_sums = residual(&layer.down, s.intermediate, act_in, &next)?;
             mark("down (+residual)")?;
         }
