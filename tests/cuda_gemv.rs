@@ -177,7 +177,8 @@ fn every_gemv_kernel_matches_the_cpu_at_every_v2_shape() {
                 }
             };
 
-            // y = A x, then y += A x over it.
+            // y = A x (prefetching B into L2 where the kernels hold that code, DV2_QKV_L2: a
+            // hint that must leave the results alone), then y += A x over it.
             let y = gpu.zeros::<f32>(rows).unwrap();
             ops.gemv(
                 a.dev.as_ref(gpu),
@@ -188,7 +189,7 @@ fn every_gemv_kernel_matches_the_cpu_at_every_v2_shape() {
                 false,
                 0,
                 0,
-                &[],
+                &[(b.dev.as_ref(gpu), rows, k)],
             )
             .unwrap();
             let once = gpu.download(&y, rows).unwrap();
