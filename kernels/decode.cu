@@ -596,9 +596,6 @@ struct L2Next {
     const char* addr[L2_NEXT_RANGES];
     unsigned bytes[L2_NEXT_RANGES], share[L2_NEXT_RANGES];
 };
-// GEMV2_L2_NEXT 2 (DV2_QKV_L2=late) sends them at the CTA's very end instead, after its
-// epilogue: later for the q/k/v kernel, but off the other CTAs' last loads (down took 0.44 us
-// longer with the default in session 16's trace, run 3).
 #ifndef GEMV2_L2_NEXT
 #define GEMV2_L2_NEXT 1
 #endif
@@ -852,8 +849,7 @@ __device__ __forceinline__ float dot_row_pair16(const RowChunks<J>& rc, const XH
 
 // The walk shared by the v2 kernels. `Rows` maps a row index to its matrix and epilogue:
 //   Nf4Ref matrix(int row, int* local_row); void store(int row, float sum[NM]) for NM
-//   matrices per row (1, or 2 for SwiGLU's gate and up); void tail(bool at_end), run as the
-//   walk ends (false) and as the CTA ends (true),
+//   matrices per row (1, or 2 for SwiGLU's gate and up); void tail(), run as the walk ends,
 //   and void finish() after the epilogues (every thread of the CTA).
 template <int J, int R, int NM, int TABLE, int XM, typename Rows>
 __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, const float* __restrict__ x,
@@ -1001,7 +997,7 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
         }
         __syncthreads();
     }
-    rows_of.tail(false);
+    rows_of.tail();
     if (late) {
         __syncthreads();
         for (int idx = threadIdx.x; idx < r1 - r0; idx += blockDim.x) {
@@ -1016,7 +1012,6 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
         }
     }
     if (float* out = rows_of.ss_out()) block_sum_to(ss, out + blockIdx.x);
-    rows_of.tail(true);
     rows_of.finish();
 }
 
@@ -1029,9 +1024,7 @@ struct PlainRows {
     int accumulate;
     float* ss;
     L2Next next;
-    __device__ void tail(bool at_end) const {
-        if (at_end == (GEMV2_L2_NEXT == 2)) l2_prefetch_share(next);
-    }
+    __device__ void tail() const { l2_prefetch_share(next); }
     __device__ void finish() const {}
     __device__ Nf4Ref matrix(int, int) const { return m; }
     __device__ int local(int r) const { return r; }
@@ -1049,7 +1042,7 @@ struct PlainRows {
 struct QkvRows {
     QkvArgs a;
     float* out;
-    __device__ void tail(bool) const {}
+    __device__ void tail() const {}
     __device__ void finish() const {}
     __device__ int seg(int r) const { return r < a.rows[0] ? 0 : (r < a.rows[0] + a.rows[1] ? 1 : 2); }
     __device__ Nf4Ref matrix(int r, int) const {
@@ -1078,7 +1071,7 @@ struct SwigluRows {
     Nf4Ref gate, up;
     float* out;
     bool out_f16;  // GEMV2_OUT_F16
-    __device__ void tail(bool) const {}
+    __device__ void tail() const {}
     __device__ void finish() const {}
     __device__ Nf4Ref matrix(int, int k) const { return k == 0 ? gate : up; }
     __device__ int local(int r) const { return r; }
@@ -1144,7 +1137,7 @@ struct LogitRows {
         return s[0];
     }
     __device__ float* ss_out() const { return nullptr; }
-    __device__ void tail(bool) const {}
+    __device__ void tail() const {}
     __device__ void finish() const {
         float b = best;
         int bi = best_i;

@@ -296,12 +296,7 @@ fn options(arch: &str) -> Vec<String> {
     ));
     // Down's L2 prefetch of the next layer's q/k/v weights (kernels/decode.cu, GEMV2_L2_NEXT;
     // DV2_QKV_L2=0 off; -0.0065 ms/token, session 16).
-    let l2_next = match std::env::var("DV2_QKV_L2").as_deref() {
-        Ok("0") => 0,
-        Ok("late") => 2,
-        _ => 1,
-    };
-    opts.push(format!("-DGEMV2_L2_NEXT={l2_next}"));
+    opts.push(format!("-DGEMV2_L2_NEXT={}", i32::from(qkv_l2())));
     // lm_head's GEMV v2 with the argmax (kernels/decode.cu, GEMV2_LOGITS; DV2_LOGITS_ARGMAX=0:
     // argmax_logits after lm_head).
     opts.push(format!("-DGEMV2_LOGITS={}", i32::from(logits_argmax())));
