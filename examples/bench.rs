@@ -688,9 +688,6 @@ fn main() {
             ("qwen25_3b attn3-ilp=0", &[("DV2_ATTN3_ILP", "0")]),
             ("qwen25_3b qkv-l2=0", &[("DV2_QKV_L2", "0")]),
             ("qwen25_3b logits-argmax=0", &[("DV2_LOGITS_ARGMAX", "0")]),
-            ("qwen25_3b gemv2-l2-ahead=2", &[("DV2_GEMV2_L2_AHEAD", "2")]),
-            ("qwen25_3b gemv2-l2-ahead=4", &[("DV2_GEMV2_L2_AHEAD", "4")]),
-            ("qwen25_3b gemv2-l2-ahead=8", &[("DV2_GEMV2_L2_AHEAD", "8")]),
             (
                 "qwen25_3b s16-off",
                 &[

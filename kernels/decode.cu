@@ -571,13 +571,6 @@ __device__ __forceinline__ void read_x16_slice(const u32* staged, int part, int 
 // o 3.98 -> 3.54 us, q/k/v 4.87 -> 4.76; on GEMV v2 it lost (gate+up 14.68 -> 15.88). Off by
 // default since session 8: once the first weights load before the wait (w_first 2), the
 // decode step measured 1.5294 ms/token without it against 1.5426 with 192 KB.
-// One bulk prefetch of n bytes at p (both 16-byte multiples, n > 0).
-__device__ __forceinline__ void l2_prefetch_bytes(const void* p, unsigned n) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(n) : "memory");
-#endif
-}
-
 // Both ends of [from, to) are rounded down to 16 bytes (the bulk copy's granule; the
 // allocation is aligned, so the range stays inside it), sent in pieces of at most 32 KB.
 __device__ __forceinline__ void l2_prefetch(const void* base, size_t from, size_t to) {
@@ -854,9 +847,6 @@ __device__ __forceinline__ float dot_row_pair16(const RowChunks<J>& rc, const XH
     });
 }
 
-#ifndef GEMV2_L2_AHEAD
-#define GEMV2_L2_AHEAD 0
-#endif
 // The walk shared by the v2 kernels. `Rows` maps a row index to its matrix and epilogue:
 //   Nf4Ref matrix(int row, int* local_row); void store(int row, float sum[NM]) for NM
 //   matrices per row (1, or 2 for SwiGLU's gate and up); void tail(), run as the walk ends,
@@ -914,37 +904,7 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     // PREWAIT=0) issues them after the wait but before x's loads, so their fetch overlaps the
     // round trips for the norm's partial sums and x; 0 (DV2_GEMV_WFIRST=0) after x is in
     // registers.
-    // GEMV2_L2_AHEAD (an NVRTC define, DV2_GEMV2_L2_AHEAD=n; 0 off, the default): lane 0 of each
-    // warp bulk-prefetches into L2 its rows' K part of the block n blocks past the one it loads
-    // into registers, the first n before the wait. Why: the walks keep ~32 KB of weights in
-    // flight per SM in registers, which at HBM's latency is about their 3.5-3.6 TB/s (lm_head
-    // 175 MB in 48.75 us, session 16's trace); loads that hit L2 return sooner, and a prefetch
-    // holds no register. (Session 7 measured a per-CTA L2 window on v2 slower, when the walk
-    // was bound by its instructions.) Prepared in session 16.
-    auto prefetch_block = [&](int base) {
-        if (!GEMV2_L2_AHEAD || lane != 0) return;
-        // This warp's bytes of a row: its K part's packed weights and absmax (16-byte multiples
-        // as the GEMV shapes make them; a prefetch of n bytes is one instruction).
-        const unsigned wb = cols >> 1, sb = cols >> 4, w0 = part * J * 512, s0 = part * J * 64;
-        const unsigned wn = w0 < wb ? min(wb - w0, J * 512u) & ~15u : 0u;
-        const unsigned sn = s0 < sb ? min(sb - s0, J * 64u) & ~15u : 0u;
-#pragma unroll
-        for (int i = 0; i < R; i++) {
-            const int r = base + i * row_lanes + row_lane;
-            if (r < r1) {
-#pragma unroll
-                for (int k = 0; k < NM; k++) {
-                    const Nf4Ref m = rows_of.matrix(r, k);
-                    const size_t row = rows_of.local(r);
-                    if (wn) l2_prefetch_bytes(m.packed + row * wb + w0, wn);
-                    if (sn) l2_prefetch_bytes(reinterpret_cast<const u8*>(m.absmax) + row * sb + s0, sn);
-                }
-            }
-        }
-    };
     if (w_first == 2) load_block(r0, cur);
-#pragma unroll 1
-    for (int a = 1; a <= GEMV2_L2_AHEAD; a++) prefetch_block(r0 + a * block);
     pdl_enter();
     if (skip_if && *skip_if) return;
     if (w_first == 1) load_block(r0, cur);
@@ -976,7 +936,6 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     float ss = 0.0f;  // squares of the values this thread stored
     for (int base = r0; base < r1; base += block) {
         if (base + block < r1) load_block(base + block, nxt);
-        if (GEMV2_L2_AHEAD) prefetch_block(base + (1 + GEMV2_L2_AHEAD) * block);
         float sums[R][NM];
 #pragma unroll
         for (int i = 0; i < R; i++)

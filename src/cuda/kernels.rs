@@ -238,7 +238,7 @@ fn logits_argmax() -> bool {
 /// `DV2_MERGE_EARLY=0`, `DV2_MERGE_WARP=0`, `DV2_GEMV_WFIRST=0`, `DV2_GEMV2_PREWAIT=0`,
 /// `DV2_GEMV3_PREWAIT=0`, `DV2_GEMV3_EPI_EARLY=0`, `DV2_GEMV2_XSMEM=0`, `DV2_GEMV2_X_ONE=0`,
 /// `DV2_GEMV2_CHAIN=n`, `DV2_ATTN3_SLOT_LANES=0`, `DV2_ATTN3_ILP=0`, `DV2_QKV_L2=0`,
-/// `DV2_LOGITS_ARGMAX=0`, `DV2_GEMV2_NOALLOC=0` and `DV2_GEMV2_L2_AHEAD=n` apart. The compiler optimizes the module's
+/// `DV2_LOGITS_ARGMAX=0` and `DV2_GEMV2_NOALLOC=0` apart. The compiler optimizes the module's
 /// kernels on every core (`--split-compile=0`; `DV2_NVRTC_SPLIT=0`: one thread): a machine's
 /// first load compiles the kernels, 32 s in one thread on 2 cores, 19 s split. The split
 /// changes the code of some kernels (scheduling, shared-memory placement), not what they
@@ -293,14 +293,6 @@ fn options(arch: &str) -> Vec<String> {
     opts.push(format!(
         "-DATTN3_SLOT_LANES={}",
         i32::from(super::switch_on("DV2_ATTN3_SLOT_LANES"))
-    ));
-    // GEMV v2's L2 prefetch n blocks ahead of its loads (kernels/decode.cu, GEMV2_L2_AHEAD;
-    // DV2_GEMV2_L2_AHEAD=n, 0..=16; 0 off, the default).
-    opts.push(format!(
-        "-DGEMV2_L2_AHEAD={}",
-        super::env_number::<usize>("DV2_GEMV2_L2_AHEAD")
-            .filter(|n| *n <= 16)
-            .unwrap_or(0)
     ));
     // Down's L2 prefetch of the next layer's q/k/v weights (kernels/decode.cu, GEMV2_L2_NEXT;
     // DV2_QKV_L2=0 off; -0.0065 ms/token, session 16).
