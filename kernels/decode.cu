@@ -1119,12 +1119,16 @@ __device__ __forceinline__ void block_argmax(float& best, int& best_i) {
 // count, then the pairs); the CTA that arrives last takes the argmax over the pairs in CTA
 // order, writes state[NEXT_TOKEN] and resets the count. Why: the argmax kernel after lm_head
 // added 4.75-5.25 us a step in the graph (docs/lab.md, sessions 15-16): its launch, wait and
-// second read of the 600 KB of logits. Measured: -0.0017 ms/token (session 16, run 2).
+// second read of the 600 KB of logits. Measured: -0.0017 ms/token (session 16, run 2). With
+// `ring` (DV2_COMMIT_FUSED, the decode step's graph), that CTA also commits the id as
+// commit_step would, one kernel fewer a step (its launch added 1.0 us, session 16's trace).
 struct LogitRows {
     Nf4Ref m;
     float* y;
     int* state;
     int* scratch;
+    int eos;
+    int* ring;  // null: no commit
     mutable float best;
     mutable int best_i;
     __device__ Nf4Ref matrix(int, int) const { return m; }
@@ -1162,9 +1166,20 @@ struct LogitRows {
         }
         block_argmax(b, bi);
         if (threadIdx.x == 0) {
-            state[STATE_NEXT_TOKEN] = bi < 0 ? 0 : bi;
+            const int next = bi < 0 ? 0 : bi;
+            state[STATE_NEXT_TOKEN] = next;
             scratch[0] = 0;
+            if (ring) commit(next);
         }
+    }
+    // commit_step's work (DV2_COMMIT_FUSED): the CTAs skipped this launch while finished was
+    // set, so finished is clear here.
+    __device__ void commit(int next) const {
+        ring[state[STATE_RING_COUNT]++] = next;
+        state[STATE_TOKEN] = next;
+        state[STATE_POSITION] += 1;
+        state[STATE_VALID_LEN] = state[STATE_POSITION];
+        if (next == eos) state[STATE_FINISHED] = 1;
     }
 };
 
@@ -1222,8 +1237,8 @@ GEMV2_KERNELS_BOUNDED(3, 1, GEMV2_PAIR16, _narrow, __maxnreg__(128))
     extern "C" __global__ void __maxnreg__(128)                                                                \
         gemv2_logits_j##J##_narrow(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y, int rows,   \
                                    int cols, int kparts, const int* skip_if, int x_smem, int late, int* state, \
-                                   int* scratch) {                                                             \
-        LogitRows p{m, y, state, scratch, NEG_INF, -1};                                                        \
+                                   int* scratch, int eos, int* ring) {                                         \
+        LogitRows p{m, y, state, scratch, eos, ring, NEG_INF, -1};                                             \
         gemv2_walk<J, R, 1, GEMV2_PAIR16, GEMV2_X_MODE>(p, rows, cols, x, norm, kparts, skip_if, x_smem, late); \
     }
 GEMV2_LOGITS_KERNEL(1, 2)

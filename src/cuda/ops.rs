@@ -115,6 +115,18 @@ impl L2Next {
     }
 }
 
+/// Where lm_head's argmax kernel ([`Ops::logits_argmax`]) leaves its result: the decode
+/// state (next_token), the argmax scratch ([`ARGMAX_SCRATCH`] words, zero between launches),
+/// and with `ring` (a device address, 0: none) the commit of the greedy id, as commit_step
+/// (appended to the ring, fed next, finished at `eos`, -1: none).
+#[derive(Clone, Copy, Debug)]
+pub struct LogitsHead {
+    pub state: u64,
+    pub scratch: u64,
+    pub eos: i32,
+    pub ring: u64,
+}
+
 /// kernels/decode.cu `AttnArgs`.
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -385,6 +397,9 @@ pub struct Ops {
     /// CTAs of argmax_logits (`DV2_ARGMAX_CTAS=n`, default one per SM; 1: one CTA of 1024
     /// threads reads all the logits).
     pub argmax_ctas: u32,
+    /// The step's commit in lm_head's argmax kernel where that kernel runs ([`LogitsHead`];
+    /// default; `DV2_COMMIT_FUSED=0`: commit_step after it).
+    pub commit_fused: bool,
     /// GEMV v2 looks weights up two at a time in a byte -> pair table (default;
     /// `DV2_GEMV2_PAIRS=0`: one at a time in the 16-entry codebook).
     pub gemv2_pairs: bool,
@@ -493,6 +508,7 @@ impl Ops {
             argmax_ctas: env_number("DV2_ARGMAX_CTAS")
                 .filter(|n| (1..=MAX_ARGMAX_CTAS as u32).contains(n))
                 .unwrap_or(sms.min(MAX_ARGMAX_CTAS as u32)),
+            commit_fused: switch_on("DV2_COMMIT_FUSED"),
             gemv2_pairs: switch_on("DV2_GEMV2_PAIRS"),
             gemv_nr: env_number("DV2_GEMV_NR").filter(|nr| matches!(nr, 1 | 2 | 4 | 8)),
             gemv_ctas: env_number("DV2_GEMV_CTAS")
@@ -1008,10 +1024,10 @@ impl Ops {
         }
     }
 
-    /// lm_head and the greedy argmax in one GEMV v2 kernel (`DV2_LOGITS_ARGMAX=1`, which
+    /// lm_head and the greedy argmax in one GEMV v2 kernel (`DV2_LOGITS_ARGMAX`, which
     /// compiles it): the logits of `m` into `y` as [`Ops::gemv`] stores them, their argmax into
-    /// `state`'s next_token (`scratch`: [`ARGMAX_SCRATCH`] words, zero between launches), both
-    /// skipped while `*skip_if != 0`. Returns false, having launched nothing, where the
+    /// the state's next_token, and with `head.ring` the step's commit as commit_step does it;
+    /// all skipped while `*skip_if != 0`. Returns false, having launched nothing, where the
     /// kernel does not apply (not compiled, or lm_head not on the default GEMV v2 kernels); the
     /// caller then runs [`Ops::gemv`] and argmax_logits.
     #[allow(clippy::too_many_arguments)]
@@ -1023,8 +1039,7 @@ impl Ops {
         input: Input,
         y: u64,
         skip_if: u64,
-        state: u64,
-        scratch: u64,
+        head: LogitsHead,
     ) -> Result<bool> {
         let Some(kernels) = &self.k.gemv2_logits else {
             return Ok(false);
@@ -1044,7 +1059,13 @@ impl Ops {
         }
         let (rows_i, cols_i, kp) = (rows as i32, cols as i32, kparts as i32);
         let (xs, late) = self.gemv2_switches();
-        launch!(self.gpu, &kernels[j - 1], cfg; m, x, norm, y, rows_i, cols_i, kp, skip_if, xs, late, state, scratch)?;
+        let LogitsHead {
+            state,
+            scratch,
+            eos,
+            ring,
+        } = head;
+        launch!(self.gpu, &kernels[j - 1], cfg; m, x, norm, y, rows_i, cols_i, kp, skip_if, xs, late, state, scratch, eos, ring)?;
         Ok(true)
     }
 

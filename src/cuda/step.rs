@@ -16,8 +16,8 @@ use super::budget::{self, kv_stride};
 use super::device::{driver_error, Gpu};
 use super::kernels::state;
 use super::ops::{
-    attn_partials, one_cta, AttnArgs, Epilogue, GemmMatrix, Input, Norm, Ops, PartialSums,
-    PrefillAttnArgs, QkvArgs, ARGMAX_SCRATCH, MAX_PARTIAL_SUMS,
+    attn_partials, one_cta, AttnArgs, Epilogue, GemmMatrix, Input, LogitsHead, Norm, Ops,
+    PartialSums, PrefillAttnArgs, QkvArgs, ARGMAX_SCRATCH, MAX_PARTIAL_SUMS,
 };
 use super::weights::{self, DeviceMatrix, DeviceModel, Nf4Ref};
 use crate::arch::ArchSpec;
@@ -260,9 +260,12 @@ impl CudaBackend {
         self.reset()
     }
 
-    /// Enqueues one greedy step: forward with logits, then the commit.
+    /// Enqueues one greedy step: forward with logits, then the commit (in lm_head's kernel
+    /// where it takes the argmax and `DV2_COMMIT_FUSED` allows, else commit_step).
     fn record_step(&self) -> Result<()> {
-        self.forward(true)?;
+        if self.forward_marked(true, self.ops.commit_fused, &mut None)? {
+            return Ok(());
+        }
         let (state, eos, ring) = (self.ptr(&self.state), self.eos, self.ptr(&self.arena.ring));
         launch!(self.ops.gpu, &self.ops.k.commit_step, one_cta(1); state, eos, ring)
     }
@@ -301,12 +304,19 @@ impl CudaBackend {
     /// One forward pass for the token in the state buffer at its position: KV slot written;
     /// with `logits`, the logits and next_token too.
     fn forward(&self, logits: bool) -> Result<()> {
-        self.forward_marked(logits, &mut None)
+        self.forward_marked(logits, false, &mut None).map(|_| ())
     }
 
     /// [`Self::forward`], recording an event after each group of kernels into `marks` when
     /// given (the per-stage split of the bench).
-    fn forward_marked(&self, logits: bool, marks: &mut Option<&mut StageMarks>) -> Result<()> {
+    /// With `commit` (and `logits`), the step's commit too where lm_head's kernel can take it:
+    /// returns whether it did.
+    fn forward_marked(
+        &self,
+        logits: bool,
+        commit: bool,
+        marks: &mut Option<&mut StageMarks>,
+    ) -> Result<bool> {
         let gpu = &self.ops.gpu;
         let mut mark = |label: &'static str| -> Result<()> {
             match marks {
@@ -408,16 +418,23 @@ impl CudaBackend {
         if logits {
             // Replays after the request finished must not overwrite the last logits.
             let finished = state + 4 * state::FINISHED as u64;
-            self.logits_of(x, finished, x_sums)?;
+            let committed = self.logits_of(x, finished, x_sums, commit)?;
             mark("final_norm + lm_head + argmax")?;
+            return Ok(committed);
         }
-        Ok(())
+        Ok(false)
     }
 
     /// Final RMSNorm of the activation row at `x` (`sums`: its producer's partial sums of
     /// squares, see [`Self::normed`]), lm_head into the logits, argmax into next_token; the
     /// lm_head is skipped on the device while `*skip_if != 0` (0: never).
-    fn logits_of(&self, x: u64, skip_if: u64, sums: Option<PartialSums>) -> Result<()> {
+    fn logits_of(
+        &self,
+        x: u64,
+        skip_if: u64,
+        sums: Option<PartialSums>,
+        commit: bool,
+    ) -> Result<bool> {
         let (s, ops) = (&self.spec, &self.ops);
         let (out, xn, state) = (
             self.ptr(&self.arena.logits),
@@ -427,10 +444,19 @@ impl CudaBackend {
         let input = self.normed(x, &self.model.final_norm, xn, sums);
         let lm_head = self.model.lm_head().as_ref(&ops.gpu);
         let (vocab, scratch) = (s.vocab as i32, self.ptr(&self.arena.argmax));
-        if ops.logits_argmax(
-            lm_head, s.vocab, s.hidden, input, out, skip_if, state, scratch,
-        )? {
-            return Ok(());
+        let ring = if commit {
+            self.ptr(&self.arena.ring)
+        } else {
+            0
+        };
+        let head = LogitsHead {
+            state,
+            scratch,
+            eos: self.eos,
+            ring,
+        };
+        if ops.logits_argmax(lm_head, s.vocab, s.hidden, input, out, skip_if, head)? {
+            return Ok(commit);
         }
         ops.gemv(
             lm_head,
@@ -443,7 +469,8 @@ impl CudaBackend {
             0,
             &[],
         )?;
-        launch!(ops.gpu, &ops.k.argmax_logits, ops.argmax_launch(); out, vocab, state, scratch)
+        launch!(ops.gpu, &ops.k.argmax_logits, ops.argmax_launch(); out, vocab, state, scratch)?;
+        Ok(false)
     }
 
     /// Runs one eager greedy step with an event after each kernel group; returns the time of
@@ -451,7 +478,7 @@ impl CudaBackend {
     /// step().
     pub fn profile_step(&mut self) -> Result<Vec<(&'static str, f64)>> {
         let mut marks = StageMarks::new(&self.ops.gpu)?;
-        self.forward_marked(true, &mut Some(&mut marks))?;
+        self.forward_marked(true, false, &mut Some(&mut marks))?;
         let (state, eos, ring) = (self.ptr(&self.state), self.eos, self.ptr(&self.arena.ring));
         launch!(self.ops.gpu, &self.ops.k.commit_step, one_cta(1); state, eos, ring)?;
         marks.record(&self.ops.gpu, "commit")?;
@@ -601,7 +628,7 @@ impl CudaBackend {
             )?;
         }
         if last {
-            self.logits_of(x + ((n - 1) * s.hidden * 4) as u64, 0, None)?;
+            self.logits_of(x + ((n - 1) * s.hidden * 4) as u64, 0, None, false)?;
         }
         launch!(gpu, &ops.k.advance_by, one_cta(1); state, n_i)
     }

@@ -30,8 +30,9 @@ for r in csv.DictReader(open(sys.argv[1])):
         graphs.setdefault(r["graph"], []).append(r)
 def steps_of(rows):
     k = sorted(rows, key=lambda r: int(r["start_ns"]))
-    ends = [i for i, r in enumerate(k) if r["name"] == "commit_step"]
-    return [k[a + 1 : b + 1] for a, b in zip(ends, ends[1:])]
+    # A step starts at its embed_row (its commit may be commit_step or inside lm_head's kernel).
+    starts = [i for i, r in enumerate(k) if r["name"] == "embed_row"]
+    return [k[a:b] for a, b in zip(starts, starts[1:])]
 # The Qwen2.5-3B shape's graph: the one with the most kernels a step (36 layers), the last such.
 best = None
 for g, rows in graphs.items():
@@ -39,7 +40,7 @@ for g, rows in graphs.items():
     if s and (best is None or len(s[-1]) >= best[1]):
         best = (g, len(s[-1]), s)
 if best is None:
-    sys.exit("no graph with two commit_step launches in the trace")
+    sys.exit("no graph with two embed_row launches in the trace")
 last, n, steps = best
 steps = [s for s in steps if len(s) == n][-100:]
 t = lambda r, f: int(r[f]) / 1e3  # µs
