@@ -689,8 +689,6 @@ fn main() {
             ("qwen25_3b qkv-l2=0", &[("DV2_QKV_L2", "0")]),
             ("qwen25_3b logits-argmax=0", &[("DV2_LOGITS_ARGMAX", "0")]),
             ("qwen25_3b commit-fused=0", &[("DV2_COMMIT_FUSED", "0")]),
-            ("qwen25_3b gemv2-noalloc=2", &[("DV2_GEMV2_NOALLOC", "2")]),
-            ("qwen25_3b gemv3-noalloc=1", &[("DV2_GEMV3_NOALLOC", "1")]),
             (
                 "qwen25_3b s16-off",
                 &[

@@ -625,38 +625,12 @@ struct RowChunks {
 #ifndef GEMV2_W_NOALLOC
 #define GEMV2_W_NOALLOC 1
 #endif
-// GEMV2_W_NOALLOC 2 (DV2_GEMV2_NOALLOC=2): the same with an L2 evict-first priority, so that
-// the streamed weights leave L2 to the data read again (KV rows, activations, the q/k/v
-// weights prefetched for the next layer). Prepared in session 16.
 __device__ __forceinline__ uint4 load_weights16(const uint4* p) {
-#if GEMV2_W_NOALLOC == 2
-    uint4 v;
-    unsigned long long policy;  // the same value every call: the compiler keeps one
-    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-    asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(p), "l"(policy));
-    return v;
-#elif GEMV2_W_NOALLOC
+#if GEMV2_W_NOALLOC
     uint4 v;
     asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
         : "l"(p));
-    return v;
-#else
-    return __ldg(p);
-#endif
-}
-
-// GEMV v3's 8-byte weight loads the same way (GEMV3_W_NOALLOC, DV2_GEMV3_NOALLOC=1; default 0:
-// __ldg). Prepared in session 16.
-#ifndef GEMV3_W_NOALLOC
-#define GEMV3_W_NOALLOC 0
-#endif
-__device__ __forceinline__ uint2 load_weights8(const uint2* p) {
-#if GEMV3_W_NOALLOC
-    uint2 v;
-    asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
     return v;
 #else
     return __ldg(p);

@@ -94,7 +94,7 @@ __device__ __forceinline__ void gemv3_load(const GemmArgs& a, int group, int kb,
 #pragma unroll
             for (int j = 0; j < S; j++) {
                 const bool in = kb + j < kb1;
-                st.b[j][i].w[h] = in ? load_weights8(reinterpret_cast<const uint2*>(wrow + (kb + j) * 32)) : make_uint2(0u, 0u);
+                st.b[j][i].w[h] = in ? __ldg(reinterpret_cast<const uint2*>(wrow + (kb + j) * 32)) : make_uint2(0u, 0u);
                 st.b[j][i].s[h] = in ? __ldg(srow + kb + j) : 0.0f;
             }
         }

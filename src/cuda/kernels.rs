@@ -238,11 +238,11 @@ fn logits_argmax() -> bool {
 /// `DV2_MERGE_EARLY=0`, `DV2_MERGE_WARP=0`, `DV2_GEMV_WFIRST=0`, `DV2_GEMV2_PREWAIT=0`,
 /// `DV2_GEMV3_PREWAIT=0`, `DV2_GEMV3_EPI_EARLY=0`, `DV2_GEMV2_XSMEM=0`, `DV2_GEMV2_X_ONE=0`,
 /// `DV2_GEMV2_CHAIN=n`, `DV2_ATTN3_SLOT_LANES=0`, `DV2_ATTN3_ILP=0`, `DV2_QKV_L2=0`,
-/// `DV2_LOGITS_ARGMAX=0`, `DV2_GEMV2_NOALLOC=0|2` and `DV2_GEMV3_NOALLOC=1` apart. The
-/// compiler optimizes the module's kernels on every core (`--split-compile=0`;
-/// `DV2_NVRTC_SPLIT=0`: one thread): a machine's first load compiles the kernels, 32 s in one
-/// thread on 2 cores, 19 s split. The split changes the code of some kernels (scheduling,
-/// shared-memory placement), not what they compute.
+/// `DV2_LOGITS_ARGMAX=0` and `DV2_GEMV2_NOALLOC=0` apart. The compiler optimizes the module's
+/// kernels on every core (`--split-compile=0`; `DV2_NVRTC_SPLIT=0`: one thread): a machine's
+/// first load compiles the kernels, 32 s in one thread on 2 cores, 19 s split. The split
+/// changes the code of some kernels (scheduling, shared-memory placement), not what they
+/// compute.
 fn options(arch: &str) -> Vec<String> {
     let mut opts = vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()];
     if std::env::var("DV2_LINEINFO").as_deref() == Ok("1") {
@@ -286,17 +286,8 @@ fn options(arch: &str) -> Vec<String> {
     opts.push(format!("-DGEMV2_CHAIN={chain}"));
     // GEMV v2's weight loads without an L1 line (kernels/decode.cu, GEMV2_W_NOALLOC;
     // DV2_GEMV2_NOALLOC=0: __ldg, as before session 16).
-    // =2: with an L2 evict-first priority too (prepared in session 16).
-    let no_alloc = match std::env::var("DV2_GEMV2_NOALLOC").as_deref() {
-        Ok("0") => 0,
-        Ok("2") => 2,
-        _ => 1,
-    };
-    opts.push(format!("-DGEMV2_W_NOALLOC={no_alloc}"));
-    // GEMV v3's weight loads without an L1 line (GEMV3_W_NOALLOC; DV2_GEMV3_NOALLOC=1; off by
-    // default, prepared in session 16).
-    let no_alloc3 = std::env::var("DV2_GEMV3_NOALLOC").as_deref() == Ok("1");
-    opts.push(format!("-DGEMV3_W_NOALLOC={}", i32::from(no_alloc3)));
+    let no_alloc = super::switch_on("DV2_GEMV2_NOALLOC");
+    opts.push(format!("-DGEMV2_W_NOALLOC={}", i32::from(no_alloc)));
     // Attention v3's scores with several lanes a slot at a split's few slots (kernels/decode.cu,
     // ATTN3_SLOT_LANES; DV2_ATTN3_SLOT_LANES=0: a lane a slot).
     opts.push(format!(
