@@ -563,34 +563,15 @@ __device__ __forceinline__ void read_x16_slice(const u32* staged, int part, int 
     }
 }
 
-// L2 prefetch: bulk prefetches into L2 issued by one thread. GEMV v3 (DV2_L2_AHEAD_KB) sends a
-// CTA's next weight rows, the first before the wait on the previous kernel (an L2 prefetch is
-// only a hint to the point of coherence, so it is safe at any time). Why: v3 keeps its weights in
-// registers, so its bytes in flight are bounded by registers and warps; a prefetch has no
-// such bound and no completion to wait for. Measured on the probe (docs/lab.md, session 7):
-// o 3.98 -> 3.54 us, q/k/v 4.87 -> 4.76; on GEMV v2 it lost (gate+up 14.68 -> 15.88). Off by
-// default since session 8: once the first weights load before the wait (w_first 2), the
-// decode step measured 1.5294 ms/token without it against 1.5426 with 192 KB.
-// Both ends of [from, to) are rounded down to 16 bytes (the bulk copy's granule; the
-// allocation is aligned, so the range stays inside it), sent in pieces of at most 32 KB.
-__device__ __forceinline__ void l2_prefetch(const void* base, size_t from, size_t to) {
-#if __CUDA_ARCH__ >= 900
-    const char* p = static_cast<const char*>(base);
-    for (size_t o = from & ~(size_t)15; o < (to & ~(size_t)15); o += 32768) {
-        const unsigned bytes = (unsigned)min((size_t)32768, (to & ~(size_t)15) - o);
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + o), "r"(bytes) : "memory");
-    }
-#endif
-}
-
 // The next layer's q, k and v weights (packed bytes and absmax: up to L2_NEXT_RANGES address
 // ranges of `bytes` each) that a down GEMV v2 prefetches into L2 as its walk ends (DV2_QKV_L2,
-// default; GEMV2_L2_NEXT, an NVRTC define, compiles it in): CTA b sends bytes [b share, (b + 1) share)
-// of each range (the host sizes the shares for the grid: multiples of 16, at most 32 KB). Why:
-// the q/k/v kernel's CTAs become resident only as down's leave (down's two CTAs fill the
-// register file), so their first weights come from HBM after down ends, on the step's serial
-// chain; from L2 the q/k/v GEMV took 0.3 us less (docs/lab.md, session 10, `--l2-hot`).
-// Measured: -0.0065 ms/token (session 16, run 2; DV2_QKV_L2=0 off).
+// default; GEMV2_L2_NEXT, an NVRTC define, compiles it in): CTA b sends bytes [b share,
+// (b + 1) share) of each range in one bulk prefetch (the host sizes the shares for the grid:
+// multiples of 16, at most 32 KB; an L2 prefetch is only a hint, safe at any time). Why: the
+// q/k/v kernel's CTAs become resident only as down's leave (down's two CTAs fill the register
+// file), so their first weights came from HBM after down ended, on the step's serial chain;
+// from L2 the q/k/v GEMV took 0.3 us less (docs/lab.md, session 10, `--l2-hot`). Measured:
+// -0.0065 ms/token (session 16, run 2; DV2_QKV_L2=0 off).
 #define L2_NEXT_RANGES 6
 struct L2Next {
     const char* addr[L2_NEXT_RANGES];
@@ -1112,14 +1093,16 @@ __device__ __forceinline__ void block_argmax(float& best, int& best_i) {
             if (argmax_beats(s_v[w], s_i[w], best, best_i)) best = s_v[w], best_i = s_i[w];
 }
 
-// lm_head with the greedy argmax folded in (DV2_LOGITS_ARGMAX, default): the logits are stored as by
-// PlainRows, each thread keeps the best of the rows it stored (rows in rising order, so the
-// strict > keeps the lowest index of a tie; NaN never wins), and finish() leaves the CTA's
-// (value, index) in `scratch` as argmax_logits' CTAs do (1 + 2 * gridDim.x words: an arrival
-// count, then the pairs); the CTA that arrives last takes the argmax over the pairs in CTA
-// order, writes state[NEXT_TOKEN] and resets the count. Why: the argmax kernel after lm_head
-// added 4.75-5.25 us a step in the graph (docs/lab.md, sessions 15-16): its launch, wait and
-// second read of the 600 KB of logits. Measured: -0.0017 ms/token (session 16, run 2). With
+// lm_head with the greedy argmax folded in (DV2_LOGITS_ARGMAX, default): the logits are
+// stored as by PlainRows, each thread keeps the best of the rows it stored (rows in rising
+// order, so the strict > keeps the lowest index of a tie; NaN never wins), and finish() leaves
+// the CTA's (value, index) in `scratch` as argmax_logits' CTAs do (1 + 2 * gridDim.x words: an
+// arrival count, then the pairs); the CTA that arrives last takes the argmax over the pairs in
+// CTA order, writes state[NEXT_TOKEN] and resets the count (the same steps as argmax_logits'
+// tail, kept apart from it in session 16 because the shared version compiled to other code
+// and no device time was left to run it). Why: the argmax kernel after lm_head added
+// 4.75-5.25 us a step in the graph (docs/lab.md, sessions 15-16): its launch, wait and second
+// read of the 600 KB of logits. Measured: -0.0017 ms/token (session 16, run 2). With
 // `ring` (DV2_COMMIT_FUSED, the decode step's graph), that CTA also commits the id as
 // commit_step would, one kernel fewer a step (its launch added 1.0 us, session 16's trace).
 struct LogitRows {

@@ -100,6 +100,26 @@ __device__ __forceinline__ void gemv3_load(const GemmArgs& a, int group, int kb,
         }
 }
 
+// L2 prefetch (DV2_L2_AHEAD_KB): bulk prefetches of a CTA's next weight rows into L2, issued
+// by one thread, the first before the wait on the previous kernel (an L2 prefetch is only a
+// hint to the point of coherence, so it is safe at any time). Why: v3 keeps its weights in
+// registers, so its bytes in flight are bounded by registers and warps; a prefetch has no
+// such bound and no completion to wait for. Measured on the probe (docs/lab.md, session 7):
+// o 3.98 -> 3.54 us, q/k/v 4.87 -> 4.76; on GEMV v2 it lost (gate+up 14.68 -> 15.88). Off by
+// default since session 8: once the first weights load before the wait (w_first 2), the
+// decode step measured 1.5294 ms/token without it against 1.5426 with 192 KB.
+// Both ends of [from, to) are rounded down to 16 bytes (the bulk copy's granule; the
+// allocation is aligned, so the range stays inside it), sent in pieces of at most 32 KB.
+__device__ __forceinline__ void l2_prefetch(const void* base, size_t from, size_t to) {
+#if __CUDA_ARCH__ >= 900
+    const char* p = static_cast<const char*>(base);
+    for (size_t o = from & ~(size_t)15; o < (to & ~(size_t)15); o += 32768) {
+        const unsigned bytes = (unsigned)min((size_t)32768, (to & ~(size_t)15) - o);
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + o), "r"(bytes) : "memory");
+    }
+#endif
+}
+
 // Rows [row, row + n) of matrix m (K = cols): their packed bytes and absmax.
 __device__ __forceinline__ void l2_prefetch_rows(Nf4Ref m, int row, int n, int cols) {
     if (n <= 0) return;

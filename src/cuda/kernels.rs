@@ -219,8 +219,8 @@ fn gemv2_x_smem() -> bool {
 }
 
 /// Whether down's GEMV v2 prefetches the next layer's q/k/v weights into L2 (`DV2_QKV_L2`,
-/// default; `=0` off):
-/// compiled into the kernels (options), so fixed for a loaded module: [`Kernels::qkv_l2`].
+/// default; `=0` off): compiled into the kernels (options), so fixed for a loaded module:
+/// [`Kernels::qkv_l2`].
 fn qkv_l2() -> bool {
     super::switch_on("DV2_QKV_L2")
 }

@@ -71,7 +71,7 @@ pub struct QkvArgs {
 unsafe impl DeviceRepr for QkvArgs {}
 
 /// kernels/decode.cu `L2Next`: address ranges a down GEMV v2 prefetches into L2 as its walk
-/// ends (the next layer's q, k and v weights; `DV2_QKV_L2=1`), CTA b bytes [b share, (b + 1)
+/// ends (the next layer's q, k and v weights; `DV2_QKV_L2`), CTA b bytes [b share, (b + 1)
 /// share) of each.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -83,10 +83,11 @@ struct L2Next {
 // SAFETY: plain old data matching the kernel's struct (pointers as u64, then unsigned ints).
 unsafe impl DeviceRepr for L2Next {}
 
-/// Ranges an [`L2Next`] holds: packed bytes and absmax of three matrices.
+/// Ranges the kernels' `L2Next` holds: packed bytes and absmax of three matrices.
 pub const L2_NEXT_RANGES: usize = 6;
 
-/// The most bytes one bulk L2 prefetch sends (kernels/decode.cu, l2_prefetch).
+/// The most bytes a CTA's share of a range may be: the pieces GEMV v3's L2 prefetch sends
+/// (kernels/gemv_mma.cu, l2_prefetch), a size one bulk prefetch is known to take.
 const L2_PREFETCH_MAX: usize = 32 * 1024;
 
 impl L2Next {
@@ -959,9 +960,9 @@ impl Ops {
     /// `y = W x`; with `accumulate`, `y += W x`. Skipped on the device while `*skip_if != 0`
     /// (`skip_if` = 0: never). With `ss_out` (a device address, 0: none; GEMV v2/v3 only, see
     /// [`Ops::producer_sums`]), each CTA leaves the sum of squares of the y it wrote there;
-    /// returns how many (the CTAs of the launch). `next`: ranges GEMV v2 prefetches into L2 at
-    /// the end of its walk where the kernels hold the code (`DV2_QKV_L2=1`): matrices (rows, cols),
-    /// at most [`L2_NEXT_RANGES`] / 2; the other kernels ignore it.
+    /// returns how many (the CTAs of the launch). `next`: matrices (rows, cols), at most
+    /// [`L2_NEXT_RANGES`] / 2, that GEMV v2 prefetches into L2 at the end of its walk where the
+    /// kernels hold the code (`DV2_QKV_L2`); the other kernels ignore it.
     #[allow(clippy::too_many_arguments)]
     pub fn gemv(
         &self,
