@@ -1461,6 +1461,46 @@ mod tests {
     }
 
     #[test]
+    fn l2_prefetch_shares_cover_each_range_in_16_byte_pieces() {
+        let m = |packed, absmax| Nf4Ref {
+            packed,
+            absmax,
+            mma_scale: 1.0,
+        };
+        // Qwen2.5-3B's q (2048 x 2048) and k (256 x 2048) over down's 264 CTAs.
+        let next = L2Next::of(
+            &[
+                (m(1 << 20, 1 << 30), 2048, 2048),
+                (m(3 << 20, 3 << 30), 256, 2048),
+            ],
+            264,
+        );
+        let ranges = [
+            (1 << 20, 2048 * 1024),
+            (1 << 30, 2048 * 128),
+            (3 << 20, 256 * 1024),
+            (3 << 30, 256 * 128),
+        ];
+        for (i, &(addr, bytes)) in ranges.iter().enumerate() {
+            assert_eq!((next.addr[i], next.bytes[i] as usize), (addr, bytes));
+            let share = next.share[i] as usize;
+            assert_eq!(share % 16, 0, "range {i}");
+            assert!(
+                share * 264 >= bytes && (share - 16) * 264 < bytes,
+                "range {i}: share {share}"
+            );
+        }
+        assert_eq!(next.addr[4..], [0, 0]);
+        assert_eq!(next.bytes[4..], [0, 0]);
+        // A share past one prefetch's 32 KB is left out (a prefetch is a hint); an empty list
+        // sends nothing.
+        let big = L2Next::of(&[(m(1 << 20, 1 << 30), 8192, 8192)], 132);
+        assert_eq!((big.addr[0], big.bytes[0], big.share[0]), (0, 0, 0));
+        assert_eq!(big.addr[1], 1 << 30);
+        assert!(L2Next::of(&[], 264).bytes.iter().all(|&b| b == 0));
+    }
+
+    #[test]
     fn gemv2_shapes_cover_k_with_little_waste() {
         assert_eq!(gemv2_shape(64).unwrap(), (1, 1));
         assert_eq!(gemv2_shape(2048).unwrap(), (2, 1));
