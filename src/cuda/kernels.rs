@@ -311,13 +311,14 @@ fn options(arch: &str) -> Vec<String> {
     ));
     // Down's L2 prefetch of the next layer's q/k/v weights (kernels/decode.cu, GEMV2_L2_NEXT;
     // DV2_QKV_L2=0 off; -0.0065 ms/token, session 16), or o's (GEMV3_L2_NEXT, DV2_QKV_L2=o).
+    let l2_next = qkv_l2();
     opts.push(format!(
         "-DGEMV2_L2_NEXT={}",
-        i32::from(qkv_l2() == QkvL2::Down)
+        i32::from(l2_next == QkvL2::Down)
     ));
     opts.push(format!(
         "-DGEMV3_L2_NEXT={}",
-        i32::from(qkv_l2() == QkvL2::O)
+        i32::from(l2_next == QkvL2::O)
     ));
     // lm_head's GEMV v2 with the argmax (kernels/decode.cu, GEMV2_LOGITS; DV2_LOGITS_ARGMAX=0:
     // argmax_logits after lm_head).

@@ -1062,11 +1062,12 @@ impl Ops {
         {
             return Ok(false);
         }
-        let (x, norm) = self.input(input, cols, kernel)?;
         let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols, false)?;
         if cfg.grid_dim.0 as usize > MAX_ARGMAX_CTAS {
             return Ok(false);
         }
+        // After the last check: without the producer's sums this launches the RMSNorm kernel.
+        let (x, norm) = self.input(input, cols, kernel)?;
         let (rows_i, cols_i, kp) = (rows as i32, cols as i32, kparts as i32);
         let (xs, late) = self.gemv2_switches();
         let LogitsHead {
