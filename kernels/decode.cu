@@ -704,7 +704,9 @@ __device__ __forceinline__ uint4 repeat16(Entry e) {
 #ifndef TABLE_WIDE_STORES
 #error "the host passes TABLE_WIDE_STORES (src/cuda/kernels.rs, options)"
 #endif
-template <int LANES, typename Entry, typename Pair>
+// LINES: 128-byte lines from one entry to the next (2: lm_head's PRMT-addressed table, whose
+// second line of each entry is never written or read).
+template <int LANES, int LINES = 1, typename Entry, typename Pair>
 __device__ __forceinline__ void load_byte_table(Entry* lut, Pair pair) {
     static_assert(LANES * sizeof(Entry) == 128, "an entry's copies fill one 128-byte line");
     __shared__ float nf4[16];
@@ -725,13 +727,13 @@ __device__ __forceinline__ void load_byte_table(Entry* lut, Pair pair) {
 #pragma unroll
         for (int u = 0; u < BATCH; u++) {
             const int i = base + u * blockDim.x;
-            if (i < PIECES) lines[i] = v[u];
+            if (i < PIECES) lines[LINES == 1 ? i : (i >> 3) * 8 * LINES + (i & 7)] = v[u];
         }
     }
 #else
     for (int i = threadIdx.x; i < 256 * LANES; i += blockDim.x) {
         const int b = (unsigned)i / LANES;  // i >= 0: a shift
-        lut[i] = pair(nf4[b >> 4], nf4[b & 15]);
+        lut[LINES == 1 ? i : b * LANES * LINES + (i & (LANES - 1))] = pair(nf4[b >> 4], nf4[b & 15]);
     }
 #endif
 }
@@ -767,6 +769,26 @@ __device__ __forceinline__ u32 byte_lut_entry(const u32* lut, u32 word, int k, u
 
 __device__ __forceinline__ void load_byte_codebook(u32* lut) {
     load_byte_table<BYTE_LUT_WORDS / 256>(lut, [](float hi, float lo) { return pack_f16x2(hi, lo); });
+}
+
+// GEMV2_LOGITS_PRMT (an NVRTC define, DV2_LOGITS_PRMT; lm_head's argmax kernels only): the
+// f16-pair table with 256 bytes from entry to entry (PRMT_LUT_WORDS words of dynamic shared
+// memory before x, the copies in the first 128 bytes of each), so that one PRMT makes a
+// lookup's address (byte k of the word into bits 8..15, the lane's offset below them) where a
+// shift and a LOP3 did. Why lm_head only: its walk is the step's longest (576 rows a CTA) and
+// gained 48.0 -> 44.5 us with it, while gate/up and down lost more (their larger footprint
+// kept down's CTAs from starting beside gate/up's; docs/lab.md, session 15, run 4); nothing
+// after lm_head can be resident beside it (registers), so its footprint costs no start.
+#ifndef GEMV2_LOGITS_PRMT
+#define GEMV2_LOGITS_PRMT 1
+#endif
+__device__ __forceinline__ void load_byte_codebook_prmt(u32* lut) {
+    load_byte_table<BYTE_LUT_WORDS / 256, 2>(lut, [](float hi, float lo) { return pack_f16x2(hi, lo); });
+}
+// The entry of byte k (0..3) of `word` for this lane in that table (lane4 = 4 * lane < 256).
+__device__ __forceinline__ u32 prmt_lut_entry(const u32* lut, u32 word, int k, u32 lane4) {
+    const u32 offset = __byte_perm(lane4, word, 0x1140u | ((u32)k << 4));  // {lane4, byte k, 0, 0}
+    return *reinterpret_cast<const u32*>(reinterpret_cast<const char*>(lut) + offset);
 }
 
 // GEMV v2's tables (template argument TABLE): the 16-entry codebook (GEMV2_NIBBLE,
@@ -819,8 +841,8 @@ __device__ __forceinline__ void pack_x_halves(const XSlice<J>& xs, XHalves<J>& x
 #define GEMV2_CHAIN 2
 #endif
 // dot_chunks with the f16-pair table (lane4 = 4 * lane): each group of GEMV2_CHAIN words one
-// f16x2 FMA chain, summed in f32.
-template <int J>
+// f16x2 FMA chain, summed in f32. PRMT: the table laid out for prmt_lut_entry.
+template <int J, bool PRMT = false>
 __device__ __forceinline__ float dot_row_pair16(const RowChunks<J>& rc, const XHalves<J>& xh, const u32* lut,
                                                 u32 lane4) {
     return dot_chunks<J, GEMV2_CHAIN>(rc, [&](int j, int w0, const u32* words) {
@@ -828,7 +850,10 @@ __device__ __forceinline__ float dot_row_pair16(const RowChunks<J>& rc, const XH
 #pragma unroll
         for (int w = w0; w < w0 + GEMV2_CHAIN; w++)
 #pragma unroll
-            for (int k = 0; k < 4; k++) h = hfma2(byte_lut_entry(lut, words[w], k, lane4), xh.h[j][4 * w + k], h);
+            for (int k = 0; k < 4; k++) {
+                const u32 e = PRMT ? prmt_lut_entry(lut, words[w], k, lane4) : byte_lut_entry(lut, words[w], k, lane4);
+                h = hfma2(e, xh.h[j][4 * w + k], h);
+            }
         return half2_sum(h);
     });
 }
@@ -846,10 +871,19 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     const bool late_sum = late_flags & GEMV2_LATE_SUM, epi_early = late_flags & GEMV2_EPI_EARLY;
     __shared__ float lut[16];
     __shared__ __align__(16) float2 pair_lut[TABLE == GEMV2_PAIR32 ? PAIR_LUT_ENTRIES : 1];
-    __shared__ __align__(16) u32 pair16_lut[TABLE == GEMV2_PAIR16 ? BYTE_LUT_WORDS : 1];
+    // Rows::prmt_table: the f16-pair table in dynamic shared memory as GEMV2_LOGITS_PRMT lays
+    // it out, before x; else in static shared memory.
+    constexpr bool prmt_table = TABLE == GEMV2_PAIR16 && Rows::prmt_table;
+    __shared__ __align__(16) u32 pair16_static[TABLE == GEMV2_PAIR16 && !prmt_table ? BYTE_LUT_WORDS : 1];
     __shared__ float partial[GEMV2_MAX_LANES_X_R * NM][GEMV_WARPS];
     __shared__ float late_partial[GEMV2_LATE_FLOATS];
-    if (TABLE == GEMV2_PAIR16) load_byte_codebook(pair16_lut);
+    // Dynamic shared memory: that table (PRMT_LUT_WORDS words), then x as staged: cols / 32 *
+    // X_STAGE_STRIDE floats, or cols / 32 * X16_STAGE_STRIDE words from f16.
+    extern __shared__ __align__(16) float gemv2_dyn[];
+    u32* pair16_lut = prmt_table ? reinterpret_cast<u32*>(gemv2_dyn) : pair16_static;
+    float* x_staged = gemv2_dyn + (prmt_table ? PRMT_LUT_WORDS : 0);
+    if (prmt_table) load_byte_codebook_prmt(pair16_lut);
+    else if (TABLE == GEMV2_PAIR16) load_byte_codebook(pair16_lut);
     else if (TABLE == GEMV2_PAIR32) load_pair_codebook(pair_lut);
     else load_codebook(lut);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -901,8 +935,6 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     if (late && epi_early && (int)threadIdx.x < r1 - r0) early_epi = rows_of.epi(r0 + threadIdx.x);
     XSlice<J> xs;
     XHalves<J> xh;
-    // cols / 32 * X_STAGE_STRIDE floats, or cols / 32 * X16_STAGE_STRIDE words from f16
-    extern __shared__ __align__(16) float x_staged[];
     if (TABLE == GEMV2_PAIR16 && x_smem == GEMV2_X_F16) {
         stage_x16(reinterpret_cast<const u16*>(x), cols, reinterpret_cast<u32*>(x_staged));
         __syncthreads();
@@ -928,7 +960,7 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
 #pragma unroll
             for (int k = 0; k < NM; k++)
                 sums[i][k] = warp_sum(
-                    TABLE == GEMV2_PAIR16 ? dot_row_pair16<J>(cur[i][k], xh, pair16_lut, lane4)
+                    TABLE == GEMV2_PAIR16 ? dot_row_pair16<J, prmt_table>(cur[i][k], xh, pair16_lut, lane4)
                     : TABLE == GEMV2_PAIR32
                         ? dot_row<J>(cur[i][k], xs, [&](u32 b, int q) { return nf4_pair(pair_lut, b, q, lane8); })
                         : dot_row<J>(cur[i][k], xs, [&](u32 b, int q) {
@@ -1004,6 +1036,7 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
 // Each Rows type's store returns the value it wrote; ss_out() (may be null) is where the
 // walk leaves this CTA's sum of their squares, for the next RMSNorm (NormArgs).
 struct PlainRows {
+    static constexpr bool prmt_table = false;
     Nf4Ref m;
     float* y;
     const float* bias;
@@ -1026,6 +1059,7 @@ struct PlainRows {
 };
 
 struct QkvRows {
+    static constexpr bool prmt_table = false;
     QkvArgs a;
     float* out;
     __device__ void tail() const {}
@@ -1054,6 +1088,7 @@ struct QkvRows {
 };
 
 struct SwigluRows {
+    static constexpr bool prmt_table = false;
     Nf4Ref gate, up;
     float* out;
     bool out_f16;  // GEMV2_OUT_F16
@@ -1111,6 +1146,7 @@ __device__ __forceinline__ void block_argmax(float& best, int& best_i) {
 // `ring` (DV2_COMMIT_FUSED, the decode step's graph), that CTA also commits the id as
 // commit_step would, one kernel fewer a step (its launch added 1.0 us, session 16's trace).
 struct LogitRows {
+    static constexpr bool prmt_table = GEMV2_LOGITS_PRMT;  // the walk's table for PRMT
     Nf4Ref m;
     float* y;
     int* state;

@@ -70,6 +70,10 @@ pub const GEMV2_MAX_K: usize = 3 * 32 * 8 * 32;
 /// partial sums take ~39 KiB more).
 pub const GEMV2_MAX_SMEM: usize = GEMV2_MAX_K / 32 * GEMV2_X_STRIDE * 4;
 const _: () = assert!(GEMV2_MAX_SMEM + 40 * 1024 <= 227 * 1024);
+/// lm_head's f16-pair table as `DV2_LOGITS_PRMT` lays it out (256 entries 256 bytes apart), in
+/// dynamic shared memory before x.
+pub const GEMV2_PRMT_TABLE: usize = 256 * 256;
+const _: () = assert!(GEMV2_MAX_SMEM + GEMV2_PRMT_TABLE + 8 * 1024 <= 227 * 1024);
 /// Warps per CTA of GEMV v3 (tensor cores): they split K of the CTA's row tiles.
 pub const GEMV3_WARPS: usize = 8;
 /// The largest K GEMV v3 stages (x as f16 pairs in dynamic shared memory: 2K bytes).
@@ -120,6 +124,7 @@ fn shared_defines() -> Vec<String> {
         ("GEMV3_WARPS", GEMV3_WARPS),
         ("X_STAGE_STRIDE", GEMV2_X_STRIDE),
         ("X16_STAGE_STRIDE", GEMV2_X16_STRIDE),
+        ("PRMT_LUT_WORDS", GEMV2_PRMT_TABLE / 4),
         ("STATE_TOKEN", state::TOKEN),
         ("STATE_POSITION", state::POSITION),
         ("STATE_VALID_LEN", state::VALID_LEN),
@@ -246,6 +251,13 @@ fn logits_argmax() -> bool {
     super::switch_on("DV2_LOGITS_ARGMAX")
 }
 
+/// Whether those kernels address their f16-pair table by PRMT (`DV2_LOGITS_PRMT`, default;
+/// `=0`: a shift and a LOP3, the table in static shared memory): compiled in (options), so
+/// fixed for a loaded module: [`Kernels::logits_prmt`].
+fn logits_prmt() -> bool {
+    super::switch_on("DV2_LOGITS_PRMT")
+}
+
 /// NVRTC options; `DV2_LINEINFO=1` adds source line information (for a profiler's source
 /// view; the cache keeps the two builds apart, options being part of its key), as it keeps
 /// the kernel variants `DV2_TABLE_WIDE=0`, `DV2_NORM_BATCH=n`, `DV2_GEMV3_X_BATCH=n`,
@@ -253,7 +265,7 @@ fn logits_argmax() -> bool {
 /// `DV2_MERGE_EARLY=0`, `DV2_MERGE_WARP=0`, `DV2_GEMV_WFIRST=0`, `DV2_GEMV2_PREWAIT=0`,
 /// `DV2_GEMV3_PREWAIT=0`, `DV2_GEMV3_EPI_EARLY=0`, `DV2_GEMV2_XSMEM=0`, `DV2_GEMV2_X_ONE=0`,
 /// `DV2_GEMV2_CHAIN=n`, `DV2_ATTN3_SLOT_LANES=0`, `DV2_ATTN3_ILP=0`, `DV2_QKV_L2=0|o`,
-/// `DV2_LOGITS_ARGMAX=0` and `DV2_GEMV2_NOALLOC=0` apart. The compiler optimizes the module's
+/// `DV2_LOGITS_ARGMAX=0`, `DV2_LOGITS_PRMT=0` and `DV2_GEMV2_NOALLOC=0` apart. The compiler optimizes the module's
 /// kernels on every core (`--split-compile=0`; `DV2_NVRTC_SPLIT=0`: one thread): a machine's
 /// first load compiles the kernels, 32 s in one thread on 2 cores, 19 s split. The split
 /// changes the code of some kernels (scheduling, shared-memory placement), not what they
@@ -323,6 +335,9 @@ fn options(arch: &str) -> Vec<String> {
     // lm_head's GEMV v2 with the argmax (kernels/decode.cu, GEMV2_LOGITS; DV2_LOGITS_ARGMAX=0:
     // argmax_logits after lm_head).
     opts.push(format!("-DGEMV2_LOGITS={}", i32::from(logits_argmax())));
+    // Their table addressed by PRMT, GEMV2_PRMT_TABLE bytes before x (GEMV2_LOGITS_PRMT;
+    // DV2_LOGITS_PRMT=0: as the other v2 kernels').
+    opts.push(format!("-DGEMV2_LOGITS_PRMT={}", i32::from(logits_prmt())));
     // Attention v3's score and weighted-sum loops unrolled, its softmax reductions over the
     // lanes that hold slots (kernels/decode.cu, ATTN3_ILP; DV2_ATTN3_ILP=0 off).
     let ilp = super::switch_on("DV2_ATTN3_ILP");
@@ -496,6 +511,9 @@ pub struct Kernels {
     pub qkv_l2: QkvL2,
     /// lm_head with the argmax folded in, by J (`DV2_LOGITS_ARGMAX`; compiled only then).
     pub gemv2_logits: Option<[CudaFunction; 3]>,
+    /// Those kernels take their table in dynamic shared memory before x, [`GEMV2_PRMT_TABLE`]
+    /// bytes (`DV2_LOGITS_PRMT`, compiled in).
+    pub logits_prmt: bool,
     pub gemv2_qkv: [[CudaFunction; 3]; 4],
     pub gemv2_swiglu: [[CudaFunction; 3]; 4],
     pub attn2_decode: CudaFunction,
@@ -640,10 +658,13 @@ impl Kernels {
             gemv2_x_smem: gemv2_x_smem(),
             qkv_l2: qkv_l2(),
             gemv2_logits: if logits_argmax() {
-                Some(gemv2_by_j("gemv2_logits", "_narrow")?)
+                let fs = gemv2_by_j("gemv2_logits", "_narrow")?;
+                allow_dynamic_smem(&fs, GEMV2_MAX_SMEM + GEMV2_PRMT_TABLE)?;
+                Some(fs)
             } else {
                 None
             },
+            logits_prmt: logits_prmt(),
             gemv2_nf4_x16: [
                 gemv2_by_j("gemv2_nf4", "_x16")?,
                 gemv2_by_j("gemv2_nf4", "_narrow_x16")?,

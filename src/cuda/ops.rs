@@ -52,8 +52,8 @@ use super::kernels::{
     Kernels, QkvL2, ATTN2_CHUNK, ATTN2_MAX_CHUNKS, ATTN2_MAX_GROUP, ATTN2_MAX_GROUP_X_HD,
     ATTNM_ROWS, ATTNM_THREADS, ATTNP_Q_FLOATS, ATTNP_ROWS, ATTNP_THREADS, ATTN_THREADS,
     GEMM_B2_STRIDE, GEMM_NT, GEMM_V2_MAX_KW, GEMM_WARPS, GEMM_WARP_ROWS, GEMV2_MAX_K,
-    GEMV2_X16_STRIDE, GEMV2_X_STRIDE, GEMV3_MAX_K, GEMV3_WARPS, GEMV_THREADS, GEMV_WARPS,
-    MAX_HEAD_DIM,
+    GEMV2_PRMT_TABLE, GEMV2_X16_STRIDE, GEMV2_X_STRIDE, GEMV3_MAX_K, GEMV3_WARPS, GEMV_THREADS,
+    GEMV_WARPS, MAX_HEAD_DIM,
 };
 use super::weights::Nf4Ref;
 use super::{env_number, switch_on};
@@ -1062,9 +1062,12 @@ impl Ops {
         {
             return Ok(false);
         }
-        let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols, false)?;
+        let (j, kparts, mut cfg) = self.gemv_v2_launch(rows, cols, false)?;
         if cfg.grid_dim.0 as usize > MAX_ARGMAX_CTAS {
             return Ok(false);
+        }
+        if self.k.logits_prmt {
+            cfg.shared_mem_bytes += GEMV2_PRMT_TABLE as u32; // the table, before x
         }
         // After the last check: without the producer's sums this launches the RMSNorm kernel.
         let (x, norm) = self.input(input, cols, kernel)?;
