@@ -691,11 +691,6 @@ fn main() {
             ("qwen25_3b logits-argmax=0", &[("DV2_LOGITS_ARGMAX", "0")]),
             ("qwen25_3b commit-fused=0", &[("DV2_COMMIT_FUSED", "0")]),
             ("qwen25_3b logits-prmt=0", &[("DV2_LOGITS_PRMT", "0")]),
-            ("qwen25_3b logits-tma=1", &[("DV2_LOGITS_TMA", "1")]),
-            (
-                "qwen25_3b attn3-live-early=0",
-                &[("DV2_ATTN3_LIVE_EARLY", "0")],
-            ),
             (
                 "qwen25_3b s16-off",
                 &[

@@ -1268,128 +1268,6 @@ GEMV2_KERNELS_BOUNDED(3, 1, GEMV2_PAIR16, _narrow, __maxnreg__(128))
 GEMV2_LOGITS_KERNEL(1, 2)
 GEMV2_LOGITS_KERNEL(2, 2)
 GEMV2_LOGITS_KERNEL(3, 1)
-
-// lm_head and the argmax with its weights streamed into shared memory by the bulk-copy engine
-// (DV2_LOGITS_TMA=1, kernel gemv2_logits_tma; K a multiple of 256 up to 2048, sm_90). Why:
-// GEMV v2's walk keeps ~32 KB of weights in flight per SM in registers (two blocks of J
-// chunks per lane, one of them being summed), about what HBM's latency at 4 TB/s asks for
-// and no more; its walks stream at 3.5-3.7 TB/s against the 4.1 TB/s the copy kernel
-// reaches (docs/lab.md, sessions 11 and 16). Here thread 0 keeps LT_STAGES blocks of
-// LT_ROWS rows (weights and absmax, ~18 KB each at K = 2048) in flight per CTA, 2 CTAs an
-// SM, without registers: each warp reads its lanes' chunks from the stage, sums them as
-// GEMV v2 does (the same table and f16 chains) and releases the stage; thread 0 refills it
-// with the block LT_STAGES on once all 8 warps have. The first LT_STAGES blocks are sent
-// before the PDL wait (weights are constant). Stores and argmax as LogitRows.
-// LT_STAGES, LT_ROWS (2 per warp) and LT_MAX_K come from the host (src/cuda/kernels.rs).
-__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void mbar_init(unsigned long long* bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(unsigned long long* bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(unsigned long long* bar, u32 parity) {
-    u32 done = 0;
-    while (!done)
-        asm volatile(
-            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-            : "=r"(done)
-            : "r"(smem_u32(bar)), "r"(parity)
-            : "memory");
-}
-// bytes (a multiple of 16, both addresses 16-byte aligned) from global to this CTA's shared
-// memory, counted on bar's transaction count.
-__device__ __forceinline__ void bulk_to_smem(void* dst, const void* src, u32 bytes, unsigned long long* bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                     smem_u32(dst)),
-                 "l"(src), "r"(bytes), "r"(smem_u32(bar))
-                 : "memory");
-}
-extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 2)
-    gemv2_logits_tma(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y, int rows, int cols,
-                     const int* skip_if, int* state, int* scratch, int eos, int* ring) {
-#if __CUDA_ARCH__ >= 900
-    constexpr int J = 2;  // chunks of 32 per lane: K up to 2048
-    LogitRows rows_of{m, y, state, scratch, eos, ring, NEG_INF, -1};
-    __shared__ __align__(16) u32 lut[BYTE_LUT_WORDS];
-    __shared__ __align__(8) unsigned long long full[LT_STAGES], empty[LT_STAGES];
-    // Dynamic shared memory: LT_STAGES stages of weights (LT_ROWS rows of cols / 2 bytes), then
-    // their absmax (LT_ROWS rows of cols / 64 floats), then x as staged (X_STAGE_STRIDE).
-    extern __shared__ __align__(128) float lt_dyn[];
-    const int row_bytes = cols >> 1, abs_row = cols >> 6, n_chunks = cols >> 5;
-    char* w_stages = reinterpret_cast<char*>(lt_dyn);
-    float* a_stages = lt_dyn + LT_STAGES * LT_ROWS * row_bytes / 4;
-    float* x_staged = a_stages + LT_STAGES * LT_ROWS * abs_row;
-    const int per_cta = (rows + gridDim.x - 1) / gridDim.x;
-    const int r0 = blockIdx.x * per_cta, r1 = min(rows, r0 + per_cta);
-    const int n_blocks = r1 > r0 ? (r1 - r0 + LT_ROWS - 1) / LT_ROWS : 0;
-    auto send = [&](int b) {  // thread 0: block b into its stage
-        const int s = b % LT_STAGES, first = r0 + b * LT_ROWS, n = min(LT_ROWS, r1 - first);
-        const u32 wb = (u32)(n * row_bytes), ab = (u32)(n * abs_row * 4);
-        mbar_expect_tx(&full[s], wb + ab);
-        bulk_to_smem(w_stages + s * LT_ROWS * row_bytes, m.packed + (size_t)first * row_bytes, wb, &full[s]);
-        bulk_to_smem(a_stages + s * LT_ROWS * abs_row, m.absmax + (size_t)first * abs_row, ab, &full[s]);
-    };
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < LT_STAGES; s++) mbar_init(&full[s], 1), mbar_init(&empty[s], GEMV_WARPS);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        for (int b = 0; b < min(LT_STAGES, n_blocks); b++) send(b);
-    }
-    load_byte_codebook(lut);  // its barrier also publishes the barriers' initialization
-    pdl_enter();
-    if (skip_if && *skip_if) {
-        // No CTA leaves with copies into its shared memory in flight.
-        for (int b = 0; b < min(LT_STAGES, n_blocks); b++) mbar_wait(&full[b], 0);
-        return;
-    }
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const u32 lane4 = lane * 4;
-    XSlice<J> xs;
-    XHalves<J> xh;
-    stage_x(x, cols, norm, x_staged);
-    __syncthreads();
-    read_x_slice<J>(x_staged, 0, cols, xs);
-    pack_x_halves<J>(xs, xh);
-    for (int b = 0; b < n_blocks; b++) {
-        const int s = b % LT_STAGES;
-        const u32 parity = (u32)(b / LT_STAGES) & 1u;
-        mbar_wait(&full[s], parity);
-        float sums[2];
-#pragma unroll
-        for (int i = 0; i < 2; i++) {
-            const int lr = i * GEMV_WARPS + warp, r = r0 + b * LT_ROWS + lr;
-            const uint4* wrow = reinterpret_cast<const uint4*>(w_stages + (s * LT_ROWS + lr) * row_bytes);
-            const float* arow = a_stages + (s * LT_ROWS + lr) * abs_row;
-            RowChunks<J> rc;
-#pragma unroll
-            for (int j = 0; j < J; j++) {
-                const int c = j * 32 + lane;
-                const bool in = c < n_chunks && r < r1;
-                rc.q[j] = in ? wrow[c] : make_uint4(0u, 0u, 0u, 0u);
-                rc.s[j] = in ? arow[c >> 1] : 0.0f;
-            }
-            sums[i] = warp_sum(dot_row_pair16<J>(rc, xh, lut, lane4));
-        }
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&empty[s]);  // this warp is done with the stage
-        if (threadIdx.x == 0 && b + LT_STAGES < n_blocks) {
-            mbar_wait(&empty[s], parity);
-            send(b + LT_STAGES);
-        }
-        if (lane == 0) {
-#pragma unroll
-            for (int i = 0; i < 2; i++) {
-                const int r = r0 + b * LT_ROWS + i * GEMV_WARPS + warp;
-                if (r < r1) rows_of.store(r, &sums[i]);
-            }
-        }
-    }
-    rows_of.finish();
-#endif
-}
 #endif
 // The plain-matrix kernels of the f16-pair table for an f16 x (down's, DV2_FFN_F16).
 GEMV2_NF4_KERNEL(1, 4, GEMV2_PAIR16, _x16, __launch_bounds__(GEMV_THREADS, 1), GEMV2_X16_MODE)
@@ -1875,9 +1753,6 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode_serial(A
 #ifndef ATTN3_ILP
 #define ATTN3_ILP 1
 #endif
-#ifndef ATTN3_LIVE_EARLY
-#define ATTN3_LIVE_EARLY 1
-#endif
 #define DV2_STR(x) #x
 #define DV2_PRAGMA_UNROLL(n) _Pragma(DV2_STR(unroll n))
 template <int HD>
@@ -1938,27 +1813,6 @@ __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out)
     if (t_begin < t_end) load_rows(t_begin);  // written by earlier steps: before the wait
     pdl_enter();
     rotate_live_batched<HD ? HD : MAX_HEAD_DIM, HD>(a, kvh, q0, gn, pos, q_s, kcur, vcur, [] {});
-    // ATTN3_LIVE_EARLY (an NVRTC define, DV2_ATTN3_LIVE_EARLY, default): where the live slot is
-    // in the CTA's first chunk, each thread writes the bf16 halves of the k and v values it
-    // rotated or loaded itself (its own shared stores, no barrier) into that slot's staged row,
-    // which stage_rows skips; the chunk loop's pass over kcur/vcur and its barrier go. Why: the
-    // CTA holding the live slot (the cluster's last) ran one pass and one barrier more than its
-    // peers, and the merge waits for the last CTA. The same bits.
-    const bool live_early = ATTN3_LIVE_EARLY && pos >= t_begin && pos < min(t_end, t_begin + ATTN2_CHUNK);
-    if (live_early) {
-        u16* kh = reinterpret_cast<u16*>(k_s + (pos - t_begin) * row_words);
-        u16* vh = reinterpret_cast<u16*>(v_s + (pos - t_begin) * row_words);
-#pragma unroll 1
-        for (int i = threadIdx.x; i < (gn + 1) * half; i += ATTN_THREADS) {
-            if (i >= gn * half) {  // as rotate_live_batched assigns the k pairs
-                const int j = i - gn * half;
-                kh[j] = f32_to_bf16(kcur[j]);
-                kh[j + half] = f32_to_bf16(kcur[j + half]);
-            }
-        }
-#pragma unroll 1
-        for (int d = threadIdx.x; d < hd; d += ATTN_THREADS) vh[d] = f32_to_bf16(vcur[d]);
-    }
     if ((int)threadIdx.x < gn) {
         m_run[threadIdx.x] = NEG_INF;
         l_run[threadIdx.x] = 0.0f;
@@ -1979,7 +1833,7 @@ __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out)
                 a.v_cache[pos * slot_stride + kvh * hd + d] = f32_to_bf16(vcur[d]);
             }
         }
-        if (pos >= t0 && pos < t0 + n_t && !(live_early && t0 == t_begin)) {  // the live row, from the projections
+        if (pos >= t0 && pos < t0 + n_t) {  // the live row, from the projections
             const int t = pos - t0;
             for (int w = threadIdx.x; w < half; w += blockDim.x) {
                 k_s[t * row_words + w] = (u32)f32_to_bf16(kcur[2 * w]) | ((u32)f32_to_bf16(kcur[2 * w + 1]) << 16);

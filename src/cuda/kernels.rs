@@ -70,17 +70,6 @@ pub const GEMV2_MAX_K: usize = 3 * 32 * 8 * 32;
 /// partial sums take ~39 KiB more).
 pub const GEMV2_MAX_SMEM: usize = GEMV2_MAX_K / 32 * GEMV2_X_STRIDE * 4;
 const _: () = assert!(GEMV2_MAX_SMEM + 40 * 1024 <= 227 * 1024);
-/// lm_head's bulk-copied kernel (`DV2_LOGITS_TMA=1`, kernels/decode.cu gemv2_logits_tma):
-/// blocks in flight per CTA, rows per block (two per warp) and the largest K.
-pub const LT_STAGES: usize = 3;
-pub const LT_ROWS: usize = 2 * GEMV_WARPS as usize;
-pub const LT_MAX_K: usize = 2048;
-/// Its dynamic shared memory at K = `cols`: the stages' weights and absmax, then x as staged.
-pub const fn logits_tma_smem(cols: usize) -> usize {
-    LT_STAGES * LT_ROWS * (cols / 2 + cols / 64 * 4) + cols / 32 * GEMV2_X_STRIDE * 4
-}
-// Two CTAs an SM beside their 32 KB tables.
-const _: () = assert!(2 * (logits_tma_smem(LT_MAX_K) + 34 * 1024) <= 227 * 1024);
 /// lm_head's f16-pair table as `DV2_LOGITS_PRMT` lays it out (256 entries 256 bytes apart), in
 /// dynamic shared memory before x.
 pub const GEMV2_PRMT_TABLE: usize = 256 * 256;
@@ -136,9 +125,6 @@ fn shared_defines() -> Vec<String> {
         ("X_STAGE_STRIDE", GEMV2_X_STRIDE),
         ("X16_STAGE_STRIDE", GEMV2_X16_STRIDE),
         ("PRMT_LUT_WORDS", GEMV2_PRMT_TABLE / 4),
-        ("LT_STAGES", LT_STAGES),
-        ("LT_ROWS", LT_ROWS),
-        ("LT_MAX_K", LT_MAX_K),
         ("STATE_TOKEN", state::TOKEN),
         ("STATE_POSITION", state::POSITION),
         ("STATE_VALID_LEN", state::VALID_LEN),
@@ -272,12 +258,6 @@ fn logits_prmt() -> bool {
     super::switch_on("DV2_LOGITS_PRMT")
 }
 
-/// Whether lm_head with the argmax runs as gemv2_logits_tma where it applies
-/// (`DV2_LOGITS_TMA=1`; prepared in session 17, off by default until measured).
-fn logits_tma() -> bool {
-    std::env::var("DV2_LOGITS_TMA").as_deref() == Ok("1")
-}
-
 /// NVRTC options; `DV2_LINEINFO=1` adds source line information (for a profiler's source
 /// view; the cache keeps the two builds apart, options being part of its key), as it keeps
 /// the kernel variants `DV2_TABLE_WIDE=0`, `DV2_NORM_BATCH=n`, `DV2_GEMV3_X_BATCH=n`,
@@ -285,7 +265,7 @@ fn logits_tma() -> bool {
 /// `DV2_MERGE_EARLY=0`, `DV2_MERGE_WARP=0`, `DV2_GEMV_WFIRST=0`, `DV2_GEMV2_PREWAIT=0`,
 /// `DV2_GEMV3_PREWAIT=0`, `DV2_GEMV3_EPI_EARLY=0`, `DV2_GEMV2_XSMEM=0`, `DV2_GEMV2_X_ONE=0`,
 /// `DV2_GEMV2_CHAIN=n`, `DV2_ATTN3_SLOT_LANES=0`, `DV2_ATTN3_ILP=0`, `DV2_QKV_L2=0|o`,
-/// `DV2_LOGITS_ARGMAX=0`, `DV2_LOGITS_PRMT=0`, `DV2_ATTN3_LIVE_EARLY=0` and `DV2_GEMV2_NOALLOC=0` apart. The compiler optimizes the module's
+/// `DV2_LOGITS_ARGMAX=0`, `DV2_LOGITS_PRMT=0` and `DV2_GEMV2_NOALLOC=0` apart. The compiler optimizes the module's
 /// kernels on every core (`--split-compile=0`; `DV2_NVRTC_SPLIT=0`: one thread): a machine's
 /// first load compiles the kernels, 32 s in one thread on 2 cores, 19 s split. The split
 /// changes the code of some kernels (scheduling, shared-memory placement), not what they
@@ -362,10 +342,6 @@ fn options(arch: &str) -> Vec<String> {
     // lanes that hold slots (kernels/decode.cu, ATTN3_ILP; DV2_ATTN3_ILP=0 off).
     let ilp = super::switch_on("DV2_ATTN3_ILP");
     opts.push(format!("-DATTN3_ILP={}", i32::from(ilp)));
-    // Attention v3's live slot staged from each thread's own rotations (kernels/decode.cu,
-    // ATTN3_LIVE_EARLY; DV2_ATTN3_LIVE_EARLY=0: a pass and a barrier in the chunk loop).
-    let live_early = super::switch_on("DV2_ATTN3_LIVE_EARLY");
-    opts.push(format!("-DATTN3_LIVE_EARLY={}", i32::from(live_early)));
     // The x path GEMV v2's kernels hold (kernels/decode.cu, GEMV2_X_MODE): the f32-x kernels
     // the one DV2_GEMV2_XSMEM picks, the f16-x kernels theirs; DV2_GEMV2_X_ONE=0: every path,
     // chosen at run time by the kernels' x_smem argument.
@@ -538,9 +514,6 @@ pub struct Kernels {
     /// Those kernels take their table in dynamic shared memory before x, [`GEMV2_PRMT_TABLE`]
     /// bytes (`DV2_LOGITS_PRMT`, compiled in).
     pub logits_prmt: bool,
-    /// lm_head with the argmax, its weights bulk-copied into shared memory (`DV2_LOGITS_TMA=1`,
-    /// sm_90 and later).
-    pub gemv2_logits_tma: Option<CudaFunction>,
     pub gemv2_qkv: [[CudaFunction; 3]; 4],
     pub gemv2_swiglu: [[CudaFunction; 3]; 4],
     pub attn2_decode: CudaFunction,
@@ -692,13 +665,6 @@ impl Kernels {
                 None
             },
             logits_prmt: logits_prmt(),
-            gemv2_logits_tma: if logits_argmax() && logits_tma() && gpu.clusters {
-                let func = f("gemv2_logits_tma")?;
-                allow_dynamic_smem(std::slice::from_ref(&func), logits_tma_smem(LT_MAX_K))?;
-                Some(func)
-            } else {
-                None
-            },
             gemv2_nf4_x16: [
                 gemv2_by_j("gemv2_nf4", "_x16")?,
                 gemv2_by_j("gemv2_nf4", "_narrow_x16")?,

@@ -49,11 +49,11 @@ use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig};
 
 use super::device::{driver_error, Gpu};
 use super::kernels::{
-    logits_tma_smem, Kernels, QkvL2, ATTN2_CHUNK, ATTN2_MAX_CHUNKS, ATTN2_MAX_GROUP,
-    ATTN2_MAX_GROUP_X_HD, ATTNM_ROWS, ATTNM_THREADS, ATTNP_Q_FLOATS, ATTNP_ROWS, ATTNP_THREADS,
-    ATTN_THREADS, GEMM_B2_STRIDE, GEMM_NT, GEMM_V2_MAX_KW, GEMM_WARPS, GEMM_WARP_ROWS, GEMV2_MAX_K,
+    Kernels, QkvL2, ATTN2_CHUNK, ATTN2_MAX_CHUNKS, ATTN2_MAX_GROUP, ATTN2_MAX_GROUP_X_HD,
+    ATTNM_ROWS, ATTNM_THREADS, ATTNP_Q_FLOATS, ATTNP_ROWS, ATTNP_THREADS, ATTN_THREADS,
+    GEMM_B2_STRIDE, GEMM_NT, GEMM_V2_MAX_KW, GEMM_WARPS, GEMM_WARP_ROWS, GEMV2_MAX_K,
     GEMV2_PRMT_TABLE, GEMV2_X16_STRIDE, GEMV2_X_STRIDE, GEMV3_MAX_K, GEMV3_WARPS, GEMV_THREADS,
-    GEMV_WARPS, LT_MAX_K, MAX_HEAD_DIM,
+    GEMV_WARPS, MAX_HEAD_DIM,
 };
 use super::weights::Nf4Ref;
 use super::{env_number, switch_on};
@@ -1066,11 +1066,6 @@ impl Ops {
         if cfg.grid_dim.0 as usize > MAX_ARGMAX_CTAS {
             return Ok(false);
         }
-        // The bulk-copied kernel where it applies (K a multiple of 256 up to LT_MAX_K, its
-        // copies' 16-byte alignment).
-        let tma = self.k.gemv2_logits_tma.as_ref().filter(|_| {
-            cols % 256 == 0 && cols <= LT_MAX_K && m.packed % 16 == 0 && m.absmax % 16 == 0
-        });
         if self.k.logits_prmt {
             cfg.shared_mem_bytes += GEMV2_PRMT_TABLE as u32; // the table, before x
         }
@@ -1084,14 +1079,6 @@ impl Ops {
             eos,
             ring,
         } = head;
-        if let Some(tma) = tma {
-            let cfg = LaunchConfig {
-                shared_mem_bytes: logits_tma_smem(cols) as u32,
-                ..cfg
-            };
-            launch!(self.gpu, tma, cfg; m, x, norm, y, rows_i, cols_i, skip_if, state, scratch, eos, ring)?;
-            return Ok(true);
-        }
         launch!(self.gpu, &kernels[j - 1], cfg; m, x, norm, y, rows_i, cols_i, kp, skip_if, xs, late, state, scratch, eos, ring)?;
         Ok(true)
     }
