@@ -687,7 +687,6 @@ fn main() {
             ("qwen25_3b gemv2-noalloc=0", &[("DV2_GEMV2_NOALLOC", "0")]),
             ("qwen25_3b attn3-ilp=0", &[("DV2_ATTN3_ILP", "0")]),
             ("qwen25_3b qkv-l2=0", &[("DV2_QKV_L2", "0")]),
-            ("qwen25_3b qkv-l2=o", &[("DV2_QKV_L2", "o")]),
             ("qwen25_3b logits-argmax=0", &[("DV2_LOGITS_ARGMAX", "0")]),
             ("qwen25_3b commit-fused=0", &[("DV2_COMMIT_FUSED", "0")]),
             ("qwen25_3b logits-prmt=0", &[("DV2_LOGITS_PRMT", "0")]),

@@ -571,10 +571,7 @@ __device__ __forceinline__ void read_x16_slice(const u32* staged, int part, int 
 // q/k/v kernel's CTAs become resident only as down's leave (down's two CTAs fill the register
 // file), so their first weights came from HBM after down ended, on the step's serial chain;
 // from L2 the q/k/v GEMV took 0.3 us less (docs/lab.md, session 10, `--l2-hot`). Measured:
-// -0.0065 ms/token (session 16, run 2; DV2_QKV_L2=0 off). DV2_QKV_L2=o: o's GEMV v3 sends
-// them instead, as its CTAs end (GEMV3_L2_NEXT; prepared in session 16, NOT yet run on a GPU):
-// HBM idles around o, and down paid 0.44 us a layer for its prefetch (run 3's trace), if the
-// lines stay in L2 through the FFN's 36 MB.
+// -0.0065 ms/token (session 16, run 2; DV2_QKV_L2=0 off).
 #define L2_NEXT_RANGES 6
 struct L2Next {
     const char* addr[L2_NEXT_RANGES];
@@ -583,11 +580,9 @@ struct L2Next {
 #ifndef GEMV2_L2_NEXT
 #define GEMV2_L2_NEXT 1
 #endif
-// ON: the caller's kernels hold the prefetch (GEMV2_L2_NEXT here, GEMV3_L2_NEXT in GEMV v3).
-template <bool ON>
 __device__ __forceinline__ void l2_prefetch_share(const L2Next& next) {
-#if __CUDA_ARCH__ >= 900
-    if (!ON || threadIdx.x != 0) return;
+#if GEMV2_L2_NEXT && __CUDA_ARCH__ >= 900
+    if (threadIdx.x != 0) return;
 #pragma unroll
     for (int i = 0; i < L2_NEXT_RANGES; i++) {
         const unsigned from = blockIdx.x * next.share[i];
@@ -1043,7 +1038,7 @@ struct PlainRows {
     int accumulate;
     float* ss;
     L2Next next;
-    __device__ void tail() const { l2_prefetch_share<GEMV2_L2_NEXT>(next); }
+    __device__ void tail() const { l2_prefetch_share(next); }
     __device__ void finish() const {}
     __device__ Nf4Ref matrix(int, int) const { return m; }
     __device__ int local(int r) const { return r; }

@@ -42,11 +42,6 @@
 #ifndef GEMV3_EPI_EARLY
 #define GEMV3_EPI_EARLY 1
 #endif
-// GEMV v3's accumulate kernels (o's) prefetch their L2Next ranges into L2 as their CTAs end
-// (DV2_QKV_L2=o; default 0).
-#ifndef GEMV3_L2_NEXT
-#define GEMV3_L2_NEXT 0
-#endif
 
 // One block of one tile for this thread: 8 bytes of rows g and g+8, and their absmax.
 struct Gemv3Block {
@@ -157,7 +152,7 @@ __device__ __forceinline__ void gemv3_prefetch(const GemmArgs& a, int group) {
 // every group S blocks at a time, the loads of the next S blocks (of this group or the next)
 // in flight during the math.
 template <int T, int S, int EPI, int IO>
-__device__ __forceinline__ void gemv3_body(const GemmArgs& a, const L2Next& next) {
+__device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
     __shared__ __align__(16) u32 lut[BYTE_LUT_WORDS];
     __shared__ float red[2][GEMV3_WARPS][T * 16];  // by group parity: one barrier per group
     extern __shared__ u32 x16[];                   // K/2 f16 pairs
@@ -296,8 +291,6 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a, const L2Next& next
         }
     }
     const bool sums = IO == GEMV3_IO_ANY ? a.ss_out != nullptr : (IO & GEMV3_IO_SUMS) != 0;
-    // DV2_QKV_L2=o (kernels/decode.cu, L2Next): o's kernel, the accumulate one, alone holds it.
-    l2_prefetch_share<GEMV3_L2_NEXT && EPI == EPI_ACCUMULATE>(next);
     if (sums) block_sum_to(ss, a.ss_out + blockIdx.x);
 }
 
@@ -305,8 +298,8 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a, const L2Next& next
 // Each for any input and output, and (suffix _lean) for the decode step's use of it
 // (DV2_GEMV3_LEAN): q/k/v and SwiGLU norm their x and leave no sums, o leaves sums of a raw x.
 #define GEMV3_KERNEL(NAME, T, S, EPI, IO)                                                                      \
-    extern "C" __global__ void __launch_bounds__(GEMV3_THREADS, 2) NAME(GemmArgs a, L2Next next) {             \
-        gemv3_body<T, S, EPI, IO>(a, next);                                                                    \
+    extern "C" __global__ void __launch_bounds__(GEMV3_THREADS, 2) NAME(GemmArgs a) {                          \
+        gemv3_body<T, S, EPI, IO>(a);                                                                          \
     }
 GEMV3_KERNEL(gemv3_store, 1, 4, EPI_STORE, GEMV3_IO_ANY)
 GEMV3_KERNEL(gemv3_acc, 1, 4, EPI_ACCUMULATE, GEMV3_IO_ANY)

@@ -223,26 +223,11 @@ fn gemv2_x_smem() -> bool {
     super::switch_on("DV2_GEMV2_XSMEM")
 }
 
-/// Which kernel prefetches the next layer's q/k/v weights into L2 (`DV2_QKV_L2`): down's GEMV
-/// v2 (default), o's GEMV v3 (`=o`, prepared in session 16, not yet run on a GPU) or none
-/// (`=0`); compiled into the kernels (options), so fixed for a loaded module:
+/// Whether down's GEMV v2 prefetches the next layer's q/k/v weights into L2 (`DV2_QKV_L2`,
+/// default; `=0` off): compiled into the kernels (options), so fixed for a loaded module:
 /// [`Kernels::qkv_l2`].
-fn qkv_l2() -> QkvL2 {
-    match std::env::var("DV2_QKV_L2").as_deref() {
-        Ok("0") => QkvL2::Off,
-        Ok("o") => QkvL2::O,
-        _ => QkvL2::Down,
-    }
-}
-
-/// The kernel that prefetches the next layer's q/k/v weights into L2 ([`qkv_l2`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum QkvL2 {
-    Off,
-    /// Down's GEMV v2, as its walk ends.
-    Down,
-    /// o's GEMV v3, as its CTAs end.
-    O,
+fn qkv_l2() -> bool {
+    super::switch_on("DV2_QKV_L2")
 }
 
 /// Whether lm_head's GEMV v2 takes the argmax too (`DV2_LOGITS_ARGMAX`, default; `=0` off):
@@ -264,7 +249,7 @@ fn logits_prmt() -> bool {
 /// `DV2_GEMV2_X_BATCH=n`, `DV2_GEMV3_ACC_ONE=0`, `DV2_GEMV3_L2_CODE=1`, `DV2_L2_AHEAD_KB=n`,
 /// `DV2_MERGE_EARLY=0`, `DV2_MERGE_WARP=0`, `DV2_GEMV_WFIRST=0`, `DV2_GEMV2_PREWAIT=0`,
 /// `DV2_GEMV3_PREWAIT=0`, `DV2_GEMV3_EPI_EARLY=0`, `DV2_GEMV2_XSMEM=0`, `DV2_GEMV2_X_ONE=0`,
-/// `DV2_GEMV2_CHAIN=n`, `DV2_ATTN3_SLOT_LANES=0`, `DV2_ATTN3_ILP=0`, `DV2_QKV_L2=0|o`,
+/// `DV2_GEMV2_CHAIN=n`, `DV2_ATTN3_SLOT_LANES=0`, `DV2_ATTN3_ILP=0`, `DV2_QKV_L2=0`,
 /// `DV2_LOGITS_ARGMAX=0`, `DV2_LOGITS_PRMT=0` and `DV2_GEMV2_NOALLOC=0` apart. The compiler optimizes the module's
 /// kernels on every core (`--split-compile=0`; `DV2_NVRTC_SPLIT=0`: one thread): a machine's
 /// first load compiles the kernels, 32 s in one thread on 2 cores, 19 s split. The split
@@ -322,16 +307,8 @@ fn options(arch: &str) -> Vec<String> {
         i32::from(super::switch_on("DV2_ATTN3_SLOT_LANES"))
     ));
     // Down's L2 prefetch of the next layer's q/k/v weights (kernels/decode.cu, GEMV2_L2_NEXT;
-    // DV2_QKV_L2=0 off; -0.0065 ms/token, session 16), or o's (GEMV3_L2_NEXT, DV2_QKV_L2=o).
-    let l2_next = qkv_l2();
-    opts.push(format!(
-        "-DGEMV2_L2_NEXT={}",
-        i32::from(l2_next == QkvL2::Down)
-    ));
-    opts.push(format!(
-        "-DGEMV3_L2_NEXT={}",
-        i32::from(l2_next == QkvL2::O)
-    ));
+    // DV2_QKV_L2=0 off; -0.0065 ms/token, session 16).
+    opts.push(format!("-DGEMV2_L2_NEXT={}", i32::from(qkv_l2())));
     // lm_head's GEMV v2 with the argmax (kernels/decode.cu, GEMV2_LOGITS; DV2_LOGITS_ARGMAX=0:
     // argmax_logits after lm_head).
     opts.push(format!("-DGEMV2_LOGITS={}", i32::from(logits_argmax())));
@@ -506,9 +483,8 @@ pub struct Kernels {
     /// The GEMV v2 kernels stage their f32 x in shared memory (`DV2_GEMV2_XSMEM`, compiled in;
     /// else each lane loads x from global memory).
     pub gemv2_x_smem: bool,
-    /// Which kernels prefetch their `L2Next` ranges (`DV2_QKV_L2`, compiled in): GEMV v2's
-    /// plain ones (down's) or GEMV v3's (o's).
-    pub qkv_l2: QkvL2,
+    /// GEMV v2's plain kernels prefetch their `L2Next` ranges (`DV2_QKV_L2`, compiled in).
+    pub qkv_l2: bool,
     /// lm_head with the argmax folded in, by J (`DV2_LOGITS_ARGMAX`; compiled only then).
     pub gemv2_logits: Option<[CudaFunction; 3]>,
     /// Those kernels take their table in dynamic shared memory before x, [`GEMV2_PRMT_TABLE`]

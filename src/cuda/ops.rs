@@ -49,11 +49,11 @@ use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig};
 
 use super::device::{driver_error, Gpu};
 use super::kernels::{
-    Kernels, QkvL2, ATTN2_CHUNK, ATTN2_MAX_CHUNKS, ATTN2_MAX_GROUP, ATTN2_MAX_GROUP_X_HD,
-    ATTNM_ROWS, ATTNM_THREADS, ATTNP_Q_FLOATS, ATTNP_ROWS, ATTNP_THREADS, ATTN_THREADS,
-    GEMM_B2_STRIDE, GEMM_NT, GEMM_V2_MAX_KW, GEMM_WARPS, GEMM_WARP_ROWS, GEMV2_MAX_K,
-    GEMV2_PRMT_TABLE, GEMV2_X16_STRIDE, GEMV2_X_STRIDE, GEMV3_MAX_K, GEMV3_WARPS, GEMV_THREADS,
-    GEMV_WARPS, MAX_HEAD_DIM,
+    Kernels, ATTN2_CHUNK, ATTN2_MAX_CHUNKS, ATTN2_MAX_GROUP, ATTN2_MAX_GROUP_X_HD, ATTNM_ROWS,
+    ATTNM_THREADS, ATTNP_Q_FLOATS, ATTNP_ROWS, ATTNP_THREADS, ATTN_THREADS, GEMM_B2_STRIDE,
+    GEMM_NT, GEMM_V2_MAX_KW, GEMM_WARPS, GEMM_WARP_ROWS, GEMV2_MAX_K, GEMV2_PRMT_TABLE,
+    GEMV2_X16_STRIDE, GEMV2_X_STRIDE, GEMV3_MAX_K, GEMV3_WARPS, GEMV_THREADS, GEMV_WARPS,
+    MAX_HEAD_DIM,
 };
 use super::weights::Nf4Ref;
 use super::{env_number, switch_on};
@@ -92,15 +92,6 @@ pub const L2_NEXT_RANGES: usize = 6;
 const L2_PREFETCH_MAX: usize = 32 * 1024;
 
 impl L2Next {
-    /// [`L2Next::of`] where `holds` (the kernel holds the prefetch), else nothing.
-    fn of_if(holds: bool, matrices: &[(Nf4Ref, usize, usize)], ctas: u32) -> L2Next {
-        if holds {
-            L2Next::of(matrices, ctas as usize)
-        } else {
-            L2Next::NONE
-        }
-    }
-
     const NONE: L2Next = L2Next {
         addr: [0; L2_NEXT_RANGES],
         bytes: [0; L2_NEXT_RANGES],
@@ -830,8 +821,7 @@ impl Ops {
     }
 
     /// GEMV v3: `y = W x` on tensor cores for the stacked matrices `mats` (store with bias,
-    /// accumulate into y, or SwiGLU of gate and up); `next` as [`Ops::gemv`]'s, prefetched as
-    /// the CTAs end where the kernels hold that code (`DV2_QKV_L2=o`).
+    /// accumulate into y, or SwiGLU of gate and up).
     #[allow(clippy::too_many_arguments)]
     fn gemv3(
         &self,
@@ -843,7 +833,6 @@ impl Ops {
         y: u64,
         skip_if: u64,
         ss_out: u64,
-        next: &[(Nf4Ref, usize, usize)],
     ) -> Result<usize> {
         if k > GEMV3_MAX_K || k % 64 != 0 {
             return Err(Error::Unsupported(format!(
@@ -904,8 +893,7 @@ impl Ops {
             shared_mem_bytes: (k * 2) as u32,
         };
         check_sums(ss_out, cfg.grid_dim.0)?;
-        let next = L2Next::of_if(self.k.qkv_l2 == QkvL2::O, next, cfg.grid_dim.0);
-        launch!(self.gpu, f, cfg; args, next)?;
+        launch!(self.gpu, f, cfg; args)?;
         Ok(cfg.grid_dim.0 as usize)
     }
 
@@ -974,8 +962,8 @@ impl Ops {
     /// (`skip_if` = 0: never). With `ss_out` (a device address, 0: none; GEMV v2/v3 only, see
     /// [`Ops::producer_sums`]), each CTA leaves the sum of squares of the y it wrote there;
     /// returns how many (the CTAs of the launch). `next`: matrices (rows, cols), at most
-    /// [`L2_NEXT_RANGES`] / 2, that GEMV v2 prefetches into L2 at the end of its walk (GEMV v3
-    /// as its CTAs end) where the kernels hold the code (`DV2_QKV_L2`, `=o`); v1 ignores it.
+    /// [`L2_NEXT_RANGES`] / 2, that GEMV v2 prefetches into L2 at the end of its walk where the
+    /// kernels hold the code (`DV2_QKV_L2`); the other kernels ignore it.
     #[allow(clippy::too_many_arguments)]
     pub fn gemv(
         &self,
@@ -1016,7 +1004,7 @@ impl Ops {
                 launch!(self.gpu, &self.k.gemv_nf4, cfg; m, x, y, bias, rows_i, cols_i, kp, acc, skip_if)?;
                 Ok(0)
             }
-            Variant::V3 => self.gemv3(epilogue, &mats, cols, x, norm, y, skip_if, ss_out, next),
+            Variant::V3 => self.gemv3(epilogue, &mats, cols, x, norm, y, skip_if, ss_out),
             Variant::V2 => {
                 let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols, input.f16)?;
                 let kp = kparts as i32;
@@ -1027,7 +1015,11 @@ impl Ops {
                     (true, table) => (&self.k.gemv2_nf4_x16[usize::from(table == 3)], GEMV2_X_F16),
                     (false, table) => (&self.k.gemv2_nf4[table], xs),
                 };
-                let next = L2Next::of_if(self.k.qkv_l2 == QkvL2::Down, next, cfg.grid_dim.0);
+                let next = if self.k.qkv_l2 {
+                    L2Next::of(next, cfg.grid_dim.0 as usize)
+                } else {
+                    L2Next::NONE
+                };
                 launch!(self.gpu, &f[j - 1], cfg; m, x, norm, y, bias, rows_i, cols_i, kp, acc, skip_if, ss_out, xs, late, next)?;
                 Ok(cfg.grid_dim.0 as usize)
             }
@@ -1147,7 +1139,7 @@ impl Ops {
                 launch!(self.gpu, &self.k.gemv_qkv, cfg; args, x, out, cols_i, kp)
             }
             Variant::V3 => self
-                .gemv3(Epilogue::Store, &mats, cols, x, norm, out, 0, 0, &[])
+                .gemv3(Epilogue::Store, &mats, cols, x, norm, out, 0, 0)
                 .map(|_| ()),
             Variant::V2 => {
                 let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols, false)?;
@@ -1190,7 +1182,7 @@ impl Ops {
                 launch!(self.gpu, &self.k.gemv_swiglu, cfg; gate, up, x, out, rows_i, cols_i, kp)
             }
             Variant::V3 => self
-                .gemv3(Epilogue::Swiglu, &mats, cols, x, norm, out, 0, 0, &[])
+                .gemv3(Epilogue::Swiglu, &mats, cols, x, norm, out, 0, 0)
                 .map(|_| ()),
             Variant::V2 => {
                 let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols, false)?;

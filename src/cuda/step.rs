@@ -387,15 +387,7 @@ impl CudaBackend {
             };
             ops.attention(attn_args, attn)?;
             mark("attention + merge")?;
-            // The next layer's q/k/v weights into L2: as o's CTAs end (DV2_QKV_L2=o), or as
-            // down's walk ends (the default; each GEMV ignores what its kernels do not hold).
-            let next_qkv = self.model.layers.get(l + 1).map_or(Vec::new(), |n| {
-                n.qkv
-                    .iter()
-                    .map(|m| (m.as_ref(gpu), m.rows, m.cols))
-                    .collect()
-            });
-            x_sums = residual(&layer.o, s.hidden, Input::raw(attn), &next_qkv)?;
+            x_sums = residual(&layer.o, s.hidden, Input::raw(attn), &[])?;
             mark("o_proj (+residual)")?;
             let input = self.normed(x, &layer.ffn_norm, xn, x_sums);
             let act_f16 = ops.ffn_act_f16(s.intermediate, s.hidden);
@@ -413,7 +405,14 @@ impl CudaBackend {
                 f16: act_f16,
                 ..Input::raw(act)
             };
-            x_sums = residual(&layer.down, s.intermediate, act_in, &next_qkv)?;
+            // With DV2_QKV_L2=1, the next layer's q/k/v weights into L2 as down's walk ends.
+            let next = self.model.layers.get(l + 1).map_or(Vec::new(), |n| {
+                n.qkv
+                    .iter()
+                    .map(|m| (m.as_ref(gpu), m.rows, m.cols))
+                    .collect()
+            });
+            x_sums = residual(&layer.down, s.intermediate, act_in, &next)?;
             mark("down (+residual)")?;
         }
         if logits {
