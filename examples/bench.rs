@@ -690,22 +690,6 @@ fn main() {
             ("qwen25_3b logits-argmax=0", &[("DV2_LOGITS_ARGMAX", "0")]),
             ("qwen25_3b commit-fused=0", &[("DV2_COMMIT_FUSED", "0")]),
             ("qwen25_3b logits-prmt=0", &[("DV2_LOGITS_PRMT", "0")]),
-            ("qwen25_3b carveout=72", &[("DV2_SMEM_CARVEOUT", "72")]),
-            ("qwen25_3b carveout=86", &[("DV2_SMEM_CARVEOUT", "86")]),
-            ("qwen25_3b carveout=100", &[("DV2_SMEM_CARVEOUT", "100")]),
-            ("qwen25_3b gemv2-prmt=1", &[("DV2_GEMV2_PRMT", "1")]),
-            (
-                "qwen25_3b gemv2-prmt=1 carveout=72",
-                &[("DV2_GEMV2_PRMT", "1"), ("DV2_SMEM_CARVEOUT", "72")],
-            ),
-            (
-                "qwen25_3b gemv2-prmt=1 carveout=86",
-                &[("DV2_GEMV2_PRMT", "1"), ("DV2_SMEM_CARVEOUT", "86")],
-            ),
-            (
-                "qwen25_3b gemv2-prmt=1 carveout=100",
-                &[("DV2_GEMV2_PRMT", "1"), ("DV2_SMEM_CARVEOUT", "100")],
-            ),
             (
                 "qwen25_3b s16-off",
                 &[

@@ -777,9 +777,6 @@ __device__ __forceinline__ void load_byte_codebook(u32* lut) {
 #ifndef GEMV2_LOGITS_PRMT
 #define GEMV2_LOGITS_PRMT 1
 #endif
-#ifndef GEMV2_PRMT_ALL
-#define GEMV2_PRMT_ALL 0
-#endif
 __device__ __forceinline__ void load_byte_codebook_prmt(u32* lut) {
     load_byte_table<BYTE_LUT_WORDS / 256, 2>(lut, [](float hi, float lo) { return pack_f16x2(hi, lo); });
 }
@@ -869,10 +866,9 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     const bool late_sum = late_flags & GEMV2_LATE_SUM, epi_early = late_flags & GEMV2_EPI_EARLY;
     __shared__ float lut[16];
     __shared__ __align__(16) float2 pair_lut[TABLE == GEMV2_PAIR32 ? PAIR_LUT_ENTRIES : 1];
-    // Rows::prmt_table (or GEMV2_PRMT_ALL, DV2_GEMV2_PRMT=1: every f16-pair kernel): the
-    // f16-pair table in dynamic shared memory as GEMV2_LOGITS_PRMT lays it out, before x; else
-    // in static shared memory.
-    constexpr bool prmt_table = TABLE == GEMV2_PAIR16 && (Rows::prmt_table || GEMV2_PRMT_ALL);
+    // Rows::prmt_table: the f16-pair table in dynamic shared memory as GEMV2_LOGITS_PRMT lays
+    // it out, before x; else in static shared memory.
+    constexpr bool prmt_table = TABLE == GEMV2_PAIR16 && Rows::prmt_table;
     __shared__ __align__(16) u32 pair16_static[TABLE == GEMV2_PAIR16 && !prmt_table ? BYTE_LUT_WORDS : 1];
     __shared__ float partial[GEMV2_MAX_LANES_X_R * NM][GEMV_WARPS];
     __shared__ float late_partial[GEMV2_LATE_FLOATS];

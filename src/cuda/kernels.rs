@@ -243,14 +243,6 @@ fn logits_prmt() -> bool {
     super::switch_on("DV2_LOGITS_PRMT")
 }
 
-/// Whether every f16-pair GEMV v2 kernel takes that table (`DV2_GEMV2_PRMT=1`; session 15
-/// measured it a loss at the driver's per-kernel carveouts, +0.039 ms/token, and it is tried
-/// again beside one carveout for every kernel, `DV2_SMEM_CARVEOUT`): compiled in (options),
-/// so fixed for a loaded module: [`Kernels::gemv2_prmt_all`].
-fn gemv2_prmt_all() -> bool {
-    std::env::var("DV2_GEMV2_PRMT").as_deref() == Ok("1")
-}
-
 /// NVRTC options; `DV2_LINEINFO=1` adds source line information (for a profiler's source
 /// view; the cache keeps the two builds apart, options being part of its key), as it keeps
 /// the kernel variants `DV2_TABLE_WIDE=0`, `DV2_NORM_BATCH=n`, `DV2_GEMV3_X_BATCH=n`,
@@ -323,7 +315,6 @@ fn options(arch: &str) -> Vec<String> {
     // Their table addressed by PRMT, GEMV2_PRMT_TABLE bytes before x (GEMV2_LOGITS_PRMT;
     // DV2_LOGITS_PRMT=0: as the other v2 kernels').
     opts.push(format!("-DGEMV2_LOGITS_PRMT={}", i32::from(logits_prmt())));
-    opts.push(format!("-DGEMV2_PRMT_ALL={}", i32::from(gemv2_prmt_all())));
     // Attention v3's score and weighted-sum loops unrolled, its softmax reductions over the
     // lanes that hold slots (kernels/decode.cu, ATTN3_ILP; DV2_ATTN3_ILP=0 off).
     let ilp = super::switch_on("DV2_ATTN3_ILP");
@@ -499,8 +490,6 @@ pub struct Kernels {
     /// Those kernels take their table in dynamic shared memory before x, [`GEMV2_PRMT_TABLE`]
     /// bytes (`DV2_LOGITS_PRMT`, compiled in).
     pub logits_prmt: bool,
-    /// Every f16-pair GEMV v2 kernel takes that table (`DV2_GEMV2_PRMT=1`, compiled in).
-    pub gemv2_prmt_all: bool,
     pub gemv2_qkv: [[CudaFunction; 3]; 4],
     pub gemv2_swiglu: [[CudaFunction; 3]; 4],
     pub attn2_decode: CudaFunction,
@@ -586,19 +575,10 @@ impl Kernels {
         // GEMV v2: [f16-pair table, f32-pair table (suffix _p32), nibble table (_nib), f16-pair
         // table with half the rows in flight in 128 registers (_narrow, the default)][J - 1].
         // GEMV v2 stages x in dynamic shared memory, up to GEMV2_MAX_SMEM bytes.
-        // The f16-pair kernels (no suffix, _narrow, _x16) hold the PRMT table before x with
-        // DV2_GEMV2_PRMT=1.
-        let prmt_all = gemv2_prmt_all();
         let gemv2_by_j = |name: &str, suffix: &str| -> Result<[CudaFunction; 3]> {
             let [a, b, c] = [1, 2, 3].map(|j| f(&format!("{name}_j{j}{suffix}")));
             let fs = [a?, b?, c?];
-            let f16_pairs = !suffix.contains("_p32") && !suffix.contains("_nib");
-            let table = if prmt_all && f16_pairs {
-                GEMV2_PRMT_TABLE
-            } else {
-                0
-            };
-            allow_dynamic_smem(&fs, GEMV2_MAX_SMEM + table)?;
+            allow_dynamic_smem(&fs, GEMV2_MAX_SMEM)?;
             Ok(fs)
         };
         let gemv2 = |name: &str| -> Result<[[CudaFunction; 3]; 4]> {
@@ -661,7 +641,6 @@ impl Kernels {
                 None
             },
             logits_prmt: logits_prmt(),
-            gemv2_prmt_all: gemv2_prmt_all(),
             gemv2_nf4_x16: [
                 gemv2_by_j("gemv2_nf4", "_x16")?,
                 gemv2_by_j("gemv2_nf4", "_narrow_x16")?,

@@ -648,24 +648,16 @@ impl Ops {
         let ctas = (self.sms * self.gemv_ctas)
             .min(rows.div_ceil(row_lanes) as u32)
             .max(1);
-        let x_bytes = if x_f16 {
-            cols / 32 * GEMV2_X16_STRIDE * 4
-        } else if self.k.gemv2_x_smem {
-            cols / 32 * GEMV2_X_STRIDE * 4
-        } else {
-            0
-        };
-        // With DV2_GEMV2_PRMT=1 the f16-pair kernels (an f16 x: always) hold their table first.
-        let f16_pairs = x_f16 || matches!(self.gemv2_table(), 0 | 3);
-        let table_bytes = if self.k.gemv2_prmt_all && f16_pairs {
-            GEMV2_PRMT_TABLE
-        } else {
-            0
-        };
         let cfg = LaunchConfig {
             grid_dim: (ctas, 1, 1),
             block_dim: (GEMV_THREADS, 1, 1),
-            shared_mem_bytes: (table_bytes + x_bytes) as u32,
+            shared_mem_bytes: if x_f16 {
+                (cols / 32 * GEMV2_X16_STRIDE * 4) as u32
+            } else if self.k.gemv2_x_smem {
+                (cols / 32 * GEMV2_X_STRIDE * 4) as u32
+            } else {
+                0
+            },
         };
         Ok((j, kparts, cfg))
     }
@@ -1066,7 +1058,7 @@ impl Ops {
         if cfg.grid_dim.0 as usize > MAX_ARGMAX_CTAS {
             return Ok(false);
         }
-        if self.k.logits_prmt && !self.k.gemv2_prmt_all {
+        if self.k.logits_prmt {
             cfg.shared_mem_bytes += GEMV2_PRMT_TABLE as u32; // the table, before x
         }
         // After the last check: without the producer's sums this launches the RMSNorm kernel.
