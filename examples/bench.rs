@@ -690,12 +690,6 @@ fn main() {
             ("qwen25_3b logits-argmax=0", &[("DV2_LOGITS_ARGMAX", "0")]),
             ("qwen25_3b commit-fused=0", &[("DV2_COMMIT_FUSED", "0")]),
             ("qwen25_3b logits-prmt=0", &[("DV2_LOGITS_PRMT", "0")]),
-            ("qwen25_3b kv-l2=0", &[("DV2_KV_L2", "0")]),
-            ("qwen25_3b norm-l2=0", &[("DV2_NORM_L2", "0")]),
-            (
-                "qwen25_3b kv-l2=0 norm-l2=0",
-                &[("DV2_KV_L2", "0"), ("DV2_NORM_L2", "0")],
-            ),
             (
                 "qwen25_3b s16-off",
                 &[

@@ -255,11 +255,6 @@ struct QkvArgs {
     Nf4Ref m[3];
     const float* bias[3];
     int rows[3];
-    // This layer's K and V cache (null: none) and their bytes per slot, which the GEMV v2
-    // kernel prefetches into L2 for slots [0, state[STATE_POSITION]) (GEMV2_KV_L2 below).
-    const char* kv[2];
-    const int* state;
-    int kv_slot_bytes;
 };
 
 extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_CTAS_PER_SM)
@@ -925,15 +920,6 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     // round trips for the norm's partial sums and x; 0 (DV2_GEMV_WFIRST=0) after x is in
     // registers.
     if (w_first == 2) load_block(r0, cur);
-    rows_of.pre_wait();
-    // GEMV2_NORM_L2 (an NVRTC define, DV2_NORM_L2, default): the first CTAs send the RMSNorm's
-    // weights (constant, 2 bytes an element) to L2 before the wait. Why: x's staging loads them
-    // with x after the wait, and last read a step ago they came from HBM, whose latency then
-    // bounded that round trip (x itself, just written, is in L2).
-#if GEMV2_NORM_L2 && __CUDA_ARCH__ >= 900
-    if (norm.w && threadIdx.x == 0 && blockIdx.x < 4 && ((size_t)norm.w & 15) == 0)
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(norm.w), "r"((unsigned)cols * 2u) : "memory");
-#endif
     pdl_enter();
     if (skip_if && *skip_if) return;
     if (w_first == 1) load_block(r0, cur);
@@ -1046,7 +1032,6 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
 // walk leaves this CTA's sum of their squares, for the next RMSNorm (NormArgs).
 struct PlainRows {
     static constexpr bool prmt_table = false;
-    __device__ void pre_wait() const {}
     Nf4Ref m;
     float* y;
     const float* bias;
@@ -1068,33 +1053,10 @@ struct PlainRows {
     __device__ float* ss_out() const { return ss; }
 };
 
-// GEMV2_KV_L2 (an NVRTC define, DV2_KV_L2, default): the q/k/v GEMV v2's CTAs, before their
-// PDL wait, bulk-prefetch into L2 the layer's K and V cache rows the attention after them
-// reads (slots before the position; CTA b a 1/grid share). Why: those rows were last read a
-// step ago, ~1.5 GB of weights ago, so they come from HBM; attention's CTAs become resident
-// only as q/k/v's leave (two 128-register CTAs fill the register file) and issue their K/V
-// loads then, on the step's serial chain, while q/k/v leaves HBM mostly idle. A prefetch is
-// only a hint: a stale position costs nothing but the bytes.
-#ifndef GEMV2_KV_L2
-#define GEMV2_KV_L2 1
-#endif
-#ifndef GEMV2_NORM_L2
-#define GEMV2_NORM_L2 1
-#endif
 struct QkvRows {
     static constexpr bool prmt_table = false;
     QkvArgs a;
     float* out;
-    __device__ void pre_wait() const {
-#if GEMV2_KV_L2 && __CUDA_ARCH__ >= 900
-        if (threadIdx.x >= 2 || !a.kv[threadIdx.x]) return;  // thread 0: K, thread 1: V
-        const unsigned bytes = (unsigned)a.state[STATE_POSITION] * (unsigned)a.kv_slot_bytes;
-        const unsigned share = ((bytes + gridDim.x - 1) / gridDim.x + 15u) & ~15u;
-        const unsigned from = blockIdx.x * share;
-        const unsigned n = from < bytes ? min(share, bytes - from) & ~15u : 0u;
-        if (n) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a.kv[threadIdx.x] + from), "r"(n) : "memory");
-#endif
-    }
     __device__ void tail() const {}
     __device__ void finish() const {}
     __device__ int seg(int r) const { return r < a.rows[0] ? 0 : (r < a.rows[0] + a.rows[1] ? 1 : 2); }
@@ -1122,7 +1084,6 @@ struct QkvRows {
 
 struct SwigluRows {
     static constexpr bool prmt_table = false;
-    __device__ void pre_wait() const {}
     Nf4Ref gate, up;
     float* out;
     bool out_f16;  // GEMV2_OUT_F16
@@ -1181,7 +1142,6 @@ __device__ __forceinline__ void block_argmax(float& best, int& best_i) {
 // commit_step would, one kernel fewer a step (its launch added 1.0 us, session 16's trace).
 struct LogitRows {
     static constexpr bool prmt_table = GEMV2_LOGITS_PRMT;  // the walk's table for PRMT
-    __device__ void pre_wait() const {}
     Nf4Ref m;
     float* y;
     int* state;

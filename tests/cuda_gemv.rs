@@ -285,11 +285,11 @@ fn every_gemv_kernel_matches_the_cpu_at_every_v2_shape() {
             let bias = random(qr, 7, -0.5, 0.5);
             let bias_d = gpu.upload(&bias).unwrap();
             let out = gpu.zeros::<f32>(qr + 2 * kr).unwrap();
-            let args = QkvArgs::new(
-                [a, b, c].map(|m| m.dev.as_ref(gpu)),
-                [gpu.ptr(&bias_d), 0, 0],
-                [qr as i32, kr as i32, kr as i32],
-            );
+            let args = QkvArgs {
+                m: [a, b, c].map(|m| m.dev.as_ref(gpu)),
+                bias: [gpu.ptr(&bias_d), 0, 0],
+                rows: [qr as i32, kr as i32, kr as i32],
+            };
             ops.qkv(args, k, xp, gpu.ptr(&out)).unwrap();
             check("q/k/v", &gpu.download(&out, qr + 2 * kr).unwrap(), &|r| {
                 let (m, row, b) = match r {

@@ -282,11 +282,11 @@ impl Bench {
             let m = &mats[c * mats_per_copy..(c + 1) * mats_per_copy];
             match kind {
                 "qkv" => {
-                    let args = QkvArgs::new(
-                        [0, 1, 2].map(|i| m[i].as_ref(gpu)),
-                        [0, 1, 2].map(|i| gpu.ptr(&bias[i])),
-                        [0, 1, 2].map(|i| rows[i] as i32),
-                    );
+                    let args = QkvArgs {
+                        m: [0, 1, 2].map(|i| m[i].as_ref(gpu)),
+                        bias: [0, 1, 2].map(|i| gpu.ptr(&bias[i])),
+                        rows: [0, 1, 2].map(|i| rows[i] as i32),
+                    };
                     self.ops.qkv(args, cols, Input::raw(xp), yp)
                 }
                 "swiglu" => self.ops.swiglu(

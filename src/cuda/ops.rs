@@ -67,25 +67,6 @@ pub struct QkvArgs {
     pub m: [Nf4Ref; 3],
     pub bias: [u64; 3],
     pub rows: [i32; 3],
-    /// The layer's K and V cache (0: none), prefetched into L2 up to the position by the GEMV
-    /// v2 kernel (`DV2_KV_L2`), `kv_slot_bytes` a slot, the position read from `state`.
-    pub kv: [u64; 2],
-    pub state: u64,
-    pub kv_slot_bytes: i32,
-}
-
-impl QkvArgs {
-    /// q, k and v rows with nothing to prefetch.
-    pub fn new(m: [Nf4Ref; 3], bias: [u64; 3], rows: [i32; 3]) -> Self {
-        QkvArgs {
-            m,
-            bias,
-            rows,
-            kv: [0; 2],
-            state: 0,
-            kv_slot_bytes: 0,
-        }
-    }
 }
 // SAFETY: plain old data matching the kernel's struct (pointers as u64, ints as i32).
 unsafe impl DeviceRepr for QkvArgs {}

@@ -356,20 +356,10 @@ impl CudaBackend {
         mark("embed")?;
         let layer_bytes = (2 * kv_stride(self.max_seq) * s.kv_dim()) as u64;
         for (l, layer) in self.model.layers.iter().enumerate() {
-            let (k_cache, v_cache) = (
-                self.ptr(&self.k_cache) + l as u64 * layer_bytes,
-                self.ptr(&self.v_cache) + l as u64 * layer_bytes,
-            );
             let args = QkvArgs {
-                // What attention reads after it, for the GEMV v2 to prefetch (DV2_KV_L2).
-                kv: [k_cache, v_cache],
-                state,
-                kv_slot_bytes: (2 * s.kv_dim()) as i32,
-                ..QkvArgs::new(
-                    [0, 1, 2].map(|i| layer.qkv[i].as_ref(gpu)),
-                    [0, 1, 2].map(|i| layer.qkv_bias[i].as_ref().map_or(0, |b| self.ptr(b))),
-                    [0, 1, 2].map(|i| layer.qkv[i].rows as i32),
-                )
+                m: [0, 1, 2].map(|i| layer.qkv[i].as_ref(gpu)),
+                bias: [0, 1, 2].map(|i| layer.qkv_bias[i].as_ref().map_or(0, |b| self.ptr(b))),
+                rows: [0, 1, 2].map(|i| layer.qkv[i].rows as i32),
             };
             ops.qkv(
                 args,
@@ -380,8 +370,8 @@ impl CudaBackend {
             mark("attn_norm + qkv")?;
             let attn_args = AttnArgs {
                 qkv,
-                k_cache,
-                v_cache,
+                k_cache: self.ptr(&self.k_cache) + l as u64 * layer_bytes,
+                v_cache: self.ptr(&self.v_cache) + l as u64 * layer_bytes,
                 rope_cos: self.ptr(&self.rope_cos),
                 rope_sin: self.ptr(&self.rope_sin),
                 state,
