@@ -690,8 +690,6 @@ fn main() {
             ("qwen25_3b logits-argmax=0", &[("DV2_LOGITS_ARGMAX", "0")]),
             ("qwen25_3b commit-fused=0", &[("DV2_COMMIT_FUSED", "0")]),
             ("qwen25_3b logits-prmt=0", &[("DV2_LOGITS_PRMT", "0")]),
-            ("qwen25_3b attn3-splits=16", &[("DV2_ATTN3_SPLITS", "16")]),
-            ("qwen25_3b o-on-v2", &[("DV2_GEMV3_MAX_MB", "1")]),
             (
                 "qwen25_3b s16-off",
                 &[

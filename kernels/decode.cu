@@ -1734,11 +1734,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode_serial(A
 // HD: the head_dim when known at compile time (64 or 128: the K/V indexing by shifts, half
 // the vectors unrolled), 0 for any. Loops stay rolled (#pragma unroll 1): each warp runs this
 // code about once, and its cold fetch is the cost (docs/lab.md, session 13).
-// ATTN3_MAX_SPLITS: the largest cluster the merge's registers hold (an NVRTC define: 16 only
-// with DV2_ATTN3_SPLITS=16, else 8, so the default kernels hold the 8-rank merge).
-#ifndef ATTN3_MAX_SPLITS
 #define ATTN3_MAX_SPLITS 8
-#endif
 #ifndef ATTN3_SLOT_LANES
 #define ATTN3_SLOT_LANES 1
 #endif

@@ -243,14 +243,6 @@ fn logits_prmt() -> bool {
     super::switch_on("DV2_LOGITS_PRMT")
 }
 
-/// Attention v3's CTAs per cluster (`DV2_ATTN3_SPLITS=1|2|4|8|16`, default 8; 16 is past the
-/// portable cluster size of 8, allowed per kernel: [`Kernels::load`]).
-pub fn attn3_splits() -> usize {
-    super::env_number("DV2_ATTN3_SPLITS")
-        .filter(|n| matches!(n, 1 | 2 | 4 | 8 | 16))
-        .unwrap_or(8)
-}
-
 /// NVRTC options; `DV2_LINEINFO=1` adds source line information (for a profiler's source
 /// view; the cache keeps the two builds apart, options being part of its key), as it keeps
 /// the kernel variants `DV2_TABLE_WIDE=0`, `DV2_NORM_BATCH=n`, `DV2_GEMV3_X_BATCH=n`,
@@ -326,7 +318,6 @@ fn options(arch: &str) -> Vec<String> {
     // Attention v3's score and weighted-sum loops unrolled, its softmax reductions over the
     // lanes that hold slots (kernels/decode.cu, ATTN3_ILP; DV2_ATTN3_ILP=0 off).
     let ilp = super::switch_on("DV2_ATTN3_ILP");
-    opts.push(format!("-DATTN3_MAX_SPLITS={}", attn3_splits().max(8)));
     opts.push(format!("-DATTN3_ILP={}", i32::from(ilp)));
     // The x path GEMV v2's kernels hold (kernels/decode.cu, GEMV2_X_MODE): the f32-x kernels
     // the one DV2_GEMV2_XSMEM picks, the f16-x kernels theirs; DV2_GEMV2_X_ONE=0: every path,
@@ -623,15 +614,6 @@ impl Kernels {
             f("attn3_decode_hd64")?,
         ];
         allow_dynamic_smem(&attn3_decode, ATTN2_MAX_GROUP_X_HD * 4)?;
-        if attn3_splits() > 8 {
-            for func in &attn3_decode {
-                func.set_attribute(
-                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
-                    1,
-                )
-                .map_err(driver_error("non-portable cluster size"))?;
-            }
-        }
         Ok(Self {
             gemv3,
             gemv3_lean,

@@ -379,7 +379,7 @@ pub struct Ops {
     /// and the merge kernel; `DV2_ATTN=v1`: a CTA per (q head, split).
     pub attn: Variant,
     /// Attention v3's CTAs per cluster, each taking an equal slice of the context
-    /// (`DV2_ATTN3_SPLITS=1|2|4|8|16`, default 8).
+    /// (`DV2_ATTN3_SPLITS=1|2|4|8`, default 8).
     pub attn3_splits: usize,
     /// Attention v2 issues all its prologue loads before its first shared store (default;
     /// `DV2_ATTN_BATCH=0`: load and store in turn).
@@ -498,7 +498,9 @@ impl Ops {
                 _ if gpu_clusters => Variant::V3,
                 _ => Variant::V2,
             },
-            attn3_splits: super::kernels::attn3_splits(),
+            attn3_splits: env_number("DV2_ATTN3_SPLITS")
+                .filter(|n| matches!(n, 1 | 2 | 4 | 8))
+                .unwrap_or(8),
             attn_batch: switch_on("DV2_ATTN_BATCH"),
             attn_pre_wait: switch_on("DV2_ATTN_PREWAIT"),
             attn_hd128: switch_on("DV2_ATTN_HD128"),
