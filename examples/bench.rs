@@ -690,8 +690,6 @@ fn main() {
             ("qwen25_3b logits-argmax=0", &[("DV2_LOGITS_ARGMAX", "0")]),
             ("qwen25_3b commit-fused=0", &[("DV2_COMMIT_FUSED", "0")]),
             ("qwen25_3b logits-prmt=0", &[("DV2_LOGITS_PRMT", "0")]),
-            ("qwen25_3b qkv-kparts=2", &[("DV2_QKV_KPARTS", "2")]),
-            ("qwen25_3b swiglu-kparts=2", &[("DV2_SWIGLU_KPARTS", "2")]),
             (
                 "qwen25_3b s16-off",
                 &[

@@ -381,11 +381,6 @@ pub struct Ops {
     /// Attention v3's CTAs per cluster, each taking an equal slice of the context
     /// (`DV2_ATTN3_SPLITS=1|2|4|8`, default 8).
     pub attn3_splits: usize,
-    /// GEMV v2's q/k/v and SwiGLU kernels with at least this many warps per row
-    /// (`DV2_QKV_KPARTS`, `DV2_SWIGLU_KPARTS` = 1, 2, 4, 8; default 1: the fewest whose lanes
-    /// hold x, [`gemv2_shape`]).
-    pub qkv_kparts: u32,
-    pub swiglu_kparts: u32,
     /// Attention v2 issues all its prologue loads before its first shared store (default;
     /// `DV2_ATTN_BATCH=0`: load and store in turn).
     pub attn_batch: bool,
@@ -503,8 +498,6 @@ impl Ops {
                 _ if gpu_clusters => Variant::V3,
                 _ => Variant::V2,
             },
-            qkv_kparts: kparts_at_least("DV2_QKV_KPARTS"),
-            swiglu_kparts: kparts_at_least("DV2_SWIGLU_KPARTS"),
             attn3_splits: env_number("DV2_ATTN3_SPLITS")
                 .filter(|n| matches!(n, 1 | 2 | 4 | 8))
                 .unwrap_or(8),
@@ -650,18 +643,7 @@ impl Ops {
         cols: usize,
         x_f16: bool,
     ) -> Result<(usize, u32, LaunchConfig)> {
-        self.gemv_v2_launch_split(rows, cols, x_f16, 1)
-    }
-
-    /// [`Ops::gemv_v2_launch`] with at least `min_kparts` warps per row.
-    fn gemv_v2_launch_split(
-        &self,
-        rows: usize,
-        cols: usize,
-        x_f16: bool,
-        min_kparts: u32,
-    ) -> Result<(usize, u32, LaunchConfig)> {
-        let (j, kparts) = gemv2_shape_split(cols, min_kparts)?;
+        let (j, kparts) = gemv2_shape(cols)?;
         let row_lanes = (GEMV_WARPS / kparts) as usize;
         let ctas = (self.sms * self.gemv_ctas)
             .min(rows.div_ceil(row_lanes) as u32)
@@ -1160,8 +1142,7 @@ impl Ops {
                 .gemv3(Epilogue::Store, &mats, cols, x, norm, out, 0, 0)
                 .map(|_| ()),
             Variant::V2 => {
-                let (j, kparts, cfg) =
-                    self.gemv_v2_launch_split(rows, cols, false, self.qkv_kparts)?;
+                let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols, false)?;
                 let kp = kparts as i32;
                 let (xs, late) = self.gemv2_switches();
                 launch!(self.gpu, &self.k.gemv2_qkv[self.gemv2_table()][j - 1], cfg; args, x, norm, out, cols_i, kp, xs, late)
@@ -1204,8 +1185,7 @@ impl Ops {
                 .gemv3(Epilogue::Swiglu, &mats, cols, x, norm, out, 0, 0)
                 .map(|_| ()),
             Variant::V2 => {
-                let (j, kparts, cfg) =
-                    self.gemv_v2_launch_split(rows, cols, false, self.swiglu_kparts)?;
+                let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols, false)?;
                 let kp = kparts as i32;
                 let (xs, late) = self.gemv2_switches();
                 let late = late | if out_f16 { GEMV2_OUT_F16 } else { 0 };
@@ -1381,21 +1361,8 @@ fn gemm_k_parts(
 /// GEMV v2 shape for K = cols: the fewest warps per row (1, 2, 4, 8) whose lanes need at most
 /// 3 chunks of 32 elements each (the register budget for x).
 pub fn gemv2_shape(cols: usize) -> Result<(usize, u32)> {
-    gemv2_shape_split(cols, 1)
-}
-
-/// `var` = 1, 2, 4 or 8 (default 1): the fewest warps per row a GEMV v2 launch may take.
-fn kparts_at_least(var: &str) -> u32 {
-    env_number(var)
-        .filter(|n: &u32| matches!(n, 1 | 2 | 4 | 8))
-        .unwrap_or(1)
-}
-
-/// [`gemv2_shape`] with at least `min_kparts` warps per row (`DV2_QKV_KPARTS`,
-/// `DV2_SWIGLU_KPARTS`).
-pub fn gemv2_shape_split(cols: usize, min_kparts: u32) -> Result<(usize, u32)> {
     let chunks = cols / 32;
-    for kparts in [1u32, 2, 4, 8].into_iter().filter(|&k| k >= min_kparts) {
+    for kparts in [1u32, 2, 4, 8] {
         let j = chunks.div_ceil(32 * kparts as usize).max(1);
         if j <= 3 {
             return Ok((j, kparts));
@@ -1537,8 +1504,5 @@ mod tests {
         assert_eq!(gemv2_shape(11008).unwrap(), (3, 4));
         assert_eq!(gemv2_shape(18944).unwrap(), (3, 8));
         assert!(gemv2_shape(32768).is_err());
-        assert_eq!(gemv2_shape_split(2048, 2).unwrap(), (1, 2));
-        assert_eq!(gemv2_shape_split(11008, 2).unwrap(), (3, 4));
-        assert_eq!(gemv2_shape_split(64, 8).unwrap(), (1, 8));
     }
 }
