@@ -1128,14 +1128,39 @@ __device__ __forceinline__ void block_argmax(float& best, int& best_i) {
             if (argmax_beats(s_v[w], s_i[w], best, best_i)) best = s_v[w], best_i = s_i[w];
 }
 
+// The argmax over the grid's CTAs, after block_argmax left each CTA's (best, best_i) in its
+// thread 0: that pair goes to scratch (1 + 2 * gridDim.x words: an arrival count, then the
+// pairs), and the CTA that arrives last takes the argmax over the pairs in CTA order, resets
+// the count and returns true, the winner in its thread 0; the other CTAs return false.
+__device__ __forceinline__ bool argmax_across_ctas(float& best, int& best_i, int* scratch) {
+    __shared__ bool last;
+    if (threadIdx.x == 0) {
+        scratch[1 + 2 * blockIdx.x] = __float_as_int(best);
+        scratch[2 + 2 * blockIdx.x] = best_i;
+        __threadfence();  // the pair is visible before the count says so
+        last = atomicAdd(scratch, 1) == (int)gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last) return false;
+    __threadfence();
+    const volatile int* pairs = scratch + 1;
+    best = NEG_INF;
+    best_i = -1;
+    for (int c = threadIdx.x; c < (int)gridDim.x; c += blockDim.x) {
+        const float v = __int_as_float(pairs[2 * c]);
+        const int i = pairs[2 * c + 1];
+        if (argmax_beats(v, i, best, best_i)) best = v, best_i = i;
+    }
+    block_argmax(best, best_i);
+    if (threadIdx.x == 0) scratch[0] = 0;
+    return true;
+}
+
 // lm_head with the greedy argmax folded in (DV2_LOGITS_ARGMAX, default): the logits are
 // stored as by PlainRows, each thread keeps the best of the rows it stored (rows in rising
-// order, so the strict > keeps the lowest index of a tie; NaN never wins), and finish() leaves
-// the CTA's (value, index) in `scratch` as argmax_logits' CTAs do (1 + 2 * gridDim.x words: an
-// arrival count, then the pairs); the CTA that arrives last takes the argmax over the pairs in
-// CTA order, writes state[NEXT_TOKEN] and resets the count (the same steps as argmax_logits'
-// tail, kept apart from it in session 16 because the shared version compiled to other code
-// and no device time was left to run it). Why: the argmax kernel after lm_head added
+// order, so the strict > keeps the lowest index of a tie; NaN never wins), and finish() takes
+// the argmax over the CTAs as argmax_logits does (argmax_across_ctas); the CTA that arrives
+// last writes state[NEXT_TOKEN]. Why: the argmax kernel after lm_head added
 // 4.75-5.25 us a step in the graph (docs/lab.md, sessions 15-16): its launch, wait and second
 // read of the 600 KB of logits. Measured: -0.0017 ms/token (session 16, run 2). With
 // `ring` (DV2_COMMIT_FUSED, the decode step's graph), that CTA also commits the id as
@@ -1165,29 +1190,10 @@ struct LogitRows {
         float b = best;
         int bi = best_i;
         block_argmax(b, bi);
-        __shared__ bool last;
-        if (threadIdx.x == 0) {
-            scratch[1 + 2 * blockIdx.x] = __float_as_int(b);
-            scratch[2 + 2 * blockIdx.x] = bi;
-            __threadfence();  // the pair is visible before the count says so
-            last = atomicAdd(scratch, 1) == (int)gridDim.x - 1;
-        }
-        __syncthreads();
-        if (!last) return;
-        __threadfence();
-        const volatile int* pairs = scratch + 1;
-        b = NEG_INF;
-        bi = -1;
-        for (int c = threadIdx.x; c < (int)gridDim.x; c += blockDim.x) {
-            const float v = __int_as_float(pairs[2 * c]);
-            const int i = pairs[2 * c + 1];
-            if (argmax_beats(v, i, b, bi)) b = v, bi = i;
-        }
-        block_argmax(b, bi);
+        if (!argmax_across_ctas(b, bi, scratch)) return;
         if (threadIdx.x == 0) {
             const int next = bi < 0 ? 0 : bi;
             state[STATE_NEXT_TOKEN] = next;
-            scratch[0] = 0;
             if (ring) commit(next);
         }
     }
@@ -2137,29 +2143,8 @@ extern "C" __global__ void argmax_logits(const float* __restrict__ logits, int n
         if (threadIdx.x == 0) state[STATE_NEXT_TOKEN] = best_i < 0 ? 0 : best_i;
         return;
     }
-    __shared__ bool last;
-    if (threadIdx.x == 0) {
-        scratch[1 + 2 * blockIdx.x] = __float_as_int(best);
-        scratch[2 + 2 * blockIdx.x] = best_i;
-        __threadfence();  // the pair is visible before the count says so
-        last = atomicAdd(scratch, 1) == (int)gridDim.x - 1;
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    const volatile int* pairs = scratch + 1;
-    best = NEG_INF;
-    best_i = -1;
-    for (int c = threadIdx.x; c < (int)gridDim.x; c += blockDim.x) {
-        const float v = __int_as_float(pairs[2 * c]);
-        const int i = pairs[2 * c + 1];
-        if (argmax_beats(v, i, best, best_i)) best = v, best_i = i;
-    }
-    block_argmax(best, best_i);
-    if (threadIdx.x == 0) {
-        state[STATE_NEXT_TOKEN] = best_i < 0 ? 0 : best_i;
-        scratch[0] = 0;
-    }
+    if (!argmax_across_ctas(best, best_i, scratch)) return;
+    if (threadIdx.x == 0) state[STATE_NEXT_TOKEN] = best_i < 0 ? 0 : best_i;
 }
 
 // Prefill: the token of prompt position i (eager only: i is a launch argument).
