@@ -860,7 +860,7 @@ __device__ __forceinline__ float dot_row_pair16(const RowChunks<J>& rc, const XH
 template <int J, int R, int NM, int TABLE, int XM, typename Rows>
 __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, const float* __restrict__ x,
                                            NormArgs norm, int kparts, const int* skip_if, int x_smem_arg,
-                                           int late_flags) {
+                                           int late_flags, int early_ctas = 0, int early_rows = 0) {
     constexpr int w_first = GEMV2_W_FIRST;
     const int x_smem = XM == GEMV2_X_ANY ? x_smem_arg : XM;
     const bool late_sum = late_flags & GEMV2_LATE_SUM, epi_early = late_flags & GEMV2_EPI_EARLY;
@@ -886,8 +886,20 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     // kparts is 1, 2, 4 or 8 (the host's gemv2_shape): the warp's roles by shifts and masks.
     const int kshift = log2_pow2(kparts);
     const int part = warp & (kparts - 1), row_lane = warp >> kshift, row_lanes = GEMV_WARPS >> kshift;
-    const int per_cta = (rows + gridDim.x - 1) / gridDim.x;
-    const int r0 = blockIdx.x * per_cta, r1 = min(rows, r0 + per_cta);
+    // Rows by CTA: an equal share each, or (early_ctas > 0; DV2_GEMV2_SKEW, SwiGLU) early_rows
+    // for each of the first early_ctas CTAs and an equal share of the rest for the others.
+    // Why: the CTAs the scheduler places first (beside the previous kernel's) start ~1-2 us
+    // before those that wait for its CTAs to leave, and the kernel ends with its last CTA.
+    const int late_rows =
+        early_ctas > 0 ? (rows - early_ctas * early_rows + (int)gridDim.x - early_ctas - 1) / ((int)gridDim.x - early_ctas)
+                       : 0;
+    const int per_cta = early_ctas == 0 ? (rows + gridDim.x - 1) / gridDim.x
+                        : (int)blockIdx.x < early_ctas ? early_rows
+                                                       : late_rows;
+    const int r0 = early_ctas == 0 || (int)blockIdx.x < early_ctas
+                       ? blockIdx.x * per_cta
+                       : early_ctas * early_rows + ((int)blockIdx.x - early_ctas) * late_rows;
+    const int r1 = min(rows, r0 + per_cta);
     const int block = row_lanes * R;  // rows per iteration
     // With K split over warps (kparts > 1) and late_sum (DV2_GEMV2_LATE, default), each
     // iteration leaves its K-part sums in shared memory and the CTA adds them and runs the
@@ -1229,10 +1241,11 @@ struct LogitRows {
     }                                                                                                          \
     extern "C" __global__ void BOUNDS                                                                          \
         gemv2_swiglu_j##J##SUFFIX(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm,          \
-                                  float* out, int rows, int cols, int kparts, int x_smem, int late) {          \
+                                  float* out, int rows, int cols, int kparts, int x_smem, int late,            \
+                                  int early_ctas, int early_rows) {                                            \
         SwigluRows g{gate, up, out, (late & GEMV2_OUT_F16) != 0};                                              \
         gemv2_walk<J, (R > 1 ? R / 2 : 1), 2, TABLE, GEMV2_X_MODE>(g, rows, cols, x, norm, kparts, nullptr,    \
-                                                                   x_smem, late);                              \
+                                                                   x_smem, late, early_ctas, early_rows);      \
     }
 
 #define GEMV2_KERNELS(J, R, TABLE, SUFFIX) GEMV2_KERNELS_BOUNDED(J, R, TABLE, SUFFIX, __launch_bounds__(GEMV_THREADS, 1))

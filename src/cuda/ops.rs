@@ -381,6 +381,9 @@ pub struct Ops {
     /// Attention v3's CTAs per cluster, each taking an equal slice of the context
     /// (`DV2_ATTN3_SPLITS=1|2|4|8`, default 8).
     pub attn3_splits: usize,
+    /// `DV2_GEMV2_SKEW=n` (rows; default 0): the SwiGLU GEMV v2's first half of CTAs takes n
+    /// rows more each than an equal share, the rest share what is left ([`skewed_split`]).
+    pub gemv2_skew: i32,
     /// Attention v2 issues all its prologue loads before its first shared store (default;
     /// `DV2_ATTN_BATCH=0`: load and store in turn).
     pub attn_batch: bool,
@@ -498,6 +501,7 @@ impl Ops {
                 _ if gpu_clusters => Variant::V3,
                 _ => Variant::V2,
             },
+            gemv2_skew: env_number("DV2_GEMV2_SKEW").unwrap_or(0),
             attn3_splits: env_number("DV2_ATTN3_SPLITS")
                 .filter(|n| matches!(n, 1 | 2 | 4 | 8))
                 .unwrap_or(8),
@@ -1189,7 +1193,8 @@ impl Ops {
                 let kp = kparts as i32;
                 let (xs, late) = self.gemv2_switches();
                 let late = late | if out_f16 { GEMV2_OUT_F16 } else { 0 };
-                launch!(self.gpu, &self.k.gemv2_swiglu[self.gemv2_table()][j - 1], cfg; gate, up, x, norm, out, rows_i, cols_i, kp, xs, late)
+                let (early_ctas, early_rows) = skewed_split(rows, cfg.grid_dim.0, self.gemv2_skew);
+                launch!(self.gpu, &self.k.gemv2_swiglu[self.gemv2_table()][j - 1], cfg; gate, up, x, norm, out, rows_i, cols_i, kp, xs, late, early_ctas, early_rows)
             }
         }
     }
@@ -1358,6 +1363,20 @@ fn gemm_k_parts(
     kw
 }
 
+/// GEMV v2's (early CTAs, rows each) for `rows` over `ctas` CTAs with the first half taking
+/// `skew` rows more than an equal share (kernels/decode.cu, gemv2_walk); (0, 0): equal shares,
+/// as without a skew or where the rest would get none.
+fn skewed_split(rows: usize, ctas: u32, skew: i32) -> (i32, i32) {
+    let (rows, ctas) = (rows as i64, ctas as i64);
+    let early = ctas / 2;
+    let early_rows = (rows + ctas - 1) / ctas + skew as i64;
+    let rest = rows - early * early_rows;
+    if skew == 0 || early == 0 || early_rows < 0 || rest < 0 {
+        return (0, 0);
+    }
+    (early as i32, early_rows as i32)
+}
+
 /// GEMV v2 shape for K = cols: the fewest warps per row (1, 2, 4, 8) whose lanes need at most
 /// 3 chunks of 32 elements each (the register budget for x).
 pub fn gemv2_shape(cols: usize) -> Result<(usize, u32)> {
@@ -1494,6 +1513,26 @@ mod tests {
         assert_eq!((big.addr[0], big.bytes[0], big.share[0]), (0, 0, 0));
         assert_eq!(big.addr[1], 1 << 30);
         assert!(L2Next::of(&[], 264).bytes.iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn skewed_splits_cover_the_rows() {
+        // Gate/up at the 3B shape: 42 rows a CTA, 132 CTAs of 50, the other 132 share 4408.
+        assert_eq!(skewed_split(11008, 264, 8), (132, 50));
+        assert_eq!(skewed_split(11008, 264, 0), (0, 0));
+        assert_eq!(skewed_split(11008, 264, -8), (132, 34));
+        // Past the rows: equal shares.
+        assert_eq!(skewed_split(100, 264, 8), (0, 0));
+        for (rows, ctas, skew) in [
+            (11008usize, 264u32, 8i32),
+            (11008, 264, -10),
+            (4864, 264, 3),
+        ] {
+            let (e, er) = skewed_split(rows, ctas, skew);
+            let rest = ctas as i32 - e;
+            let late = (rows as i32 - e * er + rest - 1) / rest;
+            assert!(e * er + (ctas as i32 - e) * late >= rows as i32);
+        }
     }
 
     #[test]
