@@ -381,8 +381,10 @@ pub struct Ops {
     /// Attention v3's CTAs per cluster, each taking an equal slice of the context
     /// (`DV2_ATTN3_SPLITS=1|2|4|8`, default 8).
     pub attn3_splits: usize,
-    /// `DV2_GEMV2_SKEW=n` (rows; default 0): the SwiGLU GEMV v2's first half of CTAs takes n
-    /// rows more each than an equal share, the rest share what is left ([`skewed_split`]).
+    /// `DV2_GEMV2_SKEW=n` (rows; default 0, off): the SwiGLU GEMV v2's first half of CTAs
+    /// takes n rows more each than an equal share, the rest share what is left
+    /// ([`skewed_split`]). Measured -0.024 ms/token at 2, the best of -8..8 (docs/lab.md,
+    /// session 17); off until the whole CUDA suite has run with it.
     pub gemv2_skew: i32,
     /// Attention v2 issues all its prologue loads before its first shared store (default;
     /// `DV2_ATTN_BATCH=0`: load and store in turn).
