@@ -857,6 +857,9 @@ __device__ __forceinline__ float dot_row_pair16(const RowChunks<J>& rc, const XH
 //   Nf4Ref matrix(int row, int* local_row); void store(int row, float sum[NM]) for NM
 //   matrices per row (1, or 2 for SwiGLU's gate and up); void tail(), run as the walk ends,
 //   and void finish() after the epilogues (every thread of the CTA).
+#ifndef GEMV2_SKEW_PLAIN
+#define GEMV2_SKEW_PLAIN 0
+#endif
 template <int J, int R, int NM, int TABLE, int XM, typename Rows>
 __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, const float* __restrict__ x,
                                            NormArgs norm, int kparts, const int* skip_if, int x_smem_arg,
@@ -890,6 +893,9 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     // for each of the first early_ctas CTAs and an equal share of the rest for the others.
     // Why: the CTAs the scheduler places first (beside the previous kernel's) start ~1-2 us
     // before those that wait for its CTAs to leave, and the kernel ends with its last CTA.
+    // The plain and lm_head kernels hold this code only with GEMV2_SKEW_PLAIN (an NVRTC define:
+    // DV2_DOWN_SKEW or DV2_LOGITS_SKEW set), so their default code is as before.
+    if (!(NM == 2 || GEMV2_SKEW_PLAIN)) early_ctas = 0;
     const int late_rows =
         early_ctas > 0 ? (rows - early_ctas * early_rows + (int)gridDim.x - early_ctas - 1) / ((int)gridDim.x - early_ctas)
                        : 0;
@@ -1226,9 +1232,11 @@ struct LogitRows {
     extern "C" __global__ void BOUNDS                                                                          \
         gemv2_nf4_j##J##SUFFIX(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y,                 \
                                const float* __restrict__ bias, int rows, int cols, int kparts, int accumulate, \
-                               const int* skip_if, float* ss_out, int x_smem, int late, L2Next next) {         \
+                               const int* skip_if, float* ss_out, int x_smem, int late, L2Next next,        \
+                               int early_ctas, int early_rows) {                                            \
         PlainRows p{m, y, bias, accumulate, ss_out, next};                                                     \
-        gemv2_walk<J, R, 1, TABLE, XM>(p, rows, cols, x, norm, kparts, skip_if, x_smem, late);                 \
+        gemv2_walk<J, R, 1, TABLE, XM>(p, rows, cols, x, norm, kparts, skip_if, x_smem, late, early_ctas,      \
+                                       early_rows);                                                            \
     }
 #define GEMV2_KERNELS_BOUNDED(J, R, TABLE, SUFFIX, BOUNDS)                                                     \
     GEMV2_NF4_KERNEL(J, R, TABLE, SUFFIX, BOUNDS, GEMV2_X_MODE)                                                \
@@ -1275,9 +1283,10 @@ GEMV2_KERNELS_BOUNDED(3, 1, GEMV2_PAIR16, _narrow, __maxnreg__(128))
     extern "C" __global__ void __maxnreg__(128)                                                                \
         gemv2_logits_j##J##_narrow(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y, int rows,   \
                                    int cols, int kparts, const int* skip_if, int x_smem, int late, int* state, \
-                                   int* scratch, int eos, int* ring) {                                         \
+                                   int* scratch, int eos, int* ring, int early_ctas, int early_rows) {         \
         LogitRows p{m, y, state, scratch, eos, ring, NEG_INF, -1};                                             \
-        gemv2_walk<J, R, 1, GEMV2_PAIR16, GEMV2_X_MODE>(p, rows, cols, x, norm, kparts, skip_if, x_smem, late); \
+        gemv2_walk<J, R, 1, GEMV2_PAIR16, GEMV2_X_MODE>(p, rows, cols, x, norm, kparts, skip_if, x_smem, late, \
+                                                        early_ctas, early_rows);                               \
     }
 GEMV2_LOGITS_KERNEL(1, 2)
 GEMV2_LOGITS_KERNEL(2, 2)

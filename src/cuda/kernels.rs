@@ -250,7 +250,7 @@ fn logits_prmt() -> bool {
 /// `DV2_MERGE_EARLY=0`, `DV2_MERGE_WARP=0`, `DV2_GEMV_WFIRST=0`, `DV2_GEMV2_PREWAIT=0`,
 /// `DV2_GEMV3_PREWAIT=0`, `DV2_GEMV3_EPI_EARLY=0`, `DV2_GEMV2_XSMEM=0`, `DV2_GEMV2_X_ONE=0`,
 /// `DV2_GEMV2_CHAIN=n`, `DV2_ATTN3_SLOT_LANES=0`, `DV2_ATTN3_ILP=0`, `DV2_QKV_L2=0`,
-/// `DV2_LOGITS_ARGMAX=0`, `DV2_LOGITS_PRMT=0` and `DV2_GEMV2_NOALLOC=0` apart. The compiler optimizes the module's
+/// `DV2_LOGITS_ARGMAX=0`, `DV2_LOGITS_PRMT=0`, `DV2_DOWN_SKEW=n`, `DV2_LOGITS_SKEW=n` and `DV2_GEMV2_NOALLOC=0` apart. The compiler optimizes the module's
 /// kernels on every core (`--split-compile=0`; `DV2_NVRTC_SPLIT=0`: one thread): a machine's
 /// first load compiles the kernels, 32 s in one thread on 2 cores, 19 s split. The split
 /// changes the code of some kernels (scheduling, shared-memory placement), not what they
@@ -315,6 +315,13 @@ fn options(arch: &str) -> Vec<String> {
     // Their table addressed by PRMT, GEMV2_PRMT_TABLE bytes before x (GEMV2_LOGITS_PRMT;
     // DV2_LOGITS_PRMT=0: as the other v2 kernels').
     opts.push(format!("-DGEMV2_LOGITS_PRMT={}", i32::from(logits_prmt())));
+    // The plain and lm_head GEMV v2 kernels hold the skewed row split (kernels/decode.cu,
+    // gemv2_walk, GEMV2_SKEW_PLAIN) only where DV2_DOWN_SKEW or DV2_LOGITS_SKEW asks for one
+    // (Ops reads the same variables).
+    let skew_plain = ["DV2_DOWN_SKEW", "DV2_LOGITS_SKEW"]
+        .iter()
+        .any(|v| super::env_number::<i32>(v).is_some_and(|n| n != 0));
+    opts.push(format!("-DGEMV2_SKEW_PLAIN={}", i32::from(skew_plain)));
     // Attention v3's score and weighted-sum loops unrolled, its softmax reductions over the
     // lanes that hold slots (kernels/decode.cu, ATTN3_ILP; DV2_ATTN3_ILP=0 off).
     let ilp = super::switch_on("DV2_ATTN3_ILP");

@@ -386,6 +386,11 @@ pub struct Ops {
     /// ([`skewed_split`]). Measured -0.024 ms/token at 2, the best of -8..8 (docs/lab.md,
     /// session 17); off until the whole CUDA suite has run with it.
     pub gemv2_skew: i32,
+    /// The same for the plain GEMV v2 kernels (down at the 3B shape; `DV2_DOWN_SKEW=n`) and
+    /// lm_head's argmax kernels (`DV2_LOGITS_SKEW=n`); prepared in session 17, not yet measured,
+    /// default 0. Their kernels hold the split only with either set ([`super::kernels`]).
+    pub down_skew: i32,
+    pub logits_skew: i32,
     /// Attention v2 issues all its prologue loads before its first shared store (default;
     /// `DV2_ATTN_BATCH=0`: load and store in turn).
     pub attn_batch: bool,
@@ -504,6 +509,8 @@ impl Ops {
                 _ => Variant::V2,
             },
             gemv2_skew: env_number("DV2_GEMV2_SKEW").unwrap_or(0),
+            down_skew: env_number("DV2_DOWN_SKEW").unwrap_or(0),
+            logits_skew: env_number("DV2_LOGITS_SKEW").unwrap_or(0),
             attn3_splits: env_number("DV2_ATTN3_SPLITS")
                 .filter(|n| matches!(n, 1 | 2 | 4 | 8))
                 .unwrap_or(8),
@@ -1026,7 +1033,8 @@ impl Ops {
                 } else {
                     L2Next::NONE
                 };
-                launch!(self.gpu, &f[j - 1], cfg; m, x, norm, y, bias, rows_i, cols_i, kp, acc, skip_if, ss_out, xs, late, next)?;
+                let (early_ctas, early_rows) = skewed_split(rows, cfg.grid_dim.0, self.down_skew);
+                launch!(self.gpu, &f[j - 1], cfg; m, x, norm, y, bias, rows_i, cols_i, kp, acc, skip_if, ss_out, xs, late, next, early_ctas, early_rows)?;
                 Ok(cfg.grid_dim.0 as usize)
             }
         }
@@ -1077,7 +1085,8 @@ impl Ops {
             eos,
             ring,
         } = head;
-        launch!(self.gpu, &kernels[j - 1], cfg; m, x, norm, y, rows_i, cols_i, kp, skip_if, xs, late, state, scratch, eos, ring)?;
+        let (early_ctas, early_rows) = skewed_split(rows, cfg.grid_dim.0, self.logits_skew);
+        launch!(self.gpu, &kernels[j - 1], cfg; m, x, norm, y, rows_i, cols_i, kp, skip_if, xs, late, state, scratch, eos, ring, early_ctas, early_rows)?;
         Ok(true)
     }
 
