@@ -5,6 +5,7 @@
 //!                                               [--prefill-only] [--skip-gemm] [--skip-variants]
 //!                                               [--split] [--boundary] [--l2-hot] [--rows A,B,..]
 //!                                               [--prefill-profile LEN CHUNK] [--decode-profile STEPS]
+//!                                               [--cta-timeline PATH]
 //!
 //! load s is `Engine::new` (upload, allocation, kernels, warm-up); warmup ms is its eager
 //! probe step + graph capture; prefill ms is the prompt to the first token; ms/token the steps
@@ -14,6 +15,9 @@
 //! `--l2-hot` prints only the decode GEMVs with their weights from HBM and from L2.
 //! `--rows A,B` runs only the switch rows whose label contains one of A, B (the defaults and
 //! the last "again" row always run): a shorter table where device time is short.
+//!
+//! `--cta-timeline PATH` (with `DV2_CTA_TIMELINE=1`) writes one Qwen2.5-3B graph step's CTA
+//! records as CSV (tests/gpu/cta-timeline.sh reads them).
 //!
 //! Prints tables and writes every number to the JSON file (default bench.json).
 
@@ -101,6 +105,28 @@ fn time_decode(
         prefill_ms: median(prefill[1..].to_vec()),
         ms_per_token: median(decode[1..].to_vec()),
     }
+}
+
+/// One graph step of the Qwen2.5-3B shape (prompt 48, after 7 steps) recorded CTA by CTA
+/// (`DV2_CTA_TIMELINE=1`): grid id, kind (0 wait, 1 end), SM, CTAs, CTA, t0 and t1 in ns.
+fn cta_timeline(path: &str) {
+    let qwen = synth::build(&QWEN25_3B, 0).unwrap();
+    let mut b = CudaBackend::new(&qwen, 2048, None, 0, true, 0).expect("cuda backend");
+    b.prefill(&synth::prompt(qwen.spec.vocab, 48, 1)).unwrap();
+    let records = b.cta_timeline(8).expect("CTA timeline");
+    let mut csv = String::from("grid_id,kind,sm,ctas,cta,t0,t1\n");
+    for [grid, packed, t0, t1] in &records {
+        let _ = writeln!(
+            csv,
+            "{grid},{},{},{},{},{t0},{t1}",
+            packed >> 56,
+            (packed >> 48) & 0xff,
+            (packed >> 24) & 0xff_ffff,
+            packed & 0xff_ffff
+        );
+    }
+    std::fs::write(path, csv).unwrap();
+    println!("{} CTA records written to {path}", records.len());
 }
 
 fn stage_split(model: &HostModel, max_seq: usize, prompt_len: usize) -> Vec<(&'static str, f64)> {
@@ -464,6 +490,14 @@ fn main() {
         .and_then(|i| args.get(i + 1)?.parse().ok())
     {
         decode_profile(steps);
+        return;
+    }
+    if let Some(path) = args
+        .iter()
+        .position(|a| a == "--cta-timeline")
+        .and_then(|i| args.get(i + 1))
+    {
+        cta_timeline(path);
         return;
     }
     if let Some(i) = args.iter().position(|a| a == "--prefill-profile") {

@@ -87,9 +87,59 @@ __device__ __forceinline__ float warp_max(float v) {
 // weights may be loaded before it. pdl_release() lets the next kernel start launching; each
 // kernel calls it right after its wait, so at most one kernel waits ahead of the running one.
 // Both are no-ops in a launch without the attribute.
+// CTA_TIMELINE (an NVRTC define, DV2_CTA_TIMELINE=1; a measuring tool, off by default): each
+// CTA's thread 0 appends records to dv2_timeline (read by CudaBackend::cta_timeline): at its
+// PDL wait {grid id, kind 0 | SM | grid size | CTA, globaltimer before the wait, after it}, and
+// where the GEMV and attention kernels end {grid id, kind 1 | ..., the end, 0}. Why: the
+// kernel-level trace showed each kernel's first CTAs start well before the previous kernel
+// ends and its last ones after, and skewing gate/up's rows by when its CTAs start gained 0.024
+// ms/token (docs/lab.md, session 17); this shows which CTAs start, wait and end when.
+#ifndef CTA_TIMELINE
+#define CTA_TIMELINE 0
+#endif
+#if CTA_TIMELINE
+#define CTA_TIMELINE_RECORDS (1 << 16)
+__device__ unsigned long long dv2_timeline[CTA_TIMELINE_RECORDS * 4];
+__device__ unsigned dv2_timeline_n;
+__device__ __forceinline__ unsigned long long global_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ void timeline_record(unsigned long long kind, unsigned long long t0, unsigned long long t1) {
+    if (threadIdx.x | threadIdx.y | threadIdx.z) return;
+    unsigned long long grid_id;
+    unsigned sm;
+    asm volatile("mov.u64 %0, %%gridid;" : "=l"(grid_id));
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    const unsigned ctas = gridDim.x * gridDim.y * gridDim.z;
+    const unsigned i = atomicAdd(&dv2_timeline_n, 1u);
+    if (i >= CTA_TIMELINE_RECORDS) return;
+    unsigned long long* r = dv2_timeline + 4 * (size_t)i;
+    r[0] = grid_id;
+    r[1] = kind << 56 | (unsigned long long)(sm & 0xffu) << 48 | (unsigned long long)(ctas & 0xffffffu) << 24 |
+           (cta & 0xffffffu);
+    r[2] = t0;
+    r[3] = t1;
+}
+#endif
+// Where a GEMV or attention CTA ends (CTA_TIMELINE).
+__device__ __forceinline__ void timeline_end() {
+#if CTA_TIMELINE
+    timeline_record(1, global_ns(), 0);
+#endif
+}
+
 __device__ __forceinline__ void pdl_wait() {
+#if CTA_TIMELINE
+    const unsigned long long t0 = global_ns();
+#endif
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+#if CTA_TIMELINE
+    timeline_record(0, t0, global_ns());
 #endif
 }
 
@@ -1044,6 +1094,7 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     }
     if (float* out = rows_of.ss_out()) block_sum_to(ss, out + blockIdx.x);
     rows_of.finish();
+    timeline_end();
 }
 
 // Each Rows type's store returns the value it wrote; ss_out() (may be null) is where the
@@ -1981,6 +2032,7 @@ __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out)
     }
     cluster_arrive_relaxed();  // this CTA has read its peers' shared memory (the values are used)
     cluster_wait();
+    timeline_end();
 }
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn3_decode(AttnArgs a, float* out) {
     attn3_decode_body<0>(a, out);

@@ -292,6 +292,7 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
     }
     const bool sums = IO == GEMV3_IO_ANY ? a.ss_out != nullptr : (IO & GEMV3_IO_SUMS) != 0;
     if (sums) block_sum_to(ss, a.ss_out + blockIdx.x);
+    timeline_end();
 }
 
 // T = 1 tile for the plain epilogues, S = 4 blocks per load; SwiGLU: 2 tiles, 2 blocks.

@@ -243,6 +243,12 @@ fn logits_prmt() -> bool {
     super::switch_on("DV2_LOGITS_PRMT")
 }
 
+/// Whether the kernels record each CTA's wait and end times (`DV2_CTA_TIMELINE=1`, off by
+/// default): compiled in (options), read by `CudaBackend::cta_timeline`.
+pub fn cta_timeline() -> bool {
+    std::env::var("DV2_CTA_TIMELINE").as_deref() == Ok("1")
+}
+
 /// NVRTC options; `DV2_LINEINFO=1` adds source line information (for a profiler's source
 /// view; the cache keeps the two builds apart, options being part of its key), as it keeps
 /// the kernel variants `DV2_TABLE_WIDE=0`, `DV2_NORM_BATCH=n`, `DV2_GEMV3_X_BATCH=n`,
@@ -322,6 +328,9 @@ fn options(arch: &str) -> Vec<String> {
         .iter()
         .any(|v| super::env_number::<i32>(v).is_some_and(|n| n != 0));
     opts.push(format!("-DGEMV2_SKEW_PLAIN={}", i32::from(skew_plain)));
+    // Each CTA's wait and end times (kernels/decode.cu, CTA_TIMELINE; DV2_CTA_TIMELINE=1, a
+    // measuring tool read by CudaBackend::cta_timeline).
+    opts.push(format!("-DCTA_TIMELINE={}", i32::from(cta_timeline())));
     // Attention v3's score and weighted-sum loops unrolled, its softmax reductions over the
     // lanes that hold slots (kernels/decode.cu, ATTN3_ILP; DV2_ATTN3_ILP=0 off).
     let ilp = super::switch_on("DV2_ATTN3_ILP");
@@ -468,6 +477,8 @@ pub fn compile(unit: &KernelUnit, arch: &str) -> Result<Vec<u8>> {
 
 /// Every kernel of decode.cu, loaded into the device's context.
 pub struct Kernels {
+    /// The decode unit's module (its globals: `DV2_CTA_TIMELINE`'s records).
+    pub module: Arc<CudaModule>,
     pub gemv_nf4: CudaFunction,
     pub gemv_qkv: CudaFunction,
     pub gemv_swiglu: CudaFunction,
@@ -622,6 +633,7 @@ impl Kernels {
         ];
         allow_dynamic_smem(&attn3_decode, ATTN2_MAX_GROUP_X_HD * 4)?;
         Ok(Self {
+            module: module.clone(),
             gemv3,
             gemv3_lean,
             gemv_nf4: f("gemv_nf4")?,

@@ -473,6 +473,48 @@ impl CudaBackend {
         Ok(false)
     }
 
+    /// `DV2_CTA_TIMELINE=1` at load (kernels/decode.cu, CTA_TIMELINE): runs `steps` decode steps
+    /// as [`Backend::step_n`] does, the recording on for the last, and returns its records:
+    /// [grid id, kind << 56 | SM << 48 | CTAs << 24 | CTA, t0, t1] in globaltimer ns, kind 0 a
+    /// CTA's PDL wait (t0 before it, t1 after), kind 1 a GEMV or attention CTA's end (t0).
+    pub fn cta_timeline(&mut self, steps: usize) -> Result<Vec<[u64; 4]>> {
+        if !super::kernels::cta_timeline() {
+            return Err(Error::Unsupported(
+                "the CTA timeline needs DV2_CTA_TIMELINE=1 when the backend loads".into(),
+            ));
+        }
+        let mut out = vec![0u32; steps.saturating_sub(1)];
+        self.step_n(&mut out)?;
+        let stream = self.ops.gpu.stream.clone();
+        let module = self.ops.k.module.clone();
+        let global = |name: &str| {
+            module
+                .get_global(name, &stream)
+                .map_err(driver_error("timeline global"))
+        };
+        stream
+            .memcpy_htod(&[0u8; 4], &mut global("dv2_timeline_n")?)
+            .map_err(driver_error("timeline reset"))?;
+        self.step_n(&mut [0u32])?;
+        let mut n = [0u8; 4];
+        stream
+            .memcpy_dtoh(&global("dv2_timeline_n")?, &mut n)
+            .map_err(driver_error("timeline count"))?;
+        let records = global("dv2_timeline")?;
+        let mut bytes = vec![0u8; records.len()];
+        stream
+            .memcpy_dtoh(&records, &mut bytes)
+            .map_err(driver_error("timeline records"))?;
+        self.ops.gpu.sync()?;
+        let n = (u32::from_le_bytes(n) as usize).min(bytes.len() / 32);
+        Ok(bytes[..32 * n]
+            .chunks_exact(32)
+            .map(|r| {
+                std::array::from_fn(|i| u64::from_le_bytes(r[8 * i..8 * i + 8].try_into().unwrap()))
+            })
+            .collect())
+    }
+
     /// Runs one eager greedy step with an event after each kernel group; returns the time of
     /// each stage summed over layers, in ms, in first-seen order. Advances the state like
     /// step().

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine after ../shared/tools/device-pack: one Qwen2.5-3B graph step recorded
+# CTA by CTA (DV2_CTA_TIMELINE=1: kernels/decode.cu, CTA_TIMELINE), then per kernel of a layer
+# (median over the 36 layers), in µs from the previous kernel's last CTA end: when its CTAs
+# reach their PDL wait (first, 10th/50th/90th percentile, last; "early": the share that waited
+# before the previous kernel ended), when the wait released them, and when they end; and
+# whether the CTAs that end last are those with the low or the high indices (the scheduler
+# places low ones first). Why: which CTAs start late, wait and end last decides each kernel's
+# share of the step (docs/lab.md, session 17: gate/up's rows skewed by start time).
+# Usage: bash tests/gpu/cta-timeline.sh   (switches from the environment; the CSV goes to $OUT
+# or ./device-logs)
+set -uo pipefail
+out=${OUT:-device-logs}; mkdir -p "$out"
+export DV2_CACHE_DIR=/tmp/dv2-cache DV2_CTA_TIMELINE=1
+export LD_LIBRARY_PATH="$PWD/.device/lib:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+timeout 300 .device/examples/bench --cta-timeline "$out/cta-timeline.csv" || exit 1
+python3 - "$out/cta-timeline.csv" <<'PY'
+import csv, sys, statistics as st
+grids = {}
+for r in csv.DictReader(open(sys.argv[1])):
+    g = grids.setdefault(r["grid_id"], {"ctas": int(r["ctas"]), "wait": [], "end": []})
+    if r["kind"] == "0":
+        g["wait"].append((int(r["cta"]), int(r["t0"]), int(r["t1"])))
+    else:
+        g["end"].append((int(r["cta"]), int(r["t0"])))
+order = sorted((g for g in grids.values() if g["wait"]), key=lambda g: min(w[1] for w in g["wait"]))
+print(f"{len(order)} kernels, {sum(len(g['wait']) for g in order)} CTA waits, {sum(len(g['end']) for g in order)} CTA ends")
+# The last instant of a kernel: its last CTA end, or (kernels without end records) its last release.
+last = lambda g: max(e[1] for e in g["end"]) if g["end"] else max(w[2] for w in g["wait"])
+pct = lambda xs, p: sorted(xs)[min(len(xs) - 1, int(p * len(xs)))]
+names = ["q/k/v", "attention", "o", "gate/up", "down"]
+rows = {}
+# The step: ring_reset and embed_row (one CTA each), 5 kernels a layer, lm_head last.
+start = next(i for i, g in enumerate(order) if g["ctas"] > 1)
+span = (len(order) - 1 - start) // 5 * 5
+if span != len(order) - 1 - start:
+    print(f"note: {len(order) - 1 - start} kernels between embed_row and lm_head, not 5 a layer")
+for i in range(max(start, 1), start + span):
+    g, prev = order[i], order[i - 1]
+    t = last(prev)
+    waits = [(w[1] - t) / 1e3 for w in g["wait"]]
+    rel = [(w[2] - t) / 1e3 for w in g["wait"]]
+    ends = sorted(g["end"], key=lambda e: e[1])
+    row = {"waits": waits, "first": min(waits), "p10": pct(waits, .1), "p50": pct(waits, .5), "p90": pct(waits, .9),
+           "lastw": max(waits), "early": sum(x < 0 for x in waits) / len(waits), "release": min(rel)}
+    if ends:
+        e = [(x[1] - t) / 1e3 for x in ends]
+        half = g["ctas"] // 2
+        lo = [(x[1] - t) / 1e3 for x in ends if x[0] < half]
+        hi = [(x[1] - t) / 1e3 for x in ends if x[0] >= half]
+        row.update(end50=pct(e, .5), end90=pct(e, .9), endmax=max(e), lo=st.median(lo) if lo else 0.0,
+                   hi=st.median(hi) if hi else 0.0, lastcta=ends[-1][0])
+    rows.setdefault((i - start) % 5, []).append((g["ctas"], row))
+print(f"{'kernel':<16} {'CTAs':>5} {'first':>6} {'p10':>6} {'p50':>6} {'p90':>6} {'last':>6} {'early':>6} {'release':>8} "
+      f"{'end p50':>8} {'p90':>6} {'max':>6} {'low half':>9} {'high half':>9}")
+for pos, rs in sorted(rows.items()):
+    rs = [r for r in rs if "end50" in r[1]] or rs
+    ctas = rs[0][0]
+    m = lambda k: st.median(r[1].get(k, 0.0) for r in rs)
+    print(f"{names[pos]:<16} {ctas:>5} {m('first'):>6.2f} {m('p10'):>6.2f} {m('p50'):>6.2f} {m('p90'):>6.2f} "
+          f"{m('lastw'):>6.2f} {m('early'):>6.2f} {m('release'):>8.2f} {m('end50'):>8.2f} {m('end90'):>6.2f} "
+          f"{m('endmax'):>6.2f} {m('lo'):>9.2f} {m('hi'):>9.2f}")
+PY
