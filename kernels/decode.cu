@@ -80,13 +80,6 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// Programmatic dependent launch (sm_90+; the host asks for it per launch, src/cuda/device.rs):
-// a kernel may start while the one before it still runs. pdl_wait() returns once the earlier
-// kernels of the stream have finished and their writes are visible, so every kernel calls it
-// before it reads or writes any buffer that another kernel touches; only the constant
-// weights may be loaded before it. pdl_release() lets the next kernel start launching; each
-// kernel calls it right after its wait, so at most one kernel waits ahead of the running one.
-// Both are no-ops in a launch without the attribute.
 // CTA_TIMELINE (an NVRTC define, DV2_CTA_TIMELINE=1; a measuring tool, off by default): each
 // CTA's thread 0 appends records to dv2_timeline (read by CudaBackend::cta_timeline): at its
 // PDL wait {grid id, kind 0 | SM | grid size | CTA, globaltimer before the wait, after it}, and
@@ -131,6 +124,14 @@ __device__ __forceinline__ void timeline_end() {
 #endif
 }
 
+
+// Programmatic dependent launch (sm_90+; the host asks for it per launch, src/cuda/device.rs):
+// a kernel may start while the one before it still runs. pdl_wait() returns once the earlier
+// kernels of the stream have finished and their writes are visible, so every kernel calls it
+// before it reads or writes any buffer that another kernel touches; only the constant
+// weights may be loaded before it. pdl_release() lets the next kernel start launching; each
+// kernel calls it right after its wait, so at most one kernel waits ahead of the running one.
+// Both are no-ops in a launch without the attribute.
 __device__ __forceinline__ void pdl_wait() {
 #if CTA_TIMELINE
     const unsigned long long t0 = global_ns();

@@ -243,6 +243,13 @@ fn logits_prmt() -> bool {
     super::switch_on("DV2_LOGITS_PRMT")
 }
 
+/// The skewed row split's extra rows for GEMV v2's first half of CTAs (`var` = DV2_GEMV2_SKEW,
+/// DV2_DOWN_SKEW or DV2_LOGITS_SKEW; 0, off, when unset): read by Ops, and here for whether
+/// the plain and lm_head kernels hold the split (options).
+pub fn skew_rows(var: &str) -> i32 {
+    super::env_number(var).unwrap_or(0)
+}
+
 /// Whether the kernels record each CTA's wait and end times (`DV2_CTA_TIMELINE=1`, off by
 /// default): compiled in (options), read by `CudaBackend::cta_timeline`.
 pub fn cta_timeline() -> bool {
@@ -322,11 +329,8 @@ fn options(arch: &str) -> Vec<String> {
     // DV2_LOGITS_PRMT=0: as the other v2 kernels').
     opts.push(format!("-DGEMV2_LOGITS_PRMT={}", i32::from(logits_prmt())));
     // The plain and lm_head GEMV v2 kernels hold the skewed row split (kernels/decode.cu,
-    // gemv2_walk, GEMV2_SKEW_PLAIN) only where DV2_DOWN_SKEW or DV2_LOGITS_SKEW asks for one
-    // (Ops reads the same variables).
-    let skew_plain = ["DV2_DOWN_SKEW", "DV2_LOGITS_SKEW"]
-        .iter()
-        .any(|v| super::env_number::<i32>(v).is_some_and(|n| n != 0));
+    // gemv2_walk, GEMV2_SKEW_PLAIN) only where DV2_DOWN_SKEW or DV2_LOGITS_SKEW asks for one.
+    let skew_plain = skew_rows("DV2_DOWN_SKEW") != 0 || skew_rows("DV2_LOGITS_SKEW") != 0;
     opts.push(format!("-DGEMV2_SKEW_PLAIN={}", i32::from(skew_plain)));
     // Each CTA's wait and end times (kernels/decode.cu, CTA_TIMELINE; DV2_CTA_TIMELINE=1, a
     // measuring tool read by CudaBackend::cta_timeline).

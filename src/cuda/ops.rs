@@ -49,11 +49,11 @@ use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig};
 
 use super::device::{driver_error, Gpu};
 use super::kernels::{
-    Kernels, ATTN2_CHUNK, ATTN2_MAX_CHUNKS, ATTN2_MAX_GROUP, ATTN2_MAX_GROUP_X_HD, ATTNM_ROWS,
-    ATTNM_THREADS, ATTNP_Q_FLOATS, ATTNP_ROWS, ATTNP_THREADS, ATTN_THREADS, GEMM_B2_STRIDE,
-    GEMM_NT, GEMM_V2_MAX_KW, GEMM_WARPS, GEMM_WARP_ROWS, GEMV2_MAX_K, GEMV2_PRMT_TABLE,
-    GEMV2_X16_STRIDE, GEMV2_X_STRIDE, GEMV3_MAX_K, GEMV3_WARPS, GEMV_THREADS, GEMV_WARPS,
-    MAX_HEAD_DIM,
+    skew_rows, Kernels, ATTN2_CHUNK, ATTN2_MAX_CHUNKS, ATTN2_MAX_GROUP, ATTN2_MAX_GROUP_X_HD,
+    ATTNM_ROWS, ATTNM_THREADS, ATTNP_Q_FLOATS, ATTNP_ROWS, ATTNP_THREADS, ATTN_THREADS,
+    GEMM_B2_STRIDE, GEMM_NT, GEMM_V2_MAX_KW, GEMM_WARPS, GEMM_WARP_ROWS, GEMV2_MAX_K,
+    GEMV2_PRMT_TABLE, GEMV2_X16_STRIDE, GEMV2_X_STRIDE, GEMV3_MAX_K, GEMV3_WARPS, GEMV_THREADS,
+    GEMV_WARPS, MAX_HEAD_DIM,
 };
 use super::weights::Nf4Ref;
 use super::{env_number, switch_on};
@@ -508,9 +508,9 @@ impl Ops {
                 _ if gpu_clusters => Variant::V3,
                 _ => Variant::V2,
             },
-            gemv2_skew: env_number("DV2_GEMV2_SKEW").unwrap_or(0),
-            down_skew: env_number("DV2_DOWN_SKEW").unwrap_or(0),
-            logits_skew: env_number("DV2_LOGITS_SKEW").unwrap_or(0),
+            gemv2_skew: skew_rows("DV2_GEMV2_SKEW"),
+            down_skew: skew_rows("DV2_DOWN_SKEW"),
+            logits_skew: skew_rows("DV2_LOGITS_SKEW"),
             attn3_splits: env_number("DV2_ATTN3_SPLITS")
                 .filter(|n| matches!(n, 1 | 2 | 4 | 8))
                 .unwrap_or(8),
