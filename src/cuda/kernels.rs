@@ -244,10 +244,10 @@ fn logits_prmt() -> bool {
 }
 
 /// The skewed row split's extra rows for GEMV v2's first half of CTAs (`var` = DV2_GEMV2_SKEW,
-/// DV2_DOWN_SKEW or DV2_LOGITS_SKEW; 0, off, when unset): read by Ops, and here for whether
-/// the plain and lm_head kernels hold the split (options).
-pub fn skew_rows(var: &str) -> i32 {
-    super::env_number(var).unwrap_or(0)
+/// DV2_DOWN_SKEW or DV2_LOGITS_SKEW; `default` when unset): read by Ops, and here for
+/// whether the plain and lm_head kernels hold the split (options).
+pub fn skew_rows(var: &str, default: i32) -> i32 {
+    super::env_number(var).unwrap_or(default)
 }
 
 /// Whether the kernels record each CTA's wait and end times (`DV2_CTA_TIMELINE=1`, off by
@@ -330,7 +330,7 @@ fn options(arch: &str) -> Vec<String> {
     opts.push(format!("-DGEMV2_LOGITS_PRMT={}", i32::from(logits_prmt())));
     // The plain and lm_head GEMV v2 kernels hold the skewed row split (kernels/decode.cu,
     // gemv2_walk, GEMV2_SKEW_PLAIN) only where DV2_DOWN_SKEW or DV2_LOGITS_SKEW asks for one.
-    let skew_plain = skew_rows("DV2_DOWN_SKEW") != 0 || skew_rows("DV2_LOGITS_SKEW") != 0;
+    let skew_plain = skew_rows("DV2_DOWN_SKEW", 0) != 0 || skew_rows("DV2_LOGITS_SKEW", 0) != 0;
     opts.push(format!("-DGEMV2_SKEW_PLAIN={}", i32::from(skew_plain)));
     // Each CTA's wait and end times (kernels/decode.cu, CTA_TIMELINE; DV2_CTA_TIMELINE=1, a
     // measuring tool read by CudaBackend::cta_timeline).

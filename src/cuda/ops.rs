@@ -381,14 +381,15 @@ pub struct Ops {
     /// Attention v3's CTAs per cluster, each taking an equal slice of the context
     /// (`DV2_ATTN3_SPLITS=1|2|4|8`, default 8).
     pub attn3_splits: usize,
-    /// `DV2_GEMV2_SKEW=n` (rows; default 0, off): the SwiGLU GEMV v2's first half of CTAs
+    /// `DV2_GEMV2_SKEW=n` (rows; default 2, `0`: off): the SwiGLU GEMV v2's first half of CTAs
     /// takes n rows more each than an equal share, the rest share what is left
-    /// ([`skewed_split`]). Measured -0.024 ms/token at 2, the best of -8..8 (docs/lab.md,
-    /// session 17); off until the whole CUDA suite has run with it.
+    /// ([`skewed_split`]). Measured -0.024/-0.026 ms/token at 2, the best of -8..8 (docs/lab.md,
+    /// sessions 17-18).
     pub gemv2_skew: i32,
     /// The same for the plain GEMV v2 kernels (down at the 3B shape; `DV2_DOWN_SKEW=n`) and
-    /// lm_head's argmax kernels (`DV2_LOGITS_SKEW=n`); prepared in session 17, not yet measured,
-    /// default 0. Their kernels hold the split only with either set ([`super::kernels`]).
+    /// lm_head's argmax kernels (`DV2_LOGITS_SKEW=n`), default 0: measured slower at ±2 and
+    /// ±16 (+0.004..0.008, session 18). Their kernels hold the split only with either set
+    /// ([`super::kernels`]).
     pub down_skew: i32,
     pub logits_skew: i32,
     /// Attention v2 issues all its prologue loads before its first shared store (default;
@@ -508,9 +509,9 @@ impl Ops {
                 _ if gpu_clusters => Variant::V3,
                 _ => Variant::V2,
             },
-            gemv2_skew: skew_rows("DV2_GEMV2_SKEW"),
-            down_skew: skew_rows("DV2_DOWN_SKEW"),
-            logits_skew: skew_rows("DV2_LOGITS_SKEW"),
+            gemv2_skew: skew_rows("DV2_GEMV2_SKEW", 2),
+            down_skew: skew_rows("DV2_DOWN_SKEW", 0),
+            logits_skew: skew_rows("DV2_LOGITS_SKEW", 0),
             attn3_splits: env_number("DV2_ATTN3_SPLITS")
                 .filter(|n| matches!(n, 1 | 2 | 4 | 8))
                 .unwrap_or(8),
