@@ -724,19 +724,6 @@ fn main() {
             ("qwen25_3b logits-argmax=0", &[("DV2_LOGITS_ARGMAX", "0")]),
             ("qwen25_3b commit-fused=0", &[("DV2_COMMIT_FUSED", "0")]),
             ("qwen25_3b logits-prmt=0", &[("DV2_LOGITS_PRMT", "0")]),
-            ("qwen25_3b arrivals=0", &[("DV2_ARRIVALS", "0")]),
-            (
-                "qwen25_3b arrival-sleep=0",
-                &[("DV2_ARRIVAL_SLEEP_NS", "0")],
-            ),
-            (
-                "qwen25_3b arrival-sleep=256",
-                &[("DV2_ARRIVAL_SLEEP_NS", "256")],
-            ),
-            (
-                "qwen25_3b arrivals=0 gemv2-skew=0",
-                &[("DV2_ARRIVALS", "0"), ("DV2_GEMV2_SKEW", "0")],
-            ),
             ("qwen25_3b gemv2-skew=0", &[("DV2_GEMV2_SKEW", "0")]),
             ("qwen25_3b gemv2-skew=1", &[("DV2_GEMV2_SKEW", "1")]),
             ("qwen25_3b gemv2-skew=3", &[("DV2_GEMV2_SKEW", "3")]),

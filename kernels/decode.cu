@@ -90,15 +90,15 @@ __device__ __forceinline__ float warp_max(float v) {
 #ifndef CTA_TIMELINE
 #define CTA_TIMELINE 0
 #endif
+#if CTA_TIMELINE
+#define CTA_TIMELINE_RECORDS (1 << 16)
+__device__ unsigned long long dv2_timeline[CTA_TIMELINE_RECORDS * 4];
+__device__ unsigned dv2_timeline_n;
 __device__ __forceinline__ unsigned long long global_ns() {
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
 }
-#if CTA_TIMELINE
-#define CTA_TIMELINE_RECORDS (1 << 17)
-__device__ unsigned long long dv2_timeline[CTA_TIMELINE_RECORDS * 4];
-__device__ unsigned dv2_timeline_n;
 __device__ __forceinline__ void timeline_record(unsigned long long kind, unsigned long long t0, unsigned long long t1) {
     if (threadIdx.x | threadIdx.y | threadIdx.z) return;
     unsigned long long grid_id;
@@ -154,64 +154,6 @@ __device__ __forceinline__ void pdl_release() {
 __device__ __forceinline__ void pdl_enter() {
     pdl_wait();
     pdl_release();
-}
-
-// The decode step's arrival chain (DV2_ARRIVALS, the host's Gpu::arrival_slot): the layers'
-// kernels (GEMV v3, attention v3, GEMV v2's plain and SwiGLU kernels) take an int `arrival`: 0,
-// not chained (the PDL wait as above); 1, the chain's head (the PDL wait, and it arrives); n >
-// 1, the kernel waits until n - 1 CTAs of the chain's kernels before it have arrived instead of
-// for the PDL wait, and arrives. Every CTA of a chained kernel arrives once, as it ends, after
-// its last load and store: one atomic add to dv2_arrivals, which embed_row zeroes as
-// each step begins. Why: the PDL wait releases a kernel's CTAs 0.6-1.1 us after the previous
-// kernel's last CTA ends (the CTA timeline, docs/lab.md, session 18), five times a layer;
-// a count reaching its target releases them as the last arrival lands in L2.
-// No deadlock: a kernel launches only after every CTA of the one before it has run its
-// pdl_release (after its own wait), so the CTAs a chained kernel waits for are all resident.
-__device__ unsigned dv2_arrivals;
-
-// ARRIVAL_SLEEP_NS (an NVRTC define, DV2_ARRIVAL_SLEEP_NS; default 64): the pause between
-// polls of the count. Why: every waiting CTA polls the same L2 line, beside the atomics it
-// waits for and the weights streaming through that L2 slice.
-#ifndef ARRIVAL_SLEEP_NS
-#define ARRIVAL_SLEEP_NS 64
-#endif
-__device__ __forceinline__ void arrival_enter(int arrival) {
-    if (arrival < 2) {
-        pdl_enter();
-        return;
-    }
-#if CTA_TIMELINE
-    const unsigned long long t0 = global_ns();
-#endif
-    if (threadIdx.x == 0) {
-        const unsigned target = (unsigned)arrival - 1;
-        const unsigned long long start = global_ns();
-        for (;;) {
-            // Relaxed polls, one acquire fence after: an acquire load invalidates the SM's L1
-            // each time, under the CTAs of the kernel still running beside this one.
-            unsigned seen;
-            asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(&dv2_arrivals) : "memory");
-            if (seen >= target) break;
-            if (ARRIVAL_SLEEP_NS) __nanosleep(ARRIVAL_SLEEP_NS);
-            // A count that never arrives is a bug: stop the context (the host then sees a launch
-            // failure) rather than spin forever.
-            if (global_ns() - start > 10000000000ull) __trap();
-        }
-        asm volatile("fence.acq_rel.gpu;" ::: "memory");
-    }
-    __syncthreads();
-#if CTA_TIMELINE
-    timeline_record(0, t0, global_ns());
-#endif
-    pdl_release();
-}
-
-// Every thread of the CTA calls it, once, at the CTA's end (arrival > 0: arrives): the CTA's
-// stores, ordered before thread 0's by the barrier, released with its add.
-__device__ __forceinline__ void arrival_leave(int arrival) {
-    if (arrival == 0) return;
-    __syncthreads();
-    if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(&dv2_arrivals) : "memory");
 }
 
 // Thread-block clusters (Hopper; the GEMM's K split, attention v3): the cluster's size and
@@ -972,7 +914,7 @@ __device__ __forceinline__ float dot_row_pair16(const RowChunks<J>& rc, const XH
 template <int J, int R, int NM, int TABLE, int XM, typename Rows>
 __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, const float* __restrict__ x,
                                            NormArgs norm, int kparts, const int* skip_if, int x_smem_arg,
-                                           int late_flags, int early_ctas = 0, int early_rows = 0, int arrival = 0) {
+                                           int late_flags, int early_ctas = 0, int early_rows = 0) {
     constexpr int w_first = GEMV2_W_FIRST;
     const int x_smem = XM == GEMV2_X_ANY ? x_smem_arg : XM;
     const bool late_sum = late_flags & GEMV2_LATE_SUM, epi_early = late_flags & GEMV2_EPI_EARLY;
@@ -1047,11 +989,8 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     // round trips for the norm's partial sums and x; 0 (DV2_GEMV_WFIRST=0) after x is in
     // registers.
     if (w_first == 2) load_block(r0, cur);
-    arrival_enter(arrival);
-    if (skip_if && *skip_if) {
-        arrival_leave(arrival);
-        return;
-    }
+    pdl_enter();
+    if (skip_if && *skip_if) return;
     if (w_first == 1) load_block(r0, cur);
     // With late sums and epi_early, the epilogue operands of the CTA's first blockDim.x rows
     // (thread i: row r0 + i, as in the final reduction below) load now, so their round trip
@@ -1156,7 +1095,6 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     }
     if (float* out = rows_of.ss_out()) block_sum_to(ss, out + blockIdx.x);
     rows_of.finish();
-    arrival_leave(arrival);
     timeline_end();
 }
 
@@ -1347,10 +1285,10 @@ struct LogitRows {
         gemv2_nf4_j##J##SUFFIX(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y,                 \
                                const float* __restrict__ bias, int rows, int cols, int kparts, int accumulate, \
                                const int* skip_if, float* ss_out, int x_smem, int late, L2Next next,        \
-                               int early_ctas, int early_rows, int arrival) {                                 \
+                               int early_ctas, int early_rows) {                                            \
         PlainRows p{m, y, bias, accumulate, ss_out, next};                                                     \
         gemv2_walk<J, R, 1, TABLE, XM>(p, rows, cols, x, norm, kparts, skip_if, x_smem, late, early_ctas,      \
-                                       early_rows, arrival);                                                     \
+                                       early_rows);                                                            \
     }
 #define GEMV2_KERNELS_BOUNDED(J, R, TABLE, SUFFIX, BOUNDS)                                                     \
     GEMV2_NF4_KERNEL(J, R, TABLE, SUFFIX, BOUNDS, GEMV2_X_MODE)                                                \
@@ -1364,11 +1302,10 @@ struct LogitRows {
     extern "C" __global__ void BOUNDS                                                                          \
         gemv2_swiglu_j##J##SUFFIX(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm,          \
                                   float* out, int rows, int cols, int kparts, int x_smem, int late,            \
-                                  int early_ctas, int early_rows, int arrival) {                                 \
+                                  int early_ctas, int early_rows) {                                            \
         SwigluRows g{gate, up, out, (late & GEMV2_OUT_F16) != 0};                                              \
         gemv2_walk<J, (R > 1 ? R / 2 : 1), 2, TABLE, GEMV2_X_MODE>(g, rows, cols, x, norm, kparts, nullptr,    \
-                                                                   x_smem, late, early_ctas, early_rows,       \
-                                                                   arrival);                                   \
+                                                                   x_smem, late, early_ctas, early_rows);      \
     }
 
 #define GEMV2_KERNELS(J, R, TABLE, SUFFIX) GEMV2_KERNELS_BOUNDED(J, R, TABLE, SUFFIX, __launch_bounds__(GEMV_THREADS, 1))
@@ -1502,7 +1439,6 @@ __device__ __forceinline__ float embed_token(int token, Nf4Ref embed, float* out
 extern "C" __global__ void embed_row(const int* __restrict__ state, Nf4Ref embed, float* x, int hidden,
                                      int vocab, float* ss_out) {
     pdl_enter();
-    if (threadIdx.x == 0) dv2_arrivals = 0;  // the step's chain begins after this kernel
     const float ss = embed_token(state[STATE_TOKEN], embed, x, hidden, vocab);
     if (ss_out) block_sum_to(ss, ss_out);
 }
@@ -1526,7 +1462,6 @@ struct AttnArgs {
     int n_q, n_kv, head_dim, max_seq, n_splits;
     float scale;
     int heads_per_cta;  // attention v3: q heads per CTA (the host's division)
-    int arrival;          // attention v3: its place in the step's arrival chain (arrival_enter)
 };
 
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode(AttnArgs a) {
@@ -1904,13 +1839,7 @@ __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out)
     const int splits = cluster_size(), rank = cluster_rank();
     const int split_shift = log2_pow2(splits);  // splits: 1, 2, 4 or 8 (the host checks)
     const int pos = a.state[STATE_POSITION];
-    if (pos >= a.max_seq) {  // every CTA: no slot to write or read
-        if (a.arrival) {
-            arrival_enter(a.arrival);
-            arrival_leave(a.arrival);
-        }
-        return;
-    }
+    if (pos >= a.max_seq) return;  // every CTA: no slot to write or read
     const int valid = pos + 1, per = (valid + splits - 1) >> split_shift;
     const int t_begin = min(valid, rank * per), t_end = min(valid, t_begin + per);
     const int row_words = half + 1;  // bf16 pairs per staged row, +1 word of padding
@@ -1957,7 +1886,7 @@ __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out)
         }
     };
     if (t_begin < t_end) load_rows(t_begin);  // written by earlier steps: before the wait
-    arrival_enter(a.arrival);
+    pdl_enter();
     rotate_live_batched<HD ? HD : MAX_HEAD_DIM, HD>(a, kvh, q0, gn, pos, q_s, kcur, vcur, [] {});
     if ((int)threadIdx.x < gn) {
         m_run[threadIdx.x] = NEG_INF;
@@ -2104,7 +2033,6 @@ __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out)
     }
     cluster_arrive_relaxed();  // this CTA has read its peers' shared memory (the values are used)
     cluster_wait();
-    arrival_leave(a.arrival);
     timeline_end();
 }
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn3_decode(AttnArgs a, float* out) {

@@ -181,11 +181,8 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
     Gemv3Stage<T, S> cur, nxt;
     const bool first_ok = stages > 0 && (int)blockIdx.x < groups;
     if (GEMV3_W_FIRST == 2 && first_ok) gemv3_load<T, S, EPI>(a, blockIdx.x, kb0, kb1, g, t, cur);
-    arrival_enter(a.arrival);
-    if (a.skip_if && *a.skip_if) {
-        arrival_leave(a.arrival);
-        return;
-    }
+    pdl_enter();
+    if (a.skip_if && *a.skip_if) return;
     if (GEMV3_W_FIRST == 1 && first_ok) gemv3_load<T, S, EPI>(a, blockIdx.x, kb0, kb1, g, t, cur);
     // x (normed) staged as f16 pairs.
     NormArgs norm = a.norm;
@@ -295,7 +292,6 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
     }
     const bool sums = IO == GEMV3_IO_ANY ? a.ss_out != nullptr : (IO & GEMV3_IO_SUMS) != 0;
     if (sums) block_sum_to(ss, a.ss_out + blockIdx.x);
-    arrival_leave(a.arrival);
     timeline_end();
 }
 

@@ -45,7 +45,6 @@ struct GemmArgs {
     int early;  // GEMM v1: the table and first weights before waiting for the previous kernel
     int spread;  // the epilogue spread over the K parts' warps (see gemm_finish)
     int pf_groups;  // GEMV v3: row groups kept prefetched into L2 ahead (0: none)
-    int arrival;      // GEMV v3: its place in the decode step's arrival chain (arrival_enter)
 };
 
 enum { EPI_STORE = 0, EPI_ACCUMULATE = 1, EPI_SWIGLU = 2 };

@@ -1,6 +1,5 @@
 //! The CUDA device: driver probe, one context and one stream, allocation helpers.
 
-use std::cell::Cell;
 use std::ffi::c_void;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
@@ -45,32 +44,6 @@ pub struct Gpu {
     pub pdl: bool,
     /// Thread-block clusters (compute capability 9.0 and later).
     pub clusters: bool,
-    /// The decode step's arrival chain (`DV2_ARRIVALS`, default on with PDL): see
-    /// [`Gpu::arrival_slot`].
-    arrivals_on: bool,
-    arrivals: Cell<ArrivalChain>,
-}
-
-/// Closes the arrival chain [`Gpu::arrivals_begin`] opened as it drops.
-pub struct ArrivalsGuard<'a>(&'a Gpu);
-
-impl Drop for ArrivalsGuard<'_> {
-    fn drop(&mut self) {
-        self.0.arrivals.set(ArrivalChain::default());
-    }
-}
-
-/// Where the stream stands in an arrival chain (kernels/decode.cu, `arrival_enter`).
-#[derive(Clone, Copy, Default)]
-struct ArrivalChain {
-    /// Between [`Gpu::arrivals_begin`] and the guard it returns drops.
-    open: bool,
-    /// CTAs of the chain's kernels launched so far.
-    arrivals: u32,
-    /// Whether the last launch was a link (its CTAs arrive).
-    last_link: bool,
-    /// Whether the next launch is the link [`Gpu::arrival_slot`] numbered.
-    next_link: bool,
 }
 
 /// A kernel argument as the driver takes it: the address of the value.
@@ -108,8 +81,6 @@ impl Gpu {
                 stream,
                 pdl,
                 clusters: major >= 9,
-                arrivals_on: pdl && super::switch_on("DV2_ARRIVALS"),
-                arrivals: Cell::default(),
             })
         };
         catch_unwind(AssertUnwindSafe(open)).unwrap_or_else(|_| {
@@ -166,36 +137,6 @@ impl Gpu {
         self.stream
             .synchronize()
             .map_err(driver_error("stream synchronize"))
-    }
-
-    /// Opens an arrival chain (the launch before this one zeroed its count: embed_row), open
-    /// until the guard drops, on an error too; later launches then take `arrival` 0.
-    pub fn arrivals_begin(&self) -> ArrivalsGuard<'_> {
-        self.arrivals.set(ArrivalChain {
-            open: self.arrivals_on,
-            ..ArrivalChain::default()
-        });
-        ArrivalsGuard(self)
-    }
-
-    /// The `arrival` argument of the next launch, of `ctas` CTAs, of a kernel that takes one:
-    /// 0 outside a chain; 1 (the PDL wait, then it arrives) where the launch before it was not
-    /// a link; else 1 + the CTAs of the chain's links before it (it waits for their arrivals
-    /// instead, then arrives). Call it right before that launch: the launch makes it a link.
-    pub fn arrival_slot(&self, ctas: u32) -> i32 {
-        let mut c = self.arrivals.get();
-        if !c.open {
-            return 0;
-        }
-        let arg = if c.last_link {
-            1 + c.arrivals as i32
-        } else {
-            1
-        };
-        c.arrivals += ctas;
-        c.next_link = true;
-        self.arrivals.set(c);
-        arg
     }
 
     /// Launches `f` on the stream, with programmatic dependent launch when [`Gpu::pdl`].
@@ -270,10 +211,6 @@ impl Gpu {
             },
             numAttrs: count,
         };
-        // Any launch but a link breaks the chain: the next link takes the PDL wait.
-        let mut chain = self.arrivals.get();
-        chain.last_link = std::mem::take(&mut chain.next_link);
-        self.arrivals.set(chain);
         // SAFETY: `config` and the attributes it points to outlive the call; `args` is as this
         // function's contract requires; the context is bound to this thread.
         cuLaunchKernelEx(

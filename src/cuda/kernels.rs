@@ -335,10 +335,6 @@ fn options(arch: &str) -> Vec<String> {
     // Each CTA's wait and end times (kernels/decode.cu, CTA_TIMELINE; DV2_CTA_TIMELINE=1, a
     // measuring tool read by CudaBackend::cta_timeline).
     opts.push(format!("-DCTA_TIMELINE={}", i32::from(cta_timeline())));
-    // The pause between a waiting CTA's polls of the step's arrival count (kernels/decode.cu,
-    // ARRIVAL_SLEEP_NS; DV2_ARRIVAL_SLEEP_NS=n, default 64).
-    let sleep = super::env_number::<u32>("DV2_ARRIVAL_SLEEP_NS").unwrap_or(64);
-    opts.push(format!("-DARRIVAL_SLEEP_NS={sleep}"));
     // Attention v3's score and weighted-sum loops unrolled, its softmax reductions over the
     // lanes that hold slots (kernels/decode.cu, ATTN3_ILP; DV2_ATTN3_ILP=0 off).
     let ilp = super::switch_on("DV2_ATTN3_ILP");

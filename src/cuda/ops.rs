@@ -149,8 +149,6 @@ pub struct AttnArgs {
     pub scale: f32,
     /// Attention v3's q heads per CTA (set by [`Ops::attention`]).
     pub heads_per_cta: i32,
-    /// Attention v3's `arrival` argument (set by [`Ops::attention`], [`Gpu::arrival_slot`]).
-    pub arrival: i32,
 }
 // SAFETY: plain old data matching the kernel's struct.
 unsafe impl DeviceRepr for AttnArgs {}
@@ -174,7 +172,6 @@ struct GemmArgs {
     early: i32,
     spread: i32,
     pf_groups: i32,
-    arrival: i32,
 }
 // SAFETY: plain old data matching the kernel's struct.
 unsafe impl DeviceRepr for GemmArgs {}
@@ -782,7 +779,6 @@ impl Ops {
             early: i32::from(self.gemm_early),
             spread: i32::from(self.gemm_spread),
             pf_groups: 0,
-            arrival: 0,
         };
         for (i, m) in mats.iter().enumerate() {
             args.m[i] = m.m;
@@ -881,7 +877,6 @@ impl Ops {
             early: 0,
             spread: 0,
             pf_groups: self.l2_ahead(group_rows, k) as i32,
-            arrival: 0,
         };
         for (i, m) in mats.iter().enumerate() {
             args.m[i] = m.m;
@@ -912,7 +907,6 @@ impl Ops {
             shared_mem_bytes: (k * 2) as u32,
         };
         check_sums(ss_out, cfg.grid_dim.0)?;
-        args.arrival = self.gpu.arrival_slot(cfg.grid_dim.0);
         launch!(self.gpu, f, cfg; args)?;
         Ok(cfg.grid_dim.0 as usize)
     }
@@ -1041,8 +1035,7 @@ impl Ops {
                     L2Next::NONE
                 };
                 let (early_ctas, early_rows) = skewed_split(rows, cfg.grid_dim.0, self.down_skew);
-                let arrival = self.gpu.arrival_slot(cfg.grid_dim.0);
-                launch!(self.gpu, &f[j - 1], cfg; m, x, norm, y, bias, rows_i, cols_i, kp, acc, skip_if, ss_out, xs, late, next, early_ctas, early_rows, arrival)?;
+                launch!(self.gpu, &f[j - 1], cfg; m, x, norm, y, bias, rows_i, cols_i, kp, acc, skip_if, ss_out, xs, late, next, early_ctas, early_rows)?;
                 Ok(cfg.grid_dim.0 as usize)
             }
         }
@@ -1213,8 +1206,7 @@ impl Ops {
                 let (xs, late) = self.gemv2_switches();
                 let late = late | if out_f16 { GEMV2_OUT_F16 } else { 0 };
                 let (early_ctas, early_rows) = skewed_split(rows, cfg.grid_dim.0, self.gemv2_skew);
-                let arrival = self.gpu.arrival_slot(cfg.grid_dim.0);
-                launch!(self.gpu, &self.k.gemv2_swiglu[self.gemv2_table()][j - 1], cfg; gate, up, x, norm, out, rows_i, cols_i, kp, xs, late, early_ctas, early_rows, arrival)
+                launch!(self.gpu, &self.k.gemv2_swiglu[self.gemv2_table()][j - 1], cfg; gate, up, x, norm, out, rows_i, cols_i, kp, xs, late, early_ctas, early_rows)
             }
         }
     }
@@ -1272,12 +1264,6 @@ impl Ops {
                     64 => 2,
                     _ => 0,
                 }];
-                let args = AttnArgs {
-                    arrival: self
-                        .gpu
-                        .arrival_slot(parts as u32 * splits * args.n_kv as u32),
-                    ..args
-                };
                 launch!(self.gpu, f, cfg, cluster = (1, splits, 1); args, out)
             }
             Variant::V2 => {

@@ -352,9 +352,6 @@ impl CudaBackend {
                 Ok::<_, Error>(sums(parts))
             };
         launch!(gpu, &ops.k.embed_row, one_cta(256); state, embed, x, hidden, vocab, ss_out)?;
-        // The layers' kernels in one arrival chain (DV2_ARRIVALS; embed_row zeroed its count):
-        // each waits for the CTAs before it to arrive instead of for the PDL wait.
-        let arrivals = gpu.arrivals_begin();
         let mut x_sums = sums(1);
         mark("embed")?;
         let layer_bytes = (2 * kv_stride(self.max_seq) * s.kv_dim()) as u64;
@@ -387,7 +384,6 @@ impl CudaBackend {
                 n_splits: 0,
                 scale: 1.0 / (s.head_dim as f32).sqrt(),
                 heads_per_cta: 0,
-                arrival: 0,
             };
             ops.attention(attn_args, attn)?;
             mark("attention + merge")?;
@@ -419,7 +415,6 @@ impl CudaBackend {
             x_sums = residual(&layer.down, s.intermediate, act_in, &next)?;
             mark("down (+residual)")?;
         }
-        drop(arrivals);
         if logits {
             // Replays after the request finished must not overwrite the last logits.
             let finished = state + 4 * state::FINISHED as u64;
