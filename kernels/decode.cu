@@ -91,7 +91,7 @@ __device__ __forceinline__ float warp_max(float v) {
 #define CTA_TIMELINE 0
 #endif
 #if CTA_TIMELINE
-#define CTA_TIMELINE_RECORDS (1 << 17)
+#define CTA_TIMELINE_RECORDS (1 << 16)
 __device__ unsigned long long dv2_timeline[CTA_TIMELINE_RECORDS * 4];
 __device__ unsigned dv2_timeline_n;
 __device__ __forceinline__ unsigned long long global_ns() {
@@ -209,24 +209,6 @@ __device__ __forceinline__ void load_codebook(float* lut) {
     if (threadIdx.x < 16) lut[threadIdx.x] = nf4[threadIdx.x];
 }
 
-// One chunk's 32 weights (16 bytes, unscaled) dotted with x[0..32).
-__device__ __forceinline__ float nf4_chunk_dot(uint4 q, const float* __restrict__ x, const float* lut) {
-    const float4* xv = reinterpret_cast<const float4*>(x);
-    u32 words[4] = {q.x, q.y, q.z, q.w};
-    float part = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 4; j++) {
-        // Word j holds bytes 4j..4j+3 = elements 8j..8j+7; in each byte the high nibble is
-        // the even element.
-        u32 b = words[j];
-        float4 xa = xv[2 * j], xb = xv[2 * j + 1];
-        part += lut[(b >> 4) & 15] * xa.x + lut[b & 15] * xa.y + lut[(b >> 12) & 15] * xa.z +
-                lut[(b >> 8) & 15] * xa.w + lut[(b >> 20) & 15] * xb.x + lut[(b >> 16) & 15] * xb.y +
-                lut[(b >> 28) & 15] * xb.z + lut[(b >> 24) & 15] * xb.w;
-    }
-    return part;
-}
-
 // Partial dot product of one NF4 row with x over chunks c = first, first+step, ... < n_chunks
 // (one chunk = 16 bytes = 32 elements; its block scale is absmax[c/2]).
 __device__ __forceinline__ float nf4_row_dot(const uint4* __restrict__ w, const float* __restrict__ absmax,
@@ -236,7 +218,20 @@ __device__ __forceinline__ float nf4_row_dot(const uint4* __restrict__ w, const 
     for (int c = first; c < n_chunks; c += step) {
         uint4 q = __ldg(w + c);
         float scale = __ldg(absmax + (c >> 1));
-        acc = fmaf(nf4_chunk_dot(q, x + 32 * c, lut), scale, acc);
+        const float4* xv = reinterpret_cast<const float4*>(x + 32 * c);
+        u32 words[4] = {q.x, q.y, q.z, q.w};
+        float part = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            // Word j holds bytes 4j..4j+3 = elements 8j..8j+7; in each byte the high nibble is
+            // the even element.
+            u32 b = words[j];
+            float4 xa = xv[2 * j], xb = xv[2 * j + 1];
+            part += lut[(b >> 4) & 15] * xa.x + lut[b & 15] * xa.y + lut[(b >> 12) & 15] * xa.z +
+                    lut[(b >> 8) & 15] * xa.w + lut[(b >> 20) & 15] * xb.x + lut[(b >> 16) & 15] * xb.y +
+                    lut[(b >> 28) & 15] * xb.z + lut[(b >> 24) & 15] * xb.w;
+        }
+        acc = fmaf(part, scale, acc);
     }
     return acc;
 }
@@ -450,35 +445,6 @@ __device__ __forceinline__ float norm_factor(NormArgs norm, int n) {
     return rsqrtf(warp_sum(s) / (float)n + norm.eps);
 }
 
-// The sum of `v` over the CTA, to every thread (every thread must call it).
-__device__ __forceinline__ float block_sum_all(float v) {
-    __shared__ float red[32];
-    v = warp_sum(v);
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
-    __syncthreads();
-    float total = 0.0f;
-    for (int w = 0; w < (int)(blockDim.x >> 5); w++) total += red[w];
-    __syncthreads();  // red free again
-    return total;
-}
-
-// 1 / rms(x) from x itself, where its producer left no partial sums (norm.ss_parts 0: the
-// attention that adds the output projection into x from every head, DV2_ATTN_O): the CTA's
-// first XB quads a thread (xv, loaded) and any beyond.
-template <int THREADS, int XB>
-__device__ __forceinline__ float norm_factor_of_x(const float* __restrict__ x, int cols, NormArgs norm, const float4* xv) {
-    const int quads = cols >> 2;
-    float s = 0.0f;
-#pragma unroll
-    for (int u = 0; u < XB; u++)
-        if (threadIdx.x + u * THREADS < quads) s += sq(xv[u].x) + sq(xv[u].y) + sq(xv[u].z) + sq(xv[u].w);
-    for (int q = threadIdx.x + XB * THREADS; q < quads; q += THREADS) {
-        const float4 v = reinterpret_cast<const float4*>(x)[q];
-        s += sq(v.x) + sq(v.y) + sq(v.z) + sq(v.w);
-    }
-    return rsqrtf(block_sum_all(s) / (float)cols + norm.eps);
-}
-
 // Writes the sum of `v` over the CTA to *out (one barrier; every thread must call it).
 __device__ __forceinline__ void block_sum_to(float v, float* out) {
     __shared__ float red[32];
@@ -547,7 +513,7 @@ __device__ __forceinline__ void for_each_x_quad(const float* __restrict__ x, int
         }
     };
     load(threadIdx.x);
-    const float r = !norm.w ? 1.0f : norm.ss_parts > 0 ? norm_factor(norm, cols) : norm_factor_of_x<THREADS, XB>(x, cols, norm, xv);
+    const float r = norm.w ? norm_factor(norm, cols) : 1.0f;
     for (int base = threadIdx.x;;) {
 #pragma unroll
         for (int u = 0; u < XB; u++) {
@@ -1496,11 +1462,6 @@ struct AttnArgs {
     int n_q, n_kv, head_dim, max_seq, n_splits;
     float scale;
     int heads_per_cta;  // attention v3: q heads per CTA (the host's division)
-    // Attention v3 with the output projection (DV2_ATTN_O; o.packed null: without): y +=
-    // o · attention, o being [o_rows][n_q * head_dim].
-    Nf4Ref o;
-    float* y;
-    int o_rows;
 };
 
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode(AttnArgs a) {
@@ -1883,31 +1844,9 @@ __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out)
     const int t_begin = min(valid, rank * per), t_end = min(valid, t_begin + per);
     const int row_words = half + 1;  // bf16 pairs per staged row, +1 word of padding
 
-    __shared__ __align__(16) float q_s[ATTN2_MAX_GROUP_X_HD];
+    __shared__ float q_s[ATTN2_MAX_GROUP_X_HD];
     __shared__ float kcur[MAX_HEAD_DIM], vcur[MAX_HEAD_DIM];
-    __shared__ __align__(16) u32 k_s[ATTN2_CHUNK * (MAX_HEAD_DIM / 2 + 1)];
-    __shared__ u32 v_s[ATTN2_CHUNK * (MAX_HEAD_DIM / 2 + 1)];
-    // The output projection (a.o.packed set; DV2_ATTN_O): rank r of the cluster takes o's rows
-    // [o_r0, o_r1) over the columns of the cluster's heads, and adds them into y. Why: o is
-    // 2 MB at the 3B shape, a kernel of its own costs ~3 us a layer, most of it the launch's
-    // boundary and ramp (docs/lab.md, session 18); here its rows are in L2 (prefetched now,
-    // weights being constant) by the time the merged heads are.
-    __shared__ float o_lut[16];
-    const bool o_fused = a.o.packed != nullptr;
-    const int o_cols = a.n_q * hd, o_per = (a.o_rows + splits - 1) >> split_shift;
-    const int o_r0 = rank * o_per, o_r1 = min(a.o_rows, o_r0 + o_per);
-    auto o_row = [&](int row, int g) {
-        return reinterpret_cast<const uint4*>(a.o.packed + (size_t)row * (o_cols >> 1) + (size_t)(q0 + g) * (hd >> 1));
-    };
-    auto o_absmax = [&](int row, int g) { return a.o.absmax + (size_t)row * (o_cols >> 6) + (q0 + g) * (hd >> 6); };
-    if (o_fused) {
-        load_codebook(o_lut);
-        for (int row = o_r0 + threadIdx.x; row < o_r1; row += blockDim.x)
-            for (int g = 0; g < gn; g++) {
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(o_row(row, g)));
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(o_absmax(row, g)));
-            }
-    }
+    __shared__ u32 k_s[ATTN2_CHUNK * (MAX_HEAD_DIM / 2 + 1)], v_s[ATTN2_CHUNK * (MAX_HEAD_DIM / 2 + 1)];
     __shared__ float p_s[ATTN2_MAX_GROUP][ATTN2_CHUNK];
     // Per head: the running max and sum, and the last chunk's rescale of the older terms.
     __shared__ float m_run[ATTN2_MAX_GROUP], l_run[ATTN2_MAX_GROUP], corr_s[ATTN2_MAX_GROUP];
@@ -2058,25 +1997,6 @@ __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out)
         }
         __syncthreads();  // k_s, v_s, p_s and corr_s free for the next chunk
     }
-    // With o and HD built in, one head a CTA and at most O_REGS rows a thread (the 3B shape:
-    // 2 rows of 4 chunks), the thread's o weights load now, from L2, in flight during the
-    // merge: a row at a time after it cost 4 round trips a row (+6.5 us a layer, session 18).
-    constexpr int O_REGS = 2, O_CH = HD ? HD / 32 : 1;
-    uint4 ow[O_REGS][O_CH];
-    float oscale[O_REGS][(O_CH + 1) / 2];
-    const bool o_in_regs = HD && o_fused && gn == 1 && o_r1 - o_r0 <= O_REGS * (int)blockDim.x;
-    if (o_in_regs) {
-#pragma unroll
-        for (int i = 0; i < O_REGS; i++) {
-            const int row = o_r0 + threadIdx.x + i * blockDim.x;
-            if (row < o_r1) {
-#pragma unroll
-                for (int c = 0; c < O_CH; c++) ow[i][c] = __ldg(o_row(row, 0) + c);
-#pragma unroll
-                for (int b = 0; b < (O_CH + 1) / 2; b++) oscale[i][b] = __ldg(o_absmax(row, 0) + b);
-            }
-        }
-    }
     // The merge across the cluster: rank r's dims of each head from every rank's max, sum and
     // partial output.
     const float* part = acc_s;
@@ -2110,37 +2030,6 @@ __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out)
             }
         }
         out[(size_t)(q0 + g) * hd + d] = sum / L;
-        if (o_fused) q_s[g * hd + d] = sum / L;  // this rank's dims, for its peers
-    }
-    if (o_fused) {
-        cluster_arrive_cluster_release();  // q_s holds this rank's dims of the merged heads
-        cluster_wait();
-        // The merged heads whole (dim d from rank d / dims), then the rows: one a thread.
-        float* heads = reinterpret_cast<float*>(k_s);
-        for (int i = threadIdx.x; i < gn * hd; i += blockDim.x) {
-            const int d = HD ? i & (hd - 1) : i % hd;
-            heads[i] = load_from_cta(&q_s[i], d / dims);
-        }
-        __syncthreads();
-        if (o_in_regs) {
-#pragma unroll
-            for (int i = 0; i < O_REGS; i++) {
-                const int row = o_r0 + threadIdx.x + i * blockDim.x;
-                if (row < o_r1) {
-                    float acc = 0.0f;
-#pragma unroll
-                    for (int c = 0; c < O_CH; c++) acc = fmaf(nf4_chunk_dot(ow[i][c], heads + 32 * c, o_lut), oscale[i][c >> 1], acc);
-                    atomicAdd(a.y + row, acc);
-                }
-            }
-        } else {
-            for (int row = o_r0 + threadIdx.x; row < o_r1; row += blockDim.x) {
-                float acc = 0.0f;
-                for (int g = 0; g < gn; g++)
-                    acc += nf4_row_dot(o_row(row, g), o_absmax(row, g), heads + g * hd, 0, hd >> 5, 1, o_lut);
-                atomicAdd(a.y + row, acc);
-            }
-        }
     }
     cluster_arrive_relaxed();  // this CTA has read its peers' shared memory (the values are used)
     cluster_wait();
