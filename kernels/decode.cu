@@ -91,7 +91,7 @@ __device__ __forceinline__ float warp_max(float v) {
 #define CTA_TIMELINE 0
 #endif
 #if CTA_TIMELINE
-#define CTA_TIMELINE_RECORDS (1 << 16)
+#define CTA_TIMELINE_RECORDS (1 << 17)
 __device__ unsigned long long dv2_timeline[CTA_TIMELINE_RECORDS * 4];
 __device__ unsigned dv2_timeline_n;
 __device__ __forceinline__ unsigned long long global_ns() {
