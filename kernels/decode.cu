@@ -209,40 +209,6 @@ __device__ __forceinline__ void load_codebook(float* lut) {
     if (threadIdx.x < 16) lut[threadIdx.x] = nf4[threadIdx.x];
 }
 
-// One chunk's 32 weights (16 bytes, unscaled) dotted with x[0..32).
-__device__ __forceinline__ float nf4_chunk_dot(uint4 q, const float* __restrict__ x, const float* lut) {
-    const float4* xv = reinterpret_cast<const float4*>(x);
-    u32 words[4] = {q.x, q.y, q.z, q.w};
-    float part = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 4; j++) {
-        // Word j holds bytes 4j..4j+3 = elements 8j..8j+7; in each byte the high nibble is
-        // the even element.
-        u32 b = words[j];
-        float4 xa = xv[2 * j], xb = xv[2 * j + 1];
-        part += lut[(b >> 4) & 15] * xa.x + lut[b & 15] * xa.y + lut[(b >> 12) & 15] * xa.z +
-                lut[(b >> 8) & 15] * xa.w + lut[(b >> 20) & 15] * xb.x + lut[(b >> 16) & 15] * xb.y +
-                lut[(b >> 28) & 15] * xb.z + lut[(b >> 24) & 15] * xb.w;
-    }
-    return part;
-}
-
-// nf4_chunk_dot with a sum per word: four chains of 8 instead of one of 32.
-__device__ __forceinline__ float nf4_chunk_dot4(uint4 q, const float* __restrict__ x, const float* lut) {
-    const float4* xv = reinterpret_cast<const float4*>(x);
-    const u32 words[4] = {q.x, q.y, q.z, q.w};
-    float part[4];
-#pragma unroll
-    for (int j = 0; j < 4; j++) {
-        const u32 b = words[j];
-        const float4 xa = xv[2 * j], xb = xv[2 * j + 1];
-        part[j] = lut[(b >> 4) & 15] * xa.x + lut[b & 15] * xa.y + lut[(b >> 12) & 15] * xa.z +
-                  lut[(b >> 8) & 15] * xa.w + lut[(b >> 20) & 15] * xb.x + lut[(b >> 16) & 15] * xb.y +
-                  lut[(b >> 28) & 15] * xb.z + lut[(b >> 24) & 15] * xb.w;
-    }
-    return (part[0] + part[1]) + (part[2] + part[3]);
-}
-
 // Partial dot product of one NF4 row with x over chunks c = first, first+step, ... < n_chunks
 // (one chunk = 16 bytes = 32 elements; its block scale is absmax[c/2]).
 __device__ __forceinline__ float nf4_row_dot(const uint4* __restrict__ w, const float* __restrict__ absmax,
@@ -252,7 +218,20 @@ __device__ __forceinline__ float nf4_row_dot(const uint4* __restrict__ w, const 
     for (int c = first; c < n_chunks; c += step) {
         uint4 q = __ldg(w + c);
         float scale = __ldg(absmax + (c >> 1));
-        acc = fmaf(nf4_chunk_dot(q, x + 32 * c, lut), scale, acc);
+        const float4* xv = reinterpret_cast<const float4*>(x + 32 * c);
+        u32 words[4] = {q.x, q.y, q.z, q.w};
+        float part = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            // Word j holds bytes 4j..4j+3 = elements 8j..8j+7; in each byte the high nibble is
+            // the even element.
+            u32 b = words[j];
+            float4 xa = xv[2 * j], xb = xv[2 * j + 1];
+            part += lut[(b >> 4) & 15] * xa.x + lut[b & 15] * xa.y + lut[(b >> 12) & 15] * xa.z +
+                    lut[(b >> 8) & 15] * xa.w + lut[(b >> 20) & 15] * xb.x + lut[(b >> 16) & 15] * xb.y +
+                    lut[(b >> 28) & 15] * xb.z + lut[(b >> 24) & 15] * xb.w;
+        }
+        acc = fmaf(part, scale, acc);
     }
     return acc;
 }
@@ -466,36 +445,6 @@ __device__ __forceinline__ float norm_factor(NormArgs norm, int n) {
     return rsqrtf(warp_sum(s) / (float)n + norm.eps);
 }
 
-// The sum of `v` over the CTA, to every thread (every thread must call it).
-__device__ __forceinline__ float block_sum_all(float v) {
-    __shared__ float red[32];
-    v = warp_sum(v);
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
-    __syncthreads();
-    float total = 0.0f;
-    for (int w = 0; w < (int)(blockDim.x >> 5); w++) total += red[w];
-    __syncthreads();  // red free again
-    return total;
-}
-
-// 1 / rms(x) from x itself, where its producer left no partial sums (norm.ss_parts 0: the
-// attention that adds the output projection into x from every head, DV2_ATTN_O): the CTA's
-// first XB quads a thread (xv, loaded) and any beyond.
-template <int THREADS, int XB>
-__device__ __forceinline__ float norm_factor_of_x(const float* __restrict__ x, int cols, NormArgs norm, const float4* xv) {
-    const int quads = cols >> 2;
-    float s = 0.0f;
-#pragma unroll
-    for (int u = 0; u < XB; u++)
-        if (threadIdx.x + u * THREADS < quads) s += sq(xv[u].x) + sq(xv[u].y) + sq(xv[u].z) + sq(xv[u].w);
-#pragma unroll 1
-    for (int q = threadIdx.x + XB * THREADS; q < quads; q += THREADS) {
-        const float4 v = reinterpret_cast<const float4*>(x)[q];
-        s += sq(v.x) + sq(v.y) + sq(v.z) + sq(v.w);
-    }
-    return rsqrtf(block_sum_all(s) / (float)cols + norm.eps);
-}
-
 // Writes the sum of `v` over the CTA to *out (one barrier; every thread must call it).
 __device__ __forceinline__ void block_sum_to(float v, float* out) {
     __shared__ float red[32];
@@ -548,9 +497,7 @@ __device__ __forceinline__ void load_x_slice(const float* __restrict__ x, int pa
 // weights are not loaded without a norm (norm.w null, r = 1).
 #define X_BATCH 8
 // XB: quads per thread per round of loads (X_BATCH, or GEMV v3's GEMV3_X_BATCH).
-// X_NORM: the kernel may take norm.ss_parts 0 (1 / rms from x itself: SwiGLU's kernels, after
-// the attention that adds o, DV2_ATTN_O); the other kernels do not hold that code.
-template <int THREADS, int XB = X_BATCH, bool X_NORM = false, typename Use>
+template <int THREADS, int XB = X_BATCH, typename Use>
 __device__ __forceinline__ void for_each_x_quad(const float* __restrict__ x, int cols, NormArgs norm, Use use) {
     const int quads = cols >> 2;
     float4 xv[XB];
@@ -566,9 +513,7 @@ __device__ __forceinline__ void for_each_x_quad(const float* __restrict__ x, int
         }
     };
     load(threadIdx.x);
-    const float r = !norm.w                          ? 1.0f
-                    : !X_NORM || norm.ss_parts > 0 ? norm_factor(norm, cols)
-                                                   : norm_factor_of_x<THREADS, XB>(x, cols, norm, xv);
+    const float r = norm.w ? norm_factor(norm, cols) : 1.0f;
     for (int base = threadIdx.x;;) {
 #pragma unroll
         for (int u = 0; u < XB; u++) {
@@ -598,9 +543,8 @@ __device__ __forceinline__ void for_each_x_quad(const float* __restrict__ x, int
 #ifndef GEMV2_X_BATCH
 #define GEMV2_X_BATCH 4
 #endif
-template <bool X_NORM = false>
 __device__ __forceinline__ void stage_x(const float* __restrict__ x, int cols, NormArgs norm, float* x_staged) {
-    for_each_x_quad<GEMV_THREADS, GEMV2_X_BATCH, X_NORM>(x, cols, norm, [&](int q, float4 v, uint2 w, float r) {
+    for_each_x_quad<GEMV_THREADS, GEMV2_X_BATCH>(x, cols, norm, [&](int q, float4 v, uint2 w, float r) {
         float e[4] = {v.x, v.y, v.z, v.w};
         if (norm.w) {
             const u32 w2[2] = {w.x, w.y};
@@ -1061,7 +1005,7 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
         read_x16_slice<J>(reinterpret_cast<const u32*>(x_staged), part, cols, xh);
     } else {
         if (x_smem) {
-            stage_x<NM == 2>(x, cols, norm, x_staged);
+            stage_x(x, cols, norm, x_staged);
             __syncthreads();
             read_x_slice<J>(x_staged, part, cols, xs);
         } else {
@@ -1518,11 +1462,6 @@ struct AttnArgs {
     int n_q, n_kv, head_dim, max_seq, n_splits;
     float scale;
     int heads_per_cta;  // attention v3: q heads per CTA (the host's division)
-    // Attention v3 with the output projection (DV2_ATTN_O; o.packed null: without): y +=
-    // o · attention, o being [o_rows][n_q * head_dim].
-    Nf4Ref o;
-    float* y;
-    int o_rows;
 };
 
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode(AttnArgs a) {
@@ -1891,9 +1830,8 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode_serial(A
 #endif
 #define DV2_STR(x) #x
 #define DV2_PRAGMA_UNROLL(n) _Pragma(DV2_STR(unroll n))
-template <int HD, bool O = false>
+template <int HD>
 __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out) {
-    static_assert(!O || HD, "the output projection's kernels have head_dim built in");
     const int hd = HD ? HD : a.head_dim, half = hd >> 1;
     // Grid (parts, splits, n_kv): KV head z, its q heads [q0, q0 + gn) from the host's count.
     const int gn = a.heads_per_cta, group = gn * gridDim.x;
@@ -1906,53 +1844,9 @@ __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out)
     const int t_begin = min(valid, rank * per), t_end = min(valid, t_begin + per);
     const int row_words = half + 1;  // bf16 pairs per staged row, +1 word of padding
 
-    // O: q_s, k_s and v_s take o's scales and weights after the last chunk (below).
     __shared__ float q_s[ATTN2_MAX_GROUP_X_HD];
     __shared__ float kcur[MAX_HEAD_DIM], vcur[MAX_HEAD_DIM];
     __shared__ u32 k_s[ATTN2_CHUNK * (MAX_HEAD_DIM / 2 + 1)], v_s[ATTN2_CHUNK * (MAX_HEAD_DIM / 2 + 1)];
-    // O (the _o kernels, DV2_ATTN_O): y += o · attention, o's columns of the cluster's one q
-    // head (the host checks gn = 1), rank r taking O_REGS rows a thread from o_r0. Why: o is 2
-    // MB at the 3B shape; its own kernel costs ~3 us a layer, most of it a boundary and a ramp
-    // (docs/lab.md, session 18).
-    // Each thread's rows (O_REGS) of o's chunks (O_CH of 16 bytes each) and their block
-    // scales go into dynamic shared memory after acc_s by cp.async as the CTA starts (weights
-    // are constant; done by the tail), and one rolled loop dots them: code the warps run once
-    // is time (session 13).
-    constexpr int O_REGS = 2, O_CH = HD ? HD / 32 : 1, O_SLABS = O_REGS * O_CH;
-    __shared__ __align__(16) float o_head[O ? (HD ? HD : 1) : 1];
-    __shared__ float o_lut[O ? 16 : 1];
-    extern __shared__ __align__(16) float acc_s[];
-    // Slab (row i, chunk c) = i * O_CH + c: a uint4 a thread.
-    uint4* const o_w_base = reinterpret_cast<uint4*>(acc_s + gn * hd);
-    auto o_w = [&](int slab) { return o_w_base + slab * ATTN_THREADS + threadIdx.x; };
-    float2* const o_sc = reinterpret_cast<float2*>(o_w_base + O_SLABS * ATTN_THREADS);
-    const int o_cols = a.n_q * hd, o_r0 = rank * O_REGS * ATTN_THREADS;
-    auto o_row = [&](int row) {
-        return reinterpret_cast<const uint4*>(a.o.packed + (size_t)row * (o_cols >> 1) + (size_t)q0 * (hd >> 1));
-    };
-    auto o_absmax = [&](int row) { return a.o.absmax + (size_t)row * (o_cols >> 6) + q0 * (hd >> 6); };
-    if (O) load_codebook(o_lut);
-    if (O) {  // before the wait: weights are constant
-        static_assert(!O || O_CH == 2 || O_CH == 4, "head_dim 64 or 128: whole 64-column blocks of o");
-#pragma unroll
-        for (int i = 0; i < O_REGS; i++) {
-            const int row = o_r0 + threadIdx.x + i * ATTN_THREADS;
-            if (row < a.o_rows) {
-#pragma unroll
-                for (int c = 0; c < O_CH; c++) {
-                    const u32 dst = (u32)__cvta_generic_to_shared(o_w(i * O_CH + c));
-                    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(o_row(row) + c) : "memory");
-                }
-                // The head's block scales: 2 (head_dim 128), or 1 (64; 8 bytes would pass the
-                // last row's end).
-                const u32 dst = (u32)__cvta_generic_to_shared(&o_sc[i * ATTN_THREADS + threadIdx.x]);
-                if constexpr (O_CH == 4)
-                    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(o_absmax(row)) : "memory");
-                else
-                    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(o_absmax(row)) : "memory");
-            }
-        }
-    }
     __shared__ float p_s[ATTN2_MAX_GROUP][ATTN2_CHUNK];
     // Per head: the running max and sum, and the last chunk's rescale of the older terms.
     __shared__ float m_run[ATTN2_MAX_GROUP], l_run[ATTN2_MAX_GROUP], corr_s[ATTN2_MAX_GROUP];
@@ -2000,6 +1894,7 @@ __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out)
     }
     // The heads' running partial outputs, [gn][hd] (dynamic: gn * hd floats); a thread
     // keeps the same pairs of dims in every chunk.
+    extern __shared__ __align__(16) float acc_s[];
     for (int i = threadIdx.x; i < gn * hd; i += blockDim.x) acc_s[i] = 0.0f;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     for (int t0 = t_begin; t0 < t_end; t0 += ATTN2_CHUNK) {
@@ -2103,16 +1998,15 @@ __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out)
         __syncthreads();  // k_s, v_s, p_s and corr_s free for the next chunk
     }
     // The merge across the cluster: rank r's dims of each head from every rank's max, sum and
-    // partial output (O: every rank merges every dim, so each holds its head whole without a
-    // second cluster barrier, whose release fence would wait for o's loads below).
+    // partial output.
     const float* part = acc_s;
     cluster_arrive_cluster_release();  // m_run, l_run and acc_s are complete
     cluster_wait();
-    const int dims = O ? hd : hd >> split_shift, d0 = O ? 0 : rank * dims;
+    const int dims = hd >> split_shift;
     for (int i = threadIdx.x; i < gn * dims; i += blockDim.x) {
         // HD a power of two: dims too, so i's split is shifts and masks.
         const int g = HD ? i >> log2_pow2(dims) : i / dims;
-        const int d = d0 + (HD ? i & (dims - 1) : i % dims);
+        const int d = rank * dims + (HD ? i & (dims - 1) : i % dims);
         float m[ATTN3_MAX_SPLITS], l[ATTN3_MAX_SPLITS], o[ATTN3_MAX_SPLITS];
 #pragma unroll
         for (int r = 0; r < ATTN3_MAX_SPLITS; r++) {
@@ -2135,27 +2029,7 @@ __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out)
                 sum = fmaf(o[r], w, sum);
             }
         }
-        if (O) o_head[d] = sum / L;
-        else out[(size_t)(q0 + g) * hd + d] = sum / L;
-    }
-    if (O) {
-        asm volatile("cp.async.wait_all;" ::: "memory");  // this thread's rows (it alone reads them)
-        __syncthreads();                                    // o_head whole
-        float acc[O_REGS] = {};
-#pragma unroll 1
-        for (int j = 0; j < O_REGS * O_CH; j++) {
-            const int i = j / O_CH, c = j % O_CH;
-            const float2 sc = o_sc[i * ATTN_THREADS + threadIdx.x];
-            const float v = nf4_chunk_dot4(*o_w(j), o_head + 32 * c, o_lut) * (c & 2 ? sc.y : sc.x);
-#pragma unroll
-            for (int k = 0; k < O_REGS; k++)
-                if (k == i) acc[k] += v;
-        }
-#pragma unroll
-        for (int i = 0; i < O_REGS; i++) {
-            const int row = o_r0 + threadIdx.x + i * ATTN_THREADS;
-            if (row < a.o_rows) atomicAdd(a.y + row, acc[i]);
-        }
+        out[(size_t)(q0 + g) * hd + d] = sum / L;
     }
     cluster_arrive_relaxed();  // this CTA has read its peers' shared memory (the values are used)
     cluster_wait();
@@ -2169,12 +2043,6 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn3_decode_hd128(At
 }
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn3_decode_hd64(AttnArgs a, float* out) {
     attn3_decode_body<64>(a, out);
-}
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn3_decode_hd128_o(AttnArgs a, float* out) {
-    attn3_decode_body<128, true>(a, out);
-}
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn3_decode_hd64_o(AttnArgs a, float* out) {
-    attn3_decode_body<64, true>(a, out);
 }
 
 // Combines the chunks 0 .. ceil(valid_len / ATTN2_CHUNK)-1 of each q head. Grid n_q; the

@@ -187,7 +187,7 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
     // x (normed) staged as f16 pairs.
     NormArgs norm = a.norm;
     if (IO != GEMV3_IO_ANY && !(IO & GEMV3_IO_NORM)) norm.w = nullptr;
-    for_each_x_quad<GEMV3_THREADS, GEMV3_X_BATCH, EPI == EPI_SWIGLU>(a.x, a.k, norm, [&](int i, float4 v, uint2 w, float r) {
+    for_each_x_quad<GEMV3_THREADS, GEMV3_X_BATCH>(a.x, a.k, norm, [&](int i, float4 v, uint2 w, float r) {
         if (norm.w) {
             v.x *= r * bf16_to_f32((u16)(w.x & 0xffffu));
             v.y *= r * bf16_to_f32((u16)(w.x >> 16));

@@ -424,9 +424,6 @@ impl Bench {
             n_splits: 0,
             scale: 1.0 / (s.head_dim as f32).sqrt(),
             heads_per_cta: 0,
-            o: Nf4Ref::default(),
-            y: 0,
-            o_rows: 0,
         };
         let (layer_bytes, out_ptr) = (2 * layer_elems as u64, gpu.ptr(&out));
         let median_us = self.time_rotated(layers, |l| {

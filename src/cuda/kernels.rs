@@ -26,10 +26,6 @@ pub const GEMV_THREADS: u32 = 256;
 /// Warps per GEMV CTA: the rows of a CTA times the warps splitting each row's K.
 pub const GEMV_WARPS: u32 = GEMV_THREADS / 32;
 /// Threads per attention CTA.
-/// Attention v3's `_o` kernels: o's weights and scales in dynamic shared memory after the
-/// heads' outputs, 2 rows a thread of `head_dim / 32` 16-byte chunks and one 8-byte pair of
-/// scales each (head_dim 128 at most).
-pub const ATTN3_O_SMEM: usize = 2 * ATTN_THREADS as usize * (128 / 32 * 16 + 8);
 pub const ATTN_THREADS: u32 = 128;
 /// Largest head_dim the attention kernels hold in shared memory.
 pub const MAX_HEAD_DIM: usize = 256;
@@ -530,8 +526,6 @@ pub struct Kernels {
     /// Attention v3 (v2's CTAs in clusters that merge through distributed shared memory) by
     /// head_dim: [any, 128, 64], the last two with the head_dim built in, in less code.
     pub attn3_decode: [CudaFunction; 3],
-    /// attn3_decode with the output projection (DV2_ATTN_O): head_dim 128, 64.
-    pub attn3_decode_o: [CudaFunction; 2],
     /// GEMV v3 (tensor cores) by epilogue: store (+bias), accumulate, SwiGLU.
     pub gemv3: [CudaFunction; 3],
     /// The same for the decode step's uses alone (store and SwiGLU: a normed x, no sums out;
@@ -642,8 +636,6 @@ impl Kernels {
             f("attn3_decode_hd64")?,
         ];
         allow_dynamic_smem(&attn3_decode, ATTN2_MAX_GROUP_X_HD * 4)?;
-        let attn3_decode_o = [f("attn3_decode_hd128_o")?, f("attn3_decode_hd64_o")?];
-        allow_dynamic_smem(&attn3_decode_o, ATTN2_MAX_GROUP_X_HD * 4 + ATTN3_O_SMEM)?;
         Ok(Self {
             module: module.clone(),
             gemv3,
@@ -684,7 +676,6 @@ impl Kernels {
             attn2_decode_hd128: f("attn2_decode_hd128")?,
             attn2_merge: f("attn2_merge")?,
             attn3_decode,
-            attn3_decode_o,
             gemm_store: gemm("gemm_store")?,
             gemm_acc: gemm("gemm_acc")?,
             gemm_swiglu: gemm("gemm_swiglu")?,

@@ -149,11 +149,6 @@ pub struct AttnArgs {
     pub scale: f32,
     /// Attention v3's q heads per CTA (set by [`Ops::attention`]).
     pub heads_per_cta: i32,
-    /// Attention v3 adds `o · attention` into `y` (`o.packed` 0: not; see
-    /// [`Ops::attention_takes_o`]); o has `o_rows` rows.
-    pub o: Nf4Ref,
-    pub y: u64,
-    pub o_rows: i32,
 }
 // SAFETY: plain old data matching the kernel's struct.
 unsafe impl DeviceRepr for AttnArgs {}
@@ -386,9 +381,6 @@ pub struct Ops {
     /// Attention v3's CTAs per cluster, each taking an equal slice of the context
     /// (`DV2_ATTN3_SPLITS=1|2|4|8`, default 8).
     pub attn3_splits: usize,
-    /// Attention v3 adds the output projection into x itself, o's kernel gone
-    /// (`DV2_ATTN_O`, default on; `0`: o's GEMV after it): [`Ops::attention_takes_o`].
-    pub attn_o: bool,
     /// `DV2_GEMV2_SKEW=n` (rows; default 2, `0`: off): the SwiGLU GEMV v2's first half of CTAs
     /// takes n rows more each than an equal share, the rest share what is left
     /// ([`skewed_split`]). Measured -0.024/-0.026 ms/token at 2, the best of -8..8 (docs/lab.md,
@@ -525,7 +517,6 @@ impl Ops {
                 .unwrap_or(8),
             attn_batch: switch_on("DV2_ATTN_BATCH"),
             attn_pre_wait: switch_on("DV2_ATTN_PREWAIT"),
-            attn_o: switch_on("DV2_ATTN_O"),
             attn_hd128: switch_on("DV2_ATTN_HD128"),
             attn_split: env_number("DV2_ATTN_SPLIT")
                 .filter(|&n| n >= 1)
@@ -1220,37 +1211,9 @@ impl Ops {
         }
     }
 
-    /// Whether the decode attention adds the output projection (o: `hidden` x n_q * head_dim,
-    /// no bias) into x itself ([`AttnArgs::o`], attention v3's `_o` kernels): `DV2_ATTN_O`,
-    /// head_dim 64 or 128, one q head a cluster, `hidden` within the cluster's two rows a
-    /// thread, and the next GEMV (gate/up, `intermediate` rows) folding the norm from x alone,
-    /// as only its kernels that stage x whole do (GEMV v3, GEMV v2 with DV2_GEMV2_XSMEM): x
-    /// then has no producer's sums.
-    pub fn attention_takes_o(&self, s: &ArchSpec) -> bool {
-        let group = s.n_q_heads / s.n_kv_heads;
-        let one_head = group / attn_split_parts(self.attn_split, group) == 1;
-        let gate_up_stages_x = match self.gemv_kernel(2 * s.intermediate, s.hidden) {
-            Variant::V3 => true,
-            Variant::V2 => self.k.gemv2_x_smem,
-            Variant::V1 => false,
-        };
-        self.attn_o
-            && self.attn == Variant::V3
-            && matches!(s.head_dim, 64 | 128)
-            && one_head
-            && s.hidden <= 2 * ATTN_THREADS as usize * self.attn3_splits
-            && self.producer_sums()
-            && gate_up_stages_x
-    }
-
     /// Attention of one layer (RoPE and the KV write fused), then the merge into `out`.
     /// `args.n_splits` and `args.heads_per_cta` are ignored: each variant sets its own.
     pub fn attention(&self, args: AttnArgs, out: u64) -> Result<()> {
-        if args.o.packed != 0 && (self.attn != Variant::V3 || !matches!(args.head_dim, 64 | 128)) {
-            return Err(Error::Internal(
-                "the output projection asked of an attention without it".into(),
-            ));
-        }
         let max_seq = args.max_seq as usize;
         let merge = LaunchConfig {
             grid_dim: (args.n_q as u32, 1, 1),
@@ -1291,30 +1254,16 @@ impl Ops {
                 };
                 // Grid (parts, splits, KV heads): the kernel takes its KV head from z and its
                 // heads per CTA from the arguments, no division in code each warp runs once.
-                let mut cfg = LaunchConfig {
+                let cfg = LaunchConfig {
                     grid_dim: (parts as u32, splits, args.n_kv as u32),
                     block_dim: (ATTN_THREADS, 1, 1),
                     shared_mem_bytes: (heads * args.head_dim as usize * 4) as u32,
                 };
-                let mut o_smem = 0;
-                let f = if args.o.packed != 0 {
-                    if heads != 1
-                        || args.o_rows as usize > 2 * ATTN_THREADS as usize * splits as usize
-                    {
-                        return Err(Error::Internal(
-                            "the output projection asked of attention v3 beyond its shape".into(),
-                        ));
-                    }
-                    o_smem = 2 * ATTN_THREADS * (args.head_dim as u32 / 32 * 16 + 8);
-                    &self.k.attn3_decode_o[usize::from(args.head_dim == 64)]
-                } else {
-                    &self.k.attn3_decode[match args.head_dim {
-                        128 => 1,
-                        64 => 2,
-                        _ => 0,
-                    }]
-                };
-                cfg.shared_mem_bytes += o_smem;
+                let f = &self.k.attn3_decode[match args.head_dim {
+                    128 => 1,
+                    64 => 2,
+                    _ => 0,
+                }];
                 launch!(self.gpu, f, cfg, cluster = (1, splits, 1); args, out)
             }
             Variant::V2 => {

@@ -355,7 +355,6 @@ impl CudaBackend {
         let mut x_sums = sums(1);
         mark("embed")?;
         let layer_bytes = (2 * kv_stride(self.max_seq) * s.kv_dim()) as u64;
-        let fuse_o = ops.attention_takes_o(s);
         for (l, layer) in self.model.layers.iter().enumerate() {
             let args = QkvArgs {
                 m: [0, 1, 2].map(|i| layer.qkv[i].as_ref(gpu)),
@@ -385,22 +384,10 @@ impl CudaBackend {
                 n_splits: 0,
                 scale: 1.0 / (s.head_dim as f32).sqrt(),
                 heads_per_cta: 0,
-                o: if fuse_o {
-                    layer.o.as_ref(gpu)
-                } else {
-                    Nf4Ref::default()
-                },
-                y: x,
-                o_rows: s.hidden as i32,
             };
             ops.attention(attn_args, attn)?;
             mark("attention + merge")?;
-            x_sums = if fuse_o {
-                // x += o attention from every head: no partial sums; gate/up norms x itself.
-                Some(PartialSums { ptr: 0, parts: 0 })
-            } else {
-                residual(&layer.o, s.hidden, Input::raw(attn), &[])?
-            };
+            x_sums = residual(&layer.o, s.hidden, Input::raw(attn), &[])?;
             mark("o_proj (+residual)")?;
             let input = self.normed(x, &layer.ffn_norm, xn, x_sums);
             let act_f16 = ops.ffn_act_f16(s.intermediate, s.hidden);
