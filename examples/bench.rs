@@ -730,14 +730,6 @@ fn main() {
             ("qwen25_3b gemv2-skew=4", &[("DV2_GEMV2_SKEW", "4")]),
             ("qwen25_3b down-skew=2", &[("DV2_DOWN_SKEW", "2")]),
             ("qwen25_3b down-skew=-2", &[("DV2_DOWN_SKEW", "-2")]),
-            (
-                "qwen25_3b gemv2-skew=2 down-skew=2",
-                &[("DV2_GEMV2_SKEW", "2"), ("DV2_DOWN_SKEW", "2")],
-            ),
-            (
-                "qwen25_3b gemv2-skew=2 down-skew=-2",
-                &[("DV2_GEMV2_SKEW", "2"), ("DV2_DOWN_SKEW", "-2")],
-            ),
             ("qwen25_3b logits-skew=16", &[("DV2_LOGITS_SKEW", "16")]),
             ("qwen25_3b logits-skew=-16", &[("DV2_LOGITS_SKEW", "-16")]),
             (
