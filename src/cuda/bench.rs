@@ -297,6 +297,7 @@ impl Bench {
                     Input::raw(xp),
                     yp,
                     false,
+                    0,
                 ),
                 _ => self
                     .ops
