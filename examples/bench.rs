@@ -726,12 +726,8 @@ fn main() {
             ("qwen25_3b logits-prmt=0", &[("DV2_LOGITS_PRMT", "0")]),
             ("qwen25_3b gemv2-dynamic=1", &[("DV2_GEMV2_DYNAMIC", "1")]),
             (
-                "qwen25_3b gemv2-dynamic=1 pool-groups=4",
-                &[("DV2_GEMV2_DYNAMIC", "1"), ("DV2_GEMV2_POOL_GROUPS", "4")],
-            ),
-            (
-                "qwen25_3b gemv2-dynamic=1 pool-groups=16",
-                &[("DV2_GEMV2_DYNAMIC", "1"), ("DV2_GEMV2_POOL_GROUPS", "16")],
+                "qwen25_3b gemv2-dynamic=1 graph-steps=8",
+                &[("DV2_GEMV2_DYNAMIC", "1"), ("DV2_GRAPH_STEPS", "8")],
             ),
             ("qwen25_3b graph-steps=1", &[("DV2_GRAPH_STEPS", "1")]),
             ("qwen25_3b graph-steps=4", &[("DV2_GRAPH_STEPS", "4")]),

@@ -914,7 +914,7 @@ __device__ __forceinline__ float dot_row_pair16(const RowChunks<J>& rc, const XH
 // GEMV2_DYNAMIC (an NVRTC define, DV2_GEMV2_DYNAMIC): SwiGLU's kernels with rows handed out
 // as the walk goes (gemv2_swiglu_dyn_j*, `pools` non-null, K not split): each warp takes two
 // rows by position, row c * 8 + w and one grid's worth further (CTA c, warp w), then the
-// rows d0 + P i + p (d0 past those) for i from an atomic count of its pool p (of P), one row at
+// rows d0 + 8 i + w (d0 past those) for i from an atomic count of warp w's pool, one row at
 // a time, the count for the row after next asked as the next one loads. Why: even with the
 // skew, gate/up's last CTAs end ~1 us after its median one (docs/lab.md, session 18's CTA
 // timeline): the SMs that start early or read fast take more rows. Eight pools (one per warp
@@ -925,11 +925,6 @@ __device__ __forceinline__ float dot_row_pair16(const RowChunks<J>& rc, const XH
 #define GEMV2_DYNAMIC 0
 #endif
 #define GEMV2_POOL_STRIDE 32  // ints from one warp's pool count to the next
-// Pools per warp index (GEMV2_POOL_GROUPS, an NVRTC define, DV2_GEMV2_POOL_GROUPS): warp w of
-// CTA c takes from pool w + 8 (c % groups), fewer adds to each count.
-#ifndef GEMV2_POOL_GROUPS
-#define GEMV2_POOL_GROUPS 1
-#endif
 
 template <int J, int R, int NM, int TABLE, int XM, typename Rows, bool DYN = false>
 __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, const float* __restrict__ x,
@@ -1013,9 +1008,7 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     // one, the next, and the pool's count asked for the one after (lane 0's, until it runs dry).
     constexpr bool dyn = DYN && NM == 2 && R == 1;
     const int stride = gridDim.x * GEMV_WARPS, d0 = min(rows, 2 * stride);
-    constexpr int n_pools = GEMV_WARPS * GEMV2_POOL_GROUPS;
-    const int pool_id = warp + GEMV_WARPS * (GEMV2_POOL_GROUPS > 1 ? blockIdx.x % GEMV2_POOL_GROUPS : 0);
-    int* pool = dyn ? pools + GEMV2_POOL_STRIDE * pool_id : nullptr;
+    int* pool = dyn ? pools + GEMV2_POOL_STRIDE * warp : nullptr;
     int row = blockIdx.x * GEMV_WARPS + warp, row_next = row + stride, grab = 0;
     if (row >= rows) row = -1;
     if (row_next >= rows) row_next = -1;
@@ -1068,7 +1061,7 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
             row = row_next;
             row_next = -1;
             if (asked) {
-                const int r = d0 + n_pools * __shfl_sync(0xffffffffu, grab, 0) + pool_id;
+                const int r = d0 + GEMV_WARPS * __shfl_sync(0xffffffffu, grab, 0) + warp;
                 asked = r < rows;
                 if (asked) {
                     row_next = r;

@@ -13,7 +13,7 @@ use decodev2::cuda::bench::random_f32 as random;
 use decodev2::cuda::device::Gpu;
 use decodev2::cuda::kernels::Kernels;
 use decodev2::cuda::ops::{
-    GemvChoice, Input, Linear, Ops, QkvArgs, Variant, MAX_SWIGLU_POOLS, POOL_STRIDE,
+    GemvChoice, Input, Linear, Ops, QkvArgs, Variant, POOL_STRIDE, SWIGLU_POOLS,
 };
 use decodev2::cuda::weights::DeviceMatrix;
 use decodev2::nf4::Nf4Matrix;
@@ -208,7 +208,7 @@ fn every_gemv_kernel_matches_the_cpu_at_every_v2_shape() {
 
             // SwiGLU: silu(A x) * (B x); the error of each dot product carried through.
             // Fresh pool counts for the dynamic walk (DV2_GEMV2_DYNAMIC=1), as embed_row leaves them.
-            let pools = gpu.zeros::<i32>(MAX_SWIGLU_POOLS * POOL_STRIDE).unwrap();
+            let pools = gpu.zeros::<i32>(SWIGLU_POOLS * POOL_STRIDE).unwrap();
             let out = gpu.zeros::<f32>(rows).unwrap();
             ops.swiglu(
                 a.dev.as_ref(gpu),
@@ -225,7 +225,7 @@ fn every_gemv_kernel_matches_the_cpu_at_every_v2_shape() {
             if ops.swiglu_writes_f16(rows, k) {
                 // Written as f16 (DV2_FFN_F16): the f32 outputs rounded to nearest.
                 let out16 = gpu.zeros::<u16>(rows).unwrap();
-                let pools = gpu.zeros::<i32>(MAX_SWIGLU_POOLS * POOL_STRIDE).unwrap();
+                let pools = gpu.zeros::<i32>(SWIGLU_POOLS * POOL_STRIDE).unwrap();
                 let (ga, gb) = (a.dev.as_ref(gpu), b.dev.as_ref(gpu));
                 ops.swiglu(ga, gb, rows, k, xp, gpu.ptr(&out16), true, gpu.ptr(&pools))
                     .unwrap();

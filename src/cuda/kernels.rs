@@ -250,14 +250,6 @@ fn gemv2_dynamic() -> bool {
     std::env::var("DV2_GEMV2_DYNAMIC").as_deref() == Ok("1")
 }
 
-/// Pools per warp index of that walk (`DV2_GEMV2_POOL_GROUPS` = 1, 2, 4, 8 or 16; default 1):
-/// compiled in (options); the backend zeroes `SWIGLU_POOLS` x this many counts a layer.
-pub fn pool_groups() -> usize {
-    super::env_number("DV2_GEMV2_POOL_GROUPS")
-        .filter(|n: &usize| matches!(n, 1 | 2 | 4 | 8 | 16))
-        .unwrap_or(1)
-}
-
 /// The skewed row split's extra rows for GEMV v2's first half of CTAs (`var` = DV2_GEMV2_SKEW,
 /// DV2_DOWN_SKEW or DV2_LOGITS_SKEW; `default` when unset): read by Ops, and here for
 /// whether the plain and lm_head kernels hold the split (options).
@@ -350,7 +342,6 @@ fn options(arch: &str) -> Vec<String> {
     // SwiGLU's GEMV v2 with rows from per-warp pools (kernels/decode.cu, GEMV2_DYNAMIC;
     // DV2_GEMV2_DYNAMIC=1).
     opts.push(format!("-DGEMV2_DYNAMIC={}", i32::from(gemv2_dynamic())));
-    opts.push(format!("-DGEMV2_POOL_GROUPS={}", pool_groups()));
     // Each CTA's wait and end times (kernels/decode.cu, CTA_TIMELINE; DV2_CTA_TIMELINE=1, a
     // measuring tool read by CudaBackend::cta_timeline).
     opts.push(format!("-DCTA_TIMELINE={}", i32::from(cta_timeline())));

@@ -260,8 +260,6 @@ const GEMV2_OUT_F16: i32 = 8;
 /// pool's count to the next (kernels/decode.cu, GEMV2_POOL_STRIDE: 128 bytes).
 pub const SWIGLU_POOLS: usize = 8;
 pub const POOL_STRIDE: usize = 32;
-/// Room for the most pools (`DV2_GEMV2_POOL_GROUPS` = 16 of them per warp index).
-pub const MAX_SWIGLU_POOLS: usize = 16 * SWIGLU_POOLS;
 
 /// Room for partial sums of squares: more than any GEMV grid (v2: at most 8 CTAs per SM,
 /// v3: 2) on a 132-SM device.

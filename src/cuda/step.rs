@@ -17,8 +17,8 @@ use super::device::{driver_error, Gpu};
 use super::kernels::state;
 use super::ops::{
     attn_partials, one_cta, AttnArgs, Epilogue, GemmMatrix, Input, LogitsHead, Norm, Ops,
-    PartialSums, PrefillAttnArgs, QkvArgs, ARGMAX_SCRATCH, MAX_PARTIAL_SUMS, MAX_SWIGLU_POOLS,
-    POOL_STRIDE,
+    PartialSums, PrefillAttnArgs, QkvArgs, ARGMAX_SCRATCH, MAX_PARTIAL_SUMS, POOL_STRIDE,
+    SWIGLU_POOLS,
 };
 use super::weights::{self, DeviceMatrix, DeviceModel, Nf4Ref};
 use crate::arch::ArchSpec;
@@ -238,7 +238,7 @@ impl CudaBackend {
             prompt: gpu.zeros(max_seq)?,
             ring: gpu.zeros(max_seq)?,
             argmax: gpu.zeros(ARGMAX_SCRATCH)?,
-            pools: gpu.zeros(s.n_layers * MAX_SWIGLU_POOLS * POOL_STRIDE)?,
+            pools: gpu.zeros(s.n_layers * SWIGLU_POOLS * POOL_STRIDE)?,
         };
         let mut backend = Self {
             k_cache: gpu.upload(&poison)?,
@@ -390,12 +390,12 @@ impl CudaBackend {
             };
         // The SwiGLU row pools, where its dynamic kernels are loaded: zeroed by embed_row.
         let (pools, n_pools) = match ops.k.gemv2_swiglu_dyn {
-            Some(_) => (self.ptr(&a.pools), (s.n_layers * MAX_SWIGLU_POOLS) as i32),
+            Some(_) => (self.ptr(&a.pools), (s.n_layers * SWIGLU_POOLS) as i32),
             None => (0, 0),
         };
         let layer_pools = |l: usize| match pools {
             0 => 0,
-            p => p + (l * MAX_SWIGLU_POOLS * POOL_STRIDE * 4) as u64,
+            p => p + (l * SWIGLU_POOLS * POOL_STRIDE * 4) as u64,
         };
         launch!(gpu, &ops.k.embed_row, one_cta(256); state, embed, x, hidden, vocab, ss_out, pools, n_pools)?;
         let mut x_sums = sums(1);
