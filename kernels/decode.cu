@@ -911,26 +911,10 @@ __device__ __forceinline__ float dot_row_pair16(const RowChunks<J>& rc, const XH
 #ifndef GEMV2_SKEW_PLAIN
 #define GEMV2_SKEW_PLAIN 0
 #endif
-// GEMV2_DYNAMIC (an NVRTC define, DV2_GEMV2_DYNAMIC): SwiGLU's kernels with rows handed out
-// as the walk goes (gemv2_swiglu_dyn_j*, `pools` non-null, K not split): each warp takes two
-// rows by position, row c * 8 + w and one grid's worth further (CTA c, warp w), then the
-// rows d0 + 8 i + w (d0 past those) for i from an atomic count of warp w's pool, one row at
-// a time, the count for the row after next asked as the next one loads. Why: even with the
-// skew, gate/up's last CTAs end ~1 us after its median one (docs/lab.md, session 18's CTA
-// timeline): the SMs that start early or read fast take more rows. Eight pools (one per warp
-// index, 128 bytes apart), so the adds to one word stay few; embed_row zeroes them each step.
-// A warp keeps the sums of its first 64 rows in its lanes (lane j % 32 has row j's) and
-// stores them after the walk, in parallel, as the late sums do.
-#ifndef GEMV2_DYNAMIC
-#define GEMV2_DYNAMIC 0
-#endif
-#define GEMV2_POOL_STRIDE 32  // ints from one warp's pool count to the next
-
-template <int J, int R, int NM, int TABLE, int XM, typename Rows, bool DYN = false>
+template <int J, int R, int NM, int TABLE, int XM, typename Rows>
 __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, const float* __restrict__ x,
                                            NormArgs norm, int kparts, const int* skip_if, int x_smem_arg,
-                                           int late_flags, int early_ctas = 0, int early_rows = 0,
-                                           int* pools = nullptr) {
+                                           int late_flags, int early_ctas = 0, int early_rows = 0) {
     constexpr int w_first = GEMV2_W_FIRST;
     const int x_smem = XM == GEMV2_X_ANY ? x_smem_arg : XM;
     const bool late_sum = late_flags & GEMV2_LATE_SUM, epi_early = late_flags & GEMV2_EPI_EARLY;
@@ -1004,19 +988,7 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     // PREWAIT=0) issues them after the wait but before x's loads, so their fetch overlaps the
     // round trips for the norm's partial sums and x; 0 (DV2_GEMV_WFIRST=0) after x is in
     // registers.
-    // The dynamic walk's rows (GEMV2_DYNAMIC; `pools` is null in every other kernel): this
-    // one, the next, and the pool's count asked for the one after (lane 0's, until it runs dry).
-    constexpr bool dyn = DYN && NM == 2 && R == 1;
-    const int stride = gridDim.x * GEMV_WARPS, d0 = min(rows, 2 * stride);
-    int* pool = dyn ? pools + GEMV2_POOL_STRIDE * warp : nullptr;
-    int row = blockIdx.x * GEMV_WARPS + warp, row_next = row + stride, grab = 0;
-    if (row >= rows) row = -1;
-    if (row_next >= rows) row_next = -1;
-    bool asked = dyn && row_next >= 0 && d0 < rows;
-    if (dyn) {
-        if (asked && lane == 0) grab = atomicAdd(pool, 1);
-        if (w_first == 2 && row >= 0) load_row<J>(rows_of.matrix(row, 0), row, cols, 0, cur[0][0]), load_row<J>(rows_of.matrix(row, 1), row, cols, 0, cur[0][1]);
-    } else if (w_first == 2) load_block(r0, cur);
+    if (w_first == 2) load_block(r0, cur);
     pdl_enter();
     if (skip_if && *skip_if) return;
     if (w_first == 1) load_block(r0, cur);
@@ -1041,38 +1013,6 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
             __syncthreads();
         }
         if (TABLE == GEMV2_PAIR16) pack_x_halves<J>(xs, xh);
-    }
-    if (dyn) {
-        if (w_first != 2 && row >= 0) load_row<J>(rows_of.matrix(row, 0), row, cols, 0, cur[0][0]), load_row<J>(rows_of.matrix(row, 1), row, cols, 0, cur[0][1]);
-        // Rows n and n + 32 of this warp's walk, kept by lane n (registers: no indexing).
-        int kept_lo = -1, kept_hi = -1;
-        float lo[2] = {0.0f, 0.0f}, hi[2] = {0.0f, 0.0f};
-#pragma unroll 1
-        for (int n = 0; row >= 0; n++) {
-            if (row_next >= 0) load_row<J>(rows_of.matrix(row_next, 0), row_next, cols, 0, nxt[0][0]), load_row<J>(rows_of.matrix(row_next, 1), row_next, cols, 0, nxt[0][1]);
-            float sums[2];
-#pragma unroll
-            for (int k = 0; k < 2; k++) sums[k] = warp_sum(dot_row_pair16<J, prmt_table>(cur[0][k], xh, pair16_lut, lane4));
-            if (lane == n) kept_lo = row, lo[0] = sums[0], lo[1] = sums[1];
-            else if (lane == n - 32) kept_hi = row, hi[0] = sums[0], hi[1] = sums[1];
-            else if (n >= 64 && lane == 0) rows_of.store(row, sums);
-            cur[0][0] = nxt[0][0];
-            cur[0][1] = nxt[0][1];
-            row = row_next;
-            row_next = -1;
-            if (asked) {
-                const int r = d0 + GEMV_WARPS * __shfl_sync(0xffffffffu, grab, 0) + warp;
-                asked = r < rows;
-                if (asked) {
-                    row_next = r;
-                    if (lane == 0) grab = atomicAdd(pool, 1);
-                }
-            }
-        }
-        if (kept_lo >= 0) rows_of.store(kept_lo, lo);
-        if (kept_hi >= 0) rows_of.store(kept_hi, hi);
-        timeline_end();
-        return;
     }
     if (!w_first) load_block(r0, cur);
     float ss = 0.0f;  // squares of the values this thread stored
@@ -1368,20 +1308,6 @@ struct LogitRows {
                                                                    x_smem, late, early_ctas, early_rows);      \
     }
 
-#if GEMV2_DYNAMIC
-#define GEMV2_SWIGLU_DYN_KERNEL(J)                                                                             \
-    extern "C" __global__ void __maxnreg__(128)                                                                \
-        gemv2_swiglu_dyn_j##J(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm, float* out,  \
-                              int rows, int cols, int x_smem, int late, int* pools) {                          \
-        SwigluRows g{gate, up, out, (late & GEMV2_OUT_F16) != 0};                                              \
-        gemv2_walk<J, 1, 2, GEMV2_PAIR16, GEMV2_X_MODE, SwigluRows, true>(g, rows, cols, x, norm, 1, nullptr,  \
-                                                                          x_smem, late, 0, 0, pools);          \
-    }
-GEMV2_SWIGLU_DYN_KERNEL(1)
-GEMV2_SWIGLU_DYN_KERNEL(2)
-GEMV2_SWIGLU_DYN_KERNEL(3)
-#endif
-
 #define GEMV2_KERNELS(J, R, TABLE, SUFFIX) GEMV2_KERNELS_BOUNDED(J, R, TABLE, SUFFIX, __launch_bounds__(GEMV_THREADS, 1))
 
 // The f16-pair table with its rows in flight in 182-236 registers, one CTA per SM
@@ -1510,12 +1436,9 @@ __device__ __forceinline__ float embed_token(int token, Nf4Ref embed, float* out
 }
 
 // x = embedding row of state[TOKEN]; with ss_out, its sum of squares there (NormArgs).
-// `pools` (n_pools counts GEMV2_POOL_STRIDE apart; may be null): the dynamic SwiGLU walk's
-// counts (GEMV2_DYNAMIC), zeroed for this step.
 extern "C" __global__ void embed_row(const int* __restrict__ state, Nf4Ref embed, float* x, int hidden,
-                                     int vocab, float* ss_out, int* pools, int n_pools) {
+                                     int vocab, float* ss_out) {
     pdl_enter();
-    for (int i = threadIdx.x; i < n_pools; i += blockDim.x) pools[i * GEMV2_POOL_STRIDE] = 0;
     const float ss = embed_token(state[STATE_TOKEN], embed, x, hidden, vocab);
     if (ss_out) block_sum_to(ss, ss_out);
 }

@@ -12,9 +12,7 @@ use common::cuda_or_skip;
 use decodev2::cuda::bench::random_f32 as random;
 use decodev2::cuda::device::Gpu;
 use decodev2::cuda::kernels::Kernels;
-use decodev2::cuda::ops::{
-    GemvChoice, Input, Linear, Ops, QkvArgs, Variant, POOL_STRIDE, SWIGLU_POOLS,
-};
+use decodev2::cuda::ops::{GemvChoice, Input, Linear, Ops, QkvArgs, Variant};
 use decodev2::cuda::weights::DeviceMatrix;
 use decodev2::nf4::Nf4Matrix;
 use half::f16;
@@ -207,8 +205,6 @@ fn every_gemv_kernel_matches_the_cpu_at_every_v2_shape() {
             });
 
             // SwiGLU: silu(A x) * (B x); the error of each dot product carried through.
-            // Fresh pool counts for the dynamic walk (DV2_GEMV2_DYNAMIC=1), as embed_row leaves them.
-            let pools = gpu.zeros::<i32>(SWIGLU_POOLS * POOL_STRIDE).unwrap();
             let out = gpu.zeros::<f32>(rows).unwrap();
             ops.swiglu(
                 a.dev.as_ref(gpu),
@@ -218,16 +214,14 @@ fn every_gemv_kernel_matches_the_cpu_at_every_v2_shape() {
                 xp,
                 gpu.ptr(&out),
                 false,
-                gpu.ptr(&pools),
             )
             .unwrap();
             let swiglu = gpu.download(&out, rows).unwrap();
             if ops.swiglu_writes_f16(rows, k) {
                 // Written as f16 (DV2_FFN_F16): the f32 outputs rounded to nearest.
                 let out16 = gpu.zeros::<u16>(rows).unwrap();
-                let pools = gpu.zeros::<i32>(SWIGLU_POOLS * POOL_STRIDE).unwrap();
                 let (ga, gb) = (a.dev.as_ref(gpu), b.dev.as_ref(gpu));
-                ops.swiglu(ga, gb, rows, k, xp, gpu.ptr(&out16), true, gpu.ptr(&pools))
+                ops.swiglu(ga, gb, rows, k, xp, gpu.ptr(&out16), true)
                     .unwrap();
                 let want: Vec<u16> = swiglu.iter().map(|&v| f16::from_f32(v).to_bits()).collect();
                 assert_eq!(

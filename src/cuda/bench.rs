@@ -297,7 +297,6 @@ impl Bench {
                     Input::raw(xp),
                     yp,
                     false,
-                    0,
                 ),
                 _ => self
                     .ops

@@ -243,13 +243,6 @@ fn logits_prmt() -> bool {
     super::switch_on("DV2_LOGITS_PRMT")
 }
 
-/// Whether SwiGLU's GEMV v2 hands its rows out as the walk goes (`DV2_GEMV2_DYNAMIC=1`; off
-/// by default): its kernels are compiled (options) and loaded ([`Kernels::gemv2_swiglu_dyn`])
-/// only then.
-fn gemv2_dynamic() -> bool {
-    std::env::var("DV2_GEMV2_DYNAMIC").as_deref() == Ok("1")
-}
-
 /// The skewed row split's extra rows for GEMV v2's first half of CTAs (`var` = DV2_GEMV2_SKEW,
 /// DV2_DOWN_SKEW or DV2_LOGITS_SKEW; `default` when unset): read by Ops, and here for
 /// whether the plain and lm_head kernels hold the split (options).
@@ -339,9 +332,6 @@ fn options(arch: &str) -> Vec<String> {
     // gemv2_walk, GEMV2_SKEW_PLAIN) only where DV2_DOWN_SKEW or DV2_LOGITS_SKEW asks for one.
     let skew_plain = skew_rows("DV2_DOWN_SKEW", 0) != 0 || skew_rows("DV2_LOGITS_SKEW", 0) != 0;
     opts.push(format!("-DGEMV2_SKEW_PLAIN={}", i32::from(skew_plain)));
-    // SwiGLU's GEMV v2 with rows from per-warp pools (kernels/decode.cu, GEMV2_DYNAMIC;
-    // DV2_GEMV2_DYNAMIC=1).
-    opts.push(format!("-DGEMV2_DYNAMIC={}", i32::from(gemv2_dynamic())));
     // Each CTA's wait and end times (kernels/decode.cu, CTA_TIMELINE; DV2_CTA_TIMELINE=1, a
     // measuring tool read by CudaBackend::cta_timeline).
     opts.push(format!("-DCTA_TIMELINE={}", i32::from(cta_timeline())));
@@ -524,9 +514,6 @@ pub struct Kernels {
     pub logits_prmt: bool,
     pub gemv2_qkv: [[CudaFunction; 3]; 4],
     pub gemv2_swiglu: [[CudaFunction; 3]; 4],
-    /// SwiGLU's narrow kernels with rows from per-warp pools, by J (`DV2_GEMV2_DYNAMIC=1`;
-    /// compiled only then).
-    pub gemv2_swiglu_dyn: Option<[CudaFunction; 3]>,
     pub attn2_decode: CudaFunction,
     /// The same with its prologue's loads and stores in turn (`DV2_ATTN_BATCH=0`).
     pub attn2_decode_serial: CudaFunction,
@@ -683,11 +670,6 @@ impl Kernels {
             ],
             gemv2_qkv: gemv2("gemv2_qkv")?,
             gemv2_swiglu: gemv2("gemv2_swiglu")?,
-            gemv2_swiglu_dyn: if gemv2_dynamic() {
-                Some(gemv2_by_j("gemv2_swiglu_dyn", "")?)
-            } else {
-                None
-            },
             attn2_decode: f("attn2_decode")?,
             attn2_decode_serial: f("attn2_decode_serial")?,
             attn2_decode_late: f("attn2_decode_late")?,

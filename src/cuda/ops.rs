@@ -256,11 +256,6 @@ impl NormArgs {
 const GEMV2_X_F16: i32 = 2;
 const GEMV2_OUT_F16: i32 = 8;
 
-/// The dynamic SwiGLU walk's row pools (one per warp of a GEMV v2 CTA) and the ints from one
-/// pool's count to the next (kernels/decode.cu, GEMV2_POOL_STRIDE: 128 bytes).
-pub const SWIGLU_POOLS: usize = 8;
-pub const POOL_STRIDE: usize = 32;
-
 /// Room for partial sums of squares: more than any GEMV grid (v2: at most 8 CTAs per SM,
 /// v3: 2) on a 132-SM device.
 pub const MAX_PARTIAL_SUMS: usize = 4096;
@@ -1172,9 +1167,7 @@ impl Ops {
     }
 
     /// `out = silu(gate x) * (up x)`, f32, or f16 with `out_f16` (only as
-    /// [`Ops::swiglu_writes_f16`] allows). `pools` (0: none): [`SWIGLU_POOLS`] zeroed counts
-    /// (`GEMV2_POOL_STRIDE` ints apart) from which GEMV v2's dynamic kernels take rows
-    /// (`DV2_GEMV2_DYNAMIC=1`).
+    /// [`Ops::swiglu_writes_f16`] allows).
     #[allow(clippy::too_many_arguments)]
     pub fn swiglu(
         &self,
@@ -1185,7 +1178,6 @@ impl Ops {
         input: Input,
         out: u64,
         out_f16: bool,
-        pools: u64,
     ) -> Result<()> {
         let (rows_i, cols_i) = (rows as i32, cols as i32);
         let kernel = self.gemv_kernel(2 * rows, cols);
@@ -1213,12 +1205,6 @@ impl Ops {
                 let kp = kparts as i32;
                 let (xs, late) = self.gemv2_switches();
                 let late = late | if out_f16 { GEMV2_OUT_F16 } else { 0 };
-                match &self.k.gemv2_swiglu_dyn {
-                    Some(dyn_kernels) if pools != 0 && kparts == 1 && self.gemv2_table() == 3 => {
-                        return launch!(self.gpu, &dyn_kernels[j - 1], cfg; gate, up, x, norm, out, rows_i, cols_i, xs, late, pools);
-                    }
-                    _ => {}
-                }
                 let (early_ctas, early_rows) = skewed_split(rows, cfg.grid_dim.0, self.gemv2_skew);
                 launch!(self.gpu, &self.k.gemv2_swiglu[self.gemv2_table()][j - 1], cfg; gate, up, x, norm, out, rows_i, cols_i, kp, xs, late, early_ctas, early_rows)
             }

@@ -17,8 +17,7 @@ use super::device::{driver_error, Gpu};
 use super::kernels::state;
 use super::ops::{
     attn_partials, one_cta, AttnArgs, Epilogue, GemmMatrix, Input, LogitsHead, Norm, Ops,
-    PartialSums, PrefillAttnArgs, QkvArgs, ARGMAX_SCRATCH, MAX_PARTIAL_SUMS, POOL_STRIDE,
-    SWIGLU_POOLS,
+    PartialSums, PrefillAttnArgs, QkvArgs, ARGMAX_SCRATCH, MAX_PARTIAL_SUMS,
 };
 use super::weights::{self, DeviceMatrix, DeviceModel, Nf4Ref};
 use crate::arch::ArchSpec;
@@ -78,35 +77,13 @@ pub fn timing_event(gpu: &Gpu) -> Result<CudaEvent> {
         .map_err(driver_error("event create"))
 }
 
-/// The captured step: one step, and (`DV2_GRAPH_STEPS` = n > 1) n steps in a row, which
-/// step_n replays while n or more are left. Why: between two replays the GPU idles ~1.6 µs
-/// and the step's first kernel cannot start early beside the last one (docs/lab.md, session
-/// 19). CUDA graph handles are not internally synchronised but may be used from any thread
-/// when calls are serialised.
-struct StepGraph {
-    one: CudaGraph,
-    many: Option<(CudaGraph, usize)>,
-}
+/// The captured step. CUDA graph handles are not internally synchronised but may be used
+/// from any thread when calls are serialised.
+struct StepGraph(CudaGraph);
 
-// SAFETY: the graphs are only reached through `&mut CudaBackend` (one thread at a time),
-// which serialises every call on them, as the CUDA graph thread-safety rules require.
+// SAFETY: the graph is only reached through `&mut CudaBackend` (one thread at a time), which
+// serialises every call on it, as the CUDA graph thread-safety rules require.
 unsafe impl Send for StepGraph {}
-
-/// Steps per replay of the longer step graph (`DV2_GRAPH_STEPS`, 1 to 64; 1: none).
-fn graph_steps(env: Option<&str>) -> Result<usize> {
-    match env {
-        None => Ok(DEFAULT_GRAPH_STEPS),
-        Some(v) => match v.parse::<usize>() {
-            Ok(n) if (1..=64).contains(&n) => Ok(n),
-            _ => Err(Error::InvalidArgument(format!(
-                "DV2_GRAPH_STEPS={v} (1 to 64)"
-            ))),
-        },
-    }
-}
-
-/// Steps per replay of the longer step graph when `DV2_GRAPH_STEPS` is unset.
-pub const DEFAULT_GRAPH_STEPS: usize = 1;
 
 /// Prompt tokens per prefill chunk when the options leave it open (`DV2_PREFILL_CHUNK`
 /// overrides it).
@@ -132,8 +109,6 @@ struct Arena {
     ring: CudaSlice<i32>,
     /// argmax_logits' arrival count (zero between launches) and its CTAs' (value, index).
     argmax: CudaSlice<i32>,
-    /// Each layer's SwiGLU row pools (DV2_GEMV2_DYNAMIC=1), zeroed by embed_row every step.
-    pools: CudaSlice<i32>,
 }
 
 /// Device addresses of the arena's activation buffers (row 0 is the decode step's).
@@ -157,7 +132,7 @@ pub struct CudaBackend {
     rope_cos: CudaSlice<f32>,
     rope_sin: CudaSlice<f32>,
     arena: Arena,
-    /// The greedy step (forward + commit) captured at load; None runs it eagerly.
+    /// One greedy step (forward + commit) captured at load; None runs it eagerly.
     graph: Option<StepGraph>,
     /// Prompt tokens per prefill chunk; 0: one token at a time through the decode step.
     chunk: usize,
@@ -238,7 +213,6 @@ impl CudaBackend {
             prompt: gpu.zeros(max_seq)?,
             ring: gpu.zeros(max_seq)?,
             argmax: gpu.zeros(ARGMAX_SCRATCH)?,
-            pools: gpu.zeros(s.n_layers * SWIGLU_POOLS * POOL_STRIDE)?,
         };
         let mut backend = Self {
             k_cache: gpu.upload(&poison)?,
@@ -269,32 +243,21 @@ impl CudaBackend {
     /// the step into a graph. The probe's KV write lands in slot 0, which the next request
     /// overwrites before reading; the state is reset afterwards.
     fn capture(&mut self) -> Result<()> {
-        let steps = graph_steps(std::env::var("DV2_GRAPH_STEPS").ok().as_deref())?;
         self.record_step()?;
         self.ops.gpu.sync()?;
-        let one = self.capture_steps(1)?;
-        let many = match steps {
-            1 => None,
-            n => Some((self.capture_steps(n)?, n)),
-        };
-        self.graph = Some(StepGraph { one, many });
-        self.reset()
-    }
-
-    /// A graph of `n` steps in a row, uploaded.
-    fn capture_steps(&self, n: usize) -> Result<CudaGraph> {
         let stream = self.ops.gpu.stream.clone();
         stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
             .map_err(driver_error("begin capture"))?;
-        let recorded = (0..n).try_for_each(|_| self.record_step());
+        let recorded = self.record_step();
         let graph = stream
             .end_capture(CUgraphInstantiate_flags(0))
             .map_err(driver_error("end capture"));
         recorded?;
         let graph = graph?.ok_or_else(|| Error::Cuda("stream capture produced no graph".into()))?;
         graph.upload().map_err(driver_error("graph upload"))?;
-        Ok(graph)
+        self.graph = Some(StepGraph(graph));
+        self.reset()
     }
 
     /// Enqueues one greedy step: forward with logits, then the commit (in lm_head's kernel
@@ -388,16 +351,7 @@ impl CudaBackend {
                     ops.gemv(w.as_ref(gpu), s.hidden, k, input, x, true, 0, ss_out, next)?;
                 Ok::<_, Error>(sums(parts))
             };
-        // The SwiGLU row pools, where its dynamic kernels are loaded: zeroed by embed_row.
-        let (pools, n_pools) = match ops.k.gemv2_swiglu_dyn {
-            Some(_) => (self.ptr(&a.pools), (s.n_layers * SWIGLU_POOLS) as i32),
-            None => (0, 0),
-        };
-        let layer_pools = |l: usize| match pools {
-            0 => 0,
-            p => p + (l * SWIGLU_POOLS * POOL_STRIDE * 4) as u64,
-        };
-        launch!(gpu, &ops.k.embed_row, one_cta(256); state, embed, x, hidden, vocab, ss_out, pools, n_pools)?;
+        launch!(gpu, &ops.k.embed_row, one_cta(256); state, embed, x, hidden, vocab, ss_out)?;
         let mut x_sums = sums(1);
         mark("embed")?;
         let layer_bytes = (2 * kv_stride(self.max_seq) * s.kv_dim()) as u64;
@@ -445,7 +399,6 @@ impl CudaBackend {
                 input,
                 act,
                 act_f16,
-                layer_pools(l),
             )?;
             mark("ffn_norm + gate/up SwiGLU")?;
             let act_in = Input {
@@ -796,24 +749,11 @@ impl Backend for CudaBackend {
     fn step_n(&mut self, out: &mut [u32]) -> Result<usize> {
         let state = self.ptr(&self.state);
         launch!(self.ops.gpu, &self.ops.k.ring_reset, one_cta(1); state)?;
-        let mut left = out.len();
-        while left > 0 {
-            left -= match &self.graph {
-                Some(StepGraph {
-                    many: Some((g, n)), ..
-                }) if left >= *n => {
-                    g.launch().map_err(driver_error("graph launch"))?;
-                    *n
-                }
-                Some(g) => {
-                    g.one.launch().map_err(driver_error("graph launch"))?;
-                    1
-                }
-                None => {
-                    self.record_step()?;
-                    1
-                }
-            };
+        for _ in 0..out.len() {
+            match &self.graph {
+                Some(g) => g.0.launch().map_err(driver_error("graph launch"))?,
+                None => self.record_step()?,
+            }
         }
         let st = self.read_state()?;
         let done = st[state::RING_COUNT] as usize;
@@ -860,18 +800,6 @@ impl Backend for CudaBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn graph_steps_take_the_environment_or_the_default() {
-        assert_eq!(graph_steps(None).unwrap(), DEFAULT_GRAPH_STEPS);
-        assert_eq!(graph_steps(Some("8")).unwrap(), 8);
-        for bad in ["0", "65", "many"] {
-            assert!(
-                matches!(graph_steps(Some(bad)), Err(Error::InvalidArgument(_))),
-                "{bad}"
-            );
-        }
-    }
 
     #[test]
     fn chunk_size_takes_the_option_then_the_environment_then_the_default() {
