@@ -108,7 +108,7 @@ fn time_decode(
 }
 
 /// One graph step of the Qwen2.5-3B shape (prompt 48, after 7 steps) recorded CTA by CTA
-/// (`DV2_CTA_TIMELINE=1`): grid id, kind (0 wait, 1 end), SM, CTAs, CTA, t0 and t1 in ns.
+/// (`DV2_CTA_TIMELINE=1`): grid id, kind (0 wait, 1 end, 2 start), SM, CTAs, CTA, t0 and t1 in ns.
 fn cta_timeline(path: &str) {
     let qwen = synth::build(&QWEN25_3B, 0).unwrap();
     let mut b = CudaBackend::new(&qwen, 2048, None, 0, true, 0).expect("cuda backend");
@@ -724,6 +724,7 @@ fn main() {
             ("qwen25_3b logits-argmax=0", &[("DV2_LOGITS_ARGMAX", "0")]),
             ("qwen25_3b commit-fused=0", &[("DV2_COMMIT_FUSED", "0")]),
             ("qwen25_3b logits-prmt=0", &[("DV2_LOGITS_PRMT", "0")]),
+            ("qwen25_3b w-before-table=1", &[("DV2_W_BEFORE_TABLE", "1")]),
             ("qwen25_3b gemv2-skew=0", &[("DV2_GEMV2_SKEW", "0")]),
             ("qwen25_3b gemv2-skew=1", &[("DV2_GEMV2_SKEW", "1")]),
             ("qwen25_3b gemv2-skew=3", &[("DV2_GEMV2_SKEW", "3")]),

@@ -476,7 +476,8 @@ impl CudaBackend {
     /// `DV2_CTA_TIMELINE=1` at load (kernels/decode.cu, CTA_TIMELINE): runs `steps` decode steps
     /// as [`Backend::step_n`] does, the recording on for the last, and returns its records:
     /// [grid id, kind << 56 | SM << 48 | CTAs << 24 | CTA, t0, t1] in globaltimer ns, kind 0 a
-    /// CTA's PDL wait (t0 before it, t1 after), kind 1 a GEMV or attention CTA's end (t0).
+    /// CTA's PDL wait (t0 before it, t1 after), kind 1 a GEMV or attention CTA's end (t0), kind 2
+    /// its start (t0).
     pub fn cta_timeline(&mut self, steps: usize) -> Result<Vec<[u64; 4]>> {
         if !super::kernels::cta_timeline() {
             return Err(Error::Unsupported(

@@ -21,7 +21,7 @@ for r in csv.DictReader(open(sys.argv[1])):
     g = grids.setdefault(r["grid_id"], {"ctas": int(r["ctas"]), "wait": [], "end": []})
     if r["kind"] == "0":
         g["wait"].append((int(r["cta"]), int(r["t0"]), int(r["t1"])))
-    else:
+    elif r["kind"] == "1":
         g["end"].append((int(r["cta"]), int(r["t0"])))
 order = sorted((g for g in grids.values() if g["wait"]), key=lambda g: min(w[1] for w in g["wait"]))
 print(f"{len(order)} kernels, {sum(len(g['wait']) for g in order)} CTA waits, {sum(len(g['end']) for g in order)} CTA ends")
