@@ -1254,16 +1254,6 @@ __device__ __forceinline__ bool argmax_across_ctas(float& best, int& best_i, int
 // read of the 600 KB of logits. Measured: -0.0017 ms/token (session 16, run 2). With
 // `ring` (DV2_COMMIT_FUSED, the decode step's graph), that CTA also commits the id as
 // commit_step would, one kernel fewer a step (its launch added 1.0 us, session 16's trace).
-// GEMV2_LOGITS_EMBED (an NVRTC define, DV2_EMBED_FUSED): with `x_next` set (the decode
-// step's graph, its commit fused too), that CTA also writes the next token's embedding row into
-// x and its sum of squares into `ss_next`, as embed_row at the next step's start would. Why:
-// embed_row took 3.1 us a step in the graph (docs/lab.md, session 18), one CTA, with its own
-// launch and wait; the CTA that picks the token has it at hand. Every other path that sets
-// the token (prefill's end, the profiled step) runs embed_row after it (src/cuda/step.rs).
-#ifndef GEMV2_LOGITS_EMBED
-#define GEMV2_LOGITS_EMBED 0
-#endif
-__device__ __forceinline__ float embed_token(int token, Nf4Ref embed, float* out, int hidden, int vocab);
 struct LogitRows {
     static constexpr bool prmt_table = GEMV2_LOGITS_PRMT;  // the walk's table for PRMT
     Nf4Ref m;
@@ -1272,10 +1262,6 @@ struct LogitRows {
     int* scratch;
     int eos;
     int* ring;  // null: no commit
-    Nf4Ref embed;
-    float* x_next;  // null: no embedding (GEMV2_LOGITS_EMBED)
-    float* ss_next;
-    int hidden, vocab;
     mutable float best;
     mutable int best_i;
     __device__ Nf4Ref matrix(int, int) const { return m; }
@@ -1294,24 +1280,11 @@ struct LogitRows {
         int bi = best_i;
         block_argmax(b, bi);
         if (!argmax_across_ctas(b, bi, scratch)) return;
-#if GEMV2_LOGITS_EMBED
-        __shared__ int next_s;
-#endif
         if (threadIdx.x == 0) {
             const int next = bi < 0 ? 0 : bi;
             state[STATE_NEXT_TOKEN] = next;
             if (ring) commit(next);
-#if GEMV2_LOGITS_EMBED
-            next_s = next;
-#endif
         }
-#if GEMV2_LOGITS_EMBED
-        if (!x_next) return;
-        __syncthreads();
-        // Every CTA read x (staged at its start) before it arrived, so x is free.
-        const float ss = embed_token(next_s, embed, x_next, hidden, vocab);
-        if (ss_next) block_sum_to(ss, ss_next);
-#endif
     }
     // commit_step's work (DV2_COMMIT_FUSED): the CTAs skipped this launch while finished was
     // set, so finished is clear here.
@@ -1381,9 +1354,8 @@ GEMV2_KERNELS_BOUNDED(3, 1, GEMV2_PAIR16, _narrow, __maxnreg__(128))
     extern "C" __global__ void __maxnreg__(128)                                                                \
         gemv2_logits_j##J##_narrow(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y, int rows,   \
                                    int cols, int kparts, const int* skip_if, int x_smem, int late, int* state, \
-                                   int* scratch, int eos, int* ring, int early_ctas, int early_rows,           \
-                                   Nf4Ref embed, float* x_next, float* ss_next) {                              \
-        LogitRows p{m, y, state, scratch, eos, ring, embed, x_next, ss_next, cols, rows, NEG_INF, -1};         \
+                                   int* scratch, int eos, int* ring, int early_ctas, int early_rows) {         \
+        LogitRows p{m, y, state, scratch, eos, ring, NEG_INF, -1};                                             \
         gemv2_walk<J, R, 1, GEMV2_PAIR16, GEMV2_X_MODE>(p, rows, cols, x, norm, kparts, skip_if, x_smem, late, \
                                                         early_ctas, early_rows);                               \
     }

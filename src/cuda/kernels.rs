@@ -243,13 +243,6 @@ fn logits_prmt() -> bool {
     super::switch_on("DV2_LOGITS_PRMT")
 }
 
-/// Whether those kernels can also write the next token's embedding (`DV2_EMBED_FUSED=1`;
-/// off by default): compiled in (options), so fixed for a loaded module:
-/// [`Kernels::logits_embed`].
-fn logits_embed() -> bool {
-    std::env::var("DV2_EMBED_FUSED").as_deref() == Ok("1")
-}
-
 /// The skewed row split's extra rows for GEMV v2's first half of CTAs (`var` = DV2_GEMV2_SKEW,
 /// DV2_DOWN_SKEW or DV2_LOGITS_SKEW; `default` when unset): read by Ops, and here for
 /// whether the plain and lm_head kernels hold the split (options).
@@ -335,11 +328,6 @@ fn options(arch: &str) -> Vec<String> {
     // Their table addressed by PRMT, GEMV2_PRMT_TABLE bytes before x (GEMV2_LOGITS_PRMT;
     // DV2_LOGITS_PRMT=0: as the other v2 kernels').
     opts.push(format!("-DGEMV2_LOGITS_PRMT={}", i32::from(logits_prmt())));
-    // Their last CTA embeds the next token too (GEMV2_LOGITS_EMBED; DV2_EMBED_FUSED=1).
-    opts.push(format!(
-        "-DGEMV2_LOGITS_EMBED={}",
-        i32::from(logits_embed())
-    ));
     // The plain and lm_head GEMV v2 kernels hold the skewed row split (kernels/decode.cu,
     // gemv2_walk, GEMV2_SKEW_PLAIN) only where DV2_DOWN_SKEW or DV2_LOGITS_SKEW asks for one.
     let skew_plain = skew_rows("DV2_DOWN_SKEW", 0) != 0 || skew_rows("DV2_LOGITS_SKEW", 0) != 0;
@@ -528,8 +516,6 @@ pub struct Kernels {
     /// Those kernels take their table in dynamic shared memory before x, [`GEMV2_PRMT_TABLE`]
     /// bytes (`DV2_LOGITS_PRMT`, compiled in).
     pub logits_prmt: bool,
-    /// Those kernels can write the next token's embedding (`DV2_EMBED_FUSED=1`, compiled in).
-    pub logits_embed: bool,
     pub gemv2_qkv: [[CudaFunction; 3]; 4],
     pub gemv2_swiglu: [[CudaFunction; 3]; 4],
     pub attn2_decode: CudaFunction,
@@ -682,7 +668,6 @@ impl Kernels {
                 None
             },
             logits_prmt: logits_prmt(),
-            logits_embed: logits_embed(),
             gemv2_nf4_x16: [
                 gemv2_by_j("gemv2_nf4", "_x16")?,
                 gemv2_by_j("gemv2_nf4", "_narrow_x16")?,

@@ -120,18 +120,13 @@ impl L2Next {
 /// Where lm_head's argmax kernel ([`Ops::logits_argmax`]) leaves its result: the decode
 /// state (next_token), the argmax scratch ([`ARGMAX_SCRATCH`] words, zero between launches),
 /// and with `ring` (a device address, 0: none) the commit of the greedy id, as commit_step
-/// (appended to the ring, fed next, finished at `eos`, -1: none); with `x_next` too (0:
-/// none; only where [`Kernels::logits_embed`] compiled it in), the next token's row of
-/// `embed` into x_next and its sum of squares into `ss_next` (0: none), as embed_row.
+/// (appended to the ring, fed next, finished at `eos`, -1: none).
 #[derive(Clone, Copy, Debug)]
 pub struct LogitsHead {
     pub state: u64,
     pub scratch: u64,
     pub eos: i32,
     pub ring: u64,
-    pub embed: Nf4Ref,
-    pub x_next: u64,
-    pub ss_next: u64,
 }
 
 /// kernels/decode.cu `AttnArgs`.
@@ -1066,11 +1061,18 @@ impl Ops {
         let Some(kernels) = &self.k.gemv2_logits else {
             return Ok(false);
         };
-        if input.f16 || !self.logits_argmax_applies(rows, cols)? {
+        let kernel = self.gemv_kernel(rows, cols);
+        if self.linear != Linear::Gemv
+            || kernel != Variant::V2
+            || input.f16
+            || self.gemv2_table() != 3
+        {
             return Ok(false);
         }
-        let kernel = self.gemv_kernel(rows, cols);
         let (j, kparts, mut cfg) = self.gemv_v2_launch(rows, cols, false)?;
+        if cfg.grid_dim.0 as usize > MAX_ARGMAX_CTAS {
+            return Ok(false);
+        }
         if self.k.logits_prmt {
             cfg.shared_mem_bytes += GEMV2_PRMT_TABLE as u32; // the table, before x
         }
@@ -1083,32 +1085,10 @@ impl Ops {
             scratch,
             eos,
             ring,
-            embed,
-            x_next,
-            ss_next,
         } = head;
-        if x_next != 0 && !self.k.logits_embed {
-            return Err(Error::Internal(
-                "an embedding asked of lm_head's kernel without GEMV2_LOGITS_EMBED".into(),
-            ));
-        }
         let (early_ctas, early_rows) = skewed_split(rows, cfg.grid_dim.0, self.logits_skew);
-        launch!(self.gpu, &kernels[j - 1], cfg; m, x, norm, y, rows_i, cols_i, kp, skip_if, xs, late, state, scratch, eos, ring, early_ctas, early_rows, embed, x_next, ss_next)?;
+        launch!(self.gpu, &kernels[j - 1], cfg; m, x, norm, y, rows_i, cols_i, kp, skip_if, xs, late, state, scratch, eos, ring, early_ctas, early_rows)?;
         Ok(true)
-    }
-
-    /// Whether [`Ops::logits_argmax`] takes a `rows` x `cols` lm_head with an f32 input
-    /// (its kernels compiled, lm_head on the default GEMV v2 kernels, few enough CTAs).
-    pub fn logits_argmax_applies(&self, rows: usize, cols: usize) -> Result<bool> {
-        if self.k.gemv2_logits.is_none()
-            || self.linear != Linear::Gemv
-            || self.gemv_kernel(rows, cols) != Variant::V2
-            || self.gemv2_table() != 3
-        {
-            return Ok(false);
-        }
-        let (_, _, cfg) = self.gemv_v2_launch(rows, cols, false)?;
-        Ok(cfg.grid_dim.0 as usize <= MAX_ARGMAX_CTAS)
     }
 
     /// Whether a GEMV `kernel` takes an f16 input ([`Input::raw_f16`]): GEMV v2 with the

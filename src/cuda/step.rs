@@ -138,11 +138,6 @@ pub struct CudaBackend {
     chunk: usize,
     /// Host time of the eager probe step and the graph capture at load (0 without a graph).
     warmup_ms: f64,
-    /// The greedy step's lm_head kernel commits and embeds the next token
-    /// (`DV2_EMBED_FUSED=1` where that kernel takes lm_head and the commit is fused): the
-    /// step then starts without embed_row, and every other path that sets the token (the
-    /// end of a prefill, the profiled step) runs embed_row after it.
-    embed_fused: bool,
 }
 
 /// The prefill chunk: 0 (the token-at-a-time path) under `DV2_PREFILL=n1` or when no prefill
@@ -198,9 +193,6 @@ impl CudaBackend {
         let rows = chunk.max(1);
         budget::estimate(host, max_seq, chunk).check(free, total)?;
         ops.fit(&s, max_seq)?;
-        let embed_fused = ops.k.logits_embed
-            && ops.commit_fused
-            && ops.logits_argmax_applies(s.vocab, s.hidden)?;
         let gpu = &ops.gpu;
         let model = weights::upload(gpu, host)?;
         let rope = RopeTable::new(max_seq, s.head_dim, s.rope_theta)?;
@@ -236,7 +228,6 @@ impl CudaBackend {
             graph: None,
             chunk,
             warmup_ms: 0.0,
-            embed_fused,
             ops,
         };
         backend.ops.gpu.sync()?;
@@ -277,30 +268,6 @@ impl CudaBackend {
         }
         let (state, eos, ring) = (self.ptr(&self.state), self.eos, self.ptr(&self.arena.ring));
         launch!(self.ops.gpu, &self.ops.k.commit_step, one_cta(1); state, eos, ring)
-    }
-
-    /// x = the embedding row of the state's token, with its sum of squares where the GEMVs
-    /// take their producer's sums.
-    fn embed(&self) -> Result<()> {
-        let (gpu, s) = (&self.ops.gpu, &self.spec);
-        let (state, x, ss_out) = (
-            self.ptr(&self.state),
-            self.ptr(&self.arena.x),
-            self.embed_sums(),
-        );
-        let embed = self.model.embed.as_ref(gpu);
-        let (hidden, vocab) = (s.hidden as i32, s.vocab as i32);
-        launch!(gpu, &self.ops.k.embed_row, one_cta(256); state, embed, x, hidden, vocab, ss_out)
-    }
-
-    /// Where a writer of x leaves its partial sums of squares (0: the GEMVs norm x without
-    /// them).
-    fn embed_sums(&self) -> u64 {
-        if self.ops.producer_sums() {
-            self.ptr(&self.arena.sums)
-        } else {
-            0
-        }
     }
 
     fn ptr<T>(&self, buf: &CudaSlice<T>) -> u64 {
@@ -366,9 +333,15 @@ impl CudaBackend {
             act,
         } = self.activations();
         let state = self.ptr(&self.state);
+        let (hidden, vocab) = (s.hidden as i32, s.vocab as i32);
+        let embed = self.model.embed.as_ref(gpu);
         // Each writer of x leaves its partial sums of squares for the next RMSNorm, which the
         // consuming GEMV then folds into its x load (DV2_FUSE_RMS; no RMSNorm kernels).
-        let ss_out = self.embed_sums();
+        let ss_out = if ops.producer_sums() {
+            self.ptr(&a.sums)
+        } else {
+            0
+        };
         let sums = |parts: usize| (ss_out != 0).then_some(PartialSums { ptr: ss_out, parts });
         // x += W input (the residual add), with the partial sums for the next norm; `next`:
         // weights to prefetch into L2 at the end of the GEMV's walk.
@@ -378,11 +351,7 @@ impl CudaBackend {
                     ops.gemv(w.as_ref(gpu), s.hidden, k, input, x, true, 0, ss_out, next)?;
                 Ok::<_, Error>(sums(parts))
             };
-        // x holds the token's embedding already where the last commit wrote it (see
-        // `embed_fused`).
-        if !(commit && self.embed_fused) {
-            self.embed()?;
-        }
+        launch!(gpu, &ops.k.embed_row, one_cta(256); state, embed, x, hidden, vocab, ss_out)?;
         let mut x_sums = sums(1);
         mark("embed")?;
         let layer_bytes = (2 * kv_stride(self.max_seq) * s.kv_dim()) as u64;
@@ -480,17 +449,11 @@ impl CudaBackend {
         } else {
             0
         };
-        // The next token's embedding from the same CTA (DV2_EMBED_FUSED=1): this step's
-        // graph then starts at the first layer.
-        let embeds = commit && self.embed_fused;
         let head = LogitsHead {
             state,
             scratch,
             eos: self.eos,
             ring,
-            embed: self.model.embed.as_ref(&ops.gpu),
-            x_next: if embeds { x } else { 0 },
-            ss_next: if embeds { self.embed_sums() } else { 0 },
         };
         if ops.logits_argmax(lm_head, s.vocab, s.hidden, input, out, skip_if, head)? {
             return Ok(commit);
@@ -562,9 +525,6 @@ impl CudaBackend {
         let (state, eos, ring) = (self.ptr(&self.state), self.eos, self.ptr(&self.arena.ring));
         launch!(self.ops.gpu, &self.ops.k.commit_step, one_cta(1); state, eos, ring)?;
         marks.record(&self.ops.gpu, "commit")?;
-        if self.embed_fused {
-            self.embed()?;
-        }
         self.ops.gpu.sync()?;
         marks.totals()
     }
@@ -781,9 +741,6 @@ impl Backend for CudaBackend {
         }
         let eos = self.eos;
         launch!(self.ops.gpu, &self.ops.k.finish_prefill, one_cta(1); state, eos)?;
-        if self.embed_fused {
-            self.embed()?;
-        }
         self.ops.gpu.sync()
     }
 
