@@ -917,14 +917,6 @@ __device__ __forceinline__ float dot_row_pair16(const RowChunks<J>& rc, const XH
 #ifndef GEMV2_SKEW_PLAIN
 #define GEMV2_SKEW_PLAIN 0
 #endif
-// W_BEFORE_TABLE (an NVRTC define, DV2_W_BEFORE_TABLE; GEMV v2 and v3): a CTA issues its
-// first weight loads before it builds its byte table, not after. Why: a CTA that starts only
-// as the previous kernel's leave reaches its PDL wait ~1.0-1.4 us after the slot frees
-// (docs/lab.md, session 19), and where that is after the release, the table build sits
-// between its start and its first weights' round trip.
-#ifndef W_BEFORE_TABLE
-#define W_BEFORE_TABLE 0
-#endif
 template <int J, int R, int NM, int TABLE, int XM, typename Rows>
 __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, const float* __restrict__ x,
                                            NormArgs norm, int kparts, const int* skip_if, int x_smem_arg,
@@ -946,13 +938,10 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     u32* pair16_lut = prmt_table ? reinterpret_cast<u32*>(gemv2_dyn) : pair16_static;
     float* x_staged = gemv2_dyn + (prmt_table ? PRMT_LUT_WORDS : 0);
     timeline_start();
-    auto load_table = [&]() {
-        if (prmt_table) load_byte_codebook_prmt(pair16_lut);
-        else if (TABLE == GEMV2_PAIR16) load_byte_codebook(pair16_lut);
-        else if (TABLE == GEMV2_PAIR32) load_pair_codebook(pair_lut);
-        else load_codebook(lut);
-    };
-    if (!W_BEFORE_TABLE) load_table();
+    if (prmt_table) load_byte_codebook_prmt(pair16_lut);
+    else if (TABLE == GEMV2_PAIR16) load_byte_codebook(pair16_lut);
+    else if (TABLE == GEMV2_PAIR32) load_pair_codebook(pair_lut);
+    else load_codebook(lut);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const u32 lane8 = (lane & 15) * 8, lane4 = lane * 4;
     // kparts is 1, 2, 4 or 8 (the host's gemv2_shape): the warp's roles by shifts and masks.
@@ -1007,7 +996,6 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     // round trips for the norm's partial sums and x; 0 (DV2_GEMV_WFIRST=0) after x is in
     // registers.
     if (w_first == 2) load_block(r0, cur);
-    if (W_BEFORE_TABLE) load_table();
     pdl_enter();
     if (skip_if && *skip_if) return;
     if (w_first == 1) load_block(r0, cur);

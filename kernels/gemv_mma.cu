@@ -168,7 +168,7 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
             gemv3_prefetch<T, EPI>(a, blockIdx.x + i * gridDim.x);
 #endif
     timeline_start();
-    if (!W_BEFORE_TABLE) load_byte_codebook(lut);
+    load_byte_codebook(lut);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const u32 lane4 = 4 * lane;
     const int kblocks = a.k >> 6;
@@ -182,7 +182,6 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
     Gemv3Stage<T, S> cur, nxt;
     const bool first_ok = stages > 0 && (int)blockIdx.x < groups;
     if (GEMV3_W_FIRST == 2 && first_ok) gemv3_load<T, S, EPI>(a, blockIdx.x, kb0, kb1, g, t, cur);
-    if (W_BEFORE_TABLE) load_byte_codebook(lut);
     pdl_enter();
     if (a.skip_if && *a.skip_if) return;
     if (GEMV3_W_FIRST == 1 && first_ok) gemv3_load<T, S, EPI>(a, blockIdx.x, kb0, kb1, g, t, cur);

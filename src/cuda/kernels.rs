@@ -332,10 +332,6 @@ fn options(arch: &str) -> Vec<String> {
     // gemv2_walk, GEMV2_SKEW_PLAIN) only where DV2_DOWN_SKEW or DV2_LOGITS_SKEW asks for one.
     let skew_plain = skew_rows("DV2_DOWN_SKEW", 0) != 0 || skew_rows("DV2_LOGITS_SKEW", 0) != 0;
     opts.push(format!("-DGEMV2_SKEW_PLAIN={}", i32::from(skew_plain)));
-    // GEMV v2's and v3's first weights issued before their byte table is built
-    // (kernels/decode.cu, W_BEFORE_TABLE; DV2_W_BEFORE_TABLE=1).
-    let w_before_table = std::env::var("DV2_W_BEFORE_TABLE").as_deref() == Ok("1");
-    opts.push(format!("-DW_BEFORE_TABLE={}", i32::from(w_before_table)));
     // Each CTA's wait and end times (kernels/decode.cu, CTA_TIMELINE; DV2_CTA_TIMELINE=1, a
     // measuring tool read by CudaBackend::cta_timeline).
     opts.push(format!("-DCTA_TIMELINE={}", i32::from(cta_timeline())));
