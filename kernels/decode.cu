@@ -504,8 +504,11 @@ __device__ __forceinline__ void load_x_slice(const float* __restrict__ x, int pa
 #define X_BATCH 8
 // XB: quads per thread per round of loads (X_BATCH, or GEMV v3's GEMV3_X_BATCH).
 template <int THREADS, int XB = X_BATCH, typename Use>
-__device__ __forceinline__ void for_each_x_quad(const float* __restrict__ x, int cols, NormArgs norm, Use use) {
-    const int quads = cols >> 2;
+// [q_begin, q_end): the quads taken (default: all; GEMV v3's K halves take theirs), the norm
+// still over all cols.
+__device__ __forceinline__ void for_each_x_quad(const float* __restrict__ x, int cols, NormArgs norm, Use use,
+                                                int q_begin = 0, int q_end = -1) {
+    const int quads = q_end < 0 ? cols >> 2 : q_end;
     float4 xv[XB];
     uint2 wv[XB];
     auto load = [&](int base) {
@@ -518,9 +521,9 @@ __device__ __forceinline__ void for_each_x_quad(const float* __restrict__ x, int
             }
         }
     };
-    load(threadIdx.x);
+    load(q_begin + threadIdx.x);
     const float r = norm.w ? norm_factor(norm, cols) : 1.0f;
-    for (int base = threadIdx.x;;) {
+    for (int base = q_begin + threadIdx.x;;) {
 #pragma unroll
         for (int u = 0; u < XB; u++) {
             const int q = base + u * THREADS;
@@ -1450,6 +1453,12 @@ extern "C" __global__ void embed_row(const int* __restrict__ state, Nf4Ref embed
     if (ss_out) block_sum_to(ss, ss_out);
 }
 
+// GEMV3_KHALVES (an NVRTC define, DV2_QKV_KHALVES=1): q/k/v's GEMV v3 in K halves
+// (kernels/gemv_mma.cu, gemv3_store_lean_kh2), the attention adding the two parts.
+#ifndef GEMV3_KHALVES
+#define GEMV3_KHALVES 0
+#endif
+
 // Flash-decode attention, one (q head, time split) per CTA, RoPE and the KV write fused.
 //
 // Reads position p from the state; valid_len = p + 1. Every CTA rotates q and the current k
@@ -1469,6 +1478,7 @@ struct AttnArgs {
     int n_q, n_kv, head_dim, max_seq, n_splits;
     float scale;
     int heads_per_cta;  // attention v3: q heads per CTA (the host's division)
+    const float* qkv2;  // GEMV3_KHALVES: q/k/v's K-half-1 sums (half 0's, with the bias, at qkv), or zeros
 };
 
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode(AttnArgs a) {
@@ -1622,6 +1632,9 @@ __device__ __forceinline__ void rotate_live_batched(const AttnArgs& a, int kvh, 
     for (int u = 0; u < VL; u++) {
         const int d = threadIdx.x + u * ATTN_THREADS;
         vl[u] = d < hd ? qkv_v[d] : 0.0f;
+#if GEMV3_KHALVES
+        if (d < hd) vl[u] += a.qkv2[(a.n_q + a.n_kv) * hd + kvh * hd + d];  // half 0 (with the bias) first
+#endif
     }
     for (int base = threadIdx.x; base < (gn + 1) * half; base += RB * ATTN_THREADS) {
         float c[RB], sn[RB], x1[RB], x2[RB];
@@ -1634,6 +1647,11 @@ __device__ __forceinline__ void rotate_live_batched(const AttnArgs& a, int kvh, 
                 sn[u] = sin_p[i % half];
                 x1[u] = src[i % half];
                 x2[u] = src[i % half + half];
+#if GEMV3_KHALVES
+                const float* src2 = a.qkv2 + (src - a.qkv);
+                x1[u] += src2[i % half];
+                x2[u] += src2[i % half + half];
+#endif
             }
         }
 #pragma unroll

@@ -151,8 +151,16 @@ __device__ __forceinline__ void gemv3_prefetch(const GemmArgs& a, int group) {
 // Persistent: CTA b takes row groups b, b + gridDim.x, ...; each warp walks its K range of
 // every group S blocks at a time, the loads of the next S blocks (of this group or the next)
 // in flight during the math.
-template <int T, int S, int EPI, int IO>
+// KH = 2 (q/k/v's kernel gemv3_store_lean_kh2, DV2_QKV_KHALVES=1): each row group is two CTAs,
+// CTA b taking K half b % 2 of group b / 2 (a grid of 2 x groups), its warps splitting that
+// half; half 0 stores its sums plus the bias at y, half 1 its sums at y + ldy, and the
+// consumer (attention, rotate_live_batched) adds the two in that order, so the result does not
+// depend on which CTA ends first. Why: q/k/v's 160 row groups on 132 SMs put two CTAs on 28
+// SMs, whose CTAs end ~0.7 us after the others (docs/lab.md, session 19): in halves, an SM
+// takes 2 or 3 of 320, 1.5 groups' work at most instead of 2.
+template <int T, int S, int EPI, int IO, int KH = 1>
 __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
+    static_assert(KH == 1 || (KH == 2 && EPI == EPI_STORE), "K halves: the store epilogue only");
     __shared__ __align__(16) u32 lut[BYTE_LUT_WORDS];
     __shared__ float red[2][GEMV3_WARPS][T * 16];  // by group parity: one barrier per group
     extern __shared__ u32 x16[];                   // K/2 f16 pairs
@@ -171,8 +179,9 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
     load_byte_codebook(lut);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const u32 lane4 = 4 * lane;
-    const int kblocks = a.k >> 6;
-    const int kb0 = warp * kblocks / GEMV3_WARPS, kb1 = (warp + 1) * kblocks / GEMV3_WARPS;
+    const int kh = KH == 1 ? 0 : blockIdx.x & 1, kblocks = (a.k >> 6) / KH, kfirst = kh * kblocks;
+    const int kb0 = kfirst + warp * kblocks / GEMV3_WARPS, kb1 = kfirst + (warp + 1) * kblocks / GEMV3_WARPS;
+    const int group0 = KH == 1 ? blockIdx.x : blockIdx.x >> 1, group_step = KH == 1 ? gridDim.x : gridDim.x >> 1;
     const int stages = (kb1 - kb0 + S - 1) / S;
     // The first stage's weights: with w_first (DV2_GEMV_WFIRST, default) issued before x is
     // staged, so their fetch overlaps the round trips for the norm's partial sums and x;
@@ -180,15 +189,15 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
     // kernel (weights are constant), so a CTA resident early (after the attention's merge,
     // whose CTAs leave room) fetches them while that kernel runs.
     Gemv3Stage<T, S> cur, nxt;
-    const bool first_ok = stages > 0 && (int)blockIdx.x < groups;
-    if (GEMV3_W_FIRST == 2 && first_ok) gemv3_load<T, S, EPI>(a, blockIdx.x, kb0, kb1, g, t, cur);
+    const bool first_ok = stages > 0 && group0 < groups;
+    if (GEMV3_W_FIRST == 2 && first_ok) gemv3_load<T, S, EPI>(a, group0, kb0, kb1, g, t, cur);
     pdl_enter();
     if (a.skip_if && *a.skip_if) return;
-    if (GEMV3_W_FIRST == 1 && first_ok) gemv3_load<T, S, EPI>(a, blockIdx.x, kb0, kb1, g, t, cur);
+    if (GEMV3_W_FIRST == 1 && first_ok) gemv3_load<T, S, EPI>(a, group0, kb0, kb1, g, t, cur);
     // x (normed) staged as f16 pairs.
     NormArgs norm = a.norm;
     if (IO != GEMV3_IO_ANY && !(IO & GEMV3_IO_NORM)) norm.w = nullptr;
-    for_each_x_quad<GEMV3_THREADS, GEMV3_X_BATCH>(a.x, a.k, norm, [&](int i, float4 v, uint2 w, float r) {
+    auto stage = [&](int i, float4 v, uint2 w, float r) {
         if (norm.w) {
             v.x *= r * bf16_to_f32((u16)(w.x & 0xffffu));
             v.y *= r * bf16_to_f32((u16)(w.x >> 16));
@@ -197,12 +206,14 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
         }
         x16[2 * i] = pack_f16x2(v.x, v.y);
         x16[2 * i + 1] = pack_f16x2(v.z, v.w);
-    });
+    };
+    if (KH == 1) for_each_x_quad<GEMV3_THREADS, GEMV3_X_BATCH>(a.x, a.k, norm, stage);
+    else for_each_x_quad<GEMV3_THREADS, GEMV3_X_BATCH>(a.x, a.k, norm, stage, kh * (a.k >> 2) / KH, (kh + 1) * (a.k >> 2) / KH);
     __syncthreads();
-    if (!GEMV3_W_FIRST && first_ok) gemv3_load<T, S, EPI>(a, blockIdx.x, kb0, kb1, g, t, cur);
+    if (!GEMV3_W_FIRST && first_ok) gemv3_load<T, S, EPI>(a, group0, kb0, kb1, g, t, cur);
     int parity = 0;
     float ss = 0.0f;  // squares of the values this thread stored (warp 0 stores)
-    for (int group = blockIdx.x; group < groups; group += gridDim.x, parity ^= 1) {
+    for (int group = group0; group < groups; group += group_step, parity ^= 1) {
         float acc[T][2] = {};
         // The epilogue's operands for this group's rows (a thread per row: the bias, the
         // residual's old y) loaded as the group starts (epi_early, DV2_GEMV3_EPI_EARLY), so
@@ -212,7 +223,7 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
             const int row = (group * T + threadIdx.x / 16) * 16 + threadIdx.x % 16;
             const StackedRow r = gemv3_stacked<EPI>(a, row);
             if (r.valid) {
-                const float* bias = gemv3_bias<EPI>(a, r.matrix);
+                const float* bias = kh == 0 ? gemv3_bias<EPI>(a, r.matrix) : nullptr;
                 if (bias) e_bias = bias[r.local];
                 if (EPI == EPI_ACCUMULATE) e_old = a.y[row];
             }
@@ -224,7 +235,7 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
         for (int st = 0; st < stages; st++) {
             const int kb = kb0 + st * S;
             const bool last = st + 1 == stages;
-            const int next_group = last ? group + gridDim.x : group;
+            const int next_group = last ? group + group_step : group;
             if (next_group < groups)
                 gemv3_load<T, S, EPI>(a, next_group, last ? kb0 : kb + S, kb1, g, t, nxt);
 #pragma unroll
@@ -282,10 +293,10 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
                 const int row = (group * T + i) * 16 + rr;
                 const StackedRow r = gemv3_stacked<EPI>(a, row);
                 if (r.valid) {
-                    const float* bias = gemv3_bias<EPI>(a, r.matrix);
+                    const float* bias = kh == 0 ? gemv3_bias<EPI>(a, r.matrix) : nullptr;
                     const float v = sum + (GEMV3_EPI_EARLY ? e_bias : (bias ? bias[r.local] : 0.0f));
                     const float out = EPI == EPI_ACCUMULATE ? (GEMV3_EPI_EARLY ? e_old : a.y[row]) + v : v;
-                    a.y[row] = out;
+                    a.y[row + kh * a.ldy] = out;
                     ss += sq(out);
                 }
             }
@@ -309,3 +320,9 @@ GEMV3_KERNEL(gemv3_swiglu, 2, 2, EPI_SWIGLU, GEMV3_IO_ANY)
 GEMV3_KERNEL(gemv3_store_lean, 1, 4, EPI_STORE, GEMV3_IO_NORM)
 GEMV3_KERNEL(gemv3_acc_lean, 1, 4, EPI_ACCUMULATE, GEMV3_IO_SUMS)
 GEMV3_KERNEL(gemv3_swiglu_lean, 2, 2, EPI_SWIGLU, GEMV3_IO_NORM)
+#if GEMV3_KHALVES
+// q/k/v in K halves (KH = 2 above): two blocks a warp at K = 2048, three CTAs an SM.
+extern "C" __global__ void __launch_bounds__(GEMV3_THREADS, 3) gemv3_store_lean_kh2(GemmArgs a) {
+    gemv3_body<1, 2, EPI_STORE, GEMV3_IO_NORM, 2>(a);
+}
+#endif

@@ -287,7 +287,7 @@ impl Bench {
                         bias: [0, 1, 2].map(|i| gpu.ptr(&bias[i])),
                         rows: [0, 1, 2].map(|i| rows[i] as i32),
                     };
-                    self.ops.qkv(args, cols, Input::raw(xp), yp)
+                    self.ops.qkv(args, cols, Input::raw(xp), yp).map(|_| ())
                 }
                 "swiglu" => self.ops.swiglu(
                     m[0].as_ref(gpu),
@@ -407,6 +407,8 @@ impl Bench {
             .zeros::<f32>(s.n_q_heads * partials * s.head_dim)?;
         let part_ml = self.ops.gpu.zeros::<f32>(s.n_q_heads * partials * 2)?;
         let out = self.ops.gpu.zeros::<f32>(s.hidden)?;
+        // q/k/v in one part: a zero second part where the kernels add one (DV2_QKV_KHALVES).
+        let qkv2 = self.ops.gpu.zeros::<f32>(s.qkv_rows())?;
         let gpu = &self.ops.gpu;
         let base = AttnArgs {
             qkv: gpu.ptr(&qkv),
@@ -424,6 +426,7 @@ impl Bench {
             n_splits: 0,
             scale: 1.0 / (s.head_dim as f32).sqrt(),
             heads_per_cta: 0,
+            qkv2: gpu.ptr(&qkv2),
         };
         let (layer_bytes, out_ptr) = (2 * layer_elems as u64, gpu.ptr(&out));
         let median_us = self.time_rotated(layers, |l| {

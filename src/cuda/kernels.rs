@@ -243,6 +243,13 @@ fn logits_prmt() -> bool {
     super::switch_on("DV2_LOGITS_PRMT")
 }
 
+/// Whether q/k/v's GEMV v3 runs in K halves (`DV2_QKV_KHALVES=1`; off by default): its
+/// kernel and the attention's adding of the halves are compiled (options) and loaded
+/// ([`Kernels::gemv3_qkv_kh2`]) only then.
+fn qkv_khalves() -> bool {
+    std::env::var("DV2_QKV_KHALVES").as_deref() == Ok("1")
+}
+
 /// The skewed row split's extra rows for GEMV v2's first half of CTAs (`var` = DV2_GEMV2_SKEW,
 /// DV2_DOWN_SKEW or DV2_LOGITS_SKEW; `default` when unset): read by Ops, and here for
 /// whether the plain and lm_head kernels hold the split (options).
@@ -332,6 +339,8 @@ fn options(arch: &str) -> Vec<String> {
     // gemv2_walk, GEMV2_SKEW_PLAIN) only where DV2_DOWN_SKEW or DV2_LOGITS_SKEW asks for one.
     let skew_plain = skew_rows("DV2_DOWN_SKEW", 0) != 0 || skew_rows("DV2_LOGITS_SKEW", 0) != 0;
     opts.push(format!("-DGEMV2_SKEW_PLAIN={}", i32::from(skew_plain)));
+    // q/k/v's GEMV v3 in K halves (kernels/gemv_mma.cu, GEMV3_KHALVES; DV2_QKV_KHALVES=1).
+    opts.push(format!("-DGEMV3_KHALVES={}", i32::from(qkv_khalves())));
     // Each CTA's wait and end times (kernels/decode.cu, CTA_TIMELINE; DV2_CTA_TIMELINE=1, a
     // measuring tool read by CudaBackend::cta_timeline).
     opts.push(format!("-DCTA_TIMELINE={}", i32::from(cta_timeline())));
@@ -531,6 +540,8 @@ pub struct Kernels {
     /// The same for the decode step's uses alone (store and SwiGLU: a normed x, no sums out;
     /// accumulate: a raw x, sums out), in less code (`DV2_GEMV3_LEAN`).
     pub gemv3_lean: [CudaFunction; 3],
+    /// q/k/v's lean store kernel in K halves (`DV2_QKV_KHALVES=1`; compiled only then).
+    pub gemv3_qkv_kh2: Option<CudaFunction>,
     /// The NF4 tensor-core GEMM by epilogue: [v1, v2, v1 with f16 activations][width index
     /// into [`GEMM_NT`]].
     pub gemm_store: [[CudaFunction; 4]; 3],
@@ -629,6 +640,13 @@ impl Kernels {
             f("gemv3_swiglu_lean")?,
         ];
         allow_dynamic_smem(&gemv3_lean, GEMV3_MAX_SMEM)?;
+        let gemv3_qkv_kh2 = if qkv_khalves() {
+            let f = f("gemv3_store_lean_kh2")?;
+            allow_dynamic_smem(std::slice::from_ref(&f), GEMV3_MAX_SMEM)?;
+            Some(f)
+        } else {
+            None
+        };
         // Attention v3 keeps its q heads' running outputs in dynamic shared memory.
         let attn3_decode = [
             f("attn3_decode")?,
@@ -640,6 +658,7 @@ impl Kernels {
             module: module.clone(),
             gemv3,
             gemv3_lean,
+            gemv3_qkv_kh2,
             gemv_nf4: f("gemv_nf4")?,
             gemv_qkv: f("gemv_qkv")?,
             gemv_swiglu: f("gemv_swiglu")?,

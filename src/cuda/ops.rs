@@ -149,6 +149,10 @@ pub struct AttnArgs {
     pub scale: f32,
     /// Attention v3's q heads per CTA (set by [`Ops::attention`]).
     pub heads_per_cta: i32,
+    /// Where kernels built with `DV2_QKV_KHALVES=1` find q/k/v's second K-half sums, which
+    /// the attention adds ([`Ops::qkv`] says whether it wrote them after its rows; else a
+    /// zeroed buffer of the rows; unread otherwise).
+    pub qkv2: u64,
 }
 // SAFETY: plain old data matching the kernel's struct.
 unsafe impl DeviceRepr for AttnArgs {}
@@ -848,6 +852,24 @@ impl Ops {
         skip_if: u64,
         ss_out: u64,
     ) -> Result<usize> {
+        self.gemv3_halves(epilogue, mats, k, x, norm, y, skip_if, ss_out, false)
+    }
+
+    /// [`Self::gemv3`]; with `halves` (the store epilogue, its lean use), in K halves: the
+    /// first half's sums with the bias at y, the second's at y + the rows.
+    #[allow(clippy::too_many_arguments)]
+    fn gemv3_halves(
+        &self,
+        epilogue: Epilogue,
+        mats: &[GemmMatrix],
+        k: usize,
+        x: u64,
+        norm: NormArgs,
+        y: u64,
+        skip_if: u64,
+        ss_out: u64,
+        halves: bool,
+    ) -> Result<usize> {
         if k > GEMV3_MAX_K || k % 64 != 0 {
             return Err(Error::Unsupported(format!(
                 "K = {k}: GEMV v3 takes multiples of 64 up to {GEMV3_MAX_K}"
@@ -901,11 +923,23 @@ impl Ops {
         // Persistent: two CTAs per SM (the registers allow two), each looping over groups
         // of 16 outputs.
         let groups = outputs.div_ceil(16) as u32;
-        let cfg = LaunchConfig {
+        let mut cfg = LaunchConfig {
             grid_dim: (groups.min(2 * self.sms).max(1), 1, 1),
             block_dim: ((GEMV3_WARPS * 32) as u32, 1, 1),
             shared_mem_bytes: (k * 2) as u32,
         };
+        if let (true, Some(kh2)) = (halves, &self.k.gemv3_qkv_kh2) {
+            if epilogue != Epilogue::Store || ss_out != 0 {
+                return Err(Error::Internal(
+                    "GEMV v3 in K halves stores without sums".into(),
+                ));
+            }
+            // Two CTAs a row group, three an SM (the kernel's bounds).
+            cfg.grid_dim.0 = 2 * groups.min(3 * self.sms / 2).max(1);
+            args.ldy = outputs as i32;
+            launch!(self.gpu, kh2, cfg; args)?;
+            return Ok(cfg.grid_dim.0 as usize);
+        }
         check_sums(ss_out, cfg.grid_dim.0)?;
         launch!(self.gpu, f, cfg; args)?;
         Ok(cfg.grid_dim.0 as usize)
@@ -1135,7 +1169,9 @@ impl Ops {
     }
 
     /// q, k and v rows of `args` in one grid, written contiguously to `out`.
-    pub fn qkv(&self, args: QkvArgs, cols: usize, input: Input, out: u64) -> Result<()> {
+    /// Returns whether GEMV v3 ran in K halves (`DV2_QKV_KHALVES=1` with attention v3, which
+    /// adds them): `out` then holds the second half's sums after the rows.
+    pub fn qkv(&self, args: QkvArgs, cols: usize, input: Input, out: u64) -> Result<bool> {
         let rows = args.rows.iter().sum::<i32>() as usize;
         let cols_i = cols as i32;
         let kernel = self.gemv_kernel(rows, cols);
@@ -1146,22 +1182,31 @@ impl Ops {
             bias: args.bias[i],
         });
         if self.linear == Linear::Mma {
-            return self.gemm(Epilogue::Store, &mats, cols, x, 1, out, rows, 0, false);
+            return self
+                .gemm(Epilogue::Store, &mats, cols, x, 1, out, rows, 0, false)
+                .map(|_| false);
         }
         match kernel {
             Variant::V1 => {
                 let (kparts, cfg) = self.gemv_v1_launch(rows);
                 let kp = kparts as i32;
-                launch!(self.gpu, &self.k.gemv_qkv, cfg; args, x, out, cols_i, kp)
+                launch!(self.gpu, &self.k.gemv_qkv, cfg; args, x, out, cols_i, kp).map(|_| false)
             }
-            Variant::V3 => self
-                .gemv3(Epilogue::Store, &mats, cols, x, norm, out, 0, 0)
-                .map(|_| ()),
+            Variant::V3 => {
+                let halves = self.k.gemv3_qkv_kh2.is_some()
+                    && self.attn == Variant::V3
+                    && self.gemv3_lean
+                    && norm.w != 0
+                    && cols % 128 == 0;
+                self.gemv3_halves(Epilogue::Store, &mats, cols, x, norm, out, 0, 0, halves)?;
+                Ok(halves)
+            }
             Variant::V2 => {
                 let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols, false)?;
                 let kp = kparts as i32;
                 let (xs, late) = self.gemv2_switches();
                 launch!(self.gpu, &self.k.gemv2_qkv[self.gemv2_table()][j - 1], cfg; args, x, norm, out, cols_i, kp, xs, late)
+                    .map(|_| false)
             }
         }
     }

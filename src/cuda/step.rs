@@ -109,6 +109,9 @@ struct Arena {
     ring: CudaSlice<i32>,
     /// argmax_logits' arrival count (zero between launches) and its CTAs' (value, index).
     argmax: CudaSlice<i32>,
+    /// A zero second part of q/k/v for the attention where q/k/v ran in one
+    /// (`DV2_QKV_KHALVES=1` kernels add one).
+    qkv_zeros: CudaSlice<f32>,
 }
 
 /// Device addresses of the arena's activation buffers (row 0 is the decode step's).
@@ -203,7 +206,8 @@ impl CudaBackend {
         let arena = Arena {
             x: gpu.zeros(rows * s.hidden)?,
             xn: gpu.zeros(rows * s.hidden)?,
-            qkv: gpu.zeros(rows * s.qkv_rows())?,
+            // Two rows at least: q/k/v's K halves (DV2_QKV_KHALVES=1) in the decode step.
+            qkv: gpu.zeros(rows.max(2) * s.qkv_rows())?,
             attn: gpu.zeros(rows * s.hidden)?,
             act: gpu.zeros(rows * s.intermediate)?,
             logits: gpu.zeros(s.vocab)?,
@@ -213,6 +217,7 @@ impl CudaBackend {
             prompt: gpu.zeros(max_seq)?,
             ring: gpu.zeros(max_seq)?,
             argmax: gpu.zeros(ARGMAX_SCRATCH)?,
+            qkv_zeros: gpu.zeros(s.qkv_rows())?,
         };
         let mut backend = Self {
             k_cache: gpu.upload(&poison)?,
@@ -361,7 +366,7 @@ impl CudaBackend {
                 bias: [0, 1, 2].map(|i| layer.qkv_bias[i].as_ref().map_or(0, |b| self.ptr(b))),
                 rows: [0, 1, 2].map(|i| layer.qkv[i].rows as i32),
             };
-            ops.qkv(
+            let halves = ops.qkv(
                 args,
                 s.hidden,
                 self.normed(x, &layer.attn_norm, xn, x_sums),
@@ -384,6 +389,11 @@ impl CudaBackend {
                 n_splits: 0,
                 scale: 1.0 / (s.head_dim as f32).sqrt(),
                 heads_per_cta: 0,
+                qkv2: if halves {
+                    qkv + 4 * s.qkv_rows() as u64
+                } else {
+                    self.ptr(&a.qkv_zeros)
+                },
             };
             ops.attention(attn_args, attn)?;
             mark("attention + merge")?;
