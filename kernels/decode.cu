@@ -1453,7 +1453,7 @@ extern "C" __global__ void embed_row(const int* __restrict__ state, Nf4Ref embed
     if (ss_out) block_sum_to(ss, ss_out);
 }
 
-// GEMV3_KHALVES (an NVRTC define, DV2_QKV_KHALVES=1): q/k/v's GEMV v3 in K halves
+// GEMV3_KHALVES (an NVRTC define, DV2_QKV_KHALVES; the host sets it, 1 by default): q/k/v's GEMV v3 in K halves
 // (kernels/gemv_mma.cu, gemv3_store_lean_kh2), the attention adding the two parts.
 #ifndef GEMV3_KHALVES
 #define GEMV3_KHALVES 0

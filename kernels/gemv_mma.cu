@@ -151,7 +151,7 @@ __device__ __forceinline__ void gemv3_prefetch(const GemmArgs& a, int group) {
 // Persistent: CTA b takes row groups b, b + gridDim.x, ...; each warp walks its K range of
 // every group S blocks at a time, the loads of the next S blocks (of this group or the next)
 // in flight during the math.
-// KH = 2 (q/k/v's kernel gemv3_store_lean_kh2, DV2_QKV_KHALVES=1): each row group is two CTAs,
+// KH = 2 (q/k/v's kernel gemv3_store_lean_kh2, DV2_QKV_KHALVES, default): each row group is two CTAs,
 // CTA b taking K half b % 2 of group b / 2 (a grid of 2 x groups), its warps splitting that
 // half; half 0 stores its sums plus the bias at y, half 1 its sums at y + ldy, and the
 // consumer (attention, rotate_live_batched) adds the two in that order, so the result does not

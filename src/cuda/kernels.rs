@@ -243,11 +243,11 @@ fn logits_prmt() -> bool {
     super::switch_on("DV2_LOGITS_PRMT")
 }
 
-/// Whether q/k/v's GEMV v3 runs in K halves (`DV2_QKV_KHALVES=1`; off by default): its
+/// Whether q/k/v's GEMV v3 runs in K halves (`DV2_QKV_KHALVES`, default; `=0` off): its
 /// kernel and the attention's adding of the halves are compiled (options) and loaded
 /// ([`Kernels::gemv3_qkv_kh2`]) only then.
 fn qkv_khalves() -> bool {
-    std::env::var("DV2_QKV_KHALVES").as_deref() == Ok("1")
+    super::switch_on("DV2_QKV_KHALVES")
 }
 
 /// The skewed row split's extra rows for GEMV v2's first half of CTAs (`var` = DV2_GEMV2_SKEW,
@@ -339,7 +339,7 @@ fn options(arch: &str) -> Vec<String> {
     // gemv2_walk, GEMV2_SKEW_PLAIN) only where DV2_DOWN_SKEW or DV2_LOGITS_SKEW asks for one.
     let skew_plain = skew_rows("DV2_DOWN_SKEW", 0) != 0 || skew_rows("DV2_LOGITS_SKEW", 0) != 0;
     opts.push(format!("-DGEMV2_SKEW_PLAIN={}", i32::from(skew_plain)));
-    // q/k/v's GEMV v3 in K halves (kernels/gemv_mma.cu, GEMV3_KHALVES; DV2_QKV_KHALVES=1).
+    // q/k/v's GEMV v3 in K halves (kernels/gemv_mma.cu, GEMV3_KHALVES; DV2_QKV_KHALVES=0 off).
     opts.push(format!("-DGEMV3_KHALVES={}", i32::from(qkv_khalves())));
     // Each CTA's wait and end times (kernels/decode.cu, CTA_TIMELINE; DV2_CTA_TIMELINE=1, a
     // measuring tool read by CudaBackend::cta_timeline).
@@ -540,7 +540,7 @@ pub struct Kernels {
     /// The same for the decode step's uses alone (store and SwiGLU: a normed x, no sums out;
     /// accumulate: a raw x, sums out), in less code (`DV2_GEMV3_LEAN`).
     pub gemv3_lean: [CudaFunction; 3],
-    /// q/k/v's lean store kernel in K halves (`DV2_QKV_KHALVES=1`; compiled only then).
+    /// q/k/v's lean store kernel in K halves (`DV2_QKV_KHALVES`, default; compiled only then).
     pub gemv3_qkv_kh2: Option<CudaFunction>,
     /// The NF4 tensor-core GEMM by epilogue: [v1, v2, v1 with f16 activations][width index
     /// into [`GEMM_NT`]].

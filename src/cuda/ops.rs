@@ -149,7 +149,7 @@ pub struct AttnArgs {
     pub scale: f32,
     /// Attention v3's q heads per CTA (set by [`Ops::attention`]).
     pub heads_per_cta: i32,
-    /// Where kernels built with `DV2_QKV_KHALVES=1` find q/k/v's second K-half sums, which
+    /// Where kernels built with `DV2_QKV_KHALVES` (default) find q/k/v's second K-half sums, which
     /// the attention adds ([`Ops::qkv`] says whether it wrote them after its rows; else a
     /// zeroed buffer of the rows; unread otherwise).
     pub qkv2: u64,
@@ -1169,7 +1169,7 @@ impl Ops {
     }
 
     /// q, k and v rows of `args` in one grid, written contiguously to `out`.
-    /// Returns whether GEMV v3 ran in K halves (`DV2_QKV_KHALVES=1` with attention v3, which
+    /// Returns whether GEMV v3 ran in K halves (`DV2_QKV_KHALVES`, default, with attention v3, which
     /// adds them): `out` then holds the second half's sums after the rows.
     pub fn qkv(&self, args: QkvArgs, cols: usize, input: Input, out: u64) -> Result<bool> {
         let rows = args.rows.iter().sum::<i32>() as usize;

@@ -110,7 +110,7 @@ struct Arena {
     /// argmax_logits' arrival count (zero between launches) and its CTAs' (value, index).
     argmax: CudaSlice<i32>,
     /// A zero second part of q/k/v for the attention where q/k/v ran in one
-    /// (`DV2_QKV_KHALVES=1` kernels add one).
+    /// (the `DV2_QKV_KHALVES` kernels add one).
     qkv_zeros: CudaSlice<f32>,
 }
 
@@ -206,7 +206,7 @@ impl CudaBackend {
         let arena = Arena {
             x: gpu.zeros(rows * s.hidden)?,
             xn: gpu.zeros(rows * s.hidden)?,
-            // Two rows at least: q/k/v's K halves (DV2_QKV_KHALVES=1) in the decode step.
+            // Two rows at least: q/k/v's K halves (DV2_QKV_KHALVES) in the decode step.
             qkv: gpu.zeros(rows.max(2) * s.qkv_rows())?,
             attn: gpu.zeros(rows * s.hidden)?,
             act: gpu.zeros(rows * s.intermediate)?,
