@@ -725,6 +725,7 @@ fn main() {
             ("qwen25_3b commit-fused=0", &[("DV2_COMMIT_FUSED", "0")]),
             ("qwen25_3b logits-prmt=0", &[("DV2_LOGITS_PRMT", "0")]),
             ("qwen25_3b qkv-khalves=0", &[("DV2_QKV_KHALVES", "0")]),
+            ("qwen25_3b qkv-kh2-ctas=4", &[("DV2_QKV_KH2_CTAS", "4")]),
             ("qwen25_3b gemv2-skew=0", &[("DV2_GEMV2_SKEW", "0")]),
             ("qwen25_3b gemv2-skew=1", &[("DV2_GEMV2_SKEW", "1")]),
             ("qwen25_3b gemv2-skew=3", &[("DV2_GEMV2_SKEW", "3")]),

@@ -341,6 +341,12 @@ fn options(arch: &str) -> Vec<String> {
     opts.push(format!("-DGEMV2_SKEW_PLAIN={}", i32::from(skew_plain)));
     // q/k/v's GEMV v3 in K halves (kernels/gemv_mma.cu, GEMV3_KHALVES; DV2_QKV_KHALVES=0 off).
     opts.push(format!("-DGEMV3_KHALVES={}", i32::from(qkv_khalves())));
+    // Their kernel's CTAs an SM by its register bound (GEMV3_KH2_MIN_CTAS; DV2_QKV_KH2_CTAS =
+    // 3, the default, or 4).
+    let kh2_ctas = super::env_number("DV2_QKV_KH2_CTAS")
+        .filter(|n: &usize| matches!(n, 3 | 4))
+        .unwrap_or(3);
+    opts.push(format!("-DGEMV3_KH2_MIN_CTAS={kh2_ctas}"));
     // Each CTA's wait and end times (kernels/decode.cu, CTA_TIMELINE; DV2_CTA_TIMELINE=1, a
     // measuring tool read by CudaBackend::cta_timeline).
     opts.push(format!("-DCTA_TIMELINE={}", i32::from(cta_timeline())));
