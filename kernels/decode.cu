@@ -631,7 +631,8 @@ __device__ __forceinline__ void read_x16_slice(const u32* staged, int part, int 
 // q/k/v kernel's CTAs become resident only as down's leave (down's two CTAs fill the register
 // file), so their first weights came from HBM after down ended, on the step's serial chain;
 // from L2 the q/k/v GEMV took 0.3 us less (docs/lab.md, session 10, `--l2-hot`). Measured:
-// -0.0065 ms/token (session 16, run 2; DV2_QKV_L2=0 off).
+// -0.0065 ms/token (session 16, run 2), +0.0015 once q/k/v ran in K halves (session 19, runs
+// 8-9): off by default since (DV2_QKV_L2=1 on).
 #define L2_NEXT_RANGES 6
 struct L2Next {
     const char* addr[L2_NEXT_RANGES];

@@ -223,11 +223,11 @@ fn gemv2_x_smem() -> bool {
     super::switch_on("DV2_GEMV2_XSMEM")
 }
 
-/// Whether down's GEMV v2 prefetches the next layer's q/k/v weights into L2 (`DV2_QKV_L2`,
-/// default; `=0` off): compiled into the kernels (options), so fixed for a loaded module:
-/// [`Kernels::qkv_l2`].
+/// Whether down's GEMV v2 prefetches the next layer's q/k/v weights into L2 (`DV2_QKV_L2=1`;
+/// off by default since session 19, when q/k/v went to K halves: -0.0015 ms/token without it):
+/// compiled into the kernels (options), so fixed for a loaded module: [`Kernels::qkv_l2`].
 fn qkv_l2() -> bool {
-    super::switch_on("DV2_QKV_L2")
+    std::env::var("DV2_QKV_L2").as_deref() == Ok("1")
 }
 
 /// Whether lm_head's GEMV v2 takes the argmax too (`DV2_LOGITS_ARGMAX`, default; `=0` off):
@@ -269,7 +269,7 @@ pub fn cta_timeline() -> bool {
 /// `DV2_GEMV2_X_BATCH=n`, `DV2_GEMV3_ACC_ONE=0`, `DV2_GEMV3_L2_CODE=1`, `DV2_L2_AHEAD_KB=n`,
 /// `DV2_MERGE_EARLY=0`, `DV2_MERGE_WARP=0`, `DV2_GEMV_WFIRST=0`, `DV2_GEMV2_PREWAIT=0`,
 /// `DV2_GEMV3_PREWAIT=0`, `DV2_GEMV3_EPI_EARLY=0`, `DV2_GEMV2_XSMEM=0`, `DV2_GEMV2_X_ONE=0`,
-/// `DV2_GEMV2_CHAIN=n`, `DV2_ATTN3_SLOT_LANES=0`, `DV2_ATTN3_ILP=0`, `DV2_QKV_L2=0`,
+/// `DV2_GEMV2_CHAIN=n`, `DV2_ATTN3_SLOT_LANES=0`, `DV2_ATTN3_ILP=0`, `DV2_QKV_L2=1`,
 /// `DV2_LOGITS_ARGMAX=0`, `DV2_LOGITS_PRMT=0`, `DV2_DOWN_SKEW=n`, `DV2_LOGITS_SKEW=n` and `DV2_GEMV2_NOALLOC=0` apart. The compiler optimizes the module's
 /// kernels on every core (`--split-compile=0`; `DV2_NVRTC_SPLIT=0`: one thread): a machine's
 /// first load compiles the kernels, 32 s in one thread on 2 cores, 19 s split. The split
@@ -327,7 +327,7 @@ fn options(arch: &str) -> Vec<String> {
         i32::from(super::switch_on("DV2_ATTN3_SLOT_LANES"))
     ));
     // Down's L2 prefetch of the next layer's q/k/v weights (kernels/decode.cu, GEMV2_L2_NEXT;
-    // DV2_QKV_L2=0 off; -0.0065 ms/token, session 16).
+    // DV2_QKV_L2=1 on; -0.0065 ms/token in session 16, +0.0015 since q/k/v's K halves).
     opts.push(format!("-DGEMV2_L2_NEXT={}", i32::from(qkv_l2())));
     // lm_head's GEMV v2 with the argmax (kernels/decode.cu, GEMV2_LOGITS; DV2_LOGITS_ARGMAX=0:
     // argmax_logits after lm_head).
@@ -341,12 +341,6 @@ fn options(arch: &str) -> Vec<String> {
     opts.push(format!("-DGEMV2_SKEW_PLAIN={}", i32::from(skew_plain)));
     // q/k/v's GEMV v3 in K halves (kernels/gemv_mma.cu, GEMV3_KHALVES; DV2_QKV_KHALVES=0 off).
     opts.push(format!("-DGEMV3_KHALVES={}", i32::from(qkv_khalves())));
-    // Their kernel's CTAs an SM by its register bound (GEMV3_KH2_MIN_CTAS; DV2_QKV_KH2_CTAS =
-    // 3, the default, or 4).
-    let kh2_ctas = super::env_number("DV2_QKV_KH2_CTAS")
-        .filter(|n: &usize| matches!(n, 3 | 4))
-        .unwrap_or(3);
-    opts.push(format!("-DGEMV3_KH2_MIN_CTAS={kh2_ctas}"));
     // Each CTA's wait and end times (kernels/decode.cu, CTA_TIMELINE; DV2_CTA_TIMELINE=1, a
     // measuring tool read by CudaBackend::cta_timeline).
     opts.push(format!("-DCTA_TIMELINE={}", i32::from(cta_timeline())));
