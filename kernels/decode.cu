@@ -123,7 +123,8 @@ __device__ __forceinline__ void timeline_end() {
     timeline_record(1, global_ns(), 0);
 #endif
 }
-// Where it starts (kind 2).
+// Where it starts (kind 2; thread 0's atomic here delays its CTA by one round trip, so a
+// start-to-wait time from the timeline is that much too long).
 __device__ __forceinline__ void timeline_start() {
 #if CTA_TIMELINE
     timeline_record(2, global_ns(), 0);
@@ -1454,8 +1455,9 @@ extern "C" __global__ void embed_row(const int* __restrict__ state, Nf4Ref embed
     if (ss_out) block_sum_to(ss, ss_out);
 }
 
-// GEMV3_KHALVES (an NVRTC define, DV2_QKV_KHALVES; the host sets it, 1 by default): q/k/v's GEMV v3 in K halves
-// (kernels/gemv_mma.cu, gemv3_store_lean_kh2), the attention adding the two parts.
+// GEMV3_KHALVES (an NVRTC define the host sets, DV2_QKV_KHALVES; 1 by default): q/k/v's
+// GEMV v3 in K halves (kernels/gemv_mma.cu, gemv3_store_lean_kh2), the attention adding the
+// two parts (AttnArgs::qkv2: the second, or zeros where q/k/v ran in one).
 #ifndef GEMV3_KHALVES
 #define GEMV3_KHALVES 0
 #endif

@@ -257,8 +257,9 @@ pub fn skew_rows(var: &str, default: i32) -> i32 {
     super::env_number(var).unwrap_or(default)
 }
 
-/// Whether the kernels record each CTA's wait and end times (`DV2_CTA_TIMELINE=1`, off by
-/// default): compiled in (options), read by `CudaBackend::cta_timeline`.
+/// Whether the kernels record each CTA's wait and end times, and the GEMV and attention CTAs'
+/// starts (`DV2_CTA_TIMELINE=1`, off by default): compiled in (options), read by
+/// `CudaBackend::cta_timeline`.
 pub fn cta_timeline() -> bool {
     std::env::var("DV2_CTA_TIMELINE").as_deref() == Ok("1")
 }
@@ -270,7 +271,8 @@ pub fn cta_timeline() -> bool {
 /// `DV2_MERGE_EARLY=0`, `DV2_MERGE_WARP=0`, `DV2_GEMV_WFIRST=0`, `DV2_GEMV2_PREWAIT=0`,
 /// `DV2_GEMV3_PREWAIT=0`, `DV2_GEMV3_EPI_EARLY=0`, `DV2_GEMV2_XSMEM=0`, `DV2_GEMV2_X_ONE=0`,
 /// `DV2_GEMV2_CHAIN=n`, `DV2_ATTN3_SLOT_LANES=0`, `DV2_ATTN3_ILP=0`, `DV2_QKV_L2=1`,
-/// `DV2_LOGITS_ARGMAX=0`, `DV2_LOGITS_PRMT=0`, `DV2_DOWN_SKEW=n`, `DV2_LOGITS_SKEW=n` and `DV2_GEMV2_NOALLOC=0` apart. The compiler optimizes the module's
+/// `DV2_LOGITS_ARGMAX=0`, `DV2_LOGITS_PRMT=0`, `DV2_DOWN_SKEW=n`, `DV2_LOGITS_SKEW=n`,
+/// `DV2_QKV_KHALVES=0` and `DV2_GEMV2_NOALLOC=0` apart. The compiler optimizes the module's
 /// kernels on every core (`--split-compile=0`; `DV2_NVRTC_SPLIT=0`: one thread): a machine's
 /// first load compiles the kernels, 32 s in one thread on 2 cores, 19 s split. The split
 /// changes the code of some kernels (scheduling, shared-memory placement), not what they
