@@ -5,8 +5,11 @@
 # reach their PDL wait (first, 10th/50th/90th percentile, last; "early": the share that waited
 # before the previous kernel ended), when the wait released them, and when they end; and
 # whether the CTAs that end last are those with the low or the high indices (the scheduler
-# places low ones first). Why: which CTAs start late, wait and end last decides each kernel's
-# share of the step (docs/lab.md, session 17: gate/up's rows skewed by start time).
+# places low ones first). A second table, per CTA from its start record: start to wait, the
+# slot's hand-over, release to end, and the end by how many CTAs of its kernel its SM held.
+# Why: which CTAs start late, wait and end last decides each kernel's share of the step
+# (docs/lab.md, session 17: gate/up's rows skewed by start time; session 19: q/k/v's SMs that
+# held two of its CTAs).
 # Usage: bash tests/gpu/cta-timeline.sh   (switches from the environment; the CSV goes to $OUT
 # or ./device-logs)
 set -uo pipefail
@@ -60,4 +63,52 @@ for pos, rs in sorted(rows.items()):
     print(f"{names[pos]:<16} {ctas:>5} {m('first'):>6.2f} {m('p10'):>6.2f} {m('p50'):>6.2f} {m('p90'):>6.2f} "
           f"{m('lastw'):>6.2f} {m('early'):>6.2f} {m('release'):>8.2f} {m('end50'):>8.2f} {m('end90'):>6.2f} "
           f"{m('endmax'):>6.2f} {m('lo'):>9.2f} {m('hi'):>9.2f}")
+PY
+# Per CTA, from the start records (kind 2): start -> its wait, the time from the latest end of a
+# previous-kernel CTA on its SM to its start (the slot's hand-over), release -> its end; and its
+# end by how many CTAs of its kernel its SM held (an SM holding more ends later). The start
+# record's own atomic makes start -> wait up to one round trip too long.
+python3 - "$out/cta-timeline.csv" <<'PY'
+import csv, sys, statistics as st
+grids = {}
+for r in csv.DictReader(open(sys.argv[1])):
+    g = grids.setdefault(r["grid_id"], {"ctas": int(r["ctas"]), "ev": {}})
+    g["ev"].setdefault(int(r["cta"]), {})[r["kind"]] = (int(r["sm"]), int(r["t0"]), int(r["t1"]))
+order = sorted((g for g in grids.values() if any("0" in e for e in g["ev"].values())),
+               key=lambda g: min(e["0"][1] for e in g["ev"].values() if "0" in e))
+start = next(i for i, g in enumerate(order) if g["ctas"] > 1)
+names = ["q/k/v", "attention", "o", "gate/up", "down"]
+p50 = lambda xs: st.median(xs) if xs else float("nan")
+p90 = lambda xs: sorted(xs)[int(0.9 * len(xs))] if xs else float("nan")
+print(f"{'kernel':<10} {'start->wait':>11} {'slot->start':>11} {'release->end p50':>16} {'p90':>6}   end p50 by CTAs on the SM")
+for pos in range(5):
+    a, b, w, by = [], [], [], {}
+    for i in range(start + pos, len(order) - 1, 5):
+        if i == start:
+            continue  # the first q/k/v follows embed_row
+        prev, cur = order[i - 1], order[i]
+        release = min(e["0"][2] for e in cur["ev"].values() if "0" in e)
+        ends_on = {}
+        for e in prev["ev"].values():
+            if "1" in e:
+                ends_on.setdefault(e["1"][0], []).append(e["1"][1])
+        held = {}
+        for e in cur["ev"].values():
+            if "2" in e:
+                held[e["2"][0]] = held.get(e["2"][0], 0) + 1
+        for e in cur["ev"].values():
+            if "2" not in e or "0" not in e:
+                continue
+            sm, t_start = e["2"][0], e["2"][1]
+            a.append((e["0"][1] - t_start) / 1e3)
+            before = [t for t in ends_on.get(sm, []) if t <= t_start]
+            if before:
+                b.append((t_start - max(before)) / 1e3)
+            if "1" in e:
+                w.append((e["1"][1] - release) / 1e3)
+                by.setdefault(held[sm], []).append((e["1"][1] - release) / 1e3)
+    if not a:
+        continue
+    by_s = "  ".join(f"{k}: {p50(v):.2f} ({len(v)})" for k, v in sorted(by.items()))
+    print(f"{names[pos]:<10} {p50(a):>11.2f} {p50(b):>11.2f} {p50(w):>16.2f} {p90(w):>6.2f}   {by_s}")
 PY
