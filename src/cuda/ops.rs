@@ -839,26 +839,11 @@ impl Ops {
     }
 
     /// GEMV v3: `y = W x` on tensor cores for the stacked matrices `mats` (store with bias,
-    /// accumulate into y, or SwiGLU of gate and up).
+    /// accumulate into y, or SwiGLU of gate and up); with `halves` (the store epilogue, its
+    /// lean use) in K halves: the first half's sums with the bias at y, the second's at y +
+    /// the rows.
     #[allow(clippy::too_many_arguments)]
     fn gemv3(
-        &self,
-        epilogue: Epilogue,
-        mats: &[GemmMatrix],
-        k: usize,
-        x: u64,
-        norm: NormArgs,
-        y: u64,
-        skip_if: u64,
-        ss_out: u64,
-    ) -> Result<usize> {
-        self.gemv3_halves(epilogue, mats, k, x, norm, y, skip_if, ss_out, false)
-    }
-
-    /// [`Self::gemv3`]; with `halves` (the store epilogue, its lean use), in K halves: the
-    /// first half's sums with the bias at y, the second's at y + the rows.
-    #[allow(clippy::too_many_arguments)]
-    fn gemv3_halves(
         &self,
         epilogue: Epilogue,
         mats: &[GemmMatrix],
@@ -1052,7 +1037,7 @@ impl Ops {
                 launch!(self.gpu, &self.k.gemv_nf4, cfg; m, x, y, bias, rows_i, cols_i, kp, acc, skip_if)?;
                 Ok(0)
             }
-            Variant::V3 => self.gemv3(epilogue, &mats, cols, x, norm, y, skip_if, ss_out),
+            Variant::V3 => self.gemv3(epilogue, &mats, cols, x, norm, y, skip_if, ss_out, false),
             Variant::V2 => {
                 let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols, input.f16)?;
                 let kp = kparts as i32;
@@ -1205,7 +1190,7 @@ impl Ops {
                     && self.gemv3_lean
                     && norm.w != 0
                     && cols % 128 == 0;
-                self.gemv3_halves(Epilogue::Store, &mats, cols, x, norm, out, 0, 0, halves)?;
+                self.gemv3(Epilogue::Store, &mats, cols, x, norm, out, 0, 0, halves)?;
                 Ok(halves)
             }
             Variant::V2 => {
@@ -1250,7 +1235,7 @@ impl Ops {
                 launch!(self.gpu, &self.k.gemv_swiglu, cfg; gate, up, x, out, rows_i, cols_i, kp)
             }
             Variant::V3 => self
-                .gemv3(Epilogue::Swiglu, &mats, cols, x, norm, out, 0, 0)
+                .gemv3(Epilogue::Swiglu, &mats, cols, x, norm, out, 0, 0, false)
                 .map(|_| ()),
             Variant::V2 => {
                 let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols, false)?;
