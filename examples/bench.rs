@@ -725,10 +725,6 @@ fn main() {
             ("qwen25_3b commit-fused=0", &[("DV2_COMMIT_FUSED", "0")]),
             ("qwen25_3b logits-prmt=0", &[("DV2_LOGITS_PRMT", "0")]),
             ("qwen25_3b qkv-khalves=0", &[("DV2_QKV_KHALVES", "0")]),
-            (
-                "qwen25_3b gemv2-host-split=1",
-                &[("DV2_GEMV2_HOST_SPLIT", "1")],
-            ),
             ("qwen25_3b gemv2-skew=0", &[("DV2_GEMV2_SKEW", "0")]),
             ("qwen25_3b gemv2-skew=1", &[("DV2_GEMV2_SKEW", "1")]),
             ("qwen25_3b gemv2-skew=3", &[("DV2_GEMV2_SKEW", "3")]),

@@ -922,19 +922,10 @@ __device__ __forceinline__ float dot_row_pair16(const RowChunks<J>& rc, const XH
 #ifndef GEMV2_SKEW_PLAIN
 #define GEMV2_SKEW_PLAIN 0
 #endif
-// GEMV2_HOST_SPLIT (an NVRTC define, DV2_GEMV2_HOST_SPLIT=1; the kernels that take a row
-// split, HS below): the late CTAs' share comes from the host too (late_rows; the equal split
-// as early_ctas = every CTA), so no CTA divides before its first weight load. Why: gate/up's
-// kernel runs 358 instructions before that load, ~60 of them two integer divisions, and a CTA
-// that starts late has them on the step's chain (docs/lab.md, session 19).
-#ifndef GEMV2_HOST_SPLIT
-#define GEMV2_HOST_SPLIT 0
-#endif
-template <int J, int R, int NM, int TABLE, int XM, typename Rows, bool HS = false>
+template <int J, int R, int NM, int TABLE, int XM, typename Rows>
 __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, const float* __restrict__ x,
                                            NormArgs norm, int kparts, const int* skip_if, int x_smem_arg,
-                                           int late_flags, int early_ctas = 0, int early_rows = 0,
-                                           int late_rows_arg = 0) {
+                                           int late_flags, int early_ctas = 0, int early_rows = 0) {
     constexpr int w_first = GEMV2_W_FIRST;
     const int x_smem = XM == GEMV2_X_ANY ? x_smem_arg : XM;
     const bool late_sum = late_flags & GEMV2_LATE_SUM, epi_early = late_flags & GEMV2_EPI_EARLY;
@@ -967,15 +958,14 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     // before those that wait for its CTAs to leave, and the kernel ends with its last CTA.
     // The plain and lm_head kernels hold this code only with GEMV2_SKEW_PLAIN (an NVRTC define:
     // DV2_DOWN_SKEW or DV2_LOGITS_SKEW set), so their default code is as before.
-    if (!HS && !(NM == 2 || GEMV2_SKEW_PLAIN)) early_ctas = 0;
+    if (!(NM == 2 || GEMV2_SKEW_PLAIN)) early_ctas = 0;
     const int late_rows =
-        HS ? late_rows_arg
-        : early_ctas > 0 ? (rows - early_ctas * early_rows + (int)gridDim.x - early_ctas - 1) / ((int)gridDim.x - early_ctas)
-                         : 0;
-    const int per_cta = !HS && early_ctas == 0 ? (rows + gridDim.x - 1) / gridDim.x
+        early_ctas > 0 ? (rows - early_ctas * early_rows + (int)gridDim.x - early_ctas - 1) / ((int)gridDim.x - early_ctas)
+                       : 0;
+    const int per_cta = early_ctas == 0 ? (rows + gridDim.x - 1) / gridDim.x
                         : (int)blockIdx.x < early_ctas ? early_rows
                                                        : late_rows;
-    const int r0 = (!HS && early_ctas == 0) || (int)blockIdx.x < early_ctas
+    const int r0 = early_ctas == 0 || (int)blockIdx.x < early_ctas
                        ? blockIdx.x * per_cta
                        : early_ctas * early_rows + ((int)blockIdx.x - early_ctas) * late_rows;
     const int r1 = min(rows, r0 + per_cta);
@@ -1307,11 +1297,10 @@ struct LogitRows {
         gemv2_nf4_j##J##SUFFIX(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y,                 \
                                const float* __restrict__ bias, int rows, int cols, int kparts, int accumulate, \
                                const int* skip_if, float* ss_out, int x_smem, int late, L2Next next,        \
-                               int early_ctas, int early_rows, int late_rows) {                             \
+                               int early_ctas, int early_rows) {                                            \
         PlainRows p{m, y, bias, accumulate, ss_out, next};                                                     \
-        gemv2_walk<J, R, 1, TABLE, XM, PlainRows, GEMV2_HOST_SPLIT>(p, rows, cols, x, norm, kparts, skip_if,   \
-                                                                    x_smem, late, early_ctas, early_rows,      \
-                                                                    late_rows);                                \
+        gemv2_walk<J, R, 1, TABLE, XM>(p, rows, cols, x, norm, kparts, skip_if, x_smem, late, early_ctas,      \
+                                       early_rows);                                                            \
     }
 #define GEMV2_KERNELS_BOUNDED(J, R, TABLE, SUFFIX, BOUNDS)                                                     \
     GEMV2_NF4_KERNEL(J, R, TABLE, SUFFIX, BOUNDS, GEMV2_X_MODE)                                                \
@@ -1325,10 +1314,10 @@ struct LogitRows {
     extern "C" __global__ void BOUNDS                                                                          \
         gemv2_swiglu_j##J##SUFFIX(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm,          \
                                   float* out, int rows, int cols, int kparts, int x_smem, int late,            \
-                                  int early_ctas, int early_rows, int late_rows) {                             \
+                                  int early_ctas, int early_rows) {                                            \
         SwigluRows g{gate, up, out, (late & GEMV2_OUT_F16) != 0};                                              \
-        gemv2_walk<J, (R > 1 ? R / 2 : 1), 2, TABLE, GEMV2_X_MODE, SwigluRows, GEMV2_HOST_SPLIT>(              \
-            g, rows, cols, x, norm, kparts, nullptr, x_smem, late, early_ctas, early_rows, late_rows);         \
+        gemv2_walk<J, (R > 1 ? R / 2 : 1), 2, TABLE, GEMV2_X_MODE>(g, rows, cols, x, norm, kparts, nullptr,    \
+                                                                   x_smem, late, early_ctas, early_rows);      \
     }
 
 #define GEMV2_KERNELS(J, R, TABLE, SUFFIX) GEMV2_KERNELS_BOUNDED(J, R, TABLE, SUFFIX, __launch_bounds__(GEMV_THREADS, 1))
@@ -1358,11 +1347,10 @@ GEMV2_KERNELS_BOUNDED(3, 1, GEMV2_PAIR16, _narrow, __maxnreg__(128))
     extern "C" __global__ void __maxnreg__(128)                                                                \
         gemv2_logits_j##J##_narrow(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y, int rows,   \
                                    int cols, int kparts, const int* skip_if, int x_smem, int late, int* state, \
-                                   int* scratch, int eos, int* ring, int early_ctas, int early_rows,           \
-                                   int late_rows) {                                                            \
+                                   int* scratch, int eos, int* ring, int early_ctas, int early_rows) {         \
         LogitRows p{m, y, state, scratch, eos, ring, NEG_INF, -1};                                             \
-        gemv2_walk<J, R, 1, GEMV2_PAIR16, GEMV2_X_MODE, LogitRows, GEMV2_HOST_SPLIT>(                          \
-            p, rows, cols, x, norm, kparts, skip_if, x_smem, late, early_ctas, early_rows, late_rows);         \
+        gemv2_walk<J, R, 1, GEMV2_PAIR16, GEMV2_X_MODE>(p, rows, cols, x, norm, kparts, skip_if, x_smem, late, \
+                                                        early_ctas, early_rows);                               \
     }
 GEMV2_LOGITS_KERNEL(1, 2)
 GEMV2_LOGITS_KERNEL(2, 2)

@@ -250,12 +250,6 @@ fn qkv_khalves() -> bool {
     super::switch_on("DV2_QKV_KHALVES")
 }
 
-/// Whether GEMV v2's row split comes whole from the host (`DV2_GEMV2_HOST_SPLIT=1`; off by
-/// default): compiled in (options), so fixed for a loaded module: [`Kernels::gemv2_host_split`].
-fn gemv2_host_split() -> bool {
-    std::env::var("DV2_GEMV2_HOST_SPLIT").as_deref() == Ok("1")
-}
-
 /// The skewed row split's extra rows for GEMV v2's first half of CTAs (`var` = DV2_GEMV2_SKEW,
 /// DV2_DOWN_SKEW or DV2_LOGITS_SKEW; `default` when unset): read by Ops, and here for
 /// whether the plain and lm_head kernels hold the split (options).
@@ -278,7 +272,7 @@ pub fn cta_timeline() -> bool {
 /// `DV2_GEMV3_PREWAIT=0`, `DV2_GEMV3_EPI_EARLY=0`, `DV2_GEMV2_XSMEM=0`, `DV2_GEMV2_X_ONE=0`,
 /// `DV2_GEMV2_CHAIN=n`, `DV2_ATTN3_SLOT_LANES=0`, `DV2_ATTN3_ILP=0`, `DV2_QKV_L2=1`,
 /// `DV2_LOGITS_ARGMAX=0`, `DV2_LOGITS_PRMT=0`, `DV2_DOWN_SKEW=n`, `DV2_LOGITS_SKEW=n`,
-/// `DV2_QKV_KHALVES=0`, `DV2_GEMV2_HOST_SPLIT=1` and `DV2_GEMV2_NOALLOC=0` apart. The compiler optimizes the module's
+/// `DV2_QKV_KHALVES=0` and `DV2_GEMV2_NOALLOC=0` apart. The compiler optimizes the module's
 /// kernels on every core (`--split-compile=0`; `DV2_NVRTC_SPLIT=0`: one thread): a machine's
 /// first load compiles the kernels, 32 s in one thread on 2 cores, 19 s split. The split
 /// changes the code of some kernels (scheduling, shared-memory placement), not what they
@@ -347,12 +341,6 @@ fn options(arch: &str) -> Vec<String> {
     // gemv2_walk, GEMV2_SKEW_PLAIN) only where DV2_DOWN_SKEW or DV2_LOGITS_SKEW asks for one.
     let skew_plain = skew_rows("DV2_DOWN_SKEW", 0) != 0 || skew_rows("DV2_LOGITS_SKEW", 0) != 0;
     opts.push(format!("-DGEMV2_SKEW_PLAIN={}", i32::from(skew_plain)));
-    // The whole row split from the host (kernels/decode.cu, GEMV2_HOST_SPLIT;
-    // DV2_GEMV2_HOST_SPLIT=1).
-    opts.push(format!(
-        "-DGEMV2_HOST_SPLIT={}",
-        i32::from(gemv2_host_split())
-    ));
     // q/k/v's GEMV v3 in K halves (kernels/gemv_mma.cu, GEMV3_KHALVES; DV2_QKV_KHALVES=0 off).
     opts.push(format!("-DGEMV3_KHALVES={}", i32::from(qkv_khalves())));
     // Each CTA's wait and end times (kernels/decode.cu, CTA_TIMELINE; DV2_CTA_TIMELINE=1, a
@@ -535,9 +523,6 @@ pub struct Kernels {
     /// Those kernels take their table in dynamic shared memory before x, [`GEMV2_PRMT_TABLE`]
     /// bytes (`DV2_LOGITS_PRMT`, compiled in).
     pub logits_prmt: bool,
-    /// GEMV v2's kernels take their whole row split from the host (`DV2_GEMV2_HOST_SPLIT=1`,
-    /// compiled in).
-    pub gemv2_host_split: bool,
     pub gemv2_qkv: [[CudaFunction; 3]; 4],
     pub gemv2_swiglu: [[CudaFunction; 3]; 4],
     pub attn2_decode: CudaFunction,
@@ -700,7 +685,6 @@ impl Kernels {
                 None
             },
             logits_prmt: logits_prmt(),
-            gemv2_host_split: gemv2_host_split(),
             gemv2_nf4_x16: [
                 gemv2_by_j("gemv2_nf4", "_x16")?,
                 gemv2_by_j("gemv2_nf4", "_narrow_x16")?,

@@ -1053,9 +1053,8 @@ impl Ops {
                 } else {
                     L2Next::NONE
                 };
-                let (early_ctas, early_rows, late_rows) =
-                    self.row_split(rows, cfg.grid_dim.0, self.down_skew);
-                launch!(self.gpu, &f[j - 1], cfg; m, x, norm, y, bias, rows_i, cols_i, kp, acc, skip_if, ss_out, xs, late, next, early_ctas, early_rows, late_rows)?;
+                let (early_ctas, early_rows) = skewed_split(rows, cfg.grid_dim.0, self.down_skew);
+                launch!(self.gpu, &f[j - 1], cfg; m, x, norm, y, bias, rows_i, cols_i, kp, acc, skip_if, ss_out, xs, late, next, early_ctas, early_rows)?;
                 Ok(cfg.grid_dim.0 as usize)
             }
         }
@@ -1106,15 +1105,9 @@ impl Ops {
             eos,
             ring,
         } = head;
-        let (early_ctas, early_rows, late_rows) =
-            self.row_split(rows, cfg.grid_dim.0, self.logits_skew);
-        launch!(self.gpu, &kernels[j - 1], cfg; m, x, norm, y, rows_i, cols_i, kp, skip_if, xs, late, state, scratch, eos, ring, early_ctas, early_rows, late_rows)?;
+        let (early_ctas, early_rows) = skewed_split(rows, cfg.grid_dim.0, self.logits_skew);
+        launch!(self.gpu, &kernels[j - 1], cfg; m, x, norm, y, rows_i, cols_i, kp, skip_if, xs, late, state, scratch, eos, ring, early_ctas, early_rows)?;
         Ok(true)
-    }
-
-    /// [`row_split`] for this module's kernels.
-    fn row_split(&self, rows: usize, ctas: u32, skew: i32) -> (i32, i32, i32) {
-        row_split(self.k.gemv2_host_split, rows, ctas, skew)
     }
 
     /// Whether a GEMV `kernel` takes an f16 input ([`Input::raw_f16`]): GEMV v2 with the
@@ -1242,9 +1235,8 @@ impl Ops {
                 let kp = kparts as i32;
                 let (xs, late) = self.gemv2_switches();
                 let late = late | if out_f16 { GEMV2_OUT_F16 } else { 0 };
-                let (early_ctas, early_rows, late_rows) =
-                    self.row_split(rows, cfg.grid_dim.0, self.gemv2_skew);
-                launch!(self.gpu, &self.k.gemv2_swiglu[self.gemv2_table()][j - 1], cfg; gate, up, x, norm, out, rows_i, cols_i, kp, xs, late, early_ctas, early_rows, late_rows)
+                let (early_ctas, early_rows) = skewed_split(rows, cfg.grid_dim.0, self.gemv2_skew);
+                launch!(self.gpu, &self.k.gemv2_swiglu[self.gemv2_table()][j - 1], cfg; gate, up, x, norm, out, rows_i, cols_i, kp, xs, late, early_ctas, early_rows)
             }
         }
     }
@@ -1416,21 +1408,6 @@ fn gemm_k_parts(
 /// GEMV v2's (early CTAs, rows each) for `rows` over `ctas` CTAs with the first half taking
 /// `skew` rows more than an equal share (kernels/decode.cu, gemv2_walk); (0, 0): equal shares,
 /// as without a skew or where the rest would get none.
-/// GEMV v2's row split as the kernels take it, (early CTAs, their rows, the others' rows):
-/// with [`Kernels::gemv2_host_split`] (`DV2_GEMV2_HOST_SPLIT=1`) the whole split, the equal
-/// one as every CTA early; else the skew's pair (the kernels divide for the rest) and 0.
-fn row_split(host_split: bool, rows: usize, ctas: u32, skew: i32) -> (i32, i32, i32) {
-    let (early, early_rows) = skewed_split(rows, ctas, skew);
-    if !host_split {
-        return (early, early_rows, 0);
-    }
-    if early == 0 {
-        return (ctas as i32, rows.div_ceil(ctas as usize) as i32, 0);
-    }
-    let (rest_rows, rest_ctas) = (rows as i32 - early * early_rows, ctas as i32 - early);
-    (early, early_rows, (rest_rows + rest_ctas - 1) / rest_ctas)
-}
-
 fn skewed_split(rows: usize, ctas: u32, skew: i32) -> (i32, i32) {
     let (rows, ctas) = (rows as i64, ctas as i64);
     let early = ctas / 2;
@@ -1597,45 +1574,6 @@ mod tests {
             let rest = ctas as i32 - e;
             let late = (rows as i32 - e * er + rest - 1) / rest;
             assert!(e * er + (ctas as i32 - e) * late >= rows as i32);
-        }
-    }
-
-    #[test]
-    fn host_row_splits_match_the_kernels_own() {
-        for (rows, ctas, skew) in [
-            (11008usize, 264u32, 2i32),
-            (11008, 264, 0),
-            (2048, 264, 0),
-            (151936, 264, 16),
-            (100, 264, 8),
-        ] {
-            let (e, er) = skewed_split(rows, ctas, skew);
-            assert_eq!(row_split(false, rows, ctas, skew), (e, er, 0));
-            let (he, her, hl) = row_split(true, rows, ctas, skew);
-            // CTA c's first row and row count as gemv2_walk takes them from either split.
-            for c in 0..ctas as i32 {
-                let (r0, n) = if e == 0 {
-                    let per = (rows as i32 + ctas as i32 - 1) / ctas as i32;
-                    (c * per, per)
-                } else {
-                    let late = (rows as i32 - e * er + ctas as i32 - e - 1) / (ctas as i32 - e);
-                    if c < e {
-                        (c * er, er)
-                    } else {
-                        (e * er + (c - e) * late, late)
-                    }
-                };
-                let (h0, hn) = if c < he {
-                    (c * her, her)
-                } else {
-                    (he * her + (c - he) * hl, hl)
-                };
-                assert_eq!(
-                    (h0, hn),
-                    (r0, n),
-                    "rows {rows}, CTAs {ctas}, skew {skew}, CTA {c}"
-                );
-            }
         }
     }
 

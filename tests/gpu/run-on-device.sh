@@ -55,9 +55,6 @@ if want switches; then
   # q/k/v's GEMV v3 in one part (K halves are the default since session 19).
   gates_with qwen25_3b_shape DV2_QKV_KHALVES=0
   gates_with gates_match DV2_QKV_KHALVES=0
-  # GEMV v2's whole row split from the host (prepared in session 19), with and without skews.
-  gates_with qwen25_3b_shape DV2_GEMV2_HOST_SPLIT=1
-  gates_with gates_match DV2_GEMV=v2 DV2_GEMV2_HOST_SPLIT=1 DV2_DOWN_SKEW=-2 DV2_LOGITS_SKEW=16
   # The same split for down and lm_head (measured slower in session 18, kept selectable).
   gates_with qwen25_3b_shape DV2_DOWN_SKEW=2 DV2_LOGITS_SKEW=16
   gates_with gates_match DV2_GEMV=v2 DV2_DOWN_SKEW=-2 DV2_LOGITS_SKEW=-16
