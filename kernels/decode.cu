@@ -761,42 +761,67 @@ __device__ __forceinline__ uint4 repeat16(Entry e) {
 #ifndef TABLE_WIDE_STORES
 #error "the host passes TABLE_WIDE_STORES (src/cuda/kernels.rs, options)"
 #endif
+// TABLE_DIRECT (an NVRTC define, DV2_TABLE_DIRECT; with TABLE_WIDE_STORES): each thread makes
+// its pieces from the codebook's immediates, no shared codebook and no barrier before the
+// stores. With 256 threads thread t's pieces are i = t + 256 u (u < 8), of entry b = i / 8 =
+// t / 8 + 32 u: its low nibble (t / 8) % 16 is the thread's for every u, its high nibble
+// 2 u + t / 128 one of two immediates per u. Why: a CTA that starts as the previous kernel's
+// leave builds its table on the kernel's critical path (the last CTAs to start end last,
+// docs/lab.md, session 19), and the shared codebook put a store, a barrier and a shared load
+// round trip before the first table store.
+#ifndef TABLE_DIRECT
+#define TABLE_DIRECT 1
+#endif
 // LINES: 128-byte lines from one entry to the next (2: lm_head's PRMT-addressed table, whose
-// second line of each entry is never written or read).
-template <int LANES, int LINES = 1, typename Entry, typename Pair>
+// second line of each entry is never written or read). THREADS: the CTA's threads.
+template <int THREADS, int LANES, int LINES = 1, typename Entry, typename Pair>
 __device__ __forceinline__ void load_byte_table(Entry* lut, Pair pair) {
     static_assert(LANES * sizeof(Entry) == 128, "an entry's copies fill one 128-byte line");
+    constexpr int PIECES = 256 * 8;  // 16-byte pieces: eight per entry
+    uint4* lines = reinterpret_cast<uint4*>(lut);
+    auto piece_at = [](int i) { return LINES == 1 ? i : (i >> 3) * 8 * LINES + (i & 7); };
+#if TABLE_DIRECT && TABLE_WIDE_STORES
+    static_assert(THREADS == 256, "the direct table build assumes 256 threads");
+    const float nf4[16] = NF4_CODEBOOK;
+    const int t = threadIdx.x;
+    const float lo = nf4[(t >> 3) & 15];
+    const bool odd = t & 128;
+#pragma unroll
+    for (int u = 0; u < PIECES / THREADS; u++)
+        lines[piece_at(t + THREADS * u)] = repeat16(pair(odd ? nf4[2 * u + 1] : nf4[2 * u], lo));
+#else
     __shared__ float nf4[16];
     load_codebook(nf4);
     __syncthreads();
 #if TABLE_WIDE_STORES
     // Eight 16-byte pieces per entry; a batch's values (its codebook loads) before any of
     // its stores, which the loads could not pass otherwise.
-    constexpr int PIECES = 256 * 8, BATCH = 8;
-    uint4* lines = reinterpret_cast<uint4*>(lut);
-    for (int base = threadIdx.x; base < PIECES; base += BATCH * blockDim.x) {
+    constexpr int BATCH = 8;
+    for (int base = threadIdx.x; base < PIECES; base += BATCH * THREADS) {
         uint4 v[BATCH];
 #pragma unroll
         for (int u = 0; u < BATCH; u++) {
-            const int b = min((base + u * blockDim.x) >> 3, 255);  // unconditional: no branches
+            const int b = min((base + u * THREADS) >> 3, 255);  // unconditional: no branches
             v[u] = repeat16(pair(nf4[b >> 4], nf4[b & 15]));
         }
 #pragma unroll
         for (int u = 0; u < BATCH; u++) {
-            const int i = base + u * blockDim.x;
-            if (i < PIECES) lines[LINES == 1 ? i : (i >> 3) * 8 * LINES + (i & 7)] = v[u];
+            const int i = base + u * THREADS;
+            if (i < PIECES) lines[piece_at(i)] = v[u];
         }
     }
 #else
-    for (int i = threadIdx.x; i < 256 * LANES; i += blockDim.x) {
+    for (int i = threadIdx.x; i < 256 * LANES; i += THREADS) {
         const int b = (unsigned)i / LANES;  // i >= 0: a shift
         lut[LINES == 1 ? i : b * LANES * LINES + (i & (LANES - 1))] = pair(nf4[b >> 4], nf4[b & 15]);
     }
 #endif
+#endif
 }
 
+template <int THREADS>
 __device__ __forceinline__ void load_pair_codebook(float2* lut) {
-    load_byte_table<16>(lut, [](float hi, float lo) { return make_float2(hi, lo); });
+    load_byte_table<THREADS, 16>(lut, [](float hi, float lo) { return make_float2(hi, lo); });
 }
 
 // The byte offset of byte k (0..3) of `word`'s entry in a byte-indexed table of 128 bytes per
@@ -824,8 +849,9 @@ __device__ __forceinline__ u32 byte_lut_entry(const u32* lut, u32 word, int k, u
     return *reinterpret_cast<const u32*>(reinterpret_cast<const char*>(lut) + (byte_entry_offset(word, k) | lane4));
 }
 
+template <int THREADS>
 __device__ __forceinline__ void load_byte_codebook(u32* lut) {
-    load_byte_table<BYTE_LUT_WORDS / 256>(lut, [](float hi, float lo) { return pack_f16x2(hi, lo); });
+    load_byte_table<THREADS, BYTE_LUT_WORDS / 256>(lut, [](float hi, float lo) { return pack_f16x2(hi, lo); });
 }
 
 // GEMV2_LOGITS_PRMT (an NVRTC define, DV2_LOGITS_PRMT; lm_head's argmax kernels only): the
@@ -839,8 +865,9 @@ __device__ __forceinline__ void load_byte_codebook(u32* lut) {
 #ifndef GEMV2_LOGITS_PRMT
 #define GEMV2_LOGITS_PRMT 1
 #endif
+template <int THREADS>
 __device__ __forceinline__ void load_byte_codebook_prmt(u32* lut) {
-    load_byte_table<BYTE_LUT_WORDS / 256, 2>(lut, [](float hi, float lo) { return pack_f16x2(hi, lo); });
+    load_byte_table<THREADS, BYTE_LUT_WORDS / 256, 2>(lut, [](float hi, float lo) { return pack_f16x2(hi, lo); });
 }
 // The entry of byte k (0..3) of `word` for this lane in that table (lane4 = 4 * lane < 256).
 __device__ __forceinline__ u32 prmt_lut_entry(const u32* lut, u32 word, int k, u32 lane4) {
@@ -943,9 +970,9 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     u32* pair16_lut = prmt_table ? reinterpret_cast<u32*>(gemv2_dyn) : pair16_static;
     float* x_staged = gemv2_dyn + (prmt_table ? PRMT_LUT_WORDS : 0);
     timeline_start();
-    if (prmt_table) load_byte_codebook_prmt(pair16_lut);
-    else if (TABLE == GEMV2_PAIR16) load_byte_codebook(pair16_lut);
-    else if (TABLE == GEMV2_PAIR32) load_pair_codebook(pair_lut);
+    if (prmt_table) load_byte_codebook_prmt<GEMV_THREADS>(pair16_lut);
+    else if (TABLE == GEMV2_PAIR16) load_byte_codebook<GEMV_THREADS>(pair16_lut);
+    else if (TABLE == GEMV2_PAIR32) load_pair_codebook<GEMV_THREADS>(pair_lut);
     else load_codebook(lut);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const u32 lane8 = (lane & 15) * 8, lane4 = lane * 4;

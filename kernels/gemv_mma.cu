@@ -177,7 +177,7 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
             gemv3_prefetch<T, EPI>(a, blockIdx.x + i * gridDim.x);
 #endif
     timeline_start();
-    load_byte_codebook(lut);
+    load_byte_codebook<GEMV3_THREADS>(lut);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const u32 lane4 = 4 * lane;
     const int kh = KH == 1 ? 0 : blockIdx.x & 1, kblocks = (a.k >> 6) / KH, kfirst = kh * kblocks;

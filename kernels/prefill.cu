@@ -385,7 +385,7 @@ __device__ __forceinline__ void gemm_v1_body(const GemmArgs& a) {
     // the previous kernel's tail. DV2_GEMM_EARLY=0 (early = 0): after the wait.
     if (!a.early) pdl_enter();
     float* red = reinterpret_cast<float*>(smem);
-    if (X16) load_byte_codebook(smem);
+    if (X16) load_byte_codebook<GEMM_THREADS>(smem);
     else load_codebook_f16(lut16);
     const GemmWarp w = gemm_warp<NT, EPI>(a);
     const int kblocks = a.k >> 6;

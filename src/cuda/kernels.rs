@@ -266,7 +266,7 @@ pub fn cta_timeline() -> bool {
 
 /// NVRTC options; `DV2_LINEINFO=1` adds source line information (for a profiler's source
 /// view; the cache keeps the two builds apart, options being part of its key), as it keeps
-/// the kernel variants `DV2_TABLE_WIDE=0`, `DV2_NORM_BATCH=n`, `DV2_GEMV3_X_BATCH=n`,
+/// the kernel variants `DV2_TABLE_WIDE=0`, `DV2_TABLE_DIRECT=0`, `DV2_NORM_BATCH=n`, `DV2_GEMV3_X_BATCH=n`,
 /// `DV2_GEMV2_X_BATCH=n`, `DV2_GEMV3_ACC_ONE=0`, `DV2_GEMV3_L2_CODE=1`, `DV2_L2_AHEAD_KB=n`,
 /// `DV2_MERGE_EARLY=0`, `DV2_MERGE_WARP=0`, `DV2_GEMV_WFIRST=0`, `DV2_GEMV2_PREWAIT=0`,
 /// `DV2_GEMV3_PREWAIT=0`, `DV2_GEMV3_EPI_EARLY=0`, `DV2_GEMV2_XSMEM=0`, `DV2_GEMV2_X_ONE=0`,
@@ -289,6 +289,11 @@ fn options(arch: &str) -> Vec<String> {
     // a store per copy, as before session 11).
     let wide = i32::from(super::switch_on("DV2_TABLE_WIDE"));
     opts.push(format!("-DTABLE_WIDE_STORES={wide}"));
+    // Those stores' values straight from the codebook's immediates, no shared codebook and no
+    // barrier before them (load_byte_table, TABLE_DIRECT; DV2_TABLE_DIRECT=0: through shared
+    // memory, as before session 20).
+    let direct = i32::from(super::switch_on("DV2_TABLE_DIRECT"));
+    opts.push(format!("-DTABLE_DIRECT={direct}"));
     // Partial sums of squares each lane loads at once for a fused RMSNorm (kernels/decode.cu,
     // norm_factor; DV2_NORM_BATCH=n, 1..=16; 8 before session 11).
     let bounded = |var: &str, max: usize, default: usize| {
