@@ -695,7 +695,6 @@ fn main() {
             ("qwen25_3b gemv2-narrow=0", &[("DV2_GEMV2_NARROW", "0")]),
             ("qwen25_3b table-wide=0", &[("DV2_TABLE_WIDE", "0")]),
             ("qwen25_3b table-direct=0", &[("DV2_TABLE_DIRECT", "0")]),
-            ("qwen25_3b table-direct=f32", &[("DV2_TABLE_DIRECT", "f32")]),
             ("qwen25_3b norm-batch=8", &[("DV2_NORM_BATCH", "8")]),
             ("qwen25_3b gemv-ctas=1", &[("DV2_GEMV_CTAS", "1")]),
             ("qwen25_3b gemv2-prewait=0", &[("DV2_GEMV2_PREWAIT", "0")]),

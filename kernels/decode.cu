@@ -761,7 +761,7 @@ __device__ __forceinline__ uint4 repeat16(Entry e) {
 #ifndef TABLE_WIDE_STORES
 #error "the host passes TABLE_WIDE_STORES (src/cuda/kernels.rs, options)"
 #endif
-// TABLE_DIRECT (an NVRTC define, DV2_TABLE_DIRECT: 1 or 2, with TABLE_WIDE_STORES; 0 off): each thread makes
+// TABLE_DIRECT (an NVRTC define, DV2_TABLE_DIRECT; with TABLE_WIDE_STORES): each thread makes
 // its pieces from the codebook's immediates, no shared codebook and no barrier before the
 // stores. With 256 threads thread t's pieces are i = t + 256 u (u < 8), of entry b = i / 8 =
 // t / 8 + 32 u: its low nibble (t / 8) % 16 is the thread's for every u, its high nibble
@@ -770,7 +770,7 @@ __device__ __forceinline__ uint4 repeat16(Entry e) {
 // docs/lab.md, session 19), and the shared codebook put a store, a barrier and a shared load
 // round trip before the first table store.
 #ifndef TABLE_DIRECT
-#define TABLE_DIRECT 2
+#define TABLE_DIRECT 1
 #endif
 // LINES: 128-byte lines from one entry to the next (2: lm_head's PRMT-addressed table, whose
 // second line of each entry is never written or read). THREADS: the CTA's threads.
@@ -849,45 +849,9 @@ __device__ __forceinline__ u32 byte_lut_entry(const u32* lut, u32 word, int k, u
     return *reinterpret_cast<const u32*>(reinterpret_cast<const char*>(lut) + (byte_entry_offset(word, k) | lane4));
 }
 
-#if TABLE_DIRECT == 2 && TABLE_WIDE_STORES
-// The f16-pair table of the direct build (TABLE_DIRECT) by byte permutes of the codebook's f16
-// words (NF4_F16_PAIRS, from the host: entries 2j and 2j + 1 in word j): the thread's low-nibble
-// entry i picked by a tree of four PRMTs within the groups of four entries, then three across
-// them; each piece's high-nibble entry is half (t / 128) of word u, and one PRMT joins the two.
-// Why: the compiler made the float codebook's lookup a chain of 16 predicated moves into one
-// register and each piece an FSEL and a conversion, all before the first table store of a
-// CTA's late starters (TABLE_DIRECT 2, the default; DV2_TABLE_DIRECT=f32, 1, keeps that build;
-// the f32-pair table always takes it).
-template <int THREADS, int LINES>
-__device__ __forceinline__ void load_byte_table_f16(u32* lut) {
-    static_assert(THREADS == 256, "the direct table build assumes 256 threads");
-    constexpr u32 words[8] = NF4_F16_PAIRS;
-    const int t = threadIdx.x;
-    const u32 i = (t >> 3) & 15;
-    const u32 within = 0x10u + 0x22u * (i & 3);  // bytes 2 (i % 4), +1 of a group's two words
-    u32 group[4];
-#pragma unroll
-    for (int g = 0; g < 4; g++) group[g] = __byte_perm(words[2 * g], words[2 * g + 1], within);
-    const u32 odd_group = i & 4 ? 0x54u : 0x10u;  // the second's low half, or the first's
-    const u32 lo = __byte_perm(__byte_perm(group[0], group[1], odd_group), __byte_perm(group[2], group[3], odd_group),
-                               i & 8 ? 0x54u : 0x10u);  // f16 of entry i in the low half
-    const u32 join = t & 128 ? 0x5432u : 0x5410u;       // {half t / 128 of word u, lo}
-    uint4* lines = reinterpret_cast<uint4*>(lut);
-#pragma unroll
-    for (int u = 0; u < 8; u++) {
-        const int p = t + THREADS * u;
-        lines[LINES == 1 ? p : (p >> 3) * 8 * LINES + (p & 7)] = repeat16(__byte_perm(words[u], lo, join));
-    }
-}
-#endif
-
 template <int THREADS>
 __device__ __forceinline__ void load_byte_codebook(u32* lut) {
-#if TABLE_DIRECT == 2 && TABLE_WIDE_STORES
-    load_byte_table_f16<THREADS, 1>(lut);
-#else
     load_byte_table<THREADS, BYTE_LUT_WORDS / 256>(lut, [](float hi, float lo) { return pack_f16x2(hi, lo); });
-#endif
 }
 
 // GEMV2_LOGITS_PRMT (an NVRTC define, DV2_LOGITS_PRMT; lm_head's argmax kernels only): the
@@ -903,11 +867,7 @@ __device__ __forceinline__ void load_byte_codebook(u32* lut) {
 #endif
 template <int THREADS>
 __device__ __forceinline__ void load_byte_codebook_prmt(u32* lut) {
-#if TABLE_DIRECT == 2 && TABLE_WIDE_STORES
-    load_byte_table_f16<THREADS, 2>(lut);
-#else
     load_byte_table<THREADS, BYTE_LUT_WORDS / 256, 2>(lut, [](float hi, float lo) { return pack_f16x2(hi, lo); });
-#endif
 }
 // The entry of byte k (0..3) of `word` for this lane in that table (lane4 = 4 * lane < 256).
 __device__ __forceinline__ u32 prmt_lut_entry(const u32* lut, u32 word, int k, u32 lane4) {

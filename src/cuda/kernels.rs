@@ -132,26 +132,10 @@ fn shared_defines() -> Vec<String> {
         ("STATE_FINISHED", state::FINISHED),
         ("STATE_RING_COUNT", state::RING_COUNT),
     ];
-    let mut defines: Vec<String> = values
+    values
         .iter()
         .map(|(name, v)| format!("-D{name}={v}"))
-        .collect();
-    defines.push(format!("-DNF4_F16_PAIRS={}", nf4_f16_pairs()));
-    defines
-}
-
-/// The NF4 codebook as f16 (rounded to nearest even, as the kernels' cvt.rn does), entries 2j
-/// and 2j + 1 in word j, the lower in the low half: a C initializer for the direct build of
-/// the f16-pair byte tables (kernels/decode.cu, load_byte_table_f16).
-fn nf4_f16_pairs() -> String {
-    let words: Vec<String> = crate::nf4::CODEBOOK
-        .chunks(2)
-        .map(|pair| {
-            let bits = |v: f32| u32::from(half::f16::from_f32(v).to_bits());
-            format!("0x{:08x}u", bits(pair[0]) | bits(pair[1]) << 16)
-        })
-        .collect();
-    format!("{{{}}}", words.join(","))
+        .collect()
 }
 
 /// A compilation unit: a name (for the cache and NVRTC's messages) and its files under
@@ -282,7 +266,7 @@ pub fn cta_timeline() -> bool {
 
 /// NVRTC options; `DV2_LINEINFO=1` adds source line information (for a profiler's source
 /// view; the cache keeps the two builds apart, options being part of its key), as it keeps
-/// the kernel variants `DV2_TABLE_WIDE=0`, `DV2_TABLE_DIRECT=0|f32`, `DV2_NORM_BATCH=n`, `DV2_GEMV3_X_BATCH=n`,
+/// the kernel variants `DV2_TABLE_WIDE=0`, `DV2_TABLE_DIRECT=0`, `DV2_NORM_BATCH=n`, `DV2_GEMV3_X_BATCH=n`,
 /// `DV2_GEMV2_X_BATCH=n`, `DV2_GEMV3_ACC_ONE=0`, `DV2_GEMV3_L2_CODE=1`, `DV2_L2_AHEAD_KB=n`,
 /// `DV2_MERGE_EARLY=0`, `DV2_MERGE_WARP=0`, `DV2_GEMV_WFIRST=0`, `DV2_GEMV2_PREWAIT=0`,
 /// `DV2_GEMV3_PREWAIT=0`, `DV2_GEMV3_EPI_EARLY=0`, `DV2_GEMV2_XSMEM=0`, `DV2_GEMV2_X_ONE=0`,
@@ -305,15 +289,10 @@ fn options(arch: &str) -> Vec<String> {
     // a store per copy, as before session 11).
     let wide = i32::from(super::switch_on("DV2_TABLE_WIDE"));
     opts.push(format!("-DTABLE_WIDE_STORES={wide}"));
-    // Those stores' values straight from the codebook, no shared codebook and no barrier
-    // before them (load_byte_table, TABLE_DIRECT): the f16 tables by byte permutes of its f16
-    // words (2, default), or from its float immediates (1, DV2_TABLE_DIRECT=f32);
-    // DV2_TABLE_DIRECT=0: through shared memory, as before session 20.
-    let direct = match std::env::var("DV2_TABLE_DIRECT").as_deref() {
-        Ok("0") => 0,
-        Ok("f32") => 1,
-        _ => 2,
-    };
+    // Those stores' values straight from the codebook's immediates, no shared codebook and no
+    // barrier before them (load_byte_table, TABLE_DIRECT; DV2_TABLE_DIRECT=0: through shared
+    // memory, as before session 20).
+    let direct = i32::from(super::switch_on("DV2_TABLE_DIRECT"));
     opts.push(format!("-DTABLE_DIRECT={direct}"));
     // Partial sums of squares each lane loads at once for a fused RMSNorm (kernels/decode.cu,
     // norm_factor; DV2_NORM_BATCH=n, 1..=16; 8 before session 11).
@@ -744,35 +723,5 @@ impl Kernels {
                 f("attn_prefill_mma1_hd128")?,
             ],
         })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn f16_codebook_words_hold_the_codebook_in_order() {
-        let init = nf4_f16_pairs();
-        let words: Vec<u32> = init
-            .trim_matches(|c| c == '{' || c == '}')
-            .split(',')
-            .map(|w| {
-                u32::from_str_radix(w.trim_start_matches("0x").trim_end_matches('u'), 16).unwrap()
-            })
-            .collect();
-        assert_eq!(words.len(), 8);
-        for (i, &v) in crate::nf4::CODEBOOK.iter().enumerate() {
-            let bits = (words[i / 2] >> (16 * (i % 2))) as u16;
-            let back = half::f16::from_bits(bits).to_f32();
-            // f16 keeps 11 significant bits: within half an ulp (2^-11 relative), and the
-            // codebook's exact values (0, +-1) exactly.
-            assert!(
-                (back - v).abs() <= v.abs() / 2048.0,
-                "entry {i}: {v} -> {back}"
-            );
-        }
-        assert_eq!(words[0] & 0xffff, 0xbc00, "-1.0 in the low half of word 0");
-        assert_eq!(words[7] >> 16, 0x3c00, "1.0 in the high half of word 7");
     }
 }

@@ -55,10 +55,9 @@ if want switches; then
   # q/k/v's GEMV v3 in one part (K halves are the default since session 19).
   gates_with qwen25_3b_shape DV2_QKV_KHALVES=0
   gates_with gates_match DV2_QKV_KHALVES=0
-  # The byte tables through a shared codebook and from float immediates (built by byte
-  # permutes of f16 words by default since session 20), and the f32-pair table built straight.
+  # The byte tables through a shared codebook (their build straight from immediates is the
+  # default since session 20), and the f32-pair table built straight.
   gates_with gates_match DV2_TABLE_DIRECT=0
-  gates_with gates_match DV2_TABLE_DIRECT=f32
   gates_with gates_match DV2_GEMV=v2 DV2_GEMV2_H16=0
   # The same split for down and lm_head (measured slower in session 18, kept selectable).
   gates_with qwen25_3b_shape DV2_DOWN_SKEW=2 DV2_LOGITS_SKEW=16
