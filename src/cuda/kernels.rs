@@ -250,10 +250,20 @@ fn qkv_khalves() -> bool {
     super::switch_on("DV2_QKV_KHALVES")
 }
 
-/// The skewed row split's extra rows for GEMV v2's first half of CTAs (`var` = DV2_GEMV2_SKEW,
-/// DV2_DOWN_SKEW or DV2_LOGITS_SKEW; `default` when unset): read by Ops, and here for
-/// whether the plain and lm_head kernels hold the split (options).
-pub fn skew_rows(var: &str, default: i32) -> i32 {
+/// The skewed row split's extra rows for GEMV v2's first half of CTAs, by kernel: SwiGLU's
+/// (`DV2_GEMV2_SKEW`, default 2), the plain kernels' (`DV2_DOWN_SKEW`) and lm_head's
+/// (`DV2_LOGITS_SKEW`), default 0. Read by Ops for the launches, and here for whether the plain
+/// and lm_head kernels hold the split (options), so the two cannot disagree.
+pub fn gemv2_skew() -> i32 {
+    skew_rows("DV2_GEMV2_SKEW", 2)
+}
+pub fn down_skew() -> i32 {
+    skew_rows("DV2_DOWN_SKEW", 0)
+}
+pub fn logits_skew() -> i32 {
+    skew_rows("DV2_LOGITS_SKEW", 0)
+}
+fn skew_rows(var: &str, default: i32) -> i32 {
     super::env_number(var).unwrap_or(default)
 }
 
@@ -266,8 +276,8 @@ pub fn cta_timeline() -> bool {
 
 /// NVRTC options; `DV2_LINEINFO=1` adds source line information (for a profiler's source
 /// view; the cache keeps the two builds apart, options being part of its key), as it keeps
-/// the kernel variants `DV2_TABLE_WIDE=0`, `DV2_TABLE_DIRECT=0`, `DV2_NORM_BATCH=n`, `DV2_GEMV3_X_BATCH=n`,
-/// `DV2_GEMV2_X_BATCH=n`, `DV2_GEMV3_ACC_ONE=0`, `DV2_GEMV3_L2_CODE=1`, `DV2_L2_AHEAD_KB=n`,
+/// the kernel variants `DV2_TABLE_WIDE=0`, `DV2_TABLE_DIRECT=0`, `DV2_NORM_BATCH=n`,
+/// `DV2_GEMV3_X_BATCH=n`, `DV2_GEMV2_X_BATCH=n`, `DV2_GEMV3_ACC_ONE=0`, `DV2_GEMV3_L2_CODE=1`, `DV2_L2_AHEAD_KB=n`,
 /// `DV2_MERGE_EARLY=0`, `DV2_MERGE_WARP=0`, `DV2_GEMV_WFIRST=0`, `DV2_GEMV2_PREWAIT=0`,
 /// `DV2_GEMV3_PREWAIT=0`, `DV2_GEMV3_EPI_EARLY=0`, `DV2_GEMV2_XSMEM=0`, `DV2_GEMV2_X_ONE=0`,
 /// `DV2_GEMV2_CHAIN=n`, `DV2_ATTN3_SLOT_LANES=0`, `DV2_ATTN3_ILP=0`, `DV2_QKV_L2=1`,
@@ -344,7 +354,7 @@ fn options(arch: &str) -> Vec<String> {
     opts.push(format!("-DGEMV2_LOGITS_PRMT={}", i32::from(logits_prmt())));
     // The plain and lm_head GEMV v2 kernels hold the skewed row split (kernels/decode.cu,
     // gemv2_walk, GEMV2_SKEW_PLAIN) only where DV2_DOWN_SKEW or DV2_LOGITS_SKEW asks for one.
-    let skew_plain = skew_rows("DV2_DOWN_SKEW", 0) != 0 || skew_rows("DV2_LOGITS_SKEW", 0) != 0;
+    let skew_plain = down_skew() != 0 || logits_skew() != 0;
     opts.push(format!("-DGEMV2_SKEW_PLAIN={}", i32::from(skew_plain)));
     // q/k/v's GEMV v3 in K halves (kernels/gemv_mma.cu, GEMV3_KHALVES; DV2_QKV_KHALVES=0 off).
     opts.push(format!("-DGEMV3_KHALVES={}", i32::from(qkv_khalves())));

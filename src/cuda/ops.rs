@@ -49,9 +49,9 @@ use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig};
 
 use super::device::{driver_error, Gpu};
 use super::kernels::{
-    skew_rows, Kernels, ATTN2_CHUNK, ATTN2_MAX_CHUNKS, ATTN2_MAX_GROUP, ATTN2_MAX_GROUP_X_HD,
-    ATTNM_ROWS, ATTNM_THREADS, ATTNP_Q_FLOATS, ATTNP_ROWS, ATTNP_THREADS, ATTN_THREADS,
-    GEMM_B2_STRIDE, GEMM_NT, GEMM_V2_MAX_KW, GEMM_WARPS, GEMM_WARP_ROWS, GEMV2_MAX_K,
+    down_skew, gemv2_skew, logits_skew, Kernels, ATTN2_CHUNK, ATTN2_MAX_CHUNKS, ATTN2_MAX_GROUP,
+    ATTN2_MAX_GROUP_X_HD, ATTNM_ROWS, ATTNM_THREADS, ATTNP_Q_FLOATS, ATTNP_ROWS, ATTNP_THREADS,
+    ATTN_THREADS, GEMM_B2_STRIDE, GEMM_NT, GEMM_V2_MAX_KW, GEMM_WARPS, GEMM_WARP_ROWS, GEMV2_MAX_K,
     GEMV2_PRMT_TABLE, GEMV2_X16_STRIDE, GEMV2_X_STRIDE, GEMV3_MAX_K, GEMV3_WARPS, GEMV_THREADS,
     GEMV_WARPS, MAX_HEAD_DIM,
 };
@@ -513,9 +513,9 @@ impl Ops {
                 _ if gpu_clusters => Variant::V3,
                 _ => Variant::V2,
             },
-            gemv2_skew: skew_rows("DV2_GEMV2_SKEW", 2),
-            down_skew: skew_rows("DV2_DOWN_SKEW", 0),
-            logits_skew: skew_rows("DV2_LOGITS_SKEW", 0),
+            gemv2_skew: gemv2_skew(),
+            down_skew: down_skew(),
+            logits_skew: logits_skew(),
             attn3_splits: env_number("DV2_ATTN3_SPLITS")
                 .filter(|n| matches!(n, 1 | 2 | 4 | 8))
                 .unwrap_or(8),
