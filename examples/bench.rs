@@ -25,7 +25,9 @@ use std::fmt::Write as _;
 use std::time::Instant;
 
 use decodev2::arch::{ArchSpec, MEDIUM_LLAMA, QWEN25_3B};
+use decodev2::config::VARIABLES;
 use decodev2::cuda::bench::{Bench, Timing, CHAIN_LINK_MAX_SMEM};
+use decodev2::cuda::ops::{Gemv, GemvChoice};
 use decodev2::cuda::CudaBackend;
 use decodev2::engine::{Backend, BackendKind, Engine, EngineOptions};
 use decodev2::model::HostModel;
@@ -45,11 +47,33 @@ struct StepRun {
 
 /// Runs `f` with the environment variables `vars` set, then removes them: the variants are
 /// read when an engine loads, so one process measures them all.
-fn with_env<T>(vars: &[(&str, &str)], f: impl FnOnce() -> T) -> T {
-    vars.iter().for_each(|(k, v)| std::env::set_var(k, v));
+fn with_env<K: AsRef<str>, V: AsRef<str>, T>(vars: &[(K, V)], f: impl FnOnce() -> T) -> T {
+    vars.iter()
+        .for_each(|(k, v)| std::env::set_var(k.as_ref(), v.as_ref()));
     let out = f();
-    vars.iter().for_each(|(k, _)| std::env::remove_var(k));
+    vars.iter()
+        .for_each(|(k, _)| std::env::remove_var(k.as_ref()));
     out
+}
+
+/// The decode table's switch rows for `model`: each switch of the configuration table
+/// (src/config.rs) that `--rows` names (a comma-separated list of parts of names), set to
+/// `0`; none without `--rows`.
+fn switch_rows(model: &str, rows: Option<&String>) -> Vec<(String, Vec<(String, String)>)> {
+    let Some(rows) = rows else {
+        return Vec::new();
+    };
+    VARIABLES
+        .iter()
+        .filter(|v| v.effect.starts_with("`0`"))
+        .filter(|v| rows.split(',').any(|p| v.name.contains(p)))
+        .map(|v| {
+            (
+                format!("{model} {}=0", v.name),
+                vec![(v.name.to_string(), "0".to_string())],
+            )
+        })
+        .collect()
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -222,18 +246,8 @@ fn prefill_tables(qwen: &HostModel, json: &mut String, skip_gemm: bool) {
         ("gate|up", 2 * s.intermediate, s.hidden),
         ("down", s.hidden, s.intermediate),
     ];
-    // v1 reads f16 activations unless DV2_GEMM_X16=0 (then f32, as v2 does).
-    type Variant = (&'static str, &'static [(&'static str, &'static str)]);
-    let variants: [Variant; 3] = [
-        ("v2", &[("DV2_GEMM", "v2")]),
-        ("v1", &[("DV2_GEMM", "v1")]),
-        ("v1/f32", &[("DV2_GEMM", "v1"), ("DV2_GEMM_X16", "0")]),
-    ];
-    for (variant, env) in variants {
-        if skip_gemm {
-            break;
-        }
-        with_env(env, || gemm_table(variant, &shapes, json));
+    if !skip_gemm {
+        gemm_table("v1h", &shapes, json);
     }
     *json = json.trim_end_matches(",\n").to_string() + "\n  ],\n";
     println!("\nprefill, Qwen2.5-3B shape, max_seq 2048 (median ms, wall clock to next_token):");
@@ -244,7 +258,7 @@ fn prefill_tables(qwen: &HostModel, json: &mut String, skip_gemm: bool) {
     *json += "  \"prefill\": [\n";
     // (label, environment, chunk)
     type Run = (&'static str, &'static [(&'static str, &'static str)], usize);
-    let runs: [Run; 17] = [
+    let runs: [Run; 8] = [
         ("n1 (decode step)", &[], 0),
         ("default", &[], 32),
         ("default", &[], 64),
@@ -252,16 +266,7 @@ fn prefill_tables(qwen: &HostModel, json: &mut String, skip_gemm: bool) {
         ("default", &[], 256),
         ("default", &[], 512),
         ("default", &[], 1024),
-        ("DV2_GEMM=v2", &[("DV2_GEMM", "v2")], 1024),
-        ("DV2_GEMM=v2", &[("DV2_GEMM", "v2")], 512),
-        ("DV2_ATTNP=simt", &[("DV2_ATTNP", "simt")], 512),
-        ("DV2_GEMM_X16=0", &[("DV2_GEMM_X16", "0")], 1024),
-        ("DV2_GEMM_NT6=0", &[("DV2_GEMM_NT6", "0")], 1024),
-        ("DV2_GEMM_CLUSTER=0", &[("DV2_GEMM_CLUSTER", "0")], 1024),
-        ("DV2_ATTNP_STAGE=v1", &[("DV2_ATTNP_STAGE", "v1")], 1024),
-        ("DV2_GEMM_EARLY=0", &[("DV2_GEMM_EARLY", "0")], 1024),
         ("DV2_PREFILL_TAIL=0", &[("DV2_PREFILL_TAIL", "0")], 1024),
-        ("DV2_GEMM_SPREAD=0", &[("DV2_GEMM_SPREAD", "0")], 1024),
     ];
     for (label, env, chunk) in runs {
         let (ttft, long) = with_env(env, || {
@@ -378,67 +383,37 @@ fn boundary() {
 /// as in the tables.
 fn probe() {
     let s = QWEN25_3B;
-    type Env = &'static [(&'static str, &'static str)];
-    let widths: [(&str, Env); 5] = [
-        ("", &[]),
-        (" (DV2_GEMM_NT6=0)", &[("DV2_GEMM_NT6", "0")]),
-        (" (DV2_GEMM_CLUSTER=0)", &[("DV2_GEMM_CLUSTER", "0")]),
-        (" (DV2_GEMM_EARLY=0)", &[("DV2_GEMM_EARLY", "0")]),
-        (" (DV2_GEMM_SPREAD=0)", &[("DV2_GEMM_SPREAD", "0")]),
-    ];
-    for (label, env) in widths {
-        let bench = with_env(env, || Bench::new(0).expect("CUDA device"));
-        for (name, rows, k) in [
-            ("q/k/v", s.qkv_rows(), s.hidden),
-            ("o", s.hidden, s.hidden),
-            ("gate|up", 2 * s.intermediate, s.hidden),
-            ("down", s.hidden, s.intermediate),
-        ] {
-            let (t, tflops) = bench.gemm(name, rows, k, 48).expect("gemm bench");
-            println!(
-                "gemm {name} N=48{label}: {:.2} µs, {tflops:.1} TFLOP/s",
-                t.median_us
-            );
-        }
-    }
-    // The decode step's five GEMVs (each the kernel the default picks) under each GEMV switch,
-    // and with v3 forced, with and without its L2 prefetch.
-    let (h, kv, inter) = (s.hidden, s.kv_dim(), s.intermediate);
-    for (label, env) in [
-        ("", &[][..]),
-        (" (DV2_L2_AHEAD_KB=192)", &[("DV2_L2_AHEAD_KB", "192")][..]),
-        (" (DV2_GEMV2_PAIRS=0)", &[("DV2_GEMV2_PAIRS", "0")][..]),
-        (" (DV2_GEMV2_XSMEM=0)", &[("DV2_GEMV2_XSMEM", "0")][..]),
-        (" (DV2_GEMV2_LATE=0)", &[("DV2_GEMV2_LATE", "0")][..]),
-        (
-            " (DV2_GEMV3_EPI_EARLY=0)",
-            &[("DV2_GEMV3_EPI_EARLY", "0")][..],
-        ),
-        (" (DV2_GEMV=v3)", &[("DV2_GEMV", "v3")][..]),
-        (
-            " (DV2_GEMV=v3 DV2_L2_AHEAD_KB=192)",
-            &[("DV2_GEMV", "v3"), ("DV2_L2_AHEAD_KB", "192")][..],
-        ),
+    let bench = Bench::new(0).expect("CUDA device");
+    for (name, rows, k) in [
+        ("q/k/v", s.qkv_rows(), s.hidden),
+        ("o", s.hidden, s.hidden),
+        ("gate|up", 2 * s.intermediate, s.hidden),
+        ("down", s.hidden, s.intermediate),
     ] {
-        let bench = with_env(env, || Bench::new(0).expect("CUDA device"));
-        for (name, kind, rows, k) in [
-            ("q/k/v", "qkv", &[h, kv, kv][..], h),
-            ("o", "residual", &[h][..], h),
-            ("gate+up", "swiglu", &[inter][..], h),
-            ("down", "residual", &[h][..], inter),
-            ("lm_head", "plain", &[s.vocab][..], h),
-        ] {
-            let t = bench.gemv(name, kind, rows, k).expect("gemv bench");
-            println!(
-                "gemv {name}{label}: {:.2} µs, {:.2} TB/s",
-                t.median_us,
-                t.bytes as f64 / t.median_us * 1e-6
-            );
-        }
+        let (t, tflops) = bench.gemm(name, rows, k, 48).expect("gemm bench");
+        println!(
+            "gemm {name} N=48: {:.2} µs, {tflops:.1} TFLOP/s",
+            t.median_us
+        );
+    }
+    // The decode step's five GEMVs, each the kernel the default picks.
+    let (h, kv, inter) = (s.hidden, s.kv_dim(), s.intermediate);
+    for (name, kind, rows, k) in [
+        ("q/k/v", "qkv", &[h, kv, kv][..], h),
+        ("o", "residual", &[h][..], h),
+        ("gate+up", "swiglu", &[inter][..], h),
+        ("down", "residual", &[h][..], inter),
+        ("lm_head", "plain", &[s.vocab][..], h),
+    ] {
+        let t = bench.gemv(name, kind, rows, k).expect("gemv bench");
+        println!(
+            "gemv {name}: {:.2} µs, {:.2} TB/s",
+            t.median_us,
+            t.bytes as f64 / t.median_us * 1e-6
+        );
     }
     // Time against rows at a fixed K: the intercept is what a launch costs besides its rows
     // (prologue, pipeline fill, tail), the slope the steady state.
-    let bench = Bench::new(0).expect("CUDA device");
     for (name, kind, k, rows) in [
         (
             "gate+up",
@@ -483,7 +458,6 @@ fn main() {
         .iter()
         .position(|a| a == "--rows")
         .and_then(|i| args.get(i + 1));
-    let wanted = |label: &str| rows.is_none_or(|r| r.split(',').any(|p| label.contains(p)));
     if let Some(steps) = args
         .iter()
         .position(|a| a == "--decode-profile")
@@ -529,13 +503,12 @@ fn main() {
         return;
     }
 
-    // Kernel microbenchmarks, per variant (DV2_GEMV / DV2_ATTN), in one process.
+    // Kernel microbenchmarks, each GEMV family on every matrix, in one process.
     let mut first = true;
     json += "  \"kernels\": {\n";
-    for variant in ["v2", "v3", "v1"] {
-        std::env::set_var("DV2_GEMV", variant);
-        std::env::set_var("DV2_ATTN", variant);
-        let bench = Bench::new(0).expect("CUDA device");
+    for (variant, gemv) in [("v2", Gemv::V2), ("v3", Gemv::V3)] {
+        let mut bench = Bench::new(0).expect("CUDA device");
+        bench.set_gemv(GemvChoice::Fixed(gemv));
         if first {
             println!("device: {}", bench.device_name());
             first = false;
@@ -580,34 +553,6 @@ fn main() {
         json = json.trim_end_matches(",\n").to_string() + "\n    ],\n";
     }
     json = json.trim_end_matches(",\n").to_string() + "\n  },\n";
-    if !flag("--skip-kernels") {
-        println!("\nGEMV v2, CTAs per SM (DV2_GEMV_CTAS), gate+up / down / lm_head µs:");
-        std::env::set_var("DV2_GEMV", "v2");
-        for ctas in ["1", "2", "4"] {
-            std::env::set_var("DV2_GEMV_CTAS", ctas);
-            let bench = Bench::new(0).expect("CUDA device");
-            let s = QWEN25_3B;
-            let t = [
-                bench
-                    .gemv("gate+up", "swiglu", &[s.intermediate], s.hidden)
-                    .unwrap(),
-                bench
-                    .gemv("down", "residual", &[s.hidden], s.intermediate)
-                    .unwrap(),
-                bench
-                    .gemv("lm_head", "plain", &[s.vocab], s.hidden)
-                    .unwrap(),
-            ];
-            println!(
-                "  {ctas}: {:.2} / {:.2} / {:.2}",
-                t[0].median_us, t[1].median_us, t[2].median_us
-            );
-        }
-        std::env::remove_var("DV2_GEMV_CTAS");
-    }
-    std::env::remove_var("DV2_GEMV");
-    std::env::remove_var("DV2_ATTN");
-
     if flag("--prefill-only") {
         let qwen = synth::build(&QWEN25_3B, 0).unwrap();
         prefill_tables(&qwen, &mut json, flag("--skip-gemm"));
@@ -621,20 +566,11 @@ fn main() {
     for graph in [true, false] {
         runs.push(time_decode("medium_llama", &medium, 32, 4, 24, graph, 5));
     }
-    // Each switch against its absence, same process, for the ratio.
-    for (label, env) in [
-        ("medium_llama pdl=0", &[("DV2_PDL", "0")]),
-        ("medium rms-kernel", &[("DV2_FUSE_RMS", "0")]),
-        ("medium attn-batch=0", &[("DV2_ATTN_BATCH", "0")]),
-        ("medium gemv-wfirst=0", &[("DV2_GEMV_WFIRST", "0")]),
-        ("medium l2-ahead=192", &[("DV2_L2_AHEAD_KB", "192")]),
-        ("medium gemv2-xsmem=0", &[("DV2_GEMV2_XSMEM", "0")]),
-    ]
-    .into_iter()
-    .filter(|(label, _)| wanted(label))
-    {
-        runs.push(with_env(env, || {
-            time_decode(label, &medium, 32, 4, 24, true, 5)
+    // Each switch off against the default, same process, for the ratio (only those `--rows`
+    // names).
+    for (label, env) in switch_rows("medium_llama", rows) {
+        runs.push(with_env(&env, || {
+            time_decode(&label, &medium, 32, 4, 24, true, 5)
         }));
     }
     let mut split = Vec::new();
@@ -649,113 +585,9 @@ fn main() {
     });
     if let Some(qwen) = &qwen {
         runs.push(time_decode("qwen25_3b", qwen, 2048, 48, 128, true, 3));
-        // Programmatic dependent launch off; RMSNorm as its own kernel instead of folded into
-        // the next GEMV's x load; each GEMV kernel forced (the default picks per matrix).
-        for (label, env) in [
-            ("qwen25_3b pdl=0", &[("DV2_PDL", "0")][..]),
-            ("qwen25_3b rms-kernel", &[("DV2_FUSE_RMS", "0")]),
-            ("qwen25_3b attn=v2", &[("DV2_ATTN", "v2")]),
-            (
-                "qwen25_3b attn3-slot-lanes=0",
-                &[("DV2_ATTN3_SLOT_LANES", "0")],
-            ),
-            ("qwen25_3b smem-carveout=57", &[("DV2_SMEM_CARVEOUT", "57")]),
-            (
-                "qwen25_3b smem-carveout=100",
-                &[("DV2_SMEM_CARVEOUT", "100")],
-            ),
-            ("qwen25_3b attn3-splits=4", &[("DV2_ATTN3_SPLITS", "4")]),
-            ("qwen25_3b attn3-splits=2", &[("DV2_ATTN3_SPLITS", "2")]),
-            // Attention v2's own switches.
-            (
-                "qwen25_3b attn=v2 attn-batch=0",
-                &[("DV2_ATTN", "v2"), ("DV2_ATTN_BATCH", "0")],
-            ),
-            (
-                "qwen25_3b attn=v2 merge-early=0",
-                &[("DV2_ATTN", "v2"), ("DV2_MERGE_EARLY", "0")],
-            ),
-            (
-                "qwen25_3b attn=v2 attn-prewait=0",
-                &[("DV2_ATTN", "v2"), ("DV2_ATTN_PREWAIT", "0")],
-            ),
-            (
-                "qwen25_3b attn=v2 attn-hd128=0",
-                &[("DV2_ATTN", "v2"), ("DV2_ATTN_HD128", "0")],
-            ),
-            (
-                "qwen25_3b attn=v2 merge-warp=0",
-                &[("DV2_ATTN", "v2"), ("DV2_MERGE_WARP", "0")],
-            ),
-            ("qwen25_3b attn-split=1", &[("DV2_ATTN_SPLIT", "1")]),
-            ("qwen25_3b attn-split=2", &[("DV2_ATTN_SPLIT", "2")]),
-            ("qwen25_3b attn-split=4", &[("DV2_ATTN_SPLIT", "4")]),
-            ("qwen25_3b gemv2-pairs=0", &[("DV2_GEMV2_PAIRS", "0")]),
-            ("qwen25_3b gemv2-h16=0", &[("DV2_GEMV2_H16", "0")]),
-            ("qwen25_3b gemv2-narrow=0", &[("DV2_GEMV2_NARROW", "0")]),
-            ("qwen25_3b table-wide=0", &[("DV2_TABLE_WIDE", "0")]),
-            ("qwen25_3b table-direct=0", &[("DV2_TABLE_DIRECT", "0")]),
-            ("qwen25_3b norm-batch=8", &[("DV2_NORM_BATCH", "8")]),
-            ("qwen25_3b gemv-ctas=1", &[("DV2_GEMV_CTAS", "1")]),
-            ("qwen25_3b gemv2-prewait=0", &[("DV2_GEMV2_PREWAIT", "0")]),
-            ("qwen25_3b gemv2-xsmem=0", &[("DV2_GEMV2_XSMEM", "0")]),
-            ("qwen25_3b gemv2-late=0", &[("DV2_GEMV2_LATE", "0")]),
-            (
-                "qwen25_3b gemv2-epi-early=0",
-                &[("DV2_GEMV2_EPI_EARLY", "0")],
-            ),
-            ("qwen25_3b gemv2-late1=0", &[("DV2_GEMV2_LATE1", "0")]),
-            ("qwen25_3b ffn-f16=0", &[("DV2_FFN_F16", "0")]),
-            (
-                "qwen25_3b gemv3-epi-early=0",
-                &[("DV2_GEMV3_EPI_EARLY", "0")],
-            ),
-            ("qwen25_3b gemv-wfirst=0", &[("DV2_GEMV_WFIRST", "0")]),
-            ("qwen25_3b gemv3-x-batch=8", &[("DV2_GEMV3_X_BATCH", "8")]),
-            ("qwen25_3b gemv2-x-batch=8", &[("DV2_GEMV2_X_BATCH", "8")]),
-            ("qwen25_3b gemv3-acc-one=0", &[("DV2_GEMV3_ACC_ONE", "0")]),
-            ("qwen25_3b gemv3-l2-code=1", &[("DV2_GEMV3_L2_CODE", "1")]),
-            ("qwen25_3b gemv2-x-one=0", &[("DV2_GEMV2_X_ONE", "0")]),
-            ("qwen25_3b gemv3-lean=0", &[("DV2_GEMV3_LEAN", "0")]),
-            ("qwen25_3b gemv2-chain=1", &[("DV2_GEMV2_CHAIN", "1")]),
-            ("qwen25_3b gemv2-chain=4", &[("DV2_GEMV2_CHAIN", "4")]),
-            ("qwen25_3b gemv2-noalloc=0", &[("DV2_GEMV2_NOALLOC", "0")]),
-            ("qwen25_3b attn3-ilp=0", &[("DV2_ATTN3_ILP", "0")]),
-            ("qwen25_3b qkv-l2=1", &[("DV2_QKV_L2", "1")]),
-            ("qwen25_3b logits-argmax=0", &[("DV2_LOGITS_ARGMAX", "0")]),
-            ("qwen25_3b commit-fused=0", &[("DV2_COMMIT_FUSED", "0")]),
-            ("qwen25_3b logits-prmt=0", &[("DV2_LOGITS_PRMT", "0")]),
-            ("qwen25_3b qkv-khalves=0", &[("DV2_QKV_KHALVES", "0")]),
-            ("qwen25_3b gemv2-skew=0", &[("DV2_GEMV2_SKEW", "0")]),
-            ("qwen25_3b gemv2-skew=1", &[("DV2_GEMV2_SKEW", "1")]),
-            ("qwen25_3b gemv2-skew=3", &[("DV2_GEMV2_SKEW", "3")]),
-            ("qwen25_3b gemv2-skew=4", &[("DV2_GEMV2_SKEW", "4")]),
-            ("qwen25_3b down-skew=2", &[("DV2_DOWN_SKEW", "2")]),
-            ("qwen25_3b down-skew=-2", &[("DV2_DOWN_SKEW", "-2")]),
-            ("qwen25_3b logits-skew=16", &[("DV2_LOGITS_SKEW", "16")]),
-            ("qwen25_3b logits-skew=-16", &[("DV2_LOGITS_SKEW", "-16")]),
-            (
-                "qwen25_3b s16-off",
-                &[
-                    ("DV2_GEMV2_NOALLOC", "0"),
-                    ("DV2_ATTN3_ILP", "0"),
-                    ("DV2_QKV_L2", "0"),
-                    ("DV2_LOGITS_ARGMAX", "0"),
-                ],
-            ),
-            ("qwen25_3b gemv3-prewait=0", &[("DV2_GEMV3_PREWAIT", "0")]),
-            ("qwen25_3b argmax-ctas=1", &[("DV2_ARGMAX_CTAS", "1")]),
-            ("qwen25_3b nvrtc-split=0", &[("DV2_NVRTC_SPLIT", "0")]),
-            ("qwen25_3b l2-ahead=192", &[("DV2_L2_AHEAD_KB", "192")]),
-            ("qwen25_3b v3<16MB", &[("DV2_GEMV3_MAX_MB", "16")]),
-            ("qwen25_3b gemv=v2", &[("DV2_GEMV", "v2")]),
-            ("qwen25_3b gemv=v3", &[("DV2_GEMV", "v3")]),
-        ]
-        .into_iter()
-        .filter(|(label, _)| wanted(label))
-        {
-            runs.push(with_env(env, || {
-                time_decode(label, qwen, 2048, 48, 128, true, 3)
+        for (label, env) in switch_rows("qwen25_3b", rows) {
+            runs.push(with_env(&env, || {
+                time_decode(&label, qwen, 2048, 48, 128, true, 3)
             }));
         }
         // The default again, last: how far the first row of the table sits from it.
@@ -763,16 +595,10 @@ fn main() {
     }
     if let Some(qwen) = qwen.as_ref().filter(|_| !flag("--skip-variants")) {
         runs.push(time_decode("qwen25_3b", qwen, 2048, 48, 128, false, 3));
-        // The v1 kernels; the decode step's linears through the tensor-core GEMM at N = 1.
-        let v1: &[(&str, &str)] = &[("DV2_GEMV", "v1"), ("DV2_ATTN", "v1")];
-        for (label, env) in [
-            ("qwen25_3b v1", v1),
-            ("qwen25_3b linear=mma", &[("DV2_LINEAR", "mma")]),
-        ] {
-            runs.push(with_env(env, || {
-                time_decode(label, qwen, 2048, 48, 128, true, 3)
-            }));
-        }
+        // The decode step's linears through the tensor-core GEMM at N = 1 (the seed's ablation).
+        runs.push(with_env(&[("DV2_LINEAR", "mma")], || {
+            time_decode("qwen25_3b linear=mma", qwen, 2048, 48, 128, true, 3)
+        }));
         prefill_tables(qwen, &mut json, flag("--skip-gemm"));
     }
     if let Some(qwen) = qwen

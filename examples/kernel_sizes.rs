@@ -2,7 +2,7 @@
 //! the code each warp fetches. Code that a kernel's warps run once costs its cold fetch
 //! every layer (docs/lab.md, session 13: 0.5-1.5 ns per instruction), so this ranks what to
 //! trim before a device run measures it. The switches compiled in as NVRTC defines
-//! (src/cuda/kernels.rs, `options`) apply as they do at load.
+//! (src/config.rs, `nvrtc_defines`) apply as they do at load.
 //!
 //!     LD_LIBRARY_PATH=<dir holding libnvrtc> cargo run --release --example kernel_sizes \
 //!         [--arch sm_90] [--cubin PATH] [name filters...]
@@ -12,6 +12,7 @@
 //! Prints each kernel whose name contains one of the filters (all without filters) with its
 //! instruction count (16 bytes each on sm_70 and later), largest first.
 
+use decodev2::config::Config;
 use decodev2::cuda::kernels::{compile_decode, nvrtc_present};
 
 fn main() {
@@ -30,7 +31,7 @@ fn main() {
         eprintln!("libnvrtc not found: set LD_LIBRARY_PATH to the directory that holds it");
         std::process::exit(2);
     }
-    let cubin = compile_decode(&arch).unwrap_or_else(|e| {
+    let cubin = compile_decode(&arch, &Config::from_env()).unwrap_or_else(|e| {
         eprintln!("compiling the decode unit for {arch}: {e}");
         std::process::exit(1);
     });

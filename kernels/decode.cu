@@ -23,9 +23,6 @@ typedef unsigned int u32;
 #error "the host passes the shared constants as -D options (src/cuda/kernels.rs)"
 #endif
 #define GEMV_WARPS (GEMV_THREADS / 32)
-// Residency the GEMV register budget is sized for: 6 x 256 threads leaves ~40 registers, enough
-// for the SwiGLU pair without spills, and keeps many loads in flight.
-#define GEMV_MIN_CTAS_PER_SM 6
 #define NEG_INF __int_as_float(0xff800000u)
 #define ATTN_WARPS (ATTN_THREADS / 32)
 
@@ -53,7 +50,7 @@ __device__ __forceinline__ u16 f32_to_f16(float f) {
 }
 
 // Stores elements i and i + 1 (i even) of a row of activations: f32, or with `f16` an f16
-// pair at the same element indices (the tensor-core GEMM's input, DV2_GEMM_X16).
+// pair at the same element indices (the tensor-core GEMM's input in prefill).
 __device__ __forceinline__ void store_pair(float* out, size_t i, float lo, float hi, bool f16) {
     if (f16) {
         *reinterpret_cast<u32*>(reinterpret_cast<u16*>(out) + i) = pack_f16x2(lo, hi);
@@ -216,96 +213,11 @@ __device__ __forceinline__ void load_codebook(float* lut) {
     if (threadIdx.x < 16) lut[threadIdx.x] = nf4[threadIdx.x];
 }
 
-// Partial dot product of one NF4 row with x over chunks c = first, first+step, ... < n_chunks
-// (one chunk = 16 bytes = 32 elements; its block scale is absmax[c/2]).
-__device__ __forceinline__ float nf4_row_dot(const uint4* __restrict__ w, const float* __restrict__ absmax,
-                                             const float* __restrict__ x, int first, int n_chunks, int step,
-                                             const float* lut) {
-    float acc = 0.0f;
-    for (int c = first; c < n_chunks; c += step) {
-        uint4 q = __ldg(w + c);
-        float scale = __ldg(absmax + (c >> 1));
-        const float4* xv = reinterpret_cast<const float4*>(x + 32 * c);
-        u32 words[4] = {q.x, q.y, q.z, q.w};
-        float part = 0.0f;
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            // Word j holds bytes 4j..4j+3 = elements 8j..8j+7; in each byte the high nibble is
-            // the even element.
-            u32 b = words[j];
-            float4 xa = xv[2 * j], xb = xv[2 * j + 1];
-            part += lut[(b >> 4) & 15] * xa.x + lut[b & 15] * xa.y + lut[(b >> 12) & 15] * xa.z +
-                    lut[(b >> 8) & 15] * xa.w + lut[(b >> 20) & 15] * xb.x + lut[(b >> 16) & 15] * xb.y +
-                    lut[(b >> 28) & 15] * xb.z + lut[(b >> 24) & 15] * xb.w;
-        }
-        acc = fmaf(part, scale, acc);
-    }
-    return acc;
-}
-
 struct Nf4Ref {
     const u8* packed;
     const float* absmax;
     float mma_scale;  // the tensor-core GEMM's power of two on absmax (kernels/prefill.cu)
 };
-
-// Which row a warp computes and which K-part of it: `kparts` warps split one row's K.
-struct RowSlot {
-    int row, part;
-};
-
-__device__ __forceinline__ RowSlot row_slot(int kparts) {
-    int warp = threadIdx.x >> 5;
-    RowSlot s;
-    s.row = blockIdx.x * (GEMV_WARPS / kparts) + warp / kparts;
-    s.part = warp % kparts;
-    return s;
-}
-
-__device__ __forceinline__ float row_dot(Nf4Ref m, int row, int cols, const float* x, int part, int kparts,
-                                         const float* lut) {
-    int lane = threadIdx.x & 31;
-    const uint4* w = reinterpret_cast<const uint4*>(m.packed + (size_t)row * (cols >> 1));
-    return nf4_row_dot(w, m.absmax + (size_t)row * (cols >> 6), x, part * 32 + lane, cols >> 5, 32 * kparts,
-                       lut);
-}
-
-// Sums the kparts partials of each row in the CTA; calls epilogue(row_in_cta, sum) on one
-// thread per row.
-template <typename Epilogue>
-__device__ __forceinline__ void reduce_rows(float v, int kparts, Epilogue epilogue) {
-    __shared__ float partial[GEMV_WARPS];
-    v = warp_sum(v);
-    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = v;
-    __syncthreads();
-    int rows_per_cta = GEMV_WARPS / kparts;
-    if (threadIdx.x < rows_per_cta) {
-        float s = 0.0f;
-        for (int p = 0; p < kparts; p++) s += partial[threadIdx.x * kparts + p];
-        epilogue(threadIdx.x, s);
-    }
-}
-
-// y[r] = W[r]·x (+ bias[r]); with `accumulate`, y[r] += W[r]·x (residual add fused).
-// When `skip_if` is not null and *skip_if != 0 the kernel does nothing (the lm_head of a step
-// replayed after the request finished must not overwrite the last logits).
-extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_CTAS_PER_SM)
-    gemv_nf4(Nf4Ref m, const float* __restrict__ x, float* y, const float* __restrict__ bias, int rows,
-             int cols, int kparts, int accumulate, const int* skip_if) {
-    pdl_enter();
-    if (skip_if && *skip_if) return;
-    __shared__ float lut[16];
-    load_codebook(lut);
-    __syncthreads();
-    RowSlot s = row_slot(kparts);
-    float v = s.row < rows ? row_dot(m, s.row, cols, x, s.part, kparts, lut) : 0.0f;
-    reduce_rows(v, kparts, [&](int i, float sum) {
-        int r = blockIdx.x * (GEMV_WARPS / kparts) + i;
-        if (r >= rows) return;
-        if (bias) sum += bias[r];
-        y[r] = accumulate ? y[r] + sum : sum;
-    });
-}
 
 // q, k and v in one grid sharing x: rows [0, rows0) from m0, then m1, then m2, written
 // contiguously to out with their biases (each bias may be null).
@@ -315,64 +227,12 @@ struct QkvArgs {
     int rows[3];
 };
 
-extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_CTAS_PER_SM)
-    gemv_qkv(QkvArgs a, const float* __restrict__ x, float* out, int cols, int kparts) {
-    pdl_enter();
-    __shared__ float lut[16];
-    load_codebook(lut);
-    __syncthreads();
-    int total = a.rows[0] + a.rows[1] + a.rows[2];
-    RowSlot s = row_slot(kparts);
-    float v = 0.0f;
-    if (s.row < total) {
-        // Constant indices only: a run-time index would copy the struct to local memory.
-        int r0 = a.rows[0], r01 = a.rows[0] + a.rows[1];
-        Nf4Ref m = s.row < r0 ? a.m[0] : (s.row < r01 ? a.m[1] : a.m[2]);
-        int base = s.row < r0 ? 0 : (s.row < r01 ? r0 : r01);
-        v = row_dot(m, s.row - base, cols, x, s.part, kparts, lut);
-    }
-    reduce_rows(v, kparts, [&](int i, float sum) {
-        int r = blockIdx.x * (GEMV_WARPS / kparts) + i;
-        if (r >= total) return;
-        int r0 = a.rows[0], r01 = a.rows[0] + a.rows[1];
-        const float* bias = r < r0 ? a.bias[0] : (r < r01 ? a.bias[1] : a.bias[2]);
-        int base = r < r0 ? 0 : (r < r01 ? r0 : r01);
-        if (bias) sum += bias[r - base];
-        out[r] = sum;
-    });
-}
-
-// out[r] = silu(gate[r]·x) * (up[r]·x): both rows of a pair share x; SiLU on full sums only.
-extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_CTAS_PER_SM)
-    gemv_swiglu(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, float* out, int rows, int cols,
-                int kparts) {
-    pdl_enter();
-    __shared__ float lut[16];
-    __shared__ float gate_sums[GEMV_WARPS];
-    load_codebook(lut);
-    __syncthreads();
-    RowSlot s = row_slot(kparts);
-    float g = 0.0f, u = 0.0f;
-    if (s.row < rows) {
-        g = row_dot(gate, s.row, cols, x, s.part, kparts, lut);
-        u = row_dot(up, s.row, cols, x, s.part, kparts, lut);
-    }
-    reduce_rows(g, kparts, [&](int i, float sum) { gate_sums[i] = sum; });
-    __syncthreads();
-    reduce_rows(u, kparts, [&](int i, float sum) {
-        int r = blockIdx.x * (GEMV_WARPS / kparts) + i;
-        if (r >= rows) return;
-        float gs = gate_sums[i];
-        out[r] = gs / (1.0f + expf(-gs)) * sum;
-    });
-}
-
 // ---------------------------------------------------------------------------------------
-// GEMV v2 (default; DV2_GEMV=v1 selects the kernels above). Persistent CTAs walk a block of
-// rows; each warp holds its slice of x in registers for the whole walk (x is read once per
-// warp, not once per row: the v1 kernels re-read 128 bytes of x for every 16 bytes of
-// weights, with lanes 128 bytes apart, which made L1 the bottleneck), and issues the loads
-// of R rows before using any of them.
+// GEMV v2 (the larger matrices). Persistent CTAs walk a block of rows; each warp holds its
+// slice of x in registers for the whole walk (x is read once per warp, not once per row: the
+// v1 kernels, removed after a1b9aaa, re-read 128 bytes of x for every 16 bytes of weights,
+// with lanes 128 bytes apart, which made L1 the bottleneck), and issues the loads of R rows
+// before using any of them.
 //
 // A row's 16-byte chunks are split over `kparts` warps (runtime: 1, 2, 4 or 8); each warp's
 // lane holds J chunks (compile time: 1..3) of the row part, so a part covers 32*J chunks.
@@ -381,36 +241,13 @@ extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_CTAS_PER_SM)
 
 #define GEMV2_MAX_LANES_X_R 32  // (row lanes) x (rows in flight) held in shared memory
 #define GEMV2_LATE_FLOATS 1024  // K-part sums of a CTA's rows kept for one final reduction
-// The kernels' `late` flags: K-part sums reduced once at the end (DV2_GEMV2_LATE), then the
-// epilogue operands loaded right after the wait (DV2_GEMV2_EPI_EARLY), and the same end
-// reduction without a K split (DV2_GEMV2_LATE1).
-#ifndef GEMV2_W_FIRST
-#define GEMV2_W_FIRST 2
-#endif
-#define GEMV2_LATE_SUM 1
-#define GEMV2_EPI_EARLY 2
-#define GEMV2_LATE_ONE 4
-// SwiGLU's output written as f16 (DV2_FFN_F16), for a down GEMV that stages it so (x_smem
-// GEMV2_X_F16): the f32 -> f16 rounding it would do when packing x, moved to the writer.
-#define GEMV2_OUT_F16 8
-// The kernels' `x_smem`: x read by each lane from global memory (0), staged in shared memory
-// (1), or given as f16 and staged so (2; the f16-pair table only).
-#define GEMV2_X_F16 2
-// Which of those a kernel's code holds (NVRTC defines the host sets, kernels.rs): the f32-x
-// kernels GEMV2_X_MODE (1, or 0 with DV2_GEMV2_XSMEM=0), the f16-x ones (suffix _x16)
-// GEMV2_X16_MODE (2). GEMV2_X_ANY (DV2_GEMV2_X_ONE=0): every path, the x_smem argument
-// choosing at run time. A warp runs its x path once, and the paths it never takes cost their
-// fetch (docs/lab.md, session 13): one path is 600-1,100 fewer SASS instructions.
-#define GEMV2_X_ANY 3
-#ifndef GEMV2_X_MODE
-#define GEMV2_X_MODE 1
-#endif
-#ifndef GEMV2_X16_MODE
-#define GEMV2_X16_MODE GEMV2_X_F16
-#endif
+// x is staged in shared memory from f32 (stage_x) or, in the _x16 kernels, from f16 (down's
+// input, written so by SwiGLU: DV2_FFN_F16). A kernel holds one x path: a warp runs it once,
+// and paths it never takes cost their fetch (docs/lab.md, session 13: 600-1,100 SASS
+// instructions a path).
 
-// A row's epilogue operands (its bias, the old y a residual adds to), which GEMV v2 may load
-// right after its wait instead of after the row's sums (see gemv2_walk, GEMV2_EPI_EARLY).
+// A row's epilogue operands (its bias, the old y a residual adds to), which GEMV v2 loads
+// right after its wait instead of after the row's sums (see gemv2_walk).
 struct RowEpi {
     float bias, old;
 };
@@ -434,12 +271,10 @@ struct NormArgs {
 // 1 / rms(x) from the producer's partial sums; every lane of every warp gets it (the sums
 // are added in the same order everywhere, so all CTAs agree to the bit).
 // NORM_BATCH loads per lane go out before their adds (a plain loop waits on each in turn).
-// NORM_BATCH comes from the host (DV2_NORM_BATCH, default 12): a GEMV v2 producer on 132 SMs
-// leaves 264 partial sums, which 8 per lane (before session 11) fetched in two round trips.
-// Each lane adds its values in index order either way, so the batch does not change the sum.
-#ifndef NORM_BATCH
-#error "the host passes NORM_BATCH (src/cuda/kernels.rs, options)"
-#endif
+// 12: a GEMV v2 producer on 132 SMs leaves 264 partial sums, which 8 per lane (before session
+// 11) fetched in two round trips. Each lane adds its values in index order either way, so the
+// batch does not change the sum.
+#define NORM_BATCH 12
 __device__ __forceinline__ float norm_factor(NormArgs norm, int n) {
     float s = 0.0f;
     for (int base = threadIdx.x & 31; base < norm.ss_parts; base += NORM_BATCH * 32) {
@@ -462,37 +297,6 @@ __device__ __forceinline__ void block_sum_to(float v, float* out) {
         float total = 0.0f;
         for (int w = 0; w < (int)(blockDim.x >> 5); w++) total += red[w];
         *out = total;
-    }
-}
-
-template <int J>
-__device__ __forceinline__ void load_x_slice(const float* __restrict__ x, int part, int cols, NormArgs norm,
-                                             XSlice<J>& xs) {
-    const int lane = threadIdx.x & 31, n_chunks = cols >> 5;
-    const float r = norm.w ? norm_factor(norm, cols) : 1.0f;
-#pragma unroll
-    for (int j = 0; j < J; j++) {
-        const int c = (part * J + j) * 32 + lane;
-        const bool in = c < n_chunks;
-        // The chunk's 32 norm weights in four 16-byte loads (bf16 pairs: word i / 2 of wv);
-        // one 2-byte load per element cost ~0.11 ms per token (docs/lab.md, session 7).
-        u32 wv[16];
-#pragma unroll
-        for (int q = 0; q < 4; q++) {
-            const uint4 w4 = norm.w && in ? reinterpret_cast<const uint4*>(norm.w + 32 * c)[q] : make_uint4(0u, 0u, 0u, 0u);
-            wv[4 * q] = w4.x, wv[4 * q + 1] = w4.y, wv[4 * q + 2] = w4.z, wv[4 * q + 3] = w4.w;
-        }
-#pragma unroll
-        for (int k = 0; k < 8; k++) {
-            float4 v = in ? reinterpret_cast<const float4*>(x + 32 * c)[k] : make_float4(0.f, 0.f, 0.f, 0.f);
-            float e[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-            for (int u = 0; u < 4; u++) {
-                const int i = 4 * k + u;
-                const float w = bf16_to_f32((u16)(wv[i >> 1] >> (16 * (i & 1))));
-                xs.v[j][i] = norm.w && in ? e[u] * r * w : e[u];
-            }
-        }
     }
 }
 
@@ -537,22 +341,20 @@ __device__ __forceinline__ void for_each_x_quad(const float* __restrict__ x, int
     }
 }
 
-// GEMV v2's x staged once per CTA in dynamic shared memory (DV2_GEMV2_XSMEM, default): the
+// GEMV v2's x staged once per CTA in dynamic shared memory: the
 // CTA loads x (and the norm's weights) coalesced, applies the norm, and stores chunk c (32
 // floats) at X_STAGE_STRIDE * c; each lane then reads its own chunks with 16-byte shared
 // loads, which the stride keeps conflict-free (the 8 lanes of a quarter-warp, on consecutive
-// chunks, start 4 banks apart). Why: read straight from global memory (load_x_slice), each
+// chunks, start 4 banks apart). Why: read straight from global memory (until a1b9aaa), each
 // 16-byte load of a warp touches 32 cache lines (a chunk is one 128-byte line per lane), 8x
 // the L1 wavefronts of a coalesced load; the same pattern in the norm's weights (2-byte
 // loads, 16 lines each) cost ~3 us per kernel (docs/lab.md, session 7). Same values in the
-// same order as load_x_slice. X_STAGE_STRIDE comes from the host (src/cuda/kernels.rs), which
-// sizes the dynamic shared memory.
-// GEMV2_X_BATCH (an NVRTC define, DV2_GEMV2_X_BATCH, default 4): quads per thread per round
-// of loads; 4 stage K up to 4,096 in one round (gate/up and lm_head at K = 2,048 need 2) in
-// fewer instructions than 8, code each warp runs once (docs/lab.md, session 13).
-#ifndef GEMV2_X_BATCH
+// same order. X_STAGE_STRIDE comes from the host (src/cuda/kernels.rs), which sizes the
+// dynamic shared memory.
+// GEMV2_X_BATCH: quads per thread per round of loads; 4 stage K up to 4,096 in one round
+// (gate/up and lm_head at K = 2,048 need 2) in fewer instructions than 8, code each warp runs
+// once (docs/lab.md, session 13).
 #define GEMV2_X_BATCH 4
-#endif
 __device__ __forceinline__ void stage_x(const float* __restrict__ x, int cols, NormArgs norm, float* x_staged) {
     for_each_x_quad<GEMV_THREADS, GEMV2_X_BATCH>(x, cols, norm, [&](int q, float4 v, uint2 w, float r) {
         float e[4] = {v.x, v.y, v.z, v.w};
@@ -565,7 +367,7 @@ __device__ __forceinline__ void stage_x(const float* __restrict__ x, int cols, N
     });
 }
 
-// This lane's chunks of x from the staged copy (zeros past the last chunk, as load_x_slice).
+// This lane's chunks of x from the staged copy (zeros past the last chunk).
 template <int J>
 __device__ __forceinline__ void read_x_slice(const float* x_staged, int part, int cols, XSlice<J>& xs) {
     const int lane = threadIdx.x & 31, n_chunks = cols >> 5;
@@ -581,7 +383,7 @@ __device__ __forceinline__ void read_x_slice(const float* x_staged, int part, in
     }
 }
 
-// x given as f16 (GEMV2_X_F16, down's input written so by SwiGLU), staged as the f16-pair
+// x given as f16 (the _x16 kernels: down's input, written so by SwiGLU), staged as the f16-pair
 // walk reads it: chunk c's 16 words (its 32 halves, element 2i in the low half of word i) at
 // X16_STAGE_STRIDE * c, whose 4 words of padding keep a quarter-warp's 16-byte reads of
 // consecutive chunks conflict-free. Why: f32 x staged at K = 11008 is 44 KB of L2 reads per
@@ -624,60 +426,22 @@ __device__ __forceinline__ void read_x16_slice(const u32* staged, int part, int 
     }
 }
 
-// The next layer's q, k and v weights (packed bytes and absmax: up to L2_NEXT_RANGES address
-// ranges of `bytes` each) that a down GEMV v2 prefetches into L2 as its walk ends (DV2_QKV_L2,
-// default; GEMV2_L2_NEXT, an NVRTC define, compiles it in): CTA b sends bytes [b share,
-// (b + 1) share) of each range in one bulk prefetch (the host sizes the shares for the grid:
-// multiples of 16, at most 32 KB; an L2 prefetch is only a hint, safe at any time). Why: the
-// q/k/v kernel's CTAs become resident only as down's leave (down's two CTAs fill the register
-// file), so their first weights came from HBM after down ended, on the step's serial chain;
-// from L2 the q/k/v GEMV took 0.3 us less (docs/lab.md, session 10, `--l2-hot`). Measured:
-// -0.0065 ms/token (session 16, run 2), +0.0015 once q/k/v ran in K halves (session 19, runs
-// 8-9): off by default since (DV2_QKV_L2=1 on).
-#define L2_NEXT_RANGES 6
-struct L2Next {
-    const char* addr[L2_NEXT_RANGES];
-    unsigned bytes[L2_NEXT_RANGES], share[L2_NEXT_RANGES];
-};
-#ifndef GEMV2_L2_NEXT
-#define GEMV2_L2_NEXT 1
-#endif
-__device__ __forceinline__ void l2_prefetch_share(const L2Next& next) {
-#if GEMV2_L2_NEXT && __CUDA_ARCH__ >= 900
-    if (threadIdx.x != 0) return;
-#pragma unroll
-    for (int i = 0; i < L2_NEXT_RANGES; i++) {
-        const unsigned from = blockIdx.x * next.share[i];
-        const unsigned n = from < next.bytes[i] ? min(next.share[i], next.bytes[i] - from) & ~15u : 0u;
-        if (n) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(next.addr[i] + from), "r"(n) : "memory");
-    }
-#endif
-}
-
 template <int J>
 struct RowChunks {
     uint4 q[J];
     float s[J];
 };
 
-// GEMV2_W_NOALLOC (an NVRTC define the host sets, DV2_GEMV2_NOALLOC; 0: __ldg): GEMV v2's
-// weight loads as ld.global.nc.L1::no_allocate (each 16-byte piece is read once). Why: with
+// GEMV v2's weight loads as ld.global.nc.L1::no_allocate (each 16-byte piece is read once). Why: with
 // L1 cut to 28 KiB the decode step lost 0.069 ms (docs/lab.md, session 15, run 8), so L1 may
 // bound the weight loads in flight; a load that allocates no line is not. Measured: -0.004
-// ms/token (session 16, runs 1-2).
-#ifndef GEMV2_W_NOALLOC
-#define GEMV2_W_NOALLOC 1
-#endif
+// ms/token against __ldg (session 16, runs 1-2).
 __device__ __forceinline__ uint4 load_weights16(const uint4* p) {
-#if GEMV2_W_NOALLOC
     uint4 v;
     asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
         : "l"(p));
     return v;
-#else
-    return __ldg(p);
-#endif
 }
 
 // Issues the loads of this lane's chunks of one row part (zero scale past the row's end).
@@ -714,34 +478,10 @@ __device__ __forceinline__ float dot_chunks(const RowChunks<J>& rc, GroupSum gro
     return acc;
 }
 
-// dot_chunks with the weights looked up as f32 pairs by `pair(word, k)` = {codebook(high
-// nibble), codebook(low nibble)} of byte k (the even element first).
-template <int J, typename Pair>
-__device__ __forceinline__ float dot_row(const RowChunks<J>& rc, const XSlice<J>& xs, Pair pair) {
-    return dot_chunks<J, 1>(rc, [&](int j, int w, const u32* words) {
-        const u32 b = words[w];
-        const float* xv = &xs.v[j][8 * w];
-        const float2 p0 = pair(b, 0), p1 = pair(b, 1), p2 = pair(b, 2), p3 = pair(b, 3);
-        return p0.x * xv[0] + p0.y * xv[1] + p1.x * xv[2] + p1.y * xv[3] + p2.x * xv[4] + p2.y * xv[5] +
-               p3.x * xv[6] + p3.y * xv[7];
-    });
-}
-
-// GEMV v2's byte -> f32-pair table (GEMV2_PAIR32; DV2_GEMV2_PAIRS=0: the 16-entry
-// codebook): entry b is {codebook(high nibble), codebook(low nibble)} of byte b, the even
-// element first, replicated for the 16 lanes of a half-warp (entry b of lane l at float2
-// 16b + l % 16). A 64-bit shared load is served per half-warp, so its 16 lanes hit 16
-// distinct bank pairs: one conflict-free load per two weights. With the nibble table each
-// weight took a shift, a mask, a load and an FMA; here two take a shift, one LOP3 (mask
-// and lane offset), a load and two FMAs.
-#define PAIR_LUT_ENTRIES (256 * 16)
-
 // Fills a byte-indexed table of LANES copies per entry (entry b of lane l at LUT index
-// LANES * b + l) with pair(codebook(high nibble of b), codebook(low nibble of b)): this table
-// (f32 pairs, 16 lanes) and the f16-pair table below (32 lanes). An entry's copies fill one
-// 128-byte line, written as eight 16-byte stores of the entry repeated (TABLE_WIDE_STORES,
-// default; DV2_TABLE_WIDE=0: a 4- or 8-byte store per copy); the loop is unrolled so that
-// its shared loads of the codebook issue together. Why: with a store per copy the loop
+// LANES * b + l) with pair(codebook(high nibble of b), codebook(low nibble of b)): the
+// f16-pair table below (32 lanes). An entry's copies fill one 128-byte line, written as eight
+// 16-byte stores of the entry repeated. Why: with a store per copy the loop
 // waited on the codebook's loads 32 times in a row; it took ~20% of GEMV v2's samples at K
 // = 11008 under ncu, and the CTAs of the kernel after a GEMV v2 build it on the critical
 // path, as they cannot be resident before that GEMV's CTAs leave (docs/lab.md, session 11).
@@ -758,11 +498,7 @@ __device__ __forceinline__ uint4 repeat16(Entry e) {
     return u.v;
 }
 
-#ifndef TABLE_WIDE_STORES
-#error "the host passes TABLE_WIDE_STORES (src/cuda/kernels.rs, options)"
-#endif
-// TABLE_DIRECT (an NVRTC define, DV2_TABLE_DIRECT; with TABLE_WIDE_STORES): each thread makes
-// its pieces from the codebook's immediates, no shared codebook and no barrier before the
+// Each thread makes its pieces from the codebook's immediates, no shared codebook and no barrier before the
 // stores. With 256 threads thread t's pieces are i = t + 256 u (u < 8), of entry b = i / 8 =
 // t / 8 + 32 u: its low nibble (t / 8) % 16 is the thread's for every u, its high nibble
 // 2 u + t / 128 one of two immediates per u. Why: a CTA that starts as the previous kernel's
@@ -771,9 +507,6 @@ __device__ __forceinline__ uint4 repeat16(Entry e) {
 // round trip before the first table store. Measured: -0.019..-0.021 ms/token (session 20,
 // runs 2-5); picking the f16 entries by byte permutes of f16 words instead (a shorter chain
 // than the compiler's 16 predicated moves for the low nibble) measured +0.0025 (run 5).
-#ifndef TABLE_DIRECT
-#define TABLE_DIRECT 1
-#endif
 // LINES: 128-byte lines from one entry to the next (2: lm_head's PRMT-addressed table, whose
 // second line of each entry is never written or read). THREADS: the CTA's threads.
 template <int THREADS, int LANES, int LINES = 1, typename Entry, typename Pair>
@@ -782,7 +515,6 @@ __device__ __forceinline__ void load_byte_table(Entry* lut, Pair pair) {
     constexpr int PIECES = 256 * 8;  // 16-byte pieces: eight per entry
     uint4* lines = reinterpret_cast<uint4*>(lut);
     auto piece_at = [](int i) { return LINES == 1 ? i : (i >> 3) * 8 * LINES + (i & 7); };
-#if TABLE_DIRECT && TABLE_WIDE_STORES
     static_assert(THREADS == 256, "the direct table build assumes 256 threads");
     const float nf4[16] = NF4_CODEBOOK;
     const int t = threadIdx.x;
@@ -791,58 +523,20 @@ __device__ __forceinline__ void load_byte_table(Entry* lut, Pair pair) {
 #pragma unroll
     for (int u = 0; u < PIECES / THREADS; u++)
         lines[piece_at(t + THREADS * u)] = repeat16(pair(odd ? nf4[2 * u + 1] : nf4[2 * u], lo));
-#else
-    __shared__ float nf4[16];
-    load_codebook(nf4);
-    __syncthreads();
-#if TABLE_WIDE_STORES
-    // Eight 16-byte pieces per entry; a batch's values (its codebook loads) before any of
-    // its stores, which the loads could not pass otherwise.
-    constexpr int BATCH = 8;
-    for (int base = threadIdx.x; base < PIECES; base += BATCH * THREADS) {
-        uint4 v[BATCH];
-#pragma unroll
-        for (int u = 0; u < BATCH; u++) {
-            const int b = min((base + u * THREADS) >> 3, 255);  // unconditional: no branches
-            v[u] = repeat16(pair(nf4[b >> 4], nf4[b & 15]));
-        }
-#pragma unroll
-        for (int u = 0; u < BATCH; u++) {
-            const int i = base + u * THREADS;
-            if (i < PIECES) lines[piece_at(i)] = v[u];
-        }
-    }
-#else
-    for (int i = threadIdx.x; i < 256 * LANES; i += THREADS) {
-        const int b = (unsigned)i / LANES;  // i >= 0: a shift
-        lut[LINES == 1 ? i : b * LANES * LINES + (i & (LANES - 1))] = pair(nf4[b >> 4], nf4[b & 15]);
-    }
-#endif
-#endif
-}
-
-template <int THREADS>
-__device__ __forceinline__ void load_pair_codebook(float2* lut) {
-    load_byte_table<THREADS, 16>(lut, [](float hi, float lo) { return make_float2(hi, lo); });
 }
 
 // The byte offset of byte k (0..3) of `word`'s entry in a byte-indexed table of 128 bytes per
-// entry (this table, and the f16-pair table below): 128 * byte, to be ORed
+// entry (the f16-pair table below): 128 * byte, to be ORed
 // with the lane's offset inside the entry. The two parts share no bits, so a shift and one
 // LOP3 (mask, then OR) make the address; indexing by byte * lanes + lane took ~4 instructions.
 __device__ __forceinline__ u32 byte_entry_offset(u32 word, int k) {
     return (k == 0 ? word << 7 : word >> (8 * k - 7)) & 0x7f80u;
 }
 
-// The pair of byte k of b for this lane (lane8 = 8 * (lane % 16)).
-__device__ __forceinline__ float2 nf4_pair(const float2* lut, u32 b, int k, u32 lane8) {
-    return *reinterpret_cast<const float2*>(reinterpret_cast<const char*>(lut) + (byte_entry_offset(b, k) | lane8));
-}
-
 // A 256-entry table maps a packed byte to its f16 pair {codebook(high nibble) in the low
 // half, codebook(low nibble) in the high half}, replicated once per bank (entry b of lane l
 // at word 32b + l) so a warp's 32 lookups never conflict: one shared load per two weights.
-// Used by GEMV v2 (its default table, below), the GEMM v1 with f16 activations
+// Used by GEMV v2 (below), the GEMM with f16 activations
 // (prefill.cu) and GEMV v3 (gemv_mma.cu).
 #define BYTE_LUT_WORDS (256 * 32)
 
@@ -856,17 +550,13 @@ __device__ __forceinline__ void load_byte_codebook(u32* lut) {
     load_byte_table<THREADS, BYTE_LUT_WORDS / 256>(lut, [](float hi, float lo) { return pack_f16x2(hi, lo); });
 }
 
-// GEMV2_LOGITS_PRMT (an NVRTC define, DV2_LOGITS_PRMT; lm_head's argmax kernels only): the
-// f16-pair table with 256 bytes from entry to entry (PRMT_LUT_WORDS words of dynamic shared
+// lm_head's argmax kernels take the f16-pair table with 256 bytes from entry to entry (PRMT_LUT_WORDS words of dynamic shared
 // memory before x, the copies in the first 128 bytes of each), so that one PRMT makes a
 // lookup's address (byte k of the word into bits 8..15, the lane's offset below them) where a
 // shift and a LOP3 did. Why lm_head only: its walk is the step's longest (576 rows a CTA) and
 // gained 48.0 -> 44.5 us with it, while gate/up and down lost more (their larger footprint
 // kept down's CTAs from starting beside gate/up's; docs/lab.md, session 15, run 4); nothing
 // after lm_head can be resident beside it (registers), so its footprint costs no start.
-#ifndef GEMV2_LOGITS_PRMT
-#define GEMV2_LOGITS_PRMT 1
-#endif
 template <int THREADS>
 __device__ __forceinline__ void load_byte_codebook_prmt(u32* lut) {
     load_byte_table<THREADS, BYTE_LUT_WORDS / 256, 2>(lut, [](float hi, float lo) { return pack_f16x2(hi, lo); });
@@ -877,18 +567,14 @@ __device__ __forceinline__ u32 prmt_lut_entry(const u32* lut, u32 word, int k, u
     return *reinterpret_cast<const u32*>(reinterpret_cast<const char*>(lut) + offset);
 }
 
-// GEMV v2's tables (template argument TABLE): the 16-entry codebook (GEMV2_NIBBLE,
-// DV2_GEMV2_PAIRS=0), the byte -> f32-pair table above (GEMV2_PAIR32, DV2_GEMV2_H16=0), and the
-// default, the byte table above (f16 pairs; GEMV2_PAIR16): 4 bytes per lookup instead of 8, so
-// a warp's lookup is one shared-memory wavefront instead of two (the v2 loop is bound by these
-// lookups, docs/lab.md session 9). The pairs multiply x as f16x2 (x packed once per walk),
+// GEMV v2's table: the byte -> f16-pair table above, 4 bytes per lookup instead of the f32
+// pairs' 8 (removed after a1b9aaa, as was the 16-entry codebook), so a warp's lookup is one
+// shared-memory wavefront instead of two (the v2 loop is bound by these lookups, docs/lab.md
+// session 9). The pairs multiply x as f16x2 (x packed once per walk),
 // each word's four pairs summed by two lanes of an f16x2 FMA chain, then added in f32: the
 // products and those 4-term sums are f16, whose rounding (~2e-5 of the terms' magnitude in a
 // numpy model at K = 2048) is of the order of x's own f16 rounding in GEMV v3; like v3, an |x|
 // past 65504 would overflow.
-#define GEMV2_NIBBLE 0
-#define GEMV2_PAIR32 1
-#define GEMV2_PAIR16 2
 __device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
     u32 r;
     asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
@@ -901,7 +587,7 @@ __device__ __forceinline__ float half2_sum(u32 h) {
     return lo + hi;
 }
 
-// A lane's x as f16 pairs (element 2i in the low half of h[j][i]), for GEMV2_PAIR16.
+// A lane's x as f16 pairs (element 2i in the low half of h[j][i]).
 template <int J>
 struct XHalves {
     u32 h[J][16];
@@ -915,7 +601,8 @@ __device__ __forceinline__ void pack_x_halves(const XSlice<J>& xs, XHalves<J>& x
         for (int i = 0; i < 16; i++) xh.h[j][i] = pack_f16x2(xs.v[j][2 * i], xs.v[j][2 * i + 1]);
 }
 
-// GEMV2_CHAIN (an NVRTC define, DV2_GEMV2_CHAIN = 1, 2 or 4; default 2): words of a chunk
+#define GEMV2_CHAIN 2
+// GEMV2_CHAIN: words of a chunk
 // whose pairs one f16x2 FMA chain sums before it is added in f32 (1: each word's four pairs,
 // as before session 15). Longer chains convert and add fewer times: per chunk of 16 bytes 17
 // instructions of sums with 1, 9 with 2, 5 with 4, against 64 for the lookups and products,
@@ -923,9 +610,6 @@ __device__ __forceinline__ void pack_x_halves(const XSlice<J>& xs, XHalves<J>& x
 // products instead of 4: its rounding grows (the gates' logit errors with every linear on
 // v2 moved by up to 0.004, cap 0.05), as does the reach of an |x| outlier toward f16's
 // 65504, which is why the default is 2, not 4.
-#ifndef GEMV2_CHAIN
-#define GEMV2_CHAIN 2
-#endif
 // dot_chunks with the f16-pair table (lane4 = 4 * lane): each group of GEMV2_CHAIN words one
 // f16x2 FMA chain, summed in f32. PRMT: the table laid out for prmt_lut_entry.
 template <int J, bool PRMT = false>
@@ -948,22 +632,15 @@ __device__ __forceinline__ float dot_row_pair16(const RowChunks<J>& rc, const XH
 //   Nf4Ref matrix(int row, int* local_row); void store(int row, float sum[NM]) for NM
 //   matrices per row (1, or 2 for SwiGLU's gate and up); void tail(), run as the walk ends,
 //   and void finish() after the epilogues (every thread of the CTA).
-#ifndef GEMV2_SKEW_PLAIN
-#define GEMV2_SKEW_PLAIN 0
-#endif
-template <int J, int R, int NM, int TABLE, int XM, typename Rows>
+// X16: x comes as f16 (stage_x16), else f32 (stage_x).
+template <int J, int R, int NM, bool X16, typename Rows>
 __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, const float* __restrict__ x,
-                                           NormArgs norm, int kparts, const int* skip_if, int x_smem_arg,
-                                           int late_flags, int early_ctas = 0, int early_rows = 0) {
-    constexpr int w_first = GEMV2_W_FIRST;
-    const int x_smem = XM == GEMV2_X_ANY ? x_smem_arg : XM;
-    const bool late_sum = late_flags & GEMV2_LATE_SUM, epi_early = late_flags & GEMV2_EPI_EARLY;
-    __shared__ float lut[16];
-    __shared__ __align__(16) float2 pair_lut[TABLE == GEMV2_PAIR32 ? PAIR_LUT_ENTRIES : 1];
-    // Rows::prmt_table: the f16-pair table in dynamic shared memory as GEMV2_LOGITS_PRMT lays
-    // it out, before x; else in static shared memory.
-    constexpr bool prmt_table = TABLE == GEMV2_PAIR16 && Rows::prmt_table;
-    __shared__ __align__(16) u32 pair16_static[TABLE == GEMV2_PAIR16 && !prmt_table ? BYTE_LUT_WORDS : 1];
+                                           NormArgs norm, int kparts, const int* skip_if, int early_ctas = 0,
+                                           int early_rows = 0) {
+    // Rows::prmt_table: the f16-pair table in dynamic shared memory as load_byte_codebook_prmt
+    // lays it out, before x; else in static shared memory.
+    constexpr bool prmt_table = Rows::prmt_table;
+    __shared__ __align__(16) u32 pair16_static[prmt_table ? 1 : BYTE_LUT_WORDS];
     __shared__ float partial[GEMV2_MAX_LANES_X_R * NM][GEMV_WARPS];
     __shared__ float late_partial[GEMV2_LATE_FLOATS];
     // Dynamic shared memory: that table (PRMT_LUT_WORDS words), then x as staged: cols / 32 *
@@ -973,21 +650,19 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     float* x_staged = gemv2_dyn + (prmt_table ? PRMT_LUT_WORDS : 0);
     timeline_start();
     if (prmt_table) load_byte_codebook_prmt<GEMV_THREADS>(pair16_lut);
-    else if (TABLE == GEMV2_PAIR16) load_byte_codebook<GEMV_THREADS>(pair16_lut);
-    else if (TABLE == GEMV2_PAIR32) load_pair_codebook<GEMV_THREADS>(pair_lut);
-    else load_codebook(lut);
+    else load_byte_codebook<GEMV_THREADS>(pair16_lut);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const u32 lane8 = (lane & 15) * 8, lane4 = lane * 4;
+    const u32 lane4 = lane * 4;
     // kparts is 1, 2, 4 or 8 (the host's gemv2_shape): the warp's roles by shifts and masks.
     const int kshift = log2_pow2(kparts);
     const int part = warp & (kparts - 1), row_lane = warp >> kshift, row_lanes = GEMV_WARPS >> kshift;
-    // Rows by CTA: an equal share each, or (early_ctas > 0; DV2_GEMV2_SKEW, SwiGLU) early_rows
-    // for each of the first early_ctas CTAs and an equal share of the rest for the others.
-    // Why: the CTAs the scheduler places first (beside the previous kernel's) start ~1-2 us
-    // before those that wait for its CTAs to leave, and the kernel ends with its last CTA.
-    // The plain and lm_head kernels hold this code only with GEMV2_SKEW_PLAIN (an NVRTC define:
-    // DV2_DOWN_SKEW or DV2_LOGITS_SKEW set), so their default code is as before.
-    if (!(NM == 2 || GEMV2_SKEW_PLAIN)) early_ctas = 0;
+    // Rows by CTA: an equal share each, or (early_ctas > 0; SwiGLU, GEMV2_SWIGLU_SKEW on the
+    // host) early_rows for each of the first early_ctas CTAs and an equal share of the rest for
+    // the others. Why: the CTAs the scheduler places first (beside the previous kernel's)
+    // start ~1-2 us before those that wait for its CTAs to leave, and the kernel ends with its
+    // last CTA. The plain and lm_head kernels measured slower with it (session 18) and hold no
+    // such code.
+    if (NM != 2) early_ctas = 0;
     const int late_rows =
         early_ctas > 0 ? (rows - early_ctas * early_rows + (int)gridDim.x - early_ctas - 1) / ((int)gridDim.x - early_ctas)
                        : 0;
@@ -999,15 +674,14 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
                        : early_ctas * early_rows + ((int)blockIdx.x - early_ctas) * late_rows;
     const int r1 = min(rows, r0 + per_cta);
     const int block = row_lanes * R;  // rows per iteration
-    // With K split over warps (kparts > 1) and late_sum (DV2_GEMV2_LATE, default), each
-    // iteration leaves its K-part sums in shared memory and the CTA adds them and runs the
-    // epilogue once, after its last iteration: one barrier instead of two per iteration, and
-    // every row's epilogue loads (a residual's old y) in flight together instead of one
-    // round trip per iteration. Same sums in the same order.
-    // GEMV2_LATE_ONE: also without a K split (gate/up, lm_head), so that a warp's rows' epilogues
-    // (SwiGLU's exp and division by lane 0) leave the walk and run in parallel at its end.
-    const bool late = late_sum && (kparts > 1 || (late_flags & GEMV2_LATE_ONE)) &&
-                      (r1 - r0) * NM * kparts <= GEMV2_LATE_FLOATS;
+    // Late sums: each iteration leaves its K-part sums in shared memory and the CTA adds them
+    // and runs the epilogue once, after its last iteration: one barrier instead of two per
+    // iteration, every row's epilogue loads (a residual's old y) in flight together instead of
+    // one round trip per iteration, and without a K split (gate/up, lm_head) a warp's rows'
+    // epilogues (SwiGLU's exp and division by lane 0) leave the walk and run in parallel at
+    // its end. Same sums in the same order. A CTA whose sums do not fit shared memory stores
+    // as it goes.
+    const bool late = (r1 - r0) * NM * kparts <= GEMV2_LATE_FLOATS;
     // Software pipeline: the loads of the next block are issued before this block's math.
     RowChunks<J> cur[R][NM], nxt[R][NM];
     auto load_block = [&](int base, RowChunks<J> (&rc)[R][NM]) {
@@ -1020,42 +694,29 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
             }
         }
     };
-    // The first block's weights (GEMV2_W_FIRST, an NVRTC define the host sets from the
-    // switches: each warp runs this code once, and the unused variants' code cost its fetch,
-    // docs/lab.md, session 13): 2 (default, DV2_GEMV2_PREWAIT) issues them before the
-    // wait on the previous kernel (weights are constant; it pays where the CTA is resident
-    // early, as the 128-register kernels are beside a GEMV v3 CTA: 0.01-0.02 ms/token, session
-    // 10; session 3 measured it 3% slower with CTAs that could not be). w_first 1 (DV2_GEMV2_
-    // PREWAIT=0) issues them after the wait but before x's loads, so their fetch overlaps the
-    // round trips for the norm's partial sums and x; 0 (DV2_GEMV_WFIRST=0) after x is in
-    // registers.
-    if (w_first == 2) load_block(r0, cur);
+    // The first block's weights go out before the wait on the previous kernel (weights are
+    // constant; it pays where the CTA is resident early, as the 128-register kernels are
+    // beside a GEMV v3 CTA: 0.01-0.02 ms/token, docs/lab.md session 10).
+    load_block(r0, cur);
     pdl_enter();
     if (skip_if && *skip_if) return;
-    if (w_first == 1) load_block(r0, cur);
-    // With late sums and epi_early, the epilogue operands of the CTA's first blockDim.x rows
-    // (thread i: row r0 + i, as in the final reduction below) load now, so their round trip
-    // overlaps the walk instead of following the last barrier.
+    // With late sums the epilogue operands of the CTA's first blockDim.x rows (thread i: row
+    // r0 + i, as in the final reduction below) load now, so their round trip overlaps the walk
+    // instead of following the last barrier.
     RowEpi early_epi{0.0f, 0.0f};
-    if (late && epi_early && (int)threadIdx.x < r1 - r0) early_epi = rows_of.epi(r0 + threadIdx.x);
-    XSlice<J> xs;
+    if (late && (int)threadIdx.x < r1 - r0) early_epi = rows_of.epi(r0 + threadIdx.x);
     XHalves<J> xh;
-    if (TABLE == GEMV2_PAIR16 && x_smem == GEMV2_X_F16) {
+    if (X16) {
         stage_x16(reinterpret_cast<const u16*>(x), cols, reinterpret_cast<u32*>(x_staged));
         __syncthreads();
         read_x16_slice<J>(reinterpret_cast<const u32*>(x_staged), part, cols, xh);
     } else {
-        if (x_smem) {
-            stage_x(x, cols, norm, x_staged);
-            __syncthreads();
-            read_x_slice<J>(x_staged, part, cols, xs);
-        } else {
-            load_x_slice<J>(x, part, cols, norm, xs);
-            __syncthreads();
-        }
-        if (TABLE == GEMV2_PAIR16) pack_x_halves<J>(xs, xh);
+        XSlice<J> xs;
+        stage_x(x, cols, norm, x_staged);
+        __syncthreads();
+        read_x_slice<J>(x_staged, part, cols, xs);
+        pack_x_halves<J>(xs, xh);
     }
-    if (!w_first) load_block(r0, cur);
     float ss = 0.0f;  // squares of the values this thread stored
     for (int base = r0; base < r1; base += block) {
         if (base + block < r1) load_block(base + block, nxt);
@@ -1064,13 +725,7 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
         for (int i = 0; i < R; i++)
 #pragma unroll
             for (int k = 0; k < NM; k++)
-                sums[i][k] = warp_sum(
-                    TABLE == GEMV2_PAIR16 ? dot_row_pair16<J, prmt_table>(cur[i][k], xh, pair16_lut, lane4)
-                    : TABLE == GEMV2_PAIR32
-                        ? dot_row<J>(cur[i][k], xs, [&](u32 b, int q) { return nf4_pair(pair_lut, b, q, lane8); })
-                        : dot_row<J>(cur[i][k], xs, [&](u32 b, int q) {
-                              return make_float2(lut[(b >> (8 * q + 4)) & 15], lut[(b >> (8 * q)) & 15]);
-                          }));
+                sums[i][k] = warp_sum(dot_row_pair16<J, prmt_table>(cur[i][k], xh, pair16_lut, lane4));
 #pragma unroll
         for (int i = 0; i < R; i++)
 #pragma unroll
@@ -1130,7 +785,7 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
                 total[k] = 0.0f;
                 for (int p = 0; p < kparts; p++) total[k] += late_partial[(idx * NM + k) * kparts + p];
             }
-            const RowEpi e = epi_early && idx == (int)threadIdx.x ? early_epi : rows_of.epi(r0 + idx);
+            const RowEpi e = idx == (int)threadIdx.x ? early_epi : rows_of.epi(r0 + idx);
             ss += sq(rows_of.store(r0 + idx, total, e));
         }
     }
@@ -1148,8 +803,7 @@ struct PlainRows {
     const float* bias;
     int accumulate;
     float* ss;
-    L2Next next;
-    __device__ void tail() const { l2_prefetch_share(next); }
+    __device__ void tail() const {}
     __device__ void finish() const {}
     __device__ Nf4Ref matrix(int, int) const { return m; }
     __device__ int local(int r) const { return r; }
@@ -1197,7 +851,7 @@ struct SwigluRows {
     static constexpr bool prmt_table = false;
     Nf4Ref gate, up;
     float* out;
-    bool out_f16;  // GEMV2_OUT_F16
+    bool out_f16;  // for a down GEMV that stages f16 (DV2_FFN_F16)
     __device__ void tail() const {}
     __device__ void finish() const {}
     __device__ Nf4Ref matrix(int, int k) const { return k == 0 ? gate : up; }
@@ -1274,10 +928,10 @@ __device__ __forceinline__ bool argmax_across_ctas(float& best, int& best_i, int
 // last writes state[NEXT_TOKEN]. Why: the argmax kernel after lm_head added
 // 4.75-5.25 us a step in the graph (docs/lab.md, sessions 15-16): its launch, wait and second
 // read of the 600 KB of logits. Measured: -0.0017 ms/token (session 16, run 2). With
-// `ring` (DV2_COMMIT_FUSED, the decode step's graph), that CTA also commits the id as
+// `ring` (the decode step's graph), that CTA also commits the id as
 // commit_step would, one kernel fewer a step (its launch added 1.0 us, session 16's trace).
 struct LogitRows {
-    static constexpr bool prmt_table = GEMV2_LOGITS_PRMT;  // the walk's table for PRMT
+    static constexpr bool prmt_table = true;  // the walk's table for PRMT
     Nf4Ref m;
     float* y;
     int* state;
@@ -1308,7 +962,7 @@ struct LogitRows {
             if (ring) commit(next);
         }
     }
-    // commit_step's work (DV2_COMMIT_FUSED): the CTAs skipped this launch while finished was
+    // commit_step's work: the CTAs skipped this launch while finished was
     // set, so finished is clear here.
     __device__ void commit(int next) const {
         ring[state[STATE_RING_COUNT]++] = next;
@@ -1319,85 +973,56 @@ struct LogitRows {
     }
 };
 
-// The kernels of one (J, R, table) by what the rows feed: a plain matrix (nf4), q/k/v, SwiGLU.
-// XM: the x path the code holds (GEMV2_X_MODE above).
-#define GEMV2_NF4_KERNEL(J, R, TABLE, SUFFIX, BOUNDS, XM)                                                      \
-    extern "C" __global__ void BOUNDS                                                                          \
+// The kernels of one J by what the rows feed: a plain matrix (nf4; _x16: its x in f16),
+// q/k/v, SwiGLU, and lm_head with the argmax (logits). R: rows in flight per warp, half of
+// what fits 255 registers, so that each kernel stays within 128 (no spills but SwiGLU's at J
+// = 3, 240 bytes): a CTA fits beside a GEMV v3 CTA (o's, before gate/up), so it becomes
+// resident and builds its table while that kernel runs, and two fit an SM (GEMV2_CTAS_PER_SM
+// on the host): 6% faster decode than one CTA of twice the rows (docs/lab.md, session 10).
+// The _narrow suffix names that bound.
+#define GEMV2_NF4_KERNEL(J, R, X16, SUFFIX)                                                                    \
+    extern "C" __global__ void __maxnreg__(128)                                                                \
         gemv2_nf4_j##J##SUFFIX(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y,                 \
                                const float* __restrict__ bias, int rows, int cols, int kparts, int accumulate, \
-                               const int* skip_if, float* ss_out, int x_smem, int late, L2Next next,        \
-                               int early_ctas, int early_rows) {                                            \
-        PlainRows p{m, y, bias, accumulate, ss_out, next};                                                     \
-        gemv2_walk<J, R, 1, TABLE, XM>(p, rows, cols, x, norm, kparts, skip_if, x_smem, late, early_ctas,      \
-                                       early_rows);                                                            \
+                               const int* skip_if, float* ss_out) {                                            \
+        PlainRows p{m, y, bias, accumulate, ss_out};                                                           \
+        gemv2_walk<J, R, 1, X16>(p, rows, cols, x, norm, kparts, skip_if);                                     \
     }
-#define GEMV2_KERNELS_BOUNDED(J, R, TABLE, SUFFIX, BOUNDS)                                                     \
-    GEMV2_NF4_KERNEL(J, R, TABLE, SUFFIX, BOUNDS, GEMV2_X_MODE)                                                \
-    extern "C" __global__ void BOUNDS                                                                          \
-        gemv2_qkv_j##J##SUFFIX(QkvArgs a, const float* __restrict__ x, NormArgs norm, float* out, int cols,    \
-                               int kparts, int x_smem, int late) {                                             \
+#define GEMV2_KERNELS(J, R)                                                                                    \
+    GEMV2_NF4_KERNEL(J, R, false, _narrow)                                                                     \
+    GEMV2_NF4_KERNEL(J, R, true, _narrow_x16)                                                                  \
+    extern "C" __global__ void __maxnreg__(128)                                                                \
+        gemv2_qkv_j##J##_narrow(QkvArgs a, const float* __restrict__ x, NormArgs norm, float* out, int cols,   \
+                                int kparts) {                                                                  \
         QkvRows q{a, out};                                                                                     \
-        gemv2_walk<J, R, 1, TABLE, GEMV2_X_MODE>(q, a.rows[0] + a.rows[1] + a.rows[2], cols, x, norm, kparts,  \
-                                                 nullptr, x_smem, late);                                       \
+        gemv2_walk<J, R, 1, false>(q, a.rows[0] + a.rows[1] + a.rows[2], cols, x, norm, kparts, nullptr);      \
     }                                                                                                          \
-    extern "C" __global__ void BOUNDS                                                                          \
-        gemv2_swiglu_j##J##SUFFIX(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm,          \
-                                  float* out, int rows, int cols, int kparts, int x_smem, int late,            \
-                                  int early_ctas, int early_rows) {                                            \
-        SwigluRows g{gate, up, out, (late & GEMV2_OUT_F16) != 0};                                              \
-        gemv2_walk<J, (R > 1 ? R / 2 : 1), 2, TABLE, GEMV2_X_MODE>(g, rows, cols, x, norm, kparts, nullptr,    \
-                                                                   x_smem, late, early_ctas, early_rows);      \
-    }
-
-#define GEMV2_KERNELS(J, R, TABLE, SUFFIX) GEMV2_KERNELS_BOUNDED(J, R, TABLE, SUFFIX, __launch_bounds__(GEMV_THREADS, 1))
-
-// The f16-pair table with its rows in flight in 182-236 registers, one CTA per SM
-// (DV2_GEMV2_NARROW=0), the f32-pair table (suffix _p32, DV2_GEMV2_H16=0) and the nibble table
-// (suffix _nib, DV2_GEMV2_PAIRS=0). (1.5-2x the rows in flight in up to 255 registers measured
-// slower: docs/lab.md, session 10.)
-GEMV2_KERNELS(1, 4, GEMV2_PAIR16, )
-GEMV2_KERNELS(2, 4, GEMV2_PAIR16, )
-GEMV2_KERNELS(3, 2, GEMV2_PAIR16, )
-// The default: the f16-pair table with half the rows per warp in at most 128 registers
-// (suffix _narrow; no spills but SwiGLU's at J = 3, 240 bytes): a CTA fits beside a GEMV v3
-// CTA (o's, before gate/up), so it becomes resident and builds its table while that kernel
-// runs, and two fit an SM (DV2_GEMV_CTAS default 2: 16 warps per SM, the rows in flight of
-// one CTA of the kernels above). 6% faster decode (docs/lab.md, session 10).
-GEMV2_KERNELS_BOUNDED(1, 2, GEMV2_PAIR16, _narrow, __maxnreg__(128))
-GEMV2_KERNELS_BOUNDED(2, 2, GEMV2_PAIR16, _narrow, __maxnreg__(128))
-GEMV2_KERNELS_BOUNDED(3, 1, GEMV2_PAIR16, _narrow, __maxnreg__(128))
-// lm_head and the argmax in one (LogitRows; DV2_LOGITS_ARGMAX, default), the default kernels'
-// table and rows (compiled only with the switch: GEMV2_LOGITS, an NVRTC define).
-#ifndef GEMV2_LOGITS
-#define GEMV2_LOGITS 1
-#endif
+    extern "C" __global__ void __maxnreg__(128)                                                                \
+        gemv2_swiglu_j##J##_narrow(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm,         \
+                                   float* out, int rows, int cols, int kparts, int out_f16, int early_ctas,    \
+                                   int early_rows) {                                                           \
+        SwigluRows g{gate, up, out, out_f16 != 0};                                                             \
+        gemv2_walk<J, (R > 1 ? R / 2 : 1), 2, false>(g, rows, cols, x, norm, kparts, nullptr, early_ctas,     \
+                                                     early_rows);                                              \
+    }                                                                                                          \
+    GEMV2_LOGITS_KERNEL(J, R)
+// lm_head and the argmax in one (LogitRows; DV2_LOGITS_ARGMAX, default), compiled only with
+// the switch (GEMV2_LOGITS, from the host's config).
 #if GEMV2_LOGITS
 #define GEMV2_LOGITS_KERNEL(J, R)                                                                              \
     extern "C" __global__ void __maxnreg__(128)                                                                \
         gemv2_logits_j##J##_narrow(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y, int rows,   \
-                                   int cols, int kparts, const int* skip_if, int x_smem, int late, int* state, \
-                                   int* scratch, int eos, int* ring, int early_ctas, int early_rows) {         \
+                                   int cols, int kparts, const int* skip_if, int* state, int* scratch, int eos, \
+                                   int* ring) {                                                                \
         LogitRows p{m, y, state, scratch, eos, ring, NEG_INF, -1};                                             \
-        gemv2_walk<J, R, 1, GEMV2_PAIR16, GEMV2_X_MODE>(p, rows, cols, x, norm, kparts, skip_if, x_smem, late, \
-                                                        early_ctas, early_rows);                               \
+        gemv2_walk<J, R, 1, false>(p, rows, cols, x, norm, kparts, skip_if);                                   \
     }
-GEMV2_LOGITS_KERNEL(1, 2)
-GEMV2_LOGITS_KERNEL(2, 2)
-GEMV2_LOGITS_KERNEL(3, 1)
+#else
+#define GEMV2_LOGITS_KERNEL(J, R)
 #endif
-// The plain-matrix kernels of the f16-pair table for an f16 x (down's, DV2_FFN_F16).
-GEMV2_NF4_KERNEL(1, 4, GEMV2_PAIR16, _x16, __launch_bounds__(GEMV_THREADS, 1), GEMV2_X16_MODE)
-GEMV2_NF4_KERNEL(2, 4, GEMV2_PAIR16, _x16, __launch_bounds__(GEMV_THREADS, 1), GEMV2_X16_MODE)
-GEMV2_NF4_KERNEL(3, 2, GEMV2_PAIR16, _x16, __launch_bounds__(GEMV_THREADS, 1), GEMV2_X16_MODE)
-GEMV2_NF4_KERNEL(1, 2, GEMV2_PAIR16, _narrow_x16, __maxnreg__(128), GEMV2_X16_MODE)
-GEMV2_NF4_KERNEL(2, 2, GEMV2_PAIR16, _narrow_x16, __maxnreg__(128), GEMV2_X16_MODE)
-GEMV2_NF4_KERNEL(3, 1, GEMV2_PAIR16, _narrow_x16, __maxnreg__(128), GEMV2_X16_MODE)
-GEMV2_KERNELS(1, 4, GEMV2_PAIR32, _p32)
-GEMV2_KERNELS(2, 4, GEMV2_PAIR32, _p32)
-GEMV2_KERNELS(3, 2, GEMV2_PAIR32, _p32)
-GEMV2_KERNELS(1, 4, GEMV2_NIBBLE, _nib)
-GEMV2_KERNELS(2, 4, GEMV2_NIBBLE, _nib)
-GEMV2_KERNELS(3, 2, GEMV2_NIBBLE, _nib)
+GEMV2_KERNELS(1, 2)
+GEMV2_KERNELS(2, 2)
+GEMV2_KERNELS(3, 1)
 
 // out = x * rsqrt(mean(x^2) + eps) * w over n elements; CTA b takes row b of x and out.
 // With `out_f16` the output row is f16 (n even).
@@ -1599,10 +1224,10 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode(AttnArgs 
     }
 }
 
-// Attention v2 (default; DV2_ATTN=v1 selects the kernels above): CTAs per (KV head, chunk
+// Attention v2 (without clusters, or DV2_ATTN_CLUSTERS=0; the kernels above where its shared memory does not fit the model): CTAs per (KV head, chunk
 // of ATTN2_CHUNK slots), each computing several q heads of the GQA group, so each K/V row is
 // read from memory once per step (and from L2 by the KV head's other CTAs) instead of once
-// per q head. With DV2_ATTN_SPLIT=n (default 8) the group's heads are split over n CTAs: the
+// per q head. The group's heads are split over up to 8 CTAs (ATTN_SPLIT on the host): the
 // scores and the weighted sum of V are serial loops per thread over heads, so a CTA with a
 // quarter of the heads finishes them in a quarter of the rounds (docs/lab.md, session 8).
 // The chunk's K and V are staged in shared memory with 16-byte loads issued together;
@@ -1611,13 +1236,12 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode(AttnArgs 
 // rotated projections, never from the cache; the KV head's first CTA of chunk 0 writes it.
 // Partials per (q head, chunk) go to attn2_merge.
 
-// BATCHED (default; DV2_ATTN_BATCH=0 off): every global load of the prologue (the chunk's K
-// and V rows, the q/k pairs to rotate with their cos and sin, the live v) is issued before
-// its first shared store. Interleaved, each round of loads waited for the previous round's
-// data to be stored (in program order a load may not pass a store the compiler cannot prove
-// to be elsewhere): nine round trips in a row at head_dim 128.
-// PRE_WAIT (default with BATCHED; DV2_ATTN_PREWAIT=0 off): the chunk's K and V rows are loaded
-// before the wait on the q/k/v GEMV, so their round trip overlaps its tail (an attention CTA,
+// Every global load of the prologue (the chunk's K and V rows, the q/k pairs to rotate with
+// their cos and sin, the live v) is issued before its first shared store. Interleaved, each
+// round of loads waited for the previous round's data to be stored (in program order a load
+// may not pass a store the compiler cannot prove to be elsewhere): nine round trips in a row
+// at head_dim 128 (docs/lab.md, session 12).
+// The chunk's K and V rows are loaded before the wait on the q/k/v GEMV, so their round trip overlaps its tail (an attention CTA,
 // 128 threads, fits beside the GEMV's CTAs). They were written by earlier steps, and so was
 // the position; a kernel starts only after the one before it has passed its own wait, so
 // every step before this one's q/k/v GEMV is complete when these loads issue. The live slot
@@ -1645,7 +1269,7 @@ __device__ __forceinline__ void rope_rotate(const AttnArgs& a, int hd, int gn, i
     }
 }
 
-// The batched prologue after the wait (DV2_ATTN_BATCH): every load (the live v, RoPE pairs
+// The prologue after the wait: every load (the live v, RoPE pairs
 // with cos/sin, RB pairs per thread at once) before the stores they feed, the caller's
 // `stage()` (K/V rows from registers into shared memory) between the rotations' stores and v's.
 // HD: the largest head_dim it takes (smaller: fewer loads unrolled per thread); EXACT: the
@@ -1702,13 +1326,11 @@ __device__ __forceinline__ void rotate_live_batched(const AttnArgs& a, int kvh, 
 
 // HD: the largest head_dim the kernel takes (MAX_HEAD_DIM, or 128 for attn2_decode_hd128):
 // the batched prologue's per-thread loads are unrolled for it.
-template <bool BATCHED, bool PRE_WAIT = false, int HD = MAX_HEAD_DIM>
+template <int HD = MAX_HEAD_DIM>
 __device__ __forceinline__ void attn2_decode_body(const AttnArgs& a) {
-    static_assert(BATCHED || !PRE_WAIT, "the early loads are the batched prologue's");
-    if (!PRE_WAIT) pdl_enter();
     const int chunk = blockIdx.y, hd = a.head_dim, half = hd >> 1;
     // gridDim.x = n_kv * parts: `parts` CTAs share a KV head's chunk, each taking gn of its
-    // group's q heads from q head q0 (DV2_ATTN_SPLIT; 1: the whole group in one CTA).
+    // group's q heads from q head q0 (ATTN_SPLIT on the host).
     const int group = a.n_q / a.n_kv, parts = gridDim.x / a.n_kv, gn = group / parts;
     const int kvh = blockIdx.x / parts, q0 = kvh * group + (blockIdx.x % parts) * gn;
     const int pos = a.state[STATE_POSITION];
@@ -1735,45 +1357,24 @@ __device__ __forceinline__ void attn2_decode_body(const AttnArgs& a) {
     };
     auto live = [&](int i) { return t0 + i / vec_per_row == pos; };
     constexpr int KV_VECS = ATTN2_CHUNK * (HD / 8) / ATTN_THREADS;  // per thread, at most
-    uint4 kreg[BATCHED ? KV_VECS : 1], vreg[BATCHED ? KV_VECS : 1];
-    if constexpr (BATCHED) {
+    uint4 kreg[KV_VECS], vreg[KV_VECS];
+#pragma unroll
+    for (int u = 0; u < KV_VECS; u++) {
+        const int i = threadIdx.x + u * ATTN_THREADS;
+        if (i < n_t * vec_per_row && !live(i)) {
+            kreg[u] = *reinterpret_cast<const uint4*>(a.k_cache + kv_offset(i));
+            vreg[u] = *reinterpret_cast<const uint4*>(a.v_cache + kv_offset(i));
+        }
+    }
+    pdl_enter();
+    // Rotate the group's q heads (scale folded in) and the live k; take the live v.
+    rotate_live_batched<HD>(a, kvh, q0, gn, pos, q_s, kcur, vcur, [&] {
 #pragma unroll
         for (int u = 0; u < KV_VECS; u++) {
             const int i = threadIdx.x + u * ATTN_THREADS;
-            if (i < n_t * vec_per_row && !live(i)) {
-                kreg[u] = *reinterpret_cast<const uint4*>(a.k_cache + kv_offset(i));
-                vreg[u] = *reinterpret_cast<const uint4*>(a.v_cache + kv_offset(i));
-            }
+            if (i < n_t * vec_per_row && !live(i)) stage(i, kreg[u], vreg[u]);
         }
-    } else {
-        for (int i = threadIdx.x; i < n_t * vec_per_row; i += blockDim.x) {
-            if (live(i)) continue;
-            stage(i, *reinterpret_cast<const uint4*>(a.k_cache + kv_offset(i)),
-                  *reinterpret_cast<const uint4*>(a.v_cache + kv_offset(i)));
-        }
-    }
-    if (PRE_WAIT) pdl_enter();
-    // Rotate the group's q heads (scale folded in) and the live k; take the live v.
-    if constexpr (BATCHED) {
-        rotate_live_batched<HD>(a, kvh, q0, gn, pos, q_s, kcur, vcur, [&] {
-#pragma unroll
-            for (int u = 0; u < KV_VECS; u++) {
-                const int i = threadIdx.x + u * ATTN_THREADS;
-                if (i < n_t * vec_per_row && !live(i)) stage(i, kreg[u], vreg[u]);
-            }
-        });
-    } else {
-        const float* cos_p = a.rope_cos + pos * half;
-        const float* sin_p = a.rope_sin + pos * half;
-#pragma unroll 4
-        for (int i = threadIdx.x; i < (gn + 1) * half; i += blockDim.x) {
-            const float* src = rope_pair_src(a, a.head_dim, kvh, q0, gn, i);
-            const int j = i % half;
-            rope_rotate(a, a.head_dim, gn, i, cos_p[j], sin_p[j], src[j], src[j + half], q_s, kcur);
-        }
-        const float* qkv_v = a.qkv + (a.n_q + a.n_kv) * hd + kvh * hd;
-        for (int d = threadIdx.x; d < hd; d += blockDim.x) vcur[d] = qkv_v[d];
-    }
+    });
     __syncthreads();
     if (pos >= t0 && pos < t0 + n_t) {
         const int t = pos - t0;
@@ -1837,23 +1438,17 @@ __device__ __forceinline__ void attn2_decode_body(const AttnArgs& a) {
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode(AttnArgs a) {
-    attn2_decode_body<true, true>(a);
+    attn2_decode_body(a);
 }
-// The default kernel for head_dim <= 128 (DV2_ATTN_HD128): its prologue unrolled for 128
+// The kernel for head_dim <= 128: its prologue unrolled for 128
 // dims, 1,720 SASS instructions against 2,896. Why: each warp runs this code once, and its
 // fetch is cold every layer; session 13 measured attention's time following its code size
 // (-0.57 us a layer here; attention v3: 8,440 -> 4,984 instructions, -5 us).
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode_hd128(AttnArgs a) {
-    attn2_decode_body<true, true, 128>(a);
-}
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode_late(AttnArgs a) {
-    attn2_decode_body<true, false>(a);
-}
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode_serial(AttnArgs a) {
-    attn2_decode_body<false>(a);
+    attn2_decode_body<128>(a);
 }
 
-// Attention v3 (DV2_ATTN=v3, the default where clusters exist): attention v2's CTAs in
+// Attention v3 (the default where clusters exist; DV2_ATTN_CLUSTERS=0 takes v2): attention v2's CTAs in
 // thread-block clusters that merge their partials through distributed shared memory, so no
 // merge kernel runs. Grid (parts, splits, n_kv), clusters of (1, splits): the CTAs of a
 // cluster take the same q heads (as in v2) and split the valid slots into `splits` equal
@@ -1872,21 +1467,13 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode_serial(A
 // the vectors unrolled), 0 for any. Loops stay rolled (#pragma unroll 1): each warp runs this
 // code about once, and its cold fetch is the cost (docs/lab.md, session 13).
 #define ATTN3_MAX_SPLITS 8
-#ifndef ATTN3_SLOT_LANES
-#define ATTN3_SLOT_LANES 1
-#endif
-// ATTN3_ILP (an NVRTC define, DV2_ATTN3_ILP, default; 0: as before session 16): the score and
+// The score and
 // weighted-sum loops unrolled by 2 and 4 so that their shared loads issue together, and the
 // softmax's max and sum over only the lanes that can hold a slot (3 shuffle rounds at <= 8
 // slots, 4 at <= 16); the same values in the same order. Why: one q head per CTA leaves those
 // loops one shared-load round trip per iteration on the kernel's serial chain (the weighted
 // sum: 6-22 of them at the 3B shape's 8 splits), and the kernel mostly waits (docs/lab.md,
 // session 15: 0.08 issued per scheduler cycle). Measured: -0.0055 ms/token (session 16, run 2).
-#ifndef ATTN3_ILP
-#define ATTN3_ILP 1
-#endif
-#define DV2_STR(x) #x
-#define DV2_PRAGMA_UNROLL(n) _Pragma(DV2_STR(unroll n))
 template <int HD>
 __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out) {
     timeline_start();
@@ -1975,12 +1562,11 @@ __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out)
             __syncthreads();
         }
         // Scores: a warp takes one q head at a time, `lanes` lanes a slot, each a 1/lanes of the
-        // dims, added by shuffles; then lane t holds slot t's. With ATTN3_SLOT_LANES
-        // (DV2_ATTN3_SLOT_LANES, default) 4 lanes a slot up to 8 slots, 2 up to 16: the serial
+        // dims, added by shuffles; then lane t holds slot t's: 4 lanes a slot up to 8 slots, 2
+        // up to 16 (docs/lab.md, session 16): the serial
         // dot product is 1/4 or 1/2 as long (a lane a slot walked every dim, most lanes idle at
         // a split's few slots). The running max and sum move on by this chunk.
-        const int lanes = !ATTN3_SLOT_LANES ? 1
-                          : n_t <= 8 && half % 8 == 0 ? 4
+        const int lanes = n_t <= 8 && half % 8 == 0 ? 4
                           : n_t <= 16 && half % 4 == 0 ? 2
                                                        : 1;
         const int lane_shift = lanes >> 1;  // log2(lanes) for 1, 2, 4
@@ -1992,7 +1578,7 @@ __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out)
                 const u32* krow = k_s + slot * row_words + w0;
                 const float* q = q_s + g * hd + 2 * w0;
                 float sacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // independent chains
-                DV2_PRAGMA_UNROLL(ATTN3_ILP ? 2 : 1)
+#pragma unroll 2
                 for (int w = 0; w < words; w += 2) {
 #pragma unroll
                     for (int u = 0; u < 2; u++) {
@@ -2007,22 +1593,16 @@ __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out)
             if (lanes > 1) dot = __shfl_sync(0xffffffffu, dot, (lane << lane_shift) & 31);
             const float score = lane < n_t ? dot : NEG_INF;
             const float m_old = m_run[g];
-            // With ATTN3_ILP the max and sum over lanes 0 .. span - 1 (every lane that can hold
+            // The max and sum over lanes 0 .. span - 1 (every lane that can hold
             // a slot): lanes below n_t, which use the max, and lane 0, which keeps the sum, get
             // the warp-wide values, in the same order (the skipped rounds add zeros).
             const int span = n_t > 16 ? 32 : n_t > 8 ? 16 : 8;
             float m_chunk = score;
-            if (ATTN3_ILP)
-                for (int o = span >> 1; o > 0; o >>= 1) m_chunk = fmaxf(m_chunk, __shfl_xor_sync(0xffffffffu, m_chunk, o));
-            else
-                m_chunk = warp_max(score);
+            for (int o = span >> 1; o > 0; o >>= 1) m_chunk = fmaxf(m_chunk, __shfl_xor_sync(0xffffffffu, m_chunk, o));
             const float m_new = fmaxf(m_old, m_chunk);
             const float p = lane < n_t ? expf(score - m_new) : 0.0f;
             float l = p;
-            if (ATTN3_ILP)
-                for (int o = span >> 1; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
-            else
-                l = warp_sum(p);
+            for (int o = span >> 1; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
             p_s[g][lane] = p;
             __syncwarp();  // every lane has read m_run[g]
             if (lane == 0) {
@@ -2037,13 +1617,13 @@ __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out)
         for (int i = threadIdx.x; i < gn * half; i += blockDim.x) {
             const int g = i / half, w = i % half;
             float ax = 0.0f, ay = 0.0f;
-            constexpr int U = ATTN3_ILP ? 4 : 1;  // slots per iteration, their loads together
+            constexpr int U = 4;  // slots per iteration, their loads together
 #pragma unroll 1
             for (int t = 0; t < n_t; t += U) {
 #pragma unroll
                 for (int u = 0; u < U; u++) {
                     // Past n_t: p_s holds 0, and a zero pair keeps a stale row's bits out.
-                    const u32 pair = U == 1 || t + u < n_t ? v_s[(t + u) * row_words + w] : 0u;
+                    const u32 pair = t + u < n_t ? v_s[(t + u) * row_words + w] : 0u;
                     const float p = p_s[g][t + u];
                     ax = fmaf(p, bf16_to_f32((u16)(pair & 0xffffu)), ax);
                     ay = fmaf(p, bf16_to_f32((u16)(pair >> 16)), ay);
@@ -2106,30 +1686,20 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn3_decode_hd64(Att
 // Combines the chunks 0 .. ceil(valid_len / ATTN2_CHUNK)-1 of each q head. Grid n_q; the
 // chunk weights exp(m_c - M) / L are computed once, in parallel, then every output sums its
 // chunks with the loads in flight together.
-// With MERGE_EARLY (DV2_MERGE_EARLY, default), the first MERGE_AHEAD chunks' partials are loaded
+// The first MERGE_AHEAD chunks' partials are loaded
 // together with the position, before the number of chunks in use is known: their addresses
 // do not depend on it (the buffers hold n_chunks chunks), so the state, m/l and acc round
 // trips become one. Values loaded for chunks past the used ones are never used. Same
 // arithmetic in the same order.
-// With MERGE_PER_WARP (DV2_MERGE_WARP, default) and at most 32 chunks in use, every warp finds M,
+// With at most 32 chunks in use, every warp finds M,
 // the weights and L itself, lane c taking chunk c, and keeps the weights in its own slice of
 // shared memory: no CTA barrier (three before). The same values: the CTA-wide path has only
 // warp 0 holding chunks then, and adds the other warps' zeros.
-// Both are NVRTC defines, MERGE_EARLY and MERGE_PER_WARP (default 1; the host sets them from
-// the switches): each warp runs this code about once, and the unused path's code cost its
-// fetch (320 instructions of 1,320; docs/lab.md, session 13).
-#ifndef MERGE_EARLY
-#define MERGE_EARLY 1
-#endif
-#ifndef MERGE_PER_WARP
-#define MERGE_PER_WARP 1
-#endif
 #define MERGE_AHEAD 8
 #define MERGE_MAX_WARPS (MAX_HEAD_DIM / 32)
 extern "C" __global__ void attn2_merge(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
                                        const int* __restrict__ state, float* out, int head_dim, int n_chunks,
                                        int max_seq) {
-    constexpr bool early = MERGE_EARLY, per_warp = MERGE_PER_WARP;
     pdl_enter();
     const int h = blockIdx.x;
     const float* ml = part_ml + (size_t)h * n_chunks * 2;
@@ -2138,25 +1708,23 @@ extern "C" __global__ void attn2_merge(const float* __restrict__ part_acc, const
     float2 ml_lane = make_float2(NEG_INF, 0.0f), ml_d0 = ml_lane;
     float acc_ahead[MERGE_AHEAD];
     const int d0 = threadIdx.x, lane = threadIdx.x & 31;
-    if (early) {
-        if (lane < n_chunks) ml_lane = reinterpret_cast<const float2*>(ml)[lane];
-        if (d0 != lane && d0 < n_chunks) ml_d0 = reinterpret_cast<const float2*>(ml)[d0];
+    if (lane < n_chunks) ml_lane = reinterpret_cast<const float2*>(ml)[lane];
+    if (d0 != lane && d0 < n_chunks) ml_d0 = reinterpret_cast<const float2*>(ml)[d0];
 #pragma unroll
-        for (int c = 0; c < MERGE_AHEAD; c++) acc_ahead[c] = c < n_chunks && d0 < head_dim ? acc[(size_t)c * head_dim + d0] : 0.0f;
-    }
+    for (int c = 0; c < MERGE_AHEAD; c++) acc_ahead[c] = c < n_chunks && d0 < head_dim ? acc[(size_t)c * head_dim + d0] : 0.0f;
     const int pos = state[STATE_POSITION];
     if (pos >= max_seq) return;
     const int used = min(pos / ATTN2_CHUNK + 1, ATTN2_MAX_CHUNKS);
     // m and l of chunk c (chunks `lane` and d0 from the early loads).
     auto ml_of = [&](int c) {
-        return early && c == lane ? ml_lane : (early && c == d0 ? ml_d0 : reinterpret_cast<const float2*>(ml)[c]);
+        return c == lane ? ml_lane : (c == d0 ? ml_d0 : reinterpret_cast<const float2*>(ml)[c]);
     };
     // out[d] for this thread's d's: the chunks' partial sums weighted by weight[c], times inv.
     auto weighted = [&](const float* weight, float inv) {
         for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
             float sum = 0.0f;
             int c = 0;
-            if (early && d == d0) {
+            if (d == d0) {
 #pragma unroll
                 for (; c < MERGE_AHEAD; c++) {
                     if (c >= used) break;
@@ -2168,7 +1736,7 @@ extern "C" __global__ void attn2_merge(const float* __restrict__ part_acc, const
             out[h * head_dim + d] = sum * inv;
         }
     };
-    if (per_warp && used <= 32) {
+    if (used <= 32) {
         __shared__ float warp_weight[MERGE_MAX_WARPS][32];
         const float2 mlc = lane < used ? ml_of(lane) : make_float2(NEG_INF, 0.0f);
         const float M = warp_max(mlc.x);
@@ -2229,7 +1797,7 @@ extern "C" __global__ void attn_merge(const float* __restrict__ part_acc, const 
 
 // state[NEXT_TOKEN] = argmax(logits): lowest index wins ties, NaN never wins. Does nothing
 // once the request is finished (next_token stays the EOS id).
-// The grid's CTAs (DV2_ARGMAX_CTAS, default one per SM) each take a contiguous slice of the
+// The grid's CTAs (one per SM) each take a contiguous slice of the
 // logits and leave their (value, index) in `scratch` (1 + 2 * gridDim.x words: an arrival
 // count, then the pairs); the CTA that arrives last adds nothing but the final argmax over
 // the pairs, in CTA order (so the result does not depend on which CTA is last), and resets

@@ -1,4 +1,4 @@
-// GEMV v3 (DV2_GEMV=v3): the decode step's NF4 matrix-vector products on tensor cores.
+// GEMV v3 (the smaller matrices, below GEMV3_MAX_BYTES on the host): the decode step's NF4 matrix-vector products on tensor cores.
 // Compiled after prefill.cu, whose GemmArgs, epilogue kinds, stacked rows and mma_16816 it
 // uses.
 //
@@ -20,28 +20,10 @@
 // sums meet in shared memory for the epilogue. x is staged once per CTA as f16 pairs
 // (dynamic shared memory, K/2 words), the table once per CTA too.
 #define GEMV3_THREADS (GEMV3_WARPS * 32)
-// x's quads per thread per round of loads when staging (DV2_GEMV3_X_BATCH, an NVRTC define;
-// default 4: K up to 4,096 in one round at 256 threads). Fewer than v2's X_BATCH = 8
-// because every warp runs this code once: its size is fetched cold (docs/lab.md, session 13).
-#ifndef GEMV3_X_BATCH
+// x's quads per thread per round of loads when staging: K up to 4,096 in one round at 256
+// threads. Fewer than X_BATCH = 8 because every warp runs this code once: its size is fetched
+// cold (docs/lab.md, session 13).
 #define GEMV3_X_BATCH 4
-#endif
-#ifndef GEMV3_L2_AHEAD
-#define GEMV3_L2_AHEAD 0
-#endif
-#ifndef GEMV3_ACC_ONE
-#define GEMV3_ACC_ONE 1
-#endif
-// When the first weights load (GEMV3_W_FIRST: 2 before the wait on the previous kernel, 1
-// after it, 0 after x; DV2_GEMV3_PREWAIT, DV2_GEMV_WFIRST) and whether the epilogue operands
-// load as a group starts (GEMV3_EPI_EARLY, DV2_GEMV3_EPI_EARLY): NVRTC defines the host sets
-// from the switches, so the kernel holds only the chosen variant's code.
-#ifndef GEMV3_W_FIRST
-#define GEMV3_W_FIRST 2
-#endif
-#ifndef GEMV3_EPI_EARLY
-#define GEMV3_EPI_EARLY 1
-#endif
 
 // One block of one tile for this thread: 8 bytes of rows g and g+8, and their absmax.
 struct Gemv3Block {
@@ -55,21 +37,20 @@ struct Gemv3Stage {
 };
 
 // Output row r as a row of the stacked matrices: the accumulate epilogue (o) always has one
-// matrix (the host checks), so with GEMV3_ACC_ONE (DV2_GEMV3_ACC_ONE, default) its kernel
-// carries no code to pick among three (code each warp runs once, whose fetch is the cost:
+// matrix (the host checks), so its kernel carries no code to pick among three (code each warp runs once, whose fetch is the cost:
 // docs/lab.md, session 13).
 template <int EPI>
 __device__ __forceinline__ StackedRow gemv3_stacked(const GemmArgs& a, int r) {
-    if (GEMV3_ACC_ONE && EPI == EPI_ACCUMULATE) return StackedRow{0, r, r < a.rows[0]};
+    if (EPI == EPI_ACCUMULATE) return StackedRow{0, r, r < a.rows[0]};
     return stacked_row(a, r);
 }
 template <int EPI>
 __device__ __forceinline__ Nf4Ref gemv3_pick(const GemmArgs& a, int matrix) {
-    return GEMV3_ACC_ONE && EPI == EPI_ACCUMULATE ? a.m[0] : pick(a, matrix);
+    return EPI == EPI_ACCUMULATE ? a.m[0] : pick(a, matrix);
 }
 template <int EPI>
 __device__ __forceinline__ const float* gemv3_bias(const GemmArgs& a, int matrix) {
-    return GEMV3_ACC_ONE && EPI == EPI_ACCUMULATE ? a.bias[0] : pick_bias(a, matrix);
+    return EPI == EPI_ACCUMULATE ? a.bias[0] : pick_bias(a, matrix);
 }
 
 // Row h (0: g, 1: g + 8) of tile i of row group `group`, as a stacked-matrix row.
@@ -100,45 +81,6 @@ __device__ __forceinline__ void gemv3_load(const GemmArgs& a, int group, int kb,
         }
 }
 
-// L2 prefetch (DV2_L2_AHEAD_KB): bulk prefetches of a CTA's next weight rows into L2, issued
-// by one thread, the first before the wait on the previous kernel (an L2 prefetch is only a
-// hint to the point of coherence, so it is safe at any time). Why: v3 keeps its weights in
-// registers, so its bytes in flight are bounded by registers and warps; a prefetch has no
-// such bound and no completion to wait for. Measured on the probe (docs/lab.md, session 7):
-// o 3.98 -> 3.54 us, q/k/v 4.87 -> 4.76; on GEMV v2 it lost (gate+up 14.68 -> 15.88). Off by
-// default since session 8: once the first weights load before the wait (w_first 2), the
-// decode step measured 1.5294 ms/token without it against 1.5426 with 192 KB.
-// Both ends of [from, to) are rounded down to 16 bytes (the bulk copy's granule; the
-// allocation is aligned, so the range stays inside it), sent in pieces of at most 32 KB.
-__device__ __forceinline__ void l2_prefetch(const void* base, size_t from, size_t to) {
-#if __CUDA_ARCH__ >= 900
-    const char* p = static_cast<const char*>(base);
-    for (size_t o = from & ~(size_t)15; o < (to & ~(size_t)15); o += 32768) {
-        const unsigned bytes = (unsigned)min((size_t)32768, (to & ~(size_t)15) - o);
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + o), "r"(bytes) : "memory");
-    }
-#endif
-}
-
-// Rows [row, row + n) of matrix m (K = cols): their packed bytes and absmax.
-__device__ __forceinline__ void l2_prefetch_rows(Nf4Ref m, int row, int n, int cols) {
-    if (n <= 0) return;
-    l2_prefetch(m.packed, (size_t)row * (cols >> 1), (size_t)(row + n) * (cols >> 1));
-    l2_prefetch(m.absmax, (size_t)row * (cols >> 4), (size_t)(row + n) * (cols >> 4));
-}
-
-// The rows of row group `group` into L2 (see l2_prefetch): each tile's rows that exist.
-template <int T, int EPI>
-__device__ __forceinline__ void gemv3_prefetch(const GemmArgs& a, int group) {
-#pragma unroll
-    for (int i = 0; i < T; i++) {
-        const StackedRow r = gemv3_row<T, EPI>(a, group, i, 0, 0);
-        if (!r.valid) continue;
-        const int rows = r.matrix == 0 ? a.rows[0] : (r.matrix == 1 ? a.rows[1] : a.rows[2]);
-        l2_prefetch_rows(gemv3_pick<EPI>(a, r.matrix), r.local, min(16, rows - r.local), a.k);
-    }
-}
-
 // What a GEMV v3 kernel's code holds for its input and output (IO): GEMV3_IO_ANY, both
 // chosen at run time (a.norm.w, a.ss_out); else the bits GEMV3_IO_NORM (x normed on load)
 // and GEMV3_IO_SUMS (partial sums of squares left for the next norm), and nothing for what
@@ -167,15 +109,6 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
     extern __shared__ u32 x16[];                   // K/2 f16 pairs
     const int outputs = EPI == EPI_SWIGLU ? a.rows[0] : a.rows[0] + a.rows[1] + a.rows[2];
     const int groups = (outputs + 16 * (EPI == EPI_SWIGLU ? 1 : T) - 1) / (16 * (EPI == EPI_SWIGLU ? 1 : T));
-    // This CTA's first pf_groups row groups into L2 now, then each group's successor
-    // pf_groups ahead as the walk reaches it. Compiled only with DV2_L2_AHEAD_KB set (the
-    // NVRTC define GEMV3_L2_AHEAD): ~630 instructions in the middle of code each warp runs
-    // once (docs/lab.md, session 13).
-#if GEMV3_L2_AHEAD
-    if (threadIdx.x == 0)
-        for (int i = 0; i < a.pf_groups && blockIdx.x + i * gridDim.x < groups; i++)
-            gemv3_prefetch<T, EPI>(a, blockIdx.x + i * gridDim.x);
-#endif
     timeline_start();
     load_byte_codebook<GEMV3_THREADS>(lut);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -184,17 +117,15 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
     const int kb0 = kfirst + warp * kblocks / GEMV3_WARPS, kb1 = kfirst + (warp + 1) * kblocks / GEMV3_WARPS;
     const int group0 = KH == 1 ? blockIdx.x : blockIdx.x >> 1, group_step = KH == 1 ? gridDim.x : gridDim.x >> 1;
     const int stages = (kb1 - kb0 + S - 1) / S;
-    // The first stage's weights: with w_first (DV2_GEMV_WFIRST, default) issued before x is
-    // staged, so their fetch overlaps the round trips for the norm's partial sums and x;
-    // w_first 2 (DV2_GEMV3_PREWAIT, default) issues them before the wait on the previous
-    // kernel (weights are constant), so a CTA resident early (after the attention's merge,
-    // whose CTAs leave room) fetches them while that kernel runs.
+    // The first stage's weights go out before the wait on the previous kernel (weights are
+    // constant), so a CTA resident early (after the attention's, whose CTAs leave room)
+    // fetches them while that kernel runs, and before x is staged, so their fetch overlaps
+    // the round trips for the norm's partial sums and x (docs/lab.md, sessions 10 and 13).
     Gemv3Stage<T, S> cur, nxt;
     const bool first_ok = stages > 0 && group0 < groups;
-    if (GEMV3_W_FIRST == 2 && first_ok) gemv3_load<T, S, EPI>(a, group0, kb0, kb1, g, t, cur);
+    if (first_ok) gemv3_load<T, S, EPI>(a, group0, kb0, kb1, g, t, cur);
     pdl_enter();
     if (a.skip_if && *a.skip_if) return;
-    if (GEMV3_W_FIRST == 1 && first_ok) gemv3_load<T, S, EPI>(a, group0, kb0, kb1, g, t, cur);
     // x (normed) staged as f16 pairs.
     NormArgs norm = a.norm;
     if (IO != GEMV3_IO_ANY && !(IO & GEMV3_IO_NORM)) norm.w = nullptr;
@@ -211,16 +142,14 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
     if (KH == 1) for_each_x_quad<GEMV3_THREADS, GEMV3_X_BATCH>(a.x, a.k, norm, stage);
     else for_each_x_quad<GEMV3_THREADS, GEMV3_X_BATCH>(a.x, a.k, norm, stage, kh * (a.k >> 2) / KH, (kh + 1) * (a.k >> 2) / KH);
     __syncthreads();
-    if (!GEMV3_W_FIRST && first_ok) gemv3_load<T, S, EPI>(a, group0, kb0, kb1, g, t, cur);
     int parity = 0;
     float ss = 0.0f;  // squares of the values this thread stored (warp 0 stores)
     for (int group = group0; group < groups; group += group_step, parity ^= 1) {
         float acc[T][2] = {};
         // The epilogue's operands for this group's rows (a thread per row: the bias, the
-        // residual's old y) loaded as the group starts (epi_early, DV2_GEMV3_EPI_EARLY), so
-        // their round trip overlaps the group's math instead of following its reduction.
+        // residual's old y) loaded as the group starts, so their round trip overlaps the group's math instead of following its reduction.
         float e_bias = 0.0f, e_old = 0.0f;
-        if (EPI != EPI_SWIGLU && GEMV3_EPI_EARLY && threadIdx.x < T * 16) {
+        if (EPI != EPI_SWIGLU && threadIdx.x < T * 16) {
             const int row = (group * T + threadIdx.x / 16) * 16 + threadIdx.x % 16;
             const StackedRow r = gemv3_stacked<EPI>(a, row);
             if (r.valid) {
@@ -229,10 +158,6 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
                 if (EPI == EPI_ACCUMULATE) e_old = a.y[row];
             }
         }
-#if GEMV3_L2_AHEAD
-        const int ahead = group + a.pf_groups * gridDim.x;
-        if (a.pf_groups && threadIdx.x == 0 && ahead < groups) gemv3_prefetch<T, EPI>(a, ahead);
-#endif
         for (int st = 0; st < stages; st++) {
             const int kb = kb0 + st * S;
             const bool last = st + 1 == stages;
@@ -294,9 +219,8 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
                 const int row = (group * T + i) * 16 + rr;
                 const StackedRow r = gemv3_stacked<EPI>(a, row);
                 if (r.valid) {
-                    const float* bias = kh == 0 ? gemv3_bias<EPI>(a, r.matrix) : nullptr;
-                    const float v = sum + (GEMV3_EPI_EARLY ? e_bias : (bias ? bias[r.local] : 0.0f));
-                    const float out = EPI == EPI_ACCUMULATE ? (GEMV3_EPI_EARLY ? e_old : a.y[row]) + v : v;
+                    const float v = sum + e_bias;
+                    const float out = EPI == EPI_ACCUMULATE ? e_old + v : v;
                     a.y[row + kh * a.ldy] = out;
                     ss += sq(out);
                 }
@@ -309,8 +233,9 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
 }
 
 // T = 1 tile for the plain epilogues, S = 4 blocks per load; SwiGLU: 2 tiles, 2 blocks.
-// Each for any input and output, and (suffix _lean) for the decode step's use of it
-// (DV2_GEMV3_LEAN): q/k/v and SwiGLU norm their x and leave no sums, o leaves sums of a raw x.
+// Each for any input and output (DV2_FUSE_RMS=0 takes these), and (suffix _lean) in less
+// code for the decode step's use of it: q/k/v and SwiGLU norm their x and leave no sums, o
+// leaves sums of a raw x.
 #define GEMV3_KERNEL(NAME, T, S, EPI, IO)                                                                      \
     extern "C" __global__ void __launch_bounds__(GEMV3_THREADS, 2) NAME(GemmArgs a) {                          \
         gemv3_body<T, S, EPI, IO>(a);                                                                          \

@@ -4,8 +4,8 @@
 //
 // Layouts: a chunk's activations are f32 [n tokens][width], token-major (row i of the
 // chunk is position pos0 + i, pos0 = state[POSITION] when the chunk starts). Shared constants
-// from the host: GEMM_WARPS, B2_STRIDE, ATTNM_WARPS, ATTNP_THREADS, ATTNP_TILE, ATTNP_Q_FLOATS.
-#if !defined(GEMM_WARPS) || !defined(B2_STRIDE) || !defined(ATTNM_WARPS) || !defined(ATTNP_THREADS) || \
+// from the host: GEMM_WARPS, ATTNM_WARPS, ATTNP_THREADS, ATTNP_TILE, ATTNP_Q_FLOATS.
+#if !defined(GEMM_WARPS) || !defined(ATTNM_WARPS) || !defined(ATTNP_THREADS) || \
     !defined(ATTNP_TILE) || !defined(ATTNP_Q_FLOATS)
 #error "the host passes the prefill constants as -D options (src/cuda/kernels.rs)"
 #endif
@@ -42,9 +42,6 @@ struct GemmArgs {
     // epilogue leaves each CTA's sum of squares of y (may be null).
     NormArgs norm;
     float* ss_out;
-    int early;  // GEMM v1: the table and first weights before waiting for the previous kernel
-    int spread;  // the epilogue spread over the K parts' warps (see gemm_finish)
-    int pf_groups;  // GEMV v3: row groups kept prefetched into L2 ahead (0: none)
 };
 
 enum { EPI_STORE = 0, EPI_ACCUMULATE = 1, EPI_SWIGLU = 2 };
@@ -195,9 +192,9 @@ __device__ __forceinline__ void a_fragments(const GemmWarp& w, const ABlock& b, 
         }
 }
 
-// The MMAs of one 64-element block from f32 activations (GEMM v1 without X16, and v2): B's four
-// elements 16t+4s .. +3 of the warp's column in n8 tile j come from b(j, s) (global memory or
-// the staged tile) and are rounded to f16 pairs here.
+// The MMAs of one 64-element block from f32 activations (the f32 kernels: DV2_LINEAR=mma's
+// decode step): B's four elements 16t+4s .. +3 of the warp's column in n8 tile j come from
+// b(j, s) and are rounded to f16 pairs here.
 template <int NT, typename B>
 __device__ __forceinline__ void mma_block_f32(const GemmWarp& w, const ABlock& cur, const u32* lut16,
                                               float (&acc)[2][NT][4], B b) {
@@ -350,7 +347,7 @@ __device__ __forceinline__ void gemm_finish(const GemmArgs& a, const GemmWarp& w
     // Spread: part 0 leaves the row tile's sums in `red` (free after the tree) and each of
     // the tile's kw warps runs the epilogue of its n8 tiles j = kp, kp + kw, ... (the
     // epilogue is a chain of dependent steps; in one warp per tile it is a serial tail).
-    const bool spread = a.spread && a.kw > 1;
+    const bool spread = a.kw > 1;
     if (spread) {
         float* slot = red + w.mw * 8 * NT * 32;
         if (w.kp == 0) each_sum(acc, [&](float& v, int k) { slot[k + w.lane] = v; });
@@ -365,14 +362,15 @@ __device__ __forceinline__ void gemm_finish(const GemmArgs& a, const GemmWarp& w
     else linear_epilogue<NT, EPI>(a, w, acc, j0, jstep);
 }
 
-// v1 (the default; DV2_GEMM=v1 forces it): every warp reads its B fragments
-// straight from global memory, through L1. Each warp re-reads B for its 32 rows, so L1 is the
-// bottleneck (docs/lab.md). From f32 x, a fragment (elements 16t+4s .. +3 of a column) is a
-// 16-byte load per k-step touching two cache lines per column, rounded to f16 here. With X16
-// (DV2_GEMM_X16, the default in prefill) x is already f16, written so by its producer: a
-// thread's 16 elements of a block are two 16-byte loads, one cache line per column, a
-// quarter of the L1 wavefronts, no conversion; the sums are bit-identical (the producer
-// rounds the same value the same way).
+// Every warp reads its B fragments straight from global memory, through L1. Each warp
+// re-reads B for its 32 rows, so L1 is the bottleneck (docs/lab.md); B staged once per CTA in
+// shared memory by cp.async (GEMM v2, until a1b9aaa) measured slower with f16 activations.
+// With X16 (prefill) x is f16, written so by its producer: a thread's 16 elements of a block
+// are two 16-byte loads, one cache line per column, a quarter of the L1 wavefronts of f32 x,
+// no conversion; the sums are bit-identical (the producer rounds the same value the same
+// way). From f32 x (DV2_LINEAR=mma's decode step), a fragment (elements 16t+4s .. +3 of a
+// column) is a 16-byte load per k-step touching two cache lines per column, rounded to f16
+// here.
 template <int NT, int EPI, bool X16>
 __device__ __forceinline__ void gemm_v1_body(const GemmArgs& a) {
     constexpr int RED_WORDS = GEMM_WARPS / 2 * 8 * NT * 32;
@@ -382,8 +380,7 @@ __device__ __forceinline__ void gemm_v1_body(const GemmArgs& a) {
     __shared__ float xred[8 * NT * 32];  // rank 1's sums, in a cluster of two
     // Before waiting for the previous kernel (programmatic dependent launch), what does not
     // depend on it: the codebook table and the first block of weights, so that this overlaps
-    // the previous kernel's tail. DV2_GEMM_EARLY=0 (early = 0): after the wait.
-    if (!a.early) pdl_enter();
+    // the previous kernel's tail.
     float* red = reinterpret_cast<float*>(smem);
     if (X16) load_byte_codebook<GEMM_THREADS>(smem);
     else load_codebook_f16(lut16);
@@ -395,7 +392,7 @@ __device__ __forceinline__ void gemm_v1_body(const GemmArgs& a) {
     const int kb0 = part * kblocks / parts, kb1 = (part + 1) * kblocks / parts;
     ABlock next;
     if (kb0 < kb1) load_a_block(w, kb0, next);
-    if (a.early) pdl_enter();
+    pdl_enter();
     if (a.skip_if && *a.skip_if) return;
     if (split > 1) cluster_arrive_relaxed();
     __syncthreads();  // the table
@@ -438,109 +435,21 @@ __device__ __forceinline__ void gemm_v1_body(const GemmArgs& a) {
     gemm_finish<NT, EPI, X16>(a, w, acc, red, xred);
 }
 
-// v2 (DV2_GEMM=v2; the default above 64 columns with DV2_GEMM_X16=0): the CTA stages B in shared memory
-// for all its warps, so B moves once per CTA instead of once per warp, with cp.async (no
-// registers, zero-filled past n) two blocks deep: the next block's B is in flight while this
-// one's MMAs run. Staged as f32, [kw parts][8NT columns][B2_STRIDE words]; a warp reads its
-// fragment (elements 16t+4s .. +3 of a column) as one 16-byte load and rounds it to f16 there.
-// Chunk c (4 floats) of a column sits at chunk c ^ ((c >> 3 & 1) << 1), and columns are
-// B2_STRIDE = 68 words apart: the eight lanes of each 16-byte load phase then hit distinct
-// banks. A is loaded two blocks ahead. All parts of K step through their blocks together (one
-// iteration count; a part past its end stages zeros and skips the MMAs). Dynamic shared memory:
-// 2 x kw x 8NT x B2_STRIDE words (kw <= 4), reused for the K-part reduction.
-
-__device__ __forceinline__ int b2_chunk(int c) { return c ^ (((c >> 3) & 1) << 1); }
-
-__device__ __forceinline__ void cp_async16(u32* dst, const void* src, bool valid) {
-    const unsigned saddr = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(saddr), "l"(src), "r"(valid ? 16 : 0));
-}
-
-template <int NT, int EPI>
-__device__ __forceinline__ void gemm_v2_body(const GemmArgs& a) {
-    if (a.skip_if && *a.skip_if) return;
-    extern __shared__ __align__(16) u32 dyn_smem[];
-    __shared__ u32 lut16[16];
-    load_codebook_f16(lut16);
-    const GemmWarp w = gemm_warp<NT, EPI>(a);
-    constexpr int COLS = 8 * NT;
-    const int kblocks = a.k >> 6, per = (kblocks + a.kw - 1) / a.kw;
-    const int kb0 = w.kp * per, kb1 = min(kb0 + per, kblocks);
-    const int stage_words = a.kw * COLS * B2_STRIDE;
-
-    // Issues the copies of iteration `it`'s B (every part) into buffer `it & 1`.
-    // (Scalars captured by value: a captured reference moves its struct to local memory.)
-    const int col0 = w.col0, kw = a.kw, n_cols = a.n, k = a.k;
-    const float* x = a.x;
-    auto stage = [=](int it) {
-        u32* buf = dyn_smem + (it & 1) * stage_words;
-        for (int idx = threadIdx.x; idx < kw * COLS * 16; idx += GEMM_THREADS) {
-            const int p = idx / (COLS * 16), col = (idx / 16) % COLS, c = idx & 15;
-            const int kb = p * per + it, n = col0 + col;
-            const bool valid = n < n_cols && kb < min(p * per + per, kblocks);
-            const float* src = valid ? x + (size_t)n * k + kb * 64 + 4 * c : x;
-            cp_async16(buf + (p * COLS + col) * B2_STRIDE + 4 * b2_chunk(c), src, valid);
-        }
-        asm volatile("cp.async.commit_group;");
-    };
-
-    float acc[2][NT][4] = {};
-    ABlock ring0, ring1;  // blocks kb and kb + 1 (two names: an array indexed by u went to the stack)
-    if (kb0 < kb1) load_a_block(w, kb0, ring0);
-    if (kb0 + 1 < kb1) load_a_block(w, kb0 + 1, ring1);
-    stage(0);
-    for (int it0 = 0; it0 < per; it0 += 2) {
-#pragma unroll
-        for (int u = 0; u < 2; u++) {
-            const int it = it0 + u;
-            if (it >= per) continue;  // (not break: a constant u keeps the ring in registers)
-            if (it + 1 < per) {
-                stage(it + 1);
-                asm volatile("cp.async.wait_group 1;");
-            } else {
-                asm volatile("cp.async.wait_group 0;");
-            }
-            __syncthreads();  // iteration it's B is visible to every warp
-            const int kb = kb0 + it;
-            if (kb < kb1) {
-                const u32* bpart = dyn_smem + (it & 1) * stage_words + w.kp * COLS * B2_STRIDE;
-                ABlock& slot = u == 0 ? ring0 : ring1;
-                const ABlock cur = slot;
-                if (kb + 2 < kb1) load_a_block(w, kb + 2, slot);
-                mma_block_f32<NT>(w, cur, lut16, acc, [&](int j, int s) {
-                    return *reinterpret_cast<const float4*>(bpart + (8 * j + w.g) * B2_STRIDE +
-                                                            4 * b2_chunk(4 * w.t + s));
-                });
-            }
-            __syncthreads();  // buffer it & 1 is free for iteration it + 2
-        }
+// By epilogue and width (n8 tiles per warp) with f16 activations (prefill), and at one tile
+// with f32 activations (_f32: DV2_LINEAR=mma runs the decode step's linears through them).
+#define GEMM_KERNEL(name, NT, EPI, X16)                                                                      \
+    extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) name(GemmArgs a) {                         \
+        gemm_v1_body<NT, EPI, X16>(a);                                                                       \
     }
-    gemm_finish<NT, EPI>(a, w, acc, reinterpret_cast<float*>(dyn_smem));
-}
-
-#define GEMM_KERNELS(name, NT, EPI)                                                                          \
-    extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) name##_v1(GemmArgs a) {                      \
-        gemm_v1_body<NT, EPI, false>(a);                                                                         \
-    }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) name##_v1h(GemmArgs a) {                     \
-        gemm_v1_body<NT, EPI, true>(a);                                                                          \
-    }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) name##_v2(GemmArgs a) {                      \
-        pdl_enter();                                                                                             \
-        gemm_v2_body<NT, EPI>(a);                                                                                \
-    }
-GEMM_KERNELS(gemm_store_nt1, 1, EPI_STORE)
-GEMM_KERNELS(gemm_store_nt4, 4, EPI_STORE)
-GEMM_KERNELS(gemm_store_nt6, 6, EPI_STORE)
-GEMM_KERNELS(gemm_store_nt8, 8, EPI_STORE)
-GEMM_KERNELS(gemm_acc_nt1, 1, EPI_ACCUMULATE)
-GEMM_KERNELS(gemm_acc_nt4, 4, EPI_ACCUMULATE)
-GEMM_KERNELS(gemm_acc_nt6, 6, EPI_ACCUMULATE)
-GEMM_KERNELS(gemm_acc_nt8, 8, EPI_ACCUMULATE)
-GEMM_KERNELS(gemm_swiglu_nt1, 1, EPI_SWIGLU)
-GEMM_KERNELS(gemm_swiglu_nt4, 4, EPI_SWIGLU)
-GEMM_KERNELS(gemm_swiglu_nt6, 6, EPI_SWIGLU)
-GEMM_KERNELS(gemm_swiglu_nt8, 8, EPI_SWIGLU)
+#define GEMM_KERNELS(name, EPI)                                                                              \
+    GEMM_KERNEL(name##_nt1, 1, EPI, true)                                                                    \
+    GEMM_KERNEL(name##_nt4, 4, EPI, true)                                                                    \
+    GEMM_KERNEL(name##_nt6, 6, EPI, true)                                                                    \
+    GEMM_KERNEL(name##_nt8, 8, EPI, true)                                                                    \
+    GEMM_KERNEL(name##_nt1_f32, 1, EPI, false)
+GEMM_KERNELS(gemm_store, EPI_STORE)
+GEMM_KERNELS(gemm_acc, EPI_ACCUMULATE)
+GEMM_KERNELS(gemm_swiglu, EPI_SWIGLU)
 
 // ---------------------------------------------------------------------------------------
 // Row-wise helpers of a chunk.
@@ -747,8 +656,8 @@ extern "C" __global__ void __launch_bounds__(ATTNP_THREADS) attn_prefill_r8(Pref
 }
 
 // ---------------------------------------------------------------------------------------
-// Causal attention of a chunk on tensor cores (default where head_dim <= 128; DV2_ATTNP=simt
-// selects the kernels above). One CTA per (KV head, 64 rows), rows = (token, q head of the
+// Causal attention of a chunk on tensor cores (head_dim 16, 32, 64 or 128; the kernels above
+// take the others). One CTA per (KV head, 64 rows), rows = (token, q head of the
 // group) pairs in token-major order, 16 per warp. Per tile of ATTNP_TILE slots, staged in
 // shared memory as f16 (K row-major, V transposed): S = Q K^T by mma.sync m16n8k16, the
 // causal mask, online softmax on the S fragments, and O += P V with P taken straight from
@@ -757,13 +666,13 @@ extern "C" __global__ void __launch_bounds__(ATTNP_THREADS) attn_prefill_r8(Pref
 
 #define ATTNM_ROWS (16 * ATTNM_WARPS)
 
-// Staging of the KV tiles. Pipelined (the default): K and V both row-major f16 at a padded
+// Staging of the KV tiles: K and V both row-major f16 at a padded
 // stride (HD/2 + 4 words: the rows of an 8x8 fragment matrix fall in distinct banks), written
 // with 16-byte stores from 16-byte loads that were issued one tile ahead into registers, into
 // two buffers, so each tile costs one barrier and its global latency hides behind the previous
-// tile's MMAs; V's fragments come out transposed by ldmatrix.trans. DV2_ATTNP_STAGE=v1: the
-// first version (V transposed by 2-byte stores, loads issued and awaited inside the tile's two
-// barriers), kept for measuring the difference.
+// tile's MMAs; V's fragments come out transposed by ldmatrix.trans. (The first version, V
+// transposed by 2-byte stores with loads issued and awaited inside the tile's two barriers,
+// measured slower: docs/lab.md; removed after a1b9aaa.)
 template <int HD>
 struct KvStage {
     static constexpr int STRIDE = HD / 2 + 4;               // u32 words per staged row
@@ -812,21 +721,16 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const u32* p) {
                  : "r"(addr));
 }
 
-template <int HD, bool PIPELINED>
+template <int HD>
 __device__ __forceinline__ void attn_prefill_mma_body(const PrefillAttnArgs& a) {
     constexpr int KS = HD / 16;          // k-steps of S = Q K^T
     constexpr int DT = HD / 8;           // n8 tiles of O
     static_assert(ATTNP_TILE == 32, "the S tile is 4 n8 tiles");
     using Stage = KvStage<HD>;
-    // Pipelined: two buffers of [K | V] row-major at Stage::STRIDE. v1: K row-major at the
-    // same stride, V transposed at V_STRIDE.
-    constexpr int V_STRIDE = ATTNP_TILE / 2 + 4;  // (v1) u32 words per staged dim of V^T
-    constexpr int BUF_WORDS = PIPELINED ? 2 * ATTNP_TILE * Stage::STRIDE : ATTNP_TILE * Stage::STRIDE + HD * V_STRIDE;
-    __shared__ __align__(16) u32 kv_s[(PIPELINED ? 2 : 1) * BUF_WORDS];
+    // Two buffers of [K | V] row-major at Stage::STRIDE.
+    constexpr int BUF_WORDS = 2 * ATTNP_TILE * Stage::STRIDE;
+    __shared__ __align__(16) u32 kv_s[2 * BUF_WORDS];
     u32* k_s = kv_s;
-    u32* vt_s = kv_s + ATTNP_TILE * Stage::STRIDE;
-    u16* vt16 = reinterpret_cast<u16*>(vt_s);
-    constexpr int K_STRIDE = Stage::STRIDE;
 
     const int kvh = blockIdx.x, group = a.n_q / a.n_kv, rows_total = a.n * group;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -834,10 +738,9 @@ __device__ __forceinline__ void attn_prefill_mma_body(const PrefillAttnArgs& a) 
     const int row0 = blockIdx.y * ATTNM_ROWS;
     const int last_row = min(row0 + ATTNM_ROWS, rows_total) - 1;
     const int last = pos0 + last_row / group;  // the CTA's last slot
-    const size_t slot_stride = (size_t)a.n_kv * HD;
 
     Stage next;
-    if (PIPELINED) next.load(a, kvh, 0, last);
+    next.load(a, kvh, 0, last);
 
     // This thread's two rows (g, g + 8 of the warp's 16): positions; padding rows attend
     // to slot 0 only (finite, never stored).
@@ -871,33 +774,11 @@ __device__ __forceinline__ void attn_prefill_mma_body(const PrefillAttnArgs& a) 
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
 
     for (int t0 = 0; t0 <= last; t0 += ATTNP_TILE) {
-        if constexpr (PIPELINED) {
-            // Buffer (tile & 1) was last read two tiles ago, before the previous barrier.
-            k_s = kv_s + ((t0 / ATTNP_TILE) & 1) * BUF_WORDS;
-            next.store(k_s, k_s + ATTNP_TILE * Stage::STRIDE);
-            __syncthreads();
-            if (t0 + ATTNP_TILE <= last) next.load(a, kvh, t0 + ATTNP_TILE, last);
-        } else {
-            const int n_t = min(ATTNP_TILE, last + 1 - t0);
-            __syncthreads();  // the previous tile is no longer read
-            // Stage K (f16 pairs, row-major) and V^T (f16): bf16 pairs converted; slots past
-            // n_t are zeros (masked anyway).
-#pragma unroll 8
-            for (int idx = threadIdx.x; idx < ATTNP_TILE * (HD / 2); idx += blockDim.x) {
-                const int key = idx / (HD / 2), w = idx % (HD / 2);
-                u32 kw = 0, vw = 0;
-                if (key < n_t) {
-                    const size_t off = (size_t)(t0 + key) * slot_stride + kvh * HD + 2 * w;
-                    kw = *reinterpret_cast<const u32*>(a.k_cache + off);
-                    vw = *reinterpret_cast<const u32*>(a.v_cache + off);
-                }
-                k_s[key * K_STRIDE + w] = Stage::pair_to_f16(kw);
-                const u32 v2 = Stage::pair_to_f16(vw);
-                vt16[(2 * w) * (2 * V_STRIDE) + key] = (u16)(v2 & 0xffffu);
-                vt16[(2 * w + 1) * (2 * V_STRIDE) + key] = (u16)(v2 >> 16);
-            }
-            __syncthreads();
-        }
+        // Buffer (tile & 1) was last read two tiles ago, before the previous barrier.
+        k_s = kv_s + ((t0 / ATTNP_TILE) & 1) * BUF_WORDS;
+        next.store(k_s, k_s + ATTNP_TILE * Stage::STRIDE);
+        __syncthreads();
+        if (t0 + ATTNP_TILE <= last) next.load(a, kvh, t0 + ATTNP_TILE, last);
         if (t0 > wl) continue;  // every row of this warp is before the tile
 
         // S = Q K^T: 16 rows x 32 slots.
@@ -908,7 +789,7 @@ __device__ __forceinline__ void attn_prefill_mma_body(const PrefillAttnArgs& a) 
             for (int e = 0; e < 4; e++) s[nt][e] = 0.0f;
 #pragma unroll
             for (int ks = 0; ks < KS; ks++) {
-                const u32* kr = k_s + (8 * nt + g) * K_STRIDE + 8 * ks + t;
+                const u32* kr = k_s + (8 * nt + g) * Stage::STRIDE + 8 * ks + t;
                 mma_16816(s[nt], qf[ks], kr[0], kr[4]);
             }
         }
@@ -960,25 +841,17 @@ __device__ __forceinline__ void attn_prefill_mma_body(const PrefillAttnArgs& a) 
         // O += P V: k = slots (two k-steps of 16), n = dims.
 #pragma unroll
         for (int kk = 0; kk < 2; kk++) {
-            if constexpr (PIPELINED) {
-                // Lane l addresses row l % 8 of matrix l / 8: slots 16kk + 8 (l/8 & 1) + l % 8,
-                // dims 8d + 8 (l / 16) of V; transposed, the four matrices are b0, b1 of dim
-                // tiles d and d + 1.
-                const u32* v_s = k_s + ATTNP_TILE * Stage::STRIDE;
-                const int mi = lane >> 3, slot = 16 * kk + 8 * (mi & 1) + (lane & 7);
+            // Lane l addresses row l % 8 of matrix l / 8: slots 16kk + 8 (l/8 & 1) + l % 8,
+            // dims 8d + 8 (l / 16) of V; transposed, the four matrices are b0, b1 of dim
+            // tiles d and d + 1.
+            const u32* v_s = k_s + ATTNP_TILE * Stage::STRIDE;
+            const int mi = lane >> 3, slot = 16 * kk + 8 * (mi & 1) + (lane & 7);
 #pragma unroll
-                for (int d = 0; d < DT; d += 2) {
-                    u32 b[4];
-                    ldmatrix_x4_trans(b, v_s + slot * Stage::STRIDE + 4 * d + 4 * (mi >> 1));
-                    mma_16816(o_acc[d], pf[kk], b[0], b[1]);
-                    mma_16816(o_acc[d + 1], pf[kk], b[2], b[3]);
-                }
-            } else {
-#pragma unroll
-                for (int d = 0; d < DT; d++) {
-                    const u32* vr = vt_s + (8 * d + g) * V_STRIDE + 8 * kk + t;
-                    mma_16816(o_acc[d], pf[kk], vr[0], vr[4]);
-                }
+            for (int d = 0; d < DT; d += 2) {
+                u32 b[4];
+                ldmatrix_x4_trans(b, v_s + slot * Stage::STRIDE + 4 * d + 4 * (mi >> 1));
+                mma_16816(o_acc[d], pf[kk], b[0], b[1]);
+                mma_16816(o_acc[d + 1], pf[kk], b[2], b[3]);
             }
         }
     }
@@ -998,11 +871,7 @@ __device__ __forceinline__ void attn_prefill_mma_body(const PrefillAttnArgs& a) 
 #define ATTNM_KERNEL(HD)                                                                                       \
     extern "C" __global__ void __launch_bounds__(32 * ATTNM_WARPS) attn_prefill_mma_hd##HD(PrefillAttnArgs a) {  \
         pdl_enter();                                                                                           \
-        attn_prefill_mma_body<HD, true>(a);                                                                    \
-    }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(32 * ATTNM_WARPS) attn_prefill_mma1_hd##HD(PrefillAttnArgs a) { \
-        pdl_enter();                                                                                           \
-        attn_prefill_mma_body<HD, false>(a);                                                                   \
+        attn_prefill_mma_body<HD>(a);                                                                          \
     }
 ATTNM_KERNEL(16)
 ATTNM_KERNEL(32)

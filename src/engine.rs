@@ -49,7 +49,7 @@ impl Default for EngineOptions {
             max_seq: 0,
             eos: None,
             device: 0,
-            graph: std::env::var("DV2_GRAPH").map_or(true, |v| v != "0"),
+            graph: crate::config::Config::from_env().graph,
             prefill_chunk: 0,
         }
     }

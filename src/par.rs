@@ -1,18 +1,6 @@
 //! Row-parallel loops on every core, with results independent of the thread count.
 
-use std::sync::OnceLock;
-
-/// Worker threads to use: `DV2_THREADS` if set, else the machine's parallelism.
-pub fn threads() -> usize {
-    static THREADS: OnceLock<usize> = OnceLock::new();
-    *THREADS.get_or_init(|| {
-        std::env::var("DV2_THREADS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|n| *n > 0)
-            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
-    })
-}
+pub use crate::config::threads;
 
 /// Rows per thread for `rows` rows of `work_per_row` elements each: one thread below
 /// ~256 K elements of work, where spawning costs more than it saves.

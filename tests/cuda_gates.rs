@@ -612,7 +612,7 @@ fn chunked_prefill_matches_the_oracle() {
     }
 }
 
-/// The greedy argmax kernel as the step launches it (`DV2_ARGMAX_CTAS`: each CTA takes a
+/// The greedy argmax kernel as the step launches it (a CTA per SM: each CTA takes a
 /// slice of the logits, the last to finish picks among their winners): the lowest index of
 /// a tie wins across slices and in the tail past the last float4, NaN never wins, an all-NaN
 /// vector gives 0, and on random logits it agrees with the oracle.

@@ -9,10 +9,10 @@
 mod common;
 
 use common::cuda_or_skip;
+use decodev2::config::Config;
 use decodev2::cuda::bench::random_f32 as random;
 use decodev2::cuda::device::Gpu;
-use decodev2::cuda::kernels::Kernels;
-use decodev2::cuda::ops::{GemvChoice, Input, Linear, Ops, QkvArgs, Variant};
+use decodev2::cuda::ops::{Gemv, GemvChoice, Input, Ops, QkvArgs};
 use decodev2::cuda::weights::DeviceMatrix;
 use decodev2::nf4::Nf4Matrix;
 use half::f16;
@@ -60,82 +60,27 @@ fn silu(g: f32) -> f32 {
     g / (1.0 + (-g).exp())
 }
 
-/// A switch setting: its name, what it changes in [`Ops`], and a switch its kernels are
-/// compiled with (an NVRTC define: a module of their own), if any.
-type Setting = (
-    &'static str,
-    fn(&mut Ops),
-    Option<(&'static str, &'static str)>,
-);
+/// A kernel choice: its name and what it changes in [`Ops`].
+type Setting = (&'static str, fn(&mut Ops));
 
-/// The switch settings checked, each applied to [`Ops`] at its defaults: each kernel family
-/// and each GEMV v2 table and variant that a switch selects.
+/// The choices checked, each applied to [`Ops`] at its defaults: each GEMV family forced on
+/// every shape, and the decode step's linears through the tensor-core GEMM (`DV2_LINEAR=mma`).
 fn settings() -> Vec<Setting> {
     vec![
-        ("default (auto)", |_| {}, None),
-        ("v1", |o| o.gemv = GemvChoice::Fixed(Variant::V1), None),
-        ("v2", |o| o.gemv = GemvChoice::Fixed(Variant::V2), None),
-        (
-            "v2 one CTA per SM, 182-236 registers",
-            |o| {
-                o.gemv = GemvChoice::Fixed(Variant::V2);
-                o.gemv2_narrow = false;
-                o.gemv_ctas = 1;
-            },
-            None,
-        ),
-        (
-            "v2 f32-pair table",
-            |o| {
-                o.gemv = GemvChoice::Fixed(Variant::V2);
-                o.gemv2_h16 = false;
-            },
-            None,
-        ),
-        (
-            "v2 nibble table",
-            |o| {
-                o.gemv = GemvChoice::Fixed(Variant::V2);
-                o.gemv2_pairs = false;
-            },
-            None,
-        ),
-        (
-            "v2 x from global memory, sums per iteration",
-            |o| {
-                o.gemv = GemvChoice::Fixed(Variant::V2);
-                o.gemv2_late = false;
-            },
-            Some(("DV2_GEMV2_XSMEM", "0")),
-        ),
-        (
-            "v2 every x path in the kernels",
-            |o| o.gemv = GemvChoice::Fixed(Variant::V2),
-            Some(("DV2_GEMV2_X_ONE", "0")),
-        ),
-        (
-            "v2 weights loaded without an L1 line",
-            |o| o.gemv = GemvChoice::Fixed(Variant::V2),
-            Some(("DV2_GEMV2_NOALLOC", "1")),
-        ),
-        ("v3", |o| o.gemv = GemvChoice::Fixed(Variant::V3), None),
-        ("tensor-core GEMM", |o| o.linear = Linear::Mma, None),
+        ("default (auto)", |_| {}),
+        ("v2", |o| o.gemv = GemvChoice::Fixed(Gemv::V2)),
+        ("v3", |o| o.gemv = GemvChoice::Fixed(Gemv::V3)),
+        ("tensor-core GEMM", |o| o.cfg.linear_mma = true),
     ]
 }
 
 #[test]
 fn every_gemv_kernel_matches_the_cpu_at_every_v2_shape() {
-    let Some(gpu) = cuda_or_skip("GPU", Gpu::open(0)) else {
+    let cfg = Config::from_env();
+    let Some(gpu) = cuda_or_skip("GPU", Gpu::open(0, cfg.pdl)) else {
         return;
     };
-    let mut ops = Ops::new(gpu).unwrap();
-    let defaults = (
-        ops.gemv,
-        ops.linear,
-        ops.gemv_ctas,
-        [ops.gemv2_narrow, ops.gemv2_h16, ops.gemv2_pairs],
-        ops.gemv2_late,
-    );
+    let mut ops = Ops::new(gpu, cfg.clone()).unwrap();
     let gpu = &ops.gpu;
     let mats: Vec<[Matrix; 3]> = KS
         .iter()
@@ -148,16 +93,8 @@ fn every_gemv_kernel_matches_the_cpu_at_every_v2_shape() {
         })
         .collect();
     let mut worst = 0f32;
-    for (name, set, compiled) in settings() {
-        (ops.gemv, ops.linear, ops.gemv_ctas) = (defaults.0, defaults.1, defaults.2);
-        [ops.gemv2_narrow, ops.gemv2_h16, ops.gemv2_pairs] = defaults.3;
-        ops.gemv2_late = defaults.4;
-        if let Some((var, value)) = compiled {
-            // This test is its binary's only one: no other thread reads the environment.
-            std::env::set_var(var, value);
-            ops.k = Kernels::load(&ops.gpu).unwrap();
-            std::env::remove_var(var);
-        }
+    for (name, set) in settings() {
+        (ops.gemv, ops.cfg) = (GemvChoice::Auto, cfg.clone());
         set(&mut ops);
         let gpu = &ops.gpu;
         for (&k, [a, b, c]) in KS.iter().zip(&mats) {
@@ -177,27 +114,16 @@ fn every_gemv_kernel_matches_the_cpu_at_every_v2_shape() {
                 }
             };
 
-            // y = A x (prefetching B into L2 where the kernels hold that code, DV2_QKV_L2: a
-            // hint that must leave the results alone), then y += A x over it.
+            // y = A x, then y += A x over it.
             let y = gpu.zeros::<f32>(rows).unwrap();
-            ops.gemv(
-                a.dev.as_ref(gpu),
-                rows,
-                k,
-                xp,
-                gpu.ptr(&y),
-                false,
-                0,
-                0,
-                &[(b.dev.as_ref(gpu), rows, k)],
-            )
-            .unwrap();
+            ops.gemv(a.dev.as_ref(gpu), rows, k, xp, gpu.ptr(&y), false, 0, 0)
+                .unwrap();
             let once = gpu.download(&y, rows).unwrap();
             check("y = W x", &once, &|r| {
                 let (v, m) = a.dot(r, &x);
                 (v, tolerance(m))
             });
-            ops.gemv(a.dev.as_ref(gpu), rows, k, xp, gpu.ptr(&y), true, 0, 0, &[])
+            ops.gemv(a.dev.as_ref(gpu), rows, k, xp, gpu.ptr(&y), true, 0, 0)
                 .unwrap();
             check("y += W x", &gpu.download(&y, rows).unwrap(), &|r| {
                 let (v, m) = a.dot(r, &x);
@@ -239,18 +165,8 @@ fn every_gemv_kernel_matches_the_cpu_at_every_v2_shape() {
                 let m = a.dev.as_ref(gpu);
                 let y_f32 = gpu.ptr(&y);
                 let y_f16 = y_f32 + 4 * rows as u64;
-                ops.gemv(
-                    m,
-                    rows,
-                    k,
-                    Input::raw(gpu.ptr(&x_rd)),
-                    y_f32,
-                    false,
-                    0,
-                    0,
-                    &[],
-                )
-                .unwrap();
+                ops.gemv(m, rows, k, Input::raw(gpu.ptr(&x_rd)), y_f32, false, 0, 0)
+                    .unwrap();
                 ops.gemv(
                     m,
                     rows,
@@ -260,7 +176,6 @@ fn every_gemv_kernel_matches_the_cpu_at_every_v2_shape() {
                     false,
                     0,
                     0,
-                    &[],
                 )
                 .unwrap();
                 let both = gpu.download(&y, 2 * rows).unwrap();
@@ -300,9 +215,6 @@ fn every_gemv_kernel_matches_the_cpu_at_every_v2_shape() {
                 let (v, mag) = m.dot(row, &x);
                 (v + b, tolerance(mag))
             });
-        }
-        if compiled.is_some() {
-            ops.k = Kernels::load(&ops.gpu).unwrap();
         }
     }
     println!(

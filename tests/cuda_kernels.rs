@@ -1,7 +1,9 @@
 //! Every kernel compiles through the library's own NVRTC path, for the H200's sm_90, on any
-//! machine with libnvrtc (no GPU needed). Without libnvrtc: SKIP (a failure under
+//! machine with libnvrtc (no GPU needed): under the default configuration, and with every
+//! switch that compiles kernels in or out flipped. Without libnvrtc: SKIP (a failure under
 //! DV2_REQUIRE_CUDA=1).
 
+use decodev2::config::Config;
 use decodev2::cuda::kernels::{compile, compile_decode, nvrtc_present, BENCH};
 
 #[test]
@@ -16,13 +18,28 @@ fn decode_kernels_compile_for_sm_90() {
     }
     // A private cache dir so this really runs NVRTC rather than reading an old cubin.
     let dir = std::env::temp_dir().join(format!("dv2-kernel-cache-{}", std::process::id()));
-    std::env::set_var("DV2_CACHE_DIR", &dir);
-    let cubin = compile_decode("sm_90").unwrap_or_else(|e| panic!("{e}"));
+    let cfg = Config {
+        cache_dir: Some(dir.clone()),
+        kernel_dir: None,
+        ..Config::default()
+    };
+    let cubin = compile_decode("sm_90", &cfg).unwrap_or_else(|e| panic!("{e}"));
     assert!(cubin.starts_with(b"\x7fELF"), "a cubin is an ELF image");
     // The second compile is served from the disk cache, byte for byte.
     let cached = std::fs::read_dir(&dir).unwrap().count();
     assert_eq!(cached, 1);
-    assert_eq!(compile_decode("sm_90").unwrap(), cubin);
-    assert!(compile(&BENCH, "sm_90").unwrap().starts_with(b"\x7fELF"));
+    assert_eq!(compile_decode("sm_90", &cfg).unwrap(), cubin);
+    assert!(compile(&BENCH, "sm_90", &cfg)
+        .unwrap()
+        .starts_with(b"\x7fELF"));
+    // The kernels the switches leave out, and the timeline's records compiled in.
+    let flipped = Config {
+        logits_argmax: false,
+        qkv_khalves: false,
+        cta_timeline: true,
+        ..cfg
+    };
+    let other = compile_decode("sm_90", &flipped).unwrap_or_else(|e| panic!("{e}"));
+    assert!(other.starts_with(b"\x7fELF") && other != cubin);
     std::fs::remove_dir_all(&dir).unwrap();
 }

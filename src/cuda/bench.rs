@@ -11,11 +11,12 @@ use super::device::{driver_error, Gpu};
 use super::kernels::state;
 use super::kernels::{allow_dynamic_smem, load_module, BENCH};
 use super::ops::{
-    attn_partials, AttnArgs, Epilogue, GemmMatrix, Input, Ops, QkvArgs, ARGMAX_SCRATCH,
+    attn_partials, AttnArgs, Epilogue, GemmMatrix, GemvChoice, Input, Ops, QkvArgs, ARGMAX_SCRATCH,
 };
 use super::step::timing_event;
 use super::weights::{mma_scale, Nf4Ref};
 use crate::arch::ArchSpec;
+use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::rope::RopeTable;
 
@@ -103,15 +104,16 @@ pub struct Bench {
 }
 
 /// The most dynamic shared memory a chain link asks for: enough that a second CTA cannot be
-/// resident on its SM (228 KB per SM on an H200), as the registers of GEMV v2's 182-236-register
-/// kernels (`DV2_GEMV2_NARROW=0`) forbid.
+/// resident on its SM (228 KB per SM on an H200), as the registers of an SM-filling kernel would
+/// forbid (GEMV v2's 182-236-register kernels until a1b9aaa).
 pub const CHAIN_LINK_MAX_SMEM: u32 = 200 * 1024;
 
 impl Bench {
     /// Kernel variants come from the environment, as in the backend (see [`super::ops`]).
     pub fn new(device: usize) -> Result<Self> {
-        let ops = Ops::new(Gpu::open(device)?)?;
-        let module = load_module(&ops.gpu, &BENCH)?;
+        let cfg = Config::from_env();
+        let ops = Ops::new(Gpu::open(device, cfg.pdl)?, cfg)?;
+        let module = load_module(&ops.gpu, &BENCH, &ops.cfg)?;
         let stream_read = module
             .load_function("stream_read")
             .map_err(driver_error("stream_read"))?;
@@ -136,6 +138,11 @@ impl Bench {
     }
 
     /// The kernel variants in use, e.g. "gemv v2, attention v2".
+    /// Forces one GEMV family on every matrix (the kernel table compares them).
+    pub fn set_gemv(&mut self, gemv: GemvChoice) {
+        self.ops.gemv = gemv;
+    }
+
     pub fn variants(&self) -> String {
         format!("gemv {:?}, attention {:?}", self.ops.gemv, self.ops.attn).to_lowercase()
     }
@@ -309,7 +316,6 @@ impl Bench {
                         kind == "residual",
                         0,
                         0,
-                        &[],
                     )
                     .map(|_| ()),
             }
@@ -323,24 +329,22 @@ impl Bench {
     }
 
     /// Times the tensor-core GEMM (`y = W x`, plain store) for `rows` x `k` weights over `n`
-    /// columns on random data, x in f16 where a prefill chunk of `n` tokens would have it
-    /// ([`Ops::prefill_f16`]); returns the timing and TFLOP/s (2 rows k n per launch).
+    /// columns on random data, x in f16 as a prefill chunk has it; returns the timing and
+    /// TFLOP/s (2 rows k n per launch).
     pub fn gemm(&self, name: &str, rows: usize, k: usize, n: usize) -> Result<(Timing, f64)> {
         let weight_bytes = RandomMatrix::bytes(rows, k);
         let copies = Self::copies(weight_bytes);
         let mats = (0..copies)
             .map(|c| RandomMatrix::new(&self.ops.gpu, rows, k, c as u64 + 101))
             .collect::<Result<Vec<_>>>()?;
-        let f16 = self.ops.prefill_f16(n);
-        let x = random_f32(n * k, 3, -1.0, 1.0);
-        let x16: Vec<u16> = x
+        let x16: Vec<u16> = random_f32(n * k, 3, -1.0, 1.0)
             .iter()
             .map(|v| half::f16::from_f32(*v).to_bits())
             .collect();
-        let (x, x16) = (self.ops.gpu.upload(&x)?, self.ops.gpu.upload(&x16)?);
+        let x16 = self.ops.gpu.upload(&x16)?;
         let y = self.ops.gpu.zeros::<f32>(n * rows)?;
         let gpu = &self.ops.gpu;
-        let (xp, yp) = (if f16 { gpu.ptr(&x16) } else { gpu.ptr(&x) }, gpu.ptr(&y));
+        let (xp, yp) = (gpu.ptr(&x16), gpu.ptr(&y));
         let median_us = self.time_rotated(copies, |c| {
             let m = [GemmMatrix {
                 m: mats[c].as_ref(gpu),
@@ -348,9 +352,9 @@ impl Bench {
                 bias: 0,
             }];
             self.ops
-                .gemm(Epilogue::Store, &m, k, xp, n, yp, rows, 0, f16)
+                .gemm(Epilogue::Store, &m, k, xp, n, yp, rows, 0, true)
         })?;
-        let bytes = weight_bytes + n * k * if f16 { 2 } else { 4 } + n * rows * 4;
+        let bytes = weight_bytes + n * k * 2 + n * rows * 4;
         let tflops = 2.0 * (rows * k * n) as f64 / median_us / 1e6;
         let timing = Timing {
             name: name.into(),
@@ -362,7 +366,7 @@ impl Bench {
     }
 
     /// The greedy argmax kernel's pick over `logits` (state's next_token), as the decode step
-    /// launches it (`DV2_ARGMAX_CTAS`).
+    /// launches it (a CTA per SM, the last to finish picking among their winners).
     pub fn argmax(&self, logits: &[f32]) -> Result<u32> {
         let gpu = &self.ops.gpu;
         let values = gpu.upload(logits)?;

@@ -52,8 +52,10 @@ pub fn kernel_arg<T: DeviceRepr>(value: &T) -> *mut c_void {
 }
 
 impl Gpu {
-    /// Opens device `ordinal`; `BackendUnavailable` when there is no driver or no such device.
-    pub fn open(ordinal: usize) -> Result<Self> {
+    /// Opens device `ordinal`, with programmatic dependent launch where the device has it and
+    /// `pdl` asks for it (`DV2_PDL`); `BackendUnavailable` when there is no driver or no such
+    /// device.
+    pub fn open(ordinal: usize, pdl: bool) -> Result<Self> {
         if !driver_present() {
             return Err(Error::BackendUnavailable(
                 "no CUDA driver (libcuda.so.1 not found)".into(),
@@ -75,7 +77,7 @@ impl Gpu {
             let (major, _) = ctx
                 .compute_capability()
                 .map_err(driver_error("compute capability"))?;
-            let pdl = major >= 9 && super::switch_on("DV2_PDL");
+            let pdl = major >= 9 && pdl;
             Ok(Self {
                 ctx,
                 stream,

@@ -25,17 +25,6 @@ macro_rules! launch {
     }};
 }
 
-/// A switch that is on unless the environment sets it to `0` (the A/B switches: each fusion
-/// or kernel variant on by default, its absence measurable).
-pub(crate) fn switch_on(name: &str) -> bool {
-    std::env::var(name).as_deref() != Ok("0")
-}
-
-/// A number from the environment; None when unset or unparsable (the caller's default then).
-pub(crate) fn env_number<T: std::str::FromStr>(name: &str) -> Option<T> {
-    std::env::var(name).ok()?.parse().ok()
-}
-
 pub mod bench;
 pub mod budget;
 pub mod device;

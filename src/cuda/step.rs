@@ -19,8 +19,9 @@ use super::ops::{
     attn_partials, one_cta, AttnArgs, Epilogue, GemmMatrix, Input, LogitsHead, Norm, Ops,
     PartialSums, PrefillAttnArgs, QkvArgs, ARGMAX_SCRATCH, MAX_PARTIAL_SUMS,
 };
-use super::weights::{self, DeviceMatrix, DeviceModel, Nf4Ref};
+use super::weights::{self, DeviceMatrix, DeviceModel};
 use crate::arch::ArchSpec;
+use crate::config::Config;
 use crate::engine::Backend;
 use crate::error::{Error, Result};
 use crate::model::HostModel;
@@ -147,16 +148,10 @@ pub struct CudaBackend {
 /// attention kernel takes the model's shape, else [`chunk_size`] of `requested` and
 /// `DV2_PREFILL_CHUNK`.
 pub fn prefill_chunk(ops: &Ops, s: &ArchSpec, max_seq: usize, requested: usize) -> Result<usize> {
-    if std::env::var("DV2_PREFILL").as_deref() == Ok("n1")
-        || !ops.attn_prefill_fits(s.n_q_heads / s.n_kv_heads, s.head_dim)
-    {
+    if ops.cfg.prefill_by_steps || !ops.attn_prefill_fits(s.n_q_heads / s.n_kv_heads, s.head_dim) {
         return Ok(0);
     }
-    chunk_size(
-        requested,
-        std::env::var("DV2_PREFILL_CHUNK").ok().as_deref(),
-        max_seq,
-    )
+    chunk_size(requested, ops.cfg.prefill_chunk.as_deref(), max_seq)
 }
 
 /// Tokens per chunk: `requested`, or when 0 the environment's value, or the default; 1 to
@@ -189,9 +184,10 @@ impl CudaBackend {
         chunk: usize,
     ) -> Result<Self> {
         let s = host.spec;
-        let gpu = Gpu::open(device)?;
+        let cfg = Config::from_env();
+        let gpu = Gpu::open(device, cfg.pdl)?;
         let (free, total) = gpu.memory()?;
-        let mut ops = Ops::new(gpu)?;
+        let mut ops = Ops::new(gpu, cfg)?;
         let chunk = prefill_chunk(&ops, &s, max_seq, chunk)?;
         let rows = chunk.max(1);
         budget::estimate(host, max_seq, chunk).check(free, total)?;
@@ -266,9 +262,9 @@ impl CudaBackend {
     }
 
     /// Enqueues one greedy step: forward with logits, then the commit (in lm_head's kernel
-    /// where it takes the argmax and `DV2_COMMIT_FUSED` allows, else commit_step).
+    /// where it takes the argmax, `DV2_LOGITS_ARGMAX`, else commit_step).
     fn record_step(&self) -> Result<()> {
-        if self.forward_marked(true, self.ops.commit_fused, &mut None)? {
+        if self.forward_marked(true, true, &mut None)? {
             return Ok(());
         }
         let (state, eos, ring) = (self.ptr(&self.state), self.eos, self.ptr(&self.arena.ring));
@@ -348,14 +344,11 @@ impl CudaBackend {
             0
         };
         let sums = |parts: usize| (ss_out != 0).then_some(PartialSums { ptr: ss_out, parts });
-        // x += W input (the residual add), with the partial sums for the next norm; `next`:
-        // weights to prefetch into L2 at the end of the GEMV's walk.
-        let residual =
-            |w: &DeviceMatrix, k: usize, input: Input, next: &[(Nf4Ref, usize, usize)]| {
-                let parts =
-                    ops.gemv(w.as_ref(gpu), s.hidden, k, input, x, true, 0, ss_out, next)?;
-                Ok::<_, Error>(sums(parts))
-            };
+        // x += W input (the residual add), with the partial sums for the next norm.
+        let residual = |w: &DeviceMatrix, k: usize, input: Input| {
+            let parts = ops.gemv(w.as_ref(gpu), s.hidden, k, input, x, true, 0, ss_out)?;
+            Ok::<_, Error>(sums(parts))
+        };
         launch!(gpu, &ops.k.embed_row, one_cta(256); state, embed, x, hidden, vocab, ss_out)?;
         let mut x_sums = sums(1);
         mark("embed")?;
@@ -397,7 +390,7 @@ impl CudaBackend {
             };
             ops.attention(attn_args, attn)?;
             mark("attention + merge")?;
-            x_sums = residual(&layer.o, s.hidden, Input::raw(attn), &[])?;
+            x_sums = residual(&layer.o, s.hidden, Input::raw(attn))?;
             mark("o_proj (+residual)")?;
             let input = self.normed(x, &layer.ffn_norm, xn, x_sums);
             let act_f16 = ops.ffn_act_f16(s.intermediate, s.hidden);
@@ -415,14 +408,7 @@ impl CudaBackend {
                 f16: act_f16,
                 ..Input::raw(act)
             };
-            // With DV2_QKV_L2=1, the next layer's q/k/v weights into L2 as down's walk ends.
-            let next = self.model.layers.get(l + 1).map_or(Vec::new(), |n| {
-                n.qkv
-                    .iter()
-                    .map(|m| (m.as_ref(gpu), m.rows, m.cols))
-                    .collect()
-            });
-            x_sums = residual(&layer.down, s.intermediate, act_in, &next)?;
+            x_sums = residual(&layer.down, s.intermediate, act_in)?;
             mark("down (+residual)")?;
         }
         if logits {
@@ -468,17 +454,7 @@ impl CudaBackend {
         if ops.logits_argmax(lm_head, s.vocab, s.hidden, input, out, skip_if, head)? {
             return Ok(commit);
         }
-        ops.gemv(
-            lm_head,
-            s.vocab,
-            s.hidden,
-            input,
-            out,
-            false,
-            skip_if,
-            0,
-            &[],
-        )?;
+        ops.gemv(lm_head, s.vocab, s.hidden, input, out, false, skip_if, 0)?;
         launch!(ops.gpu, &ops.k.argmax_logits, ops.argmax_launch(); out, vocab, state, scratch)?;
         Ok(false)
     }
@@ -489,7 +465,7 @@ impl CudaBackend {
     /// CTA's PDL wait (t0 before it, t1 after), kind 1 a GEMV or attention CTA's end (t0), kind 2
     /// its start (t0).
     pub fn cta_timeline(&mut self, steps: usize) -> Result<Vec<[u64; 4]>> {
-        if !super::kernels::cta_timeline() {
+        if !self.ops.cfg.cta_timeline {
             return Err(Error::Unsupported(
                 "the CTA timeline needs DV2_CTA_TIMELINE=1 when the backend loads".into(),
             ));
@@ -567,8 +543,8 @@ impl CudaBackend {
         let ids = self.ptr(&a.prompt) + 4 * start as u64;
         let (hidden, vocab, n_i) = (s.hidden as i32, s.vocab as i32, n as i32);
         let embed = self.model.embed.as_ref(gpu);
-        // The GEMMs' inputs (normed rows, attention output, SwiGLU output) in f16 or f32.
-        let f16 = ops.prefill_f16(n);
+        // The GEMMs' inputs (normed rows, attention output, SwiGLU output) are written as f16
+        // by their producers, which the GEMM reads as is (docs/lab.md, c2ba752).
         let rows = LaunchConfig {
             grid_dim: (n as u32, 1, 1),
             ..one_cta(256)
@@ -588,12 +564,12 @@ impl CudaBackend {
             // In the last layer of the prompt's last chunk only the last token's output is
             // used (every token's K and V are in the cache once RoPE ran): attention, o and
             // the FFN run on that one row (`DV2_PREFILL_TAIL=0`: on all of them).
-            let first = if last && ops.prefill_tail && l + 1 == s.n_layers {
+            let first = if last && ops.cfg.prefill_tail && l + 1 == s.n_layers {
                 n - 1
             } else {
                 0
             };
-            let (m, f16_m) = (n - first, ops.prefill_f16(n - first));
+            let m = n - first;
             let x_m = x + (first * s.hidden * 4) as u64;
             ops.rms_rows(
                 x,
@@ -602,14 +578,24 @@ impl CudaBackend {
                 s.hidden,
                 s.rms_eps,
                 n,
-                f16,
+                true,
             )?;
             let qkv_mats = [0, 1, 2].map(|i| {
                 let bias = layer.qkv_bias[i].as_ref().map_or(0, |b| self.ptr(b));
                 matrix(&layer.qkv[i], bias)
             });
             let ld = s.qkv_rows();
-            ops.gemm(Epilogue::Store, &qkv_mats, s.hidden, xn, n, qkv, ld, 0, f16)?;
+            ops.gemm(
+                Epilogue::Store,
+                &qkv_mats,
+                s.hidden,
+                xn,
+                n,
+                qkv,
+                ld,
+                0,
+                true,
+            )?;
             let (cos, sin, ld_i) = (
                 self.ptr(&self.rope_cos),
                 self.ptr(&self.rope_sin),
@@ -630,7 +616,7 @@ impl CudaBackend {
                 head_dim: hd,
                 qb: 0,
                 scale: 1.0 / (s.head_dim as f32).sqrt(),
-                out_f16: f16_m as i32,
+                out_f16: 1,
                 first: first as i32,
             })?;
             let o = [matrix(&layer.o, 0)];
@@ -643,7 +629,7 @@ impl CudaBackend {
                 x_m,
                 s.hidden,
                 0,
-                f16_m,
+                true,
             )?;
             ops.rms_rows(
                 x_m,
@@ -652,7 +638,7 @@ impl CudaBackend {
                 s.hidden,
                 s.rms_eps,
                 m,
-                f16_m,
+                true,
             )?;
             let gate_up = [matrix(&layer.gate, 0), matrix(&layer.up, 0)];
             let inter = s.intermediate;
@@ -665,7 +651,7 @@ impl CudaBackend {
                 act,
                 inter,
                 0,
-                f16_m,
+                true,
             )?;
             let down = [matrix(&layer.down, 0)];
             ops.gemm(
@@ -677,7 +663,7 @@ impl CudaBackend {
                 x_m,
                 s.hidden,
                 0,
-                f16_m,
+                true,
             )?;
         }
         if last {

@@ -31,53 +31,17 @@ gates_with() {
   echo "$* ($test): $result, max |logit - oracle| $(grep -oE 'max \|logit - oracle\| = [0-9.]+' "$log" | awk '{print $NF}' | paste -sd/ -)"
 }
 if want switches; then
-  # The v1 kernels stay selectable; each GEMV forced everywhere (the default picks per matrix);
-  # each decode switch off; the decode step's linears through the tensor-core GEMM; the prompt
-  # fed token by token through the decode step.
-  gates_with gates_match DV2_GEMV=v1 DV2_ATTN=v1
-  # GEMV v2 everywhere with its f32-pair table (the tiny presets take v3 by default).
-  gates_with gates_match DV2_GEMV=v2 DV2_GEMV2_H16=0
-  # The f16 table on every linear of the tiny presets, over 35 chunks and from a chunked prefill.
-  gates_with long_context DV2_GEMV=v2
-  gates_with chunked DV2_GEMV=v2
-  # GEMV v2's 182-236-register kernels (one CTA per SM) on every linear and on the 3B shape.
-  gates_with gates_match DV2_GEMV=v2 DV2_GEMV2_NARROW=0
-  gates_with qwen25_3b_shape DV2_GEMV2_NARROW=0
-  # Down's L2 prefetch and lm_head's argmax where the tiny presets' down and lm_head are v2
-  # (on the 3B shape they are by default).
-  gates_with gates_match DV2_GEMV=v2
-  gates_with qwen25_3b_shape DV2_QKV_L2=1 DV2_LOGITS_ARGMAX=0 DV2_ATTN3_ILP=0 DV2_GEMV2_NOALLOC=0
-  # lm_head's kernel without the PRMT-addressed table on the 3B shape.
-  gates_with qwen25_3b_shape DV2_LOGITS_PRMT=0
-  # Gate/up's rows in equal shares (the skew toward the CTAs that start first is the default).
-  gates_with qwen25_3b_shape DV2_GEMV2_SKEW=0
-  gates_with gates_match DV2_GEMV=v2 DV2_GEMV2_SKEW=0
-  # q/k/v's GEMV v3 in one part (K halves are the default since session 19).
-  gates_with qwen25_3b_shape DV2_QKV_KHALVES=0
-  gates_with gates_match DV2_QKV_KHALVES=0
-  # The byte tables through a shared codebook (their build straight from immediates is the
-  # default since session 20), and the f32-pair table built straight.
-  gates_with gates_match DV2_TABLE_DIRECT=0
-  gates_with gates_match DV2_GEMV=v2 DV2_GEMV2_H16=0
-  # The same split for down and lm_head (measured slower in session 18, kept selectable).
-  gates_with qwen25_3b_shape DV2_DOWN_SKEW=2 DV2_LOGITS_SKEW=16
-  gates_with gates_match DV2_GEMV=v2 DV2_DOWN_SKEW=-2 DV2_LOGITS_SKEW=-16
-  for v in DV2_GEMV=v2 DV2_GEMV=v3 DV2_PDL=0 DV2_ATTN=v2 DV2_ATTN3_SPLITS=1 DV2_ATTN3_SPLITS=2 DV2_ATTN3_SPLITS=4 DV2_ATTN3_SLOT_LANES=0 DV2_ATTN_SPLIT=1 DV2_ATTN_SPLIT=2 DV2_ATTN_SPLIT=4 DV2_GEMV2_PAIRS=0 DV2_GEMV2_H16=0 DV2_GEMV_CTAS=1 DV2_GEMV2_PREWAIT=0 DV2_TABLE_WIDE=0 DV2_TABLE_DIRECT=0 DV2_NORM_BATCH=8 DV2_GEMV2_EPI_EARLY=0 DV2_GEMV2_LATE1=0 DV2_FFN_F16=0 \
-    DV2_GEMV2_XSMEM=0 DV2_GEMV2_LATE=0 DV2_GEMV_WFIRST=0 DV2_GEMV3_EPI_EARLY=0 DV2_GEMV3_PREWAIT=0 DV2_GEMV3_X_BATCH=8 DV2_GEMV2_X_BATCH=8 DV2_GEMV3_ACC_ONE=0 DV2_GEMV3_L2_CODE=1 DV2_GEMV2_X_ONE=0 DV2_GEMV3_LEAN=0 DV2_GEMV2_CHAIN=1 DV2_GEMV2_CHAIN=4 DV2_SMEM_CARVEOUT=57 DV2_SMEM_CARVEOUT=100 DV2_GEMV2_NOALLOC=0 DV2_ATTN3_ILP=0 DV2_QKV_L2=1 DV2_LOGITS_ARGMAX=0 DV2_COMMIT_FUSED=0 DV2_LOGITS_PRMT=0 DV2_GEMV2_SKEW=0 DV2_QKV_KHALVES=0 DV2_ARGMAX_CTAS=1 DV2_NVRTC_SPLIT=0 \
-    DV2_L2_AHEAD_KB=192 DV2_FUSE_RMS=0 DV2_LINEAR=mma DV2_PREFILL=n1; do
+  # Each switch of the configuration table (src/config.rs) off, on the tiny presets' gates, over
+  # 35 chunks, from a chunked prefill, and on the 3B shape; the decode step's linears through
+  # the tensor-core GEMM; the prompt fed token by token through the decode step.
+  for v in DV2_GRAPH=0 DV2_PDL=0 DV2_FUSE_RMS=0 DV2_FFN_F16=0 DV2_QKV_KHALVES=0 DV2_LOGITS_ARGMAX=0 \
+    DV2_ATTN_CLUSTERS=0 DV2_PREFILL_TAIL=0 DV2_LINEAR=mma DV2_PREFILL=n1; do
     gates_with gates_match $v
   done
-  # Attention v2 (the default without clusters) with each of its switches off, over 35 chunks too.
-  gates_with gates_match DV2_ATTN=v2
-  gates_with long_context DV2_ATTN=v2
-  for v in DV2_ATTN_BATCH=0 DV2_MERGE_EARLY=0 DV2_MERGE_WARP=0 DV2_ATTN_PREWAIT=0 DV2_ATTN_HD128=0; do
-    gates_with gates_match DV2_ATTN=v2 $v
-  done
-  # The prefill kernel variants: CUDA-core attention, the first KV staging, each GEMM kernel
-  # forced, and each GEMM switch off.
-  for v in DV2_ATTNP=simt DV2_ATTNP_STAGE=v1 DV2_GEMM=v1 DV2_GEMM=v2 DV2_GEMM_X16=0 DV2_GEMM_CLUSTER=0 \
-    DV2_GEMM_EARLY=0 DV2_PREFILL_TAIL=0 DV2_GEMM_SPREAD=0; do
-    gates_with chunked $v
+  gates_with long_context DV2_ATTN_CLUSTERS=0
+  gates_with chunked DV2_PREFILL_TAIL=0
+  for v in DV2_QKV_KHALVES=0 DV2_LOGITS_ARGMAX=0 DV2_FFN_F16=0 DV2_FUSE_RMS=0; do
+    gates_with qwen25_3b_shape $v
   done
 fi
 

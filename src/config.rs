@@ -1,0 +1,297 @@
+//! The one place that reads the environment: every `DV2_*` variable the library takes, in one
+//! table ([`VARIABLES`]), and the values read from it ([`Config`]).
+//!
+//! Two kinds, as the README's table lists them: *switches* turn off a fusion or path that is
+//! on by default, so that its worth can be re-measured against its absence (docs/lab.md holds
+//! each measurement); *tools* set a resource or a measuring aid. Every variant that lost its
+//! measurement was deleted; commit a1b9aaa is the last to hold them all (docs/lab.md, "The
+//! variants' record").
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+/// One environment variable: its name, its default, what setting it does, and the lab row
+/// that measured it (or why it exists).
+pub struct Variable {
+    pub name: &'static str,
+    pub default: &'static str,
+    pub effect: &'static str,
+    pub lab: &'static str,
+}
+
+/// Every variable the library reads. The README's switch table is this table
+/// ([`readme_table`]; a test checks that the two agree).
+pub const VARIABLES: &[Variable] = &[
+    Variable {
+        name: "DV2_GRAPH",
+        default: "1",
+        effect: "`0`: every decode step launched eagerly instead of replaying the captured graph",
+        lab: "session 20: medium 0.0545-0.0555 ms/step graph, 0.0728-0.0995 eager",
+    },
+    Variable {
+        name: "DV2_PDL",
+        default: "1",
+        effect: "`0`: no programmatic dependent launch (each kernel waits for the previous to end)",
+        lab: "session 3: medium 0.0795 ms/step, 0.1057 off (80fe342)",
+    },
+    Variable {
+        name: "DV2_FUSE_RMS",
+        default: "1",
+        effect: "`0`: each RMSNorm as its own kernel instead of folded into the next GEMV's x load",
+        lab: "default since 8ab5c0d",
+    },
+    Variable {
+        name: "DV2_FFN_F16",
+        default: "1",
+        effect: "`0`: the SwiGLU output written as f32 for down instead of f16 (the same bits)",
+        lab: "session 12: -0.02..-0.03 ms/token (9bc9457)",
+    },
+    Variable {
+        name: "DV2_QKV_KHALVES",
+        default: "1",
+        effect: "`0`: q/k/v's GEMV v3 in one part instead of two K halves",
+        lab: "session 19, runs 5-10: -0.007..-0.014 ms/token",
+    },
+    Variable {
+        name: "DV2_LOGITS_ARGMAX",
+        default: "1",
+        effect: "`0`: argmax_logits and commit_step after lm_head instead of inside its kernel",
+        lab: "session 16, runs 2 and 6: +0.0017 (argmax) and +0.0007 (commit) ms/token off",
+    },
+    Variable {
+        name: "DV2_ATTN_CLUSTERS",
+        default: "1",
+        effect: "`0`: decode attention v2 (a merge kernel) instead of v3 (thread-block clusters; \
+                 v2 is the default on GPUs without clusters)",
+        lab: "session 14: v3 -0.027 ms/token against v2 (25dec59)",
+    },
+    Variable {
+        name: "DV2_PREFILL",
+        default: "chunks",
+        effect: "`n1`: the prompt fed token by token through the decode step instead of chunks",
+        lab: "2026-11-29, chunked tensor-core prefill (issue 6)",
+    },
+    Variable {
+        name: "DV2_PREFILL_TAIL",
+        default: "1",
+        effect: "`0`: the prompt's last layer on every token instead of the last token alone",
+        lab: "session 6: 48-token first token 5.19 ms, 5.31 off (1c5389d)",
+    },
+    Variable {
+        name: "DV2_LINEAR",
+        default: "gemv",
+        effect: "`mma`: the decode step's linears through the prefill's tensor-core GEMM at N = 1 \
+                 (the seed's ablation)",
+        lab: "seed §6",
+    },
+    Variable {
+        name: "DV2_PREFILL_CHUNK",
+        default: "1024",
+        effect: "tool: prompt tokens per prefill chunk (1 to 1024)",
+        lab: "2026-11-29, chunked tensor-core prefill (issue 6)",
+    },
+    Variable {
+        name: "DV2_THREADS",
+        default: "all cores",
+        effect: "tool: worker threads of the CPU backend and the loaders",
+        lab: "-",
+    },
+    Variable {
+        name: "DV2_KERNEL_DIR",
+        default: "embedded",
+        effect: "tool: a folder of kernels/*.cu to compile instead of the embedded copies",
+        lab: "-",
+    },
+    Variable {
+        name: "DV2_CACHE_DIR",
+        default: "~/.cache/decodev2",
+        effect: "tool: where compiled kernels (cubins) are cached",
+        lab: "-",
+    },
+    Variable {
+        name: "DV2_LINEINFO",
+        default: "0",
+        effect: "tool: `1` compiles the kernels with source line information (profilers)",
+        lab: "-",
+    },
+    Variable {
+        name: "DV2_CTA_TIMELINE",
+        default: "0",
+        effect: "tool: `1` compiles in per-CTA start/wait/end records (tests/gpu/cta-timeline.sh)",
+        lab: "session 18",
+    },
+];
+
+/// The values of [`VARIABLES`] that shape the backends: read from the environment when a
+/// backend loads (so one process can load engines under different settings), never written.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Config {
+    pub graph: bool,
+    pub pdl: bool,
+    pub fuse_rms: bool,
+    pub ffn_f16: bool,
+    pub qkv_khalves: bool,
+    pub logits_argmax: bool,
+    pub attn_clusters: bool,
+    /// The prompt through the decode step, token by token (`DV2_PREFILL=n1`).
+    pub prefill_by_steps: bool,
+    pub prefill_tail: bool,
+    /// The decode step's linears through the tensor-core GEMM (`DV2_LINEAR=mma`).
+    pub linear_mma: bool,
+    /// `DV2_PREFILL_CHUNK` as given (parsed by the prefill, which reports a bad value).
+    pub prefill_chunk: Option<String>,
+    pub kernel_dir: Option<PathBuf>,
+    pub cache_dir: Option<PathBuf>,
+    pub lineinfo: bool,
+    pub cta_timeline: bool,
+}
+
+impl Default for Config {
+    /// Every switch at its default, no tool set: what the environment gives when empty.
+    fn default() -> Self {
+        Self::read(|_| None)
+    }
+}
+
+impl Config {
+    /// The configuration the environment gives now.
+    pub fn from_env() -> Self {
+        Self::read(|name| std::env::var(name).ok())
+    }
+
+    fn read(var: impl Fn(&str) -> Option<String>) -> Self {
+        // A switch is on unless set to "0".
+        let on = |name: &str| var(name).as_deref() != Some("0");
+        let is = |name: &str, value: &str| var(name).as_deref() == Some(value);
+        Self {
+            graph: on("DV2_GRAPH"),
+            pdl: on("DV2_PDL"),
+            fuse_rms: on("DV2_FUSE_RMS"),
+            ffn_f16: on("DV2_FFN_F16"),
+            qkv_khalves: on("DV2_QKV_KHALVES"),
+            logits_argmax: on("DV2_LOGITS_ARGMAX"),
+            attn_clusters: on("DV2_ATTN_CLUSTERS"),
+            prefill_by_steps: is("DV2_PREFILL", "n1"),
+            prefill_tail: on("DV2_PREFILL_TAIL"),
+            linear_mma: is("DV2_LINEAR", "mma"),
+            prefill_chunk: var("DV2_PREFILL_CHUNK"),
+            kernel_dir: var("DV2_KERNEL_DIR").map(PathBuf::from),
+            cache_dir: var("DV2_CACHE_DIR")
+                .map(PathBuf::from)
+                .or_else(|| default_cache_dir(&var)),
+            lineinfo: is("DV2_LINEINFO", "1"),
+            cta_timeline: is("DV2_CTA_TIMELINE", "1"),
+        }
+    }
+
+    /// The NVRTC `-D` options the configuration sets: the kernels it compiles in or out.
+    pub fn nvrtc_defines(&self) -> Vec<String> {
+        [
+            ("GEMV2_LOGITS", self.logits_argmax),
+            ("GEMV3_KHALVES", self.qkv_khalves),
+            ("CTA_TIMELINE", self.cta_timeline),
+        ]
+        .iter()
+        .map(|(name, on)| format!("-D{name}={}", i32::from(*on)))
+        .collect()
+    }
+}
+
+/// [`VARIABLES`] as the README's markdown table.
+pub fn readme_table() -> String {
+    let mut t = String::from(
+        "| variable | default | setting it | measured (docs/lab.md) |\n| --- | --- | --- | --- |\n",
+    );
+    for v in VARIABLES {
+        t += &format!(
+            "| `{}` | {} | {} | {} |\n",
+            v.name, v.default, v.effect, v.lab
+        );
+    }
+    t
+}
+
+/// `$XDG_CACHE_HOME/decodev2`, else `~/.cache/decodev2`.
+fn default_cache_dir(var: &impl Fn(&str) -> Option<String>) -> Option<PathBuf> {
+    let base = var("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| var("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+    Some(base.join("decodev2"))
+}
+
+/// Worker threads: `DV2_THREADS` if set to a positive number, else the machine's
+/// parallelism. Read once per process (the CPU loops size their work by it).
+pub fn threads() -> usize {
+    static THREADS: OnceLock<usize> = OnceLock::new();
+    *THREADS.get_or_init(|| {
+        std::env::var("DV2_THREADS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|n| *n > 0)
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with(vars: &[(&str, &str)]) -> Config {
+        Config::read(|name| {
+            vars.iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, v)| v.to_string())
+        })
+    }
+
+    #[test]
+    fn switches_are_on_unless_set_to_zero() {
+        let c = Config::default();
+        assert!(c.graph && c.pdl && c.fuse_rms && c.ffn_f16 && c.qkv_khalves);
+        assert!(c.logits_argmax && c.attn_clusters && c.prefill_tail);
+        assert!(!c.prefill_by_steps && !c.linear_mma && !c.lineinfo && !c.cta_timeline);
+        let c = with(&[
+            ("DV2_FUSE_RMS", "0"),
+            ("DV2_PDL", "1"),
+            ("DV2_LINEAR", "mma"),
+        ]);
+        assert!(!c.fuse_rms && c.pdl && c.linear_mma);
+    }
+
+    #[test]
+    fn every_variable_read_is_in_the_table() {
+        // Each name the reader asks for, recorded; the table must list exactly those.
+        let asked = std::cell::RefCell::new(Vec::new());
+        Config::read(|name| {
+            asked.borrow_mut().push(name.to_string());
+            None
+        });
+        let mut asked = asked.into_inner();
+        asked.retain(|n| n.starts_with("DV2_"));
+        asked.push("DV2_THREADS".into());
+        asked.sort();
+        asked.dedup();
+        let mut table: Vec<String> = VARIABLES.iter().map(|v| v.name.to_string()).collect();
+        table.sort();
+        assert_eq!(asked, table);
+    }
+
+    #[test]
+    fn the_readme_lists_this_table() {
+        let readme = include_str!("../README.md");
+        assert!(
+            readme.contains(&readme_table()),
+            "README.md's environment table is stale; it should read:\n{}",
+            readme_table()
+        );
+    }
+
+    #[test]
+    fn defines_follow_the_switches() {
+        let d = with(&[("DV2_QKV_KHALVES", "0"), ("DV2_CTA_TIMELINE", "1")]).nvrtc_defines();
+        assert_eq!(
+            d,
+            ["-DGEMV2_LOGITS=1", "-DGEMV3_KHALVES=0", "-DCTA_TIMELINE=1"]
+        );
+    }
+}
