@@ -1,12 +1,12 @@
-// GEMV v3 (the smaller matrices, below GEMV3_MAX_BYTES on the host): the decode step's NF4 matrix-vector products on tensor cores.
-// Compiled after prefill.cu, whose GemmArgs, epilogue kinds, stacked rows and mma_16816 it
-// uses.
+// GEMV v3: the decode step's smaller NF4 matrix-vector products (below GEMV3_MAX_BYTES on the
+// host: q/k/v and o on the Qwen2.5-3B shape) on tensor cores. Compiled after gemm.cu, whose
+// GemmArgs, epilogue kinds, stacked rows and mma_16816 it uses.
 //
 // Why: GEMV v2 spends ~4 instructions per weight (nibble extract, codebook load, FMA) and
 // is issue-bound at ~50% of the bandwidth floor (docs/lab.md). Here a warp runs
 // mma.sync m16n8k16 with x replicated in all eight columns, so one MMA does 256
 // multiply-adds, and the dequantization is one shared-memory load per two weights: the
-// byte -> f16 pair table of decode.cu (load_byte_codebook).
+// byte -> f16 pair table of common.cuh (load_byte_codebook).
 //
 // Fragment layout as in the prefill GEMM: thread (g = lane/4, t = lane%4) holds bytes
 // 8t..8t+7 of each 64-element block of rows g and g+8 of a 16-row tile; in k-step s its A
@@ -237,7 +237,7 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
 // code for the decode step's use of it: q/k/v and SwiGLU norm their x and leave no sums, o
 // leaves sums of a raw x.
 #define GEMV3_KERNEL(NAME, T, S, EPI, IO)                                                                      \
-    extern "C" __global__ void __launch_bounds__(GEMV3_THREADS, 2) NAME(GemmArgs a) {                          \
+    extern "C" __global__ void __launch_bounds__(GEMV3_THREADS, GEMV3_CTAS_PER_SM) NAME(GemmArgs a) {                          \
         gemv3_body<T, S, EPI, IO>(a);                                                                          \
     }
 GEMV3_KERNEL(gemv3_store, 1, 4, EPI_STORE, GEMV3_IO_ANY)
@@ -249,7 +249,7 @@ GEMV3_KERNEL(gemv3_swiglu_lean, 2, 2, EPI_SWIGLU, GEMV3_IO_NORM)
 #if GEMV3_KHALVES
 // q/k/v in K halves (KH = 2 above): two blocks a warp at K = 2048, three CTAs an SM (at 64
 // registers, four, two of which fit beside one of down's CTAs: +0.033 ms/token, session 19).
-extern "C" __global__ void __launch_bounds__(GEMV3_THREADS, 3) gemv3_store_lean_kh2(GemmArgs a) {
+extern "C" __global__ void __launch_bounds__(GEMV3_THREADS, GEMV3_KH2_CTAS_PER_SM) gemv3_store_lean_kh2(GemmArgs a) {
     gemv3_body<1, 2, EPI_STORE, GEMV3_IO_NORM, 2>(a);
 }
 #endif

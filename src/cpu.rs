@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use crate::engine::Backend;
+use crate::backend::Backend;
 use crate::error::Result;
 use crate::model::HostModel;
 use crate::oracle::{argmax, forward_token, KvCache};

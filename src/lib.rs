@@ -5,6 +5,7 @@
 //! ([`oracle`]) defines what every backend must compute.
 
 pub mod arch;
+pub mod backend;
 pub mod config;
 mod cpu;
 pub mod cuda;

@@ -13,7 +13,7 @@ use super::kernels::{allow_dynamic_smem, load_module, BENCH};
 use super::ops::{
     attn_partials, AttnArgs, Epilogue, GemmMatrix, GemvChoice, Input, Ops, QkvArgs, ARGMAX_SCRATCH,
 };
-use super::step::timing_event;
+use super::profile::timing_event;
 use super::weights::{mma_scale, Nf4Ref};
 use crate::arch::ArchSpec;
 use crate::config::Config;

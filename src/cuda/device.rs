@@ -40,7 +40,7 @@ pub struct Gpu {
     pub stream: Arc<CudaStream>,
     /// Programmatic dependent launch (`DV2_PDL`, default on from compute capability 9.0): each
     /// kernel may start while the one before it drains; the kernels' `pdl_wait()` orders
-    /// their reads and writes after it (kernels/decode.cu).
+    /// their reads and writes after it (kernels/common.cuh).
     pub pdl: bool,
     /// Thread-block clusters (compute capability 9.0 and later).
     pub clusters: bool,

@@ -99,8 +99,34 @@ pub mod state {
     pub const LEN: usize = 8;
 }
 
-/// The -D options that carry the shared constants into every kernel file.
+/// GEMV v3's CTAs per SM (its `__launch_bounds__`; the launches size their grids by it), and
+/// those of q/k/v's K-halves kernel (at 64 registers, four: +0.033 ms/token, docs/lab.md
+/// session 19).
+pub const GEMV3_CTAS_PER_SM: u32 = 2;
+pub const GEMV3_KH2_CTAS_PER_SM: u32 = 3;
+
+/// The -D options that carry the shared constants into every kernel file: shapes, state
+/// indices, CTAs per SM, the NF4 codebook, and the sizes of the argument structs the host
+/// passes by value, which the kernels `static_assert` against their own definitions.
 fn shared_defines() -> Vec<String> {
+    use super::ops::{AttnArgs, GemmArgs, NormArgs, PrefillAttnArgs, QkvArgs};
+    use super::weights::Nf4Ref;
+    use std::mem::size_of;
+    let codebook: Vec<String> = crate::nf4::CODEBOOK
+        .iter()
+        .map(|v| format!("{v:?}f"))
+        .collect();
+    let sizes = [
+        ("SIZEOF_NF4REF", size_of::<Nf4Ref>()),
+        ("SIZEOF_QKVARGS", size_of::<QkvArgs>()),
+        ("SIZEOF_NORMARGS", size_of::<NormArgs>()),
+        ("SIZEOF_ATTNARGS", size_of::<AttnArgs>()),
+        ("SIZEOF_GEMMARGS", size_of::<GemmArgs>()),
+        ("SIZEOF_PREFILLATTNARGS", size_of::<PrefillAttnArgs>()),
+        ("GEMV2_CTAS_PER_SM", super::ops::GEMV2_CTAS_PER_SM as usize),
+        ("GEMV3_CTAS_PER_SM", GEMV3_CTAS_PER_SM as usize),
+        ("GEMV3_KH2_CTAS_PER_SM", GEMV3_KH2_CTAS_PER_SM as usize),
+    ];
     let values = [
         ("GEMV_THREADS", GEMV_THREADS as usize),
         ("ATTN_THREADS", ATTN_THREADS as usize),
@@ -127,7 +153,9 @@ fn shared_defines() -> Vec<String> {
     ];
     values
         .iter()
+        .chain(sizes.iter())
         .map(|(name, v)| format!("-D{name}={v}"))
+        .chain([format!("-DNF4_CODEBOOK={{{}}}", codebook.join(","))])
         .collect()
 }
 
@@ -143,9 +171,16 @@ pub struct KernelUnit {
 pub const DECODE: KernelUnit = KernelUnit {
     name: "decode",
     files: &[
-        ("decode.cu", include_str!("../../kernels/decode.cu")),
-        ("prefill.cu", include_str!("../../kernels/prefill.cu")),
+        ("common.cuh", include_str!("../../kernels/common.cuh")),
+        ("gemv.cu", include_str!("../../kernels/gemv.cu")),
+        ("attention.cu", include_str!("../../kernels/attention.cu")),
+        ("small.cu", include_str!("../../kernels/small.cu")),
+        ("gemm.cu", include_str!("../../kernels/gemm.cu")),
         ("gemv_mma.cu", include_str!("../../kernels/gemv_mma.cu")),
+        (
+            "attention_prefill.cu",
+            include_str!("../../kernels/attention_prefill.cu"),
+        ),
     ],
 };
 /// Benchmark-only kernels (the streaming-read floor).

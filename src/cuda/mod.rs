@@ -2,11 +2,13 @@
 //!
 //! - [`device`]: driver probe, context and stream, allocation helpers.
 //! - [`kernels`]: NVRTC compilation of `kernels/*.cu` (cached on disk) and the function table.
-//! - [`ops`]: every kernel launch and its launch shape; the kernel variants.
+//! - [`ops`]: every kernel launch and its launch shape, by kernel family.
 //! - [`weights`]: the model uploaded as packed NF4.
 //! - [`budget`]: the VRAM estimate checked before anything is allocated.
 //! - [`bench`]: microbenchmarks (streaming-read floor, GEMV shapes, attention).
 //! - [`step`]: the backend itself: arena, state, KV, and the launch sequence of one step.
+//! - [`prefill`]: the chunked prefill's launch sequence.
+//! - [`profile`]: measuring tools (stage events, the CTA timeline).
 
 /// Launches kernel `$f` on `$gpu`'s stream with the named locals as arguments, in order.
 /// Arguments must be locals: the driver reads them through their addresses at the launch.
@@ -30,6 +32,8 @@ pub mod budget;
 pub mod device;
 pub mod kernels;
 pub mod ops;
+pub mod prefill;
+pub mod profile;
 pub mod step;
 pub mod weights;
 

@@ -7,7 +7,7 @@ use crate::error::Result;
 use crate::model::{internlm_wqkv_rows, HostModel, QkvWeights};
 use crate::nf4::Nf4Matrix;
 
-/// A matrix as the kernels take it (kernels/decode.cu `Nf4Ref`): two device addresses and
+/// A matrix as the kernels take it (kernels/common.cuh `Nf4Ref`): two device addresses and
 /// the tensor-core GEMM's scale.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]

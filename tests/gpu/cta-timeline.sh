@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine after ../shared/tools/device-pack: one Qwen2.5-3B graph step recorded
-# CTA by CTA (DV2_CTA_TIMELINE=1: kernels/decode.cu, CTA_TIMELINE), then per kernel of a layer
+# CTA by CTA (DV2_CTA_TIMELINE=1: kernels/common.cuh, CTA_TIMELINE), then per kernel of a layer
 # (median over the 36 layers), in µs from the previous kernel's last CTA end: when its CTAs
 # reach their PDL wait (first, 10th/50th/90th percentile, last; "early": the share that waited
 # before the previous kernel ended), when the wait released them, and when they end; and

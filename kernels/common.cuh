@@ -1,0 +1,465 @@
+// decodev2 kernels: the helpers every kernel file uses (compiled first; the unit's files in
+// order: common.cuh, gemv.cu, attention.cu, small.cu, gemm.cu, gemv_mma.cu, attention_prefill.cu,
+// src/cuda/kernels.rs `DECODE`).
+//
+// Layouts (see src/nf4.rs for the NF4 packing):
+//   NF4 matrix [rows, cols]: packed bytes [rows][cols/2] (element 2i in the high nibble of
+//     byte i), absmax f32 [rows][cols/64]. A 16-byte chunk holds 32 elements of one block.
+//   Activations f32. KV cache bf16 [kv_stride slots][n_kv][head_dim] per layer.
+//   State int32[8]: the STATE_* indices (src/cuda/kernels.rs `state`).
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+
+// Shapes and state indices shared with the host are -D options from src/cuda/kernels.rs
+// (`shared_defines`), so the two sides cannot drift: GEMV_THREADS, ATTN_THREADS, MAX_HEAD_DIM,
+// ATTN2_CHUNK, ATTN2_MAX_GROUP, ATTN2_MAX_GROUP_X_HD, ATTN2_MAX_CHUNKS and STATE_TOKEN,
+// STATE_POSITION, STATE_VALID_LEN, STATE_NEXT_TOKEN, STATE_FINISHED, STATE_RING_COUNT.
+#if !defined(GEMV_THREADS) || !defined(ATTN_THREADS) || !defined(MAX_HEAD_DIM) || !defined(ATTN2_CHUNK) || \
+    !defined(ATTN2_MAX_GROUP) || !defined(ATTN2_MAX_GROUP_X_HD) || !defined(ATTN2_MAX_CHUNKS) ||            \
+    !defined(STATE_TOKEN) || !defined(STATE_POSITION) || !defined(STATE_VALID_LEN) ||                      \
+    !defined(STATE_NEXT_TOKEN) || !defined(STATE_FINISHED) || !defined(STATE_RING_COUNT)
+#error "the host passes the shared constants as -D options (src/cuda/kernels.rs)"
+#endif
+#if !defined(GEMM_WARPS) || !defined(ATTNM_WARPS) || !defined(ATTNP_THREADS) || \
+    !defined(ATTNP_TILE) || !defined(ATTNP_Q_FLOATS)
+#error "the host passes the prefill constants as -D options (src/cuda/kernels.rs)"
+#endif
+#if !defined(NF4_CODEBOOK) || !defined(GEMV2_CTAS_PER_SM) || !defined(GEMV3_CTAS_PER_SM) || \
+    !defined(GEMV3_KH2_CTAS_PER_SM) || !defined(SIZEOF_NF4REF) || !defined(SIZEOF_QKVARGS) ||  \
+    !defined(SIZEOF_NORMARGS) || !defined(SIZEOF_ATTNARGS) || !defined(SIZEOF_GEMMARGS) ||      \
+    !defined(SIZEOF_PREFILLATTNARGS)
+#error "the host passes the codebook, CTAs per SM and struct sizes as -D options (src/cuda/kernels.rs)"
+#endif
+#define GEMV_WARPS (GEMV_THREADS / 32)
+#define NEG_INF __int_as_float(0xff800000u)
+#define ATTN_WARPS (ATTN_THREADS / 32)
+
+__device__ __forceinline__ float bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }
+
+// Round to nearest even, NaN kept NaN.
+__device__ __forceinline__ u16 f32_to_bf16(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (u16)(u >> 16);
+}
+
+// f16 pair {lo, hi} (lo in the low half, the lower index) from two floats.
+__device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ u16 f32_to_f16(float f) {
+    unsigned short r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+}
+
+// Stores elements i and i + 1 (i even) of a row of activations: f32, or with `f16` an f16
+// pair at the same element indices (the tensor-core GEMM's input in prefill).
+__device__ __forceinline__ void store_pair(float* out, size_t i, float lo, float hi, bool f16) {
+    if (f16) {
+        *reinterpret_cast<u32*>(reinterpret_cast<u16*>(out) + i) = pack_f16x2(lo, hi);
+    } else {
+        out[i] = lo;
+        out[i + 1] = hi;
+    }
+}
+
+__device__ __forceinline__ float sq(float v) { return v * v; }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// log2 of n, a power of two (1 << log2_pow2(n) == n): a shift where code would divide.
+__device__ __forceinline__ int log2_pow2(int n) { return __ffs(n) - 1; }
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// CTA_TIMELINE (an NVRTC define, DV2_CTA_TIMELINE=1; a measuring tool, off by default): each
+// CTA's thread 0 appends records to dv2_timeline (read by CudaBackend::cta_timeline): at its
+// PDL wait {grid id, kind 0 | SM | grid size | CTA, globaltimer before the wait, after it}, and
+// where the GEMV and attention kernels end {grid id, kind 1 | ..., the end, 0}. Why: the
+// kernel-level trace showed each kernel's first CTAs start well before the previous kernel
+// ends and its last ones after, and skewing gate/up's rows by when its CTAs start gained 0.024
+// ms/token (docs/lab.md, session 17); this shows which CTAs start, wait and end when.
+#ifndef CTA_TIMELINE
+#define CTA_TIMELINE 0
+#endif
+#if CTA_TIMELINE
+#define CTA_TIMELINE_RECORDS (1 << 17)
+__device__ unsigned long long dv2_timeline[CTA_TIMELINE_RECORDS * 4];
+__device__ unsigned dv2_timeline_n;
+__device__ __forceinline__ unsigned long long global_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ void timeline_record(unsigned long long kind, unsigned long long t0, unsigned long long t1) {
+    if (threadIdx.x | threadIdx.y | threadIdx.z) return;
+    unsigned long long grid_id;
+    unsigned sm;
+    asm volatile("mov.u64 %0, %%gridid;" : "=l"(grid_id));
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    const unsigned ctas = gridDim.x * gridDim.y * gridDim.z;
+    const unsigned i = atomicAdd(&dv2_timeline_n, 1u);
+    if (i >= CTA_TIMELINE_RECORDS) return;
+    unsigned long long* r = dv2_timeline + 4 * (size_t)i;
+    r[0] = grid_id;
+    r[1] = kind << 56 | (unsigned long long)(sm & 0xffu) << 48 | (unsigned long long)(ctas & 0xffffffu) << 24 |
+           (cta & 0xffffffu);
+    r[2] = t0;
+    r[3] = t1;
+}
+#endif
+// Where a GEMV or attention CTA ends (CTA_TIMELINE).
+__device__ __forceinline__ void timeline_end() {
+#if CTA_TIMELINE
+    timeline_record(1, global_ns(), 0);
+#endif
+}
+// Where it starts (kind 2; thread 0's atomic here delays its CTA by one round trip, so a
+// start-to-wait time from the timeline is that much too long).
+__device__ __forceinline__ void timeline_start() {
+#if CTA_TIMELINE
+    timeline_record(2, global_ns(), 0);
+#endif
+}
+
+
+// Programmatic dependent launch (sm_90+; the host asks for it per launch, src/cuda/device.rs):
+// a kernel may start while the one before it still runs. pdl_wait() returns once the earlier
+// kernels of the stream have finished and their writes are visible, so every kernel calls it
+// before it reads or writes any buffer that another kernel touches; only the constant
+// weights may be loaded before it. pdl_release() lets the next kernel start launching; each
+// kernel calls it right after its wait, so at most one kernel waits ahead of the running one.
+// Both are no-ops in a launch without the attribute.
+__device__ __forceinline__ void pdl_wait() {
+#if CTA_TIMELINE
+    const unsigned long long t0 = global_ns();
+#endif
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+#if CTA_TIMELINE
+    timeline_record(0, t0, global_ns());
+#endif
+}
+
+__device__ __forceinline__ void pdl_release() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// The start of every kernel that loads nothing before waiting.
+__device__ __forceinline__ void pdl_enter() {
+    pdl_wait();
+    pdl_release();
+}
+
+// Thread-block clusters (Hopper; the GEMM's K split, attention v3): the cluster's size and
+// this CTA's rank in it (1 and 0 in a launch without clusters).
+__device__ __forceinline__ int cluster_size() {
+    u32 r;
+    asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
+    return (int)r;
+}
+__device__ __forceinline__ int cluster_rank() {
+    u32 r;
+    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return (int)r;
+}
+// Every thread of every CTA of the cluster arrives, then waits (alternating).
+__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+// An arrive that orders this thread's earlier writes for the cluster only (arrive.release
+// fences the whole GPU: MEMBAR.ALL.GPU in the SASS).
+__device__ __forceinline__ void cluster_arrive_cluster_release() {
+    asm volatile("fence.acq_rel.cluster;\n\tbarrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+// Stores v at `local`'s offset in the shared memory of the cluster's CTA `rank`.
+__device__ __forceinline__ void store_in_cta(float* local, int rank, float v) {
+    const u32 addr = (u32)__cvta_generic_to_shared(local);
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(v) : "memory");
+}
+// A float at `local`'s offset in the shared memory of the cluster's CTA `rank`.
+__device__ __forceinline__ float load_from_cta(const float* local, int rank) {
+    const u32 addr = (u32)__cvta_generic_to_shared(local);
+    u32 remote;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+    return v;
+}
+
+// The bitsandbytes NF4 codebook, an initializer from the host (src/nf4.rs CODEBOOK, as -D
+// NF4_CODEBOOK), so every kernel that copies it keeps its own local table.
+
+// The codebook, copied to shared memory once per CTA: lanes index different entries, which a
+// __constant__ table would serialize.
+__device__ __forceinline__ void load_codebook(float* lut) {
+    const float nf4[16] = NF4_CODEBOOK;
+    if (threadIdx.x < 16) lut[threadIdx.x] = nf4[threadIdx.x];
+}
+
+struct Nf4Ref {
+    const u8* packed;
+    const float* absmax;
+    float mma_scale;  // the tensor-core GEMM's power of two on absmax (kernels/gemm.cu)
+};
+// The host passes these structs by value (src/cuda/ops, src/cuda/weights.rs): its sizes, as
+// -D options, must be these.
+static_assert(sizeof(Nf4Ref) == SIZEOF_NF4REF, "Nf4Ref differs from the host's");
+
+// q, k and v in one grid sharing x: rows [0, rows0) from m0, then m1, then m2, written
+// contiguously to out with their biases (each bias may be null).
+struct QkvArgs {
+    Nf4Ref m[3];
+    const float* bias[3];
+    int rows[3];
+};
+static_assert(sizeof(QkvArgs) == SIZEOF_QKVARGS, "QkvArgs differs from the host's");
+
+// RMSNorm folded into the x load (DV2_FUSE_RMS): when `w` is not null, x is replaced by
+// x * rsqrt(mean(x^2) + eps) * w, where sum(x^2) comes as `ss_parts` partial sums that the
+// kernel which wrote x left in `ss` (one per CTA, see block_sum_to), so no kernel and no
+// extra pass over x stands between the producer and this GEMV.
+struct NormArgs {
+    const u16* w;
+    float eps;
+    int ss_parts;
+    const float* ss;
+};
+static_assert(sizeof(NormArgs) == SIZEOF_NORMARGS, "NormArgs differs from the host's");
+
+// 1 / rms(x) from the producer's partial sums; every lane of every warp gets it (the sums
+// are added in the same order everywhere, so all CTAs agree to the bit).
+// NORM_BATCH loads per lane go out before their adds (a plain loop waits on each in turn).
+// 12: a GEMV v2 producer on 132 SMs leaves 264 partial sums, which 8 per lane (before session
+// 11) fetched in two round trips. Each lane adds its values in index order either way, so the
+// batch does not change the sum.
+#define NORM_BATCH 12
+__device__ __forceinline__ float norm_factor(NormArgs norm, int n) {
+    float s = 0.0f;
+    for (int base = threadIdx.x & 31; base < norm.ss_parts; base += NORM_BATCH * 32) {
+        float v[NORM_BATCH];
+#pragma unroll
+        for (int u = 0; u < NORM_BATCH; u++) v[u] = base + 32 * u < norm.ss_parts ? norm.ss[base + 32 * u] : 0.0f;
+#pragma unroll
+        for (int u = 0; u < NORM_BATCH; u++) s += v[u];
+    }
+    return rsqrtf(warp_sum(s) / (float)n + norm.eps);
+}
+
+// Writes the sum of `v` over the CTA to *out (one barrier; every thread must call it).
+__device__ __forceinline__ void block_sum_to(float v, float* out) {
+    __shared__ float red[32];
+    v = warp_sum(v);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float total = 0.0f;
+        for (int w = 0; w < (int)(blockDim.x >> 5); w++) total += red[w];
+        *out = total;
+    }
+}
+
+// x and the RMSNorm's weights, 16 and 8 bytes a thread at a time, for a kernel staging x in
+// shared memory: use(q, x quad q, its 4 bf16 norm weights, 1 / rms) for q = threadIdx.x,
+// + THREADS, ... < cols / 4, coalesced. X_BATCH quads per thread are loaded before any is
+// used (a loop that stored each before loading the next waited one round trip per quad: 11
+// in a row at K = 11008), the first batch in flight during the norm's own round trip. The
+// weights are not loaded without a norm (norm.w null, r = 1).
+#define X_BATCH 8
+// XB: quads per thread per round of loads (X_BATCH, or GEMV v3's GEMV3_X_BATCH).
+template <int THREADS, int XB = X_BATCH, typename Use>
+// [q_begin, q_end): the quads taken (default: all; GEMV v3's K halves take theirs), the norm
+// still over all cols.
+__device__ __forceinline__ void for_each_x_quad(const float* __restrict__ x, int cols, NormArgs norm, Use use,
+                                                int q_begin = 0, int q_end = -1) {
+    const int quads = q_end < 0 ? cols >> 2 : q_end;
+    float4 xv[XB];
+    uint2 wv[XB];
+    auto load = [&](int base) {
+#pragma unroll
+        for (int u = 0; u < XB; u++) {
+            const int q = base + u * THREADS;
+            if (q < quads) {
+                xv[u] = reinterpret_cast<const float4*>(x)[q];
+                if (norm.w) wv[u] = reinterpret_cast<const uint2*>(norm.w)[q];
+            }
+        }
+    };
+    load(q_begin + threadIdx.x);
+    const float r = norm.w ? norm_factor(norm, cols) : 1.0f;
+    for (int base = q_begin + threadIdx.x;;) {
+#pragma unroll
+        for (int u = 0; u < XB; u++) {
+            const int q = base + u * THREADS;
+            if (q >= quads) break;
+            use(q, xv[u], wv[u], r);
+        }
+        base += XB * THREADS;
+        if (base >= quads) break;
+        load(base);
+    }
+}
+
+// Fills a byte-indexed table of LANES copies per entry (entry b of lane l at LUT index
+// LANES * b + l) with pair(codebook(high nibble of b), codebook(low nibble of b)): the
+// f16-pair table below (32 lanes). An entry's copies fill one 128-byte line, written as eight
+// 16-byte stores of the entry repeated. Why: with a store per copy the loop
+// waited on the codebook's loads 32 times in a row; it took ~20% of GEMV v2's samples at K
+// = 11008 under ncu, and the CTAs of the kernel after a GEMV v2 build it on the critical
+// path, as they cannot be resident before that GEMV's CTAs leave (docs/lab.md, session 11).
+// The table must be 16-byte aligned.
+template <typename Entry>
+__device__ __forceinline__ uint4 repeat16(Entry e) {
+    static_assert(sizeof(Entry) == 4 || sizeof(Entry) == 8, "4- or 8-byte entries");
+    union {
+        Entry e[16 / sizeof(Entry)];
+        uint4 v;
+    } u;
+#pragma unroll
+    for (int i = 0; i < (int)(16 / sizeof(Entry)); i++) u.e[i] = e;
+    return u.v;
+}
+
+// Each thread makes its pieces from the codebook's immediates, no shared codebook and no barrier before the
+// stores. With 256 threads thread t's pieces are i = t + 256 u (u < 8), of entry b = i / 8 =
+// t / 8 + 32 u: its low nibble (t / 8) % 16 is the thread's for every u, its high nibble
+// 2 u + t / 128 one of two immediates per u. Why: a CTA that starts as the previous kernel's
+// leave builds its table on the kernel's critical path (the last CTAs to start end last,
+// docs/lab.md, session 19), and the shared codebook put a store, a barrier and a shared load
+// round trip before the first table store. Measured: -0.019..-0.021 ms/token (session 20,
+// runs 2-5); picking the f16 entries by byte permutes of f16 words instead (a shorter chain
+// than the compiler's 16 predicated moves for the low nibble) measured +0.0025 (run 5).
+// LINES: 128-byte lines from one entry to the next (2: lm_head's PRMT-addressed table, whose
+// second line of each entry is never written or read). THREADS: the CTA's threads.
+template <int THREADS, int LANES, int LINES = 1, typename Entry, typename Pair>
+__device__ __forceinline__ void load_byte_table(Entry* lut, Pair pair) {
+    static_assert(LANES * sizeof(Entry) == 128, "an entry's copies fill one 128-byte line");
+    constexpr int PIECES = 256 * 8;  // 16-byte pieces: eight per entry
+    uint4* lines = reinterpret_cast<uint4*>(lut);
+    auto piece_at = [](int i) { return LINES == 1 ? i : (i >> 3) * 8 * LINES + (i & 7); };
+    static_assert(THREADS == 256, "the direct table build assumes 256 threads");
+    const float nf4[16] = NF4_CODEBOOK;
+    const int t = threadIdx.x;
+    const float lo = nf4[(t >> 3) & 15];
+    const bool odd = t & 128;
+#pragma unroll
+    for (int u = 0; u < PIECES / THREADS; u++)
+        lines[piece_at(t + THREADS * u)] = repeat16(pair(odd ? nf4[2 * u + 1] : nf4[2 * u], lo));
+}
+
+// The byte offset of byte k (0..3) of `word`'s entry in a byte-indexed table of 128 bytes per
+// entry (the f16-pair table below): 128 * byte, to be ORed
+// with the lane's offset inside the entry. The two parts share no bits, so a shift and one
+// LOP3 (mask, then OR) make the address; indexing by byte * lanes + lane took ~4 instructions.
+__device__ __forceinline__ u32 byte_entry_offset(u32 word, int k) {
+    return (k == 0 ? word << 7 : word >> (8 * k - 7)) & 0x7f80u;
+}
+
+// A 256-entry table maps a packed byte to its f16 pair {codebook(high nibble) in the low
+// half, codebook(low nibble) in the high half}, replicated once per bank (entry b of lane l
+// at word 32b + l) so a warp's 32 lookups never conflict: one shared load per two weights.
+// Used by GEMV v2 (below), the GEMM with f16 activations
+// (gemm.cu) and GEMV v3 (gemv_mma.cu).
+#define BYTE_LUT_WORDS (256 * 32)
+
+// The entry of byte k (0..3) of `word` for this lane (lane4 = 4 * lane).
+__device__ __forceinline__ u32 byte_lut_entry(const u32* lut, u32 word, int k, u32 lane4) {
+    return *reinterpret_cast<const u32*>(reinterpret_cast<const char*>(lut) + (byte_entry_offset(word, k) | lane4));
+}
+
+template <int THREADS>
+__device__ __forceinline__ void load_byte_codebook(u32* lut) {
+    load_byte_table<THREADS, BYTE_LUT_WORDS / 256>(lut, [](float hi, float lo) { return pack_f16x2(hi, lo); });
+}
+
+// lm_head's argmax kernels take the f16-pair table with 256 bytes from entry to entry (PRMT_LUT_WORDS words of dynamic shared
+// memory before x, the copies in the first 128 bytes of each), so that one PRMT makes a
+// lookup's address (byte k of the word into bits 8..15, the lane's offset below them) where a
+// shift and a LOP3 did. Why lm_head only: its walk is the step's longest (576 rows a CTA) and
+// gained 48.0 -> 44.5 us with it, while gate/up and down lost more (their larger footprint
+// kept down's CTAs from starting beside gate/up's; docs/lab.md, session 15, run 4); nothing
+// after lm_head can be resident beside it (registers), so its footprint costs no start.
+template <int THREADS>
+__device__ __forceinline__ void load_byte_codebook_prmt(u32* lut) {
+    load_byte_table<THREADS, BYTE_LUT_WORDS / 256, 2>(lut, [](float hi, float lo) { return pack_f16x2(hi, lo); });
+}
+// The entry of byte k (0..3) of `word` for this lane in that table (lane4 = 4 * lane < 256).
+__device__ __forceinline__ u32 prmt_lut_entry(const u32* lut, u32 word, int k, u32 lane4) {
+    const u32 offset = __byte_perm(lane4, word, 0x1140u | ((u32)k << 4));  // {lane4, byte k, 0, 0}
+    return *reinterpret_cast<const u32*>(reinterpret_cast<const char*>(lut) + offset);
+}
+
+// Whether (v, i) beats (best, best_i) in the argmax: a lower index wins ties, a NaN or a
+// missing entry (i < 0) never wins.
+__device__ __forceinline__ bool argmax_beats(float v, int i, float best, int best_i) {
+    return i >= 0 && (best_i < 0 || v > best || (v == best && i < best_i));
+}
+
+// The CTA's argmax of every thread's (best, best_i), left in thread 0's (one barrier).
+__device__ __forceinline__ void block_argmax(float& best, int& best_i) {
+    __shared__ float s_v[32];
+    __shared__ int s_i[32];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, best, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, best_i, o);
+        if (argmax_beats(ov, oi, best, best_i)) best = ov, best_i = oi;
+    }
+    if ((threadIdx.x & 31) == 0) {
+        s_v[threadIdx.x >> 5] = best;
+        s_i[threadIdx.x >> 5] = best_i;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0)
+        for (int w = 1; w < (int)(blockDim.x >> 5); w++)
+            if (argmax_beats(s_v[w], s_i[w], best, best_i)) best = s_v[w], best_i = s_i[w];
+}
+
+// The argmax over the grid's CTAs, after block_argmax left each CTA's (best, best_i) in its
+// thread 0: that pair goes to scratch (1 + 2 * gridDim.x words: an arrival count, then the
+// pairs), and the CTA that arrives last takes the argmax over the pairs in CTA order, resets
+// the count and returns true, the winner in its thread 0; the other CTAs return false.
+__device__ __forceinline__ bool argmax_across_ctas(float& best, int& best_i, int* scratch) {
+    __shared__ bool last;
+    if (threadIdx.x == 0) {
+        scratch[1 + 2 * blockIdx.x] = __float_as_int(best);
+        scratch[2 + 2 * blockIdx.x] = best_i;
+        __threadfence();  // the pair is visible before the count says so
+        last = atomicAdd(scratch, 1) == (int)gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last) return false;
+    __threadfence();
+    const volatile int* pairs = scratch + 1;
+    best = NEG_INF;
+    best_i = -1;
+    for (int c = threadIdx.x; c < (int)gridDim.x; c += blockDim.x) {
+        const float v = __int_as_float(pairs[2 * c]);
+        const int i = pairs[2 * c + 1];
+        if (argmax_beats(v, i, best, best_i)) best = v, best_i = i;
+    }
+    block_argmax(best, best_i);
+    if (threadIdx.x == 0) scratch[0] = 0;
+    return true;
+}

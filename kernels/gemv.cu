@@ -1,0 +1,573 @@
+// GEMV v2: the decode step's larger NF4 matrix-vector products (gate/up, down, lm_head on the
+// Qwen2.5-3B shape) on CUDA cores with an f16-pair table. Uses common.cuh.
+
+// GEMV v2 (the larger matrices). Persistent CTAs walk a block of rows; each warp holds its
+// slice of x in registers for the whole walk (x is read once per warp, not once per row: the
+// v1 kernels, removed after a1b9aaa, re-read 128 bytes of x for every 16 bytes of weights,
+// with lanes 128 bytes apart, which made L1 the bottleneck), and issues the loads of R rows
+// before using any of them.
+//
+// A row's 16-byte chunks are split over `kparts` warps (runtime: 1, 2, 4 or 8); each warp's
+// lane holds J chunks (compile time: 1..3) of the row part, so a part covers 32*J chunks.
+// The CTA's 8 warps are (8 / kparts) row lanes x kparts parts. Every warp runs the same
+// number of iterations, so the per-iteration part reduction may use __syncthreads.
+
+#define GEMV2_MAX_LANES_X_R 32  // (row lanes) x (rows in flight) held in shared memory
+#define GEMV2_LATE_FLOATS 1024  // K-part sums of a CTA's rows kept for one final reduction
+// x is staged in shared memory from f32 (stage_x) or, in the _x16 kernels, from f16 (down's
+// input, written so by SwiGLU: DV2_FFN_F16). A kernel holds one x path: a warp runs it once,
+// and paths it never takes cost their fetch (docs/lab.md, session 13: 600-1,100 SASS
+// instructions a path).
+
+// A row's epilogue operands (its bias, the old y a residual adds to), which GEMV v2 loads
+// right after its wait instead of after the row's sums (see gemv2_walk).
+struct RowEpi {
+    float bias, old;
+};
+
+template <int J>
+struct XSlice {
+    float v[J][32];
+};
+
+// GEMV v2's x staged once per CTA in dynamic shared memory: the
+// CTA loads x (and the norm's weights) coalesced, applies the norm, and stores chunk c (32
+// floats) at X_STAGE_STRIDE * c; each lane then reads its own chunks with 16-byte shared
+// loads, which the stride keeps conflict-free (the 8 lanes of a quarter-warp, on consecutive
+// chunks, start 4 banks apart). Why: read straight from global memory (until a1b9aaa), each
+// 16-byte load of a warp touches 32 cache lines (a chunk is one 128-byte line per lane), 8x
+// the L1 wavefronts of a coalesced load; the same pattern in the norm's weights (2-byte
+// loads, 16 lines each) cost ~3 us per kernel (docs/lab.md, session 7). Same values in the
+// same order. X_STAGE_STRIDE comes from the host (src/cuda/kernels.rs), which sizes the
+// dynamic shared memory.
+// GEMV2_X_BATCH: quads per thread per round of loads; 4 stage K up to 4,096 in one round
+// (gate/up and lm_head at K = 2,048 need 2) in fewer instructions than 8, code each warp runs
+// once (docs/lab.md, session 13).
+#define GEMV2_X_BATCH 4
+__device__ __forceinline__ void stage_x(const float* __restrict__ x, int cols, NormArgs norm, float* x_staged) {
+    for_each_x_quad<GEMV_THREADS, GEMV2_X_BATCH>(x, cols, norm, [&](int q, float4 v, uint2 w, float r) {
+        float e[4] = {v.x, v.y, v.z, v.w};
+        if (norm.w) {
+            const u32 w2[2] = {w.x, w.y};
+#pragma unroll
+            for (int i = 0; i < 4; i++) e[i] = e[i] * r * bf16_to_f32((u16)(w2[i >> 1] >> (16 * (i & 1))));
+        }
+        *reinterpret_cast<float4*>(x_staged + (q >> 3) * X_STAGE_STRIDE + (q & 7) * 4) = make_float4(e[0], e[1], e[2], e[3]);
+    });
+}
+
+// This lane's chunks of x from the staged copy (zeros past the last chunk).
+template <int J>
+__device__ __forceinline__ void read_x_slice(const float* x_staged, int part, int cols, XSlice<J>& xs) {
+    const int lane = threadIdx.x & 31, n_chunks = cols >> 5;
+#pragma unroll
+    for (int j = 0; j < J; j++) {
+        const int c = (part * J + j) * 32 + lane;
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            const float4 v = c < n_chunks ? *reinterpret_cast<const float4*>(x_staged + c * X_STAGE_STRIDE + 4 * k)
+                                          : make_float4(0.f, 0.f, 0.f, 0.f);
+            xs.v[j][4 * k] = v.x, xs.v[j][4 * k + 1] = v.y, xs.v[j][4 * k + 2] = v.z, xs.v[j][4 * k + 3] = v.w;
+        }
+    }
+}
+
+// x given as f16 (the _x16 kernels: down's input, written so by SwiGLU), staged as the f16-pair
+// walk reads it: chunk c's 16 words (its 32 halves, element 2i in the low half of word i) at
+// X16_STAGE_STRIDE * c, whose 4 words of padding keep a quarter-warp's 16-byte reads of
+// consecutive chunks conflict-free. Why: f32 x staged at K = 11008 is 44 KB of L2 reads per
+// CTA, as many bytes as the CTA's weights, in two round trips of X_BATCH loads; f16 halves
+// them and fits one round trip. The bits are those of the f32 path (the same rounding, done
+// by the writer).
+__device__ __forceinline__ void stage_x16(const u16* __restrict__ x, int cols, u32* staged) {
+    const int pieces = cols >> 3;  // 16 bytes each, 4 per chunk
+    for (int base = threadIdx.x; base < pieces; base += X_BATCH * GEMV_THREADS) {
+        uint4 v[X_BATCH];
+#pragma unroll
+        for (int u = 0; u < X_BATCH; u++) {
+            const int i = base + u * GEMV_THREADS;
+            if (i < pieces) v[u] = reinterpret_cast<const uint4*>(x)[i];
+        }
+#pragma unroll
+        for (int u = 0; u < X_BATCH; u++) {
+            const int i = base + u * GEMV_THREADS;
+            if (i < pieces) *reinterpret_cast<uint4*>(staged + (i >> 2) * X16_STAGE_STRIDE + (i & 3) * 4) = v[u];
+        }
+    }
+}
+
+template <int J>
+struct XHalves;
+
+// This lane's chunks of x as f16 pairs from stage_x16's copy (zeros past the last chunk).
+template <int J>
+__device__ __forceinline__ void read_x16_slice(const u32* staged, int part, int cols, XHalves<J>& xh) {
+    const int lane = threadIdx.x & 31, n_chunks = cols >> 5;
+#pragma unroll
+    for (int j = 0; j < J; j++) {
+        const int c = (part * J + j) * 32 + lane;
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const uint4 v = c < n_chunks ? *reinterpret_cast<const uint4*>(staged + c * X16_STAGE_STRIDE + 4 * q)
+                                         : make_uint4(0u, 0u, 0u, 0u);
+            xh.h[j][4 * q] = v.x, xh.h[j][4 * q + 1] = v.y, xh.h[j][4 * q + 2] = v.z, xh.h[j][4 * q + 3] = v.w;
+        }
+    }
+}
+
+template <int J>
+struct RowChunks {
+    uint4 q[J];
+    float s[J];
+};
+
+// GEMV v2's weight loads as ld.global.nc.L1::no_allocate (each 16-byte piece is read once). Why: with
+// L1 cut to 28 KiB the decode step lost 0.069 ms (docs/lab.md, session 15, run 8), so L1 may
+// bound the weight loads in flight; a load that allocates no line is not. Measured: -0.004
+// ms/token against __ldg (session 16, runs 1-2).
+__device__ __forceinline__ uint4 load_weights16(const uint4* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+
+// Issues the loads of this lane's chunks of one row part (zero scale past the row's end).
+template <int J>
+__device__ __forceinline__ void load_row(Nf4Ref m, int row, int cols, int part, RowChunks<J>& rc) {
+    const int lane = threadIdx.x & 31, n_chunks = cols >> 5;
+    const uint4* w = reinterpret_cast<const uint4*>(m.packed + (size_t)row * (cols >> 1));
+    const float* a = m.absmax + (size_t)row * (cols >> 6);
+#pragma unroll
+    for (int j = 0; j < J; j++) {
+        const int c = (part * J + j) * 32 + lane;
+        const bool in = c < n_chunks;
+        rc.q[j] = in ? load_weights16(w + c) : make_uint4(0u, 0u, 0u, 0u);
+        rc.s[j] = in ? __ldg(a + (c >> 1)) : 0.0f;
+    }
+}
+
+// One row part's dot product with this lane's x, shared by the v2 tables: each chunk's four
+// 32-bit words of weights (four bytes each, each byte two weights) summed GROUP words at a
+// time by `group_sum(j, w0, words)` (words w0 .. w0 + GROUP - 1 of chunk j), the groups
+// added in f32, then times the chunk's absmax.
+template <int J, int GROUP, typename GroupSum>
+__device__ __forceinline__ float dot_chunks(const RowChunks<J>& rc, GroupSum group_sum) {
+    static_assert(GROUP == 1 || GROUP == 2 || GROUP == 4, "groups of 1, 2 or 4 words");
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < J; j++) {
+        const u32 words[4] = {rc.q[j].x, rc.q[j].y, rc.q[j].z, rc.q[j].w};
+        float part = 0.0f;
+#pragma unroll
+        for (int w0 = 0; w0 < 4; w0 += GROUP) part += group_sum(j, w0, words);
+        acc = fmaf(part, rc.s[j], acc);
+    }
+    return acc;
+}
+
+// GEMV v2's table: the byte -> f16-pair table above, 4 bytes per lookup instead of the f32
+// pairs' 8 (removed after a1b9aaa, as was the 16-entry codebook), so a warp's lookup is one
+// shared-memory wavefront instead of two (the v2 loop is bound by these lookups, docs/lab.md
+// session 9). The pairs multiply x as f16x2 (x packed once per walk),
+// each word's four pairs summed by two lanes of an f16x2 FMA chain, then added in f32: the
+// products and those 4-term sums are f16, whose rounding (~2e-5 of the terms' magnitude in a
+// numpy model at K = 2048) is of the order of x's own f16 rounding in GEMV v3; like v3, an |x|
+// past 65504 would overflow.
+__device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
+    u32 r;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+
+__device__ __forceinline__ float half2_sum(u32 h) {
+    float lo, hi;
+    asm("{.reg .b16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h;}" : "=f"(lo), "=f"(hi) : "r"(h));
+    return lo + hi;
+}
+
+// A lane's x as f16 pairs (element 2i in the low half of h[j][i]).
+template <int J>
+struct XHalves {
+    u32 h[J][16];
+};
+
+template <int J>
+__device__ __forceinline__ void pack_x_halves(const XSlice<J>& xs, XHalves<J>& xh) {
+#pragma unroll
+    for (int j = 0; j < J; j++)
+#pragma unroll
+        for (int i = 0; i < 16; i++) xh.h[j][i] = pack_f16x2(xs.v[j][2 * i], xs.v[j][2 * i + 1]);
+}
+
+#define GEMV2_CHAIN 2
+// GEMV2_CHAIN: words of a chunk
+// whose pairs one f16x2 FMA chain sums before it is added in f32 (1: each word's four pairs,
+// as before session 15). Longer chains convert and add fewer times: per chunk of 16 bytes 17
+// instructions of sums with 1, 9 with 2, 5 with 4, against 64 for the lookups and products,
+// and the walk is issue-bound (docs/lab.md, session 15). Each f16 partial sum holds 8 (16)
+// products instead of 4: its rounding grows (the gates' logit errors with every linear on
+// v2 moved by up to 0.004, cap 0.05), as does the reach of an |x| outlier toward f16's
+// 65504, which is why the default is 2, not 4.
+// dot_chunks with the f16-pair table (lane4 = 4 * lane): each group of GEMV2_CHAIN words one
+// f16x2 FMA chain, summed in f32. PRMT: the table laid out for prmt_lut_entry.
+template <int J, bool PRMT = false>
+__device__ __forceinline__ float dot_row_pair16(const RowChunks<J>& rc, const XHalves<J>& xh, const u32* lut,
+                                                u32 lane4) {
+    return dot_chunks<J, GEMV2_CHAIN>(rc, [&](int j, int w0, const u32* words) {
+        u32 h = 0u;
+#pragma unroll
+        for (int w = w0; w < w0 + GEMV2_CHAIN; w++)
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                const u32 e = PRMT ? prmt_lut_entry(lut, words[w], k, lane4) : byte_lut_entry(lut, words[w], k, lane4);
+                h = hfma2(e, xh.h[j][4 * w + k], h);
+            }
+        return half2_sum(h);
+    });
+}
+
+// The walk shared by the v2 kernels. `Rows` maps a row index to its matrix and epilogue:
+//   Nf4Ref matrix(int row, int* local_row); void store(int row, float sum[NM]) for NM
+//   matrices per row (1, or 2 for SwiGLU's gate and up); void tail(), run as the walk ends,
+//   and void finish() after the epilogues (every thread of the CTA).
+// X16: x comes as f16 (stage_x16), else f32 (stage_x).
+template <int J, int R, int NM, bool X16, typename Rows>
+__device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, const float* __restrict__ x,
+                                           NormArgs norm, int kparts, const int* skip_if, int early_ctas = 0,
+                                           int early_rows = 0) {
+    // Rows::prmt_table: the f16-pair table in dynamic shared memory as load_byte_codebook_prmt
+    // lays it out, before x; else in static shared memory.
+    constexpr bool prmt_table = Rows::prmt_table;
+    __shared__ __align__(16) u32 pair16_static[prmt_table ? 1 : BYTE_LUT_WORDS];
+    __shared__ float partial[GEMV2_MAX_LANES_X_R * NM][GEMV_WARPS];
+    __shared__ float late_partial[GEMV2_LATE_FLOATS];
+    // Dynamic shared memory: that table (PRMT_LUT_WORDS words), then x as staged: cols / 32 *
+    // X_STAGE_STRIDE floats, or cols / 32 * X16_STAGE_STRIDE words from f16.
+    extern __shared__ __align__(16) float gemv2_dyn[];
+    u32* pair16_lut = prmt_table ? reinterpret_cast<u32*>(gemv2_dyn) : pair16_static;
+    float* x_staged = gemv2_dyn + (prmt_table ? PRMT_LUT_WORDS : 0);
+    timeline_start();
+    if (prmt_table) load_byte_codebook_prmt<GEMV_THREADS>(pair16_lut);
+    else load_byte_codebook<GEMV_THREADS>(pair16_lut);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const u32 lane4 = lane * 4;
+    // kparts is 1, 2, 4 or 8 (the host's gemv2_shape): the warp's roles by shifts and masks.
+    const int kshift = log2_pow2(kparts);
+    const int part = warp & (kparts - 1), row_lane = warp >> kshift, row_lanes = GEMV_WARPS >> kshift;
+    // Rows by CTA: an equal share each, or (early_ctas > 0; SwiGLU, GEMV2_SWIGLU_SKEW on the
+    // host) early_rows for each of the first early_ctas CTAs and an equal share of the rest for
+    // the others. Why: the CTAs the scheduler places first (beside the previous kernel's)
+    // start ~1-2 us before those that wait for its CTAs to leave, and the kernel ends with its
+    // last CTA. The plain and lm_head kernels measured slower with it (session 18) and hold no
+    // such code.
+    if (NM != 2) early_ctas = 0;
+    const int late_rows =
+        early_ctas > 0 ? (rows - early_ctas * early_rows + (int)gridDim.x - early_ctas - 1) / ((int)gridDim.x - early_ctas)
+                       : 0;
+    const int per_cta = early_ctas == 0 ? (rows + gridDim.x - 1) / gridDim.x
+                        : (int)blockIdx.x < early_ctas ? early_rows
+                                                       : late_rows;
+    const int r0 = early_ctas == 0 || (int)blockIdx.x < early_ctas
+                       ? blockIdx.x * per_cta
+                       : early_ctas * early_rows + ((int)blockIdx.x - early_ctas) * late_rows;
+    const int r1 = min(rows, r0 + per_cta);
+    const int block = row_lanes * R;  // rows per iteration
+    // Late sums: each iteration leaves its K-part sums in shared memory and the CTA adds them
+    // and runs the epilogue once, after its last iteration: one barrier instead of two per
+    // iteration, every row's epilogue loads (a residual's old y) in flight together instead of
+    // one round trip per iteration, and without a K split (gate/up, lm_head) a warp's rows'
+    // epilogues (SwiGLU's exp and division by lane 0) leave the walk and run in parallel at
+    // its end. Same sums in the same order. A CTA whose sums do not fit shared memory stores
+    // as it goes.
+    const bool late = (r1 - r0) * NM * kparts <= GEMV2_LATE_FLOATS;
+    // Software pipeline: the loads of the next block are issued before this block's math.
+    RowChunks<J> cur[R][NM], nxt[R][NM];
+    auto load_block = [&](int base, RowChunks<J> (&rc)[R][NM]) {
+#pragma unroll
+        for (int i = 0; i < R; i++) {
+            const int r = base + i * row_lanes + row_lane;
+            if (r < r1) {
+#pragma unroll
+                for (int k = 0; k < NM; k++) load_row<J>(rows_of.matrix(r, k), rows_of.local(r), cols, part, rc[i][k]);
+            }
+        }
+    };
+    // The first block's weights go out before the wait on the previous kernel (weights are
+    // constant; it pays where the CTA is resident early, as the 128-register kernels are
+    // beside a GEMV v3 CTA: 0.01-0.02 ms/token, docs/lab.md session 10).
+    load_block(r0, cur);
+    pdl_enter();
+    if (skip_if && *skip_if) return;
+    // With late sums the epilogue operands of the CTA's first blockDim.x rows (thread i: row
+    // r0 + i, as in the final reduction below) load now, so their round trip overlaps the walk
+    // instead of following the last barrier.
+    RowEpi early_epi{0.0f, 0.0f};
+    if (late && (int)threadIdx.x < r1 - r0) early_epi = rows_of.epi(r0 + threadIdx.x);
+    XHalves<J> xh;
+    if (X16) {
+        stage_x16(reinterpret_cast<const u16*>(x), cols, reinterpret_cast<u32*>(x_staged));
+        __syncthreads();
+        read_x16_slice<J>(reinterpret_cast<const u32*>(x_staged), part, cols, xh);
+    } else {
+        XSlice<J> xs;
+        stage_x(x, cols, norm, x_staged);
+        __syncthreads();
+        read_x_slice<J>(x_staged, part, cols, xs);
+        pack_x_halves<J>(xs, xh);
+    }
+    float ss = 0.0f;  // squares of the values this thread stored
+    for (int base = r0; base < r1; base += block) {
+        if (base + block < r1) load_block(base + block, nxt);
+        float sums[R][NM];
+#pragma unroll
+        for (int i = 0; i < R; i++)
+#pragma unroll
+            for (int k = 0; k < NM; k++)
+                sums[i][k] = warp_sum(dot_row_pair16<J, prmt_table>(cur[i][k], xh, pair16_lut, lane4));
+#pragma unroll
+        for (int i = 0; i < R; i++)
+#pragma unroll
+            for (int k = 0; k < NM; k++) cur[i][k] = nxt[i][k];
+        if (late) {
+            if (lane == 0) {
+#pragma unroll
+                for (int i = 0; i < R; i++) {
+                    const int r = base + i * row_lanes + row_lane;
+                    if (r < r1) {
+#pragma unroll
+                        for (int k = 0; k < NM; k++) late_partial[((r - r0) * NM + k) * kparts + part] = sums[i][k];
+                    }
+                }
+            }
+            continue;
+        }
+        if (kparts == 1) {
+            if (lane == 0) {
+#pragma unroll
+                for (int i = 0; i < R; i++) {
+                    const int r = base + i * row_lanes + row_lane;
+                    if (r < r1) ss += sq(rows_of.store(r, sums[i]));
+                }
+            }
+            continue;
+        }
+        if (lane == 0) {
+#pragma unroll
+            for (int i = 0; i < R; i++)
+#pragma unroll
+                for (int k = 0; k < NM; k++) partial[(i * row_lanes + row_lane) * NM + k][part] = sums[i][k];
+        }
+        __syncthreads();
+        if (threadIdx.x < block) {
+            const int r = base + threadIdx.x;
+            if (r < r1) {
+                const int i = threadIdx.x >> log2_pow2(row_lanes), rl = threadIdx.x & (row_lanes - 1);
+                float total[NM];
+#pragma unroll
+                for (int k = 0; k < NM; k++) {
+                    total[k] = 0.0f;
+                    for (int p = 0; p < kparts; p++) total[k] += partial[(i * row_lanes + rl) * NM + k][p];
+                }
+                ss += sq(rows_of.store(r, total));
+            }
+        }
+        __syncthreads();
+    }
+    rows_of.tail();
+    if (late) {
+        __syncthreads();
+        for (int idx = threadIdx.x; idx < r1 - r0; idx += blockDim.x) {
+            float total[NM];
+#pragma unroll
+            for (int k = 0; k < NM; k++) {
+                total[k] = 0.0f;
+                for (int p = 0; p < kparts; p++) total[k] += late_partial[(idx * NM + k) * kparts + p];
+            }
+            const RowEpi e = idx == (int)threadIdx.x ? early_epi : rows_of.epi(r0 + idx);
+            ss += sq(rows_of.store(r0 + idx, total, e));
+        }
+    }
+    if (float* out = rows_of.ss_out()) block_sum_to(ss, out + blockIdx.x);
+    rows_of.finish();
+    timeline_end();
+}
+
+// Each Rows type's store returns the value it wrote; ss_out() (may be null) is where the
+// walk leaves this CTA's sum of their squares, for the next RMSNorm (NormArgs).
+struct PlainRows {
+    static constexpr bool prmt_table = false;
+    Nf4Ref m;
+    float* y;
+    const float* bias;
+    int accumulate;
+    float* ss;
+    __device__ void tail() const {}
+    __device__ void finish() const {}
+    __device__ Nf4Ref matrix(int, int) const { return m; }
+    __device__ int local(int r) const { return r; }
+    __device__ RowEpi epi(int r) const { return {bias ? bias[r] : 0.0f, accumulate ? y[r] : 0.0f}; }
+    __device__ float store(int r, const float* s, RowEpi e) const {
+        const float v = s[0] + e.bias;
+        const float out = accumulate ? e.old + v : v;
+        y[r] = out;
+        return out;
+    }
+    __device__ float store(int r, const float* s) const { return store(r, s, epi(r)); }
+    __device__ float* ss_out() const { return ss; }
+};
+
+struct QkvRows {
+    static constexpr bool prmt_table = false;
+    QkvArgs a;
+    float* out;
+    __device__ void tail() const {}
+    __device__ void finish() const {}
+    __device__ int seg(int r) const { return r < a.rows[0] ? 0 : (r < a.rows[0] + a.rows[1] ? 1 : 2); }
+    __device__ Nf4Ref matrix(int r, int) const {
+        const int s = seg(r);
+        return s == 0 ? a.m[0] : (s == 1 ? a.m[1] : a.m[2]);
+    }
+    __device__ int local(int r) const {
+        const int s = seg(r);
+        return s == 0 ? r : (s == 1 ? r - a.rows[0] : r - a.rows[0] - a.rows[1]);
+    }
+    __device__ RowEpi epi(int r) const {
+        const int g = seg(r);
+        const float* b = g == 0 ? a.bias[0] : (g == 1 ? a.bias[1] : a.bias[2]);
+        return {b ? b[local(r)] : 0.0f, 0.0f};
+    }
+    __device__ float store(int r, const float* s, RowEpi e) const {
+        const float v = s[0] + e.bias;
+        out[r] = v;
+        return v;
+    }
+    __device__ float store(int r, const float* s) const { return store(r, s, epi(r)); }
+    __device__ float* ss_out() const { return nullptr; }
+};
+
+struct SwigluRows {
+    static constexpr bool prmt_table = false;
+    Nf4Ref gate, up;
+    float* out;
+    bool out_f16;  // for a down GEMV that stages f16 (DV2_FFN_F16)
+    __device__ void tail() const {}
+    __device__ void finish() const {}
+    __device__ Nf4Ref matrix(int, int k) const { return k == 0 ? gate : up; }
+    __device__ int local(int r) const { return r; }
+    __device__ RowEpi epi(int) const { return {0.0f, 0.0f}; }
+    __device__ float store(int r, const float* s, RowEpi) const { return store(r, s); }
+    __device__ float store(int r, const float* s) const {
+        const float v = s[0] / (1.0f + expf(-s[0])) * s[1];
+        if (out_f16) reinterpret_cast<u16*>(out)[r] = f32_to_f16(v);
+        else out[r] = v;
+        return v;
+    }
+    __device__ float* ss_out() const { return nullptr; }
+};
+
+// lm_head with the greedy argmax folded in (DV2_LOGITS_ARGMAX, default): the logits are
+// stored as by PlainRows, each thread keeps the best of the rows it stored (rows in rising
+// order, so the strict > keeps the lowest index of a tie; NaN never wins), and finish() takes
+// the argmax over the CTAs as argmax_logits does (argmax_across_ctas); the CTA that arrives
+// last writes state[NEXT_TOKEN]. Why: the argmax kernel after lm_head added
+// 4.75-5.25 us a step in the graph (docs/lab.md, sessions 15-16): its launch, wait and second
+// read of the 600 KB of logits. Measured: -0.0017 ms/token (session 16, run 2). With
+// `ring` (the decode step's graph), that CTA also commits the id as
+// commit_step would, one kernel fewer a step (its launch added 1.0 us, session 16's trace).
+struct LogitRows {
+    static constexpr bool prmt_table = true;  // the walk's table for PRMT
+    Nf4Ref m;
+    float* y;
+    int* state;
+    int* scratch;
+    int eos;
+    int* ring;  // null: no commit
+    mutable float best;
+    mutable int best_i;
+    __device__ Nf4Ref matrix(int, int) const { return m; }
+    __device__ int local(int r) const { return r; }
+    __device__ RowEpi epi(int) const { return {0.0f, 0.0f}; }
+    __device__ float store(int r, const float* s, RowEpi) const { return store(r, s); }
+    __device__ float store(int r, const float* s) const {
+        y[r] = s[0];
+        if (s[0] > best || (best_i < 0 && s[0] == s[0])) best = s[0], best_i = r;
+        return s[0];
+    }
+    __device__ float* ss_out() const { return nullptr; }
+    __device__ void tail() const {}
+    __device__ void finish() const {
+        float b = best;
+        int bi = best_i;
+        block_argmax(b, bi);
+        if (!argmax_across_ctas(b, bi, scratch)) return;
+        if (threadIdx.x == 0) {
+            const int next = bi < 0 ? 0 : bi;
+            state[STATE_NEXT_TOKEN] = next;
+            if (ring) commit(next);
+        }
+    }
+    // commit_step's work: the CTAs skipped this launch while finished was
+    // set, so finished is clear here.
+    __device__ void commit(int next) const {
+        ring[state[STATE_RING_COUNT]++] = next;
+        state[STATE_TOKEN] = next;
+        state[STATE_POSITION] += 1;
+        state[STATE_VALID_LEN] = state[STATE_POSITION];
+        if (next == eos) state[STATE_FINISHED] = 1;
+    }
+};
+
+// The kernels of one J by what the rows feed: a plain matrix (nf4; _x16: its x in f16),
+// q/k/v, SwiGLU, and lm_head with the argmax (logits). R: rows in flight per warp, half of
+// what fits 255 registers, so that each kernel stays within 128 (no spills but SwiGLU's at J
+// = 3, 240 bytes): a CTA fits beside a GEMV v3 CTA (o's, before gate/up), so it becomes
+// resident and builds its table while that kernel runs, and two fit an SM (GEMV2_CTAS_PER_SM
+// on the host): 6% faster decode than one CTA of twice the rows (docs/lab.md, session 10).
+// The _narrow suffix names that bound.
+// The register bound that fits GEMV2_CTAS_PER_SM CTAs on an SM's 65,536 registers (128).
+#define GEMV2_MAX_REGS (65536 / (GEMV_THREADS * GEMV2_CTAS_PER_SM))
+#define GEMV2_NF4_KERNEL(J, R, X16, SUFFIX)                                                                    \
+    extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)                                                                \
+        gemv2_nf4_j##J##SUFFIX(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y,                 \
+                               const float* __restrict__ bias, int rows, int cols, int kparts, int accumulate, \
+                               const int* skip_if, float* ss_out) {                                            \
+        PlainRows p{m, y, bias, accumulate, ss_out};                                                           \
+        gemv2_walk<J, R, 1, X16>(p, rows, cols, x, norm, kparts, skip_if);                                     \
+    }
+#define GEMV2_KERNELS(J, R)                                                                                    \
+    GEMV2_NF4_KERNEL(J, R, false, _narrow)                                                                     \
+    GEMV2_NF4_KERNEL(J, R, true, _narrow_x16)                                                                  \
+    extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)                                                                \
+        gemv2_qkv_j##J##_narrow(QkvArgs a, const float* __restrict__ x, NormArgs norm, float* out, int cols,   \
+                                int kparts) {                                                                  \
+        QkvRows q{a, out};                                                                                     \
+        gemv2_walk<J, R, 1, false>(q, a.rows[0] + a.rows[1] + a.rows[2], cols, x, norm, kparts, nullptr);      \
+    }                                                                                                          \
+    extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)                                                                \
+        gemv2_swiglu_j##J##_narrow(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm,         \
+                                   float* out, int rows, int cols, int kparts, int out_f16, int early_ctas,    \
+                                   int early_rows) {                                                           \
+        SwigluRows g{gate, up, out, out_f16 != 0};                                                             \
+        gemv2_walk<J, (R > 1 ? R / 2 : 1), 2, false>(g, rows, cols, x, norm, kparts, nullptr, early_ctas,     \
+                                                     early_rows);                                              \
+    }                                                                                                          \
+    GEMV2_LOGITS_KERNEL(J, R)
+// lm_head and the argmax in one (LogitRows; DV2_LOGITS_ARGMAX, default), compiled only with
+// the switch (GEMV2_LOGITS, from the host's config).
+#if GEMV2_LOGITS
+#define GEMV2_LOGITS_KERNEL(J, R)                                                                              \
+    extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)                                                                \
+        gemv2_logits_j##J##_narrow(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y, int rows,   \
+                                   int cols, int kparts, const int* skip_if, int* state, int* scratch, int eos, \
+                                   int* ring) {                                                                \
+        LogitRows p{m, y, state, scratch, eos, ring, NEG_INF, -1};                                             \
+        gemv2_walk<J, R, 1, false>(p, rows, cols, x, norm, kparts, skip_if);                                   \
+    }
+#else
+#define GEMV2_LOGITS_KERNEL(J, R)
+#endif
+GEMV2_KERNELS(1, 2)
+GEMV2_KERNELS(2, 2)
+GEMV2_KERNELS(3, 1)

@@ -1,0 +1,37 @@
+//! The interface every backend implements (CPU reference, CUDA): its own module, so that the
+//! engine and the backends depend on it and not on each other.
+
+use crate::error::Result;
+
+/// What a backend implements. The engine has validated every argument before calling.
+pub trait Backend: Send {
+    fn name(&self) -> &'static str;
+    /// position = valid_len = 0, finished = false; the KV cache is not cleared.
+    fn reset(&mut self) -> Result<()>;
+    /// Teacher-forces `ids` from the current position; then next_token = token = the greedy
+    /// id after the last one, finished = (next_token == eos).
+    fn prefill(&mut self, ids: &[u32]) -> Result<()>;
+    /// Up to `out.len()` greedy steps (feed token, next_token = argmax, token = next_token,
+    /// position += 1, finished |= eos), writing each id; stops after the step that finishes.
+    /// Returns the number of ids written.
+    fn step_n(&mut self, out: &mut [u32]) -> Result<usize>;
+    fn next_token(&mut self) -> Result<u32>;
+    /// Copies the last forward's logits (`vocab` values).
+    fn logits(&mut self, out: &mut [f32]) -> Result<()>;
+    fn position(&mut self) -> Result<usize>;
+    fn finished(&mut self) -> Result<bool>;
+    /// Diagnostic: true while nothing was written past the last KV slot (backends with a
+    /// guard region check it; others have nothing to check).
+    fn kv_guard_intact(&mut self) -> Result<bool> {
+        Ok(true)
+    }
+    /// Diagnostic: free device memory in bytes (None for host backends).
+    fn device_free_bytes(&mut self) -> Result<Option<usize>> {
+        Ok(None)
+    }
+    /// Timer: ms of the warm-up at load (CUDA: eager probe step + graph capture); None for
+    /// backends without one.
+    fn warmup_ms(&self) -> Option<f64> {
+        None
+    }
+}

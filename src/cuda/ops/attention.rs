@@ -1,0 +1,270 @@
+//! The attention launches: the decode step's (v1, v2, v3; kernels/attention.cu) and the
+//! prefill chunk's (kernels/attention_prefill.cu).
+
+use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig};
+
+use super::Ops;
+use crate::cuda::kernels::{
+    ATTN2_CHUNK, ATTNM_ROWS, ATTNM_THREADS, ATTNP_Q_FLOATS, ATTNP_ROWS, ATTNP_THREADS, ATTN_THREADS,
+};
+use crate::error::{Error, Result};
+
+/// kernels/attention.cu `AttnArgs`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct AttnArgs {
+    pub qkv: u64,
+    pub k_cache: u64,
+    pub v_cache: u64,
+    pub rope_cos: u64,
+    pub rope_sin: u64,
+    pub state: u64,
+    pub part_acc: u64,
+    pub part_ml: u64,
+    pub n_q: i32,
+    pub n_kv: i32,
+    pub head_dim: i32,
+    pub max_seq: i32,
+    pub n_splits: i32,
+    pub scale: f32,
+    /// Attention v3's q heads per CTA (set by [`Ops::attention`]).
+    pub heads_per_cta: i32,
+    /// Where kernels built with `DV2_QKV_KHALVES` (default) find q/k/v's second K-half sums, which
+    /// the attention adds ([`Ops::qkv`] says whether it wrote them after its rows; else a
+    /// zeroed buffer of the rows; unread otherwise).
+    pub qkv2: u64,
+}
+
+// SAFETY: plain old data matching the kernel's struct.
+unsafe impl DeviceRepr for AttnArgs {}
+
+/// kernels/attention_prefill.cu `PrefillAttnArgs`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct PrefillAttnArgs {
+    pub qkv: u64,
+    pub k_cache: u64,
+    pub v_cache: u64,
+    pub state: u64,
+    pub out: u64,
+    pub n: i32,
+    pub ld: i32,
+    pub n_q: i32,
+    pub n_kv: i32,
+    pub head_dim: i32,
+    /// Tokens per CTA of the CUDA-core kernels: set by [`Ops::attn_prefill`].
+    pub qb: i32,
+    pub scale: f32,
+    /// Nonzero: `out` is written as f16 (the next GEMM's input).
+    pub out_f16: i32,
+    /// The chunk's token at row 0 of `qkv` and `out` (0, or the last token alone: its
+    /// position is the state's plus `first`; the KV slots of the whole chunk are written).
+    pub first: i32,
+}
+
+// SAFETY: plain old data matching the kernel's struct.
+unsafe impl DeviceRepr for PrefillAttnArgs {}
+
+/// Tokens per CTA of the prefill attention for a model's group and head_dim, with at most
+/// `rows` (token, q head) rows per CTA, or None when one token's rows do not fit a CTA.
+pub fn attn_prefill_tokens(group: usize, head_dim: usize, rows: usize) -> Option<usize> {
+    let rows = rows.min(ATTNP_ROWS).min(ATTNP_Q_FLOATS / head_dim);
+    (group <= rows).then(|| rows / group)
+}
+
+/// The decode attention kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Attention {
+    /// A CTA per (q head, split) and a merge kernel: the fallback where v2's shared memory
+    /// does not fit the model (a GQA group over 16, or over 2,048 q values per KV head, or
+    /// over 32k slots).
+    V1,
+    /// CTAs per (KV head, 32-slot chunk), [`ATTN_SPLIT`] of them sharing the group's q heads,
+    /// then the merge kernel: the default without thread-block clusters.
+    V2,
+    /// v2's CTAs in clusters of [`ATTN3_SPLITS`] that split the context and merge through
+    /// distributed shared memory, no merge kernel (kernels/attention.cu, attn3_decode).
+    V3,
+}
+
+/// Attention v2/v3: CTAs sharing a KV head's q heads (the largest divisor of the group at
+/// most this): one q head per CTA on the 3B shape, -0.005..-0.006 ms/token against 4
+/// (docs/lab.md, session 12).
+pub const ATTN_SPLIT: usize = 8;
+
+/// Attention v3: CTAs per cluster, each an equal slice of the context (4: +0.027, 2: +0.113
+/// ms/token against 8, docs/lab.md session 14).
+pub const ATTN3_SPLITS: u32 = 8;
+
+/// Attention time splits of a KV capacity: v1 splits it in up to 32 parts; v2 in chunks
+/// of 32 slots. The arena holds partials for the larger of the two.
+pub fn attn_partials(max_seq: usize) -> usize {
+    attn_splits_v1(max_seq).max(max_seq.div_ceil(ATTN2_CHUNK))
+}
+
+fn attn_splits_v1(max_seq: usize) -> usize {
+    (max_seq / 64).clamp(1, 32)
+}
+
+impl Ops {
+    /// The tensor-core prefill attention for `head_dim` (16, 32, 64 or 128).
+    fn attn_prefill_mma(&self, head_dim: usize) -> Option<&CudaFunction> {
+        let i = [16, 32, 64, 128].iter().position(|&d| d == head_dim)?;
+        Some(&self.k.attn_prefill_mma[i])
+    }
+
+    /// Whether the prefill attention takes the model's shape (else prefill runs token by
+    /// token through the decode step).
+    pub fn attn_prefill_fits(&self, group: usize, head_dim: usize) -> bool {
+        self.attn_prefill_mma(head_dim).is_some()
+            || attn_prefill_tokens(group, head_dim, ATTNP_ROWS).is_some()
+    }
+
+    /// Causal attention of a chunk of `args.n` tokens (q and k already rotated, the chunk's
+    /// K/V already in the cache). `args.qb` is ignored: the CUDA-core kernels (head_dims the
+    /// tensor-core kernels lack) take 8 rows per CTA, measured faster than 32 (docs/lab.md),
+    /// raised to ATTNP_ROWS when one token's q heads need it.
+    pub fn attn_prefill(&self, args: PrefillAttnArgs) -> Result<()> {
+        if let Some(f) = self.attn_prefill_mma(args.head_dim as usize) {
+            let rows = (args.n * args.n_q / args.n_kv) as u32;
+            let cfg = LaunchConfig {
+                grid_dim: (args.n_kv as u32, rows.div_ceil(ATTNM_ROWS as u32), 1),
+                block_dim: (ATTNM_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            return launch!(self.gpu, f, cfg; args);
+        }
+        let (group, head_dim) = ((args.n_q / args.n_kv) as usize, args.head_dim as usize);
+        let tokens = attn_prefill_tokens(group, head_dim, 8)
+            .or_else(|| attn_prefill_tokens(group, head_dim, ATTNP_ROWS))
+            .ok_or_else(|| {
+                Error::Unsupported(format!(
+                    "prefill attention: {group} q heads per KV head at head_dim {head_dim}"
+                ))
+            })?;
+        let args = PrefillAttnArgs {
+            qb: tokens as i32,
+            ..args
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (
+                args.n_kv as u32,
+                (args.n as u32).div_ceil(args.qb as u32),
+                1,
+            ),
+            block_dim: (ATTNP_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // The kernel with the fewest rows per warp that holds the CTA's rows.
+        let rows = (args.qb * args.n_q / args.n_kv) as usize;
+        let f = &self.k.attn_prefill[(rows > 8) as usize];
+        launch!(self.gpu, f, cfg; args)
+    }
+
+    /// Attention of one layer (RoPE and the KV write fused), then the merge into `out`.
+    /// `args.n_splits` and `args.heads_per_cta` are ignored: each kernel sets its own.
+    pub fn attention(&self, args: AttnArgs, out: u64) -> Result<()> {
+        let max_seq = args.max_seq as usize;
+        let merge = LaunchConfig {
+            grid_dim: (args.n_q as u32, 1, 1),
+            block_dim: ((args.head_dim as u32).next_multiple_of(32), 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (pa, pm, st, hd, ms) = (
+            args.part_acc,
+            args.part_ml,
+            args.state,
+            args.head_dim,
+            args.max_seq,
+        );
+        let parts = attn_split_parts(ATTN_SPLIT, (args.n_q / args.n_kv) as usize);
+        match self.attn {
+            Attention::V1 => {
+                let args = AttnArgs {
+                    n_splits: attn_splits_v1(max_seq) as i32,
+                    ..args
+                };
+                let cfg = LaunchConfig {
+                    grid_dim: (args.n_q as u32, args.n_splits as u32, 1),
+                    block_dim: (ATTN_THREADS, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let ns = args.n_splits;
+                launch!(self.gpu, &self.k.attn_decode, cfg; args)?;
+                launch!(self.gpu, &self.k.attn_merge, merge; pa, pm, st, out, hd, ns, ms)
+            }
+            Attention::V3 => {
+                // Dynamic shared memory: the running outputs of a CTA's q heads.
+                let heads = (args.n_q / args.n_kv) as usize / parts;
+                let args = AttnArgs {
+                    n_splits: ATTN3_SPLITS as i32,
+                    heads_per_cta: heads as i32,
+                    ..args
+                };
+                // Grid (parts, splits, KV heads): the kernel takes its KV head from z and its
+                // heads per CTA from the arguments, no division in code each warp runs once.
+                let cfg = LaunchConfig {
+                    grid_dim: (parts as u32, ATTN3_SPLITS, args.n_kv as u32),
+                    block_dim: (ATTN_THREADS, 1, 1),
+                    shared_mem_bytes: (heads * args.head_dim as usize * 4) as u32,
+                };
+                let f = &self.k.attn3_decode[match args.head_dim {
+                    128 => 1,
+                    64 => 2,
+                    _ => 0,
+                }];
+                launch!(self.gpu, f, cfg, cluster = (1, ATTN3_SPLITS, 1); args, out)
+            }
+            Attention::V2 => {
+                let chunks = max_seq.div_ceil(ATTN2_CHUNK);
+                let args = AttnArgs {
+                    n_splits: chunks as i32,
+                    ..args
+                };
+                let cfg = LaunchConfig {
+                    grid_dim: ((args.n_kv as usize * parts) as u32, chunks as u32, 1),
+                    block_dim: (ATTN_THREADS, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let nc = chunks as i32;
+                // For head_dim <= 128 the kernel unrolled for it: 1,720 SASS instructions
+                // against 2,896, -0.018..-0.020 ms/token (docs/lab.md, 01f5749).
+                let f = if args.head_dim <= 128 {
+                    &self.k.attn2_decode_hd128
+                } else {
+                    &self.k.attn2_decode
+                };
+                launch!(self.gpu, f, cfg; args)?;
+                launch!(self.gpu, &self.k.attn2_merge, merge; pa, pm, st, out, hd, nc, ms)
+            }
+        }
+    }
+}
+
+/// CTAs per KV head for attention v2: the largest divisor of the GQA `group` that is at
+/// most `requested`, so every CTA takes the same number of q heads.
+fn attn_split_parts(requested: usize, group: usize) -> usize {
+    (1..=requested.min(group).max(1))
+        .rev()
+        .find(|p| group % p == 0)
+        .unwrap_or(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attention_splits_a_group_evenly() {
+        assert_eq!(attn_prefill_tokens(8, 128, 32), Some(4));
+        assert_eq!(attn_prefill_tokens(8, 128, 8), Some(1));
+        assert_eq!(attn_prefill_tokens(16, 128, 8), None);
+        assert_eq!(attn_prefill_tokens(2, 256, 32), Some(8));
+        assert_eq!(attn_prefill_tokens(32, 256, 32), None);
+        assert_eq!(attn_split_parts(2, 8), 2);
+        assert_eq!(attn_split_parts(4, 6), 3);
+        assert_eq!(attn_split_parts(2, 1), 1);
+        assert_eq!(attn_split_parts(16, 8), 8);
+        assert_eq!(attn_split_parts(1, 8), 1);
+    }
+}

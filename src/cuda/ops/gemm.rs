@@ -1,0 +1,208 @@
+//! The tensor-core NF4 GEMM's launch (kernels/gemm.cu): the chunked prefill's linears, and the
+//! decode step's under `DV2_LINEAR=mma`.
+
+use cudarc::driver::{DeviceRepr, LaunchConfig};
+
+use super::{NormArgs, Ops};
+use crate::cuda::kernels::{GEMM_NT, GEMM_WARPS, GEMM_WARP_ROWS};
+use crate::cuda::weights::Nf4Ref;
+use crate::error::{Error, Result};
+
+/// kernels/gemm.cu `GemmArgs`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct GemmArgs {
+    pub(super) m: [Nf4Ref; 3],
+    pub(super) bias: [u64; 3],
+    pub(super) rows: [i32; 3],
+    pub(super) x: u64,
+    pub(super) y: u64,
+    pub(super) skip_if: u64,
+    pub(super) n: i32,
+    pub(super) k: i32,
+    pub(super) ldy: i32,
+    pub(super) kw: i32,
+    pub(super) norm: NormArgs,
+    pub(super) ss_out: u64,
+}
+
+// SAFETY: plain old data matching the kernel's struct.
+unsafe impl DeviceRepr for GemmArgs {}
+
+impl GemmArgs {
+    /// The arguments of `mats` (at most three, stacked by rows) for y = W x over `n` columns of
+    /// K = `k`; `kw` K parts per CTA, set by the caller's launch shape.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn new(
+        mats: &[GemmMatrix],
+        x: u64,
+        y: u64,
+        skip_if: u64,
+        n: usize,
+        k: usize,
+        norm: NormArgs,
+        ss_out: u64,
+    ) -> Self {
+        let mut args = GemmArgs {
+            m: [Nf4Ref::default(); 3],
+            bias: [0; 3],
+            rows: [0; 3],
+            x,
+            y,
+            skip_if,
+            n: n as i32,
+            k: k as i32,
+            ldy: 0,
+            kw: 1,
+            norm,
+            ss_out,
+        };
+        for (i, m) in mats.iter().enumerate() {
+            args.m[i] = m.m;
+            args.bias[i] = m.bias;
+            args.rows[i] = m.rows as i32;
+        }
+        args
+    }
+}
+
+/// What the tensor-core GEMM does with its sums.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Epilogue {
+    /// `y = W x (+ bias)`.
+    Store,
+    /// `y += W x` (the residual add).
+    Accumulate,
+    /// `y = silu(gate x) * (up x)`: the matrices are gate and up.
+    Swiglu,
+}
+
+/// One matrix of a GEMM: stacked matrices (q, k, v) write consecutive rows of y.
+#[derive(Clone, Copy, Debug)]
+pub struct GemmMatrix {
+    pub m: Nf4Ref,
+    pub rows: usize,
+    /// Device address of f32 [rows], or 0.
+    pub bias: u64,
+}
+
+impl Ops {
+    /// The NF4 tensor-core GEMM over `n` columns: `x` is [n][k], f16 (`f16`, a prefill chunk:
+    /// the producers write it so) or f32 (at n = 1 only: `DV2_LINEAR=mma`'s decode step), `y`
+    /// f32 [n][ldy] (SwiGLU with `f16`: f16); the matrices are stacked by rows (SwiGLU: gate
+    /// and up). Skipped on the device while `*skip_if != 0` (0: never).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm(
+        &self,
+        epilogue: Epilogue,
+        mats: &[GemmMatrix],
+        k: usize,
+        x: u64,
+        n: usize,
+        y: u64,
+        ldy: usize,
+        skip_if: u64,
+        f16: bool,
+    ) -> Result<()> {
+        if !f16 && n != 1 {
+            return Err(Error::Internal(
+                "the GEMM takes f32 activations at one column only".into(),
+            ));
+        }
+        let mut args = GemmArgs::new(mats, x, y, skip_if, n, k, NormArgs::NONE, 0);
+        args.ldy = ldy as i32;
+        // SwiGLU sums only the gate's rows into outputs; its warps take 16 outputs each.
+        let (out_rows, warp_rows) = match epilogue {
+            Epilogue::Swiglu => (mats[0].rows, GEMM_WARP_ROWS / 2),
+            _ => (mats.iter().map(|m| m.rows).sum(), GEMM_WARP_ROWS),
+        };
+        let (width, ctas_n) = gemm_width(n);
+        let tiles = out_rows.div_ceil(warp_rows);
+        let kw = gemm_k_parts(tiles, ctas_n, k / 64, self.sms as usize);
+        args.kw = kw as i32;
+        let ctas_m = tiles.div_ceil(GEMM_WARPS / kw);
+        let cluster_z = gemm_cluster(ctas_m * ctas_n, kw, k / 64, self.sms as usize);
+        let cfg = LaunchConfig {
+            grid_dim: (ctas_m as u32, ctas_n as u32, cluster_z),
+            block_dim: ((GEMM_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let kernels = match epilogue {
+            Epilogue::Store => &self.k.gemm_store,
+            Epilogue::Accumulate => &self.k.gemm_acc,
+            Epilogue::Swiglu => &self.k.gemm_swiglu,
+        };
+        let f = if f16 {
+            &kernels.f16[width]
+        } else {
+            &kernels.f32_one
+        };
+        launch!(self.gpu, f, cfg, cluster = (1, 1, cluster_z); args)
+    }
+}
+
+/// The GEMM width for `n` columns: the index into [`GEMM_NT`] of the narrowest width that
+/// holds them, and the CTAs along n. (Without the 6-tile width, 33 to 48 columns took 8
+/// tiles: docs/lab.md, 8cee403.)
+fn gemm_width(n: usize) -> (usize, usize) {
+    let idx = GEMM_NT
+        .iter()
+        .position(|&nt| 8 * nt >= n)
+        .unwrap_or(GEMM_NT.len() - 1);
+    (idx, n.div_ceil(8 * GEMM_NT[idx]).max(1))
+}
+
+/// CTAs per cluster of the GEMM (1 or 2): two, splitting K, when the grid of `ctas` CTAs of
+/// one row tile each (`kw` = all warps on K) would leave half the SMs idle and each of the 2
+/// `kw` parts still gets two 64-element blocks (docs/lab.md, 012ec78).
+fn gemm_cluster(ctas: usize, kw: usize, k_blocks: usize, sms: usize) -> u32 {
+    if kw == GEMM_WARPS && 2 * ctas <= sms && k_blocks >= 2 * 2 * kw {
+        2
+    } else {
+        1
+    }
+}
+
+/// Parts of K per CTA (1, 2, 4, 8): split K while the grid is under two CTAs per SM and each
+/// part keeps at least two 64-element blocks.
+fn gemm_k_parts(row_tiles: usize, ctas_n: usize, k_blocks: usize, sms: usize) -> usize {
+    let mut kw = 1;
+    while kw < GEMM_WARPS
+        && k_blocks / (2 * kw) >= 2
+        && row_tiles.div_ceil(GEMM_WARPS / kw) * ctas_n < 2 * sms
+    {
+        kw *= 2;
+    }
+    kw
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gemm_shapes() {
+        assert_eq!(gemm_width(1), (0, 1));
+        assert_eq!(gemm_width(8), (0, 1));
+        assert_eq!(gemm_width(9), (1, 1));
+        assert_eq!(gemm_width(33), (2, 1));
+        assert_eq!(gemm_width(48), (2, 1));
+        assert_eq!(gemm_width(49), (3, 1));
+        assert_eq!(gemm_width(64), (3, 1));
+        assert_eq!(gemm_width(200), (3, 4));
+        // Qwen2.5-3B q/k/v at N = 64: 80 row tiles -> split K until the grid fills 132 SMs.
+        assert_eq!(gemm_k_parts(80, 1, 32, 132), 8);
+        // gate/up at N = 128: 688 tiles in 172 CTAs -> two K parts for 2.6 waves.
+        assert_eq!(gemm_k_parts(688, 2, 32, 132), 2);
+        assert_eq!(gemm_k_parts(2752, 1, 32, 132), 1);
+        // K of one block cannot be split.
+        assert_eq!(gemm_k_parts(1, 1, 1, 132), 1);
+        // 48 tokens: o and down (64 row tiles, 64 CTAs) in clusters of two; q/k/v (80 CTAs)
+        // and anything with K parts to spare not.
+        assert_eq!(gemm_cluster(64, 8, 32, 132), 2);
+        assert_eq!(gemm_cluster(64, 8, 172, 132), 2);
+        assert_eq!(gemm_cluster(80, 8, 32, 132), 1);
+        assert_eq!(gemm_cluster(64, 4, 32, 132), 1);
+        assert_eq!(gemm_cluster(64, 8, 16, 132), 1);
+    }
+}

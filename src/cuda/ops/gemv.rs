@@ -1,0 +1,470 @@
+//! The GEMV launches: v2 (CUDA cores, kernels/gemv.cu) and v3 (tensor cores,
+//! kernels/gemv_mma.cu), the family picked per matrix by its size.
+
+use cudarc::driver::{DeviceRepr, LaunchConfig};
+
+use super::attention::Attention;
+use super::gemm::{Epilogue, GemmArgs, GemmMatrix};
+use super::{check_sums, no_sums, Input, NormArgs, Ops, MAX_ARGMAX_CTAS};
+use crate::cuda::kernels::{
+    GEMV2_MAX_K, GEMV2_PRMT_TABLE, GEMV2_X16_STRIDE, GEMV2_X_STRIDE, GEMV3_CTAS_PER_SM,
+    GEMV3_KH2_CTAS_PER_SM, GEMV3_MAX_K, GEMV3_WARPS, GEMV_THREADS, GEMV_WARPS,
+};
+use crate::cuda::weights::Nf4Ref;
+use crate::error::{Error, Result};
+
+/// kernels/common.cuh `QkvArgs`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct QkvArgs {
+    pub m: [Nf4Ref; 3],
+    pub bias: [u64; 3],
+    pub rows: [i32; 3],
+}
+
+// SAFETY: plain old data matching the kernel's struct (pointers as u64, ints as i32).
+unsafe impl DeviceRepr for QkvArgs {}
+
+/// Where lm_head's argmax kernel ([`Ops::logits_argmax`]) leaves its result: the decode
+/// state (next_token), the argmax scratch ([`ARGMAX_SCRATCH`] words, zero between launches),
+/// and with `ring` (a device address, 0: none) the commit of the greedy id, as commit_step
+/// (appended to the ring, fed next, finished at `eos`, -1: none).
+#[derive(Clone, Copy, Debug)]
+pub struct LogitsHead {
+    pub state: u64,
+    pub scratch: u64,
+    pub eos: i32,
+    pub ring: u64,
+}
+
+/// The GEMV kernel family of a matrix.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gemv {
+    /// Persistent CTAs, x held in registers, an f16-pair table in shared memory
+    /// (kernels/gemv.cu).
+    V2,
+    /// Tensor cores (kernels/gemv_mma.cu).
+    V3,
+}
+
+/// How the GEMV family is chosen: by matrix size (the default), or one for every matrix
+/// (tests and the bench compare the two at every shape).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemvChoice {
+    /// v3 for matrices under [`GEMV3_MAX_BYTES`] of packed weights, v2 for the larger ones.
+    Auto,
+    Fixed(Gemv),
+}
+
+/// Packed NF4 bytes below which [`GemvChoice::Auto`] takes GEMV v3: v3 measured faster on
+/// q/k/v (3.0 MB) and o (2.4 MB), v2 on down (12.7 MB), gate+up (25 MB) and lm_head (16 MB
+/// put down on v3: 1.958 vs 1.860 ms/token, docs/lab.md session 7).
+pub const GEMV3_MAX_BYTES: usize = 8 << 20;
+
+/// GEMV v2's CTAs per SM: its 128-register kernels fit two (1: 1.4457 vs 1.3076 ms/token,
+/// docs/lab.md session 10).
+pub const GEMV2_CTAS_PER_SM: u32 = 2;
+
+/// The SwiGLU GEMV v2's first half of CTAs (those placed beside o's) takes this many rows more
+/// each than an equal share ([`skewed_split`]): -0.024..-0.026 ms/token, the best of -8..8
+/// (docs/lab.md, sessions 17-18; down and lm_head measured slower with any skew).
+pub const GEMV2_SWIGLU_SKEW: i32 = 2;
+
+impl Ops {
+    /// argmax_logits' grid: a CTA of 256 threads per SM, each taking a slice of the logits
+    /// (one CTA of 1024 threads measured slower: docs/lab.md, 25af0c8).
+    pub fn argmax_launch(&self) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (self.sms.min(MAX_ARGMAX_CTAS as u32), 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    /// v2: (chunks per lane J, warps per row) for K = cols, and the persistent grid (x staged
+    /// from f16 with `x_f16`).
+    fn gemv_v2_launch(
+        &self,
+        rows: usize,
+        cols: usize,
+        x_f16: bool,
+    ) -> Result<(usize, u32, LaunchConfig)> {
+        let (j, kparts) = gemv2_shape(cols)?;
+        let row_lanes = (GEMV_WARPS / kparts) as usize;
+        let ctas = (self.sms * GEMV2_CTAS_PER_SM)
+            .min(rows.div_ceil(row_lanes) as u32)
+            .max(1);
+        let stride = if x_f16 {
+            GEMV2_X16_STRIDE
+        } else {
+            GEMV2_X_STRIDE
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (ctas, 1, 1),
+            block_dim: (GEMV_THREADS, 1, 1),
+            shared_mem_bytes: (cols / 32 * stride * 4) as u32,
+        };
+        Ok((j, kparts, cfg))
+    }
+
+    /// The GEMV family for a `rows` x `cols` NF4 matrix (gate and up count together).
+    fn gemv_kernel(&self, rows: usize, cols: usize) -> Gemv {
+        match self.gemv {
+            GemvChoice::Fixed(v) => v,
+            GemvChoice::Auto => auto_gemv(rows, cols),
+        }
+    }
+
+    /// GEMV v3: `y = W x` on tensor cores for the stacked matrices `mats` (store with bias,
+    /// accumulate into y, or SwiGLU of gate and up); with `halves` (the store epilogue, its
+    /// lean use) in K halves: the first half's sums with the bias at y, the second's at y +
+    /// the rows.
+    #[allow(clippy::too_many_arguments)]
+    fn gemv3(
+        &self,
+        epilogue: Epilogue,
+        mats: &[GemmMatrix],
+        k: usize,
+        x: u64,
+        norm: NormArgs,
+        y: u64,
+        skip_if: u64,
+        ss_out: u64,
+        halves: bool,
+    ) -> Result<usize> {
+        if k > GEMV3_MAX_K || k % 64 != 0 {
+            return Err(Error::Unsupported(format!(
+                "K = {k}: GEMV v3 takes multiples of 64 up to {GEMV3_MAX_K}"
+            )));
+        }
+        // The accumulate kernel takes one matrix only (kernels/gemv_mma.cu, gemv3_stacked).
+        if epilogue == Epilogue::Accumulate && mats.len() != 1 {
+            return Err(Error::Internal(
+                "GEMV v3 accumulates one matrix at a time".into(),
+            ));
+        }
+        let mut args = GemmArgs::new(mats, x, y, skip_if, 1, k, norm, ss_out);
+        args.kw = GEMV3_WARPS as i32;
+        // The lean kernels where the call is the decode step's use of its epilogue (-0.005
+        // ms/token against the kernels for any use, docs/lab.md session 14).
+        let lean = match epilogue {
+            Epilogue::Store | Epilogue::Swiglu => norm.w != 0 && ss_out == 0,
+            Epilogue::Accumulate => norm.w == 0 && ss_out != 0,
+        };
+        let kernels = if lean {
+            &self.k.gemv3_lean
+        } else {
+            &self.k.gemv3
+        };
+        let (f, outputs) = match epilogue {
+            Epilogue::Store => (&kernels[0], mats.iter().map(|m| m.rows).sum()),
+            Epilogue::Accumulate => (&kernels[1], mats[0].rows),
+            Epilogue::Swiglu => (&kernels[2], mats[0].rows),
+        };
+        // Persistent: GEMV3_CTAS_PER_SM (the registers allow two), each looping over groups
+        // of 16 outputs.
+        let groups = outputs.div_ceil(16) as u32;
+        let mut cfg = LaunchConfig {
+            grid_dim: (groups.min(GEMV3_CTAS_PER_SM * self.sms).max(1), 1, 1),
+            block_dim: ((GEMV3_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: (k * 2) as u32,
+        };
+        if let (true, Some(kh2)) = (halves, &self.k.gemv3_qkv_kh2) {
+            if epilogue != Epilogue::Store || ss_out != 0 {
+                return Err(Error::Internal(
+                    "GEMV v3 in K halves stores without sums".into(),
+                ));
+            }
+            // Two CTAs a row group, GEMV3_KH2_CTAS_PER_SM an SM (the kernel's bounds).
+            cfg.grid_dim.0 = 2 * groups.min(GEMV3_KH2_CTAS_PER_SM * self.sms / 2).max(1);
+            args.ldy = outputs as i32;
+            launch!(self.gpu, kh2, cfg; args)?;
+            return Ok(cfg.grid_dim.0 as usize);
+        }
+        check_sums(ss_out, cfg.grid_dim.0)?;
+        launch!(self.gpu, f, cfg; args)?;
+        Ok(cfg.grid_dim.0 as usize)
+    }
+
+    /// `y = W x`; with `accumulate`, `y += W x`. Skipped on the device while `*skip_if != 0`
+    /// (`skip_if` = 0: never). With `ss_out` (a device address, 0: none; see
+    /// [`Ops::producer_sums`]), each CTA leaves the sum of squares of the y it wrote there;
+    /// returns how many (the CTAs of the launch).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv(
+        &self,
+        m: Nf4Ref,
+        rows: usize,
+        cols: usize,
+        input: Input,
+        y: u64,
+        accumulate: bool,
+        skip_if: u64,
+        ss_out: u64,
+    ) -> Result<usize> {
+        let (rows_i, cols_i, acc, bias) = (rows as i32, cols as i32, accumulate as i32, 0u64);
+        let kernel = self.gemv_kernel(rows, cols);
+        if input.f16 && !self.stages_f16(kernel) {
+            return Err(Error::Internal(
+                "an f16 input given to a GEMV kernel that reads f32".into(),
+            ));
+        }
+        let (x, norm) = self.input(input, cols)?;
+        let epilogue = if accumulate {
+            Epilogue::Accumulate
+        } else {
+            Epilogue::Store
+        };
+        let mats = [GemmMatrix { m, rows, bias: 0 }];
+        if self.cfg.linear_mma {
+            no_sums(ss_out)?;
+            self.gemm(epilogue, &mats, cols, x, 1, y, rows, skip_if, false)?;
+            return Ok(0);
+        }
+        match kernel {
+            Gemv::V3 => self.gemv3(epilogue, &mats, cols, x, norm, y, skip_if, ss_out, false),
+            Gemv::V2 => {
+                let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols, input.f16)?;
+                let kp = kparts as i32;
+                check_sums(ss_out, cfg.grid_dim.0)?;
+                let f = if input.f16 {
+                    &self.k.gemv2_nf4_x16
+                } else {
+                    &self.k.gemv2_nf4
+                };
+                launch!(self.gpu, &f[j - 1], cfg; m, x, norm, y, bias, rows_i, cols_i, kp, acc, skip_if, ss_out)?;
+                Ok(cfg.grid_dim.0 as usize)
+            }
+        }
+    }
+
+    /// lm_head and the greedy argmax in one GEMV v2 kernel (`DV2_LOGITS_ARGMAX`, which
+    /// compiles it): the logits of `m` into `y` as [`Ops::gemv`] stores them, their argmax into
+    /// the state's next_token, and with `head.ring` the step's commit as commit_step does it;
+    /// all skipped while `*skip_if != 0`. Returns false, having launched nothing, where the
+    /// kernel does not apply (switched off, or lm_head not on GEMV v2); the caller then runs
+    /// [`Ops::gemv`] and argmax_logits.
+    #[allow(clippy::too_many_arguments)]
+    pub fn logits_argmax(
+        &self,
+        m: Nf4Ref,
+        rows: usize,
+        cols: usize,
+        input: Input,
+        y: u64,
+        skip_if: u64,
+        head: LogitsHead,
+    ) -> Result<bool> {
+        let Some(kernels) = &self.k.gemv2_logits else {
+            return Ok(false);
+        };
+        if self.cfg.linear_mma || self.gemv_kernel(rows, cols) != Gemv::V2 || input.f16 {
+            return Ok(false);
+        }
+        let (j, kparts, mut cfg) = self.gemv_v2_launch(rows, cols, false)?;
+        if cfg.grid_dim.0 as usize > MAX_ARGMAX_CTAS {
+            return Ok(false);
+        }
+        cfg.shared_mem_bytes += GEMV2_PRMT_TABLE as u32; // the table, before x
+                                                         // After the last check: without the producer's sums this launches the RMSNorm kernel.
+        let (x, norm) = self.input(input, cols)?;
+        let (rows_i, cols_i, kp) = (rows as i32, cols as i32, kparts as i32);
+        let LogitsHead {
+            state,
+            scratch,
+            eos,
+            ring,
+        } = head;
+        launch!(self.gpu, &kernels[j - 1], cfg; m, x, norm, y, rows_i, cols_i, kp, skip_if, state, scratch, eos, ring)?;
+        Ok(true)
+    }
+
+    /// Whether a GEMV `kernel` takes an f16 input ([`Input::raw_f16`]): GEMV v2.
+    fn stages_f16(&self, kernel: Gemv) -> bool {
+        !self.cfg.linear_mma && kernel == Gemv::V2
+    }
+
+    /// Whether the GEMV of a `rows` x `cols` matrix takes an f16 input.
+    pub fn gemv_takes_f16(&self, rows: usize, cols: usize) -> bool {
+        self.stages_f16(self.gemv_kernel(rows, cols))
+    }
+
+    /// Whether the SwiGLU of two `rows` x `cols` matrices can write f16 (GEMV v2).
+    pub fn swiglu_writes_f16(&self, rows: usize, cols: usize) -> bool {
+        !self.cfg.linear_mma && self.gemv_kernel(2 * rows, cols) == Gemv::V2
+    }
+
+    /// Whether the decode step writes the SwiGLU output (`intermediate` values from K =
+    /// `hidden`) as f16 for the down GEMV (`DV2_FFN_F16`, default on): both are GEMV v2.
+    pub fn ffn_act_f16(&self, intermediate: usize, hidden: usize) -> bool {
+        self.cfg.ffn_f16
+            && self.swiglu_writes_f16(intermediate, hidden)
+            && self.gemv_takes_f16(hidden, intermediate)
+    }
+
+    /// Whether the decode step's GEMVs leave partial sums of squares for the next RMSNorm
+    /// (`DV2_FUSE_RMS`, default on).
+    pub fn producer_sums(&self) -> bool {
+        self.cfg.fuse_rms && !self.cfg.linear_mma
+    }
+
+    /// q, k and v rows of `args` in one grid, written contiguously to `out`.
+    /// Returns whether GEMV v3 ran in K halves (`DV2_QKV_KHALVES`, default, with attention v3,
+    /// which adds them): `out` then holds the second half's sums after the rows.
+    pub fn qkv(&self, args: QkvArgs, cols: usize, input: Input, out: u64) -> Result<bool> {
+        let rows = args.rows.iter().sum::<i32>() as usize;
+        let cols_i = cols as i32;
+        let kernel = self.gemv_kernel(rows, cols);
+        let (x, norm) = self.input(input, cols)?;
+        let mats = [0, 1, 2].map(|i| GemmMatrix {
+            m: args.m[i],
+            rows: args.rows[i] as usize,
+            bias: args.bias[i],
+        });
+        if self.cfg.linear_mma {
+            return self
+                .gemm(Epilogue::Store, &mats, cols, x, 1, out, rows, 0, false)
+                .map(|_| false);
+        }
+        match kernel {
+            Gemv::V3 => {
+                let halves = self.k.gemv3_qkv_kh2.is_some()
+                    && self.attn == Attention::V3
+                    && norm.w != 0
+                    && cols % 128 == 0;
+                self.gemv3(Epilogue::Store, &mats, cols, x, norm, out, 0, 0, halves)?;
+                Ok(halves)
+            }
+            Gemv::V2 => {
+                let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols, false)?;
+                let kp = kparts as i32;
+                launch!(self.gpu, &self.k.gemv2_qkv[j - 1], cfg; args, x, norm, out, cols_i, kp)
+                    .map(|_| false)
+            }
+        }
+    }
+
+    /// `out = silu(gate x) * (up x)`, f32, or f16 with `out_f16` (only as
+    /// [`Ops::swiglu_writes_f16`] allows).
+    #[allow(clippy::too_many_arguments)]
+    pub fn swiglu(
+        &self,
+        gate: Nf4Ref,
+        up: Nf4Ref,
+        rows: usize,
+        cols: usize,
+        input: Input,
+        out: u64,
+        out_f16: bool,
+    ) -> Result<()> {
+        let (rows_i, cols_i) = (rows as i32, cols as i32);
+        let kernel = self.gemv_kernel(2 * rows, cols);
+        if out_f16 && !self.swiglu_writes_f16(rows, cols) {
+            return Err(Error::Internal(
+                "an f16 SwiGLU output asked of a kernel that writes f32".into(),
+            ));
+        }
+        let (x, norm) = self.input(input, cols)?;
+        let mats = [gate, up].map(|m| GemmMatrix { m, rows, bias: 0 });
+        if self.cfg.linear_mma {
+            return self.gemm(Epilogue::Swiglu, &mats, cols, x, 1, out, rows, 0, false);
+        }
+        match kernel {
+            Gemv::V3 => self
+                .gemv3(Epilogue::Swiglu, &mats, cols, x, norm, out, 0, 0, false)
+                .map(|_| ()),
+            Gemv::V2 => {
+                let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols, false)?;
+                let kp = kparts as i32;
+                let f16 = i32::from(out_f16);
+                let (early_ctas, early_rows) =
+                    skewed_split(rows, cfg.grid_dim.0, GEMV2_SWIGLU_SKEW);
+                launch!(self.gpu, &self.k.gemv2_swiglu[j - 1], cfg; gate, up, x, norm, out, rows_i, cols_i, kp, f16, early_ctas, early_rows)
+            }
+        }
+    }
+}
+
+/// [`GemvChoice::Auto`]'s kernel for a `rows` x `cols` NF4 matrix.
+fn auto_gemv(rows: usize, cols: usize) -> Gemv {
+    if rows * cols / 2 < GEMV3_MAX_BYTES {
+        Gemv::V3
+    } else {
+        Gemv::V2
+    }
+}
+
+/// GEMV v2's (early CTAs, rows each) for `rows` over `ctas` CTAs with the first half taking
+/// `skew` rows more than an equal share (kernels/gemv.cu, gemv2_walk); (0, 0): equal shares,
+/// as without a skew or where the rest would get none.
+fn skewed_split(rows: usize, ctas: u32, skew: i32) -> (i32, i32) {
+    let (rows, ctas) = (rows as i64, ctas as i64);
+    let early = ctas / 2;
+    let early_rows = (rows + ctas - 1) / ctas + skew as i64;
+    let rest = rows - early * early_rows;
+    if skew == 0 || early == 0 || early_rows < 0 || rest < 0 {
+        return (0, 0);
+    }
+    (early as i32, early_rows as i32)
+}
+
+/// GEMV v2 shape for K = cols: the fewest warps per row (1, 2, 4, 8) whose lanes need at most
+/// 3 chunks of 32 elements each (the register budget for x).
+pub fn gemv2_shape(cols: usize) -> Result<(usize, u32)> {
+    let chunks = cols / 32;
+    for kparts in [1u32, 2, 4, 8] {
+        let j = chunks.div_ceil(32 * kparts as usize).max(1);
+        if j <= 3 {
+            return Ok((j, kparts));
+        }
+    }
+    Err(Error::Unsupported(format!(
+        "K = {cols}: the GEMV kernels take K up to {GEMV2_MAX_K}"
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auto_gemv_takes_tensor_cores_for_the_small_matrices() {
+        let s = &crate::arch::QWEN25_3B;
+        let qkv = (s.n_q_heads + 2 * s.n_kv_heads) * s.head_dim;
+        assert_eq!(auto_gemv(qkv, s.hidden), Gemv::V3);
+        assert_eq!(auto_gemv(s.hidden, s.n_q_heads * s.head_dim), Gemv::V3);
+        assert_eq!(auto_gemv(2 * s.intermediate, s.hidden), Gemv::V2);
+        assert_eq!(auto_gemv(s.hidden, s.intermediate), Gemv::V2);
+        assert_eq!(auto_gemv(s.vocab, s.hidden), Gemv::V2);
+    }
+
+    #[test]
+    fn skewed_splits_cover_the_rows() {
+        // Gate/up at the 3B shape: 42 rows a CTA, 132 CTAs of 50, the other 132 share 4408.
+        assert_eq!(skewed_split(11008, 264, 8), (132, 50));
+        assert_eq!(skewed_split(11008, 264, 0), (0, 0));
+        assert_eq!(skewed_split(11008, 264, -8), (132, 34));
+        // Past the rows: equal shares.
+        assert_eq!(skewed_split(100, 264, 8), (0, 0));
+        for (rows, ctas, skew) in [
+            (11008usize, 264u32, 8i32),
+            (11008, 264, -10),
+            (4864, 264, 3),
+        ] {
+            let (e, er) = skewed_split(rows, ctas, skew);
+            let rest = ctas as i32 - e;
+            let late = (rows as i32 - e * er + rest - 1) / rest;
+            assert!(e * er + (ctas as i32 - e) * late >= rows as i32);
+        }
+    }
+
+    #[test]
+    fn gemv2_shapes_cover_k_with_little_waste() {
+        assert_eq!(gemv2_shape(64).unwrap(), (1, 1));
+        assert_eq!(gemv2_shape(2048).unwrap(), (2, 1));
+        assert_eq!(gemv2_shape(3072).unwrap(), (3, 1));
+        assert_eq!(gemv2_shape(11008).unwrap(), (3, 4));
+        assert_eq!(gemv2_shape(18944).unwrap(), (3, 8));
+        assert!(gemv2_shape(32768).is_err());
+    }
+}
