@@ -9,12 +9,13 @@
 //!
 //! load s is `Engine::new` (upload, allocation, kernels, warm-up); warmup ms is its eager
 //! probe step + graph capture; prefill ms is the prompt to the first token; ms/token the steps
-//! after the first. `--skip-variants` keeps the 3B run to the default graph (no eager, kernel
-//! variants, stage split or prefill tables); `--split` adds the stage split back.
+//! after the first. The default run measures the default configuration; `--skip-variants` keeps
+//! the 3B run to the default graph (no eager step, `DV2_LINEAR=mma` row, stage split or prefill
+//! tables); `--split` adds the stage split back.
 //! `--boundary` prints only what a kernel boundary costs in a graph (chain of empty launches).
 //! `--l2-hot` prints only the decode GEMVs with their weights from HBM and from L2.
-//! `--rows A,B` runs only the switch rows whose label contains one of A, B (the defaults and
-//! the last "again" row always run): a shorter table where device time is short.
+//! `--rows A,B` adds the decode table's rows of the switches (src/config.rs) whose names contain
+//! A or B, each set to 0, against the defaults in the same process (none without `--rows`).
 //!
 //! `--cta-timeline PATH` (with `DV2_CTA_TIMELINE=1`) writes one Qwen2.5-3B graph step's CTA
 //! records as CSV (tests/gpu/cta-timeline.sh reads them).

@@ -3,8 +3,8 @@
 # .device/ here: the bench tables docs/lab.md records. Full outputs go to $OUT (or
 # ./device-logs), the rows worth reading to stdout (a device call returns only its tail).
 # Usage: bash tests/gpu/bench-on-device.sh [decode] [probe] [prefill] [boundary]
-#   (default: decode probe prefill; ROWS=a,b: the decode table's switch rows whose labels
-#   contain a or b only, besides the defaults)
+#   (default: decode probe prefill; ROWS=a,b adds the decode table's rows of the switches whose
+#   names contain a or b, each off, besides the defaults)
 set -uo pipefail
 out=${OUT:-device-logs}; mkdir -p "$out"
 export DV2_CACHE_DIR=/tmp/dv2-cache
