@@ -270,11 +270,12 @@ impl CudaBackend {
             let parts = ops.gemv(w.as_ref(gpu), s.hidden, k, input, x, true, 0, ss_out)?;
             Ok::<_, Error>(sums(parts))
         };
+        // x = embed[token]: [hidden].
         launch!(gpu, &ops.k.embed_row, one_cta(256); state, embed, x, hidden, vocab, ss_out)?;
         let mut x_sums = sums(1);
         mark("embed")?;
-        let layer_bytes = (2 * kv_stride(self.max_seq) * s.kv_dim()) as u64;
         for (l, layer) in self.model.layers.iter().enumerate() {
+            // q/k/v = W_qkv rms(x) + bias: [hidden] -> [(n_q + 2 n_kv) head_dim].
             let args = QkvArgs {
                 m: [0, 1, 2].map(|i| layer.qkv[i].as_ref(gpu)),
                 bias: [0, 1, 2].map(|i| layer.qkv_bias[i].as_ref().map_or(0, |b| self.ptr(b))),
@@ -287,32 +288,14 @@ impl CudaBackend {
                 qkv,
             )?;
             mark("attn_norm + qkv")?;
-            let attn_args = AttnArgs {
-                qkv,
-                k_cache: self.ptr(&self.k_cache) + l as u64 * layer_bytes,
-                v_cache: self.ptr(&self.v_cache) + l as u64 * layer_bytes,
-                rope_cos: self.ptr(&self.rope_cos),
-                rope_sin: self.ptr(&self.rope_sin),
-                state,
-                part_acc: self.ptr(&a.part_acc),
-                part_ml: self.ptr(&a.part_ml),
-                n_q: s.n_q_heads as i32,
-                n_kv: s.n_kv_heads as i32,
-                head_dim: s.head_dim as i32,
-                max_seq: self.max_seq as i32,
-                n_splits: 0,
-                scale: 1.0 / (s.head_dim as f32).sqrt(),
-                heads_per_cta: 0,
-                qkv2: if halves {
-                    qkv + 4 * s.qkv_rows() as u64
-                } else {
-                    self.ptr(&a.qkv_zeros)
-                },
-            };
-            ops.attention(attn_args, attn)?;
+            // attn = attention(rope(q), rope(k) and v into the cache at the position, the
+            // cache up to it): [n_q head_dim].
+            ops.attention(self.attn_args(l, halves), attn)?;
             mark("attention + merge")?;
+            // x += W_o attn: [n_q head_dim] -> [hidden].
             x_sums = residual(&layer.o, s.hidden, Input::raw(attn))?;
             mark("o_proj (+residual)")?;
+            // act = silu(W_gate rms(x)) * (W_up rms(x)): [hidden] -> [intermediate].
             let input = self.normed(x, &layer.ffn_norm, xn, x_sums);
             let act_f16 = ops.ffn_act_f16(s.intermediate, s.hidden);
             ops.swiglu(
@@ -329,10 +312,12 @@ impl CudaBackend {
                 f16: act_f16,
                 ..Input::raw(act)
             };
+            // x += W_down act: [intermediate] -> [hidden].
             x_sums = residual(&layer.down, s.intermediate, act_in)?;
             mark("down (+residual)")?;
         }
         if logits {
+            // logits = W_lm rms(x): [hidden] -> [vocab], their argmax, the commit.
             // Replays after the request finished must not overwrite the last logits.
             let finished = state + 4 * state::FINISHED as u64;
             let committed = self.logits_of(x, finished, x_sums, commit)?;
@@ -340,6 +325,35 @@ impl CudaBackend {
             return Ok(committed);
         }
         Ok(false)
+    }
+
+    /// Layer `l`'s attention arguments; `halves`: q/k/v's GEMV left two K halves to add.
+    fn attn_args(&self, l: usize, halves: bool) -> AttnArgs {
+        let (s, a) = (&self.spec, &self.arena);
+        let layer_bytes = (2 * kv_stride(self.max_seq) * s.kv_dim()) as u64;
+        let qkv = self.ptr(&a.qkv);
+        AttnArgs {
+            qkv,
+            k_cache: self.ptr(&self.k_cache) + l as u64 * layer_bytes,
+            v_cache: self.ptr(&self.v_cache) + l as u64 * layer_bytes,
+            rope_cos: self.ptr(&self.rope_cos),
+            rope_sin: self.ptr(&self.rope_sin),
+            state: self.ptr(&self.state),
+            part_acc: self.ptr(&a.part_acc),
+            part_ml: self.ptr(&a.part_ml),
+            n_q: s.n_q_heads as i32,
+            n_kv: s.n_kv_heads as i32,
+            head_dim: s.head_dim as i32,
+            max_seq: self.max_seq as i32,
+            n_splits: 0,
+            scale: 1.0 / (s.head_dim as f32).sqrt(),
+            heads_per_cta: 0,
+            qkv2: if halves {
+                qkv + 4 * s.qkv_rows() as u64
+            } else {
+                self.ptr(&a.qkv_zeros)
+            },
+        }
     }
 
     /// Final RMSNorm of the activation row at `x` (`sums`: its producer's partial sums of
