@@ -5,7 +5,7 @@
 //!                                               [--prefill-only] [--skip-gemm] [--skip-variants]
 //!                                               [--split] [--boundary] [--l2-hot] [--rows A,B,..]
 //!                                               [--prefill-profile LEN CHUNK] [--decode-profile STEPS]
-//!                                               [--cta-timeline PATH]
+//!                                               [--cta-timeline PATH] [--context]
 //!
 //! load s is `Engine::new` (upload, allocation, kernels, warm-up); warmup ms is its eager
 //! probe step + graph capture; prefill ms is the prompt to the first token; ms/token the steps
@@ -14,6 +14,8 @@
 //! tables); `--split` adds the stage split back.
 //! `--boundary` prints only what a kernel boundary costs in a graph (chain of empty launches).
 //! `--l2-hot` prints only the decode GEMVs with their weights from HBM and from L2.
+//! `--context` prints only the context sweep: prefill and decode against depth (48 to 32k) at
+//! max_seq 32768, beside the bandwidth floor at each depth.
 //! `--rows A,B` adds the decode table's rows of the switches (src/config.rs) whose names contain
 //! A or B, each set to 0, against the defaults in the same process (none without `--rows`).
 //!
@@ -452,6 +454,53 @@ fn decode_profile(steps: usize) {
     println!("{steps} eager decode steps after a 48-token prompt: {ids:?}");
 }
 
+/// `--context`: the Qwen2.5-3B shape at max_seq 32768, by context depth: prefill of a prompt
+/// that long (ms and tok/s, wall clock to the first token), then decode of 128 tokens after it
+/// (graph replays, ms/token), beside the floor (weight bytes plus the KV bytes at that depth,
+/// over the bandwidth the streaming-read kernel measures in this process). Writes the table and
+/// the JSON (`tests/gpu/plot-context.py` draws it).
+fn context_sweep(json_path: &str) {
+    const MAX_SEQ: usize = 32768;
+    // The deepest prompt leaves room for the 129 steps after it.
+    const DEPTHS: [usize; 6] = [48, 512, 2048, 8192, 16384, 32512];
+    let qwen = synth::build(&QWEN25_3B, 0).unwrap();
+    let s = qwen.spec;
+    let bench = Bench::new(0).expect("CUDA device");
+    // Bandwidth of a large streaming read, as the floor's divisor.
+    let probe = 1 << 30;
+    let tb_per_s = probe as f64 / bench.floor_us(probe).expect("floor") / 1e6;
+    drop(bench);
+    let weights = decodev2::cuda::budget::weight_bytes(&qwen);
+    println!("device bandwidth (1 GiB streaming read): {tb_per_s:.2} TB/s; weights {:.2} GB/token", weights as f64 / 1e9);
+    println!(
+        "  {:>6} {:>11} {:>9} {:>10} {:>8} {:>10} {:>9} {:>7}",
+        "depth", "prefill ms", "tok/s", "ms/token", "tok/s", "floor ms", "floor t/s", "floor%"
+    );
+    let mut json = format!("{{\n  \"device_tb_per_s\": {tb_per_s:.3},\n  \"weight_bytes\": {weights},\n  \"context\": [\n");
+    for depth in DEPTHS {
+        let r = time_decode("qwen25_3b", &qwen, MAX_SEQ, depth, 128, true, 2);
+        // KV bytes a step reads at this depth: every layer's K and V rows up to the position.
+        let kv = s.n_layers * (depth + 64) * 2 * s.kv_dim() * 2;
+        let floor_ms = (weights + kv) as f64 / (tb_per_s * 1e12) * 1e3;
+        let prefill_tok_s = depth as f64 / r.prefill_ms * 1e3;
+        println!(
+            "  {:>6} {:>11.2} {:>9.0} {:>10.4} {:>8.1} {:>10.4} {:>9.0} {:>6.0}%",
+            depth,
+            r.prefill_ms,
+            prefill_tok_s,
+            r.ms_per_token,
+            1e3 / r.ms_per_token,
+            floor_ms,
+            1e3 / floor_ms,
+            100.0 * floor_ms / r.ms_per_token
+        );
+        writeln!(json, "    {{\"depth\": {depth}, \"prefill_ms\": {:.3}, \"prefill_tok_s\": {prefill_tok_s:.1}, \"ms_per_token\": {:.5}, \"tok_s\": {:.2}, \"floor_ms\": {floor_ms:.5}}},", r.prefill_ms, r.ms_per_token, 1e3 / r.ms_per_token).unwrap();
+    }
+    json = json.trim_end_matches(",\n").to_string() + "\n  ]\n}\n";
+    std::fs::write(json_path, json).unwrap();
+    println!("wrote {json_path}");
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let flag = |f: &str| args.iter().any(|a| a == f);
@@ -501,6 +550,10 @@ fn main() {
     }
     if flag("--l2-hot") {
         l2_hot();
+        return;
+    }
+    if flag("--context") {
+        context_sweep(&json_path);
         return;
     }
 
