@@ -413,10 +413,7 @@ impl Bench {
         let out = self.ops.gpu.zeros::<f32>(s.hidden)?;
         // q/k/v in one part: a zero second part where the kernels add one (DV2_QKV_KHALVES).
         let qkv2 = self.ops.gpu.zeros::<f32>(s.qkv_rows())?;
-        let wide_count = self
-            .ops
-            .gpu
-            .zeros::<i32>(s.n_kv_heads * super::ops::ATTN3_SPLITS as usize)?;
+        let wide_count = self.ops.gpu.zeros::<i32>(s.n_kv_heads)?;
         let gpu = &self.ops.gpu;
         let base = AttnArgs {
             qkv: gpu.ptr(&qkv),
@@ -436,6 +433,7 @@ impl Bench {
             heads_per_cta: 0,
             qkv2: gpu.ptr(&qkv2),
             wide_min: 0,
+            wide_clusters: 0,
             wide_count: gpu.ptr(&wide_count),
         };
         let (layer_bytes, out_ptr) = (2 * layer_elems as u64, gpu.ptr(&out));

@@ -12,7 +12,7 @@ use super::device::{driver_error, Gpu};
 use super::kernels::state;
 use super::ops::{
     attn_partials, one_cta, AttnArgs, Input, LogitsHead, Norm, Ops, PartialSums, QkvArgs,
-    ARGMAX_SCRATCH, ATTN3_SPLITS, MAX_PARTIAL_SUMS,
+    ARGMAX_SCRATCH, MAX_PARTIAL_SUMS,
 };
 use super::prefill::prefill_chunk;
 use super::profile::StageMarks;
@@ -56,7 +56,7 @@ pub(super) struct Arena {
     /// A zero second part of q/k/v for the attention where q/k/v ran in one
     /// (the `DV2_QKV_KHALVES` kernels add one).
     pub(super) qkv_zeros: CudaSlice<f32>,
-    /// Attention v3's wide CTAs' arrivals per KV head and cluster rank (zero between launches).
+    /// Attention v3's wide CTAs' arrivals per KV head (zero between launches).
     pub(super) wide_count: CudaSlice<i32>,
 }
 
@@ -131,7 +131,7 @@ impl CudaBackend {
             ring: gpu.zeros(max_seq)?,
             argmax: gpu.zeros(ARGMAX_SCRATCH)?,
             qkv_zeros: gpu.zeros(s.qkv_rows())?,
-            wide_count: gpu.zeros(s.n_kv_heads * ATTN3_SPLITS as usize)?,
+            wide_count: gpu.zeros(s.n_kv_heads)?,
         };
         let mut backend = Self {
             k_cache: gpu.upload(&poison)?,
@@ -357,6 +357,7 @@ impl CudaBackend {
                 self.ptr(&a.qkv_zeros)
             },
             wide_min: 0,
+            wide_clusters: 0,
             wide_count: self.ptr(&a.wide_count),
         }
     }
