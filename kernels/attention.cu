@@ -29,10 +29,6 @@ struct AttnArgs {
     float scale;
     int heads_per_cta;  // attention v3: q heads per CTA (the host's division)
     const float* qkv2;  // GEMV3_KHALVES: q/k/v's K-half-1 sums (half 0's, with the bias, at qkv), or zeros
-    // Attention v3's wide CTAs (grid z >= n_kv): they run where valid_len > wide_min, in
-    // wide_clusters clusters per KV head, and count their arrivals per KV head in wide_count.
-    int wide_min, wide_clusters;
-    int* wide_count;
 };
 static_assert(sizeof(AttnArgs) == SIZEOF_ATTNARGS, "AttnArgs differs from the host's (src/cuda/ops)");
 
@@ -361,35 +357,6 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode_hd128(At
 // ms/token against v2 and its merge at 1,728 instructions; it lost at 8,440 (+0.27) and 4,984
 // (+0.076), its cluster barrier and GPU-scope fence costing less than the code did
 // (docs/lab.md, sessions 13-14).
-// The wide CTAs' last step: every CTA of the KV head's `used` clusters arrives at
-// wide_count[kvh] (its partials fenced first); the last of the `arrivals` merges the clusters'
-// partials (max, sum, output per head) into out and resets the count for the next launch.
-__device__ __forceinline__ void attn3_merge_clusters(const AttnArgs& a, float* out, int kvh, int gn, int hd,
-                                                     int arrivals, int used) {
-    __shared__ bool last;
-    __threadfence();  // this thread's partials before the count says so
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(a.wide_count + kvh, 1) == arrivals - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    const size_t first = (size_t)kvh * a.wide_clusters * gn;  // cluster 0, head 0
-    for (int i = threadIdx.x; i < gn * hd; i += blockDim.x) {
-        const int g = i / hd, d = i % hd;
-        float M = NEG_INF;
-        for (int c = 0; c < used; c++) M = fmaxf(M, __ldcg(a.part_ml + 2 * (first + (size_t)c * gn + g)));
-        float L = 0.0f, sum = 0.0f;
-        for (int c = 0; c < used; c++) {
-            const size_t at = first + (size_t)c * gn + g;
-            const float w = expf(__ldcg(a.part_ml + 2 * at) - M);
-            L = fmaf(__ldcg(a.part_ml + 2 * at + 1), w, L);
-            sum = fmaf(__ldcg(a.part_acc + at * hd + d), w, sum);
-        }
-        out[(size_t)(kvh * gn + g) * hd + d] = sum / L;
-    }
-    if (threadIdx.x == 0) a.wide_count[kvh] = 0;
-}
-
 // HD: the head_dim when known at compile time (64 or 128: the K/V indexing by shifts, half
 // the vectors unrolled), 0 for any. Loops stay rolled (#pragma unroll 1): each warp runs this
 // code about once, and its cold fetch is the cost (docs/lab.md, session 13).
@@ -401,51 +368,19 @@ __device__ __forceinline__ void attn3_merge_clusters(const AttnArgs& a, float* o
 // loops one shared-load round trip per iteration on the kernel's serial chain (the weighted
 // sum: 6-22 of them at the 3B shape's 8 splits), and the kernel mostly waits (docs/lab.md,
 // session 15: 0.08 issued per scheduler cycle). Measured: -0.0055 ms/token (session 16, run 2).
-//
-// Wide CTAs (grid z >= n_kv, flash-decoding across the GPU): past wide_min slots the CTAs above
-// do nothing and these run instead, in the same launch (the graph is static: the context picks
-// on the device). A cluster of them takes one KV head and every q head of its group, so each
-// K/V row is read once for the whole group; the KV head's wide_clusters * splits CTAs split
-// the valid slots in whole 32-slot chunks (the clusters past the chunks in use leave at once).
-// A cluster merges its CTAs as above into one partial (max, sum, unnormalized output) per
-// head, then the CTA that arrives last at wide_count merges the clusters' partials into out.
-// Why: the narrow CTAs take one q head each, so every K/V row is read by all of the group's
-// CTAs, and each walks 1/splits of the context serially: at 2k slots the step lost 0.75 ms
-// (issue 30, 576 tok/s against 1,005 at 48).
 template <int HD>
 __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out) {
     timeline_start();
     const int hd = HD ? HD : a.head_dim, half = hd >> 1;
+    // Grid (parts, splits, n_kv): KV head z, its q heads [q0, q0 + gn) from the host's count.
+    const int gn = a.heads_per_cta, group = gn * gridDim.x;
+    const int kvh = blockIdx.z, q0 = kvh * group + blockIdx.x * gn;
     const int splits = cluster_size(), rank = cluster_rank();
     const int split_shift = log2_pow2(splits);  // splits: 1, 2, 4 or 8 (the host checks)
     const int pos = a.state[STATE_POSITION];
     if (pos >= a.max_seq) return;  // every CTA: no slot to write or read
-    const int valid = pos + 1;
-    const bool wide = (int)blockIdx.z >= a.n_kv;
-    if (wide != (valid > a.wide_min)) return;  // the other CTAs' context (a whole cluster leaves)
-    // Narrow: grid (parts, splits, n_kv), KV head z, its q heads [q0, q0 + gn) from the host's
-    // count. Wide: cluster c of the z >= n_kv planes takes KV head c % n_kv, all its q heads,
-    // and the (c / n_kv)-th run of `splits` slices.
-    int gn = a.heads_per_cta, kvh, q0, t_begin, t_end, cs = 0, used = 0;
-    if (!wide) {
-        kvh = blockIdx.z;
-        q0 = kvh * gn * gridDim.x + blockIdx.x * gn;
-        const int per = (valid + splits - 1) >> split_shift;
-        t_begin = min(valid, rank * per);
-        t_end = min(valid, t_begin + per);
-    } else {
-        gn *= gridDim.x;
-        const int c = ((int)blockIdx.z - a.n_kv) * gridDim.x + blockIdx.x;
-        kvh = c % a.n_kv;
-        cs = c / a.n_kv;
-        q0 = kvh * gn;
-        const int chunks = (valid + ATTN2_CHUNK - 1) / ATTN2_CHUNK, slices = a.wide_clusters * splits;
-        const int per = (chunks + slices - 1) / slices;  // chunks a slice
-        used = ((chunks + per - 1) / per + splits - 1) >> split_shift;  // clusters with slots
-        if (cs >= used) return;
-        t_begin = min(valid, (cs * splits + rank) * per * ATTN2_CHUNK);
-        t_end = min(valid, t_begin + per * ATTN2_CHUNK);
-    }
+    const int valid = pos + 1, per = (valid + splits - 1) >> split_shift;
+    const int t_begin = min(valid, rank * per), t_end = min(valid, t_begin + per);
     const int row_words = half + 1;  // bf16 pairs per staged row, +1 word of padding
 
     __shared__ float q_s[ATTN2_MAX_GROUP_X_HD];
@@ -506,7 +441,7 @@ __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out)
         stage_rows(t0);
         if (t0 + ATTN2_CHUNK < t_end) load_rows(t0 + ATTN2_CHUNK);
         __syncthreads();
-        if (t0 == t_begin && rank == 0 && (wide ? cs == 0 : blockIdx.x == 0)) {  // one CTA of the KV head writes its slot
+        if (t0 == t_begin && rank == 0 && blockIdx.x == 0) {  // one CTA of the KV head writes its slot
             for (int d = threadIdx.x; d < hd; d += blockDim.x) {
                 a.k_cache[pos * slot_stride + kvh * hd + d] = f32_to_bf16(kcur[d]);
                 a.v_cache[pos * slot_stride + kvh * hd + d] = f32_to_bf16(vcur[d]);
@@ -626,20 +561,10 @@ __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out)
                 sum = fmaf(o[r], w, sum);
             }
         }
-        if (!wide) {
-            out[(size_t)(q0 + g) * hd + d] = sum / L;
-        } else {
-            const size_t at = (size_t)(kvh * a.wide_clusters + cs) * gn + g;
-            a.part_acc[at * hd + d] = sum;
-            if (d == rank * dims) {
-                a.part_ml[2 * at] = M;
-                a.part_ml[2 * at + 1] = L;
-            }
-        }
+        out[(size_t)(q0 + g) * hd + d] = sum / L;
     }
     cluster_arrive_relaxed();  // this CTA has read its peers' shared memory (the values are used)
     cluster_wait();
-    if (wide) attn3_merge_clusters(a, out, kvh, gn, hd, used * splits, used);
     timeline_end();
 }
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn3_decode(AttnArgs a, float* out) {

@@ -413,7 +413,6 @@ impl Bench {
         let out = self.ops.gpu.zeros::<f32>(s.hidden)?;
         // q/k/v in one part: a zero second part where the kernels add one (DV2_QKV_KHALVES).
         let qkv2 = self.ops.gpu.zeros::<f32>(s.qkv_rows())?;
-        let wide_count = self.ops.gpu.zeros::<i32>(s.n_kv_heads)?;
         let gpu = &self.ops.gpu;
         let base = AttnArgs {
             qkv: gpu.ptr(&qkv),
@@ -432,9 +431,6 @@ impl Bench {
             scale: 1.0 / (s.head_dim as f32).sqrt(),
             heads_per_cta: 0,
             qkv2: gpu.ptr(&qkv2),
-            wide_min: 0,
-            wide_clusters: 0,
-            wide_count: gpu.ptr(&wide_count),
         };
         let (layer_bytes, out_ptr) = (2 * layer_elems as u64, gpu.ptr(&out));
         let median_us = self.time_rotated(layers, |l| {

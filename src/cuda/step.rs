@@ -56,8 +56,6 @@ pub(super) struct Arena {
     /// A zero second part of q/k/v for the attention where q/k/v ran in one
     /// (the `DV2_QKV_KHALVES` kernels add one).
     pub(super) qkv_zeros: CudaSlice<f32>,
-    /// Attention v3's wide CTAs' arrivals per KV head (zero between launches).
-    pub(super) wide_count: CudaSlice<i32>,
 }
 
 /// Device addresses of the arena's activation buffers (row 0 is the decode step's).
@@ -131,7 +129,6 @@ impl CudaBackend {
             ring: gpu.zeros(max_seq)?,
             argmax: gpu.zeros(ARGMAX_SCRATCH)?,
             qkv_zeros: gpu.zeros(s.qkv_rows())?,
-            wide_count: gpu.zeros(s.n_kv_heads)?,
         };
         let mut backend = Self {
             k_cache: gpu.upload(&poison)?,
@@ -356,9 +353,6 @@ impl CudaBackend {
             } else {
                 self.ptr(&a.qkv_zeros)
             },
-            wide_min: 0,
-            wide_clusters: 0,
-            wide_count: self.ptr(&a.wide_count),
         }
     }
 

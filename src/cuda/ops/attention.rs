@@ -33,12 +33,6 @@ pub struct AttnArgs {
     /// the attention adds ([`Ops::qkv`] says whether it wrote them after its rows; else a
     /// zeroed buffer of the rows; unread otherwise).
     pub qkv2: u64,
-    /// Attention v3's wide CTAs: the valid_len past which they run, their clusters per KV head
-    /// (set by [`Ops::attention`]), and a zeroed count per KV head ([`Ops::attention`]'s caller
-    /// owns it: n_kv ints).
-    pub wide_min: i32,
-    pub wide_clusters: i32,
-    pub wide_count: u64,
 }
 
 // SAFETY: plain old data matching the kernel's struct.
@@ -103,28 +97,9 @@ pub const ATTN_SPLIT: usize = 8;
 pub const ATTN3_SPLITS: u32 = 8;
 
 /// Attention time splits of a KV capacity: v1 splits it in up to 32 parts; v2 in chunks
-/// of 32 slots; v3's wide CTAs in up to [`ATTN3_WIDE_MAX_CLUSTERS`] clusters per KV head. The
-/// arena holds partials for the largest.
+/// of 32 slots. The arena holds partials for the larger of the two.
 pub fn attn_partials(max_seq: usize) -> usize {
-    attn_splits_v1(max_seq)
-        .max(max_seq.div_ceil(ATTN2_CHUNK))
-        .max(ATTN3_WIDE_MAX_CLUSTERS)
-}
-
-/// Attention v3's wide CTAs: the most clusters per KV head, and how many a launch takes: about
-/// two CTAs per SM over all KV heads (each cluster is [`ATTN3_SPLITS`] CTAs).
-pub const ATTN3_WIDE_MAX_CLUSTERS: usize = 32;
-fn wide_clusters(sms: u32, n_kv: usize) -> usize {
-    (2 * sms as usize / (ATTN3_SPLITS as usize * n_kv)).clamp(1, ATTN3_WIDE_MAX_CLUSTERS)
-}
-
-/// The valid_len past which attention v3's wide CTAs run instead of its narrow ones.
-/// (Prepared, not measured: `DV2_ATTN_WIDE_MIN` sets it for the measurement and goes.)
-fn wide_min() -> i32 {
-    std::env::var("DV2_ATTN_WIDE_MIN")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(1024)
+    attn_splits_v1(max_seq).max(max_seq.div_ceil(ATTN2_CHUNK))
 }
 
 fn attn_splits_v1(max_seq: usize) -> usize {
@@ -219,26 +194,19 @@ impl Ops {
                 launch!(self.gpu, &self.k.attn_merge, merge; pa, pm, st, out, hd, ns, ms)
             }
             Attention::V3 => {
-                let group = (args.n_q / args.n_kv) as usize;
-                let heads = group / parts;
-                let n_kv = args.n_kv as usize;
-                let clusters = wide_clusters(self.sms, n_kv);
+                // Dynamic shared memory: the running outputs of a CTA's q heads.
+                let heads = (args.n_q / args.n_kv) as usize / parts;
                 let args = AttnArgs {
                     n_splits: ATTN3_SPLITS as i32,
                     heads_per_cta: heads as i32,
-                    wide_min: wide_min(),
-                    wide_clusters: clusters as i32,
                     ..args
                 };
-                // Grid (parts, splits, KV heads + the wide CTAs' planes): the kernel takes its
-                // KV head from z and its heads per CTA from the arguments, no division in code
-                // each warp runs once. Dynamic shared memory: the running outputs of a CTA's q
-                // heads (a wide CTA's: the whole group's).
-                let wide_planes = (clusters * n_kv).div_ceil(parts);
+                // Grid (parts, splits, KV heads): the kernel takes its KV head from z and its
+                // heads per CTA from the arguments, no division in code each warp runs once.
                 let cfg = LaunchConfig {
-                    grid_dim: (parts as u32, ATTN3_SPLITS, (n_kv + wide_planes) as u32),
+                    grid_dim: (parts as u32, ATTN3_SPLITS, args.n_kv as u32),
                     block_dim: (ATTN_THREADS, 1, 1),
-                    shared_mem_bytes: (group * args.head_dim as usize * 4) as u32,
+                    shared_mem_bytes: (heads * args.head_dim as usize * 4) as u32,
                 };
                 let f = &self.k.attn3_decode[match args.head_dim {
                     128 => 1,
