@@ -471,7 +471,10 @@ fn context_sweep(json_path: &str) {
     let tb_per_s = probe as f64 / bench.floor_us(probe).expect("floor") / 1e6;
     drop(bench);
     let weights = decodev2::cuda::budget::weight_bytes(&qwen);
-    println!("device bandwidth (1 GiB streaming read): {tb_per_s:.2} TB/s; weights {:.2} GB/token", weights as f64 / 1e9);
+    println!(
+        "device bandwidth (1 GiB streaming read): {tb_per_s:.2} TB/s; weights {:.2} GB/token",
+        weights as f64 / 1e9
+    );
     println!(
         "  {:>6} {:>11} {:>9} {:>10} {:>8} {:>10} {:>9} {:>7}",
         "depth", "prefill ms", "tok/s", "ms/token", "tok/s", "floor ms", "floor t/s", "floor%"

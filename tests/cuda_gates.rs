@@ -422,6 +422,14 @@ fn long_context_decode_matches_the_oracle() {
     }
 }
 
+/// Past 8k slots up to max_seq's last one (and the chunked prefill's attention over a long
+/// cached prefix).
+#[test]
+fn decode_up_to_a_long_max_seq_matches_the_oracle() {
+    let _device = exclusive_device();
+    decode_vs_oracle("tiny_llama", 5, 8200, 8190, 10);
+}
+
 /// Every decode position 1..299 from a one-token prompt: the live slot at every place in
 /// its 32-slot chunk, 1 to 10 chunks in use.
 #[test]
