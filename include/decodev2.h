@@ -50,6 +50,9 @@ typedef enum dv2_status {
   DV2_ERR_QUANTIZE = 14,
   // A struct's `struct_size` does not match this library's.
   DV2_ERR_ABI_MISMATCH = 15,
+  // The forward ran (the position moved on) but its logits hold inf or NaN: the model's
+  // weights or activations passed f32's range. The ids it chose mean nothing; reset.
+  DV2_ERR_NON_FINITE = 16,
   // A bug in decodev2 (a caught panic). A handle it happened on is poisoned: every later
   // call on it returns this status; free it.
   DV2_ERR_INTERNAL = 99,
@@ -124,8 +127,10 @@ const char *dv2_version(void);
 // successful calls. Owned by the library; valid until the next failing call on this thread.
 const char *dv2_last_error(void);
 
-// A short constant name for a status ("DV2_OK", ...). Static storage; never free it.
-const char *dv2_status_name(enum dv2_status status);
+// A short constant name for a status ("DV2_OK", ...), or "DV2_UNKNOWN_STATUS" for any other
+// integer. Static storage; never free it. (The status is taken as a plain integer: a C enum
+// can hold any int.)
+const char *dv2_status_name(int32_t status);
 
 // Sets (or, with NULL, clears) the process-wide log callback. It may be called from any
 // thread that uses the library, one call at a time; `user_data` is passed back unchanged.

@@ -65,6 +65,25 @@ impl ArchSpec {
                 return fail(format!("{name} must be > 0"));
             }
         }
+        // Bounds far past any llama-style model (Llama 3.1 405B: 126 layers, hidden 16,384,
+        // intermediate 53,248, vocab 128,256), checked before anything is sized by them: a
+        // count read from a file must not size an allocation that aborts the host.
+        let bounded = [
+            ("n_layers", self.n_layers, 1 << 12),
+            ("hidden", self.hidden, 1 << 17),
+            ("n_q_heads", self.n_q_heads, 1 << 12),
+            ("n_kv_heads", self.n_kv_heads, 1 << 12),
+            ("head_dim", self.head_dim, 1 << 12),
+            ("intermediate", self.intermediate, 1 << 20),
+            ("vocab", self.vocab, 1 << 23),
+        ];
+        for (name, value, max) in bounded {
+            if value > max {
+                return fail(format!(
+                    "{name} ({value}) is past the largest taken ({max})"
+                ));
+            }
+        }
         if self.hidden != self.n_q_heads * self.head_dim {
             return fail(format!(
                 "hidden ({}) != n_q_heads ({}) * head_dim ({})",

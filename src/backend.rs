@@ -25,6 +25,11 @@ pub trait Backend: Send {
     fn kv_guard_intact(&mut self) -> Result<bool> {
         Ok(true)
     }
+    /// The position of the first forward since the last call whose logits held inf or NaN, if
+    /// any (backends that see their logits on the host check each; others report None).
+    fn take_non_finite(&mut self) -> Option<usize> {
+        None
+    }
     /// Diagnostic: free device memory in bytes (None for host backends).
     fn device_free_bytes(&mut self) -> Result<Option<usize>> {
         Ok(None)

@@ -22,6 +22,8 @@ pub struct CpuBackend {
     next_token: u32,
     finished: bool,
     logits: Vec<f32>,
+    /// The first position since the engine last asked whose logits were not all finite.
+    non_finite: Option<usize>,
 }
 
 impl CpuBackend {
@@ -41,12 +43,16 @@ impl CpuBackend {
             next_token: 0,
             finished: false,
             logits: vec![0.0; s.vocab],
+            non_finite: None,
         })
     }
 
     /// Feeds `id` at `position`, writes its KV slot, advances position and valid_len.
     fn forward(&mut self, id: u32) -> Result<()> {
         self.logits = forward_token(&self.model, &self.rope, &mut self.kv, id, self.position)?;
+        if self.non_finite.is_none() && !self.logits.iter().all(|v| v.is_finite()) {
+            self.non_finite = Some(self.position);
+        }
         self.next_token = argmax(&self.logits);
         self.position += 1;
         self.valid_len = self.position;
@@ -91,6 +97,10 @@ impl Backend for CpuBackend {
             }
         }
         Ok(out.len())
+    }
+
+    fn take_non_finite(&mut self) -> Option<usize> {
+        self.non_finite.take()
     }
 
     fn next_token(&mut self) -> Result<u32> {

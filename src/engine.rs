@@ -198,6 +198,7 @@ impl Engine {
         self.has_token = true;
         let next = self.run(|b| b.next_token())?;
         self.finished = self.run(|b| b.finished())?;
+        self.check_finite()?;
         Ok(next)
     }
 
@@ -233,6 +234,7 @@ impl Engine {
         let done = self.run(|b| b.step_n(&mut out[..n]))?;
         self.position += done;
         self.finished = self.run(|b| b.finished())?;
+        self.check_finite()?;
         Ok(done)
     }
 
@@ -293,6 +295,18 @@ impl Engine {
 
     /// Runs a backend call; a backend error leaves the host mirror unknown, so it is
     /// resynchronised from the backend where possible.
+    /// After a forward that ran: `NonFinite` where the backend saw logits with inf or NaN (the
+    /// state moved on as for any step; the ids chosen from such logits mean nothing).
+    fn check_finite(&mut self) -> Result<()> {
+        match self.backend.take_non_finite() {
+            Some(p) => Err(Error::NonFinite(format!(
+                "the logits at position {p} hold inf or NaN (weights or activations past f32's \
+                 range); the position moved on as for any step, reset to start again"
+            ))),
+            None => Ok(()),
+        }
+    }
+
     fn run<T>(&mut self, f: impl FnOnce(&mut dyn Backend) -> Result<T>) -> Result<T> {
         let result = f(self.backend.as_mut());
         if result.is_err() {

@@ -48,6 +48,9 @@ pub enum Error {
     /// A CUDA driver or NVRTC call failed.
     #[error("cuda: {0}")]
     Cuda(String),
+    /// A forward ran but its logits hold inf or NaN (weights or activations past f32's range).
+    #[error("non-finite logits: {0}")]
+    NonFinite(String),
     /// A bug in decodev2 (a caught panic, a broken internal invariant).
     #[error("internal error: {0}")]
     Internal(String),

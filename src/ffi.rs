@@ -11,7 +11,8 @@
 use std::cell::RefCell;
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, Once};
 
 use crate::engine::{BackendKind, Engine, EngineOptions};
 use crate::error::{Error, Result};
@@ -56,6 +57,9 @@ pub enum dv2_status {
     DV2_ERR_QUANTIZE = 14,
     /// A struct's `struct_size` does not match this library's.
     DV2_ERR_ABI_MISMATCH = 15,
+    /// The forward ran (the position moved on) but its logits hold inf or NaN: the model's
+    /// weights or activations passed f32's range. The ids it chose mean nothing; reset.
+    DV2_ERR_NON_FINITE = 16,
     /// A bug in decodev2 (a caught panic). A handle it happened on is poisoned: every later
     /// call on it returns this status; free it.
     DV2_ERR_INTERNAL = 99,
@@ -79,6 +83,7 @@ fn status_of(e: &Error) -> dv2_status {
         Error::BackendUnavailable(_) => DV2_ERR_BACKEND_UNAVAILABLE,
         Error::OutOfMemory(_) => DV2_ERR_OUT_OF_MEMORY,
         Error::Cuda(_) => DV2_ERR_CUDA,
+        Error::NonFinite(_) => DV2_ERR_NON_FINITE,
         Error::Internal(_) => DV2_ERR_INTERNAL,
     }
 }
@@ -167,13 +172,18 @@ thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
 }
 
+/// Calls the host's log callback, if any. The lock is released before the call, so the
+/// callback may call back into the library (dv2_set_log_callback included).
 fn log(level: dv2_log_level, message: &str) {
-    let sink = LOG.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(cb) = sink.callback {
+    let (callback, user_data) = {
+        let sink = LOG.lock().unwrap_or_else(|p| p.into_inner());
+        (sink.callback, sink.user_data)
+    };
+    if let Some(cb) = callback {
         let text = CString::new(message.replace('\0', " ")).unwrap_or_default();
         // SAFETY: the host registered `cb` with this user_data through dv2_set_log_callback;
         // the string lives until the call returns.
-        unsafe { cb(level as i32, text.as_ptr(), sink.user_data as *mut c_void) };
+        unsafe { cb(level as i32, text.as_ptr(), user_data as *mut c_void) };
     }
 }
 
@@ -195,10 +205,32 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     format!("panic inside decodev2: {text}")
 }
 
+/// Entries in flight, on any thread: while one runs, a panic (caught by [`guard`], and on the
+/// library's own worker threads) prints nothing; the message reaches the host through
+/// dv2_last_error and the log callback instead. The process's panic hook is wrapped once, at
+/// the first entry; outside the library's calls it behaves as before.
+static CALLS_IN_FLIGHT: AtomicUsize = AtomicUsize::new(0);
+
+fn quiet_panics() {
+    static WRAPPED: Once = Once::new();
+    WRAPPED.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if CALLS_IN_FLIGHT.load(Ordering::Relaxed) == 0 {
+                previous(info);
+            }
+        }));
+    });
+}
+
 /// Runs an entry's body: errors become statuses with a last-error message, panics become
 /// DV2_ERR_INTERNAL.
 fn guard(body: impl FnOnce() -> Result<()>) -> dv2_status {
-    match catch_unwind(AssertUnwindSafe(body)) {
+    quiet_panics();
+    CALLS_IN_FLIGHT.fetch_add(1, Ordering::Relaxed);
+    let result = catch_unwind(AssertUnwindSafe(body));
+    CALLS_IN_FLIGHT.fetch_sub(1, Ordering::Relaxed);
+    match result {
         Ok(Ok(())) => DV2_OK,
         Ok(Err(e)) => fail(&e),
         Err(payload) => fail(&Error::Internal(panic_message(payload.as_ref()))),
@@ -335,28 +367,35 @@ pub extern "C" fn dv2_last_error() -> *const c_char {
     LAST_ERROR.with(|slot| slot.borrow().as_ptr())
 }
 
-/// A short constant name for a status ("DV2_OK", ...). Static storage; never free it.
+/// A short constant name for a status ("DV2_OK", ...), or "DV2_UNKNOWN_STATUS" for any other
+/// integer. Static storage; never free it. (The status is taken as a plain integer: a C enum
+/// can hold any int.)
 #[no_mangle]
-pub extern "C" fn dv2_status_name(status: dv2_status) -> *const c_char {
-    let name: &'static str = match status {
-        DV2_OK => "DV2_OK\0",
-        DV2_ERR_NULL_POINTER => "DV2_ERR_NULL_POINTER\0",
-        DV2_ERR_INVALID_ARGUMENT => "DV2_ERR_INVALID_ARGUMENT\0",
-        DV2_ERR_INVALID_STATE => "DV2_ERR_INVALID_STATE\0",
-        DV2_ERR_SEQUENCE_FULL => "DV2_ERR_SEQUENCE_FULL\0",
-        DV2_FINISHED => "DV2_FINISHED\0",
-        DV2_ERR_UNKNOWN_PRESET => "DV2_ERR_UNKNOWN_PRESET\0",
-        DV2_ERR_UNSUPPORTED => "DV2_ERR_UNSUPPORTED\0",
-        DV2_ERR_IO => "DV2_ERR_IO\0",
-        DV2_ERR_MODEL_FILE => "DV2_ERR_MODEL_FILE\0",
-        DV2_ERR_BACKEND_UNAVAILABLE => "DV2_ERR_BACKEND_UNAVAILABLE\0",
-        DV2_ERR_OUT_OF_MEMORY => "DV2_ERR_OUT_OF_MEMORY\0",
-        DV2_ERR_CUDA => "DV2_ERR_CUDA\0",
-        DV2_ERR_INVALID_SPEC => "DV2_ERR_INVALID_SPEC\0",
-        DV2_ERR_QUANTIZE => "DV2_ERR_QUANTIZE\0",
-        DV2_ERR_ABI_MISMATCH => "DV2_ERR_ABI_MISMATCH\0",
-        DV2_ERR_INTERNAL => "DV2_ERR_INTERNAL\0",
-    };
+pub extern "C" fn dv2_status_name(status: i32) -> *const c_char {
+    const NAMES: [(dv2_status, &str); 18] = [
+        (DV2_OK, "DV2_OK\0"),
+        (DV2_ERR_NULL_POINTER, "DV2_ERR_NULL_POINTER\0"),
+        (DV2_ERR_INVALID_ARGUMENT, "DV2_ERR_INVALID_ARGUMENT\0"),
+        (DV2_ERR_INVALID_STATE, "DV2_ERR_INVALID_STATE\0"),
+        (DV2_ERR_SEQUENCE_FULL, "DV2_ERR_SEQUENCE_FULL\0"),
+        (DV2_FINISHED, "DV2_FINISHED\0"),
+        (DV2_ERR_UNKNOWN_PRESET, "DV2_ERR_UNKNOWN_PRESET\0"),
+        (DV2_ERR_UNSUPPORTED, "DV2_ERR_UNSUPPORTED\0"),
+        (DV2_ERR_IO, "DV2_ERR_IO\0"),
+        (DV2_ERR_MODEL_FILE, "DV2_ERR_MODEL_FILE\0"),
+        (DV2_ERR_BACKEND_UNAVAILABLE, "DV2_ERR_BACKEND_UNAVAILABLE\0"),
+        (DV2_ERR_OUT_OF_MEMORY, "DV2_ERR_OUT_OF_MEMORY\0"),
+        (DV2_ERR_CUDA, "DV2_ERR_CUDA\0"),
+        (DV2_ERR_INVALID_SPEC, "DV2_ERR_INVALID_SPEC\0"),
+        (DV2_ERR_QUANTIZE, "DV2_ERR_QUANTIZE\0"),
+        (DV2_ERR_ABI_MISMATCH, "DV2_ERR_ABI_MISMATCH\0"),
+        (DV2_ERR_NON_FINITE, "DV2_ERR_NON_FINITE\0"),
+        (DV2_ERR_INTERNAL, "DV2_ERR_INTERNAL\0"),
+    ];
+    let name = NAMES
+        .iter()
+        .find(|(s, _)| *s as i32 == status)
+        .map_or("DV2_UNKNOWN_STATUS\0", |(_, name)| name);
     name.as_ptr().cast()
 }
 
@@ -557,12 +596,16 @@ pub unsafe extern "C" fn dv2_step_n(
     out_ids: *mut i32,
     out_count: *mut usize,
 ) -> dv2_status {
+    // Every path, errors included, leaves *out_count written (0 unless ids were).
+    if !out_count.is_null() {
+        // SAFETY: non-null; writable by the caller's contract.
+        unsafe { out_count.write(0) };
+    }
     // SAFETY: forwarded contract.
     unsafe {
         with_engine(engine, |e| {
             require(out_ids, "out_ids")?;
             require(out_count, "out_count")?;
-            out_count.write(0);
             if n == 0 {
                 return Err(Error::InvalidArgument("n is 0".into()));
             }

@@ -140,36 +140,32 @@ impl Nf4Matrix {
         let mut absmax = vec![0f32; rows * row_blocks];
         let per = crate::par::rows_per_thread(rows, cols);
         let first_error = std::sync::Mutex::new(None::<(usize, usize, f32)>);
-        std::thread::scope(|s| {
-            let chunks = packed
-                .chunks_mut(per * row_bytes)
-                .zip(absmax.chunks_mut(per * row_blocks));
-            for (i, (packed, absmax)) in chunks.enumerate() {
-                let (fill, first_error) = (&fill, &first_error);
-                s.spawn(move || {
-                    let mut row = vec![0f32; cols];
-                    let rows = packed
-                        .chunks_exact_mut(row_bytes)
-                        .zip(absmax.chunks_exact_mut(row_blocks));
-                    for (j, (codes, scales)) in rows.enumerate() {
-                        let r = i * per + j;
-                        fill(r, &mut row);
-                        if let Some(c) = row.iter().position(|v| !v.is_finite()) {
-                            let mut e = first_error.lock().unwrap_or_else(|p| p.into_inner());
-                            if e.is_none_or(|(er, _, _)| r < er) {
-                                *e = Some((r, c, row[c]));
-                            }
-                            return;
-                        }
-                        for ((block, out), scale) in row
-                            .chunks_exact(BLOCK)
-                            .zip(codes.chunks_exact_mut(BLOCK / 2))
-                            .zip(scales.iter_mut())
-                        {
-                            *scale = encode_block(block, out);
-                        }
+        let chunks = packed
+            .chunks_mut(per * row_bytes)
+            .zip(absmax.chunks_mut(per * row_blocks))
+            .enumerate();
+        crate::par::for_each(chunks, |(i, (packed, absmax))| {
+            let mut row = vec![0f32; cols];
+            let rows = packed
+                .chunks_exact_mut(row_bytes)
+                .zip(absmax.chunks_exact_mut(row_blocks));
+            for (j, (codes, scales)) in rows.enumerate() {
+                let r = i * per + j;
+                fill(r, &mut row);
+                if let Some(c) = row.iter().position(|v| !v.is_finite()) {
+                    let mut e = first_error.lock().unwrap_or_else(|p| p.into_inner());
+                    if e.is_none_or(|(er, _, _)| r < er) {
+                        *e = Some((r, c, row[c]));
                     }
-                });
+                    return;
+                }
+                for ((block, out), scale) in row
+                    .chunks_exact(BLOCK)
+                    .zip(codes.chunks_exact_mut(BLOCK / 2))
+                    .zip(scales.iter_mut())
+                {
+                    *scale = encode_block(block, out);
+                }
             }
         });
         if let Some((r, c, v)) = first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {

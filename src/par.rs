@@ -24,10 +24,49 @@ pub fn for_rows<T: Send>(
         f(0, out);
         return;
     }
-    std::thread::scope(|s| {
-        for (i, chunk) in out.chunks_mut(per * row_len).enumerate() {
-            let f = &f;
-            s.spawn(move || f(i * per, chunk));
-        }
+    for_each(out.chunks_mut(per * row_len).enumerate(), |(i, chunk)| {
+        f(i * per, chunk)
     });
+}
+
+/// Calls `f` on every item, on up to [`threads`] threads that take the items in turn from a
+/// shared queue, the calling thread among them. A thread that cannot be spawned (the host's
+/// limits) leaves its share to the others: every item is still done once, nothing fails.
+pub fn for_each<I>(items: I, f: impl Fn(I::Item) + Sync)
+where
+    I: Iterator + Send,
+    I::Item: Send,
+{
+    let queue = std::sync::Mutex::new(items);
+    let work = || loop {
+        let next = queue.lock().unwrap_or_else(|p| p.into_inner()).next();
+        match next {
+            Some(item) => f(item),
+            None => break,
+        }
+    };
+    std::thread::scope(|s| {
+        for _ in 1..threads() {
+            if std::thread::Builder::new().spawn_scoped(s, work).is_err() {
+                break;
+            }
+        }
+        work();
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn every_item_is_done_once() {
+        let done: Vec<std::sync::atomic::AtomicU32> = (0..1000)
+            .map(|_| std::sync::atomic::AtomicU32::new(0))
+            .collect();
+        super::for_each(0..1000usize, |i| {
+            done[i].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        });
+        assert!(done
+            .iter()
+            .all(|d| d.load(std::sync::atomic::Ordering::Relaxed) == 1));
+    }
 }

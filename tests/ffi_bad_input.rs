@@ -439,7 +439,7 @@ fn status_names_and_version() {
     // SAFETY: static strings.
     unsafe {
         assert_eq!(
-            CStr::from_ptr(dv2_status_name(DV2_FINISHED))
+            CStr::from_ptr(dv2_status_name(DV2_FINISHED as i32))
                 .to_str()
                 .unwrap(),
             "DV2_FINISHED"
@@ -449,4 +449,238 @@ fn status_names_and_version() {
             env!("CARGO_PKG_VERSION")
         );
     }
+}
+
+fn name_of(status: i32) -> String {
+    // SAFETY: dv2_status_name returns a static NUL-terminated string for any integer.
+    unsafe { CStr::from_ptr(dv2_status_name(status)) }
+        .to_str()
+        .unwrap()
+        .to_owned()
+}
+
+/// A C enum can hold any int: every integer gets a name, none crashes.
+#[test]
+fn status_names_of_any_integer() {
+    for status in [DV2_OK, DV2_ERR_NON_FINITE, DV2_ERR_INTERNAL] {
+        assert_eq!(name_of(status as i32), format!("{status:?}"));
+    }
+    for status in [-1, 17, 98, 100, i32::MIN, i32::MAX] {
+        assert_eq!(name_of(status), "DV2_UNKNOWN_STATUS");
+    }
+}
+
+/// A temporary directory for one test.
+fn scratch(test: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("dv2-{test}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn c_path(p: &std::path::Path) -> CString {
+    CString::new(p.to_str().unwrap()).unwrap()
+}
+
+/// Loads `path` on the CPU backend in a thread, failing the test (not hanging it) after 60 s.
+fn load_within_a_minute(path: &std::path::Path) -> (dv2_status, String) {
+    let path = c_path(path);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut h = null_mut();
+        let mut opts = dv2_options_default();
+        opts.backend = dv2_backend::DV2_BACKEND_CPU as i32;
+        // SAFETY: valid string and pointers.
+        let status = unsafe { dv2_load(path.as_ptr(), &opts, &mut h) };
+        if !h.is_null() {
+            // SAFETY: a handle from dv2_load.
+            unsafe { dv2_free(h) };
+        }
+        let _ = tx.send((status, last_error()));
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(60))
+        .expect("dv2_load hung")
+}
+
+/// A FIFO, as the model path or as an HF directory's config.json, is refused before an open
+/// that would wait for a writer.
+#[test]
+fn a_fifo_is_refused_not_waited_on() {
+    let dir = scratch("fifo");
+    let fifo = dir.join("model.gguf");
+    let hf = dir.join("hf");
+    std::fs::create_dir_all(&hf).unwrap();
+    for path in [&fifo, &hf.join("config.json")] {
+        let c = c_path(path);
+        // SAFETY: a valid path string.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo");
+    }
+    for path in [&fifo, &hf] {
+        let (status, message) = load_within_a_minute(path);
+        assert_eq!(status, DV2_ERR_MODEL_FILE, "{message}");
+        assert!(message.contains("not a regular file"), "{message}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Counts read from a file are bounded before they size anything: a GGUF with 2^32 - 1
+/// layers, one whose tensor count fills its 4 MB, an HF config with 2^40 layers.
+#[test]
+fn counts_from_files_cannot_size_an_allocation() {
+    use common::gguf_writer::{GgufWriter, Meta};
+    let dir = scratch("counts");
+    let mut w = GgufWriter::tiny_llama();
+    w.set_meta("llama.block_count", Meta::U32(u32::MAX));
+    let layers = dir.join("layers.gguf");
+    std::fs::write(&layers, w.bytes()).unwrap();
+    let (status, message) = load_within_a_minute(&layers);
+    assert_eq!(status, DV2_ERR_UNSUPPORTED, "{message}");
+    assert!(message.contains("n_layers"), "{message}");
+
+    // GGUF v3: magic, version, tensor count, metadata count, then 4 MB of zeros.
+    let mut bytes = b"GGUF".to_vec();
+    bytes.extend(3u32.to_le_bytes());
+    bytes.extend((4u64 << 20).to_le_bytes());
+    bytes.extend(0u64.to_le_bytes());
+    bytes.resize(bytes.len() + (4 << 20), 0);
+    let tensors = dir.join("tensors.gguf");
+    std::fs::write(&tensors, bytes).unwrap();
+    let (status, message) = load_within_a_minute(&tensors);
+    assert_eq!(status, DV2_ERR_MODEL_FILE, "{message}");
+
+    let hf = dir.join("hf");
+    std::fs::create_dir_all(&hf).unwrap();
+    std::fs::write(
+        hf.join("config.json"),
+        r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 32,
+            "num_hidden_layers": 1099511627776, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+            "max_position_embeddings": 16}"#,
+    )
+    .unwrap();
+    let (status, message) = load_within_a_minute(&hf);
+    assert!(
+        matches!(status, DV2_ERR_UNSUPPORTED | DV2_ERR_MODEL_FILE),
+        "{status:?}: {message}"
+    );
+    assert!(
+        message.contains("n_layers") || message.contains("num_hidden_layers"),
+        "{message}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Weights near f32's largest make the logits overflow: the forward reports it with its own
+/// status instead of handing out ids chosen from inf and NaN, and a reset recovers the handle.
+#[test]
+fn non_finite_logits_are_a_status() {
+    use common::gguf_writer::GgufWriter;
+    let dir = scratch("non-finite");
+    let mut w = GgufWriter::tiny_llama();
+    for (i, v) in w
+        .tensor_mut("blk.0.ffn_down.weight")
+        .2
+        .iter_mut()
+        .enumerate()
+    {
+        *v = if i % 2 == 0 { 3e38 } else { -3e38 };
+    }
+    let path = dir.join("huge.gguf");
+    std::fs::write(&path, w.bytes()).unwrap();
+    let mut h = null_mut();
+    let mut opts = dv2_options_default();
+    opts.backend = dv2_backend::DV2_BACKEND_CPU as i32;
+    let prompt = [1i32, 2, 3];
+    let mut id = -1;
+    // SAFETY: valid strings, buffers and handle.
+    unsafe {
+        assert_eq!(
+            dv2_load(c_path(&path).as_ptr(), &opts, &mut h),
+            DV2_OK,
+            "{}",
+            last_error()
+        );
+        expect(
+            dv2_prefill(h, prompt.as_ptr(), prompt.len(), &mut id),
+            DV2_ERR_NON_FINITE,
+            "inf or NaN",
+        );
+        assert_eq!(dv2_reset(h), DV2_OK);
+        dv2_free(h);
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// dv2_step_n writes *out_count on every path, errors included.
+#[test]
+fn step_n_writes_its_count_on_errors() {
+    let mut ids = [0i32; 4];
+    let mut count = 77usize;
+    // SAFETY: a NULL handle is an argument error; the buffers are valid.
+    unsafe {
+        expect(
+            dv2_step_n(null_mut(), 4, ids.as_mut_ptr(), &mut count),
+            DV2_ERR_NULL_POINTER,
+            "engine",
+        );
+    }
+    assert_eq!(count, 0);
+    let (h, _case) = tiny();
+    count = 77;
+    // SAFETY: a valid handle before any prefill, and a NULL id buffer.
+    unsafe {
+        expect(
+            dv2_step_n(h, 4, null_mut(), &mut count),
+            DV2_ERR_NULL_POINTER,
+            "out_ids",
+        );
+        assert_eq!(count, 0);
+        count = 77;
+        expect(
+            dv2_step_n(h, 4, ids.as_mut_ptr(), &mut count),
+            DV2_ERR_INVALID_STATE,
+            "prefill",
+        );
+        assert_eq!(count, 0);
+        dv2_free(h);
+    }
+}
+
+static REENTERED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// A log callback that calls back into the library (the callback setter included).
+unsafe extern "C" fn reentrant_log(
+    _level: i32,
+    _message: *const std::ffi::c_char,
+    _user: *mut std::ffi::c_void,
+) {
+    dv2_set_log_callback(Some(reentrant_log), null_mut());
+    let _ = dv2_status_name(0);
+    let mut opts = dv2_options_default();
+    opts.backend = dv2_backend::DV2_BACKEND_CPU as i32;
+    // A failing load logs again from inside this callback: once is enough.
+    if REENTERED.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+        let mut h = null_mut();
+        // SAFETY: valid arguments; the load fails (unknown preset).
+        unsafe { dv2_load_synthetic(c"no-such-preset".as_ptr(), 0, &opts, &mut h) };
+    }
+}
+
+/// No lock is held while the host's log callback runs: it may call any dv2_* entry.
+#[test]
+fn a_log_callback_may_call_the_library() {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        dv2_set_log_callback(Some(reentrant_log), null_mut());
+        let mut h = null_mut();
+        let opts = dv2_options_default();
+        // SAFETY: valid arguments; the load fails and logs.
+        let status = unsafe { dv2_load_synthetic(c"tiny_lama".as_ptr(), 0, &opts, &mut h) };
+        dv2_set_log_callback(None, null_mut());
+        let _ = tx.send(status);
+    });
+    let status = rx
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("a log callback that calls the library deadlocked");
+    assert_eq!(status, DV2_ERR_UNKNOWN_PRESET);
+    assert!(REENTERED.load(std::sync::atomic::Ordering::SeqCst) >= 1);
 }

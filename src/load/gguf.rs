@@ -123,7 +123,7 @@ impl<'a> Cursor<'a> {
 impl Gguf {
     pub fn open(path: &Path) -> Result<Self> {
         let name = path.display().to_string();
-        let file = std::fs::File::open(path).map_err(|e| Error::Io(format!("{name}: {e}")))?;
+        let file = super::open_regular(path)?;
         // SAFETY: the map is read-only; a file truncated by another process while mapped is
         // outside what any mmap-based loader can guard against (documented in docs/api.md).
         let map =
@@ -162,7 +162,8 @@ impl Gguf {
             let v = c.value(ty, &key, 0)?;
             meta.insert(key, v);
         }
-        let mut infos = Vec::with_capacity(n_tensors);
+        // A tensor's entry takes at least 32 bytes of the file: the count cannot reserve more.
+        let mut infos = Vec::with_capacity(n_tensors.min(buf.len().saturating_sub(c.at) / 32));
         for i in 0..n_tensors {
             let name = c.string(&format!("tensor name {i}"))?;
             let n_dims = c.u32(&name)? as usize;

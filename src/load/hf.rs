@@ -41,8 +41,7 @@ impl Shards {
     fn open(dir: &Path) -> Result<Self> {
         let index_path = dir.join("model.safetensors.index.json");
         let files: Vec<String> = if index_path.is_file() {
-            let text = std::fs::read_to_string(&index_path)
-                .map_err(|e| Error::Io(format!("{}: {e}", index_path.display())))?;
+            let text = super::read_text(&index_path)?;
             let json: Value = serde_json::from_str(&text).map_err(|e| file_err(&index_path, e))?;
             let map = json["weight_map"]
                 .as_object()
@@ -66,8 +65,7 @@ impl Shards {
         let mut index = HashMap::new();
         for (i, name) in files.iter().enumerate() {
             let path = dir.join(name);
-            let file = std::fs::File::open(&path)
-                .map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
+            let file = super::open_regular(&path)?;
             // SAFETY: a read-only map; see load::gguf for the caveat on files changed while mapped.
             let map = unsafe { memmap2::Mmap::map(&file) }
                 .map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
@@ -182,8 +180,7 @@ impl RowReader<'_> {
 /// Reads `config.json` into a spec, refusing what decodev2 does not compute.
 fn spec_from_config(dir: &Path) -> Result<ArchSpec> {
     let path = dir.join("config.json");
-    let text = std::fs::read_to_string(&path)
-        .map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
+    let text = super::read_text(&path)?;
     let c: Value = serde_json::from_str(&text).map_err(|e| file_err(&path, e))?;
     let arch = c["architectures"][0].as_str().unwrap_or("");
     let qwen = match arch {

@@ -8,6 +8,7 @@ pub mod ggml;
 pub mod gguf;
 pub mod hf;
 
+use std::fs::File;
 use std::io::Read;
 use std::path::Path;
 
@@ -25,6 +26,38 @@ fn finite(file: &str, tensor: &str, values: Vec<f32>) -> Result<Vec<f32>> {
     }
 }
 
+/// Opens `path` for reading, refusing anything but a regular file: the open itself cannot block
+/// (a FIFO's would wait for a writer; O_NONBLOCK, which regular files ignore), and the
+/// opened file is checked before anything reads it.
+pub(crate) fn open_regular(path: &Path) -> Result<File> {
+    let shown = path.display();
+    let mut options = std::fs::OpenOptions::new();
+    options.read(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::custom_flags(&mut options, libc::O_NONBLOCK);
+    let file = options
+        .open(path)
+        .map_err(|e| Error::Io(format!("{shown}: {e}")))?;
+    let meta = file
+        .metadata()
+        .map_err(|e| Error::Io(format!("{shown}: {e}")))?;
+    if !meta.is_file() {
+        return Err(Error::ModelFile(format!(
+            "{shown}: not a regular file (nor a model directory)"
+        )));
+    }
+    Ok(file)
+}
+
+/// The text of a regular file (see [`open_regular`]).
+pub(crate) fn read_text(path: &Path) -> Result<String> {
+    let mut text = String::new();
+    open_regular(path)?
+        .read_to_string(&mut text)
+        .map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
+    Ok(text)
+}
+
 /// Norm weights as decodev2 keeps them.
 fn to_bf16(values: Vec<f32>) -> Vec<half::bf16> {
     values.into_iter().map(half::bf16::from_f32).collect()
@@ -34,7 +67,7 @@ pub fn load(path: &Path) -> Result<HostModel> {
     let shown = path.display();
     let meta = std::fs::metadata(path).map_err(|e| Error::Io(format!("{shown}: {e}")))?;
     if meta.is_dir() {
-        if path.join("config.json").is_file() {
+        if path.join("config.json").exists() {
             return hf::load(path);
         }
         return Err(Error::ModelFile(format!(
@@ -42,7 +75,7 @@ pub fn load(path: &Path) -> Result<HostModel> {
         )));
     }
     let mut magic = [0u8; 4];
-    let mut file = std::fs::File::open(path).map_err(|e| Error::Io(format!("{shown}: {e}")))?;
+    let mut file = open_regular(path)?;
     let got = file
         .read(&mut magic)
         .map_err(|e| Error::Io(format!("{shown}: {e}")))?;
