@@ -171,7 +171,11 @@ __device__ __forceinline__ void pdl_enter() {
 }
 
 // Thread-block clusters (Hopper; the GEMM's K split, attention v3): the cluster's size and
-// this CTA's rank in it (1 and 0 in a launch without clusters).
+// this CTA's rank in it (1 and 0 in a launch without clusters). Before sm_90 there are no
+// clusters: every launch is its own cluster of one, and the host never launches the kernels
+// that need more there (src/cuda/ops: attention v2 instead of v3, the GEMM without its K
+// split across CTAs).
+#if __CUDA_ARCH__ >= 900
 __device__ __forceinline__ int cluster_size() {
     u32 r;
     asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
@@ -207,6 +211,16 @@ __device__ __forceinline__ float load_from_cta(const float* local, int rank) {
     asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
     return v;
 }
+#else
+__device__ __forceinline__ int cluster_size() { return 1; }
+__device__ __forceinline__ int cluster_rank() { return 0; }
+__device__ __forceinline__ void cluster_arrive_relaxed() {}
+__device__ __forceinline__ void cluster_arrive() {}
+__device__ __forceinline__ void cluster_wait() { __syncthreads(); }
+__device__ __forceinline__ void cluster_arrive_cluster_release() { __threadfence_block(); }
+__device__ __forceinline__ void store_in_cta(float* local, int, float v) { *local = v; }
+__device__ __forceinline__ float load_from_cta(const float* local, int) { return *local; }
+#endif
 
 // The bitsandbytes NF4 codebook, an initializer from the host (src/nf4.rs CODEBOOK, as -D
 // NF4_CODEBOOK), so every kernel that copies it keeps its own local table.

@@ -59,6 +59,13 @@ pub const VARIABLES: &[Variable] = &[
         lab: "session 16, runs 2 and 6: +0.0017 (argmax) and +0.0007 (commit) ms/token off",
     },
     Variable {
+        name: "DV2_HOPPER",
+        default: "1",
+        effect: "`0`: no thread-block clusters and no programmatic dependent launch even on \
+                 sm_90+ (the path GPUs before Hopper take, measurable on an H100/H200)",
+        lab: "session 21 (issue 37)",
+    },
+    Variable {
         name: "DV2_ATTN_CLUSTERS",
         default: "1",
         effect: "`0`: decode attention v2 (a merge kernel) instead of v3 (thread-block clusters; \
@@ -128,6 +135,8 @@ pub const VARIABLES: &[Variable] = &[
 pub struct Config {
     pub graph: bool,
     pub pdl: bool,
+    /// Hopper's clusters and programmatic dependent launch where the device has them.
+    pub hopper: bool,
     pub fuse_rms: bool,
     pub ffn_f16: bool,
     pub qkv_khalves: bool,
@@ -166,6 +175,7 @@ impl Config {
         Self {
             graph: on("DV2_GRAPH"),
             pdl: on("DV2_PDL"),
+            hopper: on("DV2_HOPPER"),
             fuse_rms: on("DV2_FUSE_RMS"),
             ffn_f16: on("DV2_FFN_F16"),
             qkv_khalves: on("DV2_QKV_KHALVES"),

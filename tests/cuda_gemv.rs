@@ -77,7 +77,7 @@ fn settings() -> Vec<Setting> {
 #[test]
 fn every_gemv_kernel_matches_the_cpu_at_every_v2_shape() {
     let cfg = Config::from_env();
-    let Some(gpu) = cuda_or_skip("GPU", Gpu::open(0, cfg.pdl)) else {
+    let Some(gpu) = cuda_or_skip("GPU", Gpu::open(0, &cfg)) else {
         return;
     };
     let mut ops = Ops::new(gpu, cfg.clone()).unwrap();

@@ -1,7 +1,7 @@
-//! Every kernel compiles through the library's own NVRTC path, for the H200's sm_90, on any
-//! machine with libnvrtc (no GPU needed): under the default configuration, and with every
-//! switch that compiles kernels in or out flipped. Without libnvrtc: SKIP (a failure under
-//! DV2_REQUIRE_CUDA=1).
+//! Every kernel compiles through the library's own NVRTC path on any machine with libnvrtc (no
+//! GPU needed): for the H200's sm_90 under the default configuration and with every switch
+//! that compiles kernels in or out flipped, and for every architecture the backend takes
+//! (sm_80 to sm_120). Without libnvrtc: SKIP (a failure under DV2_REQUIRE_CUDA=1).
 
 use decodev2::config::Config;
 use decodev2::cuda::kernels::{compile, compile_decode, nvrtc_present, BENCH};
@@ -37,9 +37,15 @@ fn decode_kernels_compile_for_sm_90() {
         logits_argmax: false,
         qkv_khalves: false,
         cta_timeline: true,
-        ..cfg
+        ..cfg.clone()
     };
     let other = compile_decode("sm_90", &flipped).unwrap_or_else(|e| panic!("{e}"));
     assert!(other.starts_with(b"\x7fELF") && other != cubin);
+    // Ampere, Ada, Blackwell: the kernels without Hopper's clusters and PDL where the
+    // architecture lacks them (kernels/common.cuh), the rest as on sm_90.
+    for arch in ["sm_80", "sm_86", "sm_89", "sm_100", "sm_120"] {
+        let cubin = compile_decode(arch, &cfg).unwrap_or_else(|e| panic!("{arch}: {e}"));
+        assert!(cubin.starts_with(b"\x7fELF"), "{arch}");
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }

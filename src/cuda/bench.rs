@@ -112,7 +112,7 @@ impl Bench {
     /// Kernel variants come from the environment, as in the backend (see [`super::ops`]).
     pub fn new(device: usize) -> Result<Self> {
         let cfg = Config::from_env();
-        let ops = Ops::new(Gpu::open(device, cfg.pdl)?, cfg)?;
+        let ops = Ops::new(Gpu::open(device, &cfg)?, cfg)?;
         let module = load_module(&ops.gpu, &BENCH, &ops.cfg)?;
         let stream_read = module
             .load_function("stream_read")
@@ -121,6 +121,7 @@ impl Bench {
             .load_function("chain_link")
             .map_err(driver_error("chain_link"))?;
         allow_dynamic_smem(
+            &ops.gpu,
             std::slice::from_ref(&chain_link),
             CHAIN_LINK_MAX_SMEM as usize,
         )?;

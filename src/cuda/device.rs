@@ -5,14 +5,15 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
 use cudarc::driver::sys::{
-    cuLaunchKernelEx, CUlaunchAttribute, CUlaunchAttributeID, CUlaunchAttributeValue,
-    CUlaunchConfig,
+    cuLaunchKernelEx, CUdevice_attribute, CUlaunchAttribute, CUlaunchAttributeID,
+    CUlaunchAttributeValue, CUlaunchConfig,
 };
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, DriverError,
     LaunchConfig, ValidAsZeroBits,
 };
 
+use crate::config::Config;
 use crate::error::{Error, Result};
 
 /// Maps a driver error to ours; out-of-memory keeps its own status.
@@ -34,16 +35,37 @@ pub fn driver_present() -> bool {
     catch_unwind(|| unsafe { cudarc::driver::sys::is_culib_present() }).unwrap_or(false)
 }
 
+/// What of the device the kernels use, chosen from its compute capability, its shared-memory
+/// limit and the switches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Capabilities {
+    /// Thread-block clusters and distributed shared memory (sm_90 and later; `DV2_HOPPER=0`
+    /// off): attention v3 and the GEMM's K split across CTAs.
+    pub clusters: bool,
+    /// Programmatic dependent launch (sm_90 and later; `DV2_PDL=0` or `DV2_HOPPER=0` off):
+    /// each kernel may start while the one before it drains; the kernels' `pdl_wait()` orders
+    /// their reads and writes after it (kernels/common.cuh).
+    pub pdl: bool,
+    /// Shared memory one CTA may opt into, in bytes (static and dynamic together).
+    pub max_smem_per_cta: usize,
+}
+
+impl Capabilities {
+    pub fn of(major: i32, max_smem_per_cta: usize, cfg: &Config) -> Self {
+        let hopper = major >= 9 && cfg.hopper;
+        Self {
+            clusters: hopper,
+            pdl: hopper && cfg.pdl,
+            max_smem_per_cta,
+        }
+    }
+}
+
 /// One device with its context and the stream every launch goes to.
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
-    /// Programmatic dependent launch (`DV2_PDL`, default on from compute capability 9.0): each
-    /// kernel may start while the one before it drains; the kernels' `pdl_wait()` orders
-    /// their reads and writes after it (kernels/common.cuh).
-    pub pdl: bool,
-    /// Thread-block clusters (compute capability 9.0 and later).
-    pub clusters: bool,
+    pub caps: Capabilities,
 }
 
 /// A kernel argument as the driver takes it: the address of the value.
@@ -52,10 +74,9 @@ pub fn kernel_arg<T: DeviceRepr>(value: &T) -> *mut c_void {
 }
 
 impl Gpu {
-    /// Opens device `ordinal`, with programmatic dependent launch where the device has it and
-    /// `pdl` asks for it (`DV2_PDL`); `BackendUnavailable` when there is no driver or no such
-    /// device.
-    pub fn open(ordinal: usize, pdl: bool) -> Result<Self> {
+    /// Opens device `ordinal` with the capabilities `cfg` allows ([`Capabilities::of`]);
+    /// `BackendUnavailable` when there is no driver or no such device.
+    pub fn open(ordinal: usize, cfg: &Config) -> Result<Self> {
         if !driver_present() {
             return Err(Error::BackendUnavailable(
                 "no CUDA driver (libcuda.so.1 not found)".into(),
@@ -77,12 +98,15 @@ impl Gpu {
             let (major, _) = ctx
                 .compute_capability()
                 .map_err(driver_error("compute capability"))?;
-            let pdl = major >= 9 && pdl;
+            let smem = ctx
+                .attribute(
+                    CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+                )
+                .map_err(driver_error("shared memory per block"))?;
             Ok(Self {
                 ctx,
                 stream,
-                pdl,
-                clusters: major >= 9,
+                caps: Capabilities::of(major, smem.max(0) as usize, cfg),
             })
         };
         catch_unwind(AssertUnwindSafe(open)).unwrap_or_else(|_| {
@@ -191,7 +215,7 @@ impl Gpu {
             value: cluster_value,
         };
         // The attributes that apply, first `count` of the array (no allocation per launch).
-        let (mut attrs, count) = match (self.pdl, clustered) {
+        let (mut attrs, count) = match (self.caps.pdl, clustered) {
             (true, true) => ([pdl, cluster], 2),
             (true, false) => ([pdl, cluster], 1),
             (false, true) => ([cluster, pdl], 1),

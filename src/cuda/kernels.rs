@@ -401,12 +401,20 @@ pub struct Kernels {
     pub attn_prefill_mma: [CudaFunction; 4],
 }
 
-/// Lets each of `funcs` take up to `bytes` of dynamic shared memory (past the 48 KiB default).
-pub(super) fn allow_dynamic_smem(funcs: &[CudaFunction], bytes: usize) -> Result<()> {
+/// Lets each of `funcs` take up to `bytes` of dynamic shared memory (past the 48 KiB default),
+/// or as much as the device allows beside the function's static shared memory where that is
+/// less (before Hopper: 99 KiB per CTA on sm_86/sm_89, 163 KiB on sm_80). A launch that needs
+/// more then fails with the driver's error, not the load.
+pub(super) fn allow_dynamic_smem(gpu: &Gpu, funcs: &[CudaFunction], bytes: usize) -> Result<()> {
     for func in funcs {
+        let fixed = func
+            .get_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
+            .map_err(driver_error("static shared memory"))?
+            .max(0) as usize;
+        let allowed = bytes.min(gpu.caps.max_smem_per_cta.saturating_sub(fixed));
         func.set_attribute(
             CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            bytes as i32,
+            allowed as i32,
         )
         .map_err(driver_error("dynamic shared memory attribute"))?;
     }
@@ -432,7 +440,7 @@ impl Kernels {
         let gemv2 = |name: &str, suffix: &str, smem: usize| -> Result<[CudaFunction; 3]> {
             let [a, b, c] = [1, 2, 3].map(|j| f(&format!("{name}_j{j}{suffix}")));
             let fs = [a?, b?, c?];
-            allow_dynamic_smem(&fs, smem)?;
+            allow_dynamic_smem(gpu, &fs, smem)?;
             Ok(fs)
         };
         let gemm = |name: &str| -> Result<GemmKernels> {
@@ -444,16 +452,16 @@ impl Kernels {
         };
         // GEMV v3 stages x in dynamic shared memory, up to GEMV3_MAX_SMEM bytes.
         let gemv3 = [f("gemv3_store")?, f("gemv3_acc")?, f("gemv3_swiglu")?];
-        allow_dynamic_smem(&gemv3, GEMV3_MAX_SMEM)?;
+        allow_dynamic_smem(gpu, &gemv3, GEMV3_MAX_SMEM)?;
         let gemv3_lean = [
             f("gemv3_store_lean")?,
             f("gemv3_acc_lean")?,
             f("gemv3_swiglu_lean")?,
         ];
-        allow_dynamic_smem(&gemv3_lean, GEMV3_MAX_SMEM)?;
+        allow_dynamic_smem(gpu, &gemv3_lean, GEMV3_MAX_SMEM)?;
         let gemv3_qkv_kh2 = if cfg.qkv_khalves {
             let f = f("gemv3_store_lean_kh2")?;
-            allow_dynamic_smem(std::slice::from_ref(&f), GEMV3_MAX_SMEM)?;
+            allow_dynamic_smem(gpu, std::slice::from_ref(&f), GEMV3_MAX_SMEM)?;
             Some(f)
         } else {
             None
@@ -464,7 +472,7 @@ impl Kernels {
             f("attn3_decode_hd128")?,
             f("attn3_decode_hd64")?,
         ];
-        allow_dynamic_smem(&attn3_decode, ATTN2_MAX_GROUP_X_HD * 4)?;
+        allow_dynamic_smem(gpu, &attn3_decode, ATTN2_MAX_GROUP_X_HD * 4)?;
         Ok(Self {
             module: module.clone(),
             gemv3,

@@ -100,7 +100,7 @@ impl CudaBackend {
     ) -> Result<Self> {
         let s = host.spec;
         let cfg = Config::from_env();
-        let gpu = Gpu::open(device, cfg.pdl)?;
+        let gpu = Gpu::open(device, &cfg)?;
         let (free, total) = gpu.memory()?;
         let mut ops = Ops::new(gpu, cfg)?;
         let chunk = prefill_chunk(&ops, &s, max_seq, chunk)?;

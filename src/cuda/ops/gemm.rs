@@ -121,7 +121,11 @@ impl Ops {
         let kw = gemm_k_parts(tiles, ctas_n, k / 64, self.sms as usize);
         args.kw = kw as i32;
         let ctas_m = tiles.div_ceil(GEMM_WARPS / kw);
-        let cluster_z = gemm_cluster(ctas_m * ctas_n, kw, k / 64, self.sms as usize);
+        let cluster_z = if self.gpu.caps.clusters {
+            gemm_cluster(ctas_m * ctas_n, kw, k / 64, self.sms as usize)
+        } else {
+            1
+        };
         let cfg = LaunchConfig {
             grid_dim: (ctas_m as u32, ctas_n as u32, cluster_z),
             block_dim: ((GEMM_WARPS * 32) as u32, 1, 1),

@@ -14,7 +14,7 @@
 use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{DeviceRepr, LaunchConfig};
 
-use super::device::{driver_error, Gpu};
+use super::device::{driver_error, Capabilities, Gpu};
 use super::kernels::{
     Kernels, ATTN2_CHUNK, ATTN2_MAX_CHUNKS, ATTN2_MAX_GROUP, ATTN2_MAX_GROUP_X_HD, MAX_HEAD_DIM,
 };
@@ -145,11 +145,7 @@ impl Ops {
             .ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(driver_error("multiprocessor count"))? as u32;
-        let attn = if gpu.clusters && cfg.attn_clusters {
-            Attention::V3
-        } else {
-            Attention::V2
-        };
+        let attn = decode_attention(&gpu.caps, &cfg);
         Ok(Self {
             gpu,
             k,
@@ -236,6 +232,16 @@ impl Ops {
     }
 }
 
+/// The decode attention a device takes: v3 where it has clusters and `DV2_ATTN_CLUSTERS` is on,
+/// else v2 ([`Ops::fit`] may still fall back to v1 for the model's shape).
+pub fn decode_attention(caps: &Capabilities, cfg: &Config) -> Attention {
+    if caps.clusters && cfg.attn_clusters {
+        Attention::V3
+    } else {
+        Attention::V2
+    }
+}
+
 fn no_sums(ss_out: u64) -> Result<()> {
     if ss_out != 0 {
         return Err(Error::Internal(
@@ -258,6 +264,42 @@ fn check_sums(ss_out: u64, ctas: u32) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each architecture's limits pick its paths: clusters and PDL from sm_90 on (unless
+    /// `DV2_HOPPER=0`), attention v3 only with clusters, the opt-in shared memory as reported.
+    #[test]
+    fn capabilities_choose_the_paths_by_architecture() {
+        let defaults = Config::default();
+        let no_hopper = Config {
+            hopper: false,
+            ..Config::default()
+        };
+        let no_pdl = Config {
+            pdl: false,
+            ..Config::default()
+        };
+        // (arch, major, opt-in shared memory per CTA as the CUDA guide lists it)
+        for (arch, major, smem) in [
+            ("sm_80", 8, 163 << 10),
+            ("sm_86", 8, 99 << 10),
+            ("sm_89", 8, 99 << 10),
+            ("sm_90", 9, 227 << 10),
+            ("sm_100", 10, 227 << 10),
+            ("sm_120", 12, 99 << 10),
+        ] {
+            let caps = Capabilities::of(major, smem, &defaults);
+            let hopper = major >= 9;
+            assert_eq!((caps.clusters, caps.pdl), (hopper, hopper), "{arch}");
+            assert_eq!(caps.max_smem_per_cta, smem, "{arch}");
+            let want = if hopper { Attention::V3 } else { Attention::V2 };
+            assert_eq!(decode_attention(&caps, &defaults), want, "{arch}");
+            let off = Capabilities::of(major, smem, &no_hopper);
+            assert!(!off.clusters && !off.pdl, "{arch}");
+            assert_eq!(decode_attention(&off, &no_hopper), Attention::V2, "{arch}");
+            let caps = Capabilities::of(major, smem, &no_pdl);
+            assert_eq!((caps.clusters, caps.pdl), (hopper, false), "{arch}");
+        }
+    }
 
     #[test]
     fn partial_sums_must_fit_the_arena() {
