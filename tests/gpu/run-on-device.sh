@@ -35,7 +35,7 @@ if want switches; then
   # 35 chunks, from a chunked prefill, and on the 3B shape; the decode step's linears through
   # the tensor-core GEMM; the prompt fed token by token through the decode step.
   for v in DV2_GRAPH=0 DV2_PDL=0 DV2_FUSE_RMS=0 DV2_FFN_F16=0 DV2_QKV_KHALVES=0 DV2_LOGITS_ARGMAX=0 \
-    DV2_ATTN_CLUSTERS=0 DV2_PREFILL_TAIL=0 DV2_LINEAR=mma DV2_PREFILL=n1; do
+    DV2_ATTN_CLUSTERS=0 DV2_HOPPER=0 DV2_PREFILL_TAIL=0 DV2_LINEAR=mma DV2_PREFILL=n1; do
     gates_with gates_match $v
   done
   gates_with long_context DV2_ATTN_CLUSTERS=0
