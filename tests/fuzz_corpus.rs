@@ -1,0 +1,119 @@
+//! The fuzz targets' corpus replayed through the same code as the targets (fuzz/src/lib.rs):
+//! each input must return, with or without an error, on every machine. fuzz/corpus/<target>
+//! holds whole inputs (the seeds the runs grew from, and every input that ever crashed or hung
+//! a target) and queue.patches: the inputs AFL++ kept for new coverage, as edits on a seed
+//! (fuzz/pack_corpus.py packs them; the few past 4 KB of edits are left out).
+//! `DV2_WRITE_FUZZ_SEEDS=1` writes the seeds (tiny valid model files).
+
+mod common;
+
+#[path = "../fuzz/src/lib.rs"]
+mod targets;
+
+use std::path::{Path, PathBuf};
+
+fn corpus(target: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fuzz/corpus")
+        .join(target)
+}
+
+fn scratch(target: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("dv2-corpus-{target}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A little-endian u32 at `at`, advancing it.
+fn u32_at(b: &[u8], at: &mut usize) -> usize {
+    let v = u32::from_le_bytes(b[*at..*at + 4].try_into().unwrap()) as usize;
+    *at += 4;
+    v
+}
+
+/// The inputs of queue.patches: each a seed with its edits applied (see fuzz/pack_corpus.py).
+fn patched_inputs(dir: &Path) -> Vec<Vec<u8>> {
+    let Ok(packed) = std::fs::read(dir.join("queue.patches")) else {
+        return Vec::new();
+    };
+    let mut inputs = Vec::new();
+    let mut at = 0;
+    while at < packed.len() {
+        let len = u32_at(&packed, &mut at);
+        let record = &packed[at..at + len];
+        at += len;
+        let name_len = record[0] as usize;
+        let name = std::str::from_utf8(&record[1..1 + name_len]).unwrap();
+        let seed = std::fs::read(dir.join(name)).unwrap();
+        let mut r = 1 + name_len;
+        let (mut input, mut copied) = (Vec::new(), 0);
+        for _ in 0..u32_at(record, &mut r) {
+            let (offset, removed, inserted) = (
+                u32_at(record, &mut r),
+                u32_at(record, &mut r),
+                u32_at(record, &mut r),
+            );
+            input.extend_from_slice(&seed[copied..offset]);
+            input.extend_from_slice(&record[r..r + inserted]);
+            r += inserted;
+            copied = offset + removed;
+        }
+        input.extend_from_slice(&seed[copied..]);
+        inputs.push(input);
+    }
+    inputs
+}
+
+fn replay(target: &str, run: fn(&Path, &[u8])) {
+    let dir = scratch(target);
+    let mut files: Vec<PathBuf> = std::fs::read_dir(corpus(target))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_none_or(|e| e != "patches"))
+        .collect();
+    files.sort();
+    let mut inputs: Vec<Vec<u8>> = files.iter().map(|f| std::fs::read(f).unwrap()).collect();
+    inputs.extend(patched_inputs(&corpus(target)));
+    assert!(inputs.len() > files.len(), "no queue for {target}");
+    for input in &inputs {
+        run(&dir, input);
+    }
+    println!("{target}: {} inputs replayed", inputs.len());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn gguf_corpus_replays() {
+    write_seeds_if_asked();
+    replay("gguf", targets::gguf);
+}
+
+#[test]
+fn hf_corpus_replays() {
+    replay("hf", targets::hf);
+}
+
+fn write_seeds_if_asked() {
+    if std::env::var_os("DV2_WRITE_FUZZ_SEEDS").is_none() {
+        return;
+    }
+    use common::gguf_writer::GgufWriter;
+    use common::safetensors_writer::HfWriter;
+    std::fs::create_dir_all(corpus("gguf")).unwrap();
+    std::fs::write(
+        corpus("gguf").join("seed-tiny-llama"),
+        GgufWriter::tiny_llama().bytes(),
+    )
+    .unwrap();
+    std::fs::create_dir_all(corpus("hf")).unwrap();
+    for arch in ["LlamaForCausalLM", "Qwen2ForCausalLM"] {
+        let dir = scratch(arch);
+        HfWriter::tiny(arch).write(&dir, 1);
+        let mut input = std::fs::read(dir.join("config.json")).unwrap();
+        input.extend_from_slice(targets::HF_SEPARATOR);
+        input.extend_from_slice(targets::HF_SEPARATOR);
+        input.extend(std::fs::read(dir.join("model.safetensors")).unwrap());
+        std::fs::write(corpus("hf").join(format!("seed-{arch}")), input).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
