@@ -61,14 +61,15 @@ fn with_env<K: AsRef<str>, V: AsRef<str>, T>(vars: &[(K, V)], f: impl FnOnce() -
 
 /// The decode table's switch rows for `model`: each switch of the configuration table
 /// (src/config.rs) that `--rows` names (a comma-separated list of parts of names), set to
-/// `0`; none without `--rows`.
+/// `0`; none without `--rows`. Not `DV2_GRAPH`: these rows set the graph explicitly, and the
+/// eager rows already measure it.
 fn switch_rows(model: &str, rows: Option<&String>) -> Vec<(String, Vec<(String, String)>)> {
     let Some(rows) = rows else {
         return Vec::new();
     };
     VARIABLES
         .iter()
-        .filter(|v| v.effect.starts_with("`0`"))
+        .filter(|v| v.effect.starts_with("`0`") && v.name != "DV2_GRAPH")
         .filter(|v| rows.split(',').any(|p| v.name.contains(p)))
         .map(|v| {
             (

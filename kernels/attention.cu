@@ -5,9 +5,6 @@
 // GEMV3_KHALVES (an NVRTC define the host sets, DV2_QKV_KHALVES; 1 by default): q/k/v's
 // GEMV v3 in K halves (kernels/gemv_mma.cu, gemv3_store_lean_kh2), the attention adding the
 // two parts (AttnArgs::qkv2: the second, or zeros where q/k/v ran in one).
-#ifndef GEMV3_KHALVES
-#define GEMV3_KHALVES 0
-#endif
 
 // Flash-decode attention, one (q head, time split) per CTA, RoPE and the KV write fused.
 //

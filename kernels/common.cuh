@@ -32,6 +32,11 @@ typedef unsigned int u32;
     !defined(SIZEOF_PREFILLATTNARGS)
 #error "the host passes the codebook, CTAs per SM and struct sizes as -D options (src/cuda/kernels.rs)"
 #endif
+// The switches that compile kernels in or out (src/config.rs, nvrtc_defines): no default here,
+// so the two sides cannot disagree.
+#if !defined(GEMV2_LOGITS) || !defined(GEMV3_KHALVES) || !defined(CTA_TIMELINE)
+#error "the host passes GEMV2_LOGITS, GEMV3_KHALVES and CTA_TIMELINE as -D options (src/config.rs)"
+#endif
 #define GEMV_WARPS (GEMV_THREADS / 32)
 #define NEG_INF __int_as_float(0xff800000u)
 #define ATTN_WARPS (ATTN_THREADS / 32)
@@ -94,9 +99,6 @@ __device__ __forceinline__ float warp_max(float v) {
 // kernel-level trace showed each kernel's first CTAs start well before the previous kernel
 // ends and its last ones after, and skewing gate/up's rows by when its CTAs start gained 0.024
 // ms/token (docs/lab.md, session 17); this shows which CTAs start, wait and end when.
-#ifndef CTA_TIMELINE
-#define CTA_TIMELINE 0
-#endif
 #if CTA_TIMELINE
 #define CTA_TIMELINE_RECORDS (1 << 17)
 __device__ unsigned long long dv2_timeline[CTA_TIMELINE_RECORDS * 4];

@@ -279,7 +279,8 @@ impl Ops {
         Ok(true)
     }
 
-    /// Whether a GEMV `kernel` takes an f16 input ([`Input::raw_f16`]): GEMV v2.
+    /// Whether a GEMV `kernel` takes an f16 input ([`Input::raw_f16`]) and, for SwiGLU, writes
+    /// f16: GEMV v2, unless `DV2_LINEAR=mma` runs the linears.
     fn stages_f16(&self, kernel: Gemv) -> bool {
         !self.cfg.linear_mma && kernel == Gemv::V2
     }
@@ -291,7 +292,7 @@ impl Ops {
 
     /// Whether the SwiGLU of two `rows` x `cols` matrices can write f16 (GEMV v2).
     pub fn swiglu_writes_f16(&self, rows: usize, cols: usize) -> bool {
-        !self.cfg.linear_mma && self.gemv_kernel(2 * rows, cols) == Gemv::V2
+        self.stages_f16(self.gemv_kernel(2 * rows, cols))
     }
 
     /// Whether the decode step writes the SwiGLU output (`intermediate` values from K =
