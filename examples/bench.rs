@@ -4,7 +4,7 @@
 //!     cargo run --release --example bench -- [--json PATH] [--skip-kernels] [--skip-3b] [--probe]
 //!                                               [--prefill-only] [--skip-gemm] [--skip-variants]
 //!                                               [--split] [--boundary] [--l2-hot] [--rows A,B,..]
-//!                                               [--prefill-profile LEN CHUNK] [--decode-profile STEPS]
+//!                                               [--prefill-profile LEN CHUNK] [--decode-profile STEPS [DEPTH]]
 //!                                               [--cta-timeline PATH] [--context]
 //!
 //! load s is `Engine::new` (upload, allocation, kernels, warm-up); warmup ms is its eager
@@ -444,26 +444,29 @@ fn prefill_profile(len: usize, chunk: usize) {
     println!("prefill of {len} tokens, chunk {chunk}: {ms:.2} ms (first, wall clock)");
 }
 
-/// `--decode-profile STEPS`: a 48-token prompt, then STEPS eager decode steps on the
-/// Qwen2.5-3B shape (max_seq 2048), so that a profiler's per-kernel durations (ncu, filtered
-/// to the decode kernels) cover whole steps.
-fn decode_profile(steps: usize) {
+/// `--decode-profile STEPS [DEPTH]`: a prompt of DEPTH tokens (48), then STEPS eager decode
+/// steps on the Qwen2.5-3B shape (max_seq 2048, or room for the prompt and the steps), so
+/// that a profiler's per-kernel durations (ncu, filtered to the decode kernels) cover whole
+/// steps.
+fn decode_profile(steps: usize, depth: usize) {
     let qwen = synth::build(&QWEN25_3B, 0).unwrap();
-    let mut e = prefill_engine(&qwen, 2048, 48);
-    e.prefill(&synth::prompt(qwen.spec.vocab, 48, 1)).unwrap();
+    let max_seq = 2048.max(depth + steps + 64);
+    let mut e = prefill_engine(&qwen, max_seq, depth.min(1024));
+    e.prefill(&synth::prompt(qwen.spec.vocab, depth, 1)).unwrap();
     let ids: Vec<u32> = (0..steps).map(|_| e.step().unwrap()).collect();
-    println!("{steps} eager decode steps after a 48-token prompt: {ids:?}");
+    println!("{steps} eager decode steps after a {depth}-token prompt: {ids:?}");
 }
 
 /// `--context`: the Qwen2.5-3B shape at max_seq 32768, by context depth: prefill of a prompt
 /// that long (ms and tok/s, wall clock to the first token), then decode of 128 tokens after it
 /// (graph replays, ms/token), beside the floor (weight bytes plus the KV bytes at that depth,
-/// over the bandwidth the streaming-read kernel measures in this process). Writes the table and
-/// the JSON (`tests/gpu/plot-context.py` draws it).
+/// over the bandwidth the streaming-read kernel measures in this process), and the decode again
+/// with `DV2_ATTN_LONG=0` (attention v3 at every depth). Writes the table and the JSON
+/// (`tests/gpu/plot-context.py` draws it).
 fn context_sweep(json_path: &str) {
     const MAX_SEQ: usize = 32768;
     // The deepest prompt leaves room for the 129 steps after it.
-    const DEPTHS: [usize; 6] = [48, 512, 2048, 8192, 16384, 32512];
+    const DEPTHS: [usize; 9] = [48, 256, 512, 1024, 2048, 4096, 8192, 16384, 32512];
     let qwen = synth::build(&QWEN25_3B, 0).unwrap();
     let s = qwen.spec;
     let bench = Bench::new(0).expect("CUDA device");
@@ -477,18 +480,30 @@ fn context_sweep(json_path: &str) {
         weights as f64 / 1e9
     );
     println!(
-        "  {:>6} {:>11} {:>9} {:>10} {:>8} {:>10} {:>9} {:>7}",
-        "depth", "prefill ms", "tok/s", "ms/token", "tok/s", "floor ms", "floor t/s", "floor%"
+        "  {:>6} {:>11} {:>9} {:>10} {:>8} {:>10} {:>9} {:>7} {:>9} {:>8}",
+        "depth",
+        "prefill ms",
+        "tok/s",
+        "ms/token",
+        "tok/s",
+        "floor ms",
+        "floor t/s",
+        "floor%",
+        "v3 ms/t",
+        "v3 t/s"
     );
     let mut json = format!("{{\n  \"device_tb_per_s\": {tb_per_s:.3},\n  \"weight_bytes\": {weights},\n  \"context\": [\n");
     for depth in DEPTHS {
         let r = time_decode("qwen25_3b", &qwen, MAX_SEQ, depth, 128, true, 2);
+        std::env::set_var("DV2_ATTN_LONG", "0");
+        let v3 = time_decode("qwen25_3b", &qwen, MAX_SEQ, depth, 128, true, 2);
+        std::env::remove_var("DV2_ATTN_LONG");
         // KV bytes a step reads at this depth: every layer's K and V rows up to the position.
         let kv = s.n_layers * (depth + 64) * 2 * s.kv_dim() * 2;
         let floor_ms = (weights + kv) as f64 / (tb_per_s * 1e12) * 1e3;
         let prefill_tok_s = depth as f64 / r.prefill_ms * 1e3;
         println!(
-            "  {:>6} {:>11.2} {:>9.0} {:>10.4} {:>8.1} {:>10.4} {:>9.0} {:>6.0}%",
+            "  {:>6} {:>11.2} {:>9.0} {:>10.4} {:>8.1} {:>10.4} {:>9.0} {:>6.0}% {:>9.4} {:>8.1}",
             depth,
             r.prefill_ms,
             prefill_tok_s,
@@ -496,9 +511,11 @@ fn context_sweep(json_path: &str) {
             1e3 / r.ms_per_token,
             floor_ms,
             1e3 / floor_ms,
-            100.0 * floor_ms / r.ms_per_token
+            100.0 * floor_ms / r.ms_per_token,
+            v3.ms_per_token,
+            1e3 / v3.ms_per_token
         );
-        writeln!(json, "    {{\"depth\": {depth}, \"prefill_ms\": {:.3}, \"prefill_tok_s\": {prefill_tok_s:.1}, \"ms_per_token\": {:.5}, \"tok_s\": {:.2}, \"floor_ms\": {floor_ms:.5}}},", r.prefill_ms, r.ms_per_token, 1e3 / r.ms_per_token).unwrap();
+        writeln!(json, "    {{\"depth\": {depth}, \"prefill_ms\": {:.3}, \"prefill_tok_s\": {prefill_tok_s:.1}, \"ms_per_token\": {:.5}, \"tok_s\": {:.2}, \"floor_ms\": {floor_ms:.5}, \"v3_ms_per_token\": {:.5}}},", r.prefill_ms, r.ms_per_token, 1e3 / r.ms_per_token, v3.ms_per_token).unwrap();
     }
     json = json.trim_end_matches(",\n").to_string() + "\n  ]\n}\n";
     std::fs::write(json_path, json).unwrap();
@@ -512,12 +529,13 @@ fn main() {
         .iter()
         .position(|a| a == "--rows")
         .and_then(|i| args.get(i + 1));
-    if let Some(steps) = args
-        .iter()
-        .position(|a| a == "--decode-profile")
-        .and_then(|i| args.get(i + 1)?.parse().ok())
-    {
-        decode_profile(steps);
+    if let Some(i) = args.iter().position(|a| a == "--decode-profile") {
+        let num = |j: usize| args.get(i + j).and_then(|a| a.parse().ok());
+        let Some(steps) = num(1) else {
+            eprintln!("usage: bench --decode-profile STEPS [DEPTH]");
+            std::process::exit(2);
+        };
+        decode_profile(steps, num(2).unwrap_or(48));
         return;
     }
     if let Some(path) = args

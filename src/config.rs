@@ -73,6 +73,13 @@ pub const VARIABLES: &[Variable] = &[
         lab: "session 14: v3 -0.027 ms/token against v2 (25dec59)",
     },
     Variable {
+        name: "DV2_ATTN_LONG",
+        default: "1",
+        effect: "`0`: no long-context decode attention (flash-decoding over the whole GPU, a \
+                 second captured graph from `ATTNL_FROM` slots on): attention v3 at every depth",
+        lab: "session 22: the context sweep",
+    },
+    Variable {
         name: "DV2_PREFILL",
         default: "chunks",
         effect: "`n1`: the prompt fed token by token through the decode step instead of chunks",
@@ -142,6 +149,7 @@ pub struct Config {
     pub qkv_khalves: bool,
     pub logits_argmax: bool,
     pub attn_clusters: bool,
+    pub attn_long: bool,
     /// The prompt through the decode step, token by token (`DV2_PREFILL=n1`).
     pub prefill_by_steps: bool,
     pub prefill_tail: bool,
@@ -181,6 +189,7 @@ impl Config {
             qkv_khalves: on("DV2_QKV_KHALVES"),
             logits_argmax: on("DV2_LOGITS_ARGMAX"),
             attn_clusters: on("DV2_ATTN_CLUSTERS"),
+            attn_long: on("DV2_ATTN_LONG"),
             prefill_by_steps: is("DV2_PREFILL", "n1"),
             prefill_tail: on("DV2_PREFILL_TAIL"),
             linear_mma: is("DV2_LINEAR", "mma"),
@@ -258,7 +267,7 @@ mod tests {
     fn switches_are_on_unless_set_to_zero() {
         let c = Config::default();
         assert!(c.graph && c.pdl && c.fuse_rms && c.ffn_f16 && c.qkv_khalves);
-        assert!(c.logits_argmax && c.attn_clusters && c.prefill_tail);
+        assert!(c.logits_argmax && c.attn_clusters && c.attn_long && c.prefill_tail);
         assert!(!c.prefill_by_steps && !c.linear_mma && !c.lineinfo && !c.cta_timeline);
         let c = with(&[
             ("DV2_FUSE_RMS", "0"),

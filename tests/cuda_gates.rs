@@ -334,6 +334,47 @@ fn graph_replay_equals_eager_at_every_position() {
     }
 }
 
+/// Graph and eager across the long-context attention's threshold (two captured graphs, the
+/// host picking one per step), then after a second prompt appended past 2k slots (two
+/// clusters per KV head, merging through global memory): the same ids and bitwise the same
+/// logits. Small enough for the sanitizers (tests/gpu/run-on-device.sh sanitize).
+#[test]
+fn graph_replay_equals_eager_across_the_long_attention_threshold() {
+    let _device = exclusive_device();
+    let engine = |graph: bool| {
+        let opts = EngineOptions {
+            graph,
+            max_seq: 2300,
+            ..EngineOptions::default()
+        };
+        cuda_engine("medium_llama", 9, opts)
+    };
+    let Some(mut g) = engine(true) else {
+        return;
+    };
+    let mut e = engine(false).unwrap();
+    let vocab = g.spec().vocab;
+    for (prompt, steps, position) in [
+        (synth::prompt(vocab, 490, 9), 40, 530),
+        (synth::prompt(vocab, 1600, 10), 8, 2138),
+    ] {
+        assert_eq!(g.prefill(&prompt).unwrap(), e.prefill(&prompt).unwrap());
+        let mut a = vec![0u32; steps];
+        assert_eq!(g.step_n(&mut a).unwrap(), steps);
+        let b: Vec<u32> = (0..steps).map(|_| e.step().unwrap()).collect();
+        assert_eq!(a, b);
+        assert_eq!(g.position().unwrap(), position);
+        let mut lg = vec![0f32; vocab];
+        let mut le = lg.clone();
+        g.logits(&mut lg).unwrap();
+        e.logits(&mut le).unwrap();
+        assert_eq!(
+            lg, le,
+            "graph and eager run the same kernels on the same data"
+        );
+    }
+}
+
 #[test]
 fn step_n_equals_repeated_steps_and_memory_does_not_grow() {
     let _device = exclusive_device();
@@ -423,11 +464,74 @@ fn long_context_decode_matches_the_oracle() {
 }
 
 /// Past 8k slots up to max_seq's last one (and the chunked prefill's attention over a long
-/// cached prefix).
+/// cached prefix); on medium_llama the long-context attention with 8 clusters per KV head
+/// merging through global memory.
 #[test]
 fn decode_up_to_a_long_max_seq_matches_the_oracle() {
     let _device = exclusive_device();
     decode_vs_oracle("tiny_llama", 5, 8200, 8190, 10);
+    decode_vs_oracle("medium_llama", 5, 8200, 8190, 10);
+}
+
+/// Across the long-context attention's threshold (ATTNL_FROM = 512 valid slots): attention
+/// v3 before, then the long-context graph; and at 4k (4 clusters per KV head), every
+/// position of a 16-slot tile and of a CTA's share for the live slot.
+#[test]
+fn decode_across_the_long_attention_threshold_matches_the_oracle() {
+    let _device = exclusive_device();
+    decode_vs_oracle("medium_llama", 6, 600, 500, 24);
+    decode_vs_oracle("medium_llama", 7, 4200, 4090, 40);
+}
+
+/// The long-context attention against attention v3 (`DV2_ATTN_LONG=0`) on the Qwen2.5-3B
+/// shape (head_dim 128, 8 q heads per KV head) past 16k slots, where every cluster of the
+/// grid runs: the same greedy ids, logits within the oracle's cap (the CPU oracle would take
+/// hours at this depth).
+#[test]
+fn long_attention_equals_v3_on_the_3b_shape_at_16k() {
+    const CAP: f32 = 0.05;
+    let _device = exclusive_device();
+    let Some(_) = cuda_engine("tiny_llama", 0, EngineOptions::default()) else {
+        return;
+    };
+    let (max_seq, len, steps) = (16640, 16500, 12);
+    let model = synth::build(&QWEN25_3B, 0).unwrap();
+    let prompt = synth::prompt(QWEN25_3B.vocab, len, 8);
+    let opts = EngineOptions {
+        max_seq,
+        backend: BackendKind::Cuda,
+        ..EngineOptions::default()
+    };
+    let run = |long: bool| {
+        if !long {
+            std::env::set_var("DV2_ATTN_LONG", "0");
+        }
+        let e = Engine::new(model.clone(), &opts);
+        std::env::remove_var("DV2_ATTN_LONG");
+        let mut e = e.unwrap();
+        let mut ids = vec![e.prefill(&prompt).unwrap()];
+        let mut logits = Vec::new();
+        for _ in 0..steps {
+            ids.push(e.step().unwrap());
+            let mut l = vec![0f32; QWEN25_3B.vocab];
+            e.logits(&mut l).unwrap();
+            logits.push(l);
+        }
+        (ids, logits)
+    };
+    let (ids_long, logits_long) = run(true);
+    let (ids_v3, logits_v3) = run(false);
+    let mut worst = 0f32;
+    for i in 0..steps {
+        if ids_long[i] != ids_v3[i] {
+            break; // the inputs differ from here on
+        }
+        let err = max_abs_diff(&logits_long[i], &logits_v3[i]);
+        worst = worst.max(err);
+        assert!(err <= CAP, "step {i}: |long - v3| {err}");
+    }
+    println!("3B shape at {len}..: long {ids_long:?}\n                     v3   {ids_v3:?}\n max |logit diff| {worst:.5} (cap {CAP})");
+    assert_eq!(ids_long, ids_v3);
 }
 
 /// Every decode position 1..299 from a one-token prompt: the live slot at every place in

@@ -80,6 +80,10 @@ const _: () = assert!(GEMV3_MAX_SMEM + 32 * 1024 + 1024 <= 227 * 1024);
 pub const ATTNM_WARPS: usize = 4;
 pub const ATTNM_ROWS: usize = 16 * ATTNM_WARPS;
 pub const ATTNM_THREADS: u32 = 32 * ATTNM_WARPS as u32;
+/// Long-context decode attention: CTAs per cluster (each merges 1/ATTNL_RANKS of the head
+/// dims) and the most q heads per KV head (the mma's N).
+pub const ATTNL_RANKS: usize = 8;
+pub const ATTNL_MAX_GROUP: usize = 8;
 
 /// Indices into the int32 decode-state buffer on the device.
 pub mod state {
@@ -140,6 +144,8 @@ fn shared_defines() -> Vec<String> {
         ("ATTNP_TILE", ATTNP_TILE),
         ("ATTNP_Q_FLOATS", ATTNP_Q_FLOATS),
         ("ATTNM_WARPS", ATTNM_WARPS),
+        ("ATTNL_RANKS", ATTNL_RANKS),
+        ("ATTNL_MAX_GROUP", ATTNL_MAX_GROUP),
         ("GEMV3_WARPS", GEMV3_WARPS),
         ("X_STAGE_STRIDE", GEMV2_X_STRIDE),
         ("X16_STAGE_STRIDE", GEMV2_X16_STRIDE),
@@ -180,6 +186,10 @@ pub const DECODE: KernelUnit = KernelUnit {
         (
             "attention_prefill.cu",
             include_str!("../../kernels/attention_prefill.cu"),
+        ),
+        (
+            "attention_long.cu",
+            include_str!("../../kernels/attention_long.cu"),
         ),
     ],
 };
@@ -399,6 +409,8 @@ pub struct Kernels {
     pub attn_prefill: [CudaFunction; 2],
     /// Tensor-core prefill attention for head_dim 16, 32, 64, 128.
     pub attn_prefill_mma: [CudaFunction; 4],
+    /// Long-context decode attention for head_dim 64 and 128.
+    pub attn_long_decode: [CudaFunction; 2],
 }
 
 /// Lets each of `funcs` take up to `bytes` of dynamic shared memory (past the 48 KiB default),
@@ -519,6 +531,7 @@ impl Kernels {
                 f("attn_prefill_mma_hd64")?,
                 f("attn_prefill_mma_hd128")?,
             ],
+            attn_long_decode: [f("attn_long_decode_hd64")?, f("attn_long_decode_hd128")?],
         })
     }
 }

@@ -105,8 +105,11 @@ impl CudaBackend {
     /// each stage summed over layers, in ms, in first-seen order. Advances the state like
     /// step().
     pub fn profile_step(&mut self) -> Result<Vec<(&'static str, f64)>> {
+        let position = self.host_position()?;
+        let long = self.long_at(position);
+        self.position = None; // the commit below moves it on (or not, past EOS)
         let mut marks = StageMarks::new(&self.ops.gpu)?;
-        self.forward_marked(true, false, &mut Some(&mut marks))?;
+        self.forward_marked(true, false, long, &mut Some(&mut marks))?;
         let (state, eos, ring) = (self.ptr(&self.state), self.eos, self.ptr(&self.arena.ring));
         launch!(self.ops.gpu, &self.ops.k.commit_step, one_cta(1); state, eos, ring)?;
         marks.record(&self.ops.gpu, "commit")?;

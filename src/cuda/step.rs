@@ -1,7 +1,10 @@
 //! The CUDA backend: decode state, KV cache and activation arena on the device, and the
 //! decode step's schedule (`forward_marked`). Everything is allocated in `new`; a step
 //! allocates nothing, reads nothing back and never synchronises with the host. The step is
-//! captured once into a CUDA graph (`DV2_GRAPH=0`: eager launches, for comparison). The
+//! captured once into a CUDA graph (`DV2_GRAPH=0`: eager launches, for comparison), and once
+//! more with the long-context attention where the model takes it: the host replays that graph
+//! for the steps at [`ATTNL_FROM`] valid slots or more, picked from the position it mirrors
+//! (the choice is one of speed only: both graphs decode any position). The
 //! chunked prefill is in [`super::prefill`], the measuring tools in [`super::profile`].
 
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
@@ -10,9 +13,10 @@ use cudarc::driver::{CudaGraph, CudaSlice};
 use super::budget::{self, kv_stride};
 use super::device::{driver_error, Gpu};
 use super::kernels::state;
+use super::kernels::ATTNL_RANKS;
 use super::ops::{
-    attn_partials, one_cta, AttnArgs, Input, LogitsHead, Norm, Ops, PartialSums, QkvArgs,
-    ARGMAX_SCRATCH, MAX_PARTIAL_SUMS,
+    attn_long_partials, attn_partials, one_cta, AttnArgs, Input, LogitsHead, Norm, Ops,
+    PartialSums, QkvArgs, ARGMAX_SCRATCH, ATTNL_FROM, MAX_PARTIAL_SUMS,
 };
 use super::prefill::prefill_chunk;
 use super::profile::StageMarks;
@@ -53,6 +57,9 @@ pub(super) struct Arena {
     pub(super) ring: CudaSlice<i32>,
     /// argmax_logits' arrival count (zero between launches) and its CTAs' (value, index).
     pub(super) argmax: CudaSlice<i32>,
+    /// The long-context attention's arrival counts per KV head and rank (zero between
+    /// launches).
+    pub(super) attn_counts: CudaSlice<i32>,
     /// A zero second part of q/k/v for the attention where q/k/v ran in one
     /// (the `DV2_QKV_KHALVES` kernels add one).
     pub(super) qkv_zeros: CudaSlice<f32>,
@@ -81,6 +88,10 @@ pub struct CudaBackend {
     pub(super) arena: Arena,
     /// One greedy step (forward + commit) captured at load; None runs it eagerly.
     graph: Option<StepGraph>,
+    /// The same step with the long-context attention (where `ops.attn_long`).
+    long_graph: Option<StepGraph>,
+    /// The state's position as the host last knew it (None: read it back before use).
+    pub(super) position: Option<usize>,
     /// Prompt tokens per prefill chunk; 0: one token at a time through the decode step.
     pub(super) chunk: usize,
     /// Host time of the eager probe step and the graph capture at load (0 without a graph).
@@ -111,6 +122,7 @@ impl CudaBackend {
         let model = weights::upload(gpu, host)?;
         let rope = RopeTable::new(max_seq, s.head_dim, s.rope_theta)?;
         let partials = attn_partials(max_seq);
+        let (long_acc, long_ml) = attn_long_partials(&s);
         // Every slot starts poisoned: the guard slots stay so (checked by kv_guard_intact),
         // and a kernel that read an unwritten slot would turn the logits into NaN.
         let poison = vec![KV_POISON; s.n_layers * kv_stride(max_seq) * s.kv_dim()];
@@ -122,12 +134,13 @@ impl CudaBackend {
             attn: gpu.zeros(rows * s.hidden)?,
             act: gpu.zeros(rows * s.intermediate)?,
             logits: gpu.zeros(s.vocab)?,
-            part_acc: gpu.zeros(s.n_q_heads * partials * s.head_dim)?,
-            part_ml: gpu.zeros(s.n_q_heads * partials * 2)?,
+            part_acc: gpu.zeros((s.n_q_heads * partials * s.head_dim).max(long_acc))?,
+            part_ml: gpu.zeros((s.n_q_heads * partials * 2).max(long_ml))?,
             sums: gpu.zeros(MAX_PARTIAL_SUMS)?,
             prompt: gpu.zeros(max_seq)?,
             ring: gpu.zeros(max_seq)?,
             argmax: gpu.zeros(ARGMAX_SCRATCH)?,
+            attn_counts: gpu.zeros(s.n_kv_heads * ATTNL_RANKS)?,
             qkv_zeros: gpu.zeros(s.qkv_rows())?,
         };
         let mut backend = Self {
@@ -142,10 +155,13 @@ impl CudaBackend {
             eos: eos.map_or(-1, |e| e as i32),
             model,
             graph: None,
+            long_graph: None,
+            position: Some(0),
             chunk,
             warmup_ms: 0.0,
             ops,
         };
+        backend.ops.attn_long &= max_seq >= ATTNL_FROM;
         backend.ops.gpu.sync()?;
         if graph {
             let started = std::time::Instant::now();
@@ -155,31 +171,56 @@ impl CudaBackend {
         Ok(backend)
     }
 
-    /// Runs one eager step (so any launch problem surfaces outside a capture), then captures
-    /// the step into a graph. The probe's KV write lands in slot 0, which the next request
-    /// overwrites before reading; the state is reset afterwards.
+    /// Captures the step into a graph, and the long-context one where the model takes it.
+    /// The probe steps' KV writes land in slot 0, which the next request overwrites before
+    /// reading; the state is reset afterwards.
     fn capture(&mut self) -> Result<()> {
-        self.record_step()?;
+        self.graph = Some(self.capture_step(false)?);
+        if self.ops.attn_long {
+            self.long_graph = Some(self.capture_step(true)?);
+        }
+        self.reset()
+    }
+
+    /// Runs one eager step (so any launch problem surfaces outside a capture), then captures
+    /// the step into a graph.
+    fn capture_step(&self, long: bool) -> Result<StepGraph> {
+        self.record_step(long)?;
         self.ops.gpu.sync()?;
         let stream = self.ops.gpu.stream.clone();
         stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
             .map_err(driver_error("begin capture"))?;
-        let recorded = self.record_step();
+        let recorded = self.record_step(long);
         let graph = stream
             .end_capture(CUgraphInstantiate_flags(0))
             .map_err(driver_error("end capture"));
         recorded?;
         let graph = graph?.ok_or_else(|| Error::Cuda("stream capture produced no graph".into()))?;
         graph.upload().map_err(driver_error("graph upload"))?;
-        self.graph = Some(StepGraph(graph));
-        self.reset()
+        Ok(StepGraph(graph))
     }
 
-    /// Enqueues one greedy step: forward with logits, then the commit (in lm_head's kernel
-    /// where it takes the argmax, `DV2_LOGITS_ARGMAX`, else commit_step).
-    fn record_step(&self) -> Result<()> {
-        if self.forward_marked(true, true, &mut None)? {
+    /// Whether the step at `position` takes the long-context attention.
+    pub(super) fn long_at(&self, position: usize) -> bool {
+        self.ops.attn_long && position + 1 >= ATTNL_FROM
+    }
+
+    /// The state's position: the host's mirror, or read back where it has none.
+    pub(super) fn host_position(&mut self) -> Result<usize> {
+        if let Some(p) = self.position {
+            return Ok(p);
+        }
+        let p = self.read_state()?[state::POSITION] as usize;
+        self.position = Some(p);
+        Ok(p)
+    }
+
+    /// Enqueues one greedy step (`long`: with the long-context attention): forward with
+    /// logits, then the commit (in lm_head's kernel where it takes the argmax,
+    /// `DV2_LOGITS_ARGMAX`, else commit_step).
+    fn record_step(&self, long: bool) -> Result<()> {
+        if self.forward_marked(true, true, long, &mut None)? {
             return Ok(());
         }
         let (state, eos, ring) = (self.ptr(&self.state), self.eos, self.ptr(&self.arena.ring));
@@ -224,9 +265,10 @@ impl CudaBackend {
     }
 
     /// One forward pass for the token in the state buffer at its position: KV slot written;
-    /// with `logits`, the logits and next_token too.
-    pub(super) fn forward(&self, logits: bool) -> Result<()> {
-        self.forward_marked(logits, false, &mut None).map(|_| ())
+    /// with `logits`, the logits and next_token too; `long`: the long-context attention.
+    pub(super) fn forward(&self, logits: bool, long: bool) -> Result<()> {
+        self.forward_marked(logits, false, long, &mut None)
+            .map(|_| ())
     }
 
     /// [`Self::forward`], recording an event after each group of kernels into `marks` when
@@ -237,6 +279,7 @@ impl CudaBackend {
         &self,
         logits: bool,
         commit: bool,
+        long: bool,
         marks: &mut Option<&mut StageMarks>,
     ) -> Result<bool> {
         let gpu = &self.ops.gpu;
@@ -290,7 +333,12 @@ impl CudaBackend {
             mark("attn_norm + qkv")?;
             // attn = attention(rope(q), rope(k) and v into the cache at the position, the
             // cache up to it): [n_q head_dim].
-            ops.attention(self.attn_args(l, halves), attn)?;
+            let args = self.attn_args(l, halves);
+            if long {
+                ops.attention_long(args, attn, self.ptr(&a.attn_counts))?;
+            } else {
+                ops.attention(args, attn)?;
+            }
             mark("attention + merge")?;
             // x += W_o attn: [n_q head_dim] -> [hidden].
             x_sums = residual(&layer.o, s.hidden, Input::raw(attn))?;
@@ -424,8 +472,10 @@ impl Backend for CudaBackend {
 
     fn reset(&mut self) -> Result<()> {
         // position = valid_len = 0, finished = 0; the KV cache keeps its (dirty) contents.
-        // argmax_logits' arrival count is zero after every completed launch; zeroed here too,
-        // so that no interrupted step can leave the next one miscounting.
+        // argmax_logits' and the long attention's arrival counts are zero after every
+        // completed launch; zeroed here too, so that no interrupted step can leave the next
+        // one miscounting.
+        self.position = None;
         let zeros = [0i32; state::LEN];
         self.ops
             .gpu
@@ -437,10 +487,20 @@ impl Backend for CudaBackend {
             .stream
             .memcpy_htod(&zeros[..1], &mut self.arena.argmax.slice_mut(..1))
             .map_err(driver_error("argmax count reset"))?;
-        self.ops.gpu.sync()
+        let counts = self.arena.attn_counts.len();
+        self.ops
+            .gpu
+            .stream
+            .memcpy_htod(&zeros[..1].repeat(counts), &mut self.arena.attn_counts)
+            .map_err(driver_error("attention count reset"))?;
+        self.ops.gpu.sync()?;
+        self.position = Some(0);
+        Ok(())
     }
 
     fn prefill(&mut self, ids: &[u32]) -> Result<()> {
+        let start = self.host_position()?;
+        self.position = None; // until the prefill has completed
         let ids: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
         self.ops
             .gpu
@@ -450,7 +510,7 @@ impl Backend for CudaBackend {
         let state = self.ptr(&self.state);
         launch!(self.ops.gpu, &self.ops.k.begin_prefill, one_cta(1); state)?;
         if self.chunk == 0 {
-            self.prefill_by_steps(ids.len())?;
+            self.prefill_by_steps(start, ids.len())?;
         } else {
             for start in (0..ids.len()).step_by(self.chunk) {
                 let n = self.chunk.min(ids.len() - start);
@@ -459,22 +519,30 @@ impl Backend for CudaBackend {
         }
         let eos = self.eos;
         launch!(self.ops.gpu, &self.ops.k.finish_prefill, one_cta(1); state, eos)?;
-        self.ops.gpu.sync()
+        self.ops.gpu.sync()?;
+        self.position = Some(start + ids.len());
+        Ok(())
     }
 
     /// Enqueues `out.len()` steps (graph replays, or eager launches) with no host wait in
     /// between, then copies the step ring back once. Steps after the one that finished commit
     /// nothing on the device.
     fn step_n(&mut self, out: &mut [u32]) -> Result<usize> {
+        let start = self.host_position()?;
+        self.position = None; // until the steps have completed
         let state = self.ptr(&self.state);
         launch!(self.ops.gpu, &self.ops.k.ring_reset, one_cta(1); state)?;
-        for _ in 0..out.len() {
-            match &self.graph {
-                Some(g) => g.0.launch().map_err(driver_error("graph launch"))?,
-                None => self.record_step()?,
+        // Step i runs at position start + i, or later does nothing (the request finished).
+        for i in 0..out.len() {
+            let long = self.long_at(start + i);
+            match (&self.graph, &self.long_graph) {
+                (Some(_), Some(g)) if long => g.0.launch().map_err(driver_error("graph launch"))?,
+                (Some(g), _) => g.0.launch().map_err(driver_error("graph launch"))?,
+                (None, _) => self.record_step(long)?,
             }
         }
         let st = self.read_state()?;
+        self.position = Some(st[state::POSITION] as usize);
         let done = st[state::RING_COUNT] as usize;
         let ring = self.ops.gpu.download(&self.arena.ring, done)?;
         out.iter_mut()
@@ -496,6 +564,7 @@ impl Backend for CudaBackend {
     fn position(&mut self) -> Result<usize> {
         let st = self.read_state()?;
         debug_assert_eq!(st[state::POSITION], st[state::VALID_LEN]);
+        self.position = Some(st[state::POSITION] as usize);
         Ok(st[state::POSITION] as usize)
     }
 

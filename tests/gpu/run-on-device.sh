@@ -35,10 +35,11 @@ if want switches; then
   # 35 chunks, from a chunked prefill, and on the 3B shape; the decode step's linears through
   # the tensor-core GEMM; the prompt fed token by token through the decode step.
   for v in DV2_GRAPH=0 DV2_PDL=0 DV2_FUSE_RMS=0 DV2_FFN_F16=0 DV2_QKV_KHALVES=0 DV2_LOGITS_ARGMAX=0 \
-    DV2_ATTN_CLUSTERS=0 DV2_HOPPER=0 DV2_PREFILL_TAIL=0 DV2_LINEAR=mma DV2_PREFILL=n1; do
+    DV2_ATTN_CLUSTERS=0 DV2_ATTN_LONG=0 DV2_HOPPER=0 DV2_PREFILL_TAIL=0 DV2_LINEAR=mma DV2_PREFILL=n1; do
     gates_with gates_match $v
   done
   gates_with long_context DV2_ATTN_CLUSTERS=0
+  gates_with long_attention_threshold DV2_ATTN_LONG=0
   gates_with chunked DV2_PREFILL_TAIL=0
   for v in DV2_QKV_KHALVES=0 DV2_LOGITS_ARGMAX=0 DV2_FFN_F16=0 DV2_FUSE_RMS=0; do
     gates_with qwen25_3b_shape $v
@@ -63,6 +64,11 @@ if want sanitize; then
     compute-sanitizer --tool $tool --error-exitcode 7 /tmp/gates --backend cuda --quiet > "$out/sanitizer-$tool.log" 2>&1 \
       && echo "compute-sanitizer $tool: ok" || { echo "compute-sanitizer $tool: FAILED"; status=1; }
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|failed gates" "$out/sanitizer-$tool.log" | tail -3
+    # The long-context attention (the C example's tiny presets stay below its threshold).
+    compute-sanitizer --tool $tool --error-exitcode 7 .device/tests/cuda_gates --exact \
+      graph_replay_equals_eager_across_the_long_attention_threshold > "$out/sanitizer-$tool-long.log" 2>&1 \
+      && echo "compute-sanitizer $tool (long-context attention): ok" || { echo "compute-sanitizer $tool (long-context attention): FAILED"; status=1; }
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|test result" "$out/sanitizer-$tool-long.log" | tail -3
   done
 fi
 exit $status

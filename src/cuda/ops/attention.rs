@@ -4,8 +4,10 @@
 use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig};
 
 use super::Ops;
+use crate::arch::ArchSpec;
 use crate::cuda::kernels::{
-    ATTN2_CHUNK, ATTNM_ROWS, ATTNM_THREADS, ATTNP_Q_FLOATS, ATTNP_ROWS, ATTNP_THREADS, ATTN_THREADS,
+    ATTN2_CHUNK, ATTNL_MAX_GROUP, ATTNL_RANKS, ATTNM_ROWS, ATTNM_THREADS, ATTNP_Q_FLOATS,
+    ATTNP_ROWS, ATTNP_THREADS, ATTN_THREADS,
 };
 use crate::error::{Error, Result};
 
@@ -95,6 +97,28 @@ pub const ATTN_SPLIT: usize = 8;
 /// Attention v3: CTAs per cluster, each an equal slice of the context (4: +0.027, 2: +0.113
 /// ms/token against 8, docs/lab.md session 14).
 pub const ATTN3_SPLITS: u32 = 8;
+
+/// The long-context decode attention (kernels/attention_long.cu) from this many valid slots
+/// on; attention v3 below.
+pub const ATTNL_FROM: usize = 512;
+
+/// The long-context attention's most clusters per KV head (its partials in the arena).
+pub const ATTNL_MAX_CLUSTERS: usize = 16;
+
+/// Whether the long-context decode attention takes the model's shape: head_dim 64 or 128, at
+/// most [`ATTNL_MAX_GROUP`] q heads per KV head.
+pub fn attn_long_fits(s: &ArchSpec) -> bool {
+    matches!(s.head_dim, 64 | 128)
+        && s.n_q_heads % s.n_kv_heads == 0
+        && s.n_q_heads / s.n_kv_heads <= ATTNL_MAX_GROUP
+}
+
+/// Floats of the long-context attention's partials (outputs, then max and sum pairs): per KV
+/// head, rank and cluster, [`ATTNL_MAX_GROUP`] heads of head_dim / ATTNL_RANKS dims.
+pub fn attn_long_partials(s: &ArchSpec) -> (usize, usize) {
+    let slices = s.n_kv_heads * ATTNL_RANKS * ATTNL_MAX_CLUSTERS * ATTNL_MAX_GROUP;
+    (slices * s.head_dim / ATTNL_RANKS, slices * 2)
+}
 
 /// Attention time splits of a KV capacity: v1 splits it in up to 32 parts; v2 in chunks
 /// of 32 slots. The arena holds partials for the larger of the two.
@@ -238,6 +262,22 @@ impl Ops {
                 launch!(self.gpu, &self.k.attn2_merge, merge; pa, pm, st, out, hd, nc, ms)
             }
         }
+    }
+
+    /// The long-context decode attention of one layer (RoPE and the KV write fused) into
+    /// `out`: grid (ATTNL_RANKS, clusters, n_kv) in clusters of ATTNL_RANKS, two CTAs per SM
+    /// at most when every cluster runs (the kernel leaves clusters idle at shorter context);
+    /// `counts`: n_kv * ATTNL_RANKS zeroed ints the kernel's cross-cluster merge counts on.
+    pub fn attention_long(&self, args: AttnArgs, out: u64, counts: u64) -> Result<()> {
+        let clusters = (2 * self.sms as usize / (ATTNL_RANKS * args.n_kv as usize))
+            .clamp(1, ATTNL_MAX_CLUSTERS);
+        let cfg = LaunchConfig {
+            grid_dim: (ATTNL_RANKS as u32, clusters as u32, args.n_kv as u32),
+            block_dim: (ATTN_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let f = &self.k.attn_long_decode[(args.head_dim == 128) as usize];
+        launch!(self.gpu, f, cfg, cluster = (ATTNL_RANKS as u32, 1, 1); args, out, counts)
     }
 }
 

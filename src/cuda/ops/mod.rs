@@ -5,7 +5,8 @@
 //! (tensor cores) below [`GEMV3_MAX_BYTES`] of weights, v2 above; the RMSNorm folded into the
 //! next GEMV's x load (`DV2_FUSE_RMS`); SwiGLU's output in f16 for down (`DV2_FFN_F16`); q/k/v
 //! in K halves (`DV2_QKV_KHALVES`); lm_head with the argmax and the step's commit
-//! (`DV2_LOGITS_ARGMAX`); attention v3 where the GPU has clusters (`DV2_ATTN_CLUSTERS`); the
+//! (`DV2_LOGITS_ARGMAX`); attention v3 where the GPU has clusters (`DV2_ATTN_CLUSTERS`), and
+//! from [`ATTNL_FROM`] slots on the long-context attention (`DV2_ATTN_LONG`); the
 //! prefill's tensor-core GEMM on f16 activations, its attention on tensor cores where head_dim
 //! is 16, 32, 64 or 128, and its last layer on the last token alone (`DV2_PREFILL_TAIL`);
 //! `DV2_LINEAR=mma` runs the decode step's linears through that GEMM (the seed's ablation).
@@ -27,8 +28,8 @@ mod gemm;
 mod gemv;
 
 pub use attention::{
-    attn_partials, attn_prefill_tokens, Attention, AttnArgs, PrefillAttnArgs, ATTN3_SPLITS,
-    ATTN_SPLIT,
+    attn_long_fits, attn_long_partials, attn_partials, attn_prefill_tokens, Attention, AttnArgs,
+    PrefillAttnArgs, ATTN3_SPLITS, ATTNL_FROM, ATTN_SPLIT,
 };
 pub(super) use gemm::GemmArgs;
 pub use gemm::{Epilogue, GemmMatrix};
@@ -134,6 +135,9 @@ pub struct Ops {
     /// The decode attention: v3 where the device has thread-block clusters and
     /// `DV2_ATTN_CLUSTERS` is on, else v2; v1 where [`Ops::fit`] finds v2's layout too small.
     pub attn: Attention,
+    /// The long-context decode attention from [`ATTNL_FROM`] slots on: where the device has
+    /// clusters, `DV2_ATTN_LONG` is on and [`Ops::fit`] finds the model's shape taken.
+    pub attn_long: bool,
     /// Streaming multiprocessors of the device.
     pub(super) sms: u32,
 }
@@ -146,18 +150,21 @@ impl Ops {
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(driver_error("multiprocessor count"))? as u32;
         let attn = decode_attention(&gpu.caps, &cfg);
+        let attn_long = gpu.caps.clusters && cfg.attn_long;
         Ok(Self {
             gpu,
             k,
             cfg,
             gemv: GemvChoice::Auto,
             attn,
+            attn_long,
             sms,
         })
     }
 
     /// Checks the shapes the kernels take; attention v2 and v3 fall back to v1 where their
-    /// shared-memory layout does not fit the model.
+    /// shared-memory layout does not fit the model; the long-context attention is off where it
+    /// does not take the shape.
     pub fn fit(&mut self, s: &ArchSpec, max_seq: usize) -> Result<()> {
         if s.head_dim > MAX_HEAD_DIM || s.head_dim % 8 != 0 {
             return Err(Error::Unsupported(format!(
@@ -172,6 +179,7 @@ impl Ops {
         {
             self.attn = Attention::V1;
         }
+        self.attn_long &= attn_long_fits(s);
         for k in [s.hidden, s.intermediate] {
             gemv2_shape(k)?;
         }
