@@ -265,11 +265,13 @@ impl Ops {
     }
 
     /// The long-context decode attention of one layer (RoPE and the KV write fused) into
-    /// `out`: grid (ATTNL_RANKS, clusters, n_kv) in clusters of ATTNL_RANKS, two CTAs per SM
-    /// at most when every cluster runs (the kernel leaves clusters idle at shorter context);
+    /// `out`: grid (ATTNL_RANKS, clusters, n_kv) in clusters of ATTNL_RANKS, one CTA per SM
+    /// at most when every cluster runs (the kernel leaves clusters idle at shorter context;
+    /// two per SM measured slower past 8k, the second CTA of an SM rarely finding its
+    /// registers free beside the kernels around it: docs/lab.md, session 22);
     /// `counts`: n_kv * ATTNL_RANKS zeroed ints the kernel's cross-cluster merge counts on.
     pub fn attention_long(&self, args: AttnArgs, out: u64, counts: u64) -> Result<()> {
-        let clusters = (2 * self.sms as usize / (ATTNL_RANKS * args.n_kv as usize))
+        let clusters = (self.sms as usize / (ATTNL_RANKS * args.n_kv as usize))
             .clamp(1, ATTNL_MAX_CLUSTERS);
         let cfg = LaunchConfig {
             grid_dim: (ATTNL_RANKS as u32, clusters as u32, args.n_kv as u32),
