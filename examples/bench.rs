@@ -452,7 +452,8 @@ fn decode_profile(steps: usize, depth: usize) {
     let qwen = synth::build(&QWEN25_3B, 0).unwrap();
     let max_seq = 2048.max(depth + steps + 64);
     let mut e = prefill_engine(&qwen, max_seq, depth.min(1024));
-    e.prefill(&synth::prompt(qwen.spec.vocab, depth, 1)).unwrap();
+    e.prefill(&synth::prompt(qwen.spec.vocab, depth, 1))
+        .unwrap();
     let ids: Vec<u32> = (0..steps).map(|_| e.step().unwrap()).collect();
     println!("{steps} eager decode steps after a {depth}-token prompt: {ids:?}");
 }
