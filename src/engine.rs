@@ -17,6 +17,7 @@ use crate::cuda::CudaBackend;
 use crate::error::{Error, Result};
 use crate::model::HostModel;
 use crate::synth;
+use crate::tokenizer::Tokenizer;
 
 /// Which backend runs the model.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -68,6 +69,8 @@ pub struct Engine {
     has_output: bool,
     /// A prompt has been prefilled since the last reset: there is a token to feed.
     has_token: bool,
+    /// The model file's tokenizer, or why there is none.
+    tokenizer: std::result::Result<Tokenizer, String>,
 }
 
 impl Engine {
@@ -123,6 +126,9 @@ impl Engine {
             finished: false,
             has_output: false,
             has_token: false,
+            tokenizer: Err(
+                "the model was not loaded from a file (a synthetic or host-built model)".into(),
+            ),
         })
     }
 
@@ -134,7 +140,17 @@ impl Engine {
 
     /// Loads a model file or directory (see [`crate::load`]).
     pub fn load_file(path: &std::path::Path, opts: &EngineOptions) -> Result<Self> {
-        Self::new(crate::load::load(path)?, opts)
+        let (model, tokenizer) = crate::load::load_with_tokenizer(path)?;
+        let mut engine = Self::new(model, opts)?;
+        engine.tokenizer = tokenizer.map_err(|e| e.to_string());
+        Ok(engine)
+    }
+
+    /// The tokenizer of the model file, or an error saying why there is none.
+    pub fn tokenizer(&self) -> Result<&Tokenizer> {
+        self.tokenizer
+            .as_ref()
+            .map_err(|why| Error::Unsupported(format!("no tokenizer: {why}")))
     }
 
     pub fn spec(&self) -> &ArchSpec {

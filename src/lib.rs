@@ -19,5 +19,6 @@ pub mod oracle;
 pub(crate) mod par;
 pub mod rope;
 pub mod synth;
+pub mod tokenizer;
 
 pub use error::{Error, Result};

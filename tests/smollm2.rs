@@ -3,28 +3,28 @@
 
 mod common;
 
-use common::bpe::Bpe;
 use common::{cuda_or_skip, smollm2_path};
 use decodev2::engine::{BackendKind, Engine, EngineOptions};
 use decodev2::load::gguf::Gguf;
+use decodev2::tokenizer::Tokenizer;
 
 const PROMPT: &str = "The capital of France is";
 
 #[test]
 fn smollm2_completes_a_fact_on_the_cpu() {
     let Some(path) = smollm2_path() else { return };
-    let gguf = Gguf::open(&path).unwrap();
-    let bpe = Bpe::new(gguf.tokens(), &gguf.merges());
-    let prompt = bpe.encode(PROMPT);
-    assert_eq!(bpe.decode(&prompt), PROMPT, "the tokenizer round-trips");
     let t = std::time::Instant::now();
     let opts = EngineOptions {
         backend: BackendKind::Cpu,
         max_seq: 64,
-        eos: gguf.eos_id(),
+        eos: Gguf::open(&path).unwrap().eos_id(),
         ..EngineOptions::default()
     };
     let mut e = Engine::load_file(&path, &opts).unwrap();
+    // The model file's own tokenizer (tests/tokenizer.rs checks it against a reference).
+    let tk = e.tokenizer().unwrap();
+    let prompt = tk.encode(PROMPT, true, false).unwrap();
+    let decode = |tk: &Tokenizer, ids: &[u32]| String::from_utf8(tk.decode(ids, false).unwrap());
     println!(
         "loaded in {:.2} s: {:?}",
         t.elapsed().as_secs_f64(),
@@ -34,7 +34,7 @@ fn smollm2_completes_a_fact_on_the_cpu() {
     let mut rest = [0u32; 7];
     let n = e.step_n(&mut rest).unwrap();
     ids.extend(&rest[..n]);
-    let text = bpe.decode(&ids);
+    let text = decode(e.tokenizer().unwrap(), &ids).unwrap();
     println!("prompt ids {prompt:?}\ngreedy ids {ids:?}\n{PROMPT}|{text}");
     assert!(
         text.contains("Paris"),
@@ -46,8 +46,8 @@ fn smollm2_completes_a_fact_on_the_cpu() {
 fn smollm2_cuda_ids_equal_cpu_ids_for_32_steps() {
     let Some(path) = smollm2_path() else { return };
     let gguf = Gguf::open(&path).unwrap();
-    let bpe = Bpe::new(gguf.tokens(), &gguf.merges());
-    let prompt = bpe.encode(PROMPT);
+    let tk = Tokenizer::from_gguf(&gguf).unwrap();
+    let prompt = tk.encode(PROMPT, true, false).unwrap();
     let model = gguf.model().unwrap();
     let opts = |backend| EngineOptions {
         backend,
@@ -67,6 +67,7 @@ fn smollm2_cuda_ids_equal_cpu_ids_for_32_steps() {
         ids
     };
     let (g, c) = (run(&mut gpu), run(&mut cpu));
-    println!("cuda {g:?}\ncpu  {c:?}\n{PROMPT}|{}", bpe.decode(&g));
+    let text = String::from_utf8_lossy(&tk.decode(&g, false).unwrap()).into_owned();
+    println!("cuda {g:?}\ncpu  {c:?}\n{PROMPT}|{text}");
     assert_eq!(g, c);
 }

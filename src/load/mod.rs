@@ -14,6 +14,7 @@ use std::path::Path;
 
 use crate::error::{Error, Result};
 use crate::model::HostModel;
+use crate::tokenizer::Tokenizer;
 
 /// A dequantized vector tensor, refused when it holds NaN or infinity.
 fn finite(file: &str, tensor: &str, values: Vec<f32>) -> Result<Vec<f32>> {
@@ -64,11 +65,24 @@ fn to_bf16(values: Vec<f32>) -> Vec<half::bf16> {
 }
 
 pub fn load(path: &Path) -> Result<HostModel> {
+    load_with_tokenizer(path).map(|(model, _)| model)
+}
+
+/// [`load`], and the tokenizer the file or directory carries (its own result: a model whose
+/// tokenizer cannot be read still loads, and says why when asked for text).
+pub fn load_with_tokenizer(path: &Path) -> Result<(HostModel, Result<Tokenizer>)> {
     let shown = path.display();
     let meta = std::fs::metadata(path).map_err(|e| Error::Io(format!("{shown}: {e}")))?;
     if meta.is_dir() {
         if path.join("config.json").exists() {
-            return hf::load(path);
+            let tokenizer = if path.join("tokenizer.json").exists() {
+                Tokenizer::from_hf_dir(path)
+            } else {
+                Err(Error::Unsupported(format!(
+                    "{shown}: no tokenizer.json in the model directory"
+                )))
+            };
+            return Ok((hf::load(path)?, tokenizer));
         }
         return Err(Error::ModelFile(format!(
             "{shown}: a directory without config.json"
@@ -80,7 +94,8 @@ pub fn load(path: &Path) -> Result<HostModel> {
         .read(&mut magic)
         .map_err(|e| Error::Io(format!("{shown}: {e}")))?;
     if got == 4 && &magic == b"GGUF" {
-        return gguf::Gguf::open(path)?.model();
+        let file = gguf::Gguf::open(path)?;
+        return Ok((file.model()?, Tokenizer::from_gguf(&file)));
     }
     Err(Error::ModelFile(format!(
         "{shown}: not a model file (neither GGUF magic nor a directory with config.json)"

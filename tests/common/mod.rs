@@ -2,7 +2,6 @@
 //! the model-file helpers of the real-model tests.
 #![allow(dead_code)] // each test binary uses its own part
 
-pub mod bpe;
 pub mod gguf_writer;
 pub mod safetensors_writer;
 

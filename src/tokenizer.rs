@@ -1,0 +1,397 @@
+//! The model's own tokenizer: text to ids and ids back to bytes, built from what the model file
+//! carries — a GGUF's `tokenizer.ggml.*` metadata (byte-level BPE, `tokenizer.ggml.model` =
+//! gpt2, split the way `tokenizer.ggml.pre` names) or a Hugging Face directory's
+//! `tokenizer.json` — and run by the `tokenizers` crate.
+//!
+//! Pieces are raw bytes: a byte-level token can end inside a UTF-8 character, so a streaming
+//! host appends each piece's bytes to a buffer and prints the longest valid UTF-8 prefix
+//! (`detokenize` of the whole sequence is the concatenation of its pieces).
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::models::bpe::BPE;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
+
+use crate::error::{Error, Result};
+use crate::load::gguf::{Gguf, Value};
+
+/// GPT-2's split of text into words before BPE (the `tokenizers` ByteLevel regex).
+const GPT2_SPLIT: &str =
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+/// Qwen2's split (llama.cpp `qwen2`, Qwen2's tokenizer.json): digits one by one.
+const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Llama 3's split (llama.cpp `llama-bpe`): digits in runs of up to three.
+const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// GGUF token types (llama.cpp `llama_token_type`).
+const TOKEN_CONTROL: i64 = 3;
+const TOKEN_USER_DEFINED: i64 = 4;
+
+/// Special ids a model file names (each absent when the file does not say).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SpecialIds {
+    pub bos: Option<u32>,
+    pub eos: Option<u32>,
+    pub eot: Option<u32>,
+    pub pad: Option<u32>,
+}
+
+pub struct Tokenizer {
+    /// Special-token text in the input becomes the special id.
+    parse_special: tokenizers::Tokenizer,
+    /// Special-token text is ordinary text.
+    literal: tokenizers::Tokenizer,
+    /// The bytes each id stands for.
+    pieces: Vec<Vec<u8>>,
+    /// Control tokens (BOS, EOS, chat markers): left out by `detokenize` on request.
+    control: Vec<bool>,
+    pub special: SpecialIds,
+    /// The file asks for BOS before a prompt.
+    add_bos: bool,
+}
+
+/// GPT-2's reversible map from bytes to printable characters, inverted: the byte each
+/// character of a byte-level token stands for.
+fn byte_level_bytes() -> HashMap<char, u8> {
+    let mut map = HashMap::new();
+    let mut extra = 0u32;
+    for b in 0..=255u8 {
+        let printable = matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+        let c = if printable {
+            b as u32
+        } else {
+            extra += 1;
+            255 + extra
+        };
+        map.insert(char::from_u32(c).expect("a valid char"), b);
+    }
+    map
+}
+
+/// A byte-level token's bytes (characters outside the byte alphabet as their UTF-8).
+fn byte_level_piece(token: &str, bytes: &HashMap<char, u8>) -> Vec<u8> {
+    let mut out = Vec::with_capacity(token.len());
+    for c in token.chars() {
+        match bytes.get(&c) {
+            Some(b) => out.push(*b),
+            None => out.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes()),
+        }
+    }
+    out
+}
+
+/// A SentencePiece-style token's bytes: `▁` is a space, `<0xAB>` one byte.
+fn metaspace_piece(token: &str) -> Vec<u8> {
+    if let Some(hex) = token
+        .strip_prefix("<0x")
+        .and_then(|t| t.strip_suffix('>'))
+        .filter(|h| h.len() == 2)
+    {
+        if let Ok(b) = u8::from_str_radix(hex, 16) {
+            return vec![b];
+        }
+    }
+    token.replace('\u{2581}', " ").into_bytes()
+}
+
+fn tk_error(what: &str) -> impl Fn(tokenizers::Error) -> Error + '_ {
+    move |e| Error::ModelFile(format!("{what}: {e}"))
+}
+
+fn split(pattern: &str) -> Result<PreTokenizerWrapper> {
+    let split = Split::new(
+        SplitPattern::Regex(pattern.into()),
+        SplitDelimiterBehavior::Isolated,
+        false,
+    )
+    .map_err(tk_error("pre-tokenizer"))?;
+    Ok(split.into())
+}
+
+/// The pre-tokenizer for a GGUF's `tokenizer.ggml.pre`: the regex split llama.cpp applies for
+/// it, then the byte-level map. Names it does not know are refused rather than guessed.
+fn gguf_pre_tokenizer(pre: Option<&str>) -> Result<PreTokenizerWrapper> {
+    let byte_level = |use_regex| ByteLevel::new(false, true, use_regex).into();
+    let steps: Vec<PreTokenizerWrapper> = match pre.unwrap_or("default") {
+        "default" | "gpt-2" | "gpt2" => vec![byte_level(true)],
+        // SmolLM: digits one by one, then GPT-2's split.
+        "smollm" => vec![split(r"\p{N}")?, split(GPT2_SPLIT)?, byte_level(false)],
+        "qwen2" | "deepseek-r1-qwen" => vec![split(QWEN2_SPLIT)?, byte_level(false)],
+        "llama3" | "llama-v3" | "llama-bpe" | "smaug-bpe" => {
+            vec![split(LLAMA3_SPLIT)?, byte_level(false)]
+        }
+        other => {
+            return Err(Error::Unsupported(format!(
+                "tokenizer.ggml.pre = {other} (default, gpt-2, smollm, qwen2, llama-bpe are read)"
+            )))
+        }
+    };
+    Ok(Sequence::new(steps).into())
+}
+
+impl Tokenizer {
+    /// The tokenizer a GGUF file carries: byte-level BPE (`tokenizer.ggml.model` = gpt2).
+    /// SentencePiece vocabularies (`llama`) are not read yet.
+    pub fn from_gguf(g: &Gguf) -> Result<Self> {
+        let model = g.str("tokenizer.ggml.model").ok_or_else(|| {
+            Error::Unsupported("the file carries no tokenizer (tokenizer.ggml.model)".into())
+        })?;
+        if model != "gpt2" {
+            return Err(Error::Unsupported(format!(
+                "tokenizer.ggml.model = {model} (byte-level BPE, gpt2, is read)"
+            )));
+        }
+        let tokens = g.tokens();
+        let merges = g.merges();
+        let types: Vec<i64> = match g.meta.get("tokenizer.ggml.token_type") {
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| if let Value::Int(t) = v { *t } else { 1 })
+                .collect(),
+            _ => Vec::new(),
+        };
+        if tokens.is_empty() {
+            return Err(Error::ModelFile("tokenizer.ggml.tokens is empty".into()));
+        }
+        let vocab: tokenizers::models::bpe::Vocab = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.clone(), i as u32))
+            .collect();
+        let merges = merges
+            .iter()
+            .map(|m| {
+                m.split_once(' ')
+                    .map(|(a, b)| (a.to_string(), b.to_string()))
+                    .ok_or_else(|| Error::ModelFile(format!("merge {m:?} is not two tokens")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .build()
+            .map_err(tk_error("BPE"))?;
+        let mut tk = tokenizers::Tokenizer::new(bpe);
+        tk.with_pre_tokenizer(Some(gguf_pre_tokenizer(g.str("tokenizer.ggml.pre"))?));
+        tk.with_decoder(Some(ByteLevelDecoder::default()));
+        // Control tokens are special (matched whole where special text is parsed); user-defined
+        // ones are matched whole always, as llama.cpp does.
+        let typed = |want: i64, special: bool| -> Vec<AddedToken> {
+            tokens
+                .iter()
+                .zip(&types)
+                .filter(|(_, t)| **t == want)
+                .map(|(tok, _)| AddedToken::from(tok.clone(), special))
+                .collect()
+        };
+        tk.add_special_tokens(&typed(TOKEN_CONTROL, true));
+        tk.add_tokens(&typed(TOKEN_USER_DEFINED, false));
+        let bytes = byte_level_bytes();
+        let pieces = tokens.iter().map(|t| byte_level_piece(t, &bytes)).collect();
+        let control = (0..tokens.len())
+            .map(|i| types.get(i) == Some(&TOKEN_CONTROL))
+            .collect();
+        let id = |key: &str| match g.meta.get(key) {
+            Some(Value::Int(v)) => u32::try_from(*v)
+                .ok()
+                .filter(|v| (*v as usize) < tokens.len()),
+            _ => None,
+        };
+        let special = SpecialIds {
+            bos: id("tokenizer.ggml.bos_token_id"),
+            eos: id("tokenizer.ggml.eos_token_id"),
+            eot: id("tokenizer.ggml.eot_token_id"),
+            pad: id("tokenizer.ggml.padding_token_id"),
+        };
+        let add_bos = matches!(
+            g.meta.get("tokenizer.ggml.add_bos_token"),
+            Some(Value::Bool(true))
+        );
+        Self::with_modes(tk, pieces, control, special, add_bos)
+    }
+
+    /// A Hugging Face directory's `tokenizer.json`, with the special ids and the BOS rule of
+    /// its `tokenizer_config.json` and `config.json` where they say.
+    pub fn from_hf_dir(dir: &Path) -> Result<Self> {
+        let path = dir.join("tokenizer.json");
+        let text = crate::load::read_text(&path)?;
+        let shown = path.display().to_string();
+        let tk = tokenizers::Tokenizer::from_bytes(text.as_bytes()).map_err(tk_error(&shown))?;
+        let json: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| Error::ModelFile(format!("{shown}: {e}")))?;
+        let byte_level = json["decoder"]["type"] == "ByteLevel"
+            || json["pre_tokenizer"]["type"] == "ByteLevel"
+            || json["pre_tokenizer"]["pretokenizers"]
+                .as_array()
+                .is_some_and(|p| p.iter().any(|s| s["type"] == "ByteLevel"));
+        let size = tk.get_vocab_size(true);
+        let bytes = byte_level_bytes();
+        let pieces = (0..size as u32)
+            .map(|id| {
+                let token = tk.id_to_token(id).unwrap_or_default();
+                if byte_level {
+                    byte_level_piece(&token, &bytes)
+                } else {
+                    metaspace_piece(&token)
+                }
+            })
+            .collect();
+        let special_ids: Vec<u32> = tk
+            .get_added_tokens_decoder()
+            .iter()
+            .filter(|(_, t)| t.special)
+            .map(|(id, _)| *id)
+            .collect();
+        let control = (0..size as u32)
+            .map(|id| special_ids.contains(&id))
+            .collect();
+        let config = |name: &str| -> serde_json::Value {
+            crate::load::read_text(&dir.join(name))
+                .ok()
+                .and_then(|t| serde_json::from_str(&t).ok())
+                .unwrap_or(serde_json::Value::Null)
+        };
+        let (tok_config, model_config) = (config("tokenizer_config.json"), config("config.json"));
+        let id_of = |key: &str| -> Option<u32> {
+            let named = match &tok_config[key] {
+                serde_json::Value::String(s) => Some(s.clone()),
+                v => v["content"].as_str().map(str::to_string),
+            };
+            named
+                .and_then(|t| tk.token_to_id(&t))
+                .or_else(|| {
+                    model_config[format!("{key}_id")]
+                        .as_u64()
+                        .and_then(|v| u32::try_from(v).ok())
+                })
+                .filter(|v| (*v as usize) < size)
+        };
+        let special = SpecialIds {
+            bos: id_of("bos_token"),
+            eos: id_of("eos_token"),
+            eot: None,
+            pad: id_of("pad_token"),
+        };
+        let add_bos = tok_config["add_bos_token"].as_bool().unwrap_or(false);
+        // The file's post-processor (BOS templates) is replaced by add_bos, applied the same
+        // way for every format.
+        let mut tk = tk;
+        tk.with_post_processor(None::<tokenizers::PostProcessorWrapper>);
+        Self::with_modes(tk, pieces, control, special, add_bos)
+    }
+
+    fn with_modes(
+        tk: tokenizers::Tokenizer,
+        pieces: Vec<Vec<u8>>,
+        control: Vec<bool>,
+        special: SpecialIds,
+        add_bos: bool,
+    ) -> Result<Self> {
+        let mut literal = tk.clone();
+        literal.set_encode_special_tokens(true);
+        Ok(Self {
+            parse_special: tk,
+            literal,
+            pieces,
+            control,
+            special,
+            add_bos,
+        })
+    }
+
+    /// Ids of the tokenizer's vocabulary (added tokens included).
+    pub fn vocab_size(&self) -> usize {
+        self.pieces.len()
+    }
+
+    /// The ids of `text`. `add_special`: BOS first where the model file asks for it;
+    /// `parse_special`: special-token text (e.g. `<|im_start|>`) becomes its id, else it is
+    /// ordinary text.
+    pub fn encode(&self, text: &str, add_special: bool, parse_special: bool) -> Result<Vec<u32>> {
+        let tk = if parse_special {
+            &self.parse_special
+        } else {
+            &self.literal
+        };
+        let encoding = tk
+            .encode_fast(text, false)
+            .map_err(|e| Error::InvalidArgument(format!("tokenize: {e}")))?;
+        let mut ids = Vec::with_capacity(encoding.len() + 1);
+        if add_special && self.add_bos {
+            ids.extend(self.special.bos);
+        }
+        ids.extend_from_slice(encoding.get_ids());
+        Ok(ids)
+    }
+
+    /// The bytes id `id` stands for (a byte-level piece may hold part of a UTF-8 character).
+    pub fn piece(&self, id: u32) -> Result<&[u8]> {
+        self.pieces
+            .get(id as usize)
+            .map(Vec::as_slice)
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "id {id} is out of the tokenizer's range (0 to {})",
+                    self.pieces.len().saturating_sub(1)
+                ))
+            })
+    }
+
+    /// Whether `id` is a control token (BOS, EOS, chat markers).
+    pub fn is_control(&self, id: u32) -> bool {
+        self.control.get(id as usize).copied().unwrap_or(false)
+    }
+
+    /// The bytes of `ids`, the pieces one after another; `skip_control` leaves control tokens
+    /// out.
+    pub fn decode(&self, ids: &[u32], skip_control: bool) -> Result<Vec<u8>> {
+        let mut out = Vec::new();
+        for &id in ids {
+            let piece = self.piece(id)?;
+            if !(skip_control && self.is_control(id)) {
+                out.extend_from_slice(piece);
+            }
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_level_map_is_a_bijection_over_bytes() {
+        let map = byte_level_bytes();
+        assert_eq!(map.len(), 256);
+        let mut seen = [false; 256];
+        map.values().for_each(|b| seen[*b as usize] = true);
+        assert!(seen.iter().all(|s| *s));
+        assert_eq!(map[&'\u{120}'], b' '); // GPT-2's 'Ġ'
+        assert_eq!(map[&'\u{10a}'], b'\n'); // 'Ċ'
+        assert_eq!(
+            byte_level_piece("\u{120}caf\u{c3}\u{a9}", &map),
+            " café".as_bytes()
+        );
+    }
+
+    #[test]
+    fn metaspace_pieces_are_bytes() {
+        assert_eq!(metaspace_piece("\u{2581}Paris"), b" Paris");
+        assert_eq!(metaspace_piece("<0x0A>"), b"\n");
+        assert_eq!(metaspace_piece("<0x0>"), b"<0x0>");
+    }
+
+    #[test]
+    fn unknown_pre_tokenizers_are_refused() {
+        let err = gguf_pre_tokenizer(Some("no-such-split")).expect_err("refused");
+        assert!(err.to_string().contains("no-such-split"), "{err}");
+        for pre in [None, Some("smollm"), Some("qwen2"), Some("llama-bpe")] {
+            assert!(gguf_pre_tokenizer(pre).is_ok(), "{pre:?}");
+        }
+    }
+}

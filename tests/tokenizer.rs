@@ -1,0 +1,121 @@
+//! The model file's own tokenizer against an independent reference: SmolLM2-135M-Instruct's
+//! ids for 330 strings (tests/fixtures/smollm2_tokenizer.json, written by the Python
+//! `tokenizers` package with SmolLM2's own pre-tokenizer: make_smollm2_tokenizer.py beside it),
+//! special-token text parsed and not; every string round-trips through its pieces.
+
+mod common;
+
+use common::smollm2_path;
+use decodev2::load::gguf::Gguf;
+use decodev2::tokenizer::Tokenizer;
+
+struct Case {
+    text: String,
+    ids: Vec<u32>,
+    literal_ids: Vec<u32>,
+}
+
+fn cases() -> Vec<Case> {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/smollm2_tokenizer.json"
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let ids = |v: &serde_json::Value| -> Vec<u32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|i| i.as_u64().unwrap() as u32)
+            .collect()
+    };
+    json["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| Case {
+            text: c["text"].as_str().unwrap().to_string(),
+            ids: ids(&c["ids"]),
+            literal_ids: ids(&c["literal_ids"]),
+        })
+        .collect()
+}
+
+fn smollm2_tokenizer() -> Option<Tokenizer> {
+    let path = smollm2_path()?;
+    Some(Tokenizer::from_gguf(&Gguf::open(&path).unwrap()).unwrap())
+}
+
+#[test]
+fn smollm2_ids_equal_the_reference_on_330_strings() {
+    let Some(tk) = smollm2_tokenizer() else {
+        return;
+    };
+    let cases = cases();
+    assert!(cases.len() >= 300);
+    let mut special = 0;
+    for c in &cases {
+        assert_eq!(
+            tk.encode(&c.text, false, true).unwrap(),
+            c.ids,
+            "{:?}",
+            c.text
+        );
+        assert_eq!(
+            tk.encode(&c.text, false, false).unwrap(),
+            c.literal_ids,
+            "{:?} (special text as text)",
+            c.text
+        );
+        special += (c.ids != c.literal_ids) as usize;
+    }
+    println!("{} strings, {special} with special-token text", cases.len());
+    assert!(special >= 10, "the fixture exercises special-token text");
+}
+
+#[test]
+fn smollm2_detokenize_of_tokenize_is_the_text() {
+    let Some(tk) = smollm2_tokenizer() else {
+        return;
+    };
+    for c in cases() {
+        for parse_special in [false, true] {
+            let ids = tk.encode(&c.text, false, parse_special).unwrap();
+            let bytes = tk.decode(&ids, false).unwrap();
+            assert_eq!(bytes, c.text.as_bytes(), "{:?}", c.text);
+        }
+    }
+}
+
+#[test]
+fn smollm2_special_ids_and_pieces_come_from_the_file() {
+    let Some(tk) = smollm2_tokenizer() else {
+        return;
+    };
+    assert_eq!(tk.special.bos, Some(1));
+    assert_eq!(tk.special.eos, Some(2));
+    assert_eq!(tk.special.pad, Some(2));
+    assert_eq!(tk.vocab_size(), 49152);
+    assert_eq!(tk.piece(1).unwrap(), b"<|im_start|>");
+    assert!(tk.is_control(2) && !tk.is_control(504));
+    // SmolLM2 asks for no BOS: add_special changes nothing.
+    assert_eq!(
+        tk.encode("Hi", true, true).unwrap(),
+        tk.encode("Hi", false, true).unwrap()
+    );
+    // A piece may end inside a UTF-8 character; the pieces together are the text.
+    let ids = tk.encode("😀", false, true).unwrap();
+    assert!(ids.len() > 1, "{ids:?}");
+    assert!(std::str::from_utf8(tk.piece(ids[0]).unwrap()).is_err());
+    let text = tk.encode("<|im_start|>user", false, true).unwrap();
+    assert_eq!(
+        tk.decode(&text, true).unwrap(),
+        b"user",
+        "control tokens left out"
+    );
+    let err = tk.piece(49152).unwrap_err();
+    assert!(
+        err.to_string().contains("out of the tokenizer's range"),
+        "{err}"
+    );
+}
