@@ -14,7 +14,8 @@ from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
 BACKENDS = {"auto": 0, "cpu": 1, "cuda": 2}
-DV2_OK, DV2_FINISHED = 0, 5
+DV2_OK, DV2_FINISHED, DV2_ERR_BUFFER_TOO_SMALL = 0, 5, 17
+DV2_TOKENIZE_ADD_SPECIAL, DV2_TOKENIZE_PARSE_SPECIAL, DV2_DETOKENIZE_SKIP_SPECIAL = 1, 2, 1
 
 
 def _find_library():
@@ -57,6 +58,12 @@ for name, restype, argtypes in [
     ("dv2_position", ctypes.c_int, [_P, _I32P]),
     ("dv2_finished", ctypes.c_int, [_P, _I32P]),
     ("dv2_get_model_info", ctypes.c_int, [_P, ctypes.POINTER(ModelInfo)]),
+    ("dv2_tokenize", ctypes.c_int, [_P, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_uint32, _I32P, ctypes.c_size_t,
+                                    ctypes.POINTER(ctypes.c_size_t)]),
+    ("dv2_detokenize", ctypes.c_int, [_P, _I32P, ctypes.c_size_t, ctypes.c_uint32, ctypes.c_char_p, ctypes.c_size_t,
+                                      ctypes.POINTER(ctypes.c_size_t)]),
+    ("dv2_token_to_piece", ctypes.c_int, [_P, ctypes.c_int32, ctypes.c_char_p, ctypes.c_size_t,
+                                          ctypes.POINTER(ctypes.c_size_t)]),
 ]:
     fn = getattr(lib, name)
     fn.restype, fn.argtypes = restype, argtypes
@@ -168,3 +175,62 @@ class Engine:
         out = ctypes.c_int32()
         _check(lib.dv2_finished(self._h, ctypes.byref(out)), "dv2_finished")
         return bool(out.value)
+
+    @staticmethod
+    def _sized(call, name):
+        """Runs call(buffer, cap, count) once to learn the size (DV2_ERR_BUFFER_TOO_SMALL),
+        then with a buffer that size."""
+        count = ctypes.c_size_t()
+        status = call(None, 0, ctypes.byref(count))
+        if status not in (DV2_OK, DV2_ERR_BUFFER_TOO_SMALL):
+            _check(status, name)
+        return count.value
+
+    def tokenize(self, text, add_special=True, parse_special=False):
+        """The model file's tokenizer: ids of `text` (str or UTF-8 bytes)."""
+        data = text.encode() if isinstance(text, str) else bytes(text)
+        flags = (DV2_TOKENIZE_ADD_SPECIAL if add_special else 0) | (DV2_TOKENIZE_PARSE_SPECIAL if parse_special else 0)
+        call = lambda out, cap, n: lib.dv2_tokenize(self._h, data, len(data), flags, out, cap, n)
+        n = self._sized(call, "dv2_tokenize")
+        out, count = (ctypes.c_int32 * max(n, 1))(), ctypes.c_size_t()
+        _check(call(out, n, ctypes.byref(count)), "dv2_tokenize")
+        return list(out[: count.value])
+
+    def detokenize(self, ids, skip_special=False):
+        """The bytes of `ids` (decode them with .decode("utf-8") for a whole sequence)."""
+        arr = (ctypes.c_int32 * max(len(ids), 1))(*ids)
+        flags = DV2_DETOKENIZE_SKIP_SPECIAL if skip_special else 0
+        call = lambda out, cap, n: lib.dv2_detokenize(self._h, arr, len(ids), flags, out, cap, n)
+        n = self._sized(call, "dv2_detokenize")
+        out, count = ctypes.create_string_buffer(max(n, 1)), ctypes.c_size_t()
+        _check(call(out, n, ctypes.byref(count)), "dv2_detokenize")
+        return out.raw[: count.value]
+
+    def piece(self, token_id):
+        """The bytes of one id (possibly part of a UTF-8 character)."""
+        call = lambda out, cap, n: lib.dv2_token_to_piece(self._h, token_id, out, cap, n)
+        n = self._sized(call, "dv2_token_to_piece")
+        out, count = ctypes.create_string_buffer(max(n, 1)), ctypes.c_size_t()
+        _check(call(out, n, ctypes.byref(count)), "dv2_token_to_piece")
+        return out.raw[: count.value]
+
+
+class TextStream:
+    """Joins pieces into text as they arrive: push(piece) returns the new complete UTF-8
+    characters, holding back the bytes of a character split across pieces."""
+
+    def __init__(self):
+        self._held = b""
+
+    def push(self, piece):
+        data = self._held + piece
+        # At most the last 3 bytes can be an unfinished character.
+        for cut in range(len(data), max(len(data) - 4, -1), -1):
+            try:
+                text = data[:cut].decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+            self._held = data[cut:]
+            return text
+        self._held = b""
+        return data.decode("utf-8", errors="replace")  # not UTF-8 at all: shown replaced

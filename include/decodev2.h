@@ -53,6 +53,9 @@ typedef enum dv2_status {
   // The forward ran (the position moved on) but its logits hold inf or NaN: the model's
   // weights or activations passed f32's range. The ids it chose mean nothing; reset.
   DV2_ERR_NON_FINITE = 16,
+  // An output buffer is smaller than the result; the call wrote the size it needs (ids or
+  // bytes) to its count out-pointer and nothing else. The handle is unchanged.
+  DV2_ERR_BUFFER_TOO_SMALL = 17,
   // A bug in decodev2 (a caught panic). A handle it happened on is poisoned: every later
   // call on it returns this status; free it.
   DV2_ERR_INTERNAL = 99,
@@ -75,6 +78,21 @@ typedef enum dv2_log_level {
   DV2_LOG_INFO = 2,
   DV2_LOG_DEBUG = 3,
 } dv2_log_level;
+
+// Flags of dv2_tokenize (OR them together).
+typedef enum dv2_tokenize_flags {
+  // BOS (or what else the model file asks for) before the text.
+  DV2_TOKENIZE_ADD_SPECIAL = 1,
+  // Special-token text in the input (e.g. `<|im_start|>`) becomes its special id; without
+  // it that text is tokenized as ordinary text.
+  DV2_TOKENIZE_PARSE_SPECIAL = 2,
+} dv2_tokenize_flags;
+
+// Flags of dv2_detokenize.
+typedef enum dv2_detokenize_flags {
+  // Control tokens (BOS, EOS, chat markers) are left out of the text.
+  DV2_DETOKENIZE_SKIP_SPECIAL = 1,
+} dv2_detokenize_flags;
 
 // An engine: one model, one request at a time. Opaque; create with dv2_load or
 // dv2_load_synthetic, free with dv2_free. One thread at a time per handle; separate
@@ -238,6 +256,54 @@ enum dv2_status dv2_finished(struct dv2_engine *engine, int32_t *out_finished);
 // # Safety
 // `out` writable.
 enum dv2_status dv2_get_model_info(struct dv2_engine *engine, struct dv2_model_info *out);
+
+// The model file's tokenizer turns `text[0 .. text_len]` (UTF-8, not NUL-terminated) into
+// ids, written to `out_ids[0 .. *out_n]`. `flags`: dv2_tokenize_flags ORed together. When
+// `cap` is too small: DV2_ERR_BUFFER_TOO_SMALL with the count needed in `*out_n` (call with
+// `cap` = 0 and `out_ids` = NULL to ask for it). Errors: DV2_ERR_UNSUPPORTED (the model has no
+// tokenizer: synthetic presets, a directory without tokenizer.json; the message says why),
+// DV2_ERR_INVALID_ARGUMENT (text not UTF-8, unknown flags). The handle is unchanged.
+//
+// # Safety
+// `text` has `text_len` readable bytes (NULL only when `text_len` is 0); `out_ids` has room
+// for `cap` int32_t; `out_n` writable.
+enum dv2_status dv2_tokenize(struct dv2_engine *engine,
+                             const char *text,
+                             size_t text_len,
+                             uint32_t flags,
+                             int32_t *out_ids,
+                             size_t cap,
+                             size_t *out_n);
+
+// The ids' text: the bytes of their pieces one after another (UTF-8 for a whole sequence of
+// a byte-level vocabulary; not NUL-terminated), written to `out[0 .. *out_len]`. `flags`:
+// dv2_detokenize_flags. Same buffer rule and errors as dv2_tokenize, and
+// DV2_ERR_INVALID_ARGUMENT for an id outside the tokenizer's vocabulary.
+//
+// # Safety
+// `ids` has `n_ids` readable int32_t (NULL only when `n_ids` is 0); `out` has room for `cap`
+// bytes; `out_len` writable.
+enum dv2_status dv2_detokenize(struct dv2_engine *engine,
+                               const int32_t *ids,
+                               size_t n_ids,
+                               uint32_t flags,
+                               char *out,
+                               size_t cap,
+                               size_t *out_len);
+
+// The bytes of one id's piece, written to `out[0 .. *out_len]` (not NUL-terminated). A piece
+// can end inside a UTF-8 character (a byte-level vocabulary splits characters such as emoji
+// over several ids): a streaming host appends each piece to a byte buffer and prints its
+// longest valid UTF-8 prefix, keeping the rest for the next piece. Same buffer rule and
+// errors as dv2_detokenize.
+//
+// # Safety
+// `out` has room for `cap` bytes; `out_len` writable.
+enum dv2_status dv2_token_to_piece(struct dv2_engine *engine,
+                                   int32_t id,
+                                   char *out,
+                                   size_t cap,
+                                   size_t *out_len);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -51,6 +51,9 @@ pub enum Error {
     /// A forward ran but its logits hold inf or NaN (weights or activations past f32's range).
     #[error("non-finite logits: {0}")]
     NonFinite(String),
+    /// An output buffer is smaller than the result; the entry reports the size it needs.
+    #[error("buffer too small: {0}")]
+    BufferTooSmall(String),
     /// A bug in decodev2 (a caught panic, a broken internal invariant).
     #[error("internal error: {0}")]
     Internal(String),

@@ -60,6 +60,9 @@ pub enum dv2_status {
     /// The forward ran (the position moved on) but its logits hold inf or NaN: the model's
     /// weights or activations passed f32's range. The ids it chose mean nothing; reset.
     DV2_ERR_NON_FINITE = 16,
+    /// An output buffer is smaller than the result; the call wrote the size it needs (ids or
+    /// bytes) to its count out-pointer and nothing else. The handle is unchanged.
+    DV2_ERR_BUFFER_TOO_SMALL = 17,
     /// A bug in decodev2 (a caught panic). A handle it happened on is poisoned: every later
     /// call on it returns this status; free it.
     DV2_ERR_INTERNAL = 99,
@@ -84,6 +87,7 @@ fn status_of(e: &Error) -> dv2_status {
         Error::OutOfMemory(_) => DV2_ERR_OUT_OF_MEMORY,
         Error::Cuda(_) => DV2_ERR_CUDA,
         Error::NonFinite(_) => DV2_ERR_NON_FINITE,
+        Error::BufferTooSmall(_) => DV2_ERR_BUFFER_TOO_SMALL,
         Error::Internal(_) => DV2_ERR_INTERNAL,
     }
 }
@@ -108,6 +112,25 @@ pub enum dv2_log_level {
     DV2_LOG_WARN = 1,
     DV2_LOG_INFO = 2,
     DV2_LOG_DEBUG = 3,
+}
+
+/// Flags of dv2_tokenize (OR them together).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum dv2_tokenize_flags {
+    /// BOS (or what else the model file asks for) before the text.
+    DV2_TOKENIZE_ADD_SPECIAL = 1,
+    /// Special-token text in the input (e.g. `<|im_start|>`) becomes its special id; without
+    /// it that text is tokenized as ordinary text.
+    DV2_TOKENIZE_PARSE_SPECIAL = 2,
+}
+
+/// Flags of dv2_detokenize.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum dv2_detokenize_flags {
+    /// Control tokens (BOS, EOS, chat markers) are left out of the text.
+    DV2_DETOKENIZE_SKIP_SPECIAL = 1,
 }
 
 /// Load options. Always start from dv2_options_default(), then change fields.
@@ -372,7 +395,7 @@ pub extern "C" fn dv2_last_error() -> *const c_char {
 /// can hold any int.)
 #[no_mangle]
 pub extern "C" fn dv2_status_name(status: i32) -> *const c_char {
-    const NAMES: [(dv2_status, &str); 18] = [
+    const NAMES: [(dv2_status, &str); 19] = [
         (DV2_OK, "DV2_OK\0"),
         (DV2_ERR_NULL_POINTER, "DV2_ERR_NULL_POINTER\0"),
         (DV2_ERR_INVALID_ARGUMENT, "DV2_ERR_INVALID_ARGUMENT\0"),
@@ -390,6 +413,7 @@ pub extern "C" fn dv2_status_name(status: i32) -> *const c_char {
         (DV2_ERR_QUANTIZE, "DV2_ERR_QUANTIZE\0"),
         (DV2_ERR_ABI_MISMATCH, "DV2_ERR_ABI_MISMATCH\0"),
         (DV2_ERR_NON_FINITE, "DV2_ERR_NON_FINITE\0"),
+        (DV2_ERR_BUFFER_TOO_SMALL, "DV2_ERR_BUFFER_TOO_SMALL\0"),
         (DV2_ERR_INTERNAL, "DV2_ERR_INTERNAL\0"),
     ];
     let name = NAMES
@@ -733,6 +757,171 @@ pub unsafe extern "C" fn dv2_get_model_info(
                 backend: backend as i32,
             };
             write_out(out, "out", info)
+        })
+    }
+}
+
+/// Checks `flags` against the bits an entry knows.
+fn known_flags(flags: u32, known: u32, name: &str) -> Result<()> {
+    if flags & !known != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "{name} = {flags:#x} has unknown bits {:#x}",
+            flags & !known
+        )));
+    }
+    Ok(())
+}
+
+/// Writes `values` to `out[0 .. cap]` and their count to `*out_n`; when they do not fit, only
+/// the count, and DV2_ERR_BUFFER_TOO_SMALL.
+///
+/// # Safety
+/// `out_n` is non-null and writable; `out` has room for `cap` values (NULL when `cap` is 0).
+unsafe fn copy_out<T: Copy>(
+    values: &[T],
+    out: *mut T,
+    cap: usize,
+    out_n: *mut usize,
+) -> Result<()> {
+    // SAFETY: see the contract.
+    unsafe { out_n.write(values.len()) };
+    if values.len() > cap {
+        return Err(Error::BufferTooSmall(format!(
+            "{} needed, capacity {cap}",
+            values.len()
+        )));
+    }
+    if !values.is_empty() {
+        require(out, "out")?;
+        // SAFETY: non-null with room for cap >= values.len() by contract.
+        unsafe { std::ptr::copy_nonoverlapping(values.as_ptr(), out, values.len()) };
+    }
+    Ok(())
+}
+
+/// The model file's tokenizer turns `text[0 .. text_len]` (UTF-8, not NUL-terminated) into
+/// ids, written to `out_ids[0 .. *out_n]`. `flags`: dv2_tokenize_flags ORed together. When
+/// `cap` is too small: DV2_ERR_BUFFER_TOO_SMALL with the count needed in `*out_n` (call with
+/// `cap` = 0 and `out_ids` = NULL to ask for it). Errors: DV2_ERR_UNSUPPORTED (the model has no
+/// tokenizer: synthetic presets, a directory without tokenizer.json; the message says why),
+/// DV2_ERR_INVALID_ARGUMENT (text not UTF-8, unknown flags). The handle is unchanged.
+///
+/// # Safety
+/// `text` has `text_len` readable bytes (NULL only when `text_len` is 0); `out_ids` has room
+/// for `cap` int32_t; `out_n` writable.
+#[no_mangle]
+pub unsafe extern "C" fn dv2_tokenize(
+    engine: *mut dv2_engine,
+    text: *const c_char,
+    text_len: usize,
+    flags: u32,
+    out_ids: *mut i32,
+    cap: usize,
+    out_n: *mut usize,
+) -> dv2_status {
+    // SAFETY: forwarded contract.
+    unsafe {
+        with_engine(engine, |e| {
+            require(out_n, "out_n")?;
+            known_flags(flags, 3, "flags")?;
+            let bytes = if text_len == 0 {
+                &[][..]
+            } else {
+                require(text, "text")?;
+                if text_len > isize::MAX as usize {
+                    return Err(Error::InvalidArgument(format!("text_len = {text_len}")));
+                }
+                // SAFETY: non-null with text_len readable bytes by contract.
+                std::slice::from_raw_parts(text.cast::<u8>(), text_len)
+            };
+            let text = std::str::from_utf8(bytes).map_err(|err| {
+                Error::InvalidArgument(format!("text is not UTF-8 (at byte {})", err.valid_up_to()))
+            })?;
+            let add = flags & dv2_tokenize_flags::DV2_TOKENIZE_ADD_SPECIAL as u32 != 0;
+            let parse = flags & dv2_tokenize_flags::DV2_TOKENIZE_PARSE_SPECIAL as u32 != 0;
+            let ids: Vec<i32> = e
+                .tokenizer()?
+                .encode(text, add, parse)?
+                .into_iter()
+                .map(|id| id as i32)
+                .collect();
+            copy_out(&ids, out_ids, cap, out_n)
+        })
+    }
+}
+
+/// The ids' text: the bytes of their pieces one after another (UTF-8 for a whole sequence of
+/// a byte-level vocabulary; not NUL-terminated), written to `out[0 .. *out_len]`. `flags`:
+/// dv2_detokenize_flags. Same buffer rule and errors as dv2_tokenize, and
+/// DV2_ERR_INVALID_ARGUMENT for an id outside the tokenizer's vocabulary.
+///
+/// # Safety
+/// `ids` has `n_ids` readable int32_t (NULL only when `n_ids` is 0); `out` has room for `cap`
+/// bytes; `out_len` writable.
+#[no_mangle]
+pub unsafe extern "C" fn dv2_detokenize(
+    engine: *mut dv2_engine,
+    ids: *const i32,
+    n_ids: usize,
+    flags: u32,
+    out: *mut c_char,
+    cap: usize,
+    out_len: *mut usize,
+) -> dv2_status {
+    // SAFETY: forwarded contract.
+    unsafe {
+        with_engine(engine, |e| {
+            require(out_len, "out_len")?;
+            known_flags(flags, 1, "flags")?;
+            let ids = if n_ids == 0 {
+                &[][..]
+            } else {
+                require(ids, "ids")?;
+                if n_ids > isize::MAX as usize / 4 {
+                    return Err(Error::InvalidArgument(format!("n_ids = {n_ids}")));
+                }
+                // SAFETY: non-null with n_ids readable int32_t by contract.
+                std::slice::from_raw_parts(ids, n_ids)
+            };
+            let ids = ids
+                .iter()
+                .enumerate()
+                .map(|(i, &id)| {
+                    u32::try_from(id)
+                        .map_err(|_| Error::InvalidArgument(format!("ids[{i}] = {id} is negative")))
+                })
+                .collect::<Result<Vec<u32>>>()?;
+            let skip = flags & dv2_detokenize_flags::DV2_DETOKENIZE_SKIP_SPECIAL as u32 != 0;
+            let bytes = e.tokenizer()?.decode(&ids, skip)?;
+            copy_out(&bytes, out.cast::<u8>(), cap, out_len)
+        })
+    }
+}
+
+/// The bytes of one id's piece, written to `out[0 .. *out_len]` (not NUL-terminated). A piece
+/// can end inside a UTF-8 character (a byte-level vocabulary splits characters such as emoji
+/// over several ids): a streaming host appends each piece to a byte buffer and prints its
+/// longest valid UTF-8 prefix, keeping the rest for the next piece. Same buffer rule and
+/// errors as dv2_detokenize.
+///
+/// # Safety
+/// `out` has room for `cap` bytes; `out_len` writable.
+#[no_mangle]
+pub unsafe extern "C" fn dv2_token_to_piece(
+    engine: *mut dv2_engine,
+    id: i32,
+    out: *mut c_char,
+    cap: usize,
+    out_len: *mut usize,
+) -> dv2_status {
+    // SAFETY: forwarded contract.
+    unsafe {
+        with_engine(engine, |e| {
+            require(out_len, "out_len")?;
+            let id = u32::try_from(id)
+                .map_err(|_| Error::InvalidArgument(format!("id {id} is negative")))?;
+            let piece = e.tokenizer()?.piece(id)?.to_vec();
+            copy_out(&piece, out.cast::<u8>(), cap, out_len)
         })
     }
 }

@@ -1,5 +1,8 @@
 //! The C and Python examples, built and run against the library this `cargo test` built, on
 //! the CPU backend; and the C example under valgrind (no leaks, no invalid accesses).
+//! The Python completion example runs on SmolLM2 where .ci/run fetched it.
+
+mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -89,6 +92,26 @@ fn c_example_passes_the_gates_on_cpu() {
         .args(["--backend", "cpu"])
         .current_dir(root()));
     gates_passed(&text);
+}
+
+/// Text in, streamed text out on SmolLM2 (examples_c/complete.py: the model file's tokenizer
+/// through dv2_tokenize and dv2_token_to_piece).
+#[test]
+fn python_completion_streams_text_on_cpu() {
+    let Some(model) = common::smollm2_path() else {
+        return;
+    };
+    if cargo_missing() {
+        return;
+    }
+    let text = run(Command::new("python3")
+        .arg(root().join("examples_c/complete.py"))
+        .arg(&model)
+        .arg("The capital of France is")
+        .args(["--tokens", "8", "--backend", "cpu"])
+        .env("DV2_LIB", lib_dir().join("libdecodev2.so")));
+    println!("{text}");
+    assert!(text.starts_with("The capital of France is Paris"), "{text}");
 }
 
 #[test]

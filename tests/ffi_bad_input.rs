@@ -465,7 +465,7 @@ fn status_names_of_any_integer() {
     for status in [DV2_OK, DV2_ERR_NON_FINITE, DV2_ERR_INTERNAL] {
         assert_eq!(name_of(status as i32), format!("{status:?}"));
     }
-    for status in [-1, 17, 98, 100, i32::MIN, i32::MAX] {
+    for status in [-1, 18, 98, 100, i32::MIN, i32::MAX] {
         assert_eq!(name_of(status), "DV2_UNKNOWN_STATUS");
     }
 }
@@ -683,4 +683,233 @@ fn a_log_callback_may_call_the_library() {
         .expect("a log callback that calls the library deadlocked");
     assert_eq!(status, DV2_ERR_UNKNOWN_PRESET);
     assert!(REENTERED.load(std::sync::atomic::Ordering::SeqCst) >= 1);
+}
+
+/// The text entries (dv2_tokenize, dv2_detokenize, dv2_token_to_piece): NULL handles and
+/// pointers, a model without a tokenizer, invalid UTF-8, unknown flags, ids out of range,
+/// capacities too small (the size needed comes back) and zero; the handle stays usable.
+#[test]
+fn text_entries_with_bad_input() {
+    let mut n = 0usize;
+    let mut ids = [0i32; 64];
+    let mut bytes = [0 as std::ffi::c_char; 256];
+    let text = "The capital of France is";
+    // SAFETY: NULL handles are part of the contract; other pointers are valid.
+    unsafe {
+        expect(
+            dv2_tokenize(
+                null_mut(),
+                text.as_ptr().cast(),
+                text.len(),
+                0,
+                ids.as_mut_ptr(),
+                64,
+                &mut n,
+            ),
+            DV2_ERR_NULL_POINTER,
+            "engine",
+        );
+        expect(
+            dv2_detokenize(
+                null_mut(),
+                ids.as_ptr(),
+                1,
+                0,
+                bytes.as_mut_ptr(),
+                256,
+                &mut n,
+            ),
+            DV2_ERR_NULL_POINTER,
+            "engine",
+        );
+        expect(
+            dv2_token_to_piece(null_mut(), 1, bytes.as_mut_ptr(), 256, &mut n),
+            DV2_ERR_NULL_POINTER,
+            "engine",
+        );
+    }
+    // A synthetic model has no tokenizer: a clear error, the handle unchanged.
+    let (h, case) = tiny();
+    // SAFETY: valid handle and buffers.
+    unsafe {
+        expect(
+            dv2_tokenize(
+                h,
+                text.as_ptr().cast(),
+                text.len(),
+                0,
+                ids.as_mut_ptr(),
+                64,
+                &mut n,
+            ),
+            DV2_ERR_UNSUPPORTED,
+            "no tokenizer",
+        );
+        expect(
+            dv2_token_to_piece(h, 1, bytes.as_mut_ptr(), 256, &mut n),
+            DV2_ERR_UNSUPPORTED,
+            "no tokenizer",
+        );
+    }
+    still_usable(h, &case);
+    // SAFETY: a live handle.
+    unsafe { dv2_free(h) };
+
+    let Some(path) = smollm2_path() else { return };
+    let mut h = null_mut();
+    let mut opts = dv2_options_default();
+    opts.backend = dv2_backend::DV2_BACKEND_CPU as i32;
+    opts.max_seq = 64;
+    let c_path = c_path(&path);
+    // SAFETY: valid arguments and buffers throughout; the bad ones are the cases under test.
+    unsafe {
+        assert_eq!(
+            dv2_load(c_path.as_ptr(), &opts, &mut h),
+            DV2_OK,
+            "{}",
+            last_error()
+        );
+        let tokenize = |t: &[u8], flags: u32, out: *mut i32, cap: usize, n: &mut usize| {
+            dv2_tokenize(h, t.as_ptr().cast(), t.len(), flags, out, cap, n)
+        };
+        expect(
+            dv2_tokenize(
+                h,
+                text.as_ptr().cast(),
+                text.len(),
+                0,
+                ids.as_mut_ptr(),
+                64,
+                null_mut(),
+            ),
+            DV2_ERR_NULL_POINTER,
+            "out_n",
+        );
+        expect(
+            dv2_tokenize(h, null(), 5, 0, ids.as_mut_ptr(), 64, &mut n),
+            DV2_ERR_NULL_POINTER,
+            "text",
+        );
+        expect(
+            tokenize(b"caf\xc3", 0, ids.as_mut_ptr(), 64, &mut n),
+            DV2_ERR_INVALID_ARGUMENT,
+            "not UTF-8 (at byte 3)",
+        );
+        expect(
+            tokenize(text.as_bytes(), 4, ids.as_mut_ptr(), 64, &mut n),
+            DV2_ERR_INVALID_ARGUMENT,
+            "unknown bits",
+        );
+        // Zero capacity: the count needed, nothing written.
+        n = 0;
+        expect(
+            tokenize(text.as_bytes(), 0, null_mut(), 0, &mut n),
+            DV2_ERR_BUFFER_TOO_SMALL,
+            "5 needed",
+        );
+        assert_eq!(n, 5);
+        expect(
+            tokenize(text.as_bytes(), 0, ids.as_mut_ptr(), 4, &mut n),
+            DV2_ERR_BUFFER_TOO_SMALL,
+            "capacity 4",
+        );
+        assert_eq!(
+            tokenize(text.as_bytes(), 0, ids.as_mut_ptr(), 5, &mut n),
+            DV2_OK
+        );
+        assert_eq!((n, &ids[..5]), (5, &[504, 3575, 282, 4649, 314][..]));
+        let prompt = ids[..5].to_vec();
+        // Empty text: no ids, no pointer needed.
+        assert_eq!(dv2_tokenize(h, null(), 0, 3, null_mut(), 0, &mut n), DV2_OK);
+        assert_eq!(n, 0);
+        // Special-token text, parsed and not.
+        let chat = b"<|im_start|>user";
+        assert_eq!(tokenize(chat, 2, ids.as_mut_ptr(), 64, &mut n), DV2_OK);
+        assert_eq!(&ids[..n], &[1, 4093]);
+        assert_eq!(tokenize(chat, 0, ids.as_mut_ptr(), 64, &mut n), DV2_OK);
+        assert!(n > 2);
+
+        expect(
+            dv2_detokenize(
+                h,
+                [1, 49152].as_ptr(),
+                2,
+                0,
+                bytes.as_mut_ptr(),
+                256,
+                &mut n,
+            ),
+            DV2_ERR_INVALID_ARGUMENT,
+            "out of the tokenizer's range",
+        );
+        expect(
+            dv2_detokenize(h, [-1].as_ptr(), 1, 0, bytes.as_mut_ptr(), 256, &mut n),
+            DV2_ERR_INVALID_ARGUMENT,
+            "negative",
+        );
+        expect(
+            dv2_detokenize(h, null(), 2, 0, bytes.as_mut_ptr(), 256, &mut n),
+            DV2_ERR_NULL_POINTER,
+            "ids",
+        );
+        expect(
+            dv2_detokenize(h, prompt.as_ptr(), 5, 2, bytes.as_mut_ptr(), 256, &mut n),
+            DV2_ERR_INVALID_ARGUMENT,
+            "unknown bits",
+        );
+        expect(
+            dv2_detokenize(h, prompt.as_ptr(), 5, 0, bytes.as_mut_ptr(), 10, &mut n),
+            DV2_ERR_BUFFER_TOO_SMALL,
+            "24 needed",
+        );
+        assert_eq!(n, text.len());
+        assert_eq!(
+            dv2_detokenize(h, prompt.as_ptr(), 5, 0, bytes.as_mut_ptr(), 256, &mut n),
+            DV2_OK
+        );
+        let got: Vec<u8> = bytes[..n].iter().map(|&b| b as u8).collect();
+        assert_eq!(got, text.as_bytes());
+        let marked = [1, 4093];
+        assert_eq!(
+            dv2_detokenize(h, marked.as_ptr(), 2, 1, bytes.as_mut_ptr(), 256, &mut n),
+            DV2_OK
+        );
+        assert_eq!(n, 4, "the control token left out: \"user\"");
+
+        expect(
+            dv2_token_to_piece(h, -1, bytes.as_mut_ptr(), 256, &mut n),
+            DV2_ERR_INVALID_ARGUMENT,
+            "negative",
+        );
+        expect(
+            dv2_token_to_piece(h, 49152, bytes.as_mut_ptr(), 256, &mut n),
+            DV2_ERR_INVALID_ARGUMENT,
+            "out of the tokenizer's range",
+        );
+        expect(
+            dv2_token_to_piece(h, 1, null_mut(), 0, &mut n),
+            DV2_ERR_BUFFER_TOO_SMALL,
+            "12 needed",
+        );
+        expect(
+            dv2_token_to_piece(h, 1, bytes.as_mut_ptr(), 256, null_mut()),
+            DV2_ERR_NULL_POINTER,
+            "out_len",
+        );
+        assert_eq!(
+            dv2_token_to_piece(h, 7042, bytes.as_mut_ptr(), 256, &mut n),
+            DV2_OK
+        );
+        let piece: Vec<u8> = bytes[..n].iter().map(|&b| b as u8).collect();
+        assert_eq!(piece, b" Paris");
+
+        // Still usable: the tokenized prompt decodes.
+        let mut next = 0i32;
+        assert_eq!(
+            dv2_prefill(h, prompt.as_ptr(), prompt.len(), &mut next),
+            DV2_OK
+        );
+        assert_eq!(next, 7042, "\" Paris\"");
+        dv2_free(h);
+    }
 }
