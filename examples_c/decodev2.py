@@ -64,9 +64,15 @@ for name, restype, argtypes in [
                                       ctypes.POINTER(ctypes.c_size_t)]),
     ("dv2_token_to_piece", ctypes.c_int, [_P, ctypes.c_int32, ctypes.c_char_p, ctypes.c_size_t,
                                           ctypes.POINTER(ctypes.c_size_t)]),
+    ("dv2_chat_apply_template", ctypes.c_int, [_P, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int32,
+                                               ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]),
 ]:
     fn = getattr(lib, name)
     fn.restype, fn.argtypes = restype, argtypes
+
+
+class ChatMessage(ctypes.Structure):
+    _fields_ = [("role", ctypes.c_char_p), ("content", ctypes.c_char_p)]
 
 
 class Dv2Error(RuntimeError):
@@ -205,6 +211,17 @@ class Engine:
         out, count = ctypes.create_string_buffer(max(n, 1)), ctypes.c_size_t()
         _check(call(out, n, ctypes.byref(count)), "dv2_detokenize")
         return out.raw[: count.value]
+
+    def chat(self, messages, add_generation_prompt=True):
+        """`messages` ([{"role": ..., "content": ...}]) through the model's chat template."""
+        arr = (ChatMessage * max(len(messages), 1))(
+            *[ChatMessage(m["role"].encode(), m["content"].encode()) for m in messages])
+        call = lambda out, cap, n: lib.dv2_chat_apply_template(self._h, arr, len(messages), int(add_generation_prompt),
+                                                               out, cap, n)
+        n = self._sized(call, "dv2_chat_apply_template")
+        out, count = ctypes.create_string_buffer(max(n, 1)), ctypes.c_size_t()
+        _check(call(out, n, ctypes.byref(count)), "dv2_chat_apply_template")
+        return out.raw[: count.value].decode()
 
     def piece(self, token_id):
         """The bytes of one id (possibly part of a UTF-8 character)."""

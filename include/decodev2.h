@@ -112,7 +112,8 @@ typedef struct dv2_options {
   int32_t backend;
   // KV capacity in tokens; 0 = the model's own max_seq.
   int32_t max_seq;
-  // Token id that ends a request (sets finished); -1 = none.
+  // Token id that ends a request (sets finished); -1 = none; -2 = the model file's own
+  // (its end-of-turn token where it names one, else its EOS; dv2_load only).
   int32_t eos_id;
   // CUDA device ordinal (0 = first device).
   int32_t device;
@@ -133,6 +134,13 @@ typedef struct dv2_model_info {
   // The backend actually running (a dv2_backend value, never AUTO).
   int32_t backend;
 } dv2_model_info;
+
+// One message of a conversation for dv2_chat_apply_template: NUL-terminated UTF-8 strings.
+typedef struct dv2_chat_message {
+  // "system", "user", "assistant", ... as the template knows them.
+  const char *role;
+  const char *content;
+} dv2_chat_message;
 
 #ifdef __cplusplus
 extern "C" {
@@ -304,6 +312,25 @@ enum dv2_status dv2_token_to_piece(struct dv2_engine *engine,
                                    char *out,
                                    size_t cap,
                                    size_t *out_len);
+
+// `messages[0 .. n_messages]` through the model file's own chat template (Jinja, rendered as
+// transformers renders it), written to `out[0 .. *out_len]` (UTF-8, not NUL-terminated);
+// `add_generation_prompt` nonzero appends the opening of the assistant's turn. Tokenize the
+// result with DV2_TOKENIZE_PARSE_SPECIAL so that its markers become their ids. Same buffer rule
+// as dv2_tokenize. Errors: DV2_ERR_UNSUPPORTED (no tokenizer, or no template in the file),
+// DV2_ERR_INVALID_ARGUMENT (a string not UTF-8, or the template refusing the conversation,
+// e.g. its `raise_exception`), DV2_ERR_NULL_POINTER. The handle is unchanged.
+//
+// # Safety
+// `messages` has `n_messages` readable entries whose strings are NUL-terminated (NULL only
+// when `n_messages` is 0); `out` has room for `cap` bytes; `out_len` writable.
+enum dv2_status dv2_chat_apply_template(struct dv2_engine *engine,
+                                        const struct dv2_chat_message *messages,
+                                        size_t n_messages,
+                                        int32_t add_generation_prompt,
+                                        char *out,
+                                        size_t cap,
+                                        size_t *out_len);
 
 #ifdef __cplusplus
 }  // extern "C"

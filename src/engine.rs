@@ -35,6 +35,9 @@ pub struct EngineOptions {
     pub max_seq: usize,
     /// Generating this id sets `finished`; `None` never finishes.
     pub eos: Option<u32>,
+    /// Takes `eos` from the model file instead: its end-of-turn id where it names one, else its
+    /// EOS id (a file load only; an error where the file names neither).
+    pub eos_from_model: bool,
     /// CUDA device ordinal.
     pub device: usize,
     /// CUDA: replay the decode step as a captured graph (default on; `DV2_GRAPH=0` turns the
@@ -50,6 +53,7 @@ impl Default for EngineOptions {
             backend: BackendKind::Auto,
             max_seq: 0,
             eos: None,
+            eos_from_model: false,
             device: 0,
             graph: crate::config::Config::from_env().graph,
             prefill_chunk: 0,
@@ -77,6 +81,11 @@ impl Engine {
     /// Builds an engine over a host model.
     pub fn new(model: HostModel, opts: &EngineOptions) -> Result<Self> {
         model.validate()?;
+        if opts.eos_from_model {
+            return Err(Error::InvalidArgument(
+                "EOS from the model file: only a model loaded from a file has one".into(),
+            ));
+        }
         let spec = model.spec;
         let max_seq = if opts.max_seq == 0 {
             spec.max_seq
@@ -141,7 +150,19 @@ impl Engine {
     /// Loads a model file or directory (see [`crate::load`]).
     pub fn load_file(path: &std::path::Path, opts: &EngineOptions) -> Result<Self> {
         let (model, tokenizer) = crate::load::load_with_tokenizer(path)?;
-        let mut engine = Self::new(model, opts)?;
+        let mut opts = opts.clone();
+        if opts.eos_from_model {
+            let special = tokenizer.as_ref().map(|t| t.special).map_err(|e| {
+                Error::InvalidArgument(format!("EOS from the model file: no tokenizer ({e})"))
+            })?;
+            opts.eos = Some(special.eot.or(special.eos).ok_or_else(|| {
+                Error::InvalidArgument(
+                    "EOS from the model file: it names no end-of-turn or EOS token".into(),
+                )
+            })?);
+            opts.eos_from_model = false;
+        }
+        let mut engine = Self::new(model, &opts)?;
         engine.tokenizer = tokenizer.map_err(|e| e.to_string());
         Ok(engine)
     }

@@ -14,6 +14,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, Once};
 
+use crate::chat::Message;
 use crate::engine::{BackendKind, Engine, EngineOptions};
 use crate::error::{Error, Result};
 
@@ -133,6 +134,15 @@ pub enum dv2_detokenize_flags {
     DV2_DETOKENIZE_SKIP_SPECIAL = 1,
 }
 
+/// One message of a conversation for dv2_chat_apply_template: NUL-terminated UTF-8 strings.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct dv2_chat_message {
+    /// "system", "user", "assistant", ... as the template knows them.
+    pub role: *const c_char,
+    pub content: *const c_char,
+}
+
 /// Load options. Always start from dv2_options_default(), then change fields.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -144,7 +154,8 @@ pub struct dv2_options {
     pub backend: i32,
     /// KV capacity in tokens; 0 = the model's own max_seq.
     pub max_seq: i32,
-    /// Token id that ends a request (sets finished); -1 = none.
+    /// Token id that ends a request (sets finished); -1 = none; -2 = the model file's own
+    /// (its end-of-turn token where it names one, else its EOS; dv2_load only).
     pub eos_id: i32,
     /// CUDA device ordinal (0 = first device).
     pub device: i32,
@@ -348,9 +359,10 @@ fn engine_options(opts: *const dv2_options) -> Result<EngineOptions> {
         backend,
         max_seq: non_negative(o.max_seq, "max_seq")?,
         eos: match o.eos_id {
-            -1 => None,
+            -1 | -2 => None,
             id => Some(non_negative(id, "eos_id")? as u32),
         },
+        eos_from_model: o.eos_id == -2,
         device: non_negative(o.device, "device")?,
         ..EngineOptions::default()
     })
@@ -922,6 +934,58 @@ pub unsafe extern "C" fn dv2_token_to_piece(
                 .map_err(|_| Error::InvalidArgument(format!("id {id} is negative")))?;
             let piece = e.tokenizer()?.piece(id)?.to_vec();
             copy_out(&piece, out.cast::<u8>(), cap, out_len)
+        })
+    }
+}
+
+/// `messages[0 .. n_messages]` through the model file's own chat template (Jinja, rendered as
+/// transformers renders it), written to `out[0 .. *out_len]` (UTF-8, not NUL-terminated);
+/// `add_generation_prompt` nonzero appends the opening of the assistant's turn. Tokenize the
+/// result with DV2_TOKENIZE_PARSE_SPECIAL so that its markers become their ids. Same buffer rule
+/// as dv2_tokenize. Errors: DV2_ERR_UNSUPPORTED (no tokenizer, or no template in the file),
+/// DV2_ERR_INVALID_ARGUMENT (a string not UTF-8, or the template refusing the conversation,
+/// e.g. its `raise_exception`), DV2_ERR_NULL_POINTER. The handle is unchanged.
+///
+/// # Safety
+/// `messages` has `n_messages` readable entries whose strings are NUL-terminated (NULL only
+/// when `n_messages` is 0); `out` has room for `cap` bytes; `out_len` writable.
+#[no_mangle]
+pub unsafe extern "C" fn dv2_chat_apply_template(
+    engine: *mut dv2_engine,
+    messages: *const dv2_chat_message,
+    n_messages: usize,
+    add_generation_prompt: i32,
+    out: *mut c_char,
+    cap: usize,
+    out_len: *mut usize,
+) -> dv2_status {
+    // SAFETY: forwarded contract.
+    unsafe {
+        with_engine(engine, |e| {
+            require(out_len, "out_len")?;
+            let messages = if n_messages == 0 {
+                &[][..]
+            } else {
+                require(messages, "messages")?;
+                if n_messages > isize::MAX as usize / std::mem::size_of::<dv2_chat_message>() {
+                    return Err(Error::InvalidArgument(format!("n_messages = {n_messages}")));
+                }
+                // SAFETY: non-null with n_messages readable entries by contract.
+                std::slice::from_raw_parts(messages, n_messages)
+            };
+            let messages = messages
+                .iter()
+                .map(|m| {
+                    Ok(Message {
+                        role: c_str(m.role, "messages[].role")?.to_string(),
+                        content: c_str(m.content, "messages[].content")?.to_string(),
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let text = e
+                .tokenizer()?
+                .apply_chat_template(&messages, add_generation_prompt != 0)?;
+            copy_out(text.as_bytes(), out.cast::<u8>(), cap, out_len)
         })
     }
 }

@@ -6,6 +6,7 @@
 
 pub mod arch;
 pub mod backend;
+pub mod chat;
 pub mod config;
 mod cpu;
 pub mod cuda;

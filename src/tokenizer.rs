@@ -17,6 +17,7 @@ use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
 
+use crate::chat::{ChatTemplate, Message};
 use crate::error::{Error, Result};
 use crate::load::gguf::{Gguf, Value};
 
@@ -53,6 +54,8 @@ pub struct Tokenizer {
     pub special: SpecialIds,
     /// The file asks for BOS before a prompt.
     add_bos: bool,
+    /// The model's chat template (Jinja), where the file has one.
+    pub chat_template: Option<String>,
 }
 
 /// GPT-2's reversible map from bytes to printable characters, inverted: the byte each
@@ -211,7 +214,8 @@ impl Tokenizer {
             g.meta.get("tokenizer.ggml.add_bos_token"),
             Some(Value::Bool(true))
         );
-        Self::with_modes(tk, pieces, control, special, add_bos)
+        let chat_template = g.str("tokenizer.chat_template").map(str::to_string);
+        Self::with_modes(tk, pieces, control, special, add_bos, chat_template)
     }
 
     /// A Hugging Face directory's `tokenizer.json`, with the special ids and the BOS rule of
@@ -277,11 +281,21 @@ impl Tokenizer {
             pad: id_of("pad_token"),
         };
         let add_bos = tok_config["add_bos_token"].as_bool().unwrap_or(false);
+        // A string, or named templates of which "default" is the chat one.
+        let chat_template = match &tok_config["chat_template"] {
+            serde_json::Value::String(t) => Some(t.clone()),
+            serde_json::Value::Array(named) => named
+                .iter()
+                .find(|t| t["name"] == "default")
+                .and_then(|t| t["template"].as_str())
+                .map(str::to_string),
+            _ => None,
+        };
         // The file's post-processor (BOS templates) is replaced by add_bos, applied the same
         // way for every format.
         let mut tk = tk;
         tk.with_post_processor(None::<tokenizers::PostProcessorWrapper>);
-        Self::with_modes(tk, pieces, control, special, add_bos)
+        Self::with_modes(tk, pieces, control, special, add_bos, chat_template)
     }
 
     fn with_modes(
@@ -290,6 +304,7 @@ impl Tokenizer {
         control: Vec<bool>,
         special: SpecialIds,
         add_bos: bool,
+        chat_template: Option<String>,
     ) -> Result<Self> {
         let mut literal = tk.clone();
         literal.set_encode_special_tokens(true);
@@ -300,6 +315,7 @@ impl Tokenizer {
             control,
             special,
             add_bos,
+            chat_template,
         })
     }
 
@@ -339,6 +355,26 @@ impl Tokenizer {
                     self.pieces.len().saturating_sub(1)
                 ))
             })
+    }
+
+    /// `messages` through the model's chat template (see [`crate::chat`]), with the BOS and EOS
+    /// texts it may use; `add_generation_prompt` opens the assistant's turn.
+    pub fn apply_chat_template(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        let source = self
+            .chat_template
+            .as_deref()
+            .ok_or_else(|| Error::Unsupported("the model file has no chat template".into()))?;
+        let text = |id: Option<u32>| {
+            id.and_then(|id| self.pieces.get(id as usize))
+                .map(|p| String::from_utf8_lossy(p).into_owned())
+                .unwrap_or_default()
+        };
+        ChatTemplate::new(source, &text(self.special.bos), &text(self.special.eos))?
+            .render(messages, add_generation_prompt)
     }
 
     /// Whether `id` is a control token (BOS, EOS, chat markers).

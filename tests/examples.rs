@@ -94,6 +94,33 @@ fn c_example_passes_the_gates_on_cpu() {
     gates_passed(&text);
 }
 
+/// examples_c/chat.c on SmolLM2: a question through the model's chat template and tokenizer,
+/// the answer streamed until the model's end of generation (eos_id -2).
+#[test]
+fn c_chat_answers_and_stops_at_the_end_of_generation() {
+    let Some(model) = common::smollm2_path() else {
+        return;
+    };
+    if cargo_missing() {
+        return;
+    }
+    let build = lib_dir().join("examples_c");
+    run(Command::new("make")
+        .arg("-s")
+        .arg("-C")
+        .arg(root().join("examples_c"))
+        .arg(format!("LIBDIR={}", lib_dir().display()))
+        .arg(format!("BUILD={}", build.display()))
+        .arg("chat"));
+    let text = run(Command::new(build.join("chat"))
+        .arg(&model)
+        .arg("What is the capital of France?")
+        .args(["--backend", "cpu", "--tokens", "200"]));
+    println!("{text}");
+    assert!(text.contains("Paris"), "{text}");
+    assert!(text.contains("[end of generation]"), "{text}");
+}
+
 /// Text in, streamed text out on SmolLM2 (examples_c/complete.py: the model file's tokenizer
 /// through dv2_tokenize and dv2_token_to_piece).
 #[test]

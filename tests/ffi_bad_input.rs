@@ -425,6 +425,20 @@ fn bad_options() {
             "eos id 32",
         );
         assert!(h.is_null());
+        // The model file's own EOS: a synthetic model has no file.
+        opts.eos_id = -2;
+        expect(
+            dv2_load_synthetic(name.as_ptr(), 0, &opts, &mut h),
+            DV2_ERR_INVALID_ARGUMENT,
+            "only a model loaded from a file",
+        );
+        opts.eos_id = -3;
+        expect(
+            dv2_load_synthetic(name.as_ptr(), 0, &opts, &mut h),
+            DV2_ERR_INVALID_ARGUMENT,
+            "eos_id = -3 is negative",
+        );
+        assert!(h.is_null());
         // NULL options mean defaults.
         assert_eq!(dv2_load_synthetic(name.as_ptr(), 0, null(), &mut h), DV2_OK);
         let mut info = dv2_model_info::default();
@@ -910,6 +924,105 @@ fn text_entries_with_bad_input() {
             DV2_OK
         );
         assert_eq!(next, 7042, "\" Paris\"");
+        dv2_free(h);
+    }
+}
+
+/// dv2_chat_apply_template: NULL handle, messages and strings, invalid UTF-8, a model without
+/// a tokenizer, capacities; the render equals the template's (tests/tokenizer.rs checks it
+/// against Jinja2) and the handle stays usable.
+#[test]
+fn chat_template_entry_with_bad_input() {
+    let mut n = 0usize;
+    let mut out = vec![0 as std::ffi::c_char; 512];
+    let (role, content) = (CString::new("user").unwrap(), CString::new("Hi").unwrap());
+    let msg = dv2_chat_message {
+        role: role.as_ptr(),
+        content: content.as_ptr(),
+    };
+    // SAFETY: NULL handles are part of the contract; other pointers are valid.
+    unsafe {
+        expect(
+            dv2_chat_apply_template(null_mut(), &msg, 1, 1, out.as_mut_ptr(), 512, &mut n),
+            DV2_ERR_NULL_POINTER,
+            "engine",
+        );
+    }
+    let (h, case) = tiny();
+    // SAFETY: valid handle and buffers.
+    unsafe {
+        expect(
+            dv2_chat_apply_template(h, &msg, 1, 1, out.as_mut_ptr(), 512, &mut n),
+            DV2_ERR_UNSUPPORTED,
+            "no tokenizer",
+        );
+    }
+    still_usable(h, &case);
+    // SAFETY: a live handle.
+    unsafe { dv2_free(h) };
+
+    let Some(path) = smollm2_path() else { return };
+    let mut h = null_mut();
+    let mut opts = dv2_options_default();
+    opts.backend = dv2_backend::DV2_BACKEND_CPU as i32;
+    opts.max_seq = 64;
+    let c_path = c_path(&path);
+    let bad = [b'c', b'a', b'f', 0xc3, 0];
+    // SAFETY: valid arguments and buffers; the bad ones are the cases under test.
+    unsafe {
+        assert_eq!(
+            dv2_load(c_path.as_ptr(), &opts, &mut h),
+            DV2_OK,
+            "{}",
+            last_error()
+        );
+        expect(
+            dv2_chat_apply_template(h, null(), 1, 1, out.as_mut_ptr(), 512, &mut n),
+            DV2_ERR_NULL_POINTER,
+            "messages",
+        );
+        let no_role = dv2_chat_message {
+            role: null(),
+            content: content.as_ptr(),
+        };
+        expect(
+            dv2_chat_apply_template(h, &no_role, 1, 1, out.as_mut_ptr(), 512, &mut n),
+            DV2_ERR_NULL_POINTER,
+            "messages[].role",
+        );
+        let not_utf8 = dv2_chat_message {
+            role: role.as_ptr(),
+            content: bad.as_ptr().cast(),
+        };
+        expect(
+            dv2_chat_apply_template(h, &not_utf8, 1, 1, out.as_mut_ptr(), 512, &mut n),
+            DV2_ERR_INVALID_ARGUMENT,
+            "UTF-8",
+        );
+        expect(
+            dv2_chat_apply_template(h, &msg, 1, 1, out.as_mut_ptr(), 512, null_mut()),
+            DV2_ERR_NULL_POINTER,
+            "out_len",
+        );
+        let want = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n";
+        expect(
+            dv2_chat_apply_template(h, &msg, 1, 1, null_mut(), 0, &mut n),
+            DV2_ERR_BUFFER_TOO_SMALL,
+            "needed",
+        );
+        assert_eq!(n, want.len());
+        assert_eq!(
+            dv2_chat_apply_template(h, &msg, 1, 1, out.as_mut_ptr(), 512, &mut n),
+            DV2_OK
+        );
+        let got: Vec<u8> = out[..n].iter().map(|&b| b as u8).collect();
+        assert_eq!(String::from_utf8(got).unwrap(), want);
+        // No messages: the template renders nothing but the generation prompt.
+        assert_eq!(
+            dv2_chat_apply_template(h, null(), 0, 1, out.as_mut_ptr(), 512, &mut n),
+            DV2_OK
+        );
+        assert_eq!(n, "<|im_start|>assistant\n".len());
         dv2_free(h);
     }
 }

@@ -6,6 +6,7 @@
 mod common;
 
 use common::smollm2_path;
+use decodev2::chat::Message;
 use decodev2::load::gguf::Gguf;
 use decodev2::tokenizer::Tokenizer;
 
@@ -118,4 +119,36 @@ fn smollm2_special_ids_and_pieces_come_from_the_file() {
         err.to_string().contains("out of the tokenizer's range"),
         "{err}"
     );
+}
+
+/// SmolLM2's chat template from the GGUF, rendered byte for byte as Jinja2 with transformers'
+/// settings renders it (tests/fixtures/smollm2_chat.json: 12 conversations, with and without
+/// the generation prompt).
+#[test]
+fn smollm2_chat_template_renders_as_jinja2_does() {
+    let Some(tk) = smollm2_tokenizer() else {
+        return;
+    };
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/smollm2_chat.json"
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let cases = json["cases"].as_array().unwrap();
+    assert!(cases.len() >= 20);
+    for c in cases {
+        let messages: Vec<Message> = c["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| Message {
+                role: m["role"].as_str().unwrap().into(),
+                content: m["content"].as_str().unwrap().into(),
+            })
+            .collect();
+        let add = c["add_generation_prompt"].as_bool().unwrap();
+        let got = tk.apply_chat_template(&messages, add).unwrap();
+        assert_eq!(got, c["text"].as_str().unwrap(), "{messages:?}, {add}");
+    }
 }
