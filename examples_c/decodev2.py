@@ -34,8 +34,9 @@ class Options(ctypes.Structure):
 
 
 class ModelInfo(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_int32) for name in ("n_layers", "hidden", "n_q_heads", "n_kv_heads", "head_dim",
-                                                    "intermediate", "vocab", "max_seq", "backend")]
+    _fields_ = [("struct_size", ctypes.c_uint32)] + [
+        (name, ctypes.c_int32) for name in ("n_layers", "hidden", "n_q_heads", "n_kv_heads", "head_dim",
+                                             "intermediate", "vocab", "max_seq", "backend")]
 
 
 lib = ctypes.CDLL(_find_library())
@@ -64,6 +65,13 @@ for name, restype, argtypes in [
                                       ctypes.POINTER(ctypes.c_size_t)]),
     ("dv2_token_to_piece", ctypes.c_int, [_P, ctypes.c_int32, ctypes.c_char_p, ctypes.c_size_t,
                                           ctypes.POINTER(ctypes.c_size_t)]),
+    ("dv2_token_special", ctypes.c_int, [_P, ctypes.c_int32, _I32P]),
+    ("dv2_token_is_eog", ctypes.c_int, [_P, ctypes.c_int32, _I32P]),
+    ("dv2_meta_str", ctypes.c_int, [_P, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t,
+                                    ctypes.POINTER(ctypes.c_size_t)]),
+    ("dv2_meta_count", ctypes.c_int, [_P, ctypes.POINTER(ctypes.c_size_t)]),
+    ("dv2_meta_key", ctypes.c_int, [_P, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t,
+                                    ctypes.POINTER(ctypes.c_size_t)]),
     ("dv2_chat_apply_template", ctypes.c_int, [_P, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int32,
                                                ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]),
 ]:
@@ -98,7 +106,7 @@ class Engine:
 
     def __init__(self, handle):
         self._h = handle
-        info = ModelInfo()
+        info = ModelInfo(struct_size=ctypes.sizeof(ModelInfo))
         _check(lib.dv2_get_model_info(self._h, ctypes.byref(info)), "dv2_get_model_info")
         self.info = info
 
@@ -222,6 +230,39 @@ class Engine:
         out, count = ctypes.create_string_buffer(max(n, 1)), ctypes.c_size_t()
         _check(call(out, n, ctypes.byref(count)), "dv2_chat_apply_template")
         return out.raw[: count.value].decode()
+
+    def special(self, which):
+        """The id of "bos", "eos", "eot" or "pad" as the model file names it, or None."""
+        out = ctypes.c_int32()
+        kinds = {"bos": 0, "eos": 1, "eot": 2, "pad": 3}
+        _check(lib.dv2_token_special(self._h, kinds[which], ctypes.byref(out)), "dv2_token_special")
+        return None if out.value < 0 else out.value
+
+    def is_eog(self, token_id):
+        out = ctypes.c_int32()
+        _check(lib.dv2_token_is_eog(self._h, token_id, ctypes.byref(out)), "dv2_token_is_eog")
+        return bool(out.value)
+
+    def meta(self):
+        """The model file's metadata as {key: text} (arrays too long for text left out)."""
+        count = ctypes.c_size_t()
+        _check(lib.dv2_meta_count(self._h, ctypes.byref(count)), "dv2_meta_count")
+        out = {}
+        for i in range(count.value):
+            call = lambda buf, cap, n: lib.dv2_meta_key(self._h, i, buf, cap, n)
+            n = self._sized(call, "dv2_meta_key")
+            buf, got = ctypes.create_string_buffer(max(n, 1)), ctypes.c_size_t()
+            _check(call(buf, n, ctypes.byref(got)), "dv2_meta_key")
+            key = buf.raw[: got.value]
+            call = lambda buf, cap, n: lib.dv2_meta_str(self._h, key, buf, cap, n)
+            length = ctypes.c_size_t()
+            status = call(None, 0, ctypes.byref(length))
+            if status not in (DV2_OK, DV2_ERR_BUFFER_TOO_SMALL):
+                continue  # an array too long to give as text
+            buf = ctypes.create_string_buffer(max(length.value, 1))
+            _check(call(buf, length.value, ctypes.byref(got)), "dv2_meta_str")
+            out[key.decode()] = buf.raw[: got.value].decode()
+        return out
 
     def piece(self, token_id):
         """The bytes of one id (possibly part of a UTF-8 character)."""

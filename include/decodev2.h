@@ -94,6 +94,15 @@ typedef enum dv2_detokenize_flags {
   DV2_DETOKENIZE_SKIP_SPECIAL = 1,
 } dv2_detokenize_flags;
 
+// The special tokens dv2_token_special names.
+typedef enum dv2_special_token {
+  DV2_TOKEN_BOS = 0,
+  DV2_TOKEN_EOS = 1,
+  // End of turn (chat models), where the file names one apart from EOS.
+  DV2_TOKEN_EOT = 2,
+  DV2_TOKEN_PAD = 3,
+} dv2_special_token;
+
 // An engine: one model, one request at a time. Opaque; create with dv2_load or
 // dv2_load_synthetic, free with dv2_free. One thread at a time per handle; separate
 // handles may be used from separate threads.
@@ -119,8 +128,11 @@ typedef struct dv2_options {
   int32_t device;
 } dv2_options;
 
-// Model facts, filled by dv2_get_model_info().
+// Model facts, filled by dv2_get_model_info(). The host sets `struct_size` to
+// sizeof(dv2_model_info) before the call (`dv2_model_info info = {sizeof info};`), so that a
+// host built against another version of this struct fails cleanly.
 typedef struct dv2_model_info {
+  uint32_t struct_size;
   int32_t n_layers;
   int32_t hidden;
   int32_t n_q_heads;
@@ -331,6 +343,55 @@ enum dv2_status dv2_chat_apply_template(struct dv2_engine *engine,
                                         char *out,
                                         size_t cap,
                                         size_t *out_len);
+
+// The id of a special token the model file names, or -1 in `*out_id` where it names none.
+// `which`: a dv2_special_token. Errors: DV2_ERR_UNSUPPORTED (no tokenizer),
+// DV2_ERR_INVALID_ARGUMENT (not a dv2_special_token).
+//
+// # Safety
+// `out_id` writable.
+enum dv2_status dv2_token_special(struct dv2_engine *engine, int32_t which, int32_t *out_id);
+
+// `*out_flag` = 1 when generating `id` ends the model's turn (its EOS or end-of-turn id, or a
+// control token such as `<|im_end|>` or `<|eot_id|>`), else 0. Errors: DV2_ERR_UNSUPPORTED
+// (no tokenizer), DV2_ERR_INVALID_ARGUMENT (id negative).
+//
+// # Safety
+// `out_flag` writable.
+enum dv2_status dv2_token_is_eog(struct dv2_engine *engine, int32_t id, int32_t *out_flag);
+
+// The model file's metadata value for `key` (NUL-terminated) as text, written to
+// `out[0 .. *out_len]` (not NUL-terminated): a GGUF's key/value pairs (e.g.
+// "general.name", "llama.context_length"; arrays as JSON), a Hugging Face directory's
+// config.json fields (strings as they are, others as JSON). Same buffer rule as dv2_tokenize.
+// Errors: DV2_ERR_INVALID_ARGUMENT (no such key; an array too long to give as text, e.g. the
+// vocabulary), DV2_ERR_NULL_POINTER.
+//
+// # Safety
+// `key` NUL-terminated; `out` has room for `cap` bytes; `out_len` writable.
+enum dv2_status dv2_meta_str(struct dv2_engine *engine,
+                             const char *key,
+                             char *out,
+                             size_t cap,
+                             size_t *out_len);
+
+// The number of metadata keys of the model file (0 for a model not loaded from a file).
+//
+// # Safety
+// `out_count` writable.
+enum dv2_status dv2_meta_count(struct dv2_engine *engine, size_t *out_count);
+
+// The metadata key at `index` (0 .. count-1, in byte order of the keys), written to
+// `out[0 .. *out_len]` (not NUL-terminated). Same buffer rule as dv2_tokenize;
+// DV2_ERR_INVALID_ARGUMENT for an index past the count.
+//
+// # Safety
+// `out` has room for `cap` bytes; `out_len` writable.
+enum dv2_status dv2_meta_key(struct dv2_engine *engine,
+                             size_t index,
+                             char *out,
+                             size_t cap,
+                             size_t *out_len);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -15,6 +15,7 @@ pub use crate::backend::Backend;
 use crate::cpu::CpuBackend;
 use crate::cuda::CudaBackend;
 use crate::error::{Error, Result};
+use crate::load::Metadata;
 use crate::model::HostModel;
 use crate::synth;
 use crate::tokenizer::Tokenizer;
@@ -75,6 +76,7 @@ pub struct Engine {
     has_token: bool,
     /// The model file's tokenizer, or why there is none.
     tokenizer: std::result::Result<Tokenizer, String>,
+    meta: Metadata,
 }
 
 impl Engine {
@@ -138,6 +140,7 @@ impl Engine {
             tokenizer: Err(
                 "the model was not loaded from a file (a synthetic or host-built model)".into(),
             ),
+            meta: Metadata::new(),
         })
     }
 
@@ -149,7 +152,11 @@ impl Engine {
 
     /// Loads a model file or directory (see [`crate::load`]).
     pub fn load_file(path: &std::path::Path, opts: &EngineOptions) -> Result<Self> {
-        let (model, tokenizer) = crate::load::load_with_tokenizer(path)?;
+        let crate::load::Loaded {
+            model,
+            tokenizer,
+            meta,
+        } = crate::load::load_all(path)?;
         let mut opts = opts.clone();
         if opts.eos_from_model {
             let special = tokenizer.as_ref().map(|t| t.special).map_err(|e| {
@@ -164,7 +171,13 @@ impl Engine {
         }
         let mut engine = Self::new(model, &opts)?;
         engine.tokenizer = tokenizer.map_err(|e| e.to_string());
+        engine.meta = meta;
         Ok(engine)
+    }
+
+    /// The model file's metadata, by key (empty for a model not loaded from a file).
+    pub fn meta(&self) -> &Metadata {
+        &self.meta
     }
 
     /// The tokenizer of the model file, or an error saying why there is none.

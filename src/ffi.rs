@@ -134,6 +134,17 @@ pub enum dv2_detokenize_flags {
     DV2_DETOKENIZE_SKIP_SPECIAL = 1,
 }
 
+/// The special tokens dv2_token_special names.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum dv2_special_token {
+    DV2_TOKEN_BOS = 0,
+    DV2_TOKEN_EOS = 1,
+    /// End of turn (chat models), where the file names one apart from EOS.
+    DV2_TOKEN_EOT = 2,
+    DV2_TOKEN_PAD = 3,
+}
+
 /// One message of a conversation for dv2_chat_apply_template: NUL-terminated UTF-8 strings.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -161,10 +172,13 @@ pub struct dv2_options {
     pub device: i32,
 }
 
-/// Model facts, filled by dv2_get_model_info().
+/// Model facts, filled by dv2_get_model_info(). The host sets `struct_size` to
+/// sizeof(dv2_model_info) before the call (`dv2_model_info info = {sizeof info};`), so that a
+/// host built against another version of this struct fails cleanly.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug)]
 pub struct dv2_model_info {
+    pub struct_size: u32,
     pub n_layers: i32,
     pub hidden: i32,
     pub n_q_heads: i32,
@@ -177,6 +191,24 @@ pub struct dv2_model_info {
     pub max_seq: i32,
     /// The backend actually running (a dv2_backend value, never AUTO).
     pub backend: i32,
+}
+
+impl Default for dv2_model_info {
+    /// Zeros, with `struct_size` set.
+    fn default() -> Self {
+        Self {
+            struct_size: std::mem::size_of::<Self>() as u32,
+            n_layers: 0,
+            hidden: 0,
+            n_q_heads: 0,
+            n_kv_heads: 0,
+            head_dim: 0,
+            intermediate: 0,
+            vocab: 0,
+            max_seq: 0,
+            backend: 0,
+        }
+    }
 }
 
 /// An engine: one model, one request at a time. Opaque; create with dv2_load or
@@ -752,12 +784,23 @@ pub unsafe extern "C" fn dv2_get_model_info(
     // SAFETY: forwarded contract.
     unsafe {
         with_engine(engine, |e| {
+            require(out, "out")?;
+            // SAFETY: non-null; writable (and so readable) by contract. Only struct_size is
+            // read before it is known to match the layout.
+            let size = std::ptr::addr_of!((*out).struct_size).read_unaligned();
+            if size as usize != std::mem::size_of::<dv2_model_info>() {
+                return Err(Error::AbiMismatch(format!(
+                    "dv2_model_info.struct_size is {size}, this library expects {} (set it to sizeof(dv2_model_info))",
+                    std::mem::size_of::<dv2_model_info>()
+                )));
+            }
             let s = *e.spec();
             let backend = match e.backend_name() {
                 "cuda" => dv2_backend::DV2_BACKEND_CUDA,
                 _ => dv2_backend::DV2_BACKEND_CPU,
             };
             let info = dv2_model_info {
+                struct_size: size,
                 n_layers: s.n_layers as i32,
                 hidden: s.hidden as i32,
                 n_q_heads: s.n_q_heads as i32,
@@ -986,6 +1029,148 @@ pub unsafe extern "C" fn dv2_chat_apply_template(
                 .tokenizer()?
                 .apply_chat_template(&messages, add_generation_prompt != 0)?;
             copy_out(text.as_bytes(), out.cast::<u8>(), cap, out_len)
+        })
+    }
+}
+
+/// The id of a special token the model file names, or -1 in `*out_id` where it names none.
+/// `which`: a dv2_special_token. Errors: DV2_ERR_UNSUPPORTED (no tokenizer),
+/// DV2_ERR_INVALID_ARGUMENT (not a dv2_special_token).
+///
+/// # Safety
+/// `out_id` writable.
+#[no_mangle]
+pub unsafe extern "C" fn dv2_token_special(
+    engine: *mut dv2_engine,
+    which: i32,
+    out_id: *mut i32,
+) -> dv2_status {
+    // SAFETY: forwarded contract.
+    unsafe {
+        with_engine(engine, |e| {
+            require(out_id, "out_id")?;
+            let special = e.tokenizer()?.special;
+            let id = match which {
+                0 => special.bos,
+                1 => special.eos,
+                2 => special.eot,
+                3 => special.pad,
+                w => {
+                    return Err(Error::InvalidArgument(format!(
+                        "which = {w} is not a dv2_special_token"
+                    )))
+                }
+            };
+            write_out(out_id, "out_id", id.map_or(-1, |id| id as i32))
+        })
+    }
+}
+
+/// `*out_flag` = 1 when generating `id` ends the model's turn (its EOS or end-of-turn id, or a
+/// control token such as `<|im_end|>` or `<|eot_id|>`), else 0. Errors: DV2_ERR_UNSUPPORTED
+/// (no tokenizer), DV2_ERR_INVALID_ARGUMENT (id negative).
+///
+/// # Safety
+/// `out_flag` writable.
+#[no_mangle]
+pub unsafe extern "C" fn dv2_token_is_eog(
+    engine: *mut dv2_engine,
+    id: i32,
+    out_flag: *mut i32,
+) -> dv2_status {
+    // SAFETY: forwarded contract.
+    unsafe {
+        with_engine(engine, |e| {
+            require(out_flag, "out_flag")?;
+            let id = u32::try_from(id)
+                .map_err(|_| Error::InvalidArgument(format!("id {id} is negative")))?;
+            let eog = e.tokenizer()?.is_eog(id);
+            write_out(out_flag, "out_flag", eog as i32)
+        })
+    }
+}
+
+/// The model file's metadata value for `key` (NUL-terminated) as text, written to
+/// `out[0 .. *out_len]` (not NUL-terminated): a GGUF's key/value pairs (e.g.
+/// "general.name", "llama.context_length"; arrays as JSON), a Hugging Face directory's
+/// config.json fields (strings as they are, others as JSON). Same buffer rule as dv2_tokenize.
+/// Errors: DV2_ERR_INVALID_ARGUMENT (no such key; an array too long to give as text, e.g. the
+/// vocabulary), DV2_ERR_NULL_POINTER.
+///
+/// # Safety
+/// `key` NUL-terminated; `out` has room for `cap` bytes; `out_len` writable.
+#[no_mangle]
+pub unsafe extern "C" fn dv2_meta_str(
+    engine: *mut dv2_engine,
+    key: *const c_char,
+    out: *mut c_char,
+    cap: usize,
+    out_len: *mut usize,
+) -> dv2_status {
+    // SAFETY: forwarded contract.
+    unsafe {
+        with_engine(engine, |e| {
+            require(out_len, "out_len")?;
+            let key = c_str(key, "key")?;
+            let value = match e.meta().get(key) {
+                Some(Ok(text)) => text,
+                Some(Err(n)) => {
+                    return Err(Error::InvalidArgument(format!(
+                        "metadata {key} is an array of {n} values, too long to give as text"
+                    )))
+                }
+                None => {
+                    return Err(Error::InvalidArgument(format!(
+                        "no metadata key {key:?} ({} keys; dv2_meta_key lists them)",
+                        e.meta().len()
+                    )))
+                }
+            };
+            copy_out(value.as_bytes(), out.cast::<u8>(), cap, out_len)
+        })
+    }
+}
+
+/// The number of metadata keys of the model file (0 for a model not loaded from a file).
+///
+/// # Safety
+/// `out_count` writable.
+#[no_mangle]
+pub unsafe extern "C" fn dv2_meta_count(
+    engine: *mut dv2_engine,
+    out_count: *mut usize,
+) -> dv2_status {
+    // SAFETY: forwarded contract.
+    unsafe {
+        with_engine(engine, |e| {
+            write_out(out_count, "out_count", e.meta().len())
+        })
+    }
+}
+
+/// The metadata key at `index` (0 .. count-1, in byte order of the keys), written to
+/// `out[0 .. *out_len]` (not NUL-terminated). Same buffer rule as dv2_tokenize;
+/// DV2_ERR_INVALID_ARGUMENT for an index past the count.
+///
+/// # Safety
+/// `out` has room for `cap` bytes; `out_len` writable.
+#[no_mangle]
+pub unsafe extern "C" fn dv2_meta_key(
+    engine: *mut dv2_engine,
+    index: usize,
+    out: *mut c_char,
+    cap: usize,
+    out_len: *mut usize,
+) -> dv2_status {
+    // SAFETY: forwarded contract.
+    unsafe {
+        with_engine(engine, |e| {
+            require(out_len, "out_len")?;
+            let count = e.meta().len();
+            let key = e.meta().keys().nth(index).ok_or_else(|| {
+                Error::InvalidArgument(format!("index {index} >= {count} metadata keys"))
+            })?;
+            copy_out(key.as_bytes(), out.cast::<u8>(), cap, out_len)
         })
     }
 }

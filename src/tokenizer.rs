@@ -29,6 +29,18 @@ const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}
 /// Llama 3's split (llama.cpp `llama-bpe`): digits in runs of up to three.
 const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
+/// Control tokens that end a turn in the families llama.cpp knows, whatever the file calls
+/// its EOS (llama.cpp's end-of-generation set).
+const EOG_TEXTS: [&str; 7] = [
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<EOT>",
+];
+
 /// GGUF token types (llama.cpp `llama_token_type`).
 const TOKEN_CONTROL: i64 = 3;
 const TOKEN_USER_DEFINED: i64 = 4;
@@ -375,6 +387,18 @@ impl Tokenizer {
         };
         ChatTemplate::new(source, &text(self.special.bos), &text(self.special.eos))?
             .render(messages, add_generation_prompt)
+    }
+
+    /// Whether generating `id` ends the model's turn: its EOS or end-of-turn id, or a control
+    /// token whose text ends a turn in a known family (`<|im_end|>`, `<|eot_id|>`, ...).
+    pub fn is_eog(&self, id: u32) -> bool {
+        Some(id) == self.special.eos
+            || Some(id) == self.special.eot
+            || (self.is_control(id)
+                && self
+                    .pieces
+                    .get(id as usize)
+                    .is_some_and(|p| EOG_TEXTS.iter().any(|t| t.as_bytes() == p.as_slice())))
     }
 
     /// Whether `id` is a control token (BOS, EOS, chat markers).

@@ -1026,3 +1026,150 @@ fn chat_template_entry_with_bad_input() {
         dv2_free(h);
     }
 }
+
+/// dv2_get_model_info's struct_size, the metadata entries and the special-token entries:
+/// wrong sizes, NULLs, unknown keys and kinds, arrays too long for text, indexes past the
+/// count, negative ids; the handle stays usable.
+#[test]
+fn model_info_metadata_and_special_tokens_with_bad_input() {
+    let mut n = 0usize;
+    let mut flag = 0i32;
+    let mut out = vec![0 as std::ffi::c_char; 256];
+    let (h, case) = tiny();
+    // SAFETY: valid handles and buffers; the bad ones are the cases under test.
+    unsafe {
+        let mut info = dv2_model_info {
+            struct_size: 4,
+            ..dv2_model_info::default()
+        };
+        expect(
+            dv2_get_model_info(h, &mut info),
+            DV2_ERR_ABI_MISMATCH,
+            "struct_size is 4",
+        );
+        expect(
+            dv2_get_model_info(h, null_mut()),
+            DV2_ERR_NULL_POINTER,
+            "out",
+        );
+        assert_eq!(dv2_meta_count(h, &mut n), DV2_OK);
+        assert_eq!(n, 0, "a synthetic model has no file metadata");
+        expect(
+            dv2_meta_str(h, c"general.name".as_ptr(), out.as_mut_ptr(), 256, &mut n),
+            DV2_ERR_INVALID_ARGUMENT,
+            "no metadata key \"general.name\"",
+        );
+        expect(
+            dv2_token_special(h, 1, &mut flag),
+            DV2_ERR_UNSUPPORTED,
+            "no tokenizer",
+        );
+    }
+    still_usable(h, &case);
+    // SAFETY: a live handle.
+    unsafe { dv2_free(h) };
+
+    let Some(path) = smollm2_path() else { return };
+    let mut h = null_mut();
+    let mut opts = dv2_options_default();
+    opts.backend = dv2_backend::DV2_BACKEND_CPU as i32;
+    opts.max_seq = 64;
+    let c_path = c_path(&path);
+    // SAFETY: as above.
+    unsafe {
+        assert_eq!(
+            dv2_load(c_path.as_ptr(), &opts, &mut h),
+            DV2_OK,
+            "{}",
+            last_error()
+        );
+        let mut info = dv2_model_info::default();
+        assert_eq!(dv2_get_model_info(h, &mut info), DV2_OK);
+        assert_eq!((info.vocab, info.max_seq), (49152, 64));
+        let text = |out: &[std::ffi::c_char], n: usize| -> String {
+            String::from_utf8(out[..n].iter().map(|&b| b as u8).collect()).unwrap()
+        };
+        assert_eq!(
+            dv2_meta_str(h, c"general.name".as_ptr(), out.as_mut_ptr(), 256, &mut n),
+            DV2_OK
+        );
+        assert_eq!(text(&out, n), "Smollm2 135M 8k Lc100K Mix1 Ep2");
+        assert_eq!(
+            dv2_meta_str(
+                h,
+                c"llama.block_count".as_ptr(),
+                out.as_mut_ptr(),
+                256,
+                &mut n
+            ),
+            DV2_OK
+        );
+        assert_eq!(text(&out, n), "30");
+        expect(
+            dv2_meta_str(
+                h,
+                c"tokenizer.ggml.tokens".as_ptr(),
+                out.as_mut_ptr(),
+                256,
+                &mut n,
+            ),
+            DV2_ERR_INVALID_ARGUMENT,
+            "array of 49152 values",
+        );
+        expect(
+            dv2_meta_str(h, null(), out.as_mut_ptr(), 256, &mut n),
+            DV2_ERR_NULL_POINTER,
+            "key",
+        );
+        expect(
+            dv2_meta_str(h, c"general.name".as_ptr(), out.as_mut_ptr(), 4, &mut n),
+            DV2_ERR_BUFFER_TOO_SMALL,
+            "capacity 4",
+        );
+        assert_eq!(n, "Smollm2 135M 8k Lc100K Mix1 Ep2".len());
+        let mut count = 0usize;
+        assert_eq!(dv2_meta_count(h, &mut count), DV2_OK);
+        assert!(count > 20, "{count}");
+        let mut keys = Vec::new();
+        for i in 0..count {
+            assert_eq!(dv2_meta_key(h, i, out.as_mut_ptr(), 256, &mut n), DV2_OK);
+            keys.push(text(&out, n));
+        }
+        assert!(keys.windows(2).all(|w| w[0] < w[1]), "keys in byte order");
+        assert!(keys.contains(&"tokenizer.chat_template".to_string()));
+        expect(
+            dv2_meta_key(h, count, out.as_mut_ptr(), 256, &mut n),
+            DV2_ERR_INVALID_ARGUMENT,
+            "metadata keys",
+        );
+        let mut id = 0i32;
+        for (which, want) in [(0, 1), (1, 2), (2, -1), (3, 2)] {
+            assert_eq!(dv2_token_special(h, which, &mut id), DV2_OK);
+            assert_eq!(id, want, "dv2_special_token {which}");
+        }
+        expect(
+            dv2_token_special(h, 4, &mut id),
+            DV2_ERR_INVALID_ARGUMENT,
+            "not a dv2_special_token",
+        );
+        expect(
+            dv2_token_special(h, 0, null_mut()),
+            DV2_ERR_NULL_POINTER,
+            "out_id",
+        );
+        for (token, want) in [(2, 1), (0, 1), (1, 0), (504, 0)] {
+            assert_eq!(dv2_token_is_eog(h, token, &mut flag), DV2_OK);
+            assert_eq!(flag, want, "id {token}");
+        }
+        expect(
+            dv2_token_is_eog(h, -1, &mut flag),
+            DV2_ERR_INVALID_ARGUMENT,
+            "negative",
+        );
+        let prompt = [504, 3575, 282, 4649, 314];
+        let mut next = 0i32;
+        assert_eq!(dv2_prefill(h, prompt.as_ptr(), 5, &mut next), DV2_OK);
+        assert_eq!(next, 7042);
+        dv2_free(h);
+    }
+}

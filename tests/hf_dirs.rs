@@ -4,6 +4,8 @@
 mod common;
 
 use common::safetensors_writer::HfWriter;
+use decodev2::chat::Message;
+use decodev2::engine::{BackendKind, Engine, EngineOptions};
 use decodev2::load::load;
 use decodev2::model::QkvWeights;
 use decodev2::nf4::Nf4Matrix;
@@ -156,4 +158,80 @@ fn bad_directories_are_named_errors() {
         .unwrap_err()
         .to_string()
         .contains("no model.safetensors"));
+}
+
+/// A Hugging Face directory's own tokenizer (tokenizer.json of another family than SmolLM2's:
+/// Qwen2's split and specials, tests/fixtures/hf_tokenizer_qwen2_style, written with its
+/// reference ids by make_hf_tokenizer.py) and config.json as metadata; without tokenizer.json
+/// the model still loads and says why it has no tokenizer.
+#[test]
+fn a_directory_brings_its_tokenizer_and_metadata() {
+    let w = HfWriter::tiny("Qwen2ForCausalLM");
+    let d = dir("with-tokenizer");
+    w.write(&d, 1);
+    let opts = EngineOptions {
+        backend: BackendKind::Cpu,
+        ..EngineOptions::default()
+    };
+    let bare = Engine::load_file(&d, &opts).unwrap();
+    let err = bare.tokenizer().err().expect("no tokenizer.json");
+    assert!(err.to_string().contains("no tokenizer.json"), "{err}");
+    assert_eq!(
+        bare.meta().get("architectures").cloned(),
+        Some(Ok("[\"Qwen2ForCausalLM\"]".to_string()))
+    );
+    assert!(bare.meta().contains_key("hidden_size"));
+
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/hf_tokenizer_qwen2_style");
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(fixture.join(f), d.join(f)).unwrap();
+    }
+    let e = Engine::load_file(&d, &opts).unwrap();
+    let tk = e.tokenizer().unwrap();
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture.join("reference.json")).unwrap())
+            .unwrap();
+    let ids = |v: &serde_json::Value| -> Vec<u32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|i| i.as_u64().unwrap() as u32)
+            .collect()
+    };
+    let cases = reference["cases"].as_array().unwrap();
+    assert!(cases.len() >= 50);
+    for c in cases {
+        let text = c["text"].as_str().unwrap();
+        assert_eq!(
+            tk.encode(text, true, true).unwrap(),
+            ids(&c["ids"]),
+            "{text:?}"
+        );
+        let literal = tk.encode(text, true, false).unwrap();
+        assert_eq!(literal, ids(&c["literal_ids"]), "{text:?}");
+        assert_eq!(
+            tk.decode(&literal, false).unwrap(),
+            text.as_bytes(),
+            "{text:?}"
+        );
+    }
+    let id = |t: &str| tk.encode(t, false, true).unwrap()[0];
+    assert_eq!(tk.special.bos, None);
+    assert_eq!(tk.special.eos, Some(id("<|im_end|>")));
+    assert_eq!(tk.special.pad, Some(id("<|endoftext|>")));
+    assert!(tk.is_eog(id("<|im_end|>")) && !tk.is_eog(id("<|im_start|>")));
+    let chat = tk
+        .apply_chat_template(
+            &[Message {
+                role: "user".into(),
+                content: "Hi".into(),
+            }],
+            true,
+        )
+        .unwrap();
+    assert_eq!(
+        chat,
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    );
 }

@@ -99,6 +99,9 @@ fn smollm2_special_ids_and_pieces_come_from_the_file() {
     assert_eq!(tk.vocab_size(), 49152);
     assert_eq!(tk.piece(1).unwrap(), b"<|im_start|>");
     assert!(tk.is_control(2) && !tk.is_control(504));
+    // End of generation: EOS (<|im_end|>) and <|endoftext|>, not <|im_start|> or text.
+    assert!(tk.is_eog(2) && tk.is_eog(0));
+    assert!(!tk.is_eog(1) && !tk.is_eog(504));
     // SmolLM2 asks for no BOS: add_special changes nothing.
     assert_eq!(
         tk.encode("Hi", true, true).unwrap(),

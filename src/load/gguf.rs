@@ -464,6 +464,35 @@ impl Gguf {
     }
 
     /// The tokenizer's EOS id, when the file names one.
+    /// Every metadata value as text (arrays as JSON, up to [`super::META_ARRAY_MAX`] items).
+    pub fn metadata(&self) -> super::Metadata {
+        fn text(v: &Value) -> String {
+            match v {
+                Value::Int(i) => i.to_string(),
+                Value::Float(f) => f.to_string(),
+                Value::Bool(b) => b.to_string(),
+                Value::Str(s) => s.clone(),
+                Value::Array(items) => {
+                    let json = |v: &Value| match v {
+                        Value::Str(s) => serde_json::Value::String(s.clone()).to_string(),
+                        other => text(other),
+                    };
+                    format!("[{}]", items.iter().map(json).collect::<Vec<_>>().join(","))
+                }
+            }
+        }
+        self.meta
+            .iter()
+            .map(|(k, v)| {
+                let value = match v {
+                    Value::Array(items) if items.len() > super::META_ARRAY_MAX => Err(items.len()),
+                    v => Ok(text(v)),
+                };
+                (k.clone(), value)
+            })
+            .collect()
+    }
+
     pub fn eos_id(&self) -> Option<u32> {
         match self.meta.get("tokenizer.ggml.eos_token_id") {
             Some(Value::Int(v)) => u32::try_from(*v).ok(),

@@ -177,6 +177,31 @@ impl RowReader<'_> {
     }
 }
 
+/// config.json's fields as text: strings as they are, anything else as JSON (arrays longer than
+/// [`super::META_ARRAY_MAX`] hold their length instead).
+pub fn metadata(dir: &Path) -> Result<super::Metadata> {
+    let path = dir.join("config.json");
+    let c: Value =
+        serde_json::from_str(&super::read_text(&path)?).map_err(|e| file_err(&path, e))?;
+    let Value::Object(fields) = c else {
+        return Err(Error::ModelFile(format!(
+            "{}: not a JSON object",
+            path.display()
+        )));
+    };
+    Ok(fields
+        .into_iter()
+        .map(|(k, v)| {
+            let value = match v {
+                Value::String(s) => Ok(s),
+                Value::Array(a) if a.len() > super::META_ARRAY_MAX => Err(a.len()),
+                v => Ok(v.to_string()),
+            };
+            (k, value)
+        })
+        .collect())
+}
+
 /// Reads `config.json` into a spec, refusing what decodev2 does not compute.
 fn spec_from_config(dir: &Path) -> Result<ArchSpec> {
     let path = dir.join("config.json");

@@ -8,6 +8,7 @@ pub mod ggml;
 pub mod gguf;
 pub mod hf;
 
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::Read;
 use std::path::Path;
@@ -65,12 +66,27 @@ fn to_bf16(values: Vec<f32>) -> Vec<half::bf16> {
 }
 
 pub fn load(path: &Path) -> Result<HostModel> {
-    load_with_tokenizer(path).map(|(model, _)| model)
+    load_all(path).map(|loaded| loaded.model)
 }
 
-/// [`load`], and the tokenizer the file or directory carries (its own result: a model whose
-/// tokenizer cannot be read still loads, and says why when asked for text).
-pub fn load_with_tokenizer(path: &Path) -> Result<(HostModel, Result<Tokenizer>)> {
+/// The file's metadata as text by key: a GGUF's key/value pairs, a Hugging Face directory's
+/// config.json fields. Arrays longer than [`META_ARRAY_MAX`] hold their length instead.
+pub type Metadata = BTreeMap<String, std::result::Result<String, usize>>;
+
+/// The longest metadata array given as text (a vocabulary's tokens are not).
+pub const META_ARRAY_MAX: usize = 1024;
+
+/// What a model file holds besides the weights.
+pub struct Loaded {
+    pub model: HostModel,
+    /// The tokenizer it carries (its own result: a model whose tokenizer cannot be read still
+    /// loads, and says why when asked for text).
+    pub tokenizer: Result<Tokenizer>,
+    pub meta: Metadata,
+}
+
+/// [`load`], with the file's tokenizer and metadata.
+pub fn load_all(path: &Path) -> Result<Loaded> {
     let shown = path.display();
     let meta = std::fs::metadata(path).map_err(|e| Error::Io(format!("{shown}: {e}")))?;
     if meta.is_dir() {
@@ -82,7 +98,11 @@ pub fn load_with_tokenizer(path: &Path) -> Result<(HostModel, Result<Tokenizer>)
                     "{shown}: no tokenizer.json in the model directory"
                 )))
             };
-            return Ok((hf::load(path)?, tokenizer));
+            return Ok(Loaded {
+                model: hf::load(path)?,
+                tokenizer,
+                meta: hf::metadata(path)?,
+            });
         }
         return Err(Error::ModelFile(format!(
             "{shown}: a directory without config.json"
@@ -95,7 +115,11 @@ pub fn load_with_tokenizer(path: &Path) -> Result<(HostModel, Result<Tokenizer>)
         .map_err(|e| Error::Io(format!("{shown}: {e}")))?;
     if got == 4 && &magic == b"GGUF" {
         let file = gguf::Gguf::open(path)?;
-        return Ok((file.model()?, Tokenizer::from_gguf(&file)));
+        return Ok(Loaded {
+            model: file.model()?,
+            tokenizer: Tokenizer::from_gguf(&file),
+            meta: file.metadata(),
+        });
     }
     Err(Error::ModelFile(format!(
         "{shown}: not a model file (neither GGUF magic nor a directory with config.json)"
