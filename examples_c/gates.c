@@ -85,7 +85,8 @@ static int run_case(const gate_case *c, int backend) {
     opts.backend = backend;
     dv2_engine *e = NULL;
     if (!check(dv2_load_synthetic(c->preset, c->seed, &opts, &e), "dv2_load_synthetic")) return 1;
-    dv2_model_info info = {sizeof info};
+    dv2_model_info info = {0};
+    info.struct_size = sizeof info;
     int failures = 0;
     float *logits = NULL;
     if (!check(dv2_get_model_info(e, &info), "dv2_get_model_info")) { failures = 1; goto done; }

@@ -173,7 +173,8 @@ pub struct dv2_options {
 }
 
 /// Model facts, filled by dv2_get_model_info(). The host sets `struct_size` to
-/// sizeof(dv2_model_info) before the call (`dv2_model_info info = {sizeof info};`), so that a
+/// sizeof(dv2_model_info) before the call (`dv2_model_info info = {0}; info.struct_size =
+/// sizeof info;`), so that a
 /// host built against another version of this struct fails cleanly.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
