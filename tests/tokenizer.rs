@@ -155,3 +155,69 @@ fn smollm2_chat_template_renders_as_jinja2_does() {
         assert_eq!(got, c["text"].as_str().unwrap(), "{messages:?}, {add}");
     }
 }
+
+/// A SentencePiece vocabulary (`tokenizer.ggml.model = llama`, as Llama 2, Mistral and
+/// InternLM2 GGUFs carry it) against the `sentencepiece` package's ids for 80 strings
+/// (tests/fixtures/spm_tokenizer.json, written by make_spm_tokenizer.py: a vocabulary trained
+/// like Llama's, byte fallback and digits split), written into a GGUF; every string
+/// round-trips, and BOS comes first as llama.cpp's default asks.
+#[test]
+fn sentencepiece_ids_equal_the_reference_on_80_strings() {
+    use common::gguf_writer::{GgufWriter, Meta};
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/spm_tokenizer.json"
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let strings = |k: &str| -> Vec<String> {
+        json[k]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_str().unwrap().to_string())
+            .collect()
+    };
+    let numbers = |k: &str| -> Vec<f64> {
+        json[k]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap())
+            .collect()
+    };
+    let mut w = GgufWriter::tiny_llama();
+    w.set_meta("tokenizer.ggml.model", Meta::Str("llama".into()));
+    w.set_meta("tokenizer.ggml.tokens", Meta::StrArray(strings("tokens")));
+    let scores = numbers("scores").iter().map(|v| *v as f32).collect();
+    w.set_meta("tokenizer.ggml.scores", Meta::F32Array(scores));
+    let types = numbers("token_type").iter().map(|v| *v as i32).collect();
+    w.set_meta("tokenizer.ggml.token_type", Meta::I32Array(types));
+    w.set_meta("tokenizer.ggml.bos_token_id", Meta::U32(1));
+    w.set_meta("tokenizer.ggml.eos_token_id", Meta::U32(2));
+    w.set_meta("tokenizer.ggml.unknown_token_id", Meta::U32(0));
+    let file = std::env::temp_dir().join(format!("dv2-spm-{}.gguf", std::process::id()));
+    std::fs::write(&file, w.bytes()).unwrap();
+    let tk = Tokenizer::from_gguf(&Gguf::open(&file).unwrap()).unwrap();
+    std::fs::remove_file(&file).unwrap();
+    let cases = json["cases"].as_array().unwrap();
+    assert!(cases.len() >= 80);
+    for c in cases {
+        let text = c["text"].as_str().unwrap();
+        let want: Vec<u32> = c["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|i| i.as_u64().unwrap() as u32)
+            .collect();
+        let ids = tk.encode(text, false, false).unwrap();
+        assert_eq!(ids, want, "{text:?}");
+        assert_eq!(tk.decode(&ids, false).unwrap(), text.as_bytes(), "{text:?}");
+        let with_bos = tk.encode(text, true, false).unwrap();
+        assert_eq!(with_bos[0], 1, "BOS first");
+        assert_eq!(tk.decode(&with_bos, true).unwrap(), text.as_bytes());
+    }
+    // Special-token text parsed: "<s>" becomes BOS; as text it is spelled out.
+    assert_eq!(tk.encode("<s>", false, true).unwrap(), [1]);
+    assert_ne!(tk.encode("<s>", false, false).unwrap(), [1]);
+}

@@ -4,6 +4,10 @@ pub enum Meta {
     U32(u32),
     F32(f32),
     Str(String),
+    Bool(bool),
+    StrArray(Vec<String>),
+    F32Array(Vec<f32>),
+    I32Array(Vec<i32>),
 }
 
 pub struct GgufWriter {
@@ -37,6 +41,28 @@ impl GgufWriter {
                 Meta::Str(s) => {
                     out.extend(8u32.to_le_bytes());
                     string(&mut out, s);
+                }
+                Meta::Bool(b) => {
+                    out.extend(7u32.to_le_bytes());
+                    out.push(*b as u8);
+                }
+                Meta::StrArray(items) => {
+                    out.extend(9u32.to_le_bytes());
+                    out.extend(8u32.to_le_bytes());
+                    out.extend((items.len() as u64).to_le_bytes());
+                    items.iter().for_each(|s| string(&mut out, s));
+                }
+                Meta::F32Array(items) => {
+                    out.extend(9u32.to_le_bytes());
+                    out.extend(6u32.to_le_bytes());
+                    out.extend((items.len() as u64).to_le_bytes());
+                    items.iter().for_each(|v| out.extend(v.to_le_bytes()));
+                }
+                Meta::I32Array(items) => {
+                    out.extend(9u32.to_le_bytes());
+                    out.extend(5u32.to_le_bytes());
+                    out.extend((items.len() as u64).to_le_bytes());
+                    items.iter().for_each(|v| out.extend(v.to_le_bytes()));
                 }
             }
         }

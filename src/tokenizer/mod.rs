@@ -1,7 +1,8 @@
 //! The model's own tokenizer: text to ids and ids back to bytes, built from what the model file
 //! carries — a GGUF's `tokenizer.ggml.*` metadata (byte-level BPE, `tokenizer.ggml.model` =
-//! gpt2, split the way `tokenizer.ggml.pre` names) or a Hugging Face directory's
-//! `tokenizer.json` — and run by the `tokenizers` crate.
+//! gpt2, split the way `tokenizer.ggml.pre` names, run by the `tokenizers` crate; or
+//! SentencePiece BPE, `llama`, in [`spm`]) or a Hugging Face directory's `tokenizer.json`
+//! (the `tokenizers` crate).
 //!
 //! Pieces are raw bytes: a byte-level token can end inside a UTF-8 character, so a streaming
 //! host appends each piece's bytes to a buffer and prints the longest valid UTF-8 prefix
@@ -54,11 +55,27 @@ pub struct SpecialIds {
     pub pad: Option<u32>,
 }
 
+mod spm;
+
+/// What turns text into ids.
+enum Encoder {
+    /// The `tokenizers` crate: one copy where special-token text in the input becomes the
+    /// special id, one where it is ordinary text.
+    Hf {
+        parse_special: Box<tokenizers::Tokenizer>,
+        literal: Box<tokenizers::Tokenizer>,
+    },
+    /// SentencePiece BPE, with the texts of the tokens matched whole where special text is
+    /// parsed (control tokens) or always (user-defined ones).
+    Spm {
+        spm: spm::Spm,
+        control: Vec<(String, u32)>,
+        user_defined: Vec<(String, u32)>,
+    },
+}
+
 pub struct Tokenizer {
-    /// Special-token text in the input becomes the special id.
-    parse_special: tokenizers::Tokenizer,
-    /// Special-token text is ordinary text.
-    literal: tokenizers::Tokenizer,
+    encoder: Encoder,
     /// The bytes each id stands for.
     pieces: Vec<Vec<u8>>,
     /// Control tokens (BOS, EOS, chat markers): left out by `detokenize` on request.
@@ -68,6 +85,9 @@ pub struct Tokenizer {
     add_bos: bool,
     /// The model's chat template (Jinja), where the file has one.
     pub chat_template: Option<String>,
+    /// SentencePiece's dummy prefix: a space before the text when encoding, dropped from the
+    /// first text piece when decoding.
+    space_prefix: bool,
 }
 
 /// GPT-2's reversible map from bytes to printable characters, inverted: the byte each
@@ -102,16 +122,10 @@ fn byte_level_piece(token: &str, bytes: &HashMap<char, u8>) -> Vec<u8> {
 
 /// A SentencePiece-style token's bytes: `▁` is a space, `<0xAB>` one byte.
 fn metaspace_piece(token: &str) -> Vec<u8> {
-    if let Some(hex) = token
-        .strip_prefix("<0x")
-        .and_then(|t| t.strip_suffix('>'))
-        .filter(|h| h.len() == 2)
-    {
-        if let Ok(b) = u8::from_str_radix(hex, 16) {
-            return vec![b];
-        }
+    match spm::byte_piece(token) {
+        Some(b) => vec![b],
+        None => token.replace('\u{2581}', " ").into_bytes(),
     }
-    token.replace('\u{2581}', " ").into_bytes()
 }
 
 fn tk_error(what: &str) -> impl Fn(tokenizers::Error) -> Error + '_ {
@@ -150,19 +164,13 @@ fn gguf_pre_tokenizer(pre: Option<&str>) -> Result<PreTokenizerWrapper> {
 }
 
 impl Tokenizer {
-    /// The tokenizer a GGUF file carries: byte-level BPE (`tokenizer.ggml.model` = gpt2).
-    /// SentencePiece vocabularies (`llama`) are not read yet.
+    /// The tokenizer a GGUF file carries: byte-level BPE (`tokenizer.ggml.model` = gpt2) or
+    /// SentencePiece BPE (`llama`).
     pub fn from_gguf(g: &Gguf) -> Result<Self> {
         let model = g.str("tokenizer.ggml.model").ok_or_else(|| {
             Error::Unsupported("the file carries no tokenizer (tokenizer.ggml.model)".into())
         })?;
-        if model != "gpt2" {
-            return Err(Error::Unsupported(format!(
-                "tokenizer.ggml.model = {model} (byte-level BPE, gpt2, is read)"
-            )));
-        }
         let tokens = g.tokens();
-        let merges = g.merges();
         let types: Vec<i64> = match g.meta.get("tokenizer.ggml.token_type") {
             Some(Value::Array(items)) => items
                 .iter()
@@ -173,6 +181,84 @@ impl Tokenizer {
         if tokens.is_empty() {
             return Err(Error::ModelFile("tokenizer.ggml.tokens is empty".into()));
         }
+        let id = |key: &str| match g.meta.get(key) {
+            Some(Value::Int(v)) => u32::try_from(*v)
+                .ok()
+                .filter(|v| (*v as usize) < tokens.len()),
+            _ => None,
+        };
+        let special = SpecialIds {
+            bos: id("tokenizer.ggml.bos_token_id"),
+            eos: id("tokenizer.ggml.eos_token_id"),
+            eot: id("tokenizer.ggml.eot_token_id"),
+            pad: id("tokenizer.ggml.padding_token_id"),
+        };
+        let flag = |key: &str| match g.meta.get(key) {
+            Some(Value::Bool(b)) => Some(*b),
+            _ => None,
+        };
+        let chat_template = g.str("tokenizer.chat_template").map(str::to_string);
+        let control: Vec<bool> = (0..tokens.len())
+            .map(|i| types.get(i) == Some(&TOKEN_CONTROL))
+            .collect();
+        if model == "llama" {
+            let scores: Vec<f32> = match g.meta.get("tokenizer.ggml.scores") {
+                Some(Value::Array(items)) => items
+                    .iter()
+                    .map(|v| match v {
+                        Value::Float(f) => *f as f32,
+                        Value::Int(i) => *i as f32,
+                        _ => 0.0,
+                    })
+                    .collect(),
+                _ => vec![0.0; tokens.len()],
+            };
+            let typed = |want: i64| -> Vec<(String, u32)> {
+                let mut list: Vec<(String, u32)> = tokens
+                    .iter()
+                    .zip(&types)
+                    .enumerate()
+                    .filter(|(_, (t, ty))| **ty == want && !t.is_empty())
+                    .map(|(i, (t, _))| (t.clone(), i as u32))
+                    .collect();
+                // The longest text first where two start alike.
+                list.sort_by(|a, b| b.0.len().cmp(&a.0.len()));
+                list
+            };
+            let pieces = tokens
+                .iter()
+                .enumerate()
+                .map(|(i, t)| {
+                    if control[i] {
+                        t.clone().into_bytes()
+                    } else {
+                        metaspace_piece(t)
+                    }
+                })
+                .collect();
+            let unk = id("tokenizer.ggml.unknown_token_id").unwrap_or(0);
+            let encoder = Encoder::Spm {
+                spm: spm::Spm::new(&tokens, &scores, unk),
+                control: typed(TOKEN_CONTROL),
+                user_defined: typed(TOKEN_USER_DEFINED),
+            };
+            // llama.cpp's defaults for a SentencePiece vocabulary: BOS first, a space prefix.
+            return Ok(Self {
+                encoder,
+                pieces,
+                control,
+                special,
+                add_bos: flag("tokenizer.ggml.add_bos_token").unwrap_or(true),
+                chat_template,
+                space_prefix: flag("tokenizer.ggml.add_space_prefix").unwrap_or(true),
+            });
+        }
+        if model != "gpt2" {
+            return Err(Error::Unsupported(format!(
+                "tokenizer.ggml.model = {model} (gpt2, byte-level BPE, and llama, SentencePiece BPE, are read)"
+            )));
+        }
+        let merges = g.merges();
         let vocab: tokenizers::models::bpe::Vocab = tokens
             .iter()
             .enumerate()
@@ -207,26 +293,7 @@ impl Tokenizer {
         tk.add_tokens(&typed(TOKEN_USER_DEFINED, false));
         let bytes = byte_level_bytes();
         let pieces = tokens.iter().map(|t| byte_level_piece(t, &bytes)).collect();
-        let control = (0..tokens.len())
-            .map(|i| types.get(i) == Some(&TOKEN_CONTROL))
-            .collect();
-        let id = |key: &str| match g.meta.get(key) {
-            Some(Value::Int(v)) => u32::try_from(*v)
-                .ok()
-                .filter(|v| (*v as usize) < tokens.len()),
-            _ => None,
-        };
-        let special = SpecialIds {
-            bos: id("tokenizer.ggml.bos_token_id"),
-            eos: id("tokenizer.ggml.eos_token_id"),
-            eot: id("tokenizer.ggml.eot_token_id"),
-            pad: id("tokenizer.ggml.padding_token_id"),
-        };
-        let add_bos = matches!(
-            g.meta.get("tokenizer.ggml.add_bos_token"),
-            Some(Value::Bool(true))
-        );
-        let chat_template = g.str("tokenizer.chat_template").map(str::to_string);
+        let add_bos = flag("tokenizer.ggml.add_bos_token").unwrap_or(false);
         Self::with_modes(tk, pieces, control, special, add_bos, chat_template)
     }
 
@@ -321,13 +388,16 @@ impl Tokenizer {
         let mut literal = tk.clone();
         literal.set_encode_special_tokens(true);
         Ok(Self {
-            parse_special: tk,
-            literal,
+            encoder: Encoder::Hf {
+                parse_special: Box::new(tk),
+                literal: Box::new(literal),
+            },
             pieces,
             control,
             special,
             add_bos,
             chat_template,
+            space_prefix: false,
         })
     }
 
@@ -340,19 +410,62 @@ impl Tokenizer {
     /// `parse_special`: special-token text (e.g. `<|im_start|>`) becomes its id, else it is
     /// ordinary text.
     pub fn encode(&self, text: &str, add_special: bool, parse_special: bool) -> Result<Vec<u32>> {
-        let tk = if parse_special {
-            &self.parse_special
-        } else {
-            &self.literal
-        };
-        let encoding = tk
-            .encode_fast(text, false)
-            .map_err(|e| Error::InvalidArgument(format!("tokenize: {e}")))?;
-        let mut ids = Vec::with_capacity(encoding.len() + 1);
+        let mut ids = Vec::with_capacity(text.len() / 3 + 2);
         if add_special && self.add_bos {
             ids.extend(self.special.bos);
         }
-        ids.extend_from_slice(encoding.get_ids());
+        match &self.encoder {
+            Encoder::Hf {
+                parse_special: parsing,
+                literal,
+            } => {
+                let tk = if parse_special { parsing } else { literal };
+                let encoding = tk
+                    .encode_fast(text, false)
+                    .map_err(|e| Error::InvalidArgument(format!("tokenize: {e}")))?;
+                ids.extend_from_slice(encoding.get_ids());
+            }
+            Encoder::Spm {
+                spm,
+                control,
+                user_defined,
+            } => {
+                // Split at the texts matched whole; the space prefix goes before the text's
+                // start only.
+                let mut rest = text;
+                let mut at_start = true;
+                while !rest.is_empty() {
+                    let whole = |tail: &str, list: &[(String, u32)]| {
+                        list.iter()
+                            .find(|(t, _)| tail.starts_with(t.as_str()))
+                            .map(|(t, id)| (t.len(), *id))
+                    };
+                    let found = rest.char_indices().find_map(|(i, _)| {
+                        let tail = &rest[i..];
+                        let hit = if parse_special {
+                            whole(tail, control)
+                        } else {
+                            None
+                        };
+                        hit.or_else(|| whole(tail, user_defined))
+                            .map(|(len, id)| (i, len, id))
+                    });
+                    let (plain, next) = match found {
+                        Some((i, len, id)) => (&rest[..i], Some((i + len, id))),
+                        None => (rest, None),
+                    };
+                    spm.encode(plain, self.space_prefix && at_start, &mut ids);
+                    at_start = false;
+                    match next {
+                        Some((end, id)) => {
+                            ids.push(id);
+                            rest = &rest[end..];
+                        }
+                        None => break,
+                    }
+                }
+            }
+        }
         Ok(ids)
     }
 
@@ -408,13 +521,21 @@ impl Tokenizer {
 
     /// The bytes of `ids`, the pieces one after another; `skip_control` leaves control tokens
     /// out.
+    /// SentencePiece's dummy prefix comes off the first text piece.
     pub fn decode(&self, ids: &[u32], skip_control: bool) -> Result<Vec<u8>> {
         let mut out = Vec::new();
+        let mut first_text = self.space_prefix;
         for &id in ids {
-            let piece = self.piece(id)?;
-            if !(skip_control && self.is_control(id)) {
-                out.extend_from_slice(piece);
+            let mut piece = self.piece(id)?;
+            let control = self.is_control(id);
+            if skip_control && control {
+                continue;
             }
+            if first_text && !control {
+                first_text = false;
+                piece = piece.strip_prefix(b" ").unwrap_or(piece);
+            }
+            out.extend_from_slice(piece);
         }
         Ok(out)
     }
