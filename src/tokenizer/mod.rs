@@ -68,7 +68,7 @@ enum Encoder {
     /// SentencePiece BPE, with the texts of the tokens matched whole where special text is
     /// parsed (control tokens) or always (user-defined ones).
     Spm {
-        spm: spm::Spm,
+        spm: Box<spm::Spm>,
         control: Vec<(String, u32)>,
         user_defined: Vec<(String, u32)>,
     },
@@ -222,7 +222,7 @@ impl Tokenizer {
                     .map(|(i, (t, _))| (t.clone(), i as u32))
                     .collect();
                 // The longest text first where two start alike.
-                list.sort_by(|a, b| b.0.len().cmp(&a.0.len()));
+                list.sort_by_key(|(t, _)| std::cmp::Reverse(t.len()));
                 list
             };
             let pieces = tokens
@@ -238,7 +238,7 @@ impl Tokenizer {
                 .collect();
             let unk = id("tokenizer.ggml.unknown_token_id").unwrap_or(0);
             let encoder = Encoder::Spm {
-                spm: spm::Spm::new(&tokens, &scores, unk),
+                spm: Box::new(spm::Spm::new(&tokens, &scores, unk)),
                 control: typed(TOKEN_CONTROL),
                 user_defined: typed(TOKEN_USER_DEFINED),
             };
