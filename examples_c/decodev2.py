@@ -39,6 +39,17 @@ class ModelInfo(ctypes.Structure):
                                              "intermediate", "vocab", "max_seq", "backend")]
 
 
+class Sampling(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_uint32), ("temperature", ctypes.c_float), ("top_k", ctypes.c_int32),
+                ("top_p", ctypes.c_float), ("min_p", ctypes.c_float), ("repeat_penalty", ctypes.c_float),
+                ("presence_penalty", ctypes.c_float), ("frequency_penalty", ctypes.c_float),
+                ("penalty_last_n", ctypes.c_int32), ("seed", ctypes.c_uint64)]
+
+
+class ChatMessage(ctypes.Structure):
+    _fields_ = [("role", ctypes.c_char_p), ("content", ctypes.c_char_p)]
+
+
 lib = ctypes.CDLL(_find_library())
 _P = ctypes.c_void_p
 _I32P = ctypes.POINTER(ctypes.c_int32)
@@ -65,6 +76,8 @@ for name, restype, argtypes in [
                                       ctypes.POINTER(ctypes.c_size_t)]),
     ("dv2_token_to_piece", ctypes.c_int, [_P, ctypes.c_int32, ctypes.c_char_p, ctypes.c_size_t,
                                           ctypes.POINTER(ctypes.c_size_t)]),
+    ("dv2_sampling_default", Sampling, []),
+    ("dv2_set_sampling", ctypes.c_int, [_P, ctypes.POINTER(Sampling)]),
     ("dv2_token_special", ctypes.c_int, [_P, ctypes.c_int32, _I32P]),
     ("dv2_token_is_eog", ctypes.c_int, [_P, ctypes.c_int32, _I32P]),
     ("dv2_meta_str", ctypes.c_int, [_P, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t,
@@ -77,10 +90,6 @@ for name, restype, argtypes in [
 ]:
     fn = getattr(lib, name)
     fn.restype, fn.argtypes = restype, argtypes
-
-
-class ChatMessage(ctypes.Structure):
-    _fields_ = [("role", ctypes.c_char_p), ("content", ctypes.c_char_p)]
 
 
 class Dv2Error(RuntimeError):
@@ -230,6 +239,17 @@ class Engine:
         out, count = ctypes.create_string_buffer(max(n, 1)), ctypes.c_size_t()
         _check(call(out, n, ctypes.byref(count)), "dv2_chat_apply_template")
         return out.raw[: count.value].decode()
+
+    def set_sampling(self, **settings):
+        """Sampling for this request and the next ones: temperature, top_k, top_p, min_p,
+        repeat_penalty, presence_penalty, frequency_penalty, penalty_last_n, seed; the rest
+        default (greedy: temperature 0)."""
+        s = lib.dv2_sampling_default()
+        for name, value in settings.items():
+            if name == "struct_size" or name not in dict(Sampling._fields_):
+                raise TypeError(f"unknown sampling setting {name!r}")
+            setattr(s, name, value)
+        _check(lib.dv2_set_sampling(self._h, ctypes.byref(s)), "dv2_set_sampling")
 
     def special(self, which):
         """The id of "bos", "eos", "eot" or "pad" as the model file names it, or None."""

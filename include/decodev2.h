@@ -155,6 +155,34 @@ typedef struct dv2_chat_message {
   const char *content;
 } dv2_chat_message;
 
+// Sampling settings for dv2_set_sampling. Start from dv2_sampling_default() (greedy), then
+// change fields. Applied in this order: the penalties over the request's last
+// `penalty_last_n` ids (prompt included; -1: all), then temperature, top-k, top-p, min-p,
+// and a draw from what is left, renormalized, with a Philox4x32-10 number keyed by `seed` and
+// counted by the position the id takes (so the ids depend on the seed, not on how steps are
+// batched). Temperature 0 is the greedy argmax.
+typedef struct dv2_sampling {
+  // sizeof(dv2_sampling); set by dv2_sampling_default().
+  uint32_t struct_size;
+  // 0: greedy; else logits / temperature before the softmax. Finite, >= 0.
+  float temperature;
+  // Keep the k most likely ids; 0: all. >= 0.
+  int32_t top_k;
+  // Keep the most likely ids whose probabilities sum to at least top_p; in (0, 1].
+  float top_p;
+  // Keep the ids at least min_p times as likely as the most likely; in [0, 1].
+  float min_p;
+  // A seen id's logit divided by it where positive, multiplied where not; 1: none. > 0.
+  float repeat_penalty;
+  // Subtracted once from a seen id's logit; 0: none.
+  float presence_penalty;
+  // Subtracted per occurrence; 0: none.
+  float frequency_penalty;
+  // The window of the penalties in ids; 0: none; -1: the whole request.
+  int32_t penalty_last_n;
+  uint64_t seed;
+} dv2_sampling;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -393,6 +421,20 @@ enum dv2_status dv2_meta_key(struct dv2_engine *engine,
                              char *out,
                              size_t cap,
                              size_t *out_len);
+
+// Greedy sampling settings (temperature 0, top_k 0, top_p 1, min_p 0, no penalties over a
+// window of 64, seed 0) with `struct_size` set.
+struct dv2_sampling dv2_sampling_default(void);
+
+// Sets the sampling of the current request and the later ones (kept across dv2_reset until
+// set again). Errors (settings unchanged): DV2_ERR_ABI_MISMATCH (struct_size),
+// DV2_ERR_INVALID_ARGUMENT (a value out of its range, named), DV2_ERR_UNSUPPORTED (anything
+// but greedy on the CUDA backend, which samples in its graph only once built; the CPU
+// backend samples).
+//
+// # Safety
+// `sampling` readable.
+enum dv2_status dv2_set_sampling(struct dv2_engine *engine, const struct dv2_sampling *sampling);
 
 #ifdef __cplusplus
 }  // extern "C"

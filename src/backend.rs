@@ -1,18 +1,21 @@
 //! The interface every backend implements (CPU reference, CUDA): its own module, so that the
 //! engine and the backends depend on it and not on each other.
 
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::sampling::Sampling;
 
 /// What a backend implements. The engine has validated every argument before calling.
 pub trait Backend: Send {
     fn name(&self) -> &'static str;
     /// position = valid_len = 0, finished = false; the KV cache is not cleared.
     fn reset(&mut self) -> Result<()>;
-    /// Teacher-forces `ids` from the current position; then next_token = token = the greedy
-    /// id after the last one, finished = (next_token == eos).
+    /// Teacher-forces `ids` from the current position; then next_token = token = the id after
+    /// the last one (greedy, or drawn under the sampling settings), finished = (next_token ==
+    /// eos).
     fn prefill(&mut self, ids: &[u32]) -> Result<()>;
-    /// Up to `out.len()` greedy steps (feed token, next_token = argmax, token = next_token,
-    /// position += 1, finished |= eos), writing each id; stops after the step that finishes.
+    /// Up to `out.len()` steps (feed token, next_token = argmax or the sampled id, token =
+    /// next_token, position += 1, finished |= eos), writing each id; stops after the step that
+    /// finishes.
     /// Returns the number of ids written.
     fn step_n(&mut self, out: &mut [u32]) -> Result<usize>;
     fn next_token(&mut self) -> Result<u32>;
@@ -20,6 +23,18 @@ pub trait Backend: Send {
     fn logits(&mut self, out: &mut [f32]) -> Result<()>;
     fn position(&mut self) -> Result<usize>;
     fn finished(&mut self) -> Result<bool>;
+    /// The sampling settings of this and later requests (validated). Backends without a
+    /// sampler take the greedy settings only.
+    fn set_sampling(&mut self, s: &Sampling) -> Result<()> {
+        if s.is_greedy() {
+            return Ok(());
+        }
+        Err(Error::Unsupported(format!(
+            "sampling on the {} backend (temperature 0 without penalties is greedy and runs; the \
+             CPU backend samples)",
+            self.name()
+        )))
+    }
     /// Diagnostic: true while nothing was written past the last KV slot (backends with a
     /// guard region check it; others have nothing to check).
     fn kv_guard_intact(&mut self) -> Result<bool> {

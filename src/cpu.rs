@@ -9,6 +9,7 @@ use crate::error::Result;
 use crate::model::HostModel;
 use crate::oracle::{argmax, forward_token, KvCache};
 use crate::rope::RopeTable;
+use crate::sampling::Sampling;
 
 pub struct CpuBackend {
     model: Arc<HostModel>,
@@ -24,6 +25,9 @@ pub struct CpuBackend {
     logits: Vec<f32>,
     /// The first position since the engine last asked whose logits were not all finite.
     non_finite: Option<usize>,
+    sampling: Sampling,
+    /// The request's ids so far, prompt included (the penalties' window).
+    history: Vec<u32>,
 }
 
 impl CpuBackend {
@@ -44,18 +48,29 @@ impl CpuBackend {
             finished: false,
             logits: vec![0.0; s.vocab],
             non_finite: None,
+            sampling: Sampling::default(),
+            history: Vec::new(),
         })
     }
 
-    /// Feeds `id` at `position`, writes its KV slot, advances position and valid_len.
-    fn forward(&mut self, id: u32) -> Result<()> {
+    /// Feeds `id` at `position`, writes its KV slot, advances position and valid_len; with
+    /// `choose`, picks next_token (greedy or sampled, for the slot after).
+    fn forward(&mut self, id: u32, choose: bool) -> Result<()> {
         self.logits = forward_token(&self.model, &self.rope, &mut self.kv, id, self.position)?;
         if self.non_finite.is_none() && !self.logits.iter().all(|v| v.is_finite()) {
             self.non_finite = Some(self.position);
         }
-        self.next_token = argmax(&self.logits);
+        self.history.push(id);
         self.position += 1;
         self.valid_len = self.position;
+        if choose {
+            self.next_token = if self.sampling.is_greedy() {
+                argmax(&self.logits)
+            } else {
+                self.sampling
+                    .choose(&self.logits, &self.history, self.position)
+            };
+        }
         Ok(())
     }
 
@@ -74,12 +89,13 @@ impl Backend for CpuBackend {
         self.position = 0;
         self.valid_len = 0;
         self.finished = false;
+        self.history.clear();
         Ok(())
     }
 
     fn prefill(&mut self, ids: &[u32]) -> Result<()> {
-        for &id in ids {
-            self.forward(id)?;
+        for (i, &id) in ids.iter().enumerate() {
+            self.forward(id, i + 1 == ids.len())?;
         }
         self.token = self.next_token;
         self.finished = self.is_eos(self.next_token);
@@ -88,7 +104,7 @@ impl Backend for CpuBackend {
 
     fn step_n(&mut self, out: &mut [u32]) -> Result<usize> {
         for (i, slot) in out.iter_mut().enumerate() {
-            self.forward(self.token)?;
+            self.forward(self.token, true)?;
             self.token = self.next_token;
             self.finished |= self.is_eos(self.next_token);
             *slot = self.next_token;
@@ -97,6 +113,11 @@ impl Backend for CpuBackend {
             }
         }
         Ok(out.len())
+    }
+
+    fn set_sampling(&mut self, s: &Sampling) -> Result<()> {
+        self.sampling = *s;
+        Ok(())
     }
 
     fn take_non_finite(&mut self) -> Option<usize> {

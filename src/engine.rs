@@ -17,6 +17,7 @@ use crate::cuda::CudaBackend;
 use crate::error::{Error, Result};
 use crate::load::Metadata;
 use crate::model::HostModel;
+use crate::sampling::Sampling;
 use crate::synth;
 use crate::tokenizer::Tokenizer;
 
@@ -205,6 +206,13 @@ impl Engine {
         self.backend.name()
     }
 
+    /// Sampling settings for the current request and the later ones (kept across reset until
+    /// set again); the default is greedy. Refused values leave the settings as they were.
+    pub fn set_sampling(&mut self, sampling: &Sampling) -> Result<()> {
+        sampling.validate()?;
+        self.run(|b| b.set_sampling(sampling))
+    }
+
     /// Starts a new request: position 0, not finished. Does not clear the KV cache.
     pub fn reset(&mut self) -> Result<()> {
         self.backend.reset()?;
@@ -259,7 +267,7 @@ impl Engine {
         Ok(id[0])
     }
 
-    /// Up to `out.len()` greedy steps, writing each id; stops early after the step that
+    /// Up to `out.len()` steps (greedy, or sampled under [`Self::set_sampling`]), writing each id; stops early after the step that
     /// produces EOS and at max_seq. Returns how many ids were written (at least 1).
     pub fn step_n(&mut self, out: &mut [u32]) -> Result<usize> {
         if out.is_empty() {

@@ -17,6 +17,7 @@ use std::sync::{Mutex, Once};
 use crate::chat::Message;
 use crate::engine::{BackendKind, Engine, EngineOptions};
 use crate::error::{Error, Result};
+use crate::sampling::Sampling;
 
 /// Status code of every call. Numbers are stable and never reused.
 #[repr(C)]
@@ -132,6 +133,36 @@ pub enum dv2_tokenize_flags {
 pub enum dv2_detokenize_flags {
     /// Control tokens (BOS, EOS, chat markers) are left out of the text.
     DV2_DETOKENIZE_SKIP_SPECIAL = 1,
+}
+
+/// Sampling settings for dv2_set_sampling. Start from dv2_sampling_default() (greedy), then
+/// change fields. Applied in this order: the penalties over the request's last
+/// `penalty_last_n` ids (prompt included; -1: all), then temperature, top-k, top-p, min-p,
+/// and a draw from what is left, renormalized, with a Philox4x32-10 number keyed by `seed` and
+/// counted by the position the id takes (so the ids depend on the seed, not on how steps are
+/// batched). Temperature 0 is the greedy argmax.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct dv2_sampling {
+    /// sizeof(dv2_sampling); set by dv2_sampling_default().
+    pub struct_size: u32,
+    /// 0: greedy; else logits / temperature before the softmax. Finite, >= 0.
+    pub temperature: f32,
+    /// Keep the k most likely ids; 0: all. >= 0.
+    pub top_k: i32,
+    /// Keep the most likely ids whose probabilities sum to at least top_p; in (0, 1].
+    pub top_p: f32,
+    /// Keep the ids at least min_p times as likely as the most likely; in [0, 1].
+    pub min_p: f32,
+    /// A seen id's logit divided by it where positive, multiplied where not; 1: none. > 0.
+    pub repeat_penalty: f32,
+    /// Subtracted once from a seen id's logit; 0: none.
+    pub presence_penalty: f32,
+    /// Subtracted per occurrence; 0: none.
+    pub frequency_penalty: f32,
+    /// The window of the penalties in ids; 0: none; -1: the whole request.
+    pub penalty_last_n: i32,
+    pub seed: u64,
 }
 
 /// The special tokens dv2_token_special names.
@@ -1172,6 +1203,66 @@ pub unsafe extern "C" fn dv2_meta_key(
                 Error::InvalidArgument(format!("index {index} >= {count} metadata keys"))
             })?;
             copy_out(key.as_bytes(), out.cast::<u8>(), cap, out_len)
+        })
+    }
+}
+
+/// Greedy sampling settings (temperature 0, top_k 0, top_p 1, min_p 0, no penalties over a
+/// window of 64, seed 0) with `struct_size` set.
+#[no_mangle]
+pub extern "C" fn dv2_sampling_default() -> dv2_sampling {
+    let s = Sampling::default();
+    dv2_sampling {
+        struct_size: std::mem::size_of::<dv2_sampling>() as u32,
+        temperature: s.temperature,
+        top_k: s.top_k,
+        top_p: s.top_p,
+        min_p: s.min_p,
+        repeat_penalty: s.repeat_penalty,
+        presence_penalty: s.presence_penalty,
+        frequency_penalty: s.frequency_penalty,
+        penalty_last_n: s.penalty_last_n,
+        seed: s.seed,
+    }
+}
+
+/// Sets the sampling of the current request and the later ones (kept across dv2_reset until
+/// set again). Errors (settings unchanged): DV2_ERR_ABI_MISMATCH (struct_size),
+/// DV2_ERR_INVALID_ARGUMENT (a value out of its range, named), DV2_ERR_UNSUPPORTED (anything
+/// but greedy on the CUDA backend, which samples in its graph only once built; the CPU
+/// backend samples).
+///
+/// # Safety
+/// `sampling` readable.
+#[no_mangle]
+pub unsafe extern "C" fn dv2_set_sampling(
+    engine: *mut dv2_engine,
+    sampling: *const dv2_sampling,
+) -> dv2_status {
+    // SAFETY: forwarded contract.
+    unsafe {
+        with_engine(engine, |e| {
+            require(sampling, "sampling")?;
+            // Only struct_size is read before it is known to match the layout.
+            let size = std::ptr::addr_of!((*sampling).struct_size).read_unaligned();
+            if size as usize != std::mem::size_of::<dv2_sampling>() {
+                return Err(Error::AbiMismatch(format!(
+                    "dv2_sampling.struct_size is {size}, this library expects {} (initialise with dv2_sampling_default())",
+                    std::mem::size_of::<dv2_sampling>()
+                )));
+            }
+            let c = sampling.read_unaligned();
+            e.set_sampling(&Sampling {
+                temperature: c.temperature,
+                top_k: c.top_k,
+                top_p: c.top_p,
+                min_p: c.min_p,
+                repeat_penalty: c.repeat_penalty,
+                presence_penalty: c.presence_penalty,
+                frequency_penalty: c.frequency_penalty,
+                penalty_last_n: c.penalty_last_n,
+                seed: c.seed,
+            })
         })
     }
 }

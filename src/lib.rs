@@ -19,6 +19,7 @@ pub mod nf4;
 pub mod oracle;
 pub(crate) mod par;
 pub mod rope;
+pub mod sampling;
 pub mod synth;
 pub mod tokenizer;
 

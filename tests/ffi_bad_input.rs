@@ -1173,3 +1173,93 @@ fn model_info_metadata_and_special_tokens_with_bad_input() {
         dv2_free(h);
     }
 }
+
+/// dv2_set_sampling: NULL handle and settings, a wrong struct_size, values out of range (each
+/// named, the settings left as they were); the CPU backend samples with the seed's ids.
+#[test]
+fn sampling_with_bad_input() {
+    let s = dv2_sampling_default();
+    assert_eq!(s.struct_size as usize, std::mem::size_of::<dv2_sampling>());
+    assert_eq!(
+        (s.temperature, s.top_k, s.top_p, s.min_p),
+        (0.0, 0, 1.0, 0.0)
+    );
+    // SAFETY: NULL handles are part of the contract; other pointers are valid.
+    unsafe {
+        expect(
+            dv2_set_sampling(null_mut(), &s),
+            DV2_ERR_NULL_POINTER,
+            "engine",
+        );
+    }
+    let (h, case) = tiny();
+    // SAFETY: a valid handle; the bad settings are the cases under test.
+    unsafe {
+        expect(
+            dv2_set_sampling(h, null()),
+            DV2_ERR_NULL_POINTER,
+            "sampling",
+        );
+        let wrong = dv2_sampling {
+            struct_size: 8,
+            ..s
+        };
+        expect(
+            dv2_set_sampling(h, &wrong),
+            DV2_ERR_ABI_MISMATCH,
+            "struct_size is 8",
+        );
+        for (bad, field) in [
+            (
+                dv2_sampling {
+                    temperature: f32::NAN,
+                    ..s
+                },
+                "temperature",
+            ),
+            (
+                dv2_sampling {
+                    temperature: -0.5,
+                    ..s
+                },
+                "temperature",
+            ),
+            (dv2_sampling { top_p: 0.0, ..s }, "top_p"),
+            (dv2_sampling { top_p: 1.01, ..s }, "top_p"),
+            (dv2_sampling { top_k: -1, ..s }, "top_k"),
+            (dv2_sampling { min_p: 2.0, ..s }, "min_p"),
+            (
+                dv2_sampling {
+                    repeat_penalty: -1.0,
+                    ..s
+                },
+                "repeat_penalty",
+            ),
+            (
+                dv2_sampling {
+                    penalty_last_n: -5,
+                    ..s
+                },
+                "penalty_last_n",
+            ),
+        ] {
+            expect(dv2_set_sampling(h, &bad), DV2_ERR_INVALID_ARGUMENT, field);
+        }
+    }
+    // Nothing was applied: still the greedy fixture ids.
+    still_usable(h, &case);
+    // SAFETY: valid handle and settings.
+    unsafe {
+        let hot = dv2_sampling {
+            temperature: 2.0,
+            seed: 3,
+            ..s
+        };
+        assert_eq!(dv2_set_sampling(h, &hot), DV2_OK);
+        // Back to greedy, then the fixture ids again.
+        assert_eq!(dv2_set_sampling(h, &s), DV2_OK);
+    }
+    still_usable(h, &case);
+    // SAFETY: a live handle.
+    unsafe { dv2_free(h) };
+}

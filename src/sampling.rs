@@ -1,0 +1,317 @@
+//! Sampling the next id from a step's logits: penalties over the request's recent ids, then
+//! temperature, top-k, top-p and min-p, then a draw from what is left, renormalized. The draw's
+//! uniform number comes from Philox4x32-10 keyed by the seed and counted by the position the id
+//! will take, so the ids of a request depend on its seed alone, never on how the steps are
+//! batched. Temperature 0 is the greedy argmax (after the penalties, which default to none).
+//! This is the reference every backend's sampler is held to.
+
+use crate::error::{Error, Result};
+
+/// The sampling settings of a request (`dv2_sampling`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Sampling {
+    /// 0: greedy. Logits are divided by it before the softmax.
+    pub temperature: f32,
+    /// Keep the k most likely ids (0: all).
+    pub top_k: i32,
+    /// Keep the most likely ids whose probabilities sum to at least this (1: all).
+    pub top_p: f32,
+    /// Keep the ids at least this fraction as likely as the most likely one (0: all).
+    pub min_p: f32,
+    /// Logits of ids seen in the window: divided by it where positive, multiplied where not
+    /// (1: none).
+    pub repeat_penalty: f32,
+    /// Subtracted once from the logit of an id seen in the window (0: none).
+    pub presence_penalty: f32,
+    /// Subtracted per occurrence in the window (0: none).
+    pub frequency_penalty: f32,
+    /// The window: the request's last n ids, prompt included (0: none; -1: all of them).
+    pub penalty_last_n: i32,
+    pub seed: u64,
+}
+
+impl Default for Sampling {
+    /// Greedy: temperature 0, no truncation, no penalties.
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repeat_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            penalty_last_n: 64,
+            seed: 0,
+        }
+    }
+}
+
+impl Sampling {
+    /// Refuses values with no meaning, naming the field.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |field: &str, v: String, want: &str| {
+            Err(Error::InvalidArgument(format!(
+                "sampling {field} = {v} ({want})"
+            )))
+        };
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return bad("temperature", self.temperature.to_string(), "finite, >= 0");
+        }
+        if self.top_k < 0 {
+            return bad("top_k", self.top_k.to_string(), ">= 0");
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad("top_p", self.top_p.to_string(), "in (0, 1]");
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return bad("min_p", self.min_p.to_string(), "in [0, 1]");
+        }
+        if !(self.repeat_penalty.is_finite() && self.repeat_penalty > 0.0) {
+            return bad(
+                "repeat_penalty",
+                self.repeat_penalty.to_string(),
+                "finite, > 0",
+            );
+        }
+        for (field, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !v.is_finite() {
+                return bad(field, v.to_string(), "finite");
+            }
+        }
+        if self.penalty_last_n < -1 {
+            return bad("penalty_last_n", self.penalty_last_n.to_string(), ">= -1");
+        }
+        Ok(())
+    }
+
+    /// Whether the logits pass through unchanged (no penalty applies).
+    fn penalties_off(&self) -> bool {
+        self.penalty_last_n == 0
+            || (self.repeat_penalty == 1.0
+                && self.presence_penalty == 0.0
+                && self.frequency_penalty == 0.0)
+    }
+
+    /// Whether this is the plain greedy argmax of today's decode.
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0 && self.penalties_off()
+    }
+
+    /// The id for the slot `position` from `logits`; `history`: the request's ids so far.
+    pub fn choose(&self, logits: &[f32], history: &[u32], position: usize) -> u32 {
+        let mut logits = logits.to_vec();
+        self.penalize(&mut logits, history);
+        if self.temperature == 0.0 {
+            return crate::oracle::argmax(&logits);
+        }
+        let candidates = self.truncate(&logits);
+        let u = uniform(self.seed, position as u64);
+        let total: f64 = candidates.iter().map(|c| c.1).sum();
+        let mut acc = 0.0;
+        for &(id, p) in &candidates {
+            acc += p;
+            if u * total < acc {
+                return id;
+            }
+        }
+        candidates.last().map_or(0, |c| c.0)
+    }
+
+    /// The penalties over the window's ids, in place.
+    pub fn penalize(&self, logits: &mut [f32], history: &[u32]) {
+        if self.penalties_off() {
+            return;
+        }
+        let window = match self.penalty_last_n {
+            -1 => history,
+            n => &history[history.len().saturating_sub(n as usize)..],
+        };
+        let mut counts = std::collections::BTreeMap::new();
+        for &id in window {
+            *counts.entry(id).or_insert(0u32) += 1;
+        }
+        for (id, count) in counts {
+            let Some(l) = logits.get_mut(id as usize) else {
+                continue;
+            };
+            if *l > 0.0 {
+                *l /= self.repeat_penalty;
+            } else {
+                *l *= self.repeat_penalty;
+            }
+            *l -= count as f32 * self.frequency_penalty + self.presence_penalty;
+        }
+    }
+
+    /// The ids left after temperature, top-k, top-p and min-p, most likely first (the lower id
+    /// first on a tie), with their probabilities (f64; not renormalized).
+    pub fn truncate(&self, logits: &[f32]) -> Vec<(u32, f64)> {
+        let mut order: Vec<u32> = (0..logits.len() as u32).collect();
+        let by_logit = |a: &u32, b: &u32| {
+            logits[*b as usize]
+                .total_cmp(&logits[*a as usize])
+                .then(a.cmp(b))
+        };
+        let k = self.top_k as usize;
+        if k > 0 && k < order.len() {
+            order.select_nth_unstable_by(k - 1, by_logit);
+            order.truncate(k);
+        }
+        order.sort_unstable_by(by_logit);
+        let t = self.temperature as f64;
+        let max = logits[order[0] as usize] as f64;
+        let mut probs: Vec<(u32, f64)> = order
+            .iter()
+            .map(|&id| (id, ((logits[id as usize] as f64 - max) / t).exp()))
+            .collect();
+        let sum: f64 = probs.iter().map(|p| p.1).sum();
+        probs.iter_mut().for_each(|p| p.1 /= sum);
+        if self.top_p < 1.0 {
+            let mut acc = 0.0;
+            let keep = probs
+                .iter()
+                .position(|p| {
+                    acc += p.1;
+                    acc >= self.top_p as f64
+                })
+                .map_or(probs.len(), |i| i + 1);
+            probs.truncate(keep);
+        }
+        if self.min_p > 0.0 {
+            let floor = probs[0].1 * self.min_p as f64;
+            probs.retain(|p| p.1 >= floor);
+        }
+        probs
+    }
+}
+
+/// Philox4x32-10 (Salmon et al., SC'11) of `counter` under `key`: four 32-bit words.
+pub fn philox4x32(counter: [u32; 4], key: [u32; 2]) -> [u32; 4] {
+    const M0: u64 = 0xD251_1F53;
+    const M1: u64 = 0xCD9E_8D57;
+    const W0: u32 = 0x9E37_79B9;
+    const W1: u32 = 0xBB67_AE85;
+    let (mut c, mut k) = (counter, key);
+    for round in 0..10 {
+        if round > 0 {
+            k = [k[0].wrapping_add(W0), k[1].wrapping_add(W1)];
+        }
+        let p0 = M0 * c[0] as u64;
+        let p1 = M1 * c[2] as u64;
+        c = [
+            (p1 >> 32) as u32 ^ c[1] ^ k[0],
+            p1 as u32,
+            (p0 >> 32) as u32 ^ c[3] ^ k[1],
+            p0 as u32,
+        ];
+    }
+    c
+}
+
+/// The draw for slot `position` under `seed`: uniform in [0, 1) with 53 bits.
+pub fn uniform(seed: u64, position: u64) -> f64 {
+    let r = philox4x32(
+        [position as u32, (position >> 32) as u32, 0, 0],
+        [seed as u32, (seed >> 32) as u32],
+    );
+    let bits = ((r[1] as u64) << 32 | r[0] as u64) >> 11;
+    bits as f64 * (1.0 / (1u64 << 53) as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The Random123 known-answer vectors for Philox4x32-10.
+    #[test]
+    fn philox_matches_the_published_vectors() {
+        assert_eq!(
+            philox4x32([0; 4], [0; 2]),
+            [0x6627_e8d5, 0xe169_c58d, 0xbc57_ac4c, 0x9b00_dbd8]
+        );
+        assert_eq!(
+            philox4x32([u32::MAX; 4], [u32::MAX; 2]),
+            [0x408f_276d, 0x41c8_3b0e, 0xa20b_c7c6, 0x6d54_51fd]
+        );
+        assert_eq!(
+            philox4x32(
+                [0x243f_6a88, 0x85a3_08d3, 0x1319_8a2e, 0x0370_7344],
+                [0xa409_3822, 0x299f_31d0]
+            ),
+            [0xd16c_fe09, 0x94fd_cceb, 0x5001_e420, 0x2412_6ea1]
+        );
+    }
+
+    #[test]
+    fn greedy_is_the_argmax_and_validation_names_the_field() {
+        let s = Sampling::default();
+        assert!(s.is_greedy());
+        assert_eq!(s.choose(&[0.1, 2.0, 2.0, -1.0], &[], 7), 1);
+        for (bad, field) in [
+            (
+                Sampling {
+                    temperature: f32::NAN,
+                    ..s
+                },
+                "temperature",
+            ),
+            (
+                Sampling {
+                    temperature: -1.0,
+                    ..s
+                },
+                "temperature",
+            ),
+            (Sampling { top_k: -1, ..s }, "top_k"),
+            (Sampling { top_p: 0.0, ..s }, "top_p"),
+            (Sampling { top_p: 1.5, ..s }, "top_p"),
+            (Sampling { min_p: -0.1, ..s }, "min_p"),
+            (
+                Sampling {
+                    repeat_penalty: 0.0,
+                    ..s
+                },
+                "repeat_penalty",
+            ),
+            (
+                Sampling {
+                    presence_penalty: f32::INFINITY,
+                    ..s
+                },
+                "presence_penalty",
+            ),
+            (
+                Sampling {
+                    penalty_last_n: -2,
+                    ..s
+                },
+                "penalty_last_n",
+            ),
+        ] {
+            let err = bad.validate().unwrap_err();
+            assert!(err.to_string().contains(field), "{err}");
+        }
+    }
+
+    #[test]
+    fn penalties_change_logits_as_documented() {
+        let s = Sampling {
+            repeat_penalty: 2.0,
+            presence_penalty: 0.5,
+            frequency_penalty: 0.25,
+            penalty_last_n: 3,
+            ..Sampling::default()
+        };
+        let mut logits = [4.0, -4.0, 1.0, 3.0];
+        // Window: the last 3 ids, [1, 0, 1]: id 1 twice, id 0 once; id 3 (earlier) not.
+        s.penalize(&mut logits, &[3, 1, 0, 1]);
+        assert_eq!(
+            logits,
+            [4.0 / 2.0 - 0.25 - 0.5, -4.0 * 2.0 - 0.5 - 0.5, 1.0, 3.0]
+        );
+    }
+}
