@@ -94,6 +94,57 @@ fn c_example_passes_the_gates_on_cpu() {
     gates_passed(&text);
 }
 
+/// `make install-files` into a fresh prefix, then a C and a C++ host (install/host_check.c)
+/// built with the pkg-config flags alone (-Wall -Wextra -Wpedantic -Werror) and run with no
+/// LD_LIBRARY_PATH: the header compiles as both languages, the rpath finds the library.
+#[test]
+fn installed_library_serves_c_and_cpp_hosts() {
+    if cargo_missing() {
+        return;
+    }
+    if Command::new("pkg-config")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        println!("SKIP: no pkg-config here");
+        return;
+    }
+    let prefix = std::env::temp_dir().join(format!("dv2-prefix-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&prefix);
+    run(Command::new("make")
+        .arg("-s")
+        .arg("-C")
+        .arg(root())
+        .arg("install-files")
+        .arg(format!("PREFIX={}", prefix.display()))
+        .arg(format!(
+            "BUILT_LIB={}",
+            lib_dir().join("libdecodev2.so").display()
+        )));
+    let flags = run(Command::new("pkg-config")
+        .args(["--cflags", "--libs", "decodev2"])
+        .env("PKG_CONFIG_PATH", prefix.join("lib/pkgconfig")));
+    let flags: Vec<&str> = flags.split_whitespace().collect();
+    for (compiler, lang) in [
+        ("cc", ["-std=c99", "-xc"]),
+        ("c++", ["-std=c++17", "-xc++"]),
+    ] {
+        let exe = prefix.join(format!("host-{compiler}"));
+        run(Command::new(compiler)
+            .args(lang)
+            .args(["-Wall", "-Wextra", "-Wpedantic", "-Werror"])
+            .arg(root().join("install/host_check.c"))
+            .arg("-xnone")
+            .args(&flags)
+            .arg("-o")
+            .arg(&exe));
+        let out = run(Command::new(&exe).env_remove("LD_LIBRARY_PATH"));
+        assert!(out.contains("next id"), "{compiler}: {out}");
+    }
+    std::fs::remove_dir_all(&prefix).unwrap();
+}
+
 /// examples_c/chat.c on SmolLM2: a question through the model's chat template and tokenizer,
 /// the answer streamed until the model's end of generation (eos_id -2).
 #[test]
