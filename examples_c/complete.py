@@ -6,8 +6,10 @@ decodev2.TextStream holds such bytes back until the character is whole).
 Usage: python3 examples_c/complete.py MODEL PROMPT [--tokens N] [--backend auto|cpu|cuda]"""
 import argparse
 import sys
+from pathlib import Path
 
-import decodev2
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
+import decodev2  # noqa: E402
 
 
 def main():

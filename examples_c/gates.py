@@ -8,7 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
 import decodev2  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -94,6 +94,49 @@ fn c_example_passes_the_gates_on_cpu() {
     gates_passed(&text);
 }
 
+/// `pip install ./python` into a fresh virtual environment (the library this test run built
+/// bundled through DV2_LIB at build time), then `import decodev2` and the `decodev2` command
+/// from another directory, with no path set.
+#[test]
+fn python_package_installs_into_a_fresh_venv() {
+    if cargo_missing() {
+        return;
+    }
+    let venv = std::env::temp_dir().join(format!("dv2-venv-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&venv);
+    run(Command::new("python3").args(["-m", "venv"]).arg(&venv));
+    run(Command::new(venv.join("bin/pip"))
+        .args(["install", "-q"])
+        .arg(root().join("python"))
+        .env("DV2_LIB", lib_dir().join("libdecodev2.so")));
+    let version = run(Command::new(venv.join("bin/python"))
+        .args([
+            "-c",
+            "import decodev2; print(decodev2.version(), decodev2.__file__)",
+        ])
+        .current_dir(std::env::temp_dir())
+        .env_remove("DV2_LIB"));
+    assert!(version.starts_with(env!("CARGO_PKG_VERSION")), "{version}");
+    assert!(
+        version.contains(venv.to_str().unwrap()),
+        "imported from the venv: {version}"
+    );
+    if let Some(model) = common::smollm2_path() {
+        let text = run(Command::new(venv.join("bin/decodev2"))
+            .arg("generate")
+            .arg(&model)
+            .args(["--prompt", "The capital of France is", "--tokens", "4"])
+            .args(["--backend", "cpu"])
+            .current_dir(std::env::temp_dir())
+            .env_remove("DV2_LIB"));
+        assert!(text.starts_with("The capital of France is Paris"), "{text}");
+    }
+    std::fs::remove_dir_all(&venv).unwrap();
+    for built in ["python/build", "python/decodev2.egg-info"] {
+        let _ = std::fs::remove_dir_all(root().join(built));
+    }
+}
+
 /// `make install-files` into a fresh prefix, then a C and a C++ host (install/host_check.c)
 /// built with the pkg-config flags alone (-Wall -Wextra -Wpedantic -Werror) and run with no
 /// LD_LIBRARY_PATH: the header compiles as both languages, the rpath finds the library.

@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent.parent / "examples_c"))
+sys.path.insert(0, str(HERE.parent.parent / "python"))
 import decodev2  # noqa: E402
 
 spec = importlib.util.spec_from_file_location("make_reference", HERE / "make_reference.py")

@@ -1,7 +1,9 @@
 """decodev2 through ctypes: a thin Pythonic wrapper over include/decodev2.h.
 
-The shared library is found through $DV2_LIB (a file path) when set, else beside this file,
-else in target/release of the repository this file lives in.
+Install with `pip install ./python` (builds the library with cargo and bundles it), or use it
+from a checkout. The shared library is found through $DV2_LIB (a file path) when set, else
+beside this file (an installed package), else in target/release of the repository this file
+lives in.
 
     from decodev2 import Engine
     with Engine.synthetic("tiny_llama", seed=0, backend="cpu") as e:
@@ -22,10 +24,10 @@ def _find_library():
     env = os.environ.get("DV2_LIB")
     if env:
         return env
-    for candidate in (_HERE / "libdecodev2.so", _HERE.parent / "target" / "release" / "libdecodev2.so"):
+    for candidate in (_HERE / "libdecodev2.so", _HERE.parent.parent / "target" / "release" / "libdecodev2.so"):
         if candidate.exists():
             return str(candidate)
-    raise OSError("libdecodev2.so not found: set DV2_LIB, or run `cargo build --release`")
+    raise OSError("libdecodev2.so not found: set DV2_LIB, pip install the package, or run `cargo build --release`")
 
 
 class Options(ctypes.Structure):

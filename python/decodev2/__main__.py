@@ -1,0 +1,75 @@
+"""The decodev2 command line: greedy or sampled text from a model file.
+
+    python -m decodev2 generate MODEL --prompt "The capital of France is" [--tokens N]
+    python -m decodev2 chat MODEL            # a conversation on stdin, the model's chat template
+Options: --backend auto|cpu|cuda, --temperature T, --top-p P, --seed S, --max-seq N."""
+import argparse
+import sys
+
+from . import BACKENDS, Engine, TextStream
+
+
+def _engine(args):
+    e = Engine.load(args.model, backend=args.backend, max_seq=args.max_seq, eos_id=-2)
+    if args.temperature > 0:
+        e.set_sampling(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    return e
+
+
+def _stream(e, ids, tokens, out):
+    """Feeds ids, then writes up to `tokens` generated pieces as text; stops at the model's end
+    of generation (not written)."""
+    stream = TextStream()
+    next_id = e.prefill(ids)
+    for _ in range(tokens):
+        if e.finished() or e.position() >= e.info.max_seq:
+            break
+        out.write(stream.push(e.piece(next_id)))
+        out.flush()
+        next_id = e.step()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="decodev2", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    for name in ("generate", "chat"):
+        p = sub.add_parser(name)
+        p.add_argument("model")
+        p.add_argument("--backend", default="auto", choices=BACKENDS)
+        p.add_argument("--tokens", type=int, default=128)
+        p.add_argument("--temperature", type=float, default=0.0)
+        p.add_argument("--top-p", type=float, default=1.0)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--max-seq", type=int, default=4096)
+        if name == "generate":
+            p.add_argument("--prompt", required=True)
+    args = ap.parse_args(argv)
+    with _engine(args) as e:
+        if args.command == "generate":
+            sys.stdout.write(args.prompt)
+            _stream(e, e.tokenize(args.prompt), args.tokens, sys.stdout)
+            print()
+            return 0
+        messages = []
+        for line in sys.stdin:
+            messages.append({"role": "user", "content": line.rstrip("\n")})
+            e.reset()
+            ids = e.tokenize(e.chat(messages), add_special=True, parse_special=True)
+            reply = []
+
+            class Tee:
+                def write(self, text):
+                    reply.append(text)
+                    sys.stdout.write(text)
+
+                def flush(self):
+                    sys.stdout.flush()
+
+            _stream(e, ids, args.tokens, Tee())
+            print()
+            messages.append({"role": "assistant", "content": "".join(reply)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
