@@ -121,6 +121,23 @@ fn python_package_installs_into_a_fresh_venv() {
         version.contains(venv.to_str().unwrap()),
         "imported from the venv: {version}"
     );
+    // The log callback: the library's lines reach Python, and stop when it is cleared.
+    let logged = run(Command::new(venv.join("bin/python"))
+        .args([
+            "-c",
+            "import decodev2 as d\n\
+             lines = []\n\
+             d.set_log_callback(lambda level, msg: lines.append((level, msg)))\n\
+             d.Engine.synthetic('tiny_llama', backend='cpu').close()\n\
+             d.set_log_callback(None)\n\
+             d.Engine.synthetic('tiny_llama', backend='cpu').close()\n\
+             print(len(lines), lines[0])",
+        ])
+        .current_dir(std::env::temp_dir()));
+    assert!(
+        logged.starts_with("1 ('info', 'loaded preset tiny_llama"),
+        "{logged}"
+    );
     if let Some(model) = common::smollm2_path() {
         let text = run(Command::new(venv.join("bin/decodev2"))
             .arg("generate")

@@ -108,6 +108,31 @@ def _check(status, call):
         raise Dv2Error(status, call)
 
 
+LOG_LEVELS = {0: "error", 1: "warn", 2: "info", 3: "debug"}
+_LOG_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+lib.dv2_set_log_callback.restype = None
+lib.dv2_set_log_callback.argtypes = [_LOG_CALLBACK, ctypes.c_void_p]
+_log_sink = None  # the ctypes thunk the library holds; kept alive here
+
+
+def set_log_callback(callback):
+    """Routes the library's log lines to callback(level, message) ("error", "warn", "info",
+    "debug"); None stops them. Exceptions inside the callback are printed, never raised into
+    the library."""
+    global _log_sink
+
+    def sink(level, message, _user):
+        try:
+            callback(LOG_LEVELS.get(level, str(level)), message.decode(errors="replace"))
+        except Exception:  # noqa: BLE001 - nothing may unwind into C
+            import traceback
+
+            traceback.print_exc()
+
+    _log_sink = _LOG_CALLBACK(sink) if callback else _LOG_CALLBACK()
+    lib.dv2_set_log_callback(_log_sink, None)
+
+
 def version():
     return lib.dv2_version().decode()
 
