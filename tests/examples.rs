@@ -154,6 +154,63 @@ fn python_package_installs_into_a_fresh_venv() {
     }
 }
 
+/// `decodev2 serve` on SmolLM2 (CPU) from a fresh venv with the `server` extra, driven by the
+/// official `openai` client and raw HTTP (tests/server/openai_clients.py): a chat answer with
+/// "Paris", a stream of several chunks, a stop string, seeds, 4xx JSON errors.
+#[test]
+fn openai_client_talks_to_the_server() {
+    let Some(model) = common::smollm2_path() else {
+        return;
+    };
+    if cargo_missing() {
+        return;
+    }
+    let venv = std::env::temp_dir().join(format!("dv2-venv-server-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&venv);
+    run(Command::new("python3").args(["-m", "venv"]).arg(&venv));
+    run(Command::new(venv.join("bin/pip"))
+        .args(["install", "-q", "openai"])
+        .arg(format!("{}[server]", root().join("python").display()))
+        .env("DV2_LIB", lib_dir().join("libdecodev2.so")));
+    for built in ["python/build", "python/decodev2.egg-info"] {
+        let _ = std::fs::remove_dir_all(root().join(built));
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut server = Command::new(venv.join("bin/decodev2"))
+        .arg("serve")
+        .arg(&model)
+        .args(["--backend", "cpu", "--port", &port.to_string()])
+        .env_remove("DV2_LIB")
+        .spawn()
+        .unwrap();
+    let up = (0..600).any(|_| {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+    });
+    let result = up.then(|| {
+        Command::new(venv.join("bin/python"))
+            .arg(root().join("tests/server/openai_clients.py"))
+            .arg(format!("http://127.0.0.1:{port}"))
+            .output()
+            .unwrap()
+    });
+    server.kill().unwrap();
+    server.wait().unwrap();
+    std::fs::remove_dir_all(&venv).unwrap();
+    let out = result.expect("the server did not listen within 60 s");
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    println!("{text}");
+    assert!(
+        out.status.success() && text.contains("all checks passed"),
+        "{text}"
+    );
+}
+
 /// `make install-files` into a fresh prefix, then a C and a C++ host (install/host_check.c)
 /// built with the pkg-config flags alone (-Wall -Wextra -Wpedantic -Werror) and run with no
 /// LD_LIBRARY_PATH: the header compiles as both languages, the rpath finds the library.

@@ -2,6 +2,7 @@
 
     python -m decodev2 generate MODEL --prompt "The capital of France is" [--tokens N]
     python -m decodev2 chat MODEL            # a conversation on stdin, the model's chat template
+    python -m decodev2 serve MODEL [--port 8000]   # an OpenAI-compatible server (the server extra)
 Options: --backend auto|cpu|cuda, --temperature T, --top-p P, --seed S, --max-seq N."""
 import argparse
 import sys
@@ -43,7 +44,18 @@ def main(argv=None):
         p.add_argument("--max-seq", type=int, default=4096)
         if name == "generate":
             p.add_argument("--prompt", required=True)
+    p = sub.add_parser("serve")
+    p.add_argument("model")
+    p.add_argument("--backend", default="auto", choices=BACKENDS)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-seq", type=int, default=4096)
     args = ap.parse_args(argv)
+    if args.command == "serve":
+        from .server import serve
+
+        serve(args.model, host=args.host, port=args.port, backend=args.backend, max_seq=args.max_seq)
+        return 0
     with _engine(args) as e:
         if args.command == "generate":
             sys.stdout.write(args.prompt)

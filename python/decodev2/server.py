@@ -1,0 +1,214 @@
+"""An OpenAI-compatible HTTP server over one loaded model (Starlette on uvicorn): /v1/models,
+/v1/completions and /v1/chat/completions, streamed as server-sent events or not, with
+max_tokens, stop, temperature, top_p and seed. decodev2 decodes batch 1: requests wait their
+turn on one lock and run one at a time in a worker thread.
+
+    python -m decodev2 serve MODEL [--host 127.0.0.1] [--port 8000] [--backend auto]
+
+Needs the `server` extra (`pip install "./python[server]"`)."""
+import asyncio
+import json
+import threading
+import time
+import uuid
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from . import Dv2Error, Engine, TextStream
+
+
+class BadRequest(Exception):
+    pass
+
+
+def _error(status, message, kind="invalid_request_error"):
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+def _number(body, name, default, low, high, kind=float):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+        raise BadRequest(f"{name} must be a {'integer' if kind is int else 'number'}")
+    if not low <= value <= high:
+        raise BadRequest(f"{name} = {value} is outside [{low}, {high}]")
+    return kind(value)
+
+
+class Generator:
+    """One engine, one request at a time."""
+
+    def __init__(self, engine, name):
+        self.engine, self.name = engine, name
+        self.lock = threading.Lock()
+
+    def params(self, body):
+        stop = body.get("stop") or []
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
+            raise BadRequest("stop must be a non-empty string or a list of up to 4 of them")
+        if body.get("logprobs") not in (None, False, 0):
+            raise BadRequest("logprobs are not supported yet")
+        return {
+            "max_tokens": _number(body, "max_tokens", 256, 1, 1 << 20, int),
+            "temperature": _number(body, "temperature", 1.0, 0.0, 2.0),
+            "top_p": _number(body, "top_p", 1.0, 1e-6, 1.0),
+            "seed": _number(body, "seed", 0, 0, (1 << 64) - 1, int),
+            "stop": stop,
+        }
+
+    def run(self, prompt, p, emit):
+        """Tokenizes prompt() (a (text, chat) pair) and decodes after it, calling emit(text) per
+        piece of text; returns (text, finish_reason, prompt_tokens, completion_tokens). Stops at
+        max_tokens, a stop string (not emitted) or the model's end of generation."""
+        with self.lock:
+            e = self.engine
+            text, chat = prompt
+            if chat:
+                ids = e.tokenize(e.chat(text), add_special=True, parse_special=True)
+            else:
+                ids = e.tokenize(text, add_special=True)
+            e.reset()
+            e.set_sampling(temperature=p["temperature"], top_p=p["top_p"], seed=p["seed"])
+            room = e.info.max_seq - len(ids)
+            if room < 1:
+                raise BadRequest(f"the prompt's {len(ids)} tokens leave no room in max_seq {e.info.max_seq}")
+            stream, text, sent, count = TextStream(), "", 0, 0
+            next_id = e.prefill(ids)
+            finish = "length"
+            hold = max((len(s) for s in p["stop"]), default=1) - 1
+            while count < min(p["max_tokens"], room):
+                if e.finished():
+                    finish = "stop"
+                    break
+                text += stream.push(e.piece(next_id))
+                count += 1
+                cut = min((text.find(s) for s in p["stop"] if s in text), default=-1)
+                if cut >= 0:
+                    text, finish = text[:cut], "stop"
+                    break
+                # Everything but what could still begin a stop string goes out now.
+                safe = len(text) - hold if p["stop"] else len(text)
+                if safe > sent:
+                    emit(text[sent:safe])
+                    sent = safe
+                if count < min(p["max_tokens"], room):
+                    next_id = e.step()
+            if len(text) > sent:
+                emit(text[sent:])
+            return text, finish, len(ids), count
+
+
+def create_app(engine, name):
+    gen = Generator(engine, name)
+
+    async def models(_request):
+        return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "owned_by": "decodev2"}]})
+
+    async def body_of(request):
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise BadRequest("the body is not JSON")
+        if not isinstance(body, dict):
+            raise BadRequest("the body is not a JSON object")
+        return body
+
+    def prompt_of(body, chat):
+        """The request's prompt as run() takes it, checked."""
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in messages):
+                raise BadRequest("messages must be a non-empty list of {role, content} strings")
+            return [{"role": m["role"], "content": m["content"]} for m in messages], True
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise BadRequest("prompt must be a non-empty string")
+        return prompt, False
+
+    def handler(chat):
+        kind = "chat.completion" if chat else "text_completion"
+
+        async def handle(request: Request):
+            try:
+                body = await body_of(request)
+                p = gen.params(body)
+                prompt = prompt_of(body, chat)
+            except BadRequest as err:
+                return _error(400, str(err))
+            rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
+
+            def choice(text, finish, delta=False):
+                if chat:
+                    key = "delta" if delta else "message"
+                    content = {"content": text} if delta else {"role": "assistant", "content": text}
+                    return {"index": 0, key: content, "finish_reason": finish}
+                return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+
+            if not body.get("stream"):
+                loop = asyncio.get_running_loop()
+                try:
+                    text, finish, n_in, n = await loop.run_in_executor(None, gen.run, prompt, p, lambda _t: None)
+                except (BadRequest, Dv2Error) as err:
+                    return _error(400, str(err))
+                return JSONResponse({
+                    "id": rid, "object": kind, "created": created, "model": name,
+                    "choices": [choice(text, finish)],
+                    "usage": {"prompt_tokens": n_in, "completion_tokens": n, "total_tokens": n_in + n},
+                })
+
+            queue = asyncio.Queue()
+            loop = asyncio.get_running_loop()
+
+            def work():
+                try:
+                    finish = gen.run(prompt, p, lambda t: loop.call_soon_threadsafe(queue.put_nowait, ("text", t)))[1]
+                    loop.call_soon_threadsafe(queue.put_nowait, ("end", finish))
+                except Exception as err:  # noqa: BLE001 - reported in the stream
+                    loop.call_soon_threadsafe(queue.put_nowait, ("error", str(err)))
+
+            async def events():
+                loop.run_in_executor(None, work)
+                chunk = "chat.completion.chunk" if chat else "text_completion"
+                while True:
+                    what, value = await queue.get()
+                    if what == "error":
+                        yield f"data: {json.dumps({'error': {'message': value, 'type': 'server_error'}})}\n\n"
+                        break
+                    text, finish = (value, None) if what == "text" else ("", value)
+                    data = {"id": rid, "object": chunk, "created": created, "model": name,
+                            "choices": [choice(text, finish, delta=True)]}
+                    yield f"data: {json.dumps(data)}\n\n"
+                    if what == "end":
+                        break
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        return handle
+
+    async def not_found(request, _exc):
+        return _error(404, f"no route {request.url.path}", "not_found_error")
+
+    return Starlette(routes=[
+        Route("/v1/models", models),
+        Route("/v1/completions", handler(False), methods=["POST"]),
+        Route("/v1/chat/completions", handler(True), methods=["POST"]),
+    ], exception_handlers={404: not_found})
+
+
+def serve(model, host="127.0.0.1", port=8000, backend="auto", max_seq=4096):
+    import os
+
+    import uvicorn
+
+    engine = Engine.load(model, backend=backend, max_seq=max_seq, eos_id=-2)
+    name = os.path.basename(model.rstrip("/"))
+    uvicorn.run(create_app(engine, name), host=host, port=port, log_level="warning")

@@ -1,0 +1,66 @@
+#!/usr/bin/env python3
+"""Drives `decodev2 serve` (already listening at BASE_URL, SmolLM2 on the CPU) with the official
+`openai` client and raw HTTP: a chat answer containing "Paris", a stream of more than one
+chunk, a completion cut at a stop string, and 4xx JSON errors for malformed requests.
+Prints one line per check; exits 1 on the first failure.
+
+Usage: python3 tests/server/openai_clients.py BASE_URL"""
+import json
+import sys
+import urllib.error
+import urllib.request
+
+from openai import BadRequestError, OpenAI
+
+base = sys.argv[1].rstrip("/")
+client = OpenAI(base_url=f"{base}/v1", api_key="unused")
+model = client.models.list().data[0].id
+print("model:", model)
+
+reply = client.chat.completions.create(
+    model=model, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=40,
+    temperature=0)
+text = reply.choices[0].message.content
+print("chat:", repr(text), reply.choices[0].finish_reason, reply.usage)
+assert "Paris" in text, text
+
+chunks = list(client.chat.completions.create(
+    model=model, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=40,
+    temperature=0, stream=True))
+streamed = "".join(c.choices[0].delta.content or "" for c in chunks)
+print(f"stream: {len(chunks)} chunks, {streamed!r}")
+assert len(chunks) >= 2 and streamed == text, (len(chunks), streamed)
+
+done = client.completions.create(model=model, prompt="The capital of France is", max_tokens=16, temperature=0,
+                                 stop=[","])
+print("stop:", repr(done.choices[0].text), done.choices[0].finish_reason)
+assert "," not in done.choices[0].text and "Paris" in done.choices[0].text
+assert done.choices[0].finish_reason == "stop"
+
+sampled = [client.completions.create(model=model, prompt="Once upon a time", max_tokens=12, temperature=0.9,
+                                     seed=s).choices[0].text for s in (1, 1, 2)]
+print("seeds:", sampled)
+assert sampled[0] == sampled[1] != sampled[2]
+
+try:
+    client.chat.completions.create(model=model, messages=[{"role": "user"}], max_tokens=4)
+    raise AssertionError("a message without content was accepted")
+except BadRequestError as err:
+    print("4xx:", err.status_code, err.body)
+
+
+def raw(path, data):
+    req = urllib.request.Request(f"{base}{path}", data=data, headers={"Content-Type": "application/json"})
+    try:
+        urllib.request.urlopen(req)
+        return 200, None
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+for path, data in [("/v1/chat/completions", b"{not json"), ("/v1/completions", b'{"prompt": 5}'),
+                   ("/v1/completions", b'{"prompt": "x", "temperature": -1}'), ("/v1/nothing", b"{}")]:
+    status, body = raw(path, data)
+    print("4xx:", path, status, body)
+    assert 400 <= status < 500 and "error" in body, (status, body)
+print("all checks passed")
