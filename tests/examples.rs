@@ -94,21 +94,36 @@ fn c_example_passes_the_gates_on_cpu() {
     gates_passed(&text);
 }
 
-/// `pip install ./python` into a fresh virtual environment (the library this test run built
-/// bundled through DV2_LIB at build time), then `import decodev2` and the `decodev2` command
-/// from another directory, with no path set.
+/// A fresh virtual environment with `pip install openai ./python[server]` (the library this
+/// test run built bundled through DV2_LIB at build time), made once per test process: pip
+/// builds in python/, which two concurrent builds would share. Left in the temporary directory.
+fn venv() -> PathBuf {
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let venv = std::env::temp_dir().join(format!("dv2-venv-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&venv);
+            run(Command::new("python3").args(["-m", "venv"]).arg(&venv));
+            run(Command::new(venv.join("bin/pip"))
+                .args(["install", "-q", "openai"])
+                .arg(format!("{}[server]", root().join("python").display()))
+                .env("DV2_LIB", lib_dir().join("libdecodev2.so")));
+            for built in ["python/build", "python/decodev2.egg-info"] {
+                let _ = std::fs::remove_dir_all(root().join(built));
+            }
+            venv
+        })
+        .clone()
+}
+
+/// `pip install ./python` into a fresh virtual environment ([`venv`]), then `import decodev2`
+/// and the `decodev2` command from another directory, with no path set.
 #[test]
 fn python_package_installs_into_a_fresh_venv() {
     if cargo_missing() {
         return;
     }
-    let venv = std::env::temp_dir().join(format!("dv2-venv-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&venv);
-    run(Command::new("python3").args(["-m", "venv"]).arg(&venv));
-    run(Command::new(venv.join("bin/pip"))
-        .args(["install", "-q"])
-        .arg(root().join("python"))
-        .env("DV2_LIB", lib_dir().join("libdecodev2.so")));
+    let venv = venv();
     let version = run(Command::new(venv.join("bin/python"))
         .args([
             "-c",
@@ -148,13 +163,9 @@ fn python_package_installs_into_a_fresh_venv() {
             .env_remove("DV2_LIB"));
         assert!(text.starts_with("The capital of France is Paris"), "{text}");
     }
-    std::fs::remove_dir_all(&venv).unwrap();
-    for built in ["python/build", "python/decodev2.egg-info"] {
-        let _ = std::fs::remove_dir_all(root().join(built));
-    }
 }
 
-/// `decodev2 serve` on SmolLM2 (CPU) from a fresh venv with the `server` extra, driven by the
+/// `decodev2 serve` on SmolLM2 (CPU) from the fresh venv ([`venv`]), driven by the
 /// official `openai` client and raw HTTP (tests/server/openai_clients.py): a chat answer with
 /// "Paris", a stream of several chunks, a stop string, seeds, 4xx JSON errors.
 #[test]
@@ -165,16 +176,7 @@ fn openai_client_talks_to_the_server() {
     if cargo_missing() {
         return;
     }
-    let venv = std::env::temp_dir().join(format!("dv2-venv-server-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&venv);
-    run(Command::new("python3").args(["-m", "venv"]).arg(&venv));
-    run(Command::new(venv.join("bin/pip"))
-        .args(["install", "-q", "openai"])
-        .arg(format!("{}[server]", root().join("python").display()))
-        .env("DV2_LIB", lib_dir().join("libdecodev2.so")));
-    for built in ["python/build", "python/decodev2.egg-info"] {
-        let _ = std::fs::remove_dir_all(root().join(built));
-    }
+    let venv = venv();
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -200,7 +202,6 @@ fn openai_client_talks_to_the_server() {
     });
     server.kill().unwrap();
     server.wait().unwrap();
-    std::fs::remove_dir_all(&venv).unwrap();
     let out = result.expect("the server did not listen within 60 s");
     let text =
         String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
