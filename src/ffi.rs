@@ -390,6 +390,18 @@ fn c_str<'a>(ptr: *const c_char, name: &'static str) -> Result<&'a str> {
         .map_err(|_| Error::InvalidArgument(format!("{name} is not valid UTF-8")))
 }
 
+/// A host struct's `struct_size`, read before anything else, against this library's layout
+/// of `T`; `init` tells the host how to set it.
+fn check_struct_size<T>(size: u32, name: &str, init: &str) -> Result<()> {
+    if size as usize != std::mem::size_of::<T>() {
+        return Err(Error::AbiMismatch(format!(
+            "{name}.struct_size is {size}, this library expects {} ({init})",
+            std::mem::size_of::<T>()
+        )));
+    }
+    Ok(())
+}
+
 fn engine_options(opts: *const dv2_options) -> Result<EngineOptions> {
     if opts.is_null() {
         return Ok(EngineOptions::default());
@@ -397,12 +409,7 @@ fn engine_options(opts: *const dv2_options) -> Result<EngineOptions> {
     // SAFETY: non-null; the caller promises a readable dv2_options. Only struct_size is read
     // before it is known to match the layout.
     let size = unsafe { std::ptr::addr_of!((*opts).struct_size).read_unaligned() };
-    if size as usize != std::mem::size_of::<dv2_options>() {
-        return Err(Error::AbiMismatch(format!(
-            "dv2_options.struct_size is {size}, this library expects {} (initialise with dv2_options_default())",
-            std::mem::size_of::<dv2_options>()
-        )));
-    }
+    check_struct_size::<dv2_options>(size, "dv2_options", "initialise with dv2_options_default()")?;
     // SAFETY: as above, and the size matches.
     let o = unsafe { opts.read_unaligned() };
     let backend = match o.backend {
@@ -820,12 +827,11 @@ pub unsafe extern "C" fn dv2_get_model_info(
             // SAFETY: non-null; writable (and so readable) by contract. Only struct_size is
             // read before it is known to match the layout.
             let size = std::ptr::addr_of!((*out).struct_size).read_unaligned();
-            if size as usize != std::mem::size_of::<dv2_model_info>() {
-                return Err(Error::AbiMismatch(format!(
-                    "dv2_model_info.struct_size is {size}, this library expects {} (set it to sizeof(dv2_model_info))",
-                    std::mem::size_of::<dv2_model_info>()
-                )));
-            }
+            check_struct_size::<dv2_model_info>(
+                size,
+                "dv2_model_info",
+                "set it to sizeof(dv2_model_info)",
+            )?;
             let s = *e.spec();
             let backend = match e.backend_name() {
                 "cuda" => dv2_backend::DV2_BACKEND_CUDA,
@@ -1245,12 +1251,11 @@ pub unsafe extern "C" fn dv2_set_sampling(
             require(sampling, "sampling")?;
             // Only struct_size is read before it is known to match the layout.
             let size = std::ptr::addr_of!((*sampling).struct_size).read_unaligned();
-            if size as usize != std::mem::size_of::<dv2_sampling>() {
-                return Err(Error::AbiMismatch(format!(
-                    "dv2_sampling.struct_size is {size}, this library expects {} (initialise with dv2_sampling_default())",
-                    std::mem::size_of::<dv2_sampling>()
-                )));
-            }
+            check_struct_size::<dv2_sampling>(
+                size,
+                "dv2_sampling",
+                "initialise with dv2_sampling_default()",
+            )?;
             let c = sampling.read_unaligned();
             e.set_sampling(&Sampling {
                 temperature: c.temperature,

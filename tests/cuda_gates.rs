@@ -288,6 +288,18 @@ fn qwen25_3b_shape_first_16_ids_match_the_oracle() {
     assert_eq!(got, want);
 }
 
+/// The last logits of a graph engine and an eager one, bit for bit.
+fn assert_same_logits(g: &mut Engine, e: &mut Engine) {
+    let mut lg = vec![0f32; g.spec().vocab];
+    let mut le = lg.clone();
+    g.logits(&mut lg).unwrap();
+    e.logits(&mut le).unwrap();
+    assert_eq!(
+        lg, le,
+        "graph and eager run the same kernels on the same data"
+    );
+}
+
 #[test]
 fn graph_replay_equals_eager_at_every_position() {
     let _device = exclusive_device();
@@ -323,14 +335,7 @@ fn graph_replay_equals_eager_at_every_position() {
             assert_eq!(g.position().unwrap(), pos + 1);
             assert_eq!(e.position().unwrap(), pos + 1);
         }
-        let mut lg = vec![0f32; g.spec().vocab];
-        let mut le = lg.clone();
-        g.logits(&mut lg).unwrap();
-        e.logits(&mut le).unwrap();
-        assert_eq!(
-            lg, le,
-            "graph and eager run the same kernels on the same data"
-        );
+        assert_same_logits(&mut g, &mut e);
     }
 }
 
@@ -364,14 +369,7 @@ fn graph_replay_equals_eager_across_the_long_attention_threshold() {
         let b: Vec<u32> = (0..steps).map(|_| e.step().unwrap()).collect();
         assert_eq!(a, b);
         assert_eq!(g.position().unwrap(), position);
-        let mut lg = vec![0f32; vocab];
-        let mut le = lg.clone();
-        g.logits(&mut lg).unwrap();
-        e.logits(&mut le).unwrap();
-        assert_eq!(
-            lg, le,
-            "graph and eager run the same kernels on the same data"
-        );
+        assert_same_logits(&mut g, &mut e);
     }
 }
 

@@ -59,23 +59,24 @@ fn run(cmd: &mut Command) -> String {
     text
 }
 
-/// The C example, built once per test process: two tests running `make` at once could relink
-/// it while the other executes it (ETXTBSY, "Text file busy").
+/// examples_c/`name`.c built by its Makefile against the library this run built.
+fn make_c_example(name: &str) -> PathBuf {
+    let build = lib_dir().join("examples_c");
+    run(Command::new("make")
+        .arg("-s")
+        .arg("-C")
+        .arg(root().join("examples_c"))
+        .arg(format!("LIBDIR={}", lib_dir().display()))
+        .arg(format!("BUILD={}", build.display()))
+        .arg(name));
+    build.join(name)
+}
+
+/// The C gates example, built once per test process: two tests running `make` at once could
+/// relink it while the other executes it (ETXTBSY, "Text file busy").
 fn build_c_example() -> PathBuf {
     static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    BUILT
-        .get_or_init(|| {
-            let build = lib_dir().join("examples_c");
-            run(Command::new("make")
-                .arg("-s")
-                .arg("-C")
-                .arg(root().join("examples_c"))
-                .arg(format!("LIBDIR={}", lib_dir().display()))
-                .arg(format!("BUILD={}", build.display()))
-                .arg("gates"));
-            build.join("gates")
-        })
-        .clone()
+    BUILT.get_or_init(|| make_c_example("gates")).clone()
 }
 
 fn gates_passed(text: &str) {
@@ -273,15 +274,7 @@ fn c_chat_answers_and_stops_at_the_end_of_generation() {
     if cargo_missing() {
         return;
     }
-    let build = lib_dir().join("examples_c");
-    run(Command::new("make")
-        .arg("-s")
-        .arg("-C")
-        .arg(root().join("examples_c"))
-        .arg(format!("LIBDIR={}", lib_dir().display()))
-        .arg(format!("BUILD={}", build.display()))
-        .arg("chat"));
-    let text = run(Command::new(build.join("chat"))
+    let text = run(Command::new(make_c_example("chat"))
         .arg(&model)
         .arg("What is the capital of France?")
         .args(["--backend", "cpu", "--tokens", "200"]));

@@ -699,6 +699,21 @@ fn a_log_callback_may_call_the_library() {
     assert!(REENTERED.load(std::sync::atomic::Ordering::SeqCst) >= 1);
 }
 
+/// SmolLM2 (the GGUF .ci/run fetches) on the CPU backend at max_seq 64, or None (after SKIP)
+/// where the file is absent: a model with a tokenizer, a chat template and metadata.
+fn smollm2_handle() -> Option<*mut dv2_engine> {
+    let path = smollm2_path()?;
+    let mut h = null_mut();
+    let mut opts = dv2_options_default();
+    opts.backend = dv2_backend::DV2_BACKEND_CPU as i32;
+    opts.max_seq = 64;
+    let c_path = c_path(&path);
+    // SAFETY: valid arguments.
+    let status = unsafe { dv2_load(c_path.as_ptr(), &opts, &mut h) };
+    assert_eq!(status, DV2_OK, "{}", last_error());
+    Some(h)
+}
+
 /// The text entries (dv2_tokenize, dv2_detokenize, dv2_token_to_piece): NULL handles and
 /// pointers, a model without a tokenizer, invalid UTF-8, unknown flags, ids out of range,
 /// capacities too small (the size needed comes back) and zero; the handle stays usable.
@@ -769,20 +784,9 @@ fn text_entries_with_bad_input() {
     // SAFETY: a live handle.
     unsafe { dv2_free(h) };
 
-    let Some(path) = smollm2_path() else { return };
-    let mut h = null_mut();
-    let mut opts = dv2_options_default();
-    opts.backend = dv2_backend::DV2_BACKEND_CPU as i32;
-    opts.max_seq = 64;
-    let c_path = c_path(&path);
+    let Some(h) = smollm2_handle() else { return };
     // SAFETY: valid arguments and buffers throughout; the bad ones are the cases under test.
     unsafe {
-        assert_eq!(
-            dv2_load(c_path.as_ptr(), &opts, &mut h),
-            DV2_OK,
-            "{}",
-            last_error()
-        );
         let tokenize = |t: &[u8], flags: u32, out: *mut i32, cap: usize, n: &mut usize| {
             dv2_tokenize(h, t.as_ptr().cast(), t.len(), flags, out, cap, n)
         };
@@ -961,21 +965,10 @@ fn chat_template_entry_with_bad_input() {
     // SAFETY: a live handle.
     unsafe { dv2_free(h) };
 
-    let Some(path) = smollm2_path() else { return };
-    let mut h = null_mut();
-    let mut opts = dv2_options_default();
-    opts.backend = dv2_backend::DV2_BACKEND_CPU as i32;
-    opts.max_seq = 64;
-    let c_path = c_path(&path);
+    let Some(h) = smollm2_handle() else { return };
     let bad = [b'c', b'a', b'f', 0xc3, 0];
     // SAFETY: valid arguments and buffers; the bad ones are the cases under test.
     unsafe {
-        assert_eq!(
-            dv2_load(c_path.as_ptr(), &opts, &mut h),
-            DV2_OK,
-            "{}",
-            last_error()
-        );
         expect(
             dv2_chat_apply_template(h, null(), 1, 1, out.as_mut_ptr(), 512, &mut n),
             DV2_ERR_NULL_POINTER,
@@ -1069,20 +1062,9 @@ fn model_info_metadata_and_special_tokens_with_bad_input() {
     // SAFETY: a live handle.
     unsafe { dv2_free(h) };
 
-    let Some(path) = smollm2_path() else { return };
-    let mut h = null_mut();
-    let mut opts = dv2_options_default();
-    opts.backend = dv2_backend::DV2_BACKEND_CPU as i32;
-    opts.max_seq = 64;
-    let c_path = c_path(&path);
+    let Some(h) = smollm2_handle() else { return };
     // SAFETY: as above.
     unsafe {
-        assert_eq!(
-            dv2_load(c_path.as_ptr(), &opts, &mut h),
-            DV2_OK,
-            "{}",
-            last_error()
-        );
         let mut info = dv2_model_info::default();
         assert_eq!(dv2_get_model_info(h, &mut info), DV2_OK);
         assert_eq!((info.vocab, info.max_seq), (49152, 64));

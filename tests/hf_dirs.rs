@@ -4,6 +4,7 @@
 mod common;
 
 use common::safetensors_writer::HfWriter;
+use common::{fixture_json, json_ids};
 use decodev2::chat::Message;
 use decodev2::engine::{BackendKind, Engine, EngineOptions};
 use decodev2::load::load;
@@ -189,27 +190,18 @@ fn a_directory_brings_its_tokenizer_and_metadata() {
     }
     let e = Engine::load_file(&d, &opts).unwrap();
     let tk = e.tokenizer().unwrap();
-    let reference: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(fixture.join("reference.json")).unwrap())
-            .unwrap();
-    let ids = |v: &serde_json::Value| -> Vec<u32> {
-        v.as_array()
-            .unwrap()
-            .iter()
-            .map(|i| i.as_u64().unwrap() as u32)
-            .collect()
-    };
+    let reference = fixture_json("hf_tokenizer_qwen2_style/reference.json");
     let cases = reference["cases"].as_array().unwrap();
     assert!(cases.len() >= 50);
     for c in cases {
         let text = c["text"].as_str().unwrap();
         assert_eq!(
             tk.encode(text, true, true).unwrap(),
-            ids(&c["ids"]),
+            json_ids(&c["ids"]),
             "{text:?}"
         );
         let literal = tk.encode(text, true, false).unwrap();
-        assert_eq!(literal, ids(&c["literal_ids"]), "{text:?}");
+        assert_eq!(literal, json_ids(&c["literal_ids"]), "{text:?}");
         assert_eq!(
             tk.decode(&literal, false).unwrap(),
             text.as_bytes(),

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::smollm2_path;
+use common::{fixture_json, json_ids, smollm2_path};
 use decodev2::chat::Message;
 use decodev2::load::gguf::Gguf;
 use decodev2::tokenizer::Tokenizer;
@@ -17,27 +17,14 @@ struct Case {
 }
 
 fn cases() -> Vec<Case> {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/fixtures/smollm2_tokenizer.json"
-    );
-    let json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    let ids = |v: &serde_json::Value| -> Vec<u32> {
-        v.as_array()
-            .unwrap()
-            .iter()
-            .map(|i| i.as_u64().unwrap() as u32)
-            .collect()
-    };
-    json["cases"]
+    fixture_json("smollm2_tokenizer.json")["cases"]
         .as_array()
         .unwrap()
         .iter()
         .map(|c| Case {
             text: c["text"].as_str().unwrap().to_string(),
-            ids: ids(&c["ids"]),
-            literal_ids: ids(&c["literal_ids"]),
+            ids: json_ids(&c["ids"]),
+            literal_ids: json_ids(&c["literal_ids"]),
         })
         .collect()
 }
@@ -132,12 +119,7 @@ fn smollm2_chat_template_renders_as_jinja2_does() {
     let Some(tk) = smollm2_tokenizer() else {
         return;
     };
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/fixtures/smollm2_chat.json"
-    );
-    let json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let json = fixture_json("smollm2_chat.json");
     let cases = json["cases"].as_array().unwrap();
     assert!(cases.len() >= 20);
     for c in cases {
@@ -164,12 +146,7 @@ fn smollm2_chat_template_renders_as_jinja2_does() {
 #[test]
 fn sentencepiece_ids_equal_the_reference_on_80_strings() {
     use common::gguf_writer::{GgufWriter, Meta};
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/fixtures/spm_tokenizer.json"
-    );
-    let json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let json = fixture_json("spm_tokenizer.json");
     let strings = |k: &str| -> Vec<String> {
         json[k]
             .as_array()
@@ -204,12 +181,7 @@ fn sentencepiece_ids_equal_the_reference_on_80_strings() {
     assert!(cases.len() >= 80);
     for c in cases {
         let text = c["text"].as_str().unwrap();
-        let want: Vec<u32> = c["ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|i| i.as_u64().unwrap() as u32)
-            .collect();
+        let want = json_ids(&c["ids"]);
         let ids = tk.encode(text, false, false).unwrap();
         assert_eq!(ids, want, "{text:?}");
         assert_eq!(tk.decode(&ids, false).unwrap(), text.as_bytes(), "{text:?}");

@@ -227,34 +227,37 @@ class Engine:
         return bool(out.value)
 
     @staticmethod
-    def _sized(call, name):
-        """Runs call(buffer, cap, count) once to learn the size (DV2_ERR_BUFFER_TOO_SMALL),
-        then with a buffer that size."""
+    def _fetch(call, name, make):
+        """Runs call(buffer, cap, count) with no buffer to learn the size
+        (DV2_ERR_BUFFER_TOO_SMALL), then with make(size); returns (buffer, count)."""
         count = ctypes.c_size_t()
         status = call(None, 0, ctypes.byref(count))
         if status not in (DV2_OK, DV2_ERR_BUFFER_TOO_SMALL):
             _check(status, name)
-        return count.value
+        n = count.value
+        buf = make(max(n, 1))
+        _check(call(buf, n, ctypes.byref(count)), name)
+        return buf, count.value
+
+    def _bytes(self, call, name):
+        """The bytes an entry with the text buffer rule writes."""
+        buf, n = self._fetch(call, name, ctypes.create_string_buffer)
+        return buf.raw[:n]
 
     def tokenize(self, text, add_special=True, parse_special=False):
         """The model file's tokenizer: ids of `text` (str or UTF-8 bytes)."""
         data = text.encode() if isinstance(text, str) else bytes(text)
         flags = (DV2_TOKENIZE_ADD_SPECIAL if add_special else 0) | (DV2_TOKENIZE_PARSE_SPECIAL if parse_special else 0)
         call = lambda out, cap, n: lib.dv2_tokenize(self._h, data, len(data), flags, out, cap, n)
-        n = self._sized(call, "dv2_tokenize")
-        out, count = (ctypes.c_int32 * max(n, 1))(), ctypes.c_size_t()
-        _check(call(out, n, ctypes.byref(count)), "dv2_tokenize")
-        return list(out[: count.value])
+        out, n = self._fetch(call, "dv2_tokenize", lambda k: (ctypes.c_int32 * k)())
+        return list(out[:n])
 
     def detokenize(self, ids, skip_special=False):
         """The bytes of `ids` (decode them with .decode("utf-8") for a whole sequence)."""
         arr = (ctypes.c_int32 * max(len(ids), 1))(*ids)
         flags = DV2_DETOKENIZE_SKIP_SPECIAL if skip_special else 0
         call = lambda out, cap, n: lib.dv2_detokenize(self._h, arr, len(ids), flags, out, cap, n)
-        n = self._sized(call, "dv2_detokenize")
-        out, count = ctypes.create_string_buffer(max(n, 1)), ctypes.c_size_t()
-        _check(call(out, n, ctypes.byref(count)), "dv2_detokenize")
-        return out.raw[: count.value]
+        return self._bytes(call, "dv2_detokenize")
 
     def chat(self, messages, add_generation_prompt=True):
         """`messages` ([{"role": ..., "content": ...}]) through the model's chat template."""
@@ -262,10 +265,7 @@ class Engine:
             *[ChatMessage(m["role"].encode(), m["content"].encode()) for m in messages])
         call = lambda out, cap, n: lib.dv2_chat_apply_template(self._h, arr, len(messages), int(add_generation_prompt),
                                                                out, cap, n)
-        n = self._sized(call, "dv2_chat_apply_template")
-        out, count = ctypes.create_string_buffer(max(n, 1)), ctypes.c_size_t()
-        _check(call(out, n, ctypes.byref(count)), "dv2_chat_apply_template")
-        return out.raw[: count.value].decode()
+        return self._bytes(call, "dv2_chat_apply_template").decode()
 
     def set_sampling(self, **settings):
         """Sampling for this request and the next ones: temperature, top_k, top_p, min_p,
@@ -296,28 +296,18 @@ class Engine:
         _check(lib.dv2_meta_count(self._h, ctypes.byref(count)), "dv2_meta_count")
         out = {}
         for i in range(count.value):
-            call = lambda buf, cap, n: lib.dv2_meta_key(self._h, i, buf, cap, n)
-            n = self._sized(call, "dv2_meta_key")
-            buf, got = ctypes.create_string_buffer(max(n, 1)), ctypes.c_size_t()
-            _check(call(buf, n, ctypes.byref(got)), "dv2_meta_key")
-            key = buf.raw[: got.value]
-            call = lambda buf, cap, n: lib.dv2_meta_str(self._h, key, buf, cap, n)
-            length = ctypes.c_size_t()
-            status = call(None, 0, ctypes.byref(length))
-            if status not in (DV2_OK, DV2_ERR_BUFFER_TOO_SMALL):
+            key = self._bytes(lambda buf, cap, n: lib.dv2_meta_key(self._h, i, buf, cap, n), "dv2_meta_key")
+            try:
+                value = self._bytes(lambda buf, cap, n: lib.dv2_meta_str(self._h, key, buf, cap, n), "dv2_meta_str")
+            except Dv2Error:
                 continue  # an array too long to give as text
-            buf = ctypes.create_string_buffer(max(length.value, 1))
-            _check(call(buf, length.value, ctypes.byref(got)), "dv2_meta_str")
-            out[key.decode()] = buf.raw[: got.value].decode()
+            out[key.decode()] = value.decode()
         return out
 
     def piece(self, token_id):
         """The bytes of one id (possibly part of a UTF-8 character)."""
         call = lambda out, cap, n: lib.dv2_token_to_piece(self._h, token_id, out, cap, n)
-        n = self._sized(call, "dv2_token_to_piece")
-        out, count = ctypes.create_string_buffer(max(n, 1)), ctypes.c_size_t()
-        _check(call(out, n, ctypes.byref(count)), "dv2_token_to_piece")
-        return out.raw[: count.value]
+        return self._bytes(call, "dv2_token_to_piece")
 
 
 class TextStream:

@@ -170,3 +170,21 @@ pub fn cuda_or_skip<T>(what: &str, made: Result<T, Error>) -> Option<T> {
         Err(e) => panic!("{what}: {e}"),
     }
 }
+
+/// A JSON file of tests/fixtures/ (`name` relative to it).
+pub fn fixture_json(name: &str) -> serde_json::Value {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// A JSON array of token ids.
+pub fn json_ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .expect("an array of ids")
+        .iter()
+        .map(|i| i.as_u64().expect("an id") as u32)
+        .collect()
+}
