@@ -5,7 +5,8 @@
 //!                                               [--prefill-only] [--skip-gemm] [--skip-variants]
 //!                                               [--split] [--boundary] [--l2-hot] [--rows A,B,..]
 //!                                               [--prefill-profile LEN CHUNK] [--decode-profile STEPS [DEPTH]]
-//!                                               [--cta-timeline PATH] [--context]
+//!                                               [--cta-timeline PATH] [--context [PRESET [DEPTHS]]]
+//!                                               [--shapes PRESET]
 //!
 //! load s is `Engine::new` (upload, allocation, kernels, warm-up); warmup ms is its eager
 //! probe step + graph capture; prefill ms is the prompt to the first token; ms/token the steps
@@ -14,8 +15,10 @@
 //! tables); `--split` adds the stage split back.
 //! `--boundary` prints only what a kernel boundary costs in a graph (chain of empty launches).
 //! `--l2-hot` prints only the decode GEMVs with their weights from HBM and from L2.
-//! `--context` prints only the context sweep: prefill and decode against depth (48 to 32k) at
-//! max_seq 32768, beside the bandwidth floor at each depth.
+//! `--context [PRESET [D1,D2,..]]` prints only the context sweep: prefill and decode against
+//! depth (48 to 32k unless listed) at max_seq 32768, beside the bandwidth floor at each depth,
+//! on the Qwen2.5-3B shape or the named preset (e.g. `--context qwen25_32b 48,8192`).
+//! `--shapes PRESET` takes the kernel table's matrices from that preset (default qwen25_3b).
 //! `--rows A,B` adds the decode table's rows of the switches (src/config.rs) whose names contain
 //! A or B, each set to 0, against the defaults in the same process (none without `--rows`).
 //!
@@ -301,6 +304,8 @@ fn prefill_tables(qwen: &HostModel, json: &mut String, skip_gemm: bool) {
     *json = json.trim_end_matches(",\n").to_string() + "\n  ],\n";
 }
 
+/// The decode kernels at the shapes of `s`; a kernel that does not take a shape (GEMV v2 past
+/// its K) is left out with its reason printed.
 fn kernel_table(bench: &Bench, s: &ArchSpec) -> Vec<Timing> {
     let (h, kv, inter) = (s.hidden, s.kv_dim(), s.intermediate);
     let mut rows = vec![
@@ -313,7 +318,9 @@ fn kernel_table(bench: &Bench, s: &ArchSpec) -> Vec<Timing> {
     for len in [48, 512, 2048] {
         rows.push(bench.attention(s, 2048, len));
     }
-    rows.into_iter().map(|r| r.expect("kernel bench")).collect()
+    rows.into_iter()
+        .filter_map(|r| r.map_err(|e| println!("  (left out: {e})")).ok())
+        .collect()
 }
 
 /// `--l2-hot`: each decode GEMV with its weights from HBM (rotated copies) and from L2 (one
@@ -458,28 +465,73 @@ fn decode_profile(steps: usize, depth: usize) {
     println!("{steps} eager decode steps after a {depth}-token prompt: {ids:?}");
 }
 
-/// `--context`: the Qwen2.5-3B shape at max_seq 32768, by context depth: prefill of a prompt
-/// that long (ms and tok/s, wall clock to the first token), then decode of 128 tokens after it
-/// (graph replays, ms/token), beside the floor (weight bytes plus the KV bytes at that depth,
-/// over the bandwidth the streaming-read kernel measures in this process), and the decode again
-/// with `DV2_ATTN_LONG=0` (attention v3 at every depth). Writes the table and the JSON
-/// (`tests/gpu/plot-context.py` draws it).
-fn context_sweep(json_path: &str) {
+/// `--context [PRESET [D1,D2,..]]`: a preset's shape (Qwen2.5-3B by default) at max_seq
+/// 32768, by context depth (48 to 32k by default): prefill of a prompt that long (ms and tok/s,
+/// wall clock to the first token), then decode of 128 tokens after it (graph replays,
+/// ms/token), beside the floor (weight bytes plus the KV bytes at that depth, over the
+/// bandwidth the streaming-read kernel measures in this process), and the decode again with
+/// `DV2_ATTN_LONG=0` (attention v3 at every depth). One engine per configuration serves every
+/// depth. Writes the table and the JSON (`tests/gpu/plot-context.py` draws it).
+fn context_sweep(json_path: &str, preset: &str, depths: &[usize]) {
     const MAX_SEQ: usize = 32768;
-    // The deepest prompt leaves room for the 129 steps after it.
-    const DEPTHS: [usize; 9] = [48, 256, 512, 1024, 2048, 4096, 8192, 16384, 32512];
-    let qwen = synth::build(&QWEN25_3B, 0).unwrap();
-    let s = qwen.spec;
+    const TOKENS: usize = 128;
+    let spec = decodev2::arch::preset(preset).expect("preset");
+    let t = Instant::now();
+    let model = synth::build(&spec, 0).unwrap();
+    println!("{preset}: built in {:.1} s", t.elapsed().as_secs_f64());
     let bench = Bench::new(0).expect("CUDA device");
     // Bandwidth of a large streaming read, as the floor's divisor.
     let probe = 1 << 30;
     let tb_per_s = probe as f64 / bench.floor_us(probe).expect("floor") / 1e6;
     drop(bench);
-    let weights = decodev2::cuda::budget::weight_bytes(&qwen);
+    let weights = decodev2::cuda::budget::weight_bytes(&spec);
     println!(
         "device bandwidth (1 GiB streaming read): {tb_per_s:.2} TB/s; weights {:.2} GB/token",
         weights as f64 / 1e9
     );
+    let sweep = |long: bool| -> Vec<(f64, f64)> {
+        let env: &[(&str, &str)] = if long { &[] } else { &[("DV2_ATTN_LONG", "0")] };
+        with_env(env, || {
+            let opts = EngineOptions {
+                backend: BackendKind::Cuda,
+                max_seq: MAX_SEQ,
+                ..EngineOptions::default()
+            };
+            let t = Instant::now();
+            let mut e = Engine::new(model.clone(), &opts).expect("cuda engine");
+            let used = e.device_used_bytes().unwrap().unwrap_or(0);
+            let budget = decodev2::cuda::budget::estimate(&spec, MAX_SEQ, 0);
+            println!(
+                "loaded (DV2_ATTN_LONG={}) in {:.1} s; device memory in use {:.2} GB \
+                 (budget without prefill activations or reserve: {:.2} GB)",
+                long as u8,
+                t.elapsed().as_secs_f64(),
+                used as f64 / 1e9,
+                (budget.total() - budget.reserve) as f64 / 1e9
+            );
+            let mut out = vec![0u32; TOKENS];
+            let mut rows = Vec::new();
+            for &depth in depths {
+                let prompt = synth::prompt(spec.vocab, depth, 1);
+                let (mut prefill, mut decode) = (Vec::new(), Vec::new());
+                for _ in 0..3 {
+                    e.reset().unwrap();
+                    let t = Instant::now();
+                    e.prefill(&prompt).unwrap();
+                    prefill.push(t.elapsed().as_secs_f64() * 1e3);
+                    // The first decode step is not timed (seed §10).
+                    e.step().unwrap();
+                    let t = Instant::now();
+                    assert_eq!(e.step_n(&mut out).unwrap(), TOKENS, "EOS is off");
+                    decode.push(t.elapsed().as_secs_f64() * 1e3 / TOKENS as f64);
+                }
+                // The first repetition warms caches; drop it.
+                rows.push((median(prefill[1..].to_vec()), median(decode[1..].to_vec())));
+            }
+            rows
+        })
+    };
+    let (default, v3) = (sweep(true), sweep(false));
     println!(
         "  {:>6} {:>11} {:>9} {:>10} {:>8} {:>10} {:>9} {:>7} {:>9} {:>8}",
         "depth",
@@ -493,30 +545,26 @@ fn context_sweep(json_path: &str) {
         "v3 ms/t",
         "v3 t/s"
     );
-    let mut json = format!("{{\n  \"device_tb_per_s\": {tb_per_s:.3},\n  \"weight_bytes\": {weights},\n  \"context\": [\n");
-    for depth in DEPTHS {
-        let r = time_decode("qwen25_3b", &qwen, MAX_SEQ, depth, 128, true, 2);
-        std::env::set_var("DV2_ATTN_LONG", "0");
-        let v3 = time_decode("qwen25_3b", &qwen, MAX_SEQ, depth, 128, true, 2);
-        std::env::remove_var("DV2_ATTN_LONG");
+    let mut json = format!("{{\n  \"preset\": \"{preset}\",\n  \"device_tb_per_s\": {tb_per_s:.3},\n  \"weight_bytes\": {weights},\n  \"context\": [\n");
+    for ((&depth, &(prefill_ms, ms)), &(_, v3_ms)) in depths.iter().zip(&default).zip(&v3) {
         // KV bytes a step reads at this depth: every layer's K and V rows up to the position.
-        let kv = s.n_layers * (depth + 64) * 2 * s.kv_dim() * 2;
+        let kv = spec.n_layers * (depth + 64) * 2 * spec.kv_dim() * 2;
         let floor_ms = (weights + kv) as f64 / (tb_per_s * 1e12) * 1e3;
-        let prefill_tok_s = depth as f64 / r.prefill_ms * 1e3;
+        let prefill_tok_s = depth as f64 / prefill_ms * 1e3;
         println!(
             "  {:>6} {:>11.2} {:>9.0} {:>10.4} {:>8.1} {:>10.4} {:>9.0} {:>6.0}% {:>9.4} {:>8.1}",
             depth,
-            r.prefill_ms,
+            prefill_ms,
             prefill_tok_s,
-            r.ms_per_token,
-            1e3 / r.ms_per_token,
+            ms,
+            1e3 / ms,
             floor_ms,
             1e3 / floor_ms,
-            100.0 * floor_ms / r.ms_per_token,
-            v3.ms_per_token,
-            1e3 / v3.ms_per_token
+            100.0 * floor_ms / ms,
+            v3_ms,
+            1e3 / v3_ms
         );
-        writeln!(json, "    {{\"depth\": {depth}, \"prefill_ms\": {:.3}, \"prefill_tok_s\": {prefill_tok_s:.1}, \"ms_per_token\": {:.5}, \"tok_s\": {:.2}, \"floor_ms\": {floor_ms:.5}, \"v3_ms_per_token\": {:.5}}},", r.prefill_ms, r.ms_per_token, 1e3 / r.ms_per_token, v3.ms_per_token).unwrap();
+        writeln!(json, "    {{\"depth\": {depth}, \"prefill_ms\": {prefill_ms:.3}, \"prefill_tok_s\": {prefill_tok_s:.1}, \"ms_per_token\": {ms:.5}, \"tok_s\": {:.2}, \"floor_ms\": {floor_ms:.5}, \"v3_ms_per_token\": {v3_ms:.5}}},", 1e3 / ms).unwrap();
     }
     json = json.trim_end_matches(",\n").to_string() + "\n  ]\n}\n";
     std::fs::write(json_path, json).unwrap();
@@ -575,11 +623,26 @@ fn main() {
         l2_hot();
         return;
     }
-    if flag("--context") {
-        context_sweep(&json_path);
+    if let Some(i) = args.iter().position(|a| a == "--context") {
+        let preset = args.get(i + 1).filter(|a| !a.starts_with("--"));
+        let depths: Vec<usize> = match args.get(i + 2).filter(|_| preset.is_some()) {
+            Some(list) => list.split(',').map(|d| d.parse().expect("depth")).collect(),
+            None => vec![48, 256, 512, 1024, 2048, 4096, 8192, 16384, 32512],
+        };
+        context_sweep(
+            &json_path,
+            preset.map_or("qwen25_3b", |p| p.as_str()),
+            &depths,
+        );
         return;
     }
 
+    let shapes = args
+        .iter()
+        .position(|a| a == "--shapes")
+        .and_then(|i| args.get(i + 1))
+        .map_or("qwen25_3b", |p| p.as_str());
+    let shapes_spec = decodev2::arch::preset(shapes).expect("--shapes preset");
     // Kernel microbenchmarks, each GEMV family on every matrix, in one process.
     let mut first = true;
     json += "  \"kernels\": {\n";
@@ -607,7 +670,7 @@ fn main() {
             }
         }
         println!(
-            "\nkernels on the Qwen2.5-3B shapes, {} (median µs per launch over rotated copies):",
+            "\nkernels on the {shapes} shapes, {} (median µs per launch over rotated copies):",
             bench.variants()
         );
         println!(
@@ -615,7 +678,7 @@ fn main() {
             "kernel", "MB", "µs", "GB/s", "floor µs", "floor%"
         );
         writeln!(json, "    \"{variant}\": [").unwrap();
-        for t in kernel_table(&bench, &QWEN25_3B) {
+        for t in kernel_table(&bench, &shapes_spec) {
             println!(
                 "  {:<26} {:>9.2} {:>9.2} {:>8.0} {:>9.2} {:>6.0}%",
                 t.name,

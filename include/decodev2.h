@@ -218,7 +218,7 @@ struct dv2_options dv2_options_default(void);
 enum dv2_status dv2_load(const char *path, const struct dv2_options *opts, struct dv2_engine **out);
 
 // Builds a seeded synthetic model ("tiny_llama", "tiny_internlm", "medium_llama",
-// "qwen25_3b"; the same seed gives the same weights everywhere). `opts` may be NULL.
+// "qwen25_3b", "qwen25_32b"; the same seed gives the same weights everywhere). `opts` may be NULL.
 // On success `*out` receives a new handle, owned by the caller, freed with dv2_free.
 //
 // # Safety

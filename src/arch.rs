@@ -196,12 +196,31 @@ pub const QWEN25_3B: ArchSpec = ArchSpec {
     tied_embed: true,
 };
 
+/// The Qwen2.5-32B shape (synthetic weights; the large-model timing shape): down's K =
+/// 27,648 is past GEMV v2's limit, lm_head is untied. 18.4 GB of NF4.
+pub const QWEN25_32B: ArchSpec = ArchSpec {
+    family: Family::LlamaSwiglu,
+    n_layers: 64,
+    hidden: 5120,
+    n_q_heads: 40,
+    n_kv_heads: 8,
+    head_dim: 128,
+    intermediate: 27648,
+    vocab: 152064,
+    max_seq: 2048,
+    rms_eps: 1e-6,
+    rope_theta: 1_000_000.0,
+    qkv_bias: true,
+    tied_embed: false,
+};
+
 /// Every preset by the name the C ABI and the examples use.
-pub const PRESETS: [(&str, ArchSpec); 4] = [
+pub const PRESETS: [(&str, ArchSpec); 5] = [
     ("tiny_llama", TINY_LLAMA),
     ("tiny_internlm", TINY_INTERNLM),
     ("medium_llama", MEDIUM_LLAMA),
     ("qwen25_3b", QWEN25_3B),
+    ("qwen25_32b", QWEN25_32B),
 ];
 
 /// Looks a preset up by name (case-insensitive).

@@ -49,6 +49,11 @@ pub trait Backend: Send {
     fn device_free_bytes(&mut self) -> Result<Option<usize>> {
         Ok(None)
     }
+    /// Diagnostic: device memory this backend holds, in bytes: free memory on its context
+    /// before the load minus free memory now (None for host backends).
+    fn device_used_bytes(&mut self) -> Result<Option<usize>> {
+        Ok(None)
+    }
     /// Timer: ms of the warm-up at load (CUDA: eager probe step + graph capture); None for
     /// backends without one.
     fn warmup_ms(&self) -> Option<f64> {

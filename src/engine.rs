@@ -81,15 +81,9 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Builds an engine over a host model.
-    pub fn new(model: HostModel, opts: &EngineOptions) -> Result<Self> {
-        model.validate()?;
-        if opts.eos_from_model {
-            return Err(Error::InvalidArgument(
-                "EOS from the model file: only a model loaded from a file has one".into(),
-            ));
-        }
-        let spec = model.spec;
+    /// The KV capacity `opts` gives a model of shape `spec`, with the checks of `opts` that
+    /// need only the shape (max_seq within int32, the EOS id within the vocabulary).
+    fn max_seq_for(spec: &ArchSpec, opts: &EngineOptions) -> Result<usize> {
         let max_seq = if opts.max_seq == 0 {
             spec.max_seq
         } else {
@@ -108,6 +102,36 @@ impl Engine {
                 )));
             }
         }
+        Ok(max_seq)
+    }
+
+    /// Whether a model of shape `spec` loads under `opts`, judged before its weights are read
+    /// or built: the options, then (CUDA) the kernels' limits and the VRAM budget. Under
+    /// [`BackendKind::Auto`], no device or too little memory is no refusal: the CPU runs it.
+    fn admit(spec: &ArchSpec, opts: &EngineOptions) -> Result<()> {
+        spec.validate()?;
+        let max_seq = Self::max_seq_for(spec, opts)?;
+        let cuda = || CudaBackend::admit(spec, max_seq, opts.device, opts.prefill_chunk);
+        match opts.backend {
+            BackendKind::Cpu => Ok(()),
+            BackendKind::Cuda => cuda(),
+            BackendKind::Auto => match cuda() {
+                Err(Error::BackendUnavailable(_) | Error::OutOfMemory(_)) => Ok(()),
+                other => other,
+            },
+        }
+    }
+
+    /// Builds an engine over a host model.
+    pub fn new(model: HostModel, opts: &EngineOptions) -> Result<Self> {
+        model.validate()?;
+        if opts.eos_from_model {
+            return Err(Error::InvalidArgument(
+                "EOS from the model file: only a model loaded from a file has one".into(),
+            ));
+        }
+        let spec = model.spec;
+        let max_seq = Self::max_seq_for(&spec, opts)?;
         let cuda = || {
             CudaBackend::new(
                 &model,
@@ -148,6 +172,7 @@ impl Engine {
     /// Builds the synthetic model of a named preset (see [`crate::arch::PRESETS`]).
     pub fn load_synthetic(preset_name: &str, seed: u64, opts: &EngineOptions) -> Result<Self> {
         let spec = preset(preset_name)?;
+        Self::admit(&spec, opts)?;
         Self::new(synth::build(&spec, seed)?, opts)
     }
 
@@ -157,7 +182,7 @@ impl Engine {
             model,
             tokenizer,
             meta,
-        } = crate::load::load_all(path)?;
+        } = crate::load::load_admitted(path, &|spec| Self::admit(spec, opts))?;
         let mut opts = opts.clone();
         if opts.eos_from_model {
             let special = tokenizer.as_ref().map(|t| t.special).map_err(|e| {
@@ -334,6 +359,12 @@ impl Engine {
     /// from the rest of the load; None for the CPU backend.
     pub fn warmup_ms(&self) -> Option<f64> {
         self.backend.warmup_ms()
+    }
+
+    /// Diagnostic: device memory this engine holds (free memory before its load minus free
+    /// memory now; None for host backends).
+    pub fn device_used_bytes(&mut self) -> Result<Option<usize>> {
+        self.run(|b| b.device_used_bytes())
     }
 
     /// Diagnostic: free device memory in bytes (None for host backends).

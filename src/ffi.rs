@@ -563,7 +563,7 @@ pub unsafe extern "C" fn dv2_load(
 }
 
 /// Builds a seeded synthetic model ("tiny_llama", "tiny_internlm", "medium_llama",
-/// "qwen25_3b"; the same seed gives the same weights everywhere). `opts` may be NULL.
+/// "qwen25_3b", "qwen25_32b"; the same seed gives the same weights everywhere). `opts` may be NULL.
 /// On success `*out` receives a new handle, owned by the caller, freed with dv2_free.
 ///
 /// # Safety

@@ -2,7 +2,6 @@
 
 use crate::arch::ArchSpec;
 use crate::error::{Error, Result};
-use crate::model::HostModel;
 
 /// Room kept free for the graph, the module and the driver's own allocations.
 pub const RESERVE_BYTES: usize = 256 << 20;
@@ -42,8 +41,7 @@ impl Budget {
 }
 
 /// Packed NF4 bytes + block scales + biases + norm weights, as uploaded.
-pub fn weight_bytes(model: &HostModel) -> usize {
-    let s = &model.spec;
+pub fn weight_bytes(s: &ArchSpec) -> usize {
     let nf4 = |rows: usize, cols: usize| rows * cols / 2 + rows * cols / 64 * 4;
     let per_layer = nf4(s.qkv_rows(), s.hidden)
         + nf4(s.hidden, s.hidden)
@@ -64,21 +62,77 @@ pub fn kv_bytes(s: &ArchSpec, max_seq: usize) -> usize {
     2 * s.n_layers * kv_stride(max_seq) * s.kv_dim() * 2
 }
 
-/// Activations for a prefill chunk of `chunk` tokens (the decode step uses their first row),
-/// logits, attention partials, the RMSNorm partial sums, argmax's scratch, the prompt ids and
-/// the step ring.
-pub fn arena_bytes(s: &ArchSpec, max_seq: usize, chunk: usize) -> usize {
-    let floats = chunk.max(1) * (3 * s.hidden + s.qkv_rows() + s.intermediate)
-        + s.vocab
-        + s.n_q_heads * super::ops::attn_partials(max_seq) * (s.head_dim + 2);
-    (floats + super::ops::MAX_PARTIAL_SUMS + super::ops::ARGMAX_SCRATCH) * 4 + 2 * max_seq * 4 + 64
+/// Elements (4 bytes each) of the activation arena's buffers, as the backend allocates them:
+/// one list, so that the budget counts what is allocated.
+pub struct ArenaLens {
+    /// x, xn and attn: a prefill chunk's rows of hidden (the decode step uses the first).
+    pub rows_hidden: usize,
+    /// q/k/v: two rows at least (q/k/v's K halves, `DV2_QKV_KHALVES`, in the decode step).
+    pub qkv: usize,
+    pub act: usize,
+    pub logits: usize,
+    /// Attention partials: v1/v2's splits, or the long-context attention's, the larger.
+    pub part_acc: usize,
+    pub part_ml: usize,
+    pub sums: usize,
+    /// The prompt ids and the step ring.
+    pub ids: usize,
+    pub argmax: usize,
+    pub attn_counts: usize,
+    pub qkv_zeros: usize,
+    pub state: usize,
+    /// RoPE cos and sin, each `max_seq x head_dim / 2`.
+    pub rope: usize,
 }
 
-pub fn estimate(model: &HostModel, max_seq: usize, chunk: usize) -> Budget {
+impl ArenaLens {
+    pub fn new(s: &ArchSpec, max_seq: usize, chunk: usize) -> Self {
+        use super::kernels::{state, ATTNL_RANKS};
+        use super::ops::{attn_long_partials, attn_partials, ARGMAX_SCRATCH, MAX_PARTIAL_SUMS};
+        let rows = chunk.max(1);
+        let partials = attn_partials(max_seq);
+        let (long_acc, long_ml) = attn_long_partials(s);
+        Self {
+            rows_hidden: rows * s.hidden,
+            qkv: rows.max(2) * s.qkv_rows(),
+            act: rows * s.intermediate,
+            logits: s.vocab,
+            part_acc: (s.n_q_heads * partials * s.head_dim).max(long_acc),
+            part_ml: (s.n_q_heads * partials * 2).max(long_ml),
+            sums: MAX_PARTIAL_SUMS,
+            ids: max_seq,
+            argmax: ARGMAX_SCRATCH,
+            attn_counts: s.n_kv_heads * ATTNL_RANKS,
+            qkv_zeros: s.qkv_rows(),
+            state: state::LEN,
+            rope: max_seq * (s.head_dim / 2),
+        }
+    }
+
+    pub fn bytes(&self) -> usize {
+        4 * (3 * self.rows_hidden
+            + self.qkv
+            + self.act
+            + self.logits
+            + self.part_acc
+            + self.part_ml
+            + self.sums
+            + 2 * self.ids
+            + self.argmax
+            + self.attn_counts
+            + self.qkv_zeros
+            + self.state
+            + 2 * self.rope)
+    }
+}
+
+/// The budget of a model of shape `s` with `max_seq` KV slots and prefill chunks of `chunk`
+/// tokens: from the shape alone, so that it is checked before any weight is read.
+pub fn estimate(s: &ArchSpec, max_seq: usize, chunk: usize) -> Budget {
     Budget {
-        weights: weight_bytes(model),
-        kv: kv_bytes(&model.spec, max_seq),
-        arena: arena_bytes(&model.spec, max_seq, chunk),
+        weights: weight_bytes(s),
+        kv: kv_bytes(s, max_seq),
+        arena: ArenaLens::new(s, max_seq, chunk).bytes(),
         reserve: RESERVE_BYTES,
     }
 }

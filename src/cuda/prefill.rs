@@ -32,7 +32,7 @@ pub fn prefill_chunk(ops: &Ops, s: &ArchSpec, max_seq: usize, requested: usize) 
 
 /// Tokens per chunk: `requested`, or when 0 the environment's value, or the default; 1 to
 /// MAX_PREFILL_CHUNK, capped by max_seq.
-fn chunk_size(requested: usize, env: Option<&str>, max_seq: usize) -> Result<usize> {
+pub(super) fn chunk_size(requested: usize, env: Option<&str>, max_seq: usize) -> Result<usize> {
     let chunk = match (requested, env) {
         (0, Some(v)) => v
             .parse::<usize>()

@@ -13,12 +13,10 @@ use cudarc::driver::{CudaGraph, CudaSlice};
 use super::budget::{self, kv_stride};
 use super::device::{driver_error, Gpu};
 use super::kernels::state;
-use super::kernels::ATTNL_RANKS;
 use super::ops::{
-    attn_long_partials, attn_partials, one_cta, AttnArgs, Input, LogitsHead, Norm, Ops,
-    PartialSums, QkvArgs, ARGMAX_SCRATCH, ATTNL_FROM, MAX_PARTIAL_SUMS,
+    check_shape, one_cta, AttnArgs, Input, LogitsHead, Norm, Ops, PartialSums, QkvArgs, ATTNL_FROM,
 };
-use super::prefill::prefill_chunk;
+use super::prefill::{chunk_size, prefill_chunk};
 use super::profile::StageMarks;
 use super::weights::{self, DeviceMatrix, DeviceModel};
 use crate::arch::ArchSpec;
@@ -94,11 +92,31 @@ pub struct CudaBackend {
     pub(super) position: Option<usize>,
     /// Prompt tokens per prefill chunk; 0: one token at a time through the decode step.
     pub(super) chunk: usize,
+    /// Free device memory on the context before the load ([`Backend::device_used_bytes`]).
+    free_at_open: usize,
     /// Host time of the eager probe step and the graph capture at load (0 without a graph).
     pub(super) warmup_ms: f64,
 }
 
 impl CudaBackend {
+    /// Whether a model of shape `s` loads on `device` with `max_seq` KV slots, from the shape
+    /// alone: a device, the kernels' limits, then the VRAM budget against the device's free
+    /// memory (at the requested prefill chunk; [`Self::new`] checks again at the chunk it
+    /// settles on). The engine asks before reading any weight, so a refused model fails in
+    /// well under a second.
+    pub fn admit(s: &ArchSpec, max_seq: usize, device: usize, chunk: usize) -> Result<()> {
+        let cfg = Config::from_env();
+        let gpu = Gpu::open(device, &cfg)?;
+        check_shape(s)?;
+        let (free, total) = gpu.memory()?;
+        let chunk = if cfg.prefill_by_steps {
+            0
+        } else {
+            chunk_size(chunk, cfg.prefill_chunk.as_deref(), max_seq)?
+        };
+        budget::estimate(s, max_seq, chunk).check(free, total)
+    }
+
     /// Uploads the model and allocates everything; with `graph`, runs one eager step as a
     /// probe and captures the step into a CUDA graph. `chunk`: see [`prefill_chunk`].
     pub fn new(
@@ -115,40 +133,37 @@ impl CudaBackend {
         let (free, total) = gpu.memory()?;
         let mut ops = Ops::new(gpu, cfg)?;
         let chunk = prefill_chunk(&ops, &s, max_seq, chunk)?;
-        let rows = chunk.max(1);
-        budget::estimate(host, max_seq, chunk).check(free, total)?;
+        budget::estimate(&s, max_seq, chunk).check(free, total)?;
         ops.fit(&s, max_seq)?;
         let gpu = &ops.gpu;
         let model = weights::upload(gpu, host)?;
         let rope = RopeTable::new(max_seq, s.head_dim, s.rope_theta)?;
-        let partials = attn_partials(max_seq);
-        let (long_acc, long_ml) = attn_long_partials(&s);
         // Every slot starts poisoned: the guard slots stay so (checked by kv_guard_intact),
         // and a kernel that read an unwritten slot would turn the logits into NaN.
         let poison = vec![KV_POISON; s.n_layers * kv_stride(max_seq) * s.kv_dim()];
+        let lens = budget::ArenaLens::new(&s, max_seq, chunk);
         let arena = Arena {
-            x: gpu.zeros(rows * s.hidden)?,
-            xn: gpu.zeros(rows * s.hidden)?,
-            // Two rows at least: q/k/v's K halves (DV2_QKV_KHALVES) in the decode step.
-            qkv: gpu.zeros(rows.max(2) * s.qkv_rows())?,
-            attn: gpu.zeros(rows * s.hidden)?,
-            act: gpu.zeros(rows * s.intermediate)?,
-            logits: gpu.zeros(s.vocab)?,
-            part_acc: gpu.zeros((s.n_q_heads * partials * s.head_dim).max(long_acc))?,
-            part_ml: gpu.zeros((s.n_q_heads * partials * 2).max(long_ml))?,
-            sums: gpu.zeros(MAX_PARTIAL_SUMS)?,
-            prompt: gpu.zeros(max_seq)?,
-            ring: gpu.zeros(max_seq)?,
-            argmax: gpu.zeros(ARGMAX_SCRATCH)?,
-            attn_counts: gpu.zeros(s.n_kv_heads * ATTNL_RANKS)?,
-            qkv_zeros: gpu.zeros(s.qkv_rows())?,
+            x: gpu.zeros(lens.rows_hidden)?,
+            xn: gpu.zeros(lens.rows_hidden)?,
+            qkv: gpu.zeros(lens.qkv)?,
+            attn: gpu.zeros(lens.rows_hidden)?,
+            act: gpu.zeros(lens.act)?,
+            logits: gpu.zeros(lens.logits)?,
+            part_acc: gpu.zeros(lens.part_acc)?,
+            part_ml: gpu.zeros(lens.part_ml)?,
+            sums: gpu.zeros(lens.sums)?,
+            prompt: gpu.zeros(lens.ids)?,
+            ring: gpu.zeros(lens.ids)?,
+            argmax: gpu.zeros(lens.argmax)?,
+            attn_counts: gpu.zeros(lens.attn_counts)?,
+            qkv_zeros: gpu.zeros(lens.qkv_zeros)?,
         };
         let mut backend = Self {
             k_cache: gpu.upload(&poison)?,
             v_cache: gpu.upload(&poison)?,
             rope_cos: gpu.upload(&rope.cos)?,
             rope_sin: gpu.upload(&rope.sin)?,
-            state: gpu.zeros(state::LEN)?,
+            state: gpu.zeros(lens.state)?,
             arena,
             spec: s,
             max_seq,
@@ -159,6 +174,7 @@ impl CudaBackend {
             position: Some(0),
             chunk,
             warmup_ms: 0.0,
+            free_at_open: free,
             ops,
         };
         backend.ops.attn_long &= max_seq >= ATTNL_FROM;
@@ -578,6 +594,11 @@ impl Backend for CudaBackend {
 
     fn device_free_bytes(&mut self) -> Result<Option<usize>> {
         Ok(Some(self.ops.gpu.memory()?.0))
+    }
+
+    fn device_used_bytes(&mut self) -> Result<Option<usize>> {
+        let free = self.ops.gpu.memory()?.0;
+        Ok(Some(self.free_at_open.saturating_sub(free)))
     }
 
     fn warmup_ms(&self) -> Option<f64> {

@@ -314,6 +314,19 @@ impl Gguf {
 
     /// The model this file holds, with its hyper-parameters from the metadata.
     pub fn model(&self) -> Result<HostModel> {
+        self.model_admitted(&|_| Ok(()))
+    }
+
+    /// [`Self::model`], with `admit` judging the shape before any weight is read.
+    pub fn model_admitted(&self, admit: super::Admit) -> Result<HostModel> {
+        let (spec, permuted) = self.spec()?;
+        admit(&spec)?;
+        self.weights(spec, permuted)
+    }
+
+    /// The hyper-parameters from the metadata, and whether q and k rows are in llama.cpp's
+    /// permuted order.
+    fn spec(&self) -> Result<(ArchSpec, bool)> {
         let arch = self.str("general.architecture").ok_or_else(|| {
             Error::ModelFile(format!("{}: general.architecture is missing", self.name))
         })?;
@@ -381,7 +394,12 @@ impl Gguf {
             Error::InvalidSpec(m) => Error::Unsupported(format!("{}: {m}", self.name)),
             other => other,
         })?;
-        let (h, kv, inter) = (spec.hidden, spec.kv_dim(), spec.intermediate);
+        Ok((spec, permuted))
+    }
+
+    fn weights(&self, spec: ArchSpec, permuted: bool) -> Result<HostModel> {
+        let (h, kv, inter, head_dim) =
+            (spec.hidden, spec.kv_dim(), spec.intermediate, spec.head_dim);
         let identity = |r: usize| r;
         // llama.cpp stores row 2i of a head as HF row i and row 2i+1 as HF row i + hd/2.
         let unpermute = |r: usize| {

@@ -308,8 +308,9 @@ fn spec_from_config(dir: &Path) -> Result<ArchSpec> {
     Ok(spec)
 }
 
-/// Loads a Hugging Face model directory.
-pub fn load(dir: &Path) -> Result<HostModel> {
+/// Loads a Hugging Face model directory, with `admit` judging the shape before any weight
+/// is read.
+pub fn load(dir: &Path, admit: super::Admit) -> Result<HostModel> {
     let mut spec = spec_from_config(dir)?;
     let shards = Shards::open(dir)?;
     let (h, kv, inter) = (spec.hidden, spec.kv_dim(), spec.intermediate);
@@ -317,6 +318,7 @@ pub fn load(dir: &Path) -> Result<HostModel> {
     if spec.tied_embed && shards.has("lm_head.weight") {
         spec.tied_embed = false;
     }
+    admit(&spec)?;
     let mut layers = Vec::with_capacity(spec.n_layers);
     for i in 0..spec.n_layers {
         let p = |t: &str| format!("model.layers.{i}.{t}");

@@ -13,6 +13,7 @@ use std::fs::File;
 use std::io::Read;
 use std::path::Path;
 
+use crate::arch::ArchSpec;
 use crate::error::{Error, Result};
 use crate::model::HostModel;
 use crate::tokenizer::Tokenizer;
@@ -69,6 +70,10 @@ pub fn load(path: &Path) -> Result<HostModel> {
     load_all(path).map(|loaded| loaded.model)
 }
 
+/// A judge of a model's shape, called before any weight is read (the engine's check of the
+/// backend's limits and memory: a refused model fails before the slow part of a load).
+pub type Admit<'a> = &'a dyn Fn(&ArchSpec) -> Result<()>;
+
 /// The file's metadata as text by key: a GGUF's key/value pairs, a Hugging Face directory's
 /// config.json fields. Arrays longer than [`META_ARRAY_MAX`] hold their length instead.
 pub type Metadata = BTreeMap<String, std::result::Result<String, usize>>;
@@ -87,6 +92,11 @@ pub struct Loaded {
 
 /// [`load`], with the file's tokenizer and metadata.
 pub fn load_all(path: &Path) -> Result<Loaded> {
+    load_admitted(path, &|_| Ok(()))
+}
+
+/// [`load_all`], with `admit` judging the shape before any weight is read.
+pub fn load_admitted(path: &Path, admit: Admit) -> Result<Loaded> {
     let shown = path.display();
     let meta = std::fs::metadata(path).map_err(|e| Error::Io(format!("{shown}: {e}")))?;
     if meta.is_dir() {
@@ -99,7 +109,7 @@ pub fn load_all(path: &Path) -> Result<Loaded> {
                 )))
             };
             return Ok(Loaded {
-                model: hf::load(path)?,
+                model: hf::load(path, admit)?,
                 tokenizer,
                 meta: hf::metadata(path)?,
             });
@@ -116,7 +126,7 @@ pub fn load_all(path: &Path) -> Result<Loaded> {
     if got == 4 && &magic == b"GGUF" {
         let file = gguf::Gguf::open(path)?;
         return Ok(Loaded {
-            model: file.model()?,
+            model: file.model_admitted(admit)?,
             tokenizer: Tokenizer::from_gguf(&file),
             meta: file.metadata(),
         });

@@ -3,9 +3,10 @@
 # .device/ here: every packed test with DV2_REQUIRE_CUDA=1, the C and Python examples with
 # --backend cuda, and compute-sanitizer memcheck/racecheck on the C example.
 # Logs go to $OUT (or ./device-logs).
-# Usage: bash tests/gpu/run-on-device.sh [suite] [switches] [examples] [sanitize]
+# Usage: bash tests/gpu/run-on-device.sh [suite] [switches] [examples] [sanitize] [big]
 #   (no part named: suite, switches and examples; "sanitize" alone: those and the sanitizers;
-#   the parts can go in separate device calls, the switch sweep being the longest)
+#   the parts can go in separate device calls, the switch sweep being the longest; "big": the
+#   Qwen2.5-32B shape against the oracle, minutes and ~40 GB of host memory, only when named)
 set -uo pipefail
 parts=" $* "
 [[ $parts == "  " || $parts == " sanitize " ]] && parts=" suite switches examples $* "
@@ -70,5 +71,10 @@ if want sanitize; then
       && echo "compute-sanitizer $tool (long-context attention): ok" || { echo "compute-sanitizer $tool (long-context attention): FAILED"; status=1; }
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|test result" "$out/sanitizer-$tool-long.log" | tail -3
   done
+fi
+if want big; then
+  .device/tests/cuda_gates --nocapture --ignored --exact qwen25_32b_shape_decodes_like_the_oracle \
+    > "$out/qwen25-32b.log" 2>&1 && echo "qwen25_32b shape vs oracle: ok" || { echo "qwen25_32b shape vs oracle: FAILED"; status=1; }
+  grep -E "qwen25_32b|oracle:|test result|panicked" "$out/qwen25-32b.log" | tail -6
 fi
 exit $status

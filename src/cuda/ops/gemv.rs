@@ -386,9 +386,10 @@ impl Ops {
     }
 }
 
-/// [`GemvChoice::Auto`]'s kernel for a `rows` x `cols` NF4 matrix.
+/// [`GemvChoice::Auto`]'s kernel for a `rows` x `cols` NF4 matrix: v3 also past v2's K
+/// (down at the 32B shape, K = 27,648).
 fn auto_gemv(rows: usize, cols: usize) -> Gemv {
-    if rows * cols / 2 < GEMV3_MAX_BYTES {
+    if rows * cols / 2 < GEMV3_MAX_BYTES || cols > GEMV2_MAX_K {
         Gemv::V3
     } else {
         Gemv::V2
@@ -437,6 +438,9 @@ mod tests {
         assert_eq!(auto_gemv(2 * s.intermediate, s.hidden), Gemv::V2);
         assert_eq!(auto_gemv(s.hidden, s.intermediate), Gemv::V2);
         assert_eq!(auto_gemv(s.vocab, s.hidden), Gemv::V2);
+        let s = &crate::arch::QWEN25_32B;
+        assert_eq!(auto_gemv(s.hidden, s.intermediate), Gemv::V3);
+        assert_eq!(auto_gemv(2 * s.intermediate, s.hidden), Gemv::V2);
     }
 
     #[test]

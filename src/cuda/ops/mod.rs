@@ -17,7 +17,8 @@ use cudarc::driver::{DeviceRepr, LaunchConfig};
 
 use super::device::{driver_error, Capabilities, Gpu};
 use super::kernels::{
-    Kernels, ATTN2_CHUNK, ATTN2_MAX_CHUNKS, ATTN2_MAX_GROUP, ATTN2_MAX_GROUP_X_HD, MAX_HEAD_DIM,
+    Kernels, ATTN2_CHUNK, ATTN2_MAX_CHUNKS, ATTN2_MAX_GROUP, ATTN2_MAX_GROUP_X_HD, GEMV2_MAX_K,
+    GEMV3_MAX_K, MAX_HEAD_DIM,
 };
 use crate::arch::ArchSpec;
 use crate::config::Config;
@@ -34,8 +35,7 @@ pub use attention::{
 pub(super) use gemm::GemmArgs;
 pub use gemm::{Epilogue, GemmMatrix};
 pub use gemv::{
-    gemv2_shape, Gemv, GemvChoice, LogitsHead, QkvArgs, GEMV2_CTAS_PER_SM, GEMV2_SWIGLU_SKEW,
-    GEMV3_MAX_BYTES,
+    Gemv, GemvChoice, LogitsHead, QkvArgs, GEMV2_CTAS_PER_SM, GEMV2_SWIGLU_SKEW, GEMV3_MAX_BYTES,
 };
 
 /// kernels/common.cuh `NormArgs`: RMSNorm weights (bf16; 0 = no norm), epsilon, and the
@@ -162,16 +162,11 @@ impl Ops {
         })
     }
 
-    /// Checks the shapes the kernels take; attention v2 and v3 fall back to v1 where their
-    /// shared-memory layout does not fit the model; the long-context attention is off where it
-    /// does not take the shape.
+    /// Checks the shapes the kernels take ([`check_shape`]); attention v2 and v3 fall back to v1
+    /// where their shared-memory layout does not fit the model; the long-context attention is
+    /// off where it does not take the shape.
     pub fn fit(&mut self, s: &ArchSpec, max_seq: usize) -> Result<()> {
-        if s.head_dim > MAX_HEAD_DIM || s.head_dim % 8 != 0 {
-            return Err(Error::Unsupported(format!(
-                "head_dim {} (the CUDA kernels take a multiple of 8 up to {MAX_HEAD_DIM})",
-                s.head_dim
-            )));
-        }
+        check_shape(s)?;
         let group = s.n_q_heads / s.n_kv_heads;
         if group > ATTN2_MAX_GROUP
             || group * s.head_dim > ATTN2_MAX_GROUP_X_HD
@@ -180,9 +175,6 @@ impl Ops {
             self.attn = Attention::V1;
         }
         self.attn_long &= attn_long_fits(s);
-        for k in [s.hidden, s.intermediate] {
-            gemv2_shape(k)?;
-        }
         Ok(())
     }
 
@@ -238,6 +230,32 @@ impl Ops {
         };
         launch!(self.gpu, &self.k.rms_norm, cfg; x, w, out, n, eps, f16)
     }
+}
+
+/// Whether the CUDA kernels take the model's shape, from the spec alone (no device, no
+/// weights): head_dim, and K of the linears (the spec's own check keeps both multiples of 64).
+/// K = hidden feeds GEMV v2 (gate/up, lm_head with its argmax), K = intermediate only down,
+/// which GEMV v3 takes past v2's limit.
+pub fn check_shape(s: &ArchSpec) -> Result<()> {
+    if s.head_dim > MAX_HEAD_DIM || s.head_dim % 8 != 0 {
+        return Err(Error::Unsupported(format!(
+            "head_dim {} (the CUDA kernels take a multiple of 8 up to {MAX_HEAD_DIM})",
+            s.head_dim
+        )));
+    }
+    if s.hidden > GEMV2_MAX_K {
+        return Err(Error::Unsupported(format!(
+            "hidden {}: the CUDA kernels take hidden up to {GEMV2_MAX_K}",
+            s.hidden
+        )));
+    }
+    if s.intermediate > GEMV3_MAX_K {
+        return Err(Error::Unsupported(format!(
+            "intermediate {}: the CUDA kernels take intermediate up to {GEMV3_MAX_K}",
+            s.intermediate
+        )));
+    }
+    Ok(())
 }
 
 /// The decode attention a device takes: v3 where it has clusters and `DV2_ATTN_CLUSTERS` is on,
