@@ -20,6 +20,7 @@ pub mod oracle;
 pub(crate) mod par;
 pub mod rope;
 pub mod sampling;
+pub mod save;
 pub mod synth;
 pub mod tokenizer;
 

@@ -1,10 +1,13 @@
 //! Hugging Face model directories: `config.json` plus `*.safetensors` (one file, or shards
 //! listed by `model.safetensors.index.json`), bf16 / f16 / f32, memory-mapped and re-quantized
-//! to NF4 row by row on every core.
+//! to NF4 row by row on every core; or bitsandbytes 4-bit (nf4) linears, whose codes are
+//! decodev2's layout and are taken as they are ([`bnb`]).
 //!
 //! Architectures: `LlamaForCausalLM`, `MistralForCausalLM` (no biases) and `Qwen2ForCausalLM`
 //! (q/k/v biases). Hugging Face stores q and k in the rotate-half layout decodev2 uses, so no
 //! permutation is undone here (unlike GGUF).
+
+mod bnb;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -143,7 +146,12 @@ impl Shards {
         Ok(super::to_bf16(self.vector(name, len)?))
     }
 
+    /// A weight matrix as NF4: bitsandbytes' codes as they are where it is a bitsandbytes
+    /// 4-bit weight ([`bnb`]), else its 16- or 32-bit values re-quantized.
     fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Nf4Matrix> {
+        if let Some(m) = bnb::matrix(self, name, rows, cols)? {
+            return Ok(m);
+        }
         let r = self.rows(name, rows, cols)?;
         Nf4Matrix::quantize_with(rows, cols, |row, out| r.read(row, out))
             .map_err(|e| Error::ModelFile(format!("tensor {name}: {e}")))
@@ -245,6 +253,17 @@ fn spec_from_config(dir: &Path) -> Result<ArchSpec> {
         .as_f64()
         .or(c["rope_theta"].as_f64())
         .unwrap_or(10000.0);
+    let quant = &c["quantization_config"];
+    if !quant.is_null() {
+        let method = quant["quant_method"].as_str().unwrap_or("none");
+        let nf4 = quant["bnb_4bit_quant_type"].as_str().unwrap_or("fp4") == "nf4";
+        if method != "bitsandbytes" || quant["load_in_4bit"].as_bool() != Some(true) || !nf4 {
+            return Err(Error::Unsupported(format!(
+                "{}: quantization_config {quant} (bitsandbytes 4-bit nf4 is read)",
+                path.display()
+            )));
+        }
+    }
     if c["use_sliding_window"].as_bool() == Some(true) {
         return Err(Error::Unsupported(format!(
             "{}: use_sliding_window",

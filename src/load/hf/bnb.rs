@@ -1,0 +1,142 @@
+//! bitsandbytes 4-bit linears in a Hugging Face directory, as transformers saves a model
+//! loaded with `load_in_4bit` (`bnb_4bit_quant_type="nf4"`): for a weight `W`,
+//! - `W`: the packed codes, `rows * cols / 2` bytes (uint8 `[n/2, 1]` by default; any
+//!   `bnb_4bit_quant_storage` dtype holds the same bytes);
+//! - `W.absmax`: one f32 scale per block of `blocksize` elements of the flattened matrix, or,
+//!   with the nested (double) quantization, one uint8 code per block, decoded as
+//!   `W.nested_quant_map[code] * W.nested_absmax[block / nested_blocksize] + nested_offset`;
+//! - `W.quant_map`: the 16-entry codebook;
+//! - `W.quant_state.bitsandbytes__nf4`: uint8 bytes of a JSON object (quant_type, blocksize,
+//!   dtype, shape, and nested_blocksize, nested_offset where nested).
+//!
+//! With blocksize 64 and the NF4 codebook this is decodev2's own layout (src/nf4.rs, same
+//! nibble order), so the codes are taken as they are: no re-quantization. fp4 and other block
+//! sizes are refused, naming what was found.
+
+use serde_json::Value;
+
+use super::{file_err, Shards};
+use crate::error::{Error, Result};
+use crate::nf4::{Nf4Matrix, BLOCK, CODEBOOK};
+
+/// Entries of the nested quantization's codebook (bitsandbytes' 8-bit dynamic map).
+const NESTED_CODES: usize = 256;
+
+/// The bitsandbytes NF4 matrix stored as `name`, or None where `name` is not a bitsandbytes
+/// 4-bit weight (a 16- or 32-bit one, which the caller re-quantizes).
+pub(super) fn matrix(
+    sh: &Shards,
+    name: &str,
+    rows: usize,
+    cols: usize,
+) -> Result<Option<Nf4Matrix>> {
+    let state_key = |kind: &str| format!("{name}.quant_state.bitsandbytes__{kind}");
+    if sh.has(&state_key("fp4")) {
+        return Err(Error::Unsupported(format!(
+            "tensor {name}: bitsandbytes fp4 (decodev2 computes nf4; quantize with bnb_4bit_quant_type=\"nf4\")"
+        )));
+    }
+    if !sh.has(&state_key("nf4")) {
+        return Ok(None);
+    }
+    let (_, _, json, path) = sh.get(&state_key("nf4"))?;
+    let bad = |what: String| file_err(path, format!("tensor {name}: {what}"));
+    let state: Value =
+        serde_json::from_slice(json).map_err(|e| bad(format!("quant_state is not JSON: {e}")))?;
+    let blocksize = state["blocksize"].as_u64().unwrap_or(0) as usize;
+    if blocksize != BLOCK {
+        return Err(Error::Unsupported(format!(
+            "{}: tensor {name}: bitsandbytes blocksize {} (decodev2 takes {BLOCK})",
+            path.display(),
+            state["blocksize"]
+        )));
+    }
+    let shape: Vec<u64> = state["shape"]
+        .as_array()
+        .map(|a| a.iter().filter_map(Value::as_u64).collect())
+        .unwrap_or_default();
+    if shape != [rows as u64, cols as u64] {
+        return Err(bad(format!(
+            "quant_state shape {}, config.json says [{rows}, {cols}]",
+            state["shape"]
+        )));
+    }
+    let blocks = rows * cols / BLOCK;
+    let (_, _, packed, _) = sh.get(name)?;
+    if packed.len() != rows * cols / 2 {
+        return Err(bad(format!(
+            "{} bytes of codes, a [{rows}, {cols}] matrix needs {}",
+            packed.len(),
+            rows * cols / 2
+        )));
+    }
+    let quant_map = f32s(sh, &format!("{name}.quant_map"), CODEBOOK.len())?;
+    if quant_map
+        .iter()
+        .zip(&CODEBOOK)
+        .any(|(a, b)| a.to_bits() != b.to_bits())
+    {
+        return Err(bad(format!(
+            "quant_map {quant_map:?} is not the NF4 codebook"
+        )));
+    }
+    let absmax = if sh.has(&format!("{name}.nested_absmax")) {
+        nested_absmax(sh, name, &state, blocks)?
+    } else {
+        f32s(sh, &format!("{name}.absmax"), blocks)?
+    };
+    if let Some(b) = absmax.iter().position(|a| !a.is_finite()) {
+        return Err(bad(format!("block {b} has scale {}", absmax[b])));
+    }
+    Ok(Some(Nf4Matrix {
+        rows,
+        cols,
+        packed: packed.to_vec(),
+        absmax,
+    }))
+}
+
+/// The per-block scales of a nested (double-quantized) weight, decoded as bitsandbytes does in
+/// f32: the 8-bit code's entry times its group's scale, plus the offset.
+fn nested_absmax(sh: &Shards, name: &str, state: &Value, blocks: usize) -> Result<Vec<f32>> {
+    let (_, _, codes, path) = sh.get(&format!("{name}.absmax"))?;
+    let group = state["nested_blocksize"].as_u64().unwrap_or(0) as usize;
+    let offset = state["nested_offset"].as_f64();
+    let (true, Some(offset)) = (group > 0 && codes.len() == blocks, offset) else {
+        return Err(file_err(
+            path,
+            format!(
+                "tensor {name}: nested absmax of {} codes in groups of {} with offset {} ({blocks} blocks)",
+                codes.len(),
+                state["nested_blocksize"],
+                state["nested_offset"]
+            ),
+        ));
+    };
+    let scales = f32s(sh, &format!("{name}.nested_absmax"), blocks.div_ceil(group))?;
+    let map = f32s(sh, &format!("{name}.nested_quant_map"), NESTED_CODES)?;
+    let offset = offset as f32;
+    Ok(codes
+        .iter()
+        .enumerate()
+        .map(|(b, &c)| map[c as usize] * scales[b / group] + offset)
+        .collect())
+}
+
+/// An f32 tensor of exactly `len` elements (any shape).
+fn f32s(sh: &Shards, name: &str, len: usize) -> Result<Vec<f32>> {
+    let (dtype, _, data, path) = sh.get(name)?;
+    if dtype != safetensors::Dtype::F32 || data.len() != 4 * len {
+        return Err(file_err(
+            path,
+            format!(
+                "tensor {name}: {dtype:?} of {} bytes, bitsandbytes stores {len} f32",
+                data.len()
+            ),
+        ));
+    }
+    Ok(data
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect())
+}
