@@ -6,7 +6,7 @@
 //!                                               [--split] [--boundary] [--l2-hot] [--rows A,B,..]
 //!                                               [--prefill-profile LEN CHUNK] [--decode-profile STEPS [DEPTH]]
 //!                                               [--cta-timeline PATH] [--context [PRESET [DEPTHS]]]
-//!                                               [--shapes PRESET]
+//!                                               [--shapes PRESET] [--load PATH [REPS]]
 //!
 //! load s is `Engine::new` (upload, allocation, kernels, warm-up); warmup ms is its eager
 //! probe step + graph capture; prefill ms is the prompt to the first token; ms/token the steps
@@ -19,6 +19,8 @@
 //! depth (48 to 32k unless listed) at max_seq 32768, beside the bandwidth floor at each depth,
 //! on the Qwen2.5-3B shape or the named preset (e.g. `--context qwen25_32b 48,8192`).
 //! `--shapes PRESET` takes the kernel table's matrices from that preset (default qwen25_3b).
+//! `--load PATH [REPS]` prints only load times of a model file or directory (read and device
+//! parts), REPS times (3): the first cold or warm as the page cache is, the rest warm.
 //! `--rows A,B` adds the decode table's rows of the switches (src/config.rs) whose names contain
 //! A or B, each set to 0, against the defaults in the same process (none without `--rows`).
 //!
@@ -571,6 +573,34 @@ fn context_sweep(json_path: &str, preset: &str, depths: &[usize]) {
     println!("wrote {json_path}");
 }
 
+/// `--load PATH [REPS]`: loads a model file or directory on CUDA REPS times (3), each split
+/// into the read (parse, codes taken or re-quantized, on the host) and the device part
+/// (allocation, upload, kernels from their cache, warm-up), then decodes 16 tokens as a check.
+fn load_times(path: &str, reps: usize) {
+    let opts = EngineOptions {
+        backend: BackendKind::Cuda,
+        max_seq: 4096,
+        ..EngineOptions::default()
+    };
+    for rep in 0..reps {
+        let t = Instant::now();
+        let model = decodev2::load::load(std::path::Path::new(path)).expect("load");
+        let read_s = t.elapsed().as_secs_f64();
+        let mut e = Engine::new(model, &opts).expect("cuda engine");
+        let total_s = t.elapsed().as_secs_f64();
+        let prompt = synth::prompt(e.spec().vocab, 48, 1);
+        e.prefill(&prompt).unwrap();
+        let mut out = [0u32; 16];
+        e.step_n(&mut out).unwrap();
+        println!(
+            "load {rep}: {total_s:.2} s (read {read_s:.2} s, device {:.2} s of which warm-up {:.0} ms); decoded {:?}..",
+            total_s - read_s,
+            e.warmup_ms().unwrap_or(0.0),
+            &out[..4]
+        );
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let flag = |f: &str| args.iter().any(|a| a == f);
@@ -621,6 +651,11 @@ fn main() {
     }
     if flag("--l2-hot") {
         l2_hot();
+        return;
+    }
+    if let Some(i) = args.iter().position(|a| a == "--load") {
+        let reps = args.get(i + 2).and_then(|r| r.parse().ok()).unwrap_or(3);
+        load_times(args.get(i + 1).expect("--load PATH"), reps);
         return;
     }
     if let Some(i) = args.iter().position(|a| a == "--context") {
