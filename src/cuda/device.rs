@@ -140,6 +140,27 @@ impl Gpu {
         self.stream.clone_htod(data).map_err(driver_error("upload"))
     }
 
+    /// `len` u16 (at least one), every one `value`: a device memset, no host buffer (the KV
+    /// cache's poison is gigabytes at long contexts).
+    pub fn filled_u16(&self, len: usize, value: u16) -> Result<CudaSlice<u16>> {
+        let len = len.max(1);
+        // SAFETY: the memset below writes every element before anything reads one.
+        let buf = unsafe { self.stream.alloc::<u16>(len) }.map_err(driver_error("allocation"))?;
+        // SAFETY: `buf` holds `len` u16 on this context; the memset is ordered on the stream
+        // the allocation was made on.
+        unsafe {
+            cudarc::driver::sys::cuMemsetD16Async(
+                self.ptr(&buf),
+                value,
+                len,
+                self.stream.cu_stream(),
+            )
+        }
+        .result()
+        .map_err(driver_error("memset"))?;
+        Ok(buf)
+    }
+
     pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, len: usize) -> Result<CudaSlice<T>> {
         self.stream
             .alloc_zeros(len.max(1))

@@ -138,9 +138,6 @@ impl CudaBackend {
         let gpu = &ops.gpu;
         let model = weights::upload(gpu, host)?;
         let rope = RopeTable::new(max_seq, s.head_dim, s.rope_theta)?;
-        // Every slot starts poisoned: the guard slots stay so (checked by kv_guard_intact),
-        // and a kernel that read an unwritten slot would turn the logits into NaN.
-        let poison = vec![KV_POISON; s.n_layers * kv_stride(max_seq) * s.kv_dim()];
         let lens = budget::ArenaLens::new(&s, max_seq, chunk);
         let arena = Arena {
             x: gpu.zeros(lens.rows_hidden)?,
@@ -158,9 +155,12 @@ impl CudaBackend {
             attn_counts: gpu.zeros(lens.attn_counts)?,
             qkv_zeros: gpu.zeros(lens.qkv_zeros)?,
         };
+        // Every slot starts poisoned: the guard slots stay so (checked by kv_guard_intact),
+        // and a kernel that read an unwritten slot would turn the logits into NaN.
+        let kv_len = s.n_layers * kv_stride(max_seq) * s.kv_dim();
         let mut backend = Self {
-            k_cache: gpu.upload(&poison)?,
-            v_cache: gpu.upload(&poison)?,
+            k_cache: gpu.filled_u16(kv_len, KV_POISON)?,
+            v_cache: gpu.filled_u16(kv_len, KV_POISON)?,
             rope_cos: gpu.upload(&rope.cos)?,
             rope_sin: gpu.upload(&rope.sin)?,
             state: gpu.zeros(lens.state)?,

@@ -91,7 +91,7 @@ pub(super) fn matrix(
     Ok(Some(Nf4Matrix {
         rows,
         cols,
-        packed: packed.to_vec(),
+        packed: copy_out(packed),
         absmax,
     }))
 }
@@ -121,6 +121,18 @@ fn nested_absmax(sh: &Shards, name: &str, state: &Value, blocks: usize) -> Resul
         .enumerate()
         .map(|(b, &c)| map[c as usize] * scales[b / group] + offset)
         .collect())
+}
+
+/// The codes out of the map, on every core (the copy, and the page faults of a map read for
+/// the first time, are the bulk of such a load).
+fn copy_out(codes: &[u8]) -> Vec<u8> {
+    const PIECE: usize = 1 << 20;
+    let mut out = vec![0u8; codes.len()];
+    crate::par::for_rows(&mut out, PIECE, PIECE, |first, piece| {
+        let at = first * PIECE;
+        piece.copy_from_slice(&codes[at..at + piece.len()]);
+    });
+    out
 }
 
 /// An f32 tensor of exactly `len` elements (any shape).
