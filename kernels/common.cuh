@@ -15,11 +15,13 @@ typedef unsigned int u32;
 // Shapes and state indices shared with the host are -D options from src/cuda/kernels.rs
 // (`shared_defines`), so the two sides cannot drift: GEMV_THREADS, ATTN_THREADS, MAX_HEAD_DIM,
 // ATTN2_CHUNK, ATTN2_MAX_GROUP, ATTN2_MAX_GROUP_X_HD, ATTN2_MAX_CHUNKS and STATE_TOKEN,
-// STATE_POSITION, STATE_VALID_LEN, STATE_NEXT_TOKEN, STATE_FINISHED, STATE_RING_COUNT.
+// STATE_POSITION, STATE_VALID_LEN, STATE_NEXT_TOKEN, STATE_FINISHED, STATE_RING_COUNT,
+// STATE_NONFINITE.
 #if !defined(GEMV_THREADS) || !defined(ATTN_THREADS) || !defined(MAX_HEAD_DIM) || !defined(ATTN2_CHUNK) || \
     !defined(ATTN2_MAX_GROUP) || !defined(ATTN2_MAX_GROUP_X_HD) || !defined(ATTN2_MAX_CHUNKS) ||            \
     !defined(STATE_TOKEN) || !defined(STATE_POSITION) || !defined(STATE_VALID_LEN) ||                      \
-    !defined(STATE_NEXT_TOKEN) || !defined(STATE_FINISHED) || !defined(STATE_RING_COUNT)
+    !defined(STATE_NEXT_TOKEN) || !defined(STATE_FINISHED) || !defined(STATE_RING_COUNT) ||               \
+    !defined(STATE_NONFINITE)
 #error "the host passes the shared constants as -D options (src/cuda/kernels.rs)"
 #endif
 #if !defined(GEMM_WARPS) || !defined(ATTNM_WARPS) || !defined(ATTNP_THREADS) || \
@@ -456,6 +458,12 @@ __device__ __forceinline__ void block_argmax(float& best, int& best_i) {
 // thread 0: that pair goes to scratch (1 + 2 * gridDim.x words: an arrival count, then the
 // pairs), and the CTA that arrives last takes the argmax over the pairs in CTA order, resets
 // the count and returns true, the winner in its thread 0; the other CTAs return false.
+// A logit of this forward is inf or NaN: STATE_NONFINITE becomes 1 + the forward's position
+// unless an earlier forward's is there (the host reads and clears it with the state).
+__device__ __forceinline__ void mark_non_finite(int* state) {
+    atomicCAS(&state[STATE_NONFINITE], 0, state[STATE_POSITION] + 1);
+}
+
 __device__ __forceinline__ bool argmax_across_ctas(float& best, int& best_i, int* scratch) {
     __shared__ bool last;
     if (threadIdx.x == 0) {

@@ -492,6 +492,7 @@ struct LogitRows {
     __device__ float store(int r, const float* s, RowEpi) const { return store(r, s); }
     __device__ float store(int r, const float* s) const {
         y[r] = s[0];
+        if (!isfinite(s[0])) mark_non_finite(state);
         if (s[0] > best || (best_i < 0 && s[0] == s[0])) best = s[0], best_i = r;
         return s[0];
     }

@@ -100,6 +100,7 @@ extern "C" __global__ void argmax_logits(const float* __restrict__ logits, int n
     float best = NEG_INF;
     int best_i = -1;
     auto take = [&](float v, int i) {
+        if (!isfinite(v)) mark_non_finite(state);
         if (v > best || (best_i < 0 && v == v)) {
             best = v;
             best_i = i;

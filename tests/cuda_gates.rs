@@ -333,6 +333,49 @@ fn a_shape_the_kernels_refuse_fails_before_any_weight_is_read() {
     assert!(elapsed < 1.0, "{elapsed} s");
 }
 
+/// Issue 32: logits that overflow to inf or NaN on the device are a status, not ids chosen
+/// from them: the prefill reports `NonFinite` (the kernels mark it in the state), and after a
+/// reset the engine reports it again, not a stale mark. (The decode steps after it are not
+/// asserted: on the tensor-core path these weights' sums stay finite and the RMSNorm of the
+/// overflowing residual gives zero logits, which are finite.)
+#[test]
+fn non_finite_logits_on_the_device_are_a_status() {
+    use common::gguf_writer::GgufWriter;
+    let _device = exclusive_device();
+    let mut w = GgufWriter::tiny_llama();
+    for (i, v) in w
+        .tensor_mut("blk.0.ffn_down.weight")
+        .2
+        .iter_mut()
+        .enumerate()
+    {
+        *v = if i % 2 == 0 { 3e38 } else { -3e38 };
+    }
+    let path = std::env::temp_dir().join(format!("dv2-huge-{}.gguf", std::process::id()));
+    std::fs::write(&path, w.bytes()).unwrap();
+    let opts = EngineOptions {
+        backend: BackendKind::Cuda,
+        ..EngineOptions::default()
+    };
+    let loaded = Engine::load_file(&path, &opts);
+    std::fs::remove_file(&path).unwrap();
+    let Some(mut e) = cuda_or_skip("engine with huge weights", loaded) else {
+        return;
+    };
+    for round in 0..2 {
+        match e.prefill(&[1, 2, 3]) {
+            Err(Error::NonFinite(m)) => assert!(m.contains("inf or NaN"), "{m}"),
+            other => panic!("round {round}: prefill gave {other:?}"),
+        }
+        let mut ids = [0u32; 3];
+        match e.step_n(&mut ids) {
+            Ok(_) | Err(Error::NonFinite(_)) => {}
+            Err(other) => panic!("round {round}: steps after: {other}"),
+        }
+        e.reset().unwrap();
+    }
+}
+
 /// Issue 31: the Qwen2.5-32B shape (down's K = 27,648, past GEMV v2's) loads and decodes: 8
 /// greedy ids after a 4-token prompt, each step's logits within the cap of the oracle's
 /// (teacher-forced on the engine's ids), the ids the oracle's but for near-ties; the device

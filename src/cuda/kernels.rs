@@ -99,6 +99,9 @@ pub mod state {
     pub const FINISHED: usize = 4;
     /// Ids appended to the step ring by the current step_n.
     pub const RING_COUNT: usize = 5;
+    /// 0, or 1 + the position of the first forward since the host last cleared it whose
+    /// logits held inf or NaN (set by the argmax kernels).
+    pub const NONFINITE: usize = 6;
     /// Length of the buffer.
     pub const LEN: usize = 8;
 }
@@ -156,6 +159,7 @@ fn shared_defines() -> Vec<String> {
         ("STATE_NEXT_TOKEN", state::NEXT_TOKEN),
         ("STATE_FINISHED", state::FINISHED),
         ("STATE_RING_COUNT", state::RING_COUNT),
+        ("STATE_NONFINITE", state::NONFINITE),
     ];
     values
         .iter()

@@ -92,6 +92,9 @@ pub struct CudaBackend {
     pub(super) position: Option<usize>,
     /// Prompt tokens per prefill chunk; 0: one token at a time through the decode step.
     pub(super) chunk: usize,
+    /// The position of the first forward whose logits held inf or NaN, not yet taken by the
+    /// engine ([`Backend::take_non_finite`]).
+    non_finite: Option<usize>,
     /// Free device memory on the context before the load ([`Backend::device_used_bytes`]).
     free_at_open: usize,
     /// Host time of the eager probe step and the graph capture at load (0 without a graph).
@@ -175,6 +178,7 @@ impl CudaBackend {
             chunk,
             warmup_ms: 0.0,
             free_at_open: free,
+            non_finite: None,
             ops,
         };
         backend.ops.attn_long &= max_seq >= ATTNL_FROM;
@@ -463,6 +467,25 @@ impl CudaBackend {
         Ok(v.try_into().expect("state length"))
     }
 
+    /// The state after forwards: keeps the first non-finite position the kernels marked, and
+    /// clears the mark on the device for the next ones.
+    fn read_state_after_forwards(&mut self) -> Result<[i32; state::LEN]> {
+        let st = self.read_state()?;
+        if st[state::NONFINITE] != 0 {
+            self.non_finite
+                .get_or_insert(st[state::NONFINITE] as usize - 1);
+            self.ops
+                .gpu
+                .stream
+                .memcpy_htod(
+                    &[0i32],
+                    &mut self.state.slice_mut(state::NONFINITE..state::NONFINITE + 1),
+                )
+                .map_err(driver_error("state clear"))?;
+        }
+        Ok(st)
+    }
+
     /// True while every KV guard slot (one past max_seq-1 in each layer) holds its poison:
     /// nothing was ever written past the last valid slot.
     pub fn kv_guard_intact(&self) -> Result<bool> {
@@ -535,7 +558,7 @@ impl Backend for CudaBackend {
         }
         let eos = self.eos;
         launch!(self.ops.gpu, &self.ops.k.finish_prefill, one_cta(1); state, eos)?;
-        self.ops.gpu.sync()?;
+        self.read_state_after_forwards()?;
         self.position = Some(start + ids.len());
         Ok(())
     }
@@ -557,7 +580,7 @@ impl Backend for CudaBackend {
                 (None, _) => self.record_step(long)?,
             }
         }
-        let st = self.read_state()?;
+        let st = self.read_state_after_forwards()?;
         self.position = Some(st[state::POSITION] as usize);
         let done = st[state::RING_COUNT] as usize;
         let ring = self.ops.gpu.download(&self.arena.ring, done)?;
@@ -590,6 +613,10 @@ impl Backend for CudaBackend {
 
     fn kv_guard_intact(&mut self) -> Result<bool> {
         CudaBackend::kv_guard_intact(self)
+    }
+
+    fn take_non_finite(&mut self) -> Option<usize> {
+        self.non_finite.take()
     }
 
     fn device_free_bytes(&mut self) -> Result<Option<usize>> {

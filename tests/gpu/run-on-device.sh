@@ -3,10 +3,11 @@
 # .device/ here: every packed test with DV2_REQUIRE_CUDA=1, the C and Python examples with
 # --backend cuda, and compute-sanitizer memcheck/racecheck on the C example.
 # Logs go to $OUT (or ./device-logs).
-# Usage: bash tests/gpu/run-on-device.sh [suite] [switches] [examples] [sanitize] [big]
+# Usage: bash tests/gpu/run-on-device.sh [suite] [switches] [examples] [sanitize] [soak] [big]
 #   (no part named: suite, switches and examples; "sanitize" alone: those and the sanitizers;
-#   the parts can go in separate device calls, the switch sweep being the longest; "big": the
-#   Qwen2.5-32B shape against the oracle, minutes and ~40 GB of host memory, only when named)
+#   the parts can go in separate device calls, the switch sweep being the longest; "soak": the
+#   GPU soak (tests/cuda_soak.rs) and "big": the Qwen2.5-32B shape against the oracle, minutes
+#   and ~40 GB of host memory, each only when named)
 set -uo pipefail
 parts=" $* "
 [[ $parts == "  " || $parts == " sanitize " ]] && parts=" suite switches examples $* "
@@ -71,6 +72,11 @@ if want sanitize; then
       && echo "compute-sanitizer $tool (long-context attention): ok" || { echo "compute-sanitizer $tool (long-context attention): FAILED"; status=1; }
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|test result" "$out/sanitizer-$tool-long.log" | tail -3
   done
+fi
+if want soak; then
+  .device/tests/cuda_soak --nocapture --ignored --test-threads=1 > "$out/soak.log" 2>&1 \
+    && echo "GPU soak: ok" || { echo "GPU soak: FAILED"; status=1; }
+  grep -E "soak:|cycles|engines in|test result|panicked" "$out/soak.log" | tail -8
 fi
 if want big; then
   .device/tests/cuda_gates --nocapture --ignored --exact qwen25_32b_shape_decodes_like_the_oracle \
