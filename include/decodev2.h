@@ -61,6 +61,12 @@ typedef enum dv2_status {
   DV2_ERR_INTERNAL = 99,
 } dv2_status;
 
+// Limits of the ABI.
+typedef enum dv2_limits {
+  // The most alternatives dv2_logprobs gives per call (OpenAI's `top_logprobs` limit).
+  DV2_MAX_TOP_LOGPROBS = 20,
+} dv2_limits;
+
 // Backend choice in `dv2_options.backend`.
 typedef enum dv2_backend {
   // CUDA when a device is present and the model fits, else CPU.
@@ -287,6 +293,24 @@ enum dv2_status dv2_next_token(struct dv2_engine *engine, int32_t *out_id);
 // # Safety
 // `out` has room for `n_out` floats.
 enum dv2_status dv2_logits(struct dv2_engine *engine, float *out, size_t n_out);
+
+// Log-probabilities under the last forward's distribution: the log-softmax of its logits,
+// before penalties, temperature and truncation (what the model says; OpenAI's `logprobs`).
+// `*out_logprob` (may be NULL) receives that of `id`; `top_ids[0 .. n_top]` and
+// `top_logprobs[0 .. n_top]` the `n_top` most likely ids, most likely first (the lower id
+// first on a tie), fewer than `n_top` only where the vocabulary is smaller. `n_top` in 0 ..=
+// DV2_MAX_TOP_LOGPROBS; the two arrays may be NULL when it is 0. On CUDA the logits are read
+// back: call it per step where logprobs are wanted. DV2_ERR_INVALID_STATE before any prefill.
+//
+// # Safety
+// `out_logprob` NULL or writable; `top_ids` and `top_logprobs` NULL or with room for `n_top`
+// values each.
+enum dv2_status dv2_logprobs(struct dv2_engine *engine,
+                             int32_t id,
+                             int32_t n_top,
+                             float *out_logprob,
+                             int32_t *top_ids,
+                             float *top_logprobs);
 
 // Tokens in the KV cache for the current request (the next slot a step writes).
 //

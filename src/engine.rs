@@ -327,6 +327,15 @@ impl Engine {
         self.run(|b| b.next_token())
     }
 
+    /// Log-probabilities under the last forward's logits: of `id`, and the `n_top` most likely
+    /// ids (see [`crate::sampling::logprobs`]). On CUDA this reads the logits back: a call per
+    /// step where they are wanted, not in the resident loop.
+    pub fn logprobs(&mut self, id: u32, n_top: usize) -> Result<crate::sampling::Logprobs> {
+        let mut logits = vec![0f32; self.spec.vocab];
+        self.logits(&mut logits)?;
+        crate::sampling::logprobs(&logits, id, n_top)
+    }
+
     /// Copies the last forward's logits into `out` (`vocab` values).
     pub fn logits(&mut self, out: &mut [f32]) -> Result<()> {
         if out.len() != self.spec.vocab {

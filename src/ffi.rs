@@ -94,6 +94,16 @@ fn status_of(e: &Error) -> dv2_status {
     }
 }
 
+/// Limits of the ABI.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum dv2_limits {
+    /// The most alternatives dv2_logprobs gives per call (OpenAI's `top_logprobs` limit).
+    DV2_MAX_TOP_LOGPROBS = 20,
+}
+use dv2_limits::DV2_MAX_TOP_LOGPROBS;
+const _: () = assert!(DV2_MAX_TOP_LOGPROBS as usize == crate::sampling::MAX_TOP_LOGPROBS);
+
 /// Backend choice in `dv2_options.backend`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -769,6 +779,58 @@ pub unsafe extern "C" fn dv2_logits(
             }
             // SAFETY: non-null with room for n_out >= vocab floats by contract.
             e.logits(std::slice::from_raw_parts_mut(out, vocab))
+        })
+    }
+}
+
+/// Log-probabilities under the last forward's distribution: the log-softmax of its logits,
+/// before penalties, temperature and truncation (what the model says; OpenAI's `logprobs`).
+/// `*out_logprob` (may be NULL) receives that of `id`; `top_ids[0 .. n_top]` and
+/// `top_logprobs[0 .. n_top]` the `n_top` most likely ids, most likely first (the lower id
+/// first on a tie), fewer than `n_top` only where the vocabulary is smaller. `n_top` in 0 ..=
+/// DV2_MAX_TOP_LOGPROBS; the two arrays may be NULL when it is 0. On CUDA the logits are read
+/// back: call it per step where logprobs are wanted. DV2_ERR_INVALID_STATE before any prefill.
+///
+/// # Safety
+/// `out_logprob` NULL or writable; `top_ids` and `top_logprobs` NULL or with room for `n_top`
+/// values each.
+#[no_mangle]
+pub unsafe extern "C" fn dv2_logprobs(
+    engine: *mut dv2_engine,
+    id: i32,
+    n_top: i32,
+    out_logprob: *mut f32,
+    top_ids: *mut i32,
+    top_logprobs: *mut f32,
+) -> dv2_status {
+    // SAFETY: forwarded contract.
+    unsafe {
+        with_engine(engine, |e| {
+            let n = usize::try_from(n_top)
+                .ok()
+                .filter(|n| *n <= DV2_MAX_TOP_LOGPROBS as usize)
+                .ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                        "n_top = {n_top} (0 to {})",
+                        DV2_MAX_TOP_LOGPROBS as usize
+                    ))
+                })?;
+            if n > 0 {
+                require(top_ids, "top_ids")?;
+                require(top_logprobs, "top_logprobs")?;
+            }
+            let id = u32::try_from(id)
+                .map_err(|_| Error::InvalidArgument(format!("id {id} is negative")))?;
+            let lp = e.logprobs(id, n)?;
+            if !out_logprob.is_null() {
+                write_out(out_logprob, "out_logprob", lp.id)?;
+            }
+            for (i, (top_id, logprob)) in lp.top.into_iter().enumerate() {
+                // SAFETY: i < n_top, for which both arrays have room by contract.
+                *top_ids.add(i) = top_id as i32;
+                *top_logprobs.add(i) = logprob;
+            }
+            Ok(())
         })
     }
 }

@@ -189,6 +189,58 @@ impl Sampling {
     }
 }
 
+/// The most top alternatives [`logprobs`] gives (OpenAI's `top_logprobs` limit).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// Log-probabilities of a forward's distribution, the log-softmax of its raw logits (before
+/// penalties, temperature and truncation: what the model says, as OpenAI's `logprobs` give).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Logprobs {
+    /// That of the id asked about.
+    pub id: f32,
+    /// The `n_top` most likely ids, most likely first (the lower id first on a tie).
+    pub top: Vec<(u32, f32)>,
+}
+
+/// [`Logprobs`] of `id` and the `n_top` (at most [`MAX_TOP_LOGPROBS`]) most likely ids under
+/// `logits`; the normalizer summed in f64.
+pub fn logprobs(logits: &[f32], id: u32, n_top: usize) -> Result<Logprobs> {
+    if id as usize >= logits.len() {
+        return Err(Error::InvalidArgument(format!(
+            "id {id} is out of range (vocab {})",
+            logits.len()
+        )));
+    }
+    if n_top > MAX_TOP_LOGPROBS {
+        return Err(Error::InvalidArgument(format!(
+            "n_top = {n_top} (at most {MAX_TOP_LOGPROBS})"
+        )));
+    }
+    let max = logits.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v)) as f64;
+    let log_z = max
+        + logits
+            .iter()
+            .map(|&l| (l as f64 - max).exp())
+            .sum::<f64>()
+            .ln();
+    let logprob = |i: u32| (logits[i as usize] as f64 - log_z) as f32;
+    let by_logit = |a: &u32, b: &u32| {
+        logits[*b as usize]
+            .total_cmp(&logits[*a as usize])
+            .then(a.cmp(b))
+    };
+    let mut order: Vec<u32> = (0..logits.len() as u32).collect();
+    if n_top > 0 && n_top < order.len() {
+        order.select_nth_unstable_by(n_top - 1, by_logit);
+    }
+    order.truncate(n_top);
+    order.sort_unstable_by(by_logit);
+    Ok(Logprobs {
+        id: logprob(id),
+        top: order.into_iter().map(|i| (i, logprob(i))).collect(),
+    })
+}
+
 /// Philox4x32-10 (Salmon et al., SC'11) of `counter` under `key`: four 32-bit words.
 pub fn philox4x32(counter: [u32; 4], key: [u32; 2]) -> [u32; 4] {
     const M0: u64 = 0xD251_1F53;
@@ -295,6 +347,23 @@ mod tests {
             let err = bad.validate().unwrap_err();
             assert!(err.to_string().contains(field), "{err}");
         }
+    }
+
+    #[test]
+    fn logprobs_are_the_log_softmax_and_the_top_ids_in_order() {
+        let logits = [1.0f32, 3.0, 3.0, -2.0, 0.5];
+        let z: f64 = logits.iter().map(|&l| (l as f64).exp()).sum();
+        let want = |i: usize| (logits[i] as f64 - z.ln()) as f32;
+        let lp = logprobs(&logits, 4, 3).unwrap();
+        assert_eq!(lp.id, want(4));
+        // The tie between ids 1 and 2 goes to the lower id first.
+        assert_eq!(lp.top, vec![(1, want(1)), (2, want(2)), (0, want(0))]);
+        let total: f64 = (0..5).map(|i| (want(i) as f64).exp()).sum();
+        assert!((total - 1.0).abs() < 1e-6, "{total}");
+        assert_eq!(logprobs(&logits, 0, 0).unwrap().top, vec![]);
+        assert_eq!(logprobs(&logits, 0, 9).unwrap().top.len(), 5);
+        assert!(logprobs(&logits, 5, 1).is_err());
+        assert!(logprobs(&logits, 0, MAX_TOP_LOGPROBS + 1).is_err());
     }
 
     #[test]

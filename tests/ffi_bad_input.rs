@@ -1245,3 +1245,87 @@ fn sampling_with_bad_input() {
     // SAFETY: a live handle.
     unsafe { dv2_free(h) };
 }
+
+/// dv2_logprobs: a NULL handle, no forward yet, n_top outside 0..=20, an id outside the
+/// vocabulary, NULL arrays with n_top > 0 are each refused, the handle stays usable; a good
+/// call gives the greedy id's log-probability as the top one, in order, summing to at most 1.
+#[test]
+fn logprobs_refuse_bad_arguments_and_give_the_log_softmax() {
+    let (h, case) = tiny();
+    let (mut lp, mut ids, mut lps) = (0f32, [0i32; 20], [0f32; 20]);
+    // SAFETY: valid buffers; the handle is valid or NULL as each case says.
+    unsafe {
+        expect(
+            dv2_logprobs(
+                null_mut(),
+                0,
+                1,
+                &mut lp,
+                ids.as_mut_ptr(),
+                lps.as_mut_ptr(),
+            ),
+            DV2_ERR_NULL_POINTER,
+            "engine",
+        );
+        expect(
+            dv2_logprobs(h, 0, 1, &mut lp, ids.as_mut_ptr(), lps.as_mut_ptr()),
+            DV2_ERR_INVALID_STATE,
+            "prefill",
+        );
+        let prompt: Vec<i32> = case.prompt.iter().map(|&i| i as i32).collect();
+        let mut next = -1;
+        assert_eq!(
+            dv2_prefill(h, prompt.as_ptr(), prompt.len(), &mut next),
+            DV2_OK
+        );
+        for (id, n_top, needle) in [
+            (0, 21, "n_top"),
+            (0, -1, "n_top"),
+            (32, 1, "out of range"),
+            (-1, 1, "negative"),
+        ] {
+            expect(
+                dv2_logprobs(h, id, n_top, &mut lp, ids.as_mut_ptr(), lps.as_mut_ptr()),
+                DV2_ERR_INVALID_ARGUMENT,
+                needle,
+            );
+        }
+        expect(
+            dv2_logprobs(h, 0, 2, &mut lp, null_mut(), lps.as_mut_ptr()),
+            DV2_ERR_NULL_POINTER,
+            "top_ids",
+        );
+        expect(
+            dv2_logprobs(h, 0, 2, &mut lp, ids.as_mut_ptr(), null_mut()),
+            DV2_ERR_NULL_POINTER,
+            "top_logprobs",
+        );
+        assert_eq!(
+            dv2_logprobs(h, next, 0, &mut lp, null_mut(), null_mut()),
+            DV2_OK,
+            "{}",
+            last_error()
+        );
+        assert_eq!(
+            dv2_logprobs(h, next, 20, null_mut(), ids.as_mut_ptr(), lps.as_mut_ptr()),
+            DV2_OK
+        );
+        assert_eq!(
+            (ids[0], lps[0]),
+            (next, lp),
+            "the greedy id is the most likely"
+        );
+        assert!(lps.windows(2).all(|w| w[0] >= w[1]), "{lps:?}");
+        let total: f32 = lps.iter().map(|l| l.exp()).sum();
+        assert!(total <= 1.0 + 1e-5 && lp < 0.0, "{total} {lp}");
+        // Still usable: a step and its logprobs.
+        let mut id = -1;
+        assert_eq!(dv2_step(h, &mut id), DV2_OK);
+        assert_eq!(
+            dv2_logprobs(h, id, 1, &mut lp, ids.as_mut_ptr(), lps.as_mut_ptr()),
+            DV2_OK
+        );
+        assert_eq!(ids[0], id);
+        dv2_free(h);
+    }
+}
