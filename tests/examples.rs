@@ -106,7 +106,7 @@ fn venv() -> PathBuf {
             let _ = std::fs::remove_dir_all(&venv);
             run(Command::new("python3").args(["-m", "venv"]).arg(&venv));
             run(Command::new(venv.join("bin/pip"))
-                .args(["install", "-q", "openai"])
+                .args(["install", "-q", "openai", "llm"])
                 .arg(format!("{}[server]", root().join("python").display()))
                 .env("DV2_LIB", lib_dir().join("libdecodev2.so")));
             for built in ["python/build", "python/decodev2.egg-info"] {
@@ -166,9 +166,12 @@ fn python_package_installs_into_a_fresh_venv() {
     }
 }
 
-/// `decodev2 serve` on SmolLM2 (CPU) from the fresh venv ([`venv`]), driven by the
-/// official `openai` client and raw HTTP (tests/server/openai_clients.py): a chat answer with
-/// "Paris", a stream of several chunks, a stop string, seeds, 4xx JSON errors.
+/// `decodev2 serve` on SmolLM2 (CPU) from the fresh venv ([`venv`]), driven by real clients:
+/// the official `openai` client and raw HTTP (tests/server/openai_clients.py: a chat answer with
+/// "Paris", a stream of several chunks, a stop string, seeds, logprobs, 4xx JSON errors); the
+/// `llm` command line with the server as an OpenAI-compatible model; then load
+/// (tests/server/load_clients.py: 400 sequential requests and two bursts of 10 concurrent
+/// clients, the server's RSS flat).
 #[test]
 fn openai_client_talks_to_the_server() {
     let Some(model) = common::smollm2_path() else {
@@ -194,22 +197,57 @@ fn openai_client_talks_to_the_server() {
         std::thread::sleep(std::time::Duration::from_millis(100));
         std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
     });
+    let base = format!("http://127.0.0.1:{port}");
+    let llm_home = std::env::temp_dir().join(format!("dv2-llm-{}", std::process::id()));
+    std::fs::create_dir_all(&llm_home).unwrap();
+    let served = model.file_name().unwrap().to_string_lossy().into_owned();
+    std::fs::write(
+        llm_home.join("extra-openai-models.yaml"),
+        format!("- model_id: decodev2\n  model_name: {served}\n  api_base: \"{base}/v1\"\n"),
+    )
+    .unwrap();
+    let output = |cmd: &mut Command| {
+        let out = cmd.output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        println!("{text}");
+        (out.status.success(), text)
+    };
     let result = up.then(|| {
-        Command::new(venv.join("bin/python"))
-            .arg(root().join("tests/server/openai_clients.py"))
-            .arg(format!("http://127.0.0.1:{port}"))
-            .output()
-            .unwrap()
+        let clients = output(
+            Command::new(venv.join("bin/python"))
+                .arg(root().join("tests/server/openai_clients.py"))
+                .arg(&base),
+        );
+        let llm = output(
+            Command::new(venv.join("bin/llm"))
+                .args(["-m", "decodev2", "What is the capital of France?"])
+                .args(["-o", "max_tokens", "30", "-o", "temperature", "0"])
+                .env("LLM_USER_PATH", &llm_home)
+                .env("OPENAI_API_KEY", "unused"),
+        );
+        let load = output(
+            Command::new(venv.join("bin/python"))
+                .arg(root().join("tests/server/load_clients.py"))
+                .arg(&base)
+                .arg(server.id().to_string()),
+        );
+        (clients, llm, load)
     });
     server.kill().unwrap();
     server.wait().unwrap();
-    let out = result.expect("the server did not listen within 60 s");
-    let text =
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    println!("{text}");
+    let _ = std::fs::remove_dir_all(&llm_home);
+    let (clients, llm, load) = result.expect("the server did not listen within 60 s");
     assert!(
-        out.status.success() && text.contains("all checks passed"),
-        "{text}"
+        clients.0 && clients.1.contains("all checks passed"),
+        "{}",
+        clients.1
+    );
+    assert!(llm.0 && llm.1.contains("Paris"), "llm: {}", llm.1);
+    assert!(
+        load.0 && load.1.contains("all load checks passed"),
+        "{}",
+        load.1
     );
 }
 

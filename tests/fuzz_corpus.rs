@@ -116,4 +116,69 @@ fn write_seeds_if_asked() {
         std::fs::write(corpus("hf").join(format!("seed-{arch}")), input).unwrap();
         std::fs::remove_dir_all(&dir).unwrap();
     }
+    // A bitsandbytes 4-bit directory (decodev2's writer), its down_proj with nested scales.
+    let dir = scratch("bnb");
+    let model = decodev2::synth::build(&decodev2::arch::TINY_LLAMA, 1).unwrap();
+    decodev2::save::write_bnb_dir(&model, &dir).unwrap();
+    let weights = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&weights).unwrap();
+    let mut tensors: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec()))
+        .collect();
+    let down = "model.layers.0.mlp.down_proj.weight";
+    let f32s = |v: Vec<f32>| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    for t in tensors.iter_mut() {
+        if t.0 == format!("{down}.absmax") {
+            let blocks = t.3.len() / 4;
+            *t = (
+                t.0.clone(),
+                safetensors::Dtype::U8,
+                vec![blocks],
+                (0..blocks).map(|b| b as u8).collect(),
+            );
+        } else if t.0 == format!("{down}.quant_state.bitsandbytes__nf4") {
+            let state = format!(
+                r#"{{"quant_type": "nf4", "blocksize": 64, "dtype": "float32", "shape": [64, 128], "nested_blocksize": 256, "nested_dtype": "float32", "nested_offset": 0.25}}"#
+            );
+            *t = (
+                t.0.clone(),
+                safetensors::Dtype::U8,
+                vec![state.len()],
+                state.into_bytes(),
+            );
+        }
+    }
+    tensors.push((
+        format!("{down}.nested_absmax"),
+        safetensors::Dtype::F32,
+        vec![1],
+        f32s(vec![0.5]),
+    ));
+    let map: Vec<f32> = (0..256).map(|i| i as f32 / 256.0).collect();
+    tensors.push((
+        format!("{down}.nested_quant_map"),
+        safetensors::Dtype::F32,
+        vec![256],
+        f32s(map),
+    ));
+    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+        .iter()
+        .map(|(n, d, sh, b)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*d, sh.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    let weights = safetensors::serialize(views, None).unwrap();
+    std::fs::write(dir.join("model.safetensors"), &weights).unwrap();
+    let mut input = std::fs::read(dir.join("config.json")).unwrap();
+    input.extend_from_slice(targets::HF_SEPARATOR);
+    input.extend_from_slice(targets::HF_SEPARATOR);
+    input.extend(weights);
+    decodev2::load::load(&dir).expect("the bnb seed loads");
+    std::fs::write(corpus("hf").join("seed-bnb-nf4"), input).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
 }

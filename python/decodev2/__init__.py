@@ -69,6 +69,8 @@ for name, restype, argtypes in [
     ("dv2_step_n", ctypes.c_int, [_P, ctypes.c_size_t, _I32P, ctypes.POINTER(ctypes.c_size_t)]),
     ("dv2_next_token", ctypes.c_int, [_P, _I32P]),
     ("dv2_logits", ctypes.c_int, [_P, ctypes.POINTER(ctypes.c_float), ctypes.c_size_t]),
+    ("dv2_logprobs", ctypes.c_int, [_P, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_float), _I32P,
+                                    ctypes.POINTER(ctypes.c_float)]),
     ("dv2_position", ctypes.c_int, [_P, _I32P]),
     ("dv2_finished", ctypes.c_int, [_P, _I32P]),
     ("dv2_get_model_info", ctypes.c_int, [_P, ctypes.POINTER(ModelInfo)]),
@@ -215,6 +217,51 @@ class Engine:
         out = (ctypes.c_float * self.info.vocab)()
         _check(lib.dv2_logits(self._h, out, self.info.vocab), "dv2_logits")
         return list(out)
+
+    def logprobs(self, token_id, n_top=0):
+        """Log-probabilities under the last forward's logits (before penalties, temperature and
+        truncation): (that of token_id, [(id, logprob)] of the n_top most likely, most likely
+        first). Call it right after the prefill or step that returned token_id."""
+        lp = ctypes.c_float()
+        ids, lps = (ctypes.c_int32 * max(n_top, 1))(), (ctypes.c_float * max(n_top, 1))()
+        _check(lib.dv2_logprobs(self._h, token_id, n_top, ctypes.byref(lp), ids, lps), "dv2_logprobs")
+        count = min(n_top, self.info.vocab)
+        return lp.value, list(zip(ids[:count], lps[:count]))
+
+    def generate(self, prompt, max_tokens=256, chat=False, **sampling):
+        """Starts a new request and yields its reply as text, piece by piece, as it is decoded.
+        `prompt`: text, a list of ids, or with chat=True a list of {"role", "content"} messages
+        put through the model's chat template. Sampling settings as set_sampling (none given:
+        those already set; the default is greedy). Stops after max_tokens ids, at max_seq, or at
+        the model's end of generation (not yielded)."""
+        if chat:
+            ids = self.tokenize(self.chat(prompt), add_special=True, parse_special=True)
+        elif isinstance(prompt, (str, bytes)):
+            ids = self.tokenize(prompt)
+        else:
+            ids = list(prompt)
+        self.reset()
+        if sampling:
+            self.set_sampling(**sampling)
+        stream = TextStream()
+        next_id = self.prefill(ids)
+        for n in range(max_tokens):
+            if self.finished() or self._ends(next_id):
+                return
+            text = stream.push(self.piece(next_id))
+            if text:
+                yield text
+            if n + 1 == max_tokens or self.position() >= self.info.max_seq:
+                return
+            next_id = self.step()
+
+    def _ends(self, token_id):
+        """Whether token_id ends a generation (the model file's end-of-generation ids; none
+        without a tokenizer)."""
+        try:
+            return self.is_eog(token_id)
+        except Dv2Error:
+            return False
 
     def position(self):
         out = ctypes.c_int32()

@@ -7,7 +7,7 @@ Options: --backend auto|cpu|cuda, --temperature T, --top-p P, --seed S, --max-se
 import argparse
 import sys
 
-from . import BACKENDS, Engine, TextStream
+from . import BACKENDS, Engine
 
 
 def _engine(args):
@@ -17,17 +17,12 @@ def _engine(args):
     return e
 
 
-def _stream(e, ids, tokens, out):
-    """Feeds ids, then writes up to `tokens` generated pieces as text; stops at the model's end
-    of generation (not written)."""
-    stream = TextStream()
-    next_id = e.prefill(ids)
-    for _ in range(tokens):
-        if e.finished() or e.position() >= e.info.max_seq:
-            break
-        out.write(stream.push(e.piece(next_id)))
+def _stream(e, prompt, tokens, out, chat=False):
+    """Writes the reply to `prompt` as it is generated (up to `tokens` ids; the model's end of
+    generation is not written)."""
+    for text in e.generate(prompt, max_tokens=tokens, chat=chat):
+        out.write(text)
         out.flush()
-        next_id = e.step()
 
 
 def main(argv=None):
@@ -59,14 +54,12 @@ def main(argv=None):
     with _engine(args) as e:
         if args.command == "generate":
             sys.stdout.write(args.prompt)
-            _stream(e, e.tokenize(args.prompt), args.tokens, sys.stdout)
+            _stream(e, args.prompt, args.tokens, sys.stdout)
             print()
             return 0
         messages = []
         for line in sys.stdin:
             messages.append({"role": "user", "content": line.rstrip("\n")})
-            e.reset()
-            ids = e.tokenize(e.chat(messages), add_special=True, parse_special=True)
             reply = []
 
             class Tee:
@@ -77,7 +70,7 @@ def main(argv=None):
                 def flush(self):
                     sys.stdout.flush()
 
-            _stream(e, ids, args.tokens, Tee())
+            _stream(e, messages, args.tokens, Tee(), chat=True)
             print()
             messages.append({"role": "assistant", "content": "".join(reply)})
     return 0

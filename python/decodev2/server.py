@@ -1,6 +1,6 @@
 """An OpenAI-compatible HTTP server over one loaded model (Starlette on uvicorn): /v1/models,
 /v1/completions and /v1/chat/completions, streamed as server-sent events or not, with
-max_tokens, stop, temperature, top_p and seed. decodev2 decodes batch 1: requests wait their
+max_tokens, stop, temperature, top_p, seed and logprobs. decodev2 decodes batch 1: requests wait their
 turn on one lock and run one at a time in a worker thread.
 
     python -m decodev2 serve MODEL [--host 127.0.0.1] [--port 8000] [--backend auto]
@@ -18,6 +18,8 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from . import Dv2Error, Engine, TextStream
+
+MAX_TOP_LOGPROBS = 20
 
 
 class BadRequest(Exception):
@@ -52,9 +54,8 @@ class Generator:
             stop = [stop]
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
             raise BadRequest("stop must be a non-empty string or a list of up to 4 of them")
-        if body.get("logprobs") not in (None, False, 0):
-            raise BadRequest("logprobs are not supported yet")
         return {
+            "logprobs": self.logprobs_asked(body),
             "max_tokens": _number(body, "max_tokens", 256, 1, 1 << 20, int),
             "temperature": _number(body, "temperature", 1.0, 0.0, 2.0),
             "top_p": _number(body, "top_p", 1.0, 1e-6, 1.0),
@@ -62,10 +63,24 @@ class Generator:
             "stop": stop,
         }
 
+    @staticmethod
+    def logprobs_asked(body):
+        """None, or how many alternatives to give with each token's logprob: the chat API's
+        logprobs (a boolean) with top_logprobs, the completions API's logprobs (a count)."""
+        asked = body.get("logprobs")
+        if asked is None or asked is False:
+            if body.get("top_logprobs") not in (None, 0):
+                raise BadRequest("top_logprobs needs logprobs")
+            return None
+        if asked is True:
+            return _number(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS, int)
+        return _number(body, "logprobs", 0, 0, MAX_TOP_LOGPROBS, int)
+
     def run(self, prompt, p, emit):
-        """Tokenizes prompt() (a (text, chat) pair) and decodes after it, calling emit(text) per
-        piece of text; returns (text, finish_reason, prompt_tokens, completion_tokens). Stops at
-        max_tokens, a stop string (not emitted) or the model's end of generation."""
+        """Tokenizes prompt (a (text, chat) pair) and decodes after it, calling emit(text,
+        tokens) per piece of text, with the logprob entries of the tokens whose text begins in it
+        (where asked); returns (text, finish_reason, prompt_tokens, completion_tokens, tokens).
+        Stops at max_tokens, a stop string (not emitted) or the model's end of generation."""
         with self.lock:
             e = self.engine
             text, chat = prompt
@@ -79,29 +94,65 @@ class Generator:
             if room < 1:
                 raise BadRequest(f"the prompt's {len(ids)} tokens leave no room in max_seq {e.info.max_seq}")
             stream, text, sent, count = TextStream(), "", 0, 0
+            tokens, told = [], 0  # logprob entries, and how many went out
             next_id = e.prefill(ids)
             finish = "length"
             hold = max((len(s) for s in p["stop"]), default=1) - 1
+
+            def out(upto, final=False):
+                nonlocal sent, told
+                new = tokens[told:] if final else [t for t in tokens[told:] if t["offset"] < upto]
+                told += len(new)
+                emit(text[sent:upto], new)
+                sent = upto
+
             while count < min(p["max_tokens"], room):
                 if e.finished():
                     finish = "stop"
                     break
-                text += stream.push(e.piece(next_id))
+                piece = e.piece(next_id)
+                if p["logprobs"] is not None:
+                    lp, top = e.logprobs(next_id, p["logprobs"])
+                    tokens.append({"offset": len(text), "id": next_id, "bytes": piece, "logprob": lp,
+                                   "top": [(i, v, e.piece(i)) for i, v in top]})
+                text += stream.push(piece)
                 count += 1
                 cut = min((text.find(s) for s in p["stop"] if s in text), default=-1)
                 if cut >= 0:
+                    # The tokens that began the stop string go with it.
                     text, finish = text[:cut], "stop"
+                    tokens = [t for t in tokens if t["offset"] < cut]
                     break
                 # Everything but what could still begin a stop string goes out now.
                 safe = len(text) - hold if p["stop"] else len(text)
                 if safe > sent:
-                    emit(text[sent:safe])
-                    sent = safe
+                    out(safe)
                 if count < min(p["max_tokens"], room):
                     next_id = e.step()
-            if len(text) > sent:
-                emit(text[sent:])
-            return text, finish, len(ids), count
+            if len(text) > sent or len(tokens) > told:
+                out(len(text), final=True)
+            return text, finish, len(ids), count, tokens
+
+
+def _token(data):
+    return data.decode("utf-8", errors="replace")
+
+
+def logprobs_of(tokens, chat):
+    """The tokens' logprob entries as the chat API (content: token, logprob, bytes,
+    top_logprobs) or the completions API (tokens, token_logprobs, top_logprobs, text_offset)
+    gives them."""
+    if chat:
+        return {"content": [{
+            "token": _token(t["bytes"]), "logprob": t["logprob"], "bytes": list(t["bytes"]),
+            "top_logprobs": [{"token": _token(b), "logprob": v, "bytes": list(b)} for _, v, b in t["top"]],
+        } for t in tokens]}
+    return {
+        "tokens": [_token(t["bytes"]) for t in tokens],
+        "token_logprobs": [t["logprob"] for t in tokens],
+        "top_logprobs": [{_token(b): v for _, v, b in t["top"]} for t in tokens],
+        "text_offset": [t["offset"] for t in tokens],
+    }
 
 
 def create_app(engine, name):
@@ -145,22 +196,24 @@ def create_app(engine, name):
                 return _error(400, str(err))
             rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
 
-            def choice(text, finish, delta=False):
+            def choice(text, finish, tokens, delta=False):
+                logprobs = None if p["logprobs"] is None else logprobs_of(tokens, chat)
                 if chat:
                     key = "delta" if delta else "message"
                     content = {"content": text} if delta else {"role": "assistant", "content": text}
-                    return {"index": 0, key: content, "finish_reason": finish}
-                return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+                    return {"index": 0, key: content, "logprobs": logprobs, "finish_reason": finish}
+                return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
             if not body.get("stream"):
                 loop = asyncio.get_running_loop()
                 try:
-                    text, finish, n_in, n = await loop.run_in_executor(None, gen.run, prompt, p, lambda _t: None)
+                    text, finish, n_in, n, tokens = await loop.run_in_executor(
+                        None, gen.run, prompt, p, lambda _t, _l: None)
                 except (BadRequest, Dv2Error) as err:
                     return _error(400, str(err))
                 return JSONResponse({
                     "id": rid, "object": kind, "created": created, "model": name,
-                    "choices": [choice(text, finish)],
+                    "choices": [choice(text, finish, tokens)],
                     "usage": {"prompt_tokens": n_in, "completion_tokens": n, "total_tokens": n_in + n},
                 })
 
@@ -169,8 +222,9 @@ def create_app(engine, name):
 
             def work():
                 try:
-                    finish = gen.run(prompt, p, lambda t: loop.call_soon_threadsafe(queue.put_nowait, ("text", t)))[1]
-                    loop.call_soon_threadsafe(queue.put_nowait, ("end", finish))
+                    finish = gen.run(prompt, p, lambda t, lps: loop.call_soon_threadsafe(
+                        queue.put_nowait, ("text", (t, lps))))[1]
+                    loop.call_soon_threadsafe(queue.put_nowait, ("end", ("", [], finish)))
                 except Exception as err:  # noqa: BLE001 - reported in the stream
                     loop.call_soon_threadsafe(queue.put_nowait, ("error", str(err)))
 
@@ -182,9 +236,9 @@ def create_app(engine, name):
                     if what == "error":
                         yield f"data: {json.dumps({'error': {'message': value, 'type': 'server_error'}})}\n\n"
                         break
-                    text, finish = (value, None) if what == "text" else ("", value)
+                    text, tokens, finish = (*value, None) if what == "text" else value
                     data = {"id": rid, "object": chunk, "created": created, "model": name,
-                            "choices": [choice(text, finish, delta=True)]}
+                            "choices": [choice(text, finish, tokens, delta=True)]}
                     yield f"data: {json.dumps(data)}\n\n"
                     if what == "end":
                         break

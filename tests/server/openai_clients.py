@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Drives `decodev2 serve` (already listening at BASE_URL, SmolLM2 on the CPU) with the official
 `openai` client and raw HTTP: a chat answer containing "Paris", a stream of more than one
-chunk, a completion cut at a stop string, and 4xx JSON errors for malformed requests.
+chunk, a completion cut at a stop string, logprobs in the chat and completions formats, and 4xx
+JSON errors for malformed requests.
 Prints one line per check; exits 1 on the first failure.
 
 Usage: python3 tests/server/openai_clients.py BASE_URL"""
@@ -42,6 +43,23 @@ sampled = [client.completions.create(model=model, prompt="Once upon a time", max
 print("seeds:", sampled)
 assert sampled[0] == sampled[1] != sampled[2]
 
+scored = client.chat.completions.create(
+    model=model, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=8,
+    temperature=0, logprobs=True, top_logprobs=3)
+entries = scored.choices[0].logprobs.content
+print("chat logprobs:", [(e.token, round(e.logprob, 3), [t.token for t in e.top_logprobs]) for e in entries])
+assert len(entries) == scored.usage.completion_tokens and "".join(e.token for e in entries).startswith(
+    scored.choices[0].message.content[:1])
+for e in entries:
+    # Greedy: each token is its step's most likely one; alternatives in order, all <= 0.
+    assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == e.logprob, e
+    assert all(a.logprob >= b.logprob for a, b in zip(e.top_logprobs, e.top_logprobs[1:])) and e.logprob <= 0, e
+legacy = client.completions.create(model=model, prompt="The capital of France is", max_tokens=6, temperature=0,
+                                   logprobs=2).choices[0]
+print("completion logprobs:", legacy.logprobs.tokens, legacy.logprobs.token_logprobs)
+assert "".join(legacy.logprobs.tokens) == legacy.text and len(legacy.logprobs.top_logprobs[0]) == 2
+assert legacy.logprobs.text_offset[0] == 0 and all(lp <= 0 for lp in legacy.logprobs.token_logprobs)
+
 try:
     client.chat.completions.create(model=model, messages=[{"role": "user"}], max_tokens=4)
     raise AssertionError("a message without content was accepted")
@@ -59,7 +77,10 @@ def raw(path, data):
 
 
 for path, data in [("/v1/chat/completions", b"{not json"), ("/v1/completions", b'{"prompt": 5}'),
-                   ("/v1/completions", b'{"prompt": "x", "temperature": -1}'), ("/v1/nothing", b"{}")]:
+                   ("/v1/completions", b'{"prompt": "x", "temperature": -1}'),
+                   ("/v1/completions", b'{"prompt": "x", "logprobs": 21}'),
+                   ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}'),
+                   ("/v1/nothing", b"{}")]:
     status, body = raw(path, data)
     print("4xx:", path, status, body)
     assert 400 <= status < 500 and "error" in body, (status, body)
