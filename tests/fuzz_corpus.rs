@@ -139,9 +139,7 @@ fn write_seeds_if_asked() {
                 (0..blocks).map(|b| b as u8).collect(),
             );
         } else if t.0 == format!("{down}.quant_state.bitsandbytes__nf4") {
-            let state = format!(
-                r#"{{"quant_type": "nf4", "blocksize": 64, "dtype": "float32", "shape": [64, 128], "nested_blocksize": 256, "nested_dtype": "float32", "nested_offset": 0.25}}"#
-            );
+            let state = r#"{"quant_type": "nf4", "blocksize": 64, "dtype": "float32", "shape": [64, 128], "nested_blocksize": 256, "nested_dtype": "float32", "nested_offset": 0.25}"#.to_string();
             *t = (
                 t.0.clone(),
                 safetensors::Dtype::U8,
