@@ -9,6 +9,8 @@
 #   GPU soak (tests/cuda_soak.rs) and "big": the Qwen2.5-32B shape against the oracle, minutes
 #   and ~40 GB of host memory, each only when named)
 set -uo pipefail
+# A pack carried as a tarball (tests/gpu/pack-carry.sh) unpacks here first.
+[[ -d .device || ! -f .dz/device.tgz ]] || tar xzf .dz/device.tgz
 parts=" $* "
 [[ $parts == "  " || $parts == " sanitize " ]] && parts=" suite switches examples $* "
 want() { [[ $parts == *" $1 "* ]]; }
