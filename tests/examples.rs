@@ -376,3 +376,37 @@ fn c_example_is_clean_under_valgrind() {
     gates_passed(&text);
     assert!(text.contains("ERROR SUMMARY: 0 errors"), "{text}");
 }
+
+/// examples/convert_bnb: a synthetic model converted once into a bitsandbytes 4-bit directory
+/// loads from it (InternLM2's fused wqkv written as q, k and v) and decodes the same greedy ids
+/// as the model itself, on the CPU.
+#[test]
+fn converted_bnb_directory_decodes_the_same_ids() {
+    use decodev2::engine::{BackendKind, Engine, EngineOptions};
+    if cargo_missing() {
+        return;
+    }
+    let out = std::env::temp_dir().join(format!("dv2-convert-{}", std::process::id()));
+    let text = run(Command::new(lib_dir().join("examples/convert_bnb"))
+        .args(["--synthetic", "tiny_internlm", "5"])
+        .arg(&out));
+    assert!(text.contains("wrote"), "{text}");
+    let opts = EngineOptions {
+        backend: BackendKind::Cpu,
+        ..EngineOptions::default()
+    };
+    let mut engines = [
+        Engine::load_synthetic("tiny_internlm", 5, &opts).unwrap(),
+        Engine::load_file(&out, &opts).unwrap(),
+    ];
+    let ids: Vec<Vec<u32>> = engines
+        .iter_mut()
+        .map(|e| {
+            let mut ids = vec![e.prefill(&[1, 2, 3]).unwrap(), 0, 0, 0, 0, 0, 0, 0];
+            e.step_n(&mut ids[1..]).unwrap();
+            ids
+        })
+        .collect();
+    std::fs::remove_dir_all(&out).unwrap();
+    assert_eq!(ids[0], ids[1]);
+}
