@@ -73,9 +73,34 @@ pub fn kernel_arg<T: DeviceRepr>(value: &T) -> *mut c_void {
     value as *const T as *mut c_void
 }
 
+/// The oldest driver API the library calls: CUDA 12.0 (every kernel launches through
+/// cuLaunchKernelEx). Built and tested against 13.0 only.
+pub const MIN_DRIVER_VERSION: i32 = 12000;
+
+/// The driver's CUDA version as cuDriverGetVersion gives it (12080: 12.8), refused with a
+/// message naming both versions below [`MIN_DRIVER_VERSION`].
+fn check_driver_version() -> Result<()> {
+    let mut version = 0;
+    // SAFETY: writes one int; callable before cuInit.
+    unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut version) }
+        .result()
+        .map_err(driver_error("cuDriverGetVersion"))?;
+    if version < MIN_DRIVER_VERSION {
+        let v = |v: i32| format!("{}.{}", v / 1000, v % 1000 / 10);
+        return Err(Error::BackendUnavailable(format!(
+            "the CUDA driver here implements CUDA {}; decodev2 needs {} or later (update the \
+             NVIDIA driver)",
+            v(version),
+            v(MIN_DRIVER_VERSION)
+        )));
+    }
+    Ok(())
+}
+
 impl Gpu {
     /// Opens device `ordinal` with the capabilities `cfg` allows ([`Capabilities::of`]);
-    /// `BackendUnavailable` when there is no driver or no such device.
+    /// `BackendUnavailable` when there is no driver, a driver older than
+    /// [`MIN_DRIVER_VERSION`], or no such device.
     pub fn open(ordinal: usize, cfg: &Config) -> Result<Self> {
         if !driver_present() {
             return Err(Error::BackendUnavailable(
@@ -83,6 +108,7 @@ impl Gpu {
             ));
         }
         let open = || -> Result<Self> {
+            check_driver_version()?;
             let count = CudaContext::device_count().map_err(driver_error("cuDeviceGetCount"))?;
             if ordinal >= count.max(0) as usize {
                 return Err(Error::BackendUnavailable(format!(
