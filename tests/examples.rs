@@ -117,6 +117,30 @@ fn venv() -> PathBuf {
         .clone()
 }
 
+/// Each failing call raises its status's class (all of them Dv2Error).
+const TYPED_ERRORS: &str = r#"
+import decodev2 as d
+try:
+    d.Engine.synthetic("no_such_preset", backend="cpu")
+except d.InvalidArgumentError as err:
+    assert isinstance(err, d.Dv2Error) and isinstance(err, ValueError)
+    print("preset", err.status)
+e = d.Engine.synthetic("tiny_llama", backend="cpu")
+try:
+    e.step()
+except d.InvalidStateError as err:
+    print("state", err.status)
+try:
+    next(e.generate([1, 2, 3], max_tokens=2))
+except d.UnsupportedError as err:
+    print("text", err.status)
+try:
+    d.Engine.load("/nonexistent/model.gguf", backend="cpu")
+except d.ModelFileError as err:
+    assert isinstance(err, OSError)
+    print("file", err.status)
+"#;
+
 /// `pip install ./python` into a fresh virtual environment ([`venv`]), then `import decodev2`
 /// and the `decodev2` command from another directory, with no path set.
 #[test]
@@ -153,6 +177,19 @@ fn python_package_installs_into_a_fresh_venv() {
     assert!(
         logged.starts_with("1 ('info', 'loaded preset tiny_llama"),
         "{logged}"
+    );
+    // Typed errors, and generate() on a synthetic model (it has no tokenizer, so its text is
+    // refused by type).
+    let typed = run(Command::new(venv.join("bin/python"))
+        .args(["-c", TYPED_ERRORS])
+        .current_dir(std::env::temp_dir()));
+    assert_eq!(
+        typed.trim(),
+        "preset DV2_ERR_UNKNOWN_PRESET
+state DV2_ERR_INVALID_STATE
+text DV2_ERR_UNSUPPORTED
+file DV2_ERR_IO",
+        "{typed}"
     );
     if let Some(model) = common::smollm2_path() {
         let text = run(Command::new(venv.join("bin/decodev2"))

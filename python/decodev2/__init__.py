@@ -97,7 +97,8 @@ for name, restype, argtypes in [
 
 
 class Dv2Error(RuntimeError):
-    """A failing call: `status` is the dv2_status name, the message is dv2_last_error()."""
+    """A failing call: `status` is the dv2_status name, the message is dv2_last_error(). Each
+    status raises its subclass below; catch Dv2Error for any of them."""
 
     def __init__(self, status, call):
         self.status = lib.dv2_status_name(status).decode()
@@ -105,9 +106,55 @@ class Dv2Error(RuntimeError):
         super().__init__(f"{call}: {self.status}: {lib.dv2_last_error().decode()}")
 
 
+class InvalidArgumentError(Dv2Error, ValueError):
+    """NULL_POINTER, INVALID_ARGUMENT, INVALID_SPEC, UNKNOWN_PRESET, ABI_MISMATCH, QUANTIZE."""
+
+
+class InvalidStateError(Dv2Error):
+    """A call out of order (e.g. a step before any prefill)."""
+
+
+class SequenceFullError(Dv2Error):
+    """The request has reached max_seq."""
+
+
+class FinishedError(Dv2Error):
+    """A step after the end of generation (until reset)."""
+
+
+class UnsupportedError(Dv2Error):
+    """A model or setting decodev2 does not compute."""
+
+
+class ModelFileError(Dv2Error, OSError):
+    """IO and MODEL_FILE: a missing, unreadable or malformed model file."""
+
+
+class BackendUnavailableError(Dv2Error):
+    """No CUDA driver or device (or one too old)."""
+
+
+class OutOfMemoryError(Dv2Error, MemoryError):
+    """The model does not fit the device (the message gives both sizes)."""
+
+
+class NonFiniteError(Dv2Error, ArithmeticError):
+    """The logits hold inf or NaN."""
+
+
+class BufferTooSmallError(Dv2Error):
+    """An output buffer too small (the wrapper sizes its buffers; not seen through it)."""
+
+
+_ERRORS = {1: InvalidArgumentError, 2: InvalidArgumentError, 3: InvalidStateError, 4: SequenceFullError,
+           5: FinishedError, 6: InvalidArgumentError, 7: UnsupportedError, 8: ModelFileError, 9: ModelFileError,
+           10: BackendUnavailableError, 11: OutOfMemoryError, 13: InvalidArgumentError, 14: InvalidArgumentError,
+           15: InvalidArgumentError, 16: NonFiniteError, 17: BufferTooSmallError}
+
+
 def _check(status, call):
     if status != DV2_OK:
-        raise Dv2Error(status, call)
+        raise _ERRORS.get(status, Dv2Error)(status, call)
 
 
 LOG_LEVELS = {0: "error", 1: "warn", 2: "info", 3: "debug"}
