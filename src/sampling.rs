@@ -150,18 +150,13 @@ impl Sampling {
     /// The ids left after temperature, top-k, top-p and min-p, most likely first (the lower id
     /// first on a tie), with their probabilities (f64; not renormalized).
     pub fn truncate(&self, logits: &[f32]) -> Vec<(u32, f64)> {
-        let mut order: Vec<u32> = (0..logits.len() as u32).collect();
-        let by_logit = |a: &u32, b: &u32| {
-            logits[*b as usize]
-                .total_cmp(&logits[*a as usize])
-                .then(a.cmp(b))
+        // top_k 0 keeps every id.
+        let k = if self.top_k == 0 {
+            logits.len()
+        } else {
+            self.top_k as usize
         };
-        let k = self.top_k as usize;
-        if k > 0 && k < order.len() {
-            order.select_nth_unstable_by(k - 1, by_logit);
-            order.truncate(k);
-        }
-        order.sort_unstable_by(by_logit);
+        let order = most_likely(logits, k);
         let t = self.temperature as f64;
         let max = logits[order[0] as usize] as f64;
         let mut probs: Vec<(u32, f64)> = order
@@ -224,21 +219,30 @@ pub fn logprobs(logits: &[f32], id: u32, n_top: usize) -> Result<Logprobs> {
             .sum::<f64>()
             .ln();
     let logprob = |i: u32| (logits[i as usize] as f64 - log_z) as f32;
+    Ok(Logprobs {
+        id: logprob(id),
+        top: most_likely(logits, n_top)
+            .into_iter()
+            .map(|i| (i, logprob(i)))
+            .collect(),
+    })
+}
+
+/// The `k` ids of the largest logits (all of them where `k` is past the vocabulary), most
+/// likely first, the lower id first on a tie.
+fn most_likely(logits: &[f32], k: usize) -> Vec<u32> {
     let by_logit = |a: &u32, b: &u32| {
         logits[*b as usize]
             .total_cmp(&logits[*a as usize])
             .then(a.cmp(b))
     };
     let mut order: Vec<u32> = (0..logits.len() as u32).collect();
-    if n_top > 0 && n_top < order.len() {
-        order.select_nth_unstable_by(n_top - 1, by_logit);
+    if k > 0 && k < order.len() {
+        order.select_nth_unstable_by(k - 1, by_logit);
     }
-    order.truncate(n_top);
+    order.truncate(k);
     order.sort_unstable_by(by_logit);
-    Ok(Logprobs {
-        id: logprob(id),
-        top: order.into_iter().map(|i| (i, logprob(i))).collect(),
-    })
+    order
 }
 
 /// Philox4x32-10 (Salmon et al., SC'11) of `counter` under `key`: four 32-bit words.
