@@ -112,21 +112,7 @@ fn time_decode(
     let load_s = t.elapsed().as_secs_f64();
     let warmup_ms = e.warmup_ms().unwrap_or(0.0);
     let prompt = synth::prompt(model.spec.vocab, prompt_len, 1);
-    let mut out = vec![0u32; tokens];
-    let (mut prefill, mut decode) = (Vec::new(), Vec::new());
-    for _ in 0..reps + 1 {
-        e.reset().unwrap();
-        let t = Instant::now();
-        e.prefill(&prompt).unwrap();
-        prefill.push(t.elapsed().as_secs_f64() * 1e3);
-        // The first decode step is not timed (seed §10: decode tok/s is steps after the first).
-        e.step().unwrap();
-        let t = Instant::now();
-        let n = e.step_n(&mut out).unwrap();
-        assert_eq!(n, tokens, "EOS is off: every step runs");
-        decode.push(t.elapsed().as_secs_f64() * 1e3 / tokens as f64);
-    }
-    // The first repetition warms caches; drop it.
+    let (prefill_ms, ms_per_token) = time_request(&mut e, &prompt, tokens, reps);
     StepRun {
         label: label.into(),
         max_seq,
@@ -135,9 +121,29 @@ fn time_decode(
         graph,
         load_s,
         warmup_ms,
-        prefill_ms: median(prefill[1..].to_vec()),
-        ms_per_token: median(decode[1..].to_vec()),
+        prefill_ms,
+        ms_per_token,
     }
+}
+
+/// Medians over `reps` requests (after one more that warms caches) of the prefill of
+/// `prompt` (ms, to the first token) and of the decode of `tokens` ids after it (ms per
+/// token; the first decode step is not timed: seed §10, decode tok/s is steps after the first).
+fn time_request(e: &mut Engine, prompt: &[u32], tokens: usize, reps: usize) -> (f64, f64) {
+    let mut out = vec![0u32; tokens];
+    let (mut prefill, mut decode) = (Vec::new(), Vec::new());
+    for _ in 0..reps + 1 {
+        e.reset().unwrap();
+        let t = Instant::now();
+        e.prefill(prompt).unwrap();
+        prefill.push(t.elapsed().as_secs_f64() * 1e3);
+        e.step().unwrap();
+        let t = Instant::now();
+        let n = e.step_n(&mut out).unwrap();
+        assert_eq!(n, tokens, "EOS is off: every step runs");
+        decode.push(t.elapsed().as_secs_f64() * 1e3 / tokens as f64);
+    }
+    (median(prefill[1..].to_vec()), median(decode[1..].to_vec()))
 }
 
 /// One graph step of the Qwen2.5-3B shape (prompt 48, after 7 steps) recorded CTA by CTA
@@ -511,26 +517,13 @@ fn context_sweep(json_path: &str, preset: &str, depths: &[usize]) {
                 used as f64 / 1e9,
                 (budget.total() - budget.reserve) as f64 / 1e9
             );
-            let mut out = vec![0u32; TOKENS];
-            let mut rows = Vec::new();
-            for &depth in depths {
-                let prompt = synth::prompt(spec.vocab, depth, 1);
-                let (mut prefill, mut decode) = (Vec::new(), Vec::new());
-                for _ in 0..3 {
-                    e.reset().unwrap();
-                    let t = Instant::now();
-                    e.prefill(&prompt).unwrap();
-                    prefill.push(t.elapsed().as_secs_f64() * 1e3);
-                    // The first decode step is not timed (seed §10).
-                    e.step().unwrap();
-                    let t = Instant::now();
-                    assert_eq!(e.step_n(&mut out).unwrap(), TOKENS, "EOS is off");
-                    decode.push(t.elapsed().as_secs_f64() * 1e3 / TOKENS as f64);
-                }
-                // The first repetition warms caches; drop it.
-                rows.push((median(prefill[1..].to_vec()), median(decode[1..].to_vec())));
-            }
-            rows
+            depths
+                .iter()
+                .map(|&depth| {
+                    let prompt = synth::prompt(spec.vocab, depth, 1);
+                    time_request(&mut e, &prompt, TOKENS, 2)
+                })
+                .collect()
         })
     };
     let (default, v3) = (sweep(true), sweep(false));
