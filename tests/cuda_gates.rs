@@ -27,6 +27,21 @@ fn near_tie(logits: &[f32], id: u32, err: f32, what: impl Fn() -> String) -> Opt
     Some(gap)
 }
 
+/// The (step, oracle gap) of each of `ids` that is not the argmax of the oracle's logits it
+/// was chosen from (`teacher`, teacher-forced on `ids`): each must be a [`near_tie`] within
+/// the backend's measured logit error `err`.
+fn teacher_near_ties(teacher: &[Vec<f32>], ids: &[u32], err: f32, name: &str) -> Vec<(usize, f32)> {
+    assert_eq!(teacher.len(), ids.len(), "{name}: one oracle row per id");
+    teacher
+        .iter()
+        .zip(ids)
+        .enumerate()
+        .filter_map(|(i, (want, &id))| {
+            near_tie(want, id, err.max(1e-6), || format!("{name} id {i}")).map(|gap| (i, gap))
+        })
+        .collect()
+}
+
 /// Checks a backend's greedy `ids` after `prefix` against the oracle run on the backend's own
 /// ids: each id is the oracle's argmax there or a [`near_tie`] within the backend's measured
 /// logit error `err`. Returns the (step, oracle gap) of each swap; with none, the ids are the
@@ -442,14 +457,7 @@ fn qwen25_32b_shape_decodes_like_the_oracle() {
         .map(|(a, b)| max_abs_diff(a, b))
         .collect();
     let worst = errs.iter().fold(0f32, |m, e| m.max(*e));
-    let mut ties = Vec::new();
-    for (i, want) in teacher[LEN - 1..].iter().enumerate() {
-        if let Some(gap) = near_tie(want, ids[LEN + i], worst.max(1e-6), || {
-            format!("32B id {i}")
-        }) {
-            ties.push((i, gap));
-        }
-    }
+    let ties = teacher_near_ties(&teacher[LEN - 1..], &ids[LEN..], worst, "32B");
     println!(
         "qwen25_32b shape: ids {:?}, max |logit - oracle| = {worst:.5} (cap {CAP}) by step {errs:?}; near-ties (step, oracle gap): {ties:?}",
         &ids[LEN..]
@@ -747,14 +755,7 @@ fn decode_vs_oracle(name: &str, seed: u64, max_seq: usize, len: usize, steps: us
             len + i
         );
     }
-    let mut ties = Vec::new();
-    for (i, want) in teacher[len - 1..].iter().enumerate() {
-        if let Some(gap) = near_tie(want, ids[len + i], worst.max(1e-6), || {
-            format!("{name} id {i}")
-        }) {
-            ties.push((i, gap));
-        }
-    }
+    let ties = teacher_near_ties(&teacher[len - 1..], &ids[len..], worst, name);
     println!(
         "{name}: decode at positions {len}..{}, max |logit - oracle| = {worst:.5} (cap {CAP}); ids differ only at near-ties (step, oracle gap): {ties:?}",
         len + steps - 1
