@@ -7,6 +7,7 @@
 //!                                               [--prefill-profile LEN CHUNK] [--decode-profile STEPS [DEPTH]]
 //!                                               [--cta-timeline PATH] [--context [PRESET [DEPTHS]]]
 //!                                               [--shapes PRESET] [--load PATH [REPS]]
+//!                                               [--sampling [PRESET [DEPTHS]]]
 //!
 //! load s is `Engine::new` (upload, allocation, kernels, warm-up); warmup ms is its eager
 //! probe step + graph capture; prefill ms is the prompt to the first token; ms/token the steps
@@ -18,6 +19,8 @@
 //! `--context [PRESET [D1,D2,..]]` prints only the context sweep: prefill and decode against
 //! depth (48 to 32k unless listed) at max_seq 32768, beside the bandwidth floor at each depth,
 //! on the Qwen2.5-3B shape or the named preset (e.g. `--context qwen25_32b 48,8192`).
+//! `--sampling [PRESET [D1,D2,..]]` prints only sampled decode against greedy decode by depth
+//! (48 and 8k unless listed), in one engine, on the Qwen2.5-3B shape or the named preset.
 //! `--shapes PRESET` takes the kernel table's matrices from that preset (default qwen25_3b).
 //! `--load PATH [REPS]` prints only load times of a model file or directory (read and device
 //! parts), REPS times (3): the first cold or warm as the page cache is, the rest warm.
@@ -39,6 +42,7 @@ use decodev2::cuda::ops::{Gemv, GemvChoice};
 use decodev2::cuda::CudaBackend;
 use decodev2::engine::{Backend, BackendKind, Engine, EngineOptions};
 use decodev2::model::HostModel;
+use decodev2::sampling::Sampling;
 use decodev2::synth;
 
 struct StepRun {
@@ -566,6 +570,73 @@ fn context_sweep(json_path: &str, preset: &str, depths: &[usize]) {
     println!("wrote {json_path}");
 }
 
+/// `--sampling [PRESET [D1,D2,..]]`: decode ms/token of 128 tokens after a prompt of each
+/// depth, greedy and under three sampling settings (temperature alone; OpenAI's top_p; llama.cpp's
+/// defaults: top-k, top-p, min-p and a repeat penalty), each timed right after the greedy run in
+/// the same engine (max_seq: the deepest depth + 256), medians of 3 requests.
+fn sampling_sweep(preset: &str, depths: &[usize]) {
+    const TOKENS: usize = 128;
+    let spec = decodev2::arch::preset(preset).expect("preset");
+    let model = synth::build(&spec, 0).unwrap();
+    let opts = EngineOptions {
+        backend: BackendKind::Cuda,
+        max_seq: depths.iter().max().unwrap() + 256,
+        ..EngineOptions::default()
+    };
+    let mut e = Engine::new(model, &opts).expect("cuda engine");
+    let settings = [
+        (
+            "temperature 1",
+            Sampling {
+                temperature: 1.0,
+                seed: 1,
+                ..Sampling::default()
+            },
+        ),
+        (
+            "top_p 0.9",
+            Sampling {
+                temperature: 1.0,
+                top_p: 0.9,
+                seed: 1,
+                ..Sampling::default()
+            },
+        ),
+        (
+            "llama.cpp defaults",
+            Sampling {
+                temperature: 0.8,
+                top_k: 40,
+                top_p: 0.95,
+                min_p: 0.05,
+                repeat_penalty: 1.1,
+                penalty_last_n: 64,
+                seed: 1,
+                ..Sampling::default()
+            },
+        ),
+    ];
+    println!(
+        "  {:>6} {:<20} {:>10} {:>8} {:>10} {:>8} {:>7}",
+        "depth", "sampling", "greedy ms", "tok/s", "sampled ms", "tok/s", "ratio"
+    );
+    for &depth in depths {
+        let prompt = synth::prompt(spec.vocab, depth, 1);
+        for (name, s) in &settings {
+            e.set_sampling(&Sampling::default()).unwrap();
+            let (_, greedy) = time_request(&mut e, &prompt, TOKENS, 3);
+            e.set_sampling(s).unwrap();
+            let (_, sampled) = time_request(&mut e, &prompt, TOKENS, 3);
+            println!(
+                "  {depth:>6} {name:<20} {greedy:>10.4} {:>8.1} {sampled:>10.4} {:>8.1} {:>6.1}%",
+                1e3 / greedy,
+                1e3 / sampled,
+                100.0 * greedy / sampled
+            );
+        }
+    }
+}
+
 /// `--load PATH [REPS]`: loads a model file or directory on CUDA REPS times (3), each split
 /// into the read (parse, codes taken or re-quantized, on the host) and the device part
 /// (allocation, upload, kernels from their cache, warm-up), then decodes 16 tokens as a check.
@@ -649,6 +720,15 @@ fn main() {
     if let Some(i) = args.iter().position(|a| a == "--load") {
         let reps = args.get(i + 2).and_then(|r| r.parse().ok()).unwrap_or(3);
         load_times(args.get(i + 1).expect("--load PATH"), reps);
+        return;
+    }
+    if let Some(i) = args.iter().position(|a| a == "--sampling") {
+        let preset = args.get(i + 1).filter(|a| !a.starts_with("--"));
+        let depths: Vec<usize> = match args.get(i + 2).filter(|_| preset.is_some()) {
+            Some(list) => list.split(',').map(|d| d.parse().expect("depth")).collect(),
+            None => vec![48, 8192],
+        };
+        sampling_sweep(preset.map_or("qwen25_3b", |p| p.as_str()), &depths);
         return;
     }
     if let Some(i) = args.iter().position(|a| a == "--context") {

@@ -164,17 +164,19 @@ typedef struct dv2_chat_message {
 // Sampling settings for dv2_set_sampling. Start from dv2_sampling_default() (greedy), then
 // change fields. Applied in this order: the penalties over the request's last
 // `penalty_last_n` ids (prompt included; -1: all), then temperature, top-k, top-p, min-p,
-// and a draw from what is left, renormalized, with a Philox4x32-10 number keyed by `seed` and
-// counted by the position the id takes (so the ids depend on the seed, not on how steps are
-// batched). Temperature 0 is the greedy argmax.
+// and a draw from what is left, renormalized: a Gumbel-max draw with noise from
+// Philox4x32-10 keyed by `seed` and counted by the position the id takes and the id (so the
+// ids depend on the seed, not on how steps are batched). Each truncation keeps the ids at or
+// above a logit: ids of equal logits are kept or dropped together. Temperature 0 is the
+// greedy argmax. On CUDA the draw runs inside the step's graph.
 typedef struct dv2_sampling {
   // sizeof(dv2_sampling); set by dv2_sampling_default().
   uint32_t struct_size;
   // 0: greedy; else logits / temperature before the softmax. Finite, >= 0.
   float temperature;
-  // Keep the k most likely ids; 0: all. >= 0.
+  // Keep the ids whose logit is at least the k-th largest; 0: all. >= 0.
   int32_t top_k;
-  // Keep the most likely ids whose probabilities sum to at least top_p; in (0, 1].
+  // Keep the most likely ids until their probabilities sum to at least top_p; in (0, 1].
   float top_p;
   // Keep the ids at least min_p times as likely as the most likely; in [0, 1].
   float min_p;
@@ -452,9 +454,9 @@ struct dv2_sampling dv2_sampling_default(void);
 
 // Sets the sampling of the current request and the later ones (kept across dv2_reset until
 // set again). Errors (settings unchanged): DV2_ERR_ABI_MISMATCH (struct_size),
-// DV2_ERR_INVALID_ARGUMENT (a value out of its range, named), DV2_ERR_UNSUPPORTED (anything
-// but greedy on the CUDA backend, which samples in its graph only once built; the CPU
-// backend samples).
+// DV2_ERR_INVALID_ARGUMENT (a value out of its range, named). On CUDA the first request
+// under a new combination of penalties, temperature, top-k and top-p captures its step's
+// graph here (milliseconds); changing values alone costs nothing.
 //
 // # Safety
 // `sampling` readable.

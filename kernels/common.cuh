@@ -1,12 +1,14 @@
 // decodev2 kernels: the helpers every kernel file uses (compiled first; the unit's files in
 // order: common.cuh, gemv.cu, attention.cu, small.cu, gemm.cu, gemv_mma.cu, attention_prefill.cu,
-// src/cuda/kernels.rs `DECODE`).
+// attention_long.cu, sample.cu: src/cuda/kernels.rs `DECODE`).
 //
 // Layouts (see src/nf4.rs for the NF4 packing):
 //   NF4 matrix [rows, cols]: packed bytes [rows][cols/2] (element 2i in the high nibble of
 //     byte i), absmax f32 [rows][cols/64]. A 16-byte chunk holds 32 elements of one block.
 //   Activations f32. KV cache bf16 [kv_stride slots][n_kv][head_dim] per layer.
 //   State int32[8]: the STATE_* indices (src/cuda/kernels.rs `state`).
+//   History int32[max_seq + 1]: the id fed at each position of the request (the commits
+//     write it; the sampler's penalties read it).
 
 typedef unsigned char u8;
 typedef unsigned short u16;
@@ -33,6 +35,10 @@ typedef unsigned int u32;
     !defined(SIZEOF_NORMARGS) || !defined(SIZEOF_ATTNARGS) || !defined(SIZEOF_GEMMARGS) ||      \
     !defined(SIZEOF_PREFILLATTNARGS)
 #error "the host passes the codebook, CTAs per SM and struct sizes as -D options (src/cuda/kernels.rs)"
+#endif
+#if !defined(SAMPLE_THREADS) || !defined(SAMPLE_BINS) || !defined(SAMPLE_MAX_CTAS) || \
+    !defined(SAMPLE_WORK_WORDS) || !defined(SIZEOF_SAMPLEPARAMS)
+#error "the host passes the sampler's constants as -D options (src/cuda/kernels.rs)"
 #endif
 // The switches that compile kernels in or out (src/config.rs, nvrtc_defines): no default here,
 // so the two sides cannot disagree.

@@ -484,6 +484,7 @@ struct LogitRows {
     int* scratch;
     int eos;
     int* ring;  // null: no commit
+    int* hist;
     mutable float best;
     mutable int best_i;
     __device__ Nf4Ref matrix(int, int) const { return m; }
@@ -516,6 +517,7 @@ struct LogitRows {
         state[STATE_TOKEN] = next;
         state[STATE_POSITION] += 1;
         state[STATE_VALID_LEN] = state[STATE_POSITION];
+        hist[state[STATE_POSITION]] = next;
         if (next == eos) state[STATE_FINISHED] = 1;
     }
 };
@@ -562,8 +564,8 @@ struct LogitRows {
     extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)                                                                \
         gemv2_logits_j##J##_narrow(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y, int rows,   \
                                    int cols, int kparts, const int* skip_if, int* state, int* scratch, int eos, \
-                                   int* ring) {                                                                \
-        LogitRows p{m, y, state, scratch, eos, ring, NEG_INF, -1};                                             \
+                                   int* ring, int* hist) {                                                     \
+        LogitRows p{m, y, state, scratch, eos, ring, hist, NEG_INF, -1};                                       \
         gemv2_walk<J, R, 1, false>(p, rows, cols, x, norm, kparts, skip_if);                                   \
     }
 #else

@@ -153,18 +153,20 @@ extern "C" __global__ void advance(int* state) {
     state[STATE_VALID_LEN] = state[STATE_POSITION];
 }
 
-// After the last prompt id: feed the greedy id next; finished iff it is EOS (eos < 0: none).
-extern "C" __global__ void finish_prefill(int* state, int eos) {
+// After the last prompt id: feed the chosen id next (into the history at its position);
+// finished iff it is EOS (eos < 0: none).
+extern "C" __global__ void finish_prefill(int* state, int eos, int* hist) {
     pdl_enter();
     int next = state[STATE_NEXT_TOKEN];
     state[STATE_TOKEN] = next;
+    hist[state[STATE_POSITION]] = next;
     state[STATE_FINISHED] = next == eos ? 1 : 0;
 }
 
-// The greedy commit: token = next_token, position += 1, valid_len = position,
-// finished |= (next_token == eos), and the id appended to the step ring. A step that runs
-// after the request finished (a replay past EOS) commits nothing.
-extern "C" __global__ void commit_step(int* state, int eos, int* ring) {
+// The commit: token = next_token, position += 1, valid_len = position, history[position] =
+// next_token, finished |= (next_token == eos), and the id appended to the step ring. A step
+// that runs after the request finished (a replay past EOS) commits nothing.
+extern "C" __global__ void commit_step(int* state, int eos, int* ring, int* hist) {
     pdl_enter();
     if (state[STATE_FINISHED]) return;
     int next = state[STATE_NEXT_TOKEN];
@@ -172,6 +174,7 @@ extern "C" __global__ void commit_step(int* state, int eos, int* ring) {
     state[STATE_TOKEN] = next;
     state[STATE_POSITION] += 1;
     state[STATE_VALID_LEN] = state[STATE_POSITION];
+    hist[state[STATE_POSITION]] = next;
     if (next == eos) state[STATE_FINISHED] = 1;
 }
 

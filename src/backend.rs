@@ -1,7 +1,7 @@
 //! The interface every backend implements (CPU reference, CUDA): its own module, so that the
 //! engine and the backends depend on it and not on each other.
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::sampling::Sampling;
 
 /// What a backend implements. The engine has validated every argument before calling.
@@ -23,18 +23,9 @@ pub trait Backend: Send {
     fn logits(&mut self, out: &mut [f32]) -> Result<()>;
     fn position(&mut self) -> Result<usize>;
     fn finished(&mut self) -> Result<bool>;
-    /// The sampling settings of this and later requests (validated). Backends without a
-    /// sampler take the greedy settings only.
-    fn set_sampling(&mut self, s: &Sampling) -> Result<()> {
-        if s.is_greedy() {
-            return Ok(());
-        }
-        Err(Error::Unsupported(format!(
-            "sampling on the {} backend (temperature 0 without penalties is greedy and runs; the \
-             CPU backend samples)",
-            self.name()
-        )))
-    }
+    /// The sampling settings of this and later requests (validated); a failure leaves the
+    /// settings in force unchanged.
+    fn set_sampling(&mut self, s: &Sampling) -> Result<()>;
     /// Diagnostic: true while nothing was written past the last KV slot (backends with a
     /// guard region check it; others have nothing to check).
     fn kv_guard_intact(&mut self) -> Result<bool> {

@@ -1,9 +1,17 @@
 //! Sampling the next id from a step's logits: penalties over the request's recent ids, then
-//! temperature, top-k, top-p and min-p, then a draw from what is left, renormalized. The draw's
-//! uniform number comes from Philox4x32-10 keyed by the seed and counted by the position the id
-//! will take, so the ids of a request depend on its seed alone, never on how the steps are
-//! batched. Temperature 0 is the greedy argmax (after the penalties, which default to none).
-//! This is the reference every backend's sampler is held to.
+//! temperature, top-k, top-p and min-p, then a draw from what is left, renormalized. This is
+//! the reference every backend's sampler is held to (the CUDA one, kernels/sample.cu, computes
+//! the same function).
+//!
+//! Each truncation keeps the ids at or above a logit, so ids of equal logits are kept or
+//! dropped together: top-k keeps the logits at least the k-th largest (ties at the k-th all
+//! stay, as in Hugging Face's), top-p the ids whose more likely ids (strictly) weigh less than
+//! top_p of the mass top-k kept, min-p the ids at least min_p as likely as the most likely.
+//! The draw is a Gumbel-max: the kept id of the largest z + g, z = (logit - max) / temperature
+//! in f32, g Gumbel noise from Philox4x32-10 keyed by the seed and counted by (the slot the id
+//! will take, the id), so that the ids of a request depend on its seed alone, never on how the
+//! steps are batched, and a device computes the draw in one parallel pass. Temperature 0 is the
+//! greedy argmax (after the penalties, which default to none).
 
 use crate::error::{Error, Result};
 
@@ -12,9 +20,9 @@ use crate::error::{Error, Result};
 pub struct Sampling {
     /// 0: greedy. Logits are divided by it before the softmax.
     pub temperature: f32,
-    /// Keep the k most likely ids (0: all).
+    /// Keep the ids whose logit is at least the k-th largest (0: all).
     pub top_k: i32,
-    /// Keep the most likely ids whose probabilities sum to at least this (1: all).
+    /// Keep the most likely ids until their probabilities sum to at least this (1: all).
     pub top_p: f32,
     /// Keep the ids at least this fraction as likely as the most likely one (0: all).
     pub min_p: f32,
@@ -89,7 +97,7 @@ impl Sampling {
     }
 
     /// Whether the logits pass through unchanged (no penalty applies).
-    fn penalties_off(&self) -> bool {
+    pub fn penalties_off(&self) -> bool {
         self.penalty_last_n == 0
             || (self.repeat_penalty == 1.0
                 && self.presence_penalty == 0.0
@@ -101,24 +109,34 @@ impl Sampling {
         self.temperature == 0.0 && self.penalties_off()
     }
 
-    /// The id for the slot `position` from `logits`; `history`: the request's ids so far.
-    pub fn choose(&self, logits: &[f32], history: &[u32], position: usize) -> u32 {
+    /// ln(min_p) as the f32 both samplers compare z with (-inf where min_p is 0).
+    pub fn log_min_p(&self) -> f32 {
+        (self.min_p as f64).ln() as f32
+    }
+
+    /// The id for the slot `slot` (the position it will take) from `logits`; `history`: the
+    /// request's ids so far.
+    pub fn choose(&self, logits: &[f32], history: &[u32], slot: usize) -> u32 {
         let mut logits = logits.to_vec();
         self.penalize(&mut logits, history);
         if self.temperature == 0.0 {
             return crate::oracle::argmax(&logits);
         }
-        let candidates = self.truncate(&logits);
-        let u = uniform(self.seed, position as u64);
-        let total: f64 = candidates.iter().map(|c| c.1).sum();
-        let mut acc = 0.0;
-        for &(id, p) in &candidates {
-            acc += p;
-            if u * total < acc {
-                return id;
+        let max = max_logit(&logits);
+        let mut best: Option<(f32, u32)> = None;
+        for id in self.kept(&logits) {
+            let key = self.z(logits[id as usize], max) + gumbel(self.seed, slot as u64, id);
+            // The lower id wins a tie (kept is in id order).
+            if best.is_none_or(|(b, _)| key > b) {
+                best = Some((key, id));
             }
         }
-        candidates.last().map_or(0, |c| c.0)
+        best.map_or(0, |b| b.1)
+    }
+
+    /// z = (l - max) / temperature, in f32 as the device computes it.
+    fn z(&self, l: f32, max: f32) -> f32 {
+        (l - max) / self.temperature
     }
 
     /// The penalties over the window's ids, in place.
@@ -147,41 +165,68 @@ impl Sampling {
         }
     }
 
-    /// The ids left after temperature, top-k, top-p and min-p, most likely first (the lower id
-    /// first on a tie), with their probabilities (f64; not renormalized).
-    pub fn truncate(&self, logits: &[f32]) -> Vec<(u32, f64)> {
-        // top_k 0 keeps every id.
-        let k = if self.top_k == 0 {
-            logits.len()
-        } else {
-            self.top_k as usize
-        };
-        let order = most_likely(logits, k);
-        let t = self.temperature as f64;
-        let max = logits[order[0] as usize] as f64;
-        let mut probs: Vec<(u32, f64)> = order
-            .iter()
-            .map(|&id| (id, ((logits[id as usize] as f64 - max) / t).exp()))
+    /// The ids (in id order) that temperature > 0, top-k, top-p and min-p keep from `logits`
+    /// (penalized already); NaN logits are never kept.
+    pub fn kept(&self, logits: &[f32]) -> Vec<u32> {
+        let max = max_logit(logits);
+        let mut ids: Vec<u32> = (0..logits.len() as u32)
+            .filter(|&i| !logits[i as usize].is_nan())
             .collect();
-        let sum: f64 = probs.iter().map(|p| p.1).sum();
-        probs.iter_mut().for_each(|p| p.1 /= sum);
+        let by_logit = |ids: &[u32]| {
+            let mut sorted: Vec<f32> = ids.iter().map(|&i| logits[i as usize]).collect();
+            sorted.sort_unstable_by(|a, b| b.total_cmp(a));
+            sorted
+        };
+        if self.top_k > 0 && (self.top_k as usize) < ids.len() {
+            let kth = by_logit(&ids)[self.top_k as usize - 1];
+            ids.retain(|&i| logits[i as usize] >= kth);
+        }
         if self.top_p < 1.0 {
-            let mut acc = 0.0;
-            let keep = probs
-                .iter()
-                .position(|p| {
-                    acc += p.1;
-                    acc >= self.top_p as f64
-                })
-                .map_or(probs.len(), |i| i + 1);
-            probs.truncate(keep);
+            let weight = |l: f32| (self.z(l, max) as f64).exp();
+            let total: f64 = ids.iter().map(|&i| weight(logits[i as usize])).sum();
+            // The lowest logit whose strictly larger kept logits weigh under top_p of the mass.
+            let (mut above, mut floor) = (0.0, f32::INFINITY);
+            let sorted = by_logit(&ids);
+            let mut i = 0;
+            while i < sorted.len() && above < self.top_p as f64 * total {
+                floor = sorted[i];
+                while i < sorted.len() && sorted[i] == floor {
+                    above += weight(sorted[i]);
+                    i += 1;
+                }
+            }
+            ids.retain(|&i| logits[i as usize] >= floor);
         }
         if self.min_p > 0.0 {
-            let floor = probs[0].1 * self.min_p as f64;
-            probs.retain(|p| p.1 >= floor);
+            let log_min_p = self.log_min_p();
+            ids.retain(|&i| self.z(logits[i as usize], max) >= log_min_p);
         }
-        probs
+        ids
     }
+
+    /// The distribution the draw samples from (temperature > 0) over `logits` (penalized
+    /// already): the kept ids, most likely first (the lower id first on a tie), with their
+    /// probabilities renormalized over them.
+    pub fn truncate(&self, logits: &[f32]) -> Vec<(u32, f64)> {
+        let max = max_logit(logits);
+        let mut kept: Vec<(u32, f64)> = self
+            .kept(logits)
+            .into_iter()
+            .map(|i| (i, (self.z(logits[i as usize], max) as f64).exp()))
+            .collect();
+        let total: f64 = kept.iter().map(|k| k.1).sum();
+        kept.iter_mut().for_each(|k| k.1 /= total);
+        kept.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        kept
+    }
+}
+
+/// The largest logit that is not NaN.
+fn max_logit(logits: &[f32]) -> f32 {
+    logits
+        .iter()
+        .filter(|l| !l.is_nan())
+        .fold(f32::NEG_INFINITY, |m, &l| m.max(l))
 }
 
 /// The most top alternatives [`logprobs`] gives (OpenAI's `top_logprobs` limit).
@@ -268,14 +313,17 @@ pub fn philox4x32(counter: [u32; 4], key: [u32; 2]) -> [u32; 4] {
     c
 }
 
-/// The draw for slot `position` under `seed`: uniform in [0, 1) with 53 bits.
-pub fn uniform(seed: u64, position: u64) -> f64 {
+/// The Gumbel noise of `id` in the draw for `slot` under `seed`: -ln(E), E = -ln(1 - v)
+/// exponential, v uniform in (0, 1) from word id % 4 of Philox(counter (slot, id / 4), key
+/// seed). Each operation is one f32 rounding the device repeats (its ln and ln_1p may differ
+/// in the last bit).
+pub fn gumbel(seed: u64, slot: u64, id: u32) -> f32 {
     let r = philox4x32(
-        [position as u32, (position >> 32) as u32, 0, 0],
+        [slot as u32, (slot >> 32) as u32, id >> 2, 0],
         [seed as u32, (seed >> 32) as u32],
-    );
-    let bits = ((r[1] as u64) << 32 | r[0] as u64) >> 11;
-    bits as f64 * (1.0 / (1u64 << 53) as f64)
+    )[(id & 3) as usize];
+    let v = (r as f32 + 0.5) * f32::from_bits(0x2f80_0000); // 2^-32
+    -(-(-v).ln_1p()).ln()
 }
 
 #[cfg(test)]

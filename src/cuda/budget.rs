@@ -1,5 +1,6 @@
 //! VRAM estimate, checked against the device's free memory before anything is allocated.
 
+use super::sample::SamplerLens;
 use crate::arch::ArchSpec;
 use crate::error::{Error, Result};
 
@@ -83,6 +84,7 @@ pub struct ArenaLens {
     pub state: usize,
     /// RoPE cos and sin, each `max_seq x head_dim / 2`.
     pub rope: usize,
+    pub sampler: SamplerLens,
 }
 
 impl ArenaLens {
@@ -106,6 +108,7 @@ impl ArenaLens {
             qkv_zeros: s.qkv_rows(),
             state: state::LEN,
             rope: max_seq * (s.head_dim / 2),
+            sampler: SamplerLens::new(s.vocab, max_seq),
         }
     }
 
@@ -123,6 +126,7 @@ impl ArenaLens {
             + self.qkv_zeros
             + self.state
             + 2 * self.rope)
+            + self.sampler.bytes()
     }
 }
 

@@ -116,7 +116,8 @@ pub const GEMV3_KH2_CTAS_PER_SM: u32 = 3;
 /// indices, CTAs per SM, the NF4 codebook, and the sizes of the argument structs the host
 /// passes by value, which the kernels `static_assert` against their own definitions.
 fn shared_defines() -> Vec<String> {
-    use super::ops::{AttnArgs, GemmArgs, NormArgs, PrefillAttnArgs, QkvArgs};
+    use super::ops::{AttnArgs, GemmArgs, NormArgs, PrefillAttnArgs, QkvArgs, MAX_ARGMAX_CTAS};
+    use super::sample::{SampleParams, SAMPLE_BINS, SAMPLE_THREADS, SAMPLE_WORK_WORDS};
     use super::weights::Nf4Ref;
     use std::mem::size_of;
     let codebook: Vec<String> = crate::nf4::CODEBOOK
@@ -130,6 +131,7 @@ fn shared_defines() -> Vec<String> {
         ("SIZEOF_ATTNARGS", size_of::<AttnArgs>()),
         ("SIZEOF_GEMMARGS", size_of::<GemmArgs>()),
         ("SIZEOF_PREFILLATTNARGS", size_of::<PrefillAttnArgs>()),
+        ("SIZEOF_SAMPLEPARAMS", size_of::<SampleParams>()),
         ("GEMV2_CTAS_PER_SM", super::ops::GEMV2_CTAS_PER_SM as usize),
         ("GEMV3_CTAS_PER_SM", GEMV3_CTAS_PER_SM as usize),
         ("GEMV3_KH2_CTAS_PER_SM", GEMV3_KH2_CTAS_PER_SM as usize),
@@ -153,6 +155,10 @@ fn shared_defines() -> Vec<String> {
         ("X_STAGE_STRIDE", GEMV2_X_STRIDE),
         ("X16_STAGE_STRIDE", GEMV2_X16_STRIDE),
         ("PRMT_LUT_WORDS", GEMV2_PRMT_TABLE / 4),
+        ("SAMPLE_THREADS", SAMPLE_THREADS as usize),
+        ("SAMPLE_BINS", SAMPLE_BINS),
+        ("SAMPLE_MAX_CTAS", MAX_ARGMAX_CTAS),
+        ("SAMPLE_WORK_WORDS", SAMPLE_WORK_WORDS),
         ("STATE_TOKEN", state::TOKEN),
         ("STATE_POSITION", state::POSITION),
         ("STATE_VALID_LEN", state::VALID_LEN),
@@ -195,6 +201,7 @@ pub const DECODE: KernelUnit = KernelUnit {
             "attention_long.cu",
             include_str!("../../kernels/attention_long.cu"),
         ),
+        ("sample.cu", include_str!("../../kernels/sample.cu")),
     ],
 };
 /// Benchmark-only kernels (the streaming-read floor).
@@ -415,6 +422,11 @@ pub struct Kernels {
     pub attn_prefill_mma: [CudaFunction; 4],
     /// Long-context decode attention for head_dim 64 and 128.
     pub attn_long_decode: [CudaFunction; 2],
+    /// The sampler (kernels/sample.cu).
+    pub sample_penalize: CudaFunction,
+    pub sample_max: CudaFunction,
+    pub sample_select: CudaFunction,
+    pub sample_draw: CudaFunction,
 }
 
 /// Lets each of `funcs` take up to `bytes` of dynamic shared memory (past the 48 KiB default),
@@ -536,6 +548,10 @@ impl Kernels {
                 f("attn_prefill_mma_hd128")?,
             ],
             attn_long_decode: [f("attn_long_decode_hd64")?, f("attn_long_decode_hd128")?],
+            sample_penalize: f("sample_penalize")?,
+            sample_max: f("sample_max")?,
+            sample_select: f("sample_select")?,
+            sample_draw: f("sample_draw")?,
         })
     }
 }

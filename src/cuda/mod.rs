@@ -34,6 +34,7 @@ pub mod kernels;
 pub mod ops;
 pub mod prefill;
 pub mod profile;
+pub mod sample;
 pub mod step;
 pub mod weights;
 

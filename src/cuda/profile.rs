@@ -4,7 +4,6 @@
 use cudarc::driver::CudaEvent;
 
 use super::device::{driver_error, Gpu};
-use super::ops::one_cta;
 use super::step::CudaBackend;
 use crate::backend::Backend;
 use crate::error::{Error, Result};
@@ -110,8 +109,7 @@ impl CudaBackend {
         self.position = None; // the commit below moves it on (or not, past EOS)
         let mut marks = StageMarks::new(&self.ops.gpu)?;
         self.forward_marked(true, false, long, &mut Some(&mut marks))?;
-        let (state, eos, ring) = (self.ptr(&self.state), self.eos, self.ptr(&self.arena.ring));
-        launch!(self.ops.gpu, &self.ops.k.commit_step, one_cta(1); state, eos, ring)?;
+        self.commit(self.eos)?;
         marks.record(&self.ops.gpu, "commit")?;
         self.ops.gpu.sync()?;
         marks.totals()

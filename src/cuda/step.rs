@@ -18,6 +18,7 @@ use super::ops::{
 };
 use super::prefill::{chunk_size, prefill_chunk};
 use super::profile::StageMarks;
+use super::sample::{DeviceSampler, Plan};
 use super::weights::{self, DeviceMatrix, DeviceModel};
 use crate::arch::ArchSpec;
 use crate::backend::Backend;
@@ -25,6 +26,7 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::model::HostModel;
 use crate::rope::RopeTable;
+use crate::sampling::Sampling;
 
 /// bf16 bit pattern written into the KV guard slots (a NaN no kernel produces).
 const KV_POISON: u16 = 0x7fa5;
@@ -88,6 +90,10 @@ pub struct CudaBackend {
     graph: Option<StepGraph>,
     /// The same step with the long-context attention (where `ops.attn_long`).
     long_graph: Option<StepGraph>,
+    /// The sampled step (forward, draw, commit) by plan and attention, captured when a
+    /// request first samples under that plan.
+    sampled_graphs: Vec<(Plan, bool, StepGraph)>,
+    pub(super) sampler: DeviceSampler,
     /// The state's position as the host last knew it (None: read it back before use).
     pub(super) position: Option<usize>,
     /// Prompt tokens per prefill chunk; 0: one token at a time through the decode step.
@@ -174,6 +180,8 @@ impl CudaBackend {
             model,
             graph: None,
             long_graph: None,
+            sampled_graphs: Vec::new(),
+            sampler: DeviceSampler::new(gpu, &lens.sampler)?,
             position: Some(0),
             chunk,
             warmup_ms: 0.0,
@@ -207,6 +215,11 @@ impl CudaBackend {
     fn capture_step(&self, long: bool) -> Result<StepGraph> {
         self.record_step(long)?;
         self.ops.gpu.sync()?;
+        self.capture_recorded(long)
+    }
+
+    /// Captures the step as [`Self::record_step`] enqueues it under the settings in force.
+    fn capture_recorded(&self, long: bool) -> Result<StepGraph> {
         let stream = self.ops.gpu.stream.clone();
         stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
@@ -219,6 +232,23 @@ impl CudaBackend {
         let graph = graph?.ok_or_else(|| Error::Cuda("stream capture produced no graph".into()))?;
         graph.upload().map_err(driver_error("graph upload"))?;
         Ok(StepGraph(graph))
+    }
+
+    /// Captures the sampled step's graphs for the plan in force unless they are there (or the
+    /// step runs eagerly).
+    fn capture_sampled(&mut self) -> Result<()> {
+        let Some(plan) = self.sampler.plan else {
+            return Ok(());
+        };
+        if self.graph.is_none() || self.sampled_graphs.iter().any(|g| g.0 == plan) {
+            return Ok(());
+        }
+        let mut graphs = vec![(plan, false, self.capture_recorded(false)?)];
+        if self.long_graph.is_some() {
+            graphs.push((plan, true, self.capture_recorded(true)?));
+        }
+        self.sampled_graphs.extend(graphs);
+        Ok(())
     }
 
     /// Whether the step at `position` takes the long-context attention.
@@ -236,15 +266,48 @@ impl CudaBackend {
         Ok(p)
     }
 
-    /// Enqueues one greedy step (`long`: with the long-context attention): forward with
-    /// logits, then the commit (in lm_head's kernel where it takes the argmax,
-    /// `DV2_LOGITS_ARGMAX`, else commit_step).
+    /// Enqueues one step (`long`: with the long-context attention): forward with logits, the
+    /// draw where the request samples, then the commit (greedy: in lm_head's kernel where it
+    /// takes the argmax, `DV2_LOGITS_ARGMAX`, else commit_step).
     fn record_step(&self, long: bool) -> Result<()> {
-        if self.forward_marked(true, true, long, &mut None)? {
-            return Ok(());
+        match self.sampler.plan {
+            None => {
+                if self.forward_marked(true, true, long, &mut None)? {
+                    return Ok(());
+                }
+            }
+            Some(plan) => {
+                self.forward_marked(true, false, long, &mut None)?;
+                self.record_draw(plan, 1)?;
+            }
         }
-        let (state, eos, ring) = (self.ptr(&self.state), self.eos, self.ptr(&self.arena.ring));
-        launch!(self.ops.gpu, &self.ops.k.commit_step, one_cta(1); state, eos, ring)
+        self.commit(self.eos)
+    }
+
+    /// commit_step: next_token fed next, into the ring and the history (finished at `eos`,
+    /// -1: never).
+    pub(super) fn commit(&self, eos: i32) -> Result<()> {
+        let (state, ring, hist) = (
+            self.ptr(&self.state),
+            self.ptr(&self.arena.ring),
+            self.ptr(&self.sampler.history),
+        );
+        launch!(self.ops.gpu, &self.ops.k.commit_step, one_cta(1); state, eos, ring, hist)
+    }
+
+    /// The graph of the step at `position` under the settings in force (None: launch it
+    /// eagerly).
+    fn step_graph(&self, position: usize) -> Option<&StepGraph> {
+        let long = self.long_at(position);
+        match self.sampler.plan {
+            None if long && self.long_graph.is_some() => self.long_graph.as_ref(),
+            None => self.graph.as_ref(),
+            Some(plan) => self
+                .sampled_graphs
+                .iter()
+                .find(|(p, l, _)| *p == plan && *l == long)
+                .map(|g| &g.2),
+        }
     }
 
     pub(super) fn ptr<T>(&self, buf: &CudaSlice<T>) -> u64 {
@@ -453,6 +516,7 @@ impl CudaBackend {
             scratch,
             eos: self.eos,
             ring,
+            hist: self.ptr(&self.sampler.history),
         };
         if ops.logits_argmax(lm_head, s.vocab, s.hidden, input, out, skip_if, head)? {
             return Ok(commit);
@@ -532,6 +596,7 @@ impl Backend for CudaBackend {
             .stream
             .memcpy_htod(&zeros[..1].repeat(counts), &mut self.arena.attn_counts)
             .map_err(driver_error("attention count reset"))?;
+        self.sampler.reset(&self.ops.gpu)?;
         self.ops.gpu.sync()?;
         self.position = Some(0);
         Ok(())
@@ -546,6 +611,14 @@ impl Backend for CudaBackend {
             .stream
             .memcpy_htod(&ids, &mut self.arena.prompt.slice_mut(..ids.len()))
             .map_err(driver_error("prompt upload"))?;
+        self.ops
+            .gpu
+            .stream
+            .memcpy_htod(
+                &ids,
+                &mut self.sampler.history.slice_mut(start..start + ids.len()),
+            )
+            .map_err(driver_error("history upload"))?;
         let state = self.ptr(&self.state);
         launch!(self.ops.gpu, &self.ops.k.begin_prefill, one_cta(1); state)?;
         if self.chunk == 0 {
@@ -556,8 +629,11 @@ impl Backend for CudaBackend {
                 self.prefill_chunk(start, n, start + n == ids.len())?;
             }
         }
-        let eos = self.eos;
-        launch!(self.ops.gpu, &self.ops.k.finish_prefill, one_cta(1); state, eos)?;
+        if let Some(plan) = self.sampler.plan {
+            self.record_draw(plan, 0)?;
+        }
+        let (eos, hist) = (self.eos, self.ptr(&self.sampler.history));
+        launch!(self.ops.gpu, &self.ops.k.finish_prefill, one_cta(1); state, eos, hist)?;
         self.read_state_after_forwards()?;
         self.position = Some(start + ids.len());
         Ok(())
@@ -573,11 +649,9 @@ impl Backend for CudaBackend {
         launch!(self.ops.gpu, &self.ops.k.ring_reset, one_cta(1); state)?;
         // Step i runs at position start + i, or later does nothing (the request finished).
         for i in 0..out.len() {
-            let long = self.long_at(start + i);
-            match (&self.graph, &self.long_graph) {
-                (Some(_), Some(g)) if long => g.0.launch().map_err(driver_error("graph launch"))?,
-                (Some(g), _) => g.0.launch().map_err(driver_error("graph launch"))?,
-                (None, _) => self.record_step(long)?,
+            match self.step_graph(start + i) {
+                Some(g) => g.0.launch().map_err(driver_error("graph launch"))?,
+                None => self.record_step(self.long_at(start + i))?,
             }
         }
         let st = self.read_state_after_forwards()?;
@@ -588,6 +662,20 @@ impl Backend for CudaBackend {
             .zip(&ring)
             .for_each(|(o, id)| *o = *id as u32);
         Ok(done)
+    }
+
+    /// Sampling on the device: the settings into the sampler's buffer, and the sampled step's
+    /// graphs for their plan captured the first time a request samples under it (where the
+    /// step runs as a graph). A failed capture puts the previous settings back.
+    fn set_sampling(&mut self, s: &Sampling) -> Result<()> {
+        let previous = self.sampler.settings;
+        self.sampler.set(&self.ops.gpu, s, self.spec.vocab)?;
+        let captured = self.capture_sampled();
+        if captured.is_err() {
+            self.sampler
+                .set(&self.ops.gpu, &previous, self.spec.vocab)?;
+        }
+        captured
     }
 
     fn next_token(&mut self) -> Result<u32> {

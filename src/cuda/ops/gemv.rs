@@ -28,13 +28,15 @@ unsafe impl DeviceRepr for QkvArgs {}
 /// Where lm_head's argmax kernel ([`Ops::logits_argmax`]) leaves its result: the decode
 /// state (next_token), the argmax scratch ([`ARGMAX_SCRATCH`] words, zero between launches),
 /// and with `ring` (a device address, 0: none) the commit of the greedy id, as commit_step
-/// (appended to the ring, fed next, finished at `eos`, -1: none).
+/// (appended to the ring and the request's history `hist`, fed next, finished at `eos`, -1:
+/// none).
 #[derive(Clone, Copy, Debug)]
 pub struct LogitsHead {
     pub state: u64,
     pub scratch: u64,
     pub eos: i32,
     pub ring: u64,
+    pub hist: u64,
 }
 
 /// The GEMV kernel family of a matrix.
@@ -274,8 +276,9 @@ impl Ops {
             scratch,
             eos,
             ring,
+            hist,
         } = head;
-        launch!(self.gpu, &kernels[j - 1], cfg; m, x, norm, y, rows_i, cols_i, kp, skip_if, state, scratch, eos, ring)?;
+        launch!(self.gpu, &kernels[j - 1], cfg; m, x, norm, y, rows_i, cols_i, kp, skip_if, state, scratch, eos, ring, hist)?;
         Ok(true)
     }
 

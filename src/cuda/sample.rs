@@ -1,0 +1,279 @@
+//! The sampler on the device (kernels/sample.cu): its buffers, the settings it reads, and the
+//! kernels a draw launches for the settings in force. The settings reach the kernels through
+//! device memory, so one captured graph draws under any settings of its [`Plan`]; the host
+//! captures a graph per plan when a request first asks for it (no eager probe: capturing
+//! touches no state, so a request may change its sampling between steps).
+//! [`crate::sampling`] is the reference; the draw is the same function of the logits, the seed
+//! and the slot the id will take, so that the ids do not depend on how steps are batched.
+
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::CudaSlice;
+
+use super::device::{driver_error, Gpu};
+use super::kernels::state;
+use super::ops::{one_cta, MAX_ARGMAX_CTAS};
+use super::step::CudaBackend;
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::sampling::Sampling;
+
+/// Threads per CTA of the sampler's kernels.
+pub const SAMPLE_THREADS: u32 = 512;
+/// Bins of the radix select's widest pass (12 bits of the key).
+pub const SAMPLE_BINS: usize = 4096;
+/// 32-bit words of the kernels' scratch (SampleWork: 8 words, then a float per CTA).
+pub const SAMPLE_WORK_WORDS: usize = 8 + MAX_ARGMAX_CTAS;
+
+/// The settings as the kernels read them (kernels/sample.cu `SampleParams`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SampleParams {
+    temperature: f32,
+    top_k: i32,
+    top_p: f32,
+    log_min_p: f32,
+    repeat_penalty: f32,
+    presence_penalty: f32,
+    frequency_penalty: f32,
+    penalty_last_n: i32,
+    seed_lo: u32,
+    seed_hi: u32,
+}
+
+impl SampleParams {
+    pub fn of(s: &Sampling) -> Self {
+        Self {
+            temperature: s.temperature,
+            top_k: s.top_k,
+            top_p: s.top_p,
+            log_min_p: s.log_min_p(),
+            repeat_penalty: s.repeat_penalty,
+            presence_penalty: s.presence_penalty,
+            frequency_penalty: s.frequency_penalty,
+            penalty_last_n: s.penalty_last_n,
+            seed_lo: s.seed as u32,
+            seed_hi: (s.seed >> 32) as u32,
+        }
+    }
+
+    /// The struct's words, as uploaded.
+    fn words(&self) -> [u32; 10] {
+        [
+            self.temperature.to_bits(),
+            self.top_k as u32,
+            self.top_p.to_bits(),
+            self.log_min_p.to_bits(),
+            self.repeat_penalty.to_bits(),
+            self.presence_penalty.to_bits(),
+            self.frequency_penalty.to_bits(),
+            self.penalty_last_n as u32,
+            self.seed_lo,
+            self.seed_hi,
+        ]
+    }
+}
+
+/// The kernels a draw needs under some settings; a graph is captured per plan.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Plan {
+    /// sample_penalize: some penalty applies.
+    pub penalties: bool,
+    /// sample_max and a random draw (temperature > 0); else the argmax of the penalized logits.
+    pub random: bool,
+    /// sample_select's passes for top-k (0 < k < vocab) and for top-p (< 1).
+    pub top_k: bool,
+    pub top_p: bool,
+}
+
+impl Plan {
+    /// None where the settings are the greedy argmax of today's step (no kernel of its own).
+    pub fn of(s: &Sampling, vocab: usize) -> Option<Self> {
+        if s.is_greedy() {
+            return None;
+        }
+        let random = s.temperature > 0.0;
+        Some(Self {
+            penalties: !s.penalties_off(),
+            random,
+            top_k: random && s.top_k > 0 && (s.top_k as usize) < vocab,
+            top_p: random && s.top_p < 1.0,
+        })
+    }
+}
+
+/// The sampler's device buffers, allocated at load.
+pub struct DeviceSampler {
+    params: CudaSlice<u32>,
+    work: CudaSlice<u32>,
+    /// The radix select's histogram (zero between launches).
+    bins: CudaSlice<u64>,
+    /// Occurrences per id in the penalties' window (zero between launches).
+    counts: CudaSlice<i32>,
+    /// (id or -1, logit bits) per window entry: the logits the penalties changed.
+    saved: CudaSlice<i32>,
+    /// The id fed at each position of the request (commits and prefill write it).
+    pub history: CudaSlice<i32>,
+    /// The settings in force and their plan (None: greedy).
+    pub settings: Sampling,
+    pub plan: Option<Plan>,
+}
+
+/// The sampler's buffer lengths in elements, for the allocation and the budget
+/// ([`super::budget::ArenaLens`]).
+pub struct SamplerLens {
+    pub work: usize,
+    pub bins: usize,
+    pub counts: usize,
+    pub saved: usize,
+    pub history: usize,
+}
+
+impl SamplerLens {
+    pub fn new(vocab: usize, max_seq: usize) -> Self {
+        Self {
+            work: SAMPLE_WORK_WORDS,
+            bins: SAMPLE_BINS,
+            counts: vocab,
+            saved: 2 * (max_seq + 1),
+            history: max_seq + 1,
+        }
+    }
+
+    pub fn bytes(&self) -> usize {
+        4 * (16 + self.work + 2 * self.bins + self.counts + self.saved + self.history)
+    }
+}
+
+impl DeviceSampler {
+    pub fn new(gpu: &Gpu, lens: &SamplerLens) -> Result<Self> {
+        Ok(Self {
+            params: gpu.upload(&SampleParams::of(&Sampling::default()).words())?,
+            work: gpu.zeros(lens.work)?,
+            bins: gpu.zeros(lens.bins)?,
+            counts: gpu.zeros(lens.counts)?,
+            saved: gpu.zeros(lens.saved)?,
+            history: gpu.zeros(lens.history)?,
+            settings: Sampling::default(),
+            plan: None,
+        })
+    }
+
+    /// Writes the settings the kernels read (stream-ordered after the work already queued).
+    pub fn set(&mut self, gpu: &Gpu, s: &Sampling, vocab: usize) -> Result<()> {
+        gpu.stream
+            .memcpy_htod(&SampleParams::of(s).words(), &mut self.params)
+            .map_err(driver_error("sampling settings"))?;
+        self.settings = *s;
+        self.plan = Plan::of(s, vocab);
+        Ok(())
+    }
+
+    /// Zeroes the counts an interrupted launch could have left (the kernels leave them zero).
+    pub fn reset(&mut self, gpu: &Gpu) -> Result<()> {
+        let zeros = [0u32; SAMPLE_WORK_WORDS];
+        gpu.stream
+            .memcpy_htod(&zeros, &mut self.work)
+            .map_err(driver_error("sampler reset"))?;
+        gpu.stream
+            .memcpy_htod(&[0u64; SAMPLE_BINS], &mut self.bins)
+            .map_err(driver_error("sampler reset"))
+    }
+}
+
+impl CudaBackend {
+    /// Enqueues the draw of `plan` from the logits into the state's next_token, for the slot
+    /// state[POSITION] + `slot_offset` (the decode step draws before its commit, 1; the
+    /// prefill after its last advance, 0).
+    pub(super) fn record_draw(&self, plan: Plan, slot_offset: i32) -> Result<()> {
+        let (gpu, k, smp) = (&self.ops.gpu, &self.ops.k, &self.sampler);
+        let (logits, vocab, state) = (
+            self.ptr(&self.arena.logits),
+            self.spec.vocab as i32,
+            self.ptr(&self.state),
+        );
+        let (params, work, bins) = (
+            self.ptr(&smp.params),
+            self.ptr(&smp.work),
+            self.ptr(&smp.bins),
+        );
+        let saved = self.ptr(&smp.saved);
+        let grid = cudarc::driver::LaunchConfig {
+            grid_dim: (self.ops.sms.min(MAX_ARGMAX_CTAS as u32), 1, 1),
+            ..one_cta(SAMPLE_THREADS)
+        };
+        if plan.penalties {
+            let (hist, counts) = (self.ptr(&smp.history), self.ptr(&smp.counts));
+            launch!(gpu, &k.sample_penalize, one_cta(1024); logits, vocab, state, slot_offset, params, work, hist, counts, saved)?;
+        }
+        if plan.random {
+            launch!(gpu, &k.sample_max, grid; logits, vocab, state, work)?;
+        }
+        for (on, by_mass) in [(plan.top_k, 0i32), (plan.top_p, 1)] {
+            if on {
+                for pass in 0..3i32 {
+                    launch!(gpu, &k.sample_select, grid; logits, vocab, state, params, work, bins, pass, by_mass)?;
+                }
+            }
+        }
+        let scratch = self.ptr(&self.arena.argmax);
+        launch!(gpu, &k.sample_draw, grid; logits, vocab, state, slot_offset, params, work, scratch, saved)
+    }
+
+    /// Measuring tool (the kernel-level distribution test): `n` draws from `logits` under the
+    /// settings in force after the request's ids `history` (at least one), for the slots
+    /// history.len(), history.len() + 1, ... (replays of a captured draw and commit, each id
+    /// appended to the history); the request's state is lost (reset afterwards). The last slot
+    /// is at most max_seq.
+    pub fn draws_from(&mut self, logits: &[f32], history: &[u32], n: usize) -> Result<Vec<u32>> {
+        let first_slot = history.len();
+        if logits.len() != self.spec.vocab || first_slot == 0 || first_slot + n > self.max_seq + 1 {
+            return Err(Error::InvalidArgument(format!(
+                "draws_from: {} logits (vocab {}), slots {first_slot}..{} (1 to max_seq {})",
+                logits.len(),
+                self.spec.vocab,
+                first_slot + n,
+                self.max_seq
+            )));
+        }
+        let plan = self.sampler.plan.unwrap_or(Plan {
+            penalties: false,
+            random: false,
+            top_k: false,
+            top_p: false,
+        });
+        let gpu = &self.ops.gpu;
+        gpu.stream
+            .memcpy_htod(logits, &mut self.arena.logits)
+            .map_err(driver_error("logits upload"))?;
+        let history: Vec<i32> = history.iter().map(|&i| i as i32).collect();
+        gpu.stream
+            .memcpy_htod(&history, &mut self.sampler.history.slice_mut(..first_slot))
+            .map_err(driver_error("history upload"))?;
+        let mut st = [0i32; state::LEN];
+        st[state::POSITION] = first_slot as i32 - 1;
+        st[state::VALID_LEN] = first_slot as i32 - 1;
+        gpu.stream
+            .memcpy_htod(&st, &mut self.state)
+            .map_err(driver_error("state"))?;
+        let stream = gpu.stream.clone();
+        stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .map_err(driver_error("begin capture"))?;
+        let recorded = self.record_draw(plan, 1).and_then(|()| self.commit(-1));
+        let graph = stream
+            .end_capture(CUgraphInstantiate_flags(0))
+            .map_err(driver_error("end capture"));
+        recorded?;
+        let graph = graph?.ok_or_else(|| Error::Cuda("stream capture produced no graph".into()))?;
+        for _ in 0..n {
+            graph.launch().map_err(driver_error("graph launch"))?;
+        }
+        let st = self.read_state()?;
+        let ids = self
+            .ops
+            .gpu
+            .download(&self.arena.ring, st[state::RING_COUNT] as usize)?;
+        self.reset()?;
+        Ok(ids.into_iter().map(|i| i as u32).collect())
+    }
+}
