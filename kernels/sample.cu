@@ -1,13 +1,14 @@
-// The sampler (src/cuda/sample.rs schedules it; src/sampling.rs is its reference and says what
+// The sampler (src/cuda/sample.rs launches it; src/sampling.rs is its reference and says what
 // it computes): penalties, then the thresholds of top-k and top-p, then a Gumbel-max draw over
 // the ids left. Uses common.cuh.
 //
 // Everything a request can change is read from device memory (SampleParams, written by the
-// host at dv2_set_sampling), since kernel arguments are frozen in the captured graph. The
-// grid kernels take one CTA per SM; their CTAs leave partial results in SampleWork and the
-// CTA that arrives last (last_to_arrive) finishes the reduction, so no kernel waits on
-// another CTA. Every buffer the kernels count in (arrivals, bins, counts) is zero again when a
-// launch ends.
+// host at dv2_set_sampling), since kernel arguments are frozen in the captured graph. One
+// cooperative kernel (every CTA resident, one per SM) runs the phases a setting needs with
+// grid barriers between them, one launch and one graph node a step. (It measured no faster than
+// a kernel per phase: a phase's time is its chain of L2 round trips, ~7 us a select pass,
+// docs/lab.md session 24.) Every buffer the kernel counts in (barrier, bins, counts) is zero
+// again when it ends.
 //
 // Why a Gumbel-max draw: argmax over the kept ids of z_i + G_i, z the logit over the
 // temperature and G_i Gumbel noise from Philox keyed by (seed, slot, id), draws from the
@@ -15,7 +16,8 @@
 // with no sort and no prefix sum over the vocabulary. Why thresholds: top-k and top-p keep the
 // ids at or above a logit, found by a radix select over the logits' order-preserving keys
 // (12, 12 and 8 bits a pass): top-k counts ids, top-p sums their softmax mass in 2^-44 fixed
-// point, so the sums do not depend on the order the CTAs add them in.
+// point, so the sums do not depend on the order the CTAs add them in, and every CTA reads the
+// same histogram and finds the same bin.
 
 // The settings of the request (src/cuda/sample.rs SampleParams).
 struct SampleParams {
@@ -32,18 +34,16 @@ struct SampleParams {
 };
 static_assert(sizeof(SampleParams) == SIZEOF_SAMPLEPARAMS, "SampleParams differs from the host's");
 
-// The kernels' scratch between launches of one draw.
+// The kernel's scratch.
 struct SampleWork {
-    int arrivals;        // CTAs arrived at last_to_arrive in this launch
-    float max;           // the largest (penalized) logit
-    u32 tau;             // ids with order_key(logit) >= tau are kept so far
-    u32 prefix;          // the radix select: the key bits fixed by the passes so far
-    unsigned long long target;  // and the count or mass it still looks for below them
-    int n_saved;         // window entries sample_penalize saved for sample_draw to restore
+    unsigned barrier_count;  // CTAs arrived at the current grid barrier
+    unsigned barrier_gen;    // barriers completed (only rises)
+    int n_saved;             // window entries penalize() saved for the draw to restore
     int pad;
     float cta_max[SAMPLE_MAX_CTAS];
 };
 static_assert(sizeof(SampleWork) == 4 * SAMPLE_WORK_WORDS, "SampleWork differs from the host's");
+static_assert(SAMPLE_BINS % SAMPLE_THREADS == 0, "a thread reads SAMPLE_BINS / SAMPLE_THREADS bins");
 
 // The radix select's passes: key bits [20, 32), [8, 20), [0, 8).
 __device__ __forceinline__ int select_shift(int pass) { return pass == 0 ? 20 : pass == 1 ? 8 : 0; }
@@ -115,32 +115,53 @@ __device__ __forceinline__ void block_suffix_sum(unsigned long long v, unsigned 
     }
 }
 
-// True in every thread of the CTA that arrives last at `count` in this launch (which resets
-// it); every CTA's writes before the call are visible to that CTA after it.
-__device__ __forceinline__ bool last_to_arrive(int* count) {
-    __shared__ bool last;
-    __threadfence();
+// f(logit, index) for this thread's share of the logits (grid-stride), LOAD_BATCH loads in
+// flight at a time: the logits are in L2, and a loop that waits for each load before the next
+// pays the L2's latency per logit.
+template <typename F>
+__device__ __forceinline__ void for_logits(const float* __restrict__ logits, int vocab, F f) {
+    constexpr int LOAD_BATCH = 4;
+    const int stride = gridDim.x * blockDim.x;
+    for (int base = blockIdx.x * blockDim.x + threadIdx.x; base < vocab; base += LOAD_BATCH * stride) {
+        float v[LOAD_BATCH];
+#pragma unroll
+        for (int u = 0; u < LOAD_BATCH; u++) {
+            const int i = base + u * stride;
+            v[u] = i < vocab ? logits[i] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < LOAD_BATCH; u++)
+            if (base + u * stride < vocab) f(v[u], base + u * stride);
+    }
+}
+
+// Every CTA of the (cooperative) grid waits here until all have arrived; their writes before
+// it are visible to all after it (as cooperative groups' grid sync).
+__device__ __forceinline__ void grid_barrier(SampleWork* w) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        last = atomicAdd(count, 1) == (int)gridDim.x - 1;
-        if (last) *count = 0;
+        volatile unsigned* gen = &w->barrier_gen;
+        const unsigned g = *gen;
+        __threadfence();
+        if (atomicAdd(&w->barrier_count, 1u) == gridDim.x - 1) {
+            w->barrier_count = 0;
+            __threadfence();
+            atomicAdd(&w->barrier_gen, 1u);
+        } else {
+            while (*gen == g) {
+            }
+        }
+        __threadfence();
     }
     __syncthreads();
-    if (last) __threadfence();
-    return last;
 }
 
 // The penalties over the window (the last penalty_last_n ids before `slot`, -1: all) in place
-// in the logits, one CTA: counts per id in `counts` (zero before and after), and the first
+// in the logits, by one CTA: counts per id in `counts` (zero before and after), and the first
 // window entry of each id saves that id's logit in `saved` (pairs: id or -1, logit bits) for
-// sample_draw to put back, so that the logits read back afterwards are the model's.
-// slot = state[POSITION] + slot_offset: the position the drawn id will take.
-extern "C" __global__ void sample_penalize(float* logits, int vocab, const int* state, int slot_offset,
-                                           const SampleParams* p, SampleWork* w, const int* __restrict__ hist,
-                                           int* counts, int* saved) {
-    pdl_enter();
-    if (state[STATE_FINISHED]) return;
-    const int slot = state[STATE_POSITION] + slot_offset;
+// the draw to put back, so that the logits read back afterwards are the model's.
+__device__ void penalize(float* logits, int vocab, int slot, const SampleParams* p, SampleWork* w,
+                         const int* __restrict__ hist, int* counts, int* saved) {
     const int n = p->penalty_last_n < 0 ? slot : min(p->penalty_last_n, slot);
     const int* window = hist + (slot - n);
     for (int j = threadIdx.x; j < n; j += blockDim.x) {
@@ -162,113 +183,151 @@ extern "C" __global__ void sample_penalize(float* logits, int vocab, const int* 
     if (threadIdx.x == 0) w->n_saved = n;
 }
 
-// The largest logit, and every non-NaN id kept (tau = 1) for the passes after.
-extern "C" __global__ void sample_max(const float* __restrict__ logits, int vocab, const int* state, SampleWork* w) {
-    pdl_enter();
-    if (state[STATE_FINISHED]) return;
+// The largest logit, in every CTA (each reduces the CTAs' maxima in the same order).
+__device__ float grid_max(const float* __restrict__ logits, int vocab, SampleWork* w) {
     float m = NEG_INF;
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < vocab; i += gridDim.x * blockDim.x)
-        m = fmaxf(m, logits[i]);
+    for_logits(logits, vocab, [&](float l, int) { m = fmaxf(m, l); });
     m = block_max(m);
     if (threadIdx.x == 0) w->cta_max[blockIdx.x] = m;
-    if (!last_to_arrive(&w->arrivals)) return;
+    grid_barrier(w);
     float v = NEG_INF;
     for (int c = threadIdx.x; c < (int)gridDim.x; c += blockDim.x) v = fmaxf(v, __ldcg(&w->cta_max[c]));
-    v = block_max(v);
-    if (threadIdx.x == 0) {
-        w->max = v;
-        w->tau = 1u;
-    }
+    return block_max(v);
 }
 
-// One pass of the radix select for a threshold over the kept ids: top-k (by_mass 0: each id
-// weighs 1, the target is k) or top-p (by_mass 1: each weighs its softmax mass, the target is
-// top_p of the kept mass). The threshold is the smallest key whose kept ids strictly above it
-// weigh less than the target: the k-th largest logit, or the least likely logit top-p keeps.
-// Each pass histograms one digit of the keys under the prefix fixed so far (`bins`, zero
-// between launches); the last CTA finds the digit's bin and leaves the prefix and what is left
-// of the target, and after pass 2 the threshold in tau.
-extern "C" __global__ void sample_select(const float* __restrict__ logits, int vocab, const int* state,
-                                         const SampleParams* p, SampleWork* w, unsigned long long* bins,
-                                         int pass, int by_mass) {
-    pdl_enter();
-    if (state[STATE_FINISHED]) return;
-    __shared__ unsigned long long h[SAMPLE_BINS];
-    const int shift = select_shift(pass), n_bins = 1 << select_bits(pass);
-    const u32 mask = pass == 0 ? 0u : ~((1u << (shift + select_bits(pass))) - 1u);
-    const u32 prefix = pass == 0 ? 0u : w->prefix, tau = w->tau;
-    const float m = w->max, t = p->temperature;
-    for (int b = threadIdx.x; b < n_bins; b += blockDim.x) h[b] = 0;
-    __syncthreads();
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < vocab; i += gridDim.x * blockDim.x) {
-        const float l = logits[i];
-        const u32 key = order_key(l);
-        if (key < tau || (key & mask) != prefix) continue;
-        atomicAdd(&h[(key >> shift) & (n_bins - 1)], by_mass ? fixed_mass(l, m, t) : 1ull);
-    }
-    __syncthreads();
-    for (int b = threadIdx.x; b < n_bins; b += blockDim.x)
-        if (h[b]) atomicAdd(&bins[b], h[b]);
-    if (!last_to_arrive(&w->arrivals)) return;
-
-    // The last CTA: the bins into shared memory (and zero for the next launch).
-    for (int b = threadIdx.x; b < n_bins; b += blockDim.x) {
-        h[b] = __ldcg(&bins[b]);
-        bins[b] = 0;
-    }
-    __syncthreads();
-    // Each thread takes a run of bins; `above`: the weight of the runs above its run.
-    const int per = (n_bins + blockDim.x - 1) / blockDim.x, b0 = threadIdx.x * per, b1 = min(n_bins, b0 + per);
-    unsigned long long run = 0;
-    for (int b = b0; b < b1; b++) run += h[b];
+// A threshold over the ids kept so far (key >= tau) by a radix select: top-k (by_mass false:
+// each id weighs 1, the target is k) or top-p (each weighs its softmax mass, the target is top_p
+// of the kept mass). The threshold is the smallest key whose kept ids strictly above it weigh
+// less than the target: the k-th largest logit, or the least likely logit top-p keeps. Each of
+// the 3 passes histograms one digit of the keys under the prefix fixed so far into its own
+// buffer of `bins` (zero before; `dirty`, the buffer of the pass before, is zeroed after this
+// pass's barrier, when every CTA has read it, the last one by the draw); after the barrier every CTA
+// reads the whole histogram and finds the same bin. A top-k that needs every id of the bin it
+// found is done there (its lower bound is the threshold). `lo`, `hi`: the CTA's histogram in
+// shared memory as 32-bit halves (SAMPLE_BINS each): Hopper's shared 64-bit atomic add is a
+// compare-and-swap loop (ATOMS.CAST.SPIN.64 in the SASS), which contended bins made the pass's
+// slowest part; two native 32-bit adds with the carry sum the same integers.
+// Returns the threshold (a key past every key where nothing is kept).
+__device__ u32 select_threshold(const float* __restrict__ logits, int vocab, SampleWork* w, const SampleParams* p,
+                                unsigned long long* bins, int first_buffer, bool by_mass, u32 tau, float m, u32* lo,
+                                u32* hi, int& dirty) {
     __shared__ int s_bin;
     __shared__ unsigned long long s_target;
-    if (threadIdx.x == 0) s_bin = n_bins;
-    unsigned long long above, total;
-    block_suffix_sum(run, above, total);
-    unsigned long long target;
-    if (pass > 0) {
-        target = w->target;
-    } else if (by_mass) {
-        target = (unsigned long long)((double)total * (double)p->top_p);
-    } else {
-        target = (unsigned long long)p->top_k;
-    }
-    // At least the most likely id stays, and a target past the total keeps every id.
-    target = min(max(target, 1ull), total);
-    // The lowest non-empty bin whose weight above it is under the target.
-    int found = n_bins;
-    unsigned long long found_above = 0;
-    for (int b = b1 - 1; b >= b0; b--) {
-        if (h[b] && above < target) found = b, found_above = above;
-        above += h[b];
-    }
-    atomicMin(&s_bin, found);
-    __syncthreads();
-    if (found == s_bin && found < n_bins) s_target = target - found_above;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const u32 fixed = s_bin < n_bins ? prefix | ((u32)s_bin << shift) : 0xffffffffu;
-        if (pass == 2 || s_bin == n_bins) {
-            w->tau = fixed;  // nothing to keep (every logit NaN) keeps nothing
-        } else {
-            w->prefix = fixed;
-            w->target = s_target;
+    const float t = p->temperature;
+    u32 prefix = 0;
+    unsigned long long target = by_mass ? 0ull : (unsigned long long)p->top_k;
+    for (int pass = 0; pass < 3; pass++) {
+        const int shift = select_shift(pass), n_bins = 1 << select_bits(pass);
+        const u32 mask = pass == 0 ? 0u : ~((1u << (shift + select_bits(pass))) - 1u);
+        unsigned long long* buffer = bins + (size_t)(first_buffer + pass) * SAMPLE_BINS;
+        for (int b = threadIdx.x; b < n_bins; b += blockDim.x) lo[b] = hi[b] = 0;
+        __syncthreads();
+        for_logits(logits, vocab, [&](float l, int) {
+            const u32 key = order_key(l);
+            if (key < tau || (key & mask) != prefix) return;
+            const int b = (key >> shift) & (n_bins - 1);
+            if (!by_mass) {
+                atomicAdd(&lo[b], 1u);
+                return;
+            }
+            const unsigned long long v = fixed_mass(l, m, t);
+            const u32 low = (u32)v, old = atomicAdd(&lo[b], low);
+            const u32 high = (u32)(v >> 32) + (old + low < old ? 1u : 0u);
+            if (high) atomicAdd(&hi[b], high);
+        });
+        __syncthreads();
+        for (int b = threadIdx.x; b < n_bins; b += blockDim.x) {
+            const unsigned long long v = (unsigned long long)hi[b] << 32 | lo[b];
+            if (v) atomicAdd(&buffer[b], v);
         }
+        grid_barrier(w);
+        if (dirty >= 0) {
+            // The previous pass's buffer: every CTA read it before this pass's barrier.
+            unsigned long long* done = bins + (size_t)dirty * SAMPLE_BINS;
+            for (int b = blockIdx.x * blockDim.x + threadIdx.x; b < SAMPLE_BINS; b += gridDim.x * blockDim.x)
+                done[b] = 0;
+        }
+        dirty = first_buffer + pass;
+        // The whole histogram, in the same halves: all of a thread's loads in flight at once
+        // (one L2 round trip, not one per bin).
+        {
+            constexpr int PER = SAMPLE_BINS / SAMPLE_THREADS;
+            unsigned long long v[PER];
+#pragma unroll
+            for (int u = 0; u < PER; u++) {
+                const int b = threadIdx.x + u * SAMPLE_THREADS;
+                v[u] = b < n_bins ? __ldcg(&buffer[b]) : 0ull;
+            }
+#pragma unroll
+            for (int u = 0; u < PER; u++) {
+                const int b = threadIdx.x + u * SAMPLE_THREADS;
+                if (b < n_bins) lo[b] = (u32)v[u], hi[b] = (u32)(v[u] >> 32);
+            }
+        }
+        const auto h = [&](int b) { return (unsigned long long)hi[b] << 32 | lo[b]; };
+        if (threadIdx.x == 0) s_bin = n_bins;
+        __syncthreads();
+        // Each thread takes a run of bins; `above`: the weight of the runs above its run.
+        const int per = (n_bins + blockDim.x - 1) / blockDim.x, b0 = threadIdx.x * per,
+                  b1 = min(n_bins, b0 + per);
+        unsigned long long run = 0;
+        for (int b = b0; b < b1; b++) run += h(b);
+        unsigned long long above, total;
+        block_suffix_sum(run, above, total);
+        if (pass == 0 && by_mass) target = (unsigned long long)((double)total * (double)p->top_p);
+        // At least the most likely id stays, and a target past the total keeps every id.
+        target = min(max(target, 1ull), total);
+        // The lowest non-empty bin whose weight above it is under the target.
+        int found = n_bins;
+        unsigned long long found_above = 0;
+        for (int b = b1 - 1; b >= b0; b--) {
+            if (h(b) && above < target) found = b, found_above = above;
+            above += h(b);
+        }
+        atomicMin(&s_bin, found);
+        __syncthreads();
+        if (found == s_bin && found < n_bins) s_target = target - found_above;
+        __syncthreads();
+        if (s_bin == n_bins) return 0xffffffffu;  // nothing to keep (every logit NaN)
+        prefix |= (u32)s_bin << shift;
+        target = s_target;
+        const bool whole_bin = !by_mass && target == h(s_bin);
+        __syncthreads();  // s_bin and s_target are read before the next pass writes them
+        if (whole_bin) return prefix;
     }
+    return prefix;
 }
 
-// The draw: state[NEXT_TOKEN] = the kept id of the largest z + gumbel (z = (l - max) / t; kept:
-// key >= tau and z >= ln(min_p)), or at temperature 0 the argmax (lowest id on a tie) of the
-// penalized logits. The last CTA writes the id and puts back the logits sample_penalize
-// changed.
-extern "C" __global__ void sample_draw(float* logits, int vocab, int* state, int slot_offset,
-                                       const SampleParams* p, SampleWork* w, int* scratch, const int* saved) {
+// The sampler: state[NEXT_TOKEN] = the kept id of the largest z + gumbel (z = (l - max) / t;
+// kept: at or above the top-k and top-p thresholds, z >= ln(min_p)), or at temperature 0 the
+// argmax (lowest id on a tie) of the penalized logits; the slot the id takes is
+// state[POSITION] + slot_offset (the decode step draws before its commit, the prefill after
+// its last advance). `penalties`, `top_k`, `top_p`: the phases the captured plan runs (the
+// host's Plan). The draw's last CTA (argmax_across_ctas) writes the id, puts back the logits
+// the penalties changed and zeroes the histogram buffer last used.
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    sample_draw(float* logits, int vocab, int* state, int slot_offset, const SampleParams* p, SampleWork* w,
+                unsigned long long* bins, int* scratch, const int* __restrict__ hist, int* counts, int* saved,
+                int penalties, int top_k, int top_p) {
     pdl_enter();
     if (state[STATE_FINISHED]) return;
-    const float t = p->temperature, m = w->max, log_min_p = p->log_min_p;
-    const u32 tau = w->tau, k0 = p->seed_lo, k1 = p->seed_hi;
-    const unsigned long long slot = (unsigned long long)(state[STATE_POSITION] + slot_offset);
+    __shared__ u32 lo[SAMPLE_BINS], hi[SAMPLE_BINS];
+    const int slot = state[STATE_POSITION] + slot_offset;
+    if (penalties) {
+        if (blockIdx.x == 0) penalize(logits, vocab, slot, p, w, hist, counts, saved);
+        grid_barrier(w);
+    }
+    const float t = p->temperature, log_min_p = p->log_min_p;
+    float m = 0.0f;
+    u32 tau = 1u;  // every id but NaN
+    int dirty = -1;  // the histogram buffer last used
+    if (t > 0.0f) {
+        m = grid_max(logits, vocab, w);
+        if (top_k) tau = select_threshold(logits, vocab, w, p, bins, 0, false, tau, m, lo, hi, dirty);
+        if (top_p) tau = select_threshold(logits, vocab, w, p, bins, 3, true, tau, m, lo, hi, dirty);
+    }
+    const u32 k0 = p->seed_lo, k1 = p->seed_hi;
+    const unsigned long long s64 = (unsigned long long)slot;
     float best = NEG_INF;
     int best_i = -1;
     const int groups = (vocab + 3) >> 2;
@@ -290,7 +349,7 @@ extern "C" __global__ void sample_draw(float* logits, int vocab, int* state, int
                 const float z = __fdiv_rn(__fsub_rn(l[u], m), t);
                 if (order_key(l[u]) < tau || !(z >= log_min_p)) continue;
                 if (!drawn) {
-                    r = philox4x32(make_uint4((u32)slot, (u32)(slot >> 32), (u32)q, 0u), k0, k1);
+                    r = philox4x32(make_uint4((u32)s64, (u32)(s64 >> 32), (u32)q, 0u), k0, k1);
                     drawn = true;
                 }
                 s = __fadd_rn(z, gumbel(u == 0 ? r.x : u == 1 ? r.y : u == 2 ? r.z : r.w));
@@ -301,11 +360,11 @@ extern "C" __global__ void sample_draw(float* logits, int vocab, int* state, int
     block_argmax(best, best_i);
     if (!argmax_across_ctas(best, best_i, scratch)) return;
     if (threadIdx.x == 0) state[STATE_NEXT_TOKEN] = best_i < 0 ? 0 : best_i;
-    const int n_saved = w->n_saved;
+    const int n_saved = penalties ? __ldcg(&w->n_saved) : 0;
     for (int j = threadIdx.x; j < n_saved; j += blockDim.x) {
         const int id = __ldcg(&saved[2 * j]);
         if (id >= 0) logits[id] = __int_as_float(__ldcg(&saved[2 * j + 1]));
     }
-    __syncthreads();
-    if (threadIdx.x == 0) w->n_saved = 0;
+    if (dirty >= 0)
+        for (int b = threadIdx.x; b < SAMPLE_BINS; b += blockDim.x) bins[(size_t)dirty * SAMPLE_BINS + b] = 0;
 }

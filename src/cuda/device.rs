@@ -239,34 +239,73 @@ impl Gpu {
         cluster: (u32, u32, u32),
         args: &mut [*mut c_void],
     ) -> Result<()> {
+        if cluster == (1, 1, 1) {
+            return self.launch_with(f, cfg, None, args);
+        }
+        // SAFETY: the attribute value is a C union of plain integers; all zero bits is valid.
+        let mut value: CUlaunchAttributeValue = std::mem::zeroed();
+        value.clusterDim.x = cluster.0;
+        value.clusterDim.y = cluster.1;
+        value.clusterDim.z = cluster.2;
+        let attr = CUlaunchAttribute {
+            id: CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+            pad: [0; 4],
+            value,
+        };
+        self.launch_with(f, cfg, Some(attr), args)
+    }
+
+    /// [`Self::launch`] as a cooperative kernel: the driver makes every CTA of the grid
+    /// resident at once (or fails the launch), so that the CTAs may wait on each other.
+    ///
+    /// # Safety
+    /// As [`Self::launch`].
+    pub unsafe fn launch_cooperative(
+        &self,
+        f: &CudaFunction,
+        cfg: LaunchConfig,
+        args: &mut [*mut c_void],
+    ) -> Result<()> {
+        // SAFETY: as above.
+        let mut value: CUlaunchAttributeValue = std::mem::zeroed();
+        value.cooperative = 1;
+        let attr = CUlaunchAttribute {
+            id: CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE,
+            pad: [0; 4],
+            value,
+        };
+        self.launch_with(f, cfg, Some(attr), args)
+    }
+
+    /// cuLaunchKernelEx with programmatic dependent launch where [`Gpu::pdl`] and the
+    /// attribute `extra`.
+    ///
+    /// # Safety
+    /// As [`Self::launch`].
+    unsafe fn launch_with(
+        &self,
+        f: &CudaFunction,
+        cfg: LaunchConfig,
+        extra: Option<CUlaunchAttribute>,
+        args: &mut [*mut c_void],
+    ) -> Result<()> {
         self.ctx
             .bind_to_thread()
             .map_err(driver_error("bind context"))?;
         // SAFETY: the attribute value is a C union of plain integers; all zero bits is valid.
         let mut pdl_value: CUlaunchAttributeValue = std::mem::zeroed();
         pdl_value.programmaticStreamSerializationAllowed = 1;
-        // SAFETY: as above.
-        let mut cluster_value: CUlaunchAttributeValue = std::mem::zeroed();
-        cluster_value.clusterDim.x = cluster.0;
-        cluster_value.clusterDim.y = cluster.1;
-        cluster_value.clusterDim.z = cluster.2;
         let pdl = CUlaunchAttribute {
             id: CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
             pad: [0; 4],
             value: pdl_value,
         };
-        let clustered = cluster != (1, 1, 1);
-        let cluster = CUlaunchAttribute {
-            id: CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
-            pad: [0; 4],
-            value: cluster_value,
-        };
         // The attributes that apply, first `count` of the array (no allocation per launch).
-        let (mut attrs, count) = match (self.caps.pdl, clustered) {
-            (true, true) => ([pdl, cluster], 2),
-            (true, false) => ([pdl, cluster], 1),
-            (false, true) => ([cluster, pdl], 1),
-            (false, false) => ([pdl, cluster], 0),
+        let (mut attrs, count) = match (self.caps.pdl, extra) {
+            (true, Some(e)) => ([pdl, e], 2),
+            (true, None) => ([pdl, pdl], 1),
+            (false, Some(e)) => ([e, e], 1),
+            (false, None) => ([pdl, pdl], 0),
         };
         let config = CUlaunchConfig {
             gridDimX: cfg.grid_dim.0,

@@ -423,9 +423,6 @@ pub struct Kernels {
     /// Long-context decode attention for head_dim 64 and 128.
     pub attn_long_decode: [CudaFunction; 2],
     /// The sampler (kernels/sample.cu).
-    pub sample_penalize: CudaFunction,
-    pub sample_max: CudaFunction,
-    pub sample_select: CudaFunction,
     pub sample_draw: CudaFunction,
 }
 
@@ -548,9 +545,6 @@ impl Kernels {
                 f("attn_prefill_mma_hd128")?,
             ],
             attn_long_decode: [f("attn_long_decode_hd64")?, f("attn_long_decode_hd128")?],
-            sample_penalize: f("sample_penalize")?,
-            sample_max: f("sample_max")?,
-            sample_select: f("sample_select")?,
             sample_draw: f("sample_draw")?,
         })
     }

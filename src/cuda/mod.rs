@@ -25,6 +25,11 @@ macro_rules! launch {
         // SAFETY: as above; the kernel takes clusters of `$c` CTAs (x, y, z).
         unsafe { $gpu.launch_in_clusters($f, $cfg, $c, &mut args) }
     }};
+    ($gpu:expr, $f:expr, $cfg:expr, cooperative; $($arg:ident),* $(,)?) => {{
+        let mut args = [$($crate::cuda::device::kernel_arg(&$arg)),*];
+        // SAFETY: as above; the grid fits the device at once.
+        unsafe { $gpu.launch_cooperative($f, $cfg, &mut args) }
+    }};
 }
 
 pub mod bench;

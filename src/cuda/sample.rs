@@ -21,8 +21,10 @@ use crate::sampling::Sampling;
 pub const SAMPLE_THREADS: u32 = 512;
 /// Bins of the radix select's widest pass (12 bits of the key).
 pub const SAMPLE_BINS: usize = 4096;
-/// 32-bit words of the kernels' scratch (SampleWork: 8 words, then a float per CTA).
-pub const SAMPLE_WORK_WORDS: usize = 8 + MAX_ARGMAX_CTAS;
+/// Histogram buffers: one per pass of top-k's select and of top-p's (3 each).
+const SAMPLE_BIN_BUFFERS: usize = 6;
+/// 32-bit words of the kernel's scratch (SampleWork: 4 words, then a float per CTA).
+pub const SAMPLE_WORK_WORDS: usize = 4 + MAX_ARGMAX_CTAS;
 
 /// The settings as the kernels read them (kernels/sample.cu `SampleParams`).
 #[repr(C)]
@@ -73,20 +75,20 @@ impl SampleParams {
     }
 }
 
-/// The kernels a draw needs under some settings; a graph is captured per plan.
+/// The phases a draw runs under some settings; a graph is captured per plan.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Plan {
-    /// sample_penalize: some penalty applies.
+    /// Some penalty applies.
     pub penalties: bool,
-    /// sample_max and a random draw (temperature > 0); else the argmax of the penalized logits.
+    /// A random draw (temperature > 0); else the argmax of the penalized logits.
     pub random: bool,
-    /// sample_select's passes for top-k (0 < k < vocab) and for top-p (< 1).
+    /// The radix select for top-k (0 < k < vocab) and for top-p (< 1).
     pub top_k: bool,
     pub top_p: bool,
 }
 
 impl Plan {
-    /// None where the settings are the greedy argmax of today's step (no kernel of its own).
+    /// None where the settings are the greedy argmax of today's step (no sampler).
     pub fn of(s: &Sampling, vocab: usize) -> Option<Self> {
         if s.is_greedy() {
             return None;
@@ -105,7 +107,7 @@ impl Plan {
 pub struct DeviceSampler {
     params: CudaSlice<u32>,
     work: CudaSlice<u32>,
-    /// The radix select's histogram (zero between launches).
+    /// The radix select's histograms (zero between launches).
     bins: CudaSlice<u64>,
     /// Occurrences per id in the penalties' window (zero between launches).
     counts: CudaSlice<i32>,
@@ -132,7 +134,7 @@ impl SamplerLens {
     pub fn new(vocab: usize, max_seq: usize) -> Self {
         Self {
             work: SAMPLE_WORK_WORDS,
-            bins: SAMPLE_BINS,
+            bins: SAMPLE_BIN_BUFFERS * SAMPLE_BINS,
             counts: vocab,
             saved: 2 * (max_seq + 1),
             history: max_seq + 1,
@@ -175,7 +177,7 @@ impl DeviceSampler {
             .memcpy_htod(&zeros, &mut self.work)
             .map_err(driver_error("sampler reset"))?;
         gpu.stream
-            .memcpy_htod(&[0u64; SAMPLE_BINS], &mut self.bins)
+            .memcpy_htod(&[0u64; SAMPLE_BIN_BUFFERS * SAMPLE_BINS], &mut self.bins)
             .map_err(driver_error("sampler reset"))
     }
 }
@@ -183,40 +185,31 @@ impl DeviceSampler {
 impl CudaBackend {
     /// Enqueues the draw of `plan` from the logits into the state's next_token, for the slot
     /// state[POSITION] + `slot_offset` (the decode step draws before its commit, 1; the
-    /// prefill after its last advance, 0).
+    /// prefill after its last advance, 0): one cooperative kernel, a CTA per SM.
     pub(super) fn record_draw(&self, plan: Plan, slot_offset: i32) -> Result<()> {
-        let (gpu, k, smp) = (&self.ops.gpu, &self.ops.k, &self.sampler);
+        let smp = &self.sampler;
         let (logits, vocab, state) = (
             self.ptr(&self.arena.logits),
             self.spec.vocab as i32,
             self.ptr(&self.state),
         );
-        let (params, work, bins) = (
+        let (params, work, bins, scratch) = (
             self.ptr(&smp.params),
             self.ptr(&smp.work),
             self.ptr(&smp.bins),
+            self.ptr(&self.arena.argmax),
         );
-        let saved = self.ptr(&smp.saved);
+        let (hist, counts, saved) = (
+            self.ptr(&smp.history),
+            self.ptr(&smp.counts),
+            self.ptr(&smp.saved),
+        );
+        let [penalties, top_k, top_p] = [plan.penalties, plan.top_k, plan.top_p].map(i32::from);
         let grid = cudarc::driver::LaunchConfig {
             grid_dim: (self.ops.sms.min(MAX_ARGMAX_CTAS as u32), 1, 1),
             ..one_cta(SAMPLE_THREADS)
         };
-        if plan.penalties {
-            let (hist, counts) = (self.ptr(&smp.history), self.ptr(&smp.counts));
-            launch!(gpu, &k.sample_penalize, one_cta(1024); logits, vocab, state, slot_offset, params, work, hist, counts, saved)?;
-        }
-        if plan.random {
-            launch!(gpu, &k.sample_max, grid; logits, vocab, state, work)?;
-        }
-        for (on, by_mass) in [(plan.top_k, 0i32), (plan.top_p, 1)] {
-            if on {
-                for pass in 0..3i32 {
-                    launch!(gpu, &k.sample_select, grid; logits, vocab, state, params, work, bins, pass, by_mass)?;
-                }
-            }
-        }
-        let scratch = self.ptr(&self.arena.argmax);
-        launch!(gpu, &k.sample_draw, grid; logits, vocab, state, slot_offset, params, work, scratch, saved)
+        launch!(self.ops.gpu, &self.ops.k.sample_draw, grid, cooperative; logits, vocab, state, slot_offset, params, work, bins, scratch, hist, counts, saved, penalties, top_k, top_p)
     }
 
     /// Measuring tool (the kernel-level distribution test): `n` draws from `logits` under the
