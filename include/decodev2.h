@@ -251,7 +251,7 @@ void dv2_free(struct dv2_engine *engine);
 enum dv2_status dv2_reset(struct dv2_engine *engine);
 
 // Feeds `n_ids` prompt ids from the current position (teacher-forced) and computes the
-// greedy next token, written to `*out_next` when `out_next` is not NULL. Consecutive calls
+// next token (greedy, or sampled under dv2_set_sampling), written to `*out_next` when `out_next` is not NULL. Consecutive calls
 // append. Errors (handle unchanged): DV2_ERR_NULL_POINTER (ids), DV2_ERR_INVALID_ARGUMENT
 // (n_ids = 0, an id < 0 or >= vocab), DV2_ERR_SEQUENCE_FULL (position + n_ids > max_seq).
 //
@@ -262,15 +262,16 @@ enum dv2_status dv2_prefill(struct dv2_engine *engine,
                             size_t n_ids,
                             int32_t *out_next);
 
-// One greedy decode step: feeds the pending token, writes the new id to `*out_id` when
+// One decode step (greedy, or sampled under dv2_set_sampling): feeds the pending token, writes the new id to `*out_id` when
 // `out_id` is not NULL. Errors (handle unchanged): DV2_ERR_INVALID_STATE (no prefill since
 // load/reset), DV2_FINISHED (EOS already produced), DV2_ERR_SEQUENCE_FULL.
 //
 // # Safety
 // `engine` NULL or live; `out_id` NULL or writable.
-enum dv2_status dv2_step(struct dv2_engine *engine, int32_t *out_id);
+enum dv2_status dv2_step(struct dv2_engine *engine,
+                         int32_t *out_id);
 
-// Up to `n` greedy steps in one call (one host synchronisation on the GPU), writing the ids
+// Up to `n` steps in one call (one host synchronisation on the GPU), writing the ids
 // to `out_ids[0 .. *out_count]`. Stops early after the step that produces EOS (the EOS id is
 // written and finished is set) and when max_seq is reached. Same errors as dv2_step, plus
 // DV2_ERR_INVALID_ARGUMENT for n = 0; on error `*out_count` is 0.
@@ -282,7 +283,7 @@ enum dv2_status dv2_step_n(struct dv2_engine *engine,
                            int32_t *out_ids,
                            size_t *out_count);
 
-// The last greedy id (after prefill or step). DV2_ERR_INVALID_STATE before any prefill.
+// The last id chosen (after prefill or step). DV2_ERR_INVALID_STATE before any prefill.
 //
 // # Safety
 // `out_id` writable.

@@ -634,7 +634,7 @@ pub unsafe extern "C" fn dv2_reset(engine: *mut dv2_engine) -> dv2_status {
 }
 
 /// Feeds `n_ids` prompt ids from the current position (teacher-forced) and computes the
-/// greedy next token, written to `*out_next` when `out_next` is not NULL. Consecutive calls
+/// next token (greedy, or sampled under dv2_set_sampling), written to `*out_next` when `out_next` is not NULL. Consecutive calls
 /// append. Errors (handle unchanged): DV2_ERR_NULL_POINTER (ids), DV2_ERR_INVALID_ARGUMENT
 /// (n_ids = 0, an id < 0 or >= vocab), DV2_ERR_SEQUENCE_FULL (position + n_ids > max_seq).
 ///
@@ -681,7 +681,7 @@ pub unsafe extern "C" fn dv2_prefill(
     }
 }
 
-/// One greedy decode step: feeds the pending token, writes the new id to `*out_id` when
+/// One decode step (greedy, or sampled under dv2_set_sampling): feeds the pending token, writes the new id to `*out_id` when
 /// `out_id` is not NULL. Errors (handle unchanged): DV2_ERR_INVALID_STATE (no prefill since
 /// load/reset), DV2_FINISHED (EOS already produced), DV2_ERR_SEQUENCE_FULL.
 ///
@@ -701,7 +701,7 @@ pub unsafe extern "C" fn dv2_step(engine: *mut dv2_engine, out_id: *mut i32) -> 
     }
 }
 
-/// Up to `n` greedy steps in one call (one host synchronisation on the GPU), writing the ids
+/// Up to `n` steps in one call (one host synchronisation on the GPU), writing the ids
 /// to `out_ids[0 .. *out_count]`. Stops early after the step that produces EOS (the EOS id is
 /// written and finished is set) and when max_seq is reached. Same errors as dv2_step, plus
 /// DV2_ERR_INVALID_ARGUMENT for n = 0; on error `*out_count` is 0.
@@ -741,7 +741,7 @@ pub unsafe extern "C" fn dv2_step_n(
     }
 }
 
-/// The last greedy id (after prefill or step). DV2_ERR_INVALID_STATE before any prefill.
+/// The last id chosen (after prefill or step). DV2_ERR_INVALID_STATE before any prefill.
 ///
 /// # Safety
 /// `out_id` writable.

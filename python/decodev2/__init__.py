@@ -237,7 +237,8 @@ class Engine:
         _check(lib.dv2_reset(self._h), "dv2_reset")
 
     def prefill(self, ids):
-        """Feeds ids from the current position; returns the greedy next id."""
+        """Feeds ids from the current position; returns the next id (greedy, or sampled under
+        set_sampling)."""
         arr = (ctypes.c_int32 * len(ids))(*ids)
         nxt = ctypes.c_int32()
         _check(lib.dv2_prefill(self._h, arr, len(ids), ctypes.byref(nxt)), "dv2_prefill")
@@ -249,7 +250,7 @@ class Engine:
         return out.value
 
     def step_n(self, n):
-        """Up to n greedy ids in one call; fewer when EOS or max_seq stops the request."""
+        """Up to n ids in one call; fewer when EOS or max_seq stops the request."""
         out = (ctypes.c_int32 * n)()
         count = ctypes.c_size_t()
         _check(lib.dv2_step_n(self._h, n, out, ctypes.byref(count)), "dv2_step_n")

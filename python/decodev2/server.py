@@ -1,7 +1,11 @@
 """An OpenAI-compatible HTTP server over one loaded model (Starlette on uvicorn): /v1/models,
 /v1/completions and /v1/chat/completions, streamed as server-sent events or not, with
-max_tokens, stop, temperature, top_p, seed and logprobs. decodev2 decodes batch 1: requests wait their
-turn on one lock and run one at a time in a worker thread.
+max_tokens, stop, temperature, top_p, seed, logprobs, presence_penalty and frequency_penalty
+(OpenAI's: subtracted once, and per occurrence, from the logit of an id among the request's last
+penalty_last_n ids, 64 unless given, the prompt's included, as llama.cpp's server counts them),
+and llama.cpp's extensions top_k, min_p, repeat_penalty and penalty_last_n (an OpenAI client
+passes them in extra_body). decodev2 decodes batch 1: requests wait their turn on one lock and
+run one at a time in a worker thread.
 
     python -m decodev2 serve MODEL [--host 127.0.0.1] [--port 8000] [--backend auto]
 
@@ -20,6 +24,9 @@ from starlette.routing import Route
 from . import Dv2Error, Engine, TextStream
 
 MAX_TOP_LOGPROBS = 20
+# The request fields that go to Engine.set_sampling as they are.
+SAMPLING = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "repeat_penalty",
+            "penalty_last_n", "top_k", "min_p")
 
 
 class BadRequest(Exception):
@@ -60,6 +67,12 @@ class Generator:
             "temperature": _number(body, "temperature", 1.0, 0.0, 2.0),
             "top_p": _number(body, "top_p", 1.0, 1e-6, 1.0),
             "seed": _number(body, "seed", 0, 0, (1 << 64) - 1, int),
+            "presence_penalty": _number(body, "presence_penalty", 0.0, -2.0, 2.0),
+            "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+            "repeat_penalty": _number(body, "repeat_penalty", 1.0, 1e-3, 10.0),
+            "penalty_last_n": _number(body, "penalty_last_n", 64, -1, 1 << 20, int),
+            "top_k": _number(body, "top_k", 0, 0, 1 << 20, int),
+            "min_p": _number(body, "min_p", 0.0, 0.0, 1.0),
             "stop": stop,
         }
 
@@ -89,7 +102,7 @@ class Generator:
             else:
                 ids = e.tokenize(text, add_special=True)
             e.reset()
-            e.set_sampling(temperature=p["temperature"], top_p=p["top_p"], seed=p["seed"])
+            e.set_sampling(**{k: p[k] for k in SAMPLING})
             room = e.info.max_seq - len(ids)
             if room < 1:
                 raise BadRequest(f"the prompt's {len(ids)} tokens leave no room in max_seq {e.info.max_seq}")

@@ -43,6 +43,16 @@ sampled = [client.completions.create(model=model, prompt="Once upon a time", max
 print("seeds:", sampled)
 assert sampled[0] == sampled[1] != sampled[2]
 
+# OpenAI's penalties (and llama.cpp's extensions through extra_body) reach the sampler: at
+# temperature 0 a strong frequency penalty changes a greedy completion that repeats itself.
+ask = dict(model=model, prompt="one, one, one, one, one,", max_tokens=12, temperature=0)
+plain = client.completions.create(**ask).choices[0].text
+penalized = client.completions.create(**ask, frequency_penalty=2.0, presence_penalty=1.0).choices[0].text
+extended = client.completions.create(**ask, extra_body={"repeat_penalty": 3.0, "penalty_last_n": -1, "top_k": 1,
+                                                        "min_p": 0.5}).choices[0].text
+print("penalties:", repr(plain), repr(penalized), repr(extended))
+assert plain != penalized and plain != extended
+
 scored = client.chat.completions.create(
     model=model, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=8,
     temperature=0, logprobs=True, top_logprobs=3)
@@ -79,6 +89,8 @@ def raw(path, data):
 for path, data in [("/v1/chat/completions", b"{not json"), ("/v1/completions", b'{"prompt": 5}'),
                    ("/v1/completions", b'{"prompt": "x", "temperature": -1}'),
                    ("/v1/completions", b'{"prompt": "x", "logprobs": 21}'),
+                   ("/v1/completions", b'{"prompt": "x", "frequency_penalty": 2.5}'),
+                   ("/v1/completions", b'{"prompt": "x", "top_k": -1}'),
                    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}'),
                    ("/v1/nothing", b"{}")]:
     status, body = raw(path, data)
