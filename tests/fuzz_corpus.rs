@@ -64,8 +64,8 @@ fn patched_inputs(dir: &Path) -> Vec<Vec<u8>> {
     inputs
 }
 
-fn replay(target: &str, run: fn(&Path, &[u8])) {
-    let dir = scratch(target);
+/// Every input of a target's corpus: its whole files, then its queue.
+fn inputs(target: &str) -> Vec<Vec<u8>> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(corpus(target))
         .unwrap()
         .map(|e| e.unwrap().path())
@@ -75,6 +75,12 @@ fn replay(target: &str, run: fn(&Path, &[u8])) {
     let mut inputs: Vec<Vec<u8>> = files.iter().map(|f| std::fs::read(f).unwrap()).collect();
     inputs.extend(patched_inputs(&corpus(target)));
     assert!(inputs.len() > files.len(), "no queue for {target}");
+    inputs
+}
+
+fn replay(target: &str, run: fn(&Path, &[u8])) {
+    let dir = scratch(target);
+    let inputs = inputs(target);
     for input in &inputs {
         run(&dir, input);
     }
@@ -91,6 +97,21 @@ fn gguf_corpus_replays() {
 #[test]
 fn hf_corpus_replays() {
     replay("hf", targets::hf);
+}
+
+/// The `text` target's corpus through SmolLM2's tokenizer and chat template (SKIP without the
+/// model file).
+#[test]
+fn text_corpus_replays() {
+    if common::smollm2_path().is_none() {
+        return;
+    }
+    let target = targets::smollm2_text_target().expect("SmolLM2's tokenizer");
+    let inputs = inputs("text");
+    for input in &inputs {
+        targets::text(&target, input);
+    }
+    println!("text: {} inputs replayed", inputs.len());
 }
 
 fn write_seeds_if_asked() {
