@@ -86,17 +86,7 @@ fn draws_match_the_truncated_distribution() {
         for position in 0..DRAWS {
             counts[s.choose(&LOGITS, &[], position) as usize] += 1;
         }
-        let mut chi2 = 0.0;
-        let mut df = -1.0;
-        for (i, (&c, &p)) in counts.iter().zip(&want).enumerate() {
-            if p == 0.0 {
-                assert_eq!(c, 0, "{s:?}: id {i} is outside the truncation");
-                continue;
-            }
-            let e = p * DRAWS as f64;
-            chi2 += (c as f64 - e).powi(2) / e;
-            df += 1.0;
-        }
+        let (chi2, df) = chi_square(&counts, &want, &format!("{s:?}"));
         let critical = chi2_critical(df);
         println!("{s:?}: chi2 {chi2:.1} on {df} df (p = 0.001 at {critical:.1})");
         assert!(chi2 < critical, "{s:?}: chi2 {chi2} >= {critical}");

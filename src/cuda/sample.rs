@@ -1,5 +1,5 @@
 //! The sampler on the device (kernels/sample.cu): its buffers, the settings it reads, and the
-//! kernels a draw launches for the settings in force. The settings reach the kernels through
+//! kernel a draw launches for the settings in force. The settings reach the kernel through
 //! device memory, so one captured graph draws under any settings of its [`Plan`]; the host
 //! captures a graph per plan when a request first asks for it (no eager probe: capturing
 //! touches no state, so a request may change its sampling between steps).
@@ -17,7 +17,7 @@ use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::sampling::Sampling;
 
-/// Threads per CTA of the sampler's kernels.
+/// Threads per CTA of the sampler's kernel.
 pub const SAMPLE_THREADS: u32 = 512;
 /// Bins of the radix select's widest pass (12 bits of the key).
 pub const SAMPLE_BINS: usize = 4096;
@@ -26,7 +26,7 @@ const SAMPLE_BIN_BUFFERS: usize = 6;
 /// 32-bit words of the kernel's scratch (SampleWork: 4 words, then a float per CTA).
 pub const SAMPLE_WORK_WORDS: usize = 4 + MAX_ARGMAX_CTAS;
 
-/// The settings as the kernels read them (kernels/sample.cu `SampleParams`).
+/// The settings as the kernel reads them (kernels/sample.cu `SampleParams`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SampleParams {
@@ -160,7 +160,7 @@ impl DeviceSampler {
         })
     }
 
-    /// Writes the settings the kernels read (stream-ordered after the work already queued).
+    /// Writes the settings the kernel reads (stream-ordered after the work already queued).
     pub fn set(&mut self, gpu: &Gpu, s: &Sampling, vocab: usize) -> Result<()> {
         gpu.stream
             .memcpy_htod(&SampleParams::of(s).words(), &mut self.params)
@@ -170,7 +170,7 @@ impl DeviceSampler {
         Ok(())
     }
 
-    /// Zeroes the counts an interrupted launch could have left (the kernels leave them zero).
+    /// Zeroes the counts an interrupted launch could have left (the kernel leaves them zero).
     pub fn reset(&mut self, gpu: &Gpu) -> Result<()> {
         let zeros = [0u32; SAMPLE_WORK_WORDS];
         gpu.stream
