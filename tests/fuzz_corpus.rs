@@ -114,11 +114,27 @@ fn text_corpus_replays() {
     println!("text: {} inputs replayed", inputs.len());
 }
 
+/// GPT-2's byte-level alphabet: the character each byte stands for in a vocabulary's pieces.
+fn byte_level_chars() -> Vec<char> {
+    let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || b >= 174;
+    let mut next = 256;
+    (0..256u32)
+        .map(|b| {
+            if printable(b) {
+                char::from_u32(b).unwrap()
+            } else {
+                next += 1;
+                char::from_u32(next - 1).unwrap()
+            }
+        })
+        .collect()
+}
+
 fn write_seeds_if_asked() {
     if std::env::var_os("DV2_WRITE_FUZZ_SEEDS").is_none() {
         return;
     }
-    use common::gguf_writer::GgufWriter;
+    use common::gguf_writer::{GgufWriter, Meta};
     use common::safetensors_writer::HfWriter;
     std::fs::create_dir_all(corpus("gguf")).unwrap();
     std::fs::write(
@@ -126,6 +142,70 @@ fn write_seeds_if_asked() {
         GgufWriter::tiny_llama().bytes(),
     )
     .unwrap();
+    // The same with a tokenizer and a chat template: SentencePiece (byte pieces, scores,
+    // control tokens), then byte-level BPE (the 256 byte characters, three merges).
+    let template = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}</s>{% endfor %}\
+                    {% if add_generation_prompt %}<|assistant|>{% endif %}";
+    let mut spm = GgufWriter::tiny_llama();
+    let mut tokens: Vec<String> = [
+        "<unk>",
+        "<s>",
+        "</s>",
+        "\u{2581}",
+        "a",
+        "b",
+        "\u{2581}a",
+        "ab",
+    ]
+    .map(String::from)
+    .to_vec();
+    tokens.extend((0..=255).map(|b| format!("<0x{b:02X}>")));
+    let types: Vec<i32> = (0..tokens.len())
+        .map(|i| match i {
+            0 => 2,
+            1 | 2 => 3,
+            3..=7 => 1,
+            _ => 6,
+        })
+        .collect();
+    let scores: Vec<f32> = (0..tokens.len()).map(|i| -(i as f32)).collect();
+    spm.set_meta("tokenizer.ggml.model", Meta::Str("llama".into()));
+    spm.set_meta("tokenizer.ggml.tokens", Meta::StrArray(tokens));
+    spm.set_meta("tokenizer.ggml.scores", Meta::F32Array(scores));
+    spm.set_meta("tokenizer.ggml.token_type", Meta::I32Array(types));
+    spm.set_meta("tokenizer.ggml.bos_token_id", Meta::U32(1));
+    spm.set_meta("tokenizer.ggml.eos_token_id", Meta::U32(2));
+    spm.set_meta("tokenizer.ggml.unknown_token_id", Meta::U32(0));
+    spm.set_meta("tokenizer.chat_template", Meta::Str(template.into()));
+    std::fs::write(corpus("gguf").join("seed-tiny-llama-spm"), spm.bytes()).unwrap();
+    let mut bpe = GgufWriter::tiny_llama();
+    let mut tokens: Vec<String> = byte_level_chars().into_iter().map(String::from).collect();
+    tokens.extend(["\u{120}t", "he", "\u{120}the", "<|endoftext|>"].map(String::from));
+    let mut types = vec![1i32; tokens.len()];
+    *types.last_mut().unwrap() = 3;
+    let merges = ["\u{120} t", "h e", "\u{120}t he"]
+        .map(String::from)
+        .to_vec();
+    bpe.set_meta("tokenizer.ggml.model", Meta::Str("gpt2".into()));
+    bpe.set_meta("tokenizer.ggml.pre", Meta::Str("smollm".into()));
+    bpe.set_meta(
+        "tokenizer.ggml.eos_token_id",
+        Meta::U32(tokens.len() as u32 - 1),
+    );
+    bpe.set_meta("tokenizer.ggml.tokens", Meta::StrArray(tokens));
+    bpe.set_meta("tokenizer.ggml.token_type", Meta::I32Array(types));
+    bpe.set_meta("tokenizer.ggml.merges", Meta::StrArray(merges));
+    bpe.set_meta("tokenizer.chat_template", Meta::Str(template.into()));
+    std::fs::write(corpus("gguf").join("seed-tiny-llama-bpe"), bpe.bytes()).unwrap();
+    for seed in ["seed-tiny-llama-spm", "seed-tiny-llama-bpe"] {
+        let path = corpus("gguf").join(seed);
+        let loaded = decodev2::load::load_all(&path).unwrap();
+        let tk = loaded.tokenizer.expect("the seed's tokenizer reads");
+        let ids = tk.encode("the ab", false, false).unwrap();
+        assert_eq!(tk.decode(&ids, false).unwrap(), b"the ab", "{seed}");
+        tk.apply_chat_template(&[], true)
+            .expect("the seed's chat template renders");
+    }
     std::fs::create_dir_all(corpus("hf")).unwrap();
     for arch in ["LlamaForCausalLM", "Qwen2ForCausalLM"] {
         let dir = scratch(arch);

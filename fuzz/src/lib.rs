@@ -13,12 +13,32 @@ use decodev2::tokenizer::Tokenizer;
 /// (absent when empty), model.safetensors.
 pub const HF_SEPARATOR: &[u8] = b"\n--8<--\n";
 
-/// A GGUF input: the bytes as one file.
+/// A GGUF input: the bytes as one file, loaded; where it carries a tokenizer, text through it
+/// and its chat template.
 pub fn gguf(dir: &Path, data: &[u8]) {
     let path = dir.join("model.gguf");
-    if std::fs::write(&path, data).is_ok() {
-        let _ = decodev2::load::load(&path);
+    if std::fs::write(&path, data).is_err() {
+        return;
     }
+    let Ok(loaded) = decodev2::load::load_all(&path) else {
+        return;
+    };
+    let Ok(tokenizer) = loaded.tokenizer else {
+        return;
+    };
+    for text in [
+        "Hello, world! <s></s> <|im_start|>",
+        " na\u{ef}ve \u{6771}\u{4eac} \u{1f680} 12345\n",
+    ] {
+        if let Ok(ids) = tokenizer.encode(text, true, true) {
+            let _ = tokenizer.decode(&ids, true);
+        }
+    }
+    let chat = [Message {
+        role: "user".into(),
+        content: "hi".into(),
+    }];
+    let _ = tokenizer.apply_chat_template(&chat, true);
 }
 
 /// A Hugging Face input: its parts as a model directory.
