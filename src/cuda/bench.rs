@@ -3,7 +3,6 @@
 //! 60 MB L2 (so the figures are HBM's), replayed many times, timed with CUDA events; the
 //! median per launch is reported. Inputs are random, never zeros.
 
-use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
 
 use super::budget::kv_stride;
@@ -156,15 +155,7 @@ impl Bench {
     /// Median µs per launch: `launch(i)` for i in 0..copies captured as one graph, replayed.
     fn time_rotated(&self, copies: usize, launch: impl Fn(usize) -> Result<()>) -> Result<f64> {
         let stream = self.ops.gpu.stream.clone();
-        stream
-            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-            .map_err(driver_error("begin capture"))?;
-        let recorded = (0..copies).try_for_each(&launch);
-        let graph = stream
-            .end_capture(CUgraphInstantiate_flags(0))
-            .map_err(driver_error("end capture"));
-        recorded?;
-        let graph = graph?.ok_or_else(|| Error::Cuda("empty capture".into()))?;
+        let graph = self.ops.gpu.capture(|| (0..copies).try_for_each(&launch))?;
         let (start, end) = (timing_event(&self.ops.gpu)?, timing_event(&self.ops.gpu)?);
         let mut per_launch = Vec::with_capacity(REPLAYS);
         for i in 0..WARMUP + REPLAYS {

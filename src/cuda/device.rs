@@ -5,12 +5,12 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
 use cudarc::driver::sys::{
-    cuLaunchKernelEx, CUdevice_attribute, CUlaunchAttribute, CUlaunchAttributeID,
-    CUlaunchAttributeValue, CUlaunchConfig,
+    cuLaunchKernelEx, CUdevice_attribute, CUgraphInstantiate_flags, CUlaunchAttribute,
+    CUlaunchAttributeID, CUlaunchAttributeValue, CUlaunchConfig, CUstreamCaptureMode,
 };
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, DriverError,
-    LaunchConfig, ValidAsZeroBits,
+    CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
+    DriverError, LaunchConfig, ValidAsZeroBits,
 };
 
 use crate::config::Config;
@@ -95,6 +95,21 @@ fn check_driver_version() -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// A launch attribute `id` whose value `set` fills in from all zeros.
+fn launch_attribute(
+    id: CUlaunchAttributeID,
+    set: impl FnOnce(&mut CUlaunchAttributeValue),
+) -> CUlaunchAttribute {
+    // SAFETY: the attribute value is a C union of plain integers; all zero bits is valid.
+    let mut value: CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
+    set(&mut value);
+    CUlaunchAttribute {
+        id,
+        pad: [0; 4],
+        value,
+    }
 }
 
 impl Gpu {
@@ -242,16 +257,14 @@ impl Gpu {
         if cluster == (1, 1, 1) {
             return self.launch_with(f, cfg, None, args);
         }
-        // SAFETY: the attribute value is a C union of plain integers; all zero bits is valid.
-        let mut value: CUlaunchAttributeValue = std::mem::zeroed();
-        value.clusterDim.x = cluster.0;
-        value.clusterDim.y = cluster.1;
-        value.clusterDim.z = cluster.2;
-        let attr = CUlaunchAttribute {
-            id: CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
-            pad: [0; 4],
-            value,
-        };
+        let attr = launch_attribute(
+            CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+            |v| {
+                v.clusterDim.x = cluster.0;
+                v.clusterDim.y = cluster.1;
+                v.clusterDim.z = cluster.2;
+            },
+        );
         self.launch_with(f, cfg, Some(attr), args)
     }
 
@@ -266,14 +279,9 @@ impl Gpu {
         cfg: LaunchConfig,
         args: &mut [*mut c_void],
     ) -> Result<()> {
-        // SAFETY: as above.
-        let mut value: CUlaunchAttributeValue = std::mem::zeroed();
-        value.cooperative = 1;
-        let attr = CUlaunchAttribute {
-            id: CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE,
-            pad: [0; 4],
-            value,
-        };
+        let attr = launch_attribute(CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE, |v| {
+            v.cooperative = 1
+        });
         self.launch_with(f, cfg, Some(attr), args)
     }
 
@@ -292,14 +300,10 @@ impl Gpu {
         self.ctx
             .bind_to_thread()
             .map_err(driver_error("bind context"))?;
-        // SAFETY: the attribute value is a C union of plain integers; all zero bits is valid.
-        let mut pdl_value: CUlaunchAttributeValue = std::mem::zeroed();
-        pdl_value.programmaticStreamSerializationAllowed = 1;
-        let pdl = CUlaunchAttribute {
-            id: CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-            pad: [0; 4],
-            value: pdl_value,
-        };
+        let pdl = launch_attribute(
+            CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            |v| v.programmaticStreamSerializationAllowed = 1,
+        );
         // The attributes that apply, first `count` of the array (no allocation per launch).
         let (mut attrs, count) = match (self.caps.pdl, extra) {
             (true, Some(e)) => ([pdl, e], 2),
@@ -333,6 +337,20 @@ impl Gpu {
         )
         .result()
         .map_err(driver_error("kernel launch"))
+    }
+
+    /// The work `record` enqueues on the stream, captured into a graph (nothing runs).
+    pub fn capture(&self, record: impl FnOnce() -> Result<()>) -> Result<CudaGraph> {
+        self.stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .map_err(driver_error("begin capture"))?;
+        let recorded = record();
+        let graph = self
+            .stream
+            .end_capture(CUgraphInstantiate_flags(0))
+            .map_err(driver_error("end capture"));
+        recorded?;
+        graph?.ok_or_else(|| Error::Cuda("stream capture produced no graph".into()))
     }
 
     /// Raw device address of a buffer, for kernel arguments. Event tracking is off, so this

@@ -6,7 +6,6 @@
 //! [`crate::sampling`] is the reference; the draw is the same function of the logits, the seed
 //! and the slot the id will take, so that the ids do not depend on how steps are batched.
 
-use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::CudaSlice;
 
 use super::device::{driver_error, Gpu};
@@ -248,16 +247,7 @@ impl CudaBackend {
         gpu.stream
             .memcpy_htod(&st, &mut self.state)
             .map_err(driver_error("state"))?;
-        let stream = gpu.stream.clone();
-        stream
-            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-            .map_err(driver_error("begin capture"))?;
-        let recorded = self.record_draw(plan, 1).and_then(|()| self.commit(-1));
-        let graph = stream
-            .end_capture(CUgraphInstantiate_flags(0))
-            .map_err(driver_error("end capture"));
-        recorded?;
-        let graph = graph?.ok_or_else(|| Error::Cuda("stream capture produced no graph".into()))?;
+        let graph = gpu.capture(|| self.record_draw(plan, 1).and_then(|()| self.commit(-1)))?;
         for _ in 0..n {
             graph.launch().map_err(driver_error("graph launch"))?;
         }

@@ -7,7 +7,6 @@
 //! (the choice is one of speed only: both graphs decode any position). The
 //! chunked prefill is in [`super::prefill`], the measuring tools in [`super::profile`].
 
-use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaSlice};
 
 use super::budget::{self, kv_stride};
@@ -220,16 +219,7 @@ impl CudaBackend {
 
     /// Captures the step as [`Self::record_step`] enqueues it under the settings in force.
     fn capture_recorded(&self, long: bool) -> Result<StepGraph> {
-        let stream = self.ops.gpu.stream.clone();
-        stream
-            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-            .map_err(driver_error("begin capture"))?;
-        let recorded = self.record_step(long);
-        let graph = stream
-            .end_capture(CUgraphInstantiate_flags(0))
-            .map_err(driver_error("end capture"));
-        recorded?;
-        let graph = graph?.ok_or_else(|| Error::Cuda("stream capture produced no graph".into()))?;
+        let graph = self.ops.gpu.capture(|| self.record_step(long))?;
         graph.upload().map_err(driver_error("graph upload"))?;
         Ok(StepGraph(graph))
     }
