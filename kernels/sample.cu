@@ -39,8 +39,9 @@ struct SampleWork {
     unsigned barrier_count;  // CTAs arrived at the current grid barrier
     unsigned barrier_gen;    // barriers completed (only rises)
     int n_saved;             // window entries penalize() saved for the draw to restore
-    int pad;
+    int n_kept;              // ids gathered into `kept` (zero between launches)
     float cta_max[SAMPLE_MAX_CTAS];
+    int kept[SAMPLE_LOCAL_MAX];  // the ids top-k kept, for the one-CTA finish
 };
 static_assert(sizeof(SampleWork) == 4 * SAMPLE_WORK_WORDS, "SampleWork differs from the host's");
 static_assert(SAMPLE_BINS % SAMPLE_THREADS == 0, "a thread reads SAMPLE_BINS / SAMPLE_THREADS bins");
@@ -298,6 +299,98 @@ __device__ u32 select_threshold(const float* __restrict__ logits, int vocab, Sam
     return prefix;
 }
 
+// The Gumbel-max key of id i (logit l, z = (l - max) / t) in the draw for `slot`: Philox's
+// block (slot, i / 4), word i % 4 (src/sampling.rs gumbel).
+__device__ __forceinline__ float gumbel_key(float z, int i, unsigned long long slot, u32 k0, u32 k1) {
+    const uint4 r = philox4x32(make_uint4((u32)slot, (u32)(slot >> 32), (u32)(i >> 2), 0u), k0, k1);
+    const int u = i & 3;
+    return __fadd_rn(z, gumbel(u == 0 ? r.x : u == 1 ? r.y : u == 2 ? r.z : r.w));
+}
+
+// The draw's end, in the one CTA that has the id: next_token, the logits the penalties changed
+// put back, the histogram buffer last used zeroed.
+__device__ void finish_draw(int id, float* logits, int* state, const SampleWork* w, const int* saved, int penalties,
+                            unsigned long long* bins, int dirty) {
+    if (threadIdx.x == 0) state[STATE_NEXT_TOKEN] = id < 0 ? 0 : id;
+    const int n_saved = penalties ? __ldcg(&w->n_saved) : 0;
+    for (int j = threadIdx.x; j < n_saved; j += blockDim.x) {
+        const int i = __ldcg(&saved[2 * j]);
+        if (i >= 0) logits[i] = __int_as_float(__ldcg(&saved[2 * j + 1]));
+    }
+    if (dirty >= 0)
+        for (int b = threadIdx.x; b < SAMPLE_BINS; b += blockDim.x) bins[(size_t)dirty * SAMPLE_BINS + b] = 0;
+}
+
+// Top-p, min-p and the draw over the ids top-k kept (key >= tau), when they are few: every CTA
+// gathers its kept ids into w->kept, and after a barrier CTA 0 alone finishes: each kept id's
+// mass above it summed over the others (n^2 / threads adds: 4 for top_k 40), the same test as
+// select_threshold's (strictly above under top_p of the kept mass, 2^-44 fixed point), min-p,
+// the Gumbel-max draw, finish_draw. Three select passes and the draw's reduction across CTAs
+// become one barrier. Returns false, having gathered nothing, where top-k kept more than
+// SAMPLE_LOCAL_MAX ids (ties): the caller takes the passes. `lo`, `hi`: shared scratch.
+__device__ bool finish_in_one_cta(float* logits, int vocab, int* state, const SampleParams* p, SampleWork* w,
+                                  const int* saved, int penalties, unsigned long long* bins, int dirty, u32 tau,
+                                  float m, unsigned long long slot, u32* lo, u32* hi) {
+    __shared__ int s_base;
+    __shared__ unsigned long long s_mass[SAMPLE_LOCAL_MAX];
+    // Count this thread's kept ids, reserve the CTA's run of the list, write them.
+    int mine = 0;
+    for_logits(logits, vocab, [&](float l, int) { mine += order_key(l) >= tau; });
+    unsigned long long after, total;
+    block_suffix_sum((unsigned long long)mine, after, total);
+    if (threadIdx.x == 0) s_base = total ? atomicAdd(&w->n_kept, (int)total) : 0;
+    __syncthreads();
+    int at = s_base + (int)(total - after) - mine;
+    for_logits(logits, vocab, [&](float l, int i) {
+        if (order_key(l) >= tau && at < SAMPLE_LOCAL_MAX) w->kept[at] = i;
+        at += order_key(l) >= tau;
+    });
+    grid_barrier(w);
+    const int n = __ldcg(&w->n_kept);
+    if (n > SAMPLE_LOCAL_MAX) {
+        // Every CTA has read the count before the next barrier; the first pass's barrier is it.
+        return false;
+    }
+    if (blockIdx.x != 0) return true;
+    const float t = p->temperature;
+    float* l_of = reinterpret_cast<float*>(hi);
+    unsigned long long part = 0;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        const int i = __ldcg(&w->kept[j]);
+        lo[j] = (u32)i;
+        l_of[j] = logits[i];
+        s_mass[j] = fixed_mass(l_of[j], m, t);
+        part += s_mass[j];
+    }
+    // The kept mass (block_suffix_sum's barrier publishes the arrays), and each id's mass
+    // strictly above it.
+    unsigned long long rest, mass;
+    block_suffix_sum(part, rest, mass);
+    unsigned long long target = p->top_p < 1.0f ? (unsigned long long)((double)mass * (double)p->top_p) : mass;
+    target = min(max(target, 1ull), mass);
+    const u32 k0 = p->seed_lo, k1 = p->seed_hi;
+    float best = NEG_INF;
+    int best_i = -1;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        const float l = l_of[j];
+        if (p->top_p < 1.0f) {
+            unsigned long long above = 0;
+            for (int k = 0; k < n; k++)
+                if (l_of[k] > l) above += s_mass[k];
+            if (above >= target) continue;
+        }
+        const float z = __fdiv_rn(__fsub_rn(l, m), t);
+        if (!(z >= p->log_min_p)) continue;
+        const int i = (int)lo[j];
+        const float s = gumbel_key(z, i, slot, k0, k1);
+        if (argmax_beats(s, i, best, best_i)) best = s, best_i = i;
+    }
+    block_argmax(best, best_i);
+    finish_draw(best_i, logits, state, w, saved, penalties, bins, dirty);
+    if (threadIdx.x == 0) w->n_kept = 0;
+    return true;
+}
+
 // The sampler: state[NEXT_TOKEN] = the kept id of the largest z + gumbel (z = (l - max) / t;
 // kept: at or above the top-k and top-p thresholds, z >= ln(min_p)), or at temperature 0 the
 // argmax (lowest id on a tie) of the penalized logits; the slot the id takes is
@@ -324,6 +417,9 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     if (t > 0.0f) {
         m = grid_max(logits, vocab, w);
         if (top_k) tau = select_threshold(logits, vocab, w, p, bins, 0, false, tau, m, lo, hi, dirty);
+        if (top_k && p->top_k <= SAMPLE_LOCAL_MAX &&
+            finish_in_one_cta(logits, vocab, state, p, w, saved, penalties, bins, dirty, tau, m, slot, lo, hi))
+            return;
         if (top_p) tau = select_threshold(logits, vocab, w, p, bins, 3, true, tau, m, lo, hi, dirty);
     }
     const u32 k0 = p->seed_lo, k1 = p->seed_hi;
@@ -359,12 +455,6 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     }
     block_argmax(best, best_i);
     if (!argmax_across_ctas(best, best_i, scratch)) return;
-    if (threadIdx.x == 0) state[STATE_NEXT_TOKEN] = best_i < 0 ? 0 : best_i;
-    const int n_saved = penalties ? __ldcg(&w->n_saved) : 0;
-    for (int j = threadIdx.x; j < n_saved; j += blockDim.x) {
-        const int id = __ldcg(&saved[2 * j]);
-        if (id >= 0) logits[id] = __int_as_float(__ldcg(&saved[2 * j + 1]));
-    }
-    if (dirty >= 0)
-        for (int b = threadIdx.x; b < SAMPLE_BINS; b += blockDim.x) bins[(size_t)dirty * SAMPLE_BINS + b] = 0;
+    finish_draw(best_i, logits, state, w, saved, penalties, bins, dirty);
+    if (threadIdx.x == 0) w->n_kept = 0;
 }

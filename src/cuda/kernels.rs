@@ -117,7 +117,9 @@ pub const GEMV3_KH2_CTAS_PER_SM: u32 = 3;
 /// passes by value, which the kernels `static_assert` against their own definitions.
 fn shared_defines() -> Vec<String> {
     use super::ops::{AttnArgs, GemmArgs, NormArgs, PrefillAttnArgs, QkvArgs, MAX_ARGMAX_CTAS};
-    use super::sample::{SampleParams, SAMPLE_BINS, SAMPLE_THREADS, SAMPLE_WORK_WORDS};
+    use super::sample::{
+        SampleParams, SAMPLE_BINS, SAMPLE_LOCAL_MAX, SAMPLE_THREADS, SAMPLE_WORK_WORDS,
+    };
     use super::weights::Nf4Ref;
     use std::mem::size_of;
     let codebook: Vec<String> = crate::nf4::CODEBOOK
@@ -159,6 +161,7 @@ fn shared_defines() -> Vec<String> {
         ("SAMPLE_BINS", SAMPLE_BINS),
         ("SAMPLE_MAX_CTAS", MAX_ARGMAX_CTAS),
         ("SAMPLE_WORK_WORDS", SAMPLE_WORK_WORDS),
+        ("SAMPLE_LOCAL_MAX", SAMPLE_LOCAL_MAX),
         ("STATE_TOKEN", state::TOKEN),
         ("STATE_POSITION", state::POSITION),
         ("STATE_VALID_LEN", state::VALID_LEN),

@@ -22,8 +22,10 @@ pub const SAMPLE_THREADS: u32 = 512;
 pub const SAMPLE_BINS: usize = 4096;
 /// Histogram buffers: one per pass of top-k's select and of top-p's (3 each).
 const SAMPLE_BIN_BUFFERS: usize = 6;
-/// 32-bit words of the kernel's scratch (SampleWork: 4 words, then a float per CTA).
-pub const SAMPLE_WORK_WORDS: usize = 4 + MAX_ARGMAX_CTAS;
+/// The most ids top-k may keep for one CTA to finish top-p, min-p and the draw over them.
+pub const SAMPLE_LOCAL_MAX: usize = 256;
+/// 32-bit words of the kernel's scratch (SampleWork: 4 words, a float per CTA, the kept ids).
+pub const SAMPLE_WORK_WORDS: usize = 4 + MAX_ARGMAX_CTAS + SAMPLE_LOCAL_MAX;
 
 /// The settings as the kernel reads them (kernels/sample.cu `SampleParams`).
 #[repr(C)]
