@@ -37,7 +37,7 @@ typedef unsigned int u32;
 #error "the host passes the codebook, CTAs per SM and struct sizes as -D options (src/cuda/kernels.rs)"
 #endif
 #if !defined(SAMPLE_THREADS) || !defined(SAMPLE_BINS) || !defined(SAMPLE_MAX_CTAS) || \
-    !defined(SAMPLE_WORK_WORDS) || !defined(SIZEOF_SAMPLEPARAMS) || !defined(SAMPLE_LOCAL_MAX)
+    !defined(SAMPLE_WORK_WORDS) || !defined(SIZEOF_SAMPLEPARAMS) || !defined(SAMPLE_CANDIDATES)
 #error "the host passes the sampler's constants as -D options (src/cuda/kernels.rs)"
 #endif
 // The switches that compile kernels in or out (src/config.rs, nvrtc_defines): no default here,

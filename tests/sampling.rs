@@ -352,6 +352,76 @@ fn cuda_draws_match_the_exact_distribution() {
     }
 }
 
+/// Every path of the device's draw (top-k's candidates finished in one CTA or its select's
+/// passes, the bin kept whole; top-p by rejection or by its passes; min-p; NaN and -inf
+/// logits) draws the ids of the CPU reference for the same (seed, slot), on logits with few
+/// ties (`wide_logits`) and on integer-valued logits, whose ties fill the bins past what one
+/// CTA finishes: 200 draws a setting, at most one differing (where the reference's f64 mass
+/// and the device's fixed point part at a top-p boundary).
+#[test]
+fn cuda_every_path_draws_the_references_ids() {
+    const DRAWS: usize = 200;
+    let Some(mut b) = cuda_sampler(32000, DRAWS + 1) else {
+        return;
+    };
+    let wide = wide_logits();
+    let integers: Vec<f32> = wide.iter().map(|l| l.round()).collect();
+    let mut holes = wide.clone();
+    for i in (0..holes.len()).step_by(97) {
+        holes[i] = if i % 2 == 0 {
+            f32::NAN
+        } else {
+            f32::NEG_INFINITY
+        };
+    }
+    let base = Sampling {
+        temperature: 1.0,
+        seed: 7,
+        ..Sampling::default()
+    };
+    let settings = [
+        Sampling { top_k: 1, ..base },
+        Sampling { top_k: 40, ..base },
+        Sampling { top_k: 512, ..base },
+        Sampling { top_k: 600, ..base },
+        Sampling {
+            top_k: 5000,
+            top_p: 0.5,
+            ..base
+        },
+        Sampling {
+            top_p: 0.05,
+            ..base
+        },
+        Sampling {
+            top_p: 0.9,
+            min_p: 0.1,
+            temperature: 0.6,
+            ..base
+        },
+        Sampling {
+            top_k: 40,
+            top_p: 0.8,
+            min_p: 0.02,
+            temperature: 1.5,
+            ..base
+        },
+    ];
+    for (name, logits) in [("wide", &wide), ("integers", &integers), ("holes", &holes)] {
+        for s in settings {
+            b.set_sampling(&s).unwrap();
+            let ids = b.draws_from(logits, &[0], DRAWS).unwrap();
+            let differ = (0..DRAWS)
+                .filter(|&i| ids[i] != s.choose(logits, &[], i + 1))
+                .count();
+            let kept = s.kept(logits).len();
+            println!("{name}, {s:?}: {kept} ids kept, {differ} of {DRAWS} ids differ");
+            assert!(differ <= 1, "{name}, {s:?}: {differ} of {DRAWS} ids differ");
+            assert!(ids.iter().all(|&id| !logits[id as usize].is_nan()));
+        }
+    }
+}
+
 /// Penalties on the device change the logits exactly as the reference does: at temperature 0
 /// each draw is the argmax of the penalized logits, and each drawn id enters the window of the
 /// next, so 2,000 draws in a row equal the CPU's only if every penalized logit does (for a

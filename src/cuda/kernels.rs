@@ -118,7 +118,7 @@ pub const GEMV3_KH2_CTAS_PER_SM: u32 = 3;
 fn shared_defines() -> Vec<String> {
     use super::ops::{AttnArgs, GemmArgs, NormArgs, PrefillAttnArgs, QkvArgs, MAX_ARGMAX_CTAS};
     use super::sample::{
-        SampleParams, SAMPLE_BINS, SAMPLE_LOCAL_MAX, SAMPLE_THREADS, SAMPLE_WORK_WORDS,
+        SampleParams, SAMPLE_BINS, SAMPLE_CANDIDATES, SAMPLE_THREADS, SAMPLE_WORK_WORDS,
     };
     use super::weights::Nf4Ref;
     use std::mem::size_of;
@@ -161,7 +161,7 @@ fn shared_defines() -> Vec<String> {
         ("SAMPLE_BINS", SAMPLE_BINS),
         ("SAMPLE_MAX_CTAS", MAX_ARGMAX_CTAS),
         ("SAMPLE_WORK_WORDS", SAMPLE_WORK_WORDS),
-        ("SAMPLE_LOCAL_MAX", SAMPLE_LOCAL_MAX),
+        ("SAMPLE_CANDIDATES", SAMPLE_CANDIDATES),
         ("STATE_TOKEN", state::TOKEN),
         ("STATE_POSITION", state::POSITION),
         ("STATE_VALID_LEN", state::VALID_LEN),

@@ -22,10 +22,13 @@ pub const SAMPLE_THREADS: u32 = 512;
 pub const SAMPLE_BINS: usize = 4096;
 /// Histogram buffers: one per pass of top-k's select and of top-p's (3 each).
 const SAMPLE_BIN_BUFFERS: usize = 6;
-/// The most ids top-k may keep for one CTA to finish top-p, min-p and the draw over them.
-pub const SAMPLE_LOCAL_MAX: usize = 256;
-/// 32-bit words of the kernel's scratch (SampleWork: 4 words, a float per CTA, the kept ids).
-pub const SAMPLE_WORK_WORDS: usize = 4 + MAX_ARGMAX_CTAS + SAMPLE_LOCAL_MAX;
+/// The most candidates for top-k (the ids in and above the bin of the k-th largest logit) that
+/// one CTA ranks and finishes top-k, top-p, min-p and the draw over (a thread per candidate,
+/// each comparing its key with every other's).
+pub const SAMPLE_CANDIDATES: usize = 512;
+/// 32-bit words of the kernel's scratch (SampleWork: two 64-bit and three 32-bit words per
+/// CTA, 4 words, the candidates).
+pub const SAMPLE_WORK_WORDS: usize = 4 + 7 * MAX_ARGMAX_CTAS + SAMPLE_CANDIDATES;
 
 /// The settings as the kernel reads them (kernels/sample.cu `SampleParams`).
 #[repr(C)]
