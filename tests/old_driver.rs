@@ -1,5 +1,5 @@
 //! What a host sees on a machine whose CUDA driver is older than the library needs (issue 37):
-//! a stand-in libcuda.so.1 that reports CUDA 11.8 (cuDriverGetVersion, the only entry point
+//! a stand-in libcuda.so (and .so.1) that reports CUDA 11.8 (cuDriverGetVersion, the only entry point
 //! the check calls) is put first on the library path of a child process. There, the CUDA
 //! backend is refused with `BackendUnavailable` naming both versions (through the C ABI:
 //! DV2_ERR_BACKEND_UNAVAILABLE), and `auto` runs the model on the CPU.
@@ -34,6 +34,8 @@ fn a_driver_too_old_is_a_clear_refusal() {
         println!("SKIP: no C compiler here to build the stand-in driver");
         return;
     }
+    // The loader tries libcuda.so before libcuda.so.1: a machine with a driver has both.
+    std::fs::copy(dir.join("libcuda.so.1"), dir.join("libcuda.so")).unwrap();
     let path = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
     let out = Command::new(std::env::current_exe().unwrap())
         .args([
