@@ -13,6 +13,7 @@ use std::sync::Arc;
 use crate::arch::{preset, ArchSpec};
 pub use crate::backend::Backend;
 use crate::cpu::CpuBackend;
+use crate::cuda::device::Gpu;
 use crate::cuda::CudaBackend;
 use crate::error::{Error, Result};
 use crate::load::Metadata;
@@ -63,6 +64,13 @@ impl Default for EngineOptions {
     }
 }
 
+/// The backend [`Engine::admit`] chose for a model's shape: the CPU, or the device it opened
+/// (kept for the backend, so that a load creates the device's context once).
+enum Admitted {
+    Cpu,
+    Cuda(Gpu),
+}
+
 /// One decoding session over one model.
 pub struct Engine {
     spec: ArchSpec,
@@ -108,22 +116,28 @@ impl Engine {
     /// Whether a model of shape `spec` loads under `opts`, judged before its weights are read
     /// or built: the options, then (CUDA) the kernels' limits and the VRAM budget. Under
     /// [`BackendKind::Auto`], no device or too little memory is no refusal: the CPU runs it.
-    fn admit(spec: &ArchSpec, opts: &EngineOptions) -> Result<()> {
+    fn admit(spec: &ArchSpec, opts: &EngineOptions) -> Result<Admitted> {
         spec.validate()?;
         let max_seq = Self::max_seq_for(spec, opts)?;
         let cuda = || CudaBackend::admit(spec, max_seq, opts.device, opts.prefill_chunk);
         match opts.backend {
-            BackendKind::Cpu => Ok(()),
-            BackendKind::Cuda => cuda(),
+            BackendKind::Cpu => Ok(Admitted::Cpu),
+            BackendKind::Cuda => cuda().map(Admitted::Cuda),
             BackendKind::Auto => match cuda() {
-                Err(Error::BackendUnavailable(_) | Error::OutOfMemory(_)) => Ok(()),
-                other => other,
+                Ok(gpu) => Ok(Admitted::Cuda(gpu)),
+                Err(Error::BackendUnavailable(_) | Error::OutOfMemory(_)) => Ok(Admitted::Cpu),
+                Err(e) => Err(e),
             },
         }
     }
 
     /// Builds an engine over a host model.
     pub fn new(model: HostModel, opts: &EngineOptions) -> Result<Self> {
+        Self::build(model, opts, None)
+    }
+
+    /// [`Self::new`], on the backend [`Self::admit`] chose for the model's shape, if it did.
+    fn build(model: HostModel, opts: &EngineOptions, admitted: Option<Admitted>) -> Result<Self> {
         model.validate()?;
         if opts.eos_from_model {
             return Err(Error::InvalidArgument(
@@ -132,21 +146,22 @@ impl Engine {
         }
         let spec = model.spec;
         let max_seq = Self::max_seq_for(&spec, opts)?;
-        let cuda = || {
-            CudaBackend::new(
-                &model,
-                max_seq,
-                opts.eos,
-                opts.device,
-                opts.graph,
-                opts.prefill_chunk,
-            )
+        let cuda = |admitted: Option<Admitted>| {
+            let (eos, graph, chunk) = (opts.eos, opts.graph, opts.prefill_chunk);
+            match admitted {
+                Some(Admitted::Cuda(gpu)) => {
+                    CudaBackend::on(gpu, &model, max_seq, eos, graph, chunk)
+                }
+                _ => CudaBackend::new(&model, max_seq, eos, opts.device, graph, chunk),
+            }
         };
-        let backend: Box<dyn Backend> = match opts.backend {
-            BackendKind::Cpu => Box::new(CpuBackend::new(Arc::new(model), max_seq, opts.eos)?),
-            BackendKind::Cuda => Box::new(cuda()?),
+        let backend: Box<dyn Backend> = match (opts.backend, admitted) {
+            (BackendKind::Cpu, _) | (BackendKind::Auto, Some(Admitted::Cpu)) => {
+                Box::new(CpuBackend::new(Arc::new(model), max_seq, opts.eos)?)
+            }
+            (BackendKind::Cuda, admitted) => Box::new(cuda(admitted)?),
             // No device, or a model too large for it: the CPU runs it.
-            BackendKind::Auto => match cuda() {
+            (BackendKind::Auto, admitted) => match cuda(admitted) {
                 Ok(b) => Box::new(b),
                 Err(Error::BackendUnavailable(_) | Error::OutOfMemory(_)) => {
                     Box::new(CpuBackend::new(Arc::new(model), max_seq, opts.eos)?)
@@ -172,17 +187,21 @@ impl Engine {
     /// Builds the synthetic model of a named preset (see [`crate::arch::PRESETS`]).
     pub fn load_synthetic(preset_name: &str, seed: u64, opts: &EngineOptions) -> Result<Self> {
         let spec = preset(preset_name)?;
-        Self::admit(&spec, opts)?;
-        Self::new(synth::build(&spec, seed)?, opts)
+        let admitted = Self::admit(&spec, opts)?;
+        Self::build(synth::build(&spec, seed)?, opts, Some(admitted))
     }
 
     /// Loads a model file or directory (see [`crate::load`]).
     pub fn load_file(path: &std::path::Path, opts: &EngineOptions) -> Result<Self> {
+        let admitted = std::cell::Cell::new(None);
         let crate::load::Loaded {
             model,
             tokenizer,
             meta,
-        } = crate::load::load_admitted(path, &|spec| Self::admit(spec, opts))?;
+        } = crate::load::load_admitted(path, &|spec| {
+            admitted.replace(Some(Self::admit(spec, opts)?));
+            Ok(())
+        })?;
         let mut opts = opts.clone();
         if opts.eos_from_model {
             let special = tokenizer.as_ref().map(|t| t.special).map_err(|e| {
@@ -195,7 +214,7 @@ impl Engine {
             })?);
             opts.eos_from_model = false;
         }
-        let mut engine = Self::new(model, &opts)?;
+        let mut engine = Self::build(model, &opts, admitted.take())?;
         engine.tokenizer = tokenizer.map_err(|e| e.to_string());
         engine.meta = meta;
         Ok(engine)

@@ -111,8 +111,9 @@ impl CudaBackend {
     /// alone: a device, the kernels' limits, then the VRAM budget against the device's free
     /// memory (at the requested prefill chunk; [`Self::new`] checks again at the chunk it
     /// settles on). The engine asks before reading any weight, so a refused model fails in
-    /// well under a second.
-    pub fn admit(s: &ArchSpec, max_seq: usize, device: usize, chunk: usize) -> Result<()> {
+    /// well under a second. Returns the device opened, for [`Self::on`]: a context dropped
+    /// between the two would be created again.
+    pub fn admit(s: &ArchSpec, max_seq: usize, device: usize, chunk: usize) -> Result<Gpu> {
         let cfg = Config::from_env();
         let gpu = Gpu::open(device, &cfg)?;
         check_shape(s)?;
@@ -122,11 +123,11 @@ impl CudaBackend {
         } else {
             chunk_size(chunk, cfg.prefill_chunk.as_deref(), max_seq)?
         };
-        budget::estimate(s, max_seq, chunk).check(free, total)
+        budget::estimate(s, max_seq, chunk).check(free, total)?;
+        Ok(gpu)
     }
 
-    /// Uploads the model and allocates everything; with `graph`, runs one eager step as a
-    /// probe and captures the step into a CUDA graph. `chunk`: see [`prefill_chunk`].
+    /// Opens `device`, then [`Self::on`] it.
     pub fn new(
         host: &HostModel,
         max_seq: usize,
@@ -135,9 +136,22 @@ impl CudaBackend {
         graph: bool,
         chunk: usize,
     ) -> Result<Self> {
+        let gpu = Gpu::open(device, &Config::from_env())?;
+        Self::on(gpu, host, max_seq, eos, graph, chunk)
+    }
+
+    /// Uploads the model to `gpu` and allocates everything; with `graph`, runs one eager step
+    /// as a probe and captures the step into a CUDA graph. `chunk`: see [`prefill_chunk`].
+    pub fn on(
+        gpu: Gpu,
+        host: &HostModel,
+        max_seq: usize,
+        eos: Option<u32>,
+        graph: bool,
+        chunk: usize,
+    ) -> Result<Self> {
         let s = host.spec;
         let cfg = Config::from_env();
-        let gpu = Gpu::open(device, &cfg)?;
         let (free, total) = gpu.memory()?;
         let mut ops = Ops::new(gpu, cfg)?;
         let chunk = prefill_chunk(&ops, &s, max_seq, chunk)?;
