@@ -544,13 +544,14 @@ __device__ bool draw_in_top_p(float* logits, int vocab, int* state, const Sample
 // its last advance). `penalties`, `top_k`, `top_p`: the phases the captured plan runs (the
 // host's Plan). Top-k counts its first digit in the maximum's pass; when its candidates are
 // few, one CTA finishes over them (finish_from_candidates), else the select's passes go on.
-// Top-p alone first tries the draw by rejection (draw_in_top_p). The passes end in the draw
-// over the whole vocabulary, whose last CTA (argmax_across_ctas) writes the id, puts back the
-// logits the penalties changed and zeroes the histogram buffer last used.
+// Top-p alone first tries the draw by rejection (draw_in_top_p). `shortcuts` 0
+// (DV2_SAMPLE_SHORTCUTS=0): the select's passes alone. The passes end in the draw over the
+// whole vocabulary, whose last CTA (argmax_across_ctas) writes the id, puts back the logits
+// the penalties changed and zeroes the histogram buffer last used.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_draw(float* logits, int vocab, int* state, int slot_offset, const SampleParams* p, SampleWork* w,
                 unsigned long long* bins, int* scratch, const int* __restrict__ hist, int* counts, int* saved,
-                int penalties, int top_k, int top_p) {
+                int penalties, int top_k, int top_p, int shortcuts) {
     pdl_enter();
     if (state[STATE_FINISHED]) return;
     __shared__ u32 lo[SAMPLE_BINS], hi[SAMPLE_BINS];
@@ -564,8 +565,10 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     u32 tau = 1u;    // every id but NaN
     int dirty = -1;  // the histogram buffer last used
     if (p->temperature > 0.0f) {
-        m = grid_max(logits, vocab, w, top_k ? bins : nullptr, lo, hi);
-        if (top_k) {
+        m = grid_max(logits, vocab, w, top_k && shortcuts ? bins : nullptr, lo, hi);
+        if (top_k && !shortcuts) {
+            tau = select_threshold(logits, vocab, w, p, bins, 0, false, tau, m, lo, hi, dirty, 0, 0u, 0ull);
+        } else if (top_k) {
             dirty = 0;  // grid_max counted into top-k's first buffer
             const Pick pick = pick_bin(bins, SAMPLE_BINS, (unsigned long long)p->top_k, -1.0f, lo, hi);
             const u32 prefix = (u32)pick.bin << select_shift(0);
@@ -584,7 +587,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
                 tau = select_threshold(logits, vocab, w, p, bins, 0, false, tau, m, lo, hi, dirty, 1, prefix,
                                        pick.target);
             }
-        } else if (top_p && draw_in_top_p(logits, vocab, state, p, w, saved, penalties, m, slot)) {
+        } else if (top_p && shortcuts && draw_in_top_p(logits, vocab, state, p, w, saved, penalties, m, slot)) {
             return;
         }
         if (top_p) tau = select_threshold(logits, vocab, w, p, bins, 3, true, tau, m, lo, hi, dirty, 0, 0u, 0ull);

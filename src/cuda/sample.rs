@@ -208,12 +208,18 @@ impl CudaBackend {
             self.ptr(&smp.counts),
             self.ptr(&smp.saved),
         );
-        let [penalties, top_k, top_p] = [plan.penalties, plan.top_k, plan.top_p].map(i32::from);
+        let [penalties, top_k, top_p, shortcuts] = [
+            plan.penalties,
+            plan.top_k,
+            plan.top_p,
+            self.ops.cfg.sample_shortcuts,
+        ]
+        .map(i32::from);
         let grid = cudarc::driver::LaunchConfig {
             grid_dim: (self.ops.sms.min(MAX_ARGMAX_CTAS as u32), 1, 1),
             ..one_cta(SAMPLE_THREADS)
         };
-        launch!(self.ops.gpu, &self.ops.k.sample_draw, grid, cooperative; logits, vocab, state, slot_offset, params, work, bins, scratch, hist, counts, saved, penalties, top_k, top_p)
+        launch!(self.ops.gpu, &self.ops.k.sample_draw, grid, cooperative; logits, vocab, state, slot_offset, params, work, bins, scratch, hist, counts, saved, penalties, top_k, top_p, shortcuts)
     }
 
     /// Measuring tool (the kernel-level distribution test): `n` draws from `logits` under the

@@ -48,6 +48,10 @@ if want switches; then
   for v in DV2_QKV_KHALVES=0 DV2_LOGITS_ARGMAX=0 DV2_FFN_F16=0 DV2_FUSE_RMS=0; do
     gates_with qwen25_3b_shape $v
   done
+  # The sampler's select passes alone draw the reference's ids too.
+  DV2_SAMPLE_SHORTCUTS=0 .device/tests/sampling --nocapture cuda_every_path > "$out/sampling-no-shortcuts.log" 2>&1 \
+    && echo "DV2_SAMPLE_SHORTCUTS=0 (cuda_every_path_draws_the_references_ids): ok" \
+    || { echo "DV2_SAMPLE_SHORTCUTS=0 (cuda_every_path_draws_the_references_ids): FAILED"; status=1; }
 fi
 
 build_c_example() {
