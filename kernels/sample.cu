@@ -293,10 +293,11 @@ __device__ Pick pick_bin(const unsigned long long* buffer, int n_bins, unsigned 
 // each id weighs 1, the target is k) or top-p (each weighs its softmax mass, the target is top_p
 // of the kept mass). The threshold is the smallest key whose kept ids strictly above it weigh
 // less than the target: the k-th largest logit, or the least likely logit top-p keeps. Each of
-// the passes from `first_pass` (an earlier one found `prefix` and left `target`) histograms
-// one digit of the keys under the prefix fixed so far into its own buffer of `bins` (zero
-// before; `dirty`, the buffer of the pass before, is zeroed after this pass's barrier, when
-// every CTA has read it, the last one by the draw); then every CTA finds the same bin
+// the passes from `first_pass` (an earlier one found `prefix` and left `target`; from the
+// first: top-k's k, while top-p's first pass sets its own) histograms one digit of the keys
+// under the prefix fixed so far into its own buffer of `bins` (zero before; `dirty`, the
+// buffer of the pass before, is zeroed after this pass's barrier, when every CTA has read it,
+// the last one by the draw); then every CTA finds the same bin
 // (pick_bin). A top-k that needs every id of the bin it found is done there (its lower bound
 // is the threshold). `lo`, `hi`: the CTA's histogram in shared memory as 32-bit halves:
 // Hopper's shared 64-bit atomic add is a compare-and-swap loop (ATOMS.CAST.SPIN.64 in the
@@ -567,7 +568,8 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     if (p->temperature > 0.0f) {
         m = grid_max(logits, vocab, w, top_k && shortcuts ? bins : nullptr, lo, hi);
         if (top_k && !shortcuts) {
-            tau = select_threshold(logits, vocab, w, p, bins, 0, false, tau, m, lo, hi, dirty, 0, 0u, 0ull);
+            tau = select_threshold(logits, vocab, w, p, bins, 0, false, tau, m, lo, hi, dirty, 0, 0u,
+                                   (unsigned long long)p->top_k);
         } else if (top_k) {
             dirty = 0;  // grid_max counted into top-k's first buffer
             const Pick pick = pick_bin(bins, SAMPLE_BINS, (unsigned long long)p->top_k, -1.0f, lo, hi);
