@@ -5,7 +5,9 @@ max_tokens, stop, temperature, top_p, seed, logprobs, presence_penalty and frequ
 penalty_last_n ids, 64 unless given, the prompt's included, as llama.cpp's server counts them),
 and llama.cpp's extensions top_k, min_p, repeat_penalty and penalty_last_n (an OpenAI client
 passes them in extra_body). decodev2 decodes batch 1: requests wait their turn on one lock and
-run one at a time in a worker thread.
+run one at a time in a worker thread. A request decodes in dv2_step_n batches of about 20 ms
+(a step at a time where a step takes longer, or where logprobs are asked), whose pieces then
+stream out one by one.
 
     python -m decodev2 serve MODEL [--host 127.0.0.1] [--port 8000] [--backend auto]
 
@@ -119,8 +121,12 @@ class Generator:
                 emit(text[sent:upto], new)
                 sent = upto
 
-            while count < min(p["max_tokens"], room):
-                if e.finished():
+            limit = min(p["max_tokens"], room)
+            ahead = []  # ids a dv2_step_n batch decoded past next_id, not yet handled
+            batch, clock = 1, time.perf_counter()
+            while count < limit:
+                # next_id is the last id decoded when nothing is ahead: finished says it ended.
+                if not ahead and e.finished():
                     finish = "stop"
                     break
                 piece = e.piece(next_id)
@@ -140,11 +146,30 @@ class Generator:
                 safe = len(text) - hold if p["stop"] else len(text)
                 if safe > sent:
                     out(safe)
-                if count < min(p["max_tokens"], room):
-                    next_id = e.step()
+                if count < limit and p["logprobs"] is not None:
+                    next_id = e.step()  # the logprobs read each step's logits
+                elif count < limit:
+                    if not ahead:
+                        ahead = e.step_n(min(batch, limit - count))
+                        batch, clock = _next_batch(len(ahead), clock)
+                    next_id = ahead.pop(0)
             if len(text) > sent or len(tokens) > told:
                 out(len(text), final=True)
             return text, finish, len(ids), count, tokens
+
+
+# The decode runs in dv2_step_n batches that take about this long, so that the host leaves the
+# token loop (a step per call costs ~0.11 ms a token over step_n on the H200, docs/lab.md
+# session 25) while a stream still moves in small bursts; 1 where a step takes longer.
+BURST_S = 0.02
+MAX_BATCH = 32
+
+
+def _next_batch(done, since):
+    """The next batch's size from the time the last `done` ids took, and the clock now."""
+    now = time.perf_counter()
+    per_id = (now - since) / max(done, 1)
+    return max(1, min(MAX_BATCH, int(BURST_S / per_id) if per_id > 0 else MAX_BATCH)), now
 
 
 def _token(data):
