@@ -663,6 +663,16 @@ fn load_times(path: &str, reps: usize) {
             &out[..4]
         );
     }
+    // As a host loads it (dv2_load): the shape admitted on the device, then the weights.
+    for rep in 0..reps {
+        let t = Instant::now();
+        let e = Engine::load_file(std::path::Path::new(path), &opts).expect("load_file");
+        println!(
+            "load_file {rep}: {:.2} s on {}",
+            t.elapsed().as_secs_f64(),
+            e.backend_name()
+        );
+    }
 }
 
 fn main() {
