@@ -88,9 +88,29 @@ __device__ __forceinline__ float gumbel(u32 r) {
     return -logf(-log1pf(-v));
 }
 
-// The softmax weight exp(z), z = (l - max) / t <= 0, in 2^-44 fixed point.
+// z = (l - max) / t <= 0: the logit the softmax and the Gumbel draw take.
+__device__ __forceinline__ float scaled_logit(float l, float max, float t) { return __fdiv_rn(__fsub_rn(l, max), t); }
+
+// The softmax weight exp(z) in 2^-44 fixed point.
+__device__ __forceinline__ unsigned long long fixed_weight(float z) {
+    return __float2ull_rz(__fmul_rn(expf(z), 17592186044416.0f));
+}
+
 __device__ __forceinline__ unsigned long long fixed_mass(float l, float max, float t) {
-    return __float2ull_rz(__fmul_rn(expf(__fdiv_rn(__fsub_rn(l, max), t)), 17592186044416.0f));
+    return fixed_weight(scaled_logit(l, max, t));
+}
+
+// A select's target clamped to [1, total]: the most likely id stays, and a target past the
+// total keeps every id.
+__device__ __forceinline__ unsigned long long clamp_target(unsigned long long target, unsigned long long total) {
+    return min(max(target, 1ull), total);
+}
+
+// The mass top-p keeps the ids strictly above which weigh less than: top_p of `total`. Every
+// path that decides top-p (select_threshold's passes, the one-CTA finish, the rejection's
+// check) takes it from here, so that they keep the same ids.
+__device__ __forceinline__ unsigned long long top_p_target(unsigned long long total, float top_p) {
+    return clamp_target((unsigned long long)((double)total * (double)top_p), total);
 }
 
 __device__ __forceinline__ float block_max(float v) {
@@ -240,8 +260,7 @@ struct Pick {
 // The bin of the grid's histogram `buffer` (after the barrier that completed it), the same in
 // every CTA: each reads the whole histogram into `lo`, `hi`, all of a thread's loads in flight
 // at once (one L2 round trip, not one per bin). `fraction` >= 0: the target is that fraction
-// of the histogram's total (top-p's first pass). The target is clamped to [1, total]: the most
-// likely id stays, and a target past the total keeps every id.
+// of the histogram's total (top-p's first pass, top_p_target); else `target`, clamped.
 __device__ Pick pick_bin(const unsigned long long* buffer, int n_bins, unsigned long long target, float fraction,
                          u32* lo, u32* hi) {
     __shared__ Pick s_pick;
@@ -268,8 +287,7 @@ __device__ Pick pick_bin(const unsigned long long* buffer, int n_bins, unsigned 
     for (int b = b0; b < b1; b++) run += h(b);
     unsigned long long above, total;
     block_suffix_sum(run, above, total);
-    if (fraction >= 0.0f) target = (unsigned long long)((double)total * (double)fraction);
-    target = min(max(target, 1ull), total);
+    target = fraction >= 0.0f ? top_p_target(total, fraction) : clamp_target(target, total);
     int found = n_bins;
     unsigned long long found_above = 0;
     for (int b = b1 - 1; b >= b0; b--) {
@@ -380,8 +398,8 @@ __device__ __forceinline__ void draw_share(const float* __restrict__ logits, int
             if (s != s) continue;
             if (t > 0.0f) {
                 if (order_key(l[u]) < tau) continue;
-                if (MASS) mass += fixed_mass(l[u], m, t);
-                const float z = __fdiv_rn(__fsub_rn(l[u], m), t);
+                const float z = scaled_logit(l[u], m, t);
+                if (MASS) mass += fixed_weight(z);
                 if (!(z >= log_min_p)) continue;
                 if (!drawn) {
                     r = philox4x32(make_uint4((u32)slot, (u32)(slot >> 32), (u32)q, 0u), k0, k1);
@@ -462,7 +480,7 @@ __device__ void finish_from_candidates(float* logits, int n, int* state, const S
     if (j < kept) mine = s_mass[j] = fixed_mass(logits[kept_ids[j]], m, t);
     unsigned long long rest, mass;
     block_suffix_sum(mine, rest, mass);  // its barrier publishes s_mass
-    const unsigned long long target = min(max((unsigned long long)((double)mass * (double)p->top_p), 1ull), mass);
+    const unsigned long long target = top_p_target(mass, p->top_p);
     float best = NEG_INF;
     int best_i = -1;
     if (j < kept) {
@@ -471,7 +489,7 @@ __device__ void finish_from_candidates(float* logits, int n, int* state, const S
         for (int q = 0; q < kept; q++)
             if (kept_keys[q] > key) above += s_mass[q];
         const int i = (int)kept_ids[j];
-        const float z = __fdiv_rn(__fsub_rn(logits[i], m), t);
+        const float z = scaled_logit(logits[i], m, t);
         if ((p->top_p >= 1.0f || above < target) && z >= p->log_min_p) {
             best = gumbel_key(z, i, slot, p->seed_lo, p->seed_hi);
             best_i = i;
@@ -532,7 +550,7 @@ __device__ bool draw_in_top_p(float* logits, int vocab, int* state, const Sample
     above = 0;
     for (int c = threadIdx.x; c < (int)gridDim.x; c += blockDim.x) above += __ldcg(&w->cta_above[c]);
     block_suffix_sum(above, rest, cta_above);
-    const unsigned long long target = min(max((unsigned long long)((double)total * (double)p->top_p), 1ull), total);
+    const unsigned long long target = top_p_target(total, p->top_p);
     if (cta_above >= target) return false;
     if (blockIdx.x == 0) finish_draw(winner, logits, state, w, saved, penalties, nullptr, -1);
     return true;
