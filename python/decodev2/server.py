@@ -146,9 +146,11 @@ class Generator:
                 safe = len(text) - hold if p["stop"] else len(text)
                 if safe > sent:
                     out(safe)
-                if count < limit and p["logprobs"] is not None:
+                if count == limit:
+                    break
+                if p["logprobs"] is not None:
                     next_id = e.step()  # the logprobs read each step's logits
-                elif count < limit:
+                else:
                     if not ahead:
                         ahead = e.step_n(min(batch, limit - count))
                         batch, clock = _next_batch(len(ahead), clock)
