@@ -454,11 +454,11 @@ fn probe() {
 }
 
 /// `--prefill-profile LEN CHUNK`: one prefill of a LEN-token prompt in chunks of CHUNK on the
-/// Qwen2.5-3B shape after the engine's warm-up, nothing else, so that a profiler's per-kernel
-/// durations (ncu) add up to one prefill.
+/// Qwen2.5-3B shape (max_seq 2048, or the prompt's length) after the engine's warm-up, nothing
+/// else, so that a profiler's per-kernel durations (ncu) add up to one prefill.
 fn prefill_profile(len: usize, chunk: usize) {
     let qwen = synth::build(&QWEN25_3B, 0).unwrap();
-    let mut e = prefill_engine(&qwen, 2048, chunk);
+    let mut e = prefill_engine(&qwen, 2048.max(len), chunk);
     let ms = timed_prefill(&mut e, &synth::prompt(qwen.spec.vocab, len, 1));
     println!("prefill of {len} tokens, chunk {chunk}: {ms:.2} ms (first, wall clock)");
 }

@@ -142,32 +142,46 @@ extern "C" __global__ void __launch_bounds__(ATTNP_THREADS) attn_prefill_r8(Pref
 
 #define ATTNM_ROWS (16 * ATTNM_WARPS)
 
-// Staging of the KV tiles: K and V both row-major f16 at a padded
-// stride (HD/2 + 4 words: the rows of an 8x8 fragment matrix fall in distinct banks), written
-// with 16-byte stores from 16-byte loads that were issued one tile ahead into registers, into
-// two buffers, so each tile costs one barrier and its global latency hides behind the previous
-// tile's MMAs; V's fragments come out transposed by ldmatrix.trans. (The first version, V
-// transposed by 2-byte stores with loads issued and awaited inside the tile's two barriers,
-// measured slower: docs/lab.md; removed after a1b9aaa.)
+// Staging of the KV tiles: K and V both row-major f16 at a padded stride (HD/2 + 4 words: the
+// rows of an 8x8 fragment matrix fall in distinct banks), written with 16-byte stores from
+// 16-byte loads that were issued one tile ahead into registers, into two buffers, so each tile
+// costs one barrier and its global latency hides behind the previous tile's MMAs; K's and V's
+// fragments come out by ldmatrix (V's transposed). (The first version, V transposed by 2-byte
+// stores with loads issued and awaited inside the tile's two barriers, measured slower:
+// docs/lab.md; removed after a1b9aaa.)
 template <int HD>
 struct KvStage {
     static constexpr int STRIDE = HD / 2 + 4;               // u32 words per staged row
     static constexpr int CHUNKS = ATTNP_TILE * HD / 8;      // 16-byte chunks of K (and of V)
     static constexpr int PER = (CHUNKS + 32 * ATTNM_WARPS - 1) / (32 * ATTNM_WARPS);
+    static constexpr bool EVEN = PER * 32 * ATTNM_WARPS == CHUNKS;  // every thread's every chunk is in
     uint4 k[PER], v[PER];
 
-    // Loads tile t0's K and V (bf16) into registers; slots past `last` read as zeros.
-    __device__ __forceinline__ void load(const PrefillAttnArgs& a, int kvh, int t0, int last) {
-        const size_t slot_stride = (size_t)a.n_kv * HD;
+    // This thread's chunk i: its slot in the tile and its column of 8 dims. Each pass of the
+    // CTA's threads covers KEYS_PER_PASS whole slots (32 * ATTNM_WARPS is a multiple of HD / 8).
+    static constexpr int KEYS_PER_PASS = 32 * ATTNM_WARPS / (HD / 8);
+    __device__ __forceinline__ static int chunk(int i) { return threadIdx.x + i * 32 * ATTNM_WARPS; }
+    __device__ __forceinline__ static int key(int i) { return chunk(i) / (HD / 8); }
+    __device__ __forceinline__ static int col(int i) { return chunk(i) % (HD / 8); }
+
+    // Loads a tile (bf16) into registers: `k_at` and `v_at` point at this thread's chunk 0 of
+    // the tile, `pass_stride` elements from chunk i to i + 1; only the `left` first slots when
+    // the tile is not whole (the others read as zeros). Every tile but the last is whole and
+    // loads without conditions or address arithmetic beyond the pointers' sums.
+    __device__ __forceinline__ void load(const u16* k_at, const u16* v_at, size_t pass_stride, bool whole, int left) {
+        if (whole && EVEN) {
+#pragma unroll
+            for (int i = 0; i < PER; i++) {
+                k[i] = *reinterpret_cast<const uint4*>(k_at + i * pass_stride);
+                v[i] = *reinterpret_cast<const uint4*>(v_at + i * pass_stride);
+            }
+            return;
+        }
 #pragma unroll
         for (int i = 0; i < PER; i++) {
-            const int c = threadIdx.x + i * 32 * ATTNM_WARPS, key = c / (HD / 8), col = c % (HD / 8);
-            k[i] = v[i] = make_uint4(0, 0, 0, 0);
-            if (c < CHUNKS && t0 + key <= last) {
-                const size_t off = (size_t)(t0 + key) * slot_stride + kvh * HD + 8 * col;
-                k[i] = *reinterpret_cast<const uint4*>(a.k_cache + off);
-                v[i] = *reinterpret_cast<const uint4*>(a.v_cache + off);
-            }
+            const bool in = chunk(i) < CHUNKS && key(i) < left;
+            k[i] = in ? *reinterpret_cast<const uint4*>(k_at + i * pass_stride) : make_uint4(0, 0, 0, 0);
+            v[i] = in ? *reinterpret_cast<const uint4*>(v_at + i * pass_stride) : make_uint4(0, 0, 0, 0);
         }
     }
 
@@ -175,10 +189,9 @@ struct KvStage {
     __device__ __forceinline__ void store(u32* k_s, u32* v_s) const {
 #pragma unroll
         for (int i = 0; i < PER; i++) {
-            const int c = threadIdx.x + i * 32 * ATTNM_WARPS, key = c / (HD / 8), col = c % (HD / 8);
-            if (c >= CHUNKS) continue;
-            *reinterpret_cast<uint4*>(k_s + key * STRIDE + 4 * col) = to_f16(k[i]);
-            *reinterpret_cast<uint4*>(v_s + key * STRIDE + 4 * col) = to_f16(v[i]);
+            if (!EVEN && chunk(i) >= CHUNKS) continue;
+            *reinterpret_cast<uint4*>(k_s + key(i) * STRIDE + 4 * col(i)) = to_f16(k[i]);
+            *reinterpret_cast<uint4*>(v_s + key(i) * STRIDE + 4 * col(i)) = to_f16(v[i]);
         }
     }
 
@@ -190,6 +203,13 @@ struct KvStage {
     }
 };
 
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const u32* p) {
+    const unsigned addr = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
 __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const u32* p) {
     const unsigned addr = (unsigned)__cvta_generic_to_shared(p);
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
@@ -197,6 +217,19 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const u32* p) {
                  : "r"(addr));
 }
 
+// 2^x by the MUFU alone (-inf gives 0): the scores are in the log2 domain (q carries log2 e).
+__device__ __forceinline__ float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Per tile and warp the loop below issues its 64 MMAs among few other instructions: scores in
+// the log2 domain with ex2 alone and no branch (expf's range reduction and a branch per score
+// were ~10 instructions each), the causal mask only on tiles that reach past the warp's first
+// row, O rescaled only when a row's maximum moved, K's fragments by ldmatrix, the staging's
+// addresses formed once (ncu at 32k, before: ~1,000 instructions per warp and tile, 1.8 IPC,
+// docs/lab.md session 26).
 template <int HD>
 __device__ __forceinline__ void attn_prefill_mma_body(const PrefillAttnArgs& a) {
     constexpr int KS = HD / 16;          // k-steps of S = Q K^T
@@ -215,32 +248,42 @@ __device__ __forceinline__ void attn_prefill_mma_body(const PrefillAttnArgs& a) 
     const int last_row = min(row0 + ATTNM_ROWS, rows_total) - 1;
     const int last = pos0 + last_row / group;  // the CTA's last slot
 
+    // This thread's chunk 0 of tile 0; a tile, and a pass of the staging, further in elements.
+    const size_t slot_stride = (size_t)a.n_kv * HD, tile_stride = ATTNP_TILE * slot_stride;
+    const size_t pass_stride = Stage::KEYS_PER_PASS * slot_stride;
+    const size_t first_chunk = Stage::key(0) * slot_stride + (size_t)kvh * HD + 8 * Stage::col(0);
+    const u16 *k_at = a.k_cache + first_chunk, *v_at = a.v_cache + first_chunk;
     Stage next;
-    next.load(a, kvh, 0, last);
+    next.load(k_at, v_at, pass_stride, ATTNP_TILE - 1 <= last, last + 1);
 
-    // This thread's two rows (g, g + 8 of the warp's 16): positions; padding rows attend
-    // to slot 0 only (finite, never stored).
+    // This thread's two rows (g, g + 8 of the warp's 16): positions; padding rows take the
+    // CTA's last position (finite, never stored, and no mask on their account).
     int qpos[2];
     u32 qf[KS][4];
+    const float q_scale = a.scale * 1.4426950408889634f;  // log2 e: scores for exp2
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         const int rr = row0 + warp * 16 + g + 8 * h;
         const bool valid = rr < rows_total;
-        qpos[h] = valid ? pos0 + rr / group : 0;
+        qpos[h] = valid ? pos0 + rr / group : last;
         const float* q = a.qkv + (size_t)(valid ? rr / group : 0) * a.ld + (kvh * group + (valid ? rr % group : 0)) * HD;
 #pragma unroll
         for (int ks = 0; ks < KS; ks++) {
             const float2 lo = *reinterpret_cast<const float2*>(q + 16 * ks + 2 * t);
             const float2 hi = *reinterpret_cast<const float2*>(q + 16 * ks + 2 * t + 8);
-            const float sc = valid ? a.scale : 0.0f;
+            const float sc = valid ? q_scale : 0.0f;
             qf[ks][h] = pack_f16x2(lo.x * sc, lo.y * sc);
             qf[ks][2 + h] = pack_f16x2(hi.x * sc, hi.y * sc);
         }
     }
-    const int warp_last = max(qpos[0], qpos[1]);  // the lanes' maximum, below
-    int wl = warp_last;
+    // The warp's last and first positions: tiles past the last are skipped, tiles wholly at or
+    // before the first need no mask.
+    int w_last = max(qpos[0], qpos[1]), w_first = min(qpos[0], qpos[1]);
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) wl = max(wl, __shfl_xor_sync(0xffffffffu, wl, o));
+    for (int o = 16; o > 0; o >>= 1) {
+        w_last = max(w_last, __shfl_xor_sync(0xffffffffu, w_last, o));
+        w_first = min(w_first, __shfl_xor_sync(0xffffffffu, w_first, o));
+    }
 
     float o_acc[DT][4];
 #pragma unroll
@@ -254,38 +297,61 @@ __device__ __forceinline__ void attn_prefill_mma_body(const PrefillAttnArgs& a) 
         k_s = kv_s + ((t0 / ATTNP_TILE) & 1) * BUF_WORDS;
         next.store(k_s, k_s + ATTNP_TILE * Stage::STRIDE);
         __syncthreads();
-        if (t0 + ATTNP_TILE <= last) next.load(a, kvh, t0 + ATTNP_TILE, last);
-        if (t0 > wl) continue;  // every row of this warp is before the tile
+        k_at += tile_stride;
+        v_at += tile_stride;
+        const int t1 = t0 + ATTNP_TILE;
+        if (t1 <= last) next.load(k_at, v_at, pass_stride, t1 + ATTNP_TILE - 1 <= last, last + 1 - t1);
+        if (t0 > w_last) continue;  // every row of this warp is before the tile
 
-        // S = Q K^T: 16 rows x 32 slots.
+        // S = Q K^T: 16 rows x 32 slots. Lane l addresses row l % 8 of matrix l / 8: slots
+        // 8 nt + l % 8, dims 16 kp + 8 (l / 8); the four matrices are b0, b1 of k-steps 2 kp
+        // and 2 kp + 1 (words 16 kp + 4 (l / 8) of the staged row).
         float s[4][4];
 #pragma unroll
-        for (int nt = 0; nt < 4; nt++) {
+        for (int nt = 0; nt < 4; nt++)
 #pragma unroll
             for (int e = 0; e < 4; e++) s[nt][e] = 0.0f;
 #pragma unroll
-            for (int ks = 0; ks < KS; ks++) {
-                const u32* kr = k_s + (8 * nt + g) * Stage::STRIDE + 8 * ks + t;
-                mma_16816(s[nt], qf[ks], kr[0], kr[4]);
+        for (int kp = 0; kp < KS / 2; kp++) {
+#pragma unroll
+            for (int nt = 0; nt < 4; nt++) {
+                u32 b[4];
+                ldmatrix_x4(b, k_s + (8 * nt + (lane & 7)) * Stage::STRIDE + 16 * kp + 4 * (lane >> 3));
+                mma_16816(s[nt], qf[2 * kp], b[0], b[1]);
+                mma_16816(s[nt], qf[2 * kp + 1], b[2], b[3]);
             }
         }
-        // Mask, row maxima (the 4 lanes of a quad share a row), online softmax.
+        if (KS & 1) {  // head_dim 16: one k-step, its B fragments by 4-byte loads
+#pragma unroll
+            for (int nt = 0; nt < 4; nt++) {
+                const u32* kr = k_s + (8 * nt + g) * Stage::STRIDE + 8 * (KS - 1) + t;
+                mma_16816(s[nt], qf[KS - 1], kr[0], kr[4]);
+            }
+        }
+        // The mask where the tile reaches past the warp's first row; row maxima (the 4 lanes
+        // of a quad share a row), online softmax.
+        if (t0 + ATTNP_TILE - 1 > w_first) {
+#pragma unroll
+            for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    if (t0 + 8 * nt + 2 * t + (e & 1) > qpos[e >> 1]) s[nt][e] = NEG_INF;
+        }
         float mx[2] = {NEG_INF, NEG_INF};
 #pragma unroll
         for (int nt = 0; nt < 4; nt++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int h = e >> 1, key = t0 + 8 * nt + 2 * t + (e & 1);
-                if (key > qpos[h]) s[nt][e] = NEG_INF;
-                mx[h] = fmaxf(mx[h], s[nt][e]);
-            }
+            for (int e = 0; e < 4; e++) mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
         float corr[2], sum[2] = {0.0f, 0.0f};
+        bool moved = false;
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
             mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+            // Finite: slot 0 is in every row's first tile, so m is finite from there on.
             const float m_new = fmaxf(m[h], mx[h]);
-            corr[h] = m[h] == NEG_INF ? 0.0f : expf(m[h] - m_new);
+            moved |= m_new != m[h];
+            corr[h] = exp2_approx(m[h] - m_new);
             m[h] = m_new;
         }
         u32 pf[2][4];  // P as the A fragments of the two 16-slot k-steps
@@ -294,9 +360,8 @@ __device__ __forceinline__ void attn_prefill_mma_body(const PrefillAttnArgs& a) 
             float p[4];
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                const int h = e >> 1;
-                p[e] = s[nt][e] == NEG_INF ? 0.0f : expf(s[nt][e] - m[h]);
-                sum[h] += p[e];
+                p[e] = exp2_approx(s[nt][e] - m[e >> 1]);
+                sum[e >> 1] += p[e];
             }
             pf[nt >> 1][(nt & 1) * 2 + 0] = pack_f16x2(p[0], p[1]);
             pf[nt >> 1][(nt & 1) * 2 + 1] = pack_f16x2(p[2], p[3]);
@@ -307,12 +372,14 @@ __device__ __forceinline__ void attn_prefill_mma_body(const PrefillAttnArgs& a) 
             sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 2);
             l[h] = l[h] * corr[h] + sum[h];
         }
+        if (__any_sync(0xffffffffu, moved)) {
 #pragma unroll
-        for (int d = 0; d < DT; d++) {
-            o_acc[d][0] *= corr[0];
-            o_acc[d][1] *= corr[0];
-            o_acc[d][2] *= corr[1];
-            o_acc[d][3] *= corr[1];
+            for (int d = 0; d < DT; d++) {
+                o_acc[d][0] *= corr[0];
+                o_acc[d][1] *= corr[0];
+                o_acc[d][2] *= corr[1];
+                o_acc[d][3] *= corr[1];
+            }
         }
         // O += P V: k = slots (two k-steps of 16), n = dims.
 #pragma unroll

@@ -892,6 +892,68 @@ fn chunked_prefill_matches_the_oracle() {
     }
 }
 
+/// The tensor-core prefill attention at head_dim 128 and 8 q heads per KV head (the Qwen2.5-3B
+/// group; the presets above have head_dim 16 and 64) over a long cached prefix: chunks of
+/// 1,024 tokens, the last one partial (padding rows in its last CTA), and the same prompt
+/// fed in two calls so that the second starts mid-tile. The last position's logits within
+/// the cap of the oracle's, then greedy decode (the long-context attention) equal to it.
+#[test]
+fn prefill_at_head_dim_128_over_a_long_prefix_matches_the_oracle() {
+    const CAP: f32 = 0.05;
+    const MAX_SEQ: usize = 2600;
+    const LEN: usize = 2500;
+    let _device = exclusive_device();
+    let spec = ArchSpec {
+        n_layers: 2,
+        hidden: 1024,
+        n_q_heads: 8,
+        n_kv_heads: 1,
+        head_dim: 128,
+        max_seq: MAX_SEQ,
+        ..preset("medium_llama").unwrap()
+    };
+    let model = synth::build(&spec, 9).unwrap();
+    let prompt = synth::prompt(spec.vocab, LEN, 109);
+    let opts = EngineOptions {
+        max_seq: MAX_SEQ,
+        backend: BackendKind::Cuda,
+        ..EngineOptions::default()
+    };
+    let Some(mut e) = cuda_or_skip(
+        "CUDA engine at head_dim 128",
+        Engine::new(model.clone(), &opts),
+    ) else {
+        return;
+    };
+    let teacher = step_logits(
+        &model,
+        &mut KvCache::new(&spec, MAX_SEQ).unwrap(),
+        &prompt,
+        0,
+    )
+    .unwrap()
+    .pop()
+    .unwrap();
+    let want = greedy(&model, &prompt, 6).unwrap();
+    for split in [LEN, 1000] {
+        e.reset().unwrap();
+        let mut first = e.prefill(&prompt[..split]).unwrap();
+        if split < LEN {
+            first = e.prefill(&prompt[split..]).unwrap();
+        }
+        let mut logits = vec![0f32; spec.vocab];
+        e.logits(&mut logits).unwrap();
+        let err = max_abs_diff(&logits, &teacher);
+        println!("head_dim 128, {LEN}-token prompt in calls of {split} and {}: max |logit - oracle| = {err:.5} (cap {CAP})", LEN - split);
+        assert!(err <= CAP, "split {split}: |logit - oracle| {err}");
+        let mut rest = [0u32; 5];
+        e.step_n(&mut rest).unwrap();
+        let mut got = vec![first];
+        got.extend(rest);
+        assert_eq!(got, want, "split {split}");
+    }
+}
+
 /// The greedy argmax kernel as the step launches it (a CTA per SM: each CTA takes a
 /// slice of the logits, the last to finish picks among their winners): the lowest index of
 /// a tie wins across slices and in the tail past the last float4, NaN never wins, an all-NaN
