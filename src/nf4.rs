@@ -42,58 +42,35 @@ pub const CODEBOOK: [f32; 16] = [
     1.0,
 ];
 
-/// Index of the codebook entry bitsandbytes picks for a normalized value (`dQuantizeNF4`).
-/// The thresholds are bitsandbytes' literals (midpoints of neighbouring entries); a value
-/// exactly on a threshold goes to the lower entry, and NaN falls through to index 0.
+/// bitsandbytes' decision thresholds (`dQuantizeNF4`'s literals: midpoints of neighbouring
+/// codebook entries), ascending.
 #[allow(clippy::excessive_precision)] // bitsandbytes' literals, verbatim
+const THRESHOLDS: [f32; 15] = [
+    -0.8480964004993439,
+    -0.6106329262256622,
+    -0.4599952697753906,
+    -0.33967943489551544,
+    -0.23460740596055984,
+    -0.13791173323988914,
+    -0.045525018125772476,
+    0.03979014977812767,
+    0.1202552504837513,
+    0.2035212516784668,
+    0.2920137718319893,
+    0.3893125355243683,
+    0.5016634166240692,
+    0.6427869200706482,
+    0.8614784181118011,
+];
+
+/// Index of the codebook entry bitsandbytes picks for a normalized value: how many thresholds
+/// it exceeds. bitsandbytes walks them as a binary tree; counting gives the same index (a
+/// value exactly on a threshold goes to the lower entry, NaN to index 0) without the tree's
+/// branches, which random weights mispredict (the tree was 63% of a 3B bnb directory's read,
+/// re-quantizing its 16-bit embedding: docs/lab.md session 26).
+#[inline]
 pub fn encode(x: f32) -> u8 {
-    if x > 0.03979014977812767 {
-        if x > 0.3893125355243683 {
-            if x > 0.6427869200706482 {
-                if x > 0.8614784181118011 {
-                    15
-                } else {
-                    14
-                }
-            } else if x > 0.5016634166240692 {
-                13
-            } else {
-                12
-            }
-        } else if x > 0.2035212516784668 {
-            if x > 0.2920137718319893 {
-                11
-            } else {
-                10
-            }
-        } else if x > 0.1202552504837513 {
-            9
-        } else {
-            8
-        }
-    } else if x > -0.33967943489551544 {
-        if x > -0.13791173323988914 {
-            if x > -0.045525018125772476 {
-                7
-            } else {
-                6
-            }
-        } else if x > -0.23460740596055984 {
-            5
-        } else {
-            4
-        }
-    } else if x > -0.6106329262256622 {
-        if x > -0.4599952697753906 {
-            3
-        } else {
-            2
-        }
-    } else if x > -0.8480964004993439 {
-        1
-    } else {
-        0
-    }
+    THRESHOLDS.iter().map(|&t| (x > t) as u8).sum()
 }
 
 /// A row-major `[rows, cols]` matrix in packed NF4 with per-block f32 absmax.
@@ -233,8 +210,13 @@ impl Nf4Matrix {
 fn encode_block(block: &[f32], out: &mut [u8]) -> f32 {
     let absmax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
     let inv = 1.0f32 / absmax;
-    for (pair, byte) in block.chunks_exact(2).zip(out.iter_mut()) {
-        *byte = (encode(pair[0] * inv) << 4) | encode(pair[1] * inv);
+    // The codes first, then the packing: a loop over values alone that the compiler vectorizes.
+    let mut codes = [0u8; BLOCK];
+    for (code, &v) in codes.iter_mut().zip(block) {
+        *code = encode(v * inv);
+    }
+    for (byte, pair) in out.iter_mut().zip(codes.chunks_exact(2)) {
+        *byte = (pair[0] << 4) | pair[1];
     }
     absmax
 }
@@ -290,6 +272,19 @@ mod tests {
             assert_eq!((below, above), (i, i + 1), "around midpoint {mid}");
         }
         assert_eq!(encode(f32::NAN), 0);
+    }
+
+    /// bitsandbytes' tree sends a value exactly on a threshold to the lower entry and the next
+    /// f32 up to the higher one; the count does the same at each of the 15 (checked against
+    /// the tree for all 2^32 f32 values when the count replaced it, docs/lab.md session 26).
+    #[test]
+    fn a_value_on_a_threshold_takes_the_lower_entry() {
+        for (i, &t) in THRESHOLDS.iter().enumerate() {
+            assert_eq!(encode(t) as usize, i, "on threshold {t}");
+            assert_eq!(encode(t.next_up()) as usize, i + 1, "above threshold {t}");
+            assert_eq!(encode(t.next_down()) as usize, i, "below threshold {t}");
+        }
+        assert_eq!((encode(f32::NEG_INFINITY), encode(f32::INFINITY)), (0, 15));
     }
 
     #[test]
