@@ -447,3 +447,81 @@ fn converted_bnb_directory_decodes_the_same_ids() {
     std::fs::remove_dir_all(&out).unwrap();
     assert_eq!(ids[0], ids[1]);
 }
+
+/// examples/synth_gguf: a synthetic llama written as a llama.cpp-style Q4_0 GGUF (q and k
+/// rows in llama.cpp's order, norms in F32) loads through the GGUF path and decodes exactly as
+/// the same model with every matrix put through Q4_0 in memory (ggml's Q4_0 rounding, done
+/// here as llama.cpp's quantize_row_q4_0_ref does), on the CPU: the file's layout, metadata
+/// and row order are right, and what differs from the NF4 model is Q4_0's rounding alone.
+#[test]
+fn synthetic_gguf_decodes_as_its_q4_0_round_trip() {
+    use decodev2::engine::{BackendKind, Engine, EngineOptions};
+    use decodev2::model::QkvWeights;
+    use decodev2::nf4::Nf4Matrix;
+    if cargo_missing() {
+        return;
+    }
+    let out = std::env::temp_dir().join(format!("dv2-synth-{}.gguf", std::process::id()));
+    let text = run(Command::new(lib_dir().join("examples/synth_gguf"))
+        .args(["medium_llama", "4"])
+        .arg(&out));
+    assert!(text.contains("wrote"), "{text}");
+    let q4_0 = |m: &Nf4Matrix| {
+        let mut values = m.dequantize();
+        for block in values.chunks_exact_mut(32) {
+            let max = block
+                .iter()
+                .fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
+            let d = max / -8.0;
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            let stored = half::f16::from_f32(d).to_f32();
+            for v in block {
+                let q = ((*v * id + 8.5) as i8).min(15);
+                *v = (q - 8) as f32 * stored;
+            }
+        }
+        Nf4Matrix::quantize(m.rows, m.cols, &values).unwrap()
+    };
+    let mut model =
+        decodev2::synth::build(&decodev2::arch::preset("medium_llama").unwrap(), 4).unwrap();
+    model.embed = q4_0(&model.embed);
+    model.lm_head = model.lm_head.as_ref().map(q4_0);
+    for l in &mut model.layers {
+        let QkvWeights::Separate { q, k, v } = &mut l.qkv else {
+            unreachable!("medium_llama has separate q, k, v")
+        };
+        for m in [
+            &mut q.weight,
+            &mut k.weight,
+            &mut v.weight,
+            &mut l.o,
+            &mut l.gate,
+            &mut l.up,
+            &mut l.down,
+        ] {
+            *m = q4_0(m);
+        }
+    }
+    let opts = EngineOptions {
+        backend: BackendKind::Cpu,
+        max_seq: 64,
+        ..EngineOptions::default()
+    };
+    let mut engines = [
+        Engine::new(model, &opts).unwrap(),
+        Engine::load_file(&out, &opts).unwrap(),
+    ];
+    std::fs::remove_file(&out).unwrap();
+    let runs: Vec<(Vec<u32>, Vec<f32>)> = engines
+        .iter_mut()
+        .map(|e| {
+            let mut ids = vec![e.prefill(&[5, 1, 9, 2, 7]).unwrap(), 0, 0, 0, 0, 0, 0, 0];
+            let mut logits = vec![0f32; e.spec().vocab];
+            e.logits(&mut logits).unwrap();
+            e.step_n(&mut ids[1..]).unwrap();
+            (ids, logits)
+        })
+        .collect();
+    assert_eq!(runs[0].0, runs[1].0);
+    assert_eq!(runs[0].1, runs[1].1, "the first logits differ");
+}
