@@ -565,6 +565,30 @@ fn context_sweep(json_path: &str, preset: &str, depths: &[usize]) {
         );
         writeln!(json, "    {{\"depth\": {depth}, \"prefill_ms\": {prefill_ms:.3}, \"prefill_tok_s\": {prefill_tok_s:.1}, \"ms_per_token\": {ms:.5}, \"tok_s\": {:.2}, \"floor_ms\": {floor_ms:.5}, \"v3_ms_per_token\": {v3_ms:.5}}},", 1e3 / ms).unwrap();
     }
+    json = json.trim_end_matches(",\n").to_string() + "\n  ],\n  \"kv_marginal\": [\n";
+    // The decode attention's KV streaming rate in the graph: between two depths, the extra KV
+    // bytes a step reads over the extra time it takes (the weights' share cancels).
+    let kv_bytes = |depth: usize| (spec.n_layers * depth * 2 * spec.kv_dim() * 2) as f64;
+    for (pair, times) in depths.windows(2).zip(default.windows(2)) {
+        let (bytes, ms) = (
+            kv_bytes(pair[1]) - kv_bytes(pair[0]),
+            times[1].1 - times[0].1,
+        );
+        let gb_per_s = bytes / (ms * 1e-3) / 1e9;
+        println!(
+            "  KV streamed in the graph, depth {} -> {}: {:.3} GB more a step in {:.4} ms more: {gb_per_s:.0} GB/s",
+            pair[0],
+            pair[1],
+            bytes / 1e9,
+            ms
+        );
+        writeln!(
+            json,
+            "    {{\"from\": {}, \"to\": {}, \"gb_per_s\": {gb_per_s:.1}}},",
+            pair[0], pair[1]
+        )
+        .unwrap();
+    }
     json = json.trim_end_matches(",\n").to_string() + "\n  ]\n}\n";
     std::fs::write(json_path, json).unwrap();
     println!("wrote {json_path}");
