@@ -5,7 +5,7 @@
 //!                                               [--prefill-only] [--skip-gemm] [--skip-variants]
 //!                                               [--split] [--boundary] [--l2-hot] [--rows A,B,..]
 //!                                               [--prefill-profile LEN CHUNK] [--decode-profile STEPS [DEPTH]]
-//!                                               [--cta-timeline PATH] [--context [PRESET [DEPTHS]]]
+//!                                               [--cta-timeline PATH [DEPTH]] [--context [PRESET [DEPTHS]]]
 //!                                               [--shapes PRESET] [--load PATH [REPS]]
 //!                                               [--sampling [PRESET [DEPTHS]]]
 //!
@@ -27,8 +27,8 @@
 //! `--rows A,B` adds the decode table's rows of the switches (src/config.rs) whose names contain
 //! A or B, each set to 0, against the defaults in the same process (none without `--rows`).
 //!
-//! `--cta-timeline PATH` (with `DV2_CTA_TIMELINE=1`) writes one Qwen2.5-3B graph step's CTA
-//! records as CSV (tests/gpu/cta-timeline.sh reads them).
+//! `--cta-timeline PATH [DEPTH]` (with `DV2_CTA_TIMELINE=1`) writes one Qwen2.5-3B graph step's
+//! CTA records after a prompt of DEPTH tokens (48) as CSV (tests/gpu/cta-timeline.sh reads them).
 //!
 //! Prints tables and writes every number to the JSON file (default bench.json).
 
@@ -150,12 +150,16 @@ fn time_request(e: &mut Engine, prompt: &[u32], tokens: usize, reps: usize) -> (
     (median(prefill[1..].to_vec()), median(decode[1..].to_vec()))
 }
 
-/// One graph step of the Qwen2.5-3B shape (prompt 48, after 7 steps) recorded CTA by CTA
-/// (`DV2_CTA_TIMELINE=1`): grid id, kind (0 wait, 1 end, 2 start), SM, CTAs, CTA, t0 and t1 in ns.
-fn cta_timeline(path: &str) {
+/// One graph step of the Qwen2.5-3B shape (a prompt of `depth` tokens, then 7 steps) recorded
+/// CTA by CTA (`DV2_CTA_TIMELINE=1`): grid id, kind (0 wait, 1 end, 2 start, 3 and up a
+/// kernel's phases), SM, CTAs, CTA, t0 and t1 in ns. From 512 slots the step is the
+/// long-context graph's.
+fn cta_timeline(path: &str, depth: usize) {
     let qwen = synth::build(&QWEN25_3B, 0).unwrap();
-    let mut b = CudaBackend::new(&qwen, 2048, None, 0, true, 0).expect("cuda backend");
-    b.prefill(&synth::prompt(qwen.spec.vocab, 48, 1)).unwrap();
+    let max_seq = 2048.max(depth + 64);
+    let mut b = CudaBackend::new(&qwen, max_seq, None, 0, true, 0).expect("cuda backend");
+    b.prefill(&synth::prompt(qwen.spec.vocab, depth, 1))
+        .unwrap();
     let records = b.cta_timeline(8).expect("CTA timeline");
     let mut csv = String::from("grid_id,kind,sm,ctas,cta,t0,t1\n");
     for [grid, packed, t0, t1] in &records {
@@ -715,12 +719,15 @@ fn main() {
         decode_profile(steps, num(2).unwrap_or(48));
         return;
     }
-    if let Some(path) = args
-        .iter()
-        .position(|a| a == "--cta-timeline")
-        .and_then(|i| args.get(i + 1))
-    {
-        cta_timeline(path);
+    if let Some(i) = args.iter().position(|a| a == "--cta-timeline") {
+        let Some(path) = args.get(i + 1) else {
+            eprintln!("usage: bench --cta-timeline PATH [DEPTH]");
+            std::process::exit(2);
+        };
+        cta_timeline(
+            path,
+            args.get(i + 2).and_then(|a| a.parse().ok()).unwrap_or(48),
+        );
         return;
     }
     if let Some(i) = args.iter().position(|a| a == "--prefill-profile") {

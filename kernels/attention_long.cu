@@ -120,6 +120,7 @@ __device__ __forceinline__ int long_dim(int j, int p2, int g) {
 template <int HD>
 __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, int* counts) {
     constexpr int V4 = HD / 32, MT = HD / 16, DR = HD / ATTNL_RANKS;
+    timeline_start();  // CTA_TIMELINE marks: 3 prologue done, 4 tiles done, 5 cluster merge read
     const int rank = cluster_rank(), cl = blockIdx.y, kvh = blockIdx.z, n_cl = gridDim.y;
     const int gn = a.n_q / a.n_kv, q0 = kvh * gn;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -143,6 +144,7 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
     __shared__ __align__(16) float kcur[HD], vcur[HD];
     rotate_live_batched<HD, HD>(a, kvh, q0, gn, pos, q_s, kcur, vcur, [] {});
     __syncthreads();
+    timeline_mark(3);
     const size_t slot_stride = (size_t)a.n_kv * HD;
     if (rank == 0 && cl == 0) {  // one CTA of the KV head writes its slot
         for (int d = threadIdx.x; d < HD; d += blockDim.x) {
@@ -247,6 +249,7 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
     for (int h = 0; h < 2; h++)
 #pragma unroll
         for (int x = 4; x < 32; x <<= 1) l[h] += __shfl_xor_sync(0xffffffffu, l[h], x);
+    timeline_mark(4);
 
     // The warps' partials, each scaled to the CTA's max, then summed into o_w[0].
     __shared__ __align__(16) float o_w[ATTN_WARPS][ATTNL_MAX_GROUP][HD];
@@ -319,9 +322,11 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
         }
     }
     cluster_arrive_relaxed();  // this CTA is done with its peers' shared memory
+    timeline_mark(5);
     if (used == 1) {
         if (mine) out[(size_t)(q0 + h) * HD + d] = merged_o / merged_l;
         cluster_wait();
+        timeline_end();
         return;
     }
     // Several clusters: this rank's slice to global memory; the last of the rank merges.
@@ -354,6 +359,7 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
         if (threadIdx.x == 0) *count = 0;  // for the next layer: kernels run one after another
     }
     cluster_wait();
+    timeline_end();
 }
 
 #define ATTNL_KERNEL(HD)                                                                                          \

@@ -147,6 +147,15 @@ __device__ __forceinline__ void timeline_start() {
     timeline_record(2, global_ns(), 0);
 #endif
 }
+// Where a CTA's thread 0 reaches a phase of its kernel (kinds 3 and up, named where the
+// kernel marks them: the long-context attention's prologue, tiles and cluster merge).
+__device__ __forceinline__ void timeline_mark(unsigned long long kind) {
+#if CTA_TIMELINE
+    timeline_record(kind, global_ns(), 0);
+#else
+    (void)kind;
+#endif
+}
 
 
 // Programmatic dependent launch (sm_90+; the host asks for it per launch, src/cuda/device.rs):

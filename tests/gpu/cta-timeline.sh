@@ -10,13 +10,16 @@
 # Why: which CTAs start late, wait and end last decides each kernel's share of the step
 # (docs/lab.md, session 17: gate/up's rows skewed by start time; session 19: q/k/v's SMs that
 # held two of its CTAs).
-# Usage: bash tests/gpu/cta-timeline.sh   (switches from the environment; the CSV goes to $OUT
-# or ./device-logs)
+# From 512 tokens of context the step is the long-context graph's, and a third table splits its
+# attention CTAs (kernels/attention_long.cu marks) into phases.
+# Usage: bash tests/gpu/cta-timeline.sh [DEPTH]   (the prompt's length, 48; switches from the
+# environment; the CSV goes to $OUT or ./device-logs)
 set -uo pipefail
 out=${OUT:-device-logs}; mkdir -p "$out"
+depth=${1:-48}
 export DV2_CACHE_DIR=/tmp/dv2-cache DV2_CTA_TIMELINE=1
 export LD_LIBRARY_PATH="$PWD/.device/lib:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-timeout 300 .device/examples/bench --cta-timeline "$out/cta-timeline.csv" || exit 1
+timeout 300 .device/examples/bench --cta-timeline "$out/cta-timeline.csv" "$depth" || exit 1
 python3 - "$out/cta-timeline.csv" <<'PY'
 import csv, sys, statistics as st
 grids = {}
@@ -111,4 +114,34 @@ for pos in range(5):
         continue
     by_s = "  ".join(f"{k}: {p50(v):.2f} ({len(v)})" for k, v in sorted(by.items()))
     print(f"{names[pos]:<10} {p50(a):>11.2f} {p50(b):>11.2f} {p50(w):>16.2f} {p90(w):>6.2f}   {by_s}")
+PY
+# The long-context attention's CTAs (those with phase marks), per CTA from the release of its
+# PDL wait: prologue done (RoPE of q and the live k/v, kind 3), tiles done (4), the cluster's
+# merge read (5), end (1; the cross-cluster merge where more than one cluster ran); medians over
+# the layers' CTAs, and the kernel's span from its first release to its last end.
+python3 - "$out/cta-timeline.csv" <<'PY'
+import csv, sys, statistics as st
+grids = {}
+for r in csv.DictReader(open(sys.argv[1])):
+    g = grids.setdefault(r["grid_id"], {})
+    g.setdefault(int(r["cta"]), {})[r["kind"]] = int(r["t0"]), int(r["t1"])
+phases = {k: [] for k in "3451"}
+spans, ctas = [], []
+for g in grids.values():
+    ran = [e for e in g.values() if "5" in e and "0" in e and "1" in e]
+    if not ran:
+        continue
+    ctas.append(len(ran))
+    for e in ran:
+        release = e["0"][1]
+        for k in phases:
+            phases[k].append((e[k][0] - release) / 1e3)
+    spans.append((max(e["1"][0] for e in ran) - min(e["0"][1] for e in ran)) / 1e3)
+if spans:
+    print(f"long-context attention: {len(spans)} launches, {st.median(ctas)} CTAs ran a launch; "
+          f"µs from a CTA's release (median): prologue {st.median(phases['3']):.2f}, tiles {st.median(phases['4']):.2f}, "
+          f"cluster merge read {st.median(phases['5']):.2f}, end {st.median(phases['1']):.2f}; "
+          f"a launch from its first release to its last end {st.median(spans):.2f}")
+else:
+    print("no long-context attention CTAs in this step (below 512 slots, or DV2_ATTN_LONG=0)")
 PY
