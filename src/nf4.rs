@@ -129,7 +129,10 @@ impl Nf4Matrix {
             for (j, (codes, scales)) in rows.enumerate() {
                 let r = i * per + j;
                 fill(r, &mut row);
-                if let Some(c) = row.iter().position(|v| !v.is_finite()) {
+                // A pass without an early exit, which the compiler vectorizes (`position`'s
+                // scalar loop was 13% of a GGUF's read); the column only for a bad row.
+                if !row.iter().fold(true, |finite, v| finite & v.is_finite()) {
+                    let c = row.iter().position(|v| !v.is_finite()).unwrap_or(0);
                     let mut e = first_error.lock().unwrap_or_else(|p| p.into_inner());
                     if e.is_none_or(|(er, _, _)| r < er) {
                         *e = Some((r, c, row[c]));
