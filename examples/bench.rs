@@ -549,10 +549,11 @@ fn context_sweep(json_path: &str, preset: &str, depths: &[usize]) {
         "v3 t/s"
     );
     let mut json = format!("{{\n  \"preset\": \"{preset}\",\n  \"device_tb_per_s\": {tb_per_s:.3},\n  \"weight_bytes\": {weights},\n  \"context\": [\n");
+    // KV bytes of `slots` positions: every layer's K and V rows, bf16.
+    let kv_bytes = |slots: usize| spec.n_layers * slots * 2 * spec.kv_dim() * 2;
     for ((&depth, &(prefill_ms, ms)), &(_, v3_ms)) in depths.iter().zip(&default).zip(&v3) {
-        // KV bytes a step reads at this depth: every layer's K and V rows up to the position.
-        let kv = spec.n_layers * (depth + 64) * 2 * spec.kv_dim() * 2;
-        let floor_ms = (weights + kv) as f64 / (tb_per_s * 1e12) * 1e3;
+        // What a step reads at this depth: the weights and the KV rows up to the position.
+        let floor_ms = (weights + kv_bytes(depth + 64)) as f64 / (tb_per_s * 1e12) * 1e3;
         let prefill_tok_s = depth as f64 / prefill_ms * 1e3;
         println!(
             "  {:>6} {:>11.2} {:>9.0} {:>10.4} {:>8.1} {:>10.4} {:>9.0} {:>6.0}% {:>9.4} {:>8.1}",
@@ -572,10 +573,9 @@ fn context_sweep(json_path: &str, preset: &str, depths: &[usize]) {
     json = json.trim_end_matches(",\n").to_string() + "\n  ],\n  \"kv_marginal\": [\n";
     // The decode attention's KV streaming rate in the graph: between two depths, the extra KV
     // bytes a step reads over the extra time it takes (the weights' share cancels).
-    let kv_bytes = |depth: usize| (spec.n_layers * depth * 2 * spec.kv_dim() * 2) as f64;
     for (pair, times) in depths.windows(2).zip(default.windows(2)) {
         let (bytes, ms) = (
-            kv_bytes(pair[1]) - kv_bytes(pair[0]),
+            (kv_bytes(pair[1]) - kv_bytes(pair[0])) as f64,
             times[1].1 - times[0].1,
         );
         let gb_per_s = bytes / (ms * 1e-3) / 1e9;

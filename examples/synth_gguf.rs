@@ -14,17 +14,17 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 
 use decodev2::arch::{preset, Family};
+use decodev2::load::ggml::GgmlType;
 use decodev2::model::QkvWeights;
 use decodev2::nf4::Nf4Matrix;
 use decodev2::synth;
 use half::f16;
 
-/// ggml's type ids.
-const F32: u32 = 0;
-const Q4_0: u32 = 2;
-/// Elements per Q4_0 block and its bytes (an f16 scale, 16 bytes of nibbles).
-const QK: usize = 32;
-const Q4_0_BYTES: usize = 18;
+/// ggml's type ids of the two types written (the reader's `GgmlType::from_id`).
+const F32_ID: u32 = 0;
+const Q4_0_ID: u32 = 2;
+/// Elements per Q4_0 block (an f16 scale, then 16 bytes of nibbles).
+const QK: usize = GgmlType::Q4_0.block().0;
 const ALIGN: usize = 32;
 
 enum Data<'a> {
@@ -36,23 +36,25 @@ impl Data<'_> {
     /// ggml dims (the fastest first) and type.
     fn dims_and_type(&self) -> (Vec<usize>, u32) {
         match self {
-            Data::Matrix(m) => (vec![m.cols, m.rows], Q4_0),
-            Data::Floats(v) => (vec![v.len()], F32),
+            Data::Matrix(m) => (vec![m.cols, m.rows], Q4_0_ID),
+            Data::Floats(v) => (vec![v.len()], F32_ID),
         }
     }
 
     fn bytes(&self) -> usize {
-        match self {
-            Data::Matrix(m) => m.rows * m.cols / QK * Q4_0_BYTES,
-            Data::Floats(v) => 4 * v.len(),
-        }
+        let (ty, n) = match self {
+            Data::Matrix(m) => (GgmlType::Q4_0, m.rows * m.cols),
+            Data::Floats(v) => (GgmlType::F32, v.len()),
+        };
+        ty.bytes(n)
+            .expect("whole blocks: NF4 rows are multiples of 64")
     }
 
     fn write(&self, out: &mut impl Write) -> std::io::Result<()> {
         match self {
             Data::Matrix(m) => {
                 let mut row = vec![0f32; m.cols];
-                let mut bytes = Vec::with_capacity(m.cols / QK * Q4_0_BYTES);
+                let mut bytes = Vec::new();
                 for r in 0..m.rows {
                     m.dequantize_row(r, &mut row);
                     bytes.clear();

@@ -36,7 +36,7 @@ impl GgmlType {
     }
 
     /// (elements per block, bytes per block).
-    pub fn block(self) -> (usize, usize) {
+    pub const fn block(self) -> (usize, usize) {
         match self {
             Self::F32 => (1, 4),
             Self::F16 | Self::Bf16 => (1, 2),
