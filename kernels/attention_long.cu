@@ -117,10 +117,67 @@ __device__ __forceinline__ int long_dim(int j, int p2, int g) {
     return 32 * (j >> 1) + 8 * (g >> 1) + 2 * (2 * (j & 1) + p2) + (g & 1);
 }
 
+// The prologue after the wait, every load in one round trip: the group's q heads and the live
+// k rotated (RoPE, scale folded into q; four pairs a thread from 16-byte loads of x, cos and
+// sin), the live v taken. rotate_live_batched (two pairs a thread a round) needs three rounds
+// for 8 q heads and k, each waiting on the last one's shared stores: a 2.5-2.7 µs prologue
+// (docs/lab.md, session 27).
+template <int HD>
+__device__ __forceinline__ void rotate_live_group(const AttnArgs& a, int kvh, int q0, int gn, int pos, float* q_s,
+                                                  float* kcur, float* vcur) {
+    constexpr int HALF = HD / 2, QUADS = HALF / 4;  // quads of pairs per rotated vector
+    constexpr int U = ((ATTNL_MAX_GROUP + 1) * QUADS + ATTN_THREADS - 1) / ATTN_THREADS;
+    static_assert(HD <= ATTN_THREADS, "one live v element a thread");
+    auto load4 = [](const float* p) { return *reinterpret_cast<const float4*>(p); };
+    auto add4 = [](float4 x, float4 y) { return make_float4(x.x + y.x, x.y + y.y, x.z + y.z, x.w + y.w); };
+    const int quads = (gn + 1) * QUADS;
+    const float* k_row = a.qkv + a.n_q * HD + kvh * HD;
+    float4 c[U], s[U], x1[U], x2[U];
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        const int i = threadIdx.x + u * ATTN_THREADS, head = i / QUADS, j = 4 * (i % QUADS);
+        if (i < quads) {
+            const float* src = head < gn ? a.qkv + (q0 + head) * HD : k_row;
+            c[u] = load4(a.rope_cos + pos * HALF + j);
+            s[u] = load4(a.rope_sin + pos * HALF + j);
+            x1[u] = load4(src + j);
+            x2[u] = load4(src + j + HALF);
+#if GEMV3_KHALVES
+            const float* src2 = a.qkv2 + (src - a.qkv);
+            x1[u] = add4(x1[u], load4(src2 + j));
+            x2[u] = add4(x2[u], load4(src2 + j + HALF));
+#endif
+        }
+    }
+    const int vd = threadIdx.x;
+    float v = 0.0f;
+    if (vd < HD) {
+        v = k_row[a.n_kv * HD + vd];
+#if GEMV3_KHALVES
+        v += a.qkv2[(k_row - a.qkv) + a.n_kv * HD + vd];
+#endif
+    }
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        const int i = threadIdx.x + u * ATTN_THREADS, head = i / QUADS, j = 4 * (i % QUADS);
+        if (i >= quads) continue;
+        const float4 lo = make_float4(x1[u].x * c[u].x - x2[u].x * s[u].x, x1[u].y * c[u].y - x2[u].y * s[u].y,
+                                      x1[u].z * c[u].z - x2[u].z * s[u].z, x1[u].w * c[u].w - x2[u].w * s[u].w);
+        const float4 hi = make_float4(x2[u].x * c[u].x + x1[u].x * s[u].x, x2[u].y * c[u].y + x1[u].y * s[u].y,
+                                      x2[u].z * c[u].z + x1[u].z * s[u].z, x2[u].w * c[u].w + x1[u].w * s[u].w);
+        float* dst = head < gn ? q_s + head * HD : kcur;
+        const float f = head < gn ? a.scale : 1.0f;
+        *reinterpret_cast<float4*>(dst + j) = make_float4(lo.x * f, lo.y * f, lo.z * f, lo.w * f);
+        *reinterpret_cast<float4*>(dst + j + HALF) = make_float4(hi.x * f, hi.y * f, hi.z * f, hi.w * f);
+    }
+    if (vd < HD) vcur[vd] = v;
+}
+
 template <int HD>
 __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, int* counts) {
     constexpr int V4 = HD / 32, MT = HD / 16, DR = HD / ATTNL_RANKS;
-    timeline_start();  // CTA_TIMELINE marks: 3 prologue done, 4 tiles done, 5 cluster merge read
+    timeline_start();  // CTA_TIMELINE marks: 3 prologue done, 4 tiles done, 6 warps merged,
+    // 5 cluster merge read
     const int rank = cluster_rank(), cl = blockIdx.y, kvh = blockIdx.z, n_cl = gridDim.y;
     const int gn = a.n_q / a.n_kv, q0 = kvh * gn;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -142,7 +199,7 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
 
     __shared__ __align__(16) float q_s[ATTNL_MAX_GROUP * HD];
     __shared__ __align__(16) float kcur[HD], vcur[HD];
-    rotate_live_batched<HD, HD>(a, kvh, q0, gn, pos, q_s, kcur, vcur, [] {});
+    rotate_live_group<HD>(a, kvh, q0, gn, pos, q_s, kcur, vcur);
     __syncthreads();
     timeline_mark(3);
     const size_t slot_stride = (size_t)a.n_kv * HD;
@@ -298,6 +355,7 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
         o_flat[i] = sum;  // this thread alone reads and writes element i
     }
 
+    timeline_mark(6);
     // The cluster's merge: rank r's dims of each head from every rank's partial.
     cluster_arrive_cluster_release();
     cluster_wait();
@@ -347,12 +405,25 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
     if (last) {
         __threadfence();
         if (mine) {
+            // Every cluster's partial in one round of loads, then the merge from registers.
+            float mc[ATTNL_MAX_CLUSTERS], lc[ATTNL_MAX_CLUSTERS], oc[ATTNL_MAX_CLUSTERS];
+#pragma unroll
+            for (int c = 0; c < ATTNL_MAX_CLUSTERS; c++) {
+                if (c >= used) break;
+                mc[c] = __ldcg(&a.part_ml[((slice + c) * ATTNL_MAX_GROUP + h) * 2]);
+                lc[c] = __ldcg(&a.part_ml[((slice + c) * ATTNL_MAX_GROUP + h) * 2 + 1]);
+                oc[c] = __ldcg(&a.part_acc[(slice + c) * ATTNL_MAX_GROUP * DR + threadIdx.x]);
+            }
             float mx = NEG_INF, lsum = 0.0f, osum = 0.0f;
-            for (int c = 0; c < used; c++) mx = fmaxf(mx, __ldcg(&a.part_ml[((slice + c) * ATTNL_MAX_GROUP + h) * 2]));
-            for (int c = 0; c < used; c++) {
-                const float w = weight(__ldcg(&a.part_ml[((slice + c) * ATTNL_MAX_GROUP + h) * 2]), mx);
-                lsum = fmaf(__ldcg(&a.part_ml[((slice + c) * ATTNL_MAX_GROUP + h) * 2 + 1]), w, lsum);
-                osum = fmaf(__ldcg(&a.part_acc[(slice + c) * ATTNL_MAX_GROUP * DR + threadIdx.x]), w, osum);
+#pragma unroll
+            for (int c = 0; c < ATTNL_MAX_CLUSTERS; c++)
+                if (c < used) mx = fmaxf(mx, mc[c]);
+#pragma unroll
+            for (int c = 0; c < ATTNL_MAX_CLUSTERS; c++) {
+                if (c >= used) break;
+                const float w = weight(mc[c], mx);
+                lsum = fmaf(lc[c], w, lsum);
+                osum = fmaf(oc[c], w, osum);
             }
             out[(size_t)(q0 + h) * HD + d] = osum / lsum;
         }

@@ -84,6 +84,9 @@ pub const ATTNM_THREADS: u32 = 32 * ATTNM_WARPS as u32;
 /// dims) and the most q heads per KV head (the mma's N).
 pub const ATTNL_RANKS: usize = 8;
 pub const ATTNL_MAX_GROUP: usize = 8;
+/// The long-context attention's most clusters per KV head (its partials in the arena; the
+/// cross-cluster merge loads them all at once).
+pub const ATTNL_MAX_CLUSTERS: usize = 16;
 
 /// Indices into the int32 decode-state buffer on the device.
 pub mod state {
@@ -153,6 +156,7 @@ fn shared_defines() -> Vec<String> {
         ("ATTNM_WARPS", ATTNM_WARPS),
         ("ATTNL_RANKS", ATTNL_RANKS),
         ("ATTNL_MAX_GROUP", ATTNL_MAX_GROUP),
+        ("ATTNL_MAX_CLUSTERS", ATTNL_MAX_CLUSTERS),
         ("GEMV3_WARPS", GEMV3_WARPS),
         ("X_STAGE_STRIDE", GEMV2_X_STRIDE),
         ("X16_STAGE_STRIDE", GEMV2_X16_STRIDE),

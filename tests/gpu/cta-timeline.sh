@@ -116,8 +116,8 @@ for pos in range(5):
     print(f"{names[pos]:<10} {p50(a):>11.2f} {p50(b):>11.2f} {p50(w):>16.2f} {p90(w):>6.2f}   {by_s}")
 PY
 # The long-context attention's CTAs (those with phase marks), per CTA from the release of its
-# PDL wait: prologue done (RoPE of q and the live k/v, kind 3), tiles done (4), the cluster's
-# merge read (5), end (1; the cross-cluster merge where more than one cluster ran); medians over
+# PDL wait: prologue done (RoPE of q and the live k/v, kind 3), tiles done (4), the CTA's warps
+# merged (6), the cluster's merge read (5), end (1; the cross-cluster merge where more than one cluster ran); medians over
 # the layers' CTAs, and the kernel's span from its first release to its last end.
 python3 - "$out/cta-timeline.csv" <<'PY'
 import csv, sys, statistics as st
@@ -125,10 +125,10 @@ grids = {}
 for r in csv.DictReader(open(sys.argv[1])):
     g = grids.setdefault(r["grid_id"], {})
     g.setdefault(int(r["cta"]), {})[r["kind"]] = int(r["t0"]), int(r["t1"])
-phases = {k: [] for k in "3451"}
+phases = {k: [] for k in "34651"}
 spans, ctas = [], []
 for g in grids.values():
-    ran = [e for e in g.values() if "5" in e and "0" in e and "1" in e]
+    ran = [e for e in g.values() if all(k in e for k in "034651")]
     if not ran:
         continue
     ctas.append(len(ran))
@@ -140,7 +140,7 @@ for g in grids.values():
 if spans:
     print(f"long-context attention: {len(spans)} launches, {st.median(ctas)} CTAs ran a launch; "
           f"µs from a CTA's release (median): prologue {st.median(phases['3']):.2f}, tiles {st.median(phases['4']):.2f}, "
-          f"cluster merge read {st.median(phases['5']):.2f}, end {st.median(phases['1']):.2f}; "
+          f"warps merged {st.median(phases['6']):.2f}, cluster merge read {st.median(phases['5']):.2f}, end {st.median(phases['1']):.2f}; "
           f"a launch from its first release to its last end {st.median(spans):.2f}")
 else:
     print("no long-context attention CTAs in this step (below 512 slots, or DV2_ATTN_LONG=0)")

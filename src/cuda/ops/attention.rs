@@ -6,8 +6,8 @@ use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig};
 use super::Ops;
 use crate::arch::ArchSpec;
 use crate::cuda::kernels::{
-    ATTN2_CHUNK, ATTNL_MAX_GROUP, ATTNL_RANKS, ATTNM_ROWS, ATTNM_THREADS, ATTNP_Q_FLOATS,
-    ATTNP_ROWS, ATTNP_THREADS, ATTN_THREADS,
+    ATTN2_CHUNK, ATTNL_MAX_CLUSTERS, ATTNL_MAX_GROUP, ATTNL_RANKS, ATTNM_ROWS, ATTNM_THREADS,
+    ATTNP_Q_FLOATS, ATTNP_ROWS, ATTNP_THREADS, ATTN_THREADS,
 };
 use crate::error::{Error, Result};
 
@@ -101,9 +101,6 @@ pub const ATTN3_SPLITS: u32 = 8;
 /// The long-context decode attention (kernels/attention_long.cu) from this many valid slots
 /// on; attention v3 below.
 pub const ATTNL_FROM: usize = 512;
-
-/// The long-context attention's most clusters per KV head (its partials in the arena).
-pub const ATTNL_MAX_CLUSTERS: usize = 16;
 
 /// Whether the long-context decode attention takes the model's shape: head_dim 64 or 128, at
 /// most [`ATTNL_MAX_GROUP`] q heads per KV head.
