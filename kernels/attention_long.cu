@@ -118,36 +118,45 @@ __device__ __forceinline__ int long_dim(int j, int p2, int g) {
 }
 
 // The prologue after the wait, every load in one round trip: the group's q heads and the live
-// k rotated (RoPE, scale folded into q; four pairs a thread from 16-byte loads of x, cos and
-// sin), the live v taken. rotate_live_batched (two pairs a thread a round) needs three rounds
-// for 8 q heads and k, each waiting on the last one's shared stores: a 2.5-2.7 µs prologue
-// (docs/lab.md, session 27).
+// k rotated (RoPE), the live v taken. A thread takes 8 dims of one vector's first half and
+// the 8 they pair with (16-byte loads of x, cos and sin): (8 + 1) * 8 units for 8 q heads of
+// 128 dims, one round of 128 threads. q goes straight into its B fragments (qf, see below:
+// scale and log2(e) folded in, bf16 high part and rest; zero for heads past the group), the
+// live k and v into kcur and vcur as f32. rotate_live_batched (two pairs a thread a round)
+// took three rounds for 8 q heads and k, each waiting on the last one's shared stores, and a
+// warp then built the fragments from an f32 copy of q behind another barrier (docs/lab.md,
+// session 27).
 template <int HD>
-__device__ __forceinline__ void rotate_live_group(const AttnArgs& a, int kvh, int q0, int gn, int pos, float* q_s,
-                                                  float* kcur, float* vcur) {
-    constexpr int HALF = HD / 2, QUADS = HALF / 4;  // quads of pairs per rotated vector
-    constexpr int U = ((ATTNL_MAX_GROUP + 1) * QUADS + ATTN_THREADS - 1) / ATTN_THREADS;
+__device__ __forceinline__ void rotate_live_group(const AttnArgs& a, int kvh, int q0, int gn, int pos,
+                                                  uint4 (*qf)[HD / 32][32], float* kcur, float* vcur) {
+    constexpr int HALF = HD / 2, OCTETS = HALF / 8;  // units of 8 dims per half vector
+    static_assert((ATTNL_MAX_GROUP + 1) * OCTETS <= ATTN_THREADS, "one unit a thread");
     static_assert(HD <= ATTN_THREADS, "one live v element a thread");
-    auto load4 = [](const float* p) { return *reinterpret_cast<const float4*>(p); };
-    auto add4 = [](float4 x, float4 y) { return make_float4(x.x + y.x, x.y + y.y, x.z + y.z, x.w + y.w); };
-    const int quads = (gn + 1) * QUADS;
+    auto load8 = [](const float* p, float* x) {
+        *reinterpret_cast<float4*>(x) = *reinterpret_cast<const float4*>(p);
+        *reinterpret_cast<float4*>(x + 4) = *reinterpret_cast<const float4*>(p + 4);
+    };
+    const int head = threadIdx.x / OCTETS, j = 8 * (threadIdx.x % OCTETS);
     const float* k_row = a.qkv + a.n_q * HD + kvh * HD;
-    float4 c[U], s[U], x1[U], x2[U];
-#pragma unroll
-    for (int u = 0; u < U; u++) {
-        const int i = threadIdx.x + u * ATTN_THREADS, head = i / QUADS, j = 4 * (i % QUADS);
-        if (i < quads) {
-            const float* src = head < gn ? a.qkv + (q0 + head) * HD : k_row;
-            c[u] = load4(a.rope_cos + pos * HALF + j);
-            s[u] = load4(a.rope_sin + pos * HALF + j);
-            x1[u] = load4(src + j);
-            x2[u] = load4(src + j + HALF);
+    const bool rotates = head < gn || head == ATTNL_MAX_GROUP;  // a q head of the group, or k
+    float c[8], sn[8], x1[8], x2[8];
+    if (rotates) {
+        const float* src = head < gn ? a.qkv + (q0 + head) * HD : k_row;
+        load8(a.rope_cos + pos * HALF + j, c);
+        load8(a.rope_sin + pos * HALF + j, sn);
+        load8(src + j, x1);
+        load8(src + j + HALF, x2);
 #if GEMV3_KHALVES
-            const float* src2 = a.qkv2 + (src - a.qkv);
-            x1[u] = add4(x1[u], load4(src2 + j));
-            x2[u] = add4(x2[u], load4(src2 + j + HALF));
-#endif
+        float y1[8], y2[8];
+        const float* src2 = a.qkv2 + (src - a.qkv);
+        load8(src2 + j, y1);
+        load8(src2 + j + HALF, y2);
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            x1[e] += y1[e];
+            x2[e] += y2[e];
         }
+#endif
     }
     const int vd = threadIdx.x;
     float v = 0.0f;
@@ -157,18 +166,32 @@ __device__ __forceinline__ void rotate_live_group(const AttnArgs& a, int kvh, in
         v += a.qkv2[(k_row - a.qkv) + a.n_kv * HD + vd];
 #endif
     }
+    float lo[8], hi[8];
 #pragma unroll
-    for (int u = 0; u < U; u++) {
-        const int i = threadIdx.x + u * ATTN_THREADS, head = i / QUADS, j = 4 * (i % QUADS);
-        if (i >= quads) continue;
-        const float4 lo = make_float4(x1[u].x * c[u].x - x2[u].x * s[u].x, x1[u].y * c[u].y - x2[u].y * s[u].y,
-                                      x1[u].z * c[u].z - x2[u].z * s[u].z, x1[u].w * c[u].w - x2[u].w * s[u].w);
-        const float4 hi = make_float4(x2[u].x * c[u].x + x1[u].x * s[u].x, x2[u].y * c[u].y + x1[u].y * s[u].y,
-                                      x2[u].z * c[u].z + x1[u].z * s[u].z, x2[u].w * c[u].w + x1[u].w * s[u].w);
-        float* dst = head < gn ? q_s + head * HD : kcur;
-        const float f = head < gn ? a.scale : 1.0f;
-        *reinterpret_cast<float4*>(dst + j) = make_float4(lo.x * f, lo.y * f, lo.z * f, lo.w * f);
-        *reinterpret_cast<float4*>(dst + j + HALF) = make_float4(hi.x * f, hi.y * f, hi.z * f, hi.w * f);
+    for (int e = 0; e < 8; e++) {
+        lo[e] = rotates ? x1[e] * c[e] - x2[e] * sn[e] : 0.0f;
+        hi[e] = rotates ? x2[e] * c[e] + x1[e] * sn[e] : 0.0f;
+    }
+    if (head == ATTNL_MAX_GROUP) {
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            kcur[j + e] = lo[e];
+            kcur[j + HALF + e] = hi[e];
+        }
+    } else if (head < ATTNL_MAX_GROUP) {
+        // Dims d .. d + 8 (d = j, then j + HALF) are fragment i = d / 32 of lane (head, d % 32 / 8).
+        const float f = a.scale * LOG2E;
+#pragma unroll
+        for (int part = 0; part < 2; part++) {
+            const float* x = part ? hi : lo;
+            const int d = j + part * HALF;
+            u32 h[4], r[4];
+#pragma unroll
+            for (int w = 0; w < 4; w++) split_bf16x2(x[2 * w] * f, x[2 * w + 1] * f, h[w], r[w]);
+            const int lane = 4 * head + (d % 32) / 8;
+            qf[0][d / 32][lane] = make_uint4(h[0], h[1], h[2], h[3]);
+            qf[1][d / 32][lane] = make_uint4(r[0], r[1], r[2], r[3]);
+        }
     }
     if (vd < HD) vcur[vd] = v;
 }
@@ -197,9 +220,13 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
     if (tile + ATTN_WARPS < tile_end) buf[1].load(a, kvh, (tile + ATTN_WARPS) * ATTNL_TILE, pos, g, t);
     pdl_enter();
 
-    __shared__ __align__(16) float q_s[ATTNL_MAX_GROUP * HD];
+    // q head g's B fragments (zero past the group), scale and log2(e) folded in for exp2: i's
+    // uint4 of K holds k-steps 2i (words 0, 1) and 2i + 1 (words 2, 3); [high, rest][i][lane],
+    // which every warp reads again at each tile (in registers they pushed the kernel past 255
+    // and into local memory).
+    __shared__ uint4 qf_s[2][V4][32];
     __shared__ __align__(16) float kcur[HD], vcur[HD];
-    rotate_live_group<HD>(a, kvh, q0, gn, pos, q_s, kcur, vcur);
+    rotate_live_group<HD>(a, kvh, q0, gn, pos, qf_s, kcur, vcur);
     __syncthreads();
     timeline_mark(3);
     const size_t slot_stride = (size_t)a.n_kv * HD;
@@ -209,27 +236,6 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
             a.v_cache[pos * slot_stride + kvh * HD + d] = f32_to_bf16(vcur[d]);
         }
     }
-
-    // q head g's B fragments (zero past the group), log2(e) folded in for exp2: i's uint4 of
-    // K holds k-steps 2i (words 0, 1) and 2i + 1 (words 2, 3). Built once by warp 0 into shared
-    // memory, [high, rest][i][lane], which every warp reads again at each tile (in registers
-    // they pushed the kernel past 255 and into local memory).
-    __shared__ uint4 qf_s[2][V4][32];
-    if (warp == 0) {
-#pragma unroll
-        for (int i = 0; i < V4; i++) {
-            const float* q = q_s + g * HD + 32 * i + 8 * t;
-            u32 hi[4], lo[4];
-#pragma unroll
-            for (int w = 0; w < 4; w++) {
-                const float x = g < gn ? q[2 * w] * LOG2E : 0.0f, y = g < gn ? q[2 * w + 1] * LOG2E : 0.0f;
-                split_bf16x2(x, y, hi[w], lo[w]);
-            }
-            qf_s[0][i][lane] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
-            qf_s[1][i][lane] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
-        }
-    }
-    __syncthreads();
 
     // This lane's q heads 2t and 2t + 1: running max and sum (log2 domain), and O^T.
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
@@ -308,8 +314,10 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
         for (int x = 4; x < 32; x <<= 1) l[h] += __shfl_xor_sync(0xffffffffu, l[h], x);
     timeline_mark(4);
 
-    // The warps' partials, each scaled to the CTA's max, then summed into o_w[0].
-    __shared__ __align__(16) float o_w[ATTN_WARPS][ATTNL_MAX_GROUP][HD];
+    // The warps' partials and their maxima and sums, behind one barrier; then each element's
+    // sum over the warps, weighted to the CTA's max, into o_w[0]. A row of HD + 1 floats: the
+    // lanes' stores (rows 2t, 2t + 1, dims long_dim) fall in 32 different banks.
+    __shared__ float o_w[ATTN_WARPS][ATTNL_MAX_GROUP][HD + 1];
     __shared__ float m_w[ATTN_WARPS][ATTNL_MAX_GROUP], l_w[ATTN_WARPS][ATTNL_MAX_GROUP];
     __shared__ float m_cta[ATTNL_MAX_GROUP], l_cta[ATTNL_MAX_GROUP];
     if (g == 0) {
@@ -318,25 +326,17 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
         l_w[warp][2 * t] = l[0];
         l_w[warp][2 * t + 1] = l[1];
     }
-    __syncthreads();
-    // Weight of a partial with max mp against the overall max mx (0 for an empty one).
-    auto weight = [](float mp, float mx) { return mp == NEG_INF ? 0.0f : exp2f(mp - mx); };
-    float f[2];
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        float mx = NEG_INF;
-#pragma unroll
-        for (int w = 0; w < ATTN_WARPS; w++) mx = fmaxf(mx, m_w[w][2 * t + h]);
-        f[h] = weight(m[h], mx);
-    }
 #pragma unroll
     for (int j = 0; j < MT; j++) {
         const int d0 = long_dim<HD>(j, 0, g), d1 = long_dim<HD>(j, 1, g);
-        o_w[warp][2 * t][d0] = o[j][0] * f[0];
-        o_w[warp][2 * t + 1][d0] = o[j][1] * f[1];
-        o_w[warp][2 * t][d1] = o[j][2] * f[0];
-        o_w[warp][2 * t + 1][d1] = o[j][3] * f[1];
+        o_w[warp][2 * t][d0] = o[j][0];
+        o_w[warp][2 * t + 1][d0] = o[j][1];
+        o_w[warp][2 * t][d1] = o[j][2];
+        o_w[warp][2 * t + 1][d1] = o[j][3];
     }
+    __syncthreads();
+    // Weight of a partial with max mp against the overall max mx (0 for an empty one).
+    auto weight = [](float mp, float mx) { return mp == NEG_INF ? 0.0f : exp2f(mp - mx); };
     if ((int)threadIdx.x < gn) {
         const int h = threadIdx.x;
         float mx = NEG_INF, sum = 0.0f;
@@ -345,16 +345,20 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
         m_cta[h] = mx;
         l_cta[h] = sum;
     }
-    __syncthreads();
-    float* o_flat = &o_w[0][0][0];  // [warp][head * HD + dim]
-#pragma unroll 4
-    for (int i = threadIdx.x; i < gn * HD; i += blockDim.x) {
-        float sum = 0.0f;
+    // A thread's elements: dim threadIdx.x % HD of heads threadIdx.x / HD + k * (threads / HD).
+    static_assert(ATTN_THREADS % HD == 0, "a thread keeps one dim");
+    constexpr int HEADS_A_ROUND = ATTN_THREADS / HD;
+    const int dim = threadIdx.x % HD;
 #pragma unroll
-        for (int w = 0; w < ATTN_WARPS; w++) sum += o_flat[w * ATTNL_MAX_GROUP * HD + i];
-        o_flat[i] = sum;  // this thread alone reads and writes element i
+    for (int h = threadIdx.x / HD; h < ATTNL_MAX_GROUP; h += HEADS_A_ROUND) {
+        if (h >= gn) break;
+        float mw[ATTN_WARPS], mx = NEG_INF, sum = 0.0f;
+#pragma unroll
+        for (int w = 0; w < ATTN_WARPS; w++) mx = fmaxf(mx, mw[w] = m_w[w][h]);
+#pragma unroll
+        for (int w = 0; w < ATTN_WARPS; w++) sum = fmaf(o_w[w][h][dim], weight(mw[w], mx), sum);
+        o_w[0][h][dim] = sum;  // this thread alone reads and writes element (h, dim)
     }
-
     timeline_mark(6);
     // The cluster's merge: rank r's dims of each head from every rank's partial.
     cluster_arrive_cluster_release();
@@ -396,14 +400,15 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
             a.part_ml[((slice + cl) * ATTNL_MAX_GROUP + h) * 2 + 1] = merged_l;
         }
     }
-    __threadfence();
+    // The CTA's stores ordered before the count by the barrier and thread 0's release; the
+    // last CTA's loads after the others' stores by its acquire and the barrier (CUTLASS's
+    // semaphore: one fence, not one per thread on each side).
     __syncthreads();
     __shared__ int last;
     int* count = counts + kvh * ATTNL_RANKS + rank;
-    if (threadIdx.x == 0) last = atomicAdd(count, 1) == used - 1;
+    if (threadIdx.x == 0) last = atomic_add_acq_rel(count, 1) == used - 1;
     __syncthreads();
     if (last) {
-        __threadfence();
         if (mine) {
             // Every cluster's partial in one round of loads, then the merge from registers.
             float mc[ATTNL_MAX_CLUSTERS], lc[ATTNL_MAX_CLUSTERS], oc[ATTNL_MAX_CLUSTERS];

@@ -195,6 +195,16 @@ __device__ __forceinline__ void pdl_enter() {
 // clusters: every launch is its own cluster of one, and the host never launches the kernels
 // that need more there (src/cuda/ops: attention v2 instead of v3, the GEMM without its K
 // split across CTAs).
+// atomicAdd with release and acquire semantics at GPU scope: after a __syncthreads(), thread
+// 0's add publishes the CTA's earlier writes, and what other CTAs published before their adds
+// is visible to this CTA after the next __syncthreads() (CUTLASS's semaphore pattern; one
+// fence where __threadfence() in every thread and an atomicAdd would take two).
+__device__ __forceinline__ int atomic_add_acq_rel(int* p, int v) {
+    int old;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    return old;
+}
+
 #if __CUDA_ARCH__ >= 900
 __device__ __forceinline__ int cluster_size() {
     u32 r;

@@ -5,7 +5,7 @@
 # chain: which instructions the warps wait at, and on what. Prints each kernel's 25 most
 # sampled instructions; the source pages (CSV, gzipped) go to $OUT (or ./device-logs).
 # Usage: bash tests/gpu/profile-source.sh [kernel regex]   (default 'gemv3_store|attn2_decode';
-# switches from the environment; NCU_ARGS: more ncu options; SKIP: matching launches skipped,
+# DEPTH: the prompt's length (48; from 512 the long-context attention runs); switches from the environment; NCU_ARGS: more ncu options; SKIP: matching launches skipped,
 # default 200, enough past the prompt for two kernels of 36 layers in 4 steps)
 set -uo pipefail
 out=${OUT:-device-logs}; mkdir -p "$out"
@@ -18,7 +18,7 @@ report=/tmp/dv2-source
 # regex, one of each: the step launches them in turn, once per layer).
 timeout 400 "$ncu" --section WarpStateStats --section SourceCounters --import-source no ${NCU_ARGS:-} \
   --kernel-name regex:"$regex" --launch-skip ${SKIP:-200} --launch-count 2 -f -o "$report" \
-  .device/examples/bench --decode-profile 4 > "$out/ncu-source.log" 2>&1
+  .device/examples/bench --decode-profile 4 ${DEPTH:-48} > "$out/ncu-source.log" 2>&1
 echo "ncu rc=$?"
 "$ncu" -i "$report.ncu-rep" --page source --print-source sass --csv > /tmp/dv2-source.csv 2>> "$out/ncu-source.log"
 echo "export rc=$?"
