@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine after ../shared/tools/device-pack: ncu's warp-state sampling per SASS
 # instruction for one launch of each named decode kernel (an eager decode step of the
-# Qwen2.5-3B shape after a 48-token prompt), to time the links of a kernel's dependency
+# Qwen2.5-3B shape after a DEPTH-token prompt), to time the links of a kernel's dependency
 # chain: which instructions the warps wait at, and on what. Prints each kernel's 25 most
 # sampled instructions; the source pages (CSV, gzipped) go to $OUT (or ./device-logs).
 # Usage: bash tests/gpu/profile-source.sh [kernel regex]   (default 'gemv3_store|attn2_decode';
-# DEPTH: the prompt's length (48; from 512 the long-context attention runs); switches from the environment; NCU_ARGS: more ncu options; SKIP: matching launches skipped,
-# default 200, enough past the prompt for two kernels of 36 layers in 4 steps)
+# DEPTH: the prompt's length, 48 (from 512 slots the long-context attention runs); switches
+# from the environment; NCU_ARGS: more ncu options; SKIP: matching launches skipped, default
+# 200, enough past the prompt for two kernels of 36 layers in 4 steps)
 set -uo pipefail
 out=${OUT:-device-logs}; mkdir -p "$out"
 export DV2_CACHE_DIR=/tmp/dv2-cache
