@@ -1,6 +1,6 @@
 // Long-context decode attention (flash-decoding): the decode step's attention once the context
 // has ATTNL_FROM slots (the host's long-context graph, src/cuda/step.rs; attention v3 below
-// that). Uses common.cuh and attention.cu's RoPE prologue.
+// that). Uses common.cuh and its own RoPE prologue (rotate_live_group).
 //
 // Why: attention v3 gives each CTA one q head, so every K/V row is read by all the q heads of
 // its GQA group (8x the bytes on the 3B shape), and its 8-CTA clusters walk the context in
@@ -25,10 +25,11 @@
 // last cluster CTA of each rank to arrive (a counter per KV head and rank) merges the
 // clusters' partials from global memory and resets its counter.
 // Needs head_dim 64 or 128 and at most 8 q heads per KV head (the host checks).
-// Measured (docs/lab.md, session 22): 659 tok/s at 32k against attention v3's 76, 846 at 2k
-// against 577; KV streamed at 2.9-3.5 TB/s past 8k; depth 48 unchanged (the other graph).
+// Measured (docs/lab.md, sessions 22 and 27): 703 tok/s at 32k against attention v3's 76, 915
+// at 2k against 577; KV streamed at 2.8-3.9 TB/s past 2k; depth 48 unchanged (the other graph).
 
-// ATTNL_RANKS (CTAs per cluster) and ATTNL_MAX_GROUP come from the host (src/cuda/kernels.rs).
+// ATTNL_RANKS (CTAs per cluster), ATTNL_MAX_GROUP and ATTNL_MAX_CLUSTERS come from the host
+// (src/cuda/kernels.rs).
 #define ATTNL_TILE 16
 // Tiles per cluster before another cluster of the KV head joins in (128 slots a CTA: two
 // tiles a warp, both loaded before the wait).
@@ -199,8 +200,8 @@ __device__ __forceinline__ void rotate_live_group(const AttnArgs& a, int kvh, in
 template <int HD>
 __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, int* counts) {
     constexpr int V4 = HD / 32, MT = HD / 16, DR = HD / ATTNL_RANKS;
-    timeline_start();  // CTA_TIMELINE marks: 3 prologue done, 4 tiles done, 6 warps merged,
-    // 5 cluster merge read
+    // CTA_TIMELINE marks: 3 prologue done, 4 tiles done, 6 warps merged, 5 cluster merge read.
+    timeline_start();
     const int rank = cluster_rank(), cl = blockIdx.y, kvh = blockIdx.z, n_cl = gridDim.y;
     const int gn = a.n_q / a.n_kv, q0 = kvh * gn;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
