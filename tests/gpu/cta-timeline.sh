@@ -13,13 +13,14 @@
 # From 512 tokens of context the step is the long-context graph's, and a third table splits its
 # attention CTAs (kernels/attention_long.cu marks) into phases.
 # Usage: bash tests/gpu/cta-timeline.sh [DEPTH]   (the prompt's length, 48; switches from the
-# environment; the CSV goes to $OUT or ./device-logs)
+# environment; BENCH: the bench binary, .device/examples/bench by default, or a branch's from
+# tests/gpu/pack-bench.sh, e.g. BENCH=.dz/bench-wip-x; the CSV goes to $OUT or ./device-logs)
 set -uo pipefail
 out=${OUT:-device-logs}; mkdir -p "$out"
 depth=${1:-48}
 export DV2_CACHE_DIR=/tmp/dv2-cache DV2_CTA_TIMELINE=1
 export LD_LIBRARY_PATH="$PWD/.device/lib:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-timeout 300 .device/examples/bench --cta-timeline "$out/cta-timeline.csv" "$depth" || exit 1
+timeout 300 "${BENCH:-.device/examples/bench}" --cta-timeline "$out/cta-timeline.csv" "$depth" || exit 1
 python3 - "$out/cta-timeline.csv" <<'PY'
 import csv, sys, statistics as st
 grids = {}
