@@ -149,7 +149,8 @@ __device__ __forceinline__ void timeline_start() {
 #endif
 }
 // Where a CTA's thread 0 reaches a phase of its kernel (kinds 3 and up, named where the
-// kernel marks them: the long-context attention's prologue, tiles and cluster merge).
+// kernel marks them: the long-context attention's prologue, tiles, warps' merge and cluster
+// merge).
 __device__ __forceinline__ void timeline_mark(unsigned long long kind) {
 #if CTA_TIMELINE
     timeline_record(kind, global_ns(), 0);
@@ -190,11 +191,6 @@ __device__ __forceinline__ void pdl_enter() {
     pdl_release();
 }
 
-// Thread-block clusters (Hopper; the GEMM's K split, attention v3): the cluster's size and
-// this CTA's rank in it (1 and 0 in a launch without clusters). Before sm_90 there are no
-// clusters: every launch is its own cluster of one, and the host never launches the kernels
-// that need more there (src/cuda/ops: attention v2 instead of v3, the GEMM without its K
-// split across CTAs).
 // atomicAdd with release and acquire semantics at GPU scope: after a __syncthreads(), thread
 // 0's add publishes the CTA's earlier writes, and what other CTAs published before their adds
 // is visible to this CTA after the next __syncthreads() (CUTLASS's semaphore pattern; one
@@ -205,6 +201,11 @@ __device__ __forceinline__ int atomic_add_acq_rel(int* p, int v) {
     return old;
 }
 
+// Thread-block clusters (Hopper; the GEMM's K split, attention v3): the cluster's size and
+// this CTA's rank in it (1 and 0 in a launch without clusters). Before sm_90 there are no
+// clusters: every launch is its own cluster of one, and the host never launches the kernels
+// that need more there (src/cuda/ops: attention v2 instead of v3, the GEMM without its K
+// split across CTAs).
 #if __CUDA_ARCH__ >= 900
 __device__ __forceinline__ int cluster_size() {
     u32 r;
