@@ -9,8 +9,8 @@
 // the context is split over (clusters x ATTNL_RANKS) CTAs per KV head.
 //
 // Grid (ATTNL_RANKS, clusters, n_kv), clusters of (ATTNL_RANKS, 1, 1), ATTN_THREADS threads.
-// On the device, from valid_len: the clusters in use (one per ATTNL_CLUSTER_TILES tiles of 16
-// slots, at most gridDim.y; the rest leave at once), and each CTA's even share of the tiles.
+// On the device, from valid_len: the clusters in use (attnl_clusters: at most gridDim.y; the
+// rest leave at once), and each CTA's even share of the tiles of 16 slots.
 // A warp takes every ATTN_WARPS-th tile of its CTA's share, two tiles in flight (the first two
 // loaded before the wait on the q/k/v GEMV: those slots were written by earlier steps), and
 // keeps an online softmax per q head:
@@ -31,9 +31,8 @@
 // ATTNL_RANKS (CTAs per cluster), ATTNL_MAX_GROUP and ATTNL_MAX_CLUSTERS come from the host
 // (src/cuda/kernels.rs).
 #define ATTNL_TILE 16
-// Tiles per cluster before another cluster of the KV head joins in (128 slots a CTA: two
-// tiles a warp, both loaded before the wait).
-#define ATTNL_CLUSTER_TILES (ATTNL_RANKS * ATTN_WARPS * 2)
+// A tile a warp: the tiles of one cluster's turn.
+#define ATTNL_CLUSTER_TILES (ATTNL_RANKS * ATTN_WARPS)
 #define LOG2E 1.4426950408889634f
 
 __device__ __forceinline__ void mma_bf16_16816(float* c, const u32* a, u32 b0, u32 b1) {
@@ -197,6 +196,16 @@ __device__ __forceinline__ void rotate_live_group(const AttnArgs& a, int kvh, in
     if (vd < HD) vcur[vd] = v;
 }
 
+// Clusters of a KV head for `tiles` tiles: one while its warps take at most three tiles each,
+// past that one per ATTNL_CLUSTER_TILES (a tile a warp, loaded before the wait), up to `n_cl`.
+// Why: the cross-cluster merge through global memory costs more than a warp's second and
+// third tile, but less than the fourth and later, which load only after the wait; measured
+// against one cluster per two tiles a warp: equal to 1,280 slots, 1.3-2.1% faster from 1,536
+// to 6,144, equal at 8,192 (docs/lab.md, session 28).
+__device__ __forceinline__ int attnl_clusters(int tiles, int n_cl) {
+    return tiles < 3 * ATTNL_CLUSTER_TILES ? 1 : min(tiles / ATTNL_CLUSTER_TILES, n_cl);
+}
+
 template <int HD>
 __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, int* counts) {
     constexpr int V4 = HD / 32, MT = HD / 16, DR = HD / ATTNL_RANKS;
@@ -208,7 +217,7 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
     const int pos = a.state[STATE_POSITION];
     if (pos >= a.max_seq) return;  // every CTA: no slot to write or read
     const int valid = pos + 1, tiles = (valid + ATTNL_TILE - 1) / ATTNL_TILE;
-    const int used = min(max(tiles / ATTNL_CLUSTER_TILES, 1), n_cl);
+    const int used = attnl_clusters(tiles, n_cl);
     if (cl >= used) return;  // the whole cluster: no barrier waits for it
     const long long cta = cl * ATTNL_RANKS + rank, ctas = used * ATTNL_RANKS;
     const int tile_end = (int)(tiles * (cta + 1) / ctas);

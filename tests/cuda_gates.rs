@@ -517,7 +517,7 @@ fn graph_replay_equals_eager_at_every_position() {
 }
 
 /// Graph and eager across the long-context attention's threshold (two captured graphs, the
-/// host picking one per step), then after a second prompt appended past 2k slots (two
+/// host picking one per step), then after a second prompt appended past 2k slots (four
 /// clusters per KV head, merging through global memory): the same ids and bitwise the same
 /// logits. Small enough for the sanitizers (tests/gpu/run-on-device.sh sanitize).
 #[test]
@@ -649,12 +649,14 @@ fn decode_up_to_a_long_max_seq_matches_the_oracle() {
 }
 
 /// Across the long-context attention's threshold (ATTNL_FROM = 512 valid slots): attention
-/// v3 before, then the long-context graph; and at 4k (4 clusters per KV head), every
-/// position of a 16-slot tile and of a CTA's share for the live slot.
+/// v3 before, then the long-context graph; across 1,520 valid slots, where one cluster per
+/// KV head becomes three merging through global memory; and at 4k (8 clusters per KV head),
+/// every position of a 16-slot tile and of a CTA's share for the live slot.
 #[test]
 fn decode_across_the_long_attention_threshold_matches_the_oracle() {
     let _device = exclusive_device();
     decode_vs_oracle("medium_llama", 6, 600, 500, 24);
+    decode_vs_oracle("medium_llama", 8, 1600, 1500, 40);
     decode_vs_oracle("medium_llama", 7, 4200, 4090, 40);
 }
 
