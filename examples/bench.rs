@@ -152,8 +152,7 @@ fn time_request(e: &mut Engine, prompt: &[u32], tokens: usize, reps: usize) -> (
 
 /// One graph step of the Qwen2.5-3B shape (a prompt of `depth` tokens, then 7 steps) recorded
 /// CTA by CTA (`DV2_CTA_TIMELINE=1`): grid id, kind (0 wait, 1 end, 2 start, 3 and up a
-/// kernel's phases), SM, CTAs, CTA, t0 and t1 in ns. From 512 slots the step is the
-/// long-context graph's.
+/// kernel's phases), SM, CTAs, CTA, t0 and t1 in ns.
 fn cta_timeline(path: &str, depth: usize) {
     let qwen = synth::build(&QWEN25_3B, 0).unwrap();
     let max_seq = 2048.max(depth + 64);

@@ -1,6 +1,6 @@
-// Long-context decode attention (flash-decoding): the decode step's attention once the context
-// has ATTNL_FROM slots (the host's long-context graph, src/cuda/step.rs; attention v3 below
-// that). Uses common.cuh and its own RoPE prologue (rotate_live_group).
+// Long-context decode attention (flash-decoding): the decode step's attention at every depth
+// where the model's shape and the device take it (src/cuda/ops/mod.rs, Ops::attn_long;
+// attention v3 elsewhere). Uses common.cuh and its own RoPE prologue (rotate_live_group).
 //
 // Why: attention v3 gives each CTA one q head, so every K/V row is read by all the q heads of
 // its GQA group (8x the bytes on the 3B shape), and its 8-CTA clusters walk the context in

@@ -75,9 +75,9 @@ pub const VARIABLES: &[Variable] = &[
     Variable {
         name: "DV2_ATTN_LONG",
         default: "1",
-        effect: "`0`: no long-context decode attention (flash-decoding over the whole GPU, a \
-                 second captured graph from `ATTNL_FROM` slots on): attention v3 at every depth",
-        lab: "session 22: the context sweep",
+        effect: "`0`: no long-context decode attention (flash-decoding over the whole GPU, at \
+                 every depth): attention v3",
+        lab: "sessions 22 (the context sweep) and 28 (from depth 1)",
     },
     Variable {
         name: "DV2_SAMPLE_SHORTCUTS",

@@ -516,12 +516,12 @@ fn graph_replay_equals_eager_at_every_position() {
     }
 }
 
-/// Graph and eager across the long-context attention's threshold (two captured graphs, the
-/// host picking one per step), then after a second prompt appended past 2k slots (four
-/// clusters per KV head, merging through global memory): the same ids and bitwise the same
-/// logits. Small enough for the sanitizers (tests/gpu/run-on-device.sh sanitize).
+/// Graph and eager with the long-context attention (medium_llama takes it at every depth) from
+/// 490 slots, one cluster per KV head, then after a second prompt appended past 2k slots
+/// (four clusters per KV head, merging through global memory): the same ids and bitwise the
+/// same logits. Small enough for the sanitizers (tests/gpu/run-on-device.sh sanitize).
 #[test]
-fn graph_replay_equals_eager_across_the_long_attention_threshold() {
+fn graph_replay_equals_eager_with_the_long_attention() {
     let _device = exclusive_device();
     let engine = |graph: bool| {
         let opts = EngineOptions {
@@ -648,12 +648,13 @@ fn decode_up_to_a_long_max_seq_matches_the_oracle() {
     decode_vs_oracle("medium_llama", 5, 8200, 8190, 10);
 }
 
-/// Across the long-context attention's threshold (ATTNL_FROM = 512 valid slots): attention
-/// v3 before, then the long-context graph; across 1,520 valid slots, where one cluster per
-/// KV head becomes three merging through global memory; and at 4k (8 clusters per KV head),
-/// every position of a 16-slot tile and of a CTA's share for the live slot.
+/// The long-context attention (medium_llama takes it at every depth) from 500 slots, one
+/// cluster per KV head; across 1,520 valid slots, where one cluster per KV head becomes three
+/// merging through global memory; and at 4k (8 clusters per KV head), every position of a
+/// 16-slot tile and of a CTA's share for the live slot. Under `DV2_ATTN_LONG=0`, attention v3
+/// at the same depths (tests/gpu/run-on-device.sh switches).
 #[test]
-fn decode_across_the_long_attention_threshold_matches_the_oracle() {
+fn decode_with_the_long_attention_matches_the_oracle_across_cluster_counts() {
     let _device = exclusive_device();
     decode_vs_oracle("medium_llama", 6, 600, 500, 24);
     decode_vs_oracle("medium_llama", 8, 1600, 1500, 40);

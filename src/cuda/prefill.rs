@@ -50,13 +50,13 @@ pub(super) fn chunk_size(requested: usize, env: Option<&str>, max_seq: usize) ->
 
 impl CudaBackend {
     /// The uploaded prompt of `len` ids, one decode forward per token (`DV2_PREFILL=n1`),
-    /// from position `start`.
-    pub(super) fn prefill_by_steps(&self, start: usize, len: usize) -> Result<()> {
+    /// from the state's position.
+    pub(super) fn prefill_by_steps(&self, len: usize) -> Result<()> {
         let (state, prompt) = (self.ptr(&self.state), self.ptr(&self.arena.prompt));
         for i in 0..len {
             let i32_i = i as i32;
             launch!(self.ops.gpu, &self.ops.k.load_token, one_cta(1); state, prompt, i32_i)?;
-            self.forward(i + 1 == len, self.long_at(start + i))?;
+            self.forward(i + 1 == len)?;
             launch!(self.ops.gpu, &self.ops.k.advance, one_cta(1); state)?;
         }
         Ok(())

@@ -104,11 +104,9 @@ impl CudaBackend {
     /// each stage summed over layers, in ms, in first-seen order. Advances the state like
     /// step().
     pub fn profile_step(&mut self) -> Result<Vec<(&'static str, f64)>> {
-        let position = self.host_position()?;
-        let long = self.long_at(position);
         self.position = None; // the commit below moves it on (or not, past EOS)
         let mut marks = StageMarks::new(&self.ops.gpu)?;
-        self.forward_marked(true, false, long, &mut Some(&mut marks))?;
+        self.forward_marked(true, false, &mut Some(&mut marks))?;
         self.commit(self.eos)?;
         marks.record(&self.ops.gpu, "commit")?;
         self.ops.gpu.sync()?;

@@ -1,11 +1,10 @@
 //! The CUDA backend: decode state, KV cache and activation arena on the device, and the
 //! decode step's schedule (`forward_marked`). Everything is allocated in `new`; a step
 //! allocates nothing, reads nothing back and never synchronises with the host. The step is
-//! captured once into a CUDA graph (`DV2_GRAPH=0`: eager launches, for comparison), and once
-//! more with the long-context attention where the model takes it: the host replays that graph
-//! for the steps at [`ATTNL_FROM`] valid slots or more, picked from the position it mirrors
-//! (the choice is one of speed only: both graphs decode any position). The
-//! chunked prefill is in [`super::prefill`], the measuring tools in [`super::profile`].
+//! captured once into a CUDA graph (`DV2_GRAPH=0`: eager launches, for comparison), with the
+//! long-context attention where the model and device take it, else attention v3, at every
+//! depth. The chunked prefill is in [`super::prefill`], the measuring tools in
+//! [`super::profile`].
 
 use cudarc::driver::{CudaGraph, CudaSlice};
 
@@ -13,7 +12,7 @@ use super::budget::{self, kv_stride};
 use super::device::{driver_error, Gpu};
 use super::kernels::state;
 use super::ops::{
-    check_shape, one_cta, AttnArgs, Input, LogitsHead, Norm, Ops, PartialSums, QkvArgs, ATTNL_FROM,
+    check_shape, one_cta, AttnArgs, Input, LogitsHead, Norm, Ops, PartialSums, QkvArgs,
 };
 use super::prefill::{chunk_size, prefill_chunk};
 use super::profile::StageMarks;
@@ -87,11 +86,9 @@ pub struct CudaBackend {
     pub(super) arena: Arena,
     /// One greedy step (forward + commit) captured at load; None runs it eagerly.
     graph: Option<StepGraph>,
-    /// The same step with the long-context attention (where `ops.attn_long`).
-    long_graph: Option<StepGraph>,
-    /// The sampled step (forward, draw, commit) by plan and attention, captured when a
-    /// request first samples under that plan.
-    sampled_graphs: Vec<(Plan, bool, StepGraph)>,
+    /// The sampled step (forward, draw, commit) by plan, captured when a request first
+    /// samples under that plan.
+    sampled_graphs: Vec<(Plan, StepGraph)>,
     pub(super) sampler: DeviceSampler,
     /// The state's position as the host last knew it (None: read it back before use).
     pub(super) position: Option<usize>,
@@ -192,7 +189,6 @@ impl CudaBackend {
             eos: eos.map_or(-1, |e| e as i32),
             model,
             graph: None,
-            long_graph: None,
             sampled_graphs: Vec::new(),
             sampler: DeviceSampler::new(gpu, &lens.sampler)?,
             position: Some(0),
@@ -202,7 +198,6 @@ impl CudaBackend {
             non_finite: None,
             ops,
         };
-        backend.ops.attn_long &= max_seq >= ATTNL_FROM;
         backend.ops.gpu.sync()?;
         if graph {
             let started = std::time::Instant::now();
@@ -212,28 +207,19 @@ impl CudaBackend {
         Ok(backend)
     }
 
-    /// Captures the step into a graph, and the long-context one where the model takes it.
-    /// The probe steps' KV writes land in slot 0, which the next request overwrites before
-    /// reading; the state is reset afterwards.
+    /// Runs one eager step (so any launch problem surfaces outside a capture), then captures
+    /// the step into a graph. The probe steps' KV writes land in slot 0, which the next
+    /// request overwrites before reading; the state is reset afterwards.
     fn capture(&mut self) -> Result<()> {
-        self.graph = Some(self.capture_step(false)?);
-        if self.ops.attn_long {
-            self.long_graph = Some(self.capture_step(true)?);
-        }
+        self.record_step()?;
+        self.ops.gpu.sync()?;
+        self.graph = Some(self.capture_recorded()?);
         self.reset()
     }
 
-    /// Runs one eager step (so any launch problem surfaces outside a capture), then captures
-    /// the step into a graph.
-    fn capture_step(&self, long: bool) -> Result<StepGraph> {
-        self.record_step(long)?;
-        self.ops.gpu.sync()?;
-        self.capture_recorded(long)
-    }
-
     /// Captures the step as [`Self::record_step`] enqueues it under the settings in force.
-    fn capture_recorded(&self, long: bool) -> Result<StepGraph> {
-        let graph = self.ops.gpu.capture(|| self.record_step(long))?;
+    fn capture_recorded(&self) -> Result<StepGraph> {
+        let graph = self.ops.gpu.capture(|| self.record_step())?;
         graph.upload().map_err(driver_error("graph upload"))?;
         Ok(StepGraph(graph))
     }
@@ -247,17 +233,9 @@ impl CudaBackend {
         if self.graph.is_none() || self.sampled_graphs.iter().any(|g| g.0 == plan) {
             return Ok(());
         }
-        let mut graphs = vec![(plan, false, self.capture_recorded(false)?)];
-        if self.long_graph.is_some() {
-            graphs.push((plan, true, self.capture_recorded(true)?));
-        }
-        self.sampled_graphs.extend(graphs);
+        let graph = self.capture_recorded()?;
+        self.sampled_graphs.push((plan, graph));
         Ok(())
-    }
-
-    /// Whether the step at `position` takes the long-context attention.
-    pub(super) fn long_at(&self, position: usize) -> bool {
-        self.ops.attn_long && position + 1 >= ATTNL_FROM
     }
 
     /// The state's position: the host's mirror, or read back where it has none.
@@ -270,18 +248,18 @@ impl CudaBackend {
         Ok(p)
     }
 
-    /// Enqueues one step (`long`: with the long-context attention): forward with logits, the
-    /// draw where the request samples, then the commit (greedy: in lm_head's kernel where it
-    /// takes the argmax, `DV2_LOGITS_ARGMAX`, else commit_step).
-    fn record_step(&self, long: bool) -> Result<()> {
+    /// Enqueues one step: forward with logits, the draw where the request samples, then the
+    /// commit (greedy: in lm_head's kernel where it takes the argmax, `DV2_LOGITS_ARGMAX`,
+    /// else commit_step).
+    fn record_step(&self) -> Result<()> {
         match self.sampler.plan {
             None => {
-                if self.forward_marked(true, true, long, &mut None)? {
+                if self.forward_marked(true, true, &mut None)? {
                     return Ok(());
                 }
             }
             Some(plan) => {
-                self.forward_marked(true, false, long, &mut None)?;
+                self.forward_marked(true, false, &mut None)?;
                 self.record_draw(plan, 1)?;
             }
         }
@@ -299,18 +277,15 @@ impl CudaBackend {
         launch!(self.ops.gpu, &self.ops.k.commit_step, one_cta(1); state, eos, ring, hist)
     }
 
-    /// The graph of the step at `position` under the settings in force (None: launch it
-    /// eagerly).
-    fn step_graph(&self, position: usize) -> Option<&StepGraph> {
-        let long = self.long_at(position);
+    /// The graph of the step under the settings in force (None: launch it eagerly).
+    fn step_graph(&self) -> Option<&StepGraph> {
         match self.sampler.plan {
-            None if long && self.long_graph.is_some() => self.long_graph.as_ref(),
             None => self.graph.as_ref(),
             Some(plan) => self
                 .sampled_graphs
                 .iter()
-                .find(|(p, l, _)| *p == plan && *l == long)
-                .map(|g| &g.2),
+                .find(|(p, _)| *p == plan)
+                .map(|g| &g.1),
         }
     }
 
@@ -352,10 +327,9 @@ impl CudaBackend {
     }
 
     /// One forward pass for the token in the state buffer at its position: KV slot written;
-    /// with `logits`, the logits and next_token too; `long`: the long-context attention.
-    pub(super) fn forward(&self, logits: bool, long: bool) -> Result<()> {
-        self.forward_marked(logits, false, long, &mut None)
-            .map(|_| ())
+    /// with `logits`, the logits and next_token too.
+    pub(super) fn forward(&self, logits: bool) -> Result<()> {
+        self.forward_marked(logits, false, &mut None).map(|_| ())
     }
 
     /// [`Self::forward`], recording an event after each group of kernels into `marks` when
@@ -366,7 +340,6 @@ impl CudaBackend {
         &self,
         logits: bool,
         commit: bool,
-        long: bool,
         marks: &mut Option<&mut StageMarks>,
     ) -> Result<bool> {
         let gpu = &self.ops.gpu;
@@ -421,7 +394,7 @@ impl CudaBackend {
             // attn = attention(rope(q), rope(k) and v into the cache at the position, the
             // cache up to it): [n_q head_dim].
             let args = self.attn_args(l, halves);
-            if long {
+            if ops.attn_long {
                 ops.attention_long(args, attn, self.ptr(&a.attn_counts))?;
             } else {
                 ops.attention(args, attn)?;
@@ -626,7 +599,7 @@ impl Backend for CudaBackend {
         let state = self.ptr(&self.state);
         launch!(self.ops.gpu, &self.ops.k.begin_prefill, one_cta(1); state)?;
         if self.chunk == 0 {
-            self.prefill_by_steps(start, ids.len())?;
+            self.prefill_by_steps(ids.len())?;
         } else {
             for start in (0..ids.len()).step_by(self.chunk) {
                 let n = self.chunk.min(ids.len() - start);
@@ -647,15 +620,14 @@ impl Backend for CudaBackend {
     /// between, then copies the step ring back once. Steps after the one that finished commit
     /// nothing on the device.
     fn step_n(&mut self, out: &mut [u32]) -> Result<usize> {
-        let start = self.host_position()?;
         self.position = None; // until the steps have completed
         let state = self.ptr(&self.state);
         launch!(self.ops.gpu, &self.ops.k.ring_reset, one_cta(1); state)?;
-        // Step i runs at position start + i, or later does nothing (the request finished).
-        for i in 0..out.len() {
-            match self.step_graph(start + i) {
+        // Each step runs at the state's position, or does nothing (the request finished).
+        for _ in 0..out.len() {
+            match self.step_graph() {
                 Some(g) => g.0.launch().map_err(driver_error("graph launch"))?,
-                None => self.record_step(self.long_at(start + i))?,
+                None => self.record_step()?,
             }
         }
         let st = self.read_state_after_forwards()?;

@@ -10,8 +10,8 @@
 # Why: which CTAs start late, wait and end last decides each kernel's share of the step
 # (docs/lab.md, session 17: gate/up's rows skewed by start time; session 19: q/k/v's SMs that
 # held two of its CTAs).
-# From 512 tokens of context the step is the long-context graph's, and a third table splits its
-# attention CTAs (kernels/attention_long.cu marks) into phases.
+# A third table splits the long-context attention's CTAs (kernels/attention_long.cu marks) into
+# phases.
 # Usage: bash tests/gpu/cta-timeline.sh [DEPTH]   (the prompt's length, 48; switches from the
 # environment; BENCH: the bench binary, .device/examples/bench by default, or a branch's from
 # tests/gpu/pack-bench.sh, e.g. BENCH=.dz/bench-wip-x; the CSV goes to $OUT or ./device-logs)

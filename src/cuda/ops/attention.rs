@@ -98,10 +98,6 @@ pub const ATTN_SPLIT: usize = 8;
 /// ms/token against 8, docs/lab.md session 14).
 pub const ATTN3_SPLITS: u32 = 8;
 
-/// The long-context decode attention (kernels/attention_long.cu) from this many valid slots
-/// on; attention v3 below.
-pub const ATTNL_FROM: usize = 512;
-
 /// Whether the long-context decode attention takes the model's shape: head_dim 64 or 128, at
 /// most [`ATTNL_MAX_GROUP`] q heads per KV head.
 pub fn attn_long_fits(s: &ArchSpec) -> bool {

@@ -5,8 +5,9 @@
 //! (tensor cores) below [`GEMV3_MAX_BYTES`] of weights, v2 above; the RMSNorm folded into the
 //! next GEMV's x load (`DV2_FUSE_RMS`); SwiGLU's output in f16 for down (`DV2_FFN_F16`); q/k/v
 //! in K halves (`DV2_QKV_KHALVES`); lm_head with the argmax and the step's commit
-//! (`DV2_LOGITS_ARGMAX`); attention v3 where the GPU has clusters (`DV2_ATTN_CLUSTERS`), and
-//! from [`ATTNL_FROM`] slots on the long-context attention (`DV2_ATTN_LONG`); the
+//! (`DV2_LOGITS_ARGMAX`); the long-context attention where the GPU has clusters and the model's
+//! shape fits it (`DV2_ATTN_LONG`), else attention v3 where the GPU has clusters
+//! (`DV2_ATTN_CLUSTERS`); the
 //! prefill's tensor-core GEMM on f16 activations, its attention on tensor cores where head_dim
 //! is 16, 32, 64 or 128, and its last layer on the last token alone (`DV2_PREFILL_TAIL`);
 //! `DV2_LINEAR=mma` runs the decode step's linears through that GEMM (the seed's ablation).
@@ -30,7 +31,7 @@ mod gemv;
 
 pub use attention::{
     attn_long_fits, attn_long_partials, attn_partials, attn_prefill_tokens, Attention, AttnArgs,
-    PrefillAttnArgs, ATTN3_SPLITS, ATTNL_FROM, ATTN_SPLIT,
+    PrefillAttnArgs, ATTN3_SPLITS, ATTN_SPLIT,
 };
 pub(super) use gemm::GemmArgs;
 pub use gemm::{Epilogue, GemmMatrix};
@@ -135,8 +136,9 @@ pub struct Ops {
     /// The decode attention: v3 where the device has thread-block clusters and
     /// `DV2_ATTN_CLUSTERS` is on, else v2; v1 where [`Ops::fit`] finds v2's layout too small.
     pub attn: Attention,
-    /// The long-context decode attention from [`ATTNL_FROM`] slots on: where the device has
-    /// clusters, `DV2_ATTN_LONG` is on and [`Ops::fit`] finds the model's shape taken.
+    /// The long-context decode attention at every depth, in place of [`Ops::attn`]: where the
+    /// device has clusters, `DV2_ATTN_LONG` is on and [`Ops::fit`] finds the model's shape
+    /// taken.
     pub attn_long: bool,
     /// Streaming multiprocessors of the device.
     pub(super) sms: u32,
