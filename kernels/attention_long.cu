@@ -25,8 +25,9 @@
 // last cluster CTA of each rank to arrive (a counter per KV head and rank) merges the
 // clusters' partials from global memory and resets its counter.
 // Needs head_dim 64 or 128 and at most 8 q heads per KV head (the host checks).
-// Measured (docs/lab.md, sessions 22 and 27): 703 tok/s at 32k against attention v3's 76, 915
-// at 2k against 577; KV streamed at 2.8-3.9 TB/s past 2k; depth 48 unchanged (the other graph).
+// Measured (docs/lab.md, sessions 22, 27 and 28): 701 tok/s at 32k against attention v3's 76,
+// 932 at 2k against 577, 1,015 at 256 against 942, 1,018 at 48 against 1,009; KV streamed at
+// 2.6-3.6 TB/s past 2k.
 
 // ATTNL_RANKS (CTAs per cluster), ATTNL_MAX_GROUP and ATTNL_MAX_CLUSTERS come from the host
 // (src/cuda/kernels.rs).
