@@ -119,7 +119,9 @@ PY
 # The long-context attention's CTAs (those with phase marks), per CTA from the release of its
 # PDL wait: prologue done (RoPE of q and the live k/v, kind 3), tiles done (4), the CTA's warps
 # merged (6), the cluster's merge read (5), end (1; the cross-cluster merge where more than one cluster ran); medians over
-# the layers' CTAs, and the kernel's span from its first release to its last end.
+# the layers' CTAs, and the kernel's span from its first release to its last end; then per
+# cluster how far apart its CTAs reach the merge, how long the merge's barrier and reads take
+# after the last of them, and from there to the cluster's end.
 python3 - "$out/cta-timeline.csv" <<'PY'
 import csv, sys, statistics as st
 grids = {}
@@ -128,21 +130,32 @@ for r in csv.DictReader(open(sys.argv[1])):
     g.setdefault(int(r["cta"]), {})[r["kind"]] = int(r["t0"]), int(r["t1"])
 phases = {k: [] for k in "34651"}
 spans, ctas = [], []
+arrivals, to_read, to_end = [], [], []  # per cluster (8 CTAs, ATTNL_RANKS, by CTA index)
 for g in grids.values():
-    ran = [e for e in g.values() if all(k in e for k in "034651")]
+    ran = {c: e for c, e in g.items() if all(k in e for k in "034651")}
     if not ran:
         continue
     ctas.append(len(ran))
-    for e in ran:
+    for e in ran.values():
         release = e["0"][1]
         for k in phases:
             phases[k].append((e[k][0] - release) / 1e3)
-    spans.append((max(e["1"][0] for e in ran) - min(e["0"][1] for e in ran)) / 1e3)
+    spans.append((max(e["1"][0] for e in ran.values()) - min(e["0"][1] for e in ran.values())) / 1e3)
+    clusters = {}
+    for c, e in ran.items():
+        clusters.setdefault(c // 8, []).append(e)
+    for es in clusters.values():
+        last_arrival = max(e["6"][0] for e in es)
+        arrivals.append((last_arrival - min(e["6"][0] for e in es)) / 1e3)
+        to_read.append((min(e["5"][0] for e in es) - last_arrival) / 1e3)
+        to_end.append((max(e["1"][0] for e in es) - max(e["5"][0] for e in es)) / 1e3)
 if spans:
     print(f"long-context attention: {len(spans)} launches, {st.median(ctas)} CTAs ran a launch; "
           f"µs from a CTA's release (median): prologue {st.median(phases['3']):.2f}, tiles {st.median(phases['4']):.2f}, "
           f"warps merged {st.median(phases['6']):.2f}, cluster merge read {st.median(phases['5']):.2f}, end {st.median(phases['1']):.2f}; "
           f"a launch from its first release to its last end {st.median(spans):.2f}")
+    print(f"  per cluster (median): its CTAs' arrivals at the merge spread over {st.median(arrivals):.2f} µs; "
+          f"last arrival to the first merge read done {st.median(to_read):.2f}; last read to the last end {st.median(to_end):.2f}")
 else:
-    print("no long-context attention CTAs in this step (below 512 slots, or DV2_ATTN_LONG=0)")
+    print("no long-context attention CTAs in this step (DV2_ATTN_LONG=0, or a device or shape without it)")
 PY
