@@ -4,7 +4,7 @@
 mod common;
 
 use common::*;
-use decodev2::arch::{preset, ArchSpec, QWEN25_3B};
+use decodev2::arch::{preset, ArchSpec, MEDIUM_LLAMA, QWEN25_3B};
 use decodev2::engine::{BackendKind, Engine, EngineOptions};
 use decodev2::model::HostModel;
 use decodev2::oracle::{greedy, step_logits, KvCache};
@@ -661,6 +661,40 @@ fn decode_with_the_long_attention_matches_the_oracle_across_cluster_counts() {
     decode_vs_oracle("medium_llama", 7, 4200, 4090, 40);
 }
 
+/// The long-context attention at GQA groups that are not powers of two, 3 (SmolLM2-135M's 9 q
+/// heads over 3 KV heads) and 5 (10 over 2; the Qwen2.5-32B shape has 40 over 8), on
+/// medium_llama's other dimensions: the q heads past the group are zeros in its MMA fragments
+/// and its merges take only the group's. From a short prompt (one cluster per KV head), and
+/// across 1,520 slots (three clusters merging through global memory).
+#[test]
+fn long_attention_at_gqa_groups_of_3_and_5_matches_the_oracle() {
+    let _device = exclusive_device();
+    const MAX_SEQ: usize = 1600;
+    for (n_q, n_kv) in [(9usize, 3usize), (10, 2)] {
+        let spec = ArchSpec {
+            hidden: 64 * n_q,
+            n_q_heads: n_q,
+            n_kv_heads: n_kv,
+            max_seq: MAX_SEQ,
+            ..MEDIUM_LLAMA
+        };
+        let model = synth::build(&spec, 11).unwrap();
+        for (len, steps) in [(20, 12), (1500, 40)] {
+            let prompt = synth::prompt(spec.vocab, len, 111);
+            let opts = EngineOptions {
+                backend: BackendKind::Cuda,
+                max_seq: MAX_SEQ,
+                ..EngineOptions::default()
+            };
+            let label = format!("medium_llama with {n_q}/{n_kv} heads");
+            let Some(e) = cuda_or_skip(&label, Engine::new(model.clone(), &opts)) else {
+                return;
+            };
+            decode_engine_vs_oracle(&label, e, &spec, &model, &prompt, steps);
+        }
+    }
+}
+
 /// The long-context attention against attention v3 (`DV2_ATTN_LONG=0`) on the Qwen2.5-3B
 /// shape (head_dim 128, 8 q heads per KV head) past 16k slots, where every cluster of the
 /// grid runs: the same greedy ids, logits within the oracle's cap (the CPU oracle would take
@@ -726,13 +760,26 @@ fn decode_at_every_position_matches_the_oracle() {
 /// logits within the cap of the oracle's, teacher-forced on the ids the engine chose, which
 /// may differ from the oracle's argmax only at near-ties.
 fn decode_vs_oracle(name: &str, seed: u64, max_seq: usize, len: usize, steps: usize) {
-    const CAP: f32 = 0.05;
     let (spec, model, prompt) = oracle_case(name, seed, max_seq, len);
-    let Some(mut e) = cuda_engine_at(name, seed, max_seq) else {
+    let Some(e) = cuda_engine_at(name, seed, max_seq) else {
         return;
     };
-    let mut ids = prompt.clone();
-    ids.push(e.prefill(&prompt).unwrap());
+    decode_engine_vs_oracle(name, e, &spec, &model, &prompt, steps);
+}
+
+/// [`decode_vs_oracle`] for an engine `e` loaded from `model` (of `spec`, at its max_seq).
+fn decode_engine_vs_oracle(
+    name: &str,
+    mut e: Engine,
+    spec: &ArchSpec,
+    model: &HostModel,
+    prompt: &[u32],
+    steps: usize,
+) {
+    const CAP: f32 = 0.05;
+    let (len, max_seq) = (prompt.len(), spec.max_seq);
+    let mut ids = prompt.to_vec();
+    ids.push(e.prefill(prompt).unwrap());
     let mut got = Vec::with_capacity(steps);
     for _ in 0..steps {
         ids.push(e.step().unwrap());
@@ -742,8 +789,8 @@ fn decode_vs_oracle(name: &str, seed: u64, max_seq: usize, len: usize, steps: us
     }
     // teacher[p]: the oracle's logits after ids[..=p]; decode step i fed position len + i.
     let teacher = step_logits(
-        &model,
-        &mut KvCache::new(&spec, max_seq).unwrap(),
+        model,
+        &mut KvCache::new(spec, max_seq).unwrap(),
         &ids[..len + steps],
         0,
     )
