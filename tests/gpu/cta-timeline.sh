@@ -118,8 +118,9 @@ for pos in range(5):
 PY
 # The long-context attention's CTAs (those with phase marks), per CTA from the release of its
 # PDL wait: prologue done (RoPE of q and the live k/v, kind 3), tiles done (4), the CTA's warps
-# merged (6), the cluster's merge read (5), end (1; the cross-cluster merge where more than one cluster ran); medians over
-# the layers' CTAs, and the kernel's span from its first release to its last end; then per
+# merged (6), the cluster's merge read (5), end (1; the cross-cluster merge where more than
+# one cluster ran); medians over the layers' CTAs, and the kernel's span from its first release
+# to its last end; then per
 # cluster how far apart its CTAs reach the merge, how long the merge's barrier and reads take
 # after the last of them, and from there to the cluster's end.
 python3 - "$out/cta-timeline.csv" <<'PY'

@@ -5,9 +5,9 @@
 # chain: which instructions the warps wait at, and on what. Prints each kernel's 25 most
 # sampled instructions; the source pages (CSV, gzipped) go to $OUT (or ./device-logs).
 # Usage: bash tests/gpu/profile-source.sh [kernel regex]   (default 'gemv3_store|attn2_decode';
-# DEPTH: the prompt's length, 48 (from 512 slots the long-context attention runs); switches
-# from the environment; NCU_ARGS: more ncu options; SKIP: matching launches skipped, default
-# 200, enough past the prompt for two kernels of 36 layers in 4 steps)
+# DEPTH: the prompt's length, 48; switches from the environment; NCU_ARGS: more ncu options;
+# SKIP: matching launches skipped, default 200, enough past the prompt for two kernels of 36
+# layers in 4 steps)
 set -uo pipefail
 out=${OUT:-device-logs}; mkdir -p "$out"
 export DV2_CACHE_DIR=/tmp/dv2-cache
