@@ -220,6 +220,15 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
     const int valid = pos + 1, tiles = (valid + ATTNL_TILE - 1) / ATTNL_TILE;
     const int used = attnl_clusters(tiles, n_cl);
     if (cl >= used) return;  // the whole cluster: no barrier waits for it
+#if ATTNL_PUSH
+    // The cluster merge's inbox: every rank's m, l and slice of this rank's dims of each head,
+    // pushed by the ranks (st.async) and counted on push_bar.
+    __shared__ __align__(16) float recv_o[ATTNL_RANKS][ATTNL_MAX_GROUP][DR];
+    __shared__ __align__(8) float recv_ml[ATTNL_RANKS][ATTNL_MAX_GROUP][2];
+    __shared__ __align__(8) u64 push_bar;
+    if (threadIdx.x == 0) push_barrier_init(&push_bar, ATTNL_RANKS * gn * (DR + 2) * 4);
+    cluster_arrive_relaxed();  // the wait before the pushes: every peer's push_bar armed
+#endif
     const long long cta = cl * ATTNL_RANKS + rank, ctas = used * ATTNL_RANKS;
     const int tile_end = (int)(tiles * (cta + 1) / ctas);
     int tile = (int)(tiles * cta / ctas) + warp;
@@ -372,8 +381,24 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
     }
     timeline_mark(6);
     // The cluster's merge: rank r's dims of each head from every rank's partial.
+#if ATTNL_PUSH
+    __syncthreads();  // o_w[0], m_cta and l_cta complete
+    cluster_wait();   // every peer's push_bar armed (long ago)
+    static_assert(DR % 4 == 0, "a push carries 4 dims");
+    for (int i = threadIdx.x; i < ATTNL_RANKS * gn * (DR / 4); i += ATTN_THREADS) {
+        const int r = i / (gn * (DR / 4)), hq = i % (gn * (DR / 4)), hh = hq / (DR / 4), q4 = 4 * (hq % (DR / 4));
+        const float* src = &o_w[0][hh][r * DR + q4];
+        push_to_cta(&recv_o[rank][hh][q4], r, make_float4(src[0], src[1], src[2], src[3]), &push_bar);
+    }
+    if ((int)threadIdx.x < ATTNL_RANKS * gn) {
+        const int r = threadIdx.x / gn, hh = threadIdx.x % gn;
+        push2_to_cta(recv_ml[rank][hh], r, make_float2(m_cta[hh], l_cta[hh]), &push_bar);
+    }
+    push_barrier_wait(&push_bar);
+#else
     cluster_arrive_cluster_release();
     cluster_wait();
+#endif
     float merged_o = 0.0f, merged_m = NEG_INF, merged_l = 0.0f;
     const int h = threadIdx.x / DR, d = rank * DR + threadIdx.x % DR;
     const bool mine = (int)threadIdx.x < gn * DR;  // ATTNL_MAX_GROUP * DR <= ATTN_THREADS
@@ -381,9 +406,15 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
         float mr[ATTNL_RANKS], lr[ATTNL_RANKS], orr[ATTNL_RANKS];
 #pragma unroll
         for (int r = 0; r < ATTNL_RANKS; r++) {
+#if ATTNL_PUSH
+            mr[r] = recv_ml[r][h][0];
+            lr[r] = recv_ml[r][h][1];
+            orr[r] = recv_o[r][h][threadIdx.x % DR];
+#else
             mr[r] = load_from_cta(&m_cta[h], r);
             lr[r] = load_from_cta(&l_cta[h], r);
             orr[r] = load_from_cta(&o_w[0][h][d], r);
+#endif
         }
 #pragma unroll
         for (int r = 0; r < ATTNL_RANKS; r++) merged_m = fmaxf(merged_m, mr[r]);
@@ -394,11 +425,15 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
             merged_o = fmaf(orr[r], w, merged_o);
         }
     }
+#if !ATTNL_PUSH
     cluster_arrive_relaxed();  // this CTA is done with its peers' shared memory
+#endif
     timeline_mark(5);
     if (used == 1) {
         if (mine) out[(size_t)(q0 + h) * HD + d] = merged_o / merged_l;
+#if !ATTNL_PUSH
         cluster_wait();
+#endif
         timeline_end();
         return;
     }
@@ -445,7 +480,9 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
         }
         if (threadIdx.x == 0) *count = 0;  // for the next layer: kernels run one after another
     }
+#if !ATTNL_PUSH
     cluster_wait();
+#endif
     timeline_end();
 }
 

@@ -13,6 +13,7 @@
 typedef unsigned char u8;
 typedef unsigned short u16;
 typedef unsigned int u32;
+typedef unsigned long long u64;
 
 // Shapes and state indices shared with the host are -D options from src/cuda/kernels.rs
 // (`shared_defines`), so the two sides cannot drift: GEMV_THREADS, ATTN_THREADS, MAX_HEAD_DIM,
@@ -242,6 +243,46 @@ __device__ __forceinline__ float load_from_cta(const float* local, int rank) {
     asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
     return v;
 }
+// One-shot pushes into a peer CTA's shared memory (st.async), counted in bytes on the
+// receiver's mbarrier: the receiver waits for its bytes alone, with no fence that orders
+// every earlier write for the cluster (fence.acq_rel.cluster is a MEMBAR.ALL.GPU in the SASS).
+// The receiver's thread 0 arms `bar` for `bytes` before the cluster barrier the senders wait
+// on (so no push finds it uninitialised); its threads then wait on phase 0.
+__device__ __forceinline__ void push_barrier_init(u64* bar, u32 bytes) {
+    const u32 b = (u32)__cvta_generic_to_shared(bar);
+    asm volatile(
+        "mbarrier.init.shared::cta.b64 [%0], 1;\n\t"
+        "fence.mbarrier_init.release.cluster;\n\t"
+        "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b),
+        "r"(bytes)
+        : "memory");
+}
+// `v` at `local`'s offset in CTA `rank`, counted on that CTA's `bar`.
+__device__ __forceinline__ void push_to_cta(float* local, int rank, float4 v, u64* bar) {
+    u32 dst, rbar;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(dst) : "r"((u32)__cvta_generic_to_shared(local)), "r"(rank));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rbar) : "r"((u32)__cvta_generic_to_shared(bar)), "r"(rank));
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(dst),
+                 "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(rbar)
+                 : "memory");
+}
+__device__ __forceinline__ void push2_to_cta(float* local, int rank, float2 v, u64* bar) {
+    u32 dst, rbar;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(dst) : "r"((u32)__cvta_generic_to_shared(local)), "r"(rank));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rbar) : "r"((u32)__cvta_generic_to_shared(bar)), "r"(rank));
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];" ::"r"(dst),
+                 "f"(v.x), "f"(v.y), "r"(rbar)
+                 : "memory");
+}
+// Until every byte `bar` was armed for has landed; the pushes' data visible after it.
+__device__ __forceinline__ void push_barrier_wait(u64* bar) {
+    asm volatile(
+        "{\n\t.reg .pred done;\n"
+        "WAIT:\n\t"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], 0;\n\t"
+        "@!done bra WAIT;\n\t}" ::"r"((u32)__cvta_generic_to_shared(bar))
+        : "memory");
+}
 #else
 __device__ __forceinline__ int cluster_size() { return 1; }
 __device__ __forceinline__ int cluster_rank() { return 0; }
@@ -251,6 +292,13 @@ __device__ __forceinline__ void cluster_wait() { __syncthreads(); }
 __device__ __forceinline__ void cluster_arrive_cluster_release() { __threadfence_block(); }
 __device__ __forceinline__ void store_in_cta(float* local, int, float v) { *local = v; }
 __device__ __forceinline__ float load_from_cta(const float* local, int) { return *local; }
+// A cluster of one: the pushes are this CTA's own stores, seen after a barrier.
+__device__ __forceinline__ void push_barrier_init(u64*, u32) {}
+__device__ __forceinline__ void push_to_cta(float* local, int, float4 v, u64*) {
+    local[0] = v.x, local[1] = v.y, local[2] = v.z, local[3] = v.w;
+}
+__device__ __forceinline__ void push2_to_cta(float* local, int, float2 v, u64*) { local[0] = v.x, local[1] = v.y; }
+__device__ __forceinline__ void push_barrier_wait(u64*) { __syncthreads(); }
 #endif
 
 // The bitsandbytes NF4 codebook, an initializer from the host (src/nf4.rs CODEBOOK, as -D
