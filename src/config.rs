@@ -171,6 +171,9 @@ pub struct Config {
     pub cta_timeline: bool,
     /// Experiment (session 29): the long attention's cluster merge by st.async pushes.
     pub attnl_push: bool,
+    /// Experiment (session 29): CTAs per cluster of the long attention (8; 16 by
+    /// DV2_X_ATTNL_RANKS=16, a non-portable cluster size).
+    pub attnl_ranks: usize,
 }
 
 impl Default for Config {
@@ -212,6 +215,7 @@ impl Config {
             lineinfo: is("DV2_LINEINFO", "1"),
             cta_timeline: is("DV2_CTA_TIMELINE", "1"),
             attnl_push: is("DV2_X_ATTNL_PUSH", "1"),
+            attnl_ranks: if is("DV2_X_ATTNL_RANKS", "16") { 16 } else { 8 },
         }
     }
 
@@ -225,6 +229,7 @@ impl Config {
         ]
         .iter()
         .map(|(name, on)| format!("-D{name}={}", i32::from(*on)))
+        .chain([format!("-DATTNL_RANKS={}", self.attnl_ranks)])
         .collect()
     }
 }
@@ -328,7 +333,8 @@ mod tests {
                 "-DGEMV2_LOGITS=1",
                 "-DGEMV3_KHALVES=0",
                 "-DCTA_TIMELINE=1",
-                "-DATTNL_PUSH=0"
+                "-DATTNL_PUSH=0",
+                "-DATTNL_RANKS=8"
             ]
         );
     }
