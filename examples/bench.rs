@@ -506,19 +506,15 @@ fn context_sweep(json_path: &str, preset: &str, depths: &[usize]) {
     );
     // Experiment (session 29): the push merge's ids and logits against the default's, then
     // its sweep in this process.
-    const VARIANTS: &[&[(&str, &str)]] = &[
-        &[("DV2_X_ATTNL_PUSH", "1")],
-        &[("DV2_X_ATTNL_RANKS", "16")],
-        &[("DV2_X_ATTNL_PUSH", "1"), ("DV2_X_ATTNL_RANKS", "16")],
-    ];
-    for &env_set in VARIANTS {
+    const VARIANT: &[(&str, &str)] = &[("DV2_X_ATTNL_PUSH", "1")];
+    {
         let opts = EngineOptions {
             backend: BackendKind::Cuda,
             max_seq: MAX_SEQ,
             ..EngineOptions::default()
         };
         let mut a = Engine::new(model.clone(), &opts).expect("cuda engine");
-        let mut b = with_env(env_set, || Engine::new(model.clone(), &opts)).expect("variant");
+        let mut b = with_env(VARIANT, || Engine::new(model.clone(), &opts)).expect("variant");
         for depth in [20, 300, 2100, 5000] {
             let prompt = synth::prompt(spec.vocab, depth, 1);
             let (mut ia, mut ib) = (vec![0u32; 32], vec![0u32; 32]);
@@ -535,7 +531,7 @@ fn context_sweep(json_path: &str, preset: &str, depths: &[usize]) {
                 .map(|(x, y)| (x - y).abs())
                 .fold(0f32, f32::max);
             println!(
-                "variant {env_set:?} at depth {depth}: ids {} the default's, max |logit diff| {diff:e}",
+                "variant {VARIANT:?} at depth {depth}: ids {} the default's, max |logit diff| {diff:e}",
                 if ia == ib { "equal" } else { "DIFFER from" }
             );
         }
@@ -570,27 +566,25 @@ fn context_sweep(json_path: &str, preset: &str, depths: &[usize]) {
         })
     };
     let default = sweep(true);
-    for &env_set in VARIANTS {
-        let variant: Vec<(f64, f64)> = with_env(env_set, || {
-            let opts = EngineOptions {
-                backend: BackendKind::Cuda,
-                max_seq: MAX_SEQ,
-                ..EngineOptions::default()
-            };
-            let mut e = Engine::new(model.clone(), &opts).expect("variant engine");
-            depths
-                .iter()
-                .map(|&depth| time_request(&mut e, &synth::prompt(spec.vocab, depth, 1), TOKENS, 2))
-                .collect()
-        });
-        for ((&depth, d), v) in depths.iter().zip(&default).zip(&variant) {
-            println!(
-            "  variant {env_set:?} depth {depth}: {:.1} tok/s against the default's {:.1} ({:+.2}%)",
+    let variant: Vec<(f64, f64)> = with_env(VARIANT, || {
+        let opts = EngineOptions {
+            backend: BackendKind::Cuda,
+            max_seq: MAX_SEQ,
+            ..EngineOptions::default()
+        };
+        let mut e = Engine::new(model.clone(), &opts).expect("variant engine");
+        depths
+            .iter()
+            .map(|&depth| time_request(&mut e, &synth::prompt(spec.vocab, depth, 1), TOKENS, 2))
+            .collect()
+    });
+    for ((&depth, d), v) in depths.iter().zip(&default).zip(&variant) {
+        println!(
+            "  variant {VARIANT:?} depth {depth}: {:.1} tok/s against the default's {:.1} ({:+.2}%)",
             1e3 / v.1,
             1e3 / d.1,
             100.0 * (d.1 / v.1 - 1.0)
         );
-        }
     }
     let v3 = sweep(false);
     println!(

@@ -171,9 +171,6 @@ pub struct Config {
     pub cta_timeline: bool,
     /// Experiment (session 29): the long attention's cluster merge by st.async pushes.
     pub attnl_push: bool,
-    /// Experiment (session 29): CTAs per cluster of the long attention (8; 16 by
-    /// DV2_X_ATTNL_RANKS=16, a non-portable cluster size).
-    pub attnl_ranks: usize,
 }
 
 impl Default for Config {
@@ -215,7 +212,6 @@ impl Config {
             lineinfo: is("DV2_LINEINFO", "1"),
             cta_timeline: is("DV2_CTA_TIMELINE", "1"),
             attnl_push: is("DV2_X_ATTNL_PUSH", "1"),
-            attnl_ranks: if is("DV2_X_ATTNL_RANKS", "16") { 16 } else { 8 },
         }
     }
 
@@ -229,7 +225,6 @@ impl Config {
         ]
         .iter()
         .map(|(name, on)| format!("-D{name}={}", i32::from(*on)))
-        .chain([format!("-DATTNL_RANKS={}", self.attnl_ranks)])
         .collect()
     }
 }
@@ -333,8 +328,7 @@ mod tests {
                 "-DGEMV2_LOGITS=1",
                 "-DGEMV3_KHALVES=0",
                 "-DCTA_TIMELINE=1",
-                "-DATTNL_PUSH=0",
-                "-DATTNL_RANKS=8"
+                "-DATTNL_PUSH=0"
             ]
         );
     }

@@ -83,8 +83,6 @@ pub const ATTNM_THREADS: u32 = 32 * ATTNM_WARPS as u32;
 /// Long-context decode attention: CTAs per cluster (each merges 1/ATTNL_RANKS of the head
 /// dims) and the most q heads per KV head (the mma's N).
 pub const ATTNL_RANKS: usize = 8;
-/// The most CTAs per cluster an experiment sets (the arena's partials are sized for it).
-pub const ATTNL_MAX_RANKS: usize = 16;
 pub const ATTNL_MAX_GROUP: usize = 8;
 /// The long-context attention's most clusters per KV head (its partials in the arena; the
 /// cross-cluster merge loads them all at once).
@@ -156,6 +154,7 @@ fn shared_defines() -> Vec<String> {
         ("ATTNP_TILE", ATTNP_TILE),
         ("ATTNP_Q_FLOATS", ATTNP_Q_FLOATS),
         ("ATTNM_WARPS", ATTNM_WARPS),
+        ("ATTNL_RANKS", ATTNL_RANKS),
         ("ATTNL_MAX_GROUP", ATTNL_MAX_GROUP),
         ("ATTNL_MAX_CLUSTERS", ATTNL_MAX_CLUSTERS),
         ("GEMV3_WARPS", GEMV3_WARPS),
@@ -552,19 +551,7 @@ impl Kernels {
                 f("attn_prefill_mma_hd64")?,
                 f("attn_prefill_mma_hd128")?,
             ],
-            attn_long_decode: {
-                let fs = [f("attn_long_decode_hd64")?, f("attn_long_decode_hd128")?];
-                if cfg.attnl_ranks > 8 {
-                    for f in &fs {
-                        f.set_attribute(
-                            CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
-                            1,
-                        )
-                        .map_err(driver_error("non-portable cluster size"))?;
-                    }
-                }
-                fs
-            },
+            attn_long_decode: [f("attn_long_decode_hd64")?, f("attn_long_decode_hd128")?],
             sample_draw: f("sample_draw")?,
         })
     }

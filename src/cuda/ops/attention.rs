@@ -6,7 +6,7 @@ use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig};
 use super::Ops;
 use crate::arch::ArchSpec;
 use crate::cuda::kernels::{
-    ATTN2_CHUNK, ATTNL_MAX_CLUSTERS, ATTNL_MAX_GROUP, ATTNL_MAX_RANKS, ATTNM_ROWS, ATTNM_THREADS,
+    ATTN2_CHUNK, ATTNL_MAX_CLUSTERS, ATTNL_MAX_GROUP, ATTNL_RANKS, ATTNM_ROWS, ATTNM_THREADS,
     ATTNP_Q_FLOATS, ATTNP_ROWS, ATTNP_THREADS, ATTN_THREADS,
 };
 use crate::error::{Error, Result};
@@ -109,8 +109,8 @@ pub fn attn_long_fits(s: &ArchSpec) -> bool {
 /// Floats of the long-context attention's partials (outputs, then max and sum pairs): per KV
 /// head, rank and cluster, [`ATTNL_MAX_GROUP`] heads of head_dim / ATTNL_RANKS dims.
 pub fn attn_long_partials(s: &ArchSpec) -> (usize, usize) {
-    let slices = s.n_kv_heads * ATTNL_MAX_RANKS * ATTNL_MAX_CLUSTERS * ATTNL_MAX_GROUP;
-    (slices * s.head_dim / ATTNL_MAX_RANKS, slices * 2)
+    let slices = s.n_kv_heads * ATTNL_RANKS * ATTNL_MAX_CLUSTERS * ATTNL_MAX_GROUP;
+    (slices * s.head_dim / ATTNL_RANKS, slices * 2)
 }
 
 /// Attention time splits of a KV capacity: v1 splits it in up to 32 parts; v2 in chunks
@@ -264,16 +264,15 @@ impl Ops {
     /// registers free beside the kernels around it: docs/lab.md, session 22);
     /// `counts`: n_kv * ATTNL_RANKS zeroed ints the kernel's cross-cluster merge counts on.
     pub fn attention_long(&self, args: AttnArgs, out: u64, counts: u64) -> Result<()> {
-        let ranks = self.cfg.attnl_ranks;
         let clusters =
-            (self.sms as usize / (ranks * args.n_kv as usize)).clamp(1, ATTNL_MAX_CLUSTERS);
+            (self.sms as usize / (ATTNL_RANKS * args.n_kv as usize)).clamp(1, ATTNL_MAX_CLUSTERS);
         let cfg = LaunchConfig {
-            grid_dim: (ranks as u32, clusters as u32, args.n_kv as u32),
+            grid_dim: (ATTNL_RANKS as u32, clusters as u32, args.n_kv as u32),
             block_dim: (ATTN_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
         let f = &self.k.attn_long_decode[(args.head_dim == 128) as usize];
-        launch!(self.gpu, f, cfg, cluster = (ranks as u32, 1, 1); args, out, counts)
+        launch!(self.gpu, f, cfg, cluster = (ATTNL_RANKS as u32, 1, 1); args, out, counts)
     }
 }
 
