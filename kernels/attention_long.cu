@@ -21,7 +21,7 @@
 // 16-byte loads straight into A fragments (the head dims permuted the same way in q's B
 // fragments: a dot product does not care); V and P are transposed in registers (movmatrix).
 // Then the warps merge in shared memory, the cluster's CTAs through distributed shared memory
-// (rank r: dims [r, r + 1) * head_dim / ATTNL_RANKS), and where more than one cluster ran, the
+// (rank r: dims [r, r + 1) * head_dim / ATTNL_RANKS, pushed to it by every rank), and where more than one cluster ran, the
 // last cluster CTA of each rank to arrive (a counter per KV head and rank) merges the
 // clusters' partials from global memory and resets its counter.
 // Needs head_dim 64 or 128 and at most 8 q heads per KV head (the host checks).
@@ -220,15 +220,16 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
     const int valid = pos + 1, tiles = (valid + ATTNL_TILE - 1) / ATTNL_TILE;
     const int used = attnl_clusters(tiles, n_cl);
     if (cl >= used) return;  // the whole cluster: no barrier waits for it
-#if ATTNL_PUSH
-    // The cluster merge's inbox: every rank's m, l and slice of this rank's dims of each head,
-    // pushed by the ranks (st.async) and counted on push_bar.
+    // The cluster merge's inbox: from every rank, its m and l and its partial of this rank's
+    // dims of each head, pushed (st.async) and counted in bytes on push_bar. Why pushes: the
+    // loads from the peers' shared memory waited behind a cluster barrier whose release fence
+    // is a MEMBAR.ALL.GPU; pushed, the merge waits for its own bytes alone: +0.1-0.6% at every
+    // depth from 48 to 32,512, the same bits (docs/lab.md, session 29).
     __shared__ __align__(16) float recv_o[ATTNL_RANKS][ATTNL_MAX_GROUP][DR];
     __shared__ __align__(8) float recv_ml[ATTNL_RANKS][ATTNL_MAX_GROUP][2];
     __shared__ __align__(8) u64 push_bar;
     if (threadIdx.x == 0) push_barrier_init(&push_bar, ATTNL_RANKS * gn * (DR + 2) * 4);
     cluster_arrive_relaxed();  // the wait before the pushes: every peer's push_bar armed
-#endif
     const long long cta = cl * ATTNL_RANKS + rank, ctas = used * ATTNL_RANKS;
     const int tile_end = (int)(tiles * (cta + 1) / ctas);
     int tile = (int)(tiles * cta / ctas) + warp;
@@ -380,8 +381,8 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
         o_w[0][h][dim] = sum;  // this thread alone reads and writes element (h, dim)
     }
     timeline_mark(6);
-    // The cluster's merge: rank r's dims of each head from every rank's partial.
-#if ATTNL_PUSH
+    // The cluster's merge: rank r's dims of each head from every rank's partial, each rank's
+    // share pushed to it.
     __syncthreads();  // o_w[0], m_cta and l_cta complete
     cluster_wait();   // every peer's push_bar armed (long ago)
     static_assert(DR % 4 == 0, "a push carries 4 dims");
@@ -395,10 +396,6 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
         push2_to_cta(recv_ml[rank][hh], r, make_float2(m_cta[hh], l_cta[hh]), &push_bar);
     }
     push_barrier_wait(&push_bar);
-#else
-    cluster_arrive_cluster_release();
-    cluster_wait();
-#endif
     float merged_o = 0.0f, merged_m = NEG_INF, merged_l = 0.0f;
     const int h = threadIdx.x / DR, d = rank * DR + threadIdx.x % DR;
     const bool mine = (int)threadIdx.x < gn * DR;  // ATTNL_MAX_GROUP * DR <= ATTN_THREADS
@@ -406,15 +403,9 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
         float mr[ATTNL_RANKS], lr[ATTNL_RANKS], orr[ATTNL_RANKS];
 #pragma unroll
         for (int r = 0; r < ATTNL_RANKS; r++) {
-#if ATTNL_PUSH
             mr[r] = recv_ml[r][h][0];
             lr[r] = recv_ml[r][h][1];
             orr[r] = recv_o[r][h][threadIdx.x % DR];
-#else
-            mr[r] = load_from_cta(&m_cta[h], r);
-            lr[r] = load_from_cta(&l_cta[h], r);
-            orr[r] = load_from_cta(&o_w[0][h][d], r);
-#endif
         }
 #pragma unroll
         for (int r = 0; r < ATTNL_RANKS; r++) merged_m = fmaxf(merged_m, mr[r]);
@@ -425,15 +416,9 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
             merged_o = fmaf(orr[r], w, merged_o);
         }
     }
-#if !ATTNL_PUSH
-    cluster_arrive_relaxed();  // this CTA is done with its peers' shared memory
-#endif
     timeline_mark(5);
     if (used == 1) {
         if (mine) out[(size_t)(q0 + h) * HD + d] = merged_o / merged_l;
-#if !ATTNL_PUSH
-        cluster_wait();
-#endif
         timeline_end();
         return;
     }
@@ -480,9 +465,6 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
         }
         if (threadIdx.x == 0) *count = 0;  // for the next layer: kernels run one after another
     }
-#if !ATTNL_PUSH
-    cluster_wait();
-#endif
     timeline_end();
 }
 

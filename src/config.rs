@@ -169,8 +169,6 @@ pub struct Config {
     pub cache_dir: Option<PathBuf>,
     pub lineinfo: bool,
     pub cta_timeline: bool,
-    /// Experiment (session 29): the long attention's cluster merge by st.async pushes.
-    pub attnl_push: bool,
 }
 
 impl Default for Config {
@@ -211,7 +209,6 @@ impl Config {
                 .or_else(|| default_cache_dir(&var)),
             lineinfo: is("DV2_LINEINFO", "1"),
             cta_timeline: is("DV2_CTA_TIMELINE", "1"),
-            attnl_push: is("DV2_X_ATTNL_PUSH", "1"),
         }
     }
 
@@ -221,7 +218,6 @@ impl Config {
             ("GEMV2_LOGITS", self.logits_argmax),
             ("GEMV3_KHALVES", self.qkv_khalves),
             ("CTA_TIMELINE", self.cta_timeline),
-            ("ATTNL_PUSH", self.attnl_push),
         ]
         .iter()
         .map(|(name, on)| format!("-D{name}={}", i32::from(*on)))
@@ -324,12 +320,7 @@ mod tests {
         let d = with(&[("DV2_QKV_KHALVES", "0"), ("DV2_CTA_TIMELINE", "1")]).nvrtc_defines();
         assert_eq!(
             d,
-            [
-                "-DGEMV2_LOGITS=1",
-                "-DGEMV3_KHALVES=0",
-                "-DCTA_TIMELINE=1",
-                "-DATTNL_PUSH=0"
-            ]
+            ["-DGEMV2_LOGITS=1", "-DGEMV3_KHALVES=0", "-DCTA_TIMELINE=1"]
         );
     }
 }
