@@ -31,6 +31,9 @@
 
 // ATTNL_RANKS (CTAs per cluster), ATTNL_MAX_GROUP and ATTNL_MAX_CLUSTERS come from the host
 // (src/cuda/kernels.rs).
+#define ATTNL_TILE 16
+// A tile a warp: the tiles of one cluster's turn.
+#define ATTNL_CLUSTER_TILES (ATTNL_RANKS * ATTN_WARPS)
 #define LOG2E 1.4426950408889634f
 
 __device__ __forceinline__ void mma_bf16_16816(float* c, const u32* a, u32 b0, u32 b1) {
@@ -194,6 +197,16 @@ __device__ __forceinline__ void rotate_live_group(const AttnArgs& a, int kvh, in
     if (vd < HD) vcur[vd] = v;
 }
 
+// Clusters of a KV head for `tiles` tiles: one while its warps take at most three tiles each,
+// past that one per ATTNL_CLUSTER_TILES (a tile a warp, loaded before the wait), up to `n_cl`.
+// Why: the cross-cluster merge through global memory costs more than a warp's second and
+// third tile, but less than the fourth and later, which load only after the wait; measured
+// against one cluster per two tiles a warp: equal to 1,280 slots, 1.3-2.1% faster from 1,536
+// to 6,144, equal at 8,192 (docs/lab.md, session 28).
+__device__ __forceinline__ int attnl_clusters(int tiles, int n_cl) {
+    return tiles < 3 * ATTNL_CLUSTER_TILES ? 1 : min(tiles / ATTNL_CLUSTER_TILES, n_cl);
+}
+
 template <int HD>
 __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, int* counts) {
     constexpr int V4 = HD / 32, MT = HD / 16, DR = HD / ATTNL_RANKS;
@@ -343,11 +356,13 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
         o_w[warp][2 * t + 1][d1] = o[j][3];
     }
     __syncthreads();
+    // Weight of a partial with max mp against the overall max mx (0 for an empty one).
+    auto weight = [](float mp, float mx) { return mp == NEG_INF ? 0.0f : exp2f(mp - mx); };
     if ((int)threadIdx.x < gn) {
         const int h = threadIdx.x;
         float mx = NEG_INF, sum = 0.0f;
         for (int w = 0; w < ATTN_WARPS; w++) mx = fmaxf(mx, m_w[w][h]);
-        for (int w = 0; w < ATTN_WARPS; w++) sum = fmaf(l_w[w][h], long_weight(m_w[w][h], mx), sum);
+        for (int w = 0; w < ATTN_WARPS; w++) sum = fmaf(l_w[w][h], weight(m_w[w][h], mx), sum);
         m_cta[h] = mx;
         l_cta[h] = sum;
     }
@@ -362,7 +377,7 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
 #pragma unroll
         for (int w = 0; w < ATTN_WARPS; w++) mx = fmaxf(mx, mw[w] = m_w[w][h]);
 #pragma unroll
-        for (int w = 0; w < ATTN_WARPS; w++) sum = fmaf(o_w[w][h][dim], long_weight(mw[w], mx), sum);
+        for (int w = 0; w < ATTN_WARPS; w++) sum = fmaf(o_w[w][h][dim], weight(mw[w], mx), sum);
         o_w[0][h][dim] = sum;  // this thread alone reads and writes element (h, dim)
     }
     timeline_mark(6);
@@ -396,7 +411,7 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
         for (int r = 0; r < ATTNL_RANKS; r++) merged_m = fmaxf(merged_m, mr[r]);
 #pragma unroll
         for (int r = 0; r < ATTNL_RANKS; r++) {
-            const float w = long_weight(mr[r], merged_m);
+            const float w = weight(mr[r], merged_m);
             merged_l = fmaf(lr[r], w, merged_l);
             merged_o = fmaf(orr[r], w, merged_o);
         }
@@ -407,9 +422,7 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
         timeline_end();
         return;
     }
-    // Several clusters: this rank's slice to global memory (LongParts in common.cuh); the
-    // consumer merges them (counts null: o_proj's GEMV v3, DV2_O_MERGE), else the last CTA of
-    // the rank.
+    // Several clusters: this rank's slice to global memory; the last of the rank merges.
     const size_t slice = ((size_t)kvh * ATTNL_RANKS + rank) * n_cl;  // + cluster
     if (mine) {
         a.part_acc[(slice + cl) * ATTNL_MAX_GROUP * DR + threadIdx.x] = merged_o;
@@ -417,10 +430,6 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
             a.part_ml[((slice + cl) * ATTNL_MAX_GROUP + h) * 2] = merged_m;
             a.part_ml[((slice + cl) * ATTNL_MAX_GROUP + h) * 2 + 1] = merged_l;
         }
-    }
-    if (!counts) {
-        timeline_end();
-        return;
     }
     // The CTA's stores ordered before the count by the barrier and thread 0's release; the
     // last CTA's loads after the others' stores by its acquire and the barrier (CUTLASS's
@@ -448,7 +457,7 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
 #pragma unroll
             for (int c = 0; c < ATTNL_MAX_CLUSTERS; c++) {
                 if (c >= used) break;
-                const float w = long_weight(mc[c], mx);
+                const float w = weight(mc[c], mx);
                 lsum = fmaf(lc[c], w, lsum);
                 osum = fmaf(oc[c], w, osum);
             }

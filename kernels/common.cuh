@@ -29,7 +29,7 @@ typedef unsigned long long u64;
 #endif
 #if !defined(GEMM_WARPS) || !defined(ATTNM_WARPS) || !defined(ATTNP_THREADS) || \
     !defined(ATTNP_TILE) || !defined(ATTNP_Q_FLOATS) || !defined(ATTNL_RANKS) || !defined(ATTNL_MAX_GROUP) || \
-    !defined(ATTNL_MAX_CLUSTERS) || !defined(ATTNL_MAX_CONSUMER_CLUSTERS)
+    !defined(ATTNL_MAX_CLUSTERS)
 #error "the host passes the prefill and long-attention constants as -D options (src/cuda/kernels.rs)"
 #endif
 #if !defined(NF4_CODEBOOK) || !defined(GEMV2_CTAS_PER_SM) || !defined(GEMV3_CTAS_PER_SM) || \
@@ -300,86 +300,6 @@ __device__ __forceinline__ void push_to_cta(float* local, int, float4 v, u64*) {
 __device__ __forceinline__ void push2_to_cta(float* local, int, float2 v, u64*) { local[0] = v.x, local[1] = v.y; }
 __device__ __forceinline__ void push_barrier_wait(u64*) { __syncthreads(); }
 #endif
-
-// The long-context attention (kernels/attention_long.cu): slots a warp's tile, and a tile a
-// warp: the tiles of one cluster's turn.
-#define ATTNL_TILE 16
-#define ATTNL_CLUSTER_TILES (ATTNL_RANKS * ATTN_WARPS)
-// Clusters of a KV head for `tiles` tiles: one while its warps take at most three tiles each,
-// past that one per ATTNL_CLUSTER_TILES (a tile a warp, loaded before the wait), up to `n_cl`.
-// Why: the cross-cluster merge through global memory costs more than a warp's second and
-// third tile, but less than the fourth and later, which load only after the wait; measured
-// against one cluster per two tiles a warp: equal to 1,280 slots, 1.3-2.1% faster from 1,536
-// to 6,144, equal at 8,192 (docs/lab.md, session 28).
-__device__ __forceinline__ int attnl_clusters(int tiles, int n_cl) {
-    return tiles < 3 * ATTNL_CLUSTER_TILES ? 1 : min(tiles / ATTNL_CLUSTER_TILES, n_cl);
-}
-
-// Its clusters' partials where more than one cluster ran, left for the consumer (o_proj's GEMV
-// v3, which merges them as it stages x: DV2_O_MERGE) or merged by the attention's last CTA.
-// Slice s = (kvh * ATTNL_RANKS + r) * n_cl + c: cluster c's partial of rank r's dims (dr =
-// head_dim / ATTNL_RANKS of them, from r * dr) of KV head kvh; q head h of the group has its
-// running max and sum at ml[(s * ATTNL_MAX_GROUP + h) * 2] and its unnormalised outputs at
-// acc[(s * ATTNL_MAX_GROUP + h) * dr + i].
-struct LongParts {
-    const float* acc;  // null: the attention merged, x is plain
-    const float* ml;
-    const int* state;
-    int n_cl, group, head_dim, unused;
-};
-// The clusters that ran at this step's position.
-__device__ __forceinline__ int long_parts_used(const LongParts& p) {
-    const int tiles = (p.state[STATE_POSITION] + 1 + ATTNL_TILE - 1) / ATTNL_TILE;
-    return attnl_clusters(tiles, p.n_cl);
-}
-// Weight of a partial with max mp against the overall max mx (0 for an empty one).
-__device__ __forceinline__ float long_weight(float mp, float mx) { return mp == NEG_INF ? 0.0f : exp2f(mp - mx); }
-// The merged attention output x[4 q .. 4 q + 4) from `used` > 1 clusters' partials (at most
-// ATTNL_MAX_CONSUMER_CLUSTERS: the host merges more in the attention), for each of this
-// thread's NQ quads q = q0 + u * STEP below `quads`: every load issued before the first
-// merge. The same operations in the same order as the attention's own merge: the same bits.
-template <int NQ, int STEP, typename Use>
-__device__ __forceinline__ void merge_long_quads(const LongParts& p, int used, int q0, int quads, Use use) {
-    const int dr = p.head_dim / ATTNL_RANKS;
-    float2 ml[NQ][ATTNL_MAX_CONSUMER_CLUSTERS];
-    float4 o[NQ][ATTNL_MAX_CONSUMER_CLUSTERS];
-#pragma unroll
-    for (int u = 0; u < NQ; u++) {
-        const int q = q0 + u * STEP;
-        if (q >= quads) break;
-        const int e = 4 * q, head = e / p.head_dim, d = e % p.head_dim;
-        const int kvh = head / p.group, h = head % p.group, r = d / dr;
-        const size_t s0 = ((size_t)kvh * ATTNL_RANKS + r) * p.n_cl;
-#pragma unroll
-        for (int c = 0; c < ATTNL_MAX_CONSUMER_CLUSTERS; c++) {
-            if (c >= used) break;
-            const size_t row = (s0 + c) * ATTNL_MAX_GROUP + h;
-            ml[u][c] = __ldcg(reinterpret_cast<const float2*>(p.ml + row * 2));
-            o[u][c] = __ldcg(reinterpret_cast<const float4*>(p.acc + row * dr + d % dr));
-        }
-    }
-#pragma unroll
-    for (int u = 0; u < NQ; u++) {
-        const int q = q0 + u * STEP;
-        if (q >= quads) break;
-        float mx = NEG_INF, lsum = 0.0f;
-        float4 osum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-        for (int c = 0; c < ATTNL_MAX_CONSUMER_CLUSTERS; c++)
-            if (c < used) mx = fmaxf(mx, ml[u][c].x);
-#pragma unroll
-        for (int c = 0; c < ATTNL_MAX_CONSUMER_CLUSTERS; c++) {
-            if (c >= used) break;
-            const float w = long_weight(ml[u][c].x, mx);
-            lsum = fmaf(ml[u][c].y, w, lsum);
-            osum.x = fmaf(o[u][c].x, w, osum.x);
-            osum.y = fmaf(o[u][c].y, w, osum.y);
-            osum.z = fmaf(o[u][c].z, w, osum.z);
-            osum.w = fmaf(o[u][c].w, w, osum.w);
-        }
-        use(q, make_float4(osum.x / lsum, osum.y / lsum, osum.z / lsum, osum.w / lsum));
-    }
-}
 
 // The bitsandbytes NF4 codebook, an initializer from the host (src/nf4.rs CODEBOOK, as -D
 // NF4_CODEBOOK), so every kernel that copies it keeps its own local table.

@@ -34,9 +34,6 @@ struct GemmArgs {
     // epilogue leaves each CTA's sum of squares of y (may be null).
     NormArgs norm;
     float* ss_out;
-    // GEMV v3's accumulate kernels only: where parts.acc is set and more than one cluster of
-    // the long attention ran, x is merged from its partials (common.cuh, LongParts).
-    LongParts parts;
 };
 static_assert(sizeof(GemmArgs) == SIZEOF_GEMMARGS, "GemmArgs differs from the host's (src/cuda/ops)");
 

@@ -86,12 +86,9 @@ __device__ __forceinline__ void gemv3_load(const GemmArgs& a, int group, int kb,
 // and GEMV3_IO_SUMS (partial sums of squares left for the next norm), and nothing for what
 // is not set. The decode step's calls each use one pattern (q/k/v norm, o sums), and code a
 // warp runs once or skips costs its fetch (docs/lab.md, sessions 13-14).
-// GEMV3_IO_MERGE: x may come as the long attention's cluster partials (a.parts), which the
-// accumulate epilogue's kernels (o) merge as they stage x.
 #define GEMV3_IO_ANY -1
 #define GEMV3_IO_NORM 1
 #define GEMV3_IO_SUMS 2
-#define GEMV3_IO_MERGE 4
 
 // Persistent: CTA b takes row groups b, b + gridDim.x, ...; each warp walks its K range of
 // every group S blocks at a time, the loads of the next S blocks (of this group or the next)
@@ -142,17 +139,7 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
         x16[2 * i] = pack_f16x2(v.x, v.y);
         x16[2 * i + 1] = pack_f16x2(v.z, v.w);
     };
-    // Merged where the long attention left its clusters' partials: its own merge's tail (a
-    // count, a fence, the last CTA's round trip for the partials) off the critical path,
-    // the partials' loads in flight with this kernel's first weights (docs/lab.md, session 29).
-    constexpr bool merges = EPI == EPI_ACCUMULATE && (IO & GEMV3_IO_MERGE) != 0;
-    const int merged = merges && a.parts.acc ? long_parts_used(a.parts) : 1;
-    if (merged > 1) {
-        const int quads = a.k >> 2;
-        for (int q0 = threadIdx.x; q0 < quads; q0 += GEMV3_MERGE_NQ * GEMV3_THREADS)
-            merge_long_quads<GEMV3_MERGE_NQ, GEMV3_THREADS>(a.parts, merged, q0, quads,
-                                               [&](int q, float4 v) { stage(q, v, make_uint2(0u, 0u), 1.0f); });
-    } else if (KH == 1) for_each_x_quad<GEMV3_THREADS, GEMV3_X_BATCH>(a.x, a.k, norm, stage);
+    if (KH == 1) for_each_x_quad<GEMV3_THREADS, GEMV3_X_BATCH>(a.x, a.k, norm, stage);
     else for_each_x_quad<GEMV3_THREADS, GEMV3_X_BATCH>(a.x, a.k, norm, stage, kh * (a.k >> 2) / KH, (kh + 1) * (a.k >> 2) / KH);
     __syncthreads();
     int parity = 0;
@@ -248,7 +235,7 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
 // T = 1 tile for the plain epilogues, S = 4 blocks per load; SwiGLU: 2 tiles, 2 blocks.
 // Each for any input and output (DV2_FUSE_RMS=0 takes these), and (suffix _lean) in less
 // code for the decode step's use of it: q/k/v and SwiGLU norm their x and leave no sums, o
-// leaves sums of a raw or merged x.
+// leaves sums of a raw x.
 #define GEMV3_KERNEL(NAME, T, S, EPI, IO)                                                                      \
     extern "C" __global__ void __launch_bounds__(GEMV3_THREADS, GEMV3_CTAS_PER_SM) NAME(GemmArgs a) {                          \
         gemv3_body<T, S, EPI, IO>(a);                                                                          \
@@ -257,7 +244,7 @@ GEMV3_KERNEL(gemv3_store, 1, 4, EPI_STORE, GEMV3_IO_ANY)
 GEMV3_KERNEL(gemv3_acc, 1, 4, EPI_ACCUMULATE, GEMV3_IO_ANY)
 GEMV3_KERNEL(gemv3_swiglu, 2, 2, EPI_SWIGLU, GEMV3_IO_ANY)
 GEMV3_KERNEL(gemv3_store_lean, 1, 4, EPI_STORE, GEMV3_IO_NORM)
-GEMV3_KERNEL(gemv3_acc_lean, 1, 4, EPI_ACCUMULATE, GEMV3_IO_SUMS | GEMV3_IO_MERGE)
+GEMV3_KERNEL(gemv3_acc_lean, 1, 4, EPI_ACCUMULATE, GEMV3_IO_SUMS)
 GEMV3_KERNEL(gemv3_swiglu_lean, 2, 2, EPI_SWIGLU, GEMV3_IO_NORM)
 #if GEMV3_KHALVES
 // q/k/v in K halves (KH = 2 above): two blocks a warp at K = 2048, three CTAs an SM (at 64

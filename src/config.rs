@@ -80,12 +80,6 @@ pub const VARIABLES: &[Variable] = &[
         lab: "sessions 22 (the context sweep) and 28 (from depth 1)",
     },
     Variable {
-        name: "DV2_O_MERGE",
-        default: "1",
-        effect: "`0`: the long attention merges its clusters' partials itself instead of o_proj's GEMV v3 merging them as it loads x",
-        lab: "session 29",
-    },
-    Variable {
         name: "DV2_SAMPLE_SHORTCUTS",
         default: "1",
         effect: "`0`: the sampler finds top-k's and top-p's thresholds by its select passes alone \
@@ -163,7 +157,6 @@ pub struct Config {
     pub logits_argmax: bool,
     pub attn_clusters: bool,
     pub attn_long: bool,
-    pub o_merge: bool,
     pub sample_shortcuts: bool,
     /// The prompt through the decode step, token by token (`DV2_PREFILL=n1`).
     pub prefill_by_steps: bool,
@@ -176,9 +169,6 @@ pub struct Config {
     pub cache_dir: Option<PathBuf>,
     pub lineinfo: bool,
     pub cta_timeline: bool,
-    /// Experiment (session 29): o's merge of the long attention's partials, quads a thread
-    /// loads at once (1; 2 by DV2_X_MERGE_NQ=2).
-    pub merge_nq: usize,
 }
 
 impl Default for Config {
@@ -208,7 +198,6 @@ impl Config {
             logits_argmax: on("DV2_LOGITS_ARGMAX"),
             attn_clusters: on("DV2_ATTN_CLUSTERS"),
             attn_long: on("DV2_ATTN_LONG"),
-            o_merge: on("DV2_O_MERGE"),
             sample_shortcuts: on("DV2_SAMPLE_SHORTCUTS"),
             prefill_by_steps: is("DV2_PREFILL", "n1"),
             prefill_tail: on("DV2_PREFILL_TAIL"),
@@ -220,7 +209,6 @@ impl Config {
                 .or_else(|| default_cache_dir(&var)),
             lineinfo: is("DV2_LINEINFO", "1"),
             cta_timeline: is("DV2_CTA_TIMELINE", "1"),
-            merge_nq: if is("DV2_X_MERGE_NQ", "2") { 2 } else { 1 },
         }
     }
 
@@ -233,7 +221,6 @@ impl Config {
         ]
         .iter()
         .map(|(name, on)| format!("-D{name}={}", i32::from(*on)))
-        .chain([format!("-DGEMV3_MERGE_NQ={}", self.merge_nq)])
         .collect()
     }
 }
@@ -289,7 +276,7 @@ mod tests {
     fn switches_are_on_unless_set_to_zero() {
         let c = Config::default();
         assert!(c.graph && c.pdl && c.fuse_rms && c.ffn_f16 && c.qkv_khalves);
-        assert!(c.logits_argmax && c.attn_clusters && c.attn_long && c.o_merge && c.prefill_tail);
+        assert!(c.logits_argmax && c.attn_clusters && c.attn_long && c.prefill_tail);
         assert!(!c.prefill_by_steps && !c.linear_mma && !c.lineinfo && !c.cta_timeline);
         let c = with(&[
             ("DV2_FUSE_RMS", "0"),
@@ -333,12 +320,7 @@ mod tests {
         let d = with(&[("DV2_QKV_KHALVES", "0"), ("DV2_CTA_TIMELINE", "1")]).nvrtc_defines();
         assert_eq!(
             d,
-            [
-                "-DGEMV2_LOGITS=1",
-                "-DGEMV3_KHALVES=0",
-                "-DCTA_TIMELINE=1",
-                "-DGEMV3_MERGE_NQ=1"
-            ]
+            ["-DGEMV2_LOGITS=1", "-DGEMV3_KHALVES=0", "-DCTA_TIMELINE=1"]
         );
     }
 }

@@ -87,9 +87,6 @@ pub const ATTNL_MAX_GROUP: usize = 8;
 /// The long-context attention's most clusters per KV head (its partials in the arena; the
 /// cross-cluster merge loads them all at once).
 pub const ATTNL_MAX_CLUSTERS: usize = 16;
-/// The most clusters whose partials o_proj's GEMV v3 merges as it loads x (`DV2_O_MERGE`;
-/// its registers hold them all at once); the attention merges more itself.
-pub const ATTNL_MAX_CONSUMER_CLUSTERS: usize = 8;
 
 /// Indices into the int32 decode-state buffer on the device.
 pub mod state {
@@ -160,7 +157,6 @@ fn shared_defines() -> Vec<String> {
         ("ATTNL_RANKS", ATTNL_RANKS),
         ("ATTNL_MAX_GROUP", ATTNL_MAX_GROUP),
         ("ATTNL_MAX_CLUSTERS", ATTNL_MAX_CLUSTERS),
-        ("ATTNL_MAX_CONSUMER_CLUSTERS", ATTNL_MAX_CONSUMER_CLUSTERS),
         ("GEMV3_WARPS", GEMV3_WARPS),
         ("X_STAGE_STRIDE", GEMV2_X_STRIDE),
         ("X16_STAGE_STRIDE", GEMV2_X16_STRIDE),

@@ -12,7 +12,7 @@ use super::budget::{self, kv_stride};
 use super::device::{driver_error, Gpu};
 use super::kernels::state;
 use super::ops::{
-    check_shape, one_cta, AttnArgs, Input, LogitsHead, LongParts, Norm, Ops, PartialSums, QkvArgs,
+    check_shape, one_cta, AttnArgs, Input, LogitsHead, Norm, Ops, PartialSums, QkvArgs,
 };
 use super::prefill::{chunk_size, prefill_chunk};
 use super::profile::StageMarks;
@@ -322,7 +322,7 @@ impl CudaBackend {
                 scratch: xn,
                 sums,
             }),
-            ..Input::raw(x)
+            f16: false,
         }
     }
 
@@ -377,17 +377,6 @@ impl CudaBackend {
         launch!(gpu, &ops.k.embed_row, one_cta(256); state, embed, x, hidden, vocab, ss_out)?;
         let mut x_sums = sums(1);
         mark("embed")?;
-        // Where o_proj merges the long attention's clusters' partials (DV2_O_MERGE).
-        let o_merge = ops.o_merges(s);
-        let parts = LongParts {
-            acc: self.ptr(&a.part_acc),
-            ml: self.ptr(&a.part_ml),
-            state,
-            n_cl: ops.attn_long_clusters(s.n_kv_heads) as i32,
-            group: (s.n_q_heads / s.n_kv_heads) as i32,
-            head_dim: s.head_dim as i32,
-            unused: 0,
-        };
         for (l, layer) in self.model.layers.iter().enumerate() {
             // q/k/v = W_qkv rms(x) + bias: [hidden] -> [(n_q + 2 n_kv) head_dim].
             let args = QkvArgs {
@@ -405,21 +394,14 @@ impl CudaBackend {
             // attn = attention(rope(q), rope(k) and v into the cache at the position, the
             // cache up to it): [n_q head_dim].
             let args = self.attn_args(l, halves);
-            if o_merge {
-                ops.attention_long(args, attn, 0)?;
-            } else if ops.attn_long {
+            if ops.attn_long {
                 ops.attention_long(args, attn, self.ptr(&a.attn_counts))?;
             } else {
                 ops.attention(args, attn)?;
             }
             mark("attention + merge")?;
-            // x += W_o attn: [n_q head_dim] -> [hidden] (attn merged from the partials by o's
-            // x load where the long attention left them).
-            let o_in = Input {
-                parts: o_merge.then_some(parts),
-                ..Input::raw(attn)
-            };
-            x_sums = residual(&layer.o, s.hidden, o_in)?;
+            // x += W_o attn: [n_q head_dim] -> [hidden].
+            x_sums = residual(&layer.o, s.hidden, Input::raw(attn))?;
             mark("o_proj (+residual)")?;
             // act = silu(W_gate rms(x)) * (W_up rms(x)): [hidden] -> [intermediate].
             let input = self.normed(x, &layer.ffn_norm, xn, x_sums);

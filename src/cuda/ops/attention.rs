@@ -40,20 +40,6 @@ pub struct AttnArgs {
 // SAFETY: plain old data matching the kernel's struct.
 unsafe impl DeviceRepr for AttnArgs {}
 
-/// kernels/common.cuh `LongParts`: the long-context attention's clusters' partials, which
-/// o_proj's GEMV v3 merges as it stages x where more than one cluster ran (`DV2_O_MERGE`).
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-pub struct LongParts {
-    pub acc: u64,
-    pub ml: u64,
-    pub state: u64,
-    pub n_cl: i32,
-    pub group: i32,
-    pub head_dim: i32,
-    pub unused: i32,
-}
-
 /// kernels/attention_prefill.cu `PrefillAttnArgs`.
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -277,10 +263,9 @@ impl Ops {
     /// two per SM measured slower past 8k, the second CTA of an SM rarely finding its
     /// registers free beside the kernels around it: docs/lab.md, session 22);
     /// `counts`: n_kv * ATTNL_RANKS zeroed ints the kernel's cross-cluster merge counts on.
-    /// `counts` 0: where more than one cluster runs, the kernel leaves the clusters' partials
-    /// for o_proj to merge ([`Ops::o_merges`]) and `out` unwritten.
     pub fn attention_long(&self, args: AttnArgs, out: u64, counts: u64) -> Result<()> {
-        let clusters = self.attn_long_clusters(args.n_kv as usize);
+        let clusters =
+            (self.sms as usize / (ATTNL_RANKS * args.n_kv as usize)).clamp(1, ATTNL_MAX_CLUSTERS);
         let cfg = LaunchConfig {
             grid_dim: (ATTNL_RANKS as u32, clusters as u32, args.n_kv as u32),
             block_dim: (ATTN_THREADS, 1, 1),
@@ -288,14 +273,6 @@ impl Ops {
         };
         let f = &self.k.attn_long_decode[(args.head_dim == 128) as usize];
         launch!(self.gpu, f, cfg, cluster = (ATTNL_RANKS as u32, 1, 1); args, out, counts)
-    }
-}
-
-impl Ops {
-    /// The long-context attention's clusters a KV head at most (its grid's y): every SM busy
-    /// with `n_kv` heads.
-    pub fn attn_long_clusters(&self, n_kv: usize) -> usize {
-        (self.sms as usize / (ATTNL_RANKS * n_kv)).clamp(1, ATTNL_MAX_CLUSTERS)
     }
 }
 

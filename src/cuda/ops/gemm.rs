@@ -3,7 +3,7 @@
 
 use cudarc::driver::{DeviceRepr, LaunchConfig};
 
-use super::{LongParts, NormArgs, Ops};
+use super::{NormArgs, Ops};
 use crate::cuda::kernels::{GEMM_NT, GEMM_WARPS, GEMM_WARP_ROWS};
 use crate::cuda::weights::Nf4Ref;
 use crate::error::{Error, Result};
@@ -24,7 +24,6 @@ pub(crate) struct GemmArgs {
     pub(super) kw: i32,
     pub(super) norm: NormArgs,
     pub(super) ss_out: u64,
-    pub(super) parts: LongParts,
 }
 
 // SAFETY: plain old data matching the kernel's struct.
@@ -57,7 +56,6 @@ impl GemmArgs {
             kw: 1,
             norm,
             ss_out,
-            parts: LongParts::default(),
         };
         for (i, m) in mats.iter().enumerate() {
             args.m[i] = m.m;

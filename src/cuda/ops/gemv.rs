@@ -5,11 +5,10 @@ use cudarc::driver::{DeviceRepr, LaunchConfig};
 
 use super::attention::Attention;
 use super::gemm::{Epilogue, GemmArgs, GemmMatrix};
-use super::{check_sums, no_sums, Input, LongParts, NormArgs, Ops, MAX_ARGMAX_CTAS};
-use crate::arch::ArchSpec;
+use super::{check_sums, no_sums, Input, NormArgs, Ops, MAX_ARGMAX_CTAS};
 use crate::cuda::kernels::{
-    ATTNL_MAX_CONSUMER_CLUSTERS, GEMV2_MAX_K, GEMV2_PRMT_TABLE, GEMV2_X16_STRIDE, GEMV2_X_STRIDE,
-    GEMV3_CTAS_PER_SM, GEMV3_KH2_CTAS_PER_SM, GEMV3_MAX_K, GEMV3_WARPS, GEMV_THREADS, GEMV_WARPS,
+    GEMV2_MAX_K, GEMV2_PRMT_TABLE, GEMV2_X16_STRIDE, GEMV2_X_STRIDE, GEMV3_CTAS_PER_SM,
+    GEMV3_KH2_CTAS_PER_SM, GEMV3_MAX_K, GEMV3_WARPS, GEMV_THREADS, GEMV_WARPS,
 };
 use crate::cuda::weights::Nf4Ref;
 use crate::error::{Error, Result};
@@ -110,17 +109,6 @@ impl Ops {
         Ok((j, kparts, cfg))
     }
 
-    /// Whether o_proj (the residual add) merges the long attention's
-    /// partials as it loads x: with `DV2_O_MERGE` on, where o takes GEMV v3 and the
-    /// attention's clusters are at most the few its x load takes.
-    pub fn o_merges(&self, s: &ArchSpec) -> bool {
-        self.attn_long
-            && self.cfg.o_merge
-            && !self.cfg.linear_mma
-            && self.gemv_kernel(s.hidden, s.n_q_heads * s.head_dim) == Gemv::V3
-            && self.attn_long_clusters(s.n_kv_heads) <= ATTNL_MAX_CONSUMER_CLUSTERS
-    }
-
     /// The GEMV family for a `rows` x `cols` NF4 matrix (gate and up count together).
     fn gemv_kernel(&self, rows: usize, cols: usize) -> Gemv {
         match self.gemv {
@@ -145,7 +133,6 @@ impl Ops {
         skip_if: u64,
         ss_out: u64,
         halves: bool,
-        parts: LongParts,
     ) -> Result<usize> {
         if k > GEMV3_MAX_K || k % 64 != 0 {
             return Err(Error::Unsupported(format!(
@@ -160,7 +147,6 @@ impl Ops {
         }
         let mut args = GemmArgs::new(mats, x, y, skip_if, 1, k, norm, ss_out);
         args.kw = GEMV3_WARPS as i32;
-        args.parts = parts;
         // The lean kernels where the call is the decode step's use of its epilogue (-0.005
         // ms/token against the kernels for any use, docs/lab.md session 14).
         let lean = match epilogue {
@@ -232,23 +218,13 @@ impl Ops {
             Epilogue::Store
         };
         let mats = [GemmMatrix { m, rows, bias: 0 }];
-        if input.parts.is_some() && (self.cfg.linear_mma || kernel != Gemv::V3 || !accumulate) {
-            return Err(Error::Internal(
-                "the long attention's partials given to a linear other than o's GEMV v3".into(),
-            ));
-        }
         if self.cfg.linear_mma {
             no_sums(ss_out)?;
             self.gemm(epilogue, &mats, cols, x, 1, y, rows, skip_if, false)?;
             return Ok(0);
         }
         match kernel {
-            Gemv::V3 => {
-                let parts = input.parts.unwrap_or_default();
-                self.gemv3(
-                    epilogue, &mats, cols, x, norm, y, skip_if, ss_out, false, parts,
-                )
-            }
+            Gemv::V3 => self.gemv3(epilogue, &mats, cols, x, norm, y, skip_if, ss_out, false),
             Gemv::V2 => {
                 let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols, input.f16)?;
                 let kp = kparts as i32;
@@ -360,19 +336,7 @@ impl Ops {
                     && self.attn == Attention::V3
                     && norm.w != 0
                     && cols % 128 == 0;
-                let no_parts = LongParts::default();
-                self.gemv3(
-                    Epilogue::Store,
-                    &mats,
-                    cols,
-                    x,
-                    norm,
-                    out,
-                    0,
-                    0,
-                    halves,
-                    no_parts,
-                )?;
+                self.gemv3(Epilogue::Store, &mats, cols, x, norm, out, 0, 0, halves)?;
                 Ok(halves)
             }
             Gemv::V2 => {
@@ -411,18 +375,7 @@ impl Ops {
         }
         match kernel {
             Gemv::V3 => self
-                .gemv3(
-                    Epilogue::Swiglu,
-                    &mats,
-                    cols,
-                    x,
-                    norm,
-                    out,
-                    0,
-                    0,
-                    false,
-                    LongParts::default(),
-                )
+                .gemv3(Epilogue::Swiglu, &mats, cols, x, norm, out, 0, 0, false)
                 .map(|_| ()),
             Gemv::V2 => {
                 let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols, false)?;

@@ -31,7 +31,7 @@ mod gemv;
 
 pub use attention::{
     attn_long_fits, attn_long_partials, attn_partials, attn_prefill_tokens, Attention, AttnArgs,
-    LongParts, PrefillAttnArgs, ATTN3_SPLITS, ATTN_SPLIT,
+    PrefillAttnArgs, ATTN3_SPLITS, ATTN_SPLIT,
 };
 pub(super) use gemm::GemmArgs;
 pub use gemm::{Epilogue, GemmMatrix};
@@ -98,9 +98,6 @@ pub struct Input {
     pub x: u64,
     pub norm: Option<Norm>,
     pub f16: bool,
-    /// o_proj's x as the long attention's clusters' partials where more than one ran
-    /// ([`Ops::o_merges`]; `x` is read where one ran).
-    pub parts: Option<LongParts>,
 }
 
 impl Input {
@@ -109,7 +106,6 @@ impl Input {
             x,
             norm: None,
             f16: false,
-            parts: None,
         }
     }
 
