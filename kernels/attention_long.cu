@@ -228,8 +228,8 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
     __shared__ __align__(16) float recv_o[ATTNL_RANKS][ATTNL_MAX_GROUP][DR];
     __shared__ __align__(8) float recv_ml[ATTNL_RANKS][ATTNL_MAX_GROUP][2];
     __shared__ __align__(8) u64 push_bar;
-    if (threadIdx.x == 0) push_barrier_init(&push_bar, ATTNL_RANKS * gn * (DR + 2) * 4);
-    cluster_arrive_relaxed();  // the wait before the pushes: every peer's push_bar armed
+    if (threadIdx.x == 0) push_barrier_init(&push_bar);
+    cluster_arrive_relaxed();  // the wait before the pushes: every peer's push_bar initialised
     const long long cta = cl * ATTNL_RANKS + rank, ctas = used * ATTNL_RANKS;
     const int tile_end = (int)(tiles * (cta + 1) / ctas);
     int tile = (int)(tiles * cta / ctas) + warp;
@@ -384,7 +384,8 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
     // The cluster's merge: rank r's dims of each head from every rank's partial, each rank's
     // share pushed to it.
     __syncthreads();  // o_w[0], m_cta and l_cta complete
-    cluster_wait();   // every peer's push_bar armed (long ago)
+    cluster_wait();   // every peer's push_bar initialised (long ago)
+    if (threadIdx.x == 0) push_barrier_expect(&push_bar, ATTNL_RANKS * gn * (DR + 2) * 4);
     static_assert(DR % 4 == 0, "a push carries 4 dims");
     for (int i = threadIdx.x; i < ATTNL_RANKS * gn * (DR / 4); i += ATTN_THREADS) {
         const int r = i / (gn * (DR / 4)), hq = i % (gn * (DR / 4)), hh = hq / (DR / 4), q4 = 4 * (hq % (DR / 4));

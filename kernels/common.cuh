@@ -246,16 +246,19 @@ __device__ __forceinline__ float load_from_cta(const float* local, int rank) {
 // One-shot pushes into a peer CTA's shared memory (st.async), counted in bytes on the
 // receiver's mbarrier: the receiver waits for its bytes alone, with no fence that orders
 // every earlier write for the cluster (fence.acq_rel.cluster is a MEMBAR.ALL.GPU in the SASS).
-// The receiver's thread 0 arms `bar` for `bytes` before the cluster barrier the senders wait
-// on (so no push finds it uninitialised); its threads then wait on phase 0.
-__device__ __forceinline__ void push_barrier_init(u64* bar, u32 bytes) {
-    const u32 b = (u32)__cvta_generic_to_shared(bar);
+// The receiver's thread 0 initialises `bar` before a cluster barrier the senders wait on (so
+// no push finds it uninitialised) and arms it for its bytes after that barrier (a push that
+// lands first counts below zero until then); its threads then wait on phase 0.
+__device__ __forceinline__ void push_barrier_init(u64* bar) {
     asm volatile(
         "mbarrier.init.shared::cta.b64 [%0], 1;\n\t"
-        "fence.mbarrier_init.release.cluster;\n\t"
-        "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b),
-        "r"(bytes)
+        "fence.mbarrier_init.release.cluster;" ::"r"((u32)__cvta_generic_to_shared(bar))
         : "memory");
+}
+__device__ __forceinline__ void push_barrier_expect(u64* bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"((u32)__cvta_generic_to_shared(bar)),
+                 "r"(bytes)
+                 : "memory");
 }
 // `v` at `local`'s offset in CTA `rank`, counted on that CTA's `bar`.
 __device__ __forceinline__ void push_to_cta(float* local, int rank, float4 v, u64* bar) {
@@ -293,7 +296,8 @@ __device__ __forceinline__ void cluster_arrive_cluster_release() { __threadfence
 __device__ __forceinline__ void store_in_cta(float* local, int, float v) { *local = v; }
 __device__ __forceinline__ float load_from_cta(const float* local, int) { return *local; }
 // A cluster of one: the pushes are this CTA's own stores, seen after a barrier.
-__device__ __forceinline__ void push_barrier_init(u64*, u32) {}
+__device__ __forceinline__ void push_barrier_init(u64*) {}
+__device__ __forceinline__ void push_barrier_expect(u64*, u32) {}
 __device__ __forceinline__ void push_to_cta(float* local, int, float4 v, u64*) {
     local[0] = v.x, local[1] = v.y, local[2] = v.z, local[3] = v.w;
 }
