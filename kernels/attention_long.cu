@@ -469,13 +469,8 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
     timeline_end();
 }
 
-// Experiment (session 29, DV2_X_ATTNL_MAXNREG=192): registers capped so that a CTA fits beside
-// two of q/k/v's (255 registers do not: the CTAs start only as q/k/v's leave).
-#ifndef ATTNL_MAXNREG
-#define ATTNL_MAXNREG __launch_bounds__(ATTN_THREADS)
-#endif
 #define ATTNL_KERNEL(HD)                                                                                          \
-    extern "C" __global__ void ATTNL_MAXNREG attn_long_decode_hd##HD(AttnArgs a, float* out, \
+    extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_long_decode_hd##HD(AttnArgs a, float* out, \
                                                                                          int* counts) {         \
         attn_long_body<HD>(a, out, counts);                                                                     \
     }

@@ -169,8 +169,6 @@ pub struct Config {
     pub cache_dir: Option<PathBuf>,
     pub lineinfo: bool,
     pub cta_timeline: bool,
-    /// Experiment (session 29): the long attention's register cap (DV2_X_ATTNL_MAXNREG).
-    pub attnl_maxnreg: Option<u32>,
 }
 
 impl Default for Config {
@@ -211,7 +209,6 @@ impl Config {
                 .or_else(|| default_cache_dir(&var)),
             lineinfo: is("DV2_LINEINFO", "1"),
             cta_timeline: is("DV2_CTA_TIMELINE", "1"),
-            attnl_maxnreg: var("DV2_X_ATTNL_MAXNREG").and_then(|v| v.parse().ok()),
         }
     }
 
@@ -224,10 +221,6 @@ impl Config {
         ]
         .iter()
         .map(|(name, on)| format!("-D{name}={}", i32::from(*on)))
-        .chain(
-            self.attnl_maxnreg
-                .map(|n| format!("-DATTNL_MAXNREG=__maxnreg__({n})")),
-        )
         .collect()
     }
 }
