@@ -21,13 +21,13 @@
 // 16-byte loads straight into A fragments (the head dims permuted the same way in q's B
 // fragments: a dot product does not care); V and P are transposed in registers (movmatrix).
 // Then the warps merge in shared memory, the cluster's CTAs through distributed shared memory
-// (rank r: dims [r, r + 1) * head_dim / ATTNL_RANKS, pushed to it by every rank), and where more than one cluster ran, the
-// last cluster CTA of each rank to arrive (a counter per KV head and rank) merges the
-// clusters' partials from global memory and resets its counter.
+// (rank r: dims [r, r + 1) * head_dim / ATTNL_RANKS, which every rank pushes to it), and where
+// more than one cluster ran, the last cluster CTA of each rank to arrive (a counter per KV head
+// and rank) merges the clusters' partials from global memory and resets its counter.
 // Needs head_dim 64 or 128 and at most 8 q heads per KV head (the host checks).
-// Measured (docs/lab.md, sessions 22, 27 and 28): 701 tok/s at 32k against attention v3's 76,
-// 932 at 2k against 577, 1,015 at 256 against 942, 1,018 at 48 against 1,009; KV streamed at
-// 2.6-3.6 TB/s past 2k.
+// Measured (docs/lab.md, sessions 22 and 27-29): 706 tok/s at 32k against attention v3's 76,
+// 937 at 2k against 577, 1,022 at 256 against 939, 1,028 at 48 against 1,010; KV streamed at
+// 2.6-3.7 TB/s past 2k.
 
 // ATTNL_RANKS (CTAs per cluster), ATTNL_MAX_GROUP and ATTNL_MAX_CLUSTERS come from the host
 // (src/cuda/kernels.rs).
