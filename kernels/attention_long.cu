@@ -35,12 +35,6 @@
 // A tile a warp: the tiles of one cluster's turn.
 #define ATTNL_CLUSTER_TILES (ATTNL_RANKS * ATTN_WARPS)
 #define LOG2E 1.4426950408889634f
-// Experiment (session 29, DV2_X_ATTNL_BUFS=1): one tile a warp in flight, 164 registers, so
-// that a CTA fits beside two of q/k/v's (255 do not) and starts early; with
-// DV2_X_ATTNL_CTAS_PER_SM=2 also twice the clusters a KV head.
-#ifndef ATTNL_BUFS
-#define ATTNL_BUFS 2
-#endif
 
 __device__ __forceinline__ void mma_bf16_16816(float* c, const u32* a, u32 b0, u32 b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -242,10 +236,9 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
 
     // Two tiles a warp in flight, in two buffers used in turn (a copy from one to the other
     // waited for the loads it copied).
-    LongTile<HD> buf[ATTNL_BUFS];
+    LongTile<HD> buf[2];
     if (tile < tile_end) buf[0].load(a, kvh, tile * ATTNL_TILE, pos, g, t);
-    if (ATTNL_BUFS == 2 && tile + ATTN_WARPS < tile_end)
-        buf[ATTNL_BUFS - 1].load(a, kvh, (tile + ATTN_WARPS) * ATTNL_TILE, pos, g, t);
+    if (tile + ATTN_WARPS < tile_end) buf[1].load(a, kvh, (tile + ATTN_WARPS) * ATTNL_TILE, pos, g, t);
     pdl_enter();
 
     // q head g's B fragments (zero past the group), scale and log2(e) folded in for exp2: i's
@@ -329,17 +322,12 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
             mma_bf16_16816(o[j], av, ph[0], ph[1]);
             mma_bf16_16816(o[j], av, pl[0], pl[1]);
         }
-        if (tile + ATTNL_BUFS * ATTN_WARPS < tile_end)
-            cur.load(a, kvh, (tile + ATTNL_BUFS * ATTN_WARPS) * ATTNL_TILE, pos, g, t);
+        if (tile + 2 * ATTN_WARPS < tile_end) cur.load(a, kvh, (tile + 2 * ATTN_WARPS) * ATTNL_TILE, pos, g, t);
     };
-    if (ATTNL_BUFS == 1) {
-        for (; tile < tile_end; tile += ATTN_WARPS) step(buf[0], tile);
-    } else {
-        for (; tile < tile_end; tile += 2 * ATTN_WARPS) {
-            step(buf[0], tile);
-            if (tile + ATTN_WARPS >= tile_end) break;
-            step(buf[ATTNL_BUFS - 1], tile + ATTN_WARPS);
-        }
+    for (; tile < tile_end; tile += 2 * ATTN_WARPS) {
+        step(buf[0], tile);
+        if (tile + ATTN_WARPS >= tile_end) break;
+        step(buf[1], tile + ATTN_WARPS);
     }
 #pragma unroll
     for (int h = 0; h < 2; h++)

@@ -169,11 +169,6 @@ pub struct Config {
     pub cache_dir: Option<PathBuf>,
     pub lineinfo: bool,
     pub cta_timeline: bool,
-    /// Experiment (session 29): the long attention's tiles in flight a warp (2; 1 by
-    /// DV2_X_ATTNL_BUFS=1) and CTAs an SM its grid is sized for (1; 2 by
-    /// DV2_X_ATTNL_CTAS_PER_SM=2).
-    pub attnl_bufs: u32,
-    pub attnl_ctas_per_sm: u32,
 }
 
 impl Default for Config {
@@ -214,12 +209,6 @@ impl Config {
                 .or_else(|| default_cache_dir(&var)),
             lineinfo: is("DV2_LINEINFO", "1"),
             cta_timeline: is("DV2_CTA_TIMELINE", "1"),
-            attnl_bufs: if is("DV2_X_ATTNL_BUFS", "1") { 1 } else { 2 },
-            attnl_ctas_per_sm: if is("DV2_X_ATTNL_CTAS_PER_SM", "2") {
-                2
-            } else {
-                1
-            },
         }
     }
 
@@ -232,7 +221,6 @@ impl Config {
         ]
         .iter()
         .map(|(name, on)| format!("-D{name}={}", i32::from(*on)))
-        .chain([format!("-DATTNL_BUFS={}", self.attnl_bufs)])
         .collect()
     }
 }
@@ -332,12 +320,7 @@ mod tests {
         let d = with(&[("DV2_QKV_KHALVES", "0"), ("DV2_CTA_TIMELINE", "1")]).nvrtc_defines();
         assert_eq!(
             d,
-            [
-                "-DGEMV2_LOGITS=1",
-                "-DGEMV3_KHALVES=0",
-                "-DCTA_TIMELINE=1",
-                "-DATTNL_BUFS=2"
-            ]
+            ["-DGEMV2_LOGITS=1", "-DGEMV3_KHALVES=0", "-DCTA_TIMELINE=1"]
         );
     }
 }

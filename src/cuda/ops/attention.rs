@@ -264,8 +264,8 @@ impl Ops {
     /// registers free beside the kernels around it: docs/lab.md, session 22);
     /// `counts`: n_kv * ATTNL_RANKS zeroed ints the kernel's cross-cluster merge counts on.
     pub fn attention_long(&self, args: AttnArgs, out: u64, counts: u64) -> Result<()> {
-        let ctas = self.sms as usize * self.cfg.attnl_ctas_per_sm as usize;
-        let clusters = (ctas / (ATTNL_RANKS * args.n_kv as usize)).clamp(1, ATTNL_MAX_CLUSTERS);
+        let clusters =
+            (self.sms as usize / (ATTNL_RANKS * args.n_kv as usize)).clamp(1, ATTNL_MAX_CLUSTERS);
         let cfg = LaunchConfig {
             grid_dim: (ATTNL_RANKS as u32, clusters as u32, args.n_kv as u32),
             block_dim: (ATTN_THREADS, 1, 1),
