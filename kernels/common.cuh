@@ -260,21 +260,24 @@ __device__ __forceinline__ void push_barrier_expect(u64* bar, u32 bytes) {
                  "r"(bytes)
                  : "memory");
 }
+// `local`'s and `bar`'s addresses in the shared memory of the cluster's CTA `rank`.
+__device__ __forceinline__ void map_to_cta(const void* local, const u64* bar, int rank, u32& dst, u32& rbar) {
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(dst) : "r"((u32)__cvta_generic_to_shared(local)), "r"(rank));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rbar) : "r"((u32)__cvta_generic_to_shared(bar)), "r"(rank));
+}
 // `v` at `local`'s offset in CTA `rank`, counted on that CTA's `bar`.
 __device__ __forceinline__ void push_to_cta(float* local, int rank, float4 v, u64* bar) {
     u32 dst, rbar;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(dst) : "r"((u32)__cvta_generic_to_shared(local)), "r"(rank));
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rbar) : "r"((u32)__cvta_generic_to_shared(bar)), "r"(rank));
+    map_to_cta(local, bar, rank, dst, rbar);
     asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(dst),
                  "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(rbar)
                  : "memory");
 }
 __device__ __forceinline__ void push2_to_cta(float* local, int rank, float2 v, u64* bar) {
     u32 dst, rbar;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(dst) : "r"((u32)__cvta_generic_to_shared(local)), "r"(rank));
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rbar) : "r"((u32)__cvta_generic_to_shared(bar)), "r"(rank));
-    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];" ::"r"(dst),
-                 "f"(v.x), "f"(v.y), "r"(rbar)
+    map_to_cta(local, bar, rank, dst, rbar);
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];" ::"r"(dst), "f"(v.x),
+                 "f"(v.y), "r"(rbar)
                  : "memory");
 }
 // Until every byte `bar` was armed for has landed; the pushes' data visible after it.
