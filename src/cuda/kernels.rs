@@ -244,6 +244,62 @@ pub fn nvrtc_present() -> bool {
     catch_unwind(|| unsafe { nvrtc_sys::is_culib_present() }).unwrap_or(false)
 }
 
+/// The oldest NVRTC that compiles the kernels: 12.4 (GEMV v2's `__maxnreg__`; NVRTC 12.0
+/// rejects it; 12.4 and 12.8 compile every kernel for sm_80 to sm_90, 12.8 also sm_100 and
+/// sm_120: docs/lab.md, session 29).
+pub const MIN_NVRTC: (i32, i32) = (12, 4);
+
+/// Why an NVRTC of `version` that compiles for the compute capabilities `archs` (80, 86, ...)
+/// cannot build the kernels for `arch` ("sm_90"); None when it can.
+pub fn nvrtc_refusal(version: (i32, i32), archs: &[i32], arch: &str) -> Option<String> {
+    let (major, minor) = version;
+    if version < MIN_NVRTC {
+        return Some(format!(
+            "NVRTC {major}.{minor} found; decodev2's kernels need NVRTC {}.{} or later \
+             (libnvrtc from CUDA 12.4+, e.g. the PyPI wheel nvidia-cuda-nvrtc-cu12>=12.4)",
+            MIN_NVRTC.0, MIN_NVRTC.1
+        ));
+    }
+    let cc = arch.trim_start_matches("sm_").trim_end_matches('a');
+    if cc.parse::<i32>().is_ok_and(|cc| !archs.contains(&cc)) {
+        return Some(format!(
+            "NVRTC {major}.{minor} cannot compile for {arch} (it takes sm_{}); a newer NVRTC \
+             does (CUDA 12.8 or later for sm_100 and sm_120)",
+            archs
+                .iter()
+                .map(|a| a.to_string())
+                .collect::<Vec<_>>()
+                .join(", sm_")
+        ));
+    }
+    None
+}
+
+/// The compute capabilities this NVRTC compiles for.
+fn nvrtc_archs() -> Result<Vec<i32>> {
+    let mut n = 0;
+    // SAFETY: one valid out-pointer.
+    unsafe { nvrtc_sys::nvrtcGetNumSupportedArchs(&mut n) }
+        .result()
+        .map_err(|e| Error::Cuda(format!("nvrtcGetNumSupportedArchs: {e:?}")))?;
+    let mut archs = vec![0; n.max(0) as usize];
+    // SAFETY: `archs` holds the count NVRTC just reported.
+    unsafe { nvrtc_sys::nvrtcGetSupportedArchs(archs.as_mut_ptr()) }
+        .result()
+        .map_err(|e| Error::Cuda(format!("nvrtcGetSupportedArchs: {e:?}")))?;
+    Ok(archs)
+}
+
+/// The NVRTC found, as (major, minor), when it can build the kernels for `arch`; else
+/// `BackendUnavailable` saying why ([`nvrtc_refusal`]).
+pub fn nvrtc_for(arch: &str) -> Result<(i32, i32)> {
+    let version = nvrtc_version()?;
+    match nvrtc_refusal(version, &nvrtc_archs()?, arch) {
+        Some(why) => Err(Error::BackendUnavailable(why)),
+        None => Ok(version),
+    }
+}
+
 fn nvrtc_version() -> Result<(i32, i32)> {
     let (mut major, mut minor) = (0, 0);
     // SAFETY: two valid out-pointers.
@@ -336,7 +392,7 @@ pub fn compile(unit: &KernelUnit, arch: &str, cfg: &Config) -> Result<Vec<u8>> {
     let compile = || -> Result<Vec<u8>> {
         let src = source(unit, cfg.kernel_dir.as_ref())?;
         let opts = options(arch, cfg);
-        let (major, minor) = nvrtc_version()?;
+        let (major, minor) = nvrtc_for(arch)?;
         let key = fnv1a(&[
             src.as_bytes(),
             opts.join(" ").as_bytes(),
@@ -361,7 +417,7 @@ pub fn compile(unit: &KernelUnit, arch: &str, cfg: &Config) -> Result<Vec<u8>> {
     };
     if !nvrtc_present() {
         return Err(Error::BackendUnavailable(
-            "NVRTC not found (libnvrtc.so.13)".into(),
+            "NVRTC not found (libnvrtc.so.13, or .so.12 from CUDA 12.4 or later)".into(),
         ));
     }
     catch_unwind(AssertUnwindSafe(compile)).unwrap_or_else(|_| {
@@ -554,5 +610,29 @@ impl Kernels {
             attn_long_decode: [f("attn_long_decode_hd64")?, f("attn_long_decode_hd128")?],
             sample_draw: f("sample_draw")?,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_nvrtc_too_old_or_without_the_arch_is_refused_by_name() {
+        let cuda_12_4 = [50, 52, 53, 60, 61, 62, 70, 72, 75, 80, 86, 87, 89, 90];
+        let too_old = nvrtc_refusal((12, 0), &cuda_12_4, "sm_90").unwrap();
+        assert!(too_old.contains("NVRTC 12.0 found") && too_old.contains("12.4 or later"));
+        assert_eq!(nvrtc_refusal((12, 4), &cuda_12_4, "sm_90"), None);
+        assert_eq!(nvrtc_refusal((12, 4), &cuda_12_4, "sm_86"), None);
+        let no_arch = nvrtc_refusal((12, 4), &cuda_12_4, "sm_120").unwrap();
+        assert!(no_arch.contains("cannot compile for sm_120") && no_arch.contains("sm_90"));
+        assert_eq!(
+            nvrtc_refusal((13, 0), &[75, 80, 90, 100, 120], "sm_120"),
+            None
+        );
+        assert_eq!(
+            nvrtc_refusal((13, 0), &[75, 80, 90, 100, 120], "sm_90a"),
+            None
+        );
     }
 }
