@@ -55,11 +55,8 @@ fn decode_kernels_compile_for_sm_90() {
     // An architecture this NVRTC does not know (sm_100 and sm_120 before CUDA 12.8) is refused
     // as such, before NVRTC runs.
     for arch in ["sm_80", "sm_86", "sm_89", "sm_100", "sm_120"] {
-        match nvrtc_for(arch) {
-            Ok(_) => {
-                let cubin = compile_decode(arch, &cfg).unwrap_or_else(|e| panic!("{arch}: {e}"));
-                assert!(cubin.starts_with(b"\x7fELF"), "{arch}");
-            }
+        match compile_decode(arch, &cfg) {
+            Ok(cubin) => assert!(cubin.starts_with(b"\x7fELF"), "{arch}"),
             Err(Error::BackendUnavailable(why))
                 if why.contains(&format!("cannot compile for {arch}")) =>
             {

@@ -291,13 +291,32 @@ fn nvrtc_archs() -> Result<Vec<i32>> {
 }
 
 /// The NVRTC found, as (major, minor), when it can build the kernels for `arch`; else
-/// `BackendUnavailable` saying why ([`nvrtc_refusal`]).
+/// `BackendUnavailable` saying why ([`nvrtc_refusal`], or no usable libnvrtc).
 pub fn nvrtc_for(arch: &str) -> Result<(i32, i32)> {
+    with_nvrtc(|| check_nvrtc(arch))
+}
+
+fn check_nvrtc(arch: &str) -> Result<(i32, i32)> {
     let version = nvrtc_version()?;
     match nvrtc_refusal(version, &nvrtc_archs()?, arch) {
         Some(why) => Err(Error::BackendUnavailable(why)),
         None => Ok(version),
     }
+}
+
+/// `f`'s calls into libnvrtc, `BackendUnavailable` where it is absent or lacks an entry point
+/// (cudarc panics on either).
+fn with_nvrtc<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
+    if !nvrtc_present() {
+        return Err(Error::BackendUnavailable(
+            "NVRTC not found (libnvrtc.so.13, or .so.12 from CUDA 12.4 or later)".into(),
+        ));
+    }
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|_| {
+        Err(Error::BackendUnavailable(
+            "libnvrtc lacks a required entry point".into(),
+        ))
+    })
 }
 
 fn nvrtc_version() -> Result<(i32, i32)> {
@@ -392,7 +411,7 @@ pub fn compile(unit: &KernelUnit, arch: &str, cfg: &Config) -> Result<Vec<u8>> {
     let compile = || -> Result<Vec<u8>> {
         let src = source(unit, cfg.kernel_dir.as_ref())?;
         let opts = options(arch, cfg);
-        let (major, minor) = nvrtc_for(arch)?;
+        let (major, minor) = check_nvrtc(arch)?;
         let key = fnv1a(&[
             src.as_bytes(),
             opts.join(" ").as_bytes(),
@@ -415,16 +434,7 @@ pub fn compile(unit: &KernelUnit, arch: &str, cfg: &Config) -> Result<Vec<u8>> {
         }
         Ok(cubin)
     };
-    if !nvrtc_present() {
-        return Err(Error::BackendUnavailable(
-            "NVRTC not found (libnvrtc.so.13, or .so.12 from CUDA 12.4 or later)".into(),
-        ));
-    }
-    catch_unwind(AssertUnwindSafe(compile)).unwrap_or_else(|_| {
-        Err(Error::BackendUnavailable(
-            "libnvrtc lacks a required entry point".into(),
-        ))
-    })
+    with_nvrtc(compile)
 }
 
 /// The tensor-core GEMM kernels of one epilogue: f16 activations by width (index into

@@ -74,10 +74,12 @@ if want sanitize; then
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|failed gates" "$out/sanitizer-$tool.log" | tail -3
   done
   # The long-context attention past 2k slots (its cluster merge by pushes on an mbarrier,
-  # several clusters merging through global memory), its kernels alone instrumented: ~45 s
-  # for racecheck, where the whole test passed 120 s (docs/lab.md, session 29).
+  # several clusters merging through global memory): memcheck on every kernel; racecheck and
+  # synccheck on its kernels alone (~45 s for racecheck, where the whole test passed 120 s:
+  # docs/lab.md, session 29).
   for tool in memcheck racecheck synccheck; do
-    compute-sanitizer --tool $tool --kernel-name kns=attn_long --error-exitcode 7 .device/tests/cuda_gates --exact \
+    only=(); [[ $tool == memcheck ]] || only=(--kernel-name kns=attn_long)
+    compute-sanitizer --tool $tool "${only[@]}" --error-exitcode 7 .device/tests/cuda_gates --exact \
       graph_replay_equals_eager_with_the_long_attention > "$out/sanitizer-$tool-long.log" 2>&1 \
       && echo "compute-sanitizer $tool (long-context attention): ok" || { echo "compute-sanitizer $tool (long-context attention): FAILED"; status=1; }
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|test result" "$out/sanitizer-$tool-long.log" | tail -3
