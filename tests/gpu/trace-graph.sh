@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine after ../shared/tools/device-pack: every kernel of the decode graph's
 # replays timed on the GPU (CUPTI activity records, tests/gpu/kernel_trace.c preloaded into the
-# bench), then the Qwen2.5-3B steps of the last graph summed per kernel: mean duration, and the
+# bench), then the steps of the model's graph summed per kernel: mean duration, and the
 # mean gap from the previous kernel's end to its start (negative: it started while the previous
 # one ran, as programmatic dependent launch allows), the mean increment (its end minus the
 # previous kernel's end: what it adds to the step), and one layer's timeline. What the step's
 # time is made of inside the graph, which ncu (one kernel at a time) cannot show.
-# Usage: bash tests/gpu/trace-graph.sh   (switches from the environment; the full CSV, gzipped,
-# goes to $OUT or ./device-logs)
+# Usage: bash tests/gpu/trace-graph.sh [bench arguments]   (switches from the environment; the
+# full CSV, gzipped, goes to $OUT or ./device-logs). The arguments replace the default bench run
+# (the 3B shape's decode table), e.g. `--context qwen25_32b 48` for the 32B shape's graph;
+# BENCH=<binary> traces another build; TRACE_PICK=first takes the first graph with the most
+# kernels a step instead of the last (a --context sweep captures its DV2_ATTN_LONG=0 engine last).
 set -uo pipefail
 out=${OUT:-device-logs}; mkdir -p "$out"
 export DV2_CACHE_DIR=/tmp/dv2-cache
@@ -17,12 +20,14 @@ libfile=$(find /usr/local/cuda/ -name 'libcupti.so*' 2>/dev/null | sort | head -
 [[ -n $header && -n $libfile ]] || { echo "CUPTI not found under /usr/local/cuda"; exit 1; }
 cc -std=c11 -O2 -Wall -shared -fPIC -I"$(dirname "$header")" -I/usr/local/cuda/include tests/gpu/kernel_trace.c \
   "$libfile" -Wl,-rpath,"$(dirname "$libfile")" -o /tmp/libkernel_trace.so || exit 1
+args=("$@")
+[[ $# -gt 0 ]] || args=(--skip-kernels --skip-variants --rows none)
 # The preload goes to the bench alone: timeout's own exit would rewrite the file empty.
 timeout 400 env DV2_TRACE_OUT=/tmp/kernel-trace.csv LD_PRELOAD=/tmp/libkernel_trace.so \
-  .device/examples/bench --skip-kernels --skip-variants --rows none > "$out/trace-bench.txt" 2>&1
-echo "bench rc=$?"; grep -E "^  qwen25|kernel_trace" "$out/trace-bench.txt"
+  "${BENCH:-.device/examples/bench}" "${args[@]}" > "$out/trace-bench.txt" 2>&1
+echo "bench rc=$?"; grep -E "^  qwen25|^ +[0-9]+ |kernel_trace" "$out/trace-bench.txt"
 gzip -c /tmp/kernel-trace.csv > "$out/kernel-trace.csv.gz"
-python3 - /tmp/kernel-trace.csv <<'PY'
+python3 - /tmp/kernel-trace.csv "${TRACE_PICK:-last}" <<'PY'
 import csv, sys, statistics as st
 graphs = {}
 for r in csv.DictReader(open(sys.argv[1])):
@@ -33,11 +38,12 @@ def steps_of(rows):
     # A step starts at its embed_row (its commit may be commit_step or inside lm_head's kernel).
     starts = [i for i, r in enumerate(k) if r["name"] == "embed_row"]
     return [k[a:b] for a, b in zip(starts, starts[1:])]
-# The Qwen2.5-3B shape's graph: the one with the most kernels a step (36 layers), the last such.
-best = None
+# The model's graph: the one with the most kernels a step (the most layers), the last such
+# (TRACE_PICK=first: the first).
+best, pick_last = None, sys.argv[2] != "first"
 for g, rows in graphs.items():
     s = steps_of(rows)
-    if s and (best is None or len(s[-1]) >= best[1]):
+    if s and (best is None or len(s[-1]) > best[1] or (pick_last and len(s[-1]) == best[1])):
         best = (g, len(s[-1]), s)
 if best is None:
     sys.exit("no graph with two embed_row launches in the trace")
