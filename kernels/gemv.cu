@@ -574,3 +574,6 @@ struct LogitRows {
 GEMV2_KERNELS(1, 2)
 GEMV2_KERNELS(2, 2)
 GEMV2_KERNELS(3, 1)
+// Experiment (session 29, DV2_X_GEMV2_J4=1): K up to 32,768 from f16 x (down at the 32B
+// shape's K = 27,648, on GEMV v3 without it).
+GEMV2_NF4_KERNEL(4, 1, true, _narrow_x16)

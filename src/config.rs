@@ -169,6 +169,8 @@ pub struct Config {
     pub cache_dir: Option<PathBuf>,
     pub lineinfo: bool,
     pub cta_timeline: bool,
+    /// Experiment (session 29): GEMV v2 at J = 4 from f16 x for K past GEMV2_MAX_K.
+    pub gemv2_j4: bool,
 }
 
 impl Default for Config {
@@ -209,6 +211,7 @@ impl Config {
                 .or_else(|| default_cache_dir(&var)),
             lineinfo: is("DV2_LINEINFO", "1"),
             cta_timeline: is("DV2_CTA_TIMELINE", "1"),
+            gemv2_j4: is("DV2_X_GEMV2_J4", "1"),
         }
     }
 

@@ -60,6 +60,8 @@ pub const GEMV2_X_STRIDE: usize = 36;
 pub const GEMV2_X16_STRIDE: usize = 20;
 /// The largest K GEMV v2 takes (3 chunks of 32 per lane, 8 warps splitting a row).
 pub const GEMV2_MAX_K: usize = 3 * 32 * 8 * 32;
+/// Experiment (session 29, DV2_X_GEMV2_J4): J = 4 from f16 x.
+pub const GEMV2_J4_MAX_K: usize = 4 * 32 * 8 * 32;
 /// GEMV v2's dynamic shared memory limit: x staged at the largest K (its static tables and
 /// partial sums take ~39 KiB more).
 pub const GEMV2_MAX_SMEM: usize = GEMV2_MAX_K / 32 * GEMV2_X_STRIDE * 4;
@@ -462,6 +464,8 @@ pub struct Kernels {
     /// q/k/v, SwiGLU.
     pub gemv2_nf4: [CudaFunction; 3],
     pub gemv2_nf4_x16: [CudaFunction; 3],
+    /// Experiment (session 29): J = 4 from f16 x (DV2_X_GEMV2_J4).
+    pub gemv2_nf4_x16_j4: CudaFunction,
     pub gemv2_qkv: [CudaFunction; 3],
     pub gemv2_swiglu: [CudaFunction; 3],
     /// lm_head with the argmax folded in, by J (`DV2_LOGITS_ARGMAX`; compiled only then).
@@ -588,6 +592,15 @@ impl Kernels {
             ring_reset: f("ring_reset")?,
             gemv2_nf4: gemv2("gemv2_nf4", "_narrow", GEMV2_MAX_SMEM)?,
             gemv2_nf4_x16: gemv2("gemv2_nf4", "_narrow_x16", GEMV2_MAX_SMEM)?,
+            gemv2_nf4_x16_j4: {
+                let f = f("gemv2_nf4_j4_narrow_x16")?;
+                allow_dynamic_smem(
+                    gpu,
+                    std::slice::from_ref(&f),
+                    GEMV2_J4_MAX_K / 32 * GEMV2_X16_STRIDE * 4,
+                )?;
+                f
+            },
             gemv2_qkv: gemv2("gemv2_qkv", "_narrow", GEMV2_MAX_SMEM)?,
             gemv2_swiglu: gemv2("gemv2_swiglu", "_narrow", GEMV2_MAX_SMEM)?,
             gemv2_logits: if cfg.logits_argmax {

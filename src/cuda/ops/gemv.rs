@@ -7,8 +7,8 @@ use super::attention::Attention;
 use super::gemm::{Epilogue, GemmArgs, GemmMatrix};
 use super::{check_sums, no_sums, Input, NormArgs, Ops, MAX_ARGMAX_CTAS};
 use crate::cuda::kernels::{
-    GEMV2_MAX_K, GEMV2_PRMT_TABLE, GEMV2_X16_STRIDE, GEMV2_X_STRIDE, GEMV3_CTAS_PER_SM,
-    GEMV3_KH2_CTAS_PER_SM, GEMV3_MAX_K, GEMV3_WARPS, GEMV_THREADS, GEMV_WARPS,
+    GEMV2_J4_MAX_K, GEMV2_MAX_K, GEMV2_PRMT_TABLE, GEMV2_X16_STRIDE, GEMV2_X_STRIDE,
+    GEMV3_CTAS_PER_SM, GEMV3_KH2_CTAS_PER_SM, GEMV3_MAX_K, GEMV3_WARPS, GEMV_THREADS, GEMV_WARPS,
 };
 use crate::cuda::weights::Nf4Ref;
 use crate::error::{Error, Result};
@@ -91,7 +91,11 @@ impl Ops {
         cols: usize,
         x_f16: bool,
     ) -> Result<(usize, u32, LaunchConfig)> {
-        let (j, kparts) = gemv2_shape(cols)?;
+        let (j, kparts) = if x_f16 && self.cfg.gemv2_j4 && cols > GEMV2_MAX_K {
+            (4, 8)
+        } else {
+            gemv2_shape(cols)?
+        };
         let row_lanes = (GEMV_WARPS / kparts) as usize;
         let ctas = (self.sms * GEMV2_CTAS_PER_SM)
             .min(rows.div_ceil(row_lanes) as u32)
@@ -113,6 +117,15 @@ impl Ops {
     fn gemv_kernel(&self, rows: usize, cols: usize) -> Gemv {
         match self.gemv {
             GemvChoice::Fixed(v) => v,
+            // Experiment: v2 at J = 4 past GEMV2_MAX_K where x comes as f16 (down).
+            GemvChoice::Auto
+                if self.cfg.gemv2_j4
+                    && self.cfg.ffn_f16
+                    && cols > GEMV2_MAX_K
+                    && cols <= GEMV2_J4_MAX_K =>
+            {
+                Gemv::V2
+            }
             GemvChoice::Auto => auto_gemv(rows, cols),
         }
     }
@@ -229,12 +242,12 @@ impl Ops {
                 let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols, input.f16)?;
                 let kp = kparts as i32;
                 check_sums(ss_out, cfg.grid_dim.0)?;
-                let f = if input.f16 {
-                    &self.k.gemv2_nf4_x16
-                } else {
-                    &self.k.gemv2_nf4
+                let f = match (input.f16, j) {
+                    (true, 4) => &self.k.gemv2_nf4_x16_j4,
+                    (true, _) => &self.k.gemv2_nf4_x16[j - 1],
+                    (false, _) => &self.k.gemv2_nf4[j - 1],
                 };
-                launch!(self.gpu, &f[j - 1], cfg; m, x, norm, y, bias, rows_i, cols_i, kp, acc, skip_if, ss_out)?;
+                launch!(self.gpu, f, cfg; m, x, norm, y, bias, rows_i, cols_i, kp, acc, skip_if, ss_out)?;
                 Ok(cfg.grid_dim.0 as usize)
             }
         }
