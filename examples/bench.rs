@@ -504,9 +504,14 @@ fn context_sweep(json_path: &str, preset: &str, depths: &[usize]) {
         "device bandwidth (1 GiB streaming read): {tb_per_s:.2} TB/s; weights {:.2} GB/token",
         weights as f64 / 1e9
     );
-    // Experiment (session 29): GEMV v2 at J = 4 for K past 24,576 (the 32B shape's down); ids
-    // and logits first, then swept in this process.
-    const VARIANTS: &[&[(&str, &str)]] = &[&[("DV2_X_GEMV2_J4", "1")]];
+    // Experiments (sessions 29, 30): GEMV v2 at J = 4 for K past 24,576 (the 32B shape's down),
+    // and GEMV v2 without skipping its empty chunk slots; ids and logits first, then each swept
+    // in this process.
+    const VARIANTS: &[&[(&str, &str)]] = &[
+        &[("DV2_X_GEMV2_J4", "1")],
+        &[("DV2_X_GEMV2_SKIP", "0")],
+        &[("DV2_X_GEMV2_J4", "1"), ("DV2_X_GEMV2_SKIP", "0")],
+    ];
     for &env_set in VARIANTS {
         let opts = EngineOptions {
             backend: BackendKind::Cuda,

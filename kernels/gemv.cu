@@ -133,14 +133,32 @@ __device__ __forceinline__ uint4 load_weights16(const uint4* p) {
     return v;
 }
 
-// Issues the loads of this lane's chunks of one row part (zero scale past the row's end).
+// Experiment (session 30, DV2_X_GEMV2_SKIP=0 turns it off): a warp skips its chunk slots j
+// that lie wholly past the row's end (live_slots below), instead of loading zeros and summing
+// them. At K = 5,120 (the 32B shape's q/k/v, gate/up and lm_head: 160 chunks over 2 parts of
+// 3 slots) the second part's third slot is always empty: 1 of 6 slots of an issue-bound walk.
+#ifndef GEMV2_SKIP
+#define GEMV2_SKIP 1
+#endif
+
+// The chunk slots of this warp's part that hold any chunk of the row (warp-uniform).
 template <int J>
-__device__ __forceinline__ void load_row(Nf4Ref m, int row, int cols, int part, RowChunks<J>& rc) {
+__device__ __forceinline__ int live_slots(int cols, int part) {
+    if (!GEMV2_SKIP) return J;
+    const int left = (cols >> 5) - part * J * 32;
+    return left <= 0 ? 0 : min(J, (left + 31) >> 5);
+}
+
+// Issues the loads of this lane's chunks of one row part (zero scale past the row's end), the
+// first `live` slots.
+template <int J>
+__device__ __forceinline__ void load_row(Nf4Ref m, int row, int cols, int part, int live, RowChunks<J>& rc) {
     const int lane = threadIdx.x & 31, n_chunks = cols >> 5;
     const uint4* w = reinterpret_cast<const uint4*>(m.packed + (size_t)row * (cols >> 1));
     const float* a = m.absmax + (size_t)row * (cols >> 6);
 #pragma unroll
     for (int j = 0; j < J; j++) {
+        if (j >= live) break;
         const int c = (part * J + j) * 32 + lane;
         const bool in = c < n_chunks;
         rc.q[j] = in ? load_weights16(w + c) : make_uint4(0u, 0u, 0u, 0u);
@@ -153,11 +171,12 @@ __device__ __forceinline__ void load_row(Nf4Ref m, int row, int cols, int part, 
 // time by `group_sum(j, w0, words)` (words w0 .. w0 + GROUP - 1 of chunk j), the groups
 // added in f32, then times the chunk's absmax.
 template <int J, int GROUP, typename GroupSum>
-__device__ __forceinline__ float dot_chunks(const RowChunks<J>& rc, GroupSum group_sum) {
+__device__ __forceinline__ float dot_chunks(const RowChunks<J>& rc, int live, GroupSum group_sum) {
     static_assert(GROUP == 1 || GROUP == 2 || GROUP == 4, "groups of 1, 2 or 4 words");
     float acc = 0.0f;
 #pragma unroll
     for (int j = 0; j < J; j++) {
+        if (j >= live) break;
         const u32 words[4] = {rc.q[j].x, rc.q[j].y, rc.q[j].z, rc.q[j].w};
         float part = 0.0f;
 #pragma unroll
@@ -213,9 +232,9 @@ __device__ __forceinline__ void pack_x_halves(const XSlice<J>& xs, XHalves<J>& x
 // dot_chunks with the f16-pair table (lane4 = 4 * lane): each group of GEMV2_CHAIN words one
 // f16x2 FMA chain, summed in f32. PRMT: the table laid out for prmt_lut_entry.
 template <int J, bool PRMT = false>
-__device__ __forceinline__ float dot_row_pair16(const RowChunks<J>& rc, const XHalves<J>& xh, const u32* lut,
-                                                u32 lane4) {
-    return dot_chunks<J, GEMV2_CHAIN>(rc, [&](int j, int w0, const u32* words) {
+__device__ __forceinline__ float dot_row_pair16(const RowChunks<J>& rc, int live, const XHalves<J>& xh,
+                                                const u32* lut, u32 lane4) {
+    return dot_chunks<J, GEMV2_CHAIN>(rc, live, [&](int j, int w0, const u32* words) {
         u32 h = 0u;
 #pragma unroll
         for (int w = w0; w < w0 + GEMV2_CHAIN; w++)
@@ -256,6 +275,7 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     // kparts is 1, 2, 4 or 8 (the host's gemv2_shape): the warp's roles by shifts and masks.
     const int kshift = log2_pow2(kparts);
     const int part = warp & (kparts - 1), row_lane = warp >> kshift, row_lanes = GEMV_WARPS >> kshift;
+    const int live = live_slots<J>(cols, part);
     // Rows by CTA: an equal share each, or (early_ctas > 0; SwiGLU, GEMV2_SWIGLU_SKEW on the
     // host) early_rows for each of the first early_ctas CTAs and an equal share of the rest for
     // the others. Why: the CTAs the scheduler places first (beside the previous kernel's)
@@ -290,7 +310,7 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
             const int r = base + i * row_lanes + row_lane;
             if (r < r1) {
 #pragma unroll
-                for (int k = 0; k < NM; k++) load_row<J>(rows_of.matrix(r, k), rows_of.local(r), cols, part, rc[i][k]);
+                for (int k = 0; k < NM; k++) load_row<J>(rows_of.matrix(r, k), rows_of.local(r), cols, part, live, rc[i][k]);
             }
         }
     };
@@ -325,7 +345,7 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
         for (int i = 0; i < R; i++)
 #pragma unroll
             for (int k = 0; k < NM; k++)
-                sums[i][k] = warp_sum(dot_row_pair16<J, prmt_table>(cur[i][k], xh, pair16_lut, lane4));
+                sums[i][k] = warp_sum(dot_row_pair16<J, prmt_table>(cur[i][k], live, xh, pair16_lut, lane4));
 #pragma unroll
         for (int i = 0; i < R; i++)
 #pragma unroll
