@@ -505,12 +505,12 @@ fn context_sweep(json_path: &str, preset: &str, depths: &[usize]) {
         weights as f64 / 1e9
     );
     // Experiments (sessions 29, 30): GEMV v2 at J = 4 for K past 24,576 (the 32B shape's down),
-    // and GEMV v2 without skipping its empty chunk slots; ids and logits first, then each swept
-    // in this process.
+    // GEMV v2 without skipping its empty chunk slots, and SwiGLU at J <= 2 (no spills) with J =
+    // 4; ids and logits first, then each swept in this process.
     const VARIANTS: &[&[(&str, &str)]] = &[
         &[("DV2_X_GEMV2_J4", "1")],
         &[("DV2_X_GEMV2_SKIP", "0")],
-        &[("DV2_X_GEMV2_J4", "1"), ("DV2_X_GEMV2_SKIP", "0")],
+        &[("DV2_X_GEMV2_J4", "1"), ("DV2_X_SWIGLU_J2", "1")],
     ];
     for &env_set in VARIANTS {
         let opts = EngineOptions {

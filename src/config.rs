@@ -173,6 +173,8 @@ pub struct Config {
     pub gemv2_j4: bool,
     /// Experiment (session 30): GEMV v2 skips its empty chunk slots (off: DV2_X_GEMV2_SKIP=0).
     pub gemv2_skip: bool,
+    /// Experiment (session 30): SwiGLU's GEMV v2 at J <= 2 (DV2_X_SWIGLU_J2=1).
+    pub swiglu_j2: bool,
 }
 
 impl Default for Config {
@@ -215,6 +217,7 @@ impl Config {
             cta_timeline: is("DV2_CTA_TIMELINE", "1"),
             gemv2_j4: is("DV2_X_GEMV2_J4", "1"),
             gemv2_skip: on("DV2_X_GEMV2_SKIP"),
+            swiglu_j2: is("DV2_X_SWIGLU_J2", "1"),
         }
     }
 

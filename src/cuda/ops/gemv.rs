@@ -91,10 +91,21 @@ impl Ops {
         cols: usize,
         x_f16: bool,
     ) -> Result<(usize, u32, LaunchConfig)> {
+        self.gemv_v2_launch_j(rows, cols, x_f16, 3)
+    }
+
+    /// [`Self::gemv_v2_launch`] with at most `max_j` chunks a lane.
+    fn gemv_v2_launch_j(
+        &self,
+        rows: usize,
+        cols: usize,
+        x_f16: bool,
+        max_j: usize,
+    ) -> Result<(usize, u32, LaunchConfig)> {
         let (j, kparts) = if x_f16 && self.cfg.gemv2_j4 && cols > GEMV2_MAX_K {
             (4, 8)
         } else {
-            gemv2_shape(cols)?
+            gemv2_shape_j(cols, max_j)?
         };
         let row_lanes = (GEMV_WARPS / kparts) as usize;
         let ctas = (self.sms * GEMV2_CTAS_PER_SM)
@@ -391,7 +402,10 @@ impl Ops {
                 .gemv3(Epilogue::Swiglu, &mats, cols, x, norm, out, 0, 0, false)
                 .map(|_| ()),
             Gemv::V2 => {
-                let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols, false)?;
+                // Experiment (session 30, DV2_X_SWIGLU_J2=1): at most 2 chunks a lane, whose
+                // kernel does not spill (J = 3's spills 184 bytes: the 32B shape's gate/up).
+                let max_j = if self.cfg.swiglu_j2 { 2 } else { 3 };
+                let (j, kparts, cfg) = self.gemv_v2_launch_j(rows, cols, false, max_j)?;
                 let kp = kparts as i32;
                 let f16 = i32::from(out_f16);
                 let (early_ctas, early_rows) =
@@ -428,11 +442,17 @@ fn skewed_split(rows: usize, ctas: u32, skew: i32) -> (i32, i32) {
 
 /// GEMV v2 shape for K = cols: the fewest warps per row (1, 2, 4, 8) whose lanes need at most
 /// 3 chunks of 32 elements each (the register budget for x).
-pub fn gemv2_shape(cols: usize) -> Result<(usize, u32)> {
+#[cfg(test)]
+fn gemv2_shape(cols: usize) -> Result<(usize, u32)> {
+    gemv2_shape_j(cols, 3)
+}
+
+/// [`gemv2_shape`] with at most `max_j` chunks a lane.
+fn gemv2_shape_j(cols: usize, max_j: usize) -> Result<(usize, u32)> {
     let chunks = cols / 32;
     for kparts in [1u32, 2, 4, 8] {
         let j = chunks.div_ceil(32 * kparts as usize).max(1);
-        if j <= 3 {
+        if j <= max_j {
             return Ok((j, kparts));
         }
     }
