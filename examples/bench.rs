@@ -509,8 +509,7 @@ fn context_sweep(json_path: &str, preset: &str, depths: &[usize]) {
     // 4; ids and logits first, then each swept in this process.
     const VARIANTS: &[&[(&str, &str)]] = &[
         &[("DV2_X_GEMV2_J4", "1")],
-        &[("DV2_X_GEMV2_SKIP", "0")],
-        &[("DV2_X_GEMV2_J4", "1"), ("DV2_X_GEMV2_SKIP", "0")],
+        &[("DV2_X_SWIGLU_J2", "1")],
         &[("DV2_X_GEMV2_J4", "1"), ("DV2_X_SWIGLU_J2", "1")],
     ];
     for &env_set in VARIANTS {

@@ -216,7 +216,7 @@ impl Config {
             lineinfo: is("DV2_LINEINFO", "1"),
             cta_timeline: is("DV2_CTA_TIMELINE", "1"),
             gemv2_j4: is("DV2_X_GEMV2_J4", "1"),
-            gemv2_skip: on("DV2_X_GEMV2_SKIP"),
+            gemv2_skip: is("DV2_X_GEMV2_SKIP", "1"),
             swiglu_j2: is("DV2_X_SWIGLU_J2", "1"),
         }
     }
@@ -334,7 +334,7 @@ mod tests {
                 "-DGEMV2_LOGITS=1",
                 "-DGEMV3_KHALVES=0",
                 "-DCTA_TIMELINE=1",
-                "-DGEMV2_SKIP=1"
+                "-DGEMV2_SKIP=0"
             ]
         );
     }
