@@ -133,32 +133,14 @@ __device__ __forceinline__ uint4 load_weights16(const uint4* p) {
     return v;
 }
 
-// Experiment (session 30, DV2_X_GEMV2_SKIP=0 turns it off): a warp skips its chunk slots j
-// that lie wholly past the row's end (live_slots below), instead of loading zeros and summing
-// them. At K = 5,120 (the 32B shape's q/k/v, gate/up and lm_head: 160 chunks over 2 parts of
-// 3 slots) the second part's third slot is always empty: 1 of 6 slots of an issue-bound walk.
-#ifndef GEMV2_SKIP
-#define GEMV2_SKIP 1
-#endif
-
-// The chunk slots of this warp's part that hold any chunk of the row (warp-uniform).
+// Issues the loads of this lane's chunks of one row part (zero scale past the row's end).
 template <int J>
-__device__ __forceinline__ int live_slots(int cols, int part) {
-    if (!GEMV2_SKIP) return J;
-    const int left = (cols >> 5) - part * J * 32;
-    return left <= 0 ? 0 : min(J, (left + 31) >> 5);
-}
-
-// Issues the loads of this lane's chunks of one row part (zero scale past the row's end), the
-// first `live` slots.
-template <int J>
-__device__ __forceinline__ void load_row(Nf4Ref m, int row, int cols, int part, int live, RowChunks<J>& rc) {
+__device__ __forceinline__ void load_row(Nf4Ref m, int row, int cols, int part, RowChunks<J>& rc) {
     const int lane = threadIdx.x & 31, n_chunks = cols >> 5;
     const uint4* w = reinterpret_cast<const uint4*>(m.packed + (size_t)row * (cols >> 1));
     const float* a = m.absmax + (size_t)row * (cols >> 6);
 #pragma unroll
     for (int j = 0; j < J; j++) {
-        if (j >= live) break;
         const int c = (part * J + j) * 32 + lane;
         const bool in = c < n_chunks;
         rc.q[j] = in ? load_weights16(w + c) : make_uint4(0u, 0u, 0u, 0u);
@@ -171,12 +153,11 @@ __device__ __forceinline__ void load_row(Nf4Ref m, int row, int cols, int part, 
 // time by `group_sum(j, w0, words)` (words w0 .. w0 + GROUP - 1 of chunk j), the groups
 // added in f32, then times the chunk's absmax.
 template <int J, int GROUP, typename GroupSum>
-__device__ __forceinline__ float dot_chunks(const RowChunks<J>& rc, int live, GroupSum group_sum) {
+__device__ __forceinline__ float dot_chunks(const RowChunks<J>& rc, GroupSum group_sum) {
     static_assert(GROUP == 1 || GROUP == 2 || GROUP == 4, "groups of 1, 2 or 4 words");
     float acc = 0.0f;
 #pragma unroll
     for (int j = 0; j < J; j++) {
-        if (j >= live) break;
         const u32 words[4] = {rc.q[j].x, rc.q[j].y, rc.q[j].z, rc.q[j].w};
         float part = 0.0f;
 #pragma unroll
@@ -232,9 +213,9 @@ __device__ __forceinline__ void pack_x_halves(const XSlice<J>& xs, XHalves<J>& x
 // dot_chunks with the f16-pair table (lane4 = 4 * lane): each group of GEMV2_CHAIN words one
 // f16x2 FMA chain, summed in f32. PRMT: the table laid out for prmt_lut_entry.
 template <int J, bool PRMT = false>
-__device__ __forceinline__ float dot_row_pair16(const RowChunks<J>& rc, int live, const XHalves<J>& xh,
-                                                const u32* lut, u32 lane4) {
-    return dot_chunks<J, GEMV2_CHAIN>(rc, live, [&](int j, int w0, const u32* words) {
+__device__ __forceinline__ float dot_row_pair16(const RowChunks<J>& rc, const XHalves<J>& xh, const u32* lut,
+                                                u32 lane4) {
+    return dot_chunks<J, GEMV2_CHAIN>(rc, [&](int j, int w0, const u32* words) {
         u32 h = 0u;
 #pragma unroll
         for (int w = w0; w < w0 + GEMV2_CHAIN; w++)
@@ -275,7 +256,6 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     // kparts is 1, 2, 4 or 8 (the host's gemv2_shape): the warp's roles by shifts and masks.
     const int kshift = log2_pow2(kparts);
     const int part = warp & (kparts - 1), row_lane = warp >> kshift, row_lanes = GEMV_WARPS >> kshift;
-    const int live = live_slots<J>(cols, part);
     // Rows by CTA: an equal share each, or (early_ctas > 0; SwiGLU, GEMV2_SWIGLU_SKEW on the
     // host) early_rows for each of the first early_ctas CTAs and an equal share of the rest for
     // the others. Why: the CTAs the scheduler places first (beside the previous kernel's)
@@ -310,7 +290,7 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
             const int r = base + i * row_lanes + row_lane;
             if (r < r1) {
 #pragma unroll
-                for (int k = 0; k < NM; k++) load_row<J>(rows_of.matrix(r, k), rows_of.local(r), cols, part, live, rc[i][k]);
+                for (int k = 0; k < NM; k++) load_row<J>(rows_of.matrix(r, k), rows_of.local(r), cols, part, rc[i][k]);
             }
         }
     };
@@ -345,7 +325,7 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
         for (int i = 0; i < R; i++)
 #pragma unroll
             for (int k = 0; k < NM; k++)
-                sums[i][k] = warp_sum(dot_row_pair16<J, prmt_table>(cur[i][k], live, xh, pair16_lut, lane4));
+                sums[i][k] = warp_sum(dot_row_pair16<J, prmt_table>(cur[i][k], xh, pair16_lut, lane4));
 #pragma unroll
         for (int i = 0; i < R; i++)
 #pragma unroll
@@ -543,9 +523,9 @@ struct LogitRows {
 };
 
 // The kernels of one J by what the rows feed: a plain matrix (nf4; _x16: its x in f16),
-// q/k/v, SwiGLU, and lm_head with the argmax (logits). R: rows in flight per warp, half of
-// what fits 255 registers, so that each kernel stays within 128 (no spills but SwiGLU's at J
-// = 3, 240 bytes): a CTA fits beside a GEMV v3 CTA (o's, before gate/up), so it becomes
+// q/k/v, SwiGLU (J <= 2: see GEMV2_SWIGLU_KERNEL), and lm_head with the argmax (logits). R:
+// rows in flight per warp, half of what fits 255 registers, so that each kernel stays within
+// 128 without spills: a CTA fits beside a GEMV v3 CTA (o's, before gate/up), so it becomes
 // resident and builds its table while that kernel runs, and two fit an SM (GEMV2_CTAS_PER_SM
 // on the host): 6% faster decode than one CTA of twice the rows (docs/lab.md, session 10).
 // The _narrow suffix names that bound.
@@ -568,6 +548,12 @@ struct LogitRows {
         QkvRows q{a, out};                                                                                     \
         gemv2_walk<J, R, 1, false>(q, a.rows[0] + a.rows[1] + a.rows[2], cols, x, norm, kparts, nullptr);      \
     }                                                                                                          \
+    GEMV2_LOGITS_KERNEL(J, R)
+// SwiGLU at J = 1 and 2 only: at J = 3 its two matrices' rows in flight (cur and next, 60
+// registers) and x (48) spilled 184 bytes in the walk, and K = 5,120 (the 32B shape's gate/up)
+// at J = 2 over 4 warps a row ran +16% faster decode than at J = 3 over 2 (docs/lab.md,
+// session 30), though a row's fourth part is past K there.
+#define GEMV2_SWIGLU_KERNEL(J, R)                                                                              \
     extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)                                                                \
         gemv2_swiglu_j##J##_narrow(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm,         \
                                    float* out, int rows, int cols, int kparts, int out_f16, int early_ctas,    \
@@ -575,8 +561,7 @@ struct LogitRows {
         SwigluRows g{gate, up, out, out_f16 != 0};                                                             \
         gemv2_walk<J, (R > 1 ? R / 2 : 1), 2, false>(g, rows, cols, x, norm, kparts, nullptr, early_ctas,     \
                                                      early_rows);                                              \
-    }                                                                                                          \
-    GEMV2_LOGITS_KERNEL(J, R)
+    }
 // lm_head and the argmax in one (LogitRows; DV2_LOGITS_ARGMAX, default), compiled only with
 // the switch (GEMV2_LOGITS, from the host's config).
 #if GEMV2_LOGITS
@@ -594,6 +579,8 @@ struct LogitRows {
 GEMV2_KERNELS(1, 2)
 GEMV2_KERNELS(2, 2)
 GEMV2_KERNELS(3, 1)
-// Experiment (session 29, DV2_X_GEMV2_J4=1): K up to 32,768 from f16 x (down at the 32B
-// shape's K = 27,648, on GEMV v3 without it).
+GEMV2_SWIGLU_KERNEL(1, 2)
+GEMV2_SWIGLU_KERNEL(2, 2)
+// J = 4 from f16 x: K past GEMV2_MAX_K up to 32,768 (down at the 32B shape's K = 27,648,
+// +16% decode against GEMV v3 there: docs/lab.md, session 30).
 GEMV2_NF4_KERNEL(4, 1, true, _narrow_x16)

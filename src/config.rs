@@ -169,12 +169,6 @@ pub struct Config {
     pub cache_dir: Option<PathBuf>,
     pub lineinfo: bool,
     pub cta_timeline: bool,
-    /// Experiment (session 29): GEMV v2 at J = 4 from f16 x for K past GEMV2_MAX_K.
-    pub gemv2_j4: bool,
-    /// Experiment (session 30): GEMV v2 skips its empty chunk slots (off: DV2_X_GEMV2_SKIP=0).
-    pub gemv2_skip: bool,
-    /// Experiment (session 30): SwiGLU's GEMV v2 at J <= 2 (DV2_X_SWIGLU_J2=1).
-    pub swiglu_j2: bool,
 }
 
 impl Default for Config {
@@ -215,9 +209,6 @@ impl Config {
                 .or_else(|| default_cache_dir(&var)),
             lineinfo: is("DV2_LINEINFO", "1"),
             cta_timeline: is("DV2_CTA_TIMELINE", "1"),
-            gemv2_j4: is("DV2_X_GEMV2_J4", "1"),
-            gemv2_skip: is("DV2_X_GEMV2_SKIP", "1"),
-            swiglu_j2: is("DV2_X_SWIGLU_J2", "1"),
         }
     }
 
@@ -227,7 +218,6 @@ impl Config {
             ("GEMV2_LOGITS", self.logits_argmax),
             ("GEMV3_KHALVES", self.qkv_khalves),
             ("CTA_TIMELINE", self.cta_timeline),
-            ("GEMV2_SKIP", self.gemv2_skip),
         ]
         .iter()
         .map(|(name, on)| format!("-D{name}={}", i32::from(*on)))
@@ -330,12 +320,7 @@ mod tests {
         let d = with(&[("DV2_QKV_KHALVES", "0"), ("DV2_CTA_TIMELINE", "1")]).nvrtc_defines();
         assert_eq!(
             d,
-            [
-                "-DGEMV2_LOGITS=1",
-                "-DGEMV3_KHALVES=0",
-                "-DCTA_TIMELINE=1",
-                "-DGEMV2_SKIP=0"
-            ]
+            ["-DGEMV2_LOGITS=1", "-DGEMV3_KHALVES=0", "-DCTA_TIMELINE=1"]
         );
     }
 }

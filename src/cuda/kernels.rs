@@ -60,8 +60,8 @@ pub const GEMV2_X_STRIDE: usize = 36;
 pub const GEMV2_X16_STRIDE: usize = 20;
 /// The largest K GEMV v2 takes (3 chunks of 32 per lane, 8 warps splitting a row).
 pub const GEMV2_MAX_K: usize = 3 * 32 * 8 * 32;
-/// Experiment (session 29, DV2_X_GEMV2_J4): J = 4 from f16 x.
-pub const GEMV2_J4_MAX_K: usize = 4 * 32 * 8 * 32;
+/// The largest K GEMV v2 takes from f16 x (down's input): 4 chunks a lane.
+pub const GEMV2_X16_MAX_K: usize = 4 * 32 * 8 * 32;
 /// GEMV v2's dynamic shared memory limit: x staged at the largest K (its static tables and
 /// partial sums take ~39 KiB more).
 pub const GEMV2_MAX_SMEM: usize = GEMV2_MAX_K / 32 * GEMV2_X_STRIDE * 4;
@@ -464,10 +464,11 @@ pub struct Kernels {
     /// q/k/v, SwiGLU.
     pub gemv2_nf4: [CudaFunction; 3],
     pub gemv2_nf4_x16: [CudaFunction; 3],
-    /// Experiment (session 29): J = 4 from f16 x (DV2_X_GEMV2_J4).
+    /// J = 4 from f16 x, for K past [`GEMV2_MAX_K`].
     pub gemv2_nf4_x16_j4: CudaFunction,
     pub gemv2_qkv: [CudaFunction; 3],
-    pub gemv2_swiglu: [CudaFunction; 3],
+    /// SwiGLU by J, up to 2 (kernels/gemv.cu: GEMV2_SWIGLU_KERNEL).
+    pub gemv2_swiglu: [CudaFunction; 2],
     /// lm_head with the argmax folded in, by J (`DV2_LOGITS_ARGMAX`; compiled only then).
     pub gemv2_logits: Option<[CudaFunction; 3]>,
     /// Attention v2: for any head_dim, and unrolled for head_dim <= 128.
@@ -597,12 +598,18 @@ impl Kernels {
                 allow_dynamic_smem(
                     gpu,
                     std::slice::from_ref(&f),
-                    GEMV2_J4_MAX_K / 32 * GEMV2_X16_STRIDE * 4,
+                    GEMV2_X16_MAX_K / 32 * GEMV2_X16_STRIDE * 4,
                 )?;
                 f
             },
             gemv2_qkv: gemv2("gemv2_qkv", "_narrow", GEMV2_MAX_SMEM)?,
-            gemv2_swiglu: gemv2("gemv2_swiglu", "_narrow", GEMV2_MAX_SMEM)?,
+            gemv2_swiglu: {
+                let fs = [1, 2].map(|j| f(&format!("gemv2_swiglu_j{j}_narrow")));
+                let [a, b] = fs;
+                let fs = [a?, b?];
+                allow_dynamic_smem(gpu, &fs, GEMV2_MAX_SMEM)?;
+                fs
+            },
             gemv2_logits: if cfg.logits_argmax {
                 Some(gemv2(
                     "gemv2_logits",

@@ -7,7 +7,7 @@ use super::attention::Attention;
 use super::gemm::{Epilogue, GemmArgs, GemmMatrix};
 use super::{check_sums, no_sums, Input, NormArgs, Ops, MAX_ARGMAX_CTAS};
 use crate::cuda::kernels::{
-    GEMV2_J4_MAX_K, GEMV2_MAX_K, GEMV2_PRMT_TABLE, GEMV2_X16_STRIDE, GEMV2_X_STRIDE,
+    GEMV2_MAX_K, GEMV2_PRMT_TABLE, GEMV2_X16_MAX_K, GEMV2_X16_STRIDE, GEMV2_X_STRIDE,
     GEMV3_CTAS_PER_SM, GEMV3_KH2_CTAS_PER_SM, GEMV3_MAX_K, GEMV3_WARPS, GEMV_THREADS, GEMV_WARPS,
 };
 use crate::cuda::weights::Nf4Ref;
@@ -83,30 +83,22 @@ impl Ops {
         }
     }
 
-    /// v2: (chunks per lane J, warps per row) for K = cols, and the persistent grid (x staged
-    /// from f16 with `x_f16`).
+    /// v2: (chunks per lane J, warps per row) for K = cols, at most `max_j` chunks a lane, and
+    /// the persistent grid (x staged from f16 with `x_f16`, which takes J = 4 past
+    /// [`GEMV2_MAX_K`]).
     fn gemv_v2_launch(
-        &self,
-        rows: usize,
-        cols: usize,
-        x_f16: bool,
-    ) -> Result<(usize, u32, LaunchConfig)> {
-        self.gemv_v2_launch_j(rows, cols, x_f16, 3)
-    }
-
-    /// [`Self::gemv_v2_launch`] with at most `max_j` chunks a lane.
-    fn gemv_v2_launch_j(
         &self,
         rows: usize,
         cols: usize,
         x_f16: bool,
         max_j: usize,
     ) -> Result<(usize, u32, LaunchConfig)> {
-        let (j, kparts) = if x_f16 && self.cfg.gemv2_j4 && cols > GEMV2_MAX_K {
-            (4, 8)
+        let max_j = if x_f16 && cols > GEMV2_MAX_K {
+            4
         } else {
-            gemv2_shape_j(cols, max_j)?
+            max_j
         };
+        let (j, kparts) = gemv2_shape(cols, max_j)?;
         let row_lanes = (GEMV_WARPS / kparts) as usize;
         let ctas = (self.sms * GEMV2_CTAS_PER_SM)
             .min(rows.div_ceil(row_lanes) as u32)
@@ -128,16 +120,7 @@ impl Ops {
     fn gemv_kernel(&self, rows: usize, cols: usize) -> Gemv {
         match self.gemv {
             GemvChoice::Fixed(v) => v,
-            // Experiment: v2 at J = 4 past GEMV2_MAX_K where x comes as f16 (down).
-            GemvChoice::Auto
-                if self.cfg.gemv2_j4
-                    && self.cfg.ffn_f16
-                    && cols > GEMV2_MAX_K
-                    && cols <= GEMV2_J4_MAX_K =>
-            {
-                Gemv::V2
-            }
-            GemvChoice::Auto => auto_gemv(rows, cols),
+            GemvChoice::Auto => auto_gemv(rows, cols, self.cfg.ffn_f16),
         }
     }
 
@@ -250,7 +233,7 @@ impl Ops {
         match kernel {
             Gemv::V3 => self.gemv3(epilogue, &mats, cols, x, norm, y, skip_if, ss_out, false),
             Gemv::V2 => {
-                let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols, input.f16)?;
+                let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols, input.f16, 3)?;
                 let kp = kparts as i32;
                 check_sums(ss_out, cfg.grid_dim.0)?;
                 let f = match (input.f16, j) {
@@ -287,7 +270,7 @@ impl Ops {
         if self.cfg.linear_mma || self.gemv_kernel(rows, cols) != Gemv::V2 || input.f16 {
             return Ok(false);
         }
-        let (j, kparts, mut cfg) = self.gemv_v2_launch(rows, cols, false)?;
+        let (j, kparts, mut cfg) = self.gemv_v2_launch(rows, cols, false, 3)?;
         if cfg.grid_dim.0 as usize > MAX_ARGMAX_CTAS {
             return Ok(false);
         }
@@ -364,7 +347,7 @@ impl Ops {
                 Ok(halves)
             }
             Gemv::V2 => {
-                let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols, false)?;
+                let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols, false, 3)?;
                 let kp = kparts as i32;
                 launch!(self.gpu, &self.k.gemv2_qkv[j - 1], cfg; args, x, norm, out, cols_i, kp)
                     .map(|_| false)
@@ -402,10 +385,8 @@ impl Ops {
                 .gemv3(Epilogue::Swiglu, &mats, cols, x, norm, out, 0, 0, false)
                 .map(|_| ()),
             Gemv::V2 => {
-                // Experiment (session 30, DV2_X_SWIGLU_J2=1): at most 2 chunks a lane, whose
-                // kernel does not spill (J = 3's spills 184 bytes: the 32B shape's gate/up).
-                let max_j = if self.cfg.swiglu_j2 { 2 } else { 3 };
-                let (j, kparts, cfg) = self.gemv_v2_launch_j(rows, cols, false, max_j)?;
+                // At most 2 chunks a lane (kernels/gemv.cu: GEMV2_SWIGLU_KERNEL).
+                let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols, false, 2)?;
                 let kp = kparts as i32;
                 let f16 = i32::from(out_f16);
                 let (early_ctas, early_rows) =
@@ -416,10 +397,17 @@ impl Ops {
     }
 }
 
-/// [`GemvChoice::Auto`]'s kernel for a `rows` x `cols` NF4 matrix: v3 also past v2's K
-/// (down at the 32B shape, K = 27,648).
-fn auto_gemv(rows: usize, cols: usize) -> Gemv {
-    if rows * cols / 2 < GEMV3_MAX_BYTES || cols > GEMV2_MAX_K {
+/// [`GemvChoice::Auto`]'s kernel for a `rows` x `cols` NF4 matrix: v3 also past v2's K, unless
+/// x comes as f16 (`ffn_f16`: down's input), which v2 takes up to [`GEMV2_X16_MAX_K`] (down
+/// at the 32B shape, K = 27,648: +16% decode against v3, docs/lab.md session 30). Only down
+/// has K past [`GEMV2_MAX_K`] (`check_shape`).
+fn auto_gemv(rows: usize, cols: usize, ffn_f16: bool) -> Gemv {
+    let v2_max_k = if ffn_f16 {
+        GEMV2_X16_MAX_K
+    } else {
+        GEMV2_MAX_K
+    };
+    if rows * cols / 2 < GEMV3_MAX_BYTES || cols > v2_max_k {
         Gemv::V3
     } else {
         Gemv::V2
@@ -441,14 +429,8 @@ fn skewed_split(rows: usize, ctas: u32, skew: i32) -> (i32, i32) {
 }
 
 /// GEMV v2 shape for K = cols: the fewest warps per row (1, 2, 4, 8) whose lanes need at most
-/// 3 chunks of 32 elements each (the register budget for x).
-#[cfg(test)]
-fn gemv2_shape(cols: usize) -> Result<(usize, u32)> {
-    gemv2_shape_j(cols, 3)
-}
-
-/// [`gemv2_shape`] with at most `max_j` chunks a lane.
-fn gemv2_shape_j(cols: usize, max_j: usize) -> Result<(usize, u32)> {
+/// `max_j` chunks of 32 elements each (the register budget for x).
+pub fn gemv2_shape(cols: usize, max_j: usize) -> Result<(usize, u32)> {
     let chunks = cols / 32;
     for kparts in [1u32, 2, 4, 8] {
         let j = chunks.div_ceil(32 * kparts as usize).max(1);
@@ -457,7 +439,7 @@ fn gemv2_shape_j(cols: usize, max_j: usize) -> Result<(usize, u32)> {
         }
     }
     Err(Error::Unsupported(format!(
-        "K = {cols}: the GEMV kernels take K up to {GEMV2_MAX_K}"
+        "K = {cols}: the GEMV kernels take K up to {GEMV2_MAX_K} ({GEMV2_X16_MAX_K} from f16 x)"
     )))
 }
 
@@ -469,14 +451,19 @@ mod tests {
     fn auto_gemv_takes_tensor_cores_for_the_small_matrices() {
         let s = &crate::arch::QWEN25_3B;
         let qkv = (s.n_q_heads + 2 * s.n_kv_heads) * s.head_dim;
-        assert_eq!(auto_gemv(qkv, s.hidden), Gemv::V3);
-        assert_eq!(auto_gemv(s.hidden, s.n_q_heads * s.head_dim), Gemv::V3);
-        assert_eq!(auto_gemv(2 * s.intermediate, s.hidden), Gemv::V2);
-        assert_eq!(auto_gemv(s.hidden, s.intermediate), Gemv::V2);
-        assert_eq!(auto_gemv(s.vocab, s.hidden), Gemv::V2);
+        assert_eq!(auto_gemv(qkv, s.hidden, true), Gemv::V3);
+        assert_eq!(
+            auto_gemv(s.hidden, s.n_q_heads * s.head_dim, true),
+            Gemv::V3
+        );
+        assert_eq!(auto_gemv(2 * s.intermediate, s.hidden, true), Gemv::V2);
+        assert_eq!(auto_gemv(s.hidden, s.intermediate, true), Gemv::V2);
+        assert_eq!(auto_gemv(s.vocab, s.hidden, true), Gemv::V2);
         let s = &crate::arch::QWEN25_32B;
-        assert_eq!(auto_gemv(s.hidden, s.intermediate), Gemv::V3);
-        assert_eq!(auto_gemv(2 * s.intermediate, s.hidden), Gemv::V2);
+        // down at K = 27,648: v2 from f16 x, v3 from f32 x (DV2_FFN_F16=0).
+        assert_eq!(auto_gemv(s.hidden, s.intermediate, true), Gemv::V2);
+        assert_eq!(auto_gemv(s.hidden, s.intermediate, false), Gemv::V3);
+        assert_eq!(auto_gemv(2 * s.intermediate, s.hidden, true), Gemv::V2);
     }
 
     #[test]
@@ -501,11 +488,16 @@ mod tests {
 
     #[test]
     fn gemv2_shapes_cover_k_with_little_waste() {
-        assert_eq!(gemv2_shape(64).unwrap(), (1, 1));
-        assert_eq!(gemv2_shape(2048).unwrap(), (2, 1));
-        assert_eq!(gemv2_shape(3072).unwrap(), (3, 1));
-        assert_eq!(gemv2_shape(11008).unwrap(), (3, 4));
-        assert_eq!(gemv2_shape(18944).unwrap(), (3, 8));
-        assert!(gemv2_shape(32768).is_err());
+        assert_eq!(gemv2_shape(64, 3).unwrap(), (1, 1));
+        assert_eq!(gemv2_shape(2048, 3).unwrap(), (2, 1));
+        assert_eq!(gemv2_shape(3072, 3).unwrap(), (3, 1));
+        assert_eq!(gemv2_shape(11008, 3).unwrap(), (3, 4));
+        assert_eq!(gemv2_shape(18944, 3).unwrap(), (3, 8));
+        assert!(gemv2_shape(32768, 3).is_err());
+        // SwiGLU (J <= 2) at the 32B shape's K = 5,120; down from f16 x at K = 27,648.
+        assert_eq!(gemv2_shape(5120, 2).unwrap(), (2, 4));
+        assert_eq!(gemv2_shape(27648, 4).unwrap(), (4, 8));
+        assert_eq!(gemv2_shape(32768, 4).unwrap(), (4, 8));
+        assert!(gemv2_shape(32832, 4).is_err());
     }
 }
