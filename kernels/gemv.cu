@@ -523,9 +523,11 @@ struct LogitRows {
 };
 
 // The kernels of one J by what the rows feed: a plain matrix (nf4; _x16: its x in f16),
-// q/k/v, SwiGLU (J <= 2: see GEMV2_SWIGLU_KERNEL), and lm_head with the argmax (logits). R:
-// rows in flight per warp, half of what fits 255 registers, so that each kernel stays within
-// 128 without spills: a CTA fits beside a GEMV v3 CTA (o's, before gate/up), so it becomes
+// q/k/v, SwiGLU, and lm_head with the argmax (logits). R: rows in flight per warp, half of
+// what fits 255 registers, so that each kernel stays within 128 (no spills but SwiGLU's at J
+// = 3, 184 bytes, which the host takes only past K = 16,384: at the 32B shape's K = 5,120
+// SwiGLU at J = 2 over 4 warps a row ran +16% decode against J = 3 over 2, docs/lab.md
+// session 30): a CTA fits beside a GEMV v3 CTA (o's, before gate/up), so it becomes
 // resident and builds its table while that kernel runs, and two fit an SM (GEMV2_CTAS_PER_SM
 // on the host): 6% faster decode than one CTA of twice the rows (docs/lab.md, session 10).
 // The _narrow suffix names that bound.
@@ -548,12 +550,6 @@ struct LogitRows {
         QkvRows q{a, out};                                                                                     \
         gemv2_walk<J, R, 1, false>(q, a.rows[0] + a.rows[1] + a.rows[2], cols, x, norm, kparts, nullptr);      \
     }                                                                                                          \
-    GEMV2_LOGITS_KERNEL(J, R)
-// SwiGLU at J = 1 and 2 only: at J = 3 its two matrices' rows in flight (cur and next, 60
-// registers) and x (48) spilled 184 bytes in the walk, and K = 5,120 (the 32B shape's gate/up)
-// at J = 2 over 4 warps a row ran +16% faster decode than at J = 3 over 2 (docs/lab.md,
-// session 30), though a row's fourth part is past K there.
-#define GEMV2_SWIGLU_KERNEL(J, R)                                                                              \
     extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)                                                                \
         gemv2_swiglu_j##J##_narrow(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm,         \
                                    float* out, int rows, int cols, int kparts, int out_f16, int early_ctas,    \
@@ -561,7 +557,8 @@ struct LogitRows {
         SwigluRows g{gate, up, out, out_f16 != 0};                                                             \
         gemv2_walk<J, (R > 1 ? R / 2 : 1), 2, false>(g, rows, cols, x, norm, kparts, nullptr, early_ctas,     \
                                                      early_rows);                                              \
-    }
+    }                                                                                                          \
+    GEMV2_LOGITS_KERNEL(J, R)
 // lm_head and the argmax in one (LogitRows; DV2_LOGITS_ARGMAX, default), compiled only with
 // the switch (GEMV2_LOGITS, from the host's config).
 #if GEMV2_LOGITS
@@ -579,8 +576,6 @@ struct LogitRows {
 GEMV2_KERNELS(1, 2)
 GEMV2_KERNELS(2, 2)
 GEMV2_KERNELS(3, 1)
-GEMV2_SWIGLU_KERNEL(1, 2)
-GEMV2_SWIGLU_KERNEL(2, 2)
 // J = 4 from f16 x: K past GEMV2_MAX_K up to 32,768 (down at the 32B shape's K = 27,648,
 // +16% decode against GEMV v3 there: docs/lab.md, session 30).
 GEMV2_NF4_KERNEL(4, 1, true, _narrow_x16)

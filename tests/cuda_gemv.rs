@@ -1,9 +1,10 @@
 //! Every GEMV kernel family against the CPU: `y = W x`, `y += W x`, SwiGLU of gate and up and
 //! q/k/v stacked (with a bias), on random NF4 rows, at a K for each of GEMV v2's shapes (1, 2
-//! and 3 chunks of 32 bytes per lane, K split over 1 to 8 warps; SwiGLU at most 2). The model
-//! gates launch only the shapes of their presets and of the Qwen2.5-3B shape; SwiGLU over 2
-//! warps a row at 2 chunks a lane, the default kernel for K = 2080..4096, is checked only here,
-//! and so is GEMV v2's f16 input (DV2_FFN_F16) against the same values in f32, bit for bit.
+//! and 3 chunks of 32 bytes per lane, K split over 1 to 8 warps; SwiGLU at 3 only past K =
+//! 16,384). The model gates launch only the shapes of their presets and of the Qwen2.5-3B
+//! shape; SwiGLU over 2 warps a row at 2 chunks a lane, the default kernel for K =
+//! 2080..4096, and SwiGLU at 3 chunks, are checked only here, and so is GEMV v2's f16 input
+//! (DV2_FFN_F16) against the same values in f32, bit for bit.
 //! (J = 4 from f16 x, K past 24,576, runs in the 32B shape's oracle gate, cuda_gates.)
 //! With no CUDA device: SKIP; under DV2_REQUIRE_CUDA=1 a missing device fails.
 

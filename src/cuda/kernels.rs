@@ -467,8 +467,7 @@ pub struct Kernels {
     /// J = 4 from f16 x, for K past [`GEMV2_MAX_K`].
     pub gemv2_nf4_x16_j4: CudaFunction,
     pub gemv2_qkv: [CudaFunction; 3],
-    /// SwiGLU by J, up to 2 (kernels/gemv.cu: GEMV2_SWIGLU_KERNEL).
-    pub gemv2_swiglu: [CudaFunction; 2],
+    pub gemv2_swiglu: [CudaFunction; 3],
     /// lm_head with the argmax folded in, by J (`DV2_LOGITS_ARGMAX`; compiled only then).
     pub gemv2_logits: Option<[CudaFunction; 3]>,
     /// Attention v2: for any head_dim, and unrolled for head_dim <= 128.
@@ -603,13 +602,7 @@ impl Kernels {
                 f
             },
             gemv2_qkv: gemv2("gemv2_qkv", "_narrow", GEMV2_MAX_SMEM)?,
-            gemv2_swiglu: {
-                let fs = [1, 2].map(|j| f(&format!("gemv2_swiglu_j{j}_narrow")));
-                let [a, b] = fs;
-                let fs = [a?, b?];
-                allow_dynamic_smem(gpu, &fs, GEMV2_MAX_SMEM)?;
-                fs
-            },
+            gemv2_swiglu: gemv2("gemv2_swiglu", "_narrow", GEMV2_MAX_SMEM)?,
             gemv2_logits: if cfg.logits_argmax {
                 Some(gemv2(
                     "gemv2_logits",

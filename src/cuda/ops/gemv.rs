@@ -385,8 +385,11 @@ impl Ops {
                 .gemv3(Epilogue::Swiglu, &mats, cols, x, norm, out, 0, 0, false)
                 .map(|_| ()),
             Gemv::V2 => {
-                // At most 2 chunks a lane (kernels/gemv.cu: GEMV2_SWIGLU_KERNEL).
-                let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols, false, 2)?;
+                // At most 2 chunks a lane where K allows (up to 16,384): J = 3's kernel spills
+                // (kernels/gemv.cu, GEMV2_KERNELS).
+                let (j, kparts, cfg) = self
+                    .gemv_v2_launch(rows, cols, false, 2)
+                    .or_else(|_| self.gemv_v2_launch(rows, cols, false, 3))?;
                 let kp = kparts as i32;
                 let f16 = i32::from(out_f16);
                 let (early_ctas, early_rows) =
