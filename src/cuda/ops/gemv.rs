@@ -212,7 +212,14 @@ impl Ops {
         ss_out: u64,
     ) -> Result<usize> {
         let (rows_i, cols_i, acc, bias) = (rows as i32, cols as i32, accumulate as i32, 0u64);
-        let kernel = self.gemv_kernel(rows, cols);
+        // Past GEMV2_MAX_K v2 takes only an f16 x (down's): an f32 one there (o's, were its K
+        // that large) goes to v3, as auto_gemv would send it without DV2_FFN_F16.
+        let kernel = match self.gemv_kernel(rows, cols) {
+            Gemv::V2 if self.gemv == GemvChoice::Auto && !input.f16 && cols > GEMV2_MAX_K => {
+                Gemv::V3
+            }
+            kernel => kernel,
+        };
         if input.f16 && !self.stages_f16(kernel) {
             return Err(Error::Internal(
                 "an f16 input given to a GEMV kernel that reads f32".into(),
