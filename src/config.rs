@@ -169,9 +169,6 @@ pub struct Config {
     pub cache_dir: Option<PathBuf>,
     pub lineinfo: bool,
     pub cta_timeline: bool,
-    /// Experiment (session 30): GEMV v2 from f32 x at J <= 2 where K allows
-    /// (DV2_X_GEMV2_J2=1: the 32B shape's q/k/v, o and lm_head at K = 5,120).
-    pub gemv2_j2: bool,
 }
 
 impl Default for Config {
@@ -212,7 +209,6 @@ impl Config {
                 .or_else(|| default_cache_dir(&var)),
             lineinfo: is("DV2_LINEINFO", "1"),
             cta_timeline: is("DV2_CTA_TIMELINE", "1"),
-            gemv2_j2: is("DV2_X_GEMV2_J2", "1"),
         }
     }
 

@@ -95,9 +95,6 @@ impl Ops {
     ) -> Result<(usize, u32, LaunchConfig)> {
         let max_j = if x_f16 && cols > GEMV2_MAX_K {
             4
-        } else if !x_f16 && self.cfg.gemv2_j2 && gemv2_shape(cols, 2).is_ok() {
-            // Experiment (session 30, DV2_X_GEMV2_J2=1).
-            2
         } else {
             max_j
         };
