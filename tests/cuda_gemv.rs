@@ -224,3 +224,70 @@ fn every_gemv_kernel_matches_the_cpu_at_every_v2_shape() {
         settings().len()
     );
 }
+
+/// GEMV v2 at 4 chunks a lane, which only an f16 x reaches (down's input past K = 24,576: the
+/// 32B shape's K = 27,648), against the CPU on the f16-rounded x: `y = W x`, then `y += W x`
+/// over it as down adds to the residual. K = 32,768 is the largest it takes.
+#[test]
+fn gemv_v2_from_f16_x_past_the_f32_limit_matches_the_cpu() {
+    let cfg = Config::from_env();
+    let Some(gpu) = cuda_or_skip("GPU", Gpu::open(0, &cfg)) else {
+        return;
+    };
+    let mut ops = Ops::new(gpu, cfg).unwrap();
+    // Forced: Auto takes v3 for a matrix this small (GEMV3_MAX_BYTES).
+    ops.gemv = GemvChoice::Fixed(Gemv::V2);
+    let gpu = &ops.gpu;
+    for (i, k) in [27_648usize, 32_768].into_iter().enumerate() {
+        let rows = 72;
+        let a = Matrix::new(gpu, rows, k, 2 * i as u64 + 101);
+        let x16: Vec<u16> = random(k, k as u64, -1.0, 1.0)
+            .iter()
+            .map(|&v| f16::from_f32(v).to_bits())
+            .collect();
+        let x: Vec<f32> = x16.iter().map(|&h| f16::from_bits(h).to_f32()).collect();
+        let x16d = gpu.upload(&x16).unwrap();
+        let y = gpu.zeros::<f32>(rows).unwrap();
+        let xp = Input::raw_f16(gpu.ptr(&x16d));
+        ops.gemv(a.dev.as_ref(gpu), rows, k, xp, gpu.ptr(&y), false, 0, 0)
+            .unwrap();
+        let once = gpu.download(&y, rows).unwrap();
+        ops.gemv(a.dev.as_ref(gpu), rows, k, xp, gpu.ptr(&y), true, 0, 0)
+            .unwrap();
+        let twice = gpu.download(&y, rows).unwrap();
+        for r in 0..rows {
+            let (v, m) = a.dot(r, &x);
+            let tol = tolerance(m);
+            assert!(
+                (once[r] - v).abs() <= tol,
+                "K = {k}, y = W x: row {r} got {}, want {v} (tolerance {tol})",
+                once[r]
+            );
+            assert!(
+                (twice[r] - (once[r] + v)).abs() <= 2.0 * tol,
+                "K = {k}, y += W x: row {r} got {}, want {} (tolerance {})",
+                twice[r],
+                once[r] + v,
+                2.0 * tol
+            );
+        }
+    }
+    // Past 32,768 even an f16 x is refused, with the limits named.
+    let k = 32_832;
+    let a = Matrix::new(gpu, 16, k, 7);
+    let x16 = gpu.zeros::<u16>(k).unwrap();
+    let y = gpu.zeros::<f32>(16).unwrap();
+    let err = ops
+        .gemv(
+            a.dev.as_ref(gpu),
+            16,
+            k,
+            Input::raw_f16(gpu.ptr(&x16)),
+            gpu.ptr(&y),
+            false,
+            0,
+            0,
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("32768 from f16 x"), "{err}");
+}
