@@ -5,7 +5,8 @@
 //! shape; SwiGLU over 2 warps a row at 2 chunks a lane, the default kernel for K =
 //! 2080..4096, and SwiGLU at 3 chunks, are checked only here, and so is GEMV v2's f16 input
 //! (DV2_FFN_F16) against the same values in f32, bit for bit.
-//! (J = 4 from f16 x, K past 24,576, runs in the 32B shape's oracle gate, cuda_gates.)
+//! J = 4 from f16 x (K past 24,576) has its own test below, and runs in the 32B shape's oracle
+//! gate (cuda_gates).
 //! With no CUDA device: SKIP; under DV2_REQUIRE_CUDA=1 a missing device fails.
 
 mod common;
