@@ -14,6 +14,8 @@ shift
 ex=.device/examples
 export LD_LIBRARY_PATH=$PWD/.device/lib:/usr/local/cuda/lib64
 mkdir -p "$work"
+# The first CUDA context of a fresh machine also initializes the GPU (persistence mode off).
+nvidia-smi --query-gpu=name,persistence_mode --format=csv,noheader || true
 
 evict() {
   sync
@@ -39,6 +41,9 @@ measure() {
   evict "$path"
   echo "== cold: $path (page cache evicted, kernel cache empty: $cache)"
   DV2_CACHE_DIR=$cache "$ex/bench" --load "$path" 1
+  # What the cold load compiled into its new cache (session 30: the bnb directory's cold load
+  # showed no compile time; this says whether it wrote cubins).
+  echo "kernel cache after the cold load:"; ls -l "$cache"
   echo "== warm: $path (pages and kernels cached)"
   DV2_CACHE_DIR=$cache "$ex/bench" --load "$path" "$reps"
 }
