@@ -360,8 +360,8 @@ fn options(arch: &str, cfg: &Config) -> Vec<String> {
     opts
 }
 
-/// Runs NVRTC on `src` and returns the cubin, or the compiler log as the error.
-fn nvrtc_compile(name: &str, src: &str, opts: &[String]) -> Result<Vec<u8>> {
+/// Runs NVRTC on `src` and returns the cubin and the compiler's log, or the log as the error.
+fn nvrtc_compile(name: &str, src: &str, opts: &[String]) -> Result<(Vec<u8>, String)> {
     let c_src =
         CString::new(src).map_err(|_| Error::Internal("kernel source holds a NUL".into()))?;
     let c_name = CString::new(name).unwrap_or_default();
@@ -369,19 +369,18 @@ fn nvrtc_compile(name: &str, src: &str, opts: &[String]) -> Result<Vec<u8>> {
         .map_err(|e| Error::Cuda(format!("nvrtcCreateProgram: {e:?}")))?;
     // SAFETY: `prog` is live until destroy_program below; buffers are sized by NVRTC's answers.
     let result = unsafe {
-        match nvrtc::compile_program(prog, opts) {
-            Err(e) => {
-                let log = nvrtc::get_program_log(prog).unwrap_or_default();
-                let log: Vec<u8> = log
-                    .iter()
-                    .map(|c| *c as u8)
-                    .take_while(|c| *c != 0)
-                    .collect();
-                Err(Error::Cuda(format!(
-                    "NVRTC failed on {name} ({e:?}):\n{}",
-                    String::from_utf8_lossy(&log)
-                )))
-            }
+        let compiled = nvrtc::compile_program(prog, opts);
+        let log = nvrtc::get_program_log(prog).unwrap_or_default();
+        let log: Vec<u8> = log
+            .iter()
+            .map(|c| *c as u8)
+            .take_while(|c| *c != 0)
+            .collect();
+        let log = String::from_utf8_lossy(&log).into_owned();
+        match compiled {
+            Err(e) => Err(Error::Cuda(format!(
+                "NVRTC failed on {name} ({e:?}):\n{log}"
+            ))),
             Ok(()) => {
                 let mut size = 0usize;
                 nvrtc_sys::nvrtcGetCUBINSize(prog, &mut size)
@@ -392,7 +391,7 @@ fn nvrtc_compile(name: &str, src: &str, opts: &[String]) -> Result<Vec<u8>> {
                         nvrtc_sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr().cast())
                             .result()
                             .map_err(|e| Error::Cuda(format!("nvrtcGetCUBIN: {e:?}")))?;
-                        Ok(cubin)
+                        Ok((cubin, log))
                     })
             }
         }
@@ -426,7 +425,7 @@ pub fn compile(unit: &KernelUnit, arch: &str, cfg: &Config) -> Result<Vec<u8>> {
         if let Some(bytes) = cached.as_ref().and_then(|p| std::fs::read(p).ok()) {
             return Ok(bytes);
         }
-        let cubin = nvrtc_compile(unit.name, &src, &opts)?;
+        let (cubin, _) = nvrtc_compile(unit.name, &src, &opts)?;
         if let Some(path) = cached {
             // A cache that cannot be written only costs the next load a compile.
             let tmp = path.with_extension(format!("tmp{}", std::process::id()));
@@ -437,6 +436,20 @@ pub fn compile(unit: &KernelUnit, arch: &str, cfg: &Config) -> Result<Vec<u8>> {
         Ok(cubin)
     };
     with_nvrtc(compile)
+}
+
+/// ptxas's report on a kernel file for `arch` under `cfg` (registers, stack, spill stores and
+/// loads of every kernel: `--ptxas-options=-v`), compiled afresh, never from the cache. Needs
+/// libnvrtc, not a GPU. Why: a kernel past its register bound spills without an error (the
+/// 32B shape's SwiGLU kernel did, docs/lab.md session 30); tests/cuda_kernels.rs reads this.
+pub fn ptxas_report(unit: &KernelUnit, arch: &str, cfg: &Config) -> Result<String> {
+    with_nvrtc(|| {
+        let src = source(unit, cfg.kernel_dir.as_ref())?;
+        let mut opts = options(arch, cfg);
+        check_nvrtc(arch)?;
+        opts.push("--ptxas-options=-v".into());
+        nvrtc_compile(unit.name, &src, &opts).map(|(_, log)| log)
+    })
 }
 
 /// The tensor-core GEMM kernels of one epilogue: f16 activations by width (index into
