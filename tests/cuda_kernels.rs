@@ -13,14 +13,23 @@ use decodev2::cuda::kernels::{
 };
 use decodev2::Error;
 
-#[test]
-fn decode_kernels_compile_for_sm_90() {
+/// Whether libnvrtc is here; without it the test says SKIP (a failure under
+/// DV2_REQUIRE_CUDA=1).
+fn nvrtc_or_skip() -> bool {
     if !nvrtc_present() {
         assert!(
             std::env::var_os("DV2_REQUIRE_CUDA").is_none(),
             "DV2_REQUIRE_CUDA is set but libnvrtc was not found"
         );
         println!("SKIP: libnvrtc not found (set LD_LIBRARY_PATH to a CUDA 12.4+ or 13 lib dir)");
+        return false;
+    }
+    true
+}
+
+#[test]
+fn decode_kernels_compile_for_sm_90() {
+    if !nvrtc_or_skip() {
         return;
     }
     let (major, minor) = nvrtc_for("sm_90").unwrap_or_else(|e| panic!("{e}"));
@@ -106,12 +115,7 @@ fn spills(report: &str) -> Vec<(String, usize)> {
 /// SwiGLU ran 16% slower decode for it (docs/lab.md, session 30).
 #[test]
 fn decode_kernels_do_not_spill_on_sm_90_but_the_known_two() {
-    if !nvrtc_present() {
-        assert!(
-            std::env::var_os("DV2_REQUIRE_CUDA").is_none(),
-            "DV2_REQUIRE_CUDA is set but libnvrtc was not found"
-        );
-        println!("SKIP: libnvrtc not found (set LD_LIBRARY_PATH to a CUDA 12.4+ or 13 lib dir)");
+    if !nvrtc_or_skip() {
         return;
     }
     // (kernel, spill-store bytes measured, why it may): session 30, NVRTC 13.0 (12.4: the first
