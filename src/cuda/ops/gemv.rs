@@ -116,11 +116,12 @@ impl Ops {
         Ok((j, kparts, cfg))
     }
 
-    /// The GEMV family for a `rows` x `cols` NF4 matrix (gate and up count together).
-    fn gemv_kernel(&self, rows: usize, cols: usize) -> Gemv {
+    /// The GEMV family for a `rows` x `cols` NF4 matrix (gate and up count together) whose x
+    /// comes as f16 with `x_f16`.
+    fn gemv_kernel(&self, rows: usize, cols: usize, x_f16: bool) -> Gemv {
         match self.gemv {
             GemvChoice::Fixed(v) => v,
-            GemvChoice::Auto => auto_gemv(rows, cols, self.cfg.ffn_f16),
+            GemvChoice::Auto => auto_gemv(rows, cols, x_f16),
         }
     }
 
@@ -212,14 +213,7 @@ impl Ops {
         ss_out: u64,
     ) -> Result<usize> {
         let (rows_i, cols_i, acc, bias) = (rows as i32, cols as i32, accumulate as i32, 0u64);
-        // Past GEMV2_MAX_K v2 takes only an f16 x (down's): an f32 one there (o's, were its K
-        // that large) goes to v3, as auto_gemv would send it without DV2_FFN_F16.
-        let kernel = match self.gemv_kernel(rows, cols) {
-            Gemv::V2 if self.gemv == GemvChoice::Auto && !input.f16 && cols > GEMV2_MAX_K => {
-                Gemv::V3
-            }
-            kernel => kernel,
-        };
+        let kernel = self.gemv_kernel(rows, cols, input.f16);
         if input.f16 && !self.stages_f16(kernel) {
             return Err(Error::Internal(
                 "an f16 input given to a GEMV kernel that reads f32".into(),
@@ -274,7 +268,7 @@ impl Ops {
         let Some(kernels) = &self.k.gemv2_logits else {
             return Ok(false);
         };
-        if self.cfg.linear_mma || self.gemv_kernel(rows, cols) != Gemv::V2 || input.f16 {
+        if self.cfg.linear_mma || self.gemv_kernel(rows, cols, false) != Gemv::V2 || input.f16 {
             return Ok(false);
         }
         let (j, kparts, mut cfg) = self.gemv_v2_launch(rows, cols, false, 3)?;
@@ -304,12 +298,12 @@ impl Ops {
 
     /// Whether the GEMV of a `rows` x `cols` matrix takes an f16 input.
     pub fn gemv_takes_f16(&self, rows: usize, cols: usize) -> bool {
-        self.stages_f16(self.gemv_kernel(rows, cols))
+        self.stages_f16(self.gemv_kernel(rows, cols, true))
     }
 
     /// Whether the SwiGLU of two `rows` x `cols` matrices can write f16 (GEMV v2).
     pub fn swiglu_writes_f16(&self, rows: usize, cols: usize) -> bool {
-        self.stages_f16(self.gemv_kernel(2 * rows, cols))
+        self.stages_f16(self.gemv_kernel(2 * rows, cols, false))
     }
 
     /// Whether the decode step writes the SwiGLU output (`intermediate` values from K =
@@ -332,7 +326,7 @@ impl Ops {
     pub fn qkv(&self, args: QkvArgs, cols: usize, input: Input, out: u64) -> Result<bool> {
         let rows = args.rows.iter().sum::<i32>() as usize;
         let cols_i = cols as i32;
-        let kernel = self.gemv_kernel(rows, cols);
+        let kernel = self.gemv_kernel(rows, cols, false);
         let (x, norm) = self.input(input, cols)?;
         let mats = [0, 1, 2].map(|i| GemmMatrix {
             m: args.m[i],
@@ -376,7 +370,7 @@ impl Ops {
         out_f16: bool,
     ) -> Result<()> {
         let (rows_i, cols_i) = (rows as i32, cols as i32);
-        let kernel = self.gemv_kernel(2 * rows, cols);
+        let kernel = self.gemv_kernel(2 * rows, cols, false);
         if out_f16 && !self.swiglu_writes_f16(rows, cols) {
             return Err(Error::Internal(
                 "an f16 SwiGLU output asked of a kernel that writes f32".into(),
@@ -407,16 +401,12 @@ impl Ops {
     }
 }
 
-/// [`GemvChoice::Auto`]'s kernel for a `rows` x `cols` NF4 matrix: v3 also past v2's K, unless
-/// x comes as f16 (`ffn_f16`: down's input), which v2 takes up to [`GEMV2_X16_MAX_K`] (down
-/// at the 32B shape, K = 27,648: +16% decode against v3, docs/lab.md session 30). Only down
-/// has K past [`GEMV2_MAX_K`] (`check_shape`).
-fn auto_gemv(rows: usize, cols: usize, ffn_f16: bool) -> Gemv {
-    let v2_max_k = if ffn_f16 {
-        GEMV2_X16_MAX_K
-    } else {
-        GEMV2_MAX_K
-    };
+/// [`GemvChoice::Auto`]'s kernel for a `rows` x `cols` NF4 matrix: v3 also past v2's K, which
+/// is [`GEMV2_X16_MAX_K`] where x comes as f16 (`x_f16`: down's input with `DV2_FFN_F16`; down
+/// at the 32B shape, K = 27,648: +16% decode against v3, docs/lab.md session 30), else
+/// [`GEMV2_MAX_K`].
+fn auto_gemv(rows: usize, cols: usize, x_f16: bool) -> Gemv {
+    let v2_max_k = if x_f16 { GEMV2_X16_MAX_K } else { GEMV2_MAX_K };
     if rows * cols / 2 < GEMV3_MAX_BYTES || cols > v2_max_k {
         Gemv::V3
     } else {
