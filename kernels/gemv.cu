@@ -44,8 +44,9 @@ struct XSlice {
 // (gate/up and lm_head at K = 2,048 need 2) in fewer instructions than 8, code each warp runs
 // once (docs/lab.md, session 13).
 #define GEMV2_X_BATCH 4
+template <int THREADS = GEMV_THREADS>
 __device__ __forceinline__ void stage_x(const float* __restrict__ x, int cols, NormArgs norm, float* x_staged) {
-    for_each_x_quad<GEMV_THREADS, GEMV2_X_BATCH>(x, cols, norm, [&](int q, float4 v, uint2 w, float r) {
+    for_each_x_quad<THREADS, GEMV2_X_BATCH>(x, cols, norm, [&](int q, float4 v, uint2 w, float r) {
         float e[4] = {v.x, v.y, v.z, v.w};
         if (norm.w) {
             const u32 w2[2] = {w.x, w.y};
@@ -79,18 +80,19 @@ __device__ __forceinline__ void read_x_slice(const float* x_staged, int part, in
 // CTA, as many bytes as the CTA's weights, in two round trips of X_BATCH loads; f16 halves
 // them and fits one round trip. The bits are those of the f32 path (the same rounding, done
 // by the writer).
+template <int THREADS = GEMV_THREADS>
 __device__ __forceinline__ void stage_x16(const u16* __restrict__ x, int cols, u32* staged) {
     const int pieces = cols >> 3;  // 16 bytes each, 4 per chunk
-    for (int base = threadIdx.x; base < pieces; base += X_BATCH * GEMV_THREADS) {
+    for (int base = threadIdx.x; base < pieces; base += X_BATCH * THREADS) {
         uint4 v[X_BATCH];
 #pragma unroll
         for (int u = 0; u < X_BATCH; u++) {
-            const int i = base + u * GEMV_THREADS;
+            const int i = base + u * THREADS;
             if (i < pieces) v[u] = reinterpret_cast<const uint4*>(x)[i];
         }
 #pragma unroll
         for (int u = 0; u < X_BATCH; u++) {
-            const int i = base + u * GEMV_THREADS;
+            const int i = base + u * THREADS;
             if (i < pieces) *reinterpret_cast<uint4*>(staged + (i >> 2) * X16_STAGE_STRIDE + (i & 3) * 4) = v[u];
         }
     }
@@ -232,8 +234,9 @@ __device__ __forceinline__ float dot_row_pair16(const RowChunks<J>& rc, const XH
 //   Nf4Ref matrix(int row, int* local_row); void store(int row, float sum[NM]) for NM
 //   matrices per row (1, or 2 for SwiGLU's gate and up); void tail(), run as the walk ends,
 //   and void finish() after the epilogues (every thread of the CTA).
-// X16: x comes as f16 (stage_x16), else f32 (stage_x).
-template <int J, int R, int NM, bool X16, typename Rows>
+// X16: x comes as f16 (stage_x16), else f32 (stage_x). WARPS: the CTA's warps (GEMV_WARPS,
+// or 10 for the experiment's 5 warps a row).
+template <int J, int R, int NM, bool X16, int WARPS = GEMV_WARPS, typename Rows>
 __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, const float* __restrict__ x,
                                            NormArgs norm, int kparts, const int* skip_if, int early_ctas = 0,
                                            int early_rows = 0) {
@@ -241,21 +244,29 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     // lays it out, before x; else in static shared memory.
     constexpr bool prmt_table = Rows::prmt_table;
     __shared__ __align__(16) u32 pair16_static[prmt_table ? 1 : BYTE_LUT_WORDS];
-    __shared__ float partial[GEMV2_MAX_LANES_X_R * NM][GEMV_WARPS];
-    __shared__ float late_partial[GEMV2_LATE_FLOATS];
+    __shared__ float partial[GEMV2_MAX_LANES_X_R * NM][WARPS];
+    // (twice the floats with other WARPS: the experiment's 5 K-parts of ~107 rows of 2 sums)
+    constexpr int late_floats = GEMV2_LATE_FLOATS * (WARPS == GEMV_WARPS ? 1 : 2);
+    __shared__ float late_partial[late_floats];
     // Dynamic shared memory: that table (PRMT_LUT_WORDS words), then x as staged: cols / 32 *
     // X_STAGE_STRIDE floats, or cols / 32 * X16_STAGE_STRIDE words from f16.
     extern __shared__ __align__(16) float gemv2_dyn[];
     u32* pair16_lut = prmt_table ? reinterpret_cast<u32*>(gemv2_dyn) : pair16_static;
     float* x_staged = gemv2_dyn + (prmt_table ? PRMT_LUT_WORDS : 0);
     timeline_start();
-    if (prmt_table) load_byte_codebook_prmt<GEMV_THREADS>(pair16_lut);
-    else load_byte_codebook<GEMV_THREADS>(pair16_lut);
+    // The table build is written for GEMV_THREADS threads; a larger CTA's others skip it.
+    if (WARPS == GEMV_WARPS || (int)threadIdx.x < GEMV_THREADS) {
+        if (prmt_table) load_byte_codebook_prmt<GEMV_THREADS>(pair16_lut);
+        else load_byte_codebook<GEMV_THREADS>(pair16_lut);
+    }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const u32 lane4 = lane * 4;
-    // kparts is 1, 2, 4 or 8 (the host's gemv2_shape): the warp's roles by shifts and masks.
+    // kparts is 1, 2, 4 or 8 (the host's gemv2_shape): the warp's roles by shifts and masks;
+    // with other WARPS any divisor of them, by division.
     const int kshift = log2_pow2(kparts);
-    const int part = warp & (kparts - 1), row_lane = warp >> kshift, row_lanes = GEMV_WARPS >> kshift;
+    const int part = WARPS == GEMV_WARPS ? warp & (kparts - 1) : warp % kparts;
+    const int row_lane = WARPS == GEMV_WARPS ? warp >> kshift : warp / kparts;
+    const int row_lanes = WARPS == GEMV_WARPS ? GEMV_WARPS >> kshift : WARPS / kparts;
     // Rows by CTA: an equal share each, or (early_ctas > 0; SwiGLU, GEMV2_SWIGLU_SKEW on the
     // host) early_rows for each of the first early_ctas CTAs and an equal share of the rest for
     // the others. Why: the CTAs the scheduler places first (beside the previous kernel's)
@@ -281,7 +292,7 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     // epilogues (SwiGLU's exp and division by lane 0) leave the walk and run in parallel at
     // its end. Same sums in the same order. A CTA whose sums do not fit shared memory stores
     // as it goes.
-    const bool late = (r1 - r0) * NM * kparts <= GEMV2_LATE_FLOATS;
+    const bool late = (r1 - r0) * NM * kparts <= late_floats;
     // Software pipeline: the loads of the next block are issued before this block's math.
     RowChunks<J> cur[R][NM], nxt[R][NM];
     auto load_block = [&](int base, RowChunks<J> (&rc)[R][NM]) {
@@ -307,12 +318,12 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     if (late && (int)threadIdx.x < r1 - r0) early_epi = rows_of.epi(r0 + threadIdx.x);
     XHalves<J> xh;
     if (X16) {
-        stage_x16(reinterpret_cast<const u16*>(x), cols, reinterpret_cast<u32*>(x_staged));
+        stage_x16<WARPS * 32>(reinterpret_cast<const u16*>(x), cols, reinterpret_cast<u32*>(x_staged));
         __syncthreads();
         read_x16_slice<J>(reinterpret_cast<const u32*>(x_staged), part, cols, xh);
     } else {
         XSlice<J> xs;
-        stage_x(x, cols, norm, x_staged);
+        stage_x<WARPS * 32>(x, cols, norm, x_staged);
         __syncthreads();
         read_x_slice<J>(x_staged, part, cols, xs);
         pack_x_halves<J>(xs, xh);
@@ -363,7 +374,8 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
         if (threadIdx.x < block) {
             const int r = base + threadIdx.x;
             if (r < r1) {
-                const int i = threadIdx.x >> log2_pow2(row_lanes), rl = threadIdx.x & (row_lanes - 1);
+                const int i = WARPS == GEMV_WARPS ? threadIdx.x >> log2_pow2(row_lanes) : threadIdx.x / row_lanes;
+                const int rl = WARPS == GEMV_WARPS ? threadIdx.x & (row_lanes - 1) : threadIdx.x % row_lanes;
                 float total[NM];
 #pragma unroll
                 for (int k = 0; k < NM; k++) {
@@ -579,3 +591,18 @@ GEMV2_KERNELS(3, 1)
 // J = 4 from f16 x: K past GEMV2_MAX_K up to 32,768 (down at the 32B shape's K = 27,648,
 // +16% decode against GEMV v3 there: docs/lab.md, session 30).
 GEMV2_NF4_KERNEL(4, 1, true, _narrow_x16)
+// Experiment (session 31, DV2_X_SWIGLU_W10=R): SwiGLU at 1 chunk a lane over 5 warps a row,
+// 10 warps a CTA, for K = 5,120 (160 chunks: 5 x 32, where J = 2 over 4 warps puts 3 of its
+// 8 chunk slots past K and the walk is issue-bound, ncu: 0.78 issued per scheduler). R: rows in
+// flight a warp (1 or 2). The register bound fits two such CTAs an SM (96: the allocation
+// granularity of 8 below 65,536 / 640).
+#define GEMV2_W10_MAX_REGS 96
+#define GEMV2_SWIGLU_W10(R)                                                                                    \
+    extern "C" __global__ void __maxnreg__(GEMV2_W10_MAX_REGS)                                                 \
+        gemv2_swiglu_j1_w10_r##R(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm, float* out, \
+                                 int rows, int cols, int kparts, int out_f16, int early_ctas, int early_rows) { \
+        SwigluRows g{gate, up, out, out_f16 != 0};                                                             \
+        gemv2_walk<1, R, 2, false, 10>(g, rows, cols, x, norm, kparts, nullptr, early_ctas, early_rows);      \
+    }
+GEMV2_SWIGLU_W10(1)
+GEMV2_SWIGLU_W10(2)

@@ -385,6 +385,23 @@ impl Ops {
             Gemv::V3 => self
                 .gemv3(Epilogue::Swiglu, &mats, cols, x, norm, out, 0, 0, false)
                 .map(|_| ()),
+            Gemv::V2 if self.cfg.swiglu_w10 > 0 && cols == 5 * 1024 => {
+                // Experiment (session 31, DV2_X_SWIGLU_W10): 1 chunk a lane over 5 warps a row,
+                // 10 warps a CTA, two CTAs an SM.
+                let threads = 10 * 32;
+                let ctas = (self.sms * GEMV2_CTAS_PER_SM)
+                    .min(rows.div_ceil(2) as u32)
+                    .max(1);
+                let cfg = LaunchConfig {
+                    grid_dim: (ctas, 1, 1),
+                    block_dim: (threads, 1, 1),
+                    shared_mem_bytes: (cols / 32 * GEMV2_X_STRIDE * 4) as u32,
+                };
+                let (kp, f16) = (5i32, i32::from(out_f16));
+                let (early_ctas, early_rows) = skewed_split(rows, ctas, GEMV2_SWIGLU_SKEW);
+                let f = &self.k.gemv2_swiglu_w10[self.cfg.swiglu_w10 - 1];
+                launch!(self.gpu, f, cfg; gate, up, x, norm, out, rows_i, cols_i, kp, f16, early_ctas, early_rows)
+            }
             Gemv::V2 => {
                 // At most 2 chunks a lane where K allows (up to 16,384): J = 3's kernel spills
                 // (kernels/gemv.cu, GEMV2_KERNELS).
