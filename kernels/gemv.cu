@@ -235,7 +235,7 @@ __device__ __forceinline__ float dot_row_pair16(const RowChunks<J>& rc, const XH
 //   matrices per row (1, or 2 for SwiGLU's gate and up); void tail(), run as the walk ends,
 //   and void finish() after the epilogues (every thread of the CTA).
 // X16: x comes as f16 (stage_x16), else f32 (stage_x). WARPS: the CTA's warps (GEMV_WARPS,
-// or 10 for the experiment's 5 warps a row).
+// or 10 for gemv2_swiglu_j1_w10's 5 warps a row).
 template <int J, int R, int NM, bool X16, int WARPS = GEMV_WARPS, typename Rows>
 __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, const float* __restrict__ x,
                                            NormArgs norm, int kparts, const int* skip_if, int early_ctas = 0,
@@ -245,7 +245,7 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     constexpr bool prmt_table = Rows::prmt_table;
     __shared__ __align__(16) u32 pair16_static[prmt_table ? 1 : BYTE_LUT_WORDS];
     __shared__ float partial[GEMV2_MAX_LANES_X_R * NM][WARPS];
-    // (twice the floats with other WARPS: the experiment's 5 K-parts of ~107 rows of 2 sums)
+    // (twice the floats with other WARPS: gemv2_swiglu_j1_w10's 5 K-parts of ~107 rows of 2 sums)
     constexpr int late_floats = GEMV2_LATE_FLOATS * (WARPS == GEMV_WARPS ? 1 : 2);
     __shared__ float late_partial[late_floats];
     // Dynamic shared memory: that table (PRMT_LUT_WORDS words), then x as staged: cols / 32 *
@@ -539,7 +539,7 @@ struct LogitRows {
 // what fits 255 registers, so that each kernel stays within 128 (no spills but SwiGLU's at J
 // = 3, 184 bytes, which the host takes only past K = 16,384: at the 32B shape's K = 5,120
 // SwiGLU at J = 2 over 4 warps a row ran +16% decode against J = 3 over 2, docs/lab.md
-// session 30): a CTA fits beside a GEMV v3 CTA (o's, before gate/up), so it becomes
+// session 30, and gemv2_swiglu_j1_w10 below +12% more, session 31): a CTA fits beside a GEMV v3 CTA (o's, before gate/up), so it becomes
 // resident and builds its table while that kernel runs, and two fit an SM (GEMV2_CTAS_PER_SM
 // on the host): 6% faster decode than one CTA of twice the rows (docs/lab.md, session 10).
 // The _narrow suffix names that bound.
@@ -591,18 +591,16 @@ GEMV2_KERNELS(3, 1)
 // J = 4 from f16 x: K past GEMV2_MAX_K up to 32,768 (down at the 32B shape's K = 27,648,
 // +16% decode against GEMV v3 there: docs/lab.md, session 30).
 GEMV2_NF4_KERNEL(4, 1, true, _narrow_x16)
-// Experiment (session 31, DV2_X_SWIGLU_W10=R): SwiGLU at 1 chunk a lane over 5 warps a row,
-// 10 warps a CTA, for K = 5,120 (160 chunks: 5 x 32, where J = 2 over 4 warps puts 3 of its
-// 8 chunk slots past K and the walk is issue-bound, ncu: 0.78 issued per scheduler). R: rows in
-// flight a warp (1 or 2). The register bound fits two such CTAs an SM (96: the allocation
-// granularity of 8 below 65,536 / 640).
+// SwiGLU at K = 5,120 (the 32B shape's gate and up; the host's SWIGLU_FIVE_PARTS_K): 160
+// chunks, 5 x 32, so 1 chunk a lane over 5 warps a row, 10 warps a CTA, 2 rows in flight a
+// warp. Why: over 4 warps at 2 chunks a lane, 3 of a row's 8 chunk slots lie past K, and the
+// walk is issue-bound (ncu at that shape: 0.78 issued per scheduler, compute 74%): 63.5 ->
+// 44.8 us a launch, +12.4% decode at depth 48 (docs/lab.md, session 31). The register bound
+// fits two such CTAs an SM (96: the allocation granularity of 8 below 65,536 / 640).
 #define GEMV2_W10_MAX_REGS 96
-#define GEMV2_SWIGLU_W10(R)                                                                                    \
-    extern "C" __global__ void __maxnreg__(GEMV2_W10_MAX_REGS)                                                 \
-        gemv2_swiglu_j1_w10_r##R(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm, float* out, \
-                                 int rows, int cols, int kparts, int out_f16, int early_ctas, int early_rows) { \
-        SwigluRows g{gate, up, out, out_f16 != 0};                                                             \
-        gemv2_walk<1, R, 2, false, 10>(g, rows, cols, x, norm, kparts, nullptr, early_ctas, early_rows);      \
-    }
-GEMV2_SWIGLU_W10(1)
-GEMV2_SWIGLU_W10(2)
+extern "C" __global__ void __maxnreg__(GEMV2_W10_MAX_REGS)
+    gemv2_swiglu_j1_w10(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm, float* out, int rows,
+                        int cols, int kparts, int out_f16, int early_ctas, int early_rows) {
+    SwigluRows g{gate, up, out, out_f16 != 0};
+    gemv2_walk<1, 2, 2, false, 10>(g, rows, cols, x, norm, kparts, nullptr, early_ctas, early_rows);
+}

@@ -169,9 +169,6 @@ pub struct Config {
     pub cache_dir: Option<PathBuf>,
     pub lineinfo: bool,
     pub cta_timeline: bool,
-    /// Experiment (session 31): SwiGLU at K = 5,120 over 5 warps a row, 10 warps a CTA, with
-    /// this many rows in flight a warp (`DV2_X_SWIGLU_W10=1` or `2`; 0: off).
-    pub swiglu_w10: usize,
 }
 
 impl Default for Config {
@@ -212,11 +209,6 @@ impl Config {
                 .or_else(|| default_cache_dir(&var)),
             lineinfo: is("DV2_LINEINFO", "1"),
             cta_timeline: is("DV2_CTA_TIMELINE", "1"),
-            swiglu_w10: if is("DV2_X_SWIGLU_W10", "2") {
-                2
-            } else {
-                usize::from(is("DV2_X_SWIGLU_W10", "1"))
-            },
         }
     }
 

@@ -5,8 +5,8 @@
 //! shape; SwiGLU over 2 warps a row at 2 chunks a lane, the default kernel for K =
 //! 2080..4096, and SwiGLU at 3 chunks, are checked only here, and so is GEMV v2's f16 input
 //! (DV2_FFN_F16) against the same values in f32, bit for bit.
-//! J = 4 from f16 x (K past 24,576) has its own test below, and runs in the 32B shape's oracle
-//! gate (cuda_gates).
+//! J = 4 from f16 x (K past 24,576) has its own test below; it and SwiGLU over 5 warps a row
+//! (K = 5,120) run in the 32B shape's oracle gate too (cuda_gates).
 //! With no CUDA device: SKIP; under DV2_REQUIRE_CUDA=1 a missing device fails.
 
 mod common;
@@ -21,8 +21,9 @@ use decodev2::nf4::Nf4Matrix;
 use half::f16;
 
 /// K for each GEMV v2 shape (chunks per lane J, warps per row): (1, 1), (2, 1), (3, 1), (2, 2),
-/// (3, 4), (2, 8), (3, 8) — the last is the largest K v2 takes.
-const KS: [usize; 7] = [256, 2048, 2560, 4096, 11008, 16384, 24576];
+/// (3, 4), (2, 8), (3, 8) — the last is the largest K v2 takes — and 5,120, where SwiGLU runs
+/// over 5 warps a row, 10 a CTA (the others at J = 3 over 2 warps).
+const KS: [usize; 8] = [256, 2048, 2560, 4096, 5120, 11008, 16384, 24576];
 
 /// A random NF4 matrix: its host copy (dequantized for the reference) and its device copy.
 struct Matrix {

@@ -481,9 +481,8 @@ pub struct Kernels {
     pub gemv2_nf4_x16_j4: CudaFunction,
     pub gemv2_qkv: [CudaFunction; 3],
     pub gemv2_swiglu: [CudaFunction; 3],
-    /// Experiment (session 31): SwiGLU at J = 1 over 5 warps a row, 10 warps a CTA, by rows in
-    /// flight a warp (1, 2).
-    pub gemv2_swiglu_w10: [CudaFunction; 2],
+    /// SwiGLU at J = 1 over 5 warps a row, 10 warps a CTA (K = 5,120 alone).
+    pub gemv2_swiglu_w10: CudaFunction,
     /// lm_head with the argmax folded in, by J (`DV2_LOGITS_ARGMAX`; compiled only then).
     pub gemv2_logits: Option<[CudaFunction; 3]>,
     /// Attention v2: for any head_dim, and unrolled for head_dim <= 128.
@@ -620,9 +619,9 @@ impl Kernels {
             gemv2_qkv: gemv2("gemv2_qkv", "_narrow", GEMV2_MAX_SMEM)?,
             gemv2_swiglu: gemv2("gemv2_swiglu", "_narrow", GEMV2_MAX_SMEM)?,
             gemv2_swiglu_w10: {
-                let fs = [f("gemv2_swiglu_j1_w10_r1")?, f("gemv2_swiglu_j1_w10_r2")?];
-                allow_dynamic_smem(gpu, &fs, GEMV2_MAX_SMEM)?;
-                fs
+                let f = f("gemv2_swiglu_j1_w10")?;
+                allow_dynamic_smem(gpu, std::slice::from_ref(&f), GEMV2_MAX_SMEM)?;
+                f
             },
             gemv2_logits: if cfg.logits_argmax {
                 Some(gemv2(

@@ -72,6 +72,12 @@ pub const GEMV2_CTAS_PER_SM: u32 = 2;
 /// (docs/lab.md, sessions 17-18; down and lm_head measured slower with any skew).
 pub const GEMV2_SWIGLU_SKEW: i32 = 2;
 
+/// The K at which SwiGLU runs over 5 warps a row, 10 warps a CTA, one chunk a lane
+/// (`gemv2_swiglu_j1_w10`): 160 chunks, where the 8-warp shapes leave 3 of 8 chunk slots past K
+/// (J = 2 over 4 warps) or spill (J = 3 over 2). +12.4% decode on the 32B shape against J = 2
+/// over 4 warps (docs/lab.md, session 31).
+pub const SWIGLU_FIVE_PARTS_K: usize = 5 * 1024;
+
 impl Ops {
     /// argmax_logits' grid: a CTA of 256 threads per SM, each taking a slice of the logits
     /// (one CTA of 1024 threads measured slower: docs/lab.md, 25af0c8).
@@ -385,22 +391,18 @@ impl Ops {
             Gemv::V3 => self
                 .gemv3(Epilogue::Swiglu, &mats, cols, x, norm, out, 0, 0, false)
                 .map(|_| ()),
-            Gemv::V2 if self.cfg.swiglu_w10 > 0 && cols == 5 * 1024 => {
-                // Experiment (session 31, DV2_X_SWIGLU_W10): 1 chunk a lane over 5 warps a row,
-                // 10 warps a CTA, two CTAs an SM.
-                let threads = 10 * 32;
+            Gemv::V2 if cols == SWIGLU_FIVE_PARTS_K => {
                 let ctas = (self.sms * GEMV2_CTAS_PER_SM)
                     .min(rows.div_ceil(2) as u32)
                     .max(1);
                 let cfg = LaunchConfig {
                     grid_dim: (ctas, 1, 1),
-                    block_dim: (threads, 1, 1),
+                    block_dim: (10 * 32, 1, 1),
                     shared_mem_bytes: (cols / 32 * GEMV2_X_STRIDE * 4) as u32,
                 };
                 let (kp, f16) = (5i32, i32::from(out_f16));
                 let (early_ctas, early_rows) = skewed_split(rows, ctas, GEMV2_SWIGLU_SKEW);
-                let f = &self.k.gemv2_swiglu_w10[self.cfg.swiglu_w10 - 1];
-                launch!(self.gpu, f, cfg; gate, up, x, norm, out, rows_i, cols_i, kp, f16, early_ctas, early_rows)
+                launch!(self.gpu, &self.k.gemv2_swiglu_w10, cfg; gate, up, x, norm, out, rows_i, cols_i, kp, f16, early_ctas, early_rows)
             }
             Gemv::V2 => {
                 // At most 2 chunks a lane where K allows (up to 16,384): J = 3's kernel spills
