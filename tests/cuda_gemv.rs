@@ -293,3 +293,63 @@ fn gemv_v2_from_f16_x_past_the_f32_limit_matches_the_cpu() {
         .unwrap_err();
     assert!(err.to_string().contains("32768 from f16 x"), "{err}");
 }
+
+/// On a device that lets a CTA opt into 99 KiB of shared memory (sm_86, sm_89, sm_120: the
+/// limit set on the H200's capabilities before the kernels load, so the driver holds every
+/// GEMV to it), the 32B shape's down — K = 27,648 from f16 x, whose 69,120 bytes of x GEMV v2
+/// stages beside ~38 KiB of its own — runs on GEMV v3 and matches the CPU, where GEMV v2
+/// forced is refused naming both sizes instead of failing to launch.
+#[test]
+fn a_99_kib_device_runs_down_past_gemv_v2s_room_on_v3() {
+    let cfg = Config::from_env();
+    let Some(mut gpu) = cuda_or_skip("GPU", Gpu::open(0, &cfg)) else {
+        return;
+    };
+    gpu.caps.max_smem_per_cta = 99 << 10;
+    let mut ops = Ops::new(gpu, cfg).unwrap();
+    let gpu = &ops.gpu;
+    // 640 rows: 8.8 MB of NF4, past the size below which Auto takes v3 anyway.
+    let (rows, k) = (640, 27_648);
+    let a = Matrix::new(gpu, rows, k, 211);
+    let x16: Vec<u16> = random(k, 5, -1.0, 1.0)
+        .iter()
+        .map(|&v| f16::from_f32(v).to_bits())
+        .collect();
+    let x: Vec<f32> = x16.iter().map(|&h| f16::from_bits(h).to_f32()).collect();
+    let x16d = gpu.upload(&x16).unwrap();
+    let xp = Input::raw_f16(gpu.ptr(&x16d));
+    let y = gpu.zeros::<f32>(rows).unwrap();
+    assert!(
+        !ops.gemv_takes_f16(rows, k),
+        "v3 takes down here, and v3 reads f32"
+    );
+    let x32 = gpu.upload(&x).unwrap();
+    ops.gemv(
+        a.dev.as_ref(gpu),
+        rows,
+        k,
+        Input::raw(gpu.ptr(&x32)),
+        gpu.ptr(&y),
+        false,
+        0,
+        0,
+    )
+    .unwrap();
+    let got = gpu.download(&y, rows).unwrap();
+    for (r, &g) in got.iter().enumerate() {
+        let (v, m) = a.dot(r, &x);
+        let tol = tolerance(m);
+        assert!(
+            (g - v).abs() <= tol,
+            "row {r}: got {g}, want {v} (tolerance {tol})"
+        );
+    }
+    ops.gemv = GemvChoice::Fixed(Gemv::V2);
+    let err = ops
+        .gemv(a.dev.as_ref(gpu), rows, k, xp, gpu.ptr(&y), false, 0, 0)
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("69120 bytes of shared memory"),
+        "{err}"
+    );
+}

@@ -483,6 +483,12 @@ pub struct Kernels {
     pub gemv2_swiglu: [CudaFunction; 3],
     /// SwiGLU at J = 1 over 5 warps a row, 10 warps a CTA (K = 5,120 alone).
     pub gemv2_swiglu_w10: CudaFunction,
+    /// The dynamic shared memory (x staged) every GEMV v2 kernel may take on this device, by
+    /// x's type ([f32, f16]), and lm_head's (its table and x): what the device allows beside
+    /// their static shared memory where that is less than they ask (99 KiB a CTA on sm_86,
+    /// sm_89 and sm_120), so that a K past it goes to GEMV v3 instead of failing to launch.
+    pub gemv2_room: [usize; 2],
+    pub gemv2_logits_room: usize,
     /// lm_head with the argmax folded in, by J (`DV2_LOGITS_ARGMAX`; compiled only then).
     pub gemv2_logits: Option<[CudaFunction; 3]>,
     /// Attention v2: for any head_dim, and unrolled for head_dim <= 128.
@@ -590,7 +596,7 @@ impl Kernels {
             f("attn3_decode_hd64")?,
         ];
         allow_dynamic_smem(gpu, &attn3_decode, ATTN2_MAX_GROUP_X_HD * 4)?;
-        Ok(Self {
+        let mut k = Self {
             module: module.clone(),
             gemv3,
             gemv3_lean,
@@ -652,8 +658,38 @@ impl Kernels {
             ],
             attn_long_decode: [f("attn_long_decode_hd64")?, f("attn_long_decode_hd128")?],
             sample_draw: f("sample_draw")?,
-        })
+            gemv2_room: [0; 2],
+            gemv2_logits_room: 0,
+        };
+        let f32_x: Vec<&CudaFunction> = [&k.gemv2_nf4, &k.gemv2_qkv, &k.gemv2_swiglu]
+            .into_iter()
+            .flatten()
+            .chain([&k.gemv2_swiglu_w10])
+            .collect();
+        let f16_x: Vec<&CudaFunction> = k
+            .gemv2_nf4_x16
+            .iter()
+            .chain([&k.gemv2_nf4_x16_j4])
+            .collect();
+        k.gemv2_room = [dynamic_smem_room(&f32_x)?, dynamic_smem_room(&f16_x)?];
+        k.gemv2_logits_room = match &k.gemv2_logits {
+            Some(fs) => dynamic_smem_room(&fs.iter().collect::<Vec<_>>())?,
+            None => 0,
+        };
+        Ok(k)
     }
+}
+
+/// The least dynamic shared memory any of `funcs` may take, as [`allow_dynamic_smem`] set it.
+fn dynamic_smem_room(funcs: &[&CudaFunction]) -> Result<usize> {
+    let mut room = usize::MAX;
+    for func in funcs {
+        let allowed = func
+            .get_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)
+            .map_err(driver_error("dynamic shared memory attribute"))?;
+        room = room.min(allowed.max(0) as usize);
+    }
+    Ok(room)
 }
 
 #[cfg(test)]

@@ -109,17 +109,25 @@ impl Ops {
         let ctas = (self.sms * GEMV2_CTAS_PER_SM)
             .min(rows.div_ceil(row_lanes) as u32)
             .max(1);
-        let stride = if x_f16 {
-            GEMV2_X16_STRIDE
-        } else {
-            GEMV2_X_STRIDE
-        };
         let cfg = LaunchConfig {
             grid_dim: (ctas, 1, 1),
             block_dim: (GEMV_THREADS, 1, 1),
-            shared_mem_bytes: (cols / 32 * stride * 4) as u32,
+            shared_mem_bytes: self.gemv2_x_room(cols, x_f16)?,
         };
         Ok((j, kparts, cfg))
+    }
+
+    /// The shared memory GEMV v2 stages x in for K = cols, or an error where the device does
+    /// not let its kernels take that much ([`Kernels::gemv2_room`]).
+    fn gemv2_x_room(&self, cols: usize, x_f16: bool) -> Result<u32> {
+        let (need, room) = (gemv2_x_smem(cols, x_f16), self.k.gemv2_room[x_f16 as usize]);
+        if need > room {
+            return Err(Error::Unsupported(format!(
+                "K = {cols}: GEMV v2 stages x in {need} bytes of shared memory, this device \
+                 allows its kernels {room}"
+            )));
+        }
+        Ok(need as u32)
     }
 
     /// The GEMV family for a `rows` x `cols` NF4 matrix (gate and up count together) whose x
@@ -127,7 +135,7 @@ impl Ops {
     fn gemv_kernel(&self, rows: usize, cols: usize, x_f16: bool) -> Gemv {
         match self.gemv {
             GemvChoice::Fixed(v) => v,
-            GemvChoice::Auto => auto_gemv(rows, cols, x_f16),
+            GemvChoice::Auto => auto_gemv(rows, cols, x_f16, self.k.gemv2_room[x_f16 as usize]),
         }
     }
 
@@ -278,11 +286,13 @@ impl Ops {
             return Ok(false);
         }
         let (j, kparts, mut cfg) = self.gemv_v2_launch(rows, cols, false, 3)?;
-        if cfg.grid_dim.0 as usize > MAX_ARGMAX_CTAS {
+        let table_and_x = cfg.shared_mem_bytes as usize + GEMV2_PRMT_TABLE;
+        if cfg.grid_dim.0 as usize > MAX_ARGMAX_CTAS || table_and_x > self.k.gemv2_logits_room {
             return Ok(false);
         }
-        cfg.shared_mem_bytes += GEMV2_PRMT_TABLE as u32; // the table, before x
-                                                         // After the last check: without the producer's sums this launches the RMSNorm kernel.
+        // The table, before x.
+        cfg.shared_mem_bytes = table_and_x as u32;
+        // After the last check: without the producer's sums this launches the RMSNorm kernel.
         let (x, norm) = self.input(input, cols)?;
         let (rows_i, cols_i, kp) = (rows as i32, cols as i32, kparts as i32);
         let LogitsHead {
@@ -398,7 +408,7 @@ impl Ops {
                 let cfg = LaunchConfig {
                     grid_dim: (ctas, 1, 1),
                     block_dim: (10 * 32, 1, 1),
-                    shared_mem_bytes: (cols / 32 * GEMV2_X_STRIDE * 4) as u32,
+                    shared_mem_bytes: self.gemv2_x_room(cols, false)?,
                 };
                 let (kp, f16) = (5i32, i32::from(out_f16));
                 let (early_ctas, early_rows) = skewed_split(rows, ctas, GEMV2_SWIGLU_SKEW);
@@ -423,14 +433,26 @@ impl Ops {
 /// [`GemvChoice::Auto`]'s kernel for a `rows` x `cols` NF4 matrix: v3 also past v2's K, which
 /// is [`GEMV2_X16_MAX_K`] where x comes as f16 (`x_f16`: down's input with `DV2_FFN_F16`; down
 /// at the 32B shape, K = 27,648: +16% decode against v3, docs/lab.md session 30), else
-/// [`GEMV2_MAX_K`].
-fn auto_gemv(rows: usize, cols: usize, x_f16: bool) -> Gemv {
+/// [`GEMV2_MAX_K`], and where v2's x would not fit the `v2_room` bytes of shared memory the
+/// device lets it take (v3 stages x in f16 and takes K up to 32,768 in 99 KiB a CTA).
+fn auto_gemv(rows: usize, cols: usize, x_f16: bool, v2_room: usize) -> Gemv {
     let v2_max_k = if x_f16 { GEMV2_X16_MAX_K } else { GEMV2_MAX_K };
-    if rows * cols / 2 < GEMV3_MAX_BYTES || cols > v2_max_k {
+    if rows * cols / 2 < GEMV3_MAX_BYTES || cols > v2_max_k || gemv2_x_smem(cols, x_f16) > v2_room {
         Gemv::V3
     } else {
         Gemv::V2
     }
+}
+
+/// The dynamic shared memory GEMV v2 stages x in for K = cols: each 32-element chunk at
+/// [`GEMV2_X_STRIDE`] floats, or [`GEMV2_X16_STRIDE`] words from f16 x.
+pub fn gemv2_x_smem(cols: usize, x_f16: bool) -> usize {
+    let stride = if x_f16 {
+        GEMV2_X16_STRIDE
+    } else {
+        GEMV2_X_STRIDE
+    };
+    cols / 32 * stride * 4
 }
 
 /// GEMV v2's (early CTAs, rows each) for `rows` over `ctas` CTAs with the first half taking
@@ -466,23 +488,63 @@ pub fn gemv2_shape(cols: usize, max_j: usize) -> Result<(usize, u32)> {
 mod tests {
     use super::*;
 
+    /// The x room of GEMV v2's kernels on the H200: what they ask (GEMV2_MAX_SMEM).
+    const H200: usize = crate::cuda::kernels::GEMV2_MAX_SMEM;
+
     #[test]
     fn auto_gemv_takes_tensor_cores_for_the_small_matrices() {
         let s = &crate::arch::QWEN25_3B;
         let qkv = (s.n_q_heads + 2 * s.n_kv_heads) * s.head_dim;
-        assert_eq!(auto_gemv(qkv, s.hidden, true), Gemv::V3);
+        assert_eq!(auto_gemv(qkv, s.hidden, true, H200), Gemv::V3);
         assert_eq!(
-            auto_gemv(s.hidden, s.n_q_heads * s.head_dim, true),
+            auto_gemv(s.hidden, s.n_q_heads * s.head_dim, true, H200),
             Gemv::V3
         );
-        assert_eq!(auto_gemv(2 * s.intermediate, s.hidden, true), Gemv::V2);
-        assert_eq!(auto_gemv(s.hidden, s.intermediate, true), Gemv::V2);
-        assert_eq!(auto_gemv(s.vocab, s.hidden, true), Gemv::V2);
+        assert_eq!(
+            auto_gemv(2 * s.intermediate, s.hidden, true, H200),
+            Gemv::V2
+        );
+        assert_eq!(auto_gemv(s.hidden, s.intermediate, true, H200), Gemv::V2);
+        assert_eq!(auto_gemv(s.vocab, s.hidden, true, H200), Gemv::V2);
         let s = &crate::arch::QWEN25_32B;
         // down at K = 27,648: v2 from f16 x, v3 from f32 x (DV2_FFN_F16=0).
-        assert_eq!(auto_gemv(s.hidden, s.intermediate, true), Gemv::V2);
-        assert_eq!(auto_gemv(s.hidden, s.intermediate, false), Gemv::V3);
-        assert_eq!(auto_gemv(2 * s.intermediate, s.hidden, true), Gemv::V2);
+        assert_eq!(auto_gemv(s.hidden, s.intermediate, true, H200), Gemv::V2);
+        assert_eq!(auto_gemv(s.hidden, s.intermediate, false, H200), Gemv::V3);
+        assert_eq!(
+            auto_gemv(2 * s.intermediate, s.hidden, true, H200),
+            Gemv::V2
+        );
+    }
+
+    /// On a device that lets a CTA opt into 99 KiB of shared memory (sm_86, sm_89, sm_120),
+    /// beside GEMV v2's static ~43 KiB: the 32B shape's down (K = 27,648 from f16 x: 69,120
+    /// bytes of x) goes to v3, where on the H200 it fit; every other linear of the 3B and 32B
+    /// shapes chooses as on the H200.
+    #[test]
+    fn auto_gemv_takes_v3_where_v2_x_does_not_fit_the_device() {
+        const SM_86: usize = (99 << 10) - 43_520;
+        let s = &crate::arch::QWEN25_32B;
+        assert_eq!(gemv2_x_smem(s.intermediate, true), 69_120);
+        assert_eq!(auto_gemv(s.hidden, s.intermediate, true, SM_86), Gemv::V3);
+        for s in [&crate::arch::QWEN25_3B, &crate::arch::QWEN25_32B] {
+            let q = s.n_q_heads * s.head_dim;
+            let qkv = (s.n_q_heads + 2 * s.n_kv_heads) * s.head_dim;
+            for (rows, cols) in [
+                (qkv, s.hidden),
+                (s.hidden, q),
+                (2 * s.intermediate, s.hidden),
+                (s.vocab, s.hidden),
+            ] {
+                for x_f16 in [false, true] {
+                    assert_eq!(
+                        auto_gemv(rows, cols, x_f16, SM_86),
+                        auto_gemv(rows, cols, x_f16, H200)
+                    );
+                }
+            }
+        }
+        let s = &crate::arch::QWEN25_3B;
+        assert_eq!(auto_gemv(s.hidden, s.intermediate, true, SM_86), Gemv::V2);
     }
 
     #[test]
