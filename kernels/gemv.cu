@@ -604,34 +604,3 @@ extern "C" __global__ void __maxnreg__(GEMV2_W10_MAX_REGS)
     SwigluRows g{gate, up, out, out_f16 != 0};
     gemv2_walk<1, 2, 2, false, 10>(g, rows, cols, x, norm, kparts, nullptr, early_ctas, early_rows);
 }
-// Experiment (session 31, DV2_X_WIDE_5120=1, DV2_X_WIDE_DOWN=1): the same exact cover for the
-// other v2 kernels at the 32B shape's K: q/k/v, o and lm_head at K = 5,120 (J = 3 over 2
-// warps leaves 1 of 6 chunk slots past K) at 1 chunk a lane over 5 warps, and down at K =
-// 27,648 from f16 x (J = 4 over 8 warps: 160 of 1,024 slots past K) at 3 chunks over 9 warps,
-// one row lane, two CTAs an SM (112 registers).
-#define GEMV2_W9_MAX_REGS 112
-extern "C" __global__ void __maxnreg__(GEMV2_W10_MAX_REGS)
-    gemv2_nf4_j1_w10(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y, const float* __restrict__ bias,
-                     int rows, int cols, int kparts, int accumulate, const int* skip_if, float* ss_out) {
-    PlainRows p{m, y, bias, accumulate, ss_out};
-    gemv2_walk<1, 2, 1, false, 10>(p, rows, cols, x, norm, kparts, skip_if);
-}
-extern "C" __global__ void __maxnreg__(GEMV2_W9_MAX_REGS)
-    gemv2_nf4_j3_w9_x16(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y, const float* __restrict__ bias,
-                        int rows, int cols, int kparts, int accumulate, const int* skip_if, float* ss_out) {
-    PlainRows p{m, y, bias, accumulate, ss_out};
-    gemv2_walk<3, 1, 1, true, 9>(p, rows, cols, x, norm, kparts, skip_if);
-}
-extern "C" __global__ void __maxnreg__(GEMV2_W10_MAX_REGS)
-    gemv2_qkv_j1_w10(QkvArgs a, const float* __restrict__ x, NormArgs norm, float* out, int cols, int kparts) {
-    QkvRows q{a, out};
-    gemv2_walk<1, 2, 1, false, 10>(q, a.rows[0] + a.rows[1] + a.rows[2], cols, x, norm, kparts, nullptr);
-}
-#if GEMV2_LOGITS
-extern "C" __global__ void __maxnreg__(GEMV2_W10_MAX_REGS)
-    gemv2_logits_j1_w10(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y, int rows, int cols,
-                        int kparts, const int* skip_if, int* state, int* scratch, int eos, int* ring, int* hist) {
-    LogitRows p{m, y, state, scratch, eos, ring, hist, NEG_INF, -1};
-    gemv2_walk<1, 2, 1, false, 10>(p, rows, cols, x, norm, kparts, skip_if);
-}
-#endif

@@ -169,10 +169,6 @@ pub struct Config {
     pub cache_dir: Option<PathBuf>,
     pub lineinfo: bool,
     pub cta_timeline: bool,
-    /// Experiment (session 31): q/k/v, o and lm_head at K = 5,120 over 5 warps a row
-    /// (`DV2_X_WIDE_5120=1`), down at K = 27,648 over 9 (`DV2_X_WIDE_DOWN=1`).
-    pub wide_5120: bool,
-    pub wide_down: bool,
 }
 
 impl Default for Config {
@@ -213,8 +209,6 @@ impl Config {
                 .or_else(|| default_cache_dir(&var)),
             lineinfo: is("DV2_LINEINFO", "1"),
             cta_timeline: is("DV2_CTA_TIMELINE", "1"),
-            wide_5120: is("DV2_X_WIDE_5120", "1"),
-            wide_down: is("DV2_X_WIDE_DOWN", "1"),
         }
     }
 

@@ -489,12 +489,6 @@ pub struct Kernels {
     /// sm_89 and sm_120), so that a K past it goes to GEMV v3 instead of failing to launch.
     pub gemv2_room: [usize; 2],
     pub gemv2_logits_room: usize,
-    /// Experiment (session 31): o and q/k/v at J = 1 over 5 warps a row, 10 a CTA; down from f16
-    /// x at J = 3 over 9 warps; lm_head's over 5 warps (with `gemv2_logits`).
-    pub gemv2_nf4_w10: CudaFunction,
-    pub gemv2_nf4_w9_x16: CudaFunction,
-    pub gemv2_qkv_w10: CudaFunction,
-    pub gemv2_logits_w10: Option<CudaFunction>,
     /// lm_head with the argmax folded in, by J (`DV2_LOGITS_ARGMAX`; compiled only then).
     pub gemv2_logits: Option<[CudaFunction; 3]>,
     /// Attention v2: for any head_dim, and unrolled for head_dim <= 128.
@@ -629,36 +623,6 @@ impl Kernels {
                 f
             },
             gemv2_qkv: gemv2("gemv2_qkv", "_narrow", GEMV2_MAX_SMEM)?,
-            gemv2_nf4_w10: {
-                let f = f("gemv2_nf4_j1_w10")?;
-                allow_dynamic_smem(gpu, std::slice::from_ref(&f), GEMV2_MAX_SMEM)?;
-                f
-            },
-            gemv2_nf4_w9_x16: {
-                let f = f("gemv2_nf4_j3_w9_x16")?;
-                allow_dynamic_smem(
-                    gpu,
-                    std::slice::from_ref(&f),
-                    GEMV2_X16_MAX_K / 32 * GEMV2_X16_STRIDE * 4,
-                )?;
-                f
-            },
-            gemv2_qkv_w10: {
-                let f = f("gemv2_qkv_j1_w10")?;
-                allow_dynamic_smem(gpu, std::slice::from_ref(&f), GEMV2_MAX_SMEM)?;
-                f
-            },
-            gemv2_logits_w10: if cfg.logits_argmax {
-                let f = f("gemv2_logits_j1_w10")?;
-                allow_dynamic_smem(
-                    gpu,
-                    std::slice::from_ref(&f),
-                    GEMV2_MAX_SMEM + GEMV2_PRMT_TABLE,
-                )?;
-                Some(f)
-            } else {
-                None
-            },
             gemv2_swiglu: gemv2("gemv2_swiglu", "_narrow", GEMV2_MAX_SMEM)?,
             gemv2_swiglu_w10: {
                 let f = f("gemv2_swiglu_j1_w10")?;

@@ -130,31 +130,6 @@ impl Ops {
         Ok(need as u32)
     }
 
-    /// Experiment (session 31): the exact-cover launch where switched on, (warps per row, the
-    /// launch): K = 5,120 from f32 x over 5 warps a row, 10 a CTA (`DV2_X_WIDE_5120`), K =
-    /// 27,648 from f16 x over 9, one row a CTA's step (`DV2_X_WIDE_DOWN`).
-    fn gemv_wide_launch(
-        &self,
-        rows: usize,
-        cols: usize,
-        x_f16: bool,
-    ) -> Option<(i32, LaunchConfig)> {
-        let (kparts, warps) = match (x_f16, cols) {
-            (false, SWIGLU_FIVE_PARTS_K) if self.cfg.wide_5120 => (5, 10),
-            (true, 27_648) if self.cfg.wide_down => (9, 9),
-            _ => return None,
-        };
-        let ctas = (self.sms * GEMV2_CTAS_PER_SM)
-            .min(rows.div_ceil(warps / kparts) as u32)
-            .max(1);
-        let cfg = LaunchConfig {
-            grid_dim: (ctas, 1, 1),
-            block_dim: (warps as u32 * 32, 1, 1),
-            shared_mem_bytes: self.gemv2_x_room(cols, x_f16).ok()?,
-        };
-        Some((kparts as i32, cfg))
-    }
-
     /// The GEMV family for a `rows` x `cols` NF4 matrix (gate and up count together) whose x
     /// comes as f16 with `x_f16`.
     fn gemv_kernel(&self, rows: usize, cols: usize, x_f16: bool) -> Gemv {
@@ -272,17 +247,6 @@ impl Ops {
         }
         match kernel {
             Gemv::V3 => self.gemv3(epilogue, &mats, cols, x, norm, y, skip_if, ss_out, false),
-            Gemv::V2 if self.gemv_wide_launch(rows, cols, input.f16).is_some() => {
-                let (kp, cfg) = self.gemv_wide_launch(rows, cols, input.f16).unwrap();
-                check_sums(ss_out, cfg.grid_dim.0)?;
-                let f = if input.f16 {
-                    &self.k.gemv2_nf4_w9_x16
-                } else {
-                    &self.k.gemv2_nf4_w10
-                };
-                launch!(self.gpu, f, cfg; m, x, norm, y, bias, rows_i, cols_i, kp, acc, skip_if, ss_out)?;
-                Ok(cfg.grid_dim.0 as usize)
-            }
             Gemv::V2 => {
                 let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols, input.f16, 3)?;
                 let kp = kparts as i32;
@@ -321,12 +285,7 @@ impl Ops {
         if self.cfg.linear_mma || self.gemv_kernel(rows, cols, false) != Gemv::V2 || input.f16 {
             return Ok(false);
         }
-        let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols, false, 3)?;
-        let wide = self.gemv_wide_launch(rows, cols, false);
-        let (f, kparts, mut cfg) = match (wide, &self.k.gemv2_logits_w10) {
-            (Some((kp, wide_cfg)), Some(f)) => (f, kp as u32, wide_cfg),
-            _ => (&kernels[j - 1], kparts, cfg),
-        };
+        let (j, kparts, mut cfg) = self.gemv_v2_launch(rows, cols, false, 3)?;
         let table_and_x = cfg.shared_mem_bytes as usize + GEMV2_PRMT_TABLE;
         if cfg.grid_dim.0 as usize > MAX_ARGMAX_CTAS || table_and_x > self.k.gemv2_logits_room {
             return Ok(false);
@@ -343,7 +302,7 @@ impl Ops {
             ring,
             hist,
         } = head;
-        launch!(self.gpu, f, cfg; m, x, norm, y, rows_i, cols_i, kp, skip_if, state, scratch, eos, ring, hist)?;
+        launch!(self.gpu, &kernels[j - 1], cfg; m, x, norm, y, rows_i, cols_i, kp, skip_if, state, scratch, eos, ring, hist)?;
         Ok(true)
     }
 
@@ -403,11 +362,6 @@ impl Ops {
                     && cols % 128 == 0;
                 self.gemv3(Epilogue::Store, &mats, cols, x, norm, out, 0, 0, halves)?;
                 Ok(halves)
-            }
-            Gemv::V2 if self.gemv_wide_launch(rows, cols, false).is_some() => {
-                let (kp, cfg) = self.gemv_wide_launch(rows, cols, false).unwrap();
-                launch!(self.gpu, &self.k.gemv2_qkv_w10, cfg; args, x, norm, out, cols_i, kp)
-                    .map(|_| false)
             }
             Gemv::V2 => {
                 let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols, false, 3)?;
