@@ -402,6 +402,7 @@ impl Ops {
                 .gemv3(Epilogue::Swiglu, &mats, cols, x, norm, out, 0, 0, false)
                 .map(|_| ()),
             Gemv::V2 if cols == SWIGLU_FIVE_PARTS_K => {
+                // 5 warps a row (kparts), 10 a CTA: 2 rows a step of the CTA's walk.
                 let ctas = (self.sms * GEMV2_CTAS_PER_SM)
                     .min(rows.div_ceil(2) as u32)
                     .max(1);
@@ -488,7 +489,8 @@ pub fn gemv2_shape(cols: usize, max_j: usize) -> Result<(usize, u32)> {
 mod tests {
     use super::*;
 
-    /// The x room of GEMV v2's kernels on the H200: what they ask (GEMV2_MAX_SMEM).
+    /// The x room of GEMV v2's f32-x kernels on the H200: what they ask (GEMV2_MAX_SMEM; the
+    /// f16-x kernels' is less, 81,920 bytes, still past any K they take).
     const H200: usize = crate::cuda::kernels::GEMV2_MAX_SMEM;
 
     #[test]
