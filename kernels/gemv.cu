@@ -541,8 +541,8 @@ struct LogitRows {
 // SwiGLU at J = 2 over 4 warps a row ran +16% decode against J = 3 over 2, docs/lab.md
 // session 30, and gemv2_swiglu_j1_w10 below +12% more, session 31): a CTA fits beside a
 // GEMV v3 CTA (o's, before gate/up), so it becomes resident and builds its table while that
-// kernel runs, and two fit an SM (GEMV2_CTAS_PER_SM
-// on the host): 6% faster decode than one CTA of twice the rows (docs/lab.md, session 10).
+// kernel runs, and two fit an SM (GEMV2_CTAS_PER_SM on the host): 6% faster decode than one
+// CTA of twice the rows (docs/lab.md, session 10).
 // The _narrow suffix names that bound.
 // The register bound that fits GEMV2_CTAS_PER_SM CTAs on an SM's 65,536 registers (128).
 #define GEMV2_MAX_REGS (65536 / (GEMV_THREADS * GEMV2_CTAS_PER_SM))
