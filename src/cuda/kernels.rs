@@ -62,9 +62,19 @@ pub const GEMV2_X16_STRIDE: usize = 20;
 pub const GEMV2_MAX_K: usize = 3 * 32 * 8 * 32;
 /// The largest K GEMV v2 takes from f16 x (down's input): 4 chunks a lane.
 pub const GEMV2_X16_MAX_K: usize = 4 * 32 * 8 * 32;
+/// The dynamic shared memory GEMV v2 stages x in for K = cols: each 32-element chunk at
+/// [`GEMV2_X_STRIDE`] floats, or [`GEMV2_X16_STRIDE`] words from f16 x.
+pub const fn gemv2_x_smem(cols: usize, x_f16: bool) -> usize {
+    let stride = if x_f16 {
+        GEMV2_X16_STRIDE
+    } else {
+        GEMV2_X_STRIDE
+    };
+    cols / 32 * stride * 4
+}
 /// GEMV v2's dynamic shared memory limit: x staged at the largest K (its static tables and
 /// partial sums take ~39 KiB more).
-pub const GEMV2_MAX_SMEM: usize = GEMV2_MAX_K / 32 * GEMV2_X_STRIDE * 4;
+pub const GEMV2_MAX_SMEM: usize = gemv2_x_smem(GEMV2_MAX_K, false);
 const _: () = assert!(GEMV2_MAX_SMEM + 40 * 1024 <= 227 * 1024);
 /// lm_head's f16-pair table as its PRMT lookups take it (256 entries 256 bytes apart), in
 /// dynamic shared memory before x.
@@ -618,7 +628,7 @@ impl Kernels {
                 allow_dynamic_smem(
                     gpu,
                     std::slice::from_ref(&f),
-                    GEMV2_X16_MAX_K / 32 * GEMV2_X16_STRIDE * 4,
+                    gemv2_x_smem(GEMV2_X16_MAX_K, true),
                 )?;
                 f
             },

@@ -7,8 +7,8 @@ use super::attention::Attention;
 use super::gemm::{Epilogue, GemmArgs, GemmMatrix};
 use super::{check_sums, no_sums, Input, NormArgs, Ops, MAX_ARGMAX_CTAS};
 use crate::cuda::kernels::{
-    GEMV2_MAX_K, GEMV2_PRMT_TABLE, GEMV2_X16_MAX_K, GEMV2_X16_STRIDE, GEMV2_X_STRIDE,
-    GEMV3_CTAS_PER_SM, GEMV3_KH2_CTAS_PER_SM, GEMV3_MAX_K, GEMV3_WARPS, GEMV_THREADS, GEMV_WARPS,
+    gemv2_x_smem, GEMV2_MAX_K, GEMV2_PRMT_TABLE, GEMV2_X16_MAX_K, GEMV3_CTAS_PER_SM,
+    GEMV3_KH2_CTAS_PER_SM, GEMV3_MAX_K, GEMV3_WARPS, GEMV_WARPS,
 };
 use crate::cuda::weights::Nf4Ref;
 use crate::error::{Error, Result};
@@ -105,16 +105,29 @@ impl Ops {
             max_j
         };
         let (j, kparts) = gemv2_shape(cols, max_j)?;
-        let row_lanes = (GEMV_WARPS / kparts) as usize;
+        let cfg = self.gemv2_grid(rows, cols, x_f16, GEMV_WARPS, kparts)?;
+        Ok((j, kparts, cfg))
+    }
+
+    /// GEMV v2's persistent grid for `rows` in CTAs of `warps`, `kparts` of them a row:
+    /// [`GEMV2_CTAS_PER_SM`] an SM, or fewer where the rows run out, x staged for K = cols.
+    fn gemv2_grid(
+        &self,
+        rows: usize,
+        cols: usize,
+        x_f16: bool,
+        warps: u32,
+        kparts: u32,
+    ) -> Result<LaunchConfig> {
+        let row_lanes = (warps / kparts) as usize;
         let ctas = (self.sms * GEMV2_CTAS_PER_SM)
             .min(rows.div_ceil(row_lanes) as u32)
             .max(1);
-        let cfg = LaunchConfig {
+        Ok(LaunchConfig {
             grid_dim: (ctas, 1, 1),
-            block_dim: (GEMV_THREADS, 1, 1),
+            block_dim: (warps * 32, 1, 1),
             shared_mem_bytes: self.gemv2_x_room(cols, x_f16)?,
-        };
-        Ok((j, kparts, cfg))
+        })
     }
 
     /// The shared memory GEMV v2 stages x in for K = cols, or an error where the device does
@@ -403,16 +416,10 @@ impl Ops {
                 .map(|_| ()),
             Gemv::V2 if cols == SWIGLU_FIVE_PARTS_K => {
                 // 5 warps a row (kparts), 10 a CTA: 2 rows a step of the CTA's walk.
-                let ctas = (self.sms * GEMV2_CTAS_PER_SM)
-                    .min(rows.div_ceil(2) as u32)
-                    .max(1);
-                let cfg = LaunchConfig {
-                    grid_dim: (ctas, 1, 1),
-                    block_dim: (10 * 32, 1, 1),
-                    shared_mem_bytes: self.gemv2_x_room(cols, false)?,
-                };
+                let cfg = self.gemv2_grid(rows, cols, false, 10, 5)?;
                 let (kp, f16) = (5i32, i32::from(out_f16));
-                let (early_ctas, early_rows) = skewed_split(rows, ctas, GEMV2_SWIGLU_SKEW);
+                let (early_ctas, early_rows) =
+                    skewed_split(rows, cfg.grid_dim.0, GEMV2_SWIGLU_SKEW);
                 launch!(self.gpu, &self.k.gemv2_swiglu_w10, cfg; gate, up, x, norm, out, rows_i, cols_i, kp, f16, early_ctas, early_rows)
             }
             Gemv::V2 => {
@@ -443,17 +450,6 @@ fn auto_gemv(rows: usize, cols: usize, x_f16: bool, v2_room: usize) -> Gemv {
     } else {
         Gemv::V2
     }
-}
-
-/// The dynamic shared memory GEMV v2 stages x in for K = cols: each 32-element chunk at
-/// [`GEMV2_X_STRIDE`] floats, or [`GEMV2_X16_STRIDE`] words from f16 x.
-pub fn gemv2_x_smem(cols: usize, x_f16: bool) -> usize {
-    let stride = if x_f16 {
-        GEMV2_X16_STRIDE
-    } else {
-        GEMV2_X_STRIDE
-    };
-    cols / 32 * stride * 4
 }
 
 /// GEMV v2's (early CTAs, rows each) for `rows` over `ctas` CTAs with the first half taking
