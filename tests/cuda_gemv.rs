@@ -60,6 +60,13 @@ fn tolerance(mag: f32) -> f32 {
     mag / 512.0 + 1e-4
 }
 
+/// `x` rounded to f16: its bits, and their values back in f32 (what a kernel reading f16 sees).
+fn f16_rounded(x: &[f32]) -> (Vec<u16>, Vec<f32>) {
+    let bits: Vec<u16> = x.iter().map(|&v| f16::from_f32(v).to_bits()).collect();
+    let values = bits.iter().map(|&h| f16::from_bits(h).to_f32()).collect();
+    (bits, values)
+}
+
 fn silu(g: f32) -> f32 {
     g / (1.0 + (-g).exp())
 }
@@ -162,8 +169,7 @@ fn every_gemv_kernel_matches_the_cpu_at_every_v2_shape() {
             }
             if ops.gemv_takes_f16(rows, k) {
                 // An f16 x gives the bits of the same values in f32: the kernel rounds x to f16.
-                let x16: Vec<u16> = x.iter().map(|&v| f16::from_f32(v).to_bits()).collect();
-                let x_r: Vec<f32> = x16.iter().map(|&h| f16::from_bits(h).to_f32()).collect();
+                let (x16, x_r) = f16_rounded(&x);
                 let (x16d, x_rd) = (gpu.upload(&x16).unwrap(), gpu.upload(&x_r).unwrap());
                 let y = gpu.zeros::<f32>(2 * rows).unwrap();
                 let m = a.dev.as_ref(gpu);
@@ -243,11 +249,7 @@ fn gemv_v2_from_f16_x_past_the_f32_limit_matches_the_cpu() {
     for (i, k) in [27_648usize, 32_768].into_iter().enumerate() {
         let rows = 72;
         let a = Matrix::new(gpu, rows, k, 2 * i as u64 + 101);
-        let x16: Vec<u16> = random(k, k as u64, -1.0, 1.0)
-            .iter()
-            .map(|&v| f16::from_f32(v).to_bits())
-            .collect();
-        let x: Vec<f32> = x16.iter().map(|&h| f16::from_bits(h).to_f32()).collect();
+        let (x16, x) = f16_rounded(&random(k, k as u64, -1.0, 1.0));
         let x16d = gpu.upload(&x16).unwrap();
         let y = gpu.zeros::<f32>(rows).unwrap();
         let xp = Input::raw_f16(gpu.ptr(&x16d));
@@ -311,11 +313,7 @@ fn a_99_kib_device_runs_down_past_gemv_v2s_room_on_v3() {
     // 640 rows: 8.8 MB of NF4, past the size below which Auto takes v3 anyway.
     let (rows, k) = (640, 27_648);
     let a = Matrix::new(gpu, rows, k, 211);
-    let x16: Vec<u16> = random(k, 5, -1.0, 1.0)
-        .iter()
-        .map(|&v| f16::from_f32(v).to_bits())
-        .collect();
-    let x: Vec<f32> = x16.iter().map(|&h| f16::from_bits(h).to_f32()).collect();
+    let (x16, x) = f16_rounded(&random(k, 5, -1.0, 1.0));
     let x16d = gpu.upload(&x16).unwrap();
     let xp = Input::raw_f16(gpu.ptr(&x16d));
     let y = gpu.zeros::<f32>(rows).unwrap();
