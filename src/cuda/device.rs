@@ -74,7 +74,8 @@ pub fn kernel_arg<T: DeviceRepr>(value: &T) -> *mut c_void {
 }
 
 /// The oldest driver API the library calls: CUDA 12.0 (every kernel launches through
-/// cuLaunchKernelEx). Built and tested against 13.0 only.
+/// cuLaunchKernelEx). The bindings are cudarc's for 12.0 (`cuda-12000`), so an entry point
+/// that a 12.0 driver lacks does not compile; tested on a 13.0 driver (docs/lab.md, session 32).
 pub const MIN_DRIVER_VERSION: i32 = 12000;
 
 /// The driver's CUDA version as cuDriverGetVersion gives it (12080: 12.8), refused with a
