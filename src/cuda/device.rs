@@ -74,8 +74,8 @@ pub fn kernel_arg<T: DeviceRepr>(value: &T) -> *mut c_void {
 }
 
 /// The oldest driver API the library calls: CUDA 12.0 (every kernel launches through
-/// cuLaunchKernelEx). The bindings are cudarc's for 12.0 (`cuda-12000`), so an entry point
-/// that a 12.0 driver lacks does not compile; tested on a 13.0 driver (docs/lab.md, session 32).
+/// cuLaunchKernelEx). The library builds against cudarc's 12.0 bindings too (feature `cuda-12`,
+/// checked by .ci/run), so it calls no entry point that a 12.0 driver lacks.
 pub const MIN_DRIVER_VERSION: i32 = 12000;
 
 /// The driver's CUDA version as cuDriverGetVersion gives it (12080: 12.8), refused with a
