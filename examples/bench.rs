@@ -504,44 +504,6 @@ fn context_sweep(json_path: &str, preset: &str, depths: &[usize]) {
         "device bandwidth (1 GiB streaming read): {tb_per_s:.2} TB/s; weights {:.2} GB/token",
         weights as f64 / 1e9
     );
-    // Experiment (session 32): GEMV v2 at J = 3 with 2 rows in flight a warp (down from f16 x;
-    // o, q/k/v and lm_head from f32 x); ids and logits first, then swept in this process.
-    // (Each switch changes kernels of one shape only: J = 3 from f16 x is the 3B shape's down,
-    // from f32 x the 32B shape's o, q/k/v and lm_head.)
-    let variants: &[&[(&str, &str)]] = if preset.contains("32b") {
-        &[&[("DV2_X_R2_J3", "1")]]
-    } else {
-        &[&[("DV2_X_R2_DOWN", "1")]]
-    };
-    for &env_set in variants {
-        let opts = EngineOptions {
-            backend: BackendKind::Cuda,
-            max_seq: MAX_SEQ,
-            ..EngineOptions::default()
-        };
-        let mut a = Engine::new(model.clone(), &opts).expect("cuda engine");
-        let mut b = with_env(env_set, || Engine::new(model.clone(), &opts)).expect("variant");
-        for depth in [20, 300, 2100, 5000] {
-            let prompt = synth::prompt(spec.vocab, depth, 1);
-            let (mut ia, mut ib) = (vec![0u32; 32], vec![0u32; 32]);
-            let (mut la, mut lb) = (vec![0f32; spec.vocab], vec![0f32; spec.vocab]);
-            for (e, ids, logits) in [(&mut a, &mut ia, &mut la), (&mut b, &mut ib, &mut lb)] {
-                e.reset().unwrap();
-                e.prefill(&prompt).unwrap();
-                e.step_n(ids).unwrap();
-                e.logits(logits).unwrap();
-            }
-            let diff = la
-                .iter()
-                .zip(&lb)
-                .map(|(x, y)| (x - y).abs())
-                .fold(0f32, f32::max);
-            println!(
-                "variant {env_set:?} at depth {depth}: ids {} the default's, max |logit diff| {diff:e}",
-                if ia == ib { "equal" } else { "DIFFER from" }
-            );
-        }
-    }
     let sweep = |long: bool| -> Vec<(f64, f64)> {
         let env: &[(&str, &str)] = if long { &[] } else { &[("DV2_ATTN_LONG", "0")] };
         with_env(env, || {
@@ -571,30 +533,7 @@ fn context_sweep(json_path: &str, preset: &str, depths: &[usize]) {
                 .collect()
         })
     };
-    let default = sweep(true);
-    for &env_set in variants {
-        let variant: Vec<(f64, f64)> = with_env(env_set, || {
-            let opts = EngineOptions {
-                backend: BackendKind::Cuda,
-                max_seq: MAX_SEQ,
-                ..EngineOptions::default()
-            };
-            let mut e = Engine::new(model.clone(), &opts).expect("variant engine");
-            depths
-                .iter()
-                .map(|&depth| time_request(&mut e, &synth::prompt(spec.vocab, depth, 1), TOKENS, 2))
-                .collect()
-        });
-        for ((&depth, d), v) in depths.iter().zip(&default).zip(&variant) {
-            println!(
-            "  variant {env_set:?} depth {depth}: {:.1} tok/s against the default's {:.1} ({:+.2}%)",
-            1e3 / v.1,
-            1e3 / d.1,
-            100.0 * (d.1 / v.1 - 1.0)
-        );
-        }
-    }
-    let v3 = default.clone(); // experiment build: the v3 sweep skipped (device time)
+    let (default, v3) = (sweep(true), sweep(false));
     println!(
         "  {:>6} {:>11} {:>9} {:>10} {:>8} {:>10} {:>9} {:>7} {:>9} {:>8}",
         "depth",
