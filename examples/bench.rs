@@ -484,10 +484,12 @@ fn decode_profile(steps: usize, depth: usize) {
 /// 32768, by context depth (48 to 32k by default): prefill of a prompt that long (ms and tok/s,
 /// wall clock to the first token), then decode of 128 tokens after it (graph replays,
 /// ms/token), beside the floor (weight bytes plus the KV bytes at that depth, over the
-/// bandwidth the streaming-read kernel measures in this process), and the decode again with
-/// `DV2_ATTN_LONG=0` (attention v3 at every depth). One engine per configuration serves every
-/// depth. Writes the table and the JSON (`tests/gpu/plot-context.py` draws it).
-fn context_sweep(json_path: &str, preset: &str, depths: &[usize]) {
+/// bandwidth the streaming-read kernel measures in this process), and the decode again under
+/// `against` (`--against VAR=VALUE`; `DV2_ATTN_LONG=0`, attention v3 at every depth, unless
+/// given: `DV2_HOPPER=0` times the pre-Hopper path beside the default). One engine per
+/// configuration serves every depth. Writes the table and the JSON
+/// (`tests/gpu/plot-context.py` draws it).
+fn context_sweep(json_path: &str, preset: &str, depths: &[usize], against: (&str, &str)) {
     const MAX_SEQ: usize = 32768;
     const TOKENS: usize = 128;
     let spec = decodev2::arch::preset(preset).expect("preset");
@@ -504,8 +506,9 @@ fn context_sweep(json_path: &str, preset: &str, depths: &[usize]) {
         "device bandwidth (1 GiB streaming read): {tb_per_s:.2} TB/s; weights {:.2} GB/token",
         weights as f64 / 1e9
     );
-    let sweep = |long: bool| -> Vec<(f64, f64)> {
-        let env: &[(&str, &str)] = if long { &[] } else { &[("DV2_ATTN_LONG", "0")] };
+    let against_label = format!("{}={}", against.0, against.1);
+    let sweep = |default: bool| -> Vec<(f64, f64)> {
+        let env: &[(&str, &str)] = if default { &[] } else { &[against] };
         with_env(env, || {
             let opts = EngineOptions {
                 backend: BackendKind::Cuda,
@@ -517,9 +520,9 @@ fn context_sweep(json_path: &str, preset: &str, depths: &[usize]) {
             let used = e.device_used_bytes().unwrap().unwrap_or(0);
             let budget = decodev2::cuda::budget::estimate(&spec, MAX_SEQ, 0);
             println!(
-                "loaded (DV2_ATTN_LONG={}) in {:.1} s; device memory in use {:.2} GB \
+                "loaded ({}) in {:.1} s; device memory in use {:.2} GB \
                  (budget without prefill activations or reserve: {:.2} GB)",
-                long as u8,
+                if default { "default" } else { &against_label },
                 t.elapsed().as_secs_f64(),
                 used as f64 / 1e9,
                 (budget.total() - budget.reserve) as f64 / 1e9
@@ -533,7 +536,8 @@ fn context_sweep(json_path: &str, preset: &str, depths: &[usize]) {
                 .collect()
         })
     };
-    let (default, v3) = (sweep(true), sweep(false));
+    let (default, other) = (sweep(true), sweep(false));
+    println!("  (last two columns: {against_label})");
     println!(
         "  {:>6} {:>11} {:>9} {:>10} {:>8} {:>10} {:>9} {:>7} {:>9} {:>8}",
         "depth",
@@ -544,13 +548,13 @@ fn context_sweep(json_path: &str, preset: &str, depths: &[usize]) {
         "floor ms",
         "floor t/s",
         "floor%",
-        "v3 ms/t",
-        "v3 t/s"
+        "ms/t",
+        "tok/s"
     );
-    let mut json = format!("{{\n  \"preset\": \"{preset}\",\n  \"device_tb_per_s\": {tb_per_s:.3},\n  \"weight_bytes\": {weights},\n  \"context\": [\n");
+    let mut json = format!("{{\n  \"preset\": \"{preset}\",\n  \"device_tb_per_s\": {tb_per_s:.3},\n  \"weight_bytes\": {weights},\n  \"against\": \"{against_label}\",\n  \"context\": [\n");
     // KV bytes of `slots` positions: every layer's K and V rows, bf16.
     let kv_bytes = |slots: usize| spec.n_layers * slots * 2 * spec.kv_dim() * 2;
-    for ((&depth, &(prefill_ms, ms)), &(_, v3_ms)) in depths.iter().zip(&default).zip(&v3) {
+    for ((&depth, &(prefill_ms, ms)), &(_, other_ms)) in depths.iter().zip(&default).zip(&other) {
         // What a step reads at this depth: the weights and the KV rows up to the position.
         let floor_ms = (weights + kv_bytes(depth + 64)) as f64 / (tb_per_s * 1e12) * 1e3;
         let prefill_tok_s = depth as f64 / prefill_ms * 1e3;
@@ -564,10 +568,10 @@ fn context_sweep(json_path: &str, preset: &str, depths: &[usize]) {
             floor_ms,
             1e3 / floor_ms,
             100.0 * floor_ms / ms,
-            v3_ms,
-            1e3 / v3_ms
+            other_ms,
+            1e3 / other_ms
         );
-        writeln!(json, "    {{\"depth\": {depth}, \"prefill_ms\": {prefill_ms:.3}, \"prefill_tok_s\": {prefill_tok_s:.1}, \"ms_per_token\": {ms:.5}, \"tok_s\": {:.2}, \"floor_ms\": {floor_ms:.5}, \"v3_ms_per_token\": {v3_ms:.5}}},", 1e3 / ms).unwrap();
+        writeln!(json, "    {{\"depth\": {depth}, \"prefill_ms\": {prefill_ms:.3}, \"prefill_tok_s\": {prefill_tok_s:.1}, \"ms_per_token\": {ms:.5}, \"tok_s\": {:.2}, \"floor_ms\": {floor_ms:.5}, \"against_ms_per_token\": {other_ms:.5}}},", 1e3 / ms).unwrap();
     }
     json = json.trim_end_matches(",\n").to_string() + "\n  ],\n  \"kv_marginal\": [\n";
     // The decode attention's KV streaming rate in the graph: between two depths, the extra KV
@@ -777,10 +781,18 @@ fn main() {
             Some(list) => list.split(',').map(|d| d.parse().expect("depth")).collect(),
             None => vec![48, 256, 512, 1024, 2048, 4096, 8192, 16384, 32512],
         };
+        let against = match args.iter().position(|a| a == "--against") {
+            Some(i) => args
+                .get(i + 1)
+                .and_then(|a| a.split_once('='))
+                .expect("--against VAR=VALUE"),
+            None => ("DV2_ATTN_LONG", "0"),
+        };
         context_sweep(
             &json_path,
             preset.map_or("qwen25_3b", |p| p.as_str()),
             &depths,
+            against,
         );
         return;
     }

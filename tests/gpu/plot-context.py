@@ -15,9 +15,13 @@ rows = data["context"]
 depth = [r["depth"] for r in rows]
 fig, (dec, pre) = plt.subplots(1, 2, figsize=(11, 4.2))
 dec.plot(depth, [r["tok_s"] for r in rows], "o-", label="decodev2 decode")
-if all("v3_ms_per_token" in r for r in rows):
-    dec.plot(depth, [1e3 / r["v3_ms_per_token"] for r in rows], "s:", color="C3",
-             label="attention v3 at every depth (DV2_ATTN_LONG=0)")
+# The second sweep (bench --against; before it, always DV2_ATTN_LONG=0 as "v3_ms_per_token").
+against = data.get("against", "DV2_ATTN_LONG=0")
+key = "against_ms_per_token" if "against" in data else "v3_ms_per_token"
+labels = {"DV2_ATTN_LONG=0": "attention v3 at every depth (DV2_ATTN_LONG=0)",
+          "DV2_HOPPER=0": "the pre-Hopper path (DV2_HOPPER=0)"}
+if all(key in r for r in rows):
+    dec.plot(depth, [1e3 / r[key] for r in rows], "s:", color="C3", label=labels.get(against, against))
 dec.plot(depth, [1e3 / r["floor_ms"] for r in rows], "--", label="bandwidth floor (weights + KV)")
 dec.set_xscale("log", base=2)
 dec.set_xlabel("context depth (tokens)")
