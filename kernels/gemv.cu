@@ -592,38 +592,6 @@ GEMV2_KERNELS(3, 1)
 // J = 4 from f16 x: K past GEMV2_MAX_K up to 32,768 (down at the 32B shape's K = 27,648,
 // +16% decode against GEMV v3 there: docs/lab.md, session 30).
 GEMV2_NF4_KERNEL(4, 1, true, _narrow_x16)
-// Experiment (session 32): more rows in flight a warp. J = 3 with 2: from f16 x (down at the
-// 3B shape's K = 11,008: DV2_X_R2_DOWN=1) in 128 registers, no spills; from f32 x (o, q/k/v
-// and lm_head at the 32B shape's K = 5,120: DV2_X_R2_J3=1) with ~230 bytes of spills. J = 2:
-// SwiGLU with 2 rows of each matrix (the 3B shape's gate/up: DV2_X_R2_SWIGLU=1; 52 bytes of
-// spills) and lm_head with 3 (the 3B shape's: DV2_X_R3_LOGITS=1; no spills).
-GEMV2_NF4_KERNEL(3, 2, true, _narrow_x16_r2)
-GEMV2_NF4_KERNEL(3, 2, false, _narrow_r2)
-extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)
-    gemv2_qkv_j3_narrow_r2(QkvArgs a, const float* __restrict__ x, NormArgs norm, float* out, int cols, int kparts) {
-    QkvRows q{a, out};
-    gemv2_walk<3, 2, 1, false>(q, a.rows[0] + a.rows[1] + a.rows[2], cols, x, norm, kparts, nullptr);
-}
-extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)
-    gemv2_swiglu_j2_narrow_r2(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm, float* out, int rows,
-                              int cols, int kparts, int out_f16, int early_ctas, int early_rows) {
-    SwigluRows g{gate, up, out, out_f16 != 0};
-    gemv2_walk<2, 2, 2, false>(g, rows, cols, x, norm, kparts, nullptr, early_ctas, early_rows);
-}
-#if GEMV2_LOGITS
-extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)
-    gemv2_logits_j2_narrow_r3(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y, int rows, int cols,
-                              int kparts, const int* skip_if, int* state, int* scratch, int eos, int* ring, int* hist) {
-    LogitRows p{m, y, state, scratch, eos, ring, hist, NEG_INF, -1};
-    gemv2_walk<2, 3, 1, false>(p, rows, cols, x, norm, kparts, skip_if);
-}
-extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)
-    gemv2_logits_j3_narrow_r2(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y, int rows, int cols,
-                              int kparts, const int* skip_if, int* state, int* scratch, int eos, int* ring, int* hist) {
-    LogitRows p{m, y, state, scratch, eos, ring, hist, NEG_INF, -1};
-    gemv2_walk<3, 2, 1, false>(p, rows, cols, x, norm, kparts, skip_if);
-}
-#endif
 // SwiGLU at K = 5,120 (the 32B shape's gate and up; the host's SWIGLU_FIVE_PARTS_K): 160
 // chunks, 5 x 32, so 1 chunk a lane over 5 warps a row, 10 warps a CTA, 2 rows in flight a
 // warp. Why: over 4 warps at 2 chunks a lane, 3 of a row's 8 chunk slots lie past K, and the

@@ -169,14 +169,6 @@ pub struct Config {
     pub cache_dir: Option<PathBuf>,
     pub lineinfo: bool,
     pub cta_timeline: bool,
-    /// Experiment (session 32): GEMV v2 with more rows in flight a warp: at J = 3, 2, from f16
-    /// x (`DV2_X_R2_DOWN=1`: the 3B shape's down) and from f32 x (`DV2_X_R2_J3=1`: o, q/k/v
-    /// and lm_head at the 32B shape); at J = 2, SwiGLU's 2 (`DV2_X_R2_SWIGLU=1`) and lm_head's
-    /// 3 (`DV2_X_R3_LOGITS=1`), the 3B shape's.
-    pub r2_down: bool,
-    pub r2_j3: bool,
-    pub r2_swiglu: bool,
-    pub r3_logits: bool,
 }
 
 impl Default for Config {
@@ -217,10 +209,6 @@ impl Config {
                 .or_else(|| default_cache_dir(&var)),
             lineinfo: is("DV2_LINEINFO", "1"),
             cta_timeline: is("DV2_CTA_TIMELINE", "1"),
-            r2_down: is("DV2_X_R2_DOWN", "1"),
-            r2_j3: is("DV2_X_R2_J3", "1"),
-            r2_swiglu: is("DV2_X_R2_SWIGLU", "1"),
-            r3_logits: is("DV2_X_R3_LOGITS", "1"),
         }
     }
 

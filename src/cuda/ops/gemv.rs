@@ -266,8 +266,6 @@ impl Ops {
                 check_sums(ss_out, cfg.grid_dim.0)?;
                 let f = match (input.f16, j) {
                     (true, 4) => &self.k.gemv2_nf4_x16_j4,
-                    (true, 3) if self.cfg.r2_down => &self.k.gemv2_nf4_x16_j3_r2,
-                    (false, 3) if self.cfg.r2_j3 => &self.k.gemv2_nf4_j3_r2,
                     (true, _) => &self.k.gemv2_nf4_x16[j - 1],
                     (false, _) => &self.k.gemv2_nf4[j - 1],
                 };
@@ -317,12 +315,7 @@ impl Ops {
             ring,
             hist,
         } = head;
-        let f = match (&self.k.gemv2_logits_j3_r2, &self.k.gemv2_logits_j2_r3) {
-            (Some(f), _) if j == 3 && self.cfg.r2_j3 => f,
-            (_, Some(f)) if j == 2 && self.cfg.r3_logits => f,
-            _ => &kernels[j - 1],
-        };
-        launch!(self.gpu, f, cfg; m, x, norm, y, rows_i, cols_i, kp, skip_if, state, scratch, eos, ring, hist)?;
+        launch!(self.gpu, &kernels[j - 1], cfg; m, x, norm, y, rows_i, cols_i, kp, skip_if, state, scratch, eos, ring, hist)?;
         Ok(true)
     }
 
@@ -386,12 +379,8 @@ impl Ops {
             Gemv::V2 => {
                 let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols, false, 3)?;
                 let kp = kparts as i32;
-                let f = if j == 3 && self.cfg.r2_j3 {
-                    &self.k.gemv2_qkv_j3_r2
-                } else {
-                    &self.k.gemv2_qkv[j - 1]
-                };
-                launch!(self.gpu, f, cfg; args, x, norm, out, cols_i, kp).map(|_| false)
+                launch!(self.gpu, &self.k.gemv2_qkv[j - 1], cfg; args, x, norm, out, cols_i, kp)
+                    .map(|_| false)
             }
         }
     }
@@ -443,12 +432,7 @@ impl Ops {
                 let f16 = i32::from(out_f16);
                 let (early_ctas, early_rows) =
                     skewed_split(rows, cfg.grid_dim.0, GEMV2_SWIGLU_SKEW);
-                let f = if j == 2 && self.cfg.r2_swiglu {
-                    &self.k.gemv2_swiglu_j2_r2
-                } else {
-                    &self.k.gemv2_swiglu[j - 1]
-                };
-                launch!(self.gpu, f, cfg; gate, up, x, norm, out, rows_i, cols_i, kp, f16, early_ctas, early_rows)
+                launch!(self.gpu, &self.k.gemv2_swiglu[j - 1], cfg; gate, up, x, norm, out, rows_i, cols_i, kp, f16, early_ctas, early_rows)
             }
         }
     }
