@@ -5,7 +5,7 @@
 //!                                               [--prefill-only] [--skip-gemm] [--skip-variants]
 //!                                               [--split] [--boundary] [--l2-hot] [--rows A,B,..]
 //!                                               [--prefill-profile LEN CHUNK] [--decode-profile STEPS [DEPTH]]
-//!                                               [--cta-timeline PATH [DEPTH]] [--context [PRESET [DEPTHS]]]
+//!                                               [--cta-timeline PATH [DEPTH]] [--context [PRESET [DEPTHS]] [--against VAR=VALUE]]
 //!                                               [--shapes PRESET] [--load PATH [REPS]]
 //!                                               [--sampling [PRESET [DEPTHS]]]
 //!
@@ -18,7 +18,8 @@
 //! `--l2-hot` prints only the decode GEMVs with their weights from HBM and from L2.
 //! `--context [PRESET [D1,D2,..]]` prints only the context sweep: prefill and decode against
 //! depth (48 to 32k unless listed) at max_seq 32768, beside the bandwidth floor at each depth,
-//! on the Qwen2.5-3B shape or the named preset (e.g. `--context qwen25_32b 48,8192`).
+//! on the Qwen2.5-3B shape or the named preset (e.g. `--context qwen25_32b 48,8192`), and
+//! the decode again under `--against`'s setting (default `DV2_ATTN_LONG=0`) in the same process.
 //! `--sampling [PRESET [D1,D2,..]]` prints only sampled decode against greedy decode by depth
 //! (48 and 8k unless listed), in one engine, on the Qwen2.5-3B shape or the named preset.
 //! `--shapes PRESET` takes the kernel table's matrices from that preset (default qwen25_3b).
