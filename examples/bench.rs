@@ -769,7 +769,10 @@ fn main() {
     }
     if let Some(i) = args.iter().position(|a| a == "--sampling") {
         let preset = args.get(i + 1).filter(|a| !a.starts_with("--"));
-        let depths: Vec<usize> = match args.get(i + 2).filter(|_| preset.is_some()) {
+        let depths: Vec<usize> = match args
+            .get(i + 2)
+            .filter(|a| preset.is_some() && !a.starts_with("--"))
+        {
             Some(list) => list.split(',').map(|d| d.parse().expect("depth")).collect(),
             None => vec![48, 8192],
         };
@@ -778,7 +781,10 @@ fn main() {
     }
     if let Some(i) = args.iter().position(|a| a == "--context") {
         let preset = args.get(i + 1).filter(|a| !a.starts_with("--"));
-        let depths: Vec<usize> = match args.get(i + 2).filter(|_| preset.is_some()) {
+        let depths: Vec<usize> = match args
+            .get(i + 2)
+            .filter(|a| preset.is_some() && !a.starts_with("--"))
+        {
             Some(list) => list.split(',').map(|d| d.parse().expect("depth")).collect(),
             None => vec![48, 256, 512, 1024, 2048, 4096, 8192, 16384, 32512],
         };

@@ -6,8 +6,10 @@
 # Usage: bash tests/gpu/run-on-device.sh [suite] [switches] [examples] [sanitize] [soak] [big]
 #   (no part named: suite, switches and examples; "sanitize" alone: those and the sanitizers;
 #   the parts can go in separate device calls, the switch sweep being the longest; "soak": the
-#   GPU soak (tests/cuda_soak.rs) and "big": the Qwen2.5-32B shape against the oracle, minutes
-#   and ~40 GB of host memory, each only when named)
+#   GPU soak (tests/cuda_soak.rs), "big": the Qwen2.5-32B shape against the oracle, minutes
+#   and ~40 GB of host memory, and "prehopper": the pre-Hopper path forced (DV2_HOPPER=0) through
+#   every GPU gate, the sanitizers and the 3B context sweep beside the default, ~9 minutes;
+#   each only when named)
 set -uo pipefail
 # A pack carried as a tarball (tests/gpu/pack-carry.sh) unpacks here first.
 [[ -d .device || ! -f .dz/device.tgz ]] || tar xzf .dz/device.tgz
@@ -89,6 +91,22 @@ if want soak; then
   .device/tests/cuda_soak --nocapture --ignored --test-threads=1 > "$out/soak.log" 2>&1 \
     && echo "GPU soak: ok" || { echo "GPU soak: FAILED"; status=1; }
   grep -E "soak:|cycles|engines in|test result|panicked" "$out/soak.log" | tail -8
+fi
+if want prehopper; then
+  # What a GPU without clusters or PDL runs (sm_80-89), forced on this one (issue 37).
+  DV2_HOPPER=0 .device/tests/cuda_gates --test-threads=8 > "$out/prehopper-gates.log" 2>&1 \
+    && echo "DV2_HOPPER=0 cuda_gates: ok" || { echo "DV2_HOPPER=0 cuda_gates: FAILED"; status=1; }
+  grep -E "test result|FAILED|panicked" "$out/prehopper-gates.log" | tail -4
+  build_c_example || status=1
+  for tool in memcheck racecheck; do
+    DV2_HOPPER=0 compute-sanitizer --tool $tool --error-exitcode 7 /tmp/gates --backend cuda --quiet \
+      > "$out/prehopper-sanitizer-$tool.log" 2>&1 \
+      && echo "DV2_HOPPER=0 compute-sanitizer $tool: ok" || { echo "DV2_HOPPER=0 compute-sanitizer $tool: FAILED"; status=1; }
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|failed gates" "$out/prehopper-sanitizer-$tool.log" | tail -2
+  done
+  .device/examples/bench --json "$out/prehopper-context.json" --context qwen25_3b --against DV2_HOPPER=0 \
+    > "$out/prehopper-context.log" 2>&1 || { echo "bench --against DV2_HOPPER=0: FAILED"; status=1; }
+  grep -vE "^\s*$" "$out/prehopper-context.log" | tail -14
 fi
 if want big; then
   .device/tests/cuda_gates --nocapture --ignored --exact qwen25_32b_shape_decodes_like_the_oracle \
