@@ -59,6 +59,19 @@ fi
 build_c_example() {
   [[ -x /tmp/gates ]] || cc -std=c99 -O2 -g -Wall -Iinclude examples_c/gates.c -L.device/lib -ldecodev2 -o /tmp/gates
 }
+# memcheck and racecheck on the C example, under the "NAME=value" words after the first
+# argument (none: the default path); logs named PREFIXsanitizer-TOOL.log (PREFIX: the first).
+sanitize_c_example() {
+  local prefix=$1; shift
+  local label=${*:+$* }
+  build_c_example || status=1
+  for tool in memcheck racecheck; do
+    env "$@" compute-sanitizer --tool $tool --error-exitcode 7 /tmp/gates --backend cuda --quiet \
+      > "$out/${prefix}sanitizer-$tool.log" 2>&1 \
+      && echo "${label}compute-sanitizer $tool: ok" || { echo "${label}compute-sanitizer $tool: FAILED"; status=1; }
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|failed gates" "$out/${prefix}sanitizer-$tool.log" | tail -3
+  done
+}
 if want examples; then
   build_c_example && /tmp/gates --backend cuda > "$out/c-example.log" 2>&1 && echo "C example (cuda): ok" \
     || { echo "C example (cuda): FAILED"; status=1; }
@@ -69,12 +82,7 @@ if want examples; then
 fi
 
 if want sanitize; then
-  build_c_example || status=1
-  for tool in memcheck racecheck; do
-    compute-sanitizer --tool $tool --error-exitcode 7 /tmp/gates --backend cuda --quiet > "$out/sanitizer-$tool.log" 2>&1 \
-      && echo "compute-sanitizer $tool: ok" || { echo "compute-sanitizer $tool: FAILED"; status=1; }
-    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|failed gates" "$out/sanitizer-$tool.log" | tail -3
-  done
+  sanitize_c_example ""
   # The long-context attention past 2k slots (its cluster merge by pushes on an mbarrier,
   # several clusters merging through global memory): memcheck on every kernel; racecheck and
   # synccheck on its kernels alone (~45 s for racecheck, where the whole test passed 120 s:
@@ -97,13 +105,7 @@ if want prehopper; then
   DV2_HOPPER=0 .device/tests/cuda_gates --test-threads=16 > "$out/prehopper-gates.log" 2>&1 \
     && echo "DV2_HOPPER=0 cuda_gates: ok" || { echo "DV2_HOPPER=0 cuda_gates: FAILED"; status=1; }
   grep -E "test result|FAILED|panicked" "$out/prehopper-gates.log" | tail -4
-  build_c_example || status=1
-  for tool in memcheck racecheck; do
-    DV2_HOPPER=0 compute-sanitizer --tool $tool --error-exitcode 7 /tmp/gates --backend cuda --quiet \
-      > "$out/prehopper-sanitizer-$tool.log" 2>&1 \
-      && echo "DV2_HOPPER=0 compute-sanitizer $tool: ok" || { echo "DV2_HOPPER=0 compute-sanitizer $tool: FAILED"; status=1; }
-    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|failed gates" "$out/prehopper-sanitizer-$tool.log" | tail -2
-  done
+  sanitize_c_example prehopper- DV2_HOPPER=0
 fi
 if want prehopper-speed; then
   .device/examples/bench --json "$out/prehopper-context.json" --context qwen25_3b --against DV2_HOPPER=0 \
