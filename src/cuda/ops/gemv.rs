@@ -416,8 +416,9 @@ impl Ops {
                 .map(|_| ()),
             Gemv::V2 if cols == SWIGLU_FIVE_PARTS_K => {
                 // 5 warps a row (kparts), 10 a CTA: 2 rows a step of the CTA's walk.
-                let cfg = self.gemv2_grid(rows, cols, false, 10, 5)?;
-                let (kp, f16) = (5i32, i32::from(out_f16));
+                let kparts = 5;
+                let cfg = self.gemv2_grid(rows, cols, false, 10, kparts)?;
+                let (kp, f16) = (kparts as i32, i32::from(out_f16));
                 let (early_ctas, early_rows) =
                     skewed_split(rows, cfg.grid_dim.0, GEMV2_SWIGLU_SKEW);
                 launch!(self.gpu, &self.k.gemv2_swiglu_w10, cfg; gate, up, x, norm, out, rows_i, cols_i, kp, f16, early_ctas, early_rows)
