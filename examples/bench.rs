@@ -507,6 +507,38 @@ fn context_sweep(json_path: &str, preset: &str, depths: &[usize], against: (&str
         "device bandwidth (1 GiB streaming read): {tb_per_s:.2} TB/s; weights {:.2} GB/token",
         weights as f64 / 1e9
     );
+    // Experiment (session 32): ids and logits under `against` first (the rows-in-flight
+    // switches DV2_X_R2_*), then both swept in this process.
+    {
+        let env_set: &[(&str, &str)] = &[against];
+        let opts = EngineOptions {
+            backend: BackendKind::Cuda,
+            max_seq: MAX_SEQ,
+            ..EngineOptions::default()
+        };
+        let mut a = Engine::new(model.clone(), &opts).expect("cuda engine");
+        let mut b = with_env(env_set, || Engine::new(model.clone(), &opts)).expect("variant");
+        for depth in [20, 300, 2100, 5000] {
+            let prompt = synth::prompt(spec.vocab, depth, 1);
+            let (mut ia, mut ib) = (vec![0u32; 32], vec![0u32; 32]);
+            let (mut la, mut lb) = (vec![0f32; spec.vocab], vec![0f32; spec.vocab]);
+            for (e, ids, logits) in [(&mut a, &mut ia, &mut la), (&mut b, &mut ib, &mut lb)] {
+                e.reset().unwrap();
+                e.prefill(&prompt).unwrap();
+                e.step_n(ids).unwrap();
+                e.logits(logits).unwrap();
+            }
+            let diff = la
+                .iter()
+                .zip(&lb)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0f32, f32::max);
+            println!(
+                "variant {env_set:?} at depth {depth}: ids {} the default's, max |logit diff| {diff:e}",
+                if ia == ib { "equal" } else { "DIFFER from" }
+            );
+        }
+    }
     let against_label = format!("{}={}", against.0, against.1);
     let sweep = |default: bool| -> Vec<(f64, f64)> {
         let env: &[(&str, &str)] = if default { &[] } else { &[against] };

@@ -592,6 +592,146 @@ GEMV2_KERNELS(3, 1)
 // J = 4 from f16 x: K past GEMV2_MAX_K up to 32,768 (down at the 32B shape's K = 27,648,
 // +16% decode against GEMV v3 there: docs/lab.md, session 30).
 GEMV2_NF4_KERNEL(4, 1, true, _narrow_x16)
+// Experiment (session 32, DV2_X_KLOOP_DOWN=1): down from f16 x with its bytes in flight not
+// capped by x's registers. The walk above holds a lane's slice of x in registers (J x 16 of
+// them for the whole walk) and one block of rows ahead in registers; here a warp walks K
+// instead, 32 chunks an iteration (chunk c = 32 t + lane, a coalesced 512 bytes a row), reads
+// that chunk of x from shared memory (4 16-byte loads, shared by its R rows) and keeps D
+// iterations of its R rows' weights in flight: D x R x 16 bytes a lane where the walk has J x
+// R. A CTA is (8 / kparts) row lanes x kparts K parts, R rows a row lane, one block of rows
+// (no persistent loop: the host launches one CTA per block, at most GEMV2_CTAS_PER_SM an SM).
+template <int R, int D>
+__device__ __forceinline__ void gemv2_kloop_x16(PlainRows rows_of, int rows, int cols, const u16* __restrict__ x,
+                                                int kparts, const int* skip_if) {
+    __shared__ __align__(16) u32 pair16_lut[BYTE_LUT_WORDS];
+    __shared__ float part_sums[GEMV_WARPS * R];
+    extern __shared__ __align__(16) float gemv2_dyn[];
+    u32* x_staged = reinterpret_cast<u32*>(gemv2_dyn);
+    timeline_start();
+    load_byte_codebook<GEMV_THREADS>(pair16_lut);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const u32 lane4 = lane * 4;
+    const int kshift = log2_pow2(kparts);
+    const int part = warp & (kparts - 1), row_lane = warp >> kshift;
+    const int block_rows = (GEMV_WARPS >> kshift) * R;
+    const int r0 = blockIdx.x * block_rows + row_lane * R;  // this warp's first row
+    const int n_chunks = cols >> 5, iters = (n_chunks + 31) >> 5;
+    const int per_part = (iters + kparts - 1) >> kshift;
+    const int t_begin = part * per_part, t_end = min(iters, t_begin + per_part);
+    const Nf4Ref m = rows_of.m;
+    // Iteration t's chunk of each of the warp's rows (zeros past K, past the part, past the rows).
+    auto load_iter = [&](int t, RowChunks<1> (&b)[R]) {
+        const int c = t * 32 + lane;
+        const bool in_k = t < t_end && c < n_chunks;
+#pragma unroll
+        for (int i = 0; i < R; i++) {
+            const int r = r0 + i;
+            const bool in = in_k && r < rows;
+            b[i].q[0] = in ? load_weights16(reinterpret_cast<const uint4*>(m.packed + (size_t)r * (cols >> 1)) + c)
+                           : make_uint4(0u, 0u, 0u, 0u);
+            b[i].s[0] = in ? __ldg(m.absmax + (size_t)r * (cols >> 6) + (c >> 1)) : 0.0f;
+        }
+    };
+    RowChunks<1> buf[D][R];
+    // The first D iterations' weights go out before the wait (weights are constant).
+#pragma unroll
+    for (int d = 0; d < D; d++) load_iter(t_begin + d, buf[d]);
+    pdl_enter();
+    if (skip_if && *skip_if) return;
+    stage_x16(x, cols, x_staged);
+    __syncthreads();
+    float acc[R];
+#pragma unroll
+    for (int i = 0; i < R; i++) acc[i] = 0.0f;
+    for (int t = t_begin; t < t_end; t += D) {
+#pragma unroll
+        for (int d = 0; d < D; d++) {
+            const int tt = t + d;
+            if (tt < t_end) {  // the same for the whole warp
+                const int c = tt * 32 + lane;
+                XHalves<1> xh;
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    const uint4 v = c < n_chunks
+                                        ? *reinterpret_cast<const uint4*>(x_staged + c * X16_STAGE_STRIDE + 4 * q)
+                                        : make_uint4(0u, 0u, 0u, 0u);
+                    xh.h[0][4 * q] = v.x, xh.h[0][4 * q + 1] = v.y, xh.h[0][4 * q + 2] = v.z, xh.h[0][4 * q + 3] = v.w;
+                }
+#pragma unroll
+                for (int i = 0; i < R; i++) acc[i] += dot_row_pair16<1>(buf[d][i], xh, pair16_lut, lane4);
+                load_iter(tt + D, buf[d]);
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < R; i++) {
+        const float v = warp_sum(acc[i]);
+        if (lane == 0) part_sums[warp * R + i] = v;
+    }
+    __syncthreads();
+    // Thread i of the first block_rows: row r0 of its row lane + its index, the parts added in
+    // order.
+    float ss = 0.0f;
+    if ((int)threadIdx.x < block_rows) {
+        const int rl = threadIdx.x / R, i = threadIdx.x % R;
+        const int r = blockIdx.x * block_rows + threadIdx.x;
+        if (r < rows) {
+            float total = 0.0f;
+            for (int p = 0; p < kparts; p++) total += part_sums[((rl << kshift) + p) * R + i];
+            ss = sq(rows_of.store(r, &total));
+        }
+    }
+    if (float* out = rows_of.ss_out()) block_sum_to(ss, out + blockIdx.x);
+    timeline_end();
+}
+#define GEMV2_KLOOP_KERNEL(R, D)                                                                             \
+    extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)                                                    \
+        gemv2_nf4_kloop_r##R##_d##D##_x16(Nf4Ref m, const float* __restrict__ x, NormArgs, float* y,          \
+                                          const float* __restrict__ bias, int rows, int cols, int kparts,     \
+                                          int accumulate, const int* skip_if, float* ss_out) {                \
+        PlainRows p{m, y, bias, accumulate, ss_out};                                                         \
+        gemv2_kloop_x16<R, D>(p, rows, cols, reinterpret_cast<const u16*>(x), kparts, skip_if);              \
+    }
+// The 32B shape's down (K = 27,648, 5,120 rows): 2 K parts x 5 rows a row lane, 20 rows a CTA,
+// 256 CTAs, 3 or 2 iterations in flight; the 3B shape's (K = 11,008, 2,048 rows): 1 part x 1
+// row x 8 iterations or 2 parts x 2 rows x 4, 8 rows a CTA, 256 CTAs.
+GEMV2_KLOOP_KERNEL(5, 3)
+GEMV2_KLOOP_KERNEL(5, 2)
+GEMV2_KLOOP_KERNEL(1, 8)
+GEMV2_KLOOP_KERNEL(2, 4)
+
+// Experiment (session 32): more rows in flight a warp. J = 3 with 2: from f16 x (down at the
+// 3B shape's K = 11,008: DV2_X_R2_DOWN=1) in 128 registers, no spills; from f32 x (o, q/k/v
+// and lm_head at the 32B shape's K = 5,120: DV2_X_R2_J3=1) with ~230 bytes of spills. J = 2:
+// SwiGLU with 2 rows of each matrix (the 3B shape's gate/up: DV2_X_R2_SWIGLU=1; 52 bytes of
+// spills) and lm_head with 3 (the 3B shape's: DV2_X_R3_LOGITS=1; no spills).
+GEMV2_NF4_KERNEL(3, 2, true, _narrow_x16_r2)
+GEMV2_NF4_KERNEL(3, 2, false, _narrow_r2)
+extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)
+    gemv2_qkv_j3_narrow_r2(QkvArgs a, const float* __restrict__ x, NormArgs norm, float* out, int cols, int kparts) {
+    QkvRows q{a, out};
+    gemv2_walk<3, 2, 1, false>(q, a.rows[0] + a.rows[1] + a.rows[2], cols, x, norm, kparts, nullptr);
+}
+extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)
+    gemv2_swiglu_j2_narrow_r2(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm, float* out, int rows,
+                              int cols, int kparts, int out_f16, int early_ctas, int early_rows) {
+    SwigluRows g{gate, up, out, out_f16 != 0};
+    gemv2_walk<2, 2, 2, false>(g, rows, cols, x, norm, kparts, nullptr, early_ctas, early_rows);
+}
+#if GEMV2_LOGITS
+extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)
+    gemv2_logits_j2_narrow_r3(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y, int rows, int cols,
+                              int kparts, const int* skip_if, int* state, int* scratch, int eos, int* ring, int* hist) {
+    LogitRows p{m, y, state, scratch, eos, ring, hist, NEG_INF, -1};
+    gemv2_walk<2, 3, 1, false>(p, rows, cols, x, norm, kparts, skip_if);
+}
+extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)
+    gemv2_logits_j3_narrow_r2(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y, int rows, int cols,
+                              int kparts, const int* skip_if, int* state, int* scratch, int eos, int* ring, int* hist) {
+    LogitRows p{m, y, state, scratch, eos, ring, hist, NEG_INF, -1};
+    gemv2_walk<3, 2, 1, false>(p, rows, cols, x, norm, kparts, skip_if);
+}
+#endif
 // SwiGLU at K = 5,120 (the 32B shape's gate and up; the host's SWIGLU_FIVE_PARTS_K): 160
 // chunks, 5 x 32, so 1 chunk a lane over 5 warps a row, 10 warps a CTA, 2 rows in flight a
 // warp. Why: over 4 warps at 2 chunks a lane, 3 of a row's 8 chunk slots lie past K, and the

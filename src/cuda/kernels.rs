@@ -499,6 +499,16 @@ pub struct Kernels {
     /// sm_89 and sm_120), so that a K past it goes to GEMV v3 instead of failing to launch.
     pub gemv2_room: [usize; 2],
     pub gemv2_logits_room: usize,
+    /// Experiment (session 32): J = 3 with 2 rows in flight a warp.
+    pub gemv2_nf4_x16_j3_r2: CudaFunction,
+    pub gemv2_nf4_j3_r2: CudaFunction,
+    pub gemv2_qkv_j3_r2: CudaFunction,
+    pub gemv2_logits_j3_r2: Option<CudaFunction>,
+    pub gemv2_swiglu_j2_r2: CudaFunction,
+    /// Experiment (session 32): down walking K, by (rows a row lane, iterations in flight):
+    /// (5, 3), (5, 2), (1, 8), (2, 4).
+    pub gemv2_kloop_x16: [CudaFunction; 4],
+    pub gemv2_logits_j2_r3: Option<CudaFunction>,
     /// lm_head with the argmax folded in, by J (`DV2_LOGITS_ARGMAX`; compiled only then).
     pub gemv2_logits: Option<[CudaFunction; 3]>,
     /// Attention v2: for any head_dim, and unrolled for head_dim <= 128.
@@ -633,6 +643,58 @@ impl Kernels {
                 f
             },
             gemv2_qkv: gemv2("gemv2_qkv", "_narrow", GEMV2_MAX_SMEM)?,
+            gemv2_nf4_x16_j3_r2: {
+                let f = f("gemv2_nf4_j3_narrow_x16_r2")?;
+                allow_dynamic_smem(gpu, std::slice::from_ref(&f), GEMV2_MAX_SMEM)?;
+                f
+            },
+            gemv2_nf4_j3_r2: {
+                let f = f("gemv2_nf4_j3_narrow_r2")?;
+                allow_dynamic_smem(gpu, std::slice::from_ref(&f), GEMV2_MAX_SMEM)?;
+                f
+            },
+            gemv2_qkv_j3_r2: {
+                let f = f("gemv2_qkv_j3_narrow_r2")?;
+                allow_dynamic_smem(gpu, std::slice::from_ref(&f), GEMV2_MAX_SMEM)?;
+                f
+            },
+            gemv2_kloop_x16: {
+                let fs = [
+                    f("gemv2_nf4_kloop_r5_d3_x16")?,
+                    f("gemv2_nf4_kloop_r5_d2_x16")?,
+                    f("gemv2_nf4_kloop_r1_d8_x16")?,
+                    f("gemv2_nf4_kloop_r2_d4_x16")?,
+                ];
+                allow_dynamic_smem(gpu, &fs, gemv2_x_smem(GEMV2_X16_MAX_K, true))?;
+                fs
+            },
+            gemv2_swiglu_j2_r2: {
+                let f = f("gemv2_swiglu_j2_narrow_r2")?;
+                allow_dynamic_smem(gpu, std::slice::from_ref(&f), GEMV2_MAX_SMEM)?;
+                f
+            },
+            gemv2_logits_j2_r3: if cfg.logits_argmax {
+                let f = f("gemv2_logits_j2_narrow_r3")?;
+                allow_dynamic_smem(
+                    gpu,
+                    std::slice::from_ref(&f),
+                    GEMV2_MAX_SMEM + GEMV2_PRMT_TABLE,
+                )?;
+                Some(f)
+            } else {
+                None
+            },
+            gemv2_logits_j3_r2: if cfg.logits_argmax {
+                let f = f("gemv2_logits_j3_narrow_r2")?;
+                allow_dynamic_smem(
+                    gpu,
+                    std::slice::from_ref(&f),
+                    GEMV2_MAX_SMEM + GEMV2_PRMT_TABLE,
+                )?;
+                Some(f)
+            } else {
+                None
+            },
             gemv2_swiglu: gemv2("gemv2_swiglu", "_narrow", GEMV2_MAX_SMEM)?,
             gemv2_swiglu_w10: {
                 let f = f("gemv2_swiglu_j1_w10")?;
