@@ -19,7 +19,8 @@
 //! `--context [PRESET [D1,D2,..]]` prints only the context sweep: prefill and decode against
 //! depth (48 to 32k unless listed) at max_seq 32768, beside the bandwidth floor at each depth,
 //! on the Qwen2.5-3B shape or the named preset (e.g. `--context qwen25_32b 48,8192`), and
-//! the decode again under `--against`'s setting (default `DV2_ATTN_LONG=0`) in the same process.
+//! the decode again under `--against`'s setting (default `DV2_ATTN_LONG=0`) in the same process,
+//! after the ids and logits of both at 20, 300, 2,100 and 5,000 prompt tokens.
 //! `--sampling [PRESET [D1,D2,..]]` prints only sampled decode against greedy decode by depth
 //! (48 and 8k unless listed), in one engine, on the Qwen2.5-3B shape or the named preset.
 //! `--shapes PRESET` takes the kernel table's matrices from that preset (default qwen25_3b).
@@ -507,8 +508,8 @@ fn context_sweep(json_path: &str, preset: &str, depths: &[usize], against: (&str
         "device bandwidth (1 GiB streaming read): {tb_per_s:.2} TB/s; weights {:.2} GB/token",
         weights as f64 / 1e9
     );
-    // Experiment (session 32): ids and logits under `against` first (the rows-in-flight
-    // switches DV2_X_R2_*), then both swept in this process.
+    // Ids and logits under `against` beside the default's first, so that a faster column is
+    // never of another answer (a lossless setting leaves both equal; the print says).
     {
         let env_set: &[(&str, &str)] = &[against];
         let opts = EngineOptions {

@@ -554,9 +554,9 @@ struct LogitRows {
         PlainRows p{m, y, bias, accumulate, ss_out};                                                           \
         gemv2_walk<J, R, 1, X16>(p, rows, cols, x, norm, kparts, skip_if);                                     \
     }
-#define GEMV2_KERNELS(J, R)                                                                                    \
+#define GEMV2_KERNELS(J, R, R_X16)                                                                             \
     GEMV2_NF4_KERNEL(J, R, false, _narrow)                                                                     \
-    GEMV2_NF4_KERNEL(J, R, true, _narrow_x16)                                                                  \
+    GEMV2_NF4_KERNEL(J, R_X16, true, _narrow_x16)                                                              \
     extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)                                                                \
         gemv2_qkv_j##J##_narrow(QkvArgs a, const float* __restrict__ x, NormArgs norm, float* out, int cols,   \
                                 int kparts) {                                                                  \
@@ -586,22 +586,29 @@ struct LogitRows {
 #else
 #define GEMV2_LOGITS_KERNEL(J, R)
 #endif
-GEMV2_KERNELS(1, 2)
-GEMV2_KERNELS(2, 2)
-GEMV2_KERNELS(3, 1)
-// J = 4 from f16 x: K past GEMV2_MAX_K up to 32,768 (down at the 32B shape's K = 27,648,
-// +16% decode against GEMV v3 there: docs/lab.md, session 30).
+// R rows in flight a warp; from f16 x (down) J = 3 holds 2 in 128 registers without spills,
+// where the f32-x kernels spill (down at the 3B shape's K = 11,008 +0.8-1.0% decode from 2k to
+// 32k against 1: docs/lab.md, session 33).
+GEMV2_KERNELS(1, 2, 2)
+GEMV2_KERNELS(2, 2, 2)
+GEMV2_KERNELS(3, 1, 2)
+// J = 4 from f16 x: K past GEMV2_MAX_K up to 32,768 where the K walk below would take more
+// CTAs than fit (more than 20 x GEMV2_CTAS_PER_SM rows an SM; at the 32B shape's K = 27,648
+// it ran +16% decode against GEMV v3: docs/lab.md, session 30).
 GEMV2_NF4_KERNEL(4, 1, true, _narrow_x16)
-// Experiment (session 32, DV2_X_KLOOP_DOWN=1): down from f16 x with its bytes in flight not
+// Down past GEMV2_MAX_K from f16 x (the 32B shape's K = 27,648) with its bytes in flight not
 // capped by x's registers. The walk above holds a lane's slice of x in registers (J x 16 of
 // them for the whole walk) and one block of rows ahead in registers; here a warp walks K
 // instead, 32 chunks an iteration (chunk c = 32 t + lane, a coalesced 512 bytes a row), reads
 // that chunk of x from shared memory (4 16-byte loads, shared by its R rows) and keeps D
 // iterations of its R rows' weights in flight: D x R x 16 bytes a lane where the walk has J x
 // R. A CTA is (8 / kparts) row lanes x kparts K parts, R rows a row lane, one block of rows
-// (no persistent loop: the host launches one CTA per block, at most GEMV2_CTAS_PER_SM an SM).
+// (no persistent loop: the host launches one CTA per block where those fit GEMV2_CTAS_PER_SM
+// an SM, else the J = 4 walk). +2.0-2.8% decode at the 32B shape from 48 to 8k against J = 4
+// (5 rows x 2 iterations over K halves); 3 iterations, and at the 3B shape's K = 11,008 (1 x 8,
+// 2 x 4), lost: docs/lab.md, session 33.
 template <int R, int D>
-__device__ __forceinline__ void gemv2_kloop_x16(PlainRows rows_of, int rows, int cols, const u16* __restrict__ x,
+__device__ __forceinline__ void gemv2_kwalk_x16(PlainRows rows_of, int rows, int cols, const u16* __restrict__ x,
                                                 int kparts, const int* skip_if) {
     __shared__ __align__(16) u32 pair16_lut[BYTE_LUT_WORDS];
     __shared__ float part_sums[GEMV_WARPS * R];
@@ -684,54 +691,14 @@ __device__ __forceinline__ void gemv2_kloop_x16(PlainRows rows_of, int rows, int
     if (float* out = rows_of.ss_out()) block_sum_to(ss, out + blockIdx.x);
     timeline_end();
 }
-#define GEMV2_KLOOP_KERNEL(R, D)                                                                             \
-    extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)                                                    \
-        gemv2_nf4_kloop_r##R##_d##D##_x16(Nf4Ref m, const float* __restrict__ x, NormArgs, float* y,          \
-                                          const float* __restrict__ bias, int rows, int cols, int kparts,     \
-                                          int accumulate, const int* skip_if, float* ss_out) {                \
-        PlainRows p{m, y, bias, accumulate, ss_out};                                                         \
-        gemv2_kloop_x16<R, D>(p, rows, cols, reinterpret_cast<const u16*>(x), kparts, skip_if);              \
-    }
-// The 32B shape's down (K = 27,648, 5,120 rows): 2 K parts x 5 rows a row lane, 20 rows a CTA,
-// 256 CTAs, 3 or 2 iterations in flight; the 3B shape's (K = 11,008, 2,048 rows): 1 part x 1
-// row x 8 iterations or 2 parts x 2 rows x 4, 8 rows a CTA, 256 CTAs.
-GEMV2_KLOOP_KERNEL(5, 3)
-GEMV2_KLOOP_KERNEL(5, 2)
-GEMV2_KLOOP_KERNEL(1, 8)
-GEMV2_KLOOP_KERNEL(2, 4)
-
-// Experiment (session 32): more rows in flight a warp. J = 3 with 2: from f16 x (down at the
-// 3B shape's K = 11,008: DV2_X_R2_DOWN=1) in 128 registers, no spills; from f32 x (o, q/k/v
-// and lm_head at the 32B shape's K = 5,120: DV2_X_R2_J3=1) with ~230 bytes of spills. J = 2:
-// SwiGLU with 2 rows of each matrix (the 3B shape's gate/up: DV2_X_R2_SWIGLU=1; 52 bytes of
-// spills) and lm_head with 3 (the 3B shape's: DV2_X_R3_LOGITS=1; no spills).
-GEMV2_NF4_KERNEL(3, 2, true, _narrow_x16_r2)
-GEMV2_NF4_KERNEL(3, 2, false, _narrow_r2)
+// 2 K parts x 5 rows a row lane: 20 rows a CTA (the 32B shape's 5,120 rows: 256 CTAs; the
+// host's GEMV2_KWALK_ROWS and GEMV2_KWALK_KPARTS), 2 iterations in flight, no spills.
 extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)
-    gemv2_qkv_j3_narrow_r2(QkvArgs a, const float* __restrict__ x, NormArgs norm, float* out, int cols, int kparts) {
-    QkvRows q{a, out};
-    gemv2_walk<3, 2, 1, false>(q, a.rows[0] + a.rows[1] + a.rows[2], cols, x, norm, kparts, nullptr);
+    gemv2_down_kwalk(Nf4Ref m, const float* __restrict__ x, NormArgs, float* y, const float* __restrict__ bias,
+                     int rows, int cols, int kparts, int accumulate, const int* skip_if, float* ss_out) {
+    PlainRows p{m, y, bias, accumulate, ss_out};
+    gemv2_kwalk_x16<5, 2>(p, rows, cols, reinterpret_cast<const u16*>(x), kparts, skip_if);
 }
-extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)
-    gemv2_swiglu_j2_narrow_r2(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm, float* out, int rows,
-                              int cols, int kparts, int out_f16, int early_ctas, int early_rows) {
-    SwigluRows g{gate, up, out, out_f16 != 0};
-    gemv2_walk<2, 2, 2, false>(g, rows, cols, x, norm, kparts, nullptr, early_ctas, early_rows);
-}
-#if GEMV2_LOGITS
-extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)
-    gemv2_logits_j2_narrow_r3(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y, int rows, int cols,
-                              int kparts, const int* skip_if, int* state, int* scratch, int eos, int* ring, int* hist) {
-    LogitRows p{m, y, state, scratch, eos, ring, hist, NEG_INF, -1};
-    gemv2_walk<2, 3, 1, false>(p, rows, cols, x, norm, kparts, skip_if);
-}
-extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)
-    gemv2_logits_j3_narrow_r2(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y, int rows, int cols,
-                              int kparts, const int* skip_if, int* state, int* scratch, int eos, int* ring, int* hist) {
-    LogitRows p{m, y, state, scratch, eos, ring, hist, NEG_INF, -1};
-    gemv2_walk<3, 2, 1, false>(p, rows, cols, x, norm, kparts, skip_if);
-}
-#endif
 // SwiGLU at K = 5,120 (the 32B shape's gate and up; the host's SWIGLU_FIVE_PARTS_K): 160
 // chunks, 5 x 32, so 1 chunk a lane over 5 warps a row, 10 warps a CTA, 2 rows in flight a
 // warp. Why: over 4 warps at 2 chunks a lane, 3 of a row's 8 chunk slots lie past K, and the

@@ -169,18 +169,6 @@ pub struct Config {
     pub cache_dir: Option<PathBuf>,
     pub lineinfo: bool,
     pub cta_timeline: bool,
-    /// Experiment (session 32): GEMV v2 with more rows in flight a warp: at J = 3, 2, from f16
-    /// x (`DV2_X_R2_DOWN=1`: the 3B shape's down) and from f32 x (`DV2_X_R2_J3=1`: o, q/k/v
-    /// and lm_head at the 32B shape); at J = 2, SwiGLU's 2 (`DV2_X_R2_SWIGLU=1`) and lm_head's
-    /// 3 (`DV2_X_R3_LOGITS=1`), the 3B shape's.
-    pub r2_down: bool,
-    pub r2_j3: bool,
-    pub r2_swiglu: bool,
-    pub r3_logits: bool,
-    /// Experiment (session 32): down from f16 x walking K with D iterations of R rows in flight
-    /// (`DV2_X_KLOOP_DOWN=1`: 5 rows x 3 at the 32B shape, 1 x 8 at the 3B; `=2`: 5 x 2, and
-    /// 2 x 4 over K halves); 0: off.
-    pub kloop_down: u8,
 }
 
 impl Default for Config {
@@ -221,13 +209,6 @@ impl Config {
                 .or_else(|| default_cache_dir(&var)),
             lineinfo: is("DV2_LINEINFO", "1"),
             cta_timeline: is("DV2_CTA_TIMELINE", "1"),
-            r2_down: is("DV2_X_R2_DOWN", "1"),
-            r2_j3: is("DV2_X_R2_J3", "1"),
-            r2_swiglu: is("DV2_X_R2_SWIGLU", "1"),
-            r3_logits: is("DV2_X_R3_LOGITS", "1"),
-            kloop_down: var("DV2_X_KLOOP_DOWN")
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(0),
         }
     }
 

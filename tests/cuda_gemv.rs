@@ -233,9 +233,12 @@ fn every_gemv_kernel_matches_the_cpu_at_every_v2_shape() {
     );
 }
 
-/// GEMV v2 at 4 chunks a lane, which only an f16 x reaches (down's input past K = 24,576: the
-/// 32B shape's K = 27,648), against the CPU on the f16-rounded x: `y = W x`, then `y += W x`
-/// over it as down adds to the residual. K = 32,768 is the largest it takes.
+/// Down past K = 24,576 (GEMV2_MAX_K), which only an f16 x reaches (the 32B shape's K =
+/// 27,648), against the CPU on the f16-rounded x: `y = W x`, then `y += W x` over it as down
+/// adds to the residual, and the CTAs' sums of squares of what they wrote. 77 rows take the
+/// K-walking kernel (4 CTAs of 20 rows, the last one's fourth row lane 2 rows short); 6,000
+/// rows (past the H200's 132 SMs x 2 x 20) the J = 4 walk. K = 32,768 is the largest either
+/// takes.
 #[test]
 fn gemv_v2_from_f16_x_past_the_f32_limit_matches_the_cpu() {
     let cfg = Config::from_env();
@@ -246,16 +249,38 @@ fn gemv_v2_from_f16_x_past_the_f32_limit_matches_the_cpu() {
     // Forced: Auto takes v3 for a matrix this small (GEMV3_MAX_BYTES).
     ops.gemv = GemvChoice::Fixed(Gemv::V2);
     let gpu = &ops.gpu;
-    for (i, k) in [27_648usize, 32_768].into_iter().enumerate() {
-        let rows = 72;
+    for (i, (rows, k)) in [(77usize, 27_648usize), (77, 32_768), (6_000, 27_648)]
+        .into_iter()
+        .enumerate()
+    {
         let a = Matrix::new(gpu, rows, k, 2 * i as u64 + 101);
-        let (x16, x) = f16_rounded(&random(k, k as u64, -1.0, 1.0));
+        let (x16, x) = f16_rounded(&random(k, k as u64 + i as u64, -1.0, 1.0));
         let x16d = gpu.upload(&x16).unwrap();
         let y = gpu.zeros::<f32>(rows).unwrap();
+        let ss = gpu.zeros::<f32>(1024).unwrap();
         let xp = Input::raw_f16(gpu.ptr(&x16d));
-        ops.gemv(a.dev.as_ref(gpu), rows, k, xp, gpu.ptr(&y), false, 0, 0)
+        let parts = ops
+            .gemv(
+                a.dev.as_ref(gpu),
+                rows,
+                k,
+                xp,
+                gpu.ptr(&y),
+                false,
+                0,
+                gpu.ptr(&ss),
+            )
             .unwrap();
+        if rows == 77 {
+            assert_eq!(parts, 4, "K = {k}: 77 rows in the K walk's CTAs of 20");
+        }
         let once = gpu.download(&y, rows).unwrap();
+        let sums: f32 = gpu.download(&ss, parts).unwrap().iter().sum();
+        let want_ss: f32 = once.iter().map(|v| v * v).sum();
+        assert!(
+            (sums - want_ss).abs() <= 1e-4 * want_ss.max(1.0),
+            "{rows} rows, K = {k}: {parts} partial sums add to {sums}, want {want_ss}"
+        );
         ops.gemv(a.dev.as_ref(gpu), rows, k, xp, gpu.ptr(&y), true, 0, 0)
             .unwrap();
         let twice = gpu.download(&y, rows).unwrap();
@@ -264,12 +289,12 @@ fn gemv_v2_from_f16_x_past_the_f32_limit_matches_the_cpu() {
             let tol = tolerance(m);
             assert!(
                 (once[r] - v).abs() <= tol,
-                "K = {k}, y = W x: row {r} got {}, want {v} (tolerance {tol})",
+                "{rows} rows, K = {k}, y = W x: row {r} got {}, want {v} (tolerance {tol})",
                 once[r]
             );
             assert!(
                 (twice[r] - (once[r] + v)).abs() <= 2.0 * tol,
-                "K = {k}, y += W x: row {r} got {}, want {} (tolerance {})",
+                "{rows} rows, K = {k}, y += W x: row {r} got {}, want {} (tolerance {})",
                 twice[r],
                 once[r] + v,
                 2.0 * tol
@@ -294,69 +319,6 @@ fn gemv_v2_from_f16_x_past_the_f32_limit_matches_the_cpu() {
         )
         .unwrap_err();
     assert!(err.to_string().contains("32768 from f16 x"), "{err}");
-}
-
-/// Experiment (session 32, DV2_X_KLOOP_DOWN): down walking K, each of its shapes at the 3B and
-/// 32B shapes' K, against the CPU on the f16-rounded x — `y = W x`, then `y += W x` — with rows
-/// that leave a CTA's block part empty, and the CTAs' sums of squares of what they wrote.
-#[test]
-fn down_walking_k_matches_the_cpu() {
-    for kloop in [1u8, 2] {
-        let mut cfg = Config::from_env();
-        cfg.kloop_down = kloop;
-        let Some(gpu) = cuda_or_skip("GPU", Gpu::open(0, &cfg)) else {
-            return;
-        };
-        let mut ops = Ops::new(gpu, cfg).unwrap();
-        ops.gemv = GemvChoice::Fixed(Gemv::V2);
-        let gpu = &ops.gpu;
-        for (i, k) in [11_008usize, 27_648].into_iter().enumerate() {
-            let rows = 77;
-            let a = Matrix::new(gpu, rows, k, 31 + i as u64);
-            let (x16, x) = f16_rounded(&random(k, 3 + k as u64, -1.0, 1.0));
-            let x16d = gpu.upload(&x16).unwrap();
-            let y = gpu.zeros::<f32>(rows).unwrap();
-            let ss = gpu.zeros::<f32>(1024).unwrap();
-            let xp = Input::raw_f16(gpu.ptr(&x16d));
-            let parts = ops
-                .gemv(
-                    a.dev.as_ref(gpu),
-                    rows,
-                    k,
-                    xp,
-                    gpu.ptr(&y),
-                    false,
-                    0,
-                    gpu.ptr(&ss),
-                )
-                .unwrap();
-            let once = gpu.download(&y, rows).unwrap();
-            let sums: f32 = gpu.download(&ss, parts).unwrap().iter().sum();
-            let want_ss: f32 = once.iter().map(|v| v * v).sum();
-            assert!(
-                (sums - want_ss).abs() <= 1e-4 * want_ss.max(1.0),
-                "DV2_X_KLOOP_DOWN={kloop}, K = {k}: {parts} partial sums add to {sums}, want {want_ss}"
-            );
-            ops.gemv(a.dev.as_ref(gpu), rows, k, xp, gpu.ptr(&y), true, 0, 0)
-                .unwrap();
-            let twice = gpu.download(&y, rows).unwrap();
-            for r in 0..rows {
-                let (v, m) = a.dot(r, &x);
-                let tol = tolerance(m);
-                assert!(
-                    (once[r] - v).abs() <= tol,
-                    "DV2_X_KLOOP_DOWN={kloop}, K = {k}, y = W x: row {r} got {}, want {v} (tolerance {tol})",
-                    once[r]
-                );
-                assert!(
-                    (twice[r] - (once[r] + v)).abs() <= 2.0 * tol,
-                    "DV2_X_KLOOP_DOWN={kloop}, K = {k}, y += W x: row {r} got {}, want {}",
-                    twice[r],
-                    once[r] + v
-                );
-            }
-        }
-    }
 }
 
 /// On a device that lets a CTA opt into 99 KiB of shared memory (sm_86, sm_89, sm_120: the

@@ -62,6 +62,10 @@ pub const GEMV2_X16_STRIDE: usize = 20;
 pub const GEMV2_MAX_K: usize = 3 * 32 * 8 * 32;
 /// The largest K GEMV v2 takes from f16 x (down's input): 4 chunks a lane.
 pub const GEMV2_X16_MAX_K: usize = 4 * 32 * 8 * 32;
+/// The K-walking down kernel's (`gemv2_down_kwalk`) rows a CTA and warps a row: 8
+/// warps as 4 row lanes of 5 rows, each row's K in 2 halves.
+pub const GEMV2_KWALK_ROWS: usize = 20;
+pub const GEMV2_KWALK_KPARTS: i32 = 2;
 /// The dynamic shared memory GEMV v2 stages x in for K = cols: each 32-element chunk at
 /// [`GEMV2_X_STRIDE`] floats, or [`GEMV2_X16_STRIDE`] words from f16 x.
 pub const fn gemv2_x_smem(cols: usize, x_f16: bool) -> usize {
@@ -487,8 +491,12 @@ pub struct Kernels {
     /// q/k/v, SwiGLU.
     pub gemv2_nf4: [CudaFunction; 3],
     pub gemv2_nf4_x16: [CudaFunction; 3],
-    /// J = 4 from f16 x, for K past [`GEMV2_MAX_K`].
+    /// J = 4 from f16 x, for K past [`GEMV2_MAX_K`] where [`Kernels::gemv2_down_kwalk`] would
+    /// take more CTAs than fit.
     pub gemv2_nf4_x16_j4: CudaFunction,
+    /// Down from f16 x walking K, for K past [`GEMV2_MAX_K`]: one CTA per
+    /// [`GEMV2_KWALK_ROWS`] rows, [`GEMV2_KWALK_KPARTS`] warps a row.
+    pub gemv2_down_kwalk: CudaFunction,
     pub gemv2_qkv: [CudaFunction; 3],
     pub gemv2_swiglu: [CudaFunction; 3],
     /// SwiGLU at J = 1 over 5 warps a row, 10 warps a CTA (K = 5,120 alone).
@@ -499,16 +507,6 @@ pub struct Kernels {
     /// sm_89 and sm_120), so that a K past it goes to GEMV v3 instead of failing to launch.
     pub gemv2_room: [usize; 2],
     pub gemv2_logits_room: usize,
-    /// Experiment (session 32): J = 3 with 2 rows in flight a warp.
-    pub gemv2_nf4_x16_j3_r2: CudaFunction,
-    pub gemv2_nf4_j3_r2: CudaFunction,
-    pub gemv2_qkv_j3_r2: CudaFunction,
-    pub gemv2_logits_j3_r2: Option<CudaFunction>,
-    pub gemv2_swiglu_j2_r2: CudaFunction,
-    /// Experiment (session 32): down walking K, by (rows a row lane, iterations in flight):
-    /// (5, 3), (5, 2), (1, 8), (2, 4).
-    pub gemv2_kloop_x16: [CudaFunction; 4],
-    pub gemv2_logits_j2_r3: Option<CudaFunction>,
     /// lm_head with the argmax folded in, by J (`DV2_LOGITS_ARGMAX`; compiled only then).
     pub gemv2_logits: Option<[CudaFunction; 3]>,
     /// Attention v2: for any head_dim, and unrolled for head_dim <= 128.
@@ -642,59 +640,16 @@ impl Kernels {
                 )?;
                 f
             },
+            gemv2_down_kwalk: {
+                let f = f("gemv2_down_kwalk")?;
+                allow_dynamic_smem(
+                    gpu,
+                    std::slice::from_ref(&f),
+                    gemv2_x_smem(GEMV2_X16_MAX_K, true),
+                )?;
+                f
+            },
             gemv2_qkv: gemv2("gemv2_qkv", "_narrow", GEMV2_MAX_SMEM)?,
-            gemv2_nf4_x16_j3_r2: {
-                let f = f("gemv2_nf4_j3_narrow_x16_r2")?;
-                allow_dynamic_smem(gpu, std::slice::from_ref(&f), GEMV2_MAX_SMEM)?;
-                f
-            },
-            gemv2_nf4_j3_r2: {
-                let f = f("gemv2_nf4_j3_narrow_r2")?;
-                allow_dynamic_smem(gpu, std::slice::from_ref(&f), GEMV2_MAX_SMEM)?;
-                f
-            },
-            gemv2_qkv_j3_r2: {
-                let f = f("gemv2_qkv_j3_narrow_r2")?;
-                allow_dynamic_smem(gpu, std::slice::from_ref(&f), GEMV2_MAX_SMEM)?;
-                f
-            },
-            gemv2_kloop_x16: {
-                let fs = [
-                    f("gemv2_nf4_kloop_r5_d3_x16")?,
-                    f("gemv2_nf4_kloop_r5_d2_x16")?,
-                    f("gemv2_nf4_kloop_r1_d8_x16")?,
-                    f("gemv2_nf4_kloop_r2_d4_x16")?,
-                ];
-                allow_dynamic_smem(gpu, &fs, gemv2_x_smem(GEMV2_X16_MAX_K, true))?;
-                fs
-            },
-            gemv2_swiglu_j2_r2: {
-                let f = f("gemv2_swiglu_j2_narrow_r2")?;
-                allow_dynamic_smem(gpu, std::slice::from_ref(&f), GEMV2_MAX_SMEM)?;
-                f
-            },
-            gemv2_logits_j2_r3: if cfg.logits_argmax {
-                let f = f("gemv2_logits_j2_narrow_r3")?;
-                allow_dynamic_smem(
-                    gpu,
-                    std::slice::from_ref(&f),
-                    GEMV2_MAX_SMEM + GEMV2_PRMT_TABLE,
-                )?;
-                Some(f)
-            } else {
-                None
-            },
-            gemv2_logits_j3_r2: if cfg.logits_argmax {
-                let f = f("gemv2_logits_j3_narrow_r2")?;
-                allow_dynamic_smem(
-                    gpu,
-                    std::slice::from_ref(&f),
-                    GEMV2_MAX_SMEM + GEMV2_PRMT_TABLE,
-                )?;
-                Some(f)
-            } else {
-                None
-            },
             gemv2_swiglu: gemv2("gemv2_swiglu", "_narrow", GEMV2_MAX_SMEM)?,
             gemv2_swiglu_w10: {
                 let f = f("gemv2_swiglu_j1_w10")?;
@@ -741,7 +696,7 @@ impl Kernels {
         let f16_x: Vec<&CudaFunction> = k
             .gemv2_nf4_x16
             .iter()
-            .chain([&k.gemv2_nf4_x16_j4])
+            .chain([&k.gemv2_nf4_x16_j4, &k.gemv2_down_kwalk])
             .collect();
         k.gemv2_room = [dynamic_smem_room(&f32_x)?, dynamic_smem_room(&f16_x)?];
         k.gemv2_logits_room = match &k.gemv2_logits {

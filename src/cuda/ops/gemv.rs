@@ -7,8 +7,9 @@ use super::attention::Attention;
 use super::gemm::{Epilogue, GemmArgs, GemmMatrix};
 use super::{check_sums, no_sums, Input, NormArgs, Ops, MAX_ARGMAX_CTAS};
 use crate::cuda::kernels::{
-    gemv2_x_smem, GEMV2_MAX_K, GEMV2_PRMT_TABLE, GEMV2_X16_MAX_K, GEMV3_CTAS_PER_SM,
-    GEMV3_KH2_CTAS_PER_SM, GEMV3_MAX_K, GEMV3_WARPS, GEMV_WARPS,
+    gemv2_x_smem, GEMV2_KWALK_KPARTS, GEMV2_KWALK_ROWS, GEMV2_MAX_K, GEMV2_PRMT_TABLE,
+    GEMV2_X16_MAX_K, GEMV3_CTAS_PER_SM, GEMV3_KH2_CTAS_PER_SM, GEMV3_MAX_K, GEMV3_WARPS,
+    GEMV_WARPS,
 };
 use crate::cuda::weights::Nf4Ref;
 use crate::error::{Error, Result};
@@ -109,6 +110,12 @@ impl Ops {
         Ok((j, kparts, cfg))
     }
 
+    /// Whether the K-walking down kernel's grid, one CTA per [`GEMV2_KWALK_ROWS`] rows, is
+    /// resident at once ([`GEMV2_CTAS_PER_SM`] an SM): it has no persistent loop.
+    fn kwalk_fits(&self, rows: usize) -> bool {
+        rows.div_ceil(GEMV2_KWALK_ROWS) <= (self.sms * GEMV2_CTAS_PER_SM) as usize
+    }
+
     /// GEMV v2's persistent grid for `rows` in CTAs of `warps`, `kparts` of them a row:
     /// [`GEMV2_CTAS_PER_SM`] an SM, or fewer where the rows run out, x staged for K = cols.
     fn gemv2_grid(
@@ -128,34 +135,6 @@ impl Ops {
             block_dim: (warps * 32, 1, 1),
             shared_mem_bytes: self.gemv2_x_room(cols, x_f16)?,
         })
-    }
-
-    /// Experiment (session 32, `DV2_X_KLOOP_DOWN`): the K-walking down kernel, its K parts and
-    /// its launch (one CTA per block of rows, where those fit GEMV2_CTAS_PER_SM an SM), or None.
-    fn kloop_launch(
-        &self,
-        rows: usize,
-        cols: usize,
-    ) -> Option<(&cudarc::driver::CudaFunction, i32, LaunchConfig)> {
-        // (kernel, K parts, rows a row lane) by the switch's value and K.
-        let (f, kparts, r) = match (self.cfg.kloop_down, cols > GEMV2_MAX_K) {
-            (1, true) => (&self.k.gemv2_kloop_x16[0], 2, 5),
-            (2, true) => (&self.k.gemv2_kloop_x16[1], 2, 5),
-            (1, false) => (&self.k.gemv2_kloop_x16[2], 1, 1),
-            (2, false) => (&self.k.gemv2_kloop_x16[3], 2, 2),
-            _ => return None,
-        };
-        let block_rows = (GEMV_WARPS as usize / kparts as usize) * r;
-        let ctas = rows.div_ceil(block_rows) as u32;
-        if ctas > self.sms * GEMV2_CTAS_PER_SM {
-            return None;
-        }
-        let cfg = LaunchConfig {
-            grid_dim: (ctas, 1, 1),
-            block_dim: (GEMV_WARPS * 32, 1, 1),
-            shared_mem_bytes: self.gemv2_x_room(cols, true).ok()?,
-        };
-        Some((f, kparts, cfg))
     }
 
     /// The shared memory GEMV v2 stages x in for K = cols, or an error where the device does
@@ -288,10 +267,16 @@ impl Ops {
         }
         match kernel {
             Gemv::V3 => self.gemv3(epilogue, &mats, cols, x, norm, y, skip_if, ss_out, false),
-            Gemv::V2 if input.f16 && self.kloop_launch(rows, cols).is_some() => {
-                let (f, kparts, cfg) = self.kloop_launch(rows, cols).unwrap();
+            Gemv::V2 if input.f16 && cols > GEMV2_MAX_K && self.kwalk_fits(rows) => {
+                let kp = GEMV2_KWALK_KPARTS;
+                let cfg = LaunchConfig {
+                    grid_dim: (rows.div_ceil(GEMV2_KWALK_ROWS) as u32, 1, 1),
+                    block_dim: (GEMV_WARPS * 32, 1, 1),
+                    shared_mem_bytes: self.gemv2_x_room(cols, true)?,
+                };
                 check_sums(ss_out, cfg.grid_dim.0)?;
-                launch!(self.gpu, f, cfg; m, x, norm, y, bias, rows_i, cols_i, kparts, acc, skip_if, ss_out)?;
+                let f = &self.k.gemv2_down_kwalk;
+                launch!(self.gpu, f, cfg; m, x, norm, y, bias, rows_i, cols_i, kp, acc, skip_if, ss_out)?;
                 Ok(cfg.grid_dim.0 as usize)
             }
             Gemv::V2 => {
@@ -300,8 +285,6 @@ impl Ops {
                 check_sums(ss_out, cfg.grid_dim.0)?;
                 let f = match (input.f16, j) {
                     (true, 4) => &self.k.gemv2_nf4_x16_j4,
-                    (true, 3) if self.cfg.r2_down => &self.k.gemv2_nf4_x16_j3_r2,
-                    (false, 3) if self.cfg.r2_j3 => &self.k.gemv2_nf4_j3_r2,
                     (true, _) => &self.k.gemv2_nf4_x16[j - 1],
                     (false, _) => &self.k.gemv2_nf4[j - 1],
                 };
@@ -351,12 +334,7 @@ impl Ops {
             ring,
             hist,
         } = head;
-        let f = match (&self.k.gemv2_logits_j3_r2, &self.k.gemv2_logits_j2_r3) {
-            (Some(f), _) if j == 3 && self.cfg.r2_j3 => f,
-            (_, Some(f)) if j == 2 && self.cfg.r3_logits => f,
-            _ => &kernels[j - 1],
-        };
-        launch!(self.gpu, f, cfg; m, x, norm, y, rows_i, cols_i, kp, skip_if, state, scratch, eos, ring, hist)?;
+        launch!(self.gpu, &kernels[j - 1], cfg; m, x, norm, y, rows_i, cols_i, kp, skip_if, state, scratch, eos, ring, hist)?;
         Ok(true)
     }
 
@@ -420,12 +398,8 @@ impl Ops {
             Gemv::V2 => {
                 let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols, false, 3)?;
                 let kp = kparts as i32;
-                let f = if j == 3 && self.cfg.r2_j3 {
-                    &self.k.gemv2_qkv_j3_r2
-                } else {
-                    &self.k.gemv2_qkv[j - 1]
-                };
-                launch!(self.gpu, f, cfg; args, x, norm, out, cols_i, kp).map(|_| false)
+                launch!(self.gpu, &self.k.gemv2_qkv[j - 1], cfg; args, x, norm, out, cols_i, kp)
+                    .map(|_| false)
             }
         }
     }
@@ -478,12 +452,7 @@ impl Ops {
                 let f16 = i32::from(out_f16);
                 let (early_ctas, early_rows) =
                     skewed_split(rows, cfg.grid_dim.0, GEMV2_SWIGLU_SKEW);
-                let f = if j == 2 && self.cfg.r2_swiglu {
-                    &self.k.gemv2_swiglu_j2_r2
-                } else {
-                    &self.k.gemv2_swiglu[j - 1]
-                };
-                launch!(self.gpu, f, cfg; gate, up, x, norm, out, rows_i, cols_i, kp, f16, early_ctas, early_rows)
+                launch!(self.gpu, &self.k.gemv2_swiglu[j - 1], cfg; gate, up, x, norm, out, rows_i, cols_i, kp, f16, early_ctas, early_rows)
             }
         }
     }
