@@ -110,10 +110,13 @@ impl Ops {
         Ok((j, kparts, cfg))
     }
 
-    /// Whether the K-walking down kernel's grid, one CTA per [`GEMV2_KWALK_ROWS`] rows, is
+    /// Whether down from f16 x walks K ([`Kernels::gemv2_down_kwalk`]): for K past
+    /// [`GEMV2_MAX_K`] up to [`GEMV2_X16_MAX_K`] (past it, [`Ops::gemv_v2_launch`] refuses
+    /// with the limits named), where its grid, one CTA per [`GEMV2_KWALK_ROWS`] rows, is
     /// resident at once ([`GEMV2_CTAS_PER_SM`] an SM): it has no persistent loop.
-    fn kwalk_fits(&self, rows: usize) -> bool {
-        rows.div_ceil(GEMV2_KWALK_ROWS) <= (self.sms * GEMV2_CTAS_PER_SM) as usize
+    fn kwalk_fits(&self, rows: usize, cols: usize) -> bool {
+        (GEMV2_MAX_K + 1..=GEMV2_X16_MAX_K).contains(&cols)
+            && rows.div_ceil(GEMV2_KWALK_ROWS) <= (self.sms * GEMV2_CTAS_PER_SM) as usize
     }
 
     /// GEMV v2's persistent grid for `rows` in CTAs of `warps`, `kparts` of them a row:
@@ -267,7 +270,7 @@ impl Ops {
         }
         match kernel {
             Gemv::V3 => self.gemv3(epilogue, &mats, cols, x, norm, y, skip_if, ss_out, false),
-            Gemv::V2 if input.f16 && cols > GEMV2_MAX_K && self.kwalk_fits(rows) => {
+            Gemv::V2 if input.f16 && self.kwalk_fits(rows, cols) => {
                 let kp = GEMV2_KWALK_KPARTS;
                 let cfg = LaunchConfig {
                     grid_dim: (rows.div_ceil(GEMV2_KWALK_ROWS) as u32, 1, 1),
