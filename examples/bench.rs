@@ -19,7 +19,7 @@
 //! `--context [PRESET [D1,D2,..]]` prints only the context sweep: prefill and decode against
 //! depth (48 to 32k unless listed) at max_seq 32768, beside the bandwidth floor at each depth,
 //! on the Qwen2.5-3B shape or the named preset (e.g. `--context qwen25_32b 48,8192`), and
-//! the decode again under `--against`'s setting (default `DV2_ATTN_LONG=0`) in the same process,
+//! decode and prefill again under `--against`'s setting (default `DV2_ATTN_LONG=0`) in the same process,
 //! after the ids and logits of both at 20, 300, 2,100 and 5,000 prompt tokens.
 //! `--sampling [PRESET [D1,D2,..]]` prints only sampled decode against greedy decode by depth
 //! (48 and 8k unless listed), in one engine, on the Qwen2.5-3B shape or the named preset.
@@ -571,9 +571,9 @@ fn context_sweep(json_path: &str, preset: &str, depths: &[usize], against: (&str
         })
     };
     let (default, other) = (sweep(true), sweep(false));
-    println!("  (last two columns: {against_label})");
+    println!("  (last three columns: {against_label})");
     println!(
-        "  {:>6} {:>11} {:>9} {:>10} {:>8} {:>10} {:>9} {:>7} {:>9} {:>8}",
+        "  {:>6} {:>11} {:>9} {:>10} {:>8} {:>10} {:>9} {:>7} {:>9} {:>8} {:>9}",
         "depth",
         "prefill ms",
         "tok/s",
@@ -583,17 +583,20 @@ fn context_sweep(json_path: &str, preset: &str, depths: &[usize], against: (&str
         "floor t/s",
         "floor%",
         "ms/t",
-        "tok/s"
+        "tok/s",
+        "prefill/s"
     );
     let mut json = format!("{{\n  \"preset\": \"{preset}\",\n  \"device_tb_per_s\": {tb_per_s:.3},\n  \"weight_bytes\": {weights},\n  \"against\": \"{against_label}\",\n  \"context\": [\n");
     // KV bytes of `slots` positions: every layer's K and V rows, bf16.
     let kv_bytes = |slots: usize| spec.n_layers * slots * 2 * spec.kv_dim() * 2;
-    for ((&depth, &(prefill_ms, ms)), &(_, other_ms)) in depths.iter().zip(&default).zip(&other) {
+    for ((&depth, &(prefill_ms, ms)), &(other_prefill_ms, other_ms)) in
+        depths.iter().zip(&default).zip(&other)
+    {
         // What a step reads at this depth: the weights and the KV rows up to the position.
         let floor_ms = (weights + kv_bytes(depth + 64)) as f64 / (tb_per_s * 1e12) * 1e3;
         let prefill_tok_s = depth as f64 / prefill_ms * 1e3;
         println!(
-            "  {:>6} {:>11.2} {:>9.0} {:>10.4} {:>8.1} {:>10.4} {:>9.0} {:>6.0}% {:>9.4} {:>8.1}",
+            "  {:>6} {:>11.2} {:>9.0} {:>10.4} {:>8.1} {:>10.4} {:>9.0} {:>6.0}% {:>9.4} {:>8.1} {:>9.0}",
             depth,
             prefill_ms,
             prefill_tok_s,
@@ -603,9 +606,10 @@ fn context_sweep(json_path: &str, preset: &str, depths: &[usize], against: (&str
             1e3 / floor_ms,
             100.0 * floor_ms / ms,
             other_ms,
-            1e3 / other_ms
+            1e3 / other_ms,
+            depth as f64 / other_prefill_ms * 1e3
         );
-        writeln!(json, "    {{\"depth\": {depth}, \"prefill_ms\": {prefill_ms:.3}, \"prefill_tok_s\": {prefill_tok_s:.1}, \"ms_per_token\": {ms:.5}, \"tok_s\": {:.2}, \"floor_ms\": {floor_ms:.5}, \"against_ms_per_token\": {other_ms:.5}}},", 1e3 / ms).unwrap();
+        writeln!(json, "    {{\"depth\": {depth}, \"prefill_ms\": {prefill_ms:.3}, \"prefill_tok_s\": {prefill_tok_s:.1}, \"ms_per_token\": {ms:.5}, \"tok_s\": {:.2}, \"floor_ms\": {floor_ms:.5}, \"against_ms_per_token\": {other_ms:.5}, \"against_prefill_ms\": {other_prefill_ms:.3}}},", 1e3 / ms).unwrap();
     }
     json = json.trim_end_matches(",\n").to_string() + "\n  ],\n  \"kv_marginal\": [\n";
     // The decode attention's KV streaming rate in the graph: between two depths, the extra KV

@@ -8,8 +8,9 @@
 #   the parts can go in separate device calls, the switch sweep being the longest; "soak": the
 #   GPU soak (tests/cuda_soak.rs), "big": the Qwen2.5-32B shape against the oracle, minutes
 #   and ~40 GB of host memory, "prehopper": the pre-Hopper path forced (DV2_HOPPER=0) through
-#   every GPU gate and the sanitizers (~9 minutes), and "prehopper-speed": the 3B context sweep
-#   with it beside the default; each only when named)
+#   every GPU gate (~10 minutes), "prehopper-sanitize": the C example under the sanitizers with
+#   it, and "prehopper-speed": the 3B context sweep with it beside the default; each only when
+#   named)
 set -uo pipefail
 # A pack carried as a tarball (tests/gpu/pack-carry.sh) unpacks here first.
 [[ -d .device || ! -f .dz/device.tgz ]] || tar xzf .dz/device.tgz
@@ -105,6 +106,9 @@ if want prehopper; then
   DV2_HOPPER=0 .device/tests/cuda_gates --test-threads=16 > "$out/prehopper-gates.log" 2>&1 \
     && echo "DV2_HOPPER=0 cuda_gates: ok" || { echo "DV2_HOPPER=0 cuda_gates: FAILED"; status=1; }
   grep -E "test result|FAILED|panicked" "$out/prehopper-gates.log" | tail -4
+fi
+# Separate from the gates, which took 588 s of a call's 600 at 16 threads (session 33).
+if want prehopper-sanitize; then
   sanitize_c_example prehopper- DV2_HOPPER=0
 fi
 if want prehopper-speed; then
