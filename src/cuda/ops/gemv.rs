@@ -114,7 +114,7 @@ impl Ops {
     /// [`GEMV2_MAX_K`] up to [`GEMV2_X16_MAX_K`] (past it, [`Ops::gemv_v2_launch`] refuses
     /// with the limits named), where its grid, one CTA per [`GEMV2_KWALK_ROWS`] rows, is
     /// resident at once ([`GEMV2_CTAS_PER_SM`] an SM): it has no persistent loop.
-    fn kwalk_fits(&self, rows: usize, cols: usize) -> bool {
+    fn down_walks_k(&self, rows: usize, cols: usize) -> bool {
         (GEMV2_MAX_K + 1..=GEMV2_X16_MAX_K).contains(&cols)
             && rows.div_ceil(GEMV2_KWALK_ROWS) <= (self.sms * GEMV2_CTAS_PER_SM) as usize
     }
@@ -270,7 +270,7 @@ impl Ops {
         }
         match kernel {
             Gemv::V3 => self.gemv3(epilogue, &mats, cols, x, norm, y, skip_if, ss_out, false),
-            Gemv::V2 if input.f16 && self.kwalk_fits(rows, cols) => {
+            Gemv::V2 if input.f16 && self.down_walks_k(rows, cols) => {
                 let kp = GEMV2_KWALK_KPARTS;
                 let cfg = LaunchConfig {
                     grid_dim: (rows.div_ceil(GEMV2_KWALK_ROWS) as u32, 1, 1),
