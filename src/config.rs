@@ -169,9 +169,6 @@ pub struct Config {
     pub cache_dir: Option<PathBuf>,
     pub lineinfo: bool,
     pub cta_timeline: bool,
-    /// Experiment (session 33): SwiGLU and down in one launch (`DV2_X_FFN_FUSED=1`;
-    /// kernels/gemv.cu, gemv2_ffn_fused).
-    pub ffn_fused: bool,
 }
 
 impl Default for Config {
@@ -212,7 +209,6 @@ impl Config {
                 .or_else(|| default_cache_dir(&var)),
             lineinfo: is("DV2_LINEINFO", "1"),
             cta_timeline: is("DV2_CTA_TIMELINE", "1"),
-            ffn_fused: is("DV2_X_FFN_FUSED", "1"),
         }
     }
 
