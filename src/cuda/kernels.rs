@@ -501,10 +501,6 @@ pub struct Kernels {
     pub gemv2_swiglu: [CudaFunction; 3],
     /// SwiGLU at J = 1 over 5 warps a row, 10 warps a CTA (K = 5,120 alone).
     pub gemv2_swiglu_w10: CudaFunction,
-    /// Experiment (session 33, `DV2_X_FFN_FUSED`): SwiGLU at J = 2 and down at J = 3 from f16
-    /// x in one launch, and the dynamic shared memory it may take on this device.
-    pub gemv2_ffn_fused: CudaFunction,
-    pub gemv2_ffn_fused_room: usize,
     /// The dynamic shared memory (x staged) every GEMV v2 kernel may take on this device, by
     /// x's type ([f32, f16]), and lm_head's (its table and x): what the device allows beside
     /// their static shared memory where that is less than they ask (99 KiB a CTA on sm_86,
@@ -660,16 +656,6 @@ impl Kernels {
                 allow_dynamic_smem(gpu, std::slice::from_ref(&f), GEMV2_MAX_SMEM)?;
                 f
             },
-            gemv2_ffn_fused: {
-                let f = f("gemv2_ffn_fused")?;
-                allow_dynamic_smem(
-                    gpu,
-                    std::slice::from_ref(&f),
-                    gemv2_x_smem(GEMV2_X16_MAX_K, true).max(GEMV2_MAX_SMEM),
-                )?;
-                f
-            },
-            gemv2_ffn_fused_room: 0,
             gemv2_logits: if cfg.logits_argmax {
                 Some(gemv2(
                     "gemv2_logits",
@@ -713,7 +699,6 @@ impl Kernels {
             .chain([&k.gemv2_nf4_x16_j4, &k.gemv2_down_kwalk])
             .collect();
         k.gemv2_room = [dynamic_smem_room(&f32_x)?, dynamic_smem_room(&f16_x)?];
-        k.gemv2_ffn_fused_room = dynamic_smem_room(&[&k.gemv2_ffn_fused])?;
         k.gemv2_logits_room = match &k.gemv2_logits {
             Some(fs) => dynamic_smem_room(&fs.iter().collect::<Vec<_>>())?,
             None => 0,
