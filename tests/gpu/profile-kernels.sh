@@ -8,6 +8,8 @@
 # preset's shapes, one launch of `bench --shapes PRESET --skip-3b`'s microbenchmark (random
 # weights, rotated copies: from HBM), e.g. qwen25_32b, whose large GEMVs stream at ~60% of a
 # plain read (docs/lab.md, session 23): which stalls hold them there.
+# NCU_KERNELS: another kernel-name regex for the decode step (e.g. an experiment's kernel
+# beside the two it replaces: NCU_KERNELS='gemv2_ffn_fused|gemv2_swiglu|gemv2_nf4_j3').
 # Usage: bash tests/gpu/profile-kernels.sh [shapes PRESET]
 set -uo pipefail
 out=${OUT:-device-logs}; mkdir -p "$out"
@@ -22,7 +24,7 @@ if [[ ${1:-} == shapes ]]; then
     .device/examples/bench --shapes "${2:?usage: profile-kernels.sh shapes PRESET}" --skip-3b \
     --json /tmp/ncu-shapes.json > "$out/ncu-kernels.txt" 2>&1
 else
-  timeout 400 "$ncu" "${sections[@]}" --kernel-name regex:'gemv3_|gemv2_swiglu|gemv2_nf4_j3|attn2_|attn3_' \
+  timeout 400 "$ncu" "${sections[@]}" --kernel-name regex:"${NCU_KERNELS:-gemv3_|gemv2_swiglu|gemv2_nf4_j3|attn2_|attn3_}" \
     --launch-skip 1000 --launch-count 6 .device/examples/bench --decode-profile 6 > "$out/ncu-kernels.txt" 2>&1
 fi
 echo "ncu rc=$?"
