@@ -101,20 +101,22 @@ __device__ __forceinline__ void stage_x16(const u16* __restrict__ x, int cols, u
 template <int J>
 struct XHalves;
 
+// Chunk c of x as f16 pairs from stage_x16's copy (zeros past the last chunk).
+__device__ __forceinline__ void read_x16_chunk(const u32* staged, int c, int n_chunks, u32 (&h)[16]) {
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        const uint4 v = c < n_chunks ? *reinterpret_cast<const uint4*>(staged + c * X16_STAGE_STRIDE + 4 * q)
+                                     : make_uint4(0u, 0u, 0u, 0u);
+        h[4 * q] = v.x, h[4 * q + 1] = v.y, h[4 * q + 2] = v.z, h[4 * q + 3] = v.w;
+    }
+}
+
 // This lane's chunks of x as f16 pairs from stage_x16's copy (zeros past the last chunk).
 template <int J>
 __device__ __forceinline__ void read_x16_slice(const u32* staged, int part, int cols, XHalves<J>& xh) {
     const int lane = threadIdx.x & 31, n_chunks = cols >> 5;
 #pragma unroll
-    for (int j = 0; j < J; j++) {
-        const int c = (part * J + j) * 32 + lane;
-#pragma unroll
-        for (int q = 0; q < 4; q++) {
-            const uint4 v = c < n_chunks ? *reinterpret_cast<const uint4*>(staged + c * X16_STAGE_STRIDE + 4 * q)
-                                         : make_uint4(0u, 0u, 0u, 0u);
-            xh.h[j][4 * q] = v.x, xh.h[j][4 * q + 1] = v.y, xh.h[j][4 * q + 2] = v.z, xh.h[j][4 * q + 3] = v.w;
-        }
-    }
+    for (int j = 0; j < J; j++) read_x16_chunk(staged, (part * J + j) * 32 + lane, n_chunks, xh.h[j]);
 }
 
 template <int J>
@@ -655,15 +657,8 @@ __device__ __forceinline__ void gemv2_kwalk_x16(PlainRows rows_of, int rows, int
         for (int d = 0; d < D; d++) {
             const int tt = t + d;
             if (tt < t_end) {  // the same for the whole warp
-                const int c = tt * 32 + lane;
                 XHalves<1> xh;
-#pragma unroll
-                for (int q = 0; q < 4; q++) {
-                    const uint4 v = c < n_chunks
-                                        ? *reinterpret_cast<const uint4*>(x_staged + c * X16_STAGE_STRIDE + 4 * q)
-                                        : make_uint4(0u, 0u, 0u, 0u);
-                    xh.h[0][4 * q] = v.x, xh.h[0][4 * q + 1] = v.y, xh.h[0][4 * q + 2] = v.z, xh.h[0][4 * q + 3] = v.w;
-                }
+                read_x16_chunk(x_staged, tt * 32 + lane, n_chunks, xh.h[0]);
 #pragma unroll
                 for (int i = 0; i < R; i++) acc[i] += dot_row_pair16<1>(buf[d][i], xh, pair16_lut, lane4);
                 load_iter(tt + D, buf[d]);
