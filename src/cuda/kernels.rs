@@ -576,6 +576,12 @@ impl Kernels {
         let f = |name: &str| -> Result<CudaFunction> {
             module.load_function(name).map_err(driver_error(name))
         };
+        // One kernel that may take up to `smem` bytes of dynamic shared memory.
+        let f_smem = |name: &str, smem: usize| -> Result<CudaFunction> {
+            let func = f(name)?;
+            allow_dynamic_smem(gpu, std::slice::from_ref(&func), smem)?;
+            Ok(func)
+        };
         // GEMV v2 by J; it stages x in dynamic shared memory, up to GEMV2_MAX_SMEM bytes
         // (lm_head's kernels: its table before x).
         let gemv2 = |name: &str, suffix: &str, smem: usize| -> Result<[CudaFunction; 3]> {
@@ -601,9 +607,7 @@ impl Kernels {
         ];
         allow_dynamic_smem(gpu, &gemv3_lean, GEMV3_MAX_SMEM)?;
         let gemv3_qkv_kh2 = if cfg.qkv_khalves {
-            let f = f("gemv3_store_lean_kh2")?;
-            allow_dynamic_smem(gpu, std::slice::from_ref(&f), GEMV3_MAX_SMEM)?;
-            Some(f)
+            Some(f_smem("gemv3_store_lean_kh2", GEMV3_MAX_SMEM)?)
         } else {
             None
         };
@@ -614,6 +618,8 @@ impl Kernels {
             f("attn3_decode_hd64")?,
         ];
         allow_dynamic_smem(gpu, &attn3_decode, ATTN2_MAX_GROUP_X_HD * 4)?;
+        // The f16-x kernels that take K past GEMV2_MAX_K (down at the 32B shape).
+        let x16_max_smem = gemv2_x_smem(GEMV2_X16_MAX_K, true);
         let mut k = Self {
             module: module.clone(),
             gemv3,
@@ -631,31 +637,11 @@ impl Kernels {
             ring_reset: f("ring_reset")?,
             gemv2_nf4: gemv2("gemv2_nf4", "_narrow", GEMV2_MAX_SMEM)?,
             gemv2_nf4_x16: gemv2("gemv2_nf4", "_narrow_x16", GEMV2_MAX_SMEM)?,
-            gemv2_nf4_x16_j4: {
-                let f = f("gemv2_nf4_j4_narrow_x16")?;
-                allow_dynamic_smem(
-                    gpu,
-                    std::slice::from_ref(&f),
-                    gemv2_x_smem(GEMV2_X16_MAX_K, true),
-                )?;
-                f
-            },
-            gemv2_down_kwalk: {
-                let f = f("gemv2_down_kwalk")?;
-                allow_dynamic_smem(
-                    gpu,
-                    std::slice::from_ref(&f),
-                    gemv2_x_smem(GEMV2_X16_MAX_K, true),
-                )?;
-                f
-            },
+            gemv2_nf4_x16_j4: f_smem("gemv2_nf4_j4_narrow_x16", x16_max_smem)?,
+            gemv2_down_kwalk: f_smem("gemv2_down_kwalk", x16_max_smem)?,
             gemv2_qkv: gemv2("gemv2_qkv", "_narrow", GEMV2_MAX_SMEM)?,
             gemv2_swiglu: gemv2("gemv2_swiglu", "_narrow", GEMV2_MAX_SMEM)?,
-            gemv2_swiglu_w10: {
-                let f = f("gemv2_swiglu_j1_w10")?;
-                allow_dynamic_smem(gpu, std::slice::from_ref(&f), GEMV2_MAX_SMEM)?;
-                f
-            },
+            gemv2_swiglu_w10: f_smem("gemv2_swiglu_j1_w10", GEMV2_MAX_SMEM)?,
             gemv2_logits: if cfg.logits_argmax {
                 Some(gemv2(
                     "gemv2_logits",
