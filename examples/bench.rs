@@ -489,7 +489,7 @@ fn decode_profile(steps: usize, depth: usize) {
 /// bandwidth the streaming-read kernel measures in this process), and the decode again under
 /// `against` (`--against VAR=VALUE`; `DV2_ATTN_LONG=0`, attention v3 at every depth, unless
 /// given: `DV2_HOPPER=0` times the pre-Hopper path beside the default). One engine per
-/// configuration serves every depth. Writes the table and the JSON
+/// configuration, both resident, serves the ids check and every depth. Writes the table and the JSON
 /// (`tests/gpu/plot-context.py` draws it).
 fn context_sweep(json_path: &str, preset: &str, depths: &[usize], against: (&str, &str)) {
     const MAX_SEQ: usize = 32768;
@@ -508,40 +508,10 @@ fn context_sweep(json_path: &str, preset: &str, depths: &[usize], against: (&str
         "device bandwidth (1 GiB streaming read): {tb_per_s:.2} TB/s; weights {:.2} GB/token",
         weights as f64 / 1e9
     );
-    // Ids and logits under `against` beside the default's first, so that a faster column is
-    // never of another answer (a lossless setting leaves both equal; the print says).
-    {
-        let env_set: &[(&str, &str)] = &[against];
-        let opts = EngineOptions {
-            backend: BackendKind::Cuda,
-            max_seq: MAX_SEQ,
-            ..EngineOptions::default()
-        };
-        let mut a = Engine::new(model.clone(), &opts).expect("cuda engine");
-        let mut b = with_env(env_set, || Engine::new(model.clone(), &opts)).expect("variant");
-        for depth in [20, 300, 2100, 5000] {
-            let prompt = synth::prompt(spec.vocab, depth, 1);
-            let (mut ia, mut ib) = (vec![0u32; 32], vec![0u32; 32]);
-            let (mut la, mut lb) = (vec![0f32; spec.vocab], vec![0f32; spec.vocab]);
-            for (e, ids, logits) in [(&mut a, &mut ia, &mut la), (&mut b, &mut ib, &mut lb)] {
-                e.reset().unwrap();
-                e.prefill(&prompt).unwrap();
-                e.step_n(ids).unwrap();
-                e.logits(logits).unwrap();
-            }
-            let diff = la
-                .iter()
-                .zip(&lb)
-                .map(|(x, y)| (x - y).abs())
-                .fold(0f32, f32::max);
-            println!(
-                "variant {env_set:?} at depth {depth}: ids {} the default's, max |logit diff| {diff:e}",
-                if ia == ib { "equal" } else { "DIFFER from" }
-            );
-        }
-    }
     let against_label = format!("{}={}", against.0, against.1);
-    let sweep = |default: bool| -> Vec<(f64, f64)> {
+    // One engine per configuration, loaded under its setting (the engine reads the
+    // configuration at load), serves the check and every depth.
+    let load = |default: bool| -> Engine {
         let env: &[(&str, &str)] = if default { &[] } else { &[against] };
         with_env(env, || {
             let opts = EngineOptions {
@@ -561,16 +531,42 @@ fn context_sweep(json_path: &str, preset: &str, depths: &[usize], against: (&str
                 used as f64 / 1e9,
                 (budget.total() - budget.reserve) as f64 / 1e9
             );
-            depths
-                .iter()
-                .map(|&depth| {
-                    let prompt = synth::prompt(spec.vocab, depth, 1);
-                    time_request(&mut e, &prompt, TOKENS, 2)
-                })
-                .collect()
+            e
         })
     };
-    let (default, other) = (sweep(true), sweep(false));
+    let (mut a, mut b) = (load(true), load(false));
+    // Ids and logits under `against` beside the default's first, so that a faster column is
+    // never of another answer (a lossless setting leaves both equal; the print says).
+    for depth in [20, 300, 2100, 5000] {
+        let prompt = synth::prompt(spec.vocab, depth, 1);
+        let (mut ia, mut ib) = (vec![0u32; 32], vec![0u32; 32]);
+        let (mut la, mut lb) = (vec![0f32; spec.vocab], vec![0f32; spec.vocab]);
+        for (e, ids, logits) in [(&mut a, &mut ia, &mut la), (&mut b, &mut ib, &mut lb)] {
+            e.reset().unwrap();
+            e.prefill(&prompt).unwrap();
+            e.step_n(ids).unwrap();
+            e.logits(logits).unwrap();
+        }
+        let diff = la
+            .iter()
+            .zip(&lb)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        println!(
+            "{against_label} at depth {depth}: ids {} the default's, max |logit diff| {diff:e}",
+            if ia == ib { "equal" } else { "DIFFER from" }
+        );
+    }
+    let sweep = |e: &mut Engine| -> Vec<(f64, f64)> {
+        depths
+            .iter()
+            .map(|&depth| {
+                let prompt = synth::prompt(spec.vocab, depth, 1);
+                time_request(e, &prompt, TOKENS, 2)
+            })
+            .collect()
+    };
+    let (default, other) = (sweep(&mut a), sweep(&mut b));
     println!("  (last three columns: {against_label})");
     println!(
         "  {:>6} {:>11} {:>9} {:>10} {:>8} {:>10} {:>9} {:>7} {:>9} {:>8} {:>9}",
@@ -744,6 +740,21 @@ fn load_times(path: &str, reps: usize) {
     }
 }
 
+/// `--context` and `--sampling`'s arguments after the flag at `i`: the preset (qwen25_3b
+/// unless named) and the depths (a comma list after the preset, else `default`); a word
+/// starting with `--` is the next flag, not either.
+fn preset_and_depths<'a>(args: &'a [String], i: usize, default: &[usize]) -> (&'a str, Vec<usize>) {
+    let preset = args.get(i + 1).filter(|a| !a.starts_with("--"));
+    let depths = match args
+        .get(i + 2)
+        .filter(|a| preset.is_some() && !a.starts_with("--"))
+    {
+        Some(list) => list.split(',').map(|d| d.parse().expect("depth")).collect(),
+        None => default.to_vec(),
+    };
+    (preset.map_or("qwen25_3b", |p| p.as_str()), depths)
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let flag = |f: &str| args.iter().any(|a| a == f);
@@ -805,26 +816,16 @@ fn main() {
         return;
     }
     if let Some(i) = args.iter().position(|a| a == "--sampling") {
-        let preset = args.get(i + 1).filter(|a| !a.starts_with("--"));
-        let depths: Vec<usize> = match args
-            .get(i + 2)
-            .filter(|a| preset.is_some() && !a.starts_with("--"))
-        {
-            Some(list) => list.split(',').map(|d| d.parse().expect("depth")).collect(),
-            None => vec![48, 8192],
-        };
-        sampling_sweep(preset.map_or("qwen25_3b", |p| p.as_str()), &depths);
+        let (preset, depths) = preset_and_depths(&args, i, &[48, 8192]);
+        sampling_sweep(preset, &depths);
         return;
     }
     if let Some(i) = args.iter().position(|a| a == "--context") {
-        let preset = args.get(i + 1).filter(|a| !a.starts_with("--"));
-        let depths: Vec<usize> = match args
-            .get(i + 2)
-            .filter(|a| preset.is_some() && !a.starts_with("--"))
-        {
-            Some(list) => list.split(',').map(|d| d.parse().expect("depth")).collect(),
-            None => vec![48, 256, 512, 1024, 2048, 4096, 8192, 16384, 32512],
-        };
+        let (preset, depths) = preset_and_depths(
+            &args,
+            i,
+            &[48, 256, 512, 1024, 2048, 4096, 8192, 16384, 32512],
+        );
         let against = match args.iter().position(|a| a == "--against") {
             Some(i) => args
                 .get(i + 1)
@@ -832,12 +833,7 @@ fn main() {
                 .expect("--against VAR=VALUE"),
             None => ("DV2_ATTN_LONG", "0"),
         };
-        context_sweep(
-            &json_path,
-            preset.map_or("qwen25_3b", |p| p.as_str()),
-            &depths,
-            against,
-        );
+        context_sweep(&json_path, preset, &depths, against);
         return;
     }
 
