@@ -4,6 +4,7 @@
 # --backend cuda, and compute-sanitizer memcheck/racecheck on the C example.
 # Logs go to $OUT (or ./device-logs).
 # Usage: bash tests/gpu/run-on-device.sh [suite] [switches] [examples] [sanitize] [soak] [big]
+#   [prehopper] [prehopper-sanitize] [prehopper-speed]
 #   (no part named: suite, switches and examples; "sanitize" alone: those and the sanitizers;
 #   the parts can go in separate device calls, the switch sweep being the longest; "soak": the
 #   GPU soak (tests/cuda_soak.rs), "big": the Qwen2.5-32B shape against the oracle, minutes
