@@ -80,9 +80,7 @@ __device__ __forceinline__ void read_x_slice(const float* x_staged, int part, in
 // CTA, as many bytes as the CTA's weights, in two round trips of X_BATCH loads; f16 halves
 // them and fits one round trip. The bits are those of the f32 path (the same rounding, done
 // by the writer).
-// COHERENT: x was written by other CTAs of the same launch (gemv2_ffn_fused), so it is read
-// through L2 (ld.global.cg) rather than the non-coherent path a const __restrict__ load may take.
-template <int THREADS = GEMV_THREADS, bool COHERENT = false>
+template <int THREADS = GEMV_THREADS>
 __device__ __forceinline__ void stage_x16(const u16* __restrict__ x, int cols, u32* staged) {
     const int pieces = cols >> 3;  // 16 bytes each, 4 per chunk
     for (int base = threadIdx.x; base < pieces; base += X_BATCH * THREADS) {
@@ -90,7 +88,7 @@ __device__ __forceinline__ void stage_x16(const u16* __restrict__ x, int cols, u
 #pragma unroll
         for (int u = 0; u < X_BATCH; u++) {
             const int i = base + u * THREADS;
-            if (i < pieces) v[u] = COHERENT ? __ldcg(reinterpret_cast<const uint4*>(x) + i) : reinterpret_cast<const uint4*>(x)[i];
+            if (i < pieces) v[u] = reinterpret_cast<const uint4*>(x)[i];
         }
 #pragma unroll
         for (int u = 0; u < X_BATCH; u++) {
@@ -239,20 +237,30 @@ __device__ __forceinline__ float dot_row_pair16(const RowChunks<J>& rc, const XH
 //   matrices per row (1, or 2 for SwiGLU's gate and up); void tail(), run as the walk ends,
 //   and void finish() after the epilogues (every thread of the CTA).
 // X16: x comes as f16 (stage_x16), else f32 (stage_x). WARPS: the CTA's warps (GEMV_WARPS,
-// or 10 for gemv2_swiglu_j1_w10's 5 warps a row). This is its body, given the f16-pair table
-// (built) and where x is staged; `wait()` runs where the walk may first read what earlier work
-// wrote, after its first block's weights are loaded (gemv2_walk: pdl_enter). X_COHERENT: x was
-// written earlier in the same launch (stage_x16's COHERENT). Returns false where skip_if
-// stopped it.
-template <int J, int R, int NM, bool X16, int WARPS, bool X_COHERENT, typename Rows, typename Wait>
-__device__ __forceinline__ bool gemv2_walk_on(const u32* pair16_lut, float* x_staged, Wait wait, Rows rows_of,
-                                              int rows, int cols, const float* __restrict__ x, NormArgs norm,
-                                              int kparts, const int* skip_if, int early_ctas, int early_rows) {
+// or 10 for gemv2_swiglu_j1_w10's 5 warps a row).
+template <int J, int R, int NM, bool X16, int WARPS = GEMV_WARPS, typename Rows>
+__device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, const float* __restrict__ x,
+                                           NormArgs norm, int kparts, const int* skip_if, int early_ctas = 0,
+                                           int early_rows = 0) {
+    // Rows::prmt_table: the f16-pair table in dynamic shared memory as load_byte_codebook_prmt
+    // lays it out, before x; else in static shared memory.
     constexpr bool prmt_table = Rows::prmt_table;
+    __shared__ __align__(16) u32 pair16_static[prmt_table ? 1 : BYTE_LUT_WORDS];
     __shared__ float partial[GEMV2_MAX_LANES_X_R * NM][WARPS];
     // (twice the floats with other WARPS: gemv2_swiglu_j1_w10's 5 K-parts of ~107 rows of 2 sums)
     constexpr int late_floats = GEMV2_LATE_FLOATS * (WARPS == GEMV_WARPS ? 1 : 2);
     __shared__ float late_partial[late_floats];
+    // Dynamic shared memory: that table (PRMT_LUT_WORDS words), then x as staged: cols / 32 *
+    // X_STAGE_STRIDE floats, or cols / 32 * X16_STAGE_STRIDE words from f16.
+    extern __shared__ __align__(16) float gemv2_dyn[];
+    u32* pair16_lut = prmt_table ? reinterpret_cast<u32*>(gemv2_dyn) : pair16_static;
+    float* x_staged = gemv2_dyn + (prmt_table ? PRMT_LUT_WORDS : 0);
+    timeline_start();
+    // The table build is written for GEMV_THREADS threads; a larger CTA's others skip it.
+    if (WARPS == GEMV_WARPS || (int)threadIdx.x < GEMV_THREADS) {
+        if (prmt_table) load_byte_codebook_prmt<GEMV_THREADS>(pair16_lut);
+        else load_byte_codebook<GEMV_THREADS>(pair16_lut);
+    }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const u32 lane4 = lane * 4;
     // kparts is 1, 2, 4 or 8 (the host's gemv2_shape): the warp's roles by shifts and masks;
@@ -303,8 +311,8 @@ __device__ __forceinline__ bool gemv2_walk_on(const u32* pair16_lut, float* x_st
     // constant; it pays where the CTA is resident early, as the 128-register kernels are
     // beside a GEMV v3 CTA: 0.01-0.02 ms/token, docs/lab.md session 10).
     load_block(r0, cur);
-    wait();
-    if (skip_if && *skip_if) return false;
+    pdl_enter();
+    if (skip_if && *skip_if) return;
     // With late sums the epilogue operands of the CTA's first blockDim.x rows (thread i: row
     // r0 + i, as in the final reduction below) load now, so their round trip overlaps the walk
     // instead of following the last barrier.
@@ -312,7 +320,7 @@ __device__ __forceinline__ bool gemv2_walk_on(const u32* pair16_lut, float* x_st
     if (late && (int)threadIdx.x < r1 - r0) early_epi = rows_of.epi(r0 + threadIdx.x);
     XHalves<J> xh;
     if (X16) {
-        stage_x16<WARPS * 32, X_COHERENT>(reinterpret_cast<const u16*>(x), cols, reinterpret_cast<u32*>(x_staged));
+        stage_x16<WARPS * 32>(reinterpret_cast<const u16*>(x), cols, reinterpret_cast<u32*>(x_staged));
         __syncthreads();
         read_x16_slice<J>(reinterpret_cast<const u32*>(x_staged), part, cols, xh);
     } else {
@@ -397,33 +405,7 @@ __device__ __forceinline__ bool gemv2_walk_on(const u32* pair16_lut, float* x_st
     }
     if (float* out = rows_of.ss_out()) block_sum_to(ss, out + blockIdx.x);
     rows_of.finish();
-    return true;
-}
-
-// The walk shared by the v2 kernels: its table built, then gemv2_walk_on, which waits on the
-// previous kernel (pdl_enter) after loading its first weights.
-template <int J, int R, int NM, bool X16, int WARPS = GEMV_WARPS, typename Rows>
-__device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, const float* __restrict__ x,
-                                           NormArgs norm, int kparts, const int* skip_if, int early_ctas = 0,
-                                           int early_rows = 0) {
-    // Rows::prmt_table: the f16-pair table in dynamic shared memory as load_byte_codebook_prmt
-    // lays it out, before x; else in static shared memory.
-    constexpr bool prmt_table = Rows::prmt_table;
-    __shared__ __align__(16) u32 pair16_static[prmt_table ? 1 : BYTE_LUT_WORDS];
-    // Dynamic shared memory: that table (PRMT_LUT_WORDS words), then x as staged: cols / 32 *
-    // X_STAGE_STRIDE floats, or cols / 32 * X16_STAGE_STRIDE words from f16.
-    extern __shared__ __align__(16) float gemv2_dyn[];
-    u32* pair16_lut = prmt_table ? reinterpret_cast<u32*>(gemv2_dyn) : pair16_static;
-    float* x_staged = gemv2_dyn + (prmt_table ? PRMT_LUT_WORDS : 0);
-    timeline_start();
-    // The table build is written for GEMV_THREADS threads; a larger CTA's others skip it.
-    if (WARPS == GEMV_WARPS || (int)threadIdx.x < GEMV_THREADS) {
-        if (prmt_table) load_byte_codebook_prmt<GEMV_THREADS>(pair16_lut);
-        else load_byte_codebook<GEMV_THREADS>(pair16_lut);
-    }
-    if (gemv2_walk_on<J, R, NM, X16, WARPS, false>(pair16_lut, x_staged, [] { pdl_enter(); }, rows_of, rows, cols, x,
-                                                   norm, kparts, skip_if, early_ctas, early_rows))
-        timeline_end();
+    timeline_end();
 }
 
 // Each Rows type's store returns the value it wrote; ss_out() (may be null) is where the
@@ -711,51 +693,6 @@ extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)
                      int rows, int cols, int kparts, int accumulate, const int* skip_if, float* ss_out) {
     PlainRows p{m, y, bias, accumulate, ss_out};
     gemv2_kwalk_x16<5, 2>(p, rows, cols, reinterpret_cast<const u16*>(x), kparts, skip_if);
-}
-// Experiment (session 33, DV2_X_FFN_FUSED=1): SwiGLU and down in one launch, for the shapes
-// whose SwiGLU runs at J = 2 and down at J = 3 from f16 x on the same persistent grid (the 3B
-// shape). Why: a down CTA cannot be resident beside a SwiGLU CTA (~54-60K registers each), so
-// today each down CTA starts cold (its table, its first weights) once the SwiGLU CTAs of its SM
-// have left, besides the launch itself (0.72 us for an empty one with PDL, session 9). Here a
-// CTA finishes its SwiGLU rows, counts itself in, loads its first down weights and then waits
-// for every CTA's count (the grid is resident at once: 2 CTAs an SM, as the host launches it),
-// with the table built once. The counter only grows: each launch adds gridDim.x, so a CTA's
-// ticket says which multiple completes its launch, and no launch resets it.
-extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)
-    gemv2_ffn_fused(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm, float* act, int inter,
-                    int hidden, int kparts_gu, int early_ctas, int early_rows, Nf4Ref down, float* y, int kparts_down,
-                    float* ss_out, unsigned long long* arrivals) {
-    __shared__ __align__(16) u32 pair16_lut[BYTE_LUT_WORDS];
-    extern __shared__ __align__(16) float gemv2_dyn[];
-    timeline_start();
-    load_byte_codebook<GEMV_THREADS>(pair16_lut);
-    SwigluRows g{gate, up, act, true};
-    gemv2_walk_on<2, 1, 2, false, GEMV_WARPS, false>(pair16_lut, gemv2_dyn, [] { pdl_enter(); }, g, inter, hidden, x,
-                                                     norm, kparts_gu, nullptr, early_ctas, early_rows);
-    // Every thread's share of act is written (the barrier), then published with the count.
-    __syncthreads();
-    unsigned long long target = 0;
-    if (threadIdx.x == 0) {
-        unsigned long long ticket;
-        asm volatile("atom.release.gpu.global.add.u64 %0, [%1], %2;" : "=l"(ticket) : "l"(arrivals), "l"(1ull) : "memory");
-        target = (ticket / gridDim.x + 1) * gridDim.x;
-    }
-    PlainRows p{down, y, nullptr, 1, ss_out};
-    auto all_arrived = [&] {
-        if (threadIdx.x == 0) {
-            unsigned long long seen;
-            for (;;) {
-                asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(seen) : "l"(arrivals) : "memory");
-                if (seen >= target) break;
-                __nanosleep(32);
-            }
-        }
-        __syncthreads();
-    };
-    gemv2_walk_on<3, 2, 1, true, GEMV_WARPS, true>(pair16_lut, gemv2_dyn, all_arrived, p, hidden, inter,
-                                                   reinterpret_cast<const float*>(act), NormArgs{}, kparts_down,
-                                                   nullptr, 0, 0);
-    timeline_end();
 }
 // SwiGLU at K = 5,120 (the 32B shape's gate and up; the host's SWIGLU_FIVE_PARTS_K): 160
 // chunks, 5 x 32, so 1 chunk a lane over 5 warps a row, 10 warps a CTA, 2 rows in flight a

@@ -169,10 +169,6 @@ pub struct Config {
     pub cache_dir: Option<PathBuf>,
     pub lineinfo: bool,
     pub cta_timeline: bool,
-    /// Experiment (session 33): SwiGLU and down in one launch (kernels/gemv.cu,
-    /// gemv2_ffn_fused): `DV2_X_FFN_FUSED=1` with SwiGLU's skew (its first CTAs take more rows,
-    /// as in its own kernel), `=2` without; 0: off.
-    pub ffn_fused: u8,
 }
 
 impl Default for Config {
@@ -213,9 +209,6 @@ impl Config {
                 .or_else(|| default_cache_dir(&var)),
             lineinfo: is("DV2_LINEINFO", "1"),
             cta_timeline: is("DV2_CTA_TIMELINE", "1"),
-            ffn_fused: var("DV2_X_FFN_FUSED")
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(0),
         }
     }
 

@@ -80,8 +80,6 @@ pub struct ArenaLens {
     pub ids: usize,
     pub argmax: usize,
     pub attn_counts: usize,
-    /// gemv2_ffn_fused's arrival counts (u64, 8 bytes each).
-    pub ffn_arrivals: usize,
     pub qkv_zeros: usize,
     pub state: usize,
     /// RoPE cos and sin, each `max_seq x head_dim / 2`.
@@ -107,7 +105,6 @@ impl ArenaLens {
             ids: max_seq,
             argmax: ARGMAX_SCRATCH,
             attn_counts: s.n_kv_heads * ATTNL_RANKS,
-            ffn_arrivals: 1,
             qkv_zeros: s.qkv_rows(),
             state: state::LEN,
             rope: max_seq * (s.head_dim / 2),
@@ -126,7 +123,6 @@ impl ArenaLens {
             + 2 * self.ids
             + self.argmax
             + self.attn_counts
-            + 2 * self.ffn_arrivals
             + self.qkv_zeros
             + self.state
             + 2 * self.rope)

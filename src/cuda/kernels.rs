@@ -501,10 +501,6 @@ pub struct Kernels {
     pub gemv2_swiglu: [CudaFunction; 3],
     /// SwiGLU at J = 1 over 5 warps a row, 10 warps a CTA (K = 5,120 alone).
     pub gemv2_swiglu_w10: CudaFunction,
-    /// Experiment (session 33, `DV2_X_FFN_FUSED`): SwiGLU at J = 2 and down at J = 3 from f16
-    /// x in one launch, and the dynamic shared memory it may take on this device.
-    pub gemv2_ffn_fused: CudaFunction,
-    pub gemv2_ffn_fused_room: usize,
     /// The dynamic shared memory (x staged) every GEMV v2 kernel may take on this device, by
     /// x's type ([f32, f16]), and lm_head's (its table and x): what the device allows beside
     /// their static shared memory where that is less than they ask (99 KiB a CTA on sm_86,
@@ -646,8 +642,6 @@ impl Kernels {
             gemv2_qkv: gemv2("gemv2_qkv", "_narrow", GEMV2_MAX_SMEM)?,
             gemv2_swiglu: gemv2("gemv2_swiglu", "_narrow", GEMV2_MAX_SMEM)?,
             gemv2_swiglu_w10: f_smem("gemv2_swiglu_j1_w10", GEMV2_MAX_SMEM)?,
-            gemv2_ffn_fused: f_smem("gemv2_ffn_fused", x16_max_smem.max(GEMV2_MAX_SMEM))?,
-            gemv2_ffn_fused_room: 0,
             gemv2_logits: if cfg.logits_argmax {
                 Some(gemv2(
                     "gemv2_logits",
@@ -691,7 +685,6 @@ impl Kernels {
             .chain([&k.gemv2_nf4_x16_j4, &k.gemv2_down_kwalk])
             .collect();
         k.gemv2_room = [dynamic_smem_room(&f32_x)?, dynamic_smem_room(&f16_x)?];
-        k.gemv2_ffn_fused_room = dynamic_smem_room(&[&k.gemv2_ffn_fused])?;
         k.gemv2_logits_room = match &k.gemv2_logits {
             Some(fs) => dynamic_smem_room(&fs.iter().collect::<Vec<_>>())?,
             None => 0,

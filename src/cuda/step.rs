@@ -58,9 +58,6 @@ pub(super) struct Arena {
     /// The long-context attention's arrival counts per KV head and rank (zero between
     /// launches).
     pub(super) attn_counts: CudaSlice<i32>,
-    /// Experiment (session 33, `DV2_X_FFN_FUSED`): gemv2_ffn_fused's arrival count (it only
-    /// grows; each launch adds its grid).
-    pub(super) ffn_arrivals: CudaSlice<u64>,
     /// A zero second part of q/k/v for the attention where q/k/v ran in one
     /// (the `DV2_QKV_KHALVES` kernels add one).
     pub(super) qkv_zeros: CudaSlice<f32>,
@@ -175,7 +172,6 @@ impl CudaBackend {
             ring: gpu.zeros(lens.ids)?,
             argmax: gpu.zeros(lens.argmax)?,
             attn_counts: gpu.zeros(lens.attn_counts)?,
-            ffn_arrivals: gpu.zeros(lens.ffn_arrivals)?,
             qkv_zeros: gpu.zeros(lens.qkv_zeros)?,
         };
         // Every slot starts poisoned: the guard slots stay so (checked by kv_guard_intact),
@@ -410,22 +406,6 @@ impl CudaBackend {
             // act = silu(W_gate rms(x)) * (W_up rms(x)): [hidden] -> [intermediate].
             let input = self.normed(x, &layer.ffn_norm, xn, x_sums);
             let act_f16 = ops.ffn_act_f16(s.intermediate, s.hidden);
-            // Experiment (DV2_X_FFN_FUSED): SwiGLU and down (+residual) in one launch.
-            let fused = ops.ffn_fused(
-                [&layer.gate, &layer.up, &layer.down].map(|m| m.as_ref(gpu)),
-                s.intermediate,
-                s.hidden,
-                input,
-                act,
-                x,
-                ss_out,
-                self.ptr(&a.ffn_arrivals),
-            )?;
-            if let Some(parts) = fused {
-                x_sums = sums(parts);
-                mark("ffn_norm + gate/up SwiGLU + down (+residual)")?;
-                continue;
-            }
             ops.swiglu(
                 layer.gate.as_ref(gpu),
                 layer.up.as_ref(gpu),

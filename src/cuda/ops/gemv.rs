@@ -459,65 +459,6 @@ impl Ops {
             }
         }
     }
-
-    /// Experiment (session 33, `DV2_X_FFN_FUSED=1|2`): `act = silu(gate x) * (up x)` in f16
-    /// and `y += down act` in one launch (kernels/gemv.cu, gemv2_ffn_fused), with down's
-    /// partial sums of squares at `ss_out` as [`Ops::gemv`] leaves them; `arrivals`: the
-    /// kernel's count (a u64 no one else writes). Returns down's parts, or None, having
-    /// launched nothing, where it does not apply: switched off, or SwiGLU not at J = 2 or down
-    /// not at J = 3 from f16 x on GEMV v2, or their grids differ.
-    #[allow(clippy::too_many_arguments)]
-    pub fn ffn_fused(
-        &self,
-        [gate, up, down]: [Nf4Ref; 3],
-        intermediate: usize,
-        hidden: usize,
-        input: Input,
-        act: u64,
-        y: u64,
-        ss_out: u64,
-        arrivals: u64,
-    ) -> Result<Option<usize>> {
-        if !matches!(self.cfg.ffn_fused, 1 | 2)
-            || self.cfg.linear_mma
-            || input.f16
-            || hidden == SWIGLU_FIVE_PARTS_K
-            || !self.ffn_act_f16(intermediate, hidden)
-            || self.gemv_kernel(2 * intermediate, hidden, false) != Gemv::V2
-            || self.gemv_kernel(hidden, intermediate, true) != Gemv::V2
-            || self.down_walks_k(hidden, intermediate)
-        {
-            return Ok(None);
-        }
-        let (Ok((2, kp_gu, gu)), Ok((3, kp_down, dn))) = (
-            self.gemv_v2_launch(intermediate, hidden, false, 2),
-            self.gemv_v2_launch(hidden, intermediate, true, 3),
-        ) else {
-            return Ok(None);
-        };
-        let smem = gu.shared_mem_bytes.max(dn.shared_mem_bytes);
-        if gu.grid_dim != dn.grid_dim || smem as usize > self.k.gemv2_ffn_fused_room {
-            return Ok(None);
-        }
-        check_sums(ss_out, dn.grid_dim.0)?;
-        let (x, norm) = self.input(input, hidden)?;
-        let cfg = LaunchConfig {
-            shared_mem_bytes: smem,
-            ..dn
-        };
-        // Its first CTAs start beside the previous kernel's in SwiGLU's own launch and take more
-        // rows; here every down CTA waits for the last SwiGLU CTA, so =2 measures it without.
-        let skew = if self.cfg.ffn_fused == 1 {
-            GEMV2_SWIGLU_SKEW
-        } else {
-            0
-        };
-        let (early_ctas, early_rows) = skewed_split(intermediate, cfg.grid_dim.0, skew);
-        let (inter_i, hidden_i) = (intermediate as i32, hidden as i32);
-        let (kp_gu, kp_down) = (kp_gu as i32, kp_down as i32);
-        launch!(self.gpu, &self.k.gemv2_ffn_fused, cfg; gate, up, x, norm, act, inter_i, hidden_i, kp_gu, early_ctas, early_rows, down, y, kp_down, ss_out, arrivals)?;
-        Ok(Some(cfg.grid_dim.0 as usize))
-    }
 }
 
 /// [`GemvChoice::Auto`]'s kernel for a `rows` x `cols` NF4 matrix: v3 also past v2's K, which
