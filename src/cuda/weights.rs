@@ -27,8 +27,8 @@ unsafe impl DeviceRepr for Nf4Ref {}
 pub fn mma_scale(absmax: &[f32]) -> f32 {
     // The largest finite |a| by its bits: a non-negative float's bits order as its value, and
     // an integer max vectorizes where a float one (NaN-aware, not reassociable) does not:
-    // 0.6 ns a scale where the float fold took 3.4 on the build machine, which over the 32B
-    // shape's 0.58 G scales was ~2 s of each load (docs/lab.md, session 34).
+    // 0.6 ns a scale where the float fold took 3.0 on the build machine, which over the 32B
+    // shape's 0.51 G scales was ~1.5 s of each load (docs/lab.md, session 34).
     const INFINITY_BITS: u32 = 0x7f80_0000;
     let finite_bits = |a: &f32| {
         let b = a.to_bits() & 0x7fff_ffff;
