@@ -119,13 +119,6 @@ impl Ops {
             && rows.div_ceil(GEMV2_KWALK_ROWS) <= (self.sms * GEMV2_CTAS_PER_SM) as usize
     }
 
-    /// Experiment (`DV2_X_KWALK_SMALL=1`): whether a GEMV v2 from f32 x walks K, one CTA per
-    /// `rows_per_cta` rows, where that grid is resident at once.
-    fn small_walks_k(&self, rows: usize, rows_per_cta: usize) -> bool {
-        std::env::var("DV2_X_KWALK_SMALL").is_ok_and(|v| v == "1")
-            && rows.div_ceil(rows_per_cta) <= (self.sms * GEMV2_CTAS_PER_SM) as usize
-    }
-
     /// GEMV v2's persistent grid for `rows` in CTAs of `warps`, `kparts` of them a row:
     /// [`GEMV2_CTAS_PER_SM`] an SM, or fewer where the rows run out, x staged for K = cols.
     fn gemv2_grid(
@@ -289,18 +282,6 @@ impl Ops {
                 launch!(self.gpu, f, cfg; m, x, norm, y, bias, rows_i, cols_i, kp, acc, skip_if, ss_out)?;
                 Ok(cfg.grid_dim.0 as usize)
             }
-            Gemv::V2 if !input.f16 && self.small_walks_k(rows, GEMV2_KWALK_ROWS) => {
-                let kp = GEMV2_KWALK_KPARTS;
-                let cfg = LaunchConfig {
-                    grid_dim: (rows.div_ceil(GEMV2_KWALK_ROWS) as u32, 1, 1),
-                    block_dim: (GEMV_WARPS * 32, 1, 1),
-                    shared_mem_bytes: self.gemv2_x_room(cols, true)?,
-                };
-                check_sums(ss_out, cfg.grid_dim.0)?;
-                let f = &self.k.gemv2_kwalk_f32;
-                launch!(self.gpu, f, cfg; m, x, norm, y, bias, rows_i, cols_i, kp, acc, skip_if, ss_out)?;
-                Ok(cfg.grid_dim.0 as usize)
-            }
             Gemv::V2 => {
                 let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols, input.f16, 3)?;
                 let kp = kparts as i32;
@@ -416,17 +397,6 @@ impl Ops {
                     && cols % 128 == 0;
                 self.gemv3(Epilogue::Store, &mats, cols, x, norm, out, 0, 0, halves)?;
                 Ok(halves)
-            }
-            Gemv::V2 if self.small_walks_k(rows, 32) => {
-                // 4 rows a warp, 8 warps, each over the whole K.
-                let cfg = LaunchConfig {
-                    grid_dim: (rows.div_ceil(32) as u32, 1, 1),
-                    block_dim: (GEMV_WARPS * 32, 1, 1),
-                    shared_mem_bytes: self.gemv2_x_room(cols, true)?,
-                };
-                let kp = 1i32;
-                launch!(self.gpu, &self.k.gemv2_kwalk_qkv, cfg; args, x, norm, out, cols_i, kp)
-                    .map(|_| false)
             }
             Gemv::V2 => {
                 let (j, kparts, cfg) = self.gemv_v2_launch(rows, cols, false, 3)?;
