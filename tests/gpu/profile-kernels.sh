@@ -9,7 +9,8 @@
 # weights, rotated copies: from HBM), e.g. qwen25_32b, whose large GEMVs stream at ~60% of a
 # plain read (docs/lab.md, session 23): which stalls hold them there.
 # NCU_KERNELS: another kernel-name regex for the decode step (e.g. an experiment's kernel
-# beside the two it replaces: NCU_KERNELS='gemv2_ffn_fused|gemv2_swiglu|gemv2_nf4_j3').
+# beside the two it replaces: NCU_KERNELS='gemv2_ffn_fused|gemv2_swiglu|gemv2_nf4_j3'), with
+# NCU_SKIP: how many matching launches to skip first (default 200).
 # Usage: bash tests/gpu/profile-kernels.sh [shapes PRESET]
 set -uo pipefail
 out=${OUT:-device-logs}; mkdir -p "$out"
@@ -24,8 +25,12 @@ if [[ ${1:-} == shapes ]]; then
     .device/examples/bench --shapes "${2:?usage: profile-kernels.sh shapes PRESET}" --skip-3b \
     --json /tmp/ncu-shapes.json > "$out/ncu-kernels.txt" 2>&1
 else
-  timeout 400 "$ncu" "${sections[@]}" --kernel-name regex:"${NCU_KERNELS:-gemv3_|gemv2_swiglu|gemv2_nf4_j3|attn2_|attn3_}" \
-    --launch-skip 1000 --launch-count 6 .device/examples/bench --decode-profile 6 > "$out/ncu-kernels.txt" 2>&1
+  # --launch-skip counts the launches that match the filter only: 5 a layer by default (180 a
+  # step at 36 layers), so 200 lands in the second decode step (the prefill's kernels do not
+  # match). It was 1000 with attn_long missing from the filter: 864 matches in 6 steps, none
+  # profiled (session 34). NCU_SKIP: another skip for an NCU_KERNELS with fewer matches.
+  timeout 400 "$ncu" "${sections[@]}" --kernel-name regex:"${NCU_KERNELS:-gemv3_|gemv2_swiglu|gemv2_nf4_j3|attn_long|attn2_|attn3_}" \
+    --launch-skip "${NCU_SKIP:-200}" --launch-count 6 .device/examples/bench --decode-profile 6 > "$out/ncu-kernels.txt" 2>&1
 fi
 echo "ncu rc=$?"
 grep -E "^  [a-z0-9_]+\(|Duration|DRAM Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Eligible Warps|Issued Warp|Active Warps Per|Warp Cycles Per Issued|Block Limit (Registers|Shared)|stall|Stall" "$out/ncu-kernels.txt" | cut -c1-150 | head -150
