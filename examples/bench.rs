@@ -704,7 +704,8 @@ fn sampling_sweep(preset: &str, depths: &[usize]) {
 
 /// `--load PATH [REPS]`: loads a model file or directory on CUDA REPS times (3), each split
 /// into the read (parse, codes taken or re-quantized, on the host) and the device part
-/// (allocation, upload, kernels from their cache, warm-up), then decodes 16 tokens as a check.
+/// (context, kernels from their cache, the weights' upload (timed apart), the other buffers,
+/// warm-up), then decodes 16 tokens as a check.
 fn load_times(path: &str, reps: usize) {
     let opts = EngineOptions {
         backend: BackendKind::Cuda,
@@ -722,8 +723,9 @@ fn load_times(path: &str, reps: usize) {
         let mut out = [0u32; 16];
         e.step_n(&mut out).unwrap();
         println!(
-            "load {rep}: {total_s:.2} s (read {read_s:.2} s, device {:.2} s of which warm-up {:.0} ms); decoded {:?}..",
+            "load {rep}: {total_s:.2} s (read {read_s:.2} s, device {:.2} s of which upload {:.2} s, warm-up {:.0} ms); decoded {:?}..",
             total_s - read_s,
+            e.upload_ms().unwrap_or(0.0) / 1e3,
             e.warmup_ms().unwrap_or(0.0),
             &out[..4]
         );

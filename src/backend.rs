@@ -50,4 +50,9 @@ pub trait Backend: Send {
     fn warmup_ms(&self) -> Option<f64> {
         None
     }
+    /// Timer: ms of the weights' upload at load (CUDA: allocation, copies, each matrix's GEMM
+    /// scale); None for backends without one.
+    fn upload_ms(&self) -> Option<f64> {
+        None
+    }
 }

@@ -389,6 +389,12 @@ impl Engine {
         self.backend.warmup_ms()
     }
 
+    /// ms the backend spent uploading the weights at load (CUDA), apart from the rest of the
+    /// load; None for the CPU backend.
+    pub fn upload_ms(&self) -> Option<f64> {
+        self.backend.upload_ms()
+    }
+
     /// Diagnostic: device memory this engine holds (free memory before its load minus free
     /// memory now; None for host backends).
     pub fn device_used_bytes(&mut self) -> Result<Option<usize>> {

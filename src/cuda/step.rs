@@ -101,6 +101,8 @@ pub struct CudaBackend {
     free_at_open: usize,
     /// Host time of the eager probe step and the graph capture at load (0 without a graph).
     pub(super) warmup_ms: f64,
+    /// Host time of the weights' upload at load, to its last copy's end.
+    upload_ms: f64,
 }
 
 impl CudaBackend {
@@ -155,7 +157,10 @@ impl CudaBackend {
         budget::estimate(&s, max_seq, chunk).check(free, total)?;
         ops.fit(&s, max_seq)?;
         let gpu = &ops.gpu;
+        let started = std::time::Instant::now();
         let model = weights::upload(gpu, host)?;
+        gpu.sync()?;
+        let upload_ms = started.elapsed().as_secs_f64() * 1e3;
         let rope = RopeTable::new(max_seq, s.head_dim, s.rope_theta)?;
         let lens = budget::ArenaLens::new(&s, max_seq, chunk);
         let arena = Arena {
@@ -194,6 +199,7 @@ impl CudaBackend {
             position: Some(0),
             chunk,
             warmup_ms: 0.0,
+            upload_ms,
             free_at_open: free,
             non_finite: None,
             ops,
@@ -694,5 +700,9 @@ impl Backend for CudaBackend {
 
     fn warmup_ms(&self) -> Option<f64> {
         Some(self.warmup_ms)
+    }
+
+    fn upload_ms(&self) -> Option<f64> {
+        Some(self.upload_ms)
     }
 }
