@@ -68,7 +68,7 @@ const THRESHOLDS: [f32; 15] = [
 /// value exactly on a threshold goes to the lower entry, NaN to index 0) without the tree's
 /// branches, which random weights mispredict (the tree was 63% of a 3B bnb directory's read,
 /// re-quantizing its 16-bit embedding: docs/lab.md session 26).
-#[inline]
+#[inline(always)]
 pub fn encode(x: f32) -> u8 {
     THRESHOLDS.iter().map(|&t| (x > t) as u8).sum()
 }
@@ -129,22 +129,13 @@ impl Nf4Matrix {
             for (j, (codes, scales)) in rows.enumerate() {
                 let r = i * per + j;
                 fill(r, &mut row);
-                // A pass without an early exit, which the compiler vectorizes (`position`'s
-                // scalar loop was 13% of a GGUF's read); the column only for a bad row.
-                if !row.iter().fold(true, |finite, v| finite & v.is_finite()) {
+                if !encode_row(&row, codes, scales) {
                     let c = row.iter().position(|v| !v.is_finite()).unwrap_or(0);
                     let mut e = first_error.lock().unwrap_or_else(|p| p.into_inner());
                     if e.is_none_or(|(er, _, _)| r < er) {
                         *e = Some((r, c, row[c]));
                     }
                     return;
-                }
-                for ((block, out), scale) in row
-                    .chunks_exact(BLOCK)
-                    .zip(codes.chunks_exact_mut(BLOCK / 2))
-                    .zip(scales.iter_mut())
-                {
-                    *scale = encode_block(block, out);
                 }
             }
         });
@@ -209,7 +200,49 @@ impl Nf4Matrix {
     }
 }
 
+/// Encodes a row: its blocks' codes into `codes`, their absmax into `scales`, where every
+/// value is finite (returns false, having written nothing, where one is not). The finiteness
+/// pass and [`encode`]'s comparisons vectorize: on a CPU with AVX-512 the same code runs 16
+/// lanes wide instead of SSE2's 4 (docs/lab.md, session 34), with the same results (integer
+/// counts, exact comparisons).
+fn encode_row(row: &[f32], codes: &mut [u8], scales: &mut [f32]) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512bw")
+        && std::arch::is_x86_feature_detected!("avx512vl")
+    {
+        // SAFETY: the CPU has AVX-512 F, BW and VL (BW implies F), checked just above.
+        return unsafe { encode_row_avx512(row, codes, scales) };
+    }
+    encode_row_with(row, codes, scales)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+fn encode_row_avx512(row: &[f32], codes: &mut [u8], scales: &mut [f32]) -> bool {
+    encode_row_with(row, codes, scales)
+}
+
+/// [`encode_row`]'s body, inlined into each caller so that it compiles for the caller's
+/// target features.
+#[inline(always)]
+fn encode_row_with(row: &[f32], codes: &mut [u8], scales: &mut [f32]) -> bool {
+    // A pass without an early exit, which the compiler vectorizes (`position`'s scalar loop
+    // was 13% of a GGUF's read).
+    if !row.iter().fold(true, |finite, v| finite & v.is_finite()) {
+        return false;
+    }
+    for ((block, out), scale) in row
+        .chunks_exact(BLOCK)
+        .zip(codes.chunks_exact_mut(BLOCK / 2))
+        .zip(scales.iter_mut())
+    {
+        *scale = encode_block(block, out);
+    }
+    true
+}
+
 /// Encodes one block of 64 finite values into 32 bytes; returns its absmax.
+#[inline(always)]
 fn encode_block(block: &[f32], out: &mut [u8]) -> f32 {
     let absmax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
     let inv = 1.0f32 / absmax;
@@ -235,6 +268,41 @@ fn decode_block(codes: &[u8], absmax: f32, out: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The row encoder the CPU dispatches to (AVX-512 where present) writes what the portable
+    /// build of the same code writes, and refuses the same rows.
+    #[test]
+    fn the_dispatched_row_encoder_equals_the_portable_one() {
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 40) as f32 / (1u64 << 24) as f32 * 6.0 - 3.0
+        };
+        let cols = 64 * 37;
+        for (case, threshold) in THRESHOLDS.iter().take(8).enumerate() {
+            let mut row: Vec<f32> = (0..cols).map(|_| next()).collect();
+            // A zero block, a block of one value, a value on a threshold times its block's
+            // absmax, and (case 7) a NaN.
+            row[64..128].fill(0.0);
+            row[128..192].fill(-1.5);
+            row[192] = 2.0;
+            row[193] = threshold * 2.0;
+            for v in &mut row[194..256] {
+                *v *= 0.3;
+            }
+            if case == 7 {
+                row[cols - 1] = f32::NAN;
+            }
+            let (mut c1, mut s1) = (vec![0u8; cols / 2], vec![0f32; cols / 64]);
+            let (mut c2, mut s2) = (vec![0u8; cols / 2], vec![0f32; cols / 64]);
+            let ok1 = encode_row(&row, &mut c1, &mut s1);
+            let ok2 = encode_row_with(&row, &mut c2, &mut s2);
+            assert_eq!(ok1, case != 7, "case {case}");
+            assert_eq!((ok1, &c1, &s1), (ok2, &c2, &s2), "case {case}");
+        }
+    }
 
     #[test]
     fn codebook_matches_bitsandbytes() {
