@@ -150,8 +150,8 @@ fn f32s(sh: &Shards, name: &str, len: usize) -> Result<Vec<f32>> {
     Ok(le_f32s(data))
 }
 
-/// Little-endian f32 values, on every core: the 32B shape's scales are 2 GB, and the page
-/// faults of their map and of the new Vec were the bulk of a one-thread pass.
+/// Little-endian f32 values, on every core: the 32B shape's scales are 2 GB, whose page
+/// faults (their map's and the new Vec's) one thread would take in turn.
 fn le_f32s(data: &[u8]) -> Vec<f32> {
     const PIECE: usize = 1 << 18;
     let mut out = vec![0f32; data.len() / 4];
