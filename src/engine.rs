@@ -156,16 +156,16 @@ impl Engine {
             }
         };
         let backend: Box<dyn Backend> = match (opts.backend, admitted) {
-            (BackendKind::Cpu, _) | (BackendKind::Auto, Some(Admitted::Cpu)) => {
-                Box::new(CpuBackend::new(Arc::new(model), max_seq, opts.eos)?)
-            }
+            (BackendKind::Cpu, _) | (BackendKind::Auto, Some(Admitted::Cpu)) => Box::new(
+                CpuBackend::new(Arc::new(model.into_owned()), max_seq, opts.eos)?,
+            ),
             (BackendKind::Cuda, admitted) => Box::new(cuda(admitted)?),
             // No device, or a model too large for it: the CPU runs it.
             (BackendKind::Auto, admitted) => match cuda(admitted) {
                 Ok(b) => Box::new(b),
-                Err(Error::BackendUnavailable(_) | Error::OutOfMemory(_)) => {
-                    Box::new(CpuBackend::new(Arc::new(model), max_seq, opts.eos)?)
-                }
+                Err(Error::BackendUnavailable(_) | Error::OutOfMemory(_)) => Box::new(
+                    CpuBackend::new(Arc::new(model.into_owned()), max_seq, opts.eos)?,
+                ),
                 Err(e) => return Err(e),
             },
         };

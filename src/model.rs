@@ -46,6 +46,36 @@ pub struct HostModel {
 }
 
 impl HostModel {
+    /// The model with the codes of every matrix owned ([`crate::nf4::Codes::make_owned`]): what
+    /// a backend that keeps the host model past the load holds (the CPU's), so that a model
+    /// file changed or truncated later cannot reach it.
+    pub fn into_owned(mut self) -> Self {
+        let own = |m: &mut Nf4Matrix| m.packed.make_owned();
+        own(&mut self.embed);
+        if let Some(m) = &mut self.lm_head {
+            own(m);
+        }
+        for layer in &mut self.layers {
+            match &mut layer.qkv {
+                QkvWeights::Separate { q, k, v } => {
+                    for l in [q, k, v] {
+                        own(&mut l.weight);
+                    }
+                }
+                QkvWeights::InternlmFused { wqkv } => own(wqkv),
+            }
+            for m in [
+                &mut layer.o,
+                &mut layer.gate,
+                &mut layer.up,
+                &mut layer.down,
+            ] {
+                own(m);
+            }
+        }
+        self
+    }
+
     /// The output projection (the embedding itself when tied).
     pub fn lm_head(&self) -> &Nf4Matrix {
         self.lm_head.as_ref().unwrap_or(&self.embed)

@@ -16,6 +16,9 @@
 //! through its decision tree to index 0, so the codes are 0 and decode to `-1.0 * 0 = 0`.
 //! We reproduce that byte for byte.
 
+use std::ops::{Deref, Range};
+use std::sync::Arc;
+
 use crate::error::{Error, Result};
 
 /// Elements per quantization block (along K).
@@ -73,13 +76,76 @@ pub fn encode(x: f32) -> u8 {
     THRESHOLDS.iter().map(|&t| (x > t) as u8).sum()
 }
 
+/// A matrix's packed codes: bytes of its own, or where they lie in a read-only file map (a
+/// bitsandbytes checkpoint's codes are this layout: taken there, with no copy at load).
+#[derive(Clone)]
+pub enum Codes {
+    Owned(Vec<u8>),
+    Mapped(Arc<MappedBytes>),
+}
+
+/// A range of bytes in a read-only file map, which stays open while they are held.
+pub struct MappedBytes {
+    pub map: Arc<memmap2::Mmap>,
+    pub bytes: Range<usize>,
+}
+
+impl Codes {
+    /// Makes the bytes owned: a mapped range is copied out, on every core (so that what keeps
+    /// the codes past the load no longer reads the file, which may change after it).
+    pub fn make_owned(&mut self) {
+        if let Self::Mapped(_) = self {
+            const PIECE: usize = 1 << 20;
+            let mut out = vec![0u8; self.len()];
+            crate::par::for_rows(&mut out, PIECE, PIECE, |first, piece| {
+                let at = first * PIECE;
+                piece.copy_from_slice(&self[at..at + piece.len()]);
+            });
+            *self = Self::Owned(out);
+        }
+    }
+}
+
+impl Deref for Codes {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match self {
+            Self::Owned(v) => v,
+            Self::Mapped(m) => &m.map[m.bytes.clone()],
+        }
+    }
+}
+
+impl From<Vec<u8>> for Codes {
+    fn from(v: Vec<u8>) -> Self {
+        Self::Owned(v)
+    }
+}
+
+impl PartialEq for Codes {
+    fn eq(&self, other: &Self) -> bool {
+        **self == **other
+    }
+}
+
+impl std::fmt::Debug for Codes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match self {
+            Self::Owned(_) => "owned",
+            Self::Mapped(_) => "mapped",
+        };
+        write!(f, "Codes({} bytes, {kind})", self.len())
+    }
+}
+
 /// A row-major `[rows, cols]` matrix in packed NF4 with per-block f32 absmax.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Nf4Matrix {
     pub rows: usize,
     pub cols: usize,
     /// `rows * cols / 2` bytes, two elements per byte (layout in the module docs).
-    pub packed: Vec<u8>,
+    pub packed: Codes,
     /// `rows * cols / 64` block scales.
     pub absmax: Vec<f32>,
 }
@@ -147,7 +213,7 @@ impl Nf4Matrix {
         Ok(Self {
             rows,
             cols,
-            packed,
+            packed: packed.into(),
             absmax,
         })
     }
@@ -194,7 +260,7 @@ impl Nf4Matrix {
         Self {
             rows: rows.len(),
             cols: self.cols,
-            packed,
+            packed: packed.into(),
             absmax,
         }
     }

@@ -60,7 +60,7 @@ pub fn write_bnb_dir(model: &HostModel, dir: &Path) -> Result<()> {
             ),
             (
                 name,
-                Tensor(Dtype::U8, vec![m.packed.len(), 1], m.packed.clone()),
+                Tensor(Dtype::U8, vec![m.packed.len(), 1], m.packed.to_vec()),
             ),
         ];
         tensors.extend(entries);

@@ -8,8 +8,10 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use decodev2::arch::{preset, TINY_LLAMA};
+use decodev2::engine::{BackendKind, Engine, EngineOptions};
 use decodev2::load::load;
 use decodev2::model::{HostModel, QkvWeights};
+use decodev2::nf4::Codes;
 use decodev2::oracle::{step_logits, KvCache};
 use decodev2::save::write_bnb_dir;
 use decodev2::{synth, Error};
@@ -88,6 +90,44 @@ fn a_written_directory_loads_back_with_the_same_codes() {
 
 /// The tensors of a safetensors file, to edit and write again.
 type Tensors = BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)>;
+
+/// A linear's codes are read where they lie in the file's map, with no copy at load; an engine
+/// on the CPU, which keeps the model past the load, holds its own copy: the file truncated
+/// after the load (as replacing a download in place would) changes nothing it decodes.
+#[test]
+fn codes_come_from_the_map_and_a_cpu_engine_owns_its_copy() {
+    std::env::set_var("DV2_X_MAPPED_CODES", "1");
+    let model = synth::build(&TINY_LLAMA, 7).unwrap();
+    let d = dir("mapped");
+    write_bnb_dir(&model, &d).unwrap();
+    let back = load(&d).unwrap();
+    assert!(
+        matches!(back.layers[0].gate.packed, Codes::Mapped(_)),
+        "{:?}",
+        back.layers[0].gate.packed
+    );
+    assert_eq!(back.layers[0].gate, model.layers[0].gate);
+    drop(back);
+    let opts = EngineOptions {
+        backend: BackendKind::Cpu,
+        ..EngineOptions::default()
+    };
+    let decode = |e: &mut Engine| -> Vec<u32> {
+        let first = e.prefill(&synth::prompt(TINY_LLAMA.vocab, 6, 3)).unwrap();
+        std::iter::once(first)
+            .chain((0..8).map(|_| e.step().unwrap()))
+            .collect()
+    };
+    let mut loaded = Engine::load_file(&d, &opts).unwrap();
+    let want = decode(&mut Engine::new(model, &opts).unwrap());
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(d.join("model.safetensors"))
+        .unwrap()
+        .set_len(0)
+        .unwrap();
+    assert_eq!(decode(&mut loaded), want);
+}
 
 fn read_tensors(path: &Path) -> Tensors {
     let bytes = std::fs::read(path).unwrap();

@@ -40,6 +40,7 @@ pub mod ops;
 pub mod prefill;
 pub mod profile;
 pub mod sample;
+pub mod staging;
 pub mod step;
 pub mod weights;
 

@@ -3,6 +3,7 @@
 use cudarc::driver::{CudaSlice, DeviceRepr};
 
 use super::device::Gpu;
+use super::staging::Staging;
 use crate::error::Result;
 use crate::model::{internlm_wqkv_rows, HostModel, QkvWeights};
 use crate::nf4::Nf4Matrix;
@@ -66,11 +67,15 @@ pub struct DeviceMatrix {
 
 impl DeviceMatrix {
     pub fn upload(gpu: &Gpu, m: &Nf4Matrix) -> Result<Self> {
+        Self::upload_through(&mut Staging::new(gpu, false)?, m)
+    }
+
+    fn upload_through(up: &mut Staging, m: &Nf4Matrix) -> Result<Self> {
         Ok(Self {
             rows: m.rows,
             cols: m.cols,
-            packed: gpu.upload(&m.packed)?,
-            absmax: gpu.upload(&m.absmax)?,
+            packed: up.upload(&m.packed)?,
+            absmax: up.upload(&m.absmax)?,
             mma_scale: mma_scale(&m.absmax),
         })
     }
@@ -110,48 +115,53 @@ impl DeviceModel {
     }
 }
 
-fn norm(gpu: &Gpu, w: &[half::bf16]) -> Result<CudaSlice<u16>> {
+fn norm(up: &mut Staging, w: &[half::bf16]) -> Result<CudaSlice<u16>> {
     let bits: Vec<u16> = w.iter().map(|v| v.to_bits()).collect();
-    gpu.upload(&bits)
+    up.upload(&bits)
+}
+
+fn bias(up: &mut Staging, b: &Option<Vec<f32>>) -> Result<Option<CudaSlice<f32>>> {
+    b.as_ref().map(|b| up.upload(b)).transpose()
 }
 
 pub fn upload(gpu: &Gpu, model: &HostModel) -> Result<DeviceModel> {
     let s = &model.spec;
-    let m = |x: &Nf4Matrix| DeviceMatrix::upload(gpu, x);
+    let up = &mut Staging::new(
+        gpu,
+        std::env::var("DV2_X_STAGED_UPLOAD").is_ok_and(|v| v == "1"),
+    )?;
+    let m = DeviceMatrix::upload_through;
     let mut layers = Vec::with_capacity(model.layers.len());
     for layer in &model.layers {
         let (qkv, qkv_bias) = match &layer.qkv {
-            QkvWeights::Separate { q, k, v } => {
-                let bias = |b: &Option<Vec<f32>>| b.as_ref().map(|b| gpu.upload(b)).transpose();
-                (
-                    [m(&q.weight)?, m(&k.weight)?, m(&v.weight)?],
-                    [bias(&q.bias)?, bias(&k.bias)?, bias(&v.bias)?],
-                )
-            }
+            QkvWeights::Separate { q, k, v } => (
+                [m(up, &q.weight)?, m(up, &k.weight)?, m(up, &v.weight)?],
+                [bias(up, &q.bias)?, bias(up, &k.bias)?, bias(up, &v.bias)?],
+            ),
             QkvWeights::InternlmFused { wqkv } => {
                 let rows = internlm_wqkv_rows(s);
                 let (q, rest) = rows.split_at(s.hidden);
                 let (k, v) = rest.split_at(s.kv_dim());
-                let part = |r: &[usize]| m(&wqkv.select_rows(r));
+                let mut part = |r: &[usize]| m(up, &wqkv.select_rows(r));
                 ([part(q)?, part(k)?, part(v)?], [None, None, None])
             }
         };
         layers.push(DeviceLayer {
-            attn_norm: norm(gpu, &layer.attn_norm)?,
+            attn_norm: norm(up, &layer.attn_norm)?,
             qkv,
             qkv_bias,
-            o: m(&layer.o)?,
-            ffn_norm: norm(gpu, &layer.ffn_norm)?,
-            gate: m(&layer.gate)?,
-            up: m(&layer.up)?,
-            down: m(&layer.down)?,
+            o: m(up, &layer.o)?,
+            ffn_norm: norm(up, &layer.ffn_norm)?,
+            gate: m(up, &layer.gate)?,
+            up: m(up, &layer.up)?,
+            down: m(up, &layer.down)?,
         });
     }
     Ok(DeviceModel {
-        embed: m(&model.embed)?,
+        embed: m(up, &model.embed)?,
         layers,
-        final_norm: norm(gpu, &model.final_norm)?,
-        lm_head: model.lm_head.as_ref().map(m).transpose()?,
+        final_norm: norm(up, &model.final_norm)?,
+        lm_head: model.lm_head.as_ref().map(|x| m(up, x)).transpose()?,
     })
 }
 

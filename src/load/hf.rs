@@ -11,6 +11,7 @@ mod bnb;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use half::{bf16, f16};
 use safetensors::{Dtype, SafeTensors};
@@ -19,7 +20,7 @@ use serde_json::Value;
 use crate::arch::{ArchSpec, Family};
 use crate::error::{Error, Result};
 use crate::model::{HostModel, Layer, Linear, QkvWeights};
-use crate::nf4::Nf4Matrix;
+use crate::nf4::{Codes, MappedBytes, Nf4Matrix};
 
 /// Where a tensor lives: its file (index into `Shards::maps`), dtype, shape and bytes.
 struct TensorEntry {
@@ -32,7 +33,7 @@ struct TensorEntry {
 /// The memory maps of a directory's safetensors files and where each tensor lives (each
 /// file's header parsed once, at open).
 struct Shards {
-    maps: Vec<(PathBuf, memmap2::Mmap)>,
+    maps: Vec<(PathBuf, Arc<memmap2::Mmap>)>,
     index: HashMap<String, TensorEntry>,
 }
 
@@ -84,7 +85,7 @@ impl Shards {
                 };
                 index.insert(name, entry);
             }
-            maps.push((path, map));
+            maps.push((path, Arc::new(map)));
         }
         Ok(Self { maps, index })
     }
@@ -97,6 +98,19 @@ impl Shards {
             .ok_or_else(|| Error::ModelFile(format!("tensor {name} is missing")))?;
         let (path, map) = &self.maps[t.file];
         Ok((t.dtype, t.shape.clone(), &map[t.bytes.clone()], path))
+    }
+
+    /// The tensor's bytes where they lie in its file's map (the map stays open as long as
+    /// they are held).
+    fn mapped(&self, name: &str) -> Result<Codes> {
+        let t = self
+            .index
+            .get(name)
+            .ok_or_else(|| Error::ModelFile(format!("tensor {name} is missing")))?;
+        Ok(Codes::Mapped(Arc::new(MappedBytes {
+            map: self.maps[t.file].1.clone(),
+            bytes: t.bytes.clone(),
+        })))
     }
 
     fn has(&self, name: &str) -> bool {

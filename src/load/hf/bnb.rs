@@ -88,10 +88,14 @@ pub(super) fn matrix(
     if let Some(b) = absmax.iter().position(|a| !a.is_finite()) {
         return Err(bad(format!("block {b} has scale {}", absmax[b])));
     }
+    let mut packed = sh.mapped(name)?;
+    if !std::env::var("DV2_X_MAPPED_CODES").is_ok_and(|v| v == "1") {
+        packed.make_owned();
+    }
     Ok(Some(Nf4Matrix {
         rows,
         cols,
-        packed: copy_out(packed),
+        packed,
         absmax,
     }))
 }
@@ -121,18 +125,6 @@ fn nested_absmax(sh: &Shards, name: &str, state: &Value, blocks: usize) -> Resul
         .enumerate()
         .map(|(b, &c)| map[c as usize] * scales[b / group] + offset)
         .collect())
-}
-
-/// The codes out of the map, on every core (the copy, and the page faults of a map read for
-/// the first time, are the bulk of such a load).
-fn copy_out(codes: &[u8]) -> Vec<u8> {
-    const PIECE: usize = 1 << 20;
-    let mut out = vec![0u8; codes.len()];
-    crate::par::for_rows(&mut out, PIECE, PIECE, |first, piece| {
-        let at = first * PIECE;
-        piece.copy_from_slice(&codes[at..at + piece.len()]);
-    });
-    out
 }
 
 /// An f32 tensor of exactly `len` elements (any shape).
