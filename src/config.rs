@@ -106,6 +106,20 @@ pub const VARIABLES: &[Variable] = &[
         lab: "seed §6",
     },
     Variable {
+        name: "DV2_MAPPED_CODES",
+        default: "1",
+        effect: "`0`: a bitsandbytes directory's 4-bit codes copied out of the file's map at load \
+                 instead of uploaded from where they lie",
+        lab: "session 35: 32B bitsandbytes warm read 2.3-2.5 s copied, 1.0-1.3 s mapped",
+    },
+    Variable {
+        name: "DV2_STAGED_UPLOAD",
+        default: "1",
+        effect: "`0`: each weight tensor copied to the device from pageable memory (the driver's \
+                 staging) instead of through two page-locked buffers filled on every core",
+        lab: "session 35: 32B bitsandbytes upload 2.5-3.4 s pageable, 1.4-1.6 s staged",
+    },
+    Variable {
         name: "DV2_PREFILL_CHUNK",
         default: "1024",
         effect: "tool: prompt tokens per prefill chunk (1 to 1024)",
@@ -163,6 +177,10 @@ pub struct Config {
     pub prefill_tail: bool,
     /// The decode step's linears through the tensor-core GEMM (`DV2_LINEAR=mma`).
     pub linear_mma: bool,
+    /// A bitsandbytes linear's codes left in the file's map until uploaded.
+    pub mapped_codes: bool,
+    /// The weights uploaded through page-locked staging buffers.
+    pub staged_upload: bool,
     /// `DV2_PREFILL_CHUNK` as given (parsed by the prefill, which reports a bad value).
     pub prefill_chunk: Option<String>,
     pub kernel_dir: Option<PathBuf>,
@@ -202,6 +220,8 @@ impl Config {
             prefill_by_steps: is("DV2_PREFILL", "n1"),
             prefill_tail: on("DV2_PREFILL_TAIL"),
             linear_mma: is("DV2_LINEAR", "mma"),
+            mapped_codes: on("DV2_MAPPED_CODES"),
+            staged_upload: on("DV2_STAGED_UPLOAD"),
             prefill_chunk: var("DV2_PREFILL_CHUNK"),
             kernel_dir: var("DV2_KERNEL_DIR").map(PathBuf::from),
             cache_dir: var("DV2_CACHE_DIR")
@@ -277,6 +297,7 @@ mod tests {
         let c = Config::default();
         assert!(c.graph && c.pdl && c.fuse_rms && c.ffn_f16 && c.qkv_khalves);
         assert!(c.logits_argmax && c.attn_clusters && c.attn_long && c.prefill_tail);
+        assert!(c.mapped_codes && c.staged_upload);
         assert!(!c.prefill_by_steps && !c.linear_mma && !c.lineinfo && !c.cta_timeline);
         let c = with(&[
             ("DV2_FUSE_RMS", "0"),

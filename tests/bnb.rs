@@ -96,7 +96,6 @@ type Tensors = BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)>;
 /// after the load (as replacing a download in place would) changes nothing it decodes.
 #[test]
 fn codes_come_from_the_map_and_a_cpu_engine_owns_its_copy() {
-    std::env::set_var("DV2_X_MAPPED_CODES", "1");
     let model = synth::build(&TINY_LLAMA, 7).unwrap();
     let d = dir("mapped");
     write_bnb_dir(&model, &d).unwrap();

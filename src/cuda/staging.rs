@@ -1,11 +1,10 @@
 //! Host-to-device copies of the weights through two page-locked staging buffers.
 //!
 //! A copy from pageable memory (`cuMemcpyHtoDAsync` from a `Vec`) is staged by the driver
-//! itself, one bounce buffer at a time on one thread: the 32B shape's load spent 4.9–5.3 s in
-//! its device part, ~2 s of it the scales' maximum (`mma_scale`, since vectorized) and most of
-//! the rest these copies of 18.4 GB (docs/lab.md, session 34). Here the host fills one buffer,
-//! on every core for a large tensor, while the DMA engine drains the other: the copy runs at
-//! the slower of the two, not their sum.
+//! itself, one bounce buffer at a time on one thread. Here the host fills one buffer, on every
+//! core for a large tensor, while the DMA engine drains the other: the copy runs at the slower
+//! of the two, not their sum. The 32B shape's 18.4 GB went up in 2.5–2.8 s pageable, 1.4 s
+//! staged (docs/lab.md, session 35); `DV2_STAGED_UPLOAD=0` takes the pageable copies.
 
 use cudarc::driver::{CudaEvent, CudaSlice, DeviceRepr, PinnedHostSlice};
 

@@ -124,12 +124,11 @@ fn bias(up: &mut Staging, b: &Option<Vec<f32>>) -> Result<Option<CudaSlice<f32>>
     b.as_ref().map(|b| up.upload(b)).transpose()
 }
 
-pub fn upload(gpu: &Gpu, model: &HostModel) -> Result<DeviceModel> {
+/// The model on `gpu`; `staged`: through page-locked staging buffers ([`Staging`]), else
+/// each tensor copied from pageable memory (`DV2_STAGED_UPLOAD=0`).
+pub fn upload(gpu: &Gpu, model: &HostModel, staged: bool) -> Result<DeviceModel> {
     let s = &model.spec;
-    let up = &mut Staging::new(
-        gpu,
-        std::env::var("DV2_X_STAGED_UPLOAD").is_ok_and(|v| v == "1"),
-    )?;
+    let up = &mut Staging::new(gpu, staged)?;
     let m = DeviceMatrix::upload_through;
     let mut layers = Vec::with_capacity(model.layers.len());
     for layer in &model.layers {

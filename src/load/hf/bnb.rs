@@ -89,7 +89,7 @@ pub(super) fn matrix(
         return Err(bad(format!("block {b} has scale {}", absmax[b])));
     }
     let mut packed = sh.mapped(name)?;
-    if !std::env::var("DV2_X_MAPPED_CODES").is_ok_and(|v| v == "1") {
+    if !crate::config::Config::from_env().mapped_codes {
         packed.make_owned();
     }
     Ok(Some(Nf4Matrix {
