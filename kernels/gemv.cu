@@ -98,6 +98,22 @@ __device__ __forceinline__ void stage_x16(const u16* __restrict__ x, int cols, u
     }
 }
 
+// x given as f32 (the RMSNorm applied where norm.w), staged as stage_x16 stages f16 x: each
+// value rounded to f16 once here, as GEMV v3 stages its x (the K walk's f32-x kernels).
+template <int THREADS = GEMV_THREADS>
+__device__ __forceinline__ void stage_x_as16(const float* __restrict__ x, int cols, NormArgs norm, u32* staged) {
+    for_each_x_quad<THREADS>(x, cols, norm, [&](int q, float4 v, uint2 w, float r) {
+        float e[4] = {v.x, v.y, v.z, v.w};
+        if (norm.w) {
+            const u32 w2[2] = {w.x, w.y};
+#pragma unroll
+            for (int i = 0; i < 4; i++) e[i] = e[i] * r * bf16_to_f32((u16)(w2[i >> 1] >> (16 * (i & 1))));
+        }
+        *reinterpret_cast<uint2*>(staged + (q >> 3) * X16_STAGE_STRIDE + (q & 7) * 2) =
+            make_uint2(pack_f16x2(e[0], e[1]), pack_f16x2(e[2], e[3]));
+    });
+}
+
 template <int J>
 struct XHalves;
 
@@ -609,9 +625,11 @@ GEMV2_NF4_KERNEL(4, 1, true, _narrow_x16)
 // an SM, else the J = 4 walk). +2.0-2.8% decode at the 32B shape from 48 to 8k against J = 4
 // (5 rows x 2 iterations over K halves); 3 iterations, and at the 3B shape's K = 11,008 (1 x 8,
 // 2 x 4), lost: docs/lab.md, session 33.
-template <int R, int D>
-__device__ __forceinline__ void gemv2_kwalk_x16(PlainRows rows_of, int rows, int cols, const u16* __restrict__ x,
-                                                int kparts, const int* skip_if) {
+// X32: x comes as f32 (with the RMSNorm where norm.w) and is staged as f16 (stage_x_as16); else
+// as f16. Rows: whose matrices and epilogue (PlainRows, QkvRows).
+template <int R, int D, bool X32, typename Rows>
+__device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, const void* __restrict__ x,
+                                            NormArgs norm, int kparts, const int* skip_if) {
     __shared__ __align__(16) u32 pair16_lut[BYTE_LUT_WORDS];
     __shared__ float part_sums[GEMV_WARPS * R];
     extern __shared__ __align__(16) float gemv2_dyn[];
@@ -627,18 +645,21 @@ __device__ __forceinline__ void gemv2_kwalk_x16(PlainRows rows_of, int rows, int
     const int n_chunks = cols >> 5, iters = (n_chunks + 31) >> 5;
     const int per_part = (iters + kparts - 1) >> kshift;
     const int t_begin = part * per_part, t_end = min(iters, t_begin + per_part);
-    const Nf4Ref m = rows_of.m;
+    // Each of the warp's rows: its matrix and its row there.
+    Nf4Ref m[R];
+    int lr[R];
+#pragma unroll
+    for (int i = 0; i < R; i++) m[i] = rows_of.matrix(r0 + i, 0), lr[i] = rows_of.local(r0 + i);
     // Iteration t's chunk of each of the warp's rows (zeros past K, past the part, past the rows).
     auto load_iter = [&](int t, RowChunks<1> (&b)[R]) {
         const int c = t * 32 + lane;
         const bool in_k = t < t_end && c < n_chunks;
 #pragma unroll
         for (int i = 0; i < R; i++) {
-            const int r = r0 + i;
-            const bool in = in_k && r < rows;
-            b[i].q[0] = in ? load_weights16(reinterpret_cast<const uint4*>(m.packed + (size_t)r * (cols >> 1)) + c)
+            const bool in = in_k && r0 + i < rows;
+            b[i].q[0] = in ? load_weights16(reinterpret_cast<const uint4*>(m[i].packed + (size_t)lr[i] * (cols >> 1)) + c)
                            : make_uint4(0u, 0u, 0u, 0u);
-            b[i].s[0] = in ? __ldg(m.absmax + (size_t)r * (cols >> 6) + (c >> 1)) : 0.0f;
+            b[i].s[0] = in ? __ldg(m[i].absmax + (size_t)lr[i] * (cols >> 6) + (c >> 1)) : 0.0f;
         }
     };
     RowChunks<1> buf[D][R];
@@ -647,7 +668,10 @@ __device__ __forceinline__ void gemv2_kwalk_x16(PlainRows rows_of, int rows, int
     for (int d = 0; d < D; d++) load_iter(t_begin + d, buf[d]);
     pdl_enter();
     if (skip_if && *skip_if) return;
-    stage_x16(x, cols, x_staged);
+    if (X32)
+        stage_x_as16(reinterpret_cast<const float*>(x), cols, norm, x_staged);
+    else
+        stage_x16(reinterpret_cast<const u16*>(x), cols, x_staged);
     __syncthreads();
     float acc[R];
 #pragma unroll
@@ -689,10 +713,26 @@ __device__ __forceinline__ void gemv2_kwalk_x16(PlainRows rows_of, int rows, int
 // 2 K parts x 5 rows a row lane: 20 rows a CTA (the 32B shape's 5,120 rows: 256 CTAs; the
 // host's GEMV2_KWALK_ROWS and GEMV2_KWALK_KPARTS), 2 iterations in flight, no spills.
 extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)
-    gemv2_down_kwalk(Nf4Ref m, const float* __restrict__ x, NormArgs, float* y, const float* __restrict__ bias,
+    gemv2_down_kwalk(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y, const float* __restrict__ bias,
                      int rows, int cols, int kparts, int accumulate, const int* skip_if, float* ss_out) {
     PlainRows p{m, y, bias, accumulate, ss_out};
-    gemv2_kwalk_x16<5, 2>(p, rows, cols, reinterpret_cast<const u16*>(x), kparts, skip_if);
+    gemv2_kwalk<5, 2, false>(p, rows, cols, x, norm, kparts, skip_if);
+}
+// Experiment (DV2_X_KWALK_SMALL): the 32B shape's o (5,120 rows, K = 5,120, f32 x) walking K
+// as down does (20 rows a CTA: 256 CTAs), where the J = 3 walk holds 48 bytes a lane in flight
+// in 7 serial steps of 4 rows a CTA.
+extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)
+    gemv2_kwalk_f32(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y, const float* __restrict__ bias,
+                    int rows, int cols, int kparts, int accumulate, const int* skip_if, float* ss_out) {
+    PlainRows p{m, y, bias, accumulate, ss_out};
+    gemv2_kwalk<5, 2, true>(p, rows, cols, x, norm, kparts, skip_if);
+}
+// Experiment (DV2_X_KWALK_SMALL): the 32B shape's q/k/v (7,168 rows, K = 5,120) walking K,
+// 4 rows a warp over the whole K (32 rows a CTA: 224 CTAs).
+extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)
+    gemv2_kwalk_qkv(QkvArgs a, const float* __restrict__ x, NormArgs norm, float* out, int cols, int kparts) {
+    QkvRows q{a, out};
+    gemv2_kwalk<4, 2, true>(q, a.rows[0] + a.rows[1] + a.rows[2], cols, x, norm, kparts, nullptr);
 }
 // SwiGLU at K = 5,120 (the 32B shape's gate and up; the host's SWIGLU_FIVE_PARTS_K): 160
 // chunks, 5 x 32, so 1 chunk a lane over 5 warps a row, 10 warps a CTA, 2 rows in flight a

@@ -497,6 +497,9 @@ pub struct Kernels {
     /// Down from f16 x walking K, for K past [`GEMV2_MAX_K`]: one CTA per
     /// [`GEMV2_KWALK_ROWS`] rows, [`GEMV2_KWALK_KPARTS`] warps a row.
     pub gemv2_down_kwalk: CudaFunction,
+    /// Experiment (DV2_X_KWALK_SMALL): the K walk from f32 x, a plain matrix and q/k/v.
+    pub gemv2_kwalk_f32: CudaFunction,
+    pub gemv2_kwalk_qkv: CudaFunction,
     pub gemv2_qkv: [CudaFunction; 3],
     pub gemv2_swiglu: [CudaFunction; 3],
     /// SwiGLU at J = 1 over 5 warps a row, 10 warps a CTA (K = 5,120 alone).
@@ -639,6 +642,8 @@ impl Kernels {
             gemv2_nf4_x16: gemv2("gemv2_nf4", "_narrow_x16", GEMV2_MAX_SMEM)?,
             gemv2_nf4_x16_j4: f_smem("gemv2_nf4_j4_narrow_x16", x16_max_smem)?,
             gemv2_down_kwalk: f_smem("gemv2_down_kwalk", x16_max_smem)?,
+            gemv2_kwalk_f32: f_smem("gemv2_kwalk_f32", x16_max_smem)?,
+            gemv2_kwalk_qkv: f_smem("gemv2_kwalk_qkv", x16_max_smem)?,
             gemv2_qkv: gemv2("gemv2_qkv", "_narrow", GEMV2_MAX_SMEM)?,
             gemv2_swiglu: gemv2("gemv2_swiglu", "_narrow", GEMV2_MAX_SMEM)?,
             gemv2_swiglu_w10: f_smem("gemv2_swiglu_j1_w10", GEMV2_MAX_SMEM)?,
@@ -683,6 +688,7 @@ impl Kernels {
             .gemv2_nf4_x16
             .iter()
             .chain([&k.gemv2_nf4_x16_j4, &k.gemv2_down_kwalk])
+            .chain([&k.gemv2_kwalk_f32, &k.gemv2_kwalk_qkv])
             .collect();
         k.gemv2_room = [dynamic_smem_room(&f32_x)?, dynamic_smem_room(&f16_x)?];
         k.gemv2_logits_room = match &k.gemv2_logits {

@@ -119,6 +119,20 @@ impl Ops {
             && rows.div_ceil(GEMV2_KWALK_ROWS) <= (self.sms * GEMV2_CTAS_PER_SM) as usize
     }
 
+    /// Experiment (`DV2_X_KWALK_SMALL=1`: where GEMV v2 would take the matrix, the 32B shape's
+    /// o and q/k/v; `=2`: where GEMV v3 would too, the 3B shape's): whether a GEMV from f32 x
+    /// walks K, one CTA per `rows_per_cta` rows, where that grid is resident at once and x
+    /// fits the f16 staging.
+    fn small_walks_k(&self, kernel: Gemv, rows: usize, cols: usize, rows_per_cta: usize) -> bool {
+        let on = match std::env::var("DV2_X_KWALK_SMALL").as_deref() {
+            Ok("1") => kernel == Gemv::V2,
+            Ok("2") => true,
+            _ => false,
+        };
+        on && self.gemv2_x_room(cols, true).is_ok()
+            && rows.div_ceil(rows_per_cta) <= (self.sms * GEMV2_CTAS_PER_SM) as usize
+    }
+
     /// GEMV v2's persistent grid for `rows` in CTAs of `warps`, `kparts` of them a row:
     /// [`GEMV2_CTAS_PER_SM`] an SM, or fewer where the rows run out, x staged for K = cols.
     fn gemv2_grid(
@@ -269,6 +283,18 @@ impl Ops {
             return Ok(0);
         }
         match kernel {
+            _ if !input.f16 && self.small_walks_k(kernel, rows, cols, GEMV2_KWALK_ROWS) => {
+                let kp = GEMV2_KWALK_KPARTS;
+                let cfg = LaunchConfig {
+                    grid_dim: (rows.div_ceil(GEMV2_KWALK_ROWS) as u32, 1, 1),
+                    block_dim: (GEMV_WARPS * 32, 1, 1),
+                    shared_mem_bytes: self.gemv2_x_room(cols, true)?,
+                };
+                check_sums(ss_out, cfg.grid_dim.0)?;
+                let f = &self.k.gemv2_kwalk_f32;
+                launch!(self.gpu, f, cfg; m, x, norm, y, bias, rows_i, cols_i, kp, acc, skip_if, ss_out)?;
+                Ok(cfg.grid_dim.0 as usize)
+            }
             Gemv::V3 => self.gemv3(epilogue, &mats, cols, x, norm, y, skip_if, ss_out, false),
             Gemv::V2 if input.f16 && self.down_walks_k(rows, cols) => {
                 let kp = GEMV2_KWALK_KPARTS;
@@ -390,6 +416,17 @@ impl Ops {
                 .map(|_| false);
         }
         match kernel {
+            _ if self.small_walks_k(kernel, rows, cols, 32) => {
+                // 4 rows a warp, 8 warps, each over the whole K.
+                let cfg = LaunchConfig {
+                    grid_dim: (rows.div_ceil(32) as u32, 1, 1),
+                    block_dim: (GEMV_WARPS * 32, 1, 1),
+                    shared_mem_bytes: self.gemv2_x_room(cols, true)?,
+                };
+                let kp = 1i32;
+                launch!(self.gpu, &self.k.gemv2_kwalk_qkv, cfg; args, x, norm, out, cols_i, kp)
+                    .map(|_| false)
+            }
             Gemv::V3 => {
                 let halves = self.k.gemv3_qkv_kh2.is_some()
                     && self.attn == Attention::V3
