@@ -713,22 +713,24 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
 // 2 K parts x 5 rows a row lane: 20 rows a CTA (the 32B shape's 5,120 rows: 256 CTAs; the
 // host's GEMV2_KWALK_ROWS and GEMV2_KWALK_KPARTS), 2 iterations in flight, no spills.
 extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)
-    gemv2_down_kwalk(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y, const float* __restrict__ bias,
-                     int rows, int cols, int kparts, int accumulate, const int* skip_if, float* ss_out) {
+    gemv2_kwalk_x16(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y, const float* __restrict__ bias,
+                    int rows, int cols, int kparts, int accumulate, const int* skip_if, float* ss_out) {
     PlainRows p{m, y, bias, accumulate, ss_out};
     gemv2_kwalk<5, 2, false>(p, rows, cols, x, norm, kparts, skip_if);
 }
-// Experiment (DV2_X_KWALK_SMALL): the 32B shape's o (5,120 rows, K = 5,120, f32 x) walking K
-// as down does (20 rows a CTA: 256 CTAs), where the J = 3 walk holds 48 bytes a lane in flight
-// in 7 serial steps of 4 rows a CTA.
+// The same from f32 x, for the matrices no wider than tall (the 32B shape's o: 5,120 rows, K =
+// 5,120, 256 CTAs), where the J = 3 walk holds 48 bytes a lane in flight in 7 serial steps of 4
+// rows a CTA. x is staged as f16, each value rounded once (as GEMV v3 stages it). With q/k/v
+// below: +1.2-1.4% decode at the 32B shape from 48 to 8k; at the 3B shape's o and q/k/v in place
+// of GEMV v3 (80 and 103 CTAs), -1.5..-5.3%: docs/lab.md, session 35.
 extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)
     gemv2_kwalk_f32(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y, const float* __restrict__ bias,
                     int rows, int cols, int kparts, int accumulate, const int* skip_if, float* ss_out) {
     PlainRows p{m, y, bias, accumulate, ss_out};
     gemv2_kwalk<5, 2, true>(p, rows, cols, x, norm, kparts, skip_if);
 }
-// Experiment (DV2_X_KWALK_SMALL): the 32B shape's q/k/v (7,168 rows, K = 5,120) walking K,
-// 4 rows a warp over the whole K (32 rows a CTA: 224 CTAs).
+// q/k/v walking K (the 32B shape's 7,168 rows, K = 5,120), 4 rows a warp over the whole K: 32
+// rows a CTA (the host's GEMV2_KWALK_QKV_ROWS), 224 CTAs.
 extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)
     gemv2_kwalk_qkv(QkvArgs a, const float* __restrict__ x, NormArgs norm, float* out, int cols, int kparts) {
     QkvRows q{a, out};

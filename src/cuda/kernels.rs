@@ -62,10 +62,13 @@ pub const GEMV2_X16_STRIDE: usize = 20;
 pub const GEMV2_MAX_K: usize = 3 * 32 * 8 * 32;
 /// The largest K GEMV v2 takes from f16 x (down's input): 4 chunks a lane.
 pub const GEMV2_X16_MAX_K: usize = 4 * 32 * 8 * 32;
-/// The K-walking down kernel's (`gemv2_down_kwalk`) rows a CTA and warps a row: 8
-/// warps as 4 row lanes of 5 rows, each row's K in 2 halves.
+/// The K-walking kernels' (`gemv2_kwalk_x16`, `gemv2_kwalk_f32`) rows a CTA and warps a
+/// row: 8 warps as 4 row lanes of 5 rows, each row's K in 2 halves.
 pub const GEMV2_KWALK_ROWS: usize = 20;
 pub const GEMV2_KWALK_KPARTS: i32 = 2;
+/// The K-walking q/k/v kernel's (`gemv2_kwalk_qkv`) rows a CTA: 8 warps of 4 rows, each
+/// over the whole K.
+pub const GEMV2_KWALK_QKV_ROWS: usize = 32;
 /// The dynamic shared memory GEMV v2 stages x in for K = cols: each 32-element chunk at
 /// [`GEMV2_X_STRIDE`] floats, or [`GEMV2_X16_STRIDE`] words from f16 x.
 pub const fn gemv2_x_smem(cols: usize, x_f16: bool) -> usize {
@@ -491,14 +494,14 @@ pub struct Kernels {
     /// q/k/v, SwiGLU.
     pub gemv2_nf4: [CudaFunction; 3],
     pub gemv2_nf4_x16: [CudaFunction; 3],
-    /// J = 4 from f16 x, for K past [`GEMV2_MAX_K`] where [`Kernels::gemv2_down_kwalk`] would
+    /// J = 4 from f16 x, for K past [`GEMV2_MAX_K`] where [`Kernels::gemv2_kwalk_x16`] would
     /// take more CTAs than fit.
     pub gemv2_nf4_x16_j4: CudaFunction,
-    /// Down from f16 x walking K, for K past [`GEMV2_MAX_K`]: one CTA per
+    /// The K walk (where `Ops::walks_k`), from f16 x and from f32 x: one CTA per
     /// [`GEMV2_KWALK_ROWS`] rows, [`GEMV2_KWALK_KPARTS`] warps a row.
-    pub gemv2_down_kwalk: CudaFunction,
-    /// Experiment (DV2_X_KWALK_SMALL): the K walk from f32 x, a plain matrix and q/k/v.
+    pub gemv2_kwalk_x16: CudaFunction,
     pub gemv2_kwalk_f32: CudaFunction,
+    /// q/k/v walking K: one CTA per [`GEMV2_KWALK_QKV_ROWS`] rows.
     pub gemv2_kwalk_qkv: CudaFunction,
     pub gemv2_qkv: [CudaFunction; 3],
     pub gemv2_swiglu: [CudaFunction; 3],
@@ -641,7 +644,7 @@ impl Kernels {
             gemv2_nf4: gemv2("gemv2_nf4", "_narrow", GEMV2_MAX_SMEM)?,
             gemv2_nf4_x16: gemv2("gemv2_nf4", "_narrow_x16", GEMV2_MAX_SMEM)?,
             gemv2_nf4_x16_j4: f_smem("gemv2_nf4_j4_narrow_x16", x16_max_smem)?,
-            gemv2_down_kwalk: f_smem("gemv2_down_kwalk", x16_max_smem)?,
+            gemv2_kwalk_x16: f_smem("gemv2_kwalk_x16", x16_max_smem)?,
             gemv2_kwalk_f32: f_smem("gemv2_kwalk_f32", x16_max_smem)?,
             gemv2_kwalk_qkv: f_smem("gemv2_kwalk_qkv", x16_max_smem)?,
             gemv2_qkv: gemv2("gemv2_qkv", "_narrow", GEMV2_MAX_SMEM)?,
@@ -687,7 +690,7 @@ impl Kernels {
         let f16_x: Vec<&CudaFunction> = k
             .gemv2_nf4_x16
             .iter()
-            .chain([&k.gemv2_nf4_x16_j4, &k.gemv2_down_kwalk])
+            .chain([&k.gemv2_nf4_x16_j4, &k.gemv2_kwalk_x16])
             .chain([&k.gemv2_kwalk_f32, &k.gemv2_kwalk_qkv])
             .collect();
         k.gemv2_room = [dynamic_smem_room(&f32_x)?, dynamic_smem_room(&f16_x)?];

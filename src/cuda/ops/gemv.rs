@@ -7,9 +7,9 @@ use super::attention::Attention;
 use super::gemm::{Epilogue, GemmArgs, GemmMatrix};
 use super::{check_sums, no_sums, Input, NormArgs, Ops, MAX_ARGMAX_CTAS};
 use crate::cuda::kernels::{
-    gemv2_x_smem, GEMV2_KWALK_KPARTS, GEMV2_KWALK_ROWS, GEMV2_MAX_K, GEMV2_PRMT_TABLE,
-    GEMV2_X16_MAX_K, GEMV3_CTAS_PER_SM, GEMV3_KH2_CTAS_PER_SM, GEMV3_MAX_K, GEMV3_WARPS,
-    GEMV_WARPS,
+    gemv2_x_smem, GEMV2_KWALK_KPARTS, GEMV2_KWALK_QKV_ROWS, GEMV2_KWALK_ROWS, GEMV2_MAX_K,
+    GEMV2_PRMT_TABLE, GEMV2_X16_MAX_K, GEMV3_CTAS_PER_SM, GEMV3_KH2_CTAS_PER_SM, GEMV3_MAX_K,
+    GEMV3_WARPS, GEMV_WARPS,
 };
 use crate::cuda::weights::Nf4Ref;
 use crate::error::{Error, Result};
@@ -110,26 +110,23 @@ impl Ops {
         Ok((j, kparts, cfg))
     }
 
-    /// Whether down from f16 x walks K ([`Kernels::gemv2_down_kwalk`]): for K past
-    /// [`GEMV2_MAX_K`] up to [`GEMV2_X16_MAX_K`] (past it, [`Ops::gemv_v2_launch`] refuses
-    /// with the limits named), where its grid, one CTA per [`GEMV2_KWALK_ROWS`] rows, is
-    /// resident at once ([`GEMV2_CTAS_PER_SM`] an SM): it has no persistent loop.
-    fn down_walks_k(&self, rows: usize, cols: usize) -> bool {
-        (GEMV2_MAX_K + 1..=GEMV2_X16_MAX_K).contains(&cols)
-            && rows.div_ceil(GEMV2_KWALK_ROWS) <= (self.sms * GEMV2_CTAS_PER_SM) as usize
-    }
-
-    /// Experiment (`DV2_X_KWALK_SMALL=1`: where GEMV v2 would take the matrix, the 32B shape's
-    /// o and q/k/v; `=2`: where GEMV v3 would too, the 3B shape's): whether a GEMV from f32 x
-    /// walks K, one CTA per `rows_per_cta` rows, where that grid is resident at once and x
-    /// fits the f16 staging.
-    fn small_walks_k(&self, kernel: Gemv, rows: usize, cols: usize, rows_per_cta: usize) -> bool {
-        let on = match std::env::var("DV2_X_KWALK_SMALL").as_deref() {
-            Ok("1") => kernel == Gemv::V2,
-            Ok("2") => true,
-            _ => false,
+    /// Whether GEMV v2 walks K (kernels/gemv.cu, `gemv2_kwalk`), one CTA per `rows_per_cta`
+    /// rows: where that grid is resident at once ([`GEMV2_CTAS_PER_SM`] an SM: the walk has no
+    /// persistent loop) and x fits its f16 staging, for K past [`GEMV2_MAX_K`] from f16 x (the
+    /// 32B shape's down, +2.0-2.8% decode against J = 4, docs/lab.md session 33; past
+    /// [`GEMV2_X16_MAX_K`], [`Ops::gemv_v2_launch`] refuses with the limits named) and for
+    /// matrices no wider than tall (the 32B shape's o and q/k/v: +1.2-1.4% decode from 48 to
+    /// 8k against the J walk, session 35). Not for the wider ones below [`GEMV2_MAX_K`]: the
+    /// 3B shape's down at K = 11,008 lost (session 33). The same choice from f32 and f16 x,
+    /// so that both give the same sums.
+    fn walks_k(&self, rows: usize, cols: usize, x_f16: bool, rows_per_cta: usize) -> bool {
+        let shape = if cols > GEMV2_MAX_K {
+            x_f16 && cols <= GEMV2_X16_MAX_K
+        } else {
+            cols <= rows
         };
-        on && self.gemv2_x_room(cols, true).is_ok()
+        shape
+            && self.gemv2_x_room(cols, true).is_ok()
             && rows.div_ceil(rows_per_cta) <= (self.sms * GEMV2_CTAS_PER_SM) as usize
     }
 
@@ -283,20 +280,8 @@ impl Ops {
             return Ok(0);
         }
         match kernel {
-            _ if !input.f16 && self.small_walks_k(kernel, rows, cols, GEMV2_KWALK_ROWS) => {
-                let kp = GEMV2_KWALK_KPARTS;
-                let cfg = LaunchConfig {
-                    grid_dim: (rows.div_ceil(GEMV2_KWALK_ROWS) as u32, 1, 1),
-                    block_dim: (GEMV_WARPS * 32, 1, 1),
-                    shared_mem_bytes: self.gemv2_x_room(cols, true)?,
-                };
-                check_sums(ss_out, cfg.grid_dim.0)?;
-                let f = &self.k.gemv2_kwalk_f32;
-                launch!(self.gpu, f, cfg; m, x, norm, y, bias, rows_i, cols_i, kp, acc, skip_if, ss_out)?;
-                Ok(cfg.grid_dim.0 as usize)
-            }
             Gemv::V3 => self.gemv3(epilogue, &mats, cols, x, norm, y, skip_if, ss_out, false),
-            Gemv::V2 if input.f16 && self.down_walks_k(rows, cols) => {
+            Gemv::V2 if self.walks_k(rows, cols, input.f16, GEMV2_KWALK_ROWS) => {
                 let kp = GEMV2_KWALK_KPARTS;
                 let cfg = LaunchConfig {
                     grid_dim: (rows.div_ceil(GEMV2_KWALK_ROWS) as u32, 1, 1),
@@ -304,7 +289,11 @@ impl Ops {
                     shared_mem_bytes: self.gemv2_x_room(cols, true)?,
                 };
                 check_sums(ss_out, cfg.grid_dim.0)?;
-                let f = &self.k.gemv2_down_kwalk;
+                let f = if input.f16 {
+                    &self.k.gemv2_kwalk_x16
+                } else {
+                    &self.k.gemv2_kwalk_f32
+                };
                 launch!(self.gpu, f, cfg; m, x, norm, y, bias, rows_i, cols_i, kp, acc, skip_if, ss_out)?;
                 Ok(cfg.grid_dim.0 as usize)
             }
@@ -416,10 +405,10 @@ impl Ops {
                 .map(|_| false);
         }
         match kernel {
-            _ if self.small_walks_k(kernel, rows, cols, 32) => {
+            Gemv::V2 if self.walks_k(rows, cols, false, GEMV2_KWALK_QKV_ROWS) => {
                 // 4 rows a warp, 8 warps, each over the whole K.
                 let cfg = LaunchConfig {
-                    grid_dim: (rows.div_ceil(32) as u32, 1, 1),
+                    grid_dim: (rows.div_ceil(GEMV2_KWALK_QKV_ROWS) as u32, 1, 1),
                     block_dim: (GEMV_WARPS * 32, 1, 1),
                     shared_mem_bytes: self.gemv2_x_room(cols, true)?,
                 };
