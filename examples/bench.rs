@@ -5,7 +5,7 @@
 //!                                               [--prefill-only] [--skip-gemm] [--skip-variants]
 //!                                               [--split] [--boundary] [--l2-hot] [--rows A,B,..]
 //!                                               [--prefill-profile LEN CHUNK] [--decode-profile STEPS [DEPTH]]
-//!                                               [--cta-timeline PATH [DEPTH]] [--context [PRESET [DEPTHS]] [--against VAR=VALUE]]
+//!                                               [--cta-timeline PATH [DEPTH [PRESET]]] [--context [PRESET [DEPTHS]] [--against VAR=VALUE]]
 //!                                               [--shapes PRESET] [--load PATH [REPS]]
 //!                                               [--sampling [PRESET [DEPTHS]]]
 //!
@@ -29,8 +29,9 @@
 //! `--rows A,B` adds the decode table's rows of the switches (src/config.rs) whose names contain
 //! A or B, each set to 0, against the defaults in the same process (none without `--rows`).
 //!
-//! `--cta-timeline PATH [DEPTH]` (with `DV2_CTA_TIMELINE=1`) writes one Qwen2.5-3B graph step's
-//! CTA records after a prompt of DEPTH tokens (48) as CSV (tests/gpu/cta-timeline.sh reads them).
+//! `--cta-timeline PATH [DEPTH [PRESET]]` (with `DV2_CTA_TIMELINE=1`) writes one graph step's
+//! CTA records of PRESET (qwen25_3b) after a prompt of DEPTH tokens (48) as CSV
+//! (tests/gpu/cta-timeline.sh reads them).
 //!
 //! Prints tables and writes every number to the JSON file (default bench.json).
 
@@ -152,15 +153,15 @@ fn time_request(e: &mut Engine, prompt: &[u32], tokens: usize, reps: usize) -> (
     (median(prefill[1..].to_vec()), median(decode[1..].to_vec()))
 }
 
-/// One graph step of the Qwen2.5-3B shape (a prompt of `depth` tokens, then 7 steps) recorded
+/// One graph step of a preset's shape (a prompt of `depth` tokens, then 7 steps) recorded
 /// CTA by CTA (`DV2_CTA_TIMELINE=1`): grid id, kind (0 wait, 1 end, 2 start, 3 and up a
 /// kernel's phases), SM, CTAs, CTA, t0 and t1 in ns.
-fn cta_timeline(path: &str, depth: usize) {
-    let qwen = synth::build(&QWEN25_3B, 0).unwrap();
+fn cta_timeline(path: &str, depth: usize, preset: &str) {
+    let spec = decodev2::arch::preset(preset).expect("preset");
+    let model = synth::build(&spec, 0).unwrap();
     let max_seq = 2048.max(depth + 64);
-    let mut b = CudaBackend::new(&qwen, max_seq, None, 0, true, 0).expect("cuda backend");
-    b.prefill(&synth::prompt(qwen.spec.vocab, depth, 1))
-        .unwrap();
+    let mut b = CudaBackend::new(&model, max_seq, None, 0, true, 0).expect("cuda backend");
+    b.prefill(&synth::prompt(spec.vocab, depth, 1)).unwrap();
     let records = b.cta_timeline(8).expect("CTA timeline");
     let mut csv = String::from("grid_id,kind,sm,ctas,cta,t0,t1\n");
     for [grid, packed, t0, t1] in &records {
@@ -775,12 +776,13 @@ fn main() {
     }
     if let Some(i) = args.iter().position(|a| a == "--cta-timeline") {
         let Some(path) = args.get(i + 1) else {
-            eprintln!("usage: bench --cta-timeline PATH [DEPTH]");
+            eprintln!("usage: bench --cta-timeline PATH [DEPTH [PRESET]]");
             std::process::exit(2);
         };
         cta_timeline(
             path,
             args.get(i + 2).and_then(|a| a.parse().ok()).unwrap_or(48),
+            args.get(i + 3).map_or("qwen25_3b", |p| p.as_str()),
         );
         return;
     }

@@ -110,7 +110,8 @@ __device__ __forceinline__ float warp_max(float v) {
 // ends and its last ones after, and skewing gate/up's rows by when its CTAs start gained 0.024
 // ms/token (docs/lab.md, session 17); this shows which CTAs start, wait and end when.
 #if CTA_TIMELINE
-#define CTA_TIMELINE_RECORDS (1 << 17)
+// A step of the 32B shape writes ~210,000 (64 layers of ~1,100 CTAs, 3 records each).
+#define CTA_TIMELINE_RECORDS (1 << 19)
 __device__ unsigned long long dv2_timeline[CTA_TIMELINE_RECORDS * 4];
 __device__ unsigned dv2_timeline_n;
 __device__ __forceinline__ unsigned long long global_ns() {

@@ -91,7 +91,13 @@ impl CudaBackend {
             .memcpy_dtoh(&records, &mut bytes)
             .map_err(driver_error("timeline records"))?;
         self.ops.gpu.sync()?;
-        let n = (u32::from_le_bytes(n) as usize).min(bytes.len() / 32);
+        let (n, room) = (u32::from_le_bytes(n) as usize, bytes.len() / 32);
+        if n > room {
+            return Err(Error::Unsupported(format!(
+                "the CTA timeline holds {room} records, the step wrote {n} \
+                 (kernels/common.cuh, CTA_TIMELINE_RECORDS)"
+            )));
+        }
         Ok(bytes[..32 * n]
             .chunks_exact(32)
             .map(|r| {

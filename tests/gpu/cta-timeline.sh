@@ -1,26 +1,29 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine after ../shared/tools/device-pack: one Qwen2.5-3B graph step recorded
-# CTA by CTA (DV2_CTA_TIMELINE=1: kernels/common.cuh, CTA_TIMELINE), then per kernel of a layer
-# (median over the 36 layers), in µs from the previous kernel's last CTA end: when its CTAs
-# reach their PDL wait (first, 10th/50th/90th percentile, last; "early": the share that waited
-# before the previous kernel ended), when the wait released them, and when they end; and
-# whether the CTAs that end last are those with the low or the high indices (the scheduler
-# places low ones first). A second table, per CTA from its start record: start to wait, the
-# slot's hand-over, release to end, and the end by how many CTAs of its kernel its SM held.
+# Runs on the GPU machine after ../shared/tools/device-pack: one graph step (the Qwen2.5-3B
+# shape, or PRESET's) recorded CTA by CTA (DV2_CTA_TIMELINE=1: kernels/common.cuh,
+# CTA_TIMELINE), then per kernel of a layer (median over the layers), in µs from the previous
+# kernel's last CTA end: when its CTAs reach their PDL wait (first, 10th/50th/90th percentile,
+# last; "early": the share that waited before the previous kernel ended), when the wait
+# released them, and when they end; and whether the CTAs that end last are those with the low
+# or the high indices (the scheduler places low ones first). A second table, per CTA from its
+# start record: start to wait, the slot's hand-over, release to end, and the end by how many
+# CTAs of its kernel its SM held.
 # Why: which CTAs start late, wait and end last decides each kernel's share of the step
 # (docs/lab.md, session 17: gate/up's rows skewed by start time; session 19: q/k/v's SMs that
 # held two of its CTAs).
 # A third table splits the long-context attention's CTAs (kernels/attention_long.cu marks) into
 # phases.
-# Usage: bash tests/gpu/cta-timeline.sh [DEPTH]   (the prompt's length, 48; switches from the
-# environment; BENCH: the bench binary, .device/examples/bench by default, or a branch's from
-# tests/gpu/pack-bench.sh, e.g. BENCH=.dz/bench-wip-x; the CSV goes to $OUT or ./device-logs)
+# Usage: bash tests/gpu/cta-timeline.sh [DEPTH [PRESET]]   (the prompt's length, 48; the
+# preset, qwen25_3b; switches from the environment; BENCH: the bench binary,
+# .device/examples/bench by default, or a branch's from tests/gpu/pack-bench.sh, e.g.
+# BENCH=.dz/bench-wip-x; the CSV goes to $OUT or ./device-logs)
 set -uo pipefail
 out=${OUT:-device-logs}; mkdir -p "$out"
 depth=${1:-48}
+preset=${2:-qwen25_3b}
 export DV2_CACHE_DIR=/tmp/dv2-cache DV2_CTA_TIMELINE=1
 export LD_LIBRARY_PATH="$PWD/.device/lib:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-timeout 300 "${BENCH:-.device/examples/bench}" --cta-timeline "$out/cta-timeline.csv" "$depth" || exit 1
+timeout 300 "${BENCH:-.device/examples/bench}" --cta-timeline "$out/cta-timeline.csv" "$depth" "$preset" || exit 1
 python3 - "$out/cta-timeline.csv" <<'PY'
 import csv, sys, statistics as st
 grids = {}
