@@ -749,17 +749,3 @@ extern "C" __global__ void __maxnreg__(GEMV2_W10_MAX_REGS)
     SwigluRows g{gate, up, out, out_f16 != 0};
     gemv2_walk<1, 2, 2, false, 10>(g, rows, cols, x, norm, kparts, nullptr, early_ctas, early_rows);
 }
-// Experiment (DV2_X_SWIGLU_PRMT): the same walk with lm_head's PRMT-addressed table (64 KB of
-// dynamic shared memory before x): one PRMT a lookup where a shift and a LOP3 make the address.
-// At the 32B shape two such CTAs fit an SM (2 x ~90 KB), and what runs before SwiGLU (o, 128
-// registers at two CTAs an SM) never has a SwiGLU CTA beside it: the footprint that lost at the
-// 3B shape (docs/lab.md, session 15) costs no start here.
-struct SwigluRowsPrmt : SwigluRows {
-    static constexpr bool prmt_table = true;
-};
-extern "C" __global__ void __maxnreg__(GEMV2_W10_MAX_REGS)
-    gemv2_swiglu_j1_w10_prmt(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm, float* out,
-                             int rows, int cols, int kparts, int out_f16, int early_ctas, int early_rows) {
-    SwigluRowsPrmt g{{gate, up, out, out_f16 != 0}};
-    gemv2_walk<1, 2, 2, false, 10>(g, rows, cols, x, norm, kparts, nullptr, early_ctas, early_rows);
-}

@@ -507,9 +507,6 @@ pub struct Kernels {
     pub gemv2_swiglu: [CudaFunction; 3],
     /// SwiGLU at J = 1 over 5 warps a row, 10 warps a CTA (K = 5,120 alone).
     pub gemv2_swiglu_w10: CudaFunction,
-    /// Experiment (DV2_X_SWIGLU_PRMT): the same with the PRMT-addressed table, and its room.
-    pub gemv2_swiglu_w10_prmt: CudaFunction,
-    pub gemv2_swiglu_prmt_room: usize,
     /// The dynamic shared memory (x staged) every GEMV v2 kernel may take on this device, by
     /// x's type ([f32, f16]), and lm_head's (its table and x): what the device allows beside
     /// their static shared memory where that is less than they ask (99 KiB a CTA on sm_86,
@@ -653,11 +650,6 @@ impl Kernels {
             gemv2_qkv: gemv2("gemv2_qkv", "_narrow", GEMV2_MAX_SMEM)?,
             gemv2_swiglu: gemv2("gemv2_swiglu", "_narrow", GEMV2_MAX_SMEM)?,
             gemv2_swiglu_w10: f_smem("gemv2_swiglu_j1_w10", GEMV2_MAX_SMEM)?,
-            gemv2_swiglu_w10_prmt: f_smem(
-                "gemv2_swiglu_j1_w10_prmt",
-                GEMV2_MAX_SMEM + GEMV2_PRMT_TABLE,
-            )?,
-            gemv2_swiglu_prmt_room: 0,
             gemv2_logits: if cfg.logits_argmax {
                 Some(gemv2(
                     "gemv2_logits",
@@ -702,7 +694,6 @@ impl Kernels {
             .chain([&k.gemv2_kwalk_f32, &k.gemv2_kwalk_qkv])
             .collect();
         k.gemv2_room = [dynamic_smem_room(&f32_x)?, dynamic_smem_room(&f16_x)?];
-        k.gemv2_swiglu_prmt_room = dynamic_smem_room(&[&k.gemv2_swiglu_w10_prmt])?;
         k.gemv2_logits_room = match &k.gemv2_logits {
             Some(fs) => dynamic_smem_room(&fs.iter().collect::<Vec<_>>())?,
             None => 0,

@@ -465,21 +465,11 @@ impl Ops {
             Gemv::V2 if cols == SWIGLU_FIVE_PARTS_K => {
                 // 5 warps a row (kparts), 10 a CTA: 2 rows a step of the CTA's walk.
                 let kparts = 5;
-                let mut cfg = self.gemv2_grid(rows, cols, false, 10, kparts)?;
+                let cfg = self.gemv2_grid(rows, cols, false, 10, kparts)?;
                 let (kp, f16) = (kparts as i32, i32::from(out_f16));
                 let (early_ctas, early_rows) =
                     skewed_split(rows, cfg.grid_dim.0, GEMV2_SWIGLU_SKEW);
-                // Experiment (DV2_X_SWIGLU_PRMT=1): the PRMT-addressed table, before x.
-                let table_and_x = cfg.shared_mem_bytes as usize + GEMV2_PRMT_TABLE;
-                let f = if std::env::var("DV2_X_SWIGLU_PRMT").as_deref() == Ok("1")
-                    && table_and_x <= self.k.gemv2_swiglu_prmt_room
-                {
-                    cfg.shared_mem_bytes = table_and_x as u32;
-                    &self.k.gemv2_swiglu_w10_prmt
-                } else {
-                    &self.k.gemv2_swiglu_w10
-                };
-                launch!(self.gpu, f, cfg; gate, up, x, norm, out, rows_i, cols_i, kp, f16, early_ctas, early_rows)
+                launch!(self.gpu, &self.k.gemv2_swiglu_w10, cfg; gate, up, x, norm, out, rows_i, cols_i, kp, f16, early_ctas, early_rows)
             }
             Gemv::V2 => {
                 // At most 2 chunks a lane where K allows (up to 16,384): J = 3's kernel spills
