@@ -264,14 +264,8 @@ impl Ops {
     /// registers free beside the kernels around it: docs/lab.md, session 22);
     /// `counts`: n_kv * ATTNL_RANKS zeroed ints the kernel's cross-cluster merge counts on.
     pub fn attention_long(&self, args: AttnArgs, out: u64, counts: u64) -> Result<()> {
-        // Experiment (DV2_X_ATTNL_PER_SM=2): twice the clusters, two CTAs an SM where the
-        // registers beside them allow (the 32B shape: 4 clusters a KV head instead of 2).
-        let per_sm = match std::env::var("DV2_X_ATTNL_PER_SM").as_deref() {
-            Ok("2") => 2,
-            _ => 1,
-        };
-        let clusters = (per_sm * self.sms as usize / (ATTNL_RANKS * args.n_kv as usize))
-            .clamp(1, ATTNL_MAX_CLUSTERS);
+        let clusters =
+            (self.sms as usize / (ATTNL_RANKS * args.n_kv as usize)).clamp(1, ATTNL_MAX_CLUSTERS);
         let cfg = LaunchConfig {
             grid_dim: (ATTNL_RANKS as u32, clusters as u32, args.n_kv as u32),
             block_dim: (ATTN_THREADS, 1, 1),
