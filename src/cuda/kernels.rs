@@ -69,9 +69,6 @@ pub const GEMV2_KWALK_KPARTS: i32 = 2;
 /// The K-walking q/k/v kernel's (`gemv2_kwalk_qkv`) rows a CTA: 8 warps of 4 rows, each
 /// over the whole K.
 pub const GEMV2_KWALK_QKV_ROWS: usize = 32;
-/// Experiment (DV2_X_DOWN_PRMT): the shared-memory window offset of the 16-warp K walk's
-/// table (kernels/gemv.cu, KWALK_TABLE_AT), x16 below it.
-pub const KWALK_TABLE_AT: usize = 0x20000;
 /// The dynamic shared memory GEMV v2 stages x in for K = cols: each 32-element chunk at
 /// [`GEMV2_X_STRIDE`] floats, or [`GEMV2_X16_STRIDE`] words from f16 x.
 pub const fn gemv2_x_smem(cols: usize, x_f16: bool) -> usize {
@@ -506,10 +503,6 @@ pub struct Kernels {
     pub gemv2_kwalk_f32: CudaFunction,
     /// q/k/v walking K: one CTA per [`GEMV2_KWALK_QKV_ROWS`] rows.
     pub gemv2_kwalk_qkv: CudaFunction,
-    /// Experiment (DV2_X_DOWN_PRMT): the K walk from f16 x over 16 warps, one CTA an SM, the
-    /// PRMT-addressed table at window offset [`KWALK_TABLE_AT`]; and its dynamic room.
-    pub gemv2_kwalk_x16_w16_prmt: CudaFunction,
-    pub gemv2_kwalk_prmt_room: usize,
     pub gemv2_qkv: [CudaFunction; 3],
     pub gemv2_swiglu: [CudaFunction; 3],
     /// SwiGLU at J = 1 over 5 warps a row, 10 warps a CTA (K = 5,120 alone).
@@ -654,11 +647,6 @@ impl Kernels {
             gemv2_kwalk_x16: f_smem("gemv2_kwalk_x16", x16_max_smem)?,
             gemv2_kwalk_f32: f_smem("gemv2_kwalk_f32", x16_max_smem)?,
             gemv2_kwalk_qkv: f_smem("gemv2_kwalk_qkv", x16_max_smem)?,
-            gemv2_kwalk_x16_w16_prmt: f_smem(
-                "gemv2_kwalk_x16_w16_prmt",
-                KWALK_TABLE_AT + GEMV2_PRMT_TABLE,
-            )?,
-            gemv2_kwalk_prmt_room: 0,
             gemv2_qkv: gemv2("gemv2_qkv", "_narrow", GEMV2_MAX_SMEM)?,
             gemv2_swiglu: gemv2("gemv2_swiglu", "_narrow", GEMV2_MAX_SMEM)?,
             gemv2_swiglu_w10: f_smem("gemv2_swiglu_j1_w10", GEMV2_MAX_SMEM)?,
@@ -706,7 +694,6 @@ impl Kernels {
             .chain([&k.gemv2_kwalk_f32, &k.gemv2_kwalk_qkv])
             .collect();
         k.gemv2_room = [dynamic_smem_room(&f32_x)?, dynamic_smem_room(&f16_x)?];
-        k.gemv2_kwalk_prmt_room = dynamic_smem_room(&[&k.gemv2_kwalk_x16_w16_prmt])?;
         k.gemv2_logits_room = match &k.gemv2_logits {
             Some(fs) => dynamic_smem_room(&fs.iter().collect::<Vec<_>>())?,
             None => 0,

@@ -9,7 +9,7 @@ use super::{check_sums, no_sums, Input, NormArgs, Ops, MAX_ARGMAX_CTAS};
 use crate::cuda::kernels::{
     gemv2_x_smem, GEMV2_KWALK_KPARTS, GEMV2_KWALK_QKV_ROWS, GEMV2_KWALK_ROWS, GEMV2_MAX_K,
     GEMV2_PRMT_TABLE, GEMV2_X16_MAX_K, GEMV3_CTAS_PER_SM, GEMV3_KH2_CTAS_PER_SM, GEMV3_MAX_K,
-    GEMV3_WARPS, GEMV_WARPS, KWALK_TABLE_AT,
+    GEMV3_WARPS, GEMV_WARPS,
 };
 use crate::cuda::weights::Nf4Ref;
 use crate::error::{Error, Result};
@@ -128,18 +128,6 @@ impl Ops {
         shape
             && self.gemv2_x_room(cols, true).is_ok()
             && rows.div_ceil(rows_per_cta) <= (self.sms * GEMV2_CTAS_PER_SM) as usize
-    }
-
-    /// Experiment (`DV2_X_DOWN_PRMT=1`): whether a GEMV from f16 x that walks K takes the
-    /// 16-warp kernel with the table at [`KWALK_TABLE_AT`]: its grid (40 rows a CTA) one CTA
-    /// an SM, x below the table (with 1 KiB for the static shared memory) and the table within
-    /// the device's room.
-    fn down_prmt_fits(&self, rows: usize, cols: usize) -> bool {
-        std::env::var("DV2_X_DOWN_PRMT").as_deref() == Ok("1")
-            && self.walks_k(rows, cols, true, GEMV2_KWALK_ROWS)
-            && rows.div_ceil(40) <= self.sms as usize
-            && gemv2_x_smem(cols, true) + 1024 <= KWALK_TABLE_AT
-            && KWALK_TABLE_AT + GEMV2_PRMT_TABLE <= self.k.gemv2_kwalk_prmt_room
     }
 
     /// GEMV v2's persistent grid for `rows` in CTAs of `warps`, `kparts` of them a row:
@@ -293,20 +281,6 @@ impl Ops {
         }
         match kernel {
             Gemv::V3 => self.gemv3(epilogue, &mats, cols, x, norm, y, skip_if, ss_out, false),
-            Gemv::V2 if input.f16 && self.down_prmt_fits(rows, cols) => {
-                // Experiment (DV2_X_DOWN_PRMT=1): 16 warps, 40 rows a CTA, the table at
-                // KWALK_TABLE_AT past x.
-                let kp = GEMV2_KWALK_KPARTS;
-                let cfg = LaunchConfig {
-                    grid_dim: (rows.div_ceil(40) as u32, 1, 1),
-                    block_dim: (16 * 32, 1, 1),
-                    shared_mem_bytes: (KWALK_TABLE_AT + GEMV2_PRMT_TABLE) as u32,
-                };
-                check_sums(ss_out, cfg.grid_dim.0)?;
-                let f = &self.k.gemv2_kwalk_x16_w16_prmt;
-                launch!(self.gpu, f, cfg; m, x, norm, y, bias, rows_i, cols_i, kp, acc, skip_if, ss_out)?;
-                Ok(cfg.grid_dim.0 as usize)
-            }
             Gemv::V2 if self.walks_k(rows, cols, input.f16, GEMV2_KWALK_ROWS) => {
                 let kp = GEMV2_KWALK_KPARTS;
                 let cfg = LaunchConfig {
