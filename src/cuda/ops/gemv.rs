@@ -120,14 +120,9 @@ impl Ops {
     /// 3B shape's down at K = 11,008 lost (session 33). The same choice from f32 and f16 x,
     /// so that both give the same sums.
     fn walks_k(&self, rows: usize, cols: usize, x_f16: bool, rows_per_cta: usize) -> bool {
-        let shape = if cols > GEMV2_MAX_K {
-            x_f16 && cols <= GEMV2_X16_MAX_K
-        } else {
-            cols <= rows
-        };
-        shape
+        let resident = (self.sms * GEMV2_CTAS_PER_SM) as usize;
+        walks_k_by_shape(rows, cols, x_f16, rows_per_cta, resident)
             && self.gemv2_x_room(cols, true).is_ok()
-            && rows.div_ceil(rows_per_cta) <= (self.sms * GEMV2_CTAS_PER_SM) as usize
     }
 
     /// GEMV v2's persistent grid for `rows` in CTAs of `warps`, `kparts` of them a row:
@@ -501,6 +496,23 @@ fn auto_gemv(rows: usize, cols: usize, x_f16: bool, v2_room: usize) -> Gemv {
     }
 }
 
+/// [`Ops::walks_k`] but for the shared memory: by the matrix's shape, its x's type and whether
+/// one CTA per `rows_per_cta` rows fits the `resident` CTAs a grid holds at once.
+fn walks_k_by_shape(
+    rows: usize,
+    cols: usize,
+    x_f16: bool,
+    rows_per_cta: usize,
+    resident: usize,
+) -> bool {
+    let shape = if cols > GEMV2_MAX_K {
+        x_f16 && cols <= GEMV2_X16_MAX_K
+    } else {
+        cols <= rows
+    };
+    shape && rows.div_ceil(rows_per_cta) <= resident
+}
+
 /// GEMV v2's (early CTAs, rows each) for `rows` over `ctas` CTAs with the first half taking
 /// `skew` rows more than an equal share (kernels/gemv.cu, gemv2_walk); (0, 0): equal shares,
 /// as without a skew or where the rest would get none.
@@ -537,6 +549,33 @@ mod tests {
     /// The x room of GEMV v2's f32-x kernels on the H200: what they ask (GEMV2_MAX_SMEM; the
     /// f16-x kernels' is less, 81,920 bytes, still past any K they take).
     const H200: usize = crate::cuda::kernels::GEMV2_MAX_SMEM;
+
+    #[test]
+    fn the_k_walk_takes_the_32b_shapes_o_qkv_and_down_alone() {
+        let resident = 2 * 132; // GEMV2_CTAS_PER_SM on the H200's SMs
+        let walks =
+            |rows, cols, x_f16, per_cta| walks_k_by_shape(rows, cols, x_f16, per_cta, resident);
+        let s = &crate::arch::QWEN25_32B;
+        let qkv = (s.n_q_heads + 2 * s.n_kv_heads) * s.head_dim;
+        assert!(walks(
+            s.hidden,
+            s.n_q_heads * s.head_dim,
+            false,
+            GEMV2_KWALK_ROWS
+        ));
+        assert!(walks(qkv, s.hidden, false, GEMV2_KWALK_QKV_ROWS));
+        assert!(walks(s.hidden, s.intermediate, true, GEMV2_KWALK_ROWS));
+        // down from f32 x (DV2_FFN_F16=0) is past v2's K; gate/up have their own kernels.
+        assert!(!walks(s.hidden, s.intermediate, false, GEMV2_KWALK_ROWS));
+        // The same choice from f16 x as from f32 x below GEMV2_MAX_K (the same sums).
+        assert!(walks(s.hidden, s.hidden, true, GEMV2_KWALK_ROWS));
+        let s = &crate::arch::QWEN25_3B;
+        // The 3B shape's down is wider than tall (K = 11,008): the J walk (session 33).
+        assert!(!walks(s.hidden, s.intermediate, true, GEMV2_KWALK_ROWS));
+        assert!(!walks(s.hidden, s.intermediate, false, GEMV2_KWALK_ROWS));
+        // A grid past what is resident at once (lm_head's rows) keeps the persistent J walk.
+        assert!(!walks(s.vocab, s.hidden, false, GEMV2_KWALK_ROWS));
+    }
 
     #[test]
     fn auto_gemv_takes_tensor_cores_for_the_small_matrices() {
