@@ -95,12 +95,8 @@ impl Codes {
     /// the codes past the load no longer reads the file, which may change after it).
     pub fn make_owned(&mut self) {
         if let Self::Mapped(_) = self {
-            const PIECE: usize = 1 << 20;
             let mut out = vec![0u8; self.len()];
-            crate::par::for_rows(&mut out, PIECE, PIECE, |first, piece| {
-                let at = first * PIECE;
-                piece.copy_from_slice(&self[at..at + piece.len()]);
-            });
+            crate::par::copy(&mut out, self, 1 << 20);
             *self = Self::Owned(out);
         }
     }

@@ -29,6 +29,16 @@ pub fn for_rows<T: Send>(
     });
 }
 
+/// Copies `src` into `dst` (as long) on every core, `piece` elements a row of [`for_rows`]:
+/// where the source is a file's map read for the first time, its page faults are most of the
+/// copy, and every core takes its share of them.
+pub fn copy<T: Copy + Send + Sync>(dst: &mut [T], src: &[T], piece: usize) {
+    for_rows(dst, piece, piece, |first, part| {
+        let at = first * piece;
+        part.copy_from_slice(&src[at..at + part.len()]);
+    });
+}
+
 /// Calls `f` on every item, on up to [`threads`] threads that take the items in turn from a
 /// shared queue, the calling thread among them. A thread that cannot be spawned (the host's
 /// limits) leaves its share to the others: every item is still done once, nothing fails.

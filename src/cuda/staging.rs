@@ -97,7 +97,7 @@ impl<'g> Staging<'g> {
             let stage = &mut bufs.pinned[b]
                 .as_mut_slice()
                 .map_err(driver_error("staging buffer"))?[..chunk.len()];
-            fill(stage, chunk);
+            crate::par::copy(stage, chunk, PIECE_BYTES);
             // SAFETY: `dst` holds `data`'s bytes from `base`, this chunk at its offset; the
             // staged bytes stay unwritten until `drained[b]`, recorded after this copy, fires.
             unsafe {
@@ -123,12 +123,4 @@ impl Drop for Buffers {
             let _ = event.synchronize();
         }
     }
-}
-
-/// Copies `src` into `stage` (as long), on every core past [`PIECE_BYTES`].
-fn fill(stage: &mut [u8], src: &[u8]) {
-    crate::par::for_rows(stage, PIECE_BYTES, PIECE_BYTES, |first, piece| {
-        let at = first * PIECE_BYTES;
-        piece.copy_from_slice(&src[at..at + piece.len()]);
-    });
 }

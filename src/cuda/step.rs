@@ -151,7 +151,6 @@ impl CudaBackend {
     ) -> Result<Self> {
         let s = host.spec;
         let cfg = Config::from_env();
-        let staged = cfg.staged_upload;
         let (free, total) = gpu.memory()?;
         let mut ops = Ops::new(gpu, cfg)?;
         let chunk = prefill_chunk(&ops, &s, max_seq, chunk)?;
@@ -159,7 +158,7 @@ impl CudaBackend {
         ops.fit(&s, max_seq)?;
         let gpu = &ops.gpu;
         let started = std::time::Instant::now();
-        let model = weights::upload(gpu, host, staged)?;
+        let model = weights::upload(gpu, host, ops.cfg.staged_upload)?;
         gpu.sync()?;
         let upload_ms = started.elapsed().as_secs_f64() * 1e3;
         let rope = RopeTable::new(max_seq, s.head_dim, s.rope_theta)?;
