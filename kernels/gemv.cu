@@ -44,15 +44,21 @@ struct XSlice {
 // (gate/up and lm_head at K = 2,048 need 2) in fewer instructions than 8, code each warp runs
 // once (docs/lab.md, session 13).
 #define GEMV2_X_BATCH 4
+// A quad of x as for_each_x_quad gives it (v; the norm's bf16 weights w and reciprocal r),
+// times the norm where norm.w: what the stages write.
+__device__ __forceinline__ void normed_quad(float4 v, uint2 w, float r, NormArgs norm, float (&e)[4]) {
+    e[0] = v.x, e[1] = v.y, e[2] = v.z, e[3] = v.w;
+    if (norm.w) {
+        const u32 w2[2] = {w.x, w.y};
+#pragma unroll
+        for (int i = 0; i < 4; i++) e[i] = e[i] * r * bf16_to_f32((u16)(w2[i >> 1] >> (16 * (i & 1))));
+    }
+}
 template <int THREADS = GEMV_THREADS>
 __device__ __forceinline__ void stage_x(const float* __restrict__ x, int cols, NormArgs norm, float* x_staged) {
     for_each_x_quad<THREADS, GEMV2_X_BATCH>(x, cols, norm, [&](int q, float4 v, uint2 w, float r) {
-        float e[4] = {v.x, v.y, v.z, v.w};
-        if (norm.w) {
-            const u32 w2[2] = {w.x, w.y};
-#pragma unroll
-            for (int i = 0; i < 4; i++) e[i] = e[i] * r * bf16_to_f32((u16)(w2[i >> 1] >> (16 * (i & 1))));
-        }
+        float e[4];
+        normed_quad(v, w, r, norm, e);
         *reinterpret_cast<float4*>(x_staged + (q >> 3) * X_STAGE_STRIDE + (q & 7) * 4) = make_float4(e[0], e[1], e[2], e[3]);
     });
 }
@@ -103,12 +109,8 @@ __device__ __forceinline__ void stage_x16(const u16* __restrict__ x, int cols, u
 template <int THREADS = GEMV_THREADS>
 __device__ __forceinline__ void stage_x_as16(const float* __restrict__ x, int cols, NormArgs norm, u32* staged) {
     for_each_x_quad<THREADS>(x, cols, norm, [&](int q, float4 v, uint2 w, float r) {
-        float e[4] = {v.x, v.y, v.z, v.w};
-        if (norm.w) {
-            const u32 w2[2] = {w.x, w.y};
-#pragma unroll
-            for (int i = 0; i < 4; i++) e[i] = e[i] * r * bf16_to_f32((u16)(w2[i >> 1] >> (16 * (i & 1))));
-        }
+        float e[4];
+        normed_quad(v, w, r, norm, e);
         *reinterpret_cast<uint2*>(staged + (q >> 3) * X16_STAGE_STRIDE + (q & 7) * 2) =
             make_uint2(pack_f16x2(e[0], e[1]), pack_f16x2(e[2], e[3]));
     });
