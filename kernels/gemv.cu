@@ -223,6 +223,18 @@ __device__ __forceinline__ void pack_x_halves(const XSlice<J>& xs, XHalves<J>& x
         for (int i = 0; i < 16; i++) xh.h[j][i] = pack_f16x2(xs.v[j][2 * i], xs.v[j][2 * i + 1]);
 }
 
+// The PRMT-addressed table at window offset KWALK_TABLE_AT of shared memory (the host's
+// KWALK_TABLE_AT), so the PRMT's result is a lookup's whole address (lane_at: KWALK_TABLE_AT |
+// 4 * lane; the table's high byte comes from it): one PRMT and the load, where a table at an
+// offset the compiler keeps in an ordinary register takes an add more.
+#define KWALK_TABLE_AT 0x20000u
+__device__ __forceinline__ u32 fixed_lut_entry(u32 word, int k, u32 lane_at) {
+    const u32 addr = __byte_perm(lane_at, word, 0x3240u | ((u32)k << 4));  // {lane4, byte k, 2, 0}
+    u32 v;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
+    return v;
+}
+
 #define GEMV2_CHAIN 2
 // GEMV2_CHAIN: words of a chunk
 // whose pairs one f16x2 FMA chain sums before it is added in f32 (1: each word's four pairs,
@@ -234,7 +246,8 @@ __device__ __forceinline__ void pack_x_halves(const XSlice<J>& xs, XHalves<J>& x
 // 65504, which is why the default is 2, not 4.
 // dot_chunks with the f16-pair table (lane4 = 4 * lane): each group of GEMV2_CHAIN words one
 // f16x2 FMA chain, summed in f32. PRMT: the table laid out for prmt_lut_entry.
-template <int J, bool PRMT = false>
+// FIXED: the PRMT table at window offset KWALK_TABLE_AT, lane4 holding it (fixed_lut_entry).
+template <int J, bool PRMT = false, bool FIXED = false>
 __device__ __forceinline__ float dot_row_pair16(const RowChunks<J>& rc, const XHalves<J>& xh, const u32* lut,
                                                 u32 lane4) {
     return dot_chunks<J, GEMV2_CHAIN>(rc, [&](int j, int w0, const u32* words) {
@@ -243,7 +256,9 @@ __device__ __forceinline__ float dot_row_pair16(const RowChunks<J>& rc, const XH
         for (int w = w0; w < w0 + GEMV2_CHAIN; w++)
 #pragma unroll
             for (int k = 0; k < 4; k++) {
-                const u32 e = PRMT ? prmt_lut_entry(lut, words[w], k, lane4) : byte_lut_entry(lut, words[w], k, lane4);
+                const u32 e = FIXED  ? fixed_lut_entry(words[w], k, lane4)
+                              : PRMT ? prmt_lut_entry(lut, words[w], k, lane4)
+                                     : byte_lut_entry(lut, words[w], k, lane4);
                 h = hfma2(e, xh.h[j][4 * w + k], h);
             }
         return half2_sum(h);
@@ -628,21 +643,32 @@ GEMV2_NF4_KERNEL(4, 1, true, _narrow_x16)
 // (5 rows x 2 iterations over K halves); 3 iterations, and at the 3B shape's K = 11,008 (1 x 8,
 // 2 x 4), lost: docs/lab.md, session 33.
 // X32: x comes as f32 (with the RMSNorm where norm.w) and is staged as f16 (stage_x_as16); else
-// as f16. Rows: whose matrices and epilogue (PlainRows, QkvRows).
-template <int R, int D, bool X32, typename Rows>
+// as f16. Rows: whose matrices and epilogue (PlainRows, QkvRows). WARPS: the CTA's warps.
+// FIXED: the PRMT-addressed table at window offset KWALK_TABLE_AT (the host gives the CTA dynamic
+// shared memory past it), else the table in static shared memory.
+template <int R, int D, bool X32, int WARPS = GEMV_WARPS, bool FIXED = false, typename Rows>
 __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, const void* __restrict__ x,
                                             NormArgs norm, int kparts, const int* skip_if) {
-    __shared__ __align__(16) u32 pair16_lut[BYTE_LUT_WORDS];
-    __shared__ float part_sums[GEMV_WARPS * R];
+    __shared__ __align__(16) u32 pair16_static[FIXED ? 1 : BYTE_LUT_WORDS];
+    __shared__ float part_sums[WARPS * R];
     extern __shared__ __align__(16) float gemv2_dyn[];
     u32* x_staged = reinterpret_cast<u32*>(gemv2_dyn);
+    u32* pair16_lut = pair16_static;
+    if (FIXED) {
+        const u32 dyn_at = (u32)__cvta_generic_to_shared(gemv2_dyn);
+        pair16_lut = reinterpret_cast<u32*>(reinterpret_cast<char*>(gemv2_dyn) + (KWALK_TABLE_AT - dyn_at));
+    }
     timeline_start();
-    load_byte_codebook<GEMV_THREADS>(pair16_lut);
+    // The table build is written for GEMV_THREADS threads; a larger CTA's others skip it.
+    if (WARPS == GEMV_WARPS || (int)threadIdx.x < GEMV_THREADS) {
+        if (FIXED) load_byte_codebook_prmt<GEMV_THREADS>(pair16_lut);
+        else load_byte_codebook<GEMV_THREADS>(pair16_lut);
+    }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const u32 lane4 = lane * 4;
+    const u32 lane4 = FIXED ? KWALK_TABLE_AT | (lane * 4) : lane * 4;
     const int kshift = log2_pow2(kparts);
     const int part = warp & (kparts - 1), row_lane = warp >> kshift;
-    const int block_rows = (GEMV_WARPS >> kshift) * R;
+    const int block_rows = (WARPS >> kshift) * R;
     const int r0 = blockIdx.x * block_rows + row_lane * R;  // this warp's first row
     const int n_chunks = cols >> 5, iters = (n_chunks + 31) >> 5;
     const int per_part = (iters + kparts - 1) >> kshift;
@@ -671,9 +697,9 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
     pdl_enter();
     if (skip_if && *skip_if) return;
     if (X32)
-        stage_x_as16(reinterpret_cast<const float*>(x), cols, norm, x_staged);
+        stage_x_as16<WARPS * 32>(reinterpret_cast<const float*>(x), cols, norm, x_staged);
     else
-        stage_x16(reinterpret_cast<const u16*>(x), cols, x_staged);
+        stage_x16<WARPS * 32>(reinterpret_cast<const u16*>(x), cols, x_staged);
     __syncthreads();
     float acc[R];
 #pragma unroll
@@ -686,7 +712,7 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
                 XHalves<1> xh;
                 read_x16_chunk(x_staged, tt * 32 + lane, n_chunks, xh.h[0]);
 #pragma unroll
-                for (int i = 0; i < R; i++) acc[i] += dot_row_pair16<1>(buf[d][i], xh, pair16_lut, lane4);
+                for (int i = 0; i < R; i++) acc[i] += dot_row_pair16<1, false, FIXED>(buf[d][i], xh, pair16_lut, lane4);
                 load_iter(tt + D, buf[d]);
             }
         }
@@ -720,6 +746,19 @@ extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)
     PlainRows p{m, y, bias, accumulate, ss_out};
     gemv2_kwalk<5, 2, false>(p, rows, cols, x, norm, kparts, skip_if);
 }
+// The same over 16 warps, one CTA an SM (40 rows: the 32B shape's down in 128 CTAs), with
+// lm_head's PRMT-addressed table at window offset KWALK_TABLE_AT: one PRMT and the load a
+// lookup, where a shift and a LOP3 make the address (the loop 938 -> 780 instructions). The
+// table (64 KB) past x16 (69 KB at K = 27,648) leaves room for one CTA an SM, hence the 16
+// warps; a device with less than 192 KiB a CTA (the host's KWALK_TABLE_AT + GEMV2_PRMT_TABLE)
+// runs the 8-warp kernel above. +2.4/+3.5/+5.3% decode at the 32B shape at 48/2k/8k over the
+// SwiGLU table below (docs/lab.md, session 36).
+extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)
+    gemv2_kwalk_x16_w16(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y, const float* __restrict__ bias,
+                        int rows, int cols, int kparts, int accumulate, const int* skip_if, float* ss_out) {
+    PlainRows p{m, y, bias, accumulate, ss_out};
+    gemv2_kwalk<5, 2, false, 16, true>(p, rows, cols, x, norm, kparts, skip_if);
+}
 // The same from f32 x, for the matrices no wider than tall (the 32B shape's o: 5,120 rows, K =
 // 5,120, 256 CTAs), where the J = 3 walk holds 48 bytes a lane in flight in 7 serial steps of 4
 // rows a CTA. x is staged as f16, each value rounded once (as GEMV v3 stages it). With q/k/v
@@ -744,10 +783,19 @@ extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)
 // walk is issue-bound (ncu at that shape: 0.78 issued per scheduler, compute 74%): 63.5 ->
 // 44.8 us a launch, +12.4% decode at depth 48 (docs/lab.md, session 31). The register bound
 // fits two such CTAs an SM (96: the allocation granularity of 8 below 65,536 / 640).
+// The table is lm_head's PRMT-addressed one (64 KB of dynamic shared memory before x): one PRMT
+// a lookup where a shift and a LOP3 make the address (the loop 870 -> 807 instructions). Two
+// such CTAs fit an H200 SM (2 x ~90 KB), and what runs before SwiGLU (o) never has a SwiGLU CTA
+// beside it: the footprint that lost at the 3B shape (session 15) costs no start here.
+// +2.3-3.1% decode at the 32B shape from 48 to 8k against the table in static shared memory
+// (docs/lab.md, session 36); a device where two such CTAs do not fit an SM runs the J walk.
 #define GEMV2_W10_MAX_REGS 96
+struct SwigluRowsPrmt : SwigluRows {
+    static constexpr bool prmt_table = true;
+};
 extern "C" __global__ void __maxnreg__(GEMV2_W10_MAX_REGS)
     gemv2_swiglu_j1_w10(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm, float* out, int rows,
                         int cols, int kparts, int out_f16, int early_ctas, int early_rows) {
-    SwigluRows g{gate, up, out, out_f16 != 0};
+    SwigluRowsPrmt g{{gate, up, out, out_f16 != 0}};
     gemv2_walk<1, 2, 2, false, 10>(g, rows, cols, x, norm, kparts, nullptr, early_ctas, early_rows);
 }

@@ -235,17 +235,39 @@ fn every_gemv_kernel_matches_the_cpu_at_every_v2_shape() {
 
 /// Down past K = 24,576 (GEMV2_MAX_K), which only an f16 x reaches (the 32B shape's K =
 /// 27,648), against the CPU on the f16-rounded x: `y = W x`, then `y += W x` over it as down
-/// adds to the residual, and the CTAs' sums of squares of what they wrote. 77 rows take the
-/// K-walking kernel (4 CTAs of 20 rows, the last one's fourth row lane 2 rows short); 6,000
-/// rows (past the H200's 132 SMs x 2 x 20) the J = 4 walk. K = 32,768 is the largest either
-/// takes.
+/// adds to the residual, and the CTAs' sums of squares of what they wrote. 77 rows take a
+/// K-walking kernel: on the device as it is, where it lets a CTA take 192 KiB (Hopper), the
+/// 16-warp one (2 CTAs of 40 rows, the last one 3 short); with 163 KiB a CTA (sm_80's limit,
+/// set on the device's capabilities before the kernels load) the 8-warp one (4 CTAs of 20
+/// rows, the last one's fourth row lane 2 rows short). 6,000 rows (past the H200's 132 SMs x 2
+/// x 20) take the J = 4 walk. K = 32,768 is the largest any takes.
 #[test]
 fn gemv_v2_from_f16_x_past_the_f32_limit_matches_the_cpu() {
+    for smem_cap in [None, Some(163 << 10)] {
+        if !f16_x_past_the_f32_limit_matches_the_cpu(smem_cap) {
+            return;
+        }
+    }
+}
+
+/// [`gemv_v2_from_f16_x_past_the_f32_limit_matches_the_cpu`] with the device's shared memory a
+/// CTA capped at `smem_cap`; false where CUDA is absent (skipped).
+fn f16_x_past_the_f32_limit_matches_the_cpu(smem_cap: Option<usize>) -> bool {
     let cfg = Config::from_env();
-    let Some(gpu) = cuda_or_skip("GPU", Gpu::open(0, &cfg)) else {
-        return;
+    let Some(mut gpu) = cuda_or_skip("GPU", Gpu::open(0, &cfg)) else {
+        return false;
     };
+    if let Some(cap) = smem_cap {
+        gpu.caps.max_smem_per_cta = cap;
+    }
     let mut ops = Ops::new(gpu, cfg).unwrap();
+    // The 16-warp walk's table at 128 KiB of the window, 64 KiB long.
+    let w16 = ops.k.gemv2_kwalk_w16_room >= (128 + 64) << 10;
+    assert_eq!(
+        w16,
+        smem_cap.is_none() && ops.gpu.caps.max_smem_per_cta >= 227 << 10,
+        "the 16-warp K walk where a CTA may take 192 KiB, on Hopper"
+    );
     // Forced: Auto takes v3 for a matrix this small (GEMV3_MAX_BYTES).
     ops.gemv = GemvChoice::Fixed(Gemv::V2);
     let gpu = &ops.gpu;
@@ -272,7 +294,11 @@ fn gemv_v2_from_f16_x_past_the_f32_limit_matches_the_cpu() {
             )
             .unwrap();
         if rows == 77 {
-            assert_eq!(parts, 4, "K = {k}: 77 rows in the K walk's CTAs of 20");
+            let (want, per_cta) = if w16 { (2, 40) } else { (4, 20) };
+            assert_eq!(
+                parts, want,
+                "K = {k}: 77 rows in the K walk's CTAs of {per_cta}"
+            );
         }
         let once = gpu.download(&y, rows).unwrap();
         let sums: f32 = gpu.download(&ss, parts).unwrap().iter().sum();
@@ -319,6 +345,7 @@ fn gemv_v2_from_f16_x_past_the_f32_limit_matches_the_cpu() {
         )
         .unwrap_err();
     assert!(err.to_string().contains("32768 from f16 x"), "{err}");
+    true
 }
 
 /// On a device that lets a CTA opt into 99 KiB of shared memory (sm_86, sm_89, sm_120: the

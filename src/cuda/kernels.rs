@@ -69,6 +69,12 @@ pub const GEMV2_KWALK_KPARTS: i32 = 2;
 /// The K-walking q/k/v kernel's (`gemv2_kwalk_qkv`) rows a CTA: 8 warps of 4 rows, each
 /// over the whole K.
 pub const GEMV2_KWALK_QKV_ROWS: usize = 32;
+/// The 16-warp K walk's (`gemv2_kwalk_x16_w16`) rows a CTA: 8 row lanes of 5 rows, each row's
+/// K in [`GEMV2_KWALK_KPARTS`].
+pub const GEMV2_KWALK_W16_ROWS: usize = 40;
+/// The shared-memory window offset of the 16-warp K walk's table (kernels/gemv.cu,
+/// KWALK_TABLE_AT), x16 below it.
+pub const KWALK_TABLE_AT: usize = 0x20000;
 /// The dynamic shared memory GEMV v2 stages x in for K = cols: each 32-element chunk at
 /// [`GEMV2_X_STRIDE`] floats, or [`GEMV2_X16_STRIDE`] words from f16 x.
 pub const fn gemv2_x_smem(cols: usize, x_f16: bool) -> usize {
@@ -503,10 +509,18 @@ pub struct Kernels {
     pub gemv2_kwalk_f32: CudaFunction,
     /// q/k/v walking K: one CTA per [`GEMV2_KWALK_QKV_ROWS`] rows.
     pub gemv2_kwalk_qkv: CudaFunction,
+    /// The K walk from f16 x over 16 warps, one CTA an SM, the PRMT-addressed table at window
+    /// offset [`KWALK_TABLE_AT`] (where `Ops::walks_k_w16`); and the dynamic shared memory the
+    /// device lets it take.
+    pub gemv2_kwalk_x16_w16: CudaFunction,
+    pub gemv2_kwalk_w16_room: usize,
     pub gemv2_qkv: [CudaFunction; 3],
     pub gemv2_swiglu: [CudaFunction; 3],
-    /// SwiGLU at J = 1 over 5 warps a row, 10 warps a CTA (K = 5,120 alone).
+    /// SwiGLU at J = 1 over 5 warps a row, 10 warps a CTA, the PRMT-addressed table before x
+    /// (K = 5,120 alone, where `Ops::swiglu_w10`); and the dynamic shared memory the device
+    /// lets it take.
     pub gemv2_swiglu_w10: CudaFunction,
+    pub gemv2_swiglu_w10_room: usize,
     /// The dynamic shared memory (x staged) every GEMV v2 kernel may take on this device, by
     /// x's type ([f32, f16]), and lm_head's (its table and x): what the device allows beside
     /// their static shared memory where that is less than they ask (99 KiB a CTA on sm_86,
@@ -647,9 +661,12 @@ impl Kernels {
             gemv2_kwalk_x16: f_smem("gemv2_kwalk_x16", x16_max_smem)?,
             gemv2_kwalk_f32: f_smem("gemv2_kwalk_f32", x16_max_smem)?,
             gemv2_kwalk_qkv: f_smem("gemv2_kwalk_qkv", x16_max_smem)?,
+            gemv2_kwalk_x16_w16: f_smem("gemv2_kwalk_x16_w16", KWALK_TABLE_AT + GEMV2_PRMT_TABLE)?,
+            gemv2_kwalk_w16_room: 0,
             gemv2_qkv: gemv2("gemv2_qkv", "_narrow", GEMV2_MAX_SMEM)?,
             gemv2_swiglu: gemv2("gemv2_swiglu", "_narrow", GEMV2_MAX_SMEM)?,
-            gemv2_swiglu_w10: f_smem("gemv2_swiglu_j1_w10", GEMV2_MAX_SMEM)?,
+            gemv2_swiglu_w10: f_smem("gemv2_swiglu_j1_w10", GEMV2_MAX_SMEM + GEMV2_PRMT_TABLE)?,
+            gemv2_swiglu_w10_room: 0,
             gemv2_logits: if cfg.logits_argmax {
                 Some(gemv2(
                     "gemv2_logits",
@@ -685,7 +702,6 @@ impl Kernels {
         let f32_x: Vec<&CudaFunction> = [&k.gemv2_nf4, &k.gemv2_qkv, &k.gemv2_swiglu]
             .into_iter()
             .flatten()
-            .chain([&k.gemv2_swiglu_w10])
             .collect();
         let f16_x: Vec<&CudaFunction> = k
             .gemv2_nf4_x16
@@ -694,6 +710,8 @@ impl Kernels {
             .chain([&k.gemv2_kwalk_f32, &k.gemv2_kwalk_qkv])
             .collect();
         k.gemv2_room = [dynamic_smem_room(&f32_x)?, dynamic_smem_room(&f16_x)?];
+        k.gemv2_swiglu_w10_room = dynamic_smem_room(&[&k.gemv2_swiglu_w10])?;
+        k.gemv2_kwalk_w16_room = dynamic_smem_room(&[&k.gemv2_kwalk_x16_w16])?;
         k.gemv2_logits_room = match &k.gemv2_logits {
             Some(fs) => dynamic_smem_room(&fs.iter().collect::<Vec<_>>())?,
             None => 0,

@@ -6,10 +6,11 @@ use cudarc::driver::{DeviceRepr, LaunchConfig};
 use super::attention::Attention;
 use super::gemm::{Epilogue, GemmArgs, GemmMatrix};
 use super::{check_sums, no_sums, Input, NormArgs, Ops, MAX_ARGMAX_CTAS};
+use crate::cuda::device::driver_error;
 use crate::cuda::kernels::{
-    gemv2_x_smem, GEMV2_KWALK_KPARTS, GEMV2_KWALK_QKV_ROWS, GEMV2_KWALK_ROWS, GEMV2_MAX_K,
-    GEMV2_PRMT_TABLE, GEMV2_X16_MAX_K, GEMV3_CTAS_PER_SM, GEMV3_KH2_CTAS_PER_SM, GEMV3_MAX_K,
-    GEMV3_WARPS, GEMV_WARPS,
+    gemv2_x_smem, Kernels, GEMV2_KWALK_KPARTS, GEMV2_KWALK_QKV_ROWS, GEMV2_KWALK_ROWS,
+    GEMV2_KWALK_W16_ROWS, GEMV2_MAX_K, GEMV2_PRMT_TABLE, GEMV2_X16_MAX_K, GEMV3_CTAS_PER_SM,
+    GEMV3_KH2_CTAS_PER_SM, GEMV3_MAX_K, GEMV3_WARPS, GEMV_WARPS, KWALK_TABLE_AT,
 };
 use crate::cuda::weights::Nf4Ref;
 use crate::error::{Error, Result};
@@ -79,6 +80,22 @@ pub const GEMV2_SWIGLU_SKEW: i32 = 2;
 /// over 4 warps (docs/lab.md, session 31).
 pub const SWIGLU_FIVE_PARTS_K: usize = 5 * 1024;
 
+/// Whether two CTAs of `gemv2_swiglu_j1_w10` fit an SM with its table and x at K =
+/// [`SWIGLU_FIVE_PARTS_K`] (~86 KB each: the H200's 228 KB an SM takes two, sm_80's 164 and
+/// sm_86's 100 one): its speed rests on the second CTA (the register bound is set for two), so
+/// where one fits, SwiGLU at that K takes the J walk.
+pub(super) fn swiglu_w10_fits(k: &Kernels) -> Result<bool> {
+    let smem = gemv2_x_smem(SWIGLU_FIVE_PARTS_K, false) + GEMV2_PRMT_TABLE;
+    if smem > k.gemv2_swiglu_w10_room {
+        return Ok(false);
+    }
+    let ctas = k
+        .gemv2_swiglu_w10
+        .occupancy_max_active_blocks_per_multiprocessor(10 * 32, smem, None)
+        .map_err(driver_error("gemv2_swiglu_j1_w10's occupancy"))?;
+    Ok(ctas >= 2)
+}
+
 impl Ops {
     /// argmax_logits' grid: a CTA of 256 threads per SM, each taking a slice of the logits
     /// (one CTA of 1024 threads measured slower: docs/lab.md, 25af0c8).
@@ -133,6 +150,18 @@ impl Ops {
             block_dim: (GEMV_WARPS * 32, 1, 1),
             shared_mem_bytes: self.gemv2_x_room(cols, true)?,
         })
+    }
+
+    /// Whether a GEMV from f16 x that walks K takes the 16-warp kernel with its table at
+    /// [`KWALK_TABLE_AT`] (kernels/gemv.cu, `gemv2_kwalk_x16_w16`; the 32B shape's down): its
+    /// grid ([`GEMV2_KWALK_W16_ROWS`] rows a CTA) one CTA an SM, x below the table (4 KiB left
+    /// for the reserved and static shared memory before x) and the table within what the
+    /// device lets the kernel take (192 KiB: Hopper's 227, not sm_80's 163).
+    fn walks_k_w16(&self, rows: usize, cols: usize) -> bool {
+        self.walks_k(rows, cols, true, GEMV2_KWALK_ROWS)
+            && rows.div_ceil(GEMV2_KWALK_W16_ROWS) <= self.sms as usize
+            && gemv2_x_smem(cols, true) + 4096 <= KWALK_TABLE_AT
+            && KWALK_TABLE_AT + GEMV2_PRMT_TABLE <= self.k.gemv2_kwalk_w16_room
     }
 
     /// GEMV v2's persistent grid for `rows` in CTAs of `warps`, `kparts` of them a row:
@@ -286,6 +315,19 @@ impl Ops {
         }
         match kernel {
             Gemv::V3 => self.gemv3(epilogue, &mats, cols, x, norm, y, skip_if, ss_out, false),
+            Gemv::V2 if input.f16 && self.walks_k_w16(rows, cols) => {
+                let kp = GEMV2_KWALK_KPARTS;
+                let cfg = LaunchConfig {
+                    grid_dim: (rows.div_ceil(GEMV2_KWALK_W16_ROWS) as u32, 1, 1),
+                    block_dim: (2 * GEMV_WARPS * 32, 1, 1),
+                    // x from the start, the table at KWALK_TABLE_AT of the window past it.
+                    shared_mem_bytes: (KWALK_TABLE_AT + GEMV2_PRMT_TABLE) as u32,
+                };
+                check_sums(ss_out, cfg.grid_dim.0)?;
+                let f = &self.k.gemv2_kwalk_x16_w16;
+                launch!(self.gpu, f, cfg; m, x, norm, y, bias, rows_i, cols_i, kp, acc, skip_if, ss_out)?;
+                Ok(cfg.grid_dim.0 as usize)
+            }
             Gemv::V2 if self.walks_k(rows, cols, input.f16, GEMV2_KWALK_ROWS) => {
                 let kp = GEMV2_KWALK_KPARTS;
                 let cfg = self.kwalk_launch(rows, cols, GEMV2_KWALK_ROWS)?;
@@ -459,10 +501,12 @@ impl Ops {
             Gemv::V3 => self
                 .gemv3(Epilogue::Swiglu, &mats, cols, x, norm, out, 0, 0, false)
                 .map(|_| ()),
-            Gemv::V2 if cols == SWIGLU_FIVE_PARTS_K => {
-                // 5 warps a row (kparts), 10 a CTA: 2 rows a step of the CTA's walk.
+            Gemv::V2 if cols == SWIGLU_FIVE_PARTS_K && self.swiglu_w10 => {
+                // 5 warps a row (kparts), 10 a CTA: 2 rows a step of the CTA's walk; the table
+                // before x.
                 let kparts = 5;
-                let cfg = self.gemv2_grid(rows, cols, false, 10, kparts)?;
+                let mut cfg = self.gemv2_grid(rows, cols, false, 10, kparts)?;
+                cfg.shared_mem_bytes += GEMV2_PRMT_TABLE as u32;
                 let (kp, f16) = (kparts as i32, i32::from(out_f16));
                 let (early_ctas, early_rows) =
                     skewed_split(rows, cfg.grid_dim.0, GEMV2_SWIGLU_SKEW);

@@ -142,6 +142,9 @@ pub struct Ops {
     pub attn_long: bool,
     /// Streaming multiprocessors of the device.
     pub(super) sms: u32,
+    /// SwiGLU at K = 5,120 over 10 warps a CTA with its table in shared memory
+    /// (`gemv2_swiglu_j1_w10`), where two such CTAs fit an SM ([`gemv::swiglu_w10_fits`]).
+    pub(super) swiglu_w10: bool,
 }
 
 impl Ops {
@@ -153,6 +156,7 @@ impl Ops {
             .map_err(driver_error("multiprocessor count"))? as u32;
         let attn = decode_attention(&gpu.caps, &cfg);
         let attn_long = gpu.caps.clusters && cfg.attn_long;
+        let swiglu_w10 = gemv::swiglu_w10_fits(&k)?;
         Ok(Self {
             gpu,
             k,
@@ -161,6 +165,7 @@ impl Ops {
             attn,
             attn_long,
             sms,
+            swiglu_w10,
         })
     }
 
