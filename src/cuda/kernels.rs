@@ -69,8 +69,9 @@ pub const GEMV2_KWALK_KPARTS: i32 = 2;
 /// The K-walking q/k/v kernel's (`gemv2_kwalk_qkv`) rows a CTA: 8 warps of 4 rows, each
 /// over the whole K.
 pub const GEMV2_KWALK_QKV_ROWS: usize = 32;
-/// The 16-warp K walk's (`gemv2_kwalk_x16_w16`) rows a CTA: 8 row lanes of 5 rows, each row's
-/// K in [`GEMV2_KWALK_KPARTS`].
+/// The 16-warp K walk's (`gemv2_kwalk_x16_w16`) warps and rows a CTA: 8 row lanes of 5 rows,
+/// each row's K in [`GEMV2_KWALK_KPARTS`].
+pub const GEMV2_KWALK_W16_WARPS: u32 = 16;
 pub const GEMV2_KWALK_W16_ROWS: usize = 40;
 /// The shared-memory window offset of the 16-warp K walk's table (kernels/gemv.cu,
 /// KWALK_TABLE_AT), x16 below it.

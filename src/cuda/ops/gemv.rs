@@ -9,8 +9,8 @@ use super::{check_sums, no_sums, Input, NormArgs, Ops, MAX_ARGMAX_CTAS};
 use crate::cuda::device::driver_error;
 use crate::cuda::kernels::{
     gemv2_x_smem, Kernels, GEMV2_KWALK_KPARTS, GEMV2_KWALK_QKV_ROWS, GEMV2_KWALK_ROWS,
-    GEMV2_KWALK_W16_ROWS, GEMV2_MAX_K, GEMV2_PRMT_TABLE, GEMV2_X16_MAX_K, GEMV3_CTAS_PER_SM,
-    GEMV3_KH2_CTAS_PER_SM, GEMV3_MAX_K, GEMV3_WARPS, GEMV_WARPS, KWALK_TABLE_AT,
+    GEMV2_KWALK_W16_ROWS, GEMV2_KWALK_W16_WARPS, GEMV2_MAX_K, GEMV2_PRMT_TABLE, GEMV2_X16_MAX_K,
+    GEMV3_CTAS_PER_SM, GEMV3_KH2_CTAS_PER_SM, GEMV3_MAX_K, GEMV3_WARPS, GEMV_WARPS, KWALK_TABLE_AT,
 };
 use crate::cuda::weights::Nf4Ref;
 use crate::error::{Error, Result};
@@ -319,7 +319,7 @@ impl Ops {
                 let kp = GEMV2_KWALK_KPARTS;
                 let cfg = LaunchConfig {
                     grid_dim: (rows.div_ceil(GEMV2_KWALK_W16_ROWS) as u32, 1, 1),
-                    block_dim: (2 * GEMV_WARPS * 32, 1, 1),
+                    block_dim: (GEMV2_KWALK_W16_WARPS * 32, 1, 1),
                     // x from the start, the table at KWALK_TABLE_AT of the window past it.
                     shared_mem_bytes: (KWALK_TABLE_AT + GEMV2_PRMT_TABLE) as u32,
                 };
