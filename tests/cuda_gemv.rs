@@ -348,6 +348,75 @@ fn f16_x_past_the_f32_limit_matches_the_cpu(smem_cap: Option<usize>) -> bool {
     true
 }
 
+/// The K walk from f32 x, which GEMV v2 takes for matrices no wider than tall (the 32B shape's
+/// o: 5,120 x 5,120; here also 290 x 256, its last CTA 10 rows short, and 1,030 x 1,024),
+/// against the CPU on an x whose values f16 holds exactly (the walk stages x as f16): `y = W x`,
+/// `y += W x` over it, and the sums of squares of one CTA a 20 rows.
+#[test]
+fn the_k_walk_from_f32_x_matches_the_cpu() {
+    let cfg = Config::from_env();
+    let Some(gpu) = cuda_or_skip("GPU", Gpu::open(0, &cfg)) else {
+        return;
+    };
+    let mut ops = Ops::new(gpu, cfg).unwrap();
+    // Forced: Auto takes v3 for the two small ones (GEMV3_MAX_BYTES).
+    ops.gemv = GemvChoice::Fixed(Gemv::V2);
+    let gpu = &ops.gpu;
+    for (i, (rows, k)) in [(290usize, 256usize), (1_030, 1_024), (5_120, 5_120)]
+        .into_iter()
+        .enumerate()
+    {
+        let a = Matrix::new(gpu, rows, k, 2 * i as u64 + 301);
+        let (_, x) = f16_rounded(&random(k, k as u64 + 7, -1.0, 1.0));
+        let xd = gpu.upload(&x).unwrap();
+        let xp = Input::raw(gpu.ptr(&xd));
+        let y = gpu.zeros::<f32>(rows).unwrap();
+        let ss = gpu.zeros::<f32>(1024).unwrap();
+        let parts = ops
+            .gemv(
+                a.dev.as_ref(gpu),
+                rows,
+                k,
+                xp,
+                gpu.ptr(&y),
+                false,
+                0,
+                gpu.ptr(&ss),
+            )
+            .unwrap();
+        assert_eq!(
+            parts,
+            rows.div_ceil(20),
+            "{rows} x {k}: the K walk's CTAs of 20 rows"
+        );
+        let once = gpu.download(&y, rows).unwrap();
+        let sums: f32 = gpu.download(&ss, parts).unwrap().iter().sum();
+        let want_ss: f32 = once.iter().map(|v| v * v).sum();
+        assert!(
+            (sums - want_ss).abs() <= 1e-4 * want_ss.max(1.0),
+            "{rows} x {k}: {parts} partial sums add to {sums}, want {want_ss}"
+        );
+        ops.gemv(a.dev.as_ref(gpu), rows, k, xp, gpu.ptr(&y), true, 0, 0)
+            .unwrap();
+        let twice = gpu.download(&y, rows).unwrap();
+        for r in 0..rows {
+            let (v, m) = a.dot(r, &x);
+            let tol = tolerance(m);
+            assert!(
+                (once[r] - v).abs() <= tol,
+                "{rows} x {k}, y = W x: row {r} got {}, want {v} (tolerance {tol})",
+                once[r]
+            );
+            assert!(
+                (twice[r] - (once[r] + v)).abs() <= 2.0 * tol,
+                "{rows} x {k}, y += W x: row {r} got {}, want {}",
+                twice[r],
+                once[r] + v
+            );
+        }
+    }
+}
+
 /// On a device that lets a CTA opt into 99 KiB of shared memory (sm_86, sm_89, sm_120: the
 /// limit set on the H200's capabilities before the kernels load, so the driver holds every
 /// GEMV to it), the 32B shape's down — K = 27,648 from f16 x, whose 69,120 bytes of x GEMV v2
