@@ -281,16 +281,6 @@ __device__ __forceinline__ void push2_to_cta(float* local, int rank, float2 v, u
                  "f"(v.y), "r"(rbar)
                  : "memory");
 }
-// Experiment (DV2_X_O_BULK): `bytes` (a multiple of 16; both addresses 16-byte aligned) copied
-// from global memory into this CTA's shared memory by the copy engine (cp.async.bulk), counted
-// on `bar` (armed by push_barrier_expect, waited for by push_barrier_wait).
-__device__ __forceinline__ void bulk_copy_to_smem(void* dst, const void* src, u32 bytes, u64* bar) {
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-            (u32)__cvta_generic_to_shared(dst)),
-        "l"(src), "r"(bytes), "r"((u32)__cvta_generic_to_shared(bar))
-        : "memory");
-}
 // Until every byte `bar` was armed for has landed; the pushes' data visible after it.
 __device__ __forceinline__ void push_barrier_wait(u64* bar) {
     asm volatile(
@@ -317,10 +307,6 @@ __device__ __forceinline__ void push_to_cta(float* local, int, float4 v, u64*) {
 }
 __device__ __forceinline__ void push2_to_cta(float* local, int, float2 v, u64*) { local[0] = v.x, local[1] = v.y; }
 __device__ __forceinline__ void push_barrier_wait(u64*) { __syncthreads(); }
-// No copy engine for it before sm_90: the calling thread copies, seen after the barrier.
-__device__ __forceinline__ void bulk_copy_to_smem(void* dst, const void* src, u32 bytes, u64*) {
-    for (u32 i = 0; i < bytes / 16; i++) reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
-}
 #endif
 
 // The bitsandbytes NF4 codebook, an initializer from the host (src/nf4.rs CODEBOOK, as -D

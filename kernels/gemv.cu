@@ -646,10 +646,7 @@ GEMV2_NF4_KERNEL(4, 1, true, _narrow_x16)
 // as f16. Rows: whose matrices and epilogue (PlainRows, QkvRows). WARPS: the CTA's warps.
 // FIXED: the PRMT-addressed table at window offset KWALK_TABLE_AT (the host gives the CTA dynamic
 // shared memory past it), else the table in static shared memory.
-// BULK (experiment, DV2_X_O_BULK; PlainRows only): the CTA's rows' codes and scales, contiguous
-// in the matrix, copied whole into shared memory past x by two bulk copies issued before the PDL
-// wait (the weights are constant), and the walk reads them there.
-template <int R, int D, bool X32, int WARPS = GEMV_WARPS, bool FIXED = false, bool BULK = false, typename Rows>
+template <int R, int D, bool X32, int WARPS = GEMV_WARPS, bool FIXED = false, typename Rows>
 __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, const void* __restrict__ x,
                                             NormArgs norm, int kparts, const int* skip_if) {
     __shared__ __align__(16) u32 pair16_static[FIXED ? 1 : BYTE_LUT_WORDS];
@@ -681,20 +678,6 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
     int lr[R];
 #pragma unroll
     for (int i = 0; i < R; i++) m[i] = rows_of.matrix(r0 + i, 0), lr[i] = rows_of.local(r0 + i);
-    // BULK: the CTA's rows' codes (cols / 2 bytes a row), then their scales (cols / 16), past x.
-    __shared__ __align__(8) u64 bulk_bar;
-    const int cta_row0 = blockIdx.x * block_rows;
-    const uint4* codes_s = reinterpret_cast<const uint4*>(x_staged + n_chunks * X16_STAGE_STRIDE);
-    const float* scales_s = reinterpret_cast<const float*>(codes_s) + block_rows * (cols >> 3);
-    if (BULK && threadIdx.x == 0) {
-        const u32 n = (u32)min(block_rows, rows - cta_row0);
-        const Nf4Ref m0 = rows_of.matrix(cta_row0, 0);
-        const size_t l0 = rows_of.local(cta_row0);
-        push_barrier_init(&bulk_bar);
-        push_barrier_expect(&bulk_bar, n * (u32)((cols >> 1) + (cols >> 4)));
-        bulk_copy_to_smem((void*)codes_s, m0.packed + l0 * (cols >> 1), n * (u32)(cols >> 1), &bulk_bar);
-        bulk_copy_to_smem((void*)scales_s, m0.absmax + l0 * (cols >> 6), n * (u32)(cols >> 4), &bulk_bar);
-    }
     // Iteration t's chunk of each of the warp's rows (zeros past K, past the part, past the rows).
     auto load_iter = [&](int t, RowChunks<1> (&b)[R]) {
         const int c = t * 32 + lane;
@@ -702,42 +685,22 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
 #pragma unroll
         for (int i = 0; i < R; i++) {
             const bool in = in_k && r0 + i < rows;
-            if (BULK) {
-                const int row = r0 + i - cta_row0;  // within the CTA's copy
-                b[i].q[0] = in ? codes_s[row * (cols >> 5) + c] : make_uint4(0u, 0u, 0u, 0u);
-                b[i].s[0] = in ? scales_s[row * (cols >> 6) + (c >> 1)] : 0.0f;
-            } else {
-                b[i].q[0] = in ? load_weights16(reinterpret_cast<const uint4*>(m[i].packed + (size_t)lr[i] * (cols >> 1)) + c)
-                               : make_uint4(0u, 0u, 0u, 0u);
-                b[i].s[0] = in ? __ldg(m[i].absmax + (size_t)lr[i] * (cols >> 6) + (c >> 1)) : 0.0f;
-            }
+            b[i].q[0] = in ? load_weights16(reinterpret_cast<const uint4*>(m[i].packed + (size_t)lr[i] * (cols >> 1)) + c)
+                           : make_uint4(0u, 0u, 0u, 0u);
+            b[i].s[0] = in ? __ldg(m[i].absmax + (size_t)lr[i] * (cols >> 6) + (c >> 1)) : 0.0f;
         }
     };
     RowChunks<1> buf[D][R];
     // The first D iterations' weights go out before the wait (weights are constant).
-    if (!BULK) {
 #pragma unroll
-        for (int d = 0; d < D; d++) load_iter(t_begin + d, buf[d]);
-    }
+    for (int d = 0; d < D; d++) load_iter(t_begin + d, buf[d]);
     pdl_enter();
-    // BULK: no CTA leaves with its copies still landing in shared memory.
-    if (skip_if && *skip_if) {
-        if (BULK) {
-            __syncthreads();  // bulk_bar initialised
-            push_barrier_wait(&bulk_bar);
-        }
-        return;
-    }
+    if (skip_if && *skip_if) return;
     if (X32)
         stage_x_as16<WARPS * 32>(reinterpret_cast<const float*>(x), cols, norm, x_staged);
     else
         stage_x16<WARPS * 32>(reinterpret_cast<const u16*>(x), cols, x_staged);
     __syncthreads();
-    if (BULK) {
-        push_barrier_wait(&bulk_bar);
-#pragma unroll
-        for (int d = 0; d < D; d++) load_iter(t_begin + d, buf[d]);
-    }
     float acc[R];
 #pragma unroll
     for (int i = 0; i < R; i++) acc[i] = 0.0f;
@@ -806,18 +769,6 @@ extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)
                     int rows, int cols, int kparts, int accumulate, const int* skip_if, float* ss_out) {
     PlainRows p{m, y, bias, accumulate, ss_out};
     gemv2_kwalk<5, 2, true>(p, rows, cols, x, norm, kparts, skip_if);
-}
-// Experiment (DV2_X_O_BULK): the same with the CTA's rows' weights copied whole into shared
-// memory before the PDL wait (the 32B shape's o: 20 rows of K = 5,120, 56 KB a CTA; with x and
-// the table ~103 KB, two CTAs an SM). Why: o's CTAs reach the wait 3.5 us (median) before
-// attention releases them with two of their three iterations in flight, then take 4.8 us to
-// their end for 51 KB each (docs/lab.md, session 36's timeline).
-extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)
-    gemv2_kwalk_f32_bulk(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y,
-                         const float* __restrict__ bias, int rows, int cols, int kparts, int accumulate,
-                         const int* skip_if, float* ss_out) {
-    PlainRows p{m, y, bias, accumulate, ss_out};
-    gemv2_kwalk<5, 2, true, GEMV_WARPS, false, true>(p, rows, cols, x, norm, kparts, skip_if);
 }
 // q/k/v walking K (the 32B shape's 7,168 rows, K = 5,120), 4 rows a warp over the whole K: 32
 // rows a CTA (the host's GEMV2_KWALK_QKV_ROWS), 224 CTAs.

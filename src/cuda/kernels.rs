@@ -508,10 +508,6 @@ pub struct Kernels {
     /// [`GEMV2_KWALK_ROWS`] rows, [`GEMV2_KWALK_KPARTS`] warps a row.
     pub gemv2_kwalk_x16: CudaFunction,
     pub gemv2_kwalk_f32: CudaFunction,
-    /// Experiment (DV2_X_O_BULK): `gemv2_kwalk_f32` with the CTA's weights copied into shared
-    /// memory before the PDL wait; and the dynamic shared memory the device lets it take.
-    pub gemv2_kwalk_f32_bulk: CudaFunction,
-    pub gemv2_kwalk_bulk_room: usize,
     /// q/k/v walking K: one CTA per [`GEMV2_KWALK_QKV_ROWS`] rows.
     pub gemv2_kwalk_qkv: CudaFunction,
     /// The K walk from f16 x over 16 warps, one CTA an SM, the PRMT-addressed table at window
@@ -666,8 +662,6 @@ impl Kernels {
             gemv2_kwalk_x16: f_smem("gemv2_kwalk_x16", x16_max_smem)?,
             gemv2_kwalk_f32: f_smem("gemv2_kwalk_f32", x16_max_smem)?,
             gemv2_kwalk_qkv: f_smem("gemv2_kwalk_qkv", x16_max_smem)?,
-            gemv2_kwalk_f32_bulk: f_smem("gemv2_kwalk_f32_bulk", 160 << 10)?,
-            gemv2_kwalk_bulk_room: 0,
             gemv2_kwalk_x16_w16: f_smem("gemv2_kwalk_x16_w16", KWALK_TABLE_AT + GEMV2_PRMT_TABLE)?,
             gemv2_kwalk_w16_room: 0,
             gemv2_qkv: gemv2("gemv2_qkv", "_narrow", GEMV2_MAX_SMEM)?,
@@ -719,7 +713,6 @@ impl Kernels {
         k.gemv2_room = [dynamic_smem_room(&f32_x)?, dynamic_smem_room(&f16_x)?];
         k.gemv2_swiglu_w10_room = dynamic_smem_room(&[&k.gemv2_swiglu_w10])?;
         k.gemv2_kwalk_w16_room = dynamic_smem_room(&[&k.gemv2_kwalk_x16_w16])?;
-        k.gemv2_kwalk_bulk_room = dynamic_smem_room(&[&k.gemv2_kwalk_f32_bulk])?;
         k.gemv2_logits_room = match &k.gemv2_logits {
             Some(fs) => dynamic_smem_room(&fs.iter().collect::<Vec<_>>())?,
             None => 0,

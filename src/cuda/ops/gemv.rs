@@ -164,22 +164,6 @@ impl Ops {
             && KWALK_TABLE_AT + GEMV2_PRMT_TABLE <= self.k.gemv2_kwalk_w16_room
     }
 
-    /// Experiment (`DV2_X_O_BULK=1`): the dynamic shared memory of `gemv2_kwalk_f32_bulk` for
-    /// a GEMV from f32 x that walks K (x, then a CTA's rows' codes and scales), where it takes
-    /// it: on sm_90 (the copy engine), both of m's arrays 16-byte aligned and K a multiple of
-    /// 256 (each CTA's copies start and end on 16 bytes), within the device's room.
-    fn kwalk_bulk_smem(&self, m: &Nf4Ref, rows: usize, cols: usize) -> Option<u32> {
-        let smem = gemv2_x_smem(cols, true) + GEMV2_KWALK_ROWS * (cols / 2 + cols / 16);
-        (std::env::var("DV2_X_O_BULK").as_deref() == Ok("1")
-            && self.gpu.caps.clusters
-            && self.walks_k(rows, cols, false, GEMV2_KWALK_ROWS)
-            && m.packed % 16 == 0
-            && m.absmax % 16 == 0
-            && cols % 256 == 0
-            && smem <= self.k.gemv2_kwalk_bulk_room)
-            .then_some(smem as u32)
-    }
-
     /// GEMV v2's persistent grid for `rows` in CTAs of `warps`, `kparts` of them a row:
     /// [`GEMV2_CTAS_PER_SM`] an SM, or fewer where the rows run out, x staged for K = cols.
     fn gemv2_grid(
@@ -346,16 +330,9 @@ impl Ops {
             }
             Gemv::V2 if self.walks_k(rows, cols, input.f16, GEMV2_KWALK_ROWS) => {
                 let kp = GEMV2_KWALK_KPARTS;
-                let mut cfg = self.kwalk_launch(rows, cols, GEMV2_KWALK_ROWS)?;
+                let cfg = self.kwalk_launch(rows, cols, GEMV2_KWALK_ROWS)?;
                 check_sums(ss_out, cfg.grid_dim.0)?;
-                let bulk = match input.f16 {
-                    false => self.kwalk_bulk_smem(&m, rows, cols),
-                    true => None,
-                };
-                let f = if let Some(smem) = bulk {
-                    cfg.shared_mem_bytes = smem;
-                    &self.k.gemv2_kwalk_f32_bulk
-                } else if input.f16 {
+                let f = if input.f16 {
                     &self.k.gemv2_kwalk_x16
                 } else {
                     &self.k.gemv2_kwalk_f32
