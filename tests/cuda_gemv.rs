@@ -278,52 +278,12 @@ fn f16_x_past_the_f32_limit_matches_the_cpu(smem_cap: Option<usize>) -> bool {
         let a = Matrix::new(gpu, rows, k, 2 * i as u64 + 101);
         let (x16, x) = f16_rounded(&random(k, k as u64 + i as u64, -1.0, 1.0));
         let x16d = gpu.upload(&x16).unwrap();
-        let y = gpu.zeros::<f32>(rows).unwrap();
-        let ss = gpu.zeros::<f32>(1024).unwrap();
-        let xp = Input::raw_f16(gpu.ptr(&x16d));
-        let parts = ops
-            .gemv(
-                a.dev.as_ref(gpu),
-                rows,
-                k,
-                xp,
-                gpu.ptr(&y),
-                false,
-                0,
-                gpu.ptr(&ss),
-            )
-            .unwrap();
+        let parts = store_then_add_match_the_cpu(&ops, &a, Input::raw_f16(gpu.ptr(&x16d)), &x);
         if rows == 77 {
             let (want, per_cta) = if w16 { (2, 40) } else { (4, 20) };
             assert_eq!(
                 parts, want,
                 "K = {k}: 77 rows in the K walk's CTAs of {per_cta}"
-            );
-        }
-        let once = gpu.download(&y, rows).unwrap();
-        let sums: f32 = gpu.download(&ss, parts).unwrap().iter().sum();
-        let want_ss: f32 = once.iter().map(|v| v * v).sum();
-        assert!(
-            (sums - want_ss).abs() <= 1e-4 * want_ss.max(1.0),
-            "{rows} rows, K = {k}: {parts} partial sums add to {sums}, want {want_ss}"
-        );
-        ops.gemv(a.dev.as_ref(gpu), rows, k, xp, gpu.ptr(&y), true, 0, 0)
-            .unwrap();
-        let twice = gpu.download(&y, rows).unwrap();
-        for r in 0..rows {
-            let (v, m) = a.dot(r, &x);
-            let tol = tolerance(m);
-            assert!(
-                (once[r] - v).abs() <= tol,
-                "{rows} rows, K = {k}, y = W x: row {r} got {}, want {v} (tolerance {tol})",
-                once[r]
-            );
-            assert!(
-                (twice[r] - (once[r] + v)).abs() <= 2.0 * tol,
-                "{rows} rows, K = {k}, y += W x: row {r} got {}, want {} (tolerance {})",
-                twice[r],
-                once[r] + v,
-                2.0 * tol
             );
         }
     }
@@ -369,52 +329,53 @@ fn the_k_walk_from_f32_x_matches_the_cpu() {
         let a = Matrix::new(gpu, rows, k, 2 * i as u64 + 301);
         let (_, x) = f16_rounded(&random(k, k as u64 + 7, -1.0, 1.0));
         let xd = gpu.upload(&x).unwrap();
-        let xp = Input::raw(gpu.ptr(&xd));
-        let y = gpu.zeros::<f32>(rows).unwrap();
-        let ss = gpu.zeros::<f32>(1024).unwrap();
-        let parts = ops
-            .gemv(
-                a.dev.as_ref(gpu),
-                rows,
-                k,
-                xp,
-                gpu.ptr(&y),
-                false,
-                0,
-                gpu.ptr(&ss),
-            )
-            .unwrap();
+        let parts = store_then_add_match_the_cpu(&ops, &a, Input::raw(gpu.ptr(&xd)), &x);
         assert_eq!(
             parts,
             rows.div_ceil(20),
             "{rows} x {k}: the K walk's CTAs of 20 rows"
         );
-        let once = gpu.download(&y, rows).unwrap();
-        let sums: f32 = gpu.download(&ss, parts).unwrap().iter().sum();
-        let want_ss: f32 = once.iter().map(|v| v * v).sum();
-        assert!(
-            (sums - want_ss).abs() <= 1e-4 * want_ss.max(1.0),
-            "{rows} x {k}: {parts} partial sums add to {sums}, want {want_ss}"
-        );
-        ops.gemv(a.dev.as_ref(gpu), rows, k, xp, gpu.ptr(&y), true, 0, 0)
-            .unwrap();
-        let twice = gpu.download(&y, rows).unwrap();
-        for r in 0..rows {
-            let (v, m) = a.dot(r, &x);
-            let tol = tolerance(m);
-            assert!(
-                (once[r] - v).abs() <= tol,
-                "{rows} x {k}, y = W x: row {r} got {}, want {v} (tolerance {tol})",
-                once[r]
-            );
-            assert!(
-                (twice[r] - (once[r] + v)).abs() <= 2.0 * tol,
-                "{rows} x {k}, y += W x: row {r} got {}, want {}",
-                twice[r],
-                once[r] + v
-            );
-        }
     }
+}
+
+/// `y = W x` from `xp` (on the device; `x` its values here), then `y += W x` over it, against
+/// the CPU, and the CTAs' sums of squares of the first against its values; the count of those
+/// sums (the GEMV's CTAs).
+fn store_then_add_match_the_cpu(ops: &Ops, a: &Matrix, xp: Input, x: &[f32]) -> usize {
+    let (gpu, k) = (&ops.gpu, x.len());
+    let rows = a.w.len() / k;
+    let y = gpu.zeros::<f32>(rows).unwrap();
+    let ss = gpu.zeros::<f32>(1024).unwrap();
+    let (m, y_at) = (a.dev.as_ref(gpu), gpu.ptr(&y));
+    let parts = ops
+        .gemv(m, rows, k, xp, y_at, false, 0, gpu.ptr(&ss))
+        .unwrap();
+    let once = gpu.download(&y, rows).unwrap();
+    let sums: f32 = gpu.download(&ss, parts).unwrap().iter().sum();
+    let want_ss: f32 = once.iter().map(|v| v * v).sum();
+    assert!(
+        (sums - want_ss).abs() <= 1e-4 * want_ss.max(1.0),
+        "{rows} rows, K = {k}: {parts} partial sums add to {sums}, want {want_ss}"
+    );
+    ops.gemv(m, rows, k, xp, y_at, true, 0, 0).unwrap();
+    let twice = gpu.download(&y, rows).unwrap();
+    for r in 0..rows {
+        let (v, mag) = a.dot(r, x);
+        let tol = tolerance(mag);
+        assert!(
+            (once[r] - v).abs() <= tol,
+            "{rows} rows, K = {k}, y = W x: row {r} got {}, want {v} (tolerance {tol})",
+            once[r]
+        );
+        assert!(
+            (twice[r] - (once[r] + v)).abs() <= 2.0 * tol,
+            "{rows} rows, K = {k}, y += W x: row {r} got {}, want {} (tolerance {})",
+            twice[r],
+            once[r] + v,
+            2.0 * tol
+        );
+    }
+    parts
 }
 
 /// On a device that lets a CTA opt into 99 KiB of shared memory (sm_86, sm_89, sm_120: the
