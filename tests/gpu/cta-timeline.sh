@@ -6,8 +6,9 @@
 # last; "early": the share that waited before the previous kernel ended), when the wait
 # released them, and when they end; and whether the CTAs that end last are those with the low
 # or the high indices (the scheduler places low ones first). A second table, per CTA from its
-# start record: start to wait, the slot's hand-over, release to end, and the end by how many
-# CTAs of its kernel its SM held.
+# start record: start to wait, wait to its release (how long it held its first weights with
+# nothing to do: o's 3.5 µs at the 32B shape, session 36), the slot's hand-over, release to
+# end, and the end by how many CTAs of its kernel its SM held.
 # Why: which CTAs start late, wait and end last decides each kernel's share of the step
 # (docs/lab.md, session 17: gate/up's rows skewed by start time; session 19: q/k/v's SMs that
 # held two of its CTAs).
@@ -87,9 +88,9 @@ start = next(i for i, g in enumerate(order) if g["ctas"] > 1)
 names = ["q/k/v", "attention", "o", "gate/up", "down"]
 p50 = lambda xs: st.median(xs) if xs else float("nan")
 p90 = lambda xs: sorted(xs)[int(0.9 * len(xs))] if xs else float("nan")
-print(f"{'kernel':<10} {'start->wait':>11} {'slot->start':>11} {'release->end p50':>16} {'p90':>6}   end p50 by CTAs on the SM")
+print(f"{'kernel':<10} {'start->wait':>11} {'wait->release':>13} {'slot->start':>11} {'release->end p50':>16} {'p90':>6}   end p50 by CTAs on the SM")
 for pos in range(5):
-    a, b, w, by = [], [], [], {}
+    a, held_back, b, w, by = [], [], [], [], {}
     for i in range(start + pos, len(order) - 1, 5):
         if i == start:
             continue  # the first q/k/v follows embed_row
@@ -108,6 +109,7 @@ for pos in range(5):
                 continue
             sm, t_start = e["2"][0], e["2"][1]
             a.append((e["0"][1] - t_start) / 1e3)
+            held_back.append((e["0"][2] - e["0"][1]) / 1e3)
             before = [t for t in ends_on.get(sm, []) if t <= t_start]
             if before:
                 b.append((t_start - max(before)) / 1e3)
@@ -117,7 +119,7 @@ for pos in range(5):
     if not a:
         continue
     by_s = "  ".join(f"{k}: {p50(v):.2f} ({len(v)})" for k, v in sorted(by.items()))
-    print(f"{names[pos]:<10} {p50(a):>11.2f} {p50(b):>11.2f} {p50(w):>16.2f} {p90(w):>6.2f}   {by_s}")
+    print(f"{names[pos]:<10} {p50(a):>11.2f} {p50(held_back):>13.2f} {p50(b):>11.2f} {p50(w):>16.2f} {p90(w):>6.2f}   {by_s}")
 PY
 # The long-context attention's CTAs (those with phase marks), per CTA from the release of its
 # PDL wait: prologue done (RoPE of q and the live k/v, kind 3), tiles done (4), the CTA's warps
