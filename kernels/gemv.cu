@@ -738,14 +738,19 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
     if (float* out = rows_of.ss_out()) block_sum_to(ss, out + blockIdx.x);
     timeline_end();
 }
+// The K walk of one matrix (y = W x stored or added, with its sums of squares), 5 rows a row
+// lane, 2 iterations in flight; the rest of gemv2_kwalk's arguments (X32, WARPS, FIXED) after
+// them. One signature for all, as the host launches them alike (src/cuda/ops/gemv.rs).
+#define GEMV2_KWALK_KERNEL(NAME, ...)                                                                           \
+    extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)                                                    \
+        NAME(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y, const float* __restrict__ bias,  \
+             int rows, int cols, int kparts, int accumulate, const int* skip_if, float* ss_out) {             \
+        PlainRows p{m, y, bias, accumulate, ss_out};                                                          \
+        gemv2_kwalk<5, 2, __VA_ARGS__>(p, rows, cols, x, norm, kparts, skip_if);                              \
+    }
 // 2 K parts x 5 rows a row lane: 20 rows a CTA (the 32B shape's 5,120 rows: 256 CTAs; the
 // host's GEMV2_KWALK_ROWS and GEMV2_KWALK_KPARTS), 2 iterations in flight, no spills.
-extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)
-    gemv2_kwalk_x16(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y, const float* __restrict__ bias,
-                    int rows, int cols, int kparts, int accumulate, const int* skip_if, float* ss_out) {
-    PlainRows p{m, y, bias, accumulate, ss_out};
-    gemv2_kwalk<5, 2, false>(p, rows, cols, x, norm, kparts, skip_if);
-}
+GEMV2_KWALK_KERNEL(gemv2_kwalk_x16, false)
 // The same over 16 warps, one CTA an SM (40 rows: the 32B shape's down in 128 CTAs), with
 // lm_head's PRMT-addressed table at window offset KWALK_TABLE_AT: one PRMT and the load a
 // lookup, where a shift and a LOP3 make the address (the loop 938 -> 780 instructions). The
@@ -753,23 +758,13 @@ extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)
 // warps; a device with less than 192 KiB a CTA (the host's KWALK_TABLE_AT + GEMV2_PRMT_TABLE)
 // runs the 8-warp kernel above. +2.4/+3.5/+5.3% decode at the 32B shape at 48/2k/8k over the
 // SwiGLU table below (docs/lab.md, session 36).
-extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)
-    gemv2_kwalk_x16_w16(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y, const float* __restrict__ bias,
-                        int rows, int cols, int kparts, int accumulate, const int* skip_if, float* ss_out) {
-    PlainRows p{m, y, bias, accumulate, ss_out};
-    gemv2_kwalk<5, 2, false, 16, true>(p, rows, cols, x, norm, kparts, skip_if);
-}
+GEMV2_KWALK_KERNEL(gemv2_kwalk_x16_w16, false, 16, true)
 // The same from f32 x, for the matrices no wider than tall (the 32B shape's o: 5,120 rows, K =
 // 5,120, 256 CTAs), where the J = 3 walk holds 48 bytes a lane in flight in 7 serial steps of 4
 // rows a CTA. x is staged as f16, each value rounded once (as GEMV v3 stages it). With q/k/v
 // below: +1.2-1.4% decode at the 32B shape from 48 to 8k; at the 3B shape's o and q/k/v in place
 // of GEMV v3 (80 and 103 CTAs), -1.5..-5.3%: docs/lab.md, session 35.
-extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)
-    gemv2_kwalk_f32(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y, const float* __restrict__ bias,
-                    int rows, int cols, int kparts, int accumulate, const int* skip_if, float* ss_out) {
-    PlainRows p{m, y, bias, accumulate, ss_out};
-    gemv2_kwalk<5, 2, true>(p, rows, cols, x, norm, kparts, skip_if);
-}
+GEMV2_KWALK_KERNEL(gemv2_kwalk_f32, true)
 // q/k/v walking K (the 32B shape's 7,168 rows, K = 5,120), 4 rows a warp over the whole K: 32
 // rows a CTA (the host's GEMV2_KWALK_QKV_ROWS), 224 CTAs.
 extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)
