@@ -220,15 +220,6 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
     const int valid = pos + 1, tiles = (valid + ATTNL_TILE - 1) / ATTNL_TILE;
     const int used = attnl_clusters(tiles, n_cl);
     if (cl >= used) return;  // the whole cluster: no barrier waits for it
-#if ATTNL_SOLO
-    // Experiment (DV2_X_ATTNL_SOLO): where every tile loads before the wait (two a warp), the
-    // cluster's rank 0 takes them all and writes the heads itself; the other ranks leave at once
-    // and no cluster barrier or push runs.
-    const bool solo = tiles <= 2 * ATTN_WARPS;
-    if (solo && rank != 0) return;
-#else
-    const bool solo = false;
-#endif
     // The cluster merge's inbox: from every rank, its m and l and its partial of this rank's
     // dims of each head, pushed (st.async) and counted in bytes on push_bar. Why pushes: the
     // loads from the peers' shared memory waited behind a cluster barrier whose release fence
@@ -237,11 +228,9 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
     __shared__ __align__(16) float recv_o[ATTNL_RANKS][ATTNL_MAX_GROUP][DR];
     __shared__ __align__(8) float recv_ml[ATTNL_RANKS][ATTNL_MAX_GROUP][2];
     __shared__ __align__(8) u64 push_bar;
-    if (!solo) {
-        if (threadIdx.x == 0) push_barrier_init(&push_bar);
-        cluster_arrive_relaxed();  // the wait before the pushes: every peer's push_bar initialised
-    }
-    const long long cta = cl * ATTNL_RANKS + rank, ctas = solo ? 1 : used * ATTNL_RANKS;
+    if (threadIdx.x == 0) push_barrier_init(&push_bar);
+    cluster_arrive_relaxed();  // the wait before the pushes: every peer's push_bar initialised
+    const long long cta = cl * ATTNL_RANKS + rank, ctas = used * ATTNL_RANKS;
     const int tile_end = (int)(tiles * (cta + 1) / ctas);
     int tile = (int)(tiles * cta / ctas) + warp;
 
@@ -390,18 +379,8 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
 #pragma unroll
         for (int w = 0; w < ATTN_WARPS; w++) sum = fmaf(o_w[w][h][dim], weight(mw[w], mx), sum);
         o_w[0][h][dim] = sum;  // this thread alone reads and writes element (h, dim)
-        if (solo) {
-            float lsum = 0.0f;
-#pragma unroll
-            for (int w = 0; w < ATTN_WARPS; w++) lsum = fmaf(l_w[w][h], weight(mw[w], mx), lsum);
-            out[(size_t)(q0 + h) * HD + dim] = sum / lsum;
-        }
     }
     timeline_mark(6);
-    if (solo) {
-        timeline_end();
-        return;
-    }
     // The cluster's merge: rank r's dims of each head from every rank's partial, each rank's
     // share pushed to it.
     __syncthreads();  // o_w[0], m_cta and l_cta complete

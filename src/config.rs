@@ -238,10 +238,6 @@ impl Config {
             ("GEMV2_LOGITS", self.logits_argmax),
             ("GEMV3_KHALVES", self.qkv_khalves),
             ("CTA_TIMELINE", self.cta_timeline),
-            (
-                "ATTNL_SOLO",
-                std::env::var("DV2_X_ATTNL_SOLO").as_deref() == Ok("1"),
-            ),
         ]
         .iter()
         .map(|(name, on)| format!("-D{name}={}", i32::from(*on)))
