@@ -20,7 +20,8 @@
 //! depth (48 to 32k unless listed) at max_seq 32768, beside the bandwidth floor at each depth,
 //! on the Qwen2.5-3B shape or the named preset (e.g. `--context qwen25_32b 48,8192`), and
 //! decode and prefill again under `--against`'s setting (default `DV2_ATTN_LONG=0`) in the same process,
-//! after the ids and logits of both at 20, 300, 2,100 and 5,000 prompt tokens.
+//! the two engines' requests alternating at each depth, after the ids and logits of both at 20,
+//! 300, 2,100 and 5,000 prompt tokens.
 //! `--sampling [PRESET [D1,D2,..]]` prints only sampled decode against greedy decode by depth
 //! (48 and 8k unless listed), in one engine, on the Qwen2.5-3B shape or the named preset.
 //! `--shapes PRESET` takes the kernel table's matrices from that preset (default qwen25_3b).
@@ -137,20 +138,55 @@ fn time_decode(
 /// `prompt` (ms, to the first token) and of the decode of `tokens` ids after it (ms per
 /// token; the first decode step is not timed: seed §10, decode tok/s is steps after the first).
 fn time_request(e: &mut Engine, prompt: &[u32], tokens: usize, reps: usize) -> (f64, f64) {
-    let mut out = vec![0u32; tokens];
     let (mut prefill, mut decode) = (Vec::new(), Vec::new());
     for _ in 0..reps + 1 {
-        e.reset().unwrap();
-        let t = Instant::now();
-        e.prefill(prompt).unwrap();
-        prefill.push(t.elapsed().as_secs_f64() * 1e3);
-        e.step().unwrap();
-        let t = Instant::now();
-        let n = e.step_n(&mut out).unwrap();
-        assert_eq!(n, tokens, "EOS is off: every step runs");
-        decode.push(t.elapsed().as_secs_f64() * 1e3 / tokens as f64);
+        let (p, d) = one_request(e, prompt, tokens);
+        prefill.push(p);
+        decode.push(d);
     }
     (median(prefill[1..].to_vec()), median(decode[1..].to_vec()))
+}
+
+/// [`time_request`] for two engines whose requests alternate (a b, b a, a b, ...), so that
+/// both see the same minutes of the run. Why: one engine's whole sweep and then the other's
+/// gave the second 0.2-0.7% less where both ran the same decode (docs/lab.md, session 37).
+fn time_request_pair(
+    a: &mut Engine,
+    b: &mut Engine,
+    prompt: &[u32],
+    tokens: usize,
+    reps: usize,
+) -> [(f64, f64); 2] {
+    let mut runs: [Vec<(f64, f64)>; 2] = [Vec::new(), Vec::new()];
+    for rep in 0..reps + 1 {
+        let order = if rep % 2 == 0 { [0, 1] } else { [1, 0] };
+        for i in order {
+            let e = if i == 0 { &mut *a } else { &mut *b };
+            runs[i].push(one_request(e, prompt, tokens));
+        }
+    }
+    runs.map(|r| {
+        let measured = &r[1..];
+        (
+            median(measured.iter().map(|t| t.0).collect()),
+            median(measured.iter().map(|t| t.1).collect()),
+        )
+    })
+}
+
+/// One request from a reset: its prefill (ms) and its decode of `tokens` ids after the first
+/// (ms per token).
+fn one_request(e: &mut Engine, prompt: &[u32], tokens: usize) -> (f64, f64) {
+    let mut out = vec![0u32; tokens];
+    e.reset().unwrap();
+    let t = Instant::now();
+    e.prefill(prompt).unwrap();
+    let prefill_ms = t.elapsed().as_secs_f64() * 1e3;
+    e.step().unwrap();
+    let t = Instant::now();
+    let n = e.step_n(&mut out).unwrap();
+    assert_eq!(n, tokens, "EOS is off: every step runs");
+    (prefill_ms, t.elapsed().as_secs_f64() * 1e3 / tokens as f64)
 }
 
 /// One graph step of a preset's shape (a prompt of `depth` tokens, then 7 steps) recorded
@@ -490,8 +526,8 @@ fn decode_profile(steps: usize, depth: usize) {
 /// bandwidth the streaming-read kernel measures in this process), and the decode again under
 /// `against` (`--against VAR=VALUE`; `DV2_ATTN_LONG=0`, attention v3 at every depth, unless
 /// given: `DV2_HOPPER=0` times the pre-Hopper path beside the default). One engine per
-/// configuration, both resident, serves the ids check and every depth. Writes the table and the JSON
-/// (`tests/gpu/plot-context.py` draws it).
+/// configuration, both resident, serves the ids check and every depth; at each depth their
+/// requests alternate. Writes the table and the JSON (`tests/gpu/plot-context.py` draws it).
 fn context_sweep(json_path: &str, preset: &str, depths: &[usize], against: (&str, &str)) {
     const MAX_SEQ: usize = 32768;
     const TOKENS: usize = 128;
@@ -558,16 +594,14 @@ fn context_sweep(json_path: &str, preset: &str, depths: &[usize], against: (&str
             if ia == ib { "equal" } else { "DIFFER from" }
         );
     }
-    let sweep = |e: &mut Engine| -> Vec<(f64, f64)> {
-        depths
-            .iter()
-            .map(|&depth| {
-                let prompt = synth::prompt(spec.vocab, depth, 1);
-                time_request(e, &prompt, TOKENS, 2)
-            })
-            .collect()
-    };
-    let (default, other) = (sweep(&mut a), sweep(&mut b));
+    let (default, other): (Vec<_>, Vec<_>) = depths
+        .iter()
+        .map(|&depth| {
+            let prompt = synth::prompt(spec.vocab, depth, 1);
+            let [on_a, on_b] = time_request_pair(&mut a, &mut b, &prompt, TOKENS, 2);
+            (on_a, on_b)
+        })
+        .unzip();
     println!("  (last three columns: {against_label})");
     println!(
         "  {:>6} {:>11} {:>9} {:>10} {:>8} {:>10} {:>9} {:>7} {:>9} {:>8} {:>9}",
