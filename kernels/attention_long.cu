@@ -208,8 +208,7 @@ __device__ __forceinline__ int attnl_clusters(int tiles, int n_cl) {
 }
 
 template <int HD>
-__device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, int* counts, int* pool_counts,
-                                               int* prev_pool_counts) {
+__device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, int* counts) {
     constexpr int V4 = HD / 32, MT = HD / 16, DR = HD / ATTNL_RANKS;
     // CTA_TIMELINE marks: 3 prologue done, 4 tiles done, 6 warps merged, 5 cluster merge read.
     timeline_start();
@@ -232,23 +231,8 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
     if (threadIdx.x == 0) push_barrier_init(&push_bar);
     cluster_arrive_relaxed();  // the wait before the pushes: every peer's push_bar initialised
     const long long cta = cl * ATTNL_RANKS + rank, ctas = used * ATTNL_RANKS;
-#if ATTNL_DYN
-    // Experiment (DV2_X_ATTNL_DYN): where the tiles outnumber two a warp of every CTA, a CTA's
-    // first 2 * ATTN_WARPS tiles are its own (loaded before the wait, as now) and the rest, the
-    // pool from ctas * 2 * ATTN_WARPS, go one a grab to the warps that ask first (a count per
-    // layer and KV head, pool_counts[kvh], which the next layer's launch zeroes). Why: the CTAs
-    // that share an SM (1,660 of 8,192 at the 32B shape's 8k) and the slow ones end up to 1.65
-    // us after the median (docs/lab.md, session 37).
-    const int pool = (int)(ctas * 2 * ATTN_WARPS);
-    const bool dyn = pool_counts && tiles > pool;  // null: a one-layer model (no other launch zeroes it)
-    const int tile_end = dyn ? tiles : (int)(tiles * (cta + 1) / ctas);
-    int tile = dyn ? (int)cta * 2 * ATTN_WARPS + warp : (int)(tiles * cta / ctas) + warp;
-#else
-    (void)pool_counts;
-    (void)prev_pool_counts;
     const int tile_end = (int)(tiles * (cta + 1) / ctas);
     int tile = (int)(tiles * cta / ctas) + warp;
-#endif
 
     // Two tiles a warp in flight, in two buffers used in turn (a copy from one to the other
     // waited for the loads it copied).
@@ -256,10 +240,6 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
     if (tile < tile_end) buf[0].load(a, kvh, tile * ATTNL_TILE, pos, g, t);
     if (tile + ATTN_WARPS < tile_end) buf[1].load(a, kvh, (tile + ATTN_WARPS) * ATTNL_TILE, pos, g, t);
     pdl_enter();
-#if ATTNL_DYN
-    // The previous layer's pool count, for this one's next step (that launch has ended).
-    if (prev_pool_counts && rank == 0 && cl == 0 && threadIdx.x == 0) prev_pool_counts[kvh] = 0;
-#endif
 
     // q head g's B fragments (zero past the group), scale and log2(e) folded in for exp2: i's
     // uint4 of K holds k-steps 2i (words 0, 1) and 2i + 1 (words 2, 3); [high, rest][i][lane],
@@ -284,8 +264,8 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
 #pragma unroll
     for (int j = 0; j < MT; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
 
-    // The tile at `tile` in `cur` into the running max, sum and O^T.
-    auto math = [&](LongTile<HD>& cur, int tile) {
+    // The tile at `tile` in `cur`, then the tile two turns on loaded into it.
+    auto step = [&](LongTile<HD>& cur, int tile) {
         const int t0 = tile * ATTNL_TILE;
         if (pos >= t0 && pos < t0 + ATTNL_TILE && (pos - t0) % 8 == g) cur.patch((pos - t0) >> 3, kcur, vcur, t);
         // S^T: s[0], s[1] slot g, heads 2t, 2t + 1; s[2], s[3] slot g + 8. Four accumulators,
@@ -342,45 +322,13 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
             mma_bf16_16816(o[j], av, ph[0], ph[1]);
             mma_bf16_16816(o[j], av, pl[0], pl[1]);
         }
-    };
-    // That, then the tile two turns on loaded into `cur`.
-    auto step = [&](LongTile<HD>& cur, int tile) {
-        math(cur, tile);
         if (tile + 2 * ATTN_WARPS < tile_end) cur.load(a, kvh, (tile + 2 * ATTN_WARPS) * ATTNL_TILE, pos, g, t);
     };
-#if ATTNL_DYN
-    if (dyn) {
-        // The tile at `tile` in `cur`, then the pool's next loaded into it (its grab goes out
-        // before the math and is read after it); -1 once the pool is spent (this warp asks no
-        // more: every later grab would come back past it too).
-        bool more = true;
-        auto grab_step = [&](LongTile<HD>& cur, int tile) {
-            int got = 0;
-            if (more && lane == 0) got = atomicAdd(pool_counts + kvh, 1);
-            math(cur, tile);
-            if (!more) return -1;
-            const int next = pool + __shfl_sync(0xffffffffu, got, 0);
-            if (next >= tiles) {
-                more = false;
-                return -1;
-            }
-            cur.load(a, kvh, next * ATTNL_TILE, pos, g, t);
-            return next;
-        };
-        // Both first tiles exist (the pool starts past every CTA's own).
-        int t0 = tile, t1 = tile + ATTN_WARPS;
-        while (t0 >= 0) {
-            t0 = grab_step(buf[0], t0);
-            if (t1 < 0) break;
-            t1 = grab_step(buf[1], t1);
-        }
-    } else
-#endif
-        for (; tile < tile_end; tile += 2 * ATTN_WARPS) {
-            step(buf[0], tile);
-            if (tile + ATTN_WARPS >= tile_end) break;
-            step(buf[1], tile + ATTN_WARPS);
-        }
+    for (; tile < tile_end; tile += 2 * ATTN_WARPS) {
+        step(buf[0], tile);
+        if (tile + ATTN_WARPS >= tile_end) break;
+        step(buf[1], tile + ATTN_WARPS);
+    }
 #pragma unroll
     for (int h = 0; h < 2; h++)
 #pragma unroll
@@ -522,9 +470,9 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
 }
 
 #define ATTNL_KERNEL(HD)                                                                                          \
-    extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_long_decode_hd##HD(                       \
-        AttnArgs a, float* out, int* counts, int* pool_counts, int* prev_pool_counts) {                         \
-        attn_long_body<HD>(a, out, counts, pool_counts, prev_pool_counts);                                      \
+    extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_long_decode_hd##HD(AttnArgs a, float* out, \
+                                                                                         int* counts) {         \
+        attn_long_body<HD>(a, out, counts);                                                                     \
     }
 ATTNL_KERNEL(64)
 ATTNL_KERNEL(128)

@@ -241,12 +241,6 @@ impl Config {
         ]
         .iter()
         .map(|(name, on)| format!("-D{name}={}", i32::from(*on)))
-        // Experiment (docs/lab.md, session 37): the long attention's tiles handed out as the
-        // warps ask.
-        .chain(
-            (std::env::var("DV2_X_ATTNL_DYN").as_deref() == Ok("1"))
-                .then(|| "-DATTNL_DYN=1".into()),
-        )
         .collect()
     }
 }

@@ -104,7 +104,7 @@ impl ArenaLens {
             sums: MAX_PARTIAL_SUMS,
             ids: max_seq,
             argmax: ARGMAX_SCRATCH,
-            attn_counts: s.n_kv_heads * (ATTNL_RANKS + s.n_layers),
+            attn_counts: s.n_kv_heads * ATTNL_RANKS,
             qkv_zeros: s.qkv_rows(),
             state: state::LEN,
             rope: max_seq * (s.head_dim / 2),

@@ -10,7 +10,7 @@ use cudarc::driver::{CudaGraph, CudaSlice};
 
 use super::budget::{self, kv_stride};
 use super::device::{driver_error, Gpu};
-use super::kernels::{state, ATTNL_RANKS};
+use super::kernels::state;
 use super::ops::{
     check_shape, one_cta, AttnArgs, Input, LogitsHead, Norm, Ops, PartialSums, QkvArgs,
 };
@@ -56,7 +56,7 @@ pub(super) struct Arena {
     /// argmax_logits' arrival count (zero between launches) and its CTAs' (value, index).
     pub(super) argmax: CudaSlice<i32>,
     /// The long-context attention's arrival counts per KV head and rank (zero between
-    /// launches), then its pool counts per layer and KV head (experiment `DV2_X_ATTNL_DYN`).
+    /// launches).
     pub(super) attn_counts: CudaSlice<i32>,
     /// A zero second part of q/k/v for the attention where q/k/v ran in one
     /// (the `DV2_QKV_KHALVES` kernels add one).
@@ -401,15 +401,7 @@ impl CudaBackend {
             // cache up to it): [n_q head_dim].
             let args = self.attn_args(l, halves);
             if ops.attn_long {
-                // The cross-cluster counts, then one pool count per layer and KV head.
-                let counts = self.ptr(&a.attn_counts);
-                // (none for one layer: its own launch would zero its count).
-                let pool = |l: usize| match s.n_layers {
-                    1 => 0,
-                    _ => counts + 4 * (s.n_kv_heads * (ATTNL_RANKS + l)) as u64,
-                };
-                let prev = (l + s.n_layers - 1) % s.n_layers;
-                ops.attention_long(args, attn, counts, pool(l), pool(prev))?;
+                ops.attention_long(args, attn, self.ptr(&a.attn_counts))?;
             } else {
                 ops.attention(args, attn)?;
             }

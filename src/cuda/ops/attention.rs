@@ -263,17 +263,7 @@ impl Ops {
     /// two per SM measured slower past 8k, the second CTA of an SM rarely finding its
     /// registers free beside the kernels around it: docs/lab.md, session 22);
     /// `counts`: n_kv * ATTNL_RANKS zeroed ints the kernel's cross-cluster merge counts on.
-    /// `pool_counts`, `prev_pool_counts`: this layer's and the previous layer's n_kv ints
-    /// (experiment `DV2_X_ATTNL_DYN`: the tiles handed out as the warps ask; the kernel zeroes
-    /// the previous layer's, whose launch has ended).
-    pub fn attention_long(
-        &self,
-        args: AttnArgs,
-        out: u64,
-        counts: u64,
-        pool_counts: u64,
-        prev_pool_counts: u64,
-    ) -> Result<()> {
+    pub fn attention_long(&self, args: AttnArgs, out: u64, counts: u64) -> Result<()> {
         let clusters =
             (self.sms as usize / (ATTNL_RANKS * args.n_kv as usize)).clamp(1, ATTNL_MAX_CLUSTERS);
         let cfg = LaunchConfig {
@@ -282,7 +272,7 @@ impl Ops {
             shared_mem_bytes: 0,
         };
         let f = &self.k.attn_long_decode[(args.head_dim == 128) as usize];
-        launch!(self.gpu, f, cfg, cluster = (ATTNL_RANKS as u32, 1, 1); args, out, counts, pool_counts, prev_pool_counts)
+        launch!(self.gpu, f, cfg, cluster = (ATTNL_RANKS as u32, 1, 1); args, out, counts)
     }
 }
 
