@@ -668,11 +668,8 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
     const u32 lane4 = FIXED ? KWALK_TABLE_AT | (lane * 4) : lane * 4;
     const int kshift = log2_pow2(kparts);
     const int part = warp & (kparts - 1), row_lane = warp >> kshift;
-    // The CTA's rows: an equal share of `rows` over the grid (the host keeps it within the CTA's
-    // row lanes x R; a grid of rows / (row lanes x R) CTAs gives each all of its lanes' rows).
-    const int cta_rows = (rows + (int)gridDim.x - 1) / (int)gridDim.x;
-    const int cta_base = blockIdx.x * cta_rows, cta_end = min(rows, cta_base + cta_rows);
-    const int r0 = cta_base + row_lane * R;  // this warp's first row
+    const int block_rows = (WARPS >> kshift) * R;
+    const int r0 = blockIdx.x * block_rows + row_lane * R;  // this warp's first row
     const int n_chunks = cols >> 5, iters = (n_chunks + 31) >> 5;
     const int per_part = (iters + kparts - 1) >> kshift;
     const int t_begin = part * per_part, t_end = min(iters, t_begin + per_part);
@@ -687,7 +684,7 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
         const bool in_k = t < t_end && c < n_chunks;
 #pragma unroll
         for (int i = 0; i < R; i++) {
-            const bool in = in_k && r0 + i < cta_end;
+            const bool in = in_k && r0 + i < rows;
             b[i].q[0] = in ? load_weights16(reinterpret_cast<const uint4*>(m[i].packed + (size_t)lr[i] * (cols >> 1)) + c)
                            : make_uint4(0u, 0u, 0u, 0u);
             b[i].s[0] = in ? __ldg(m[i].absmax + (size_t)lr[i] * (cols >> 6) + (c >> 1)) : 0.0f;
@@ -726,13 +723,13 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
         if (lane == 0) part_sums[warp * R + i] = v;
     }
     __syncthreads();
-    // Thread i of the first cta_rows: row r0 of its row lane + its index, the parts added in
+    // Thread i of the first block_rows: row r0 of its row lane + its index, the parts added in
     // order.
     float ss = 0.0f;
-    if ((int)threadIdx.x < cta_rows) {
+    if ((int)threadIdx.x < block_rows) {
         const int rl = threadIdx.x / R, i = threadIdx.x % R;
-        const int r = cta_base + threadIdx.x;
-        if (r < cta_end) {
+        const int r = blockIdx.x * block_rows + threadIdx.x;
+        if (r < rows) {
             float total = 0.0f;
             for (int p = 0; p < kparts; p++) total += part_sums[((rl << kshift) + p) * R + i];
             ss = sq(rows_of.store(r, &total));

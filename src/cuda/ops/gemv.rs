@@ -145,9 +145,8 @@ impl Ops {
     /// The K walk's grid where [`Ops::walks_k`]: one CTA of [`GEMV_WARPS`] per `rows_per_cta`
     /// rows, x staged as f16.
     fn kwalk_launch(&self, rows: usize, cols: usize, rows_per_cta: usize) -> Result<LaunchConfig> {
-        let resident = (self.sms * GEMV2_CTAS_PER_SM) as usize;
         Ok(LaunchConfig {
-            grid_dim: (kwalk_ctas(rows, rows_per_cta, resident) as u32, 1, 1),
+            grid_dim: (rows.div_ceil(rows_per_cta) as u32, 1, 1),
             block_dim: (GEMV_WARPS * 32, 1, 1),
             shared_mem_bytes: self.gemv2_x_room(cols, true)?,
         })
@@ -319,11 +318,7 @@ impl Ops {
             Gemv::V2 if input.f16 && self.walks_k_w16(rows, cols) => {
                 let kp = GEMV2_KWALK_KPARTS;
                 let cfg = LaunchConfig {
-                    grid_dim: (
-                        kwalk_ctas(rows, GEMV2_KWALK_W16_ROWS, self.sms as usize) as u32,
-                        1,
-                        1,
-                    ),
+                    grid_dim: (rows.div_ceil(GEMV2_KWALK_W16_ROWS) as u32, 1, 1),
                     block_dim: (GEMV2_KWALK_W16_WARPS * 32, 1, 1),
                     // x from the start, the table at KWALK_TABLE_AT of the window past it.
                     shared_mem_bytes: (KWALK_TABLE_AT + GEMV2_PRMT_TABLE) as u32,
@@ -562,20 +557,6 @@ fn walks_k_by_shape(
         cols <= rows
     };
     shape && rows.div_ceil(rows_per_cta) <= resident
-}
-
-/// The K walk's CTAs for `rows` at most `rows_per_cta` a CTA (the kernel gives each an equal
-/// share of the grid). Experiment (`DV2_X_KWALK_BALANCE=1`): as many CTAs as are `resident` at
-/// once, each with fewer rows, where the full CTAs leave SMs with less work than others (the 32B
-/// shape: q/k/v's 224 CTAs of 32 rows ran two an SM on 112 SMs, 256 of 28 rows use 128; down's
-/// 128 of 40 rows leave 4 of 132 SMs idle, 132 of 39 do not; docs/lab.md, session 37).
-fn kwalk_ctas(rows: usize, rows_per_cta: usize, resident: usize) -> usize {
-    let balance = std::env::var("DV2_X_KWALK_BALANCE").as_deref() == Ok("1");
-    let per_cta = match balance {
-        true => rows.div_ceil(resident.max(1)).clamp(1, rows_per_cta),
-        false => rows_per_cta,
-    };
-    rows.div_ceil(per_cta)
 }
 
 /// GEMV v2's (early CTAs, rows each) for `rows` over `ctas` CTAs with the first half taking
