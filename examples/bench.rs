@@ -149,7 +149,7 @@ fn time_request(e: &mut Engine, prompt: &[u32], tokens: usize, reps: usize) -> (
 
 /// [`time_request`] for two engines whose requests alternate (a b, b a, a b, ...), so that
 /// both see the same minutes of the run. Why: one engine's whole sweep and then the other's
-/// gave the second 0.2-0.7% less where both ran the same decode (docs/lab.md, session 37).
+/// timed the second 0.2-0.7% slower where both ran the same decode (docs/lab.md, session 37).
 fn time_request_pair(
     a: &mut Engine,
     b: &mut Engine,
