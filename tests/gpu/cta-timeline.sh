@@ -8,7 +8,8 @@
 # or the high indices (the scheduler places low ones first). A second table, per CTA from its
 # start record: start to wait, wait to its release (how long it held its first weights with
 # nothing to do: o's 3.5 µs at the 32B shape, session 36), the slot's hand-over, release to
-# end, and the end by how many CTAs of its kernel its SM held.
+# end, how many SMs held its CTAs (the 32B shape's q/k/v: 112 of 132, two each, session 37),
+# and the end by how many CTAs of its kernel its SM held.
 # Why: which CTAs start late, wait and end last decides each kernel's share of the step
 # (docs/lab.md, session 17: gate/up's rows skewed by start time; session 19: q/k/v's SMs that
 # held two of its CTAs).
@@ -88,9 +89,9 @@ start = next(i for i, g in enumerate(order) if g["ctas"] > 1)
 names = ["q/k/v", "attention", "o", "gate/up", "down"]
 p50 = lambda xs: st.median(xs) if xs else float("nan")
 p90 = lambda xs: sorted(xs)[int(0.9 * len(xs))] if xs else float("nan")
-print(f"{'kernel':<10} {'start->wait':>11} {'wait->release':>13} {'slot->start':>11} {'release->end p50':>16} {'p90':>6}   end p50 by CTAs on the SM")
+print(f"{'kernel':<10} {'start->wait':>11} {'wait->release':>13} {'slot->start':>11} {'release->end p50':>16} {'p90':>6} {'SMs':>4}   end p50 by CTAs on the SM")
 for pos in range(5):
-    a, held_back, b, w, by = [], [], [], [], {}
+    a, held_back, b, w, by, sms = [], [], [], [], {}, []
     for i in range(start + pos, len(order) - 1, 5):
         if i == start:
             continue  # the first q/k/v follows embed_row
@@ -104,6 +105,8 @@ for pos in range(5):
         for e in cur["ev"].values():
             if "2" in e:
                 held[e["2"][0]] = held.get(e["2"][0], 0) + 1
+        if held:
+            sms.append(len(held))
         for e in cur["ev"].values():
             if "2" not in e or "0" not in e:
                 continue
@@ -119,7 +122,7 @@ for pos in range(5):
     if not a:
         continue
     by_s = "  ".join(f"{k}: {p50(v):.2f} ({len(v)})" for k, v in sorted(by.items()))
-    print(f"{names[pos]:<10} {p50(a):>11.2f} {p50(held_back):>13.2f} {p50(b):>11.2f} {p50(w):>16.2f} {p90(w):>6.2f}   {by_s}")
+    print(f"{names[pos]:<10} {p50(a):>11.2f} {p50(held_back):>13.2f} {p50(b):>11.2f} {p50(w):>16.2f} {p90(w):>6.2f} {p50(sms):>4.0f}   {by_s}")
 PY
 # The long-context attention's CTAs (those with phase marks), per CTA from the release of its
 # PDL wait: prologue done (RoPE of q and the live k/v, kind 3), tiles done (4), the CTA's warps
