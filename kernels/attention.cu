@@ -422,7 +422,7 @@ __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out)
         }
     };
     if (t_begin < t_end) load_rows(t_begin);  // written by earlier steps: before the wait
-    pdl_enter();
+    pdl_enter<true>();
     rotate_live_batched<HD ? HD : MAX_HEAD_DIM, HD>(a, kvh, q0, gn, pos, q_s, kcur, vcur, [] {});
     if ((int)threadIdx.x < gn) {
         m_run[threadIdx.x] = NEG_INF;

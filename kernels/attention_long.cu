@@ -239,7 +239,7 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
     LongTile<HD> buf[2];
     if (tile < tile_end) buf[0].load(a, kvh, tile * ATTNL_TILE, pos, g, t);
     if (tile + ATTN_WARPS < tile_end) buf[1].load(a, kvh, (tile + ATTN_WARPS) * ATTNL_TILE, pos, g, t);
-    pdl_enter();
+    pdl_enter<true>();
 
     // q head g's B fragments (zero past the group), scale and log2(e) folded in for exp2: i's
     // uint4 of K holds k-steps 2i (words 0, 1) and 2i + 1 (words 2, 3); [high, rest][i][lane],

@@ -105,49 +105,82 @@ __device__ __forceinline__ float warp_max(float v) {
 // CTA_TIMELINE (an NVRTC define, DV2_CTA_TIMELINE=1; a measuring tool, off by default): each
 // CTA's thread 0 appends records to dv2_timeline (read by CudaBackend::cta_timeline): at its
 // PDL wait {grid id, kind 0 | SM | grid size | CTA, globaltimer before the wait, after it}, and
-// where the GEMV and attention kernels end {grid id, kind 1 | ..., the end, 0}. Why: the
-// kernel-level trace showed each kernel's first CTAs start well before the previous kernel
-// ends and its last ones after, and skewing gate/up's rows by when its CTAs start gained 0.024
-// ms/token (docs/lab.md, session 17); this shows which CTAs start, wait and end when.
+// where the GEMV and attention kernels start (kind 2), mark a phase (3 and up) and end (kind 1)
+// {grid id, kind | ..., the time, 0}. Why: the kernel-level trace showed each kernel's first
+// CTAs start well before the previous kernel ends and its last ones after, and skewing gate/up's
+// rows by when its CTAs start gained 0.024 ms/token (docs/lab.md, session 17); this shows which
+// CTAs start, wait and end when.
+// The kernels that mark their start (timeline_start, and pdl_enter<true> for their wait) keep
+// their records in shared memory and append them at their end with one atomic: each record's
+// own atomic had stalled thread 0 a round trip at every mark, after the PDL wait (before
+// launch_dependents) and at the start, inflating the phases the marks measure (the solo
+// attention, docs/lab.md session 37). Their records are lost where a CTA leaves before its end
+// (skip_if, clusters not in use). Other kernels record their wait with its own atomic.
 #if CTA_TIMELINE
 // A step of the 32B shape writes ~210,000 (64 layers of ~1,100 CTAs, 3 records each).
 #define CTA_TIMELINE_RECORDS (1 << 19)
+// A marked CTA's records at most: start, wait, four phases, end.
+#define CTA_TIMELINE_CTA_RECORDS 8
 __device__ unsigned long long dv2_timeline[CTA_TIMELINE_RECORDS * 4];
 __device__ unsigned dv2_timeline_n;
+__shared__ unsigned long long dv2_timeline_cta[CTA_TIMELINE_CTA_RECORDS][3];  // kind, t0, t1
+__shared__ unsigned dv2_timeline_cta_n;
 __device__ __forceinline__ unsigned long long global_ns() {
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
 }
-__device__ __forceinline__ void timeline_record(unsigned long long kind, unsigned long long t0, unsigned long long t1) {
-    if (threadIdx.x | threadIdx.y | threadIdx.z) return;
+// Appends `n` records of thread 0 to dv2_timeline, with this CTA's grid id, SM and index.
+__device__ __forceinline__ void timeline_append(const unsigned long long (*recs)[3], unsigned n) {
     unsigned long long grid_id;
     unsigned sm;
     asm volatile("mov.u64 %0, %%gridid;" : "=l"(grid_id));
     asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
     const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
     const unsigned ctas = gridDim.x * gridDim.y * gridDim.z;
-    const unsigned i = atomicAdd(&dv2_timeline_n, 1u);
-    if (i >= CTA_TIMELINE_RECORDS) return;
-    unsigned long long* r = dv2_timeline + 4 * (size_t)i;
-    r[0] = grid_id;
-    r[1] = kind << 56 | (unsigned long long)(sm & 0xffu) << 48 | (unsigned long long)(ctas & 0xffffffu) << 24 |
-           (cta & 0xffffffu);
-    r[2] = t0;
-    r[3] = t1;
+    const unsigned first = atomicAdd(&dv2_timeline_n, n);
+    for (unsigned k = 0; k < n; k++) {
+        const unsigned i = first + k;
+        if (i >= CTA_TIMELINE_RECORDS) return;
+        unsigned long long* r = dv2_timeline + 4 * (size_t)i;
+        r[0] = grid_id;
+        r[1] = recs[k][0] << 56 | (unsigned long long)(sm & 0xffu) << 48 |
+               (unsigned long long)(ctas & 0xffffffu) << 24 | (cta & 0xffffffu);
+        r[2] = recs[k][1];
+        r[3] = recs[k][2];
+    }
+}
+// One record: kept in shared memory (KEPT: a marked kernel's) or appended at once.
+template <bool KEPT>
+__device__ __forceinline__ void timeline_record(unsigned long long kind, unsigned long long t0, unsigned long long t1) {
+    if (threadIdx.x | threadIdx.y | threadIdx.z) return;
+    if (!KEPT) {
+        const unsigned long long rec[1][3] = {{kind, t0, t1}};
+        timeline_append(rec, 1);
+        return;
+    }
+    const unsigned n = dv2_timeline_cta_n;
+    if (n >= CTA_TIMELINE_CTA_RECORDS) return;
+    dv2_timeline_cta[n][0] = kind;
+    dv2_timeline_cta[n][1] = t0;
+    dv2_timeline_cta[n][2] = t1;
+    dv2_timeline_cta_n = n + 1;
 }
 #endif
-// Where a GEMV or attention CTA ends (CTA_TIMELINE).
+// Where a GEMV or attention CTA ends (CTA_TIMELINE): its records kept since timeline_start
+// appended, this one last.
 __device__ __forceinline__ void timeline_end() {
 #if CTA_TIMELINE
-    timeline_record(1, global_ns(), 0);
+    timeline_record<true>(1, global_ns(), 0);
+    if (threadIdx.x | threadIdx.y | threadIdx.z) return;
+    timeline_append(dv2_timeline_cta, dv2_timeline_cta_n);
 #endif
 }
-// Where it starts (kind 2; thread 0's atomic here delays its CTA by one round trip, so a
-// start-to-wait time from the timeline is that much too long).
+// Where it starts (kind 2); from here the CTA keeps its records until timeline_end.
 __device__ __forceinline__ void timeline_start() {
 #if CTA_TIMELINE
-    timeline_record(2, global_ns(), 0);
+    if ((threadIdx.x | threadIdx.y | threadIdx.z) == 0) dv2_timeline_cta_n = 0;
+    timeline_record<true>(2, global_ns(), 0);
 #endif
 }
 // Where a CTA's thread 0 reaches a phase of its kernel (kinds 3 and up, named where the
@@ -155,7 +188,7 @@ __device__ __forceinline__ void timeline_start() {
 // merge).
 __device__ __forceinline__ void timeline_mark(unsigned long long kind) {
 #if CTA_TIMELINE
-    timeline_record(kind, global_ns(), 0);
+    timeline_record<true>(kind, global_ns(), 0);
 #else
     (void)kind;
 #endif
@@ -169,6 +202,8 @@ __device__ __forceinline__ void timeline_mark(unsigned long long kind) {
 // weights may be loaded before it. pdl_release() lets the next kernel start launching; each
 // kernel calls it right after its wait, so at most one kernel waits ahead of the running one.
 // Both are no-ops in a launch without the attribute.
+// MARKED: the kernel called timeline_start (its wait's record kept with its others).
+template <bool MARKED = false>
 __device__ __forceinline__ void pdl_wait() {
 #if CTA_TIMELINE
     const unsigned long long t0 = global_ns();
@@ -177,7 +212,7 @@ __device__ __forceinline__ void pdl_wait() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 #if CTA_TIMELINE
-    timeline_record(0, t0, global_ns());
+    timeline_record<MARKED>(0, t0, global_ns());
 #endif
 }
 
@@ -187,9 +222,10 @@ __device__ __forceinline__ void pdl_release() {
 #endif
 }
 
-// The start of every kernel that loads nothing before waiting.
+// The start of every kernel that loads nothing before waiting (MARKED: as pdl_wait).
+template <bool MARKED = false>
 __device__ __forceinline__ void pdl_enter() {
-    pdl_wait();
+    pdl_wait<MARKED>();
     pdl_release();
 }
 

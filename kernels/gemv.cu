@@ -344,7 +344,7 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     // constant; it pays where the CTA is resident early, as the 128-register kernels are
     // beside a GEMV v3 CTA: 0.01-0.02 ms/token, docs/lab.md session 10).
     load_block(r0, cur);
-    pdl_enter();
+    pdl_enter<true>();
     if (skip_if && *skip_if) return;
     // With late sums the epilogue operands of the CTA's first blockDim.x rows (thread i: row
     // r0 + i, as in the final reduction below) load now, so their round trip overlaps the walk
@@ -694,7 +694,7 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
     // The first D iterations' weights go out before the wait (weights are constant).
 #pragma unroll
     for (int d = 0; d < D; d++) load_iter(t_begin + d, buf[d]);
-    pdl_enter();
+    pdl_enter<true>();
     if (skip_if && *skip_if) return;
     if (X32)
         stage_x_as16<WARPS * 32>(reinterpret_cast<const float*>(x), cols, norm, x_staged);

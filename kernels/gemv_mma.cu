@@ -124,7 +124,7 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
     Gemv3Stage<T, S> cur, nxt;
     const bool first_ok = stages > 0 && group0 < groups;
     if (first_ok) gemv3_load<T, S, EPI>(a, group0, kb0, kb1, g, t, cur);
-    pdl_enter();
+    pdl_enter<true>();
     if (a.skip_if && *a.skip_if) return;
     // x (normed) staged as f16 pairs.
     NormArgs norm = a.norm;

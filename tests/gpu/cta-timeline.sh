@@ -75,8 +75,10 @@ for pos, rs in sorted(rows.items()):
 PY
 # Per CTA, from the start records (kind 2): start -> its wait, the time from the latest end of a
 # previous-kernel CTA on its SM to its start (the slot's hand-over), release -> its end; and its
-# end by how many CTAs of its kernel its SM held (an SM holding more ends later). The start
-# record's own atomic makes start -> wait up to one round trip too long.
+# end by how many CTAs of its kernel its SM held (an SM holding more ends later). A CTA keeps
+# its records in shared memory and appends them at its end with one atomic (since session 37:
+# before, each record's atomic stalled the CTA's thread 0 a round trip, at its start, after its
+# wait and at each phase mark, so timelines before then run long in those places).
 python3 - "$out/cta-timeline.csv" <<'PY'
 import csv, sys, statistics as st
 grids = {}
