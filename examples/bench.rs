@@ -138,13 +138,10 @@ fn time_decode(
 /// `prompt` (ms, to the first token) and of the decode of `tokens` ids after it (ms per
 /// token; the first decode step is not timed: seed §10, decode tok/s is steps after the first).
 fn time_request(e: &mut Engine, prompt: &[u32], tokens: usize, reps: usize) -> (f64, f64) {
-    let (mut prefill, mut decode) = (Vec::new(), Vec::new());
-    for _ in 0..reps + 1 {
-        let (p, d) = one_request(e, prompt, tokens);
-        prefill.push(p);
-        decode.push(d);
-    }
-    (median(prefill[1..].to_vec()), median(decode[1..].to_vec()))
+    let runs: Vec<_> = (0..reps + 1)
+        .map(|_| one_request(e, prompt, tokens))
+        .collect();
+    medians_after_warmup(&runs)
 }
 
 /// [`time_request`] for two engines whose requests alternate (a b, b a, a b, ...), so that
@@ -165,13 +162,16 @@ fn time_request_pair(
             runs[i].push(one_request(e, prompt, tokens));
         }
     }
-    runs.map(|r| {
-        let measured = &r[1..];
-        (
-            median(measured.iter().map(|t| t.0).collect()),
-            median(measured.iter().map(|t| t.1).collect()),
-        )
-    })
+    runs.map(|r| medians_after_warmup(&r))
+}
+
+/// The medians of (prefill, decode) over `runs` past the first, which warmed caches.
+fn medians_after_warmup(runs: &[(f64, f64)]) -> (f64, f64) {
+    let measured = &runs[1..];
+    (
+        median(measured.iter().map(|t| t.0).collect()),
+        median(measured.iter().map(|t| t.1).collect()),
+    )
 }
 
 /// One request from a reset: its prefill (ms) and its decode of `tokens` ids after the first
