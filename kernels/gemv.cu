@@ -271,20 +271,13 @@ __device__ __forceinline__ float dot_row_pair16(const RowChunks<J>& rc, const XH
 //   and void finish() after the epilogues (every thread of the CTA).
 // X16: x comes as f16 (stage_x16), else f32 (stage_x). WARPS: the CTA's warps (GEMV_WARPS,
 // or 10 for gemv2_swiglu_j1_w10's 5 warps a row).
-// POOL (experiment DV2_X_SWIGLU_POOL, SwiGLU at K = 5,120 alone): the last pool_rows rows are
-// walked in chunks of one block after the CTAs' own rows: chunk b by CTA b, every later one by
-// the CTA that draws it from *pool_count (one draw a CTA at its start, then one a pool block,
-// each a block ahead of its use; the draw that gets the last ticket zeroes the count). Why: two
-// CTAs share an SM and its lower-indexed one ends 8.7 us (p50) before the other at the 32B
-// shape (docs/lab.md, session 38), which then walks alone at half the warps.
-template <int J, int R, int NM, bool X16, int WARPS = GEMV_WARPS, bool POOL = false, typename Rows>
+template <int J, int R, int NM, bool X16, int WARPS = GEMV_WARPS, typename Rows>
 __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, const float* __restrict__ x,
                                            NormArgs norm, int kparts, const int* skip_if, int early_ctas = 0,
-                                           int early_rows = 0, int pool_rows = 0, int* pool_count = nullptr) {
+                                           int early_rows = 0) {
     // Rows::prmt_table: the f16-pair table in dynamic shared memory as load_byte_codebook_prmt
     // lays it out, before x; else in static shared memory.
     constexpr bool prmt_table = Rows::prmt_table;
-    static_assert(!POOL || (NM == 2 && !X16), "the pool is SwiGLU's, from f32 x");
     __shared__ __align__(16) u32 pair16_static[prmt_table ? 1 : BYTE_LUT_WORDS];
     __shared__ float partial[GEMV2_MAX_LANES_X_R * NM][WARPS];
     // (twice the floats with other WARPS: gemv2_swiglu_j1_w10's 5 K-parts of ~107 rows of 2 sums)
@@ -316,20 +309,17 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     // last CTA. The plain and lm_head kernels measured slower with it (session 18) and hold no
     // such code.
     if (NM != 2) early_ctas = 0;
-    const int block = row_lanes * R;  // rows per iteration
-    const int n_chunks = POOL ? (pool_rows + block - 1) / block : 0;  // the host keeps it >= gridDim.x
-    const int own_rows = rows - (POOL ? pool_rows : 0), pool0 = own_rows;
     const int late_rows =
-        early_ctas > 0
-            ? (own_rows - early_ctas * early_rows + (int)gridDim.x - early_ctas - 1) / ((int)gridDim.x - early_ctas)
-            : 0;
-    const int per_cta = early_ctas == 0 ? (own_rows + gridDim.x - 1) / gridDim.x
+        early_ctas > 0 ? (rows - early_ctas * early_rows + (int)gridDim.x - early_ctas - 1) / ((int)gridDim.x - early_ctas)
+                       : 0;
+    const int per_cta = early_ctas == 0 ? (rows + gridDim.x - 1) / gridDim.x
                         : (int)blockIdx.x < early_ctas ? early_rows
                                                        : late_rows;
     const int r0 = early_ctas == 0 || (int)blockIdx.x < early_ctas
                        ? blockIdx.x * per_cta
                        : early_ctas * early_rows + ((int)blockIdx.x - early_ctas) * late_rows;
-    const int r1 = min(own_rows, r0 + per_cta);
+    const int r1 = min(rows, r0 + per_cta);
+    const int block = row_lanes * R;  // rows per iteration
     // Late sums: each iteration leaves its K-part sums in shared memory and the CTA adds them
     // and runs the epilogue once, after its last iteration: one barrier instead of two per
     // iteration, every row's epilogue loads (a residual's old y) in flight together instead of
@@ -340,36 +330,22 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     const bool late = (r1 - r0) * NM * kparts <= late_floats;
     // Software pipeline: the loads of the next block are issued before this block's math.
     RowChunks<J> cur[R][NM], nxt[R][NM];
-    auto load_block = [&](int base, int end, RowChunks<J> (&rc)[R][NM]) {
+    auto load_block = [&](int base, RowChunks<J> (&rc)[R][NM]) {
 #pragma unroll
         for (int i = 0; i < R; i++) {
             const int r = base + i * row_lanes + row_lane;
-            if (r < end) {
+            if (r < r1) {
 #pragma unroll
                 for (int k = 0; k < NM; k++) load_row<J>(rows_of.matrix(r, k), rows_of.local(r), cols, part, rc[i][k]);
             }
         }
     };
-    // The walk's blocks: [base, end) now (base < 0: none), then on to end; with POOL, the
-    // chunk `after` once it is in the pool.
-    int base = r0, end = r1, after = n_chunks;
-    bool in_pool = false;
-    if (POOL && r0 >= r1) {
-        base = pool0 + blockIdx.x * block;
-        end = min(rows, base + block);
-        in_pool = true;
-    }
     // The first block's weights go out before the wait on the previous kernel (weights are
     // constant; it pays where the CTA is resident early, as the 128-register kernels are
     // beside a GEMV v3 CTA: 0.01-0.02 ms/token, docs/lab.md session 10).
-    load_block(base, end, cur);
+    load_block(r0, cur);
     pdl_enter<true>();
     if (skip_if && *skip_if) return;
-    // POOL: the chunk after its own (the count's ticket t: chunk gridDim.x + t, or none past
-    // the chunks), drawn now, read after x's barrier.
-    __shared__ int pool_ticket;
-    int ticket = 0;
-    if (POOL && threadIdx.x == 0) ticket = atomicAdd(pool_count, 1);
     // With late sums the epilogue operands of the CTA's first blockDim.x rows (thread i: row
     // r0 + i, as in the final reduction below) load now, so their round trip overlaps the walk
     // instead of following the last barrier.
@@ -383,144 +359,68 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     } else {
         XSlice<J> xs;
         stage_x<WARPS * 32>(x, cols, norm, x_staged);
-        if (POOL && threadIdx.x == 0) pool_ticket = ticket;
         __syncthreads();
         read_x_slice<J>(x_staged, part, cols, xs);
         pack_x_halves<J>(xs, xh);
     }
-    // Each of the n_chunks tickets a launch hands out is drawn once (gridDim.x of them come back
-    // past the chunks, one a CTA, which then draws no more): the last zeroes the count.
-    auto take_ticket = [&](int t) {
-        if (threadIdx.x == 0 && t == n_chunks - 1) atomicExch(pool_count, 0);
-        return t < n_chunks - (int)gridDim.x ? (int)gridDim.x + t : n_chunks;
-    };
     float ss = 0.0f;  // squares of the values this thread stored
-    if constexpr (POOL) {
-        after = take_ticket(pool_ticket);
-        while (base < end) {
-            // The block after this one: the next of its run, else the CTA's pool chunk after its
-            // own rows, else the chunk drawn.
-            const int cb = base, ce = end;
-            const bool cur_pool = in_pool;
-            base += block;
-            if (base >= end) {
-                if (!in_pool) base = pool0 + blockIdx.x * block, in_pool = true;
-                else if (after < n_chunks) base = pool0 + after * block, after = n_chunks;
-                else base = rows;
-                end = min(rows, base + block);
-            }
-            if (base < end) load_block(base, end, nxt);
-            // A pool block draws the chunk after the one now loading.
-            const bool draw = cur_pool && base < end;
-            if (draw && threadIdx.x == 0) ticket = atomicAdd(pool_count, 1);
-            float sums[R][NM];
+    for (int base = r0; base < r1; base += block) {
+        if (base + block < r1) load_block(base + block, nxt);
+        float sums[R][NM];
 #pragma unroll
-            for (int i = 0; i < R; i++)
+        for (int i = 0; i < R; i++)
 #pragma unroll
-                for (int k = 0; k < NM; k++)
-                    sums[i][k] = warp_sum(dot_row_pair16<J, prmt_table>(cur[i][k], xh, pair16_lut, lane4));
+            for (int k = 0; k < NM; k++)
+                sums[i][k] = warp_sum(dot_row_pair16<J, prmt_table>(cur[i][k], xh, pair16_lut, lane4));
 #pragma unroll
-            for (int i = 0; i < R; i++)
+        for (int i = 0; i < R; i++)
 #pragma unroll
-                for (int k = 0; k < NM; k++) cur[i][k] = nxt[i][k];
-            if (late && !cur_pool) {
-                if (lane == 0) {
-#pragma unroll
-                    for (int i = 0; i < R; i++) {
-                        const int r = cb + i * row_lanes + row_lane;
-                        if (r < r1) {
-#pragma unroll
-                            for (int k = 0; k < NM; k++) late_partial[((r - r0) * NM + k) * kparts + part] = sums[i][k];
-                        }
-                    }
-                }
-                continue;
-            }
-            // (the host runs the pool only where K is split: kparts > 1)
+            for (int k = 0; k < NM; k++) cur[i][k] = nxt[i][k];
+        if (late) {
             if (lane == 0) {
 #pragma unroll
-                for (int i = 0; i < R; i++)
+                for (int i = 0; i < R; i++) {
+                    const int r = base + i * row_lanes + row_lane;
+                    if (r < r1) {
 #pragma unroll
-                    for (int k = 0; k < NM; k++) partial[(i * row_lanes + row_lane) * NM + k][part] = sums[i][k];
-            }
-            if (draw && threadIdx.x == 0) pool_ticket = ticket;
-            __syncthreads();
-            if (draw) after = take_ticket(pool_ticket);
-            if (threadIdx.x < block) {
-                const int r = cb + threadIdx.x;
-                if (r < ce) {
-                    const int i = WARPS == GEMV_WARPS ? threadIdx.x >> log2_pow2(row_lanes) : threadIdx.x / row_lanes;
-                    const int rl = WARPS == GEMV_WARPS ? threadIdx.x & (row_lanes - 1) : threadIdx.x % row_lanes;
-                    float total[NM];
-#pragma unroll
-                    for (int k = 0; k < NM; k++) {
-                        total[k] = 0.0f;
-                        for (int p = 0; p < kparts; p++) total[k] += partial[(i * row_lanes + rl) * NM + k][p];
+                        for (int k = 0; k < NM; k++) late_partial[((r - r0) * NM + k) * kparts + part] = sums[i][k];
                     }
-                    ss += sq(rows_of.store(r, total));
                 }
             }
-            __syncthreads();
+            continue;
         }
-    } else {
-        for (int base = r0; base < r1; base += block) {
-            if (base + block < r1) load_block(base + block, r1, nxt);
-            float sums[R][NM];
-#pragma unroll
-            for (int i = 0; i < R; i++)
-#pragma unroll
-                for (int k = 0; k < NM; k++)
-                    sums[i][k] = warp_sum(dot_row_pair16<J, prmt_table>(cur[i][k], xh, pair16_lut, lane4));
-#pragma unroll
-            for (int i = 0; i < R; i++)
-#pragma unroll
-                for (int k = 0; k < NM; k++) cur[i][k] = nxt[i][k];
-            if (late) {
-                if (lane == 0) {
-#pragma unroll
-                    for (int i = 0; i < R; i++) {
-                        const int r = base + i * row_lanes + row_lane;
-                        if (r < r1) {
-#pragma unroll
-                            for (int k = 0; k < NM; k++) late_partial[((r - r0) * NM + k) * kparts + part] = sums[i][k];
-                        }
-                    }
-                }
-                continue;
-            }
-            if (kparts == 1) {
-                if (lane == 0) {
-#pragma unroll
-                    for (int i = 0; i < R; i++) {
-                        const int r = base + i * row_lanes + row_lane;
-                        if (r < r1) ss += sq(rows_of.store(r, sums[i]));
-                    }
-                }
-                continue;
-            }
+        if (kparts == 1) {
             if (lane == 0) {
 #pragma unroll
-                for (int i = 0; i < R; i++)
-#pragma unroll
-                    for (int k = 0; k < NM; k++) partial[(i * row_lanes + row_lane) * NM + k][part] = sums[i][k];
-            }
-            __syncthreads();
-            if (threadIdx.x < block) {
-                const int r = base + threadIdx.x;
-                if (r < r1) {
-                    const int i = WARPS == GEMV_WARPS ? threadIdx.x >> log2_pow2(row_lanes) : threadIdx.x / row_lanes;
-                    const int rl = WARPS == GEMV_WARPS ? threadIdx.x & (row_lanes - 1) : threadIdx.x % row_lanes;
-                    float total[NM];
-#pragma unroll
-                    for (int k = 0; k < NM; k++) {
-                        total[k] = 0.0f;
-                        for (int p = 0; p < kparts; p++) total[k] += partial[(i * row_lanes + rl) * NM + k][p];
-                    }
-                    ss += sq(rows_of.store(r, total));
+                for (int i = 0; i < R; i++) {
+                    const int r = base + i * row_lanes + row_lane;
+                    if (r < r1) ss += sq(rows_of.store(r, sums[i]));
                 }
             }
-            __syncthreads();
+            continue;
         }
+        if (lane == 0) {
+#pragma unroll
+            for (int i = 0; i < R; i++)
+#pragma unroll
+                for (int k = 0; k < NM; k++) partial[(i * row_lanes + row_lane) * NM + k][part] = sums[i][k];
+        }
+        __syncthreads();
+        if (threadIdx.x < block) {
+            const int r = base + threadIdx.x;
+            if (r < r1) {
+                const int i = WARPS == GEMV_WARPS ? threadIdx.x >> log2_pow2(row_lanes) : threadIdx.x / row_lanes;
+                const int rl = WARPS == GEMV_WARPS ? threadIdx.x & (row_lanes - 1) : threadIdx.x % row_lanes;
+                float total[NM];
+#pragma unroll
+                for (int k = 0; k < NM; k++) {
+                    total[k] = 0.0f;
+                    for (int p = 0; p < kparts; p++) total[k] += partial[(i * row_lanes + rl) * NM + k][p];
+                }
+                ss += sq(rows_of.store(r, total));
+            }
+        }
+        __syncthreads();
     }
     rows_of.tail();
     if (late) {
@@ -888,14 +788,9 @@ extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)
 struct SwigluRowsPrmt : SwigluRows {
     static constexpr bool prmt_table = true;
 };
-#ifndef SWIGLU_POOL
-#define SWIGLU_POOL 0
-#endif
 extern "C" __global__ void __maxnreg__(GEMV2_W10_MAX_REGS)
     gemv2_swiglu_j1_w10(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm, float* out, int rows,
-                        int cols, int kparts, int out_f16, int early_ctas, int early_rows, int pool_rows,
-                        int* pool_count) {
+                        int cols, int kparts, int out_f16, int early_ctas, int early_rows) {
     SwigluRowsPrmt g{{gate, up, out, out_f16 != 0}};
-    gemv2_walk<1, 2, 2, false, 10, SWIGLU_POOL != 0>(g, rows, cols, x, norm, kparts, nullptr, early_ctas, early_rows,
-                                                     pool_rows, pool_count);
+    gemv2_walk<1, 2, 2, false, 10>(g, rows, cols, x, norm, kparts, nullptr, early_ctas, early_rows);
 }

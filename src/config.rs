@@ -241,12 +241,6 @@ impl Config {
         ]
         .iter()
         .map(|(name, on)| format!("-D{name}={}", i32::from(*on)))
-        // Experiment (docs/lab.md, session 38): SwiGLU's last rows handed out as CTAs draw them.
-        .chain(
-            std::env::var("DV2_X_SWIGLU_POOL")
-                .is_ok()
-                .then(|| "-DSWIGLU_POOL=1".into()),
-        )
         .collect()
     }
 }

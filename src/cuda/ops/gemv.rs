@@ -508,10 +508,9 @@ impl Ops {
                 let mut cfg = self.gemv2_grid(rows, cols, false, 10, kparts)?;
                 cfg.shared_mem_bytes += GEMV2_PRMT_TABLE as u32;
                 let (kp, f16) = (kparts as i32, i32::from(out_f16));
-                let (pool_rows, pool_count) = self.swiglu_pool_rows(rows, cfg.grid_dim.0, 4);
-                let skew = if pool_rows > 0 { 0 } else { GEMV2_SWIGLU_SKEW };
-                let (early_ctas, early_rows) = skewed_split(rows, cfg.grid_dim.0, skew);
-                launch!(self.gpu, &self.k.gemv2_swiglu_w10, cfg; gate, up, x, norm, out, rows_i, cols_i, kp, f16, early_ctas, early_rows, pool_rows, pool_count)
+                let (early_ctas, early_rows) =
+                    skewed_split(rows, cfg.grid_dim.0, GEMV2_SWIGLU_SKEW);
+                launch!(self.gpu, &self.k.gemv2_swiglu_w10, cfg; gate, up, x, norm, out, rows_i, cols_i, kp, f16, early_ctas, early_rows)
             }
             Gemv::V2 => {
                 // At most 2 chunks a lane where K allows (up to 16,384): J = 3's kernel spills
@@ -525,21 +524,6 @@ impl Ops {
                     skewed_split(rows, cfg.grid_dim.0, GEMV2_SWIGLU_SKEW);
                 launch!(self.gpu, &self.k.gemv2_swiglu[j - 1], cfg; gate, up, x, norm, out, rows_i, cols_i, kp, f16, early_ctas, early_rows)
             }
-        }
-    }
-}
-
-impl Ops {
-    /// Experiment `DV2_X_SWIGLU_POOL`: the rows `gemv2_swiglu_j1_w10` hands out as its CTAs
-    /// draw them (the kernel's pool: at least a `block` of rows for each of the `ctas`) and the
-    /// count they draw from; (0, 0) without the switch.
-    fn swiglu_pool_rows(&self, rows: usize, ctas: u32, block: usize) -> (i32, u64) {
-        match &self.swiglu_pool {
-            Some((percent, count)) => {
-                let pool = (rows * percent / 100).max(ctas as usize * block).min(rows);
-                (pool as i32, self.gpu.ptr(count))
-            }
-            None => (0, 0),
         }
     }
 }

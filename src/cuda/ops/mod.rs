@@ -14,7 +14,7 @@
 //! The tuning numbers are named constants below, each citing the lab row that chose it.
 
 use cudarc::driver::sys::CUdevice_attribute;
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
+use cudarc::driver::{DeviceRepr, LaunchConfig};
 
 use super::device::{driver_error, Capabilities, Gpu};
 use super::kernels::{
@@ -145,9 +145,6 @@ pub struct Ops {
     /// SwiGLU at K = 5,120 over 10 warps a CTA with its table in shared memory
     /// (`gemv2_swiglu_j1_w10`), where two such CTAs fit an SM ([`gemv::swiglu_w10_fits`]).
     pub(super) swiglu_w10: bool,
-    /// Experiment `DV2_X_SWIGLU_POOL=P`: the share of `gemv2_swiglu_j1_w10`'s rows (P %)
-    /// handed out as CTAs draw them, and the one count they draw from (zero between launches).
-    pub(super) swiglu_pool: Option<(usize, CudaSlice<i32>)>,
 }
 
 impl Ops {
@@ -160,19 +157,6 @@ impl Ops {
         let attn = decode_attention(&gpu.caps, &cfg);
         let attn_long = gpu.caps.clusters && cfg.attn_long;
         let swiglu_w10 = gemv::swiglu_w10_fits(&k)?;
-        let swiglu_pool = match std::env::var("DV2_X_SWIGLU_POOL").ok() {
-            Some(p) => {
-                let percent = p
-                    .parse::<usize>()
-                    .ok()
-                    .filter(|p| (1..100).contains(p))
-                    .ok_or_else(|| {
-                        Error::InvalidArgument(format!("DV2_X_SWIGLU_POOL={p}: a percent, 1 to 99"))
-                    })?;
-                Some((percent, gpu.zeros(1)?))
-            }
-            None => None,
-        };
         Ok(Self {
             gpu,
             k,
@@ -182,7 +166,6 @@ impl Ops {
             attn_long,
             sms,
             swiglu_w10,
-            swiglu_pool,
         })
     }
 
