@@ -508,7 +508,8 @@ impl Ops {
                 let mut cfg = self.gemv2_grid(rows, cols, false, 10, kparts)?;
                 cfg.shared_mem_bytes += GEMV2_PRMT_TABLE as u32;
                 let (kp, f16) = (kparts as i32, i32::from(out_f16));
-                let (early_ctas, early_rows) = skewed_split(rows, cfg.grid_dim.0, self.w10_skew);
+                let (early_ctas, early_rows) =
+                    skewed_split(rows, cfg.grid_dim.0, GEMV2_SWIGLU_SKEW);
                 launch!(self.gpu, &self.k.gemv2_swiglu_w10, cfg; gate, up, x, norm, out, rows_i, cols_i, kp, f16, early_ctas, early_rows)
             }
             Gemv::V2 => {

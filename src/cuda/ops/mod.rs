@@ -145,9 +145,6 @@ pub struct Ops {
     /// SwiGLU at K = 5,120 over 10 warps a CTA with its table in shared memory
     /// (`gemv2_swiglu_j1_w10`), where two such CTAs fit an SM ([`gemv::swiglu_w10_fits`]).
     pub(super) swiglu_w10: bool,
-    /// Experiment `DV2_X_W10_SKEW=N`: `gemv2_swiglu_j1_w10`'s skew (rows more for the first
-    /// half of its CTAs) in place of [`gemv::GEMV2_SWIGLU_SKEW`].
-    pub(super) w10_skew: i32,
 }
 
 impl Ops {
@@ -160,14 +157,6 @@ impl Ops {
         let attn = decode_attention(&gpu.caps, &cfg);
         let attn_long = gpu.caps.clusters && cfg.attn_long;
         let swiglu_w10 = gemv::swiglu_w10_fits(&k)?;
-        let w10_skew = match std::env::var("DV2_X_W10_SKEW").ok() {
-            Some(v) => v
-                .parse::<i32>()
-                .ok()
-                .filter(|n| (-16..=16).contains(n))
-                .ok_or_else(|| Error::InvalidArgument(format!("DV2_X_W10_SKEW={v}: -16 to 16")))?,
-            None => gemv::GEMV2_SWIGLU_SKEW,
-        };
         Ok(Self {
             gpu,
             k,
@@ -177,7 +166,6 @@ impl Ops {
             attn_long,
             sms,
             swiglu_w10,
-            w10_skew,
         })
     }
 
