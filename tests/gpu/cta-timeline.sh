@@ -75,7 +75,10 @@ for pos, rs in sorted(rows.items()):
 PY
 # Per CTA, from the start records (kind 2): start -> its wait, the time from the latest end of a
 # previous-kernel CTA on its SM to its start (the slot's hand-over), release -> its end; and its
-# end by how many CTAs of its kernel its SM held (an SM holding more ends later). A CTA keeps
+# end by how many CTAs of its kernel its SM held (an SM holding more ends later); on SMs that
+# held two, how far apart the two ended (pair gap, median) and how often the lower-indexed one
+# ended first (the 32B shape's SwiGLU: 8.7 µs, 0.99 — the warp scheduler's oldest-first, which
+# rows handed out as CTAs ask did not turn into a shorter kernel: docs/lab.md, session 38). A CTA keeps
 # its records in shared memory and appends them at its end with one atomic (since session 37:
 # before, each record's atomic stalled the CTA's thread 0 a round trip, at its start, after its
 # wait and at each phase mark, so timelines before then run long in those places).
@@ -91,9 +94,10 @@ start = next(i for i, g in enumerate(order) if g["ctas"] > 1)
 names = ["q/k/v", "attention", "o", "gate/up", "down"]
 p50 = lambda xs: st.median(xs) if xs else float("nan")
 p90 = lambda xs: sorted(xs)[int(0.9 * len(xs))] if xs else float("nan")
-print(f"{'kernel':<10} {'start->wait':>11} {'wait->release':>13} {'slot->start':>11} {'release->end p50':>16} {'p90':>6} {'SMs':>4}   end p50 by CTAs on the SM")
+print(f"{'kernel':<10} {'start->wait':>11} {'wait->release':>13} {'slot->start':>11} {'release->end p50':>16} {'p90':>6} {'SMs':>4} {'pair gap':>8} {'low 1st':>7}   end p50 by CTAs on the SM")
 for pos in range(5):
     a, held_back, b, w, by, sms = [], [], [], [], {}, []
+    gaps, low_first = [], []  # SMs that held two of the kernel's CTAs: their ends apart, which ended first
     for i in range(start + pos, len(order) - 1, 5):
         if i == start:
             continue  # the first q/k/v follows embed_row
@@ -109,6 +113,15 @@ for pos in range(5):
                 held[e["2"][0]] = held.get(e["2"][0], 0) + 1
         if held:
             sms.append(len(held))
+        pairs = {}
+        for c, e in cur["ev"].items():
+            if "1" in e and "2" in e:
+                pairs.setdefault(e["2"][0], []).append((e["1"][1], c))
+        for two in pairs.values():
+            if len(two) == 2:
+                (t_a, c_a), (t_b, c_b) = sorted(two)
+                gaps.append((t_b - t_a) / 1e3)
+                low_first.append(c_a < c_b)
         for e in cur["ev"].values():
             if "2" not in e or "0" not in e:
                 continue
@@ -124,7 +137,8 @@ for pos in range(5):
     if not a:
         continue
     by_s = "  ".join(f"{k}: {p50(v):.2f} ({len(v)})" for k, v in sorted(by.items()))
-    print(f"{names[pos]:<10} {p50(a):>11.2f} {p50(held_back):>13.2f} {p50(b):>11.2f} {p50(w):>16.2f} {p90(w):>6.2f} {p50(sms):>4.0f}   {by_s}")
+    low = f"{sum(low_first) / len(low_first):.2f}" if low_first else "nan"
+    print(f"{names[pos]:<10} {p50(a):>11.2f} {p50(held_back):>13.2f} {p50(b):>11.2f} {p50(w):>16.2f} {p90(w):>6.2f} {p50(sms):>4.0f} {p50(gaps):>8.2f} {low:>7}   {by_s}")
 PY
 # The long-context attention's CTAs (those with phase marks), per CTA from the release of its
 # PDL wait: prologue done (RoPE of q and the live k/v, kind 3), tiles done (4), the CTA's warps
