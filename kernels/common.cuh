@@ -93,6 +93,32 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// warp_sum of each of a lane's N values (N a power of two up to 32) in N - 1 + 5 - log2(N)
+// shuffles and as many adds, where N warp_sums take 5 N of each: each of the butterfly's first
+// log2(N) levels keeps the half of the values its lane's bit picks and sends the other half.
+// Returns value lane / (32 / N) of v, summed with the same additions in the same order as
+// warp_sum's (each level adds the partner's copy to the lane's own): the same bits.
+template <int N>
+__device__ __forceinline__ float warp_sum_spread(float* v) {
+    static_assert(N >= 1 && N <= 32 && (N & (N - 1)) == 0, "a power of two values");
+    const int lane = threadIdx.x & 31;
+    int o = 16;
+#pragma unroll
+    for (int n = N; n > 1; n >>= 1, o >>= 1) {
+        const bool upper = lane & o;
+#pragma unroll
+        for (int i = 0; i < n / 2; i++) {
+            const float send = upper ? v[i] : v[i + n / 2];
+            const float keep = upper ? v[i + n / 2] : v[i];
+            v[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+        }
+    }
+    float s = v[0];
+#pragma unroll
+    for (; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    return s;
+}
+
 // log2 of n, a power of two (1 << log2_pow2(n) == n): a shift where code would divide.
 __device__ __forceinline__ int log2_pow2(int n) { return __ffs(n) - 1; }
 
