@@ -155,22 +155,14 @@ __device__ __forceinline__ uint4 load_weights16(const uint4* p) {
     return v;
 }
 
-#ifndef GEMV2_LEAN
-#define GEMV2_LEAN 0
-#endif
 // Issues the loads of this lane's chunks of one row part (zero scale past the row's end).
 template <int J>
 __device__ __forceinline__ void load_row(Nf4Ref m, int row, int cols, int part, RowChunks<J>& rc) {
     const int lane = threadIdx.x & 31, n_chunks = cols >> 5;
-#if GEMV2_LEAN
     // Unsigned 32 x 32 -> 64-bit row offsets: one IMAD.WIDE.U32 each, where a signed row takes
     // its sign's products too (rows and K are never negative).
     const uint4* w = reinterpret_cast<const uint4*>(m.packed + (size_t)(u32)row * (u32)(cols >> 1));
     const float* a = m.absmax + (size_t)(u32)row * (u32)(cols >> 6);
-#else
-    const uint4* w = reinterpret_cast<const uint4*>(m.packed + (size_t)row * (cols >> 1));
-    const float* a = m.absmax + (size_t)row * (cols >> 6);
-#endif
 #pragma unroll
     for (int j = 0; j < J; j++) {
         const int c = (part * J + j) * 32 + lane;
@@ -385,11 +377,11 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
         for (int i = 0; i < R; i++)
 #pragma unroll
             for (int k = 0; k < NM; k++) cur[i][k] = nxt[i][k];
-#if GEMV2_LEAN
-        // Experiment DV2_X_WALK_LEAN: the late sums reduced all at once (warp_sum_spread), each
-        // stored by the lane that holds it.
+        // Late sums: the block's reduced all at once (warp_sum_spread), each stored by the lane
+        // that holds it: the 32B shape's SwiGLU iteration ~395 -> ~372 SASS instructions, +2.2-3.1%
+        // decode at the 32B shape, the 3B shape's within noise (docs/lab.md, session 38).
         constexpr int n_sums = R * NM, spread = 32 / n_sums;
-        if ((n_sums & (n_sums - 1)) == 0 && late) {
+        if (late) {
             const float s = warp_sum_spread<n_sums>(&sums[0][0]);
             if ((lane & (spread - 1)) == 0) {
                 const int idx = lane / spread, i = idx / NM, k = idx % NM;
@@ -398,24 +390,10 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
             }
             continue;
         }
-#endif
 #pragma unroll
         for (int i = 0; i < R; i++)
 #pragma unroll
             for (int k = 0; k < NM; k++) sums[i][k] = warp_sum(sums[i][k]);
-        if (late) {
-            if (lane == 0) {
-#pragma unroll
-                for (int i = 0; i < R; i++) {
-                    const int r = base + i * row_lanes + row_lane;
-                    if (r < r1) {
-#pragma unroll
-                        for (int k = 0; k < NM; k++) late_partial[((r - r0) * NM + k) * kparts + part] = sums[i][k];
-                    }
-                }
-            }
-            continue;
-        }
         if (kparts == 1) {
             if (lane == 0) {
 #pragma unroll

@@ -241,11 +241,6 @@ impl Config {
         ]
         .iter()
         .map(|(name, on)| format!("-D{name}={}", i32::from(*on)))
-        // Experiment (docs/lab.md, session 38): fewer instructions in GEMV v2's walk.
-        .chain(
-            (std::env::var("DV2_X_WALK_LEAN").as_deref() == Ok("1"))
-                .then(|| "-DGEMV2_LEAN=1".into()),
-        )
         .collect()
     }
 }
