@@ -797,14 +797,5 @@ extern "C" __global__ void __maxnreg__(GEMV2_W10_MAX_REGS)
     gemv2_swiglu_j1_w10(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm, float* out, int rows,
                         int cols, int kparts, int out_f16, int early_ctas, int early_rows) {
     SwigluRowsPrmt g{{gate, up, out, out_f16 != 0}};
-#if W10_CONST
-    // Experiment DV2_X_W10_CONST: K and the K split as the constants the host launches this
-    // kernel with (SWIGLU_FIVE_PARTS_K, 5 parts: src/cuda/ops/gemv.rs), so the walk's row
-    // addresses and its warps' roles fold (sm_90: the late iteration ~372 -> ~344 SASS
-    // instructions, the kernel 1,944 -> 1,320).
-    (void)cols, (void)kparts;
-    gemv2_walk<1, 2, 2, false, 10>(g, rows, 5 * 1024, x, norm, 5, nullptr, early_ctas, early_rows);
-#else
     gemv2_walk<1, 2, 2, false, 10>(g, rows, cols, x, norm, kparts, nullptr, early_ctas, early_rows);
-#endif
 }

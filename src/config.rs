@@ -241,11 +241,6 @@ impl Config {
         ]
         .iter()
         .map(|(name, on)| format!("-D{name}={}", i32::from(*on)))
-        // Experiment (docs/lab.md, session 38): the 32B SwiGLU's K and K split as constants.
-        .chain(
-            (std::env::var("DV2_X_W10_CONST").as_deref() == Ok("1"))
-                .then(|| "-DW10_CONST=1".into()),
-        )
         .collect()
     }
 }
