@@ -684,35 +684,6 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
 #pragma unroll
     for (int i = 0; i < R; i++) m[i] = rows_of.matrix(r0 + i, 0), lr[i] = rows_of.local(r0 + i);
     // Iteration t's chunk of each of the warp's rows (zeros past K, past the part, past the rows).
-#if KWALK_LEAN
-    // Experiment DV2_X_KWALK_LEAN: where every lane's chunk lies within K (K a multiple of 32
-    // chunks) and the warp's rows within the matrix (the 32B shape's q/k/v, o and down), an
-    // iteration past the part loads nothing (its buffer is never read) and the others load
-    // unpredicated: no zeros written, no per-lane tests; the row offsets as unsigned products.
-    const bool whole = (n_chunks & 31) == 0 && r0 + R <= rows;  // the same for the whole warp
-    auto load_iter = [&](int t, RowChunks<1> (&b)[R]) {
-        const int c = t * 32 + lane;
-        if (whole) {
-            if (t < t_end) {
-#pragma unroll
-                for (int i = 0; i < R; i++) {
-                    b[i].q[0] = load_weights16(
-                        reinterpret_cast<const uint4*>(m[i].packed + (size_t)(u32)lr[i] * (u32)(cols >> 1)) + c);
-                    b[i].s[0] = __ldg(m[i].absmax + (size_t)(u32)lr[i] * (u32)(cols >> 6) + (c >> 1));
-                }
-            }
-            return;
-        }
-        const bool in_k = t < t_end && c < n_chunks;
-#pragma unroll
-        for (int i = 0; i < R; i++) {
-            const bool in = in_k && r0 + i < rows;
-            b[i].q[0] = in ? load_weights16(reinterpret_cast<const uint4*>(m[i].packed + (size_t)lr[i] * (cols >> 1)) + c)
-                           : make_uint4(0u, 0u, 0u, 0u);
-            b[i].s[0] = in ? __ldg(m[i].absmax + (size_t)lr[i] * (cols >> 6) + (c >> 1)) : 0.0f;
-        }
-    };
-#else
     auto load_iter = [&](int t, RowChunks<1> (&b)[R]) {
         const int c = t * 32 + lane;
         const bool in_k = t < t_end && c < n_chunks;
@@ -724,7 +695,6 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
             b[i].s[0] = in ? __ldg(m[i].absmax + (size_t)lr[i] * (cols >> 6) + (c >> 1)) : 0.0f;
         }
     };
-#endif
     RowChunks<1> buf[D][R];
     // The first D iterations' weights go out before the wait (weights are constant).
 #pragma unroll

@@ -241,11 +241,6 @@ impl Config {
         ]
         .iter()
         .map(|(name, on)| format!("-D{name}={}", i32::from(*on)))
-        // Experiment (docs/lab.md, session 38): the K walk's loads unpredicated where whole.
-        .chain(
-            (std::env::var("DV2_X_KWALK_LEAN").as_deref() == Ok("1"))
-                .then(|| "-DKWALK_LEAN=1".into()),
-        )
         .collect()
     }
 }
