@@ -4,7 +4,7 @@
 //!     cargo run --release --example bench -- [--json PATH] [--skip-kernels] [--skip-3b] [--probe]
 //!                                               [--prefill-only] [--skip-gemm] [--skip-variants]
 //!                                               [--split] [--boundary] [--l2-hot] [--rows A,B,..]
-//!                                               [--prefill-profile LEN CHUNK] [--decode-profile STEPS [DEPTH]]
+//!                                               [--prefill-profile LEN CHUNK] [--decode-profile STEPS [DEPTH [PRESET]]]
 //!                                               [--cta-timeline PATH [DEPTH [PRESET]]] [--context [PRESET [DEPTHS]] [--against VAR=VALUE]]
 //!                                               [--shapes PRESET] [--load PATH [REPS]]
 //!                                               [--sampling [PRESET [DEPTHS]]]
@@ -505,12 +505,13 @@ fn prefill_profile(len: usize, chunk: usize) {
     println!("prefill of {len} tokens, chunk {chunk}: {ms:.2} ms (first, wall clock)");
 }
 
-/// `--decode-profile STEPS [DEPTH]`: a prompt of DEPTH tokens (48), then STEPS eager decode
-/// steps on the Qwen2.5-3B shape (max_seq 2048, or room for the prompt and the steps), so
-/// that a profiler's per-kernel durations (ncu, filtered to the decode kernels) cover whole
-/// steps.
-fn decode_profile(steps: usize, depth: usize) {
-    let qwen = synth::build(&QWEN25_3B, 0).unwrap();
+/// `--decode-profile STEPS [DEPTH [PRESET]]`: a prompt of DEPTH tokens (48), then STEPS eager
+/// decode steps on PRESET's shape (Qwen2.5-3B; max_seq 2048, or room for the prompt and the
+/// steps), so that a profiler's per-kernel durations (ncu, filtered to the decode kernels)
+/// cover whole steps.
+fn decode_profile(steps: usize, depth: usize, preset: &str) {
+    let spec = decodev2::arch::preset(preset).expect("preset");
+    let qwen = synth::build(&spec, 0).unwrap();
     let max_seq = 2048.max(depth + steps + 64);
     let mut e = prefill_engine(&qwen, max_seq, depth.min(1024));
     e.prefill(&synth::prompt(qwen.spec.vocab, depth, 1))
@@ -802,10 +803,11 @@ fn main() {
     if let Some(i) = args.iter().position(|a| a == "--decode-profile") {
         let num = |j: usize| args.get(i + j).and_then(|a| a.parse().ok());
         let Some(steps) = num(1) else {
-            eprintln!("usage: bench --decode-profile STEPS [DEPTH]");
+            eprintln!("usage: bench --decode-profile STEPS [DEPTH [PRESET]]");
             std::process::exit(2);
         };
-        decode_profile(steps, num(2).unwrap_or(48));
+        let preset = args.get(i + 3).map_or("qwen25_3b", String::as_str);
+        decode_profile(steps, num(2).unwrap_or(48), preset);
         return;
     }
     if let Some(i) = args.iter().position(|a| a == "--cta-timeline") {

@@ -8,6 +8,8 @@
 # preset's shapes, one launch of `bench --shapes PRESET --skip-3b`'s microbenchmark (random
 # weights, rotated copies: from HBM), e.g. qwen25_32b, whose large GEMVs stream at ~60% of a
 # plain read (docs/lab.md, session 23): which stalls hold them there.
+# PRESET: another shape for the decode step (qwen25_32b: its K walks, gemv2_kwalk_*, whose
+# issue counts session 38 had not read), 5 kernels a layer as on the 3B shape.
 # NCU_KERNELS: another kernel-name regex for the decode step (e.g. an experiment's kernel
 # beside the two it replaces: NCU_KERNELS='gemv2_ffn_fused|gemv2_swiglu|gemv2_nf4_j3'), with
 # NCU_SKIP: how many matching launches to skip first (default 200).
@@ -29,8 +31,9 @@ else
   # step at 36 layers), so 200 lands in the second decode step (the prefill's kernels do not
   # match). It was 1000 with attn_long missing from the filter: 864 matches in 6 steps, none
   # profiled (session 34). NCU_SKIP: another skip for an NCU_KERNELS with fewer matches.
-  timeout 400 "$ncu" "${sections[@]}" --kernel-name regex:"${NCU_KERNELS:-gemv3_|gemv2_swiglu|gemv2_nf4_j3|attn_long|attn2_|attn3_}" \
-    --launch-skip "${NCU_SKIP:-200}" --launch-count 6 .device/examples/bench --decode-profile 6 > "$out/ncu-kernels.txt" 2>&1
+  timeout 400 "$ncu" "${sections[@]}" --kernel-name regex:"${NCU_KERNELS:-gemv3_|gemv2_swiglu|gemv2_nf4_j3|gemv2_kwalk|attn_long|attn2_|attn3_}" \
+    --launch-skip "${NCU_SKIP:-200}" --launch-count 6 .device/examples/bench --decode-profile 6 48 "${PRESET:-qwen25_3b}" \
+    > "$out/ncu-kernels.txt" 2>&1
 fi
 echo "ncu rc=$?"
 grep -E "^  [a-z0-9_]+\(|Duration|DRAM Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Eligible Warps|Issued Warp|Active Warps Per|Warp Cycles Per Issued|Block Limit (Registers|Shared)|stall|Stall" "$out/ncu-kernels.txt" | cut -c1-150 | head -150
