@@ -684,8 +684,25 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
 #pragma unroll
     for (int i = 0; i < R; i++) m[i] = rows_of.matrix(r0 + i, 0), lr[i] = rows_of.local(r0 + i);
     // Iteration t's chunk of each of the warp's rows (zeros past K, past the part, past the rows).
+    // Where every lane's chunk lies within K (K a multiple of 32 chunks) and the warp's rows
+    // within the matrix (the 32B shape's q/k/v, o and down), an iteration past the part loads
+    // nothing (its buffer is never read: the loop stops at t_end) and the others load
+    // unpredicated, the row offsets as unsigned products: sm_90's round of 10 loads ~70 -> ~38
+    // instructions, +1.0-1.4% decode at the 32B shape from 48 to 8k (docs/lab.md, session 39).
+    const bool whole = (n_chunks & 31) == 0 && r0 + R <= rows;  // the same for the whole warp
     auto load_iter = [&](int t, RowChunks<1> (&b)[R]) {
         const int c = t * 32 + lane;
+        if (whole) {
+            if (t < t_end) {
+#pragma unroll
+                for (int i = 0; i < R; i++) {
+                    b[i].q[0] = load_weights16(
+                        reinterpret_cast<const uint4*>(m[i].packed + (size_t)(u32)lr[i] * (u32)(cols >> 1)) + c);
+                    b[i].s[0] = __ldg(m[i].absmax + (size_t)(u32)lr[i] * (u32)(cols >> 6) + (c >> 1));
+                }
+            }
+            return;
+        }
         const bool in_k = t < t_end && c < n_chunks;
 #pragma unroll
         for (int i = 0; i < R; i++) {
@@ -777,7 +794,7 @@ extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)
     QkvRows q{a, out};
     gemv2_kwalk<4, 2, true>(q, a.rows[0] + a.rows[1] + a.rows[2], cols, x, norm, kparts, nullptr);
 }
-// SwiGLU at K = 5,120 (the 32B shape's gate and up; the host's SWIGLU_FIVE_PARTS_K): 160
+// SwiGLU at K = 5,120 (the 32B shape's gate and up; the host's SWIGLU_W10_K): 160
 // chunks, 5 x 32, so 1 chunk a lane over 5 warps a row, 10 warps a CTA, 2 rows in flight a
 // warp. Why: over 4 warps at 2 chunks a lane, 3 of a row's 8 chunk slots lie past K, and the
 // walk is issue-bound (ncu at that shape: 0.78 issued per scheduler, compute 74%): 63.5 ->
@@ -793,9 +810,14 @@ extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)
 struct SwigluRowsPrmt : SwigluRows {
     static constexpr bool prmt_table = true;
 };
+// K and the K split are the constants the host launches this kernel with (SWIGLU_W10_K,
+// SWIGLU_W10_KPARTS), so the walk's row addresses fold into immediates and its warps' roles (a
+// division by 5) into constants: sm_90's late iteration ~372 -> ~344 instructions, +0.8-1.0%
+// decode at the 32B shape from 48 to 8k (docs/lab.md, session 39).
 extern "C" __global__ void __maxnreg__(GEMV2_W10_MAX_REGS)
     gemv2_swiglu_j1_w10(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm, float* out, int rows,
-                        int cols, int kparts, int out_f16, int early_ctas, int early_rows) {
+                        int out_f16, int early_ctas, int early_rows) {
     SwigluRowsPrmt g{{gate, up, out, out_f16 != 0}};
-    gemv2_walk<1, 2, 2, false, 10>(g, rows, cols, x, norm, kparts, nullptr, early_ctas, early_rows);
+    gemv2_walk<1, 2, 2, false, 10>(g, rows, SWIGLU_W10_K, x, norm, SWIGLU_W10_KPARTS, nullptr, early_ctas,
+                                   early_rows);
 }

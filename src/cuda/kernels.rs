@@ -184,6 +184,8 @@ fn shared_defines() -> Vec<String> {
         ("ATTNL_MAX_GROUP", ATTNL_MAX_GROUP),
         ("ATTNL_MAX_CLUSTERS", ATTNL_MAX_CLUSTERS),
         ("GEMV3_WARPS", GEMV3_WARPS),
+        ("SWIGLU_W10_K", super::ops::SWIGLU_W10_K),
+        ("SWIGLU_W10_KPARTS", super::ops::SWIGLU_W10_KPARTS as usize),
         ("X_STAGE_STRIDE", GEMV2_X_STRIDE),
         ("X16_STAGE_STRIDE", GEMV2_X16_STRIDE),
         ("PRMT_LUT_WORDS", GEMV2_PRMT_TABLE / 4),

@@ -77,15 +77,19 @@ pub const GEMV2_SWIGLU_SKEW: i32 = 2;
 /// The K at which SwiGLU runs over 5 warps a row, 10 warps a CTA, one chunk a lane
 /// (`gemv2_swiglu_j1_w10`): 160 chunks, where the 8-warp shapes leave 3 of 8 chunk slots past K
 /// (J = 2 over 4 warps) or spill (J = 3 over 2). +12.4% decode on the 32B shape against J = 2
-/// over 4 warps (docs/lab.md, session 31).
-pub const SWIGLU_FIVE_PARTS_K: usize = 5 * 1024;
+/// over 4 warps (docs/lab.md, session 31). The kernel takes it and [`SWIGLU_W10_KPARTS`] as
+/// compile-time constants (NVRTC defines).
+pub const SWIGLU_W10_K: usize = 5 * 1024;
+
+/// `gemv2_swiglu_j1_w10`'s K parts: 5 warps a row.
+pub const SWIGLU_W10_KPARTS: u32 = 5;
 
 /// Whether two CTAs of `gemv2_swiglu_j1_w10` fit an SM with its table and x at K =
-/// [`SWIGLU_FIVE_PARTS_K`] (~86 KB each: the H200's 228 KB an SM takes two, sm_80's 164 and
+/// [`SWIGLU_W10_K`] (~86 KB each: the H200's 228 KB an SM takes two, sm_80's 164 and
 /// sm_86's 100 one): its speed rests on the second CTA (the register bound is set for two), so
 /// where one fits, SwiGLU at that K takes the J walk.
 pub(super) fn swiglu_w10_fits(k: &Kernels) -> Result<bool> {
-    let smem = gemv2_x_smem(SWIGLU_FIVE_PARTS_K, false) + GEMV2_PRMT_TABLE;
+    let smem = gemv2_x_smem(SWIGLU_W10_K, false) + GEMV2_PRMT_TABLE;
     if smem > k.gemv2_swiglu_w10_room {
         return Ok(false);
     }
@@ -501,16 +505,15 @@ impl Ops {
             Gemv::V3 => self
                 .gemv3(Epilogue::Swiglu, &mats, cols, x, norm, out, 0, 0, false)
                 .map(|_| ()),
-            Gemv::V2 if cols == SWIGLU_FIVE_PARTS_K && self.swiglu_w10 => {
+            Gemv::V2 if cols == SWIGLU_W10_K && self.swiglu_w10 => {
                 // 5 warps a row (kparts), 10 a CTA: 2 rows a step of the CTA's walk; the table
-                // before x.
-                let kparts = 5;
-                let mut cfg = self.gemv2_grid(rows, cols, false, 10, kparts)?;
+                // before x. K and kparts are the kernel's constants.
+                let mut cfg = self.gemv2_grid(rows, cols, false, 10, SWIGLU_W10_KPARTS)?;
                 cfg.shared_mem_bytes += GEMV2_PRMT_TABLE as u32;
-                let (kp, f16) = (kparts as i32, i32::from(out_f16));
+                let f16 = i32::from(out_f16);
                 let (early_ctas, early_rows) =
                     skewed_split(rows, cfg.grid_dim.0, GEMV2_SWIGLU_SKEW);
-                launch!(self.gpu, &self.k.gemv2_swiglu_w10, cfg; gate, up, x, norm, out, rows_i, cols_i, kp, f16, early_ctas, early_rows)
+                launch!(self.gpu, &self.k.gemv2_swiglu_w10, cfg; gate, up, x, norm, out, rows_i, f16, early_ctas, early_rows)
             }
             Gemv::V2 => {
                 // At most 2 chunks a lane where K allows (up to 16,384): J = 3's kernel spills

@@ -37,6 +37,7 @@ pub(super) use gemm::GemmArgs;
 pub use gemm::{Epilogue, GemmMatrix};
 pub use gemv::{
     Gemv, GemvChoice, LogitsHead, QkvArgs, GEMV2_CTAS_PER_SM, GEMV2_SWIGLU_SKEW, GEMV3_MAX_BYTES,
+    SWIGLU_W10_K, SWIGLU_W10_KPARTS,
 };
 
 /// kernels/common.cuh `NormArgs`: RMSNorm weights (bf16; 0 = no norm), epsilon, and the
