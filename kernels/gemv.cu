@@ -237,9 +237,6 @@ __device__ __forceinline__ u32 fixed_lut_entry(u32 word, int k, u32 lane_at) {
     return v;
 }
 
-#ifndef WALK_PINGPONG
-#define WALK_PINGPONG 0
-#endif
 #define GEMV2_CHAIN 2
 // GEMV2_CHAIN: words of a chunk
 // whose pairs one f16x2 FMA chain sums before it is added in f32 (1: each word's four pairs,
@@ -369,24 +366,17 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
         pack_x_halves<J>(xs, xh);
     }
     float ss = 0.0f;  // squares of the values this thread stored
-    // Experiment DV2_X_WALK_PINGPONG: two blocks a trip, the buffers swapping roles, so no
-    // block copies its next block's registers into cur (~20 moves a block at the 32B SwiGLU).
-    // The 10-warp SwiGLU alone: the 8-warp walks at J = 3 spill with it.
-    constexpr bool pingpong = WALK_PINGPONG && WARPS != GEMV_WARPS;
-    // A block of rows: cur's math while nxt's loads (the next block's) are in flight.
-    auto walk_block = [&](int base, RowChunks<J> (&cur)[R][NM], RowChunks<J> (&nxt)[R][NM]) {
+    for (int base = r0; base < r1; base += block) {
         if (base + block < r1) load_block(base + block, nxt);
         float sums[R][NM];
 #pragma unroll
         for (int i = 0; i < R; i++)
 #pragma unroll
             for (int k = 0; k < NM; k++) sums[i][k] = dot_row_pair16<J, prmt_table>(cur[i][k], xh, pair16_lut, lane4);
-        if (!pingpong) {
 #pragma unroll
-            for (int i = 0; i < R; i++)
+        for (int i = 0; i < R; i++)
 #pragma unroll
-                for (int k = 0; k < NM; k++) cur[i][k] = nxt[i][k];
-        }
+            for (int k = 0; k < NM; k++) cur[i][k] = nxt[i][k];
         // Late sums: the block's reduced all at once (warp_sum_spread), each stored by the lane
         // that holds it: the 32B shape's SwiGLU iteration ~395 -> ~372 SASS instructions, +2.2-3.1%
         // decode at the 32B shape, the 3B shape's within noise (docs/lab.md, session 38).
@@ -398,7 +388,7 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
                 const int r = base + i * row_lanes + row_lane;
                 if (r < r1) late_partial[((r - r0) * NM + k) * kparts + part] = s;
             }
-            return;
+            continue;
         }
 #pragma unroll
         for (int i = 0; i < R; i++)
@@ -412,7 +402,7 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
                     if (r < r1) ss += sq(rows_of.store(r, sums[i]));
                 }
             }
-            return;
+            continue;
         }
         if (lane == 0) {
 #pragma unroll
@@ -436,14 +426,6 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
             }
         }
         __syncthreads();
-    };
-    if (pingpong) {
-        for (int base = r0; base < r1; base += 2 * block) {
-            walk_block(base, cur, nxt);
-            if (base + block < r1) walk_block(base + block, nxt, cur);
-        }
-    } else {
-        for (int base = r0; base < r1; base += block) walk_block(base, cur, nxt);
     }
     rows_of.tail();
     if (late) {

@@ -241,11 +241,6 @@ impl Config {
         ]
         .iter()
         .map(|(name, on)| format!("-D{name}={}", i32::from(*on)))
-        // Experiment (docs/lab.md, session 39): GEMV v2's walk two blocks a trip, no copies.
-        .chain(
-            (std::env::var("DV2_X_WALK_PINGPONG").as_deref() == Ok("1"))
-                .then(|| "-DWALK_PINGPONG=1".into()),
-        )
         .collect()
     }
 }
