@@ -77,7 +77,7 @@ pub const VARIABLES: &[Variable] = &[
         default: "1",
         effect: "`0`: no long-context decode attention (flash-decoding over the whole GPU, at \
                  every depth): attention v3",
-        lab: "sessions 22 (the context sweep) and 28 (from depth 1)",
+        lab: "sessions 22 (the context sweep), 28 (from depth 1) and 39 (the 32B shape)",
     },
     Variable {
         name: "DV2_SAMPLE_SHORTCUTS",
