@@ -590,9 +590,15 @@ fn context_sweep(json_path: &str, preset: &str, depths: &[usize], against: (&str
             .zip(&lb)
             .map(|(x, y)| (x - y).abs())
             .fold(0f32, f32::max);
+        // Free-running greedy steps: after the first differing id the two engines decode
+        // different sequences, so that step is what tells a near-tie from a wrong answer.
+        let ids = match ia.iter().zip(&ib).position(|(x, y)| x != y) {
+            None => "ids equal".to_string(),
+            Some(step) => format!("ids DIFFER from step {step} of {}", ia.len()),
+        };
         println!(
-            "{against_label} at depth {depth}: ids {} the default's, max |logit diff| {diff:e}",
-            if ia == ib { "equal" } else { "DIFFER from" }
+            "{against_label} at depth {depth}: {ids} against the default's, max |logit diff| \
+             {diff:e} at the last step"
         );
     }
     let (default, other): (Vec<_>, Vec<_>) = depths
