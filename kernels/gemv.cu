@@ -237,9 +237,6 @@ __device__ __forceinline__ u32 fixed_lut_entry(u32 word, int k, u32 lane_at) {
     return v;
 }
 
-#ifndef W10_PTRS
-#define W10_PTRS 0
-#endif
 #define GEMV2_CHAIN 2
 // GEMV2_CHAIN: words of a chunk
 // whose pairs one f16x2 FMA chain sums before it is added in f32 (1: each word's four pairs,
@@ -335,48 +332,7 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     const bool late = (r1 - r0) * NM * kparts <= late_floats;
     // Software pipeline: the loads of the next block are issued before this block's math.
     RowChunks<J> cur[R][NM], nxt[R][NM];
-#if W10_PTRS
-    // Experiment DV2_X_W10_PTRS: the 10-warp SwiGLU (one matrix per k for every row, K a
-    // constant) keeps a pointer per matrix to its row part in the block to load next and
-    // advances it by a block's bytes, the block's other rows at constant offsets from it, where
-    // each row's address was a product of its row and K (~50 instructions a block).
-    constexpr bool step_ptrs = WARPS != GEMV_WARPS;
-#else
-    constexpr bool step_ptrs = false;
-#endif
-    const uint4* q_at[NM];
-    const float* a_at[NM];
-    if (step_ptrs) {
-        const int r = r0 + row_lane;
-#pragma unroll
-        for (int k = 0; k < NM; k++) {
-            const Nf4Ref m = rows_of.matrix(r, k);
-            q_at[k] = reinterpret_cast<const uint4*>(m.packed + (size_t)(u32)r * (u32)(cols >> 1)) + part * J * 32 + lane;
-            a_at[k] = m.absmax + (size_t)(u32)r * (u32)(cols >> 6) + ((part * J * 32 + lane) >> 1);
-        }
-    }
     auto load_block = [&](int base, RowChunks<J> (&rc)[R][NM]) {
-        if (step_ptrs) {
-            const int n_chunks = cols >> 5;
-#pragma unroll
-            for (int i = 0; i < R; i++) {
-                const int r = base + i * row_lanes + row_lane;
-                if (r < r1) {
-#pragma unroll
-                    for (int k = 0; k < NM; k++)
-#pragma unroll
-                        for (int j = 0; j < J; j++) {
-                            const bool in = (part * J + j) * 32 + lane < n_chunks;
-                            rc[i][k].q[j] = in ? load_weights16(q_at[k] + i * row_lanes * n_chunks + j * 32)
-                                               : make_uint4(0u, 0u, 0u, 0u);
-                            rc[i][k].s[j] = in ? __ldg(a_at[k] + i * row_lanes * (cols >> 6) + j * 16) : 0.0f;
-                        }
-                }
-            }
-#pragma unroll
-            for (int k = 0; k < NM; k++) q_at[k] += block * n_chunks, a_at[k] += block * (cols >> 6);
-            return;
-        }
 #pragma unroll
         for (int i = 0; i < R; i++) {
             const int r = base + i * row_lanes + row_lane;

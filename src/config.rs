@@ -241,10 +241,6 @@ impl Config {
         ]
         .iter()
         .map(|(name, on)| format!("-D{name}={}", i32::from(*on)))
-        // Experiment (docs/lab.md, session 39): the 10-warp SwiGLU's row pointers advanced.
-        .chain(
-            (std::env::var("DV2_X_W10_PTRS").as_deref() == Ok("1")).then(|| "-DW10_PTRS=1".into()),
-        )
         .collect()
     }
 }
