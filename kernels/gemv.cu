@@ -651,20 +651,14 @@ GEMV2_NF4_KERNEL(4, 1, true, _narrow_x16)
 // as f16. Rows: whose matrices and epilogue (PlainRows, QkvRows). WARPS: the CTA's warps.
 // FIXED: the PRMT-addressed table at window offset KWALK_TABLE_AT (the host gives the CTA dynamic
 // shared memory past it), else the table in static shared memory.
-#ifndef KWALK_PRMT
-#define KWALK_PRMT 0
-#endif
-// PRMT_DYN (experiment DV2_X_KWALK_PRMT): the PRMT-addressed table in dynamic shared memory
-// before x (PRMT_LUT_WORDS words), as lm_head's and the 32B SwiGLU's.
-template <int R, int D, bool X32, int WARPS = GEMV_WARPS, bool FIXED = false, bool PRMT_DYN = false,
-          typename Rows>
+template <int R, int D, bool X32, int WARPS = GEMV_WARPS, bool FIXED = false, typename Rows>
 __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, const void* __restrict__ x,
                                             NormArgs norm, int kparts, const int* skip_if) {
-    __shared__ __align__(16) u32 pair16_static[FIXED || PRMT_DYN ? 1 : BYTE_LUT_WORDS];
+    __shared__ __align__(16) u32 pair16_static[FIXED ? 1 : BYTE_LUT_WORDS];
     __shared__ float part_sums[WARPS * R];
     extern __shared__ __align__(16) float gemv2_dyn[];
-    u32* x_staged = reinterpret_cast<u32*>(gemv2_dyn) + (PRMT_DYN ? PRMT_LUT_WORDS : 0);
-    u32* pair16_lut = PRMT_DYN ? reinterpret_cast<u32*>(gemv2_dyn) : pair16_static;
+    u32* x_staged = reinterpret_cast<u32*>(gemv2_dyn);
+    u32* pair16_lut = pair16_static;
     if (FIXED) {
         const u32 dyn_at = (u32)__cvta_generic_to_shared(gemv2_dyn);
         pair16_lut = reinterpret_cast<u32*>(reinterpret_cast<char*>(gemv2_dyn) + (KWALK_TABLE_AT - dyn_at));
@@ -672,7 +666,7 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
     timeline_start();
     // The table build is written for GEMV_THREADS threads; a larger CTA's others skip it.
     if (WARPS == GEMV_WARPS || (int)threadIdx.x < GEMV_THREADS) {
-        if (FIXED || PRMT_DYN) load_byte_codebook_prmt<GEMV_THREADS>(pair16_lut);
+        if (FIXED) load_byte_codebook_prmt<GEMV_THREADS>(pair16_lut);
         else load_byte_codebook<GEMV_THREADS>(pair16_lut);
     }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -740,7 +734,7 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
                 XHalves<1> xh;
                 read_x16_chunk(x_staged, tt * 32 + lane, n_chunks, xh.h[0]);
 #pragma unroll
-                for (int i = 0; i < R; i++) acc[i] += dot_row_pair16<1, PRMT_DYN, FIXED>(buf[d][i], xh, pair16_lut, lane4);
+                for (int i = 0; i < R; i++) acc[i] += dot_row_pair16<1, false, FIXED>(buf[d][i], xh, pair16_lut, lane4);
                 load_iter(tt + D, buf[d]);
             }
         }
@@ -792,14 +786,13 @@ GEMV2_KWALK_KERNEL(gemv2_kwalk_x16_w16, false, 16, true)
 // rows a CTA. x is staged as f16, each value rounded once (as GEMV v3 stages it). With q/k/v
 // below: +1.2-1.4% decode at the 32B shape from 48 to 8k; at the 3B shape's o and q/k/v in place
 // of GEMV v3 (80 and 103 CTAs), -1.5..-5.3%: docs/lab.md, session 35.
-GEMV2_KWALK_KERNEL(gemv2_kwalk_f32, true, GEMV_WARPS, false, KWALK_PRMT != 0)
+GEMV2_KWALK_KERNEL(gemv2_kwalk_f32, true)
 // q/k/v walking K (the 32B shape's 7,168 rows, K = 5,120), 4 rows a warp over the whole K: 32
 // rows a CTA (the host's GEMV2_KWALK_QKV_ROWS), 224 CTAs.
 extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)
     gemv2_kwalk_qkv(QkvArgs a, const float* __restrict__ x, NormArgs norm, float* out, int cols, int kparts) {
     QkvRows q{a, out};
-    gemv2_kwalk<4, 2, true, GEMV_WARPS, false, KWALK_PRMT != 0>(q, a.rows[0] + a.rows[1] + a.rows[2], cols, x, norm,
-                                                                 kparts, nullptr);
+    gemv2_kwalk<4, 2, true>(q, a.rows[0] + a.rows[1] + a.rows[2], cols, x, norm, kparts, nullptr);
 }
 // SwiGLU at K = 5,120 (the 32B shape's gate and up; the host's SWIGLU_W10_K): 160
 // chunks, 5 x 32, so 1 chunk a lane over 5 warps a row, 10 warps a CTA, 2 rows in flight a

@@ -382,10 +382,6 @@ fn options(arch: &str, cfg: &Config) -> Vec<String> {
         opts.push("--generate-line-info".into());
     }
     opts.extend(cfg.nvrtc_defines());
-    // Experiment (docs/lab.md, session 39): the f32-x K walks' table by PRMT.
-    if std::env::var("DV2_X_KWALK_PRMT").as_deref() == Ok("1") {
-        opts.push("-DKWALK_PRMT=1".into());
-    }
     opts.extend(shared_defines());
     opts
 }
@@ -647,12 +643,6 @@ impl Kernels {
         allow_dynamic_smem(gpu, &attn3_decode, ATTN2_MAX_GROUP_X_HD * 4)?;
         // The f16-x kernels that take K past GEMV2_MAX_K (down at the 32B shape).
         let x16_max_smem = gemv2_x_smem(GEMV2_X16_MAX_K, true);
-        // Experiment DV2_X_KWALK_PRMT: the f32-x K walks' table before x.
-        let kwalk_table = if std::env::var("DV2_X_KWALK_PRMT").as_deref() == Ok("1") {
-            GEMV2_PRMT_TABLE
-        } else {
-            0
-        };
         let mut k = Self {
             module: module.clone(),
             gemv3,
@@ -672,8 +662,8 @@ impl Kernels {
             gemv2_nf4_x16: gemv2("gemv2_nf4", "_narrow_x16", GEMV2_MAX_SMEM)?,
             gemv2_nf4_x16_j4: f_smem("gemv2_nf4_j4_narrow_x16", x16_max_smem)?,
             gemv2_kwalk_x16: f_smem("gemv2_kwalk_x16", x16_max_smem)?,
-            gemv2_kwalk_f32: f_smem("gemv2_kwalk_f32", x16_max_smem + kwalk_table)?,
-            gemv2_kwalk_qkv: f_smem("gemv2_kwalk_qkv", x16_max_smem + kwalk_table)?,
+            gemv2_kwalk_f32: f_smem("gemv2_kwalk_f32", x16_max_smem)?,
+            gemv2_kwalk_qkv: f_smem("gemv2_kwalk_qkv", x16_max_smem)?,
             gemv2_kwalk_x16_w16: f_smem("gemv2_kwalk_x16_w16", KWALK_TABLE_AT + GEMV2_PRMT_TABLE)?,
             gemv2_kwalk_w16_room: 0,
             gemv2_qkv: gemv2("gemv2_qkv", "_narrow", GEMV2_MAX_SMEM)?,

@@ -148,18 +148,11 @@ impl Ops {
 
     /// The K walk's grid where [`Ops::walks_k`]: one CTA of [`GEMV_WARPS`] per `rows_per_cta`
     /// rows, x staged as f16.
-    fn kwalk_launch(
-        &self,
-        rows: usize,
-        cols: usize,
-        rows_per_cta: usize,
-        table: bool,
-    ) -> Result<LaunchConfig> {
-        let table = if table { GEMV2_PRMT_TABLE as u32 } else { 0 };
+    fn kwalk_launch(&self, rows: usize, cols: usize, rows_per_cta: usize) -> Result<LaunchConfig> {
         Ok(LaunchConfig {
             grid_dim: (rows.div_ceil(rows_per_cta) as u32, 1, 1),
             block_dim: (GEMV_WARPS * 32, 1, 1),
-            shared_mem_bytes: self.gemv2_x_room(cols, true)? + table,
+            shared_mem_bytes: self.gemv2_x_room(cols, true)?,
         })
     }
 
@@ -341,8 +334,7 @@ impl Ops {
             }
             Gemv::V2 if self.walks_k(rows, cols, input.f16, GEMV2_KWALK_ROWS) => {
                 let kp = GEMV2_KWALK_KPARTS;
-                let cfg =
-                    self.kwalk_launch(rows, cols, GEMV2_KWALK_ROWS, self.kwalk_prmt && !input.f16)?;
+                let cfg = self.kwalk_launch(rows, cols, GEMV2_KWALK_ROWS)?;
                 check_sums(ss_out, cfg.grid_dim.0)?;
                 let f = if input.f16 {
                     &self.k.gemv2_kwalk_x16
@@ -462,7 +454,7 @@ impl Ops {
         match kernel {
             Gemv::V2 if self.walks_k(rows, cols, false, GEMV2_KWALK_QKV_ROWS) => {
                 // 4 rows a warp, 8 warps, each over the whole K.
-                let cfg = self.kwalk_launch(rows, cols, GEMV2_KWALK_QKV_ROWS, self.kwalk_prmt)?;
+                let cfg = self.kwalk_launch(rows, cols, GEMV2_KWALK_QKV_ROWS)?;
                 let kp = 1i32;
                 launch!(self.gpu, &self.k.gemv2_kwalk_qkv, cfg; args, x, norm, out, cols_i, kp)
                     .map(|_| false)

@@ -146,9 +146,6 @@ pub struct Ops {
     /// SwiGLU at K = 5,120 over 10 warps a CTA with its table in shared memory
     /// (`gemv2_swiglu_j1_w10`), where two such CTAs fit an SM ([`gemv::swiglu_w10_fits`]).
     pub(super) swiglu_w10: bool,
-    /// Experiment DV2_X_KWALK_PRMT (docs/lab.md, session 39): the f32-x K walks (the 32B
-    /// shape's o and q/k/v) read the PRMT-addressed table in dynamic shared memory before x.
-    pub(super) kwalk_prmt: bool,
 }
 
 impl Ops {
@@ -170,7 +167,6 @@ impl Ops {
             attn_long,
             sms,
             swiglu_w10,
-            kwalk_prmt: std::env::var("DV2_X_KWALK_PRMT").as_deref() == Ok("1"),
         })
     }
 
