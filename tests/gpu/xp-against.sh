@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine, from the repository root, with .dx/xp/ from tests/gpu/pack-xp.sh:
+# each experiment switch's cuda_gemv (the GEMV kernels against the CPU under it), then the
+# context bench with the switch against the default in one process (the engines alternate;
+# ids and logits compared first). Logs under $OUT (or ./device-logs).
+# Usage: [PRESET=qwen25_32b] [DEPTHS=48,2048,8192] bash tests/gpu/xp-against.sh VAR=VALUE [VAR=VALUE...]
+set -uo pipefail
+[[ -e /tmp/dv2-xp ]] || ln -s "$PWD" /tmp/dv2-xp
+out=${OUT:-device-logs}; mkdir -p "$out"
+export DV2_REQUIRE_CUDA=1 DV2_CACHE_DIR=/tmp/dv2-cache
+export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+preset=${PRESET:-qwen25_32b} depths=${DEPTHS:-48,2048,8192}
+echo "experiments built from $(cat .dx/xp/REV 2>/dev/null || echo '?')"
+status=0
+for setting in "$@"; do
+  name=$(echo "$setting" | tr '=' '-')
+  env "$setting" .dx/xp/cuda_gemv --test-threads=4 > "$out/gemv-$name.txt" 2>&1 \
+    && echo "$setting cuda_gemv: ok" || { echo "$setting cuda_gemv: FAILED"; status=1; }
+  grep -E "test result|FAILED|panicked" "$out/gemv-$name.txt" | tail -3
+done
+for setting in "$@"; do
+  name=$(echo "$setting" | tr '=' '-')
+  echo "== bench --context $preset $depths --against $setting"
+  .dx/xp/bench --context "$preset" "$depths" --against "$setting" > "$out/bench-$name.txt" 2>&1 || status=1
+  grep -vE "^\s*$" "$out/bench-$name.txt" | tail -12
+done
+exit $status
