@@ -593,12 +593,14 @@ fn context_sweep(json_path: &str, preset: &str, depths: &[usize], against: (&str
         // Free-running greedy steps: after the first differing id the two engines decode
         // different sequences, so that step is what tells a near-tie from a wrong answer.
         let ids = match ia.iter().zip(&ib).position(|(x, y)| x != y) {
-            None => "ids equal".to_string(),
-            Some(step) => format!("ids DIFFER from step {step} of {}", ia.len()),
+            None => "ids equal the default's".to_string(),
+            Some(step) => format!(
+                "ids DIFFER from the default's from step {step} of {}",
+                ia.len()
+            ),
         };
         println!(
-            "{against_label} at depth {depth}: {ids} against the default's, max |logit diff| \
-             {diff:e} at the last step"
+            "{against_label} at depth {depth}: {ids}, max |logit diff| {diff:e} at the last step"
         );
     }
     let (default, other): (Vec<_>, Vec<_>) = depths
