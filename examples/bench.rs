@@ -520,19 +520,6 @@ fn decode_profile(steps: usize, depth: usize, preset: &str) {
     println!("{steps} eager decode steps after a {depth}-token prompt: {ids:?}");
 }
 
-/// The two largest logits as (id, logit), the larger first.
-fn top_two(logits: &[f32]) -> [(usize, f32); 2] {
-    let mut top = [(0, f32::NEG_INFINITY); 2];
-    for (i, &v) in logits.iter().enumerate() {
-        if v > top[0].1 {
-            top = [(i, v), top[0]];
-        } else if v > top[1].1 {
-            top[1] = (i, v);
-        }
-    }
-    top
-}
-
 /// `--context [PRESET [D1,D2,..]]`: a preset's shape (Qwen2.5-3B by default) at max_seq
 /// 32768, by context depth (48 to 32k by default): prefill of a prompt that long (ms and tok/s,
 /// wall clock to the first token), then decode of 128 tokens after it (graph replays,
@@ -608,23 +595,22 @@ fn context_sweep(json_path: &str, preset: &str, depths: &[usize], against: (&str
             .map(|(x, y)| (x - y).abs())
             .fold(0f32, f32::max);
         // Free-running greedy steps: after the first differing id the two engines decode
-        // different sequences. At that step both saw the same ids, so each one's top two
-        // logits there tell a near-tie (a margin within the logits' error) from a wrong answer.
+        // different sequences. At that step both saw the same ids, so each one's top two there
+        // tell a near-tie (a margin within the logits' error; log-probabilities differ by the
+        // logits' difference) from a wrong answer.
         let ids = match ia.iter().zip(&ib).position(|(x, y)| x != y) {
             _ if pa != pb => format!("the prefill's ids DIFFER: {pb} against the default's {pa}"),
             None => "ids equal the default's".to_string(),
             Some(step) => {
                 let tops = [&mut a, &mut b].map(|e| {
-                    let mut logits = vec![0f32; spec.vocab];
                     e.reset().unwrap();
                     e.prefill(&prompt).unwrap();
                     e.step_n(&mut vec![0u32; step + 1]).unwrap();
-                    e.logits(&mut logits).unwrap();
-                    top_two(&logits)
+                    e.logprobs(0, 2).unwrap().top
                 });
                 format!(
                     "ids DIFFER from the default's from step {step} of {}; there the top two \
-                     (id, logit) {:?} against the default's {:?}",
+                     (id, log-probability) {:?} against the default's {:?}",
                     ia.len(),
                     tops[1],
                     tops[0]
