@@ -649,16 +649,23 @@ GEMV2_NF4_KERNEL(4, 1, true, _narrow_x16)
 // 2 x 4), lost: docs/lab.md, session 33.
 // X32: x comes as f32 (with the RMSNorm where norm.w) and is staged as f16 (stage_x_as16); else
 // as f16. Rows: whose matrices and epilogue (PlainRows, QkvRows). WARPS: the CTA's warps.
-// FIXED: the PRMT-addressed table at window offset KWALK_TABLE_AT (the host gives the CTA dynamic
-// shared memory past it), else the table in static shared memory.
-template <int R, int D, bool X32, int WARPS = GEMV_WARPS, bool FIXED = false, typename Rows>
+// TABLE: where the byte table lies (KwalkTable).
+enum class KwalkTable {
+    Static,   // the byte table in static shared memory
+    BeforeX,  // the PRMT-addressed table in dynamic shared memory, x after it (the host gives
+              // the CTA GEMV2_PRMT_TABLE bytes more)
+    Fixed,    // the PRMT-addressed table at window offset KWALK_TABLE_AT, past x
+};
+template <int R, int D, bool X32, int WARPS = GEMV_WARPS, KwalkTable TABLE = KwalkTable::Static, typename Rows>
 __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, const void* __restrict__ x,
                                             NormArgs norm, int kparts, const int* skip_if) {
-    __shared__ __align__(16) u32 pair16_static[FIXED ? 1 : BYTE_LUT_WORDS];
+    constexpr bool FIXED = TABLE == KwalkTable::Fixed, PRMT = TABLE != KwalkTable::Static;
+    __shared__ __align__(16) u32 pair16_static[PRMT ? 1 : BYTE_LUT_WORDS];
     __shared__ float part_sums[WARPS * R];
     extern __shared__ __align__(16) float gemv2_dyn[];
-    u32* x_staged = reinterpret_cast<u32*>(gemv2_dyn);
-    u32* pair16_lut = pair16_static;
+    constexpr bool BEFORE_X = TABLE == KwalkTable::BeforeX;
+    u32* x_staged = reinterpret_cast<u32*>(gemv2_dyn) + (BEFORE_X ? PRMT_LUT_WORDS : 0);
+    u32* pair16_lut = BEFORE_X ? reinterpret_cast<u32*>(gemv2_dyn) : pair16_static;
     if (FIXED) {
         const u32 dyn_at = (u32)__cvta_generic_to_shared(gemv2_dyn);
         pair16_lut = reinterpret_cast<u32*>(reinterpret_cast<char*>(gemv2_dyn) + (KWALK_TABLE_AT - dyn_at));
@@ -666,7 +673,7 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
     timeline_start();
     // The table build is written for GEMV_THREADS threads; a larger CTA's others skip it.
     if (WARPS == GEMV_WARPS || (int)threadIdx.x < GEMV_THREADS) {
-        if (FIXED) load_byte_codebook_prmt<GEMV_THREADS>(pair16_lut);
+        if (PRMT) load_byte_codebook_prmt<GEMV_THREADS>(pair16_lut);
         else load_byte_codebook<GEMV_THREADS>(pair16_lut);
     }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -734,7 +741,7 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
                 XHalves<1> xh;
                 read_x16_chunk(x_staged, tt * 32 + lane, n_chunks, xh.h[0]);
 #pragma unroll
-                for (int i = 0; i < R; i++) acc[i] += dot_row_pair16<1, false, FIXED>(buf[d][i], xh, pair16_lut, lane4);
+                for (int i = 0; i < R; i++) acc[i] += dot_row_pair16<1, PRMT, FIXED>(buf[d][i], xh, pair16_lut, lane4);
                 load_iter(tt + D, buf[d]);
             }
         }
@@ -761,7 +768,7 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
     timeline_end();
 }
 // The K walk of one matrix (y = W x stored or added, with its sums of squares), 5 rows a row
-// lane, 2 iterations in flight; the rest of gemv2_kwalk's arguments (X32, WARPS, FIXED) after
+// lane, 2 iterations in flight; the rest of gemv2_kwalk's arguments (X32, WARPS, TABLE) after
 // them. One signature for all, as the host launches them alike (src/cuda/ops/gemv.rs).
 #define GEMV2_KWALK_KERNEL(NAME, ...)                                                                           \
     extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)                                                    \
@@ -780,19 +787,23 @@ GEMV2_KWALK_KERNEL(gemv2_kwalk_x16, false)
 // warps; a device with less than 192 KiB a CTA (the host's KWALK_TABLE_AT + GEMV2_PRMT_TABLE)
 // runs the 8-warp kernel above. +2.4/+3.5/+5.3% decode at the 32B shape at 48/2k/8k over the
 // SwiGLU table below (docs/lab.md, session 36).
-GEMV2_KWALK_KERNEL(gemv2_kwalk_x16_w16, false, 16, true)
+GEMV2_KWALK_KERNEL(gemv2_kwalk_x16_w16, false, 16, KwalkTable::Fixed)
 // The same from f32 x, for the matrices no wider than tall (the 32B shape's o: 5,120 rows, K =
 // 5,120, 256 CTAs), where the J = 3 walk holds 48 bytes a lane in flight in 7 serial steps of 4
 // rows a CTA. x is staged as f16, each value rounded once (as GEMV v3 stages it). With q/k/v
 // below: +1.2-1.4% decode at the 32B shape from 48 to 8k; at the 3B shape's o and q/k/v in place
-// of GEMV v3 (80 and 103 CTAs), -1.5..-5.3%: docs/lab.md, session 35.
-GEMV2_KWALK_KERNEL(gemv2_kwalk_f32, true)
+// of GEMV v3 (80 and 103 CTAs), -1.5..-5.3%: docs/lab.md, session 35. Both read the
+// PRMT-addressed table before x (77 KB a CTA at K = 5,120, two an SM), one PRMT a lookup where
+// a shift and a LOP3 made the address (the loops -16% and -15%): +0.7..+1.2% decode at the 32B
+// shape from 48 to 8k (docs/lab.md, session 40).
+GEMV2_KWALK_KERNEL(gemv2_kwalk_f32, true, GEMV_WARPS, KwalkTable::BeforeX)
 // q/k/v walking K (the 32B shape's 7,168 rows, K = 5,120), 4 rows a warp over the whole K: 32
 // rows a CTA (the host's GEMV2_KWALK_QKV_ROWS), 224 CTAs.
 extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)
     gemv2_kwalk_qkv(QkvArgs a, const float* __restrict__ x, NormArgs norm, float* out, int cols, int kparts) {
     QkvRows q{a, out};
-    gemv2_kwalk<4, 2, true>(q, a.rows[0] + a.rows[1] + a.rows[2], cols, x, norm, kparts, nullptr);
+    gemv2_kwalk<4, 2, true, GEMV_WARPS, KwalkTable::BeforeX>(q, a.rows[0] + a.rows[1] + a.rows[2], cols, x, norm,
+                                                             kparts, nullptr);
 }
 // SwiGLU at K = 5,120 (the 32B shape's gate and up; the host's SWIGLU_W10_K): 160
 // chunks, 5 x 32, so 1 chunk a lane over 5 warps a row, 10 warps a CTA, 2 rows in flight a

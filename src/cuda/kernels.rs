@@ -510,7 +510,8 @@ pub struct Kernels {
     /// [`GEMV2_KWALK_ROWS`] rows, [`GEMV2_KWALK_KPARTS`] warps a row.
     pub gemv2_kwalk_x16: CudaFunction,
     pub gemv2_kwalk_f32: CudaFunction,
-    /// q/k/v walking K: one CTA per [`GEMV2_KWALK_QKV_ROWS`] rows.
+    /// q/k/v walking K: one CTA per [`GEMV2_KWALK_QKV_ROWS`] rows. It and the K walk from
+    /// f32 x hold the PRMT-addressed table ([`GEMV2_PRMT_TABLE`] bytes) before x.
     pub gemv2_kwalk_qkv: CudaFunction,
     /// The K walk from f16 x over 16 warps, one CTA an SM, the PRMT-addressed table at window
     /// offset [`KWALK_TABLE_AT`] (where `Ops::walks_k_w16`); and the dynamic shared memory the
@@ -662,8 +663,8 @@ impl Kernels {
             gemv2_nf4_x16: gemv2("gemv2_nf4", "_narrow_x16", GEMV2_MAX_SMEM)?,
             gemv2_nf4_x16_j4: f_smem("gemv2_nf4_j4_narrow_x16", x16_max_smem)?,
             gemv2_kwalk_x16: f_smem("gemv2_kwalk_x16", x16_max_smem)?,
-            gemv2_kwalk_f32: f_smem("gemv2_kwalk_f32", x16_max_smem)?,
-            gemv2_kwalk_qkv: f_smem("gemv2_kwalk_qkv", x16_max_smem)?,
+            gemv2_kwalk_f32: f_smem("gemv2_kwalk_f32", GEMV2_PRMT_TABLE + x16_max_smem)?,
+            gemv2_kwalk_qkv: f_smem("gemv2_kwalk_qkv", GEMV2_PRMT_TABLE + x16_max_smem)?,
             gemv2_kwalk_x16_w16: f_smem("gemv2_kwalk_x16_w16", KWALK_TABLE_AT + GEMV2_PRMT_TABLE)?,
             gemv2_kwalk_w16_room: 0,
             gemv2_qkv: gemv2("gemv2_qkv", "_narrow", GEMV2_MAX_SMEM)?,
@@ -710,7 +711,6 @@ impl Kernels {
             .gemv2_nf4_x16
             .iter()
             .chain([&k.gemv2_nf4_x16_j4, &k.gemv2_kwalk_x16])
-            .chain([&k.gemv2_kwalk_f32, &k.gemv2_kwalk_qkv])
             .collect();
         k.gemv2_room = [dynamic_smem_room(&f32_x)?, dynamic_smem_room(&f16_x)?];
         k.gemv2_swiglu_w10_room = dynamic_smem_room(&[&k.gemv2_swiglu_w10])?;

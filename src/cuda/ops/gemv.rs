@@ -143,16 +143,31 @@ impl Ops {
     fn walks_k(&self, rows: usize, cols: usize, x_f16: bool, rows_per_cta: usize) -> bool {
         let resident = (self.sms * GEMV2_CTAS_PER_SM) as usize;
         walks_k_by_shape(rows, cols, x_f16, rows_per_cta, resident)
-            && self.gemv2_x_room(cols, true).is_ok()
+            && if x_f16 {
+                self.gemv2_x_room(cols, true).is_ok()
+            } else {
+                kwalk_f32_fits(cols, self.gpu.caps.max_smem_per_cta)
+            }
     }
 
     /// The K walk's grid where [`Ops::walks_k`]: one CTA of [`GEMV_WARPS`] per `rows_per_cta`
-    /// rows, x staged as f16.
-    fn kwalk_launch(&self, rows: usize, cols: usize, rows_per_cta: usize) -> Result<LaunchConfig> {
+    /// rows, x staged as f16 (after the PRMT-addressed table where x comes as f32).
+    fn kwalk_launch(
+        &self,
+        rows: usize,
+        cols: usize,
+        x_f16: bool,
+        rows_per_cta: usize,
+    ) -> Result<LaunchConfig> {
+        let shared_mem_bytes = if x_f16 {
+            self.gemv2_x_room(cols, true)?
+        } else {
+            kwalk_f32_smem(cols) as u32
+        };
         Ok(LaunchConfig {
             grid_dim: (rows.div_ceil(rows_per_cta) as u32, 1, 1),
             block_dim: (GEMV_WARPS * 32, 1, 1),
-            shared_mem_bytes: self.gemv2_x_room(cols, true)?,
+            shared_mem_bytes,
         })
     }
 
@@ -334,7 +349,7 @@ impl Ops {
             }
             Gemv::V2 if self.walks_k(rows, cols, input.f16, GEMV2_KWALK_ROWS) => {
                 let kp = GEMV2_KWALK_KPARTS;
-                let cfg = self.kwalk_launch(rows, cols, GEMV2_KWALK_ROWS)?;
+                let cfg = self.kwalk_launch(rows, cols, input.f16, GEMV2_KWALK_ROWS)?;
                 check_sums(ss_out, cfg.grid_dim.0)?;
                 let f = if input.f16 {
                     &self.k.gemv2_kwalk_x16
@@ -454,7 +469,7 @@ impl Ops {
         match kernel {
             Gemv::V2 if self.walks_k(rows, cols, false, GEMV2_KWALK_QKV_ROWS) => {
                 // 4 rows a warp, 8 warps, each over the whole K.
-                let cfg = self.kwalk_launch(rows, cols, GEMV2_KWALK_QKV_ROWS)?;
+                let cfg = self.kwalk_launch(rows, cols, false, GEMV2_KWALK_QKV_ROWS)?;
                 let kp = 1i32;
                 launch!(self.gpu, &self.k.gemv2_kwalk_qkv, cfg; args, x, norm, out, cols_i, kp)
                     .map(|_| false)
@@ -543,6 +558,22 @@ fn auto_gemv(rows: usize, cols: usize, x_f16: bool, v2_room: usize) -> Gemv {
     } else {
         Gemv::V2
     }
+}
+
+/// The dynamic shared memory of the K walks from f32 x for K = cols: the PRMT-addressed table,
+/// then x staged as f16.
+fn kwalk_f32_smem(cols: usize) -> usize {
+    GEMV2_PRMT_TABLE + gemv2_x_smem(cols, true)
+}
+
+/// Whether two CTAs of the K walks from f32 x fit an SM (the grids of [`Ops::walks_k`] assume
+/// [`GEMV2_CTAS_PER_SM`]), each with ~2 KiB of static and reserved shared memory beside its
+/// dynamic, in an SM's `max_smem_per_cta` + 1 KiB: at K = 5,120 (77 KB a CTA) on sm_90 (227
+/// KiB a CTA) and sm_80 (163), not on sm_86, sm_89 or sm_120 (99), whose f32-x linears take
+/// the J walk instead.
+fn kwalk_f32_fits(cols: usize, max_smem_per_cta: usize) -> bool {
+    let per_sm = GEMV2_CTAS_PER_SM as usize;
+    per_sm * (kwalk_f32_smem(cols) + 2048) <= max_smem_per_cta + 1024
 }
 
 /// [`Ops::walks_k`] but for the shared memory: by the matrix's shape, its x's type and whether
@@ -680,6 +711,18 @@ mod tests {
         }
         let s = &crate::arch::QWEN25_3B;
         assert_eq!(auto_gemv(s.hidden, s.intermediate, true, SM_86), Gemv::V2);
+    }
+
+    /// The 32B shape's o and q/k/v (K = 5,120 from f32 x) walk K with the table before x where
+    /// two such CTAs fit an SM.
+    #[test]
+    fn the_f32_x_k_walk_takes_two_ctas_an_sm_or_is_not_taken() {
+        let k = crate::arch::QWEN25_32B.hidden;
+        assert_eq!(kwalk_f32_smem(k), 65_536 + 12_800);
+        assert!(kwalk_f32_fits(k, 227 << 10));
+        assert!(kwalk_f32_fits(k, 163 << 10));
+        assert!(!kwalk_f32_fits(k, 99 << 10));
+        assert!(!kwalk_f32_fits(GEMV2_MAX_K, 163 << 10));
     }
 
     #[test]
