@@ -272,7 +272,7 @@ __device__ __forceinline__ float dot_row_pair16(const RowChunks<J>& rc, const XH
 //   matrices per row (1, or 2 for SwiGLU's gate and up); void tail(), run as the walk ends,
 //   and void finish() after the epilogues (every thread of the CTA).
 // X16: x comes as f16 (stage_x16), else f32 (stage_x). WARPS: the CTA's warps (GEMV_WARPS,
-// or 10 for gemv2_swiglu_j1_w10's 5 warps a row).
+// or 20 for gemv2_swiglu_j1_w20's 5 warps a row).
 template <int J, int R, int NM, bool X16, int WARPS = GEMV_WARPS, typename Rows>
 __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, const float* __restrict__ x,
                                            NormArgs norm, int kparts, const int* skip_if, int early_ctas = 0,
@@ -282,8 +282,8 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     constexpr bool prmt_table = Rows::prmt_table;
     __shared__ __align__(16) u32 pair16_static[prmt_table ? 1 : BYTE_LUT_WORDS];
     __shared__ float partial[GEMV2_MAX_LANES_X_R * NM][WARPS];
-    // (twice the floats with other WARPS: gemv2_swiglu_j1_w10's 5 K-parts of ~107 rows of 2 sums)
-    constexpr int late_floats = GEMV2_LATE_FLOATS * (WARPS == GEMV_WARPS ? 1 : 2);
+    // (4 times the floats with other WARPS: gemv2_swiglu_j1_w20's 5 K-parts of ~210 rows of 2 sums)
+    constexpr int late_floats = GEMV2_LATE_FLOATS * (WARPS == GEMV_WARPS ? 1 : 4);
     __shared__ float late_partial[late_floats];
     // Dynamic shared memory: that table (PRMT_LUT_WORDS words), then x as staged: cols / 32 *
     // X_STAGE_STRIDE floats, or cols / 32 * X16_STAGE_STRIDE words from f16.
@@ -579,7 +579,7 @@ struct LogitRows {
 // what fits 255 registers, so that each kernel stays within 128 (no spills but SwiGLU's at J
 // = 3, 184 bytes, which the host takes only past K = 16,384: at the 32B shape's K = 5,120
 // SwiGLU at J = 2 over 4 warps a row ran +16% decode against J = 3 over 2, docs/lab.md
-// session 30, and gemv2_swiglu_j1_w10 below +12% more, session 31): a CTA fits beside a
+// session 30, and 5 warps a row below +12% more, session 31): a CTA fits beside a
 // GEMV v3 CTA (o's, before gate/up), so it becomes resident and builds its table while that
 // kernel runs, and two fit an SM (GEMV2_CTAS_PER_SM on the host): 6% faster decode than one
 // CTA of twice the rows (docs/lab.md, session 10).
@@ -805,30 +805,32 @@ extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)
     gemv2_kwalk<4, 2, true, GEMV_WARPS, KwalkTable::BeforeX>(q, a.rows[0] + a.rows[1] + a.rows[2], cols, x, norm,
                                                              kparts, nullptr);
 }
-// SwiGLU at K = 5,120 (the 32B shape's gate and up; the host's SWIGLU_W10_K): 160
-// chunks, 5 x 32, so 1 chunk a lane over 5 warps a row, 10 warps a CTA, 2 rows in flight a
-// warp. Why: over 4 warps at 2 chunks a lane, 3 of a row's 8 chunk slots lie past K, and the
-// walk is issue-bound (ncu at that shape: 0.78 issued per scheduler, compute 74%): 63.5 ->
-// 44.8 us a launch, +12.4% decode at depth 48 (docs/lab.md, session 31). The register bound
-// fits two such CTAs an SM (96: the allocation granularity of 8 below 65,536 / 640).
+// SwiGLU at K = 5,120 (the 32B shape's gate and up; the host's SWIGLU_W20_K): 160
+// chunks, 5 x 32, so 1 chunk a lane over 5 warps a row, 2 rows in flight a warp. Why: over 4
+// warps at 2 chunks a lane, 3 of a row's 8 chunk slots lie past K, and the walk is issue-bound
+// (ncu at that shape: 0.78 issued per scheduler, compute 74%): 63.5 -> 44.8 us a launch, +12.4%
+// decode at depth 48 over 10-warp CTAs, two an SM (docs/lab.md, session 31).
 // The table is lm_head's PRMT-addressed one (64 KB of dynamic shared memory before x): one PRMT
-// a lookup where a shift and a LOP3 make the address (the loop 870 -> 807 instructions). Two
-// such CTAs fit an H200 SM (2 x ~90 KB), and what runs before SwiGLU (o) never has a SwiGLU CTA
-// beside it: the footprint that lost at the 3B shape (session 15) costs no start here.
-// +2.3-3.1% decode at the 32B shape from 48 to 8k against the table in static shared memory
-// (docs/lab.md, session 36); a device where two such CTAs do not fit an SM runs the J walk.
-#define GEMV2_W10_MAX_REGS 96
+// a lookup where a shift and a LOP3 make the address (the loop 870 -> 807 instructions), +2.3-3.1%
+// decode at the 32B shape from 48 to 8k against the table in static shared memory (docs/lab.md,
+// session 36). What runs before SwiGLU (o) never has a SwiGLU CTA beside it: the footprint that
+// lost at the 3B shape (session 15) costs no start here.
+// 20 warps a CTA, one CTA an SM (4 rows a step of the CTA's walk): the SM holds one table where
+// two 10-warp CTAs held two, and the 64 KB freed goes to L1: +0.8-1.1% decode at the 32B shape
+// at 48, +0.3% at 2k, +-0.1% at 8k (docs/lab.md, session 40). The register bound is the 20
+// warps' (96: the allocation granularity of 8 below 65,536 / 640).
+#define GEMV2_W20_MAX_REGS 96
 struct SwigluRowsPrmt : SwigluRows {
     static constexpr bool prmt_table = true;
 };
-// K and the K split are the constants the host launches this kernel with (SWIGLU_W10_K,
-// SWIGLU_W10_KPARTS), so the walk's row addresses fold into immediates and its warps' roles (a
+// K and the K split are the constants the host launches this kernel with (SWIGLU_W20_K,
+// SWIGLU_W20_KPARTS), so the walk's row addresses fold into immediates and its warps' roles (a
 // division by 5) into constants: sm_90's late iteration ~372 -> ~344 instructions, +0.8-1.0%
 // decode at the 32B shape from 48 to 8k (docs/lab.md, session 39).
-extern "C" __global__ void __maxnreg__(GEMV2_W10_MAX_REGS)
-    gemv2_swiglu_j1_w10(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm, float* out, int rows,
+extern "C" __global__ void __maxnreg__(GEMV2_W20_MAX_REGS)
+    gemv2_swiglu_j1_w20(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm, float* out, int rows,
                         int out_f16, int early_ctas, int early_rows) {
     SwigluRowsPrmt g{{gate, up, out, out_f16 != 0}};
-    gemv2_walk<1, 2, 2, false, 10>(g, rows, SWIGLU_W10_K, x, norm, SWIGLU_W10_KPARTS, nullptr, early_ctas,
+    gemv2_walk<1, 2, 2, false, 20>(g, rows, SWIGLU_W20_K, x, norm, SWIGLU_W20_KPARTS, nullptr, early_ctas,
                                    early_rows);
 }

@@ -184,8 +184,8 @@ fn shared_defines() -> Vec<String> {
         ("ATTNL_MAX_GROUP", ATTNL_MAX_GROUP),
         ("ATTNL_MAX_CLUSTERS", ATTNL_MAX_CLUSTERS),
         ("GEMV3_WARPS", GEMV3_WARPS),
-        ("SWIGLU_W10_K", super::ops::SWIGLU_W10_K),
-        ("SWIGLU_W10_KPARTS", super::ops::SWIGLU_W10_KPARTS as usize),
+        ("SWIGLU_W20_K", super::ops::SWIGLU_W20_K),
+        ("SWIGLU_W20_KPARTS", super::ops::SWIGLU_W20_KPARTS as usize),
         ("X_STAGE_STRIDE", GEMV2_X_STRIDE),
         ("X16_STAGE_STRIDE", GEMV2_X16_STRIDE),
         ("PRMT_LUT_WORDS", GEMV2_PRMT_TABLE / 4),
@@ -520,11 +520,11 @@ pub struct Kernels {
     pub gemv2_kwalk_w16_room: usize,
     pub gemv2_qkv: [CudaFunction; 3],
     pub gemv2_swiglu: [CudaFunction; 3],
-    /// SwiGLU at J = 1 over 5 warps a row, 10 warps a CTA, the PRMT-addressed table before x
-    /// (K = 5,120 alone, where `Ops::swiglu_w10`); and the dynamic shared memory the device
+    /// SwiGLU at J = 1 over 5 warps a row, 20 warps a CTA, the PRMT-addressed table before x
+    /// (K = 5,120 alone, where `Ops::swiglu_w20`); and the dynamic shared memory the device
     /// lets it take.
-    pub gemv2_swiglu_w10: CudaFunction,
-    pub gemv2_swiglu_w10_room: usize,
+    pub gemv2_swiglu_w20: CudaFunction,
+    pub gemv2_swiglu_w20_room: usize,
     /// The dynamic shared memory (x staged) every GEMV v2 kernel may take on this device, by
     /// x's type ([f32, f16]), and lm_head's (its table and x): what the device allows beside
     /// their static shared memory where that is less than they ask (99 KiB a CTA on sm_86,
@@ -669,8 +669,8 @@ impl Kernels {
             gemv2_kwalk_w16_room: 0,
             gemv2_qkv: gemv2("gemv2_qkv", "_narrow", GEMV2_MAX_SMEM)?,
             gemv2_swiglu: gemv2("gemv2_swiglu", "_narrow", GEMV2_MAX_SMEM)?,
-            gemv2_swiglu_w10: f_smem("gemv2_swiglu_j1_w10", GEMV2_MAX_SMEM + GEMV2_PRMT_TABLE)?,
-            gemv2_swiglu_w10_room: 0,
+            gemv2_swiglu_w20: f_smem("gemv2_swiglu_j1_w20", GEMV2_MAX_SMEM + GEMV2_PRMT_TABLE)?,
+            gemv2_swiglu_w20_room: 0,
             gemv2_logits: if cfg.logits_argmax {
                 Some(gemv2(
                     "gemv2_logits",
@@ -713,7 +713,7 @@ impl Kernels {
             .chain([&k.gemv2_nf4_x16_j4, &k.gemv2_kwalk_x16])
             .collect();
         k.gemv2_room = [dynamic_smem_room(&f32_x)?, dynamic_smem_room(&f16_x)?];
-        k.gemv2_swiglu_w10_room = dynamic_smem_room(&[&k.gemv2_swiglu_w10])?;
+        k.gemv2_swiglu_w20_room = dynamic_smem_room(&[&k.gemv2_swiglu_w20])?;
         k.gemv2_kwalk_w16_room = dynamic_smem_room(&[&k.gemv2_kwalk_x16_w16])?;
         k.gemv2_logits_room = match &k.gemv2_logits {
             Some(fs) => dynamic_smem_room(&fs.iter().collect::<Vec<_>>())?,

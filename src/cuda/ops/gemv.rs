@@ -74,30 +74,39 @@ pub const GEMV2_CTAS_PER_SM: u32 = 2;
 /// (docs/lab.md, sessions 17-18; down and lm_head measured slower with any skew).
 pub const GEMV2_SWIGLU_SKEW: i32 = 2;
 
-/// The K at which SwiGLU runs over 5 warps a row, 10 warps a CTA, one chunk a lane
-/// (`gemv2_swiglu_j1_w10`): 160 chunks, where the 8-warp shapes leave 3 of 8 chunk slots past K
+/// The K at which SwiGLU runs over 5 warps a row, 20 warps a CTA, one chunk a lane
+/// (`gemv2_swiglu_j1_w20`): 160 chunks, where the 8-warp shapes leave 3 of 8 chunk slots past K
 /// (J = 2 over 4 warps) or spill (J = 3 over 2). +12.4% decode on the 32B shape against J = 2
-/// over 4 warps (docs/lab.md, session 31). The kernel takes it and [`SWIGLU_W10_KPARTS`] as
+/// over 4 warps (docs/lab.md, session 31). The kernel takes it and [`SWIGLU_W20_KPARTS`] as
 /// compile-time constants (NVRTC defines).
-pub const SWIGLU_W10_K: usize = 5 * 1024;
+pub const SWIGLU_W20_K: usize = 5 * 1024;
 
-/// `gemv2_swiglu_j1_w10`'s K parts: 5 warps a row.
-pub const SWIGLU_W10_KPARTS: u32 = 5;
+/// `gemv2_swiglu_j1_w20`'s K parts: 5 warps a row.
+pub const SWIGLU_W20_KPARTS: u32 = 5;
 
-/// Whether two CTAs of `gemv2_swiglu_j1_w10` fit an SM with its table and x at K =
-/// [`SWIGLU_W10_K`] (~86 KB each: the H200's 228 KB an SM takes two, sm_80's 164 and
-/// sm_86's 100 one): its speed rests on the second CTA (the register bound is set for two), so
-/// where one fits, SwiGLU at that K takes the J walk.
-pub(super) fn swiglu_w10_fits(k: &Kernels) -> Result<bool> {
-    let smem = gemv2_x_smem(SWIGLU_W10_K, false) + GEMV2_PRMT_TABLE;
-    if smem > k.gemv2_swiglu_w10_room {
+/// `gemv2_swiglu_j1_w20`'s CTA: 20 warps, 4 rows a step of its walk, one CTA an SM.
+const SWIGLU_W20_WARPS: u32 = 20;
+
+/// The shared memory a CTA may opt into on the devices that take `gemv2_swiglu_j1_w20`: an
+/// SM of 228 KB (sm_90, sm_100), where its one table and x (~76 KB) leave the rest to L1. Its
+/// gain over two 10-warp CTAs an SM (+0.8-1.1% at depth 48, docs/lab.md session 40) is that
+/// L1; those two CTAs (~87 KB each) were taken only where they fit an SM too, so the 164 KB
+/// (sm_80) and 100 KB (sm_86, sm_89, sm_120) SMs keep the J walk, as before.
+const SWIGLU_W20_MIN_SMEM: usize = 227 << 10;
+
+/// Whether `gemv2_swiglu_j1_w20` runs with its table and x at K = [`SWIGLU_W20_K`]: on a
+/// device of [`SWIGLU_W20_MIN_SMEM`], where one CTA fits an SM; else SwiGLU at that K takes
+/// the J walk.
+pub(super) fn swiglu_w20_fits(k: &Kernels, max_smem_per_cta: usize) -> Result<bool> {
+    let smem = gemv2_x_smem(SWIGLU_W20_K, false) + GEMV2_PRMT_TABLE;
+    if max_smem_per_cta < SWIGLU_W20_MIN_SMEM || smem > k.gemv2_swiglu_w20_room {
         return Ok(false);
     }
     let ctas = k
-        .gemv2_swiglu_w10
-        .occupancy_max_active_blocks_per_multiprocessor(10 * 32, smem, None)
-        .map_err(driver_error("gemv2_swiglu_j1_w10's occupancy"))?;
-    Ok(ctas >= 2)
+        .gemv2_swiglu_w20
+        .occupancy_max_active_blocks_per_multiprocessor(SWIGLU_W20_WARPS * 32, smem, None)
+        .map_err(driver_error("gemv2_swiglu_j1_w20's occupancy"))?;
+    Ok(ctas >= 1)
 }
 
 impl Ops {
@@ -520,15 +529,19 @@ impl Ops {
             Gemv::V3 => self
                 .gemv3(Epilogue::Swiglu, &mats, cols, x, norm, out, 0, 0, false)
                 .map(|_| ()),
-            Gemv::V2 if cols == SWIGLU_W10_K && self.swiglu_w10 => {
-                // 5 warps a row (kparts), 10 a CTA: 2 rows a step of the CTA's walk; the table
-                // before x. K and kparts are the kernel's constants.
-                let mut cfg = self.gemv2_grid(rows, cols, false, 10, SWIGLU_W10_KPARTS)?;
-                cfg.shared_mem_bytes += GEMV2_PRMT_TABLE as u32;
+            Gemv::V2 if cols == SWIGLU_W20_K && self.swiglu_w20 => {
+                // 5 warps a row (kparts), 20 a CTA, one CTA an SM; the table before x. K and
+                // kparts are the kernel's constants.
+                let row_lanes = SWIGLU_W20_WARPS / SWIGLU_W20_KPARTS;
+                let cfg = LaunchConfig {
+                    grid_dim: (self.sms.min(rows.div_ceil(row_lanes as usize) as u32), 1, 1),
+                    block_dim: (SWIGLU_W20_WARPS * 32, 1, 1),
+                    shared_mem_bytes: self.gemv2_x_room(cols, false)? + GEMV2_PRMT_TABLE as u32,
+                };
                 let f16 = i32::from(out_f16);
                 let (early_ctas, early_rows) =
                     skewed_split(rows, cfg.grid_dim.0, GEMV2_SWIGLU_SKEW);
-                launch!(self.gpu, &self.k.gemv2_swiglu_w10, cfg; gate, up, x, norm, out, rows_i, f16, early_ctas, early_rows)
+                launch!(self.gpu, &self.k.gemv2_swiglu_w20, cfg; gate, up, x, norm, out, rows_i, f16, early_ctas, early_rows)
             }
             Gemv::V2 => {
                 // At most 2 chunks a lane where K allows (up to 16,384): J = 3's kernel spills

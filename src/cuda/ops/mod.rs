@@ -37,7 +37,7 @@ pub(super) use gemm::GemmArgs;
 pub use gemm::{Epilogue, GemmMatrix};
 pub use gemv::{
     Gemv, GemvChoice, LogitsHead, QkvArgs, GEMV2_CTAS_PER_SM, GEMV2_SWIGLU_SKEW, GEMV3_MAX_BYTES,
-    SWIGLU_W10_K, SWIGLU_W10_KPARTS,
+    SWIGLU_W20_K, SWIGLU_W20_KPARTS,
 };
 
 /// kernels/common.cuh `NormArgs`: RMSNorm weights (bf16; 0 = no norm), epsilon, and the
@@ -143,9 +143,9 @@ pub struct Ops {
     pub attn_long: bool,
     /// Streaming multiprocessors of the device.
     pub(super) sms: u32,
-    /// SwiGLU at K = 5,120 over 10 warps a CTA with its table in shared memory
-    /// (`gemv2_swiglu_j1_w10`), where two such CTAs fit an SM ([`gemv::swiglu_w10_fits`]).
-    pub(super) swiglu_w10: bool,
+    /// SwiGLU at K = 5,120 over 20 warps a CTA with its table in shared memory
+    /// (`gemv2_swiglu_j1_w20`), where [`gemv::swiglu_w20_fits`].
+    pub(super) swiglu_w20: bool,
 }
 
 impl Ops {
@@ -157,7 +157,7 @@ impl Ops {
             .map_err(driver_error("multiprocessor count"))? as u32;
         let attn = decode_attention(&gpu.caps, &cfg);
         let attn_long = gpu.caps.clusters && cfg.attn_long;
-        let swiglu_w10 = gemv::swiglu_w10_fits(&k)?;
+        let swiglu_w20 = gemv::swiglu_w20_fits(&k, gpu.caps.max_smem_per_cta)?;
         Ok(Self {
             gpu,
             k,
@@ -166,7 +166,7 @@ impl Ops {
             attn,
             attn_long,
             sms,
-            swiglu_w10,
+            swiglu_w20,
         })
     }
 
