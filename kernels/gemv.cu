@@ -697,15 +697,19 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
     // unpredicated, the row offsets as unsigned products: sm_90's round of 10 loads ~70 -> ~38
     // instructions, +1.0-1.4% decode at the 32B shape from 48 to 8k (docs/lab.md, session 39).
     const bool whole = (n_chunks & 31) == 0 && r0 + R <= rows;  // the same for the whole warp
+    // Row i's chunk c and its scale, by unsigned offsets (a row is never negative).
+    auto words_at = [&](int i, int c) {
+        return reinterpret_cast<const uint4*>(m[i].packed + (size_t)(u32)lr[i] * (u32)(cols >> 1)) + c;
+    };
+    auto scale_at = [&](int i, int c) { return m[i].absmax + (size_t)(u32)lr[i] * (u32)(cols >> 6) + (c >> 1); };
     auto load_iter = [&](int t, RowChunks<1> (&b)[R]) {
         const int c = t * 32 + lane;
         if (whole) {
             if (t < t_end) {
 #pragma unroll
                 for (int i = 0; i < R; i++) {
-                    b[i].q[0] = load_weights16(
-                        reinterpret_cast<const uint4*>(m[i].packed + (size_t)(u32)lr[i] * (u32)(cols >> 1)) + c);
-                    b[i].s[0] = __ldg(m[i].absmax + (size_t)(u32)lr[i] * (u32)(cols >> 6) + (c >> 1));
+                    b[i].q[0] = load_weights16(words_at(i, c));
+                    b[i].s[0] = __ldg(scale_at(i, c));
                 }
             }
             return;
@@ -714,9 +718,8 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
 #pragma unroll
         for (int i = 0; i < R; i++) {
             const bool in = in_k && r0 + i < rows;
-            b[i].q[0] = in ? load_weights16(reinterpret_cast<const uint4*>(m[i].packed + (size_t)lr[i] * (cols >> 1)) + c)
-                           : make_uint4(0u, 0u, 0u, 0u);
-            b[i].s[0] = in ? __ldg(m[i].absmax + (size_t)lr[i] * (cols >> 6) + (c >> 1)) : 0.0f;
+            b[i].q[0] = in ? load_weights16(words_at(i, c)) : make_uint4(0u, 0u, 0u, 0u);
+            b[i].s[0] = in ? __ldg(scale_at(i, c)) : 0.0f;
         }
     };
     RowChunks<1> buf[D][R];
