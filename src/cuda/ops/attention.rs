@@ -40,36 +40,6 @@ pub struct AttnArgs {
 // SAFETY: plain old data matching the kernel's struct.
 unsafe impl DeviceRepr for AttnArgs {}
 
-/// kernels/common.cuh `L2Ahead` (experiment DV2_X_O_L2): up to two byte ranges, 16-byte
-/// aligned and multiples of 16, that the long attention's CTAs send to L2 for the kernel after
-/// it; zero bytes: none.
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-pub struct L2Ahead {
-    pub p: [u64; 2],
-    pub bytes: [u64; 2],
-}
-
-// SAFETY: plain old data matching the kernel's struct.
-unsafe impl DeviceRepr for L2Ahead {}
-
-impl L2Ahead {
-    /// A matrix's packed weights and scales, each range cut to 16-byte bounds.
-    pub fn matrix(m: crate::cuda::weights::Nf4Ref, rows: usize, cols: usize) -> Self {
-        let cut = |p: u64, bytes: u64| {
-            let start = p.next_multiple_of(16);
-            let end = (p + bytes) & !15;
-            (start, end.saturating_sub(start))
-        };
-        let (wp, wb) = cut(m.packed, (rows * cols / 2) as u64);
-        let (sp, sb) = cut(m.absmax, (rows * cols / 64 * 4) as u64);
-        Self {
-            p: [wp, sp],
-            bytes: [wb, sb],
-        }
-    }
-}
-
 /// kernels/attention_prefill.cu `PrefillAttnArgs`.
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -293,13 +263,7 @@ impl Ops {
     /// two per SM measured slower past 8k, the second CTA of an SM rarely finding its
     /// registers free beside the kernels around it: docs/lab.md, session 22);
     /// `counts`: n_kv * ATTNL_RANKS zeroed ints the kernel's cross-cluster merge counts on.
-    pub fn attention_long(
-        &self,
-        args: AttnArgs,
-        out: u64,
-        counts: u64,
-        ahead: L2Ahead,
-    ) -> Result<()> {
+    pub fn attention_long(&self, args: AttnArgs, out: u64, counts: u64) -> Result<()> {
         let clusters =
             (self.sms as usize / (ATTNL_RANKS * args.n_kv as usize)).clamp(1, ATTNL_MAX_CLUSTERS);
         let cfg = LaunchConfig {
@@ -308,7 +272,7 @@ impl Ops {
             shared_mem_bytes: 0,
         };
         let f = &self.k.attn_long_decode[(args.head_dim == 128) as usize];
-        launch!(self.gpu, f, cfg, cluster = (ATTNL_RANKS as u32, 1, 1); args, out, counts, ahead)
+        launch!(self.gpu, f, cfg, cluster = (ATTNL_RANKS as u32, 1, 1); args, out, counts)
     }
 }
 
