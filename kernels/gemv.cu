@@ -681,13 +681,7 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
     const int kshift = log2_pow2(kparts);
     const int part = warp & (kparts - 1), row_lane = warp >> kshift;
     const int block_rows = (WARPS >> kshift) * R;
-    // The CTA's rows [cta_r0, cta_r1): the rows spread over the grid, at most block_rows each
-    // (experiment DV2_X_DOWN_ALL_SMS: a grid past rows / block_rows; else block_rows each, the
-    // last CTA the rest, as before).
-    const int base = rows / (int)gridDim.x, extra = rows % (int)gridDim.x;
-    const int cta_r0 = blockIdx.x * base + min((int)blockIdx.x, extra);
-    const int cta_r1 = cta_r0 + base + ((int)blockIdx.x < extra);
-    const int r0 = cta_r0 + row_lane * R;  // this warp's first row
+    const int r0 = blockIdx.x * block_rows + row_lane * R;  // this warp's first row
     const int n_chunks = cols >> 5, iters = (n_chunks + 31) >> 5;
     const int per_part = (iters + kparts - 1) >> kshift;
     const int t_begin = part * per_part, t_end = min(iters, t_begin + per_part);
@@ -702,7 +696,7 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
     // nothing (its buffer is never read: the loop stops at t_end) and the others load
     // unpredicated, the row offsets as unsigned products: sm_90's round of 10 loads ~70 -> ~38
     // instructions, +1.0-1.4% decode at the 32B shape from 48 to 8k (docs/lab.md, session 39).
-    const bool whole = (n_chunks & 31) == 0 && r0 + R <= cta_r1;  // the same for the whole warp
+    const bool whole = (n_chunks & 31) == 0 && r0 + R <= rows;  // the same for the whole warp
     // Row i's chunk c and its scale, by unsigned offsets (a row is never negative).
     auto words_at = [&](int i, int c) {
         return reinterpret_cast<const uint4*>(m[i].packed + (size_t)(u32)lr[i] * (u32)(cols >> 1)) + c;
@@ -723,7 +717,7 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
         const bool in_k = t < t_end && c < n_chunks;
 #pragma unroll
         for (int i = 0; i < R; i++) {
-            const bool in = in_k && r0 + i < cta_r1;
+            const bool in = in_k && r0 + i < rows;
             b[i].q[0] = in ? load_weights16(words_at(i, c)) : make_uint4(0u, 0u, 0u, 0u);
             b[i].s[0] = in ? __ldg(scale_at(i, c)) : 0.0f;
         }
@@ -766,8 +760,8 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
     float ss = 0.0f;
     if ((int)threadIdx.x < block_rows) {
         const int rl = threadIdx.x / R, i = threadIdx.x % R;
-        const int r = cta_r0 + threadIdx.x;
-        if (r < cta_r1) {
+        const int r = blockIdx.x * block_rows + threadIdx.x;
+        if (r < rows) {
             float total = 0.0f;
             for (int p = 0; p < kparts; p++) total += part_sums[((rl << kshift) + p) * R + i];
             ss = sq(rows_of.store(r, &total));

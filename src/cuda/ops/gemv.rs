@@ -345,15 +345,8 @@ impl Ops {
             Gemv::V3 => self.gemv3(epilogue, &mats, cols, x, norm, y, skip_if, ss_out, false),
             Gemv::V2 if input.f16 && self.walks_k_w16(rows, cols) => {
                 let kp = GEMV2_KWALK_KPARTS;
-                // Experiment DV2_X_DOWN_ALL_SMS: one CTA an SM, the rows spread over them
-                // (the 32B shape's down: 132 CTAs of 38-39 rows where 128 of 40).
-                let ctas = if std::env::var("DV2_X_DOWN_ALL_SMS").as_deref() == Ok("1") {
-                    self.sms as usize
-                } else {
-                    rows.div_ceil(GEMV2_KWALK_W16_ROWS)
-                };
                 let cfg = LaunchConfig {
-                    grid_dim: (ctas as u32, 1, 1),
+                    grid_dim: (rows.div_ceil(GEMV2_KWALK_W16_ROWS) as u32, 1, 1),
                     block_dim: (GEMV2_KWALK_W16_WARPS * 32, 1, 1),
                     // x from the start, the table at KWALK_TABLE_AT of the window past it.
                     shared_mem_bytes: (KWALK_TABLE_AT + GEMV2_PRMT_TABLE) as u32,
