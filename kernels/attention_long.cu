@@ -208,15 +208,10 @@ __device__ __forceinline__ int attnl_clusters(int tiles, int n_cl) {
 }
 
 template <int HD>
-__device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, int* counts, const L2Ahead& ahead) {
+__device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, int* counts) {
     constexpr int V4 = HD / 32, MT = HD / 16, DR = HD / ATTNL_RANKS;
     // CTA_TIMELINE marks: 3 prologue done, 4 tiles done, 6 warps merged, 5 cluster merge read.
     timeline_start();
-    // Experiment DV2_X_O_L2: o's weights (the next kernel's) to L2 while q/k/v drains and the
-    // attention runs, every CTA (idle clusters too) its share.
-    if (threadIdx.x == 0)
-        l2_ahead_share(ahead, blockIdx.x + gridDim.x * (blockIdx.y + (unsigned long long)gridDim.y * blockIdx.z),
-                       (unsigned long long)gridDim.x * gridDim.y * gridDim.z);
     const int rank = cluster_rank(), cl = blockIdx.y, kvh = blockIdx.z, n_cl = gridDim.y;
     const int gn = a.n_q / a.n_kv, q0 = kvh * gn;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -476,9 +471,8 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
 
 #define ATTNL_KERNEL(HD)                                                                                          \
     extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_long_decode_hd##HD(AttnArgs a, float* out, \
-                                                                                         int* counts,           \
-                                                                                         L2Ahead ahead) {       \
-        attn_long_body<HD>(a, out, counts, ahead);                                                              \
+                                                                                         int* counts) {         \
+        attn_long_body<HD>(a, out, counts);                                                                     \
     }
 ATTNL_KERNEL(64)
 ATTNL_KERNEL(128)
