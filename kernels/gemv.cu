@@ -820,8 +820,9 @@ extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)
 // lost at the 3B shape (session 15) costs no start here.
 // 20 warps a CTA, one CTA an SM (4 rows a step of the CTA's walk): the SM holds one table where
 // two 10-warp CTAs held two, and the 64 KB freed goes to L1: +0.8-1.1% decode at the 32B shape
-// at 48, +0.3% at 2k, +-0.1% at 8k (docs/lab.md, session 40). The register bound is the 20
-// warps' (96: the allocation granularity of 8 below 65,536 / 640).
+// at 48 (the same decode against itself: +0.4%), +0.3% at 2k, +-0.1% at 8k (docs/lab.md,
+// session 40). The register bound is the 20 warps' (96: the allocation granularity of 8 below
+// 65,536 / 640).
 #define GEMV2_W20_MAX_REGS 96
 struct SwigluRowsPrmt : SwigluRows {
     static constexpr bool prmt_table = true;

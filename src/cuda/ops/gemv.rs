@@ -89,9 +89,10 @@ const SWIGLU_W20_WARPS: u32 = 20;
 
 /// The shared memory a CTA may opt into on the devices that take `gemv2_swiglu_j1_w20`: an
 /// SM of 228 KB (sm_90, sm_100), where its one table and x (~76 KB) leave the rest to L1. Its
-/// gain over two 10-warp CTAs an SM (+0.8-1.1% at depth 48, docs/lab.md session 40) is that
-/// L1; those two CTAs (~87 KB each) were taken only where they fit an SM too, so the 164 KB
-/// (sm_80) and 100 KB (sm_86, sm_89, sm_120) SMs keep the J walk, as before.
+/// gain over two 10-warp CTAs an SM (+0.8-1.1% at depth 48 where the same decode read +0.4%,
+/// docs/lab.md session 40) is thought to be that L1 (not profiled); those two CTAs (~87 KB
+/// each) were taken only where they fit an SM too, so the 164 KB (sm_80) and 100 KB (sm_86,
+/// sm_89, sm_120) SMs keep the J walk, as before.
 const SWIGLU_W20_MIN_SMEM: usize = 227 << 10;
 
 /// Whether `gemv2_swiglu_j1_w20` runs with its table and x at K = [`SWIGLU_W20_K`]: on a
