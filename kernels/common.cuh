@@ -632,20 +632,3 @@ __device__ __forceinline__ bool argmax_across_ctas(float& best, int& best_i, int
     if (threadIdx.x == 0) scratch[0] = 0;
     return true;
 }
-
-// A chunk's scale (absmax) for GEMV v2's walks. Experiment DV2_X_SCALE_NOALLOC (docs/lab.md,
-// session 40): loaded as the weights are, past L1's allocation (a warp's 64 bytes of scales are
-// its two sectors, none of which the next iteration reads again), so they leave L1 to the loads
-// in flight; else __ldg.
-#ifndef GEMV2_SCALE_NOALLOC
-#define GEMV2_SCALE_NOALLOC 0
-#endif
-__device__ __forceinline__ float load_scale(const float* p) {
-#if GEMV2_SCALE_NOALLOC
-    float v;
-    asm("ld.global.nc.L1::no_allocate.f32 %0, [%1];" : "=f"(v) : "l"(p));
-    return v;
-#else
-    return __ldg(p);
-#endif
-}

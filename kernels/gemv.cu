@@ -168,7 +168,7 @@ __device__ __forceinline__ void load_row(Nf4Ref m, int row, int cols, int part, 
         const int c = (part * J + j) * 32 + lane;
         const bool in = c < n_chunks;
         rc.q[j] = in ? load_weights16(w + c) : make_uint4(0u, 0u, 0u, 0u);
-        rc.s[j] = in ? load_scale(a + (c >> 1)) : 0.0f;
+        rc.s[j] = in ? __ldg(a + (c >> 1)) : 0.0f;
     }
 }
 
@@ -709,7 +709,7 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
 #pragma unroll
                 for (int i = 0; i < R; i++) {
                     b[i].q[0] = load_weights16(words_at(i, c));
-                    b[i].s[0] = load_scale(scale_at(i, c));
+                    b[i].s[0] = __ldg(scale_at(i, c));
                 }
             }
             return;
@@ -719,7 +719,7 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
         for (int i = 0; i < R; i++) {
             const bool in = in_k && r0 + i < rows;
             b[i].q[0] = in ? load_weights16(words_at(i, c)) : make_uint4(0u, 0u, 0u, 0u);
-            b[i].s[0] = in ? load_scale(scale_at(i, c)) : 0.0f;
+            b[i].s[0] = in ? __ldg(scale_at(i, c)) : 0.0f;
         }
     };
     RowChunks<1> buf[D][R];

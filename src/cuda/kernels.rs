@@ -383,10 +383,6 @@ fn options(arch: &str, cfg: &Config) -> Vec<String> {
     }
     opts.extend(cfg.nvrtc_defines());
     opts.extend(shared_defines());
-    // Experiment DV2_X_SCALE_NOALLOC (docs/lab.md, session 40): the scales past L1.
-    if std::env::var("DV2_X_SCALE_NOALLOC").as_deref() == Ok("1") {
-        opts.push("-DGEMV2_SCALE_NOALLOC=1".into());
-    }
     opts
 }
 
