@@ -208,16 +208,10 @@ __device__ __forceinline__ int attnl_clusters(int tiles, int n_cl) {
 }
 
 template <int HD>
-__device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, int* counts, const L2Ahead& ahead) {
+__device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, int* counts) {
     constexpr int V4 = HD / 32, MT = HD / 16, DR = HD / ATTNL_RANKS;
     // CTA_TIMELINE marks: 3 prologue done, 4 tiles done, 6 warps merged, 5 cluster merge read.
     timeline_start();
-    // Experiment DV2_X_O_L2: o's weights (the next kernel's) to L2 while q/k/v drains and the
-    // attention runs, every CTA (idle clusters too) its share; with after_wait (=3), from the
-    // clusters in use once q/k/v has ended (below).
-    if (threadIdx.x == 0 && !ahead.after_wait)
-        l2_ahead_share(ahead, blockIdx.x + gridDim.x * (blockIdx.y + (unsigned long long)gridDim.y * blockIdx.z),
-                       (unsigned long long)gridDim.x * gridDim.y * gridDim.z);
     const int rank = cluster_rank(), cl = blockIdx.y, kvh = blockIdx.z, n_cl = gridDim.y;
     const int gn = a.n_q / a.n_kv, q0 = kvh * gn;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -246,9 +240,6 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
     if (tile < tile_end) buf[0].load(a, kvh, tile * ATTNL_TILE, pos, g, t);
     if (tile + ATTN_WARPS < tile_end) buf[1].load(a, kvh, (tile + ATTN_WARPS) * ATTNL_TILE, pos, g, t);
     pdl_enter<true>();
-    if (threadIdx.x == 0 && ahead.after_wait)
-        l2_ahead_share(ahead, ((unsigned long long)kvh * used + cl) * ATTNL_RANKS + rank,
-                       (unsigned long long)gridDim.z * used * ATTNL_RANKS);
 
     // q head g's B fragments (zero past the group), scale and log2(e) folded in for exp2: i's
     // uint4 of K holds k-steps 2i (words 0, 1) and 2i + 1 (words 2, 3); [high, rest][i][lane],
@@ -480,9 +471,8 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
 
 #define ATTNL_KERNEL(HD)                                                                                          \
     extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_long_decode_hd##HD(AttnArgs a, float* out, \
-                                                                                         int* counts,           \
-                                                                                         L2Ahead ahead) {       \
-        attn_long_body<HD>(a, out, counts, ahead);                                                              \
+                                                                                         int* counts) {         \
+        attn_long_body<HD>(a, out, counts);                                                                     \
     }
 ATTNL_KERNEL(64)
 ATTNL_KERNEL(128)

@@ -255,41 +255,6 @@ __device__ __forceinline__ void pdl_enter() {
     pdl_release();
 }
 
-// Experiment DV2_X_O_L2 (docs/lab.md, session 40): up to L2_AHEAD_MAX byte ranges (16-byte
-// aligned, multiples of 16) a kernel sends to L2 for the kernels after it, each CTA of the grid
-// its share (cp.async.bulk.prefetch.L2: no registers, no wait); with evict_last (=2) at that
-// priority, so that they outlast the streams between (whose loads are evict_first:
-// GEMV2_EVICT_FIRST).
-#define L2_AHEAD_MAX 8
-struct L2Ahead {
-    const char* p[L2_AHEAD_MAX];
-    unsigned long long bytes[L2_AHEAD_MAX];
-    int n;
-    int evict_last;
-    int after_wait;  // sent once the kernel's PDL wait has released it (=3), else at its start
-};
-__device__ __forceinline__ void l2_ahead_share(const L2Ahead& ah, unsigned long long cta,
-                                               unsigned long long ctas) {
-#if __CUDA_ARCH__ >= 900
-    unsigned long long pol;
-    asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
-    for (int r = 0; r < ah.n && r < L2_AHEAD_MAX; r++) {
-        const unsigned long long total = ah.bytes[r], share = (total / ctas) & ~15ull;
-        const unsigned long long off = share * cta, n = cta + 1 == ctas ? total - off : share;
-        for (unsigned long long done = 0; done < n; done += 1u << 20) {
-            const u32 size = (u32)min(n - done, 1ull << 20);
-            const char* at = ah.p[r] + off + done;
-            if (ah.evict_last)
-                asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" ::"l"(at), "r"(size),
-                             "l"(pol)
-                             : "memory");
-            else
-                asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(at), "r"(size) : "memory");
-        }
-    }
-#endif
-}
-
 // atomicAdd with release and acquire semantics at GPU scope: after a __syncthreads(), thread
 // 0's add publishes the CTA's earlier writes, and what other CTAs published before their adds
 // is visible to this CTA after the next __syncthreads() (CUTLASS's semaphore pattern; one

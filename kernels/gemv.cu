@@ -147,24 +147,11 @@ struct RowChunks {
 // L1 cut to 28 KiB the decode step lost 0.069 ms (docs/lab.md, session 15, run 8), so L1 may
 // bound the weight loads in flight; a load that allocates no line is not. Measured: -0.004
 // ms/token against __ldg (session 16, runs 1-2).
-#ifndef GEMV2_EVICT_FIRST
-#define GEMV2_EVICT_FIRST 0
-#endif
 __device__ __forceinline__ uint4 load_weights16(const uint4* p) {
     uint4 v;
-#if GEMV2_EVICT_FIRST && __CUDA_ARCH__ >= 800
-    // Experiment DV2_X_O_L2=2: the weights streamed at L2's evict_first priority, so the lines
-    // sent ahead at evict_last outlast them.
-    unsigned long long pol;
-    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-    asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(p), "l"(pol));
-#else
     asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
         : "l"(p));
-#endif
     return v;
 }
 

@@ -382,10 +382,6 @@ fn options(arch: &str, cfg: &Config) -> Vec<String> {
         opts.push("--generate-line-info".into());
     }
     opts.extend(cfg.nvrtc_defines());
-    // Experiment DV2_X_O_L2=2 (docs/lab.md, session 40): GEMV v2's weights at evict_first.
-    if std::env::var("DV2_X_O_L2").as_deref() == Ok("2") {
-        opts.push("-DGEMV2_EVICT_FIRST=1".into());
-    }
     opts.extend(shared_defines());
     opts
 }

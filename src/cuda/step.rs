@@ -12,7 +12,7 @@ use super::budget::{self, kv_stride};
 use super::device::{driver_error, Gpu};
 use super::kernels::state;
 use super::ops::{
-    check_shape, one_cta, AttnArgs, Input, L2Ahead, LogitsHead, Norm, Ops, PartialSums, QkvArgs,
+    check_shape, one_cta, AttnArgs, Input, LogitsHead, Norm, Ops, PartialSums, QkvArgs,
 };
 use super::prefill::{chunk_size, prefill_chunk};
 use super::profile::StageMarks;
@@ -401,26 +401,7 @@ impl CudaBackend {
             // cache up to it): [n_q head_dim].
             let args = self.attn_args(l, halves);
             if ops.attn_long {
-                // Experiment DV2_X_O_L2: o's weights to L2 from the attention's CTAs (=1);
-                // with the next layer's q/k/v too, at evict_last (=2); o's once the attention's
-                // wait released it (=3).
-                let of = |m: &DeviceMatrix| (m.as_ref(gpu), m.rows, m.cols);
-                let ahead = match std::env::var("DV2_X_O_L2").as_deref() {
-                    Ok("1") => L2Ahead::matrices(&[of(&layer.o)], false),
-                    Ok("3") => L2Ahead {
-                        after_wait: 1,
-                        ..L2Ahead::matrices(&[of(&layer.o)], false)
-                    },
-                    Ok("2") => {
-                        let mut ms = vec![of(&layer.o)];
-                        if let Some(next) = self.model.layers.get(l + 1) {
-                            ms.extend(next.qkv.iter().map(of));
-                        }
-                        L2Ahead::matrices(&ms, true)
-                    }
-                    _ => L2Ahead::default(),
-                };
-                ops.attention_long(args, attn, self.ptr(&a.attn_counts), ahead)?;
+                ops.attention_long(args, attn, self.ptr(&a.attn_counts))?;
             } else {
                 ops.attention(args, attn)?;
             }

@@ -40,54 +40,6 @@ pub struct AttnArgs {
 // SAFETY: plain old data matching the kernel's struct.
 unsafe impl DeviceRepr for AttnArgs {}
 
-/// kernels/common.cuh `L2Ahead` (experiment DV2_X_O_L2): up to [`L2_AHEAD_MAX`] byte ranges,
-/// 16-byte aligned and multiples of 16, that the long attention's CTAs send to L2 for the
-/// kernels after it, at evict_last priority with `evict_last`; none by default.
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-pub struct L2Ahead {
-    pub p: [u64; L2_AHEAD_MAX],
-    pub bytes: [u64; L2_AHEAD_MAX],
-    pub n: i32,
-    pub evict_last: i32,
-    /// Sent once the attention's PDL wait released it, from the clusters in use (=3).
-    pub after_wait: i32,
-}
-
-/// kernels/common.cuh `L2_AHEAD_MAX`.
-pub const L2_AHEAD_MAX: usize = 8;
-
-// SAFETY: plain old data matching the kernel's struct.
-unsafe impl DeviceRepr for L2Ahead {}
-
-impl L2Ahead {
-    /// Each matrix's packed weights and scales (`rows` x `cols` each), the ranges cut to 16-byte
-    /// bounds; past [`L2_AHEAD_MAX`] ranges, the rest left out.
-    pub fn matrices(ms: &[(crate::cuda::weights::Nf4Ref, usize, usize)], evict_last: bool) -> Self {
-        let cut = |p: u64, bytes: u64| {
-            let start = p.next_multiple_of(16);
-            let end = (p + bytes) & !15;
-            (start, end.saturating_sub(start))
-        };
-        let mut ahead = Self {
-            evict_last: evict_last as i32,
-            ..Self::default()
-        };
-        let ranges = ms.iter().flat_map(|&(m, rows, cols)| {
-            [
-                cut(m.packed, (rows * cols / 2) as u64),
-                cut(m.absmax, (rows * cols / 64 * 4) as u64),
-            ]
-        });
-        for (i, (p, bytes)) in ranges.take(L2_AHEAD_MAX).enumerate() {
-            ahead.p[i] = p;
-            ahead.bytes[i] = bytes;
-            ahead.n = i as i32 + 1;
-        }
-        ahead
-    }
-}
-
 /// kernels/attention_prefill.cu `PrefillAttnArgs`.
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -311,13 +263,7 @@ impl Ops {
     /// two per SM measured slower past 8k, the second CTA of an SM rarely finding its
     /// registers free beside the kernels around it: docs/lab.md, session 22);
     /// `counts`: n_kv * ATTNL_RANKS zeroed ints the kernel's cross-cluster merge counts on.
-    pub fn attention_long(
-        &self,
-        args: AttnArgs,
-        out: u64,
-        counts: u64,
-        ahead: L2Ahead,
-    ) -> Result<()> {
+    pub fn attention_long(&self, args: AttnArgs, out: u64, counts: u64) -> Result<()> {
         let clusters =
             (self.sms as usize / (ATTNL_RANKS * args.n_kv as usize)).clamp(1, ATTNL_MAX_CLUSTERS);
         let cfg = LaunchConfig {
@@ -326,7 +272,7 @@ impl Ops {
             shared_mem_bytes: 0,
         };
         let f = &self.k.attn_long_decode[(args.head_dim == 128) as usize];
-        launch!(self.gpu, f, cfg, cluster = (ATTNL_RANKS as u32, 1, 1); args, out, counts, ahead)
+        launch!(self.gpu, f, cfg, cluster = (ATTNL_RANKS as u32, 1, 1); args, out, counts)
     }
 }
 
