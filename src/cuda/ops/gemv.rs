@@ -99,7 +99,7 @@ const SWIGLU_W20_MIN_SMEM: usize = 227 << 10;
 /// device of [`SWIGLU_W20_MIN_SMEM`], where one CTA fits an SM; else SwiGLU at that K takes
 /// the J walk.
 pub(super) fn swiglu_w20_fits(k: &Kernels, max_smem_per_cta: usize) -> Result<bool> {
-    let smem = gemv2_x_smem(SWIGLU_W20_K, false) + GEMV2_PRMT_TABLE;
+    let smem = prmt_table_and_x_smem(SWIGLU_W20_K, false);
     if max_smem_per_cta < SWIGLU_W20_MIN_SMEM || smem > k.gemv2_swiglu_w20_room {
         return Ok(false);
     }
@@ -172,7 +172,7 @@ impl Ops {
         let shared_mem_bytes = if x_f16 {
             self.gemv2_x_room(cols, true)?
         } else {
-            kwalk_f32_smem(cols) as u32
+            prmt_table_and_x_smem(cols, true) as u32
         };
         Ok(LaunchConfig {
             grid_dim: (rows.div_ceil(rows_per_cta) as u32, 1, 1),
@@ -537,7 +537,7 @@ impl Ops {
                 let cfg = LaunchConfig {
                     grid_dim: (self.sms.min(rows.div_ceil(row_lanes as usize) as u32), 1, 1),
                     block_dim: (SWIGLU_W20_WARPS * 32, 1, 1),
-                    shared_mem_bytes: self.gemv2_x_room(cols, false)? + GEMV2_PRMT_TABLE as u32,
+                    shared_mem_bytes: prmt_table_and_x_smem(cols, false) as u32,
                 };
                 let f16 = i32::from(out_f16);
                 let (early_ctas, early_rows) =
@@ -574,10 +574,11 @@ fn auto_gemv(rows: usize, cols: usize, x_f16: bool, v2_room: usize) -> Gemv {
     }
 }
 
-/// The dynamic shared memory of the K walks from f32 x for K = cols: the PRMT-addressed table,
-/// then x staged as f16.
-fn kwalk_f32_smem(cols: usize) -> usize {
-    GEMV2_PRMT_TABLE + gemv2_x_smem(cols, true)
+/// The dynamic shared memory of the kernels that hold the PRMT-addressed table before x
+/// (kernels/gemv.cu: the K walks from f32 x, x staged as f16; `gemv2_swiglu_j1_w20`, x as f32)
+/// for K = cols.
+fn prmt_table_and_x_smem(cols: usize, x_f16: bool) -> usize {
+    GEMV2_PRMT_TABLE + gemv2_x_smem(cols, x_f16)
 }
 
 /// Whether two CTAs of the K walks from f32 x fit an SM (the grids of [`Ops::walks_k`] assume
@@ -587,7 +588,7 @@ fn kwalk_f32_smem(cols: usize) -> usize {
 /// the J walk instead.
 fn kwalk_f32_fits(cols: usize, max_smem_per_cta: usize) -> bool {
     let per_sm = GEMV2_CTAS_PER_SM as usize;
-    per_sm * (kwalk_f32_smem(cols) + 2048) <= max_smem_per_cta + 1024
+    per_sm * (prmt_table_and_x_smem(cols, true) + 2048) <= max_smem_per_cta + 1024
 }
 
 /// [`Ops::walks_k`] but for the shared memory: by the matrix's shape, its x's type and whether
@@ -732,7 +733,7 @@ mod tests {
     #[test]
     fn the_f32_x_k_walk_takes_two_ctas_an_sm_or_is_not_taken() {
         let k = crate::arch::QWEN25_32B.hidden;
-        assert_eq!(kwalk_f32_smem(k), 65_536 + 12_800);
+        assert_eq!(prmt_table_and_x_smem(k, true), 65_536 + 12_800);
         assert!(kwalk_f32_fits(k, 227 << 10));
         assert!(kwalk_f32_fits(k, 163 << 10));
         assert!(!kwalk_f32_fits(k, 99 << 10));
