@@ -20,8 +20,9 @@
 //! depth (48 to 32k unless listed) at max_seq 32768, beside the bandwidth floor at each depth,
 //! on the Qwen2.5-3B shape or the named preset (e.g. `--context qwen25_32b 48,8192`), and
 //! decode and prefill again under `--against`'s setting (default `DV2_ATTN_LONG=0`) in the same process,
-//! the two engines' requests alternating at each depth, after the ids and logits of both at 20,
-//! 300, 2,100 and 5,000 prompt tokens.
+//! the two engines' requests (and their decodes, 16 steps at a time) alternating at each depth,
+//! with the paired chunks' median ratio, after the ids and logits of both at 20, 300, 2,100 and
+//! 5,000 prompt tokens.
 //! `--sampling [PRESET [D1,D2,..]]` prints only sampled decode against greedy decode by depth
 //! (48 and 8k unless listed), in one engine, on the Qwen2.5-3B shape or the named preset.
 //! `--shapes PRESET` takes the kernel table's matrices from that preset (default qwen25_3b).
@@ -144,25 +145,73 @@ fn time_request(e: &mut Engine, prompt: &[u32], tokens: usize, reps: usize) -> (
     medians_after_warmup(&runs)
 }
 
-/// [`time_request`] for two engines whose requests alternate (a b, b a, a b, ...), so that
-/// both see the same minutes of the run. Why: one engine's whole sweep and then the other's
-/// timed the second 0.2-0.7% slower where both ran the same decode (docs/lab.md, session 37).
+/// Decode steps in each timed chunk of [`time_request_pair`].
+const PAIR_CHUNK: usize = 16;
+
+/// Two engines timed as [`time_request`] times one, beside each other: their requests
+/// alternate (a b, b a, a b, ...) and, within a request, so do their decodes, `PAIR_CHUNK`
+/// steps at a time (a b, b a, ... again), so that both see the same minutes of the run and
+/// each chunk of b has a chunk of a beside it. Why chunks: with whole requests alternating,
+/// the same decode against itself still read 0.4-0.9% apart at depth 48 (docs/lab.md, sessions
+/// 40-41), from two requests a side; the chunks give `tokens / PAIR_CHUNK` pairs a request and
+/// the ratio's own spread. Returns each engine's (prefill ms, decode ms per token) medians and
+/// the pairs' ratios (b's time over a's), sorted.
 fn time_request_pair(
     a: &mut Engine,
     b: &mut Engine,
     prompt: &[u32],
     tokens: usize,
     reps: usize,
-) -> [(f64, f64); 2] {
+) -> ([(f64, f64); 2], Vec<f64>) {
+    assert!(tokens % PAIR_CHUNK == 0, "whole chunks");
     let mut runs: [Vec<(f64, f64)>; 2] = [Vec::new(), Vec::new()];
+    let mut ratios = Vec::new();
+    let mut out = vec![0u32; PAIR_CHUNK];
     for rep in 0..reps + 1 {
         let order = if rep % 2 == 0 { [0, 1] } else { [1, 0] };
+        let mut prefill_ms = [0.0; 2];
         for i in order {
             let e = if i == 0 { &mut *a } else { &mut *b };
-            runs[i].push(one_request(e, prompt, tokens));
+            e.reset().unwrap();
+            let t = Instant::now();
+            e.prefill(prompt).unwrap();
+            prefill_ms[i] = t.elapsed().as_secs_f64() * 1e3;
+            // The first decode step is not timed (seed §10).
+            e.step().unwrap();
+        }
+        let mut decode_ms = [0.0; 2];
+        for chunk in 0..tokens / PAIR_CHUNK {
+            let mut chunk_ms = [0.0; 2];
+            let turn = if chunk % 2 == 0 {
+                order
+            } else {
+                [order[1], order[0]]
+            };
+            for i in turn {
+                let e = if i == 0 { &mut *a } else { &mut *b };
+                let t = Instant::now();
+                let n = e.step_n(&mut out).unwrap();
+                chunk_ms[i] = t.elapsed().as_secs_f64() * 1e3;
+                assert_eq!(n, PAIR_CHUNK, "EOS is off: every step runs");
+            }
+            decode_ms[0] += chunk_ms[0];
+            decode_ms[1] += chunk_ms[1];
+            // The first request warms caches: its pairs are not counted either.
+            if rep > 0 {
+                ratios.push(chunk_ms[1] / chunk_ms[0]);
+            }
+        }
+        for i in 0..2 {
+            runs[i].push((prefill_ms[i], decode_ms[i] / tokens as f64));
         }
     }
-    runs.map(|r| medians_after_warmup(&r))
+    ratios.sort_by(f64::total_cmp);
+    (runs.map(|r| medians_after_warmup(&r)), ratios)
+}
+
+/// The value at fraction `q` (0 to 1) of `sorted`, by its nearest rank.
+fn quantile(sorted: &[f64], q: f64) -> f64 {
+    sorted[((sorted.len() - 1) as f64 * q).round() as usize]
 }
 
 /// The medians of (prefill, decode) over `runs` past the first, which warmed caches.
@@ -528,7 +577,9 @@ fn decode_profile(steps: usize, depth: usize, preset: &str) {
 /// `against` (`--against VAR=VALUE`; `DV2_ATTN_LONG=0`, attention v3 at every depth, unless
 /// given: `DV2_HOPPER=0` times the pre-Hopper path beside the default). One engine per
 /// configuration, both resident, serves the ids check and every depth; at each depth their
-/// requests alternate. Writes the table and the JSON (`tests/gpu/plot-context.py` draws it).
+/// requests alternate, and their decodes chunk by chunk ([`time_request_pair`]): the paired
+/// chunks' median ratio and quartiles follow the table. Writes the table and the JSON
+/// (`tests/gpu/plot-context.py` draws it).
 fn context_sweep(json_path: &str, preset: &str, depths: &[usize], against: (&str, &str)) {
     const MAX_SEQ: usize = 32768;
     const TOKENS: usize = 128;
@@ -621,11 +672,13 @@ fn context_sweep(json_path: &str, preset: &str, depths: &[usize], against: (&str
             "{against_label} at depth {depth}: {ids}, max |logit diff| {diff:e} at the last step"
         );
     }
+    let mut paired = Vec::new();
     let (default, other): (Vec<_>, Vec<_>) = depths
         .iter()
         .map(|&depth| {
             let prompt = synth::prompt(spec.vocab, depth, 1);
-            let [on_a, on_b] = time_request_pair(&mut a, &mut b, &prompt, TOKENS, 2);
+            let ([on_a, on_b], ratios) = time_request_pair(&mut a, &mut b, &prompt, TOKENS, 2);
+            paired.push(ratios);
             (on_a, on_b)
         })
         .unzip();
@@ -647,8 +700,8 @@ fn context_sweep(json_path: &str, preset: &str, depths: &[usize], against: (&str
     let mut json = format!("{{\n  \"preset\": \"{preset}\",\n  \"device_tb_per_s\": {tb_per_s:.3},\n  \"weight_bytes\": {weights},\n  \"against\": \"{against_label}\",\n  \"context\": [\n");
     // KV bytes of `slots` positions: every layer's K and V rows, bf16.
     let kv_bytes = |slots: usize| spec.n_layers * slots * 2 * spec.kv_dim() * 2;
-    for ((&depth, &(prefill_ms, ms)), &(other_prefill_ms, other_ms)) in
-        depths.iter().zip(&default).zip(&other)
+    for (((&depth, &(prefill_ms, ms)), &(other_prefill_ms, other_ms)), ratios) in
+        depths.iter().zip(&default).zip(&other).zip(&paired)
     {
         // What a step reads at this depth: the weights and the KV rows up to the position.
         let floor_ms = (weights + kv_bytes(depth + 64)) as f64 / (tb_per_s * 1e12) * 1e3;
@@ -667,7 +720,25 @@ fn context_sweep(json_path: &str, preset: &str, depths: &[usize], against: (&str
             1e3 / other_ms,
             depth as f64 / other_prefill_ms * 1e3
         );
-        writeln!(json, "    {{\"depth\": {depth}, \"prefill_ms\": {prefill_ms:.3}, \"prefill_tok_s\": {prefill_tok_s:.1}, \"ms_per_token\": {ms:.5}, \"tok_s\": {:.2}, \"floor_ms\": {floor_ms:.5}, \"against_ms_per_token\": {other_ms:.5}, \"against_prefill_ms\": {other_prefill_ms:.3}}},", 1e3 / ms).unwrap();
+        let (q1, mid, q3) = (
+            quantile(ratios, 0.25),
+            quantile(ratios, 0.5),
+            quantile(ratios, 0.75),
+        );
+        writeln!(json, "    {{\"depth\": {depth}, \"prefill_ms\": {prefill_ms:.3}, \"prefill_tok_s\": {prefill_tok_s:.1}, \"ms_per_token\": {ms:.5}, \"tok_s\": {:.2}, \"floor_ms\": {floor_ms:.5}, \"against_ms_per_token\": {other_ms:.5}, \"against_prefill_ms\": {other_prefill_ms:.3}, \"paired_ratio\": {mid:.5}, \"paired_q1\": {q1:.5}, \"paired_q3\": {q3:.5}}},", 1e3 / ms).unwrap();
+    }
+    // The same comparison chunk by chunk: the median of the paired ratios is the speed-up to
+    // quote; the quartiles say how far one pair strays from it.
+    for (&depth, ratios) in depths.iter().zip(&paired) {
+        let speedup = |r: f64| (1.0 / r - 1.0) * 1e2;
+        println!(
+            "  depth {depth}: {against_label} {:+.2}% by the median of {} paired chunks of {PAIR_CHUNK} steps \
+             (quartiles {:+.2}% .. {:+.2}%)",
+            speedup(quantile(ratios, 0.5)),
+            ratios.len(),
+            speedup(quantile(ratios, 0.75)),
+            speedup(quantile(ratios, 0.25))
+        );
     }
     json = json.trim_end_matches(",\n").to_string() + "\n  ],\n  \"kv_marginal\": [\n";
     // The decode attention's KV streaming rate in the graph: between two depths, the extra KV

@@ -22,6 +22,6 @@ for setting in "$@"; do
   name=$(echo "$setting" | tr '=' '-')
   echo "== bench --context $preset $depths --against $setting"
   .dx/xp/bench --context "$preset" "$depths" --against "$setting" > "$out/bench-$name.txt" 2>&1 || status=1
-  grep -vE "^\s*$" "$out/bench-$name.txt" | tail -12
+  grep -vE "^\s*$" "$out/bench-$name.txt" | tail -16
 done
 exit $status
