@@ -239,59 +239,7 @@ __device__ __forceinline__ void pack_x_halves(const XSlice<J>& xs, XHalves<J>& x
 // KWALK_TABLE_AT), so the PRMT's result is a lookup's whole address (lane_at: KWALK_TABLE_AT |
 // 4 * lane; the table's high byte comes from it): one PRMT and the load, where a table at an
 // offset the compiler keeps in an ordinary register takes an add more.
-// Experiment DV2_X_W16_LOW_TABLE (docs/lab.md, session 41): the table at 0x10000 and x at fixed
-// window offsets, its chunks from 0x1000 up to the table and the rest from the table's end
-// (0x20000), where x (69 KB at K = 27,648, 20 words a chunk) does not fit below 0x10000 and
-// the table sits at 0x20000 with ~59 KB between them holding nothing: the CTA asks ~136 KB of
-// the SM's 228 where it asked ~193, and the ~57 KB freed goes to L1, which down's loads in
-// flight (82 KB an SM: 16 warps x 5 rows x 2 iterations x 512 bytes) may need (ncu: a third of
-// its warps' time waits on them).
-#ifndef GEMV2_W16_LOW_TABLE
-#define GEMV2_W16_LOW_TABLE 0
-#endif
-#if GEMV2_W16_LOW_TABLE
-#define KWALK_TABLE_AT 0x10000u
-#define W16_X_AT 0x1000u
-#define W16_X_SPLIT ((KWALK_TABLE_AT - W16_X_AT) / (X16_STAGE_STRIDE * 4u))
-// Chunk c's window offset: an IMAD, a compare and a select, no register held for x's base.
-__device__ __forceinline__ u32 w16_x_chunk_at(int c) {
-    return W16_X_AT + (u32)c * (X16_STAGE_STRIDE * 4u) + ((u32)c >= W16_X_SPLIT ? KWALK_TABLE_AT : 0u);
-}
-// stage_x16 and read_x16_chunk with x at w16_x_chunk_at (experiment DV2_X_W16_LOW_TABLE).
-template <int THREADS>
-__device__ __forceinline__ void stage_x16_w16(const u16* __restrict__ x, int cols) {
-    const int pieces = cols >> 3;  // 16 bytes each, 4 per chunk
-    for (int base = threadIdx.x; base < pieces; base += X_BATCH * THREADS) {
-        uint4 v[X_BATCH];
-#pragma unroll
-        for (int u = 0; u < X_BATCH; u++) {
-            const int i = base + u * THREADS;
-            if (i < pieces) v[u] = reinterpret_cast<const uint4*>(x)[i];
-        }
-#pragma unroll
-        for (int u = 0; u < X_BATCH; u++) {
-            const int i = base + u * THREADS;
-            if (i < pieces)
-                asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(w16_x_chunk_at(i >> 2) + (i & 3) * 16),
-                             "r"(v[u].x), "r"(v[u].y), "r"(v[u].z), "r"(v[u].w));
-        }
-    }
-}
-__device__ __forceinline__ void read_x16_chunk_w16(int c, int n_chunks, u32 (&h)[16]) {
-    const u32 at = w16_x_chunk_at(c);
-#pragma unroll
-    for (int q = 0; q < 4; q++) {
-        uint4 v = make_uint4(0u, 0u, 0u, 0u);
-        if (c < n_chunks)
-            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                         : "r"(at + q * 16));
-        h[4 * q] = v.x, h[4 * q + 1] = v.y, h[4 * q + 2] = v.z, h[4 * q + 3] = v.w;
-    }
-}
-#else
 #define KWALK_TABLE_AT 0x20000u
-#endif
 __device__ __forceinline__ u32 fixed_lut_entry(u32 word, int k, u32 lane_at) {
     const u32 addr = __byte_perm(lane_at, word, 0x3240u | ((u32)k << 4));  // {lane4, byte k, 2, 0}
     u32 v;
@@ -790,19 +738,8 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
     for (int d = 0; d < D; d++) load_iter(t_begin + d, buf[d]);
     pdl_enter<true>();
     if (skip_if && *skip_if) return;
-#if GEMV2_W16_LOW_TABLE
-    // x at w16_x_chunk_at: the window below 0x1000 holds the reserved and static shared memory
-    // (1 KiB and 324 bytes here), the dynamic memory starts there and x from 0x1000.
-    constexpr bool SPLIT = FIXED;
-#else
-    constexpr bool SPLIT = false;
-#endif
     if (X32)
         stage_x_as16<WARPS * 32>(reinterpret_cast<const float*>(x), cols, norm, x_staged);
-#if GEMV2_W16_LOW_TABLE
-    else if (SPLIT)
-        stage_x16_w16<WARPS * 32>(reinterpret_cast<const u16*>(x), cols);
-#endif
     else
         stage_x16<WARPS * 32>(reinterpret_cast<const u16*>(x), cols, x_staged);
     __syncthreads();
@@ -815,12 +752,7 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
             const int tt = t + d;
             if (tt < t_end) {  // the same for the whole warp
                 XHalves<1> xh;
-#if GEMV2_W16_LOW_TABLE
-                if (SPLIT)
-                    read_x16_chunk_w16(tt * 32 + lane, n_chunks, xh.h[0]);
-                else
-#endif
-                    read_x16_chunk(x_staged, tt * 32 + lane, n_chunks, xh.h[0]);
+                read_x16_chunk(x_staged, tt * 32 + lane, n_chunks, xh.h[0]);
 #pragma unroll
                 for (int i = 0; i < R; i++) acc[i] += dot_row_pair16<1, PRMT, FIXED>(buf[d][i], xh, pair16_lut, lane4);
                 load_iter(tt + D, buf[d]);

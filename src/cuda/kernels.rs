@@ -76,11 +76,6 @@ pub const GEMV2_KWALK_W16_ROWS: usize = 40;
 /// The shared-memory window offset of the 16-warp K walk's table (kernels/gemv.cu,
 /// KWALK_TABLE_AT), x16 below it.
 pub const KWALK_TABLE_AT: usize = 0x20000;
-/// Experiment DV2_X_W16_LOW_TABLE (docs/lab.md, session 41): the 16-warp K walk's table at
-/// 0x10000, x16's chunks below it as far as they fit and the rest past the table.
-pub fn w16_low_table() -> bool {
-    std::env::var("DV2_X_W16_LOW_TABLE").as_deref() == Ok("1")
-}
 /// The dynamic shared memory GEMV v2 stages x in for K = cols: each 32-element chunk at
 /// [`GEMV2_X_STRIDE`] floats, or [`GEMV2_X16_STRIDE`] words from f16 x.
 pub const fn gemv2_x_smem(cols: usize, x_f16: bool) -> usize {
@@ -387,10 +382,6 @@ fn options(arch: &str, cfg: &Config) -> Vec<String> {
         opts.push("--generate-line-info".into());
     }
     opts.extend(cfg.nvrtc_defines());
-    // Experiment DV2_X_W16_LOW_TABLE (docs/lab.md, session 41): down's table at 0x10000.
-    if w16_low_table() {
-        opts.push("-DGEMV2_W16_LOW_TABLE=1".into());
-    }
     opts.extend(shared_defines());
     opts
 }

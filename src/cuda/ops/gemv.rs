@@ -8,10 +8,9 @@ use super::gemm::{Epilogue, GemmArgs, GemmMatrix};
 use super::{check_sums, no_sums, Input, NormArgs, Ops, MAX_ARGMAX_CTAS};
 use crate::cuda::device::driver_error;
 use crate::cuda::kernels::{
-    gemv2_x_smem, w16_low_table, Kernels, GEMV2_KWALK_KPARTS, GEMV2_KWALK_QKV_ROWS,
-    GEMV2_KWALK_ROWS, GEMV2_KWALK_W16_ROWS, GEMV2_KWALK_W16_WARPS, GEMV2_MAX_K, GEMV2_PRMT_TABLE,
-    GEMV2_X16_MAX_K, GEMV2_X16_STRIDE, GEMV3_CTAS_PER_SM, GEMV3_KH2_CTAS_PER_SM, GEMV3_MAX_K,
-    GEMV3_WARPS, GEMV_WARPS, KWALK_TABLE_AT,
+    gemv2_x_smem, Kernels, GEMV2_KWALK_KPARTS, GEMV2_KWALK_QKV_ROWS, GEMV2_KWALK_ROWS,
+    GEMV2_KWALK_W16_ROWS, GEMV2_KWALK_W16_WARPS, GEMV2_MAX_K, GEMV2_PRMT_TABLE, GEMV2_X16_MAX_K,
+    GEMV3_CTAS_PER_SM, GEMV3_KH2_CTAS_PER_SM, GEMV3_MAX_K, GEMV3_WARPS, GEMV_WARPS, KWALK_TABLE_AT,
 };
 use crate::cuda::weights::Nf4Ref;
 use crate::error::{Error, Result};
@@ -190,8 +189,8 @@ impl Ops {
     fn walks_k_w16(&self, rows: usize, cols: usize) -> bool {
         self.walks_k(rows, cols, true, GEMV2_KWALK_ROWS)
             && rows.div_ceil(GEMV2_KWALK_W16_ROWS) <= self.sms as usize
-            && (w16_low_table() || gemv2_x_smem(cols, true) + 4096 <= KWALK_TABLE_AT)
-            && w16_smem(cols) <= self.k.gemv2_kwalk_w16_room
+            && gemv2_x_smem(cols, true) + 4096 <= KWALK_TABLE_AT
+            && KWALK_TABLE_AT + GEMV2_PRMT_TABLE <= self.k.gemv2_kwalk_w16_room
     }
 
     /// GEMV v2's persistent grid for `rows` in CTAs of `warps`, `kparts` of them a row:
@@ -351,7 +350,7 @@ impl Ops {
                     grid_dim: (rows.div_ceil(GEMV2_KWALK_W16_ROWS) as u32, 1, 1),
                     block_dim: (GEMV2_KWALK_W16_WARPS * 32, 1, 1),
                     // x from the start, the table at KWALK_TABLE_AT of the window past it.
-                    shared_mem_bytes: w16_smem(cols) as u32,
+                    shared_mem_bytes: (KWALK_TABLE_AT + GEMV2_PRMT_TABLE) as u32,
                 };
                 check_sums(ss_out, cfg.grid_dim.0)?;
                 let f = &self.k.gemv2_kwalk_x16_w16;
@@ -636,20 +635,6 @@ pub fn gemv2_shape(cols: usize, max_j: usize) -> Result<(usize, u32)> {
     Err(Error::Unsupported(format!(
         "K = {cols}: the GEMV kernels take K up to {GEMV2_MAX_K} ({GEMV2_X16_MAX_K} from f16 x)"
     )))
-}
-
-/// The 16-warp K walk's dynamic shared memory for K = cols: x from the start and the table at
-/// KWALK_TABLE_AT past it; or (experiment DV2_X_W16_LOW_TABLE, kernels/gemv.cu) the table at
-/// 0x10000, x's chunks from window offset 0x1000 up to it and the rest from 0x20000 (asked from
-/// the window's start: the dynamic memory begins past the static and reserved, ~1.4 KiB).
-fn w16_smem(cols: usize) -> usize {
-    const CHUNK: usize = GEMV2_X16_STRIDE * 4;
-    if w16_low_table() {
-        let below = (0x10000 - 0x1000) / CHUNK;
-        0x20000 + (cols / 32).saturating_sub(below) * CHUNK
-    } else {
-        KWALK_TABLE_AT + GEMV2_PRMT_TABLE
-    }
 }
 
 #[cfg(test)]
