@@ -408,7 +408,7 @@ impl Ops {
             return Ok(false);
         }
         let (j, kparts, mut cfg) = self.gemv_v2_launch(rows, cols, false, 3)?;
-        let table_and_x = cfg.shared_mem_bytes as usize + GEMV2_PRMT_TABLE;
+        let table_and_x = prmt_table_and_x_smem(cols, false);
         if cfg.grid_dim.0 as usize > MAX_ARGMAX_CTAS || table_and_x > self.k.gemv2_logits_room {
             return Ok(false);
         }
@@ -575,8 +575,8 @@ fn auto_gemv(rows: usize, cols: usize, x_f16: bool, v2_room: usize) -> Gemv {
 }
 
 /// The dynamic shared memory of the kernels that hold the PRMT-addressed table before x
-/// (kernels/gemv.cu: the K walks from f32 x, x staged as f16; `gemv2_swiglu_j1_w20`, x as f32)
-/// for K = cols.
+/// (kernels/gemv.cu: the K walks from f32 x, x staged as f16; `gemv2_swiglu_j1_w20` and
+/// lm_head's `gemv2_logits`, x as f32) for K = cols.
 fn prmt_table_and_x_smem(cols: usize, x_f16: bool) -> usize {
     GEMV2_PRMT_TABLE + gemv2_x_smem(cols, x_f16)
 }
