@@ -94,9 +94,16 @@ fn switch_rows(model: &str, rows: Option<&String>) -> Vec<(String, Vec<(String, 
         .collect()
 }
 
+/// The middle value, or the mean of the middle two where `v` has an even count (the context
+/// sweep's two timed requests a side: before session 41 it took the larger).
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+    let n = v.len();
+    if n % 2 == 0 {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    } else {
+        v[n / 2]
+    }
 }
 
 /// Loads `model` on CUDA and times prefill and decode (host clock around calls that end in
