@@ -157,8 +157,9 @@ __device__ __forceinline__ uint4 load_weights16(const uint4* p) {
 
 // A chunk's scale (absmax), loaded as the weights are, past L1's allocation: a warp's 64 bytes of
 // scales an iteration are two sectors no later iteration reads, so allocating them only takes L1
-// from the loads in flight. Measured against __ldg: +1.1% at depth 48 on the 32B shape, within
-// the controls' spread at 2k and 8k (docs/lab.md, session 41).
+// from the loads in flight. Measured against __ldg at the 32B shape: +1.07% at depth 48 where the
+// same decode against itself read +0.4..+0.9%, +0.4 / +0.1% at 2k / 8k (within that); the 3B
+// shape within its control (docs/lab.md, session 41).
 __device__ __forceinline__ float load_scale(const float* p) {
     float v;
     asm("ld.global.nc.L1::no_allocate.f32 %0, [%1];" : "=f"(v) : "l"(p));
