@@ -3,7 +3,9 @@
 # each experiment switch's cuda_gemv (the GEMV kernels against the CPU under it), then the
 # context bench with the switch against the default in one process (the engines alternate;
 # ids and logits compared first). Logs under $OUT (or ./device-logs).
-# Usage: [PRESET=qwen25_32b] [DEPTHS=48,2048,8192] bash tests/gpu/xp-against.sh VAR=VALUE [VAR=VALUE...]
+# CONTROL=1 first runs the same bench against a setting that changes nothing in the decode
+# (DV2_STAGED_UPLOAD=0: how weights are uploaded), so the call carries its own spread.
+# Usage: [PRESET=qwen25_32b] [DEPTHS=48,2048,8192] [CONTROL=1] bash tests/gpu/xp-against.sh VAR=VALUE [VAR=VALUE...]
 set -uo pipefail
 [[ -e /tmp/dv2-xp ]] || ln -s "$PWD" /tmp/dv2-xp
 out=${OUT:-device-logs}; mkdir -p "$out"
@@ -18,7 +20,9 @@ for setting in "$@"; do
     && echo "$setting cuda_gemv: ok" || { echo "$setting cuda_gemv: FAILED"; status=1; }
   grep -E "test result|FAILED|panicked" "$out/gemv-$name.txt" | tail -3
 done
-for setting in "$@"; do
+controls=()
+[[ ${CONTROL:-0} == 1 ]] && controls=(DV2_STAGED_UPLOAD=0)
+for setting in ${controls[@]+"${controls[@]}"} "$@"; do
   name=$(echo "$setting" | tr '=' '-')
   echo "== bench --context $preset $depths --against $setting"
   .dx/xp/bench --context "$preset" "$depths" --against "$setting" > "$out/bench-$name.txt" 2>&1 || status=1
