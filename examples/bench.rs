@@ -5,7 +5,8 @@
 //!                                               [--prefill-only] [--skip-gemm] [--skip-variants]
 //!                                               [--split] [--boundary] [--l2-hot] [--rows A,B,..]
 //!                                               [--prefill-profile LEN CHUNK] [--decode-profile STEPS [DEPTH [PRESET]]]
-//!                                               [--cta-timeline PATH [DEPTH [PRESET]]] [--context [PRESET [DEPTHS]] [--against VAR=VALUE]]
+//!                                               [--cta-timeline PATH [DEPTH [PRESET]]] [--context [PRESET [DEPTHS]] [--against VAR=VALUE]
+//!                                               [--against-loaded-first]]
 //!                                               [--shapes PRESET] [--load PATH [REPS]]
 //!                                               [--sampling [PRESET [DEPTHS]]]
 //!
@@ -22,7 +23,7 @@
 //! decode and prefill again under `--against`'s setting (default `DV2_ATTN_LONG=0`) in the same process,
 //! the two engines' requests (and their decodes, 16 steps at a time) alternating at each depth,
 //! with the paired chunks' median ratio, after the ids and logits of both at 20, 300, 2,100 and
-//! 5,000 prompt tokens.
+//! 5,000 prompt tokens (`--against-loaded-first`: that engine loaded before the default's).
 //! `--sampling [PRESET [D1,D2,..]]` prints only sampled decode against greedy decode by depth
 //! (48 and 8k unless listed), in one engine, on the Qwen2.5-3B shape or the named preset.
 //! `--shapes PRESET` takes the kernel table's matrices from that preset (default qwen25_3b).
@@ -587,7 +588,13 @@ fn decode_profile(steps: usize, depth: usize, preset: &str) {
 /// requests alternate, and their decodes chunk by chunk ([`time_request_pair`]): the paired
 /// chunks' median ratio and quartiles follow the table. Writes the table and the JSON
 /// (`tests/gpu/plot-context.py` draws it).
-fn context_sweep(json_path: &str, preset: &str, depths: &[usize], against: (&str, &str)) {
+fn context_sweep(
+    json_path: &str,
+    preset: &str,
+    depths: &[usize],
+    against: (&str, &str),
+    against_loaded_first: bool,
+) {
     const MAX_SEQ: usize = 32768;
     const TOKENS: usize = 128;
     let spec = decodev2::arch::preset(preset).expect("preset");
@@ -630,7 +637,15 @@ fn context_sweep(json_path: &str, preset: &str, depths: &[usize], against: (&str
             e
         })
     };
-    let (mut a, mut b) = (load(true), load(false));
+    // `--against-loaded-first`: the same engines, the against one loaded (its weights, KV cache
+    // and graphs allocated) first, to tell the load order's share of a control's spread from
+    // the timing order's (which alternates).
+    let (mut a, mut b) = if against_loaded_first {
+        let b = load(false);
+        (load(true), b)
+    } else {
+        (load(true), load(false))
+    };
     // Ids and logits under `against` beside the default's first, so that a faster column is
     // never of another answer (a lossless setting leaves both equal; the print says).
     for depth in [20, 300, 2100, 5000] {
@@ -977,7 +992,13 @@ fn main() {
                 .expect("--against VAR=VALUE"),
             None => ("DV2_ATTN_LONG", "0"),
         };
-        context_sweep(&json_path, preset, &depths, against);
+        context_sweep(
+            &json_path,
+            preset,
+            &depths,
+            against,
+            flag("--against-loaded-first"),
+        );
         return;
     }
 
