@@ -838,14 +838,14 @@ extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)
 struct SwigluRowsPrmt : SwigluRows {
     static constexpr bool prmt_table = true;
 };
-// K and the K split are the constants the host launches this kernel with (SWIGLU_W20_K,
-// SWIGLU_W20_KPARTS), so the walk's row addresses fold into immediates and its warps' roles (a
+// K, the K split and the warps are the constants the host launches this kernel with
+// (SWIGLU_W20_K, SWIGLU_W20_KPARTS, SWIGLU_W20_WARPS), so the walk's row addresses fold into immediates and its warps' roles (a
 // division by 5) into constants: sm_90's late iteration ~372 -> ~344 instructions, +0.8-1.0%
 // decode at the 32B shape from 48 to 8k (docs/lab.md, session 39).
 extern "C" __global__ void __maxnreg__(GEMV2_W20_MAX_REGS)
     gemv2_swiglu_j1_w20(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm, float* out, int rows,
                         int out_f16, int early_ctas, int early_rows) {
     SwigluRowsPrmt g{{gate, up, out, out_f16 != 0}};
-    gemv2_walk<1, 2, 2, false, 20>(g, rows, SWIGLU_W20_K, x, norm, SWIGLU_W20_KPARTS, nullptr, early_ctas,
-                                   early_rows);
+    gemv2_walk<1, 2, 2, false, SWIGLU_W20_WARPS>(g, rows, SWIGLU_W20_K, x, norm, SWIGLU_W20_KPARTS, nullptr,
+                                                 early_ctas, early_rows);
 }

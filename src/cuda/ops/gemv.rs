@@ -84,8 +84,9 @@ pub const SWIGLU_W20_K: usize = 5 * 1024;
 /// `gemv2_swiglu_j1_w20`'s K parts: 5 warps a row.
 pub const SWIGLU_W20_KPARTS: u32 = 5;
 
-/// `gemv2_swiglu_j1_w20`'s CTA: 20 warps, 4 rows a step of its walk, one CTA an SM.
-const SWIGLU_W20_WARPS: u32 = 20;
+/// `gemv2_swiglu_j1_w20`'s CTA: 20 warps, 4 rows a step of its walk, one CTA an SM (an NVRTC
+/// define, as K and the K parts).
+pub const SWIGLU_W20_WARPS: u32 = 20;
 
 /// The shared memory a CTA may opt into on the devices that take `gemv2_swiglu_j1_w20`: an
 /// SM of 228 KB (sm_90, sm_100), where its one table and x (~76 KB) leave the rest to L1. Its
