@@ -163,14 +163,14 @@ const PAIR_CHUNK: usize = 16;
 /// the same decode against itself still read 0.4-0.9% apart at depth 48 (docs/lab.md, sessions
 /// 40-41), from two requests a side; the chunks give `tokens / PAIR_CHUNK` pairs a request and
 /// the ratio's own spread. Returns each engine's (prefill ms, decode ms per token) medians and
-/// the pairs' ratios (b's time over a's), sorted.
+/// the pairs' ratios ([`Paired`]).
 fn time_request_pair(
     a: &mut Engine,
     b: &mut Engine,
     prompt: &[u32],
     tokens: usize,
     reps: usize,
-) -> ([(f64, f64); 2], Vec<f64>) {
+) -> ([(f64, f64); 2], Paired) {
     assert!(tokens % PAIR_CHUNK == 0, "whole chunks");
     let mut runs: [Vec<(f64, f64)>; 2] = [Vec::new(), Vec::new()];
     let mut ratios = Vec::new();
@@ -179,13 +179,7 @@ fn time_request_pair(
         let order = if rep % 2 == 0 { [0, 1] } else { [1, 0] };
         let mut prefill_ms = [0.0; 2];
         for i in order {
-            let e = if i == 0 { &mut *a } else { &mut *b };
-            e.reset().unwrap();
-            let t = Instant::now();
-            e.prefill(prompt).unwrap();
-            prefill_ms[i] = t.elapsed().as_secs_f64() * 1e3;
-            // The first decode step is not timed (seed §10).
-            e.step().unwrap();
+            prefill_ms[i] = start_request(if i == 0 { &mut *a } else { &mut *b }, prompt);
         }
         let mut decode_ms = [0.0; 2];
         for chunk in 0..tokens / PAIR_CHUNK {
@@ -214,12 +208,24 @@ fn time_request_pair(
         }
     }
     ratios.sort_by(f64::total_cmp);
-    (runs.map(|r| medians_after_warmup(&r)), ratios)
+    // The value at fraction q (0 to 1) of the sorted ratios, by its nearest rank.
+    let quantile = |q: f64| ratios[((ratios.len() - 1) as f64 * q).round() as usize];
+    let paired = Paired {
+        q1: quantile(0.25),
+        median: quantile(0.5),
+        q3: quantile(0.75),
+        pairs: ratios.len(),
+    };
+    (runs.map(|r| medians_after_warmup(&r)), paired)
 }
 
-/// The value at fraction `q` (0 to 1) of `sorted`, by its nearest rank.
-fn quantile(sorted: &[f64], q: f64) -> f64 {
-    sorted[((sorted.len() - 1) as f64 * q).round() as usize]
+/// [`time_request_pair`]'s paired chunks: their ratios' quartiles and median (b's time over
+/// a's) and how many pairs.
+struct Paired {
+    q1: f64,
+    median: f64,
+    q3: f64,
+    pairs: usize,
 }
 
 /// The medians of (prefill, decode) over `runs` past the first, which warmed caches.
@@ -235,15 +241,22 @@ fn medians_after_warmup(runs: &[(f64, f64)]) -> (f64, f64) {
 /// (ms per token).
 fn one_request(e: &mut Engine, prompt: &[u32], tokens: usize) -> (f64, f64) {
     let mut out = vec![0u32; tokens];
+    let prefill_ms = start_request(e, prompt);
+    let t = Instant::now();
+    let n = e.step_n(&mut out).unwrap();
+    assert_eq!(n, tokens, "EOS is off: every step runs");
+    (prefill_ms, t.elapsed().as_secs_f64() * 1e3 / tokens as f64)
+}
+
+/// A request's start from a reset: the prefill of `prompt` (timed, ms) and the first decode
+/// step (not timed: seed §10, decode tok/s is steps after the first).
+fn start_request(e: &mut Engine, prompt: &[u32]) -> f64 {
     e.reset().unwrap();
     let t = Instant::now();
     e.prefill(prompt).unwrap();
     let prefill_ms = t.elapsed().as_secs_f64() * 1e3;
     e.step().unwrap();
-    let t = Instant::now();
-    let n = e.step_n(&mut out).unwrap();
-    assert_eq!(n, tokens, "EOS is off: every step runs");
-    (prefill_ms, t.elapsed().as_secs_f64() * 1e3 / tokens as f64)
+    prefill_ms
 }
 
 /// One graph step of a preset's shape (a prompt of `depth` tokens, then 7 steps) recorded
@@ -699,8 +712,8 @@ fn context_sweep(
         .iter()
         .map(|&depth| {
             let prompt = synth::prompt(spec.vocab, depth, 1);
-            let ([on_a, on_b], ratios) = time_request_pair(&mut a, &mut b, &prompt, TOKENS, 2);
-            paired.push(ratios);
+            let ([on_a, on_b], pairs) = time_request_pair(&mut a, &mut b, &prompt, TOKENS, 2);
+            paired.push(pairs);
             (on_a, on_b)
         })
         .unzip();
@@ -722,7 +735,7 @@ fn context_sweep(
     let mut json = format!("{{\n  \"preset\": \"{preset}\",\n  \"device_tb_per_s\": {tb_per_s:.3},\n  \"weight_bytes\": {weights},\n  \"against\": \"{against_label}\",\n  \"context\": [\n");
     // KV bytes of `slots` positions: every layer's K and V rows, bf16.
     let kv_bytes = |slots: usize| spec.n_layers * slots * 2 * spec.kv_dim() * 2;
-    for (((&depth, &(prefill_ms, ms)), &(other_prefill_ms, other_ms)), ratios) in
+    for (((&depth, &(prefill_ms, ms)), &(other_prefill_ms, other_ms)), p) in
         depths.iter().zip(&default).zip(&other).zip(&paired)
     {
         // What a step reads at this depth: the weights and the KV rows up to the position.
@@ -742,24 +755,19 @@ fn context_sweep(
             1e3 / other_ms,
             depth as f64 / other_prefill_ms * 1e3
         );
-        let (q1, mid, q3) = (
-            quantile(ratios, 0.25),
-            quantile(ratios, 0.5),
-            quantile(ratios, 0.75),
-        );
-        writeln!(json, "    {{\"depth\": {depth}, \"prefill_ms\": {prefill_ms:.3}, \"prefill_tok_s\": {prefill_tok_s:.1}, \"ms_per_token\": {ms:.5}, \"tok_s\": {:.2}, \"floor_ms\": {floor_ms:.5}, \"against_ms_per_token\": {other_ms:.5}, \"against_prefill_ms\": {other_prefill_ms:.3}, \"paired_ratio\": {mid:.5}, \"paired_q1\": {q1:.5}, \"paired_q3\": {q3:.5}}},", 1e3 / ms).unwrap();
+        writeln!(json, "    {{\"depth\": {depth}, \"prefill_ms\": {prefill_ms:.3}, \"prefill_tok_s\": {prefill_tok_s:.1}, \"ms_per_token\": {ms:.5}, \"tok_s\": {:.2}, \"floor_ms\": {floor_ms:.5}, \"against_ms_per_token\": {other_ms:.5}, \"against_prefill_ms\": {other_prefill_ms:.3}, \"paired_ratio\": {:.5}, \"paired_q1\": {:.5}, \"paired_q3\": {:.5}}},", 1e3 / ms, p.median, p.q1, p.q3).unwrap();
     }
     // The same comparison chunk by chunk: the median of the paired ratios is the speed-up to
     // quote; the quartiles say how far one pair strays from it.
-    for (&depth, ratios) in depths.iter().zip(&paired) {
+    for (&depth, p) in depths.iter().zip(&paired) {
         let speedup = |r: f64| (1.0 / r - 1.0) * 1e2;
         println!(
             "  depth {depth}: {against_label} {:+.2}% by the median of {} paired chunks of {PAIR_CHUNK} steps \
              (quartiles {:+.2}% .. {:+.2}%)",
-            speedup(quantile(ratios, 0.5)),
-            ratios.len(),
-            speedup(quantile(ratios, 0.75)),
-            speedup(quantile(ratios, 0.25))
+            speedup(p.median),
+            p.pairs,
+            speedup(p.q3),
+            speedup(p.q1)
         );
     }
     json = json.trim_end_matches(",\n").to_string() + "\n  ],\n  \"kv_marginal\": [\n";
