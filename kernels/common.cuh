@@ -4,7 +4,7 @@
 //
 // Layouts (see src/nf4.rs for the NF4 packing):
 //   NF4 matrix [rows, cols]: packed bytes [rows][cols/2] (element 2i in the high nibble of
-//     byte i), absmax f32 [rows][cols/64]. A 16-byte chunk holds 32 elements of one block.
+//     byte i), absmax f16 [rows][cols/64]. A 16-byte chunk holds 32 elements of one block.
 //   Activations f32. KV cache bf16 [kv_stride slots][n_kv][head_dim] per layer.
 //   State int32[8]: the STATE_* indices (src/cuda/kernels.rs `state`).
 //   History int32[max_seq + 1]: the id fed at each position of the request (the commits
@@ -72,6 +72,13 @@ __device__ __forceinline__ u16 f32_to_f16(float f) {
     unsigned short r;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
     return r;
+}
+
+// An NF4 block's scale (absmax): kept in f16 (src/nf4.rs), computed with in f32.
+__device__ __forceinline__ float scale_f32(u16 bits) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(bits));
+    return f;
 }
 
 // Stores elements i and i + 1 (i even) of a row of activations: f32, or with `f16` an f16
@@ -383,7 +390,7 @@ __device__ __forceinline__ void load_codebook(float* lut) {
 
 struct Nf4Ref {
     const u8* packed;
-    const float* absmax;
+    const u16* absmax;  // f16 bits
     float mma_scale;  // the tensor-core GEMM's power of two on absmax (kernels/gemm.cu)
 };
 // The host passes these structs by value (src/cuda/ops, src/cuda/weights.rs): its sizes, as

@@ -107,7 +107,7 @@ __device__ __forceinline__ const float* pick_bias(const GemmArgs& a, int i) {
 struct GemmWarp {
     int lane, g, t, mw, kp, tile, col0;
     const u8* wrow[2][2];  // packed bytes of row g + 8h of m16 tile i
-    const float* srow[2][2];
+    const u16* srow[2][2];
     float scale[2][2];
 };
 
@@ -155,7 +155,7 @@ __device__ __forceinline__ void load_a_block(const GemmWarp& w, int kb, ABlock& 
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             b.w[i][h] = __ldg(reinterpret_cast<const uint2*>(w.wrow[i][h] + kb * 32 + 8 * w.t));
-            b.s[i][h] = __ldg(w.srow[i][h] + kb);
+            b.s[i][h] = scale_f32(__ldg(w.srow[i][h] + kb));
         }
 }
 

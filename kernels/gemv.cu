@@ -155,15 +155,15 @@ __device__ __forceinline__ uint4 load_weights16(const uint4* p) {
     return v;
 }
 
-// A chunk's scale (absmax), loaded as the weights are, past L1's allocation: a warp's 64 bytes of
-// scales an iteration are two sectors no later iteration reads, so allocating them only takes L1
-// from the loads in flight. Measured against __ldg at the 32B shape: +1.07% at depth 48 where the
-// same decode against itself read +0.4..+0.9%, +0.4 / +0.1% at 2k / 8k (within that); the 3B
-// shape within its control (docs/lab.md, session 41).
-__device__ __forceinline__ float load_scale(const float* p) {
-    float v;
-    asm("ld.global.nc.L1::no_allocate.f32 %0, [%1];" : "=f"(v) : "l"(p));
-    return v;
+// A chunk's scale (absmax, f16), loaded as the weights are, past L1's allocation: a warp's 32
+// bytes of scales an iteration are a sector no later iteration reads, so allocating them only
+// takes L1 from the loads in flight. Measured against __ldg at the 32B shape (f32 scales then):
+// +1.07% at depth 48 where the same decode against itself read +0.4..+0.9%, +0.4 / +0.1% at 2k
+// / 8k (within that); the 3B shape within its control (docs/lab.md, session 41).
+__device__ __forceinline__ float load_scale(const u16* p) {
+    unsigned short v;
+    asm("ld.global.nc.L1::no_allocate.b16 %0, [%1];" : "=h"(v) : "l"(p));
+    return scale_f32(v);
 }
 
 // Issues the loads of this lane's chunks of one row part (zero scale past the row's end).
@@ -173,7 +173,7 @@ __device__ __forceinline__ void load_row(Nf4Ref m, int row, int cols, int part, 
     // Unsigned 32 x 32 -> 64-bit row offsets: one IMAD.WIDE.U32 each, where a signed row takes
     // its sign's products too (rows and K are never negative).
     const uint4* w = reinterpret_cast<const uint4*>(m.packed + (size_t)(u32)row * (u32)(cols >> 1));
-    const float* a = m.absmax + (size_t)(u32)row * (u32)(cols >> 6);
+    const u16* a = m.absmax + (size_t)(u32)row * (u32)(cols >> 6);
 #pragma unroll
     for (int j = 0; j < J; j++) {
         const int c = (part * J + j) * 32 + lane;

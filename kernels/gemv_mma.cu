@@ -71,12 +71,12 @@ __device__ __forceinline__ void gemv3_load(const GemmArgs& a, int group, int kb,
             const StackedRow r = gemv3_row<T, EPI>(a, group, i, h, g);
             const Nf4Ref m = gemv3_pick<EPI>(a, r.matrix);
             const u8* wrow = m.packed + (size_t)r.local * (a.k >> 1) + 8 * t;
-            const float* srow = m.absmax + (size_t)r.local * (a.k >> 6);
+            const u16* srow = m.absmax + (size_t)r.local * (a.k >> 6);
 #pragma unroll
             for (int j = 0; j < S; j++) {
                 const bool in = kb + j < kb1;
                 st.b[j][i].w[h] = in ? __ldg(reinterpret_cast<const uint2*>(wrow + (kb + j) * 32)) : make_uint2(0u, 0u);
-                st.b[j][i].s[h] = in ? __ldg(srow + kb + j) : 0.0f;
+                st.b[j][i].s[h] = in ? scale_f32(__ldg(srow + kb + j)) : 0.0f;
             }
         }
 }

@@ -63,14 +63,14 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const u16* __re
 __device__ __forceinline__ float embed_token(int token, Nf4Ref embed, float* out, int hidden, int vocab) {
     if (token < 0 || token >= vocab) token = 0;  // the engine never lets this happen
     const u8* row = embed.packed + (size_t)token * (hidden >> 1);
-    const float* scales = embed.absmax + (size_t)token * (hidden >> 6);
+    const u16* scales = embed.absmax + (size_t)token * (hidden >> 6);
     __shared__ float lut[16];
     load_codebook(lut);
     __syncthreads();
     float ss = 0.0f;
     for (int i = threadIdx.x; i < (hidden >> 1); i += blockDim.x) {
         const u8 b = row[i];
-        const float s = scales[i >> 5];
+        const float s = scale_f32(scales[i >> 5]);
         out[2 * i] = lut[b >> 4] * s;
         out[2 * i + 1] = lut[b & 15] * s;
         ss += sq(out[2 * i]) + sq(out[2 * i + 1]);

@@ -14,6 +14,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use half::slice::HalfFloatSliceExt;
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 use serde_json::json;
@@ -52,7 +53,11 @@ pub fn write_bnb_dir(model: &HostModel, dir: &Path) -> Result<()> {
             ),
             (
                 format!("{name}.absmax"),
-                Tensor(Dtype::F32, vec![m.absmax.len()], le_f32(&m.absmax)),
+                Tensor(
+                    Dtype::F32,
+                    vec![m.absmax.len()],
+                    le_f32(&m.absmax.to_f32_vec()),
+                ),
             ),
             (
                 format!("{name}.quant_map"),

@@ -15,6 +15,7 @@ use decodev2::nf4::Codes;
 use decodev2::oracle::{step_logits, KvCache};
 use decodev2::save::write_bnb_dir;
 use decodev2::{synth, Error};
+use half::f16;
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 
@@ -175,8 +176,8 @@ fn set_state(t: &mut Tensors, name: &str, state: serde_json::Value) {
 }
 
 /// Nested scales: an 8-bit code per block into a 256-entry map, times its group's scale, plus
-/// the offset, in f32 as bitsandbytes computes them; groups of 4 blocks here (bitsandbytes
-/// uses 256), so that several groups are read.
+/// the offset, in f32 as bitsandbytes computes them, then kept in f16 as every NF4 scale is;
+/// groups of 4 blocks here (bitsandbytes uses 256), so that several groups are read.
 #[test]
 fn nested_scales_decode_as_bitsandbytes_does() {
     let map: Vec<f32> = (0..256).map(|i| (i as f32 - 127.5) / 128.0).collect();
@@ -191,7 +192,7 @@ fn nested_scales_decode_as_bitsandbytes_does() {
         want = codes
             .iter()
             .enumerate()
-            .map(|(b, &c)| map[c as usize] * scales[b / group] + offset)
+            .map(|(b, &c)| f16::from_f32(map[c as usize] * scales[b / group] + offset))
             .collect();
         t.insert(format!("{DOWN}.absmax"), (Dtype::U8, vec![blocks], codes));
         t.insert(
@@ -268,6 +269,14 @@ fn what_bitsandbytes_stores_otherwise_is_refused_by_name() {
                 codes.1 = vec![10, 1];
             }),
             "bytes of codes",
+        ),
+        (
+            "scale",
+            Box::new(|t: &mut Tensors| {
+                let absmax = t.get_mut(&format!("{DOWN}.absmax")).unwrap();
+                absmax.2[4..8].copy_from_slice(&1.0e6f32.to_le_bytes());
+            }),
+            "block 1 has scale 1000000, which an f16 scale does not hold",
         ),
     ];
     for (name, edit, expect) in cases {

@@ -583,21 +583,15 @@ fn counts_from_files_cannot_size_an_allocation() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// Weights near f32's largest make the logits overflow: the forward reports it with its own
-/// status instead of handing out ids chosen from inf and NaN, and a reset recovers the handle.
+/// A final norm weight near f32's (and bf16's) largest makes the logits overflow: the forward
+/// reports it with its own status instead of handing out ids chosen from inf and NaN, and a
+/// reset recovers the handle.
 #[test]
 fn non_finite_logits_are_a_status() {
     use common::gguf_writer::GgufWriter;
     let dir = scratch("non-finite");
     let mut w = GgufWriter::tiny_llama();
-    for (i, v) in w
-        .tensor_mut("blk.0.ffn_down.weight")
-        .2
-        .iter_mut()
-        .enumerate()
-    {
-        *v = if i % 2 == 0 { 3e38 } else { -3e38 };
-    }
+    w.tensor_mut("output_norm.weight").2.fill(3e38);
     let path = dir.join("huge.gguf");
     std::fs::write(&path, w.bytes()).unwrap();
     let mut h = null_mut();
@@ -621,6 +615,33 @@ fn non_finite_logits_are_a_status() {
         assert_eq!(dv2_reset(h), DV2_OK);
         dv2_free(h);
     }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A linear weight whose block's absmax f16 cannot hold (NF4 scales are f16: src/nf4.rs) is
+/// refused at load, naming the tensor, the row and the columns.
+#[test]
+fn a_weight_past_an_f16_scale_is_refused_at_load() {
+    use common::gguf_writer::GgufWriter;
+    let dir = scratch("huge-weight");
+    let mut w = GgufWriter::tiny_llama();
+    w.tensor_mut("blk.0.ffn_down.weight").2[64 * 3 + 70] = -3e38;
+    let path = dir.join("huge.gguf");
+    std::fs::write(&path, w.bytes()).unwrap();
+    let mut h = null_mut();
+    let mut opts = dv2_options_default();
+    opts.backend = dv2_backend::DV2_BACKEND_CPU as i32;
+    // SAFETY: valid strings and out-pointer.
+    unsafe {
+        let status = dv2_load(c_path(&path).as_ptr(), &opts, &mut h);
+        assert_ne!(status, DV2_OK);
+        assert!(h.is_null());
+    }
+    let err = last_error();
+    assert!(
+        err.contains("blk.0.ffn_down.weight") && err.contains("absmax") && err.contains("f16"),
+        "{err}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -4,6 +4,7 @@
 //! median per launch is reported. Inputs are random, never zeros.
 
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
+use half::f16;
 
 use super::budget::kv_stride;
 use super::device::{driver_error, Gpu};
@@ -13,7 +14,7 @@ use super::ops::{
     attn_partials, AttnArgs, Epilogue, GemmMatrix, GemvChoice, Input, Ops, QkvArgs, ARGMAX_SCRATCH,
 };
 use super::profile::timing_event;
-use super::weights::{mma_scale, Nf4Ref};
+use super::weights::{mma_scale, scale_bits, Nf4Ref};
 use crate::arch::ArchSpec;
 use crate::config::Config;
 use crate::error::{Error, Result};
@@ -70,16 +71,19 @@ pub fn random_f32(len: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
 
 struct RandomMatrix {
     packed: CudaSlice<u8>,
-    absmax: CudaSlice<f32>,
+    absmax: CudaSlice<u16>,
     mma_scale: f32,
 }
 
 impl RandomMatrix {
     fn new(gpu: &Gpu, rows: usize, cols: usize, seed: u64) -> Result<Self> {
-        let absmax = random_f32(rows * cols / 64, seed + 1, 0.01, 0.1);
+        let absmax: Vec<f16> = random_f32(rows * cols / 64, seed + 1, 0.01, 0.1)
+            .into_iter()
+            .map(f16::from_f32)
+            .collect();
         Ok(Self {
             packed: gpu.upload(&random_bytes(rows * cols / 2, seed))?,
-            absmax: gpu.upload(&absmax)?,
+            absmax: gpu.upload(scale_bits(&absmax))?,
             mma_scale: mma_scale(&absmax),
         })
     }
@@ -91,7 +95,7 @@ impl RandomMatrix {
         }
     }
     fn bytes(rows: usize, cols: usize) -> usize {
-        rows * cols / 2 + rows * cols / 64 * 4
+        rows * cols / 2 + rows * cols / 64 * 2
     }
 }
 

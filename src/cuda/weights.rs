@@ -1,6 +1,8 @@
 //! The model on the device: packed NF4 matrices, f32 biases, bf16 norm weights.
 
 use cudarc::driver::{CudaSlice, DeviceRepr};
+use half::f16;
+use half::slice::HalfFloatSliceExt;
 
 use super::device::Gpu;
 use super::staging::Staging;
@@ -25,31 +27,29 @@ unsafe impl DeviceRepr for Nf4Ref {}
 /// The power of two the tensor-core GEMM multiplies a matrix's absmax by before rounding
 /// weights to f16: it brings the largest |weight| near 2^14, so weights keep f16's full
 /// precision (no subnormals) and never overflow; the GEMM divides it out of its sums.
-pub fn mma_scale(absmax: &[f32]) -> f32 {
-    // The largest finite |a| by its bits: a non-negative float's bits order as its value, and
-    // an integer max vectorizes where a float one (NaN-aware, not reassociable) does not:
-    // 0.6 ns a scale where the float fold took 3.0 on the build machine, which over the 32B
-    // shape's 0.51 G scales was ~1.5 s of each load (docs/lab.md, session 34).
-    const INFINITY_BITS: u32 = 0x7f80_0000;
-    let finite_bits = |a: &f32| {
-        let b = a.to_bits() & 0x7fff_ffff;
+pub fn mma_scale(absmax: &[f16]) -> f32 {
+    // The largest finite |a| by its bits: a non-negative half's bits order as its value, and
+    // an integer max vectorizes where a float one (NaN-aware, not reassociable) does not
+    // (docs/lab.md, session 34: the float fold was ~1.5 s of each 32B load).
+    const INFINITY_BITS: u16 = 0x7c00;
+    let finite_bits = |a: &f16| {
+        let b = a.to_bits() & 0x7fff;
         if b < INFINITY_BITS {
             b
         } else {
             0
         }
     };
-    // Eight lanes of maxima (one vector register's worth), then the tail and the lanes.
-    let mut lanes = [0u32; 8];
-    let chunks = absmax.chunks_exact(8);
-    let tail = chunks.remainder().iter().map(finite_bits).fold(0, u32::max);
+    // Sixteen lanes of maxima (one vector register's worth), then the tail and the lanes.
+    let mut lanes = [0u16; 16];
+    let chunks = absmax.chunks_exact(16);
+    let tail = chunks.remainder().iter().map(finite_bits).fold(0, u16::max);
     for chunk in chunks {
         for (lane, a) in lanes.iter_mut().zip(chunk) {
             *lane = (*lane).max(finite_bits(a));
         }
     }
-    let max_bits = lanes.into_iter().fold(tail, u32::max);
-    let max = f32::from_bits(max_bits);
+    let max = f16::from_bits(lanes.into_iter().fold(tail, u16::max)).to_f32();
     if max == 0.0 {
         return 1.0;
     }
@@ -57,11 +57,16 @@ pub fn mma_scale(absmax: &[f32]) -> f32 {
     2f32.powi(exp)
 }
 
+/// A matrix's f16 scales as the device takes them: their bits.
+pub fn scale_bits(absmax: &[f16]) -> &[u16] {
+    absmax.reinterpret_cast()
+}
+
 pub struct DeviceMatrix {
     pub rows: usize,
     pub cols: usize,
     packed: CudaSlice<u8>,
-    absmax: CudaSlice<f32>,
+    absmax: CudaSlice<u16>,
     mma_scale: f32,
 }
 
@@ -75,7 +80,7 @@ impl DeviceMatrix {
             rows: m.rows,
             cols: m.cols,
             packed: up.upload(&m.packed)?,
-            absmax: up.upload(&m.absmax)?,
+            absmax: up.upload(scale_bits(&m.absmax))?,
             mma_scale: mma_scale(&m.absmax),
         })
     }
@@ -166,26 +171,33 @@ pub fn upload(gpu: &Gpu, model: &HostModel, staged: bool) -> Result<DeviceModel>
 
 #[cfg(test)]
 mod tests {
+    use half::f16;
+
     use super::mma_scale;
+
+    fn halves(a: &[f32]) -> Vec<f16> {
+        a.iter().map(|&v| f16::from_f32(v)).collect()
+    }
 
     #[test]
     fn mma_scale_brings_the_largest_absmax_near_2_pow_14() {
         for max in [1e-6f32, 0.013, 0.5, 1.0, 3.0, 700.0] {
-            let s = mma_scale(&[max / 4.0, -max, f32::NAN, max / 2.0]);
+            let s = mma_scale(&halves(&[max / 4.0, -max, f32::NAN, max / 2.0]));
             assert_eq!(s.log2().fract(), 0.0, "a power of two");
-            let top = max * s;
+            let top = f16::from_f32(max).to_f32() * s;
             assert!((8192.0..=16384.0).contains(&top), "{max} * {s} = {top}");
         }
-        assert_eq!(mma_scale(&[0.0, 0.0]), 1.0);
+        assert_eq!(mma_scale(&halves(&[0.0, 0.0])), 1.0);
     }
 
     /// The bitwise maximum finds the float maximum of the finite |a|, wherever in the lanes or
     /// the tail it lies, past NaN, infinities, negative values and subnormals.
     #[test]
     fn mma_scale_takes_the_largest_finite_magnitude_anywhere() {
-        let reference = |a: &[f32]| {
+        let reference = |a: &[f16]| {
             let max = a
                 .iter()
+                .map(|v| v.to_f32())
                 .filter(|v| v.is_finite())
                 .fold(0f32, |m, v| m.max(v.abs()));
             if max == 0.0 {
@@ -194,18 +206,18 @@ mod tests {
                 2f32.powi((16384.0 / max).log2().floor().clamp(-120.0, 120.0) as i32)
             }
         };
-        let odd = [
+        let odd = halves(&[
             f32::NAN,
             f32::INFINITY,
             f32::NEG_INFINITY,
             -0.0,
-            1e-40,
-            -3e-39,
-        ];
-        for len in [1, 7, 8, 9, 17, 64, 67] {
+            1e-7,
+            -3e-6,
+        ]);
+        for len in [1, 7, 15, 16, 17, 33, 64, 67] {
             for at in 0..len {
-                for big in [-5.5f32, 0.75, 3e-38, 1e30] {
-                    let mut a: Vec<f32> = (0..len).map(|i| odd[i % odd.len()]).collect();
+                for big in halves(&[-5.5, 0.75, 6.2e-5, 60000.0]) {
+                    let mut a: Vec<f16> = (0..len).map(|i| odd[i % odd.len()]).collect();
                     assert_eq!(mma_scale(&a), reference(&a), "len {len}, no big value");
                     a[at] = big;
                     assert_eq!(mma_scale(&a), reference(&a), "len {len}, {big} at {at}");

@@ -10,9 +10,12 @@
 //!   dtype, shape, and nested_blocksize, nested_offset where nested).
 //!
 //! With blocksize 64 and the NF4 codebook this is decodev2's own layout (src/nf4.rs, same
-//! nibble order), so the codes are taken as they are: no re-quantization. fp4 and other block
-//! sizes are refused, naming what was found.
+//! nibble order), so the codes are taken as they are: no re-quantization; the scales are kept
+//! in f16 as every NF4 scale is (rounded to nearest, a relative change of at most 2^-12). fp4
+//! and other block sizes are refused, naming what was found.
 
+use half::f16;
+use half::slice::HalfFloatSliceExt;
 use serde_json::Value;
 
 use super::{file_err, Shards};
@@ -85,8 +88,15 @@ pub(super) fn matrix(
     } else {
         f32s(sh, &format!("{name}.absmax"), blocks)?
     };
-    if let Some(b) = absmax.iter().position(|a| !a.is_finite()) {
-        return Err(bad(format!("block {b} has scale {}", absmax[b])));
+    // Kept in f16 (src/nf4.rs): refused where f16 cannot hold one.
+    let mut absmax16 = vec![f16::ZERO; absmax.len()];
+    absmax16.convert_from_f32_slice(&absmax);
+    if let Some(b) = absmax16.iter().position(|a| !a.is_finite()) {
+        return Err(bad(format!(
+            "block {b} has scale {}, which an f16 scale does not hold (finite, up to {})",
+            absmax[b],
+            f16::MAX
+        )));
     }
     let mut packed = sh.mapped(name)?;
     if !crate::config::Config::from_env().mapped_codes {
@@ -96,7 +106,7 @@ pub(super) fn matrix(
         rows,
         cols,
         packed,
-        absmax,
+        absmax: absmax16,
     }))
 }
 
