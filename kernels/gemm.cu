@@ -146,7 +146,7 @@ __device__ __forceinline__ void load_codebook_f16(u32* lut16) {
 // A thread's weights of one 64-element block: 8 bytes of each of its four rows.
 struct ABlock {
     uint2 w[2][2];
-    float s[2][2];
+    u16 s[2][2];  // f16 bits, converted where used
 };
 
 __device__ __forceinline__ void load_a_block(const GemmWarp& w, int kb, ABlock& b) {
@@ -155,7 +155,7 @@ __device__ __forceinline__ void load_a_block(const GemmWarp& w, int kb, ABlock& 
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             b.w[i][h] = __ldg(reinterpret_cast<const uint2*>(w.wrow[i][h] + kb * 32 + 8 * w.t));
-            b.s[i][h] = scale_f32(__ldg(w.srow[i][h] + kb));
+            b.s[i][h] = __ldg(w.srow[i][h] + kb);
         }
 }
 
@@ -169,7 +169,7 @@ __device__ __forceinline__ void a_fragments(const GemmWarp& w, const ABlock& b, 
     for (int i = 0; i < 2; i++)
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            const float sc = b.s[i][h] * w.scale[i][h];
+            const float sc = scale_f32(b.s[i][h]) * w.scale[i][h];
             const u32 s2 = pack_f16x2(sc, sc);
             const u32 word = s < 2 ? b.w[i][h].x : b.w[i][h].y;
             const int k = (s & 1) * 2;  // the pair t byte; k + 1: the pair t + 4 byte

@@ -140,7 +140,7 @@ __device__ __forceinline__ void read_x16_slice(const u32* staged, int part, int 
 template <int J>
 struct RowChunks {
     uint4 q[J];
-    float s[J];
+    u16 s[J];  // the chunks' scales as loaded (f16 bits), converted where they are used
 };
 
 // GEMV v2's weight loads as ld.global.nc.L1::no_allocate (each 16-byte piece is read once). Why: with
@@ -155,15 +155,17 @@ __device__ __forceinline__ uint4 load_weights16(const uint4* p) {
     return v;
 }
 
-// A chunk's scale (absmax, f16), loaded as the weights are, past L1's allocation: a warp's 32
-// bytes of scales an iteration are a sector no later iteration reads, so allocating them only
+// A chunk's scale (absmax, f16 bits), loaded as the weights are, past L1's allocation: a warp's
+// 32 bytes of scales an iteration are a sector no later iteration reads, so allocating them only
 // takes L1 from the loads in flight. Measured against __ldg at the 32B shape (f32 scales then):
 // +1.07% at depth 48 where the same decode against itself read +0.4..+0.9%, +0.4 / +0.1% at 2k
-// / 8k (within that); the 3B shape within its control (docs/lab.md, session 41).
-__device__ __forceinline__ float load_scale(const u16* p) {
+// / 8k (within that); the 3B shape within its control (docs/lab.md, session 41). Kept as loaded
+// until its use: converted where it is loaded, a walk's buffered loads each waited for their
+// scale in the iteration that issued them (the 32B step -7.4%, docs/lab.md, session 42).
+__device__ __forceinline__ u16 load_scale(const u16* p) {
     unsigned short v;
     asm("ld.global.nc.L1::no_allocate.b16 %0, [%1];" : "=h"(v) : "l"(p));
-    return scale_f32(v);
+    return v;
 }
 
 // Issues the loads of this lane's chunks of one row part (zero scale past the row's end).
@@ -179,7 +181,7 @@ __device__ __forceinline__ void load_row(Nf4Ref m, int row, int cols, int part, 
         const int c = (part * J + j) * 32 + lane;
         const bool in = c < n_chunks;
         rc.q[j] = in ? load_weights16(w + c) : make_uint4(0u, 0u, 0u, 0u);
-        rc.s[j] = in ? load_scale(a + (c >> 1)) : 0.0f;
+        rc.s[j] = in ? load_scale(a + (c >> 1)) : (u16)0;
     }
 }
 
@@ -197,7 +199,7 @@ __device__ __forceinline__ float dot_chunks(const RowChunks<J>& rc, GroupSum gro
         float part = 0.0f;
 #pragma unroll
         for (int w0 = 0; w0 < 4; w0 += GROUP) part += group_sum(j, w0, words);
-        acc = fmaf(part, rc.s[j], acc);
+        acc = fmaf(part, scale_f32(rc.s[j]), acc);
     }
     return acc;
 }
@@ -730,7 +732,7 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
         for (int i = 0; i < R; i++) {
             const bool in = in_k && r0 + i < rows;
             b[i].q[0] = in ? load_weights16(words_at(i, c)) : make_uint4(0u, 0u, 0u, 0u);
-            b[i].s[0] = in ? load_scale(scale_at(i, c)) : 0.0f;
+            b[i].s[0] = in ? load_scale(scale_at(i, c)) : (u16)0;
         }
     };
     RowChunks<1> buf[D][R];

@@ -28,7 +28,7 @@
 // One block of one tile for this thread: 8 bytes of rows g and g+8, and their absmax.
 struct Gemv3Block {
     uint2 w[2];
-    float s[2];
+    u16 s[2];  // f16 bits, converted where used
 };
 
 template <int T, int S>
@@ -76,7 +76,7 @@ __device__ __forceinline__ void gemv3_load(const GemmArgs& a, int group, int kb,
             for (int j = 0; j < S; j++) {
                 const bool in = kb + j < kb1;
                 st.b[j][i].w[h] = in ? __ldg(reinterpret_cast<const uint2*>(wrow + (kb + j) * 32)) : make_uint2(0u, 0u);
-                st.b[j][i].s[h] = in ? scale_f32(__ldg(srow + kb + j)) : 0.0f;
+                st.b[j][i].s[h] = in ? __ldg(srow + kb + j) : (u16)0;
             }
         }
 }
@@ -186,8 +186,8 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
                         }
                         mma_16816(c, af, bw[2 * s], bw[2 * s + 1]);
                     }
-                    acc[i][0] = fmaf(c[0], blk.s[0], acc[i][0]);
-                    acc[i][1] = fmaf(c[2], blk.s[1], acc[i][1]);
+                    acc[i][0] = fmaf(c[0], scale_f32(blk.s[0]), acc[i][0]);
+                    acc[i][1] = fmaf(c[2], scale_f32(blk.s[1]), acc[i][1]);
                 }
             }
             cur = nxt;
