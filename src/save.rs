@@ -3,8 +3,8 @@
 //! bitsandbytes read it, and decodev2 reads it back with no re-quantization
 //! (src/load/hf/bnb.rs). A GGUF or 16-bit model is converted once and loads fast afterwards.
 //!
-//! The linears keep their NF4 codes and f32 block scales byte for byte (blocksize 64, no
-//! nested quantization); their quant state, the compute dtype and `torch_dtype` say float32,
+//! The linears keep their NF4 codes byte for byte and their block scales (f16, src/nf4.rs)
+//! exactly, as the f32 bitsandbytes stores (blocksize 64, no nested quantization); their quant state, the compute dtype and `torch_dtype` say float32,
 //! so that transformers computes with the values decodev2 holds, not bf16 roundings of them. The embedding and an untied lm_head, which transformers keeps in 16
 //! bits, are written as the f32 values of their NF4 codes: exact, and re-quantized by decodev2
 //! to the same codes (each block's largest value is its scale times ±1). Norms are bf16,

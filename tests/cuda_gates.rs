@@ -350,22 +350,15 @@ fn a_shape_the_kernels_refuse_fails_before_any_weight_is_read() {
 
 /// Issue 32: logits that overflow to inf or NaN on the device are a status, not ids chosen
 /// from them: the prefill reports `NonFinite` (the kernels mark it in the state), and after a
-/// reset the engine reports it again, not a stale mark. (The decode steps after it are not
-/// asserted: on the tensor-core path these weights' sums stay finite and the RMSNorm of the
-/// overflowing residual gives zero logits, which are finite.)
+/// reset the engine reports it again, not a stale mark. The overflow comes from a final norm
+/// weight near f32's (and bf16's) largest: the linear weights cannot carry one, their NF4
+/// scales being f16 (src/nf4.rs). (The decode steps after it are not asserted.)
 #[test]
 fn non_finite_logits_on_the_device_are_a_status() {
     use common::gguf_writer::GgufWriter;
     let _device = exclusive_device();
     let mut w = GgufWriter::tiny_llama();
-    for (i, v) in w
-        .tensor_mut("blk.0.ffn_down.weight")
-        .2
-        .iter_mut()
-        .enumerate()
-    {
-        *v = if i % 2 == 0 { 3e38 } else { -3e38 };
-    }
+    w.tensor_mut("output_norm.weight").2.fill(3e38);
     let path = std::env::temp_dir().join(format!("dv2-huge-{}.gguf", std::process::id()));
     std::fs::write(&path, w.bytes()).unwrap();
     let opts = EngineOptions {
