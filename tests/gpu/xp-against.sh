@@ -5,7 +5,10 @@
 # ids and logits compared first). Logs under $OUT (or ./device-logs).
 # CONTROL=1 first runs the same bench against a setting that changes nothing in the decode
 # (DV2_STAGED_UPLOAD=0: how weights are uploaded), so the call carries its own spread.
-# Usage: [PRESET=qwen25_32b] [DEPTHS=48,2048,8192] [CONTROL=1] bash tests/gpu/xp-against.sh VAR=VALUE [VAR=VALUE...]
+# BOTH_ORDERS=1 runs each bench twice, the second with --against-loaded-first: the engine loaded
+# first ran 0.6-1.0% faster at the 32B shape's depth 48 whichever it was (session 42), so the
+# paired medians of the two orders are read by their mean.
+# Usage: [PRESET=qwen25_32b] [DEPTHS=48,2048,8192] [CONTROL=1] [BOTH_ORDERS=1] bash tests/gpu/xp-against.sh VAR=VALUE [VAR=VALUE...]
 set -uo pipefail
 [[ -e /tmp/dv2-xp ]] || ln -s "$PWD" /tmp/dv2-xp
 out=${OUT:-device-logs}; mkdir -p "$out"
@@ -27,5 +30,11 @@ for setting in ${controls[@]+"${controls[@]}"} "$@"; do
   echo "== bench --context $preset $depths --against $setting"
   .dx/xp/bench --context "$preset" "$depths" --against "$setting" > "$out/bench-$name.txt" 2>&1 || status=1
   grep -vE "^\s*$" "$out/bench-$name.txt" | tail -16
+  if [[ ${BOTH_ORDERS:-0} == 1 ]]; then
+    echo "== the same, $setting loaded first"
+    .dx/xp/bench --context "$preset" "$depths" --against "$setting" --against-loaded-first \
+      > "$out/bench-$name-loaded-first.txt" 2>&1 || status=1
+    grep -E "paired chunks" "$out/bench-$name-loaded-first.txt"
+  fi
 done
 exit $status
