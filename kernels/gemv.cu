@@ -238,11 +238,10 @@ __device__ __forceinline__ void pack_x_halves(const XSlice<J>& xs, XHalves<J>& x
         for (int i = 0; i < 16; i++) xh.h[j][i] = pack_f16x2(xs.v[j][2 * i], xs.v[j][2 * i + 1]);
 }
 
-// The PRMT-addressed table at window offset KWALK_TABLE_AT of shared memory (the host's
-// KWALK_TABLE_AT), so the PRMT's result is a lookup's whole address (lane_at: KWALK_TABLE_AT |
-// 4 * lane; the table's high byte comes from it): one PRMT and the load, where a table at an
-// offset the compiler keeps in an ordinary register takes an add more.
-#define KWALK_TABLE_AT 0x20000u
+// The PRMT-addressed table at window offset KWALK_TABLE_AT of shared memory (the host's, as a
+// -D option: src/cuda/kernels.rs), so the PRMT's result is a lookup's whole address (lane_at:
+// KWALK_TABLE_AT | 4 * lane; the table's high byte comes from it): one PRMT and the load, where
+// a table at an offset the compiler keeps in an ordinary register takes an add more.
 __device__ __forceinline__ u32 fixed_lut_entry(u32 word, int k, u32 lane_at) {
     const u32 addr = __byte_perm(lane_at, word, 0x3240u | ((u32)k << 4));  // {lane4, byte k, 2, 0}
     u32 v;

@@ -73,8 +73,8 @@ pub const GEMV2_KWALK_QKV_ROWS: usize = 32;
 /// each row's K in [`GEMV2_KWALK_KPARTS`].
 pub const GEMV2_KWALK_W16_WARPS: u32 = 16;
 pub const GEMV2_KWALK_W16_ROWS: usize = 40;
-/// The shared-memory window offset of the 16-warp K walk's table (kernels/gemv.cu,
-/// KWALK_TABLE_AT), x16 below it.
+/// The shared-memory window offset of the 16-warp K walk's table (and lm_head's), x16 below
+/// it; a multiple of 64 KiB, so that a PRMT builds a lookup's whole address (kernels/gemv.cu).
 pub const KWALK_TABLE_AT: usize = 0x20000;
 /// The dynamic shared memory GEMV v2 stages x in for K = cols: each 32-element chunk at
 /// [`GEMV2_X_STRIDE`] floats, or [`GEMV2_X16_STRIDE`] words from f16 x.
@@ -190,6 +190,7 @@ fn shared_defines() -> Vec<String> {
         ("X_STAGE_STRIDE", GEMV2_X_STRIDE),
         ("X16_STAGE_STRIDE", GEMV2_X16_STRIDE),
         ("PRMT_LUT_WORDS", GEMV2_PRMT_TABLE / 4),
+        ("KWALK_TABLE_AT", KWALK_TABLE_AT),
         ("SAMPLE_THREADS", SAMPLE_THREADS as usize),
         ("SAMPLE_BINS", SAMPLE_BINS),
         ("SAMPLE_MAX_CTAS", MAX_ARGMAX_CTAS),
