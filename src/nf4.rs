@@ -11,8 +11,9 @@
 //! - The absmax is then kept in f16 (rounded to nearest): the codes are bitsandbytes' byte
 //!   for byte, the scale bitsandbytes keeps in f32 is 2 bytes a block instead of 4. Every
 //!   64-element block streams 34 bytes instead of 36 (−5.6% of a decode step's weight
-//!   bytes), and the scale's relative change (≤ 2^-12) is under the f16 rounding the kernels
-//!   apply to their inputs. Every backend, the CPU oracle included, decodes with the same f16
+//!   bytes), and the scale's relative change (≤ 2^-12 from f16's smallest normal, 6.1e-5, up;
+//!   below it, an absolute change ≤ 3e-8) is under the f16 rounding the kernels apply to
+//!   their inputs. Every backend, the CPU oracle included, decodes with the same f16
 //!   value, so the backends agree on the model exactly; a block whose absmax f16 cannot hold
 //!   (above 65,504) is refused with its row and column.
 //! - Two elements per byte: element `2i` in the **high** nibble of byte `i`, element `2i+1`

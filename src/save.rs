@@ -4,10 +4,12 @@
 //! (src/load/hf/bnb.rs). A GGUF or 16-bit model is converted once and loads fast afterwards.
 //!
 //! The linears keep their NF4 codes byte for byte and their block scales (f16, src/nf4.rs)
-//! exactly, as the f32 bitsandbytes stores (blocksize 64, no nested quantization); their quant state, the compute dtype and `torch_dtype` say float32,
-//! so that transformers computes with the values decodev2 holds, not bf16 roundings of them. The embedding and an untied lm_head, which transformers keeps in 16
-//! bits, are written as the f32 values of their NF4 codes: exact, and re-quantized by decodev2
-//! to the same codes (each block's largest value is its scale times ±1). Norms are bf16,
+//! exactly, as the f32 bitsandbytes stores (blocksize 64, no nested quantization); their quant
+//! state, the compute dtype and `torch_dtype` say float32, so that transformers computes with
+//! the values decodev2 holds, not bf16 roundings of them. The embedding and an untied
+//! lm_head, which transformers keeps in 16 bits, are written as the f32 values of their NF4
+//! codes: exact, and re-quantized by decodev2 to the same codes and scales (each block's
+//! largest value is its f16 scale times ±1). Norms are bf16,
 //! biases f32. InternLM2's fused wqkv is written as q, k and v (a Llama); the tokenizer is not
 //! written (copy tokenizer.json and tokenizer_config.json beside it where the source has them).
 

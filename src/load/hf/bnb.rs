@@ -11,7 +11,7 @@
 //!
 //! With blocksize 64 and the NF4 codebook this is decodev2's own layout (src/nf4.rs, same
 //! nibble order), so the codes are taken as they are: no re-quantization; the scales are kept
-//! in f16 as every NF4 scale is (rounded to nearest, a relative change of at most 2^-12). fp4
+//! in f16 as every NF4 scale is (rounded to nearest: src/nf4.rs says what that changes). fp4
 //! and other block sizes are refused, naming what was found.
 
 use half::f16;
