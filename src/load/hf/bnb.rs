@@ -84,20 +84,19 @@ pub(super) fn matrix(
             "quant_map {quant_map:?} is not the NF4 codebook"
         )));
     }
-    let absmax = if sh.has(&format!("{name}.nested_absmax")) {
-        nested_absmax(sh, name, &state, blocks)?
-    } else {
-        f32s(sh, &format!("{name}.absmax"), blocks)?
-    };
     // Kept in f16 (src/nf4.rs): refused where f16 cannot hold one.
-    let absmax16 = to_f16(&absmax);
-    if let Some(b) = absmax16.iter().position(|a| !a.is_finite()) {
-        return Err(bad(format!(
-            "block {b} has scale {}, which an f16 scale does not hold (finite, up to {})",
-            absmax[b],
-            f16::MAX
-        )));
+    let absmax = if sh.has(&format!("{name}.nested_absmax")) {
+        f16_scales(blocks, nested_absmax(sh, name, &state, blocks)?)
+    } else {
+        let data = f32_bytes(sh, &format!("{name}.absmax"), blocks)?;
+        f16_scales(blocks, |b| le_f32(&data[4 * b..]))
     }
+    .map_err(|(b, scale)| {
+        bad(format!(
+            "block {b} has scale {scale}, which an f16 scale does not hold (finite, up to {})",
+            f16::MAX
+        ))
+    })?;
     let mut packed = sh.mapped(name)?;
     if !crate::config::Config::from_env().mapped_codes {
         packed.make_owned();
@@ -106,13 +105,18 @@ pub(super) fn matrix(
         rows,
         cols,
         packed,
-        absmax: absmax16,
+        absmax,
     }))
 }
 
-/// The per-block scales of a nested (double-quantized) weight, decoded as bitsandbytes does in
-/// f32: the 8-bit code's entry times its group's scale, plus the offset.
-fn nested_absmax(sh: &Shards, name: &str, state: &Value, blocks: usize) -> Result<Vec<f32>> {
+/// The per-block scales of a nested (double-quantized) weight, block b's decoded as
+/// bitsandbytes does in f32: the 8-bit code's entry times its group's scale, plus the offset.
+fn nested_absmax<'a>(
+    sh: &'a Shards,
+    name: &str,
+    state: &Value,
+    blocks: usize,
+) -> Result<impl Fn(usize) -> f32 + Sync + 'a> {
     let (_, _, codes, path) = sh.get(&format!("{name}.absmax"))?;
     let group = state["nested_blocksize"].as_u64().unwrap_or(0) as usize;
     let offset = state["nested_offset"].as_f64();
@@ -130,15 +134,11 @@ fn nested_absmax(sh: &Shards, name: &str, state: &Value, blocks: usize) -> Resul
     let scales = f32s(sh, &format!("{name}.nested_absmax"), blocks.div_ceil(group))?;
     let map = f32s(sh, &format!("{name}.nested_quant_map"), NESTED_CODES)?;
     let offset = offset as f32;
-    Ok(codes
-        .iter()
-        .enumerate()
-        .map(|(b, &c)| map[c as usize] * scales[b / group] + offset)
-        .collect())
+    Ok(move |b: usize| map[codes[b] as usize] * scales[b / group] + offset)
 }
 
-/// An f32 tensor of exactly `len` elements (any shape).
-fn f32s(sh: &Shards, name: &str, len: usize) -> Result<Vec<f32>> {
+/// The bytes of an f32 tensor of exactly `len` elements (any shape).
+fn f32_bytes<'a>(sh: &'a Shards, name: &str, len: usize) -> Result<&'a [u8]> {
     let (dtype, _, data, path) = sh.get(name)?;
     if dtype != safetensors::Dtype::F32 || data.len() != 4 * len {
         return Err(file_err(
@@ -149,60 +149,73 @@ fn f32s(sh: &Shards, name: &str, len: usize) -> Result<Vec<f32>> {
             ),
         ));
     }
-    Ok(le_f32s(data))
+    Ok(data)
 }
 
-/// Little-endian f32 values, on every core: the 32B shape's scales are 2 GB, whose page
-/// faults (their map's and the new Vec's) one thread would take in turn.
-fn le_f32s(data: &[u8]) -> Vec<f32> {
+/// An f32 tensor of exactly `len` elements (any shape).
+fn f32s(sh: &Shards, name: &str, len: usize) -> Result<Vec<f32>> {
+    Ok(f32_bytes(sh, name, len)?
+        .chunks_exact(4)
+        .map(le_f32)
+        .collect())
+}
+
+/// The little-endian f32 at the start of `bytes`.
+fn le_f32(bytes: &[u8]) -> f32 {
+    f32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]])
+}
+
+/// The `blocks` scales `scale(b)` (bitsandbytes' f32 values) rounded to f16, on every core: the
+/// 32B shape's 0.5 G scales are 2 GB of the file's map read once and 1 GB of new pages (zeroed
+/// lazily, each thread faulting its own), converted 8 wide where the CPU has F16C. Refused
+/// (the first block and its f32 scale) where f16 cannot hold one.
+fn f16_scales(
+    blocks: usize,
+    scale: impl Fn(usize) -> f32 + Sync,
+) -> std::result::Result<Vec<f16>, (usize, f32)> {
     const PIECE: usize = 1 << 18;
-    let mut out = vec![0f32; data.len() / 4];
+    let mut out: Vec<f16> = vec![0u16; blocks].reinterpret_into();
     crate::par::for_rows(&mut out, PIECE, PIECE, |first, piece| {
-        let bytes = data[4 * first * PIECE..].chunks_exact(4);
-        for (v, b) in piece.iter_mut().zip(bytes) {
-            *v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        let mut values = [0f32; 64];
+        for (i, part) in piece.chunks_mut(values.len()).enumerate() {
+            let at = first * PIECE + i * values.len();
+            for (j, v) in values[..part.len()].iter_mut().enumerate() {
+                *v = scale(at + j);
+            }
+            part.convert_from_f32_slice(&values[..part.len()]);
         }
     });
-    out
-}
-
-/// `values` rounded to f16, on every core: the 32B shape's 0.5 G scales are 1 GB of new pages
-/// (zeroed lazily, each thread faulting its own) and a conversion 8 wide where the CPU has F16C.
-fn to_f16(values: &[f32]) -> Vec<f16> {
-    const PIECE: usize = 1 << 18;
-    let mut out: Vec<f16> = vec![0u16; values.len()].reinterpret_into();
-    crate::par::for_rows(&mut out, PIECE, PIECE, |first, piece| {
-        let at = first * PIECE;
-        piece.convert_from_f32_slice(&values[at..at + piece.len()]);
-    });
-    out
+    match out.iter().position(|a| !a.is_finite()) {
+        Some(b) => Err((b, scale(b))),
+        None => Ok(out),
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use half::f16;
 
-    /// Past one piece a thread, every value rounded as f16::from_f32 rounds it, the values
-    /// past f16's range to infinities.
+    /// Past one piece a thread, every value rounded as f16::from_f32 rounds it; a value past
+    /// f16's range refused, named by its block and f32 value.
     #[test]
-    fn to_f16_rounds_every_value_in_place() {
+    fn f16_scales_rounds_every_value_in_place() {
         let values: Vec<f32> = (0..(5 << 18) + 77)
-            .map(|i| (i as f32 - 300_000.0) * 0.37)
+            .map(|i| (i as f32 - 300_000.0) * 0.037)
             .collect();
         let want: Vec<f16> = values.iter().map(|&v| f16::from_f32(v)).collect();
-        assert_eq!(super::to_f16(&values), want);
-        assert!(super::to_f16(&[7.0e4, -1.0e6])
-            .iter()
-            .all(|v| v.is_infinite()));
+        assert_eq!(super::f16_scales(values.len(), |b| values[b]), Ok(want));
+        let huge = [0.5, 7.0e4, -1.0e6];
+        assert_eq!(super::f16_scales(3, |b| huge[b]), Err((1, 7.0e4)));
     }
 
-    /// Past one piece a thread (12 pieces and a part), every value from its own 4 bytes.
+    /// Every value from its own 4 bytes.
     #[test]
-    fn le_f32s_reads_every_value_in_place() {
+    fn f32s_read_every_value_in_place() {
         let values: Vec<f32> = (0..(12 << 18) + 1000)
             .map(|i| i as f32 * 0.5 - 7.0)
             .collect();
         let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        assert_eq!(super::le_f32s(&bytes), values);
+        let read: Vec<f32> = bytes.chunks_exact(4).map(super::le_f32).collect();
+        assert_eq!(read, values);
     }
 }
