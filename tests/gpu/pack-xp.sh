@@ -2,6 +2,7 @@
 # Runs here (no GPU): builds the bench example and the cuda_gemv test of a git revision that
 # holds experiments behind DV2_X_* switches (a branch, a commit) and packs them, stripped, into
 # .dx/xp/, for tests/gpu/xp-against.sh on the GPU machine (device call with carry [".dx"]).
+# GATES=1 packs its cuda_gates test too (the oracle gates under a switch).
 # The worktree stays at /tmp/dv2-xp (the binaries' compiled-in paths point there; the device
 # script links it to the checkout).
 # Usage: bash tests/gpu/pack-xp.sh REV
@@ -14,15 +15,20 @@ grep -qsx '/.dx/' .git/info/exclude || echo '/.dx/' >> .git/info/exclude
 git worktree remove --force "$tree" 2>/dev/null || true
 git worktree add --detach "$tree" "$rev" >/dev/null
 (cd "$tree" && CARGO_TARGET_DIR=$target cargo build --release --example bench --quiet)
-gemv=$(cd "$tree" && CARGO_TARGET_DIR=$target cargo test --release --no-run --test cuda_gemv \
-  --message-format=json 2>/dev/null | python3 -c '
+# The test binary `name` of the revision, built.
+test_binary() {
+  (cd "$tree" && CARGO_TARGET_DIR=$target cargo test --release --no-run --test "$1" \
+    --message-format=json 2>/dev/null | python3 -c '
 import json, sys
 for line in sys.stdin:
     m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "cuda_gemv":
-        print(m["executable"])')
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == sys.argv[1]:
+        print(m["executable"])' "$1")
+}
 rm -rf .dx/xp && mkdir -p .dx/xp
-cp "$target/release/examples/bench" "$gemv" .dx/xp/ && mv .dx/xp/cuda_gemv-* .dx/xp/cuda_gemv
+cp "$target/release/examples/bench" .dx/xp/
+cp "$(test_binary cuda_gemv)" .dx/xp/cuda_gemv
+[[ ${GATES:-0} == 1 ]] && cp "$(test_binary cuda_gates)" .dx/xp/cuda_gates
 strip .dx/xp/*
 git -C "$tree" rev-parse --short HEAD > .dx/xp/REV
 echo "packed .dx/xp from $rev ($(cat .dx/xp/REV)): $(du -sh .dx/xp | cut -f1)"
