@@ -34,6 +34,12 @@ use crate::error::{Error, Result};
 /// Elements per quantization block (along K).
 pub const BLOCK: usize = 64;
 
+/// Bytes a `[rows, cols]` matrix takes as stored and uploaded: its packed codes and an f16
+/// scale a block.
+pub const fn stored_bytes(rows: usize, cols: usize) -> usize {
+    rows * cols / 2 + rows * cols / BLOCK * std::mem::size_of::<f16>()
+}
+
 /// The NF4 codebook of QLoRA / bitsandbytes (`get_4bit_type("nf4")`), to f32 precision.
 #[allow(clippy::excessive_precision)] // bitsandbytes' values, verbatim
 pub const CODEBOOK: [f32; 16] = [

@@ -18,6 +18,7 @@ use super::weights::{mma_scale, scale_bits, Nf4Ref};
 use crate::arch::ArchSpec;
 use crate::config::Config;
 use crate::error::{Error, Result};
+use crate::nf4::stored_bytes;
 use crate::rope::RopeTable;
 
 /// Rotate over at least this many bytes of copies: several times the H200's 60 MB L2.
@@ -93,9 +94,6 @@ impl RandomMatrix {
             absmax: gpu.ptr(&self.absmax),
             mma_scale: self.mma_scale,
         }
-    }
-    fn bytes(rows: usize, cols: usize) -> usize {
-        rows * cols / 2 + rows * cols / 64 * 2
     }
 }
 
@@ -246,8 +244,8 @@ impl Bench {
         let total_rows: usize = rows.iter().sum();
         let mats_per_copy = if kind == "swiglu" { 2 } else { rows.len() };
         let weight_bytes = match kind {
-            "swiglu" => 2 * RandomMatrix::bytes(rows[0], cols),
-            _ => rows.iter().map(|r| RandomMatrix::bytes(*r, cols)).sum(),
+            "swiglu" => 2 * stored_bytes(rows[0], cols),
+            _ => rows.iter().map(|r| stored_bytes(*r, cols)).sum(),
         };
         let out_rows = if kind == "swiglu" {
             rows[0]
@@ -328,7 +326,7 @@ impl Bench {
     /// columns on random data, x in f16 as a prefill chunk has it; returns the timing and
     /// TFLOP/s (2 rows k n per launch).
     pub fn gemm(&self, name: &str, rows: usize, k: usize, n: usize) -> Result<(Timing, f64)> {
-        let weight_bytes = RandomMatrix::bytes(rows, k);
+        let weight_bytes = stored_bytes(rows, k);
         let copies = Self::copies(weight_bytes);
         let mats = (0..copies)
             .map(|c| RandomMatrix::new(&self.ops.gpu, rows, k, c as u64 + 101))

@@ -43,7 +43,7 @@ impl Budget {
 
 /// Packed NF4 bytes + block scales + biases + norm weights, as uploaded.
 pub fn weight_bytes(s: &ArchSpec) -> usize {
-    let nf4 = |rows: usize, cols: usize| rows * cols / 2 + rows * cols / 64 * 2;
+    let nf4 = crate::nf4::stored_bytes;
     let per_layer = nf4(s.qkv_rows(), s.hidden)
         + nf4(s.hidden, s.hidden)
         + 2 * nf4(s.intermediate, s.hidden)
