@@ -15,7 +15,7 @@ grep -qsx '/.dx/' .git/info/exclude || echo '/.dx/' >> .git/info/exclude
 git worktree remove --force "$tree" 2>/dev/null || true
 git worktree add --detach "$tree" "$rev" >/dev/null
 (cd "$tree" && CARGO_TARGET_DIR=$target cargo build --release --example bench --quiet)
-# The test binary `name` of the revision, built.
+# The path of the revision's test binary named $1, built.
 test_binary() {
   (cd "$tree" && CARGO_TARGET_DIR=$target cargo test --release --no-run --test "$1" \
     --message-format=json 2>/dev/null | python3 -c '
