@@ -10,7 +10,10 @@
 # full CSV, gzipped, goes to $OUT or ./device-logs). The arguments replace the default bench run
 # (the 3B shape's decode table), e.g. `--context qwen25_32b 48` for the 32B shape's graph;
 # BENCH=<binary> traces another build; TRACE_PICK=first takes the first graph with the most
-# kernels a step instead of the last (a --context sweep captures its DV2_ATTN_LONG=0 engine last).
+# kernels a step instead of the last (a --context sweep captures its DV2_ATTN_LONG=0 engine last);
+# TRACE_PICK=all takes every such graph in the order of capture (`--context PRESET 48 --against
+# VAR=VALUE`: the default engine's, then the other's, timed in the same minutes) and ends with
+# their steps' medians side by side: a comparison of two settings on the GPU's clock.
 set -uo pipefail
 out=${OUT:-device-logs}; mkdir -p "$out"
 export DV2_CACHE_DIR=/tmp/dv2-cache
@@ -38,41 +41,48 @@ def steps_of(rows):
     # A step starts at its embed_row (its commit may be commit_step or inside lm_head's kernel).
     starts = [i for i, r in enumerate(k) if r["name"] == "embed_row"]
     return [k[a:b] for a, b in zip(starts, starts[1:])]
+def summary(last, steps):
+    span = [t(s[-1], "end_ns") - t(s[0], "start_ns") for s in steps]
+    medians[last] = st.median(span)
+    print(f"graph {last}: {len(steps)} steps of {n} kernels; first start to last end, median {medians[last]:.1f} µs")
+    # Per position in the step: duration and gap to the previous kernel's end, median over steps.
+    dur = [st.median(t(s[i], "end_ns") - t(s[i], "start_ns") for s in steps) for i in range(n)]
+    gap = [st.median(t(s[i], "start_ns") - (t(s[i - 1], "end_ns") if i else t(s[0], "start_ns")) for s in steps) for i in range(n)]
+    names = [steps[-1][i]["name"] for i in range(n)]
+    # What each kernel adds to the step: its end minus the previous kernel's end (with PDL a
+    # kernel starts early, so its duration includes waiting; the increments sum to the step).
+    inc = [0.0] + [st.median(t(s[i], "end_ns") - t(s[i - 1], "end_ns") for s in steps) for i in range(1, n)]
+    print(f"{'kernel':<28} {'per step':>8} {'mean µs':>8} {'sum µs':>8} {'mean gap µs':>12} {'increment µs':>13} {'sum':>7}")
+    for name in dict.fromkeys(names):
+        idx = [i for i in range(n) if names[i] == name]
+        d, e = sum(dur[i] for i in idx), sum(inc[i] for i in idx)
+        print(f"{name[:28]:<28} {len(idx):>8} {d / len(idx):>8.2f} {d:>8.1f} {sum(gap[i] for i in idx) / len(idx):>12.2f} {e / len(idx):>13.2f} {e:>7.1f}")
+    print(f"sum of durations {sum(dur):.1f} µs, of gaps {sum(gap):.1f} µs")
+    mid = n // 2
+    first = max(i for i in range(mid) if "qkv" in names[i] or names[i].startswith("gemv3_store")) if any(
+        "qkv" in x or x.startswith("gemv3_store") for x in names[:mid]) else mid
+    print("one layer (median over steps, µs from its first kernel's start):")
+    base = lambda s: t(s[first], "start_ns")
+    for i in range(first, min(n, first + 6)):
+        s0 = st.median(t(s[i], "start_ns") - base(s) for s in steps)
+        e0 = st.median(t(s[i], "end_ns") - base(s) for s in steps)
+        r = steps[-1][i]
+        print(f"  {names[i][:28]:<28} {s0:7.2f} .. {e0:7.2f}  grid {r['grid']:>5} block {r['block']:>4} regs {r['regs']:>3} smem {r['smem']:>6}")
 # The model's graph: the one with the most kernels a step (the most layers), the last such
-# (TRACE_PICK=first: the first).
-best, pick_last = None, sys.argv[2] != "first"
-for g, rows in graphs.items():
-    s = steps_of(rows)
-    if s and (best is None or len(s[-1]) > best[1] or (pick_last and len(s[-1]) == best[1])):
-        best = (g, len(s[-1]), s)
-if best is None:
+# (TRACE_PICK=first: the first; all: every one, in the order of capture).
+stepped = {g: s for g, s in ((g, steps_of(rows)) for g, rows in graphs.items()) if s}
+if not stepped:
     sys.exit("no graph with two embed_row launches in the trace")
-last, n, steps = best
-steps = [s for s in steps if len(s) == n][-100:]
+n = max(len(s[-1]) for s in stepped.values())
+picked = [g for g in sorted(stepped, key=int) if len(stepped[g][-1]) == n]
+picked = {"first": picked[:1], "all": picked}.get(sys.argv[2], picked[-1:])
 t = lambda r, f: int(r[f]) / 1e3  # µs
-span = [t(s[-1], "end_ns") - t(s[0], "start_ns") for s in steps]
-print(f"graph {last}: {len(steps)} steps of {n} kernels; first start to last end, median {st.median(span):.1f} µs")
-# Per position in the step: duration and gap to the previous kernel's end, median over steps.
-dur = [st.median(t(s[i], "end_ns") - t(s[i], "start_ns") for s in steps) for i in range(n)]
-gap = [st.median(t(s[i], "start_ns") - (t(s[i - 1], "end_ns") if i else t(s[0], "start_ns")) for s in steps) for i in range(n)]
-names = [steps[-1][i]["name"] for i in range(n)]
-# What each kernel adds to the step: its end minus the previous kernel's end (with PDL a
-# kernel starts early, so its duration includes waiting; the increments sum to the step).
-inc = [0.0] + [st.median(t(s[i], "end_ns") - t(s[i - 1], "end_ns") for s in steps) for i in range(1, n)]
-print(f"{'kernel':<28} {'per step':>8} {'mean µs':>8} {'sum µs':>8} {'mean gap µs':>12} {'increment µs':>13} {'sum':>7}")
-for name in dict.fromkeys(names):
-    idx = [i for i in range(n) if names[i] == name]
-    d, e = sum(dur[i] for i in idx), sum(inc[i] for i in idx)
-    print(f"{name[:28]:<28} {len(idx):>8} {d / len(idx):>8.2f} {d:>8.1f} {sum(gap[i] for i in idx) / len(idx):>12.2f} {e / len(idx):>13.2f} {e:>7.1f}")
-print(f"sum of durations {sum(dur):.1f} µs, of gaps {sum(gap):.1f} µs")
-mid = n // 2
-first = max(i for i in range(mid) if "qkv" in names[i] or names[i].startswith("gemv3_store")) if any(
-    "qkv" in x or x.startswith("gemv3_store") for x in names[:mid]) else mid
-print("one layer (median over steps, µs from its first kernel's start):")
-base = lambda s: t(s[first], "start_ns")
-for i in range(first, min(n, first + 6)):
-    s0 = st.median(t(s[i], "start_ns") - base(s) for s in steps)
-    e0 = st.median(t(s[i], "end_ns") - base(s) for s in steps)
-    r = steps[-1][i]
-    print(f"  {names[i][:28]:<28} {s0:7.2f} .. {e0:7.2f}  grid {r['grid']:>5} block {r['block']:>4} regs {r['regs']:>3} smem {r['smem']:>6}")
+medians = {}
+for last in picked:
+    summary(last, [s for s in stepped[last] if len(s) == n][-100:])
+if len(picked) > 1:
+    base = medians[picked[0]]
+    print("the graphs' steps, median µs (first start to last end; the change against the first):")
+    for g in picked:
+        print(f"  graph {g}: {medians[g]:.1f}  ({(base / medians[g] - 1) * 100:+.2f}% speed)")
 PY
