@@ -22,7 +22,8 @@
 //! on the Qwen2.5-3B shape or the named preset (e.g. `--context qwen25_32b 48,8192`), and
 //! decode and prefill again under `--against`'s setting (default `DV2_ATTN_LONG=0`) in the same process,
 //! the two engines' requests (and their decodes, 16 steps at a time) alternating at each depth,
-//! with the paired chunks' median ratio, after the ids and logits of both at 20, 300, 2,100 and
+//! with the paired chunks' median ratio, that of two pairs' sums in both turn orders and the
+//! pairs in the order they ran, after the ids and logits of both at 20, 300, 2,100 and
 //! 5,000 prompt tokens (`--against-loaded-first`: that engine loaded before the default's).
 //! `--sampling [PRESET [D1,D2,..]]` prints only sampled decode against greedy decode by depth
 //! (48 and 8k unless listed), in one engine, on the Qwen2.5-3B shape or the named preset.
@@ -171,9 +172,14 @@ fn time_request_pair(
     tokens: usize,
     reps: usize,
 ) -> ([(f64, f64); 2], Paired) {
-    assert!(tokens % PAIR_CHUNK == 0, "whole chunks");
+    assert!(
+        tokens % (2 * PAIR_CHUNK) == 0,
+        "whole chunks, two turn orders a request"
+    );
     let mut runs: [Vec<(f64, f64)>; 2] = [Vec::new(), Vec::new()];
     let mut ratios = Vec::new();
+    // Each counted chunk's times [a, b] in the order they ran.
+    let mut chunks: Vec<[f64; 2]> = Vec::new();
     let mut out = vec![0u32; PAIR_CHUNK];
     for rep in 0..reps + 1 {
         let order = if rep % 2 == 0 { [0, 1] } else { [1, 0] };
@@ -201,6 +207,7 @@ fn time_request_pair(
             // The first request warms caches: its pairs are not counted either.
             if rep > 0 {
                 ratios.push(chunk_ms[1] / chunk_ms[0]);
+                chunks.push(chunk_ms);
             }
         }
         for i in 0..2 {
@@ -210,22 +217,37 @@ fn time_request_pair(
     ratios.sort_by(f64::total_cmp);
     // The value at fraction q (0 to 1) of the sorted ratios, by its nearest rank.
     let quantile = |q: f64| ratios[((ratios.len() - 1) as f64 * q).round() as usize];
+    // Two consecutive pairs (a request holds an even number) ran in both turn orders (a b, b a):
+    // each engine once first in its pair, right after its own chunk, and once second, right
+    // after the other engine's.
+    let mut both_turns: Vec<f64> = chunks
+        .chunks_exact(2)
+        .map(|p| (p[0][1] + p[1][1]) / (p[0][0] + p[1][0]))
+        .collect();
+    both_turns.sort_by(f64::total_cmp);
     let paired = Paired {
         q1: quantile(0.25),
         median: quantile(0.5),
         q3: quantile(0.75),
         pairs: ratios.len(),
+        both_turns,
+        in_order: chunks.iter().map(|c| c[1] / c[0]).collect(),
     };
     (runs.map(|r| medians_after_warmup(&r)), paired)
 }
 
 /// [`time_request_pair`]'s paired chunks: their ratios' quartiles and median (b's time over
-/// a's) and how many pairs.
+/// a's) and how many pairs; the ratios of two consecutive pairs' sums, sorted (each engine
+/// once after its own chunk and once after the other's: if the engine that ran last is faster
+/// at its next chunk, the single pairs' ratios split in two groups and their median falls
+/// anywhere between, which these do not); and the pairs' ratios in the order they ran.
 struct Paired {
     q1: f64,
     median: f64,
     q3: f64,
     pairs: usize,
+    both_turns: Vec<f64>,
+    in_order: Vec<f64>,
 }
 
 /// The medians of (prefill, decode) over `runs` past the first, which warmed caches.
@@ -768,6 +790,26 @@ fn context_sweep(
             p.pairs,
             speedup(p.q3),
             speedup(p.q1)
+        );
+        let turns = &p.both_turns;
+        if let (Some(&fastest), Some(&slowest)) = (turns.first(), turns.last()) {
+            println!(
+                "  depth {depth}: {against_label} {:+.2}% by the median of {} sums of two pairs in both turn orders \
+                 ({:+.2}% .. {:+.2}%)",
+                speedup(turns[turns.len() / 2]),
+                turns.len(),
+                speedup(slowest),
+                speedup(fastest)
+            );
+        }
+        let in_order: Vec<String> = p
+            .in_order
+            .iter()
+            .map(|&r| format!("{:+.2}", speedup(r)))
+            .collect();
+        println!(
+            "  depth {depth}: the pairs in the order they ran (%): {}",
+            in_order.join(" ")
         );
     }
     json = json.trim_end_matches(",\n").to_string() + "\n  ],\n  \"kv_marginal\": [\n";
