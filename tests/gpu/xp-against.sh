@@ -29,12 +29,12 @@ for setting in ${controls[@]+"${controls[@]}"} "$@"; do
   name=$(echo "$setting" | tr '=' '-')
   echo "== bench --context $preset $depths --against $setting"
   .dx/xp/bench --context "$preset" "$depths" --against "$setting" > "$out/bench-$name.txt" 2>&1 || status=1
-  grep -vE "^\s*$" "$out/bench-$name.txt" | tail -16
+  grep -vE "^\s*$" "$out/bench-$name.txt" | tail -20
   if [[ ${BOTH_ORDERS:-0} == 1 ]]; then
     echo "== the same, $setting loaded first"
     .dx/xp/bench --context "$preset" "$depths" --against "$setting" --against-loaded-first \
       > "$out/bench-$name-loaded-first.txt" 2>&1 || status=1
-    grep -E "paired chunks" "$out/bench-$name-loaded-first.txt"
+    grep -E "depth [0-9]+:" "$out/bench-$name-loaded-first.txt"
   fi
 done
 exit $status
