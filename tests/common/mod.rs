@@ -26,7 +26,19 @@ pub struct Case {
 }
 
 pub fn fixture_path() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(FIXTURE)
+    repo_file(FIXTURE)
+}
+
+/// A file of the repository by its path in it: under the working directory where it is there
+/// (a test binary built in another checkout and run from this one's root, as
+/// tests/gpu/pack-xp.sh's on the GPU machine), else under the checkout it was built in.
+pub fn repo_file(rel: &str) -> PathBuf {
+    let here = PathBuf::from(rel);
+    if here.is_file() {
+        here
+    } else {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(rel)
+    }
 }
 
 pub fn parse_fixture(text: &str) -> Vec<Case> {
@@ -173,9 +185,7 @@ pub fn cuda_or_skip<T>(what: &str, made: Result<T, Error>) -> Option<T> {
 
 /// A JSON file of tests/fixtures/ (`name` relative to it).
 pub fn fixture_json(name: &str) -> serde_json::Value {
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name);
+    let path = repo_file(&format!("tests/fixtures/{name}"));
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
