@@ -15,7 +15,8 @@
 //! after the first. The default run measures the default configuration; `--skip-variants` keeps
 //! the 3B run to the default graph (no eager step, `DV2_LINEAR=mma` row, stage split or prefill
 //! tables); `--split` adds the stage split back.
-//! `--boundary` prints only what a kernel boundary costs in a graph (chain of empty launches).
+//! `--boundary` prints only what a kernel boundary costs in a graph (chain of empty launches),
+//! and a grid-wide barrier inside one launch.
 //! `--l2-hot` prints only the decode GEMVs with their weights from HBM and from L2.
 //! `--context [PRESET [D1,D2,..]]` prints only the context sweep: prefill and decode against
 //! depth (48 to 32k unless listed) at max_seq 32768, beside the bandwidth floor at each depth,
@@ -520,7 +521,8 @@ fn l2_hot() {
 /// `--boundary`: µs per launch of a graph of 216 dependent launches that do nothing else (the
 /// decode step's 6 per layer times 36 layers), one CTA per SM, with programmatic dependent
 /// launch and without, and with the next launch's CTA able to be resident beside the running
-/// one or not (a CTA of ~200 KB of shared memory, as a GEMV v2 CTA's registers fill its SM).
+/// one or not (a CTA of ~200 KB of shared memory, as a GEMV v2 CTA's registers fill its SM);
+/// then, for comparison, a grid-wide barrier's cost inside one launch of a CTA per SM.
 fn boundary() {
     const LINKS: usize = 216;
     println!("kernel boundary in a graph, {LINKS} dependent empty launches, µs per launch:");
@@ -533,6 +535,10 @@ fn boundary() {
         }
     }
     std::env::remove_var("DV2_PDL");
+    // What a persistent kernel would pay instead: a barrier of every SM inside one launch.
+    let bench = Bench::new(0).expect("CUDA device");
+    let us = bench.grid_barrier_us(LINKS).expect("grid barrier bench");
+    println!("grid-wide barrier in one launch, {LINKS} of them, µs each: {us:8.3}");
 }
 
 /// `--probe`: a few launches of the kernels under study, for a profiler (ncu -k ...): the

@@ -34,3 +34,41 @@ extern "C" __global__ void __launch_bounds__(256, 1) chain_link(u32* counters) {
 #endif
     if (threadIdx.x == 0) counters[blockIdx.x] += 1;
 }
+
+// Acquire load, release store and acquire-release add at GPU scope (grid_barriers).
+__device__ __forceinline__ u32 ld_acquire_u32(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_release_u32(u32* p, u32 v) {
+    asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ u32 add_acq_rel_u32(u32* p, u32 v) {
+    u32 old;
+    asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    return old;
+}
+
+// `rounds` grid-wide barriers in one launch: what a persistent decode kernel (issue 36) pays
+// per dependency where today's step pays a kernel boundary (chain_link). Launched with one CTA
+// per SM, all resident. bar[0] counts arrivals, bar[1] is the generation: thread 0 reads the
+// generation, arrives; the last to arrive resets the count and publishes the next generation
+// (the release orders the reset before it), the others poll it. The poll gives up after 2^24
+// loads, so a grid that is not all resident ends (with a wrong time) instead of hanging.
+extern "C" __global__ void __launch_bounds__(256, 1) grid_barriers(u32* bar, int rounds) {
+    for (int r = 0; r < rounds; r++) {
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            const u32 gen = ld_acquire_u32(bar + 1);
+            if (add_acq_rel_u32(bar, 1) == gridDim.x - 1) {
+                bar[0] = 0;
+                st_release_u32(bar + 1, gen + 1);
+            } else {
+                for (u32 polls = 0; ld_acquire_u32(bar + 1) == gen && polls < (1u << 24); polls++) {
+                }
+            }
+        }
+        __syncthreads();
+    }
+}

@@ -101,6 +101,7 @@ pub struct Bench {
     ops: Ops,
     stream_read: CudaFunction,
     chain_link: CudaFunction,
+    grid_barriers: CudaFunction,
     sink: CudaSlice<u32>,
 }
 
@@ -121,6 +122,9 @@ impl Bench {
         let chain_link = module
             .load_function("chain_link")
             .map_err(driver_error("chain_link"))?;
+        let grid_barriers = module
+            .load_function("grid_barriers")
+            .map_err(driver_error("grid_barriers"))?;
         allow_dynamic_smem(
             &ops.gpu,
             std::slice::from_ref(&chain_link),
@@ -131,6 +135,7 @@ impl Bench {
             ops,
             stream_read,
             chain_link,
+            grid_barriers,
             sink,
         })
     }
@@ -221,6 +226,26 @@ impl Bench {
             shared_mem_bytes: smem,
         };
         self.time_rotated(links, |_| launch!(self.ops.gpu, &self.chain_link, cfg; ptr))
+    }
+
+    /// µs per grid-wide barrier: one launch of `rounds` barriers (grid_barriers, one CTA of
+    /// 256 threads per SM, all resident), replayed. What a persistent kernel pays per
+    /// dependency where [`Bench::boundary_us`] is what a launch boundary costs.
+    pub fn grid_barrier_us(&self, rounds: usize) -> Result<f64> {
+        let rounds_i = i32::try_from(rounds)
+            .map_err(|_| Error::InvalidArgument(format!("{rounds} grid barriers")))?;
+        let bar = self.ops.gpu.zeros::<u32>(2)?;
+        let ptr = self.ops.gpu.ptr(&bar);
+        let cfg = LaunchConfig {
+            grid_dim: (self.ops.sms, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let per_launch = self.time_rotated(
+            1,
+            |_| launch!(self.ops.gpu, &self.grid_barriers, cfg; ptr, rounds_i),
+        )?;
+        Ok(per_launch / rounds.max(1) as f64)
     }
 
     /// Times one GEMV-family kernel on random weights: `kind` is "qkv" (rows = q+k+v rows,
