@@ -54,7 +54,7 @@ __device__ __forceinline__ u32 add_acq_rel_u32(u32* p, u32 v) {
 // per dependency where today's step pays a kernel boundary (chain_link). Launched with one CTA
 // per SM, all resident. bar[0] counts arrivals, bar[1] is the generation: thread 0 reads the
 // generation, arrives; the last to arrive resets the count and publishes the next generation
-// (the release orders the reset before it), the others poll it. The poll gives up after 2^24
+// (the release orders the reset before it), the others poll it. The poll gives up after 2^18
 // loads, so a grid that is not all resident ends (with a wrong time) instead of hanging.
 extern "C" __global__ void __launch_bounds__(256, 1) grid_barriers(u32* bar, int rounds) {
     for (int r = 0; r < rounds; r++) {
@@ -65,7 +65,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) grid_barriers(u32* bar, int
                 bar[0] = 0;
                 st_release_u32(bar + 1, gen + 1);
             } else {
-                for (u32 polls = 0; ld_acquire_u32(bar + 1) == gen && polls < (1u << 24); polls++) {
+                for (u32 polls = 0; ld_acquire_u32(bar + 1) == gen && polls < (1u << 18); polls++) {
                 }
             }
         }
