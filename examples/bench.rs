@@ -178,7 +178,6 @@ fn time_request_pair(
         "whole chunks, two turn orders a request"
     );
     let mut runs: [Vec<(f64, f64)>; 2] = [Vec::new(), Vec::new()];
-    let mut ratios = Vec::new();
     // Each counted chunk's times [a, b] in the order they ran.
     let mut chunks: Vec<[f64; 2]> = Vec::new();
     let mut out = vec![0u32; PAIR_CHUNK];
@@ -207,7 +206,6 @@ fn time_request_pair(
             decode_ms[1] += chunk_ms[1];
             // The first request warms caches: its pairs are not counted either.
             if rep > 0 {
-                ratios.push(chunk_ms[1] / chunk_ms[0]);
                 chunks.push(chunk_ms);
             }
         }
@@ -215,6 +213,8 @@ fn time_request_pair(
             runs[i].push((prefill_ms[i], decode_ms[i] / tokens as f64));
         }
     }
+    let in_order: Vec<f64> = chunks.iter().map(|c| c[1] / c[0]).collect();
+    let mut ratios = in_order.clone();
     ratios.sort_by(f64::total_cmp);
     // The value at fraction q (0 to 1) of the sorted ratios, by its nearest rank.
     let quantile = |q: f64| ratios[((ratios.len() - 1) as f64 * q).round() as usize];
@@ -232,7 +232,7 @@ fn time_request_pair(
         q3: quantile(0.75),
         pairs: ratios.len(),
         both_turns,
-        in_order: chunks.iter().map(|c| c[1] / c[0]).collect(),
+        in_order,
     };
     (runs.map(|r| medians_after_warmup(&r)), paired)
 }
