@@ -294,8 +294,10 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     constexpr bool prmt_table = Rows::prmt_table;
     __shared__ __align__(16) u32 pair16_static[prmt_table ? 1 : BYTE_LUT_WORDS];
     __shared__ float partial[GEMV2_MAX_LANES_X_R * NM][WARPS];
-    // (4 times the floats with other WARPS: gemv2_swiglu_j1_w20's 5 K-parts of ~210 rows of 2 sums)
-    constexpr int late_floats = GEMV2_LATE_FLOATS * (WARPS == GEMV_WARPS ? 1 : 4);
+    // With other WARPS: 4 times the floats for gemv2_swiglu_j1_w20's 5 K-parts of ~210 rows of 2
+    // sums, 6 times for gemv2_logits_j1_w20's 5 K-parts of 1,152 rows (the 32B shape's lm_head
+    // over 132 CTAs).
+    constexpr int late_floats = GEMV2_LATE_FLOATS * (WARPS == GEMV_WARPS ? 1 : NM == 2 ? 4 : 6);
     __shared__ float late_partial[late_floats];
     // Dynamic shared memory: that table (PRMT_LUT_WORDS words), then x as staged: cols / 32 *
     // X_STAGE_STRIDE floats, or cols / 32 * X16_STAGE_STRIDE words from f16.
@@ -850,3 +852,16 @@ extern "C" __global__ void __maxnreg__(GEMV2_W20_MAX_REGS)
     gemv2_walk<1, 2, 2, false, SWIGLU_W20_WARPS>(g, rows, SWIGLU_W20_K, x, norm, SWIGLU_W20_KPARTS, nullptr,
                                                  early_ctas, early_rows);
 }
+#if GEMV2_LOGITS
+// lm_head and its argmax at K = SWIGLU_W20_K (the 32B shape's 152,064 x 5,120) over SwiGLU's
+// 20-warp CTA, one an SM, 4 rows in flight a warp (SwiGLU's 2 rows x gate and up), the table
+// before x. Why: J = 3 over 2 warps a row holds 1 row in flight a warp; lm_head took 152 us a
+// step in the graph against 92 for its bytes (61%), where SwiGLU's walk at the same K reaches
+// 90%. Here 112 us alone under ncu and in the graph (docs/lab.md, session 46).
+extern "C" __global__ void __maxnreg__(GEMV2_W20_MAX_REGS)
+    gemv2_logits_j1_w20(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y, int rows,
+                        const int* skip_if, int* state, int* scratch, int eos, int* ring, int* hist) {
+    LogitRows p{m, y, state, scratch, eos, ring, hist, NEG_INF, -1};
+    gemv2_walk<1, 4, 1, false, SWIGLU_W20_WARPS>(p, rows, SWIGLU_W20_K, x, norm, SWIGLU_W20_KPARTS, skip_if);
+}
+#endif

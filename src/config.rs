@@ -59,6 +59,13 @@ pub const VARIABLES: &[Variable] = &[
         lab: "session 16, runs 2 and 6: +0.0017 (argmax) and +0.0007 (commit) ms/token off",
     },
     Variable {
+        name: "DV2_LOGITS_W20",
+        default: "1",
+        effect: "`0`: lm_head and its argmax at K = 5,120 (the 32B shape) by the J = 3 walk \
+                 instead of SwiGLU's 20-warp walk",
+        lab: "session 46: 32B lm_head 152 -> 112 us (ncu, trace)",
+    },
+    Variable {
         name: "DV2_HOPPER",
         default: "1",
         effect: "`0`: no thread-block clusters and no programmatic dependent launch even on \
@@ -169,6 +176,7 @@ pub struct Config {
     pub ffn_f16: bool,
     pub qkv_khalves: bool,
     pub logits_argmax: bool,
+    pub logits_w20: bool,
     pub attn_clusters: bool,
     pub attn_long: bool,
     pub sample_shortcuts: bool,
@@ -214,6 +222,7 @@ impl Config {
             ffn_f16: on("DV2_FFN_F16"),
             qkv_khalves: on("DV2_QKV_KHALVES"),
             logits_argmax: on("DV2_LOGITS_ARGMAX"),
+            logits_w20: on("DV2_LOGITS_W20"),
             attn_clusters: on("DV2_ATTN_CLUSTERS"),
             attn_long: on("DV2_ATTN_LONG"),
             sample_shortcuts: on("DV2_SAMPLE_SHORTCUTS"),
@@ -297,7 +306,7 @@ mod tests {
         let c = Config::default();
         assert!(c.graph && c.pdl && c.fuse_rms && c.ffn_f16 && c.qkv_khalves);
         assert!(c.logits_argmax && c.attn_clusters && c.attn_long && c.prefill_tail);
-        assert!(c.mapped_codes && c.staged_upload);
+        assert!(c.logits_w20 && c.mapped_codes && c.staged_upload);
         assert!(!c.prefill_by_steps && !c.linear_mma && !c.lineinfo && !c.cta_timeline);
         let c = with(&[
             ("DV2_FUSE_RMS", "0"),

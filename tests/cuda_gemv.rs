@@ -15,7 +15,8 @@ use common::cuda_or_skip;
 use decodev2::config::Config;
 use decodev2::cuda::bench::random_f32 as random;
 use decodev2::cuda::device::Gpu;
-use decodev2::cuda::ops::{Gemv, GemvChoice, Input, Ops, QkvArgs};
+use decodev2::cuda::kernels::state;
+use decodev2::cuda::ops::{Gemv, GemvChoice, Input, LogitsHead, Ops, QkvArgs, ARGMAX_SCRATCH};
 use decodev2::cuda::weights::DeviceMatrix;
 use decodev2::nf4::Nf4Matrix;
 use half::f16;
@@ -432,4 +433,58 @@ fn a_99_kib_device_runs_down_past_gemv_v2s_room_on_v3() {
         err.to_string().contains("69120 bytes of shared memory"),
         "{err}"
     );
+}
+
+/// lm_head and its argmax in one kernel at K = 5,120 against the CPU, by both walks: SwiGLU's
+/// 20-warp walk (the default where the device runs it) and J = 3 (`DV2_LOGITS_W20=0`). The
+/// logits within [`tolerance`] of the CPU's, and the id left in the state the lowest index
+/// of the largest logit the kernel wrote. 40,003 rows: 304 a CTA at 132 SMs, the last CTA's
+/// short (the 32B shape's 152,064 runs in its oracle gate, cuda_gates).
+#[test]
+fn lm_head_and_its_argmax_match_the_cpu_on_both_walks() {
+    let cfg = Config::from_env();
+    let Some(gpu) = cuda_or_skip("GPU", Gpu::open(0, &cfg)) else {
+        return;
+    };
+    let mut ops = Ops::new(gpu, cfg).unwrap();
+    let (rows, k) = (40_003usize, 5_120usize);
+    let a = Matrix::new(&ops.gpu, rows, k, 911);
+    let x = random(k, 913, -1.0, 1.0);
+    let want: Vec<(f32, f32)> = (0..rows).map(|r| a.dot(r, &x)).collect();
+    for w20 in [true, false] {
+        ops.cfg.logits_w20 = w20;
+        let gpu = &ops.gpu;
+        let xd = gpu.upload(&x).unwrap();
+        let y = gpu.zeros::<f32>(rows).unwrap();
+        let st = gpu.zeros::<i32>(state::LEN).unwrap();
+        let scratch = gpu.zeros::<i32>(ARGMAX_SCRATCH).unwrap();
+        let head = LogitsHead {
+            state: gpu.ptr(&st),
+            scratch: gpu.ptr(&scratch),
+            eos: -1,
+            ring: 0,
+            hist: 0,
+        };
+        let input = Input::raw(gpu.ptr(&xd));
+        let ran = ops
+            .logits_argmax(a.dev.as_ref(gpu), rows, k, input, gpu.ptr(&y), 0, head)
+            .unwrap();
+        assert!(
+            ran,
+            "w20 {w20}: lm_head's argmax kernel applies at {rows} x {k}"
+        );
+        let got = gpu.download(&y, rows).unwrap();
+        for (r, (g, (v, mag))) in got.iter().zip(&want).enumerate() {
+            assert!(
+                (g - v).abs() <= tolerance(*mag),
+                "w20 {w20}: row {r}: {g} vs {v}"
+            );
+        }
+        let id = gpu.download(&st, state::LEN).unwrap()[state::NEXT_TOKEN];
+        assert_eq!(
+            id as u32,
+            decodev2::oracle::argmax(&got),
+            "w20 {w20}: the argmax of the logits the kernel wrote"
+        );
+    }
 }

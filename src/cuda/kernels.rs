@@ -535,6 +535,10 @@ pub struct Kernels {
     pub gemv2_logits_room: usize,
     /// lm_head with the argmax folded in, by J (`DV2_LOGITS_ARGMAX`; compiled only then).
     pub gemv2_logits: Option<[CudaFunction; 3]>,
+    /// The same at K = 5,120 over SwiGLU's 20-warp walk (with `gemv2_logits`), and the dynamic
+    /// shared memory the device lets it take.
+    pub gemv2_logits_w20: Option<CudaFunction>,
+    pub gemv2_logits_w20_room: usize,
     /// Attention v2: for any head_dim, and unrolled for head_dim <= 128.
     pub attn2_decode: CudaFunction,
     pub attn2_decode_hd128: CudaFunction,
@@ -682,6 +686,15 @@ impl Kernels {
             } else {
                 None
             },
+            gemv2_logits_w20: if cfg.logits_argmax {
+                Some(f_smem(
+                    "gemv2_logits_j1_w20",
+                    GEMV2_MAX_SMEM + GEMV2_PRMT_TABLE,
+                )?)
+            } else {
+                None
+            },
+            gemv2_logits_w20_room: 0,
             attn2_decode: f("attn2_decode")?,
             attn2_decode_hd128: f("attn2_decode_hd128")?,
             attn2_merge: f("attn2_merge")?,
@@ -719,6 +732,10 @@ impl Kernels {
         k.gemv2_kwalk_w16_room = dynamic_smem_room(&[&k.gemv2_kwalk_x16_w16])?;
         k.gemv2_logits_room = match &k.gemv2_logits {
             Some(fs) => dynamic_smem_room(&fs.iter().collect::<Vec<_>>())?,
+            None => 0,
+        };
+        k.gemv2_logits_w20_room = match &k.gemv2_logits_w20 {
+            Some(f) => dynamic_smem_room(&[f])?,
             None => 0,
         };
         Ok(k)

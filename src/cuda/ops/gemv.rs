@@ -27,6 +27,12 @@ pub struct QkvArgs {
 // SAFETY: plain old data matching the kernel's struct (pointers as u64, ints as i32).
 unsafe impl DeviceRepr for QkvArgs {}
 
+/// The K-part sums of its rows `gemv2_logits_j1_w20` keeps for one final reduction (the
+/// kernel's `late_floats`): a vocabulary whose rows a CTA, times [`SWIGLU_W20_KPARTS`], are
+/// more (past ~174k at 132 SMs) takes the J = 3 walk, since the 20-warp walk's store as it goes
+/// runs in no test.
+const LOGITS_W20_LATE_SUMS: usize = 6 * 1024;
+
 /// Where lm_head's argmax kernel ([`Ops::logits_argmax`]) leaves its result: the decode
 /// state (next_token), the argmax scratch ([`ARGMAX_SCRATCH`] words, zero between launches),
 /// and with `ring` (a device address, 0: none) the commit of the greedy id, as commit_step
@@ -408,16 +414,7 @@ impl Ops {
         if self.cfg.linear_mma || self.gemv_kernel(rows, cols, false) != Gemv::V2 || input.f16 {
             return Ok(false);
         }
-        let (j, kparts, mut cfg) = self.gemv_v2_launch(rows, cols, false, 3)?;
         let table_and_x = prmt_table_and_x_smem(cols, false);
-        if cfg.grid_dim.0 as usize > MAX_ARGMAX_CTAS || table_and_x > self.k.gemv2_logits_room {
-            return Ok(false);
-        }
-        // The table, before x.
-        cfg.shared_mem_bytes = table_and_x as u32;
-        // After the last check: without the producer's sums this launches the RMSNorm kernel.
-        let (x, norm) = self.input(input, cols)?;
-        let (rows_i, cols_i, kp) = (rows as i32, cols as i32, kparts as i32);
         let LogitsHead {
             state,
             scratch,
@@ -425,8 +422,52 @@ impl Ops {
             ring,
             hist,
         } = head;
+        let rows_i = rows as i32;
+        if let Some(w20) = self.logits_w20_launch(rows, cols, table_and_x) {
+            let (x, norm) = self.input(input, cols)?;
+            let f = self
+                .k
+                .gemv2_logits_w20
+                .as_ref()
+                .expect("checked by logits_w20_launch");
+            launch!(self.gpu, f, w20; m, x, norm, y, rows_i, skip_if, state, scratch, eos, ring, hist)?;
+            return Ok(true);
+        }
+        let (j, kparts, mut cfg) = self.gemv_v2_launch(rows, cols, false, 3)?;
+        if cfg.grid_dim.0 as usize > MAX_ARGMAX_CTAS || table_and_x > self.k.gemv2_logits_room {
+            return Ok(false);
+        }
+        // The table, before x.
+        cfg.shared_mem_bytes = table_and_x as u32;
+        // After the last check: without the producer's sums this launches the RMSNorm kernel.
+        let (x, norm) = self.input(input, cols)?;
+        let (cols_i, kp) = (cols as i32, kparts as i32);
         launch!(self.gpu, &kernels[j - 1], cfg; m, x, norm, y, rows_i, cols_i, kp, skip_if, state, scratch, eos, ring, hist)?;
         Ok(true)
+    }
+
+    /// lm_head's launch over SwiGLU's 20-warp walk (`gemv2_logits_j1_w20`: K and its parts the
+    /// kernel's constants, one CTA an SM, the table and x in `table_and_x` bytes) where K is
+    /// [`SWIGLU_W20_K`], SwiGLU's walk runs on this device and `DV2_LOGITS_W20` is on; else
+    /// None.
+    fn logits_w20_launch(
+        &self,
+        rows: usize,
+        cols: usize,
+        table_and_x: usize,
+    ) -> Option<LaunchConfig> {
+        let ctas = self.sms.min(MAX_ARGMAX_CTAS as u32);
+        let fits = self.cfg.logits_w20
+            && self.swiglu_w20
+            && cols == SWIGLU_W20_K
+            && rows.div_ceil(ctas as usize) * SWIGLU_W20_KPARTS as usize <= LOGITS_W20_LATE_SUMS
+            && self.k.gemv2_logits_w20.is_some()
+            && table_and_x <= self.k.gemv2_logits_w20_room;
+        fits.then_some(LaunchConfig {
+            grid_dim: (ctas, 1, 1),
+            block_dim: (SWIGLU_W20_WARPS * 32, 1, 1),
+            shared_mem_bytes: table_and_x as u32,
+        })
     }
 
     /// Whether a GEMV `kernel` takes an f16 input ([`Input::raw_f16`]) and, for SwiGLU, writes
