@@ -63,7 +63,8 @@ pub const VARIABLES: &[Variable] = &[
         default: "1",
         effect: "`0`: lm_head and its argmax at K = 5,120 (the 32B shape) by the J = 3 walk \
                  instead of SwiGLU's 20-warp walk",
-        lab: "session 46: 32B lm_head 152 -> 112 us (ncu, trace)",
+        lab: "sessions 46-47: 32B lm_head 152 -> 112 us (ncu), 151 -> 107 us (trace); \
+              off -0.4..-0.6% at 48, -0.7% at 8k",
     },
     Variable {
         name: "DV2_HOPPER",
