@@ -102,7 +102,7 @@ fn switch_rows(model: &str, rows: Option<&String>) -> Vec<(String, Vec<(String, 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     let n = v.len();
-    if n % 2 == 0 {
+    if n.is_multiple_of(2) {
         (v[n / 2 - 1] + v[n / 2]) / 2.0
     } else {
         v[n / 2]
@@ -174,7 +174,7 @@ fn time_request_pair(
     reps: usize,
 ) -> ([(f64, f64); 2], Paired) {
     assert!(
-        tokens % (2 * PAIR_CHUNK) == 0,
+        tokens.is_multiple_of(2 * PAIR_CHUNK),
         "whole chunks, two turn orders a request"
     );
     let mut runs: [Vec<(f64, f64)>; 2] = [Vec::new(), Vec::new()];

@@ -90,25 +90,25 @@ impl ArchSpec {
                 self.hidden, self.n_q_heads, self.head_dim
             ));
         }
-        if self.n_q_heads % self.n_kv_heads != 0 {
+        if !self.n_q_heads.is_multiple_of(self.n_kv_heads) {
             return fail(format!(
                 "n_q_heads ({}) is not a multiple of n_kv_heads ({})",
                 self.n_q_heads, self.n_kv_heads
             ));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return fail(format!(
                 "head_dim ({}) must be even for RoPE",
                 self.head_dim
             ));
         }
-        if self.hidden % NF4_GROUP != 0 {
+        if !self.hidden.is_multiple_of(NF4_GROUP) {
             return fail(format!(
                 "hidden ({}) is not a multiple of {NF4_GROUP}",
                 self.hidden
             ));
         }
-        if self.intermediate % NF4_GROUP != 0 {
+        if !self.intermediate.is_multiple_of(NF4_GROUP) {
             return fail(format!(
                 "intermediate ({}) is not a multiple of {NF4_GROUP}",
                 self.intermediate

@@ -185,7 +185,7 @@ impl Nf4Matrix {
         cols: usize,
         fill: impl Fn(usize, &mut [f32]) + Sync,
     ) -> Result<Self> {
-        if cols % BLOCK != 0 || cols == 0 {
+        if !cols.is_multiple_of(BLOCK) || cols == 0 {
             return Err(Error::Quantize(format!(
                 "cols ({cols}) is not a positive multiple of {BLOCK}"
             )));

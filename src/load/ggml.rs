@@ -52,7 +52,7 @@ impl GgmlType {
     /// Bytes of `n` elements (`n` a multiple of the block size).
     pub fn bytes(self, n: usize) -> Result<usize> {
         let (elems, bytes) = self.block();
-        if n % elems != 0 {
+        if !n.is_multiple_of(elems) {
             return Err(Error::ModelFile(format!(
                 "{n} elements is not a whole number of {self:?} blocks of {elems}"
             )));

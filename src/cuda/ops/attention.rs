@@ -102,7 +102,7 @@ pub const ATTN3_SPLITS: u32 = 8;
 /// most [`ATTNL_MAX_GROUP`] q heads per KV head.
 pub fn attn_long_fits(s: &ArchSpec) -> bool {
     matches!(s.head_dim, 64 | 128)
-        && s.n_q_heads % s.n_kv_heads == 0
+        && s.n_q_heads.is_multiple_of(s.n_kv_heads)
         && s.n_q_heads / s.n_kv_heads <= ATTNL_MAX_GROUP
 }
 
@@ -281,7 +281,7 @@ impl Ops {
 fn attn_split_parts(requested: usize, group: usize) -> usize {
     (1..=requested.min(group).max(1))
         .rev()
-        .find(|p| group % p == 0)
+        .find(|p| group.is_multiple_of(*p))
         .unwrap_or(1)
 }
 

@@ -260,7 +260,7 @@ impl Ops {
         ss_out: u64,
         halves: bool,
     ) -> Result<usize> {
-        if k > GEMV3_MAX_K || k % 64 != 0 {
+        if k > GEMV3_MAX_K || !k.is_multiple_of(64) {
             return Err(Error::Unsupported(format!(
                 "K = {k}: GEMV v3 takes multiples of 64 up to {GEMV3_MAX_K}"
             )));
@@ -530,7 +530,7 @@ impl Ops {
                 let halves = self.k.gemv3_qkv_kh2.is_some()
                     && self.attn == Attention::V3
                     && norm.w != 0
-                    && cols % 128 == 0;
+                    && cols.is_multiple_of(128);
                 self.gemv3(Epilogue::Store, &mats, cols, x, norm, out, 0, 0, halves)?;
                 Ok(halves)
             }

@@ -245,7 +245,7 @@ impl Ops {
 /// K = hidden feeds GEMV v2 (gate/up, lm_head with its argmax), K = intermediate only down,
 /// which GEMV v3 takes past v2's limit.
 pub fn check_shape(s: &ArchSpec) -> Result<()> {
-    if s.head_dim > MAX_HEAD_DIM || s.head_dim % 8 != 0 {
+    if s.head_dim > MAX_HEAD_DIM || !s.head_dim.is_multiple_of(8) {
         return Err(Error::Unsupported(format!(
             "head_dim {} (the CUDA kernels take a multiple of 8 up to {MAX_HEAD_DIM})",
             s.head_dim
