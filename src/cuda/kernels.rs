@@ -17,6 +17,7 @@ use cudarc::driver::{CudaFunction, CudaModule};
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys, Ptx};
 
 use super::device::{driver_error, Gpu};
+use super::kernel_cache;
 use crate::config::Config;
 use crate::error::{Error, Result};
 
@@ -450,18 +451,11 @@ pub fn compile(unit: &KernelUnit, arch: &str, cfg: &Config) -> Result<Vec<u8>> {
             .cache_dir
             .as_ref()
             .map(|d| d.join(format!("{}-{arch}-{key:016x}.cubin", unit.name)));
-        if let Some(bytes) = cached.as_ref().and_then(|p| std::fs::read(p).ok()) {
-            return Ok(bytes);
-        }
-        let (cubin, _) = nvrtc_compile(unit.name, &src, &opts)?;
-        if let Some(path) = cached {
-            // A cache that cannot be written only costs the next load a compile.
-            let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-            let _ = std::fs::create_dir_all(path.parent().unwrap_or(&path))
-                .and_then(|()| std::fs::write(&tmp, &cubin))
-                .and_then(|()| std::fs::rename(&tmp, &path));
-        }
-        Ok(cubin)
+        kernel_cache::cached_or_compile(
+            cached.as_deref(),
+            kernel_cache::OTHERS_COMPILE_WAIT,
+            || Ok(nvrtc_compile(unit.name, &src, &opts)?.0),
+        )
     };
     with_nvrtc(compile)
 }

@@ -1,7 +1,8 @@
 //! The CUDA backend: weights, KV cache, activations and decode state resident on the device.
 //!
 //! - [`device`]: driver probe, context and stream, allocation helpers.
-//! - [`kernels`]: NVRTC compilation of `kernels/*.cu` (cached on disk) and the function table.
+//! - [`kernels`]: NVRTC compilation of `kernels/*.cu` (cached on disk) and the function table;
+//!   `kernel_cache`: that cache, one compile of a unit however many loads miss it at once.
 //! - [`ops`]: every kernel launch and its launch shape, by kernel family.
 //! - [`weights`]: the model uploaded as packed NF4.
 //! - [`budget`]: the VRAM estimate checked before anything is allocated.
@@ -35,6 +36,7 @@ macro_rules! launch {
 pub mod bench;
 pub mod budget;
 pub mod device;
+mod kernel_cache;
 pub mod kernels;
 pub mod ops;
 pub mod prefill;
