@@ -16,7 +16,7 @@
 //! the 3B run to the default graph (no eager step, `DV2_LINEAR=mma` row, stage split or prefill
 //! tables); `--split` adds the stage split back.
 //! `--boundary` prints only what a kernel boundary costs in a graph (chain of empty launches),
-//! and a grid-wide barrier inside one launch.
+//! and grid-wide barriers inside one launch, alone and with a hand-over of data.
 //! `--l2-hot` prints only the decode GEMVs with their weights from HBM and from L2.
 //! `--context [PRESET [D1,D2,..]]` prints only the context sweep: prefill and decode against
 //! depth (48 to 32k unless listed) at max_seq 32768, beside the bandwidth floor at each depth,
@@ -522,7 +522,8 @@ fn l2_hot() {
 /// decode step's 6 per layer times 36 layers), one CTA per SM, with programmatic dependent
 /// launch and without, and with the next launch's CTA able to be resident beside the running
 /// one or not (a CTA of ~200 KB of shared memory, as a GEMV v2 CTA's registers fill its SM);
-/// then, for comparison, a grid-wide barrier's cost inside one launch of a CTA per SM.
+/// then, for comparison, a grid-wide barrier's cost inside one launch of a CTA per SM (two
+/// ways), alone and as a persistent kernel's hand-over with data.
 fn boundary() {
     const LINKS: usize = 216;
     println!("kernel boundary in a graph, {LINKS} dependent empty launches, µs per launch:");
@@ -535,10 +536,23 @@ fn boundary() {
         }
     }
     std::env::remove_var("DV2_PDL");
-    // What a persistent kernel would pay instead: a barrier of every SM inside one launch.
+    // What a persistent kernel would pay instead: a barrier of every SM inside one launch, by
+    // a generation (four trips through L2) or by one growing count (two); then a hand-over
+    // with data: the 3B shape's hidden vector read, a 2,048-wide matrix's rows from shared
+    // memory, the sums written, a barrier.
     let bench = Bench::new(0).expect("CUDA device");
-    let us = bench.grid_barrier_us(LINKS).expect("grid barrier bench");
-    println!("grid-wide barrier in one launch, {LINKS} of them, µs each: {us:8.3}");
+    println!("inside one launch of a CTA an SM, {LINKS} rounds, µs a round:");
+    for (what, by_count) in [("by generation", false), ("by count", true)] {
+        let barrier = bench
+            .grid_barrier_us(LINKS, by_count)
+            .expect("grid barrier bench");
+        let phase = bench
+            .grid_phase_us(LINKS, 2048, by_count)
+            .expect("grid phase bench");
+        println!(
+            "  grid-wide barrier {what:<14} {barrier:8.3}   with x of 2,048 and W x: {phase:8.3}"
+        );
+    }
 }
 
 /// `--probe`: a few launches of the kernels under study, for a profiler (ncu -k ...): the

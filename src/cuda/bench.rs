@@ -102,6 +102,7 @@ pub struct Bench {
     stream_read: CudaFunction,
     chain_link: CudaFunction,
     grid_barriers: CudaFunction,
+    grid_phases: CudaFunction,
     sink: CudaSlice<u32>,
 }
 
@@ -125,6 +126,9 @@ impl Bench {
         let grid_barriers = module
             .load_function("grid_barriers")
             .map_err(driver_error("grid_barriers"))?;
+        let grid_phases = module
+            .load_function("grid_phases")
+            .map_err(driver_error("grid_phases"))?;
         allow_dynamic_smem(
             &ops.gpu,
             std::slice::from_ref(&chain_link),
@@ -136,6 +140,7 @@ impl Bench {
             stream_read,
             chain_link,
             grid_barriers,
+            grid_phases,
             sink,
         })
     }
@@ -229,11 +234,14 @@ impl Bench {
     }
 
     /// µs per grid-wide barrier: one launch of `rounds` barriers (grid_barriers, one CTA of
-    /// 256 threads per SM, all resident), replayed. What a persistent kernel pays per
-    /// dependency where [`Bench::boundary_us`] is what a launch boundary costs.
-    pub fn grid_barrier_us(&self, rounds: usize) -> Result<f64> {
+    /// 256 threads per SM, launched cooperatively so that all are resident), replayed; by the
+    /// one count that only grows (`by_count`), or by a generation. What a persistent kernel
+    /// pays per dependency where [`Bench::boundary_us`] is what a launch boundary costs.
+    pub fn grid_barrier_us(&self, rounds: usize, by_count: bool) -> Result<f64> {
         let rounds_i = i32::try_from(rounds)
             .map_err(|_| Error::InvalidArgument(format!("{rounds} grid barriers")))?;
+        let by_count = by_count as i32;
+        // Two u32 for the generation's barrier, or one u64 count.
         let bar = self.ops.gpu.zeros::<u32>(2)?;
         let ptr = self.ops.gpu.ptr(&bar);
         let cfg = LaunchConfig {
@@ -241,10 +249,68 @@ impl Bench {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let per_launch = self.time_rotated(
-            1,
-            |_| launch!(self.ops.gpu, &self.grid_barriers, cfg; ptr, rounds_i),
-        )?;
+        let per_launch = self.time_rotated(1, |_| {
+            launch!(self.ops.gpu, &self.grid_barriers, cfg, cooperative; ptr, rounds_i, by_count)
+        })?;
+        Ok(per_launch / rounds.max(1) as f64)
+    }
+
+    /// µs per hand-over inside a persistent kernel: `rounds` rounds of grid_phases in one
+    /// launch, each every CTA reading the n floats the last round wrote, multiplying its rows
+    /// of an n × n matrix held in shared memory, writing tanh of the sums and meeting the grid
+    /// at a barrier (`by_count` as in [`Self::grid_barrier_us`]). What issue 36's kernel would
+    /// take for a small matrix whose weights were loaded before its input was ready (the 3B
+    /// shape's o: n = 2,048), against a kernel's increment in today's graph. Checked first:
+    /// 16 rounds against the CPU, so a barrier that let a round start early is an error, not
+    /// a time.
+    pub fn grid_phase_us(&self, rounds: usize, n: usize, by_count: bool) -> Result<f64> {
+        let sms = self.ops.sms as usize;
+        let rows_per_cta = n.div_ceil(sms);
+        let smem = (rows_per_cta * n + n) * 4;
+        if n == 0 || !n.is_multiple_of(4) || smem > self.ops.gpu.caps.max_smem_per_cta {
+            return Err(Error::InvalidArgument(format!(
+                "grid phases of n = {n}: a multiple of 4 whose {rows_per_cta} rows a CTA and x \
+                 fit in shared memory"
+            )));
+        }
+        let rounds_i = i32::try_from(rounds)
+            .map_err(|_| Error::InvalidArgument(format!("{rounds} grid phases")))?;
+        allow_dynamic_smem(&self.ops.gpu, std::slice::from_ref(&self.grid_phases), smem)?;
+        let x: Vec<f32> = random_bytes(n, 11)
+            .iter()
+            .map(|&b| b as f32 / 127.5 - 1.0)
+            .collect();
+        let x_in = self.ops.gpu.upload(&x)?;
+        let (x_a, x_b) = (self.ops.gpu.zeros::<f32>(n)?, self.ops.gpu.zeros::<f32>(n)?);
+        let bar = self.ops.gpu.zeros::<u32>(2)?;
+        let (bar, x_in_p) = (self.ops.gpu.ptr(&bar), self.ops.gpu.ptr(&x_in));
+        let (x_a_p, x_b_p) = (self.ops.gpu.ptr(&x_a), self.ops.gpu.ptr(&x_b));
+        let (n_i, rows_i, by_count) = (n as i32, rows_per_cta as i32, by_count as i32);
+        let cfg = LaunchConfig {
+            grid_dim: (self.ops.sms, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        let launch = |rounds: i32| {
+            launch!(self.ops.gpu, &self.grid_phases, cfg, cooperative;
+                bar, x_in_p, x_a_p, x_b_p, n_i, rows_i, rounds, by_count)
+        };
+        const CHECKED_ROUNDS: usize = 16;
+        launch(CHECKED_ROUNDS as i32)?;
+        // Round r writes x_a when r is even: the last of 16 wrote x_b.
+        let got = self.ops.gpu.download(&x_b, n)?;
+        let want = grid_phases_on_cpu(&x, CHECKED_ROUNDS);
+        let err = got
+            .iter()
+            .zip(&want)
+            .map(|(g, w)| (g - w).abs())
+            .fold(0.0f32, f32::max);
+        if err.is_nan() || err > 1e-3 {
+            return Err(Error::Cuda(format!(
+                "grid_phases: max |gpu - cpu| {err} after {CHECKED_ROUNDS} rounds (cap 1e-3)"
+            )));
+        }
+        let per_launch = self.time_rotated(1, |_| launch(rounds_i))?;
         Ok(per_launch / rounds.max(1) as f64)
     }
 
@@ -468,4 +534,26 @@ impl Bench {
             floor_us: self.floor_us(bytes)?,
         })
     }
+}
+
+/// grid_phases' weight of `row`, column `k` (kernels/bench.cu, phase_weight).
+fn phase_weight(row: usize, k: usize, n: usize) -> f32 {
+    let mut h = ((row * n + k) as u32).wrapping_mul(0x9E37_79B1);
+    h ^= h >> 15;
+    h = h.wrapping_mul(0x85EB_CA77);
+    h ^= h >> 13;
+    ((h & 1023) as i32 - 512) as f32 / 16384.0
+}
+
+/// What `rounds` rounds of grid_phases leave: x <- tanh(W x), W by [`phase_weight`].
+fn grid_phases_on_cpu(x: &[f32], rounds: usize) -> Vec<f32> {
+    let n = x.len();
+    (0..rounds).fold(x.to_vec(), |x, _| {
+        (0..n)
+            .map(|row| {
+                let sum: f32 = (0..n).map(|k| phase_weight(row, k, n) * x[k]).sum();
+                sum.tanh()
+            })
+            .collect()
+    })
 }
