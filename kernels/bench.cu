@@ -1,7 +1,6 @@
 // Benchmark-only kernels: the streaming-read floor every GEMV is measured against, and what
 // a kernel boundary, a grid-wide barrier and a persistent kernel's hand-over cost.
 
-
 typedef unsigned int u32;
 
 // Reads n16 16-byte words with 16-byte loads, four in flight per thread, grid-stride; folds
