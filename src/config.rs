@@ -148,7 +148,8 @@ pub const VARIABLES: &[Variable] = &[
     Variable {
         name: "DV2_CACHE_DIR",
         default: "~/.cache/decodev2",
-        effect: "tool: where compiled kernels (cubins) are cached",
+        effect: "tool: where compiled kernels (cubins) are cached; loads that miss it together \
+                 compile a unit once (compile.lock)",
         lab: "-",
     },
     Variable {
