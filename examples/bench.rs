@@ -16,7 +16,8 @@
 //! the 3B run to the default graph (no eager step, `DV2_LINEAR=mma` row, stage split or prefill
 //! tables); `--split` adds the stage split back.
 //! `--boundary` prints only what a kernel boundary costs in a graph (chain of empty launches),
-//! and grid-wide barriers inside one launch, alone and with a hand-over of data.
+//! grid-wide barriers inside one launch, alone and with a hand-over of data, and a skeleton of
+//! a persistent step (issue 36).
 //! `--l2-hot` prints only the decode GEMVs with their weights from HBM and from L2.
 //! `--context [PRESET [D1,D2,..]]` prints only the context sweep: prefill and decode against
 //! depth (48 to 32k unless listed) at max_seq 32768, beside the bandwidth floor at each depth,
@@ -523,7 +524,8 @@ fn l2_hot() {
 /// launch and without, and with the next launch's CTA able to be resident beside the running
 /// one or not (a CTA of ~200 KB of shared memory, as a GEMV v2 CTA's registers fill its SM);
 /// then, for comparison, a grid-wide barrier's cost inside one launch of a CTA per SM (two
-/// ways), alone and as a persistent kernel's hand-over with data.
+/// ways), alone and as a persistent kernel's hand-over with data; then the skeleton of a
+/// persistent step on the 3B shape.
 fn boundary() {
     const LINKS: usize = 216;
     println!("kernel boundary in a graph, {LINKS} dependent empty launches, µs per launch:");
@@ -551,6 +553,22 @@ fn boundary() {
             .expect("grid phase bench");
         println!(
             "  grid-wide barrier {what:<14} {barrier:8.3}   with x of 2,048 and W x: {phase:8.3}"
+        );
+    }
+    // A skeleton of a persistent step (issue 36): the 3B shape's layers in one launch, their
+    // weights streamed through shared memory, a stand-in for the walks' work, barriers between
+    // the operators; against the per-kernel step's ~26 µs a layer (docs/lab.md).
+    let s = QWEN25_3B;
+    for (what, ahead) in [
+        ("each operator's pages after its barrier", false),
+        ("pages run ahead across operators", true),
+    ] {
+        let us = bench
+            .grid_layers_us(&s, s.n_layers, ahead)
+            .expect("grid layers bench");
+        println!(
+            "persistent skeleton, {} layers of the 3B shape, {what}: {us:8.3} µs a layer",
+            s.n_layers
         );
     }
 }

@@ -153,3 +153,186 @@ extern "C" __global__ void __launch_bounds__(256, 1) grid_phases(u32* bar, const
         else grid_barrier_by_generation(bar);
     }
 }
+
+// f16 pair {lo, hi} from two floats; a byte's pair of stand-in code values; c + a * b on f16
+// pairs; the sum of a pair as f32 (grid_layers' stand-in for the NF4 walk).
+__device__ __forceinline__ u32 pack_f16x2_bench(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ u32 pack_pair(int byte) {
+    return pack_f16x2_bench((byte & 15) * 0.125f - 1.0f, (byte >> 4) * 0.125f - 1.0f);
+}
+__device__ __forceinline__ u32 hfma2_bits(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+__device__ __forceinline__ float f16x2_sum(u32 v) {
+    float lo, hi;
+    asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;\n\t}"
+        : "=f"(lo), "=f"(hi)
+        : "r"(v));
+    return lo + hi;
+}
+
+// A skeleton of issue 36's persistent decode step, for its timing: `layers` layers of the 3B
+// shape's five operators in one launch, a CTA an SM, each operator's weights streamed through
+// a ring of GL_PAGES shared-memory pages by bulk copies (cp.async.bulk, counted on a page's
+// mbarrier), its input vector read from L2 after a grid barrier, and a stand-in for the NF4
+// walk's work on every 32-bit word of weights (4 lookups in a 256-entry f16-pair table, 4
+// f16x2 FMAs against x): what a persistent kernel's step would take before its real walks,
+// attention and reductions. With `ahead` the ring runs across operators and layers, so the next
+// operator's first pages load while this one finishes and the grid waits (issue 36's design);
+// without it, an operator's first pages are asked for only after its barrier (a kernel
+// boundary's order, with the hand-over of a barrier). The attention is an operator of no
+// weights (its hand-over alone). Each operator writes, per CTA, its rows' outputs (one value
+// from the CTA's sum over its slice, enough to make the next operator depend on it).
+// ops_rows / ops_k: the operators' rows and K; bytes of a CTA's slice: its rows x K x 17/32
+// (codes and f16 scales), in pages of GL_PAGE bytes (the last one partial). `failed` is set
+// where a wait gave up (a broken pipeline ends with a wrong time, not a hang).
+#define GL_PAGE 16384
+#define GL_PAGES 8
+#define GL_OPS 5
+#define GL_MAX_K 11008
+struct GridLayerArgs {
+    const unsigned char* w;  // layers x (the slices of every operator, CTA by CTA)
+    float* x_a;              // the vectors handed over, GL_MAX_K floats each
+    float* x_b;
+    u32* bar;                // grid_barrier_by_count's count (8 bytes)
+    u32* failed;
+    int ops_rows[GL_OPS];
+    int ops_k[GL_OPS];
+    int layers;
+    int ahead;
+};
+static_assert(sizeof(GridLayerArgs) == 88, "GridLayerArgs differs from the host's (src/cuda/bench.rs)");
+
+__device__ __forceinline__ u32 gl_slice_bytes(int rows, int k) {
+    const u32 rows_cta = (rows + gridDim.x - 1) / gridDim.x;
+    return (rows_cta * (u32)k * 17u / 32u + 15u) & ~15u;
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1) grid_layers(GridLayerArgs a) {
+#if __CUDA_ARCH__ >= 900
+    extern __shared__ __align__(128) unsigned char gl_smem[];
+    unsigned char* pages = gl_smem;                                          // GL_PAGES x GL_PAGE
+    u32* table = reinterpret_cast<u32*>(gl_smem + GL_PAGES * GL_PAGE);       // 256 f16 pairs
+    u32* xh = table + 256;                                                   // x as f16 pairs
+    __shared__ __align__(8) unsigned long long full[GL_PAGES];
+    __shared__ float sums[8];
+    const int tid = threadIdx.x;
+    for (int i = tid; i < 256; i += blockDim.x) table[i] = pack_pair(i);
+    if (tid == 0)
+        for (int p = 0; p < GL_PAGES; p++)
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"((u32)__cvta_generic_to_shared(&full[p])));
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    __syncthreads();
+
+    // The pages of the whole launch in order: operator o of layer l, page i of the CTA's slice.
+    u32 per_layer = 0, op_off[GL_OPS], op_pages[GL_OPS], total_pages = 0;
+    for (int o = 0; o < GL_OPS; o++) {
+        op_off[o] = per_layer;
+        const u32 s = a.ops_rows[o] ? gl_slice_bytes(a.ops_rows[o], a.ops_k[o]) : 0;
+        op_pages[o] = (s + GL_PAGE - 1) / GL_PAGE;
+        per_layer += s * gridDim.x;
+        total_pages += op_pages[o];
+    }
+    const u32 all_pages = total_pages * a.layers;
+    // Global page g -> its layer, operator, page in the slice (loops over 5 operators).
+    auto locate = [&](u32 g, u32& l, int& o, u32& i) {
+        l = g / total_pages;
+        i = g % total_pages;
+        for (o = 0; i >= op_pages[o]; o++) i -= op_pages[o];
+    };
+    auto issue = [&](u32 g) {  // thread 0
+        u32 l, i;
+        int o;
+        locate(g, l, o, i);
+        const u32 s = gl_slice_bytes(a.ops_rows[o], a.ops_k[o]);
+        const u32 bytes = min((u32)GL_PAGE, s - i * GL_PAGE);
+        const unsigned char* src = a.w + (size_t)l * per_layer + op_off[o] + (size_t)blockIdx.x * s + (size_t)i * GL_PAGE;
+        const u32 slot = g % GL_PAGES;
+        const u32 mbar = (u32)__cvta_generic_to_shared(&full[slot]);
+        const u32 dst = (u32)__cvta_generic_to_shared(pages + slot * GL_PAGE);
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(mbar), "r"(bytes) : "memory");
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+                     "l"(src), "r"(bytes), "r"(mbar)
+                     : "memory");
+    };
+    u32 issued = 0;  // pages asked for (thread 0's count; the others never read it)
+    if (tid == 0 && a.ahead)
+        for (; issued < min((u32)GL_PAGES, all_pages); issued++) issue(issued);
+
+    u32 g = 0;  // the next page to consume
+    int step = 0;
+    for (int l = 0; l < a.layers; l++) {
+        for (int o = 0; o < GL_OPS; o++, step++) {
+            const float* src = (step & 1) ? a.x_a : a.x_b;
+            float* dst = (step & 1) ? a.x_b : a.x_a;
+            const int k = a.ops_k[o];
+            if (step > 0) grid_barrier_by_count(reinterpret_cast<unsigned long long*>(a.bar));
+            if (tid == 0 && !a.ahead)  // a kernel boundary's order: this operator's pages now
+                for (; issued < min(g + GL_PAGES, g + op_pages[o]); issued++) issue(issued);
+            for (int i = tid; i < k / 2; i += blockDim.x) {
+                const float2 v = __ldcg(reinterpret_cast<const float2*>(src) + i);
+                xh[i] = pack_f16x2_bench(v.x, v.y);
+            }
+            __syncthreads();
+            u32 acc = 0;  // f16x2 sums, as the walks keep them
+            const u32 s = a.ops_rows[o] ? gl_slice_bytes(a.ops_rows[o], k) : 0;
+            for (u32 i = 0; i < op_pages[o]; i++, g++) {
+                const u32 slot = g % GL_PAGES, parity = (g / GL_PAGES) & 1;
+                const u32 mbar = (u32)__cvta_generic_to_shared(&full[slot]);
+                u32 done = 0, tries = 0;
+                while (!done && tries++ < (1u << 22))
+                    asm volatile(
+                        "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
+                        : "=r"(done)
+                        : "r"(mbar), "r"(parity)
+                        : "memory");
+                if (!done && tid == 0) atomicExch(a.failed, 1u);
+                const u32 bytes = min((u32)GL_PAGE, s - i * GL_PAGE);
+                const uint4* page = reinterpret_cast<const uint4*>(pages + slot * GL_PAGE);
+                // Each word against 4 x pairs at its place in a row (modulo the largest power
+                // of two of pairs in x: an AND where the walks add an offset).
+                const u32 pair_mask = (1u << (31 - __clz(k / 2))) - 1;
+                for (u32 j = tid; j < bytes / 16; j += blockDim.x) {
+                    const uint4 q = page[j];
+                    const u32 words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const u32 col2 = (16 * j + 4 * e) & pair_mask;
+#pragma unroll
+                        for (int b = 0; b < 4; b++)
+                            acc = hfma2_bits(table[(words[e] >> (8 * b)) & 0xffu], xh[col2 + b], acc);
+                    }
+                }
+                __syncthreads();  // the page read by all: free for the copy GL_PAGES ahead
+                if (tid == 0) {
+                    const u32 limit = a.ahead ? all_pages : g + 1 + (op_pages[o] - 1 - i);
+                    if (issued < min(g + 1 + GL_PAGES, limit)) issue(issued++);
+                }
+            }
+            // The CTA's sum, one value for each of its rows.
+            float v = f16x2_sum(acc);
+            for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+            if (tid % 32 == 0) sums[tid / 32] = v;
+            __syncthreads();
+            const int rows = a.ops_rows[o] ? a.ops_rows[o] : a.ops_k[(o + 1) % GL_OPS];  // the attention hands on q
+            const int rows_cta = (rows + gridDim.x - 1) / gridDim.x;
+            const int next_k = a.ops_k[(o + 1) % GL_OPS];
+            for (int r = tid; r < rows_cta; r += blockDim.x) {
+                const int row = blockIdx.x * rows_cta + r;
+                float t = 0.0f;
+                for (int w8 = 0; w8 < 8; w8++) t += sums[w8];
+                if (row < next_k) dst[row] = tanhf(t * 1e-3f + 1e-3f * r);
+            }
+        }
+    }
+#else
+    if (threadIdx.x == 0 && blockIdx.x == 0) *a.failed = 2u;  // needs sm_90's bulk copies
+#endif
+}

@@ -3,7 +3,7 @@
 //! 60 MB L2 (so the figures are HBM's), replayed many times, timed with CUDA events; the
 //! median per launch is reported. Inputs are random, never zeros.
 
-use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
+use cudarc::driver::{CudaFunction, CudaSlice, DeviceRepr, LaunchConfig};
 use half::f16;
 
 use super::budget::kv_stride;
@@ -20,6 +20,31 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::nf4::stored_bytes;
 use crate::rope::RopeTable;
+
+/// kernels/bench.cu's grid_layers: pages of the shared-memory ring, their bytes, the
+/// operators of a layer, the largest K of an operator.
+const GL_PAGES: usize = 8;
+const GL_PAGE: usize = 16384;
+const GL_OPS: usize = 5;
+const GL_MAX_K: usize = 11008;
+
+/// kernels/bench.cu `GridLayerArgs`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct GridLayerArgs {
+    w: u64,
+    x_a: u64,
+    x_b: u64,
+    bar: u64,
+    failed: u64,
+    ops_rows: [i32; GL_OPS],
+    ops_k: [i32; GL_OPS],
+    layers: i32,
+    ahead: i32,
+}
+
+// SAFETY: plain old data matching the kernel's struct (five pointers, then 12 ints).
+unsafe impl DeviceRepr for GridLayerArgs {}
 
 /// Rotate over at least this many bytes of copies: several times the H200's 60 MB L2.
 const ROTATE_BYTES: usize = 512 << 20;
@@ -103,6 +128,7 @@ pub struct Bench {
     chain_link: CudaFunction,
     grid_barriers: CudaFunction,
     grid_phases: CudaFunction,
+    grid_layers: CudaFunction,
     sink: CudaSlice<u32>,
 }
 
@@ -129,6 +155,9 @@ impl Bench {
         let grid_phases = module
             .load_function("grid_phases")
             .map_err(driver_error("grid_phases"))?;
+        let grid_layers = module
+            .load_function("grid_layers")
+            .map_err(driver_error("grid_layers"))?;
         allow_dynamic_smem(
             &ops.gpu,
             std::slice::from_ref(&chain_link),
@@ -141,6 +170,7 @@ impl Bench {
             chain_link,
             grid_barriers,
             grid_phases,
+            grid_layers,
             sink,
         })
     }
@@ -312,6 +342,80 @@ impl Bench {
         }
         let per_launch = self.time_rotated(1, |_| launch(rounds_i))?;
         Ok(per_launch / rounds.max(1) as f64)
+    }
+
+    /// µs per layer of grid_layers (kernels/bench.cu): a skeleton of issue 36's persistent
+    /// step over `layers` layers of `spec`'s five operators (q/k/v, the attention as a
+    /// hand-over of no weights, o, gate/up, down) in one launch, the weights streamed through
+    /// shared-memory pages by bulk copies, a stand-in for the NF4 walk's work on each word, a
+    /// grid barrier between operators. `ahead`: the pages run ahead across operators (the next
+    /// one's weights load while this one ends and the grid waits); else each operator asks for
+    /// its pages after its barrier. Weights random, `layers` of them in HBM (never L2's).
+    pub fn grid_layers_us(&self, spec: &ArchSpec, layers: usize, ahead: bool) -> Result<f64> {
+        let grid = self.ops.sms as usize;
+        let q = spec.n_q_heads * spec.head_dim;
+        let ops: [(usize, usize); GL_OPS] = [
+            (spec.qkv_rows(), spec.hidden),
+            (0, q),
+            (spec.hidden, q),
+            (2 * spec.intermediate, spec.hidden),
+            (spec.hidden, spec.intermediate),
+        ];
+        if ops
+            .iter()
+            .any(|&(_, k)| k > GL_MAX_K || !k.is_multiple_of(32))
+        {
+            return Err(Error::InvalidArgument(format!(
+                "grid layers: every K a multiple of 32 up to {GL_MAX_K}"
+            )));
+        }
+        // kernels/bench.cu, gl_slice_bytes: a CTA's rows x K x 17/32 bytes, in 16s.
+        let slice =
+            |rows: usize, k: usize| (rows.div_ceil(grid) * k * 17 / 32).next_multiple_of(16);
+        let per_layer: usize = ops.iter().map(|&(r, k)| slice(r, k) * grid).sum();
+        let pattern = random_bytes(64 << 20, 13);
+        let weights: Vec<u8> = pattern
+            .iter()
+            .copied()
+            .cycle()
+            .take(per_layer * layers)
+            .collect();
+        let w = self.ops.gpu.upload(&weights)?;
+        let (x_a, x_b) = (
+            self.ops.gpu.zeros::<f32>(GL_MAX_K)?,
+            self.ops.gpu.zeros::<f32>(GL_MAX_K)?,
+        );
+        let (bar, failed) = (self.ops.gpu.zeros::<u32>(2)?, self.ops.gpu.zeros::<u32>(1)?);
+        let args = GridLayerArgs {
+            w: self.ops.gpu.ptr(&w),
+            x_a: self.ops.gpu.ptr(&x_a),
+            x_b: self.ops.gpu.ptr(&x_b),
+            bar: self.ops.gpu.ptr(&bar),
+            failed: self.ops.gpu.ptr(&failed),
+            ops_rows: ops.map(|(r, _)| r as i32),
+            ops_k: ops.map(|(_, k)| k as i32),
+            layers: i32::try_from(layers)
+                .map_err(|_| Error::InvalidArgument(format!("{layers} grid layers")))?,
+            ahead: ahead as i32,
+        };
+        let smem = GL_PAGES * GL_PAGE + 256 * 4 + GL_MAX_K / 2 * 4;
+        allow_dynamic_smem(&self.ops.gpu, std::slice::from_ref(&self.grid_layers), smem)?;
+        let cfg = LaunchConfig {
+            grid_dim: (self.ops.sms, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        let per_launch = self.time_rotated(
+            1,
+            |_| launch!(self.ops.gpu, &self.grid_layers, cfg, cooperative; args),
+        )?;
+        match self.ops.gpu.download(&failed, 1)?[0] {
+            0 => Ok(per_launch / layers.max(1) as f64),
+            2 => Err(Error::Unsupported(
+                "grid layers: bulk copies need sm_90".into(),
+            )),
+            _ => Err(Error::Cuda("grid layers: a page's wait gave up".into())),
+        }
     }
 
     /// Times one GEMV-family kernel on random weights: `kind` is "qkv" (rows = q+k+v rows,
