@@ -111,6 +111,27 @@ extern "C" __global__ void __launch_bounds__(256, 1) grid_barriers(u32* bar, int
     }
 }
 
+// Every CTA's copy of a vector another CTA of the launch wrote (n floats, n a multiple of 4,
+// read from L2: __ldcg), 16 bytes at a time with up to 12 loads in flight a thread before the
+// first store, as the walks stage x: `store(i, v)` takes floats 4i .. 4i + 3.
+template <typename Store>
+__device__ __forceinline__ void stage_vector(const float* src, int n, Store store) {
+    const float4* src4 = reinterpret_cast<const float4*>(src);
+    for (int base = threadIdx.x; base < n / 4; base += 12 * blockDim.x) {
+        float4 v[12];
+#pragma unroll
+        for (int u = 0; u < 12; u++) {
+            const int i = base + u * blockDim.x;
+            if (i < n / 4) v[u] = __ldcg(src4 + i);
+        }
+#pragma unroll
+        for (int u = 0; u < 12; u++) {
+            const int i = base + u * blockDim.x;
+            if (i < n / 4) store(i, v[u]);
+        }
+    }
+}
+
 // The weight of row `row`, column `k` of grid_phases' matrix: a hash's 10 bits as an integer
 // in [-512, 511] over 2^14 (bench.rs computes the same).
 __device__ __forceinline__ float phase_weight(u32 row, u32 k, u32 n) {
@@ -140,8 +161,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) grid_phases(u32* bar, const
     for (int r = 0; r < rounds; r++) {
         const float* src = r == 0 ? x_in : (r & 1) ? x_a : x_b;
         float* dst = (r & 1) ? x_b : x_a;
-        for (int i = 4 * threadIdx.x; i < n; i += 4 * blockDim.x)
-            *reinterpret_cast<float4*>(xs + i) = __ldcg(reinterpret_cast<const float4*>(src + i));
+        stage_vector(src, n, [&](int i, float4 v) { reinterpret_cast<float4*>(xs)[i] = v; });
         __syncthreads();
         for (int lr = warp; lr < rows_per_cta && row0 + lr < n; lr += warps) {
             float acc = 0.0f;
@@ -276,10 +296,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) grid_layers(GridLayerArgs a
             if (step > 0) grid_barrier_by_count(reinterpret_cast<unsigned long long*>(a.bar));
             if (tid == 0 && !a.ahead)  // a kernel boundary's order: this operator's pages now
                 for (; issued < min(g + GL_PAGES, g + op_pages[o]); issued++) issue(issued);
-            for (int i = tid; i < k / 2; i += blockDim.x) {
-                const float2 v = __ldcg(reinterpret_cast<const float2*>(src) + i);
-                xh[i] = pack_f16x2_bench(v.x, v.y);
-            }
+            stage_vector(src, k, [&](int i, float4 v) {
+                xh[2 * i] = pack_f16x2_bench(v.x, v.y);
+                xh[2 * i + 1] = pack_f16x2_bench(v.z, v.w);
+            });
             __syncthreads();
             u32 acc = 0;  // f16x2 sums, as the walks keep them
             const u32 s = a.ops_rows[o] ? gl_slice_bytes(a.ops_rows[o], k) : 0;
