@@ -47,7 +47,12 @@ pub(super) fn cached_or_compile(
     let cubin = compile()?;
     // Written whole under another name, then renamed: a reader sees all of it or none.
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-    let _ = std::fs::write(&tmp, &cubin).and_then(|()| std::fs::rename(&tmp, path));
+    if std::fs::write(&tmp, &cubin)
+        .and_then(|()| std::fs::rename(&tmp, path))
+        .is_err()
+    {
+        let _ = std::fs::remove_file(&tmp);
+    }
     Ok(cubin)
 }
 
