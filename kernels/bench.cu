@@ -1,7 +1,6 @@
-// Benchmark-only kernels: the streaming-read floor every GEMV is measured against, and what
-// a kernel boundary, a grid-wide barrier and a persistent kernel's hand-over cost.
-
-typedef unsigned int u32;
+// Benchmark-only kernels: the streaming-read floor every GEMV is measured against, and what a
+// kernel boundary, a grid-wide barrier and a persistent kernel's hand-over cost. Compiled after
+// common.cuh (src/cuda/kernels.rs `BENCH`).
 
 // Reads n16 16-byte words with 16-byte loads, four in flight per thread, grid-stride; folds
 // them into one word so the loads cannot be dropped, and writes it only on an impossible value.
@@ -174,27 +173,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) grid_phases(u32* bar, const
     }
 }
 
-// f16 pair {lo, hi} from two floats; a byte's pair of stand-in code values; c + a * b on f16
-// pairs; the sum of a pair as f32 (grid_layers' stand-in for the NF4 walk).
-__device__ __forceinline__ u32 pack_f16x2_bench(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
+// A byte's pair of stand-in code values (grid_layers' table; the walks' is NF4's).
 __device__ __forceinline__ u32 pack_pair(int byte) {
-    return pack_f16x2_bench((byte & 15) * 0.125f - 1.0f, (byte >> 4) * 0.125f - 1.0f);
-}
-__device__ __forceinline__ u32 hfma2_bits(u32 a, u32 b, u32 c) {
-    u32 d;
-    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-    return d;
-}
-__device__ __forceinline__ float f16x2_sum(u32 v) {
-    float lo, hi;
-    asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;\n\t}"
-        : "=f"(lo), "=f"(hi)
-        : "r"(v));
-    return lo + hi;
+    return pack_f16x2((byte & 15) * 0.125f - 1.0f, (byte >> 4) * 0.125f - 1.0f);
 }
 
 // A skeleton of issue 36's persistent decode step, for its timing: `layers` layers of the 3B
@@ -297,8 +278,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) grid_layers(GridLayerArgs a
             if (tid == 0 && !a.ahead)  // a kernel boundary's order: this operator's pages now
                 for (; issued < min(g + GL_PAGES, g + op_pages[o]); issued++) issue(issued);
             stage_vector(src, k, [&](int i, float4 v) {
-                xh[2 * i] = pack_f16x2_bench(v.x, v.y);
-                xh[2 * i + 1] = pack_f16x2_bench(v.z, v.w);
+                xh[2 * i] = pack_f16x2(v.x, v.y);
+                xh[2 * i + 1] = pack_f16x2(v.z, v.w);
             });
             __syncthreads();
             u32 acc = 0;  // f16x2 sums, as the walks keep them
@@ -327,7 +308,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) grid_layers(GridLayerArgs a
                         const u32 col2 = (16 * j + 4 * e) & pair_mask;
 #pragma unroll
                         for (int b = 0; b < 4; b++)
-                            acc = hfma2_bits(table[(words[e] >> (8 * b)) & 0xffu], xh[col2 + b], acc);
+                            acc = hfma2(table[(words[e] >> (8 * b)) & 0xffu], xh[col2 + b], acc);
                     }
                 }
                 __syncthreads();  // the page read by all: free for the copy GL_PAGES ahead
@@ -337,7 +318,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) grid_layers(GridLayerArgs a
                 }
             }
             // The CTA's sum, one value for each of its rows.
-            float v = f16x2_sum(acc);
+            float v = half2_sum(acc);
             for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
             if (tid % 32 == 0) sums[tid / 32] = v;
             __syncthreads();

@@ -1,6 +1,6 @@
 // decodev2 kernels: the helpers every kernel file uses (compiled first; the unit's files in
 // order: common.cuh, gemv.cu, attention.cu, small.cu, gemm.cu, gemv_mma.cu, attention_prefill.cu,
-// attention_long.cu, sample.cu: src/cuda/kernels.rs `DECODE`).
+// attention_long.cu, sample.cu: src/cuda/kernels.rs `DECODE`; and before bench.cu in `BENCH`).
 //
 // Layouts (see src/nf4.rs for the NF4 packing):
 //   NF4 matrix [rows, cols]: packed bytes [rows][cols/2] (element 2i in the high nibble of
@@ -66,6 +66,18 @@ __device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
     u32 r;
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
+}
+
+// c + a * b on f16 pairs, and a pair's sum in f32 (GEMV v2's walks; the bench's stand-in).
+__device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
+    u32 r;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+__device__ __forceinline__ float half2_sum(u32 h) {
+    float lo, hi;
+    asm("{.reg .b16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h;}" : "=f"(lo), "=f"(hi) : "r"(h));
+    return lo + hi;
 }
 
 __device__ __forceinline__ u16 f32_to_f16(float f) {

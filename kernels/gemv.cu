@@ -211,18 +211,7 @@ __device__ __forceinline__ float dot_chunks(const RowChunks<J>& rc, GroupSum gro
 // each word's four pairs summed by two lanes of an f16x2 FMA chain, then added in f32: the
 // products and those 4-term sums are f16, whose rounding (~2e-5 of the terms' magnitude in a
 // numpy model at K = 2048) is of the order of x's own f16 rounding in GEMV v3; like v3, an |x|
-// past 65504 would overflow.
-__device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
-    u32 r;
-    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
-    return r;
-}
-
-__device__ __forceinline__ float half2_sum(u32 h) {
-    float lo, hi;
-    asm("{.reg .b16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h;}" : "=f"(lo), "=f"(hi) : "r"(h));
-    return lo + hi;
-}
+// past 65504 would overflow. (hfma2 and half2_sum: common.cuh.)
 
 // A lane's x as f16 pairs (element 2i in the low half of h[j][i]).
 template <int J>

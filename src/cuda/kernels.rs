@@ -245,7 +245,10 @@ pub const DECODE: KernelUnit = KernelUnit {
 /// Benchmark-only kernels (the streaming-read floor).
 pub const BENCH: KernelUnit = KernelUnit {
     name: "bench",
-    files: &[("bench.cu", include_str!("../../kernels/bench.cu"))],
+    files: &[
+        ("common.cuh", include_str!("../../kernels/common.cuh")),
+        ("bench.cu", include_str!("../../kernels/bench.cu")),
+    ],
 };
 
 /// The source of a unit: each file from `dir/<name>` when given (`DV2_KERNEL_DIR`), else
