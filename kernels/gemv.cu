@@ -284,9 +284,11 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     __shared__ __align__(16) u32 pair16_static[prmt_table ? 1 : BYTE_LUT_WORDS];
     __shared__ float partial[GEMV2_MAX_LANES_X_R * NM][WARPS];
     // With other WARPS: 4 times the floats for gemv2_swiglu_j1_w20's 5 K-parts of ~210 rows of 2
-    // sums, 6 times for gemv2_logits_j1_w20's 5 K-parts of 1,152 rows (the 32B shape's lm_head
-    // over 132 CTAs).
-    constexpr int late_floats = GEMV2_LATE_FLOATS * (WARPS == GEMV_WARPS ? 1 : NM == 2 ? 4 : 6);
+    // sums; for gemv2_logits_j1_w20's 5 K-parts of 1,152 rows (the 32B shape's lm_head over 132
+    // CTAs) the host's LOGITS_W20_LATE_SUMS, which it checks a vocabulary against.
+    constexpr int late_floats = WARPS == GEMV_WARPS ? GEMV2_LATE_FLOATS
+                                : NM == 2           ? 4 * GEMV2_LATE_FLOATS
+                                                    : LOGITS_W20_LATE_SUMS;
     __shared__ float late_partial[late_floats];
     // Dynamic shared memory: that table (PRMT_LUT_WORDS words), then x as staged: cols / 32 *
     // X_STAGE_STRIDE floats, or cols / 32 * X16_STAGE_STRIDE words from f16.

@@ -187,6 +187,7 @@ fn shared_defines() -> Vec<String> {
         ("GEMV3_WARPS", GEMV3_WARPS),
         ("SWIGLU_W20_K", super::ops::SWIGLU_W20_K),
         ("SWIGLU_W20_KPARTS", super::ops::SWIGLU_W20_KPARTS as usize),
+        ("LOGITS_W20_LATE_SUMS", super::ops::LOGITS_W20_LATE_SUMS),
         ("SWIGLU_W20_WARPS", super::ops::SWIGLU_W20_WARPS as usize),
         ("X_STAGE_STRIDE", GEMV2_X_STRIDE),
         ("X16_STAGE_STRIDE", GEMV2_X16_STRIDE),

@@ -28,10 +28,10 @@ pub struct QkvArgs {
 unsafe impl DeviceRepr for QkvArgs {}
 
 /// The K-part sums of its rows `gemv2_logits_j1_w20` keeps for one final reduction (the
-/// kernel's `late_floats`): a vocabulary whose rows a CTA, times [`SWIGLU_W20_KPARTS`], are
-/// more (past ~174k at 132 SMs) takes the J = 3 walk, since the 20-warp walk's store as it goes
-/// runs in no test.
-const LOGITS_W20_LATE_SUMS: usize = 6 * 1024;
+/// kernel's `late_floats`, from this define): a vocabulary whose rows a CTA, times
+/// [`SWIGLU_W20_KPARTS`], are more (past ~174k at 132 SMs) takes the J = 3 walk, since the
+/// 20-warp walk's store as it goes runs in no test.
+pub const LOGITS_W20_LATE_SUMS: usize = 6 * 1024;
 
 /// Where lm_head's argmax kernel ([`Ops::logits_argmax`]) leaves its result: the decode
 /// state (next_token), the argmax scratch ([`ARGMAX_SCRATCH`] words, zero between launches),

@@ -37,7 +37,7 @@ pub(super) use gemm::GemmArgs;
 pub use gemm::{Epilogue, GemmMatrix};
 pub use gemv::{
     Gemv, GemvChoice, LogitsHead, QkvArgs, GEMV2_CTAS_PER_SM, GEMV2_SWIGLU_SKEW, GEMV3_MAX_BYTES,
-    SWIGLU_W20_K, SWIGLU_W20_KPARTS, SWIGLU_W20_WARPS,
+    LOGITS_W20_LATE_SUMS, SWIGLU_W20_K, SWIGLU_W20_KPARTS, SWIGLU_W20_WARPS,
 };
 
 /// kernels/common.cuh `NormArgs`: RMSNorm weights (bf16; 0 = no norm), epsilon, and the
