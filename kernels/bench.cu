@@ -173,19 +173,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) grid_phases(u32* bar, const
     }
 }
 
-// A byte's pair of stand-in code values (grid_layers' table; the walks' is NF4's).
-__device__ __forceinline__ u32 pack_pair(int byte) {
-    return pack_f16x2((byte & 15) * 0.125f - 1.0f, (byte >> 4) * 0.125f - 1.0f);
-}
-
 // A skeleton of issue 36's persistent decode step, for its timing: `layers` layers of the 3B
 // shape's five operators in one launch, a CTA an SM, each operator's weights streamed through
 // a ring of GL_PAGES shared-memory pages by bulk copies (cp.async.bulk, counted on a page's
-// mbarrier), its input vector read from L2 after a grid barrier, and a stand-in for the NF4
-// walk's work on every 32-bit word of weights (4 lookups in a 256-entry f16-pair table, 4
-// f16x2 FMAs against x): what a persistent kernel's step would take before its real walks,
-// attention and reductions. With `ahead` the ring runs across operators and layers, so the next
-// operator's first pages load while this one finishes and the grid waits (issue 36's design);
+// mbarrier), its input vector read from L2 after a grid barrier, and the NF4 walk's work on
+// every 16-byte chunk of weights as GEMV v2 does it (16 lookups in the lane-copied f16-pair
+// table, 16 f16x2 FMAs against the 16 pairs of x a thread holds in registers): what a
+// persistent kernel's step would take before its real walks' scales, reductions and
+// attention. Which pairs of x meet which chunk is a stand-in: a thread holds chunk tid % (K / 32)
+// of x for the operator and meets every chunk it reads with it (a real walk's rows line up
+// with its lanes; the skeleton's pages hold no rows), so the shared-memory traffic a chunk
+// costs is the walk's: one 16-byte read of the page, 16 conflict-free table reads. Why not x
+// read from shared memory beside each word with one copy of the table (bd2ed4c): a quarter
+// warp's x reads, 64 bytes apart, conflicted 4-way and its table reads ~3-way, and those set
+// the pace, 58-62 us a layer (docs/lab.md, session 48). With `ahead` the ring runs across
+// operators and layers, so the next operator's first pages load while this one finishes and the grid waits (issue 36's design);
 // without it, an operator's first pages are asked for only after its barrier (a kernel
 // boundary's order, with the hand-over of a barrier). The attention is an operator of no
 // weights (its hand-over alone). Each operator writes, per CTA, its rows' outputs (one value
@@ -219,12 +221,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) grid_layers(GridLayerArgs a
 #if __CUDA_ARCH__ >= 900
     extern __shared__ __align__(128) unsigned char gl_smem[];
     unsigned char* pages = gl_smem;                                          // GL_PAGES x GL_PAGE
-    u32* table = reinterpret_cast<u32*>(gl_smem + GL_PAGES * GL_PAGE);       // 256 f16 pairs
-    u32* xh = table + 256;                                                   // x as f16 pairs
+    u32* xh = reinterpret_cast<u32*>(gl_smem + GL_PAGES * GL_PAGE);          // x as f16 pairs
+    __shared__ __align__(16) u32 lut[BYTE_LUT_WORDS];
     __shared__ __align__(8) unsigned long long full[GL_PAGES];
     __shared__ float sums[8];
     const int tid = threadIdx.x;
-    for (int i = tid; i < 256; i += blockDim.x) table[i] = pack_pair(i);
+    const u32 lane4 = 4u * (tid & 31);
+    load_byte_codebook<256>(lut);
     if (tid == 0)
         for (int p = 0; p < GL_PAGES; p++)
             asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"((u32)__cvta_generic_to_shared(&full[p])));
@@ -282,7 +285,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) grid_layers(GridLayerArgs a
                 xh[2 * i + 1] = pack_f16x2(v.z, v.w);
             });
             __syncthreads();
-            u32 acc = 0;  // f16x2 sums, as the walks keep them
+            u32 xr[16];  // this thread's chunk of x (see above), 16 f16 pairs
+            const int chunk = tid % (k / 32);
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const uint4 v = reinterpret_cast<const uint4*>(xh + 16 * chunk)[q];
+                xr[4 * q] = v.x, xr[4 * q + 1] = v.y, xr[4 * q + 2] = v.z, xr[4 * q + 3] = v.w;
+            }
+            u32 acc[4] = {0, 0, 0, 0};  // f16x2 sums, as the walks keep them
             const u32 s = a.ops_rows[o] ? gl_slice_bytes(a.ops_rows[o], k) : 0;
             for (u32 i = 0; i < op_pages[o]; i++, g++) {
                 const u32 slot = g % GL_PAGES, parity = (g / GL_PAGES) & 1;
@@ -297,19 +307,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) grid_layers(GridLayerArgs a
                 if (!done && tid == 0) atomicExch(a.failed, 1u);
                 const u32 bytes = min((u32)GL_PAGE, s - i * GL_PAGE);
                 const uint4* page = reinterpret_cast<const uint4*>(pages + slot * GL_PAGE);
-                // Each word against 4 x pairs at its place in a row (modulo the largest power
-                // of two of pairs in x: an AND where the walks add an offset).
-                const u32 pair_mask = (1u << (31 - __clz(k / 2))) - 1;
                 for (u32 j = tid; j < bytes / 16; j += blockDim.x) {
                     const uint4 q = page[j];
                     const u32 words[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const u32 col2 = (16 * j + 4 * e) & pair_mask;
+                    for (int e = 0; e < 4; e++)
 #pragma unroll
                         for (int b = 0; b < 4; b++)
-                            acc = hfma2(table[(words[e] >> (8 * b)) & 0xffu], xh[col2 + b], acc);
-                    }
+                            acc[e] = hfma2(byte_lut_entry(lut, words[e], b, lane4), xr[4 * e + b], acc[e]);
                 }
                 __syncthreads();  // the page read by all: free for the copy GL_PAGES ahead
                 if (tid == 0) {
@@ -318,7 +323,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) grid_layers(GridLayerArgs a
                 }
             }
             // The CTA's sum, one value for each of its rows.
-            float v = half2_sum(acc);
+            float v = half2_sum(acc[0]) + half2_sum(acc[1]) + half2_sum(acc[2]) + half2_sum(acc[3]);
             for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
             if (tid % 32 == 0) sums[tid / 32] = v;
             __syncthreads();

@@ -342,7 +342,7 @@ impl Bench {
     /// µs per layer of grid_layers (kernels/bench.cu): a skeleton of issue 36's persistent
     /// step over `layers` layers of `spec`'s five operators (q/k/v, the attention as a
     /// hand-over of no weights, o, gate/up, down) in one launch, the weights streamed through
-    /// shared-memory pages by bulk copies, a stand-in for the NF4 walk's work on each word, a
+    /// shared-memory pages by bulk copies, the NF4 walk's table lookups and FMAs on each chunk, a
     /// grid barrier between operators. `ahead`: the pages run ahead across operators (the next
     /// one's weights load while this one ends and the grid waits); else each operator asks for
     /// its pages after its barrier. Weights random, `layers` of them in HBM (never L2's).
@@ -393,7 +393,8 @@ impl Bench {
                 .map_err(|_| Error::InvalidArgument(format!("{layers} grid layers")))?,
             ahead: ahead as i32,
         };
-        let smem = GL_PAGES * GL_PAGE + 256 * 4 + GL_MAX_K / 2 * 4;
+        // The pages and x as f16 pairs (the table is static shared memory).
+        let smem = GL_PAGES * GL_PAGE + GL_MAX_K / 2 * 4;
         allow_dynamic_smem(&self.ops.gpu, std::slice::from_ref(&self.grid_layers), smem)?;
         let cfg = LaunchConfig {
             grid_dim: (self.ops.sms, 1, 1),
