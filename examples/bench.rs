@@ -46,7 +46,7 @@ use std::time::Instant;
 
 use decodev2::arch::{ArchSpec, MEDIUM_LLAMA, QWEN25_3B};
 use decodev2::config::VARIABLES;
-use decodev2::cuda::bench::{Bench, Timing, CHAIN_LINK_MAX_SMEM};
+use decodev2::cuda::bench::{Bench, GlRing, Handover, Timing, CHAIN_LINK_MAX_SMEM};
 use decodev2::cuda::ops::{Gemv, GemvChoice};
 use decodev2::cuda::CudaBackend;
 use decodev2::engine::{Backend, BackendKind, Engine, EngineOptions};
@@ -541,34 +541,84 @@ fn boundary() {
     // What a persistent kernel would pay instead: a barrier of every SM inside one launch, by
     // a generation (four trips through L2) or by one growing count (two); then a hand-over
     // with data: the 3B shape's hidden vector read, a 2,048-wide matrix's rows from shared
-    // memory, the sums written, a barrier.
+    // memory, the sums written, a barrier; or the sums written as flagged pairs that their
+    // readers poll (no barrier).
     let bench = Bench::new(0).expect("CUDA device");
     println!("inside one launch of a CTA an SM, {LINKS} rounds, µs a round:");
     for (what, by_count) in [("by generation", false), ("by count", true)] {
         let barrier = bench
             .grid_barrier_us(LINKS, by_count)
             .expect("grid barrier bench");
+        let handover = if by_count {
+            Handover::ByCount
+        } else {
+            Handover::ByGeneration
+        };
         let phase = bench
-            .grid_phase_us(LINKS, 2048, by_count)
+            .grid_phase_us(LINKS, 2048, handover)
             .expect("grid phase bench");
         println!(
             "  grid-wide barrier {what:<14} {barrier:8.3}   with x of 2,048 and W x: {phase:8.3}"
         );
     }
-    // A skeleton of a persistent step (issue 36): the 3B shape's layers in one launch, their
-    // weights streamed through shared memory, a stand-in for the walks' work, barriers between
-    // the operators; against the per-kernel step's ~26 µs a layer (docs/lab.md).
-    let s = QWEN25_3B;
-    for (what, ahead) in [
-        ("each operator's pages after its barrier", false),
-        ("pages run ahead across operators", true),
+    let flagged = bench
+        .grid_phase_us(LINKS, 2048, Handover::Flagged)
+        .expect("grid phase bench");
+    println!(
+        "  no barrier, x as flagged pairs              with x of 2,048 and W x: {flagged:8.3}"
+    );
+    // The same at a quarter of the vector (x of 2 KB, 4 rows of 512 a CTA).
+    for (what, handover) in [
+        ("by count", Handover::ByCount),
+        ("flagged", Handover::Flagged),
     ] {
         let us = bench
-            .grid_layers_us(&s, s.n_layers, ahead)
+            .grid_phase_us(LINKS, 512, handover)
+            .expect("grid phase bench");
+        println!("  {what:<8}                                    with x of 512 and W x: {us:8.3}");
+    }
+    // A skeleton of a persistent step (issue 36): the 3B shape's layers in one launch, their
+    // weights streamed through shared memory by a producer warp, the walks' table lookups and
+    // FMAs, hand-overs between the operators; against the per-kernel step's ~26 µs a layer
+    // (docs/lab.md).
+    let s = QWEN25_3B;
+    let ring = |pages, kb: usize| GlRing {
+        pages,
+        page: kb << 10,
+    };
+    let runs = [
+        (ring(4, 32), "barriers", Handover::ByCount, true),
+        (ring(4, 32), "flagged pairs", Handover::Flagged, true),
+        (ring(4, 32), "no hand-over", Handover::None, true),
+        (
+            ring(4, 32),
+            "no hand-over, pages unread",
+            Handover::None,
+            false,
+        ),
+        // The ring alone by its shape: a fixed cost a page, not the bytes in flight.
+        (
+            ring(8, 16),
+            "no hand-over, pages unread",
+            Handover::None,
+            false,
+        ),
+        (
+            ring(16, 8),
+            "no hand-over, pages unread",
+            Handover::None,
+            false,
+        ),
+    ];
+    for (ring, what, handover, walk) in runs {
+        let us = bench
+            .grid_layers_us(&s, s.n_layers, handover, walk, ring)
             .expect("grid layers bench");
         println!(
-            "persistent skeleton, {} layers of the 3B shape, {what}: {us:8.3} µs a layer",
-            s.n_layers
+            "persistent skeleton, {} layers of the 3B shape, {:>2} x {:>2} KB pages, {what:<26} {us:8.3} µs a layer",
+            s.n_layers,
+            ring.pages,
+            ring.page >> 10
         );
     }
 }

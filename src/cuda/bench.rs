@@ -21,12 +21,11 @@ use crate::error::{Error, Result};
 use crate::nf4::stored_bytes;
 use crate::rope::RopeTable;
 
-/// kernels/bench.cu's grid_layers: pages of the shared-memory ring, their bytes, the
-/// operators of a layer, the largest K of an operator.
-const GL_PAGES: usize = 8;
-const GL_PAGE: usize = 16384;
+/// kernels/bench.cu's grid_layers: the most pages of its shared-memory ring, the operators of a layer, the largest K of an operator, threads of a CTA.
+const GL_MAX_PAGES: usize = 16;
 const GL_OPS: usize = 5;
 const GL_MAX_K: usize = 11008;
+const GL_THREADS: u32 = 256; // the consumers; one more warp is the producer
 
 /// kernels/bench.cu `GridLayerArgs`.
 #[repr(C)]
@@ -40,11 +39,47 @@ struct GridLayerArgs {
     ops_rows: [i32; GL_OPS],
     ops_k: [i32; GL_OPS],
     layers: i32,
-    ahead: i32,
+    handover: i32,
+    walk: i32,
+    page: i32,
+    pages: i32,
+    _pad: i32,
 }
 
-// SAFETY: plain old data matching the kernel's struct (five pointers, then 12 ints).
+// SAFETY: plain old data matching the kernel's struct (five pointers, then 15 ints and the
+// padding to its 8-byte alignment).
 unsafe impl DeviceRepr for GridLayerArgs {}
+
+/// How a persistent kernel's rounds hand a vector on (kernels/bench.cu, `HANDOVER_*`): plain
+/// floats after a grid barrier by a generation or by a count, or flagged pairs (each value
+/// stored with its round's tag in one 8-byte store, polled by its readers) with no barrier;
+/// or none (grid_layers only: each operator reads the vector it read before, so its time is
+/// the stream's and the walks' alone).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Handover {
+    ByGeneration = 0,
+    ByCount = 1,
+    Flagged = 2,
+    None = 3,
+}
+
+impl Handover {
+    /// Words a vector of `n` floats takes as this hand-over stores it.
+    fn words(self, n: usize) -> usize {
+        if self == Handover::Flagged {
+            2 * n
+        } else {
+            n
+        }
+    }
+}
+
+/// grid_layers' ring of shared-memory pages: how many, of how many bytes.
+#[derive(Clone, Copy, Debug)]
+pub struct GlRing {
+    pub pages: usize,
+    pub page: usize,
+}
 
 /// Rotate over at least this many bytes of copies: several times the H200's 60 MB L2.
 const ROTATE_BYTES: usize = 512 << 20;
@@ -278,13 +313,14 @@ impl Bench {
 
     /// µs per hand-over inside a persistent kernel: `rounds` rounds of grid_phases in one
     /// launch, each every CTA reading the n floats the last round wrote, multiplying its rows
-    /// of an n × n matrix held in shared memory, writing tanh of the sums and meeting the grid
-    /// at a barrier (`by_count` as in [`Self::grid_barrier_us`]). What issue 36's kernel would
-    /// take for a small matrix whose weights were loaded before its input was ready (the 3B
-    /// shape's o: n = 2,048), against a kernel's increment in today's graph. Checked first:
-    /// 16 rounds against the CPU, so a barrier that let a round start early is an error, not
-    /// a time.
-    pub fn grid_phase_us(&self, rounds: usize, n: usize, by_count: bool) -> Result<f64> {
+    /// of an n × n matrix held in shared memory, writing tanh of the sums and handing them
+    /// on by `handover`. What issue 36's kernel would take for a small matrix whose weights
+    /// were loaded before its input was ready (the 3B shape's o: n = 2,048), against a
+    /// kernel's increment in today's graph. Checked first: 16 rounds against the CPU, so a
+    /// hand-over that let a round start early is an error, not a time. Flagged hand-overs need
+    /// 3 rounds or more: a launch's first reads wait for tags 1 and 2, which the last launch's
+    /// final rounds must not have left in the buffers.
+    pub fn grid_phase_us(&self, rounds: usize, n: usize, handover: Handover) -> Result<f64> {
         let sms = self.ops.sms as usize;
         let rows_per_cta = n.div_ceil(sms);
         let smem = (rows_per_cta * n + n) * 4;
@@ -295,18 +331,24 @@ impl Bench {
             )));
         }
         let rounds_i = i32::try_from(rounds)
-            .map_err(|_| Error::InvalidArgument(format!("{rounds} grid phases")))?;
+            .ok()
+            .filter(|&r| handover != Handover::None && (handover != Handover::Flagged || r >= 3))
+            .ok_or_else(|| Error::InvalidArgument(format!("{rounds} grid phases {handover:?}")))?;
         allow_dynamic_smem(&self.ops.gpu, std::slice::from_ref(&self.grid_phases), smem)?;
         let x: Vec<f32> = random_bytes(n, 11)
             .iter()
             .map(|&b| b as f32 / 127.5 - 1.0)
             .collect();
         let x_in = self.ops.gpu.upload(&x)?;
-        let (x_a, x_b) = (self.ops.gpu.zeros::<f32>(n)?, self.ops.gpu.zeros::<f32>(n)?);
+        let words = handover.words(n);
+        let (x_a, x_b) = (
+            self.ops.gpu.zeros::<u32>(words)?,
+            self.ops.gpu.zeros::<u32>(words)?,
+        );
         let bar = self.ops.gpu.zeros::<u32>(2)?;
         let (bar, x_in_p) = (self.ops.gpu.ptr(&bar), self.ops.gpu.ptr(&x_in));
         let (x_a_p, x_b_p) = (self.ops.gpu.ptr(&x_a), self.ops.gpu.ptr(&x_b));
-        let (n_i, rows_i, by_count) = (n as i32, rows_per_cta as i32, by_count as i32);
+        let (n_i, rows_i, handover_i) = (n as i32, rows_per_cta as i32, handover as i32);
         let cfg = LaunchConfig {
             grid_dim: (self.ops.sms, 1, 1),
             block_dim: (256, 1, 1),
@@ -314,12 +356,23 @@ impl Bench {
         };
         let launch = |rounds: i32| {
             launch!(self.ops.gpu, &self.grid_phases, cfg, cooperative;
-                bar, x_in_p, x_a_p, x_b_p, n_i, rows_i, rounds, by_count)
+                bar, x_in_p, x_a_p, x_b_p, n_i, rows_i, rounds, handover_i)
         };
         const CHECKED_ROUNDS: usize = 16;
         launch(CHECKED_ROUNDS as i32)?;
-        // Round r writes x_a when r is even: the last of 16 wrote x_b.
-        let got = self.ops.gpu.download(&x_b, n)?;
+        // Round r writes x_a when r is even: the last of 16 wrote x_b, flagged with tag 16.
+        let stored = self.ops.gpu.download(&x_b, words)?;
+        let got: Vec<f32> = if handover == Handover::Flagged {
+            let tags_ok = stored.chunks(2).all(|p| p[1] == CHECKED_ROUNDS as u32);
+            if !tags_ok {
+                return Err(Error::Cuda(format!(
+                    "grid_phases: a value of round {CHECKED_ROUNDS} without its tag"
+                )));
+            }
+            stored.chunks(2).map(|p| f32::from_bits(p[0])).collect()
+        } else {
+            stored.iter().map(|&b| f32::from_bits(b)).collect()
+        };
         let want = grid_phases_on_cpu(&x, CHECKED_ROUNDS);
         let err = got
             .iter()
@@ -342,11 +395,19 @@ impl Bench {
     /// µs per layer of grid_layers (kernels/bench.cu): a skeleton of issue 36's persistent
     /// step over `layers` layers of `spec`'s five operators (q/k/v, the attention as a
     /// hand-over of no weights, o, gate/up, down) in one launch, the weights streamed through
-    /// shared-memory pages by bulk copies, the NF4 walk's table lookups and FMAs on each chunk, a
-    /// grid barrier between operators. `ahead`: the pages run ahead across operators (the next
-    /// one's weights load while this one ends and the grid waits); else each operator asks for
-    /// its pages after its barrier. Weights random, `layers` of them in HBM (never L2's).
-    pub fn grid_layers_us(&self, spec: &ArchSpec, layers: usize, ahead: bool) -> Result<f64> {
+    /// `ring`'s shared-memory pages by bulk copies that a producer warp runs ahead across the
+    /// operators, the NF4 walk's table lookups and FMAs on each chunk (without `walk`, the pages
+    /// waited for and released unread: the ring's own pace), each operator's output handed on
+    /// by `handover` (by a count, flagged or none). Weights random, `layers` of them in HBM
+    /// (never L2's).
+    pub fn grid_layers_us(
+        &self,
+        spec: &ArchSpec,
+        layers: usize,
+        handover: Handover,
+        walk: bool,
+        ring: GlRing,
+    ) -> Result<f64> {
         let grid = self.ops.sms as usize;
         let q = spec.n_q_heads * spec.head_dim;
         let ops: [(usize, usize); GL_OPS] = [
@@ -356,6 +417,23 @@ impl Bench {
             (2 * spec.intermediate, spec.hidden),
             (spec.hidden, spec.intermediate),
         ];
+        if handover == Handover::ByGeneration {
+            return Err(Error::InvalidArgument(
+                "grid layers: a barrier by generation is grid_phases' alone".into(),
+            ));
+        }
+        if !(1..=GL_MAX_PAGES).contains(&ring.pages)
+            || ring.page == 0
+            || !ring.page.is_multiple_of(16)
+            || ring.pages * ring.page + GL_MAX_K / 2 * 4 + 33 * 1024
+                > self.ops.gpu.caps.max_smem_per_cta
+        {
+            return Err(Error::InvalidArgument(format!(
+                "grid layers: a ring of {} pages of {} bytes (1..{GL_MAX_PAGES} pages, bytes a \
+                 multiple of 16, in shared memory beside x and the table)",
+                ring.pages, ring.page
+            )));
+        }
         if ops
             .iter()
             .any(|&(_, k)| k > GL_MAX_K || !k.is_multiple_of(32))
@@ -377,8 +455,8 @@ impl Bench {
             .collect();
         let w = self.ops.gpu.upload(&weights)?;
         let (x_a, x_b) = (
-            self.ops.gpu.zeros::<f32>(GL_MAX_K)?,
-            self.ops.gpu.zeros::<f32>(GL_MAX_K)?,
+            self.ops.gpu.zeros::<u32>(handover.words(GL_MAX_K))?,
+            self.ops.gpu.zeros::<u32>(handover.words(GL_MAX_K))?,
         );
         let (bar, failed) = (self.ops.gpu.zeros::<u32>(2)?, self.ops.gpu.zeros::<u32>(1)?);
         let args = GridLayerArgs {
@@ -391,14 +469,18 @@ impl Bench {
             ops_k: ops.map(|(_, k)| k as i32),
             layers: i32::try_from(layers)
                 .map_err(|_| Error::InvalidArgument(format!("{layers} grid layers")))?,
-            ahead: ahead as i32,
+            handover: handover as i32,
+            walk: walk as i32,
+            page: ring.page as i32,
+            pages: ring.pages as i32,
+            _pad: 0,
         };
         // The pages and x as f16 pairs (the table is static shared memory).
-        let smem = GL_PAGES * GL_PAGE + GL_MAX_K / 2 * 4;
+        let smem = ring.pages * ring.page + GL_MAX_K / 2 * 4;
         allow_dynamic_smem(&self.ops.gpu, std::slice::from_ref(&self.grid_layers), smem)?;
         let cfg = LaunchConfig {
             grid_dim: (self.ops.sms, 1, 1),
-            block_dim: (256, 1, 1),
+            block_dim: (GL_THREADS + 32, 1, 1),
             shared_mem_bytes: smem as u32,
         };
         let per_launch = self.time_rotated(
