@@ -159,10 +159,12 @@ __device__ __forceinline__ uint4 load_flagged(const uint4* p) {  // two pairs: {
 }
 
 // stage_vector for a vector of flagged pairs (n floats, 2n words): every pair polled until it
-// carries `tag`, then `store(i, v)` takes floats 4i .. 4i + 3 (threads as stage_vector's). A pair that never does gives up
-// after BARRIER_POLLS polls of the thread (the round goes on with a stale value: a wrong sum or
-// time, not a hang).
-#define FLAGGED_QUADS 4  // quads of x a thread asks for at once: 8 loads (12 spilled in grid_layers)
+// carries `tag`, then `store(i, v)` takes floats 4i .. 4i + 3 (threads as stage_vector's). A
+// pair that never does gives up after BARRIER_POLLS polls of the thread (the round goes on
+// with a stale value: a wrong sum or time, not a hang).
+// FLAGGED_QUADS: quads of x a thread asks for at once, 8 loads (12 spilled in a grid_layers of
+// 512 threads and 128 registers).
+#define FLAGGED_QUADS 4
 template <typename Store>
 __device__ __forceinline__ void stage_flagged(const u32* src, int n, int threads, u32 tag, Store store) {
     const uint4* src4 = reinterpret_cast<const uint4*>(src);
@@ -368,7 +370,8 @@ extern "C" __global__ void __launch_bounds__(GL_THREADS + 32, 1) grid_layers(Gri
                 for (; i >= op_pages[o]; o++) i -= op_pages[o];
                 const u32 s = gl_slice_bytes(a.ops_rows[o], a.ops_k[o]);
                 const u32 bytes = min(page_bytes, s - i * page_bytes);
-                const unsigned char* src = a.w + (size_t)l * per_layer + op_off[o] + (size_t)blockIdx.x * s + (size_t)i * page_bytes;
+                const unsigned char* src =
+                    a.w + (size_t)l * per_layer + op_off[o] + (size_t)blockIdx.x * s + (size_t)i * page_bytes;
                 const u32 mbar = (u32)__cvta_generic_to_shared(&full[slot]);
                 asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(mbar), "r"(bytes) : "memory");
                 asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
@@ -437,8 +440,9 @@ extern "C" __global__ void __launch_bounds__(GL_THREADS + 32, 1) grid_layers(Gri
                 float t = 0.0f;
                 for (int w = 0; w < GL_THREADS / 32; w++) t += sums[w];
                 const float v = tanhf(t * 1e-3f + 1e-3f * r);
-                if (row < next_k && a.handover == HANDOVER_FLAGGED) store_flagged(reinterpret_cast<u32*>(dst), row, v, step + 1);
-                else if (row < next_k) dst[row] = v;
+                if (row >= next_k) continue;
+                if (a.handover == HANDOVER_FLAGGED) store_flagged(reinterpret_cast<u32*>(dst), row, v, step + 1);
+                else dst[row] = v;
             }
         }
     }

@@ -21,11 +21,15 @@ use crate::error::{Error, Result};
 use crate::nf4::stored_bytes;
 use crate::rope::RopeTable;
 
-/// kernels/bench.cu's grid_layers: the most pages of its shared-memory ring, the operators of a layer, the largest K of an operator, threads of a CTA.
+/// kernels/bench.cu's grid_layers: the most pages of its shared-memory ring, the operators of
+/// a layer, the largest K of an operator, its consumer threads (one more warp is the
+/// producer), and its static shared memory (the lane-copied f16-pair table's 32 KB, the
+/// mbarriers and the warps' sums) with room to spare.
 const GL_MAX_PAGES: usize = 16;
 const GL_OPS: usize = 5;
 const GL_MAX_K: usize = 11008;
-const GL_THREADS: u32 = 256; // the consumers; one more warp is the producer
+const GL_THREADS: u32 = 256;
+const GL_STATIC_SMEM: usize = 33 * 1024;
 
 /// kernels/bench.cu `GridLayerArgs`.
 #[repr(C)]
@@ -330,10 +334,14 @@ impl Bench {
                  fit in shared memory"
             )));
         }
+        if handover == Handover::None || (handover == Handover::Flagged && rounds < 3) {
+            return Err(Error::InvalidArgument(format!(
+                "grid phases: {rounds} rounds handed over {handover:?} (a hand-over, and 3 rounds \
+                 or more when flagged)"
+            )));
+        }
         let rounds_i = i32::try_from(rounds)
-            .ok()
-            .filter(|&r| handover != Handover::None && (handover != Handover::Flagged || r >= 3))
-            .ok_or_else(|| Error::InvalidArgument(format!("{rounds} grid phases {handover:?}")))?;
+            .map_err(|_| Error::InvalidArgument(format!("{rounds} grid phases")))?;
         allow_dynamic_smem(&self.ops.gpu, std::slice::from_ref(&self.grid_phases), smem)?;
         let x: Vec<f32> = random_bytes(n, 11)
             .iter()
@@ -425,7 +433,7 @@ impl Bench {
         if !(1..=GL_MAX_PAGES).contains(&ring.pages)
             || ring.page == 0
             || !ring.page.is_multiple_of(16)
-            || ring.pages * ring.page + GL_MAX_K / 2 * 4 + 33 * 1024
+            || ring.pages * ring.page + GL_MAX_K / 2 * 4 + GL_STATIC_SMEM
                 > self.ops.gpu.caps.max_smem_per_cta
         {
             return Err(Error::InvalidArgument(format!(
