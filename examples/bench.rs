@@ -16,8 +16,8 @@
 //! the 3B run to the default graph (no eager step, `DV2_LINEAR=mma` row, stage split or prefill
 //! tables); `--split` adds the stage split back.
 //! `--boundary` prints only what a kernel boundary costs in a graph (chain of empty launches),
-//! grid-wide barriers inside one launch, alone and with a hand-over of data, and a skeleton of
-//! a persistent step (issue 36).
+//! grid-wide barriers inside one launch, alone and with a hand-over of data (or flagged pairs
+//! without one), and a skeleton of a persistent step (issue 36).
 //! `--l2-hot` prints only the decode GEMVs with their weights from HBM and from L2.
 //! `--context [PRESET [D1,D2,..]]` prints only the context sweep: prefill and decode against
 //! depth (48 to 32k unless listed) at max_seq 32768, beside the bandwidth floor at each depth,
@@ -524,8 +524,9 @@ fn l2_hot() {
 /// launch and without, and with the next launch's CTA able to be resident beside the running
 /// one or not (a CTA of ~200 KB of shared memory, as a GEMV v2 CTA's registers fill its SM);
 /// then, for comparison, a grid-wide barrier's cost inside one launch of a CTA per SM (two
-/// ways), alone and as a persistent kernel's hand-over with data; then the skeleton of a
-/// persistent step on the 3B shape.
+/// ways), alone and as a persistent kernel's hand-over with data (after each barrier, or as
+/// flagged pairs without one); then the skeleton of a persistent step on the 3B shape, by its
+/// hand-over and its ring of pages (docs/lab.md, session 48).
 fn boundary() {
     const LINKS: usize = 216;
     println!("kernel boundary in a graph, {LINKS} dependent empty launches, µs per launch:");
