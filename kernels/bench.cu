@@ -372,8 +372,8 @@ extern "C" __global__ void __launch_bounds__(GL_THREADS + 32, 1) grid_layers(Gri
                 const u32 bytes = min(page_bytes, s - i * page_bytes);
                 const unsigned char* src =
                     a.w + (size_t)l * per_layer + op_off[o] + (size_t)blockIdx.x * s + (size_t)i * page_bytes;
+                push_barrier_expect(&full[slot], bytes);  // common.cuh: the page's bytes armed
                 const u32 mbar = (u32)__cvta_generic_to_shared(&full[slot]);
-                asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(mbar), "r"(bytes) : "memory");
                 asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
                                  (u32)__cvta_generic_to_shared(pages + slot * page_bytes)),
                              "l"(src), "r"(bytes), "r"(mbar)
