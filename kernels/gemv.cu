@@ -274,7 +274,9 @@ __device__ __forceinline__ float dot_row_pair16(const RowChunks<J>& rc, const XH
 //   and void finish() after the epilogues (every thread of the CTA).
 // X16: x comes as f16 (stage_x16), else f32 (stage_x). WARPS: the CTA's warps (GEMV_WARPS,
 // or 20 for gemv2_swiglu_j1_w20's 5 warps a row).
-template <int J, int R, int NM, bool X16, int WARPS = GEMV_WARPS, typename Rows>
+// X_DIRECT (with X16): each lane loads its own chunks of x from global memory, nothing staged
+// (every chunk of x is read by one lane of the CTA: J = 1 over K / 32 lanes).
+template <int J, int R, int NM, bool X16, int WARPS = GEMV_WARPS, bool X_DIRECT = false, typename Rows>
 __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, const float* __restrict__ x,
                                            NormArgs norm, int kparts, const int* skip_if, int early_ctas = 0,
                                            int early_rows = 0) {
@@ -359,7 +361,20 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     RowEpi early_epi{0.0f, 0.0f};
     if (late && (int)threadIdx.x < r1 - r0) early_epi = rows_of.epi(r0 + threadIdx.x);
     XHalves<J> xh;
-    if (X16) {
+    if (X16 && X_DIRECT) {
+        const int n_chunks = cols >> 5;
+        const uint4* x16 = reinterpret_cast<const uint4*>(x);
+#pragma unroll
+        for (int j = 0; j < J; j++) {
+            const int c = (part * J + j) * 32 + lane;
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const uint4 v = c < n_chunks ? x16[4 * c + q] : make_uint4(0u, 0u, 0u, 0u);
+                xh.h[j][4 * q] = v.x, xh.h[j][4 * q + 1] = v.y, xh.h[j][4 * q + 2] = v.z, xh.h[j][4 * q + 3] = v.w;
+            }
+        }
+        __syncthreads();  // the table
+    } else if (X16) {
         stage_x16<WARPS * 32>(reinterpret_cast<const u16*>(x), cols, reinterpret_cast<u32*>(x_staged));
         __syncthreads();
         read_x16_slice<J>(reinterpret_cast<const u32*>(x_staged), part, cols, xh);
@@ -842,6 +857,23 @@ extern "C" __global__ void __maxnreg__(GEMV2_W20_MAX_REGS)
     SwigluRowsPrmt g{{gate, up, out, out_f16 != 0}};
     gemv2_walk<1, 2, 2, false, SWIGLU_W20_WARPS>(g, rows, SWIGLU_W20_K, x, norm, SWIGLU_W20_KPARTS, nullptr,
                                                  early_ctas, early_rows);
+}
+// Down at K = DOWN_W27_K (the 32B shape's 27,648: 864 chunks) walking rows as SwiGLU does: one
+// chunk a lane over all 27 warps of the CTA, 4 rows in flight a warp, so a CTA reads 4 whole
+// rows (13.8 KB each, contiguous) a step where the K walk above reads 80 pieces of 512 bytes
+// 13.8 KB apart; x from global memory straight into registers (no staging, nothing of x in
+// shared memory), the PRMT table alone in dynamic shared memory; one CTA an SM (864 threads
+// at 72 registers, no spills). +1.05/+2.25% decode at the 32B shape at 48 (the two load
+// orders), +1.58/+1.20% at 8k, against the 16-warp K walk; 2 rows in flight lost (-0.3%
+// at 48): docs/lab.md, session 49. DV2_DOWN_W27=0: the K walk.
+struct PlainRowsPrmt : PlainRows {
+    static constexpr bool prmt_table = true;
+};
+extern "C" __global__ void __launch_bounds__(DOWN_W27_WARPS * 32, 1)
+    gemv2_down_j1_w27(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y, int rows, int accumulate,
+                      const int* skip_if, float* ss_out) {
+    PlainRowsPrmt p{{m, y, nullptr, accumulate, ss_out}};
+    gemv2_walk<1, 4, 1, true, DOWN_W27_WARPS, true>(p, rows, DOWN_W27_K, x, norm, DOWN_W27_WARPS, skip_if);
 }
 #if GEMV2_LOGITS
 // lm_head and its argmax at K = SWIGLU_W20_K (the 32B shape's 152,064 x 5,120) over SwiGLU's

@@ -67,6 +67,13 @@ pub const VARIABLES: &[Variable] = &[
               off -0.4..-0.6% at 48, -0.7% at 8k",
     },
     Variable {
+        name: "DV2_DOWN_W27",
+        default: "1",
+        effect: "`0`: down at K = 27,648 (the 32B shape) by the 16-warp K walk instead of \
+                 27 warps walking whole rows",
+        lab: "session 49: off -1.05/-2.25% at 48 and -1.58/-1.20% at 8k (the two load orders)",
+    },
+    Variable {
         name: "DV2_HOPPER",
         default: "1",
         effect: "`0`: no thread-block clusters and no programmatic dependent launch even on \
@@ -179,6 +186,7 @@ pub struct Config {
     pub qkv_khalves: bool,
     pub logits_argmax: bool,
     pub logits_w20: bool,
+    pub down_w27: bool,
     pub attn_clusters: bool,
     pub attn_long: bool,
     pub sample_shortcuts: bool,
@@ -225,6 +233,7 @@ impl Config {
             qkv_khalves: on("DV2_QKV_KHALVES"),
             logits_argmax: on("DV2_LOGITS_ARGMAX"),
             logits_w20: on("DV2_LOGITS_W20"),
+            down_w27: on("DV2_DOWN_W27"),
             attn_clusters: on("DV2_ATTN_CLUSTERS"),
             attn_long: on("DV2_ATTN_LONG"),
             sample_shortcuts: on("DV2_SAMPLE_SHORTCUTS"),
@@ -308,7 +317,7 @@ mod tests {
         let c = Config::default();
         assert!(c.graph && c.pdl && c.fuse_rms && c.ffn_f16 && c.qkv_khalves);
         assert!(c.logits_argmax && c.attn_clusters && c.attn_long && c.prefill_tail);
-        assert!(c.logits_w20 && c.mapped_codes && c.staged_upload);
+        assert!(c.logits_w20 && c.down_w27 && c.mapped_codes && c.staged_upload);
         assert!(!c.prefill_by_steps && !c.linear_mma && !c.lineinfo && !c.cta_timeline);
         let c = with(&[
             ("DV2_FUSE_RMS", "0"),

@@ -241,20 +241,26 @@ fn every_gemv_kernel_matches_the_cpu_at_every_v2_shape() {
 /// 16-warp one (2 CTAs of 40 rows, the last one 3 short); with 163 KiB a CTA (sm_80's limit,
 /// set on the device's capabilities before the kernels load) the 8-warp one (4 CTAs of 20
 /// rows, the last one's fourth row lane 2 rows short). 6,000 rows (past the H200's 132 SMs x 2
-/// x 20) take the J = 4 walk. K = 32,768 is the largest any takes.
+/// x 20) take the J = 4 walk. K = 32,768 is the largest any takes. On Hopper, K = 27,648
+/// takes the 27-warp row walk instead (`DV2_DOWN_W27`; 77 CTAs of a row, and 6,000 rows over
+/// the SMs), its K walk under `DV2_DOWN_W27=0`.
 #[test]
 fn gemv_v2_from_f16_x_past_the_f32_limit_matches_the_cpu() {
-    for smem_cap in [None, Some(163 << 10)] {
-        if !f16_x_past_the_f32_limit_matches_the_cpu(smem_cap) {
+    for (smem_cap, down_w27) in [(None, true), (None, false), (Some(163 << 10), true)] {
+        if !f16_x_past_the_f32_limit_matches_the_cpu(smem_cap, down_w27) {
             return;
         }
     }
 }
 
 /// [`gemv_v2_from_f16_x_past_the_f32_limit_matches_the_cpu`] with the device's shared memory a
-/// CTA capped at `smem_cap`; false where CUDA is absent (skipped).
-fn f16_x_past_the_f32_limit_matches_the_cpu(smem_cap: Option<usize>) -> bool {
-    let cfg = Config::from_env();
+/// CTA capped at `smem_cap` and `DV2_DOWN_W27` set to `down_w27`; false where CUDA is absent
+/// (skipped).
+fn f16_x_past_the_f32_limit_matches_the_cpu(smem_cap: Option<usize>, down_w27: bool) -> bool {
+    let cfg = Config {
+        down_w27,
+        ..Config::from_env()
+    };
     let Some(mut gpu) = cuda_or_skip("GPU", Gpu::open(0, &cfg)) else {
         return false;
     };
@@ -280,7 +286,14 @@ fn f16_x_past_the_f32_limit_matches_the_cpu(smem_cap: Option<usize>) -> bool {
         let (x16, x) = f16_rounded(&random(k, k as u64 + i as u64, -1.0, 1.0));
         let x16d = gpu.upload(&x16).unwrap();
         let parts = store_then_add_match_the_cpu(&ops, &a, Input::raw_f16(gpu.ptr(&x16d)), &x);
-        if rows == 77 {
+        // K = 27,648 on Hopper (DV2_DOWN_W27): the 27-warp row walk, a CTA a row up to the SMs.
+        let w27 = k == 27_648 && w16 && ops.cfg.down_w27;
+        if w27 && rows == 77 {
+            assert_eq!(
+                parts, 77,
+                "K = {k}: 77 rows in the 27-warp walk's CTAs of one"
+            );
+        } else if rows == 77 {
             let (want, per_cta) = if w16 { (2, 40) } else { (4, 20) };
             assert_eq!(
                 parts, want,

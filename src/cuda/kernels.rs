@@ -189,6 +189,8 @@ fn shared_defines() -> Vec<String> {
         ("SWIGLU_W20_KPARTS", super::ops::SWIGLU_W20_KPARTS as usize),
         ("LOGITS_W20_LATE_SUMS", super::ops::LOGITS_W20_LATE_SUMS),
         ("SWIGLU_W20_WARPS", super::ops::SWIGLU_W20_WARPS as usize),
+        ("DOWN_W27_K", super::ops::DOWN_W27_K),
+        ("DOWN_W27_WARPS", super::ops::DOWN_W27_WARPS as usize),
         ("X_STAGE_STRIDE", GEMV2_X_STRIDE),
         ("X16_STAGE_STRIDE", GEMV2_X16_STRIDE),
         ("PRMT_LUT_WORDS", GEMV2_PRMT_TABLE / 4),
@@ -525,6 +527,8 @@ pub struct Kernels {
     /// lets it take.
     pub gemv2_swiglu_w20: CudaFunction,
     pub gemv2_swiglu_w20_room: usize,
+    /// Down at K = 27,648 walking rows over 27 warps a CTA (where `Ops::down_w27`).
+    pub gemv2_down_w27: CudaFunction,
     /// The dynamic shared memory (x staged) every GEMV v2 kernel may take on this device, by
     /// x's type ([f32, f16]), and lm_head's (its table and x): what the device allows beside
     /// their static shared memory where that is less than they ask (99 KiB a CTA on sm_86,
@@ -675,6 +679,7 @@ impl Kernels {
             gemv2_swiglu: gemv2("gemv2_swiglu", "_narrow", GEMV2_MAX_SMEM)?,
             gemv2_swiglu_w20: f_smem("gemv2_swiglu_j1_w20", GEMV2_MAX_SMEM + GEMV2_PRMT_TABLE)?,
             gemv2_swiglu_w20_room: 0,
+            gemv2_down_w27: f_smem("gemv2_down_j1_w27", GEMV2_PRMT_TABLE)?,
             gemv2_logits: if cfg.logits_argmax {
                 Some(gemv2(
                     "gemv2_logits",

@@ -42,7 +42,8 @@ if want switches; then
   # Each switch of the configuration table (src/config.rs) off, on the tiny presets' gates, over
   # 35 chunks, from a chunked prefill, and on the 3B shape; the decode step's linears through
   # the tensor-core GEMM; the prompt fed token by token through the decode step. Not here:
-  # DV2_LOGITS_W20 (taken only at K = 5,120: cuda_gemv runs both walks against the CPU) and
+  # DV2_LOGITS_W20 (taken only at K = 5,120: cuda_gemv runs both walks against the CPU),
+  # DV2_DOWN_W27 (taken only at K = 27,648: cuda_gemv runs both walks against the CPU) and
   # DV2_MAPPED_CODES (bitsandbytes directories only; the same bytes, copied or not).
   for v in DV2_GRAPH=0 DV2_PDL=0 DV2_FUSE_RMS=0 DV2_FFN_F16=0 DV2_QKV_KHALVES=0 DV2_LOGITS_ARGMAX=0 \
     DV2_ATTN_CLUSTERS=0 DV2_ATTN_LONG=0 DV2_HOPPER=0 DV2_PREFILL_TAIL=0 DV2_LINEAR=mma DV2_PREFILL=n1 \

@@ -94,6 +94,16 @@ pub const SWIGLU_W20_KPARTS: u32 = 5;
 /// define, as K and the K parts).
 pub const SWIGLU_W20_WARPS: u32 = 20;
 
+/// `gemv2_down_j1_w27`'s K (the 32B shape's down: 864 chunks, one a lane over 27 warps) and
+/// its CTA, one an SM; the kernel takes both as constants.
+pub const DOWN_W27_K: usize = 27 * 1024;
+pub const DOWN_W27_WARPS: u32 = 27;
+
+/// The shared memory a CTA may opt into on the devices that take `gemv2_down_j1_w27` (Hopper's
+/// 227 KiB): its 864 threads fill an SM, so it is taken where the SM's L1 keeps most of its
+/// room beside the 64 KB table, as on the devices it was measured on.
+pub(super) const DOWN_W27_MIN_SMEM: usize = 227 << 10;
+
 /// The shared memory a CTA may opt into on the devices that take `gemv2_swiglu_j1_w20`: an
 /// SM of 228 KB (sm_90, sm_100), where its one table and x (~76 KB) leave the rest to L1. Its
 /// gain over two 10-warp CTAs an SM (+0.8-1.1% at depth 48 where the same decode read +0.4%,
@@ -351,6 +361,18 @@ impl Ops {
         }
         match kernel {
             Gemv::V3 => self.gemv3(epilogue, &mats, cols, x, norm, y, skip_if, ss_out, false),
+            Gemv::V2 if input.f16 && cols == DOWN_W27_K && self.down_w27 => {
+                // One CTA a row up to the SMs: 39 rows each at the 32B shape's 5,120.
+                let cfg = LaunchConfig {
+                    grid_dim: (self.sms.min(rows as u32), 1, 1),
+                    block_dim: (DOWN_W27_WARPS * 32, 1, 1),
+                    shared_mem_bytes: GEMV2_PRMT_TABLE as u32,
+                };
+                check_sums(ss_out, cfg.grid_dim.0)?;
+                let f = &self.k.gemv2_down_w27;
+                launch!(self.gpu, f, cfg; m, x, norm, y, rows_i, acc, skip_if, ss_out)?;
+                Ok(cfg.grid_dim.0 as usize)
+            }
             Gemv::V2 if input.f16 && self.walks_k_w16(rows, cols) => {
                 let kp = GEMV2_KWALK_KPARTS;
                 let cfg = LaunchConfig {

@@ -36,8 +36,9 @@ pub use attention::{
 pub(super) use gemm::GemmArgs;
 pub use gemm::{Epilogue, GemmMatrix};
 pub use gemv::{
-    Gemv, GemvChoice, LogitsHead, QkvArgs, GEMV2_CTAS_PER_SM, GEMV2_SWIGLU_SKEW, GEMV3_MAX_BYTES,
-    LOGITS_W20_LATE_SUMS, SWIGLU_W20_K, SWIGLU_W20_KPARTS, SWIGLU_W20_WARPS,
+    Gemv, GemvChoice, LogitsHead, QkvArgs, DOWN_W27_K, DOWN_W27_WARPS, GEMV2_CTAS_PER_SM,
+    GEMV2_SWIGLU_SKEW, GEMV3_MAX_BYTES, LOGITS_W20_LATE_SUMS, SWIGLU_W20_K, SWIGLU_W20_KPARTS,
+    SWIGLU_W20_WARPS,
 };
 
 /// kernels/common.cuh `NormArgs`: RMSNorm weights (bf16; 0 = no norm), epsilon, and the
@@ -146,6 +147,9 @@ pub struct Ops {
     /// SwiGLU at K = 5,120 over 20 warps a CTA with its table in shared memory
     /// (`gemv2_swiglu_j1_w20`), where [`gemv::swiglu_w20_fits`].
     pub(super) swiglu_w20: bool,
+    /// Down at K = [`DOWN_W27_K`] on `gemv2_down_j1_w27` (27 warps walking rows): with
+    /// `DV2_DOWN_W27` on, on a device that lets a CTA take `gemv::DOWN_W27_MIN_SMEM`.
+    pub(super) down_w27: bool,
 }
 
 impl Ops {
@@ -158,6 +162,7 @@ impl Ops {
         let attn = decode_attention(&gpu.caps, &cfg);
         let attn_long = gpu.caps.clusters && cfg.attn_long;
         let swiglu_w20 = gemv::swiglu_w20_fits(&k, gpu.caps.max_smem_per_cta)?;
+        let down_w27 = cfg.down_w27 && gpu.caps.max_smem_per_cta >= gemv::DOWN_W27_MIN_SMEM;
         Ok(Self {
             gpu,
             k,
@@ -167,6 +172,7 @@ impl Ops {
             attn_long,
             sms,
             swiglu_w20,
+            down_w27,
         })
     }
 
