@@ -238,16 +238,6 @@ __device__ __forceinline__ u32 fixed_lut_entry(u32 word, int k, u32 lane_at) {
     return v;
 }
 
-// DV2_X_LOADS_FIRST (experiment): the first block's weight loads before the table build, so
-// they overlap it, and ptxas keeps them ahead of the PDL wait in every walk (with the build
-// first it placed them after the wait in gemv2_down_j1_w27 and gemv2_logits_j1_w20).
-#ifndef GEMV2_LOADS_FIRST
-#define GEMV2_LOADS_FIRST 0
-#endif
-// DV2_X_W27_CONSEC (experiment): gemv2_down_j1_w27's rows addressed from one pointer.
-#ifndef GEMV2_W27_CONSEC
-#define GEMV2_W27_CONSEC 0
-#endif
 #define GEMV2_CHAIN 2
 // GEMV2_CHAIN: words of a chunk
 // whose pairs one f16x2 FMA chain sums before it is added in f32 (1: each word's four pairs,
@@ -309,13 +299,10 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     float* x_staged = gemv2_dyn + (prmt_table ? PRMT_LUT_WORDS : 0);
     timeline_start();
     // The table build is written for GEMV_THREADS threads; a larger CTA's others skip it.
-    auto build_table = [&] {
-        if (WARPS == GEMV_WARPS || (int)threadIdx.x < GEMV_THREADS) {
-            if (prmt_table) load_byte_codebook_prmt<GEMV_THREADS>(pair16_lut);
-            else load_byte_codebook<GEMV_THREADS>(pair16_lut);
-        }
-    };
-    if (!GEMV2_LOADS_FIRST) build_table();
+    if (WARPS == GEMV_WARPS || (int)threadIdx.x < GEMV_THREADS) {
+        if (prmt_table) load_byte_codebook_prmt<GEMV_THREADS>(pair16_lut);
+        else load_byte_codebook<GEMV_THREADS>(pair16_lut);
+    }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const u32 lane4 = lane * 4;
     // kparts is 1, 2, 4 or 8 (the host's gemv2_shape): the warp's roles by shifts and masks;
@@ -353,30 +340,12 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     // Software pipeline: the loads of the next block are issued before this block's math.
     RowChunks<J> cur[R][NM], nxt[R][NM];
     auto load_block = [&](int base, RowChunks<J> (&rc)[R][NM]) {
-        if constexpr (X_DIRECT && GEMV2_W27_CONSEC) {
-            // Rows base .. base + R - 1 of one matrix (one row lane): one row pointer and
-            // immediate offsets for the others, where a product per row held 16 registers.
-            static_assert(J == 1 && NM == 1, "the 27-warp walk's shape");
-            const Nf4Ref m0 = rows_of.matrix(base, 0);
-            const u32 row0 = (u32)rows_of.local(base), c = part * 32 + lane;
-            const uint4* w = reinterpret_cast<const uint4*>(m0.packed + (size_t)row0 * (u32)(cols >> 1)) + c;
-            const u16* a = m0.absmax + (size_t)row0 * (u32)(cols >> 6) + (c >> 1);
 #pragma unroll
-            for (int i = 0; i < R; i++) {
-                if (base + i < r1) {
-                    rc[i][0].q[0] = load_weights16(w + i * (cols >> 5));
-                    rc[i][0].s[0] = load_scale(a + i * (cols >> 6));
-                }
-            }
-        } else {
+        for (int i = 0; i < R; i++) {
+            const int r = base + i * row_lanes + row_lane;
+            if (r < r1) {
 #pragma unroll
-            for (int i = 0; i < R; i++) {
-                const int r = base + i * row_lanes + row_lane;
-                if (r < r1) {
-#pragma unroll
-                    for (int k = 0; k < NM; k++)
-                        load_row<J>(rows_of.matrix(r, k), rows_of.local(r), cols, part, rc[i][k]);
-                }
+                for (int k = 0; k < NM; k++) load_row<J>(rows_of.matrix(r, k), rows_of.local(r), cols, part, rc[i][k]);
             }
         }
     };
@@ -384,7 +353,6 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     // constant; it pays where the CTA is resident early, as the 128-register kernels are
     // beside a GEMV v3 CTA: 0.01-0.02 ms/token, docs/lab.md session 10).
     load_block(r0, cur);
-    if (GEMV2_LOADS_FIRST) build_table();
     pdl_enter<true>();
     if (skip_if && *skip_if) return;
     // With late sums the epilogue operands of the CTA's first blockDim.x rows (thread i: row
@@ -724,13 +692,10 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
     }
     timeline_start();
     // The table build is written for GEMV_THREADS threads; a larger CTA's others skip it.
-    auto build_table = [&] {
-        if (WARPS == GEMV_WARPS || (int)threadIdx.x < GEMV_THREADS) {
-            if (PRMT) load_byte_codebook_prmt<GEMV_THREADS>(pair16_lut);
-            else load_byte_codebook<GEMV_THREADS>(pair16_lut);
-        }
-    };
-    if (!GEMV2_LOADS_FIRST) build_table();
+    if (WARPS == GEMV_WARPS || (int)threadIdx.x < GEMV_THREADS) {
+        if (PRMT) load_byte_codebook_prmt<GEMV_THREADS>(pair16_lut);
+        else load_byte_codebook<GEMV_THREADS>(pair16_lut);
+    }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const u32 lane4 = FIXED ? KWALK_TABLE_AT | (lane * 4) : lane * 4;
     const int kshift = log2_pow2(kparts);
@@ -781,7 +746,6 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
     // The first D iterations' weights go out before the wait (weights are constant).
 #pragma unroll
     for (int d = 0; d < D; d++) load_iter(t_begin + d, buf[d]);
-    if (GEMV2_LOADS_FIRST) build_table();
     pdl_enter<true>();
     if (skip_if && *skip_if) return;
     if (X32)
@@ -911,92 +875,6 @@ extern "C" __global__ void __launch_bounds__(DOWN_W27_WARPS * 32, 1)
     PlainRowsPrmt p{{m, y, nullptr, accumulate, ss_out}};
     gemv2_walk<1, 4, 1, true, DOWN_W27_WARPS, true>(p, rows, DOWN_W27_K, x, norm, DOWN_W27_WARPS, skip_if);
 }
-// DV2_X_DOWN_RING (experiment): the same walk with D blocks of R rows in a ring of registers,
-// each block's buffer reloaded with the block D ahead right after its rows are summed (the K
-// walk's ring), where gemv2_walk's two buffers leave ptxas one block in flight (it issues the
-// next block's loads after a third of this block's sums, at 70-72 registers). The rows' sums
-// are warp_sum's and the parts are added in warp order, as there: the same bits.
-template <int R, int D>
-__device__ __forceinline__ void down_w27_ring(Nf4Ref m, const u16* __restrict__ x, float* y, int rows,
-                                              int accumulate, const int* skip_if, float* ss_out) {
-    constexpr int K = DOWN_W27_K, WARPS = DOWN_W27_WARPS, CHUNKS = K / 32;
-    static_assert(CHUNKS == WARPS * 32, "one chunk a lane");
-    extern __shared__ __align__(16) float gemv2_dyn[];
-    __shared__ float late_partial[LOGITS_W20_LATE_SUMS];
-    u32* lut = reinterpret_cast<u32*>(gemv2_dyn);
-    timeline_start();
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, c = threadIdx.x;
-    const u32 lane4 = lane * 4;
-    const int per_cta = (rows + gridDim.x - 1) / gridDim.x;
-    const int r0 = blockIdx.x * per_cta, r1 = min(rows, r0 + per_cta), n = r1 - r0;
-    const int blocks = (n + R - 1) / R;
-    const uint4* w = reinterpret_cast<const uint4*>(m.packed) + (size_t)(u32)r0 * CHUNKS + c;
-    const u16* a = m.absmax + (size_t)(u32)r0 * (K / 64) + (c >> 1);
-    RowChunks<1> buf[D][R];
-    auto load = [&](int b, RowChunks<1> (&rc)[R]) {
-#pragma unroll
-        for (int i = 0; i < R; i++) {
-            const int r = b * R + i;
-            if (r < n) {
-                rc[i].q[0] = load_weights16(w + r * CHUNKS);
-                rc[i].s[0] = load_scale(a + r * (K / 64));
-            }
-        }
-    };
-#pragma unroll
-    for (int d = 0; d < D; d++)
-        if (d < blocks) load(d, buf[d]);
-    if ((int)threadIdx.x < GEMV_THREADS) load_byte_codebook_prmt<GEMV_THREADS>(lut);
-    pdl_enter<true>();
-    if (skip_if && *skip_if) return;
-    const RowEpi early_epi{0.0f, accumulate && (int)threadIdx.x < n ? y[r0 + threadIdx.x] : 0.0f};
-    XHalves<1> xh;
-    const uint4* x16 = reinterpret_cast<const uint4*>(x);
-#pragma unroll
-    for (int q = 0; q < 4; q++) {
-        const uint4 v = x16[4 * c + q];
-        xh.h[0][4 * q] = v.x, xh.h[0][4 * q + 1] = v.y, xh.h[0][4 * q + 2] = v.z, xh.h[0][4 * q + 3] = v.w;
-    }
-    __syncthreads();  // the table
-    constexpr int spread = 32 / R;
-    for (int b = 0; b < blocks; b += D) {
-#pragma unroll
-        for (int d = 0; d < D; d++) {
-            const int bb = b + d;
-            if (bb < blocks) {  // the same for the whole CTA
-                float sums[R];
-#pragma unroll
-                for (int i = 0; i < R; i++) sums[i] = dot_row_pair16<1, true>(buf[d][i], xh, lut, lane4);
-                if (bb + D < blocks) load(bb + D, buf[d]);
-                const float s = warp_sum_spread<R>(sums);
-                const int i = lane / spread, r = bb * R + i;
-                if ((lane & (spread - 1)) == 0 && r < n) late_partial[r * WARPS + warp] = s;
-            }
-        }
-    }
-    __syncthreads();
-    float ss = 0.0f;
-    for (int idx = threadIdx.x; idx < n; idx += blockDim.x) {
-        float total = 0.0f;
-        for (int p = 0; p < WARPS; p++) total += late_partial[idx * WARPS + p];
-        const float old = idx == (int)threadIdx.x ? early_epi.old : (accumulate ? y[r0 + idx] : 0.0f);
-        const float v = total + 0.0f;  // PlainRows::store's bias of 0
-        const float out = accumulate ? old + v : v;
-        y[r0 + idx] = out;
-        ss += sq(out);
-    }
-    if (ss_out) block_sum_to(ss, ss_out + blockIdx.x);
-    timeline_end();
-}
-#define GEMV2_DOWN_RING(NAME, R, D)                                                                             \
-    extern "C" __global__ void __launch_bounds__(DOWN_W27_WARPS * 32, 1)                                       \
-        NAME(Nf4Ref m, const float* __restrict__ x, NormArgs, float* y, int rows, int accumulate,              \
-             const int* skip_if, float* ss_out) {                                                              \
-        down_w27_ring<R, D>(m, reinterpret_cast<const u16*>(x), y, rows, accumulate, skip_if, ss_out);         \
-    }
-GEMV2_DOWN_RING(gemv2_down_ring_r1d8, 1, 8)
-GEMV2_DOWN_RING(gemv2_down_ring_r1d6, 1, 6)
-GEMV2_DOWN_RING(gemv2_down_ring_r2d3, 2, 3)
 #if GEMV2_LOGITS
 // lm_head and its argmax at K = SWIGLU_W20_K (the 32B shape's 152,064 x 5,120) over SwiGLU's
 // 20-warp CTA, one an SM, 4 rows in flight a warp (SwiGLU's 2 rows x gate and up), the table

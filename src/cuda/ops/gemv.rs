@@ -369,13 +369,7 @@ impl Ops {
                     shared_mem_bytes: GEMV2_PRMT_TABLE as u32,
                 };
                 check_sums(ss_out, cfg.grid_dim.0)?;
-                let ring_fits = rows.div_ceil(cfg.grid_dim.0 as usize) * DOWN_W27_WARPS as usize
-                    <= LOGITS_W20_LATE_SUMS;
-                let f = if self.down_ring > 0 && ring_fits {
-                    &self.k.gemv2_down_ring[self.down_ring - 1]
-                } else {
-                    &self.k.gemv2_down_w27
-                };
+                let f = &self.k.gemv2_down_w27;
                 launch!(self.gpu, f, cfg; m, x, norm, y, rows_i, acc, skip_if, ss_out)?;
                 Ok(cfg.grid_dim.0 as usize)
             }
