@@ -238,16 +238,6 @@ __device__ __forceinline__ u32 fixed_lut_entry(u32 word, int k, u32 lane_at) {
     return v;
 }
 
-// DV2_X_LOADS_FIRST (experiment): the first block's weight loads before the table build, so
-// they overlap it, and ptxas keeps them ahead of the PDL wait in every walk (with the build
-// first it placed them after the wait in gemv2_down_j1_w27 and gemv2_logits_j1_w20).
-#ifndef GEMV2_LOADS_FIRST
-#define GEMV2_LOADS_FIRST 0
-#endif
-// DV2_X_W27_CONSEC (experiment): gemv2_down_j1_w27's rows addressed from one pointer.
-#ifndef GEMV2_W27_CONSEC
-#define GEMV2_W27_CONSEC 0
-#endif
 #define GEMV2_CHAIN 2
 // GEMV2_CHAIN: words of a chunk
 // whose pairs one f16x2 FMA chain sums before it is added in f32 (1: each word's four pairs,
@@ -309,13 +299,10 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     float* x_staged = gemv2_dyn + (prmt_table ? PRMT_LUT_WORDS : 0);
     timeline_start();
     // The table build is written for GEMV_THREADS threads; a larger CTA's others skip it.
-    auto build_table = [&] {
-        if (WARPS == GEMV_WARPS || (int)threadIdx.x < GEMV_THREADS) {
-            if (prmt_table) load_byte_codebook_prmt<GEMV_THREADS>(pair16_lut);
-            else load_byte_codebook<GEMV_THREADS>(pair16_lut);
-        }
-    };
-    if (!GEMV2_LOADS_FIRST) build_table();
+    if (WARPS == GEMV_WARPS || (int)threadIdx.x < GEMV_THREADS) {
+        if (prmt_table) load_byte_codebook_prmt<GEMV_THREADS>(pair16_lut);
+        else load_byte_codebook<GEMV_THREADS>(pair16_lut);
+    }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const u32 lane4 = lane * 4;
     // kparts is 1, 2, 4 or 8 (the host's gemv2_shape): the warp's roles by shifts and masks;
@@ -353,30 +340,12 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     // Software pipeline: the loads of the next block are issued before this block's math.
     RowChunks<J> cur[R][NM], nxt[R][NM];
     auto load_block = [&](int base, RowChunks<J> (&rc)[R][NM]) {
-        if constexpr (X_DIRECT && GEMV2_W27_CONSEC) {
-            // Rows base .. base + R - 1 of one matrix (one row lane): one row pointer and
-            // immediate offsets for the others, where a product per row held 16 registers.
-            static_assert(J == 1 && NM == 1, "the 27-warp walk's shape");
-            const Nf4Ref m0 = rows_of.matrix(base, 0);
-            const u32 row0 = (u32)rows_of.local(base), c = part * 32 + lane;
-            const uint4* w = reinterpret_cast<const uint4*>(m0.packed + (size_t)row0 * (u32)(cols >> 1)) + c;
-            const u16* a = m0.absmax + (size_t)row0 * (u32)(cols >> 6) + (c >> 1);
 #pragma unroll
-            for (int i = 0; i < R; i++) {
-                if (base + i < r1) {
-                    rc[i][0].q[0] = load_weights16(w + i * (cols >> 5));
-                    rc[i][0].s[0] = load_scale(a + i * (cols >> 6));
-                }
-            }
-        } else {
+        for (int i = 0; i < R; i++) {
+            const int r = base + i * row_lanes + row_lane;
+            if (r < r1) {
 #pragma unroll
-            for (int i = 0; i < R; i++) {
-                const int r = base + i * row_lanes + row_lane;
-                if (r < r1) {
-#pragma unroll
-                    for (int k = 0; k < NM; k++)
-                        load_row<J>(rows_of.matrix(r, k), rows_of.local(r), cols, part, rc[i][k]);
-                }
+                for (int k = 0; k < NM; k++) load_row<J>(rows_of.matrix(r, k), rows_of.local(r), cols, part, rc[i][k]);
             }
         }
     };
@@ -384,7 +353,6 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     // constant; it pays where the CTA is resident early, as the 128-register kernels are
     // beside a GEMV v3 CTA: 0.01-0.02 ms/token, docs/lab.md session 10).
     load_block(r0, cur);
-    if (GEMV2_LOADS_FIRST) build_table();
     pdl_enter<true>();
     if (skip_if && *skip_if) return;
     // With late sums the epilogue operands of the CTA's first blockDim.x rows (thread i: row
@@ -724,13 +692,10 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
     }
     timeline_start();
     // The table build is written for GEMV_THREADS threads; a larger CTA's others skip it.
-    auto build_table = [&] {
-        if (WARPS == GEMV_WARPS || (int)threadIdx.x < GEMV_THREADS) {
-            if (PRMT) load_byte_codebook_prmt<GEMV_THREADS>(pair16_lut);
-            else load_byte_codebook<GEMV_THREADS>(pair16_lut);
-        }
-    };
-    if (!GEMV2_LOADS_FIRST) build_table();
+    if (WARPS == GEMV_WARPS || (int)threadIdx.x < GEMV_THREADS) {
+        if (PRMT) load_byte_codebook_prmt<GEMV_THREADS>(pair16_lut);
+        else load_byte_codebook<GEMV_THREADS>(pair16_lut);
+    }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const u32 lane4 = FIXED ? KWALK_TABLE_AT | (lane * 4) : lane * 4;
     const int kshift = log2_pow2(kparts);
@@ -781,7 +746,6 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
     // The first D iterations' weights go out before the wait (weights are constant).
 #pragma unroll
     for (int d = 0; d < D; d++) load_iter(t_begin + d, buf[d]);
-    if (GEMV2_LOADS_FIRST) build_table();
     pdl_enter<true>();
     if (skip_if && *skip_if) return;
     if (X32)
@@ -894,115 +858,6 @@ extern "C" __global__ void __maxnreg__(GEMV2_W20_MAX_REGS)
     gemv2_walk<1, 2, 2, false, SWIGLU_W20_WARPS>(g, rows, SWIGLU_W20_K, x, norm, SWIGLU_W20_KPARTS, nullptr,
                                                  early_ctas, early_rows);
 }
-// DV2_X_SWIGLU_RING=1 (experiment): gemv2_swiglu_j1_w20's walk (5 warps a row, 4 row lanes,
-// one chunk a lane) as a ring of D rows a row lane, each row's gate and up reloaded with the
-// row D ahead right after their sums (where gemv2_walk's two buffers of 2 rows hold one
-// block ahead), x read by each lane straight from global memory with the RMSNorm applied
-// (stage_x's values, nothing staged), the first D rows' loads before the table build and the
-// wait. The same sums in the same order as the 20-warp walk (late sums, parts in order).
-template <int D>
-__device__ __forceinline__ void swiglu_w20_ring(SwigluRows g, const float* __restrict__ x, NormArgs norm,
-                                                int rows, int early_ctas, int early_rows) {
-    constexpr int K = SWIGLU_W20_K, KP = SWIGLU_W20_KPARTS, LANES = SWIGLU_W20_WARPS / KP;
-    static_assert(K == KP * 32 * 32, "one chunk a lane");
-    extern __shared__ __align__(16) float gemv2_dyn[];
-    __shared__ float late_partial[4 * GEMV2_LATE_FLOATS];
-    u32* lut = reinterpret_cast<u32*>(gemv2_dyn);
-    timeline_start();
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int part = warp % KP, row_lane = warp / KP, c = part * 32 + lane;
-    const u32 lane4 = lane * 4;
-    // Rows by CTA as gemv2_walk splits them (early_ctas: GEMV2_SWIGLU_SKEW on the host).
-    const int late_rows = early_ctas > 0 ? (rows - early_ctas * early_rows + (int)gridDim.x - early_ctas - 1) /
-                                               ((int)gridDim.x - early_ctas)
-                                         : 0;
-    const int per_cta = early_ctas == 0                  ? (rows + gridDim.x - 1) / gridDim.x
-                        : (int)blockIdx.x < early_ctas ? early_rows
-                                                       : late_rows;
-    const int r0 = early_ctas == 0 || (int)blockIdx.x < early_ctas
-                       ? blockIdx.x * per_cta
-                       : early_ctas * early_rows + ((int)blockIdx.x - early_ctas) * late_rows;
-    const int n = min(rows, r0 + per_cta) - r0;
-    // This row lane's rows: r0 + row_lane + LANES * j, j < mine.
-    const int mine = n > row_lane ? (n - row_lane + LANES - 1) / LANES : 0;
-    const uint4* wg = reinterpret_cast<const uint4*>(g.gate.packed) + (size_t)(u32)(r0 + row_lane) * (K / 32) + c;
-    const uint4* wu = reinterpret_cast<const uint4*>(g.up.packed) + (size_t)(u32)(r0 + row_lane) * (K / 32) + c;
-    const u16* ag = g.gate.absmax + (size_t)(u32)(r0 + row_lane) * (K / 64) + (c >> 1);
-    const u16* au = g.up.absmax + (size_t)(u32)(r0 + row_lane) * (K / 64) + (c >> 1);
-    RowChunks<1> buf[D][2];
-    auto load = [&](int j, RowChunks<1> (&rc)[2]) {
-        const int off = j * LANES;
-        rc[0].q[0] = load_weights16(wg + off * (K / 32));
-        rc[0].s[0] = load_scale(ag + off * (K / 64));
-        rc[1].q[0] = load_weights16(wu + off * (K / 32));
-        rc[1].s[0] = load_scale(au + off * (K / 64));
-    };
-    // D - 1 rows before the wait, the last after x: with all D, x's 48 registers of loads
-    // beside them spilled.
-#pragma unroll
-    for (int d = 0; d < D - 1; d++)
-        if (d < mine) load(d, buf[d]);
-    if ((int)threadIdx.x < GEMV_THREADS) load_byte_codebook_prmt<GEMV_THREADS>(lut);
-    pdl_enter<true>();
-    // This lane's chunk of x (32 values), normed as stage_x norms it, as f16 pairs.
-    XHalves<1> xh;
-    {
-        const float4* x4 = reinterpret_cast<const float4*>(x) + 8 * c;
-        const uint2* w4 = reinterpret_cast<const uint2*>(norm.w) + 8 * c;
-        float4 v[8];
-        uint2 w[8];
-#pragma unroll
-        for (int q = 0; q < 8; q++) {
-            v[q] = x4[q];
-            w[q] = norm.w ? w4[q] : make_uint2(0u, 0u);
-        }
-        const float r = norm.w ? norm_factor(norm, K) : 1.0f;
-#pragma unroll
-        for (int q = 0; q < 8; q++) {
-            float e[4];
-            normed_quad(v[q], w[q], r, norm, e);
-            xh.h[0][2 * q] = pack_f16x2(e[0], e[1]);
-            xh.h[0][2 * q + 1] = pack_f16x2(e[2], e[3]);
-        }
-    }
-    if (D - 1 < mine) load(D - 1, buf[D - 1]);
-    __syncthreads();  // the table
-    const int rounds = (n + LANES - 1) / LANES;  // the same for the whole CTA
-    for (int j0 = 0; j0 < rounds; j0 += D) {
-#pragma unroll
-        for (int d = 0; d < D; d++) {
-            const int j = j0 + d;
-            if (j < rounds) {
-                float sums[2];
-#pragma unroll
-                for (int k = 0; k < 2; k++) sums[k] = dot_row_pair16<1, true>(buf[d][k], xh, lut, lane4);
-                if (j + D < mine) load(j + D, buf[d]);
-                const float s = warp_sum_spread<2>(sums);
-                const int k = lane >> 4, r = row_lane + LANES * j;
-                if ((lane & 15) == 0 && j < mine) late_partial[(r * 2 + k) * KP + part] = s;
-            }
-        }
-    }
-    __syncthreads();
-    for (int idx = threadIdx.x; idx < n; idx += blockDim.x) {
-        float total[2];
-#pragma unroll
-        for (int k = 0; k < 2; k++) {
-            total[k] = 0.0f;
-            for (int p = 0; p < KP; p++) total[k] += late_partial[(idx * 2 + k) * KP + p];
-        }
-        g.store(r0 + idx, total);
-    }
-    timeline_end();
-}
-#define GEMV2_SWIGLU_RING(NAME, D)                                                                               \
-    extern "C" __global__ void __maxnreg__(GEMV2_W20_MAX_REGS)                                                  \
-        NAME(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm, float* out, int rows,          \
-             int out_f16, int early_ctas, int early_rows) {                                                     \
-        swiglu_w20_ring<D>(SwigluRows{gate, up, out, out_f16 != 0}, x, norm, rows, early_ctas, early_rows);    \
-    }
-// D = 4 spilled 40 bytes (92 with all four rows before the wait).
-GEMV2_SWIGLU_RING(gemv2_swiglu_ring_d3, 3)
 // Down at K = DOWN_W27_K (the 32B shape's 27,648: 864 chunks) walking rows as SwiGLU does: one
 // chunk a lane over all 27 warps of the CTA, 4 rows in flight a warp, so a CTA reads 4 whole
 // rows (13.8 KB each, contiguous) a step where the K walk above reads 80 pieces of 512 bytes
@@ -1020,92 +875,6 @@ extern "C" __global__ void __launch_bounds__(DOWN_W27_WARPS * 32, 1)
     PlainRowsPrmt p{{m, y, nullptr, accumulate, ss_out}};
     gemv2_walk<1, 4, 1, true, DOWN_W27_WARPS, true>(p, rows, DOWN_W27_K, x, norm, DOWN_W27_WARPS, skip_if);
 }
-// DV2_X_DOWN_RING (experiment): the same walk with D blocks of R rows in a ring of registers,
-// each block's buffer reloaded with the block D ahead right after its rows are summed (the K
-// walk's ring), where gemv2_walk's two buffers leave ptxas one block in flight (it issues the
-// next block's loads after a third of this block's sums, at 70-72 registers). The rows' sums
-// are warp_sum's and the parts are added in warp order, as there: the same bits.
-template <int R, int D>
-__device__ __forceinline__ void down_w27_ring(Nf4Ref m, const u16* __restrict__ x, float* y, int rows,
-                                              int accumulate, const int* skip_if, float* ss_out) {
-    constexpr int K = DOWN_W27_K, WARPS = DOWN_W27_WARPS, CHUNKS = K / 32;
-    static_assert(CHUNKS == WARPS * 32, "one chunk a lane");
-    extern __shared__ __align__(16) float gemv2_dyn[];
-    __shared__ float late_partial[LOGITS_W20_LATE_SUMS];
-    u32* lut = reinterpret_cast<u32*>(gemv2_dyn);
-    timeline_start();
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, c = threadIdx.x;
-    const u32 lane4 = lane * 4;
-    const int per_cta = (rows + gridDim.x - 1) / gridDim.x;
-    const int r0 = blockIdx.x * per_cta, r1 = min(rows, r0 + per_cta), n = r1 - r0;
-    const int blocks = (n + R - 1) / R;
-    const uint4* w = reinterpret_cast<const uint4*>(m.packed) + (size_t)(u32)r0 * CHUNKS + c;
-    const u16* a = m.absmax + (size_t)(u32)r0 * (K / 64) + (c >> 1);
-    RowChunks<1> buf[D][R];
-    auto load = [&](int b, RowChunks<1> (&rc)[R]) {
-#pragma unroll
-        for (int i = 0; i < R; i++) {
-            const int r = b * R + i;
-            if (r < n) {
-                rc[i].q[0] = load_weights16(w + r * CHUNKS);
-                rc[i].s[0] = load_scale(a + r * (K / 64));
-            }
-        }
-    };
-#pragma unroll
-    for (int d = 0; d < D; d++)
-        if (d < blocks) load(d, buf[d]);
-    if ((int)threadIdx.x < GEMV_THREADS) load_byte_codebook_prmt<GEMV_THREADS>(lut);
-    pdl_enter<true>();
-    if (skip_if && *skip_if) return;
-    const RowEpi early_epi{0.0f, accumulate && (int)threadIdx.x < n ? y[r0 + threadIdx.x] : 0.0f};
-    XHalves<1> xh;
-    const uint4* x16 = reinterpret_cast<const uint4*>(x);
-#pragma unroll
-    for (int q = 0; q < 4; q++) {
-        const uint4 v = x16[4 * c + q];
-        xh.h[0][4 * q] = v.x, xh.h[0][4 * q + 1] = v.y, xh.h[0][4 * q + 2] = v.z, xh.h[0][4 * q + 3] = v.w;
-    }
-    __syncthreads();  // the table
-    constexpr int spread = 32 / R;
-    for (int b = 0; b < blocks; b += D) {
-#pragma unroll
-        for (int d = 0; d < D; d++) {
-            const int bb = b + d;
-            if (bb < blocks) {  // the same for the whole CTA
-                float sums[R];
-#pragma unroll
-                for (int i = 0; i < R; i++) sums[i] = dot_row_pair16<1, true>(buf[d][i], xh, lut, lane4);
-                if (bb + D < blocks) load(bb + D, buf[d]);
-                const float s = warp_sum_spread<R>(sums);
-                const int i = lane / spread, r = bb * R + i;
-                if ((lane & (spread - 1)) == 0 && r < n) late_partial[r * WARPS + warp] = s;
-            }
-        }
-    }
-    __syncthreads();
-    float ss = 0.0f;
-    for (int idx = threadIdx.x; idx < n; idx += blockDim.x) {
-        float total = 0.0f;
-        for (int p = 0; p < WARPS; p++) total += late_partial[idx * WARPS + p];
-        const float old = idx == (int)threadIdx.x ? early_epi.old : (accumulate ? y[r0 + idx] : 0.0f);
-        const float v = total + 0.0f;  // PlainRows::store's bias of 0
-        const float out = accumulate ? old + v : v;
-        y[r0 + idx] = out;
-        ss += sq(out);
-    }
-    if (ss_out) block_sum_to(ss, ss_out + blockIdx.x);
-    timeline_end();
-}
-#define GEMV2_DOWN_RING(NAME, R, D)                                                                             \
-    extern "C" __global__ void __launch_bounds__(DOWN_W27_WARPS * 32, 1)                                       \
-        NAME(Nf4Ref m, const float* __restrict__ x, NormArgs, float* y, int rows, int accumulate,              \
-             const int* skip_if, float* ss_out) {                                                              \
-        down_w27_ring<R, D>(m, reinterpret_cast<const u16*>(x), y, rows, accumulate, skip_if, ss_out);         \
-    }
-GEMV2_DOWN_RING(gemv2_down_ring_r1d8, 1, 8)
-GEMV2_DOWN_RING(gemv2_down_ring_r1d6, 1, 6)
-GEMV2_DOWN_RING(gemv2_down_ring_r2d3, 2, 3)
 #if GEMV2_LOGITS
 // lm_head and its argmax at K = SWIGLU_W20_K (the 32B shape's 152,064 x 5,120) over SwiGLU's
 // 20-warp CTA, one an SM, 4 rows in flight a warp (SwiGLU's 2 rows x gate and up), the table

@@ -392,14 +392,6 @@ fn options(arch: &str, cfg: &Config) -> Vec<String> {
     }
     opts.extend(cfg.nvrtc_defines());
     opts.extend(shared_defines());
-    // DV2_X_LOADS_FIRST=1 (experiment): kernels/gemv.cu's GEMV2_LOADS_FIRST.
-    if std::env::var("DV2_X_LOADS_FIRST").is_ok_and(|v| v == "1") {
-        opts.push("-DGEMV2_LOADS_FIRST=1".into());
-    }
-    // DV2_X_W27_CONSEC=1 (experiment): kernels/gemv.cu's GEMV2_W27_CONSEC.
-    if std::env::var("DV2_X_W27_CONSEC").is_ok_and(|v| v == "1") {
-        opts.push("-DGEMV2_W27_CONSEC=1".into());
-    }
     opts
 }
 
@@ -537,12 +529,6 @@ pub struct Kernels {
     pub gemv2_swiglu_w20_room: usize,
     /// Down at K = 27,648 walking rows over 27 warps a CTA (where `Ops::down_w27`).
     pub gemv2_down_w27: CudaFunction,
-    /// DV2_X_DOWN_RING=1|2|3 (experiment): the same walk with a ring of D blocks of R rows
-    /// (r1d8, r1d6, r2d3).
-    pub gemv2_down_ring: [CudaFunction; 3],
-    /// DV2_X_SWIGLU_RING=1 (experiment): SwiGLU's 20-warp walk as a ring of 3 rows a row
-    /// lane.
-    pub gemv2_swiglu_ring: CudaFunction,
     /// The dynamic shared memory (x staged) every GEMV v2 kernel may take on this device, by
     /// x's type ([f32, f16]), and lm_head's (its table and x): what the device allows beside
     /// their static shared memory where that is less than they ask (99 KiB a CTA on sm_86,
@@ -694,12 +680,6 @@ impl Kernels {
             gemv2_swiglu_w20: f_smem("gemv2_swiglu_j1_w20", GEMV2_MAX_SMEM + GEMV2_PRMT_TABLE)?,
             gemv2_swiglu_w20_room: 0,
             gemv2_down_w27: f_smem("gemv2_down_j1_w27", GEMV2_PRMT_TABLE)?,
-            gemv2_swiglu_ring: f_smem("gemv2_swiglu_ring_d3", GEMV2_PRMT_TABLE)?,
-            gemv2_down_ring: [
-                f_smem("gemv2_down_ring_r1d8", GEMV2_PRMT_TABLE)?,
-                f_smem("gemv2_down_ring_r1d6", GEMV2_PRMT_TABLE)?,
-                f_smem("gemv2_down_ring_r2d3", GEMV2_PRMT_TABLE)?,
-            ],
             gemv2_logits: if cfg.logits_argmax {
                 Some(gemv2(
                     "gemv2_logits",

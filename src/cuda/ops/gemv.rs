@@ -369,13 +369,7 @@ impl Ops {
                     shared_mem_bytes: GEMV2_PRMT_TABLE as u32,
                 };
                 check_sums(ss_out, cfg.grid_dim.0)?;
-                let ring_fits = rows.div_ceil(cfg.grid_dim.0 as usize) * DOWN_W27_WARPS as usize
-                    <= LOGITS_W20_LATE_SUMS;
-                let f = if self.down_ring > 0 && ring_fits {
-                    &self.k.gemv2_down_ring[self.down_ring - 1]
-                } else {
-                    &self.k.gemv2_down_w27
-                };
+                let f = &self.k.gemv2_down_w27;
                 launch!(self.gpu, f, cfg; m, x, norm, y, rows_i, acc, skip_if, ss_out)?;
                 Ok(cfg.grid_dim.0 as usize)
             }
@@ -612,18 +606,6 @@ impl Ops {
                 let f16 = i32::from(out_f16);
                 let (early_ctas, early_rows) =
                     skewed_split(rows, cfg.grid_dim.0, GEMV2_SWIGLU_SKEW);
-                // DV2_X_SWIGLU_RING (experiment): the ring keeps every row's late sums (2 x 5
-                // a row in 4,096 floats) and stages no x.
-                let most_rows =
-                    (early_rows.max(0) as usize).max(rows.div_ceil(cfg.grid_dim.0 as usize)) + 1;
-                if self.swiglu_ring && most_rows * 2 * SWIGLU_W20_KPARTS as usize <= 4096 {
-                    let cfg = LaunchConfig {
-                        shared_mem_bytes: GEMV2_PRMT_TABLE as u32,
-                        ..cfg
-                    };
-                    let f = &self.k.gemv2_swiglu_ring;
-                    return launch!(self.gpu, f, cfg; gate, up, x, norm, out, rows_i, f16, early_ctas, early_rows);
-                }
                 launch!(self.gpu, &self.k.gemv2_swiglu_w20, cfg; gate, up, x, norm, out, rows_i, f16, early_ctas, early_rows)
             }
             Gemv::V2 => {

@@ -150,10 +150,6 @@ pub struct Ops {
     /// Down at K = [`DOWN_W27_K`] on `gemv2_down_j1_w27` (27 warps walking rows): with
     /// `DV2_DOWN_W27` on, on a device that lets a CTA take `gemv::DOWN_W27_MIN_SMEM`.
     pub(super) down_w27: bool,
-    /// DV2_X_DOWN_RING=1|2|3 (experiment): `Kernels::gemv2_down_ring`'s index + 1.
-    pub(super) down_ring: usize,
-    /// DV2_X_SWIGLU_RING=1 (experiment): SwiGLU at K = 5,120 on `Kernels::gemv2_swiglu_ring`.
-    pub(super) swiglu_ring: bool,
 }
 
 impl Ops {
@@ -177,12 +173,6 @@ impl Ops {
             sms,
             swiglu_w20,
             down_w27,
-            down_ring: std::env::var("DV2_X_DOWN_RING")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .filter(|v| (1..=3).contains(v))
-                .unwrap_or(0),
-            swiglu_ring: std::env::var("DV2_X_SWIGLU_RING").is_ok_and(|v| v == "1"),
         })
     }
 
