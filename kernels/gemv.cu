@@ -859,13 +859,15 @@ extern "C" __global__ void __maxnreg__(GEMV2_W20_MAX_REGS)
                                                  early_ctas, early_rows);
 }
 // Down at K = DOWN_W27_K (the 32B shape's 27,648: 864 chunks) walking rows as SwiGLU does: one
-// chunk a lane over all 27 warps of the CTA, 4 rows in flight a warp, so a CTA reads 4 whole
+// chunk a lane over all 27 warps of the CTA, 4 rows a warp a step, so a CTA reads 4 whole
 // rows (13.8 KB each, contiguous) a step where the K walk above reads 80 pieces of 512 bytes
 // 13.8 KB apart; x from global memory straight into registers (no staging, nothing of x in
 // shared memory), the PRMT table alone in dynamic shared memory; one CTA an SM (864 threads
 // at 72 registers, no spills). +1.05/+2.25% decode at the 32B shape at 48 (the two load
-// orders), +1.58/+1.20% at 8k, against the 16-warp K walk; 2 rows in flight lost (-0.3%
-// at 48): docs/lab.md, session 49. DV2_DOWN_W27=0: the K walk.
+// orders), +1.58/+1.20% at 8k, against the 16-warp K walk; 2 rows a step lost (-0.3% at
+// 48): docs/lab.md, session 49. At 72 registers ptxas holds one step's rows in flight, not
+// two, and issues the first step's loads after the PDL wait (its SASS, the same session).
+// DV2_DOWN_W27=0: the K walk.
 struct PlainRowsPrmt : PlainRows {
     static constexpr bool prmt_table = true;
 };
