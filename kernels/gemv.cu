@@ -119,22 +119,26 @@ __device__ __forceinline__ void stage_x_as16(const float* __restrict__ x, int co
 template <int J>
 struct XHalves;
 
-// Chunk c of x as f16 pairs from stage_x16's copy (zeros past the last chunk).
-__device__ __forceinline__ void read_x16_chunk(const u32* staged, int c, int n_chunks, u32 (&h)[16]) {
+// Chunk c of x as f16 pairs from stage_x16's copy (zeros past the last chunk); STRIDE 16:
+// from x itself, unstaged (its chunks 16 words apart).
+template <int STRIDE = X16_STAGE_STRIDE>
+__device__ __forceinline__ void read_x16_chunk(const u32* __restrict__ staged, int c, int n_chunks, u32 (&h)[16]) {
 #pragma unroll
     for (int q = 0; q < 4; q++) {
-        const uint4 v = c < n_chunks ? *reinterpret_cast<const uint4*>(staged + c * X16_STAGE_STRIDE + 4 * q)
+        const uint4 v = c < n_chunks ? *reinterpret_cast<const uint4*>(staged + c * STRIDE + 4 * q)
                                      : make_uint4(0u, 0u, 0u, 0u);
         h[4 * q] = v.x, h[4 * q + 1] = v.y, h[4 * q + 2] = v.z, h[4 * q + 3] = v.w;
     }
 }
 
-// This lane's chunks of x as f16 pairs from stage_x16's copy (zeros past the last chunk).
-template <int J>
-__device__ __forceinline__ void read_x16_slice(const u32* staged, int part, int cols, XHalves<J>& xh) {
+// This lane's chunks of x as f16 pairs from stage_x16's copy, or from x itself with STRIDE 16
+// (zeros past the last chunk).
+template <int J, int STRIDE = X16_STAGE_STRIDE>
+__device__ __forceinline__ void read_x16_slice(const u32* __restrict__ staged, int part, int cols,
+                                               XHalves<J>& xh) {
     const int lane = threadIdx.x & 31, n_chunks = cols >> 5;
 #pragma unroll
-    for (int j = 0; j < J; j++) read_x16_chunk(staged, (part * J + j) * 32 + lane, n_chunks, xh.h[j]);
+    for (int j = 0; j < J; j++) read_x16_chunk<STRIDE>(staged, (part * J + j) * 32 + lane, n_chunks, xh.h[j]);
 }
 
 template <int J>
@@ -362,17 +366,7 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     if (late && (int)threadIdx.x < r1 - r0) early_epi = rows_of.epi(r0 + threadIdx.x);
     XHalves<J> xh;
     if (X16 && X_DIRECT) {
-        const int n_chunks = cols >> 5;
-        const uint4* x16 = reinterpret_cast<const uint4*>(x);
-#pragma unroll
-        for (int j = 0; j < J; j++) {
-            const int c = (part * J + j) * 32 + lane;
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                const uint4 v = c < n_chunks ? x16[4 * c + q] : make_uint4(0u, 0u, 0u, 0u);
-                xh.h[j][4 * q] = v.x, xh.h[j][4 * q + 1] = v.y, xh.h[j][4 * q + 2] = v.z, xh.h[j][4 * q + 3] = v.w;
-            }
-        }
+        read_x16_slice<J, 16>(reinterpret_cast<const u32*>(x), part, cols, xh);
         __syncthreads();  // the table
     } else if (X16) {
         stage_x16<WARPS * 32>(reinterpret_cast<const u16*>(x), cols, reinterpret_cast<u32*>(x_staged));
