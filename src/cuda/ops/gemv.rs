@@ -99,25 +99,22 @@ pub const SWIGLU_W20_WARPS: u32 = 20;
 pub const DOWN_W27_K: usize = 27 * 1024;
 pub const DOWN_W27_WARPS: u32 = 27;
 
-/// The shared memory a CTA may opt into on the devices that take `gemv2_down_j1_w27` (Hopper's
-/// 227 KiB): its 864 threads fill an SM, so it is taken where the SM's L1 keeps most of its
-/// room beside the 64 KB table, as on the devices it was measured on.
-pub(super) const DOWN_W27_MIN_SMEM: usize = 227 << 10;
-
-/// The shared memory a CTA may opt into on the devices that take `gemv2_swiglu_j1_w20`: an
-/// SM of 228 KB (sm_90, sm_100), where its one table and x (~76 KB) leave the rest to L1. Its
-/// gain over two 10-warp CTAs an SM (+0.8-1.1% at depth 48 where the same decode read +0.4%,
-/// docs/lab.md session 40) is thought to be that L1 (not profiled); those two CTAs (~87 KB
-/// each) were taken only where they fit an SM too, so the 164 KB (sm_80) and 100 KB (sm_86,
-/// sm_89, sm_120) SMs keep the J walk, as before.
-const SWIGLU_W20_MIN_SMEM: usize = 227 << 10;
+/// The shared memory a CTA may opt into on the devices that take the walks of one CTA an SM
+/// (`gemv2_swiglu_j1_w20`, `gemv2_down_j1_w27`): an SM of 228 KB (sm_90, sm_100), where their
+/// one table (and SwiGLU's x, ~76 KB in all) leave the rest to L1, as on the devices they were
+/// measured on. SwiGLU's gain over two 10-warp CTAs an SM (+0.8-1.1% at depth 48 where the
+/// same decode read +0.4%, docs/lab.md session 40) is thought to be that L1 (not profiled);
+/// those two CTAs (~87 KB each) were taken only where they fit an SM too, so the 164 KB
+/// (sm_80) and 100 KB (sm_86, sm_89, sm_120) SMs keep the J walk for SwiGLU and the K walk
+/// (or GEMV v3) for down, as before.
+pub(super) const ONE_CTA_AN_SM_MIN_SMEM: usize = 227 << 10;
 
 /// Whether `gemv2_swiglu_j1_w20` runs with its table and x at K = [`SWIGLU_W20_K`]: on a
-/// device of [`SWIGLU_W20_MIN_SMEM`], where one CTA fits an SM; else SwiGLU at that K takes
+/// device of [`ONE_CTA_AN_SM_MIN_SMEM`], where one CTA fits an SM; else SwiGLU at that K takes
 /// the J walk.
 pub(super) fn swiglu_w20_fits(k: &Kernels, max_smem_per_cta: usize) -> Result<bool> {
     let smem = prmt_table_and_x_smem(SWIGLU_W20_K, false);
-    if max_smem_per_cta < SWIGLU_W20_MIN_SMEM || smem > k.gemv2_swiglu_w20_room {
+    if max_smem_per_cta < ONE_CTA_AN_SM_MIN_SMEM || smem > k.gemv2_swiglu_w20_room {
         return Ok(false);
     }
     let ctas = k
