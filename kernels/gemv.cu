@@ -303,10 +303,19 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     float* x_staged = gemv2_dyn + (prmt_table ? PRMT_LUT_WORDS : 0);
     timeline_start();
     // The table build is written for GEMV_THREADS threads; a larger CTA's others skip it.
-    if (WARPS == GEMV_WARPS || (int)threadIdx.x < GEMV_THREADS) {
-        if (prmt_table) load_byte_codebook_prmt<GEMV_THREADS>(pair16_lut);
-        else load_byte_codebook<GEMV_THREADS>(pair16_lut);
-    }
+    auto build_table = [&] {
+        if (WARPS == GEMV_WARPS || (int)threadIdx.x < GEMV_THREADS) {
+            if (prmt_table) load_byte_codebook_prmt<GEMV_THREADS>(pair16_lut);
+            else load_byte_codebook<GEMV_THREADS>(pair16_lut);
+        }
+    };
+    // The one-CTA-an-SM walks (other WARPS: gemv2_swiglu_j1_w20, gemv2_down_j1_w27,
+    // gemv2_logits_j1_w20) build the table after their first loads: with the build first,
+    // ptxas placed those loads after the PDL wait in the last two. +1.0..+2.0% decode at the
+    // 32B shape at 48 and 8k; in every walk it cost the 3B shape 0.6-1.0% at 48 (docs/lab.md,
+    // session 50). GEMV2_LOADS_FIRST: the host's switch (DV2_LOADS_FIRST).
+    constexpr bool loads_first = GEMV2_LOADS_FIRST && WARPS != GEMV_WARPS;
+    if (!loads_first) build_table();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const u32 lane4 = lane * 4;
     // kparts is 1, 2, 4 or 8 (the host's gemv2_shape): the warp's roles by shifts and masks;
@@ -357,6 +366,7 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     // constant; it pays where the CTA is resident early, as the 128-register kernels are
     // beside a GEMV v3 CTA: 0.01-0.02 ms/token, docs/lab.md session 10).
     load_block(r0, cur);
+    if (loads_first) build_table();
     pdl_enter<true>();
     if (skip_if && *skip_if) return;
     // With late sums the epilogue operands of the CTA's first blockDim.x rows (thread i: row
@@ -860,8 +870,7 @@ extern "C" __global__ void __maxnreg__(GEMV2_W20_MAX_REGS)
 // at 72 registers, no spills). +1.05/+2.25% decode at the 32B shape at 48 (the two load
 // orders), +1.58/+1.20% at 8k, against the 16-warp K walk; 2 rows a step lost (-0.3% at
 // 48): docs/lab.md, session 49. At 72 registers ptxas holds one step's rows in flight, not
-// two, and issues the first step's loads after the PDL wait (its SASS, the same session).
-// DV2_DOWN_W27=0: the K walk.
+// two (its SASS, the same session). DV2_DOWN_W27=0: the K walk.
 struct PlainRowsPrmt : PlainRows {
     static constexpr bool prmt_table = true;
 };
