@@ -527,8 +527,10 @@ pub struct Kernels {
     /// lets it take.
     pub gemv2_swiglu_w20: CudaFunction,
     pub gemv2_swiglu_w20_room: usize,
-    /// Down at K = 27,648 walking rows over 27 warps a CTA (where `Ops::down_w27`).
+    /// Down at K = 27,648 walking rows over 27 warps a CTA (where `Ops::down_w27`), and the
+    /// dynamic shared memory the device lets it take.
     pub gemv2_down_w27: CudaFunction,
+    pub gemv2_down_w27_room: usize,
     /// The dynamic shared memory (x staged) every GEMV v2 kernel may take on this device, by
     /// x's type ([f32, f16]), and lm_head's (its table and x): what the device allows beside
     /// their static shared memory where that is less than they ask (99 KiB a CTA on sm_86,
@@ -680,6 +682,7 @@ impl Kernels {
             gemv2_swiglu_w20: f_smem("gemv2_swiglu_j1_w20", GEMV2_MAX_SMEM + GEMV2_PRMT_TABLE)?,
             gemv2_swiglu_w20_room: 0,
             gemv2_down_w27: f_smem("gemv2_down_j1_w27", GEMV2_PRMT_TABLE)?,
+            gemv2_down_w27_room: 0,
             gemv2_logits: if cfg.logits_argmax {
                 Some(gemv2(
                     "gemv2_logits",
@@ -732,6 +735,7 @@ impl Kernels {
             .collect();
         k.gemv2_room = [dynamic_smem_room(&f32_x)?, dynamic_smem_room(&f16_x)?];
         k.gemv2_swiglu_w20_room = dynamic_smem_room(&[&k.gemv2_swiglu_w20])?;
+        k.gemv2_down_w27_room = dynamic_smem_room(&[&k.gemv2_down_w27])?;
         k.gemv2_kwalk_w16_room = dynamic_smem_room(&[&k.gemv2_kwalk_x16_w16])?;
         k.gemv2_logits_room = match &k.gemv2_logits {
             Some(fs) => dynamic_smem_room(&fs.iter().collect::<Vec<_>>())?,

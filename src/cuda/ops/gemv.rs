@@ -1,7 +1,7 @@
 //! The GEMV launches: v2 (CUDA cores, kernels/gemv.cu) and v3 (tensor cores,
 //! kernels/gemv_mma.cu), the family picked per matrix by its size.
 
-use cudarc::driver::{DeviceRepr, LaunchConfig};
+use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig};
 
 use super::attention::Attention;
 use super::gemm::{Epilogue, GemmArgs, GemmMatrix};
@@ -109,18 +109,49 @@ pub const DOWN_W27_WARPS: u32 = 27;
 /// (or GEMV v3) for down, as before.
 pub(super) const ONE_CTA_AN_SM_MIN_SMEM: usize = 227 << 10;
 
-/// Whether `gemv2_swiglu_j1_w20` runs with its table and x at K = [`SWIGLU_W20_K`]: on a
-/// device of [`ONE_CTA_AN_SM_MIN_SMEM`], where one CTA fits an SM; else SwiGLU at that K takes
-/// the J walk.
+/// Whether `gemv2_swiglu_j1_w20` runs with its table and x at K = [`SWIGLU_W20_K`]; else
+/// SwiGLU at that K takes the J walk.
 pub(super) fn swiglu_w20_fits(k: &Kernels, max_smem_per_cta: usize) -> Result<bool> {
-    let smem = prmt_table_and_x_smem(SWIGLU_W20_K, false);
-    if max_smem_per_cta < ONE_CTA_AN_SM_MIN_SMEM || smem > k.gemv2_swiglu_w20_room {
+    one_cta_an_sm_fits(
+        &k.gemv2_swiglu_w20,
+        "gemv2_swiglu_j1_w20",
+        SWIGLU_W20_WARPS,
+        prmt_table_and_x_smem(SWIGLU_W20_K, false),
+        k.gemv2_swiglu_w20_room,
+        max_smem_per_cta,
+    )
+}
+
+/// Whether `gemv2_down_j1_w27` runs with its table at K = [`DOWN_W27_K`]; else down at that K
+/// takes the K walk.
+pub(super) fn down_w27_fits(k: &Kernels, max_smem_per_cta: usize) -> Result<bool> {
+    one_cta_an_sm_fits(
+        &k.gemv2_down_w27,
+        "gemv2_down_j1_w27",
+        DOWN_W27_WARPS,
+        GEMV2_PRMT_TABLE,
+        k.gemv2_down_w27_room,
+        max_smem_per_cta,
+    )
+}
+
+/// Whether a walk of one CTA an SM (`warps` warps asking `smem` bytes of dynamic shared
+/// memory) runs here: on a device of [`ONE_CTA_AN_SM_MIN_SMEM`], within the room its function
+/// was given, and with one CTA resident an SM (its registers and shared memory together).
+fn one_cta_an_sm_fits(
+    func: &CudaFunction,
+    name: &str,
+    warps: u32,
+    smem: usize,
+    room: usize,
+    max_smem_per_cta: usize,
+) -> Result<bool> {
+    if max_smem_per_cta < ONE_CTA_AN_SM_MIN_SMEM || smem > room {
         return Ok(false);
     }
-    let ctas = k
-        .gemv2_swiglu_w20
-        .occupancy_max_active_blocks_per_multiprocessor(SWIGLU_W20_WARPS * 32, smem, None)
-        .map_err(driver_error("gemv2_swiglu_j1_w20's occupancy"))?;
+    let ctas = func
+        .occupancy_max_active_blocks_per_multiprocessor(warps * 32, smem, None)
+        .map_err(driver_error(&format!("{name}'s occupancy")))?;
     Ok(ctas >= 1)
 }
 

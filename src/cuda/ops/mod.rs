@@ -148,7 +148,7 @@ pub struct Ops {
     /// (`gemv2_swiglu_j1_w20`), where [`gemv::swiglu_w20_fits`].
     pub(super) swiglu_w20: bool,
     /// Down at K = [`DOWN_W27_K`] on `gemv2_down_j1_w27` (27 warps walking rows): with
-    /// `DV2_DOWN_W27` on, on a device that lets a CTA take `gemv::ONE_CTA_AN_SM_MIN_SMEM`.
+    /// `DV2_DOWN_W27` on, where [`gemv::down_w27_fits`].
     pub(super) down_w27: bool,
 }
 
@@ -162,7 +162,7 @@ impl Ops {
         let attn = decode_attention(&gpu.caps, &cfg);
         let attn_long = gpu.caps.clusters && cfg.attn_long;
         let swiglu_w20 = gemv::swiglu_w20_fits(&k, gpu.caps.max_smem_per_cta)?;
-        let down_w27 = cfg.down_w27 && gpu.caps.max_smem_per_cta >= gemv::ONE_CTA_AN_SM_MIN_SMEM;
+        let down_w27 = cfg.down_w27 && gemv::down_w27_fits(&k, gpu.caps.max_smem_per_cta)?;
         Ok(Self {
             gpu,
             k,
