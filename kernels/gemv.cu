@@ -242,9 +242,6 @@ __device__ __forceinline__ u32 fixed_lut_entry(u32 word, int k, u32 lane_at) {
     return v;
 }
 
-#ifndef GEMV2_X_KWALK_LOADS_FIRST
-#define GEMV2_X_KWALK_LOADS_FIRST 0
-#endif
 #define GEMV2_CHAIN 2
 // GEMV2_CHAIN: words of a chunk
 // whose pairs one f16x2 FMA chain sums before it is added in f32 (1: each word's four pairs,
@@ -699,15 +696,10 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
     }
     timeline_start();
     // The table build is written for GEMV_THREADS threads; a larger CTA's others skip it.
-    auto build_table = [&] {
-        if (WARPS == GEMV_WARPS || (int)threadIdx.x < GEMV_THREADS) {
-            if (PRMT) load_byte_codebook_prmt<GEMV_THREADS>(pair16_lut);
-            else load_byte_codebook<GEMV_THREADS>(pair16_lut);
-        }
-    };
-    // DV2_X_KWALK_LOADS_FIRST=1 (experiment): the first D iterations' loads before the table
-    // build, as the one-CTA-an-SM walks' (GEMV2_LOADS_FIRST).
-    if (!GEMV2_X_KWALK_LOADS_FIRST) build_table();
+    if (WARPS == GEMV_WARPS || (int)threadIdx.x < GEMV_THREADS) {
+        if (PRMT) load_byte_codebook_prmt<GEMV_THREADS>(pair16_lut);
+        else load_byte_codebook<GEMV_THREADS>(pair16_lut);
+    }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const u32 lane4 = FIXED ? KWALK_TABLE_AT | (lane * 4) : lane * 4;
     const int kshift = log2_pow2(kparts);
@@ -758,7 +750,6 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
     // The first D iterations' weights go out before the wait (weights are constant).
 #pragma unroll
     for (int d = 0; d < D; d++) load_iter(t_begin + d, buf[d]);
-    if (GEMV2_X_KWALK_LOADS_FIRST) build_table();
     pdl_enter<true>();
     if (skip_if && *skip_if) return;
     if (X32)
