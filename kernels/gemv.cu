@@ -242,9 +242,6 @@ __device__ __forceinline__ u32 fixed_lut_entry(u32 word, int k, u32 lane_at) {
     return v;
 }
 
-#ifndef GEMV2_X_KWALK_LOADS_FIRST
-#define GEMV2_X_KWALK_LOADS_FIRST 0
-#endif
 #define GEMV2_CHAIN 2
 // GEMV2_CHAIN: words of a chunk
 // whose pairs one f16x2 FMA chain sums before it is added in f32 (1: each word's four pairs,
@@ -699,15 +696,10 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
     }
     timeline_start();
     // The table build is written for GEMV_THREADS threads; a larger CTA's others skip it.
-    auto build_table = [&] {
-        if (WARPS == GEMV_WARPS || (int)threadIdx.x < GEMV_THREADS) {
-            if (PRMT) load_byte_codebook_prmt<GEMV_THREADS>(pair16_lut);
-            else load_byte_codebook<GEMV_THREADS>(pair16_lut);
-        }
-    };
-    // DV2_X_KWALK_LOADS_FIRST=1 (experiment): the first D iterations' loads before the table
-    // build, as the one-CTA-an-SM walks' (GEMV2_LOADS_FIRST).
-    if (!GEMV2_X_KWALK_LOADS_FIRST) build_table();
+    if (WARPS == GEMV_WARPS || (int)threadIdx.x < GEMV_THREADS) {
+        if (PRMT) load_byte_codebook_prmt<GEMV_THREADS>(pair16_lut);
+        else load_byte_codebook<GEMV_THREADS>(pair16_lut);
+    }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const u32 lane4 = FIXED ? KWALK_TABLE_AT | (lane * 4) : lane * 4;
     const int kshift = log2_pow2(kparts);
@@ -758,7 +750,6 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
     // The first D iterations' weights go out before the wait (weights are constant).
 #pragma unroll
     for (int d = 0; d < D; d++) load_iter(t_begin + d, buf[d]);
-    if (GEMV2_X_KWALK_LOADS_FIRST) build_table();
     pdl_enter<true>();
     if (skip_if && *skip_if) return;
     if (X32)
@@ -870,19 +861,6 @@ extern "C" __global__ void __maxnreg__(GEMV2_W20_MAX_REGS)
     SwigluRowsPrmt g{{gate, up, out, out_f16 != 0}};
     gemv2_walk<1, 2, 2, false, SWIGLU_W20_WARPS>(g, rows, SWIGLU_W20_K, x, norm, SWIGLU_W20_KPARTS, nullptr,
                                                  early_ctas, early_rows);
-}
-// DV2_X_QKV_W20=1 (experiment): q/k/v at K = SWIGLU_W20_K (the 32B shape's 7,168 x 5,120) over
-// SwiGLU's 20-warp walk, one CTA an SM, 4 rows in flight a warp, the table before x (as
-// gemv2_logits_j1_w20), so its first loads go out before its table build and its wait
-// (GEMV2_LOADS_FIRST); session 46 measured it -0.3% with the build first.
-struct QkvRowsPrmt : QkvRows {
-    static constexpr bool prmt_table = true;
-};
-extern "C" __global__ void __maxnreg__(GEMV2_W20_MAX_REGS)
-    gemv2_qkv_j1_w20(QkvArgs a, const float* __restrict__ x, NormArgs norm, float* out) {
-    QkvRowsPrmt q{{a, out}};
-    gemv2_walk<1, 4, 1, false, SWIGLU_W20_WARPS>(q, a.rows[0] + a.rows[1] + a.rows[2], SWIGLU_W20_K, x, norm,
-                                                 SWIGLU_W20_KPARTS, nullptr);
 }
 // Down at K = DOWN_W27_K (the 32B shape's 27,648: 864 chunks) walking rows as SwiGLU does: one
 // chunk a lane over all 27 warps of the CTA, 4 rows a warp a step, so a CTA reads 4 whole

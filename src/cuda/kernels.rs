@@ -392,10 +392,6 @@ fn options(arch: &str, cfg: &Config) -> Vec<String> {
     }
     opts.extend(cfg.nvrtc_defines());
     opts.extend(shared_defines());
-    // DV2_X_KWALK_LOADS_FIRST=1 (experiment): kernels/gemv.cu's GEMV2_X_KWALK_LOADS_FIRST.
-    if std::env::var("DV2_X_KWALK_LOADS_FIRST").is_ok_and(|v| v == "1") {
-        opts.push("-DGEMV2_X_KWALK_LOADS_FIRST=1".into());
-    }
     opts
 }
 
@@ -535,10 +531,6 @@ pub struct Kernels {
     /// dynamic shared memory the device lets it take.
     pub gemv2_down_w27: CudaFunction,
     pub gemv2_down_w27_room: usize,
-    /// DV2_X_QKV_W20=1 (experiment): q/k/v at K = 5,120 over SwiGLU's 20-warp walk, and its
-    /// room.
-    pub gemv2_qkv_w20: CudaFunction,
-    pub gemv2_qkv_w20_room: usize,
     /// The dynamic shared memory (x staged) every GEMV v2 kernel may take on this device, by
     /// x's type ([f32, f16]), and lm_head's (its table and x): what the device allows beside
     /// their static shared memory where that is less than they ask (99 KiB a CTA on sm_86,
@@ -691,8 +683,6 @@ impl Kernels {
             gemv2_swiglu_w20_room: 0,
             gemv2_down_w27: f_smem("gemv2_down_j1_w27", GEMV2_PRMT_TABLE)?,
             gemv2_down_w27_room: 0,
-            gemv2_qkv_w20: f_smem("gemv2_qkv_j1_w20", GEMV2_MAX_SMEM + GEMV2_PRMT_TABLE)?,
-            gemv2_qkv_w20_room: 0,
             gemv2_logits: if cfg.logits_argmax {
                 Some(gemv2(
                     "gemv2_logits",
@@ -746,7 +736,6 @@ impl Kernels {
         k.gemv2_room = [dynamic_smem_room(&f32_x)?, dynamic_smem_room(&f16_x)?];
         k.gemv2_swiglu_w20_room = dynamic_smem_room(&[&k.gemv2_swiglu_w20])?;
         k.gemv2_down_w27_room = dynamic_smem_room(&[&k.gemv2_down_w27])?;
-        k.gemv2_qkv_w20_room = dynamic_smem_room(&[&k.gemv2_qkv_w20])?;
         k.gemv2_kwalk_w16_room = dynamic_smem_room(&[&k.gemv2_kwalk_x16_w16])?;
         k.gemv2_logits_room = match &k.gemv2_logits {
             Some(fs) => dynamic_smem_room(&fs.iter().collect::<Vec<_>>())?,

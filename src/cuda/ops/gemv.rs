@@ -569,25 +569,6 @@ impl Ops {
                 .map(|_| false);
         }
         match kernel {
-            Gemv::V2 if self.qkv_w20 && self.swiglu_w20 && cols == SWIGLU_W20_K => {
-                // DV2_X_QKV_W20 (experiment): one CTA an SM, 5 warps a row; the late sums of
-                // up to LOGITS_W20_LATE_SUMS / 5 rows a CTA.
-                let table_and_x = prmt_table_and_x_smem(cols, false);
-                let ctas = self.sms;
-                if rows.div_ceil(ctas as usize) * SWIGLU_W20_KPARTS as usize > LOGITS_W20_LATE_SUMS
-                    || table_and_x > self.k.gemv2_qkv_w20_room
-                {
-                    return Err(Error::Internal(
-                        "DV2_X_QKV_W20: the shape does not fit".into(),
-                    ));
-                }
-                let cfg = LaunchConfig {
-                    grid_dim: (ctas, 1, 1),
-                    block_dim: (SWIGLU_W20_WARPS * 32, 1, 1),
-                    shared_mem_bytes: table_and_x as u32,
-                };
-                launch!(self.gpu, &self.k.gemv2_qkv_w20, cfg; args, x, norm, out).map(|_| false)
-            }
             Gemv::V2 if self.walks_k(rows, cols, false, GEMV2_KWALK_QKV_ROWS) => {
                 // 4 rows a warp, 8 warps, each over the whole K.
                 let cfg = self.kwalk_launch(rows, cols, false, GEMV2_KWALK_QKV_ROWS)?;

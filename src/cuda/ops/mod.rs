@@ -150,8 +150,6 @@ pub struct Ops {
     /// Down at K = [`DOWN_W27_K`] on `gemv2_down_j1_w27` (27 warps walking rows): with
     /// `DV2_DOWN_W27` on, where [`gemv::down_w27_fits`].
     pub(super) down_w27: bool,
-    /// DV2_X_QKV_W20=1 (experiment): q/k/v at K = 5,120 on `Kernels::gemv2_qkv_w20`.
-    pub(super) qkv_w20: bool,
 }
 
 impl Ops {
@@ -175,7 +173,6 @@ impl Ops {
             sms,
             swiglu_w20,
             down_w27,
-            qkv_w20: std::env::var("DV2_X_QKV_W20").is_ok_and(|v| v == "1"),
         })
     }
 
