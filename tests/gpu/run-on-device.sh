@@ -43,8 +43,11 @@ if want switches; then
   # 35 chunks, from a chunked prefill, and on the 3B shape; the decode step's linears through
   # the tensor-core GEMM; the prompt fed token by token through the decode step. Not here:
   # DV2_LOGITS_W20 (taken only at K = 5,120: cuda_gemv runs both walks against the CPU),
-  # DV2_DOWN_W27 (taken only at K = 27,648: cuda_gemv runs both walks against the CPU) and
-  # DV2_MAPPED_CODES (bitsandbytes directories only; the same bytes, copied or not).
+  # DV2_DOWN_W27 (taken only at K = 27,648: cuda_gemv runs both walks against the CPU),
+  # DV2_LOADS_FIRST (only the 32B shape's one-CTA-an-SM walks change, which none of these
+  # presets runs; `bench --against DV2_LOADS_FIRST=0` found its logits equal to the bit,
+  # docs/lab.md session 50) and DV2_MAPPED_CODES (bitsandbytes directories only; the same
+  # bytes, copied or not).
   for v in DV2_GRAPH=0 DV2_PDL=0 DV2_FUSE_RMS=0 DV2_FFN_F16=0 DV2_QKV_KHALVES=0 DV2_LOGITS_ARGMAX=0 \
     DV2_ATTN_CLUSTERS=0 DV2_ATTN_LONG=0 DV2_HOPPER=0 DV2_PREFILL_TAIL=0 DV2_LINEAR=mma DV2_PREFILL=n1 \
     DV2_STAGED_UPLOAD=0; do
