@@ -721,6 +721,14 @@ fn context_sweep(
 ) {
     const MAX_SEQ: usize = 32768;
     const TOKENS: usize = 128;
+    // Checked before the minute the model build and loads take: a depth with no room for its
+    // decode would otherwise end the sweep with SequenceFull after them.
+    if let Some(d) = depths.iter().find(|&&d| d + TOKENS + 1 > MAX_SEQ) {
+        panic!(
+            "depth {d} leaves no room for {TOKENS} decode steps at max_seq {MAX_SEQ} (deepest: {})",
+            MAX_SEQ - TOKENS - 1
+        );
+    }
     let spec = decodev2::arch::preset(preset).expect("preset");
     let t = Instant::now();
     let model = synth::build(&spec, 0).unwrap();
