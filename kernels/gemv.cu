@@ -242,9 +242,6 @@ __device__ __forceinline__ u32 fixed_lut_entry(u32 word, int k, u32 lane_at) {
     return v;
 }
 
-#ifndef GEMV2_X_AHEAD2
-#define GEMV2_X_AHEAD2 0
-#endif
 #define GEMV2_CHAIN 2
 // GEMV2_CHAIN: words of a chunk
 // whose pairs one f16x2 FMA chain sums before it is added in f32 (1: each word's four pairs,
@@ -369,11 +366,6 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     // constant; it pays where the CTA is resident early, as the 128-register kernels are
     // beside a GEMV v3 CTA: 0.01-0.02 ms/token, docs/lab.md session 10).
     load_block(r0, cur);
-    // DV2_X_AHEAD2=1 (experiment): the 20-warp walks' (SwiGLU, lm_head) second block also
-    // goes out before the wait, into the registers the loop's prefetch uses anyway (nxt). Not
-    // the 27-warp down (X_DIRECT): at its 72 registers ptxas spilled 76 bytes, in the loop too.
-    constexpr bool ahead2 = GEMV2_X_AHEAD2 && WARPS != GEMV_WARPS && !X_DIRECT;
-    if (ahead2 && r0 + block < r1) load_block(r0 + block, nxt);
     if (loads_first) build_table();
     pdl_enter<true>();
     if (skip_if && *skip_if) return;
@@ -399,7 +391,7 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     }
     float ss = 0.0f;  // squares of the values this thread stored
     for (int base = r0; base < r1; base += block) {
-        if (base + block < r1 && !(ahead2 && base == r0)) load_block(base + block, nxt);
+        if (base + block < r1) load_block(base + block, nxt);
         float sums[R][NM];
 #pragma unroll
         for (int i = 0; i < R; i++)
