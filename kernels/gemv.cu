@@ -189,19 +189,6 @@ __device__ __forceinline__ void load_row(Nf4Ref m, int row, int cols, int part, 
     }
 }
 
-// DV2_X_AHEAD2=2,3 (experiment): a row part's weights prefetched into L2, one lane of each 8
-// (a 128-byte line holds 8 lanes' 16-byte chunks); no register holds them.
-template <int J>
-__device__ __forceinline__ void prefetch_row_l2(Nf4Ref m, int row, int cols, int part) {
-    const int lane = threadIdx.x & 31, n_chunks = cols >> 5;
-    const uint4* w = reinterpret_cast<const uint4*>(m.packed + (size_t)(u32)row * (u32)(cols >> 1));
-#pragma unroll
-    for (int j = 0; j < J; j++) {
-        const int c = (part * J + j) * 32 + lane;
-        if ((lane & 7) == 0 && c < n_chunks) asm volatile("prefetch.global.L2 [%0];" ::"l"(w + c));
-    }
-}
-
 // One row part's dot product with this lane's x, shared by the v2 tables: each chunk's four
 // 32-bit words of weights (four bytes each, each byte two weights) summed GROUP words at a
 // time by `group_sum(j, w0, words)` (words w0 .. w0 + GROUP - 1 of chunk j), the groups
@@ -255,9 +242,6 @@ __device__ __forceinline__ u32 fixed_lut_entry(u32 word, int k, u32 lane_at) {
     return v;
 }
 
-#ifndef GEMV2_X_AHEAD2
-#define GEMV2_X_AHEAD2 0
-#endif
 #define GEMV2_CHAIN 2
 // GEMV2_CHAIN: words of a chunk
 // whose pairs one f16x2 FMA chain sums before it is added in f32 (1: each word's four pairs,
@@ -382,23 +366,6 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     // constant; it pays where the CTA is resident early, as the 128-register kernels are
     // beside a GEMV v3 CTA: 0.01-0.02 ms/token, docs/lab.md session 10).
     load_block(r0, cur);
-    // DV2_X_AHEAD2=1,2,3 (experiment): the 20-warp walks' (SwiGLU, lm_head) second block also
-    // goes out before the wait, into the registers the loop's prefetch uses anyway (nxt). Not
-    // the 27-warp down (X_DIRECT): at its 72 registers ptxas spilled 76 bytes, in the loop too;
-    // with 2 its second block (3: second and third) is prefetched into L2 instead.
-    constexpr bool ahead2 = GEMV2_X_AHEAD2 && WARPS != GEMV_WARPS && !X_DIRECT;
-    if (ahead2 && r0 + block < r1) load_block(r0 + block, nxt);
-    constexpr int l2_blocks = X_DIRECT && WARPS != GEMV_WARPS && GEMV2_X_AHEAD2 >= 2 ? GEMV2_X_AHEAD2 - 1 : 0;
-#pragma unroll
-    for (int b = 1; b <= l2_blocks; b++)
-#pragma unroll
-        for (int i = 0; i < R; i++) {
-            const int r = r0 + b * block + i * row_lanes + row_lane;
-            if (r < r1) {
-#pragma unroll
-                for (int k = 0; k < NM; k++) prefetch_row_l2<J>(rows_of.matrix(r, k), rows_of.local(r), cols, part);
-            }
-        }
     if (loads_first) build_table();
     pdl_enter<true>();
     if (skip_if && *skip_if) return;
@@ -424,7 +391,7 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     }
     float ss = 0.0f;  // squares of the values this thread stored
     for (int base = r0; base < r1; base += block) {
-        if (base + block < r1 && !(ahead2 && base == r0)) load_block(base + block, nxt);
+        if (base + block < r1) load_block(base + block, nxt);
         float sums[R][NM];
 #pragma unroll
         for (int i = 0; i < R; i++)
