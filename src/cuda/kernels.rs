@@ -392,10 +392,6 @@ fn options(arch: &str, cfg: &Config) -> Vec<String> {
     }
     opts.extend(cfg.nvrtc_defines());
     opts.extend(shared_defines());
-    // DV2_X_AHEAD2=1, 2, 3 or 4 (experiment): kernels/gemv.cu's GEMV2_X_AHEAD2.
-    if let Ok(v @ ("1" | "2" | "3" | "4")) = std::env::var("DV2_X_AHEAD2").as_deref() {
-        opts.push(format!("-DGEMV2_X_AHEAD2={v}"));
-    }
     opts
 }
 
