@@ -141,28 +141,6 @@ __device__ __forceinline__ void read_x16_slice(const u32* __restrict__ staged, i
     for (int j = 0; j < J; j++) read_x16_chunk<STRIDE>(staged, (part * J + j) * 32 + lane, n_chunks, xh.h[j]);
 }
 
-// DV2_X_AHEAD2=4 (experiment): read_x16_slice<J, 16> from x itself by loads the compiler
-// keeps where they are written (a walk that re-reads x each iteration from L1 instead of
-// holding it in 16 registers).
-template <int J>
-__device__ __forceinline__ void reread_x16_slice(const u32* x, int part, int cols, XHalves<J>& xh) {
-    const int lane = threadIdx.x & 31, n_chunks = cols >> 5;
-#pragma unroll
-    for (int j = 0; j < J; j++) {
-        const int c = (part * J + j) * 32 + lane;
-#pragma unroll
-        for (int q = 0; q < 4; q++) {
-            uint4 v = make_uint4(0u, 0u, 0u, 0u);
-            if (c < n_chunks)
-                asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-                             : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                             : "l"(x + c * 16 + 4 * q));
-            u32* h = xh.h[j] + 4 * q;
-            h[0] = v.x, h[1] = v.y, h[2] = v.z, h[3] = v.w;
-        }
-    }
-}
-
 template <int J>
 struct RowChunks {
     uint4 q[J];
@@ -208,19 +186,6 @@ __device__ __forceinline__ void load_row(Nf4Ref m, int row, int cols, int part, 
         const bool in = c < n_chunks;
         rc.q[j] = in ? load_weights16(w + c) : make_uint4(0u, 0u, 0u, 0u);
         rc.s[j] = in ? load_scale(a + (c >> 1)) : (u16)0;
-    }
-}
-
-// DV2_X_AHEAD2=2,3 (experiment): a row part's weights prefetched into L2, one lane of each 8
-// (a 128-byte line holds 8 lanes' 16-byte chunks); no register holds them.
-template <int J>
-__device__ __forceinline__ void prefetch_row_l2(Nf4Ref m, int row, int cols, int part) {
-    const int lane = threadIdx.x & 31, n_chunks = cols >> 5;
-    const uint4* w = reinterpret_cast<const uint4*>(m.packed + (size_t)(u32)row * (u32)(cols >> 1));
-#pragma unroll
-    for (int j = 0; j < J; j++) {
-        const int c = (part * J + j) * 32 + lane;
-        if ((lane & 7) == 0 && c < n_chunks) asm volatile("prefetch.global.L2 [%0];" ::"l"(w + c));
     }
 }
 
@@ -277,9 +242,6 @@ __device__ __forceinline__ u32 fixed_lut_entry(u32 word, int k, u32 lane_at) {
     return v;
 }
 
-#ifndef GEMV2_X_AHEAD2
-#define GEMV2_X_AHEAD2 0
-#endif
 #define GEMV2_CHAIN 2
 // GEMV2_CHAIN: words of a chunk
 // whose pairs one f16x2 FMA chain sums before it is added in f32 (1: each word's four pairs,
@@ -404,27 +366,6 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     // constant; it pays where the CTA is resident early, as the 128-register kernels are
     // beside a GEMV v3 CTA: 0.01-0.02 ms/token, docs/lab.md session 10).
     load_block(r0, cur);
-    // DV2_X_AHEAD2=1,2,3 (experiment): the 20-warp walks' (SwiGLU, lm_head) second block also
-    // goes out before the wait, into the registers the loop's prefetch uses anyway (nxt). Not
-    // the 27-warp down (X_DIRECT): at its 72 registers ptxas spilled 76 bytes, in the loop too;
-    // with 2 its second block (3: second and third) is prefetched into L2 instead.
-    // With 4 the 27-warp down re-reads x each iteration (reread_x16_slice) and so has the
-    // registers for its second block.
-    constexpr bool x_reread = GEMV2_X_AHEAD2 == 4 && X_DIRECT;
-    constexpr bool ahead2 = GEMV2_X_AHEAD2 && WARPS != GEMV_WARPS && (!X_DIRECT || x_reread);
-    if (ahead2 && r0 + block < r1) load_block(r0 + block, nxt);
-    constexpr int l2_blocks =
-        X_DIRECT && WARPS != GEMV_WARPS && (GEMV2_X_AHEAD2 == 2 || GEMV2_X_AHEAD2 == 3) ? GEMV2_X_AHEAD2 - 1 : 0;
-#pragma unroll
-    for (int b = 1; b <= l2_blocks; b++)
-#pragma unroll
-        for (int i = 0; i < R; i++) {
-            const int r = r0 + b * block + i * row_lanes + row_lane;
-            if (r < r1) {
-#pragma unroll
-                for (int k = 0; k < NM; k++) prefetch_row_l2<J>(rows_of.matrix(r, k), rows_of.local(r), cols, part);
-            }
-        }
     if (loads_first) build_table();
     pdl_enter<true>();
     if (skip_if && *skip_if) return;
@@ -435,7 +376,7 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     if (late && (int)threadIdx.x < r1 - r0) early_epi = rows_of.epi(r0 + threadIdx.x);
     XHalves<J> xh;
     if (X16 && X_DIRECT) {
-        if (!x_reread) read_x16_slice<J, 16>(reinterpret_cast<const u32*>(x), part, cols, xh);
+        read_x16_slice<J, 16>(reinterpret_cast<const u32*>(x), part, cols, xh);
         __syncthreads();  // the table
     } else if (X16) {
         stage_x16<WARPS * 32>(reinterpret_cast<const u16*>(x), cols, reinterpret_cast<u32*>(x_staged));
@@ -450,8 +391,7 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     }
     float ss = 0.0f;  // squares of the values this thread stored
     for (int base = r0; base < r1; base += block) {
-        if (base + block < r1 && !(ahead2 && base == r0)) load_block(base + block, nxt);
-        if (x_reread) reread_x16_slice<J>(reinterpret_cast<const u32*>(x), part, cols, xh);
+        if (base + block < r1) load_block(base + block, nxt);
         float sums[R][NM];
 #pragma unroll
         for (int i = 0; i < R; i++)
