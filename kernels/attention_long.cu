@@ -32,11 +32,6 @@
 // ATTNL_RANKS (CTAs per cluster), ATTNL_MAX_GROUP and ATTNL_MAX_CLUSTERS come from the host
 // (src/cuda/kernels.rs).
 #define ATTNL_TILE 16
-// DV2_X_ATTNL_SOLO=N (experiment): at most N tiles, rank 0 of the first cluster takes them all
-// over its warps and writes the output itself; its peers leave at once (no cluster merge).
-#ifndef ATTNL_X_SOLO_TILES
-#define ATTNL_X_SOLO_TILES 0
-#endif
 // A tile a warp: the tiles of one cluster's turn.
 #define ATTNL_CLUSTER_TILES (ATTNL_RANKS * ATTN_WARPS)
 #define LOG2E 1.4426950408889634f
@@ -225,9 +220,6 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
     const int valid = pos + 1, tiles = (valid + ATTNL_TILE - 1) / ATTNL_TILE;
     const int used = attnl_clusters(tiles, n_cl);
     if (cl >= used) return;  // the whole cluster: no barrier waits for it
-    // DV2_X_ATTNL_SOLO: no peer arrives at the cluster barrier, and rank 0 waits on none.
-    const bool solo = ATTNL_X_SOLO_TILES > 0 && tiles <= ATTNL_X_SOLO_TILES;
-    if (solo && rank != 0) return;
     // The cluster merge's inbox: from every rank, its m and l and its partial of this rank's
     // dims of each head, pushed (st.async) and counted in bytes on push_bar. Why pushes: the
     // loads from the peers' shared memory waited behind a cluster barrier whose release fence
@@ -236,11 +228,9 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
     __shared__ __align__(16) float recv_o[ATTNL_RANKS][ATTNL_MAX_GROUP][DR];
     __shared__ __align__(8) float recv_ml[ATTNL_RANKS][ATTNL_MAX_GROUP][2];
     __shared__ __align__(8) u64 push_bar;
-    if (!solo) {
-        if (threadIdx.x == 0) push_barrier_init(&push_bar);
-        cluster_arrive_relaxed();  // the wait before the pushes: every peer's push_bar initialised
-    }
-    const long long cta = solo ? 0 : cl * ATTNL_RANKS + rank, ctas = solo ? 1 : used * ATTNL_RANKS;
+    if (threadIdx.x == 0) push_barrier_init(&push_bar);
+    cluster_arrive_relaxed();  // the wait before the pushes: every peer's push_bar initialised
+    const long long cta = cl * ATTNL_RANKS + rank, ctas = used * ATTNL_RANKS;
     const int tile_end = (int)(tiles * (cta + 1) / ctas);
     int tile = (int)(tiles * cta / ctas) + warp;
 
@@ -389,16 +379,6 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
 #pragma unroll
         for (int w = 0; w < ATTN_WARPS; w++) sum = fmaf(o_w[w][h][dim], weight(mw[w], mx), sum);
         o_w[0][h][dim] = sum;  // this thread alone reads and writes element (h, dim)
-        if (solo) {
-            float lsum = 0.0f;
-#pragma unroll
-            for (int w = 0; w < ATTN_WARPS; w++) lsum = fmaf(l_w[w][h], weight(mw[w], mx), lsum);
-            out[(size_t)(q0 + h) * HD + dim] = sum / lsum;
-        }
-    }
-    if (solo) {
-        timeline_end();
-        return;
     }
     timeline_mark(6);
     // The cluster's merge: rank r's dims of each head from every rank's partial, each rank's

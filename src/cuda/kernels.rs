@@ -392,10 +392,6 @@ fn options(arch: &str, cfg: &Config) -> Vec<String> {
     }
     opts.extend(cfg.nvrtc_defines());
     opts.extend(shared_defines());
-    // DV2_X_ATTNL_SOLO=N (experiment): kernels/attention_long.cu's ATTNL_X_SOLO_TILES.
-    if let Ok(v @ ("4" | "8" | "16")) = std::env::var("DV2_X_ATTNL_SOLO").as_deref() {
-        opts.push(format!("-DATTNL_X_SOLO_TILES={v}"));
-    }
     opts
 }
 
