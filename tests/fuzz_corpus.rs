@@ -114,6 +114,19 @@ fn text_corpus_replays() {
     println!("text: {} inputs replayed", inputs.len());
 }
 
+/// The `abi` target's corpus through the C ABI on the tiny BPE GGUF of the `gguf` corpus,
+/// one engine for all of it as in the fuzzer.
+#[test]
+fn abi_corpus_replays() {
+    let target = targets::AbiTarget::new(&corpus("gguf").join("seed-tiny-llama-bpe"))
+        .expect("the tiny GGUF loads on the CPU");
+    let inputs = inputs("abi");
+    for input in &inputs {
+        targets::abi(&target, input);
+    }
+    println!("abi: {} inputs replayed", inputs.len());
+}
+
 /// GPT-2's byte-level alphabet: the character each byte stands for in a vocabulary's pieces.
 fn byte_level_chars() -> Vec<char> {
     let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || b >= 174;

@@ -1,12 +1,14 @@
 //! What each fuzz target runs on one input, shared with the corpus replay in the library's
 //! tests (tests/fuzz_corpus.rs includes this file): `gguf` and `hf` lay the input out as model
 //! files in a scratch directory and load them; `text` puts it through a real model's
-//! tokenizer and chat template. Any error is fine; a panic (a broken round trip included), an
+//! tokenizer and chat template; `abi` reads it as a sequence of C ABI calls on one engine. Any
+//! error is fine; a panic (a broken round trip or a broken contract of the ABI included), an
 //! abort or a hang is a finding.
 
 use std::path::Path;
 
 use decodev2::chat::Message;
+use decodev2::ffi;
 use decodev2::tokenizer::Tokenizer;
 
 /// The separator between an `hf` input's parts: config.json, model.safetensors.index.json
@@ -177,4 +179,514 @@ fn split<'a>(data: &'a [u8], sep: &'a [u8]) -> impl Iterator<Item = &'a [u8]> {
             }
         }
     })
+}
+
+/// The `abi` target's engine: a handle from `dv2_load` on the CPU backend, kept across
+/// inputs (each input starts with a reset and greedy sampling), with the facts the checks
+/// need.
+pub struct AbiTarget {
+    engine: *mut ffi::dv2_engine,
+    vocab: i32,
+    max_seq: i32,
+}
+
+impl AbiTarget {
+    /// The engine on `model` (the `gguf` corpus' tiny Llama with a BPE tokenizer and a chat
+    /// template: fuzz/corpus/gguf/seed-tiny-llama-bpe), or None where it does not load.
+    pub fn new(model: &Path) -> Option<Self> {
+        let path = std::ffi::CString::new(model.to_str()?).ok()?;
+        let mut opts = ffi::dv2_options_default();
+        opts.backend = ffi::dv2_backend::DV2_BACKEND_CPU as i32;
+        // An id of the model's 32 (the tokenizer's own EOS lies past them), so that some
+        // requests finish.
+        opts.eos_id = 3;
+        let mut engine = std::ptr::null_mut();
+        // SAFETY: a NUL-terminated path, the default options, a writable out-pointer.
+        if unsafe { ffi::dv2_load(path.as_ptr(), &opts, &mut engine) } != ffi::dv2_status::DV2_OK {
+            return None;
+        }
+        let mut info = ffi::dv2_model_info {
+            struct_size: std::mem::size_of::<ffi::dv2_model_info>() as u32,
+            ..Default::default()
+        };
+        // SAFETY: a live handle and a writable struct of the size it names.
+        if unsafe { ffi::dv2_get_model_info(engine, &mut info) } != ffi::dv2_status::DV2_OK {
+            // SAFETY: the live handle, freed once.
+            unsafe { ffi::dv2_free(engine) };
+            return None;
+        }
+        Some(Self {
+            engine,
+            vocab: info.vocab,
+            max_seq: info.max_seq,
+        })
+    }
+}
+
+impl Drop for AbiTarget {
+    fn drop(&mut self) {
+        // SAFETY: the handle from dv2_load, freed once.
+        unsafe { ffi::dv2_free(self.engine) };
+    }
+}
+
+/// The bytes of an `abi` input, read as the arguments of its calls (zeros past the end).
+struct Args<'a>(&'a [u8]);
+
+impl Args<'_> {
+    fn bytes(&mut self, n: usize) -> &[u8] {
+        let (head, rest) = self.0.split_at(n.min(self.0.len()));
+        self.0 = rest;
+        head
+    }
+    fn u8(&mut self) -> u8 {
+        self.bytes(1).first().copied().unwrap_or(0)
+    }
+    fn u16(&mut self) -> u16 {
+        u16::from(self.u8()) | u16::from(self.u8()) << 8
+    }
+    fn u32(&mut self) -> u32 {
+        u32::from(self.u16()) | u32::from(self.u16()) << 16
+    }
+    /// A token id: one in the vocabulary, or (the flag byte's low bit) any i32.
+    fn id(&mut self, vocab: i32) -> i32 {
+        if self.u8() & 1 == 0 {
+            i32::from(self.u16()) % vocab.max(1)
+        } else {
+            self.u32() as i32
+        }
+    }
+    /// A float: one of the values at the edges of the sampling ranges, or any bits.
+    fn f32(&mut self) -> f32 {
+        const EDGES: [f32; 12] = [
+            0.0,
+            1.0,
+            0.5,
+            2.0,
+            -1.0,
+            1e-30,
+            1e30,
+            0.999_999,
+            -0.0,
+            f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+        ];
+        let pick = self.u8();
+        match EDGES.get(pick as usize) {
+            Some(&v) => v,
+            None => f32::from_bits(self.u32()),
+        }
+    }
+    /// A NUL-terminated string of up to `max` bytes (any NUL inside dropped).
+    fn c_string(&mut self, max: usize) -> std::ffi::CString {
+        let n = self.u8() as usize % (max + 1);
+        let bytes: Vec<u8> = self.bytes(n).iter().copied().filter(|&b| b != 0).collect();
+        std::ffi::CString::new(bytes).unwrap_or_default()
+    }
+}
+
+/// Bytes past an out-buffer's declared room that no call may touch.
+const CANARY: usize = 16;
+const CANARY_BYTE: u8 = 0xa5;
+
+/// An out-buffer of `room` elements with [`CANARY`] guard elements after it.
+struct Guarded<T: Copy> {
+    data: Vec<T>,
+    room: usize,
+    fill: T,
+}
+
+impl<T: Copy + PartialEq + std::fmt::Debug> Guarded<T> {
+    fn new(room: usize, fill: T) -> Self {
+        Self {
+            data: vec![fill; room + CANARY],
+            room,
+            fill,
+        }
+    }
+    fn ptr(&mut self) -> *mut T {
+        self.data.as_mut_ptr()
+    }
+    fn check(&self, call: &str) {
+        assert!(
+            self.data[self.room..].iter().all(|&v| v == self.fill),
+            "{call} wrote past its {} elements of room",
+            self.room
+        );
+    }
+}
+
+fn last_error() -> String {
+    // SAFETY: dv2_last_error returns a NUL-terminated string valid until the next call.
+    unsafe { std::ffi::CStr::from_ptr(ffi::dv2_last_error()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// An `abi` input: calls through the C ABI on one engine, as a C host would make them (every
+/// pointer valid for the room it declares, or NULL), each chosen by a byte (its low 4 bits)
+/// with its arguments from the bytes after it: prefill, step, step_n, logits, logprobs, reset,
+/// set_sampling, tokenize, detokenize, token_to_piece, chat_apply_template, token_special,
+/// token_is_eog, meta_str, meta_key, and the queries. A finding (a panic here, which AFL reports
+/// as a crash): a call that returns DV2_ERR_INTERNAL (a panic the ABI caught) or an error
+/// without a message, writes past the room it was given, leaves the handle unusable
+/// (dv2_position failing after it) or its position outside 0..=max_seq, or returns ids or
+/// lengths outside what it was asked for; an abort or a hang is one too.
+pub fn abi(target: &AbiTarget, data: &[u8]) {
+    use ffi::dv2_status::*;
+    let (h, vocab) = (target.engine, target.vocab);
+    // SAFETY (every call below): `h` is the live handle; each pointer is NULL or valid for
+    // the room passed beside it.
+    unsafe {
+        assert_eq!(ffi::dv2_reset(h), DV2_OK, "{}", last_error());
+        let greedy = ffi::dv2_sampling_default();
+        assert_eq!(
+            ffi::dv2_set_sampling(h, &greedy),
+            DV2_OK,
+            "{}",
+            last_error()
+        );
+    }
+    let mut args = Args(data);
+    while !args.0.is_empty() {
+        let op = args.u8();
+        let null = op & 0x80 != 0; // an optional pointer passed as NULL
+        let mut position = 0i32;
+        // SAFETY: as above.
+        let before = unsafe { ffi::dv2_position(h, &mut position) };
+        assert_eq!(before, DV2_OK, "{}", last_error());
+        let (name, status) = match op & 15 {
+            0 => {
+                let n = args.u8() as usize % 24;
+                let ids: Vec<i32> = (0..n).map(|_| args.id(vocab)).collect();
+                let mut next = -7i32;
+                let out: *mut i32 = if null {
+                    std::ptr::null_mut()
+                } else {
+                    &mut next
+                };
+                let ptr = if n == 0 && args.u8() & 1 == 1 {
+                    std::ptr::null()
+                } else {
+                    ids.as_ptr()
+                };
+                // SAFETY: `ptr` NULL or `n` readable ids; `out` NULL or writable.
+                let s = unsafe { ffi::dv2_prefill(h, ptr, n, out) };
+                if s == DV2_OK {
+                    check_position(h, position + n as i32);
+                    if !null {
+                        assert!((0..vocab).contains(&next), "prefill's next id {next}");
+                    }
+                }
+                ("dv2_prefill", s)
+            }
+            1 => {
+                let mut id = -7i32;
+                let out: *mut i32 = if null { std::ptr::null_mut() } else { &mut id };
+                // SAFETY: `out` NULL or writable.
+                let s = unsafe { ffi::dv2_step(h, out) };
+                if s == DV2_OK {
+                    check_position(h, position + 1);
+                    if !null {
+                        assert!((0..vocab).contains(&id), "step's id {id}");
+                    }
+                }
+                ("dv2_step", s)
+            }
+            2 => {
+                let n = args.u8() as usize % 12;
+                let mut ids = Guarded::new(n, -7i32);
+                let mut count = usize::MAX;
+                let out = if null {
+                    std::ptr::null_mut()
+                } else {
+                    ids.ptr()
+                };
+                // SAFETY: `out` NULL or room for `n` ids; `count` writable.
+                let s = unsafe { ffi::dv2_step_n(h, n, out, &mut count) };
+                ids.check("dv2_step_n");
+                if s == DV2_OK {
+                    assert!(count <= n, "step_n counted {count} of {n}");
+                    check_position(h, position + count as i32);
+                    assert!(ids.data[..count].iter().all(|id| (0..vocab).contains(id)));
+                }
+                ("dv2_step_n", s)
+            }
+            3 => {
+                let n = args.u16() as usize % (2 * vocab.max(1) as usize + 1);
+                let mut logits = Guarded::new(n, f32::from_bits(0x7fc0_a5a5));
+                let out = if null {
+                    std::ptr::null_mut()
+                } else {
+                    logits.ptr()
+                };
+                // SAFETY: `out` NULL or room for `n` floats.
+                let s = unsafe { ffi::dv2_logits(h, out, n) };
+                let guard: Vec<u32> = logits.data[n..].iter().map(|v| v.to_bits()).collect();
+                assert!(
+                    guard.iter().all(|&b| b == 0x7fc0_a5a5),
+                    "dv2_logits wrote past {n}"
+                );
+                ("dv2_logits", s)
+            }
+            4 => {
+                let id = args.id(vocab);
+                let n_top = i32::from(args.u8() % 32) - 4;
+                let room = n_top.max(0) as usize;
+                let mut top_ids = Guarded::new(room, -7i32);
+                let mut top = Guarded::new(room, 7.0f32);
+                let mut lp = 7.0f32;
+                let (ids_ptr, top_ptr) = if null {
+                    (std::ptr::null_mut(), std::ptr::null_mut())
+                } else {
+                    (top_ids.ptr(), top.ptr())
+                };
+                // SAFETY: the arrays NULL or with room for `n_top` values each.
+                let s = unsafe { ffi::dv2_logprobs(h, id, n_top, &mut lp, ids_ptr, top_ptr) };
+                top_ids.check("dv2_logprobs' ids");
+                top.check("dv2_logprobs' values");
+                if s == DV2_OK {
+                    assert!(lp <= 1e-4, "logprob {lp}");
+                    let given = room.min(vocab as usize);
+                    if !null {
+                        assert!(top_ids.data[..given].iter().all(|i| (0..vocab).contains(i)));
+                        assert!(
+                            top.data[..given].iter().all(|&v| v <= 1e-4),
+                            "{:?}",
+                            top.data
+                        );
+                        assert!(top.data[..given].windows(2).all(|w| w[0] >= w[1]));
+                    }
+                }
+                ("dv2_logprobs", s)
+            }
+            5 => {
+                // SAFETY: the live handle.
+                let s = unsafe { ffi::dv2_reset(h) };
+                if s == DV2_OK {
+                    check_position(h, 0);
+                }
+                ("dv2_reset", s)
+            }
+            6 => {
+                let mut sampling = ffi::dv2_sampling_default();
+                if args.u8() & 7 == 0 {
+                    sampling.struct_size = args.u32();
+                }
+                sampling.temperature = args.f32();
+                sampling.top_k = (args.u16() as i16).into();
+                sampling.top_p = args.f32();
+                sampling.min_p = args.f32();
+                sampling.repeat_penalty = args.f32();
+                sampling.presence_penalty = args.f32();
+                sampling.frequency_penalty = args.f32();
+                sampling.penalty_last_n = (args.u16() as i16).into();
+                sampling.seed = u64::from(args.u32());
+                // SAFETY: a readable struct.
+                ("dv2_set_sampling", unsafe {
+                    ffi::dv2_set_sampling(h, &sampling)
+                })
+            }
+            7 => {
+                let asked = args.u8() as usize % 48;
+                let text = args.bytes(asked).to_vec();
+                let n = text.len(); // fewer where the input ends
+                let flags = u32::from(args.u8() % 8);
+                let cap = args.u8() as usize % 64;
+                let mut ids = Guarded::new(cap, -7i32);
+                let mut n_out = usize::MAX;
+                let text_ptr = if n == 0 && null {
+                    std::ptr::null()
+                } else {
+                    text.as_ptr().cast()
+                };
+                // SAFETY: `text_len` readable bytes; room for `cap` ids.
+                let s =
+                    unsafe { ffi::dv2_tokenize(h, text_ptr, n, flags, ids.ptr(), cap, &mut n_out) };
+                ids.check("dv2_tokenize");
+                check_lengths("dv2_tokenize", s, n_out, cap);
+                if s == DV2_OK {
+                    assert!(ids.data[..n_out].iter().all(|&i| i >= 0), "negative id");
+                }
+                ("dv2_tokenize", s)
+            }
+            8 => {
+                let n = args.u8() as usize % 12;
+                let ids: Vec<i32> = (0..n).map(|_| args.id(vocab)).collect();
+                let flags = u32::from(args.u8() % 4);
+                let cap = args.u8() as usize % 64;
+                let mut out = Guarded::new(cap, CANARY_BYTE);
+                let mut len = usize::MAX;
+                // SAFETY: `n` readable ids; room for `cap` bytes.
+                let s = unsafe {
+                    ffi::dv2_detokenize(h, ids.as_ptr(), n, flags, out.ptr().cast(), cap, &mut len)
+                };
+                out.check("dv2_detokenize");
+                check_lengths("dv2_detokenize", s, len, cap);
+                ("dv2_detokenize", s)
+            }
+            9 => {
+                let id = args.id(vocab);
+                let cap = args.u8() as usize % 16;
+                let mut out = Guarded::new(cap, CANARY_BYTE);
+                let mut len = usize::MAX;
+                // SAFETY: room for `cap` bytes.
+                let s = unsafe { ffi::dv2_token_to_piece(h, id, out.ptr().cast(), cap, &mut len) };
+                out.check("dv2_token_to_piece");
+                check_lengths("dv2_token_to_piece", s, len, cap);
+                ("dv2_token_to_piece", s)
+            }
+            10 => {
+                let n = args.u8() as usize % 4;
+                let strings: Vec<(std::ffi::CString, std::ffi::CString)> = (0..n)
+                    .map(|_| (args.c_string(12), args.c_string(24)))
+                    .collect();
+                let messages: Vec<ffi::dv2_chat_message> = strings
+                    .iter()
+                    .map(|(role, content)| ffi::dv2_chat_message {
+                        role: role.as_ptr(),
+                        content: content.as_ptr(),
+                    })
+                    .collect();
+                let add = i32::from(args.u8() & 1);
+                let cap = args.u8() as usize;
+                let mut out = Guarded::new(cap, CANARY_BYTE);
+                let mut len = usize::MAX;
+                let list = if n == 0 && null {
+                    std::ptr::null()
+                } else {
+                    messages.as_ptr()
+                };
+                // SAFETY: `n` messages of NUL-terminated strings; room for `cap` bytes.
+                let s = unsafe {
+                    ffi::dv2_chat_apply_template(h, list, n, add, out.ptr().cast(), cap, &mut len)
+                };
+                out.check("dv2_chat_apply_template");
+                check_lengths("dv2_chat_apply_template", s, len, cap);
+                ("dv2_chat_apply_template", s)
+            }
+            11 => {
+                let which = i32::from(args.u8() % 8) - 2;
+                let mut id = -7i32;
+                // SAFETY: a writable out-pointer.
+                let s = unsafe { ffi::dv2_token_special(h, which, &mut id) };
+                if s == DV2_OK {
+                    assert!(id >= -1, "special id {id}");
+                }
+                ("dv2_token_special", s)
+            }
+            12 => {
+                let id = args.id(vocab);
+                let mut flag = -7i32;
+                // SAFETY: a writable out-pointer.
+                let s = unsafe { ffi::dv2_token_is_eog(h, id, &mut flag) };
+                if s == DV2_OK {
+                    assert!(flag == 0 || flag == 1, "eog flag {flag}");
+                }
+                ("dv2_token_is_eog", s)
+            }
+            13 => {
+                let key = args.c_string(32);
+                let cap = args.u8() as usize % 48;
+                let mut out = Guarded::new(cap, CANARY_BYTE);
+                let mut len = usize::MAX;
+                // SAFETY: a NUL-terminated key; room for `cap` bytes.
+                let s =
+                    unsafe { ffi::dv2_meta_str(h, key.as_ptr(), out.ptr().cast(), cap, &mut len) };
+                out.check("dv2_meta_str");
+                check_lengths("dv2_meta_str", s, len, cap);
+                ("dv2_meta_str", s)
+            }
+            14 => {
+                let index = args.u8() as usize;
+                let cap = args.u8() as usize % 48;
+                let mut count = usize::MAX;
+                // SAFETY: a writable out-pointer.
+                assert_eq!(unsafe { ffi::dv2_meta_count(h, &mut count) }, DV2_OK);
+                let mut out = Guarded::new(cap, CANARY_BYTE);
+                let mut len = usize::MAX;
+                // SAFETY: room for `cap` bytes.
+                let s = unsafe { ffi::dv2_meta_key(h, index, out.ptr().cast(), cap, &mut len) };
+                out.check("dv2_meta_key");
+                check_lengths("dv2_meta_key", s, len, cap);
+                if index >= count {
+                    assert_eq!(s, DV2_ERR_INVALID_ARGUMENT, "key {index} of {count}");
+                }
+                ("dv2_meta_key", s)
+            }
+            _ => {
+                let mut info = ffi::dv2_model_info {
+                    struct_size: if null {
+                        args.u32()
+                    } else {
+                        std::mem::size_of::<ffi::dv2_model_info>() as u32
+                    },
+                    ..Default::default()
+                };
+                let (mut finished, mut next) = (-7i32, -7i32);
+                // SAFETY: writable out-pointers (the struct as large as its own size).
+                let s = unsafe {
+                    let info_status = ffi::dv2_get_model_info(h, &mut info);
+                    if info_status == DV2_OK {
+                        assert_eq!(info.vocab, vocab);
+                    }
+                    let f = ffi::dv2_finished(h, &mut finished);
+                    assert!(f == DV2_OK && (finished == 0 || finished == 1));
+                    let n = ffi::dv2_next_token(h, &mut next);
+                    assert!(
+                        n != DV2_OK || (0..vocab).contains(&next),
+                        "next token {next}"
+                    );
+                    info_status
+                };
+                ("dv2_get_model_info", s)
+            }
+        };
+        assert_ne!(status, DV2_ERR_INTERNAL, "{name}: {}", last_error());
+        if status != DV2_OK {
+            assert!(
+                !last_error().is_empty(),
+                "{name} failed with {status:?} and no message"
+            );
+        }
+        let mut after = -1i32;
+        // SAFETY: as above.
+        let usable = unsafe { ffi::dv2_position(h, &mut after) };
+        assert_eq!(usable, DV2_OK, "after {name}: {}", last_error());
+        assert!(
+            (0..=target.max_seq).contains(&after),
+            "position {after} after {name}"
+        );
+        if status != DV2_OK && status != DV2_FINISHED {
+            assert_eq!(
+                after, position,
+                "{name} failed ({status:?}) and moved the position"
+            );
+        }
+    }
+}
+
+/// The position the last call left, which must be `want`.
+fn check_position(h: *mut ffi::dv2_engine, want: i32) {
+    let mut p = -1i32;
+    // SAFETY: the live handle and a writable out-pointer.
+    assert_eq!(
+        unsafe { ffi::dv2_position(h, &mut p) },
+        ffi::dv2_status::DV2_OK
+    );
+    assert_eq!(p, want, "position");
+}
+
+/// A buffer call's length: within the room on success, past it where the room was too small.
+fn check_lengths(name: &str, status: ffi::dv2_status, len: usize, cap: usize) {
+    use ffi::dv2_status::*;
+    match status {
+        DV2_OK => assert!(len <= cap, "{name}: {len} of {cap}"),
+        DV2_ERR_BUFFER_TOO_SMALL => assert!(
+            len > cap && len != usize::MAX,
+            "{name}: needs {len}, room {cap}"
+        ),
+        _ => {}
+    }
 }
