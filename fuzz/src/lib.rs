@@ -183,7 +183,9 @@ fn split<'a>(data: &'a [u8], sep: &'a [u8]) -> impl Iterator<Item = &'a [u8]> {
 
 /// The `abi` target's engine: a handle from `dv2_load` on the CPU backend, kept across
 /// inputs (each input starts with a reset and greedy sampling), with the facts the checks
-/// need.
+/// need. What else an input leaves (the last logits, the tokenizer's caches) carries over, so
+/// a crash that does not come back from its input alone comes back after the queue's earlier
+/// entries, replayed in id order.
 pub struct AbiTarget {
     engine: *mut ffi::dv2_engine,
     vocab: i32,
