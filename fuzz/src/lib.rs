@@ -492,18 +492,15 @@ pub fn abi(target: &AbiTarget, data: &[u8]) {
                 let n = text.len(); // fewer where the input ends
                 let flags = u32::from(args.u8() % 8);
                 let cap = args.u8() as usize % 64;
-                let mut ids = Guarded::new(cap, -7i32);
-                let mut n_out = usize::MAX;
                 let text_ptr = if n == 0 && null {
                     std::ptr::null()
                 } else {
                     text.as_ptr().cast()
                 };
-                // SAFETY: `text_len` readable bytes; room for `cap` ids.
-                let s =
-                    unsafe { ffi::dv2_tokenize(h, text_ptr, n, flags, ids.ptr(), cap, &mut n_out) };
-                ids.check("dv2_tokenize");
-                check_lengths("dv2_tokenize", s, n_out, cap);
+                let (s, ids, n_out) = buffer_call("dv2_tokenize", cap, -7i32, |out, n_out| {
+                    // SAFETY: `n` readable bytes; room for `cap` ids.
+                    unsafe { ffi::dv2_tokenize(h, text_ptr, n, flags, out, cap, n_out) }
+                });
                 if s == DV2_OK {
                     assert!(ids.data[..n_out].iter().all(|&i| i >= 0), "negative id");
                 }
@@ -514,25 +511,19 @@ pub fn abi(target: &AbiTarget, data: &[u8]) {
                 let ids: Vec<i32> = (0..n).map(|_| args.id(vocab)).collect();
                 let flags = u32::from(args.u8() % 4);
                 let cap = args.u8() as usize % 64;
-                let mut out = Guarded::new(cap, CANARY_BYTE);
-                let mut len = usize::MAX;
-                // SAFETY: `n` readable ids; room for `cap` bytes.
-                let s = unsafe {
-                    ffi::dv2_detokenize(h, ids.as_ptr(), n, flags, out.ptr().cast(), cap, &mut len)
-                };
-                out.check("dv2_detokenize");
-                check_lengths("dv2_detokenize", s, len, cap);
+                let (s, _, _) = buffer_call("dv2_detokenize", cap, CANARY_BYTE, |out, len| {
+                    // SAFETY: `n` readable ids; room for `cap` bytes.
+                    unsafe { ffi::dv2_detokenize(h, ids.as_ptr(), n, flags, out.cast(), cap, len) }
+                });
                 ("dv2_detokenize", s)
             }
             9 => {
                 let id = args.id(vocab);
                 let cap = args.u8() as usize % 16;
-                let mut out = Guarded::new(cap, CANARY_BYTE);
-                let mut len = usize::MAX;
-                // SAFETY: room for `cap` bytes.
-                let s = unsafe { ffi::dv2_token_to_piece(h, id, out.ptr().cast(), cap, &mut len) };
-                out.check("dv2_token_to_piece");
-                check_lengths("dv2_token_to_piece", s, len, cap);
+                let (s, _, _) = buffer_call("dv2_token_to_piece", cap, CANARY_BYTE, |out, len| {
+                    // SAFETY: room for `cap` bytes.
+                    unsafe { ffi::dv2_token_to_piece(h, id, out.cast(), cap, len) }
+                });
                 ("dv2_token_to_piece", s)
             }
             10 => {
@@ -549,20 +540,17 @@ pub fn abi(target: &AbiTarget, data: &[u8]) {
                     .collect();
                 let add = i32::from(args.u8() & 1);
                 let cap = args.u8() as usize;
-                let mut out = Guarded::new(cap, CANARY_BYTE);
-                let mut len = usize::MAX;
                 let list = if n == 0 && null {
                     std::ptr::null()
                 } else {
                     messages.as_ptr()
                 };
-                // SAFETY: `n` messages of NUL-terminated strings; room for `cap` bytes.
-                let s = unsafe {
-                    ffi::dv2_chat_apply_template(h, list, n, add, out.ptr().cast(), cap, &mut len)
-                };
-                out.check("dv2_chat_apply_template");
-                check_lengths("dv2_chat_apply_template", s, len, cap);
-                ("dv2_chat_apply_template", s)
+                let name = "dv2_chat_apply_template";
+                let (s, _, _) = buffer_call(name, cap, CANARY_BYTE, |out, len| {
+                    // SAFETY: `n` messages of NUL-terminated strings; room for `cap` bytes.
+                    unsafe { ffi::dv2_chat_apply_template(h, list, n, add, out.cast(), cap, len) }
+                });
+                (name, s)
             }
             11 => {
                 let which = i32::from(args.u8() % 8) - 2;
@@ -587,13 +575,10 @@ pub fn abi(target: &AbiTarget, data: &[u8]) {
             13 => {
                 let key = args.c_string(32);
                 let cap = args.u8() as usize % 48;
-                let mut out = Guarded::new(cap, CANARY_BYTE);
-                let mut len = usize::MAX;
-                // SAFETY: a NUL-terminated key; room for `cap` bytes.
-                let s =
-                    unsafe { ffi::dv2_meta_str(h, key.as_ptr(), out.ptr().cast(), cap, &mut len) };
-                out.check("dv2_meta_str");
-                check_lengths("dv2_meta_str", s, len, cap);
+                let (s, _, _) = buffer_call("dv2_meta_str", cap, CANARY_BYTE, |out, len| {
+                    // SAFETY: a NUL-terminated key; room for `cap` bytes.
+                    unsafe { ffi::dv2_meta_str(h, key.as_ptr(), out.cast(), cap, len) }
+                });
                 ("dv2_meta_str", s)
             }
             14 => {
@@ -602,12 +587,10 @@ pub fn abi(target: &AbiTarget, data: &[u8]) {
                 let mut count = usize::MAX;
                 // SAFETY: a writable out-pointer.
                 assert_eq!(unsafe { ffi::dv2_meta_count(h, &mut count) }, DV2_OK);
-                let mut out = Guarded::new(cap, CANARY_BYTE);
-                let mut len = usize::MAX;
-                // SAFETY: room for `cap` bytes.
-                let s = unsafe { ffi::dv2_meta_key(h, index, out.ptr().cast(), cap, &mut len) };
-                out.check("dv2_meta_key");
-                check_lengths("dv2_meta_key", s, len, cap);
+                let (s, _, _) = buffer_call("dv2_meta_key", cap, CANARY_BYTE, |out, len| {
+                    // SAFETY: room for `cap` bytes.
+                    unsafe { ffi::dv2_meta_key(h, index, out.cast(), cap, len) }
+                });
                 if index >= count {
                     assert_eq!(s, DV2_ERR_INVALID_ARGUMENT, "key {index} of {count}");
                 }
@@ -674,6 +657,23 @@ fn check_position(h: *mut ffi::dv2_engine, want: i32) {
         ffi::dv2_status::DV2_OK
     );
     assert_eq!(p, want, "position");
+}
+
+/// A call that writes up to `cap` elements and their count (`dv2_tokenize` and the text
+/// calls' buffer rule), on a guarded buffer filled with `fill`: nothing written past the room,
+/// the count checked by [`check_lengths`]; the status, the buffer and the count back.
+fn buffer_call<T: Copy + PartialEq>(
+    name: &str,
+    cap: usize,
+    fill: T,
+    call: impl FnOnce(*mut T, &mut usize) -> ffi::dv2_status,
+) -> (ffi::dv2_status, Guarded<T>, usize) {
+    let mut out = Guarded::new(cap, fill);
+    let mut len = usize::MAX;
+    let status = call(out.ptr(), &mut len);
+    out.check(name);
+    check_lengths(name, status, len, cap);
+    (status, out, len)
 }
 
 /// A buffer call's length: within the room on success, past it where the room was too small.
