@@ -5,7 +5,9 @@
 # mean gap from the previous kernel's end to its start (negative: it started while the previous
 # one ran, as programmatic dependent launch allows), the mean increment (its end minus the
 # previous kernel's end: what it adds to the step), and one layer's timeline. What the step's
-# time is made of inside the graph, which ncu (one kernel at a time) cannot show.
+# time is made of inside the graph, which ncu (one kernel at a time) cannot show. First, over
+# every step of the graph: the steps' spread (mean, p10, median, p90) and the idle time between
+# replays, what a bench's ms/token holds beyond the steps' median.
 # Usage: bash tests/gpu/trace-graph.sh [bench arguments]   (switches from the environment; the
 # full CSV, gzipped, goes to $OUT or ./device-logs). The arguments replace the default bench run
 # (the 3B shape's decode table), e.g. `--context qwen25_32b 48` for the 32B shape's graph;
@@ -41,6 +43,25 @@ def steps_of(rows):
     # A step starts at its embed_row (its commit may be commit_step or inside lm_head's kernel).
     starts = [i for i, r in enumerate(k) if r["name"] == "embed_row"]
     return [k[a:b] for a, b in zip(starts, starts[1:])]
+def pct(v, q):
+    v = sorted(v)
+    return v[round((len(v) - 1) * q)]
+def spread(g, steps):
+    # Every step of the graph, not only the last 100: whether the bench's mean per token
+    # (ms/token over whole chunks) sits above the steps' median because of a slow tail (the
+    # clocks under the power cap) or because of time between the replays.
+    span = [t(s[-1], "end_ns") - t(s[0], "start_ns") for s in steps]
+    print(f"graph {g}: all {len(span)} steps, first start to last end, µs: mean {st.mean(span):.1f}, "
+          f"p10 {pct(span, 0.1):.1f}, median {st.median(span):.1f}, p90 {pct(span, 0.9):.1f}, max {max(span):.1f}")
+    # Idle between a step's last end and the next step's first start: within a step_n chunk
+    # (the host queued the replays ahead) and at the chunks' and requests' edges (over 100 µs).
+    idle = [t(b[0], "start_ns") - t(a[-1], "end_ns") for a, b in zip(steps, steps[1:])]
+    inside = [x for x in idle if x <= 100]
+    edges = [x for x in idle if x > 100]
+    if inside:
+        print(f"  idle between replays, µs: {len(inside)} within chunks, median {st.median(inside):.2f}, "
+              f"mean {st.mean(inside):.2f}, max {max(inside):.2f}; {len(edges)} over 100 µs (chunk and request edges)"
+              + (f", median {st.median(edges):.0f}" if edges else ""))
 def summary(last, steps):
     span = [t(s[-1], "end_ns") - t(s[0], "start_ns") for s in steps]
     medians[last] = st.median(span)
@@ -79,6 +100,7 @@ picked = {"first": picked[:1], "all": picked}.get(sys.argv[2], picked[-1:])
 t = lambda r, f: int(r[f]) / 1e3  # µs
 medians = {}
 for last in picked:
+    spread(last, [s for s in stepped[last] if len(s) == n])
     summary(last, [s for s in stepped[last] if len(s) == n][-100:])
 if len(picked) > 1:
     base = medians[picked[0]]
