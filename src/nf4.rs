@@ -194,27 +194,6 @@ impl Nf4Matrix {
         let mut packed = vec![0u8; rows * row_bytes];
         let mut absmax = vec![f16::ZERO; rows * row_blocks];
         let per = crate::par::rows_per_thread(rows, cols);
-        // STUDY (not for commit): DV2_SIM_SCALE = "m|r,EBITS,MBITS,u|n".
-        let sim: Option<(bool, i32, i32, bool)> = std::env::var("DV2_SIM_SCALE").ok().filter(|v| !v.is_empty()).map(|v| {
-            let f: Vec<&str> = v.split(',').collect();
-            (f[0] == "m", f[1].parse().unwrap(), f[2].parse().unwrap(), f[3] == "u")
-        });
-        let (matrix_max, matrix_min_block) = match sim {
-            Some((true, ..)) => {
-                let mut m = 0f32;
-                let mut mn = f32::MAX;
-                let mut row = vec![0f32; cols];
-                for r in 0..rows {
-                    fill(r, &mut row);
-                    m = row.iter().fold(m, |m, v| m.max(v.abs()));
-                    for c in row.chunks_exact(BLOCK) {
-                        mn = mn.min(c.iter().fold(0f32, |m, v| m.max(v.abs())));
-                    }
-                }
-                (m, mn)
-            }
-            _ => (0.0, 0.0),
-        };
         // The first refused row, its column, the value there and what refused it.
         let first_error = std::sync::Mutex::new(None::<(usize, usize, f32, Refused)>);
         let chunks = packed
@@ -229,58 +208,7 @@ impl Nf4Matrix {
             for (j, (codes, scales)) in rows.enumerate() {
                 let r = i * per + j;
                 fill(r, &mut row);
-                let res = encode_row(&row, codes, scales);
-                if let (Ok(()), Some((per_matrix, eb, mb, up))) = (&res, sim) {
-                    let steps = (1u32 << mb) as f32;
-                    let rmax = if per_matrix { matrix_max } else { row.iter().fold(0f32, |m, v| m.max(v.abs())) };
-                    let top_e = (rmax * (1.0 + 1.0 / steps)).log2().floor() as i32;
-                    let lo_e = top_e - (1 << eb) + 1;
-                    let group = std::env::var("DV2_SIM_GROUP").ok().and_then(|g| g.parse::<usize>().ok());
-                    for (b, (values, out)) in row.chunks_exact(BLOCK).zip(codes.chunks_exact_mut(BLOCK / 2)).enumerate() {
-                        let (top_e, lo_e) = match group {
-                            Some(g) => {
-                                let gm = row[(b / g) * g * BLOCK..((b / g + 1) * g * BLOCK).min(cols)].iter().fold(0f32, |m, v| m.max(v.abs()));
-                                let te = (gm * (1.0 + 1.0 / steps)).log2().floor() as i32;
-                                (te, te - (1 << eb) + 1)
-                            }
-                            None => (top_e, lo_e),
-                        };
-                        let _ = top_e;
-                        let a = values.iter().fold(0f32, |m, v| m.max(v.abs()));
-                        if a == 0.0 { continue; }
-                        if eb == 0 {
-                            // linear 8-bit between the row's (or group's) smallest and largest absmax
-                            let g = group.unwrap_or(cols / BLOCK);
-                            let blocks: Vec<f32> = row[(b / g) * g * BLOCK..((b / g + 1) * g * BLOCK).min(cols)].chunks_exact(BLOCK).map(|c| c.iter().fold(0f32, |m, v| m.max(v.abs()))).collect();
-                            let mut lo = blocks.iter().fold(f32::MAX, |m, &v| m.min(v));
-                            let mut hi = blocks.iter().fold(0f32, |m, &v| m.max(v));
-                            if per_matrix { lo = matrix_min_block; hi = matrix_max; }
-                            if std::env::var("DV2_SIM_ZERO").is_ok() { lo = 0.0; }
-                            let step = (hi - lo) / ((1u32 << mb) - 1) as f32;
-                            let sc = if step > 0.0 { lo + ((a - lo) / step).round() * step } else { a };
-                            scales[b] = f16::from_f32(sc);
-                            continue;
-                        }
-                        let mut e = a.log2().floor() as i32;
-                        let sc = if e < lo_e {
-                            let small = 2f32.powi(lo_e);
-                            if up || a > small / 2.0 { small } else { 0.0 }
-                        } else {
-                            let f = (a / 2f32.powi(e) - 1.0) * steps;
-                            let mut m = if up { f.ceil() } else { f.round() };
-                            if m >= steps { m = 0.0; e += 1; }
-                            2f32.powi(e) * (1.0 + m / steps)
-                        };
-                        if up && sc > 0.0 {
-                            let inv = 1.0 / sc;
-                            let mut cs = [0u8; BLOCK];
-                            for (c, &v) in cs.iter_mut().zip(values) { *c = encode(v * inv); }
-                            for (byte, pair) in out.iter_mut().zip(cs.chunks_exact(2)) { *byte = (pair[0] << 4) | pair[1]; }
-                        }
-                        scales[b] = f16::from_f32(sc);
-                    }
-                }
-                if let Err(refused) = res {
+                if let Err(refused) = encode_row(&row, codes, scales) {
                     let c = match refused {
                         Refused::NonFinite => row.iter().position(|v| !v.is_finite()).unwrap_or(0),
                         Refused::ScaleBeyondF16 { block, .. } => block * BLOCK,
