@@ -8,7 +8,7 @@
 //!                                               [--cta-timeline PATH [DEPTH [PRESET]]] [--context [PRESET [DEPTHS]] [--against VAR=VALUE]
 //!                                               [--against-loaded-first]]
 //!                                               [--shapes PRESET] [--load PATH [REPS]]
-//!                                               [--sampling [PRESET [DEPTHS]]]
+//!                                               [--sampling [PRESET [DEPTHS]]] [--step-loop [PRESET [DEPTHS]]]
 //!
 //! load s is `Engine::new` (upload, allocation, kernels, warm-up); warmup ms is its eager
 //! probe step + graph capture; prefill ms is the prompt to the first token; ms/token the steps
@@ -29,6 +29,9 @@
 //! 5,000 prompt tokens (`--against-loaded-first`: that engine loaded before the default's).
 //! `--sampling [PRESET [D1,D2,..]]` prints only sampled decode against greedy decode by depth
 //! (48 and 8k unless listed), in one engine, on the Qwen2.5-3B shape or the named preset.
+//! `--step-loop [PRESET [D1,D2,..]]` prints only decode a step a call (`Engine::step`, what a
+//! host streaming tokens through `dv2_step` runs) against `step_n` in the same engine, by depth
+//! (48 and 8k unless listed): the host's cost a token between the steps.
 //! `--shapes PRESET` takes the kernel table's matrices from that preset (default qwen25_3b).
 //! `--load PATH [REPS]` prints only load times of a model file or directory (read and device
 //! parts), REPS times (3): the first cold or warm as the page cache is, the rest warm.
@@ -937,6 +940,49 @@ fn context_sweep(
     println!("wrote {json_path}");
 }
 
+/// `--step-loop [PRESET [D1,D2,..]]`: decode ms/token of 128 tokens after a prompt of each
+/// depth, a step a call (`Engine::step` per id) and in one `step_n`, requests of each alternating
+/// in one engine (max_seq: the deepest depth + 256), medians of 5 requests after a warm one; the
+/// difference is what the host's turn between two steps costs a token.
+fn step_loop(preset: &str, depths: &[usize]) {
+    const TOKENS: usize = 128;
+    const REPS: usize = 5;
+    let spec = decodev2::arch::preset(preset).expect("preset");
+    let model = synth::build(&spec, 0).unwrap();
+    let opts = EngineOptions {
+        backend: BackendKind::Cuda,
+        max_seq: depths.iter().max().unwrap() + 256,
+        ..EngineOptions::default()
+    };
+    let mut e = Engine::new(model, &opts).expect("cuda engine");
+    println!(
+        "{preset}: ms/token of {TOKENS} tokens, a step a call against step_n (medians of {REPS})"
+    );
+    println!(
+        "  {:>6} {:>10} {:>10} {:>12}",
+        "depth", "step", "step_n", "host µs/tok"
+    );
+    for &depth in depths {
+        let prompt = synth::prompt(spec.vocab, depth, 1);
+        let (mut by_step, mut by_n) = (Vec::new(), Vec::new());
+        for rep in 0..REPS + 1 {
+            start_request(&mut e, &prompt);
+            let t = Instant::now();
+            for _ in 0..TOKENS {
+                e.step().unwrap();
+            }
+            let step_ms = t.elapsed().as_secs_f64() * 1e3 / TOKENS as f64;
+            let (_, n_ms) = one_request(&mut e, &prompt, TOKENS);
+            if rep > 0 {
+                by_step.push(step_ms);
+                by_n.push(n_ms);
+            }
+        }
+        let (a, b) = (median(by_step), median(by_n));
+        println!("  {depth:>6} {a:>10.4} {b:>10.4} {:>12.1}", (a - b) * 1e3);
+    }
+}
+
 /// `--sampling [PRESET [D1,D2,..]]`: decode ms/token of 128 tokens after a prompt of each
 /// depth, greedy and under three sampling settings (temperature alone; OpenAI's top_p; llama.cpp's
 /// defaults: top-k, top-p, min-p and a repeat penalty), each timed right after the greedy run in
@@ -1119,6 +1165,11 @@ fn main() {
     if let Some(i) = args.iter().position(|a| a == "--load") {
         let reps = args.get(i + 2).and_then(|r| r.parse().ok()).unwrap_or(3);
         load_times(args.get(i + 1).expect("--load PATH"), reps);
+        return;
+    }
+    if let Some(i) = args.iter().position(|a| a == "--step-loop") {
+        let (preset, depths) = preset_and_depths(&args, i, &[48, 8192]);
+        step_loop(preset, &depths);
         return;
     }
     if let Some(i) = args.iter().position(|a| a == "--sampling") {
