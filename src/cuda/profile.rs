@@ -111,6 +111,7 @@ impl CudaBackend {
     /// step().
     pub fn profile_step(&mut self) -> Result<Vec<(&'static str, f64)>> {
         self.position = None; // the commit below moves it on (or not, past EOS)
+        self.settled = None;
         let mut marks = StageMarks::new(&self.ops.gpu)?;
         self.forward_marked(true, false, &mut Some(&mut marks))?;
         self.commit(self.eos)?;

@@ -229,6 +229,7 @@ impl CudaBackend {
     /// is at most max_seq.
     pub fn draws_from(&mut self, logits: &[f32], history: &[u32], n: usize) -> Result<Vec<u32>> {
         let first_slot = history.len();
+        self.settled = None; // the state is rewritten below
         if logits.len() != self.spec.vocab || first_slot == 0 || first_slot + n > self.max_seq + 1 {
             return Err(Error::InvalidArgument(format!(
                 "draws_from: {} logits (vocab {}), slots {first_slot}..{} (1 to max_seq {})",

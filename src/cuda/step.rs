@@ -92,6 +92,11 @@ pub struct CudaBackend {
     pub(super) sampler: DeviceSampler,
     /// The state's position as the host last knew it (None: read it back before use).
     pub(super) position: Option<usize>,
+    /// The state as the last prefill or step_n left it, read back once as they ended; None from
+    /// the next call that launches work on it. `next_token`, `finished` and `position` answer
+    /// from it: after a step each was a device round trip of its own (three a `dv2_step` with
+    /// the step's own, where one serves).
+    pub(super) settled: Option<[i32; state::LEN]>,
     /// Prompt tokens per prefill chunk; 0: one token at a time through the decode step.
     pub(super) chunk: usize,
     /// The position of the first forward whose logits held inf or NaN, not yet taken by the
@@ -197,6 +202,7 @@ impl CudaBackend {
             sampled_graphs: Vec::new(),
             sampler: DeviceSampler::new(gpu, &lens.sampler)?,
             position: Some(0),
+            settled: None,
             chunk,
             warmup_ms: 0.0,
             upload_ms,
@@ -514,6 +520,14 @@ impl CudaBackend {
         Ok(v.try_into().expect("state length"))
     }
 
+    /// The state as the last prefill or step_n left it, or read back where work ran since.
+    fn settled_state(&self) -> Result<[i32; state::LEN]> {
+        match self.settled {
+            Some(st) => Ok(st),
+            None => self.read_state(),
+        }
+    }
+
     /// The state after forwards: keeps the first non-finite position the kernels marked, and
     /// clears the mark on the device for the next ones.
     fn read_state_after_forwards(&mut self) -> Result<[i32; state::LEN]> {
@@ -562,6 +576,7 @@ impl Backend for CudaBackend {
         // completed launch; zeroed here too, so that no interrupted step can leave the next
         // one miscounting.
         self.position = None;
+        self.settled = None;
         let zeros = [0i32; state::LEN];
         self.ops
             .gpu
@@ -588,6 +603,7 @@ impl Backend for CudaBackend {
     fn prefill(&mut self, ids: &[u32]) -> Result<()> {
         let start = self.host_position()?;
         self.position = None; // until the prefill has completed
+        self.settled = None;
         let ids: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
         self.ops
             .gpu
@@ -617,7 +633,7 @@ impl Backend for CudaBackend {
         }
         let (eos, hist) = (self.eos, self.ptr(&self.sampler.history));
         launch!(self.ops.gpu, &self.ops.k.finish_prefill, one_cta(1); state, eos, hist)?;
-        self.read_state_after_forwards()?;
+        self.settled = Some(self.read_state_after_forwards()?);
         self.position = Some(start + ids.len());
         Ok(())
     }
@@ -627,6 +643,7 @@ impl Backend for CudaBackend {
     /// nothing on the device.
     fn step_n(&mut self, out: &mut [u32]) -> Result<usize> {
         self.position = None; // until the steps have completed
+        self.settled = None;
         let state = self.ptr(&self.state);
         launch!(self.ops.gpu, &self.ops.k.ring_reset, one_cta(1); state)?;
         // Each step runs at the state's position, or does nothing (the request finished).
@@ -638,8 +655,13 @@ impl Backend for CudaBackend {
         }
         let st = self.read_state_after_forwards()?;
         self.position = Some(st[state::POSITION] as usize);
+        self.settled = Some(st);
         let done = st[state::RING_COUNT] as usize;
-        let ring = self.ops.gpu.download(&self.arena.ring, done)?;
+        // Every commit also leaves its id as the state's token: one step's is there already.
+        let ring = match done {
+            1 => vec![st[state::TOKEN]],
+            _ => self.ops.gpu.download(&self.arena.ring, done)?,
+        };
         out.iter_mut()
             .zip(&ring)
             .for_each(|(o, id)| *o = *id as u32);
@@ -661,7 +683,7 @@ impl Backend for CudaBackend {
     }
 
     fn next_token(&mut self) -> Result<u32> {
-        Ok(self.read_state()?[state::NEXT_TOKEN] as u32)
+        Ok(self.settled_state()?[state::NEXT_TOKEN] as u32)
     }
 
     fn logits(&mut self, out: &mut [f32]) -> Result<()> {
@@ -671,14 +693,14 @@ impl Backend for CudaBackend {
     }
 
     fn position(&mut self) -> Result<usize> {
-        let st = self.read_state()?;
+        let st = self.settled_state()?;
         debug_assert_eq!(st[state::POSITION], st[state::VALID_LEN]);
         self.position = Some(st[state::POSITION] as usize);
         Ok(st[state::POSITION] as usize)
     }
 
     fn finished(&mut self) -> Result<bool> {
-        Ok(self.read_state()?[state::FINISHED] != 0)
+        Ok(self.settled_state()?[state::FINISHED] != 0)
     }
 
     fn kv_guard_intact(&mut self) -> Result<bool> {
