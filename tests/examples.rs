@@ -141,6 +141,33 @@ except d.ModelFileError as err:
     print("file", err.status)
 "#;
 
+/// `Engine.generate` (ids decoded in dv2_step_n batches) against the loop it ran before, a step a
+/// call with the same checks, on SmolLM2 (CPU): the same text where the reply ends at the model's
+/// end of generation (EOS on: the engine stops there; ~18 ids), at max_tokens (10, EOS off: the
+/// engine decodes on past it) and at max_seq (48 slots: 12 ids after the chat prompt's 37).
+const GENERATE_IN_BATCHES: &str = r#"
+import sys, decodev2 as d
+def by_steps(e, prompt, max_tokens):
+    ids = e.tokenize(e.chat(prompt), add_special=True, parse_special=True)
+    e.reset()
+    nxt, stream, text = e.prefill(ids), d.TextStream(), ""
+    for n in range(max_tokens):
+        if e.finished() or e._ends(nxt):
+            break
+        text += stream.push(e.piece(nxt))
+        if n + 1 == max_tokens or e.position() >= e.info.max_seq:
+            break
+        nxt = e.step()
+    return text
+prompt = [{"role": "user", "content": "What is the capital of France?"}]
+for eos_id, max_seq, max_tokens in [(-2, 0, 40), (-1, 0, 10), (-1, 48, 40)]:
+    e = d.Engine.load(sys.argv[1], backend="cpu", eos_id=eos_id, max_seq=max_seq)
+    want = by_steps(e, prompt, max_tokens)
+    got = "".join(e.generate(prompt, max_tokens=max_tokens, chat=True))
+    assert got == want, (eos_id, max_seq, max_tokens, got, want)
+    print(len(e.tokenize(got, add_special=False)), end=" ")
+"#;
+
 /// `pip install ./python` into a fresh virtual environment ([`venv`]), then `import decodev2`
 /// and the `decodev2` command from another directory, with no path set.
 #[test]
@@ -200,6 +227,20 @@ file DV2_ERR_IO",
             .current_dir(std::env::temp_dir())
             .env_remove("DV2_LIB"));
         assert!(text.starts_with("The capital of France is Paris"), "{text}");
+        let counts = run(Command::new(venv.join("bin/python"))
+            .args(["-c", GENERATE_IN_BATCHES])
+            .arg(&model)
+            .current_dir(std::env::temp_dir())
+            .env_remove("DV2_LIB"));
+        let counts: Vec<usize> = counts
+            .split_whitespace()
+            .map(|c| c.parse().unwrap())
+            .collect();
+        // Each reply more than one batch long (batches start at one id and grow).
+        assert!(
+            counts.len() == 3 && counts.iter().all(|&c| c > 2),
+            "{counts:?}"
+        );
     }
 }
 

@@ -12,6 +12,7 @@ lives in.
 """
 import ctypes
 import os
+import time
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
@@ -186,6 +187,20 @@ def version():
     return lib.dv2_version().decode()
 
 
+# Decoding runs in dv2_step_n batches that take about this long, so that the host leaves the
+# token loop (a step a call cost ~0.11 ms a token over step_n on the H200 in Python, docs/lab.md
+# session 25) while a stream still moves in small bursts; 1 where a step takes longer.
+BURST_S = 0.02
+MAX_BATCH = 32
+
+
+def next_batch(done, since):
+    """The next batch's size from the time the last `done` ids took, and the clock now."""
+    now = time.perf_counter()
+    per_id = (now - since) / max(done, 1)
+    return max(1, min(MAX_BATCH, int(BURST_S / per_id) if per_id > 0 else MAX_BATCH)), now
+
+
 class Engine:
     """One model, one request at a time. Not thread-safe; one thread per Engine."""
 
@@ -281,7 +296,10 @@ class Engine:
         `prompt`: text, a list of ids, or with chat=True a list of {"role", "content"} messages
         put through the model's chat template. Sampling settings as set_sampling (none given:
         those already set; the default is greedy). Stops after max_tokens ids, at max_seq, or at
-        the model's end of generation (not yielded)."""
+        the model's end of generation (not yielded). The ids are decoded in dv2_step_n batches
+        of about BURST_S seconds (the host out of the token loop, as the server decodes), so the
+        engine may have decoded past an end of generation that is not its EOS id by the time
+        this returns: the next request resets it."""
         if chat:
             ids = self.tokenize(self.chat(prompt), add_special=True, parse_special=True)
         elif isinstance(prompt, (str, bytes)):
@@ -293,15 +311,25 @@ class Engine:
             self.set_sampling(**sampling)
         stream = TextStream()
         next_id = self.prefill(ids)
+        room = self.info.max_seq - len(ids)  # steps the KV cache holds after the prompt
+        ahead = []  # ids a batch decoded past next_id, not yet yielded
+        batch, clock = 1, time.perf_counter()
         for n in range(max_tokens):
-            if self.finished() or self._ends(next_id):
+            # next_id is the last id decoded when nothing is ahead: finished says it was EOS
+            # (a batch stops at EOS, so no id ahead of one is).
+            if (not ahead and self.finished()) or self._ends(next_id):
                 return
             text = stream.push(self.piece(next_id))
             if text:
                 yield text
-            if n + 1 == max_tokens or self.position() >= self.info.max_seq:
-                return
-            next_id = self.step()
+            if not ahead:
+                # n steps have run: the wanted ids left and the room left for them.
+                wanted = min(max_tokens - n - 1, room - n)
+                if wanted <= 0:
+                    return
+                ahead = self.step_n(min(batch, wanted))
+                batch, clock = next_batch(len(ahead), clock)
+            next_id = ahead.pop(0)
 
     def _ends(self, token_id):
         """Whether token_id ends a generation (the model file's end-of-generation ids; none

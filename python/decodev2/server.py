@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from . import Dv2Error, Engine, TextStream
+from . import Dv2Error, Engine, TextStream, next_batch
 
 MAX_TOP_LOGPROBS = 20
 # The request fields that go to Engine.set_sampling as they are.
@@ -153,25 +153,13 @@ class Generator:
                 else:
                     if not ahead:
                         ahead = e.step_n(min(batch, limit - count))
-                        batch, clock = _next_batch(len(ahead), clock)
+                        batch, clock = next_batch(len(ahead), clock)
                     next_id = ahead.pop(0)
             if len(text) > sent or len(tokens) > told:
                 out(len(text), final=True)
             return text, finish, len(ids), count, tokens
 
 
-# The decode runs in dv2_step_n batches that take about this long, so that the host leaves the
-# token loop (a step per call costs ~0.11 ms a token over step_n on the H200, docs/lab.md
-# session 25) while a stream still moves in small bursts; 1 where a step takes longer.
-BURST_S = 0.02
-MAX_BATCH = 32
-
-
-def _next_batch(done, since):
-    """The next batch's size from the time the last `done` ids took, and the clock now."""
-    now = time.perf_counter()
-    per_id = (now - since) / max(done, 1)
-    return max(1, min(MAX_BATCH, int(BURST_S / per_id) if per_id > 0 else MAX_BATCH)), now
 
 
 def _token(data):
