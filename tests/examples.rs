@@ -159,6 +159,7 @@ def by_steps(e, prompt, max_tokens):
             break
         nxt = e.step()
     return text
+d.BURST_S = 60.0  # batches of up to MAX_BATCH ids on a CPU too, where a step takes ~0.1 s
 prompt = [{"role": "user", "content": "What is the capital of France?"}]
 for eos_id, max_seq, max_tokens in [(-2, 0, 40), (-1, 0, 10), (-1, 48, 40)]:
     e = d.Engine.load(sys.argv[1], backend="cpu", eos_id=eos_id, max_seq=max_seq)
@@ -236,7 +237,7 @@ file DV2_ERR_IO",
             .split_whitespace()
             .map(|c| c.parse().unwrap())
             .collect();
-        // Each reply more than one batch long (batches start at one id and grow).
+        // Each reply more than one batch long: one id, then the rest in one.
         assert!(
             counts.len() == 3 && counts.iter().all(|&c| c > 2),
             "{counts:?}"
