@@ -160,8 +160,6 @@ class Generator:
             return text, finish, len(ids), count, tokens
 
 
-
-
 def _token(data):
     return data.decode("utf-8", errors="replace")
 
