@@ -2,10 +2,11 @@
 # Runs here (no GPU): builds the bench example and the cuda_gemv test of a git revision that
 # holds experiments behind DV2_X_* switches (a branch, a commit) and packs them, stripped, into
 # .dx/xp/, for tests/gpu/xp-against.sh on the GPU machine (device call with carry [".dx"]).
-# GATES=1 packs its cuda_gates test too (the oracle gates under a switch).
+# GATES=1 packs its cuda_gates test too (the oracle gates under a switch). XP=.dx/xp-NAME packs
+# into that folder instead (several revisions carried in one call; xp-against.sh takes the same).
 # The worktree stays at /tmp/dv2-xp (the binaries' compiled-in paths point there; the device
 # script links it to the checkout).
-# Usage: bash tests/gpu/pack-xp.sh REV
+# Usage: [XP=.dx/xp] [GATES=1] bash tests/gpu/pack-xp.sh REV
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 cd "$root"
@@ -25,10 +26,11 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == sys.argv[1]:
         print(m["executable"])' "$1")
 }
-rm -rf .dx/xp && mkdir -p .dx/xp
-cp "$target/release/examples/bench" .dx/xp/
-cp "$(test_binary cuda_gemv)" .dx/xp/cuda_gemv
-[[ ${GATES:-0} == 1 ]] && cp "$(test_binary cuda_gates)" .dx/xp/cuda_gates
-strip .dx/xp/*
-git -C "$tree" rev-parse --short HEAD > .dx/xp/REV
-echo "packed .dx/xp from $rev ($(cat .dx/xp/REV)): $(du -sh .dx/xp | cut -f1)"
+xp=${XP:-.dx/xp}
+rm -rf "$xp" && mkdir -p "$xp"
+cp "$target/release/examples/bench" "$xp/"
+cp "$(test_binary cuda_gemv)" "$xp/cuda_gemv"
+[[ ${GATES:-0} == 1 ]] && cp "$(test_binary cuda_gates)" "$xp/cuda_gates"
+strip "$xp"/*
+git -C "$tree" rev-parse --short HEAD > "$xp/REV"
+echo "packed $xp from $rev ($(cat "$xp/REV")): $(du -sh "$xp" | cut -f1)"
