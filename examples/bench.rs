@@ -940,13 +940,9 @@ fn context_sweep(
     println!("wrote {json_path}");
 }
 
-/// `--step-loop [PRESET [D1,D2,..]]`: decode ms/token of 128 tokens after a prompt of each
-/// depth, a step a call (`Engine::step` per id) and in one `step_n`, requests of each alternating
-/// in one engine (max_seq: the deepest depth + 256), medians of 5 requests after a warm one; the
-/// difference is what the host's turn between two steps costs a token.
-fn step_loop(preset: &str, depths: &[usize]) {
-    const TOKENS: usize = 128;
-    const REPS: usize = 5;
+/// A CUDA engine on `preset`'s synthetic weights (seed 0) with room for 256 tokens past the
+/// deepest of `depths`, and the preset's shape: the one engine of a sweep by depth.
+fn sweep_engine(preset: &str, depths: &[usize]) -> (decodev2::arch::ArchSpec, Engine) {
     let spec = decodev2::arch::preset(preset).expect("preset");
     let model = synth::build(&spec, 0).unwrap();
     let opts = EngineOptions {
@@ -954,7 +950,17 @@ fn step_loop(preset: &str, depths: &[usize]) {
         max_seq: depths.iter().max().unwrap() + 256,
         ..EngineOptions::default()
     };
-    let mut e = Engine::new(model, &opts).expect("cuda engine");
+    (spec, Engine::new(model, &opts).expect("cuda engine"))
+}
+
+/// `--step-loop [PRESET [D1,D2,..]]`: decode ms/token of 128 tokens after a prompt of each
+/// depth, a step a call (`Engine::step` per id) and in one `step_n`, requests of each alternating
+/// in one engine (max_seq: the deepest depth + 256), medians of 5 requests after a warm one; the
+/// difference is what the host's turn between two steps costs a token.
+fn step_loop(preset: &str, depths: &[usize]) {
+    const TOKENS: usize = 128;
+    const REPS: usize = 5;
+    let (spec, mut e) = sweep_engine(preset, depths);
     println!(
         "{preset}: ms/token of {TOKENS} tokens, a step a call against step_n (medians of {REPS})"
     );
@@ -989,14 +995,7 @@ fn step_loop(preset: &str, depths: &[usize]) {
 /// the same engine (max_seq: the deepest depth + 256), medians of 3 requests.
 fn sampling_sweep(preset: &str, depths: &[usize]) {
     const TOKENS: usize = 128;
-    let spec = decodev2::arch::preset(preset).expect("preset");
-    let model = synth::build(&spec, 0).unwrap();
-    let opts = EngineOptions {
-        backend: BackendKind::Cuda,
-        max_seq: depths.iter().max().unwrap() + 256,
-        ..EngineOptions::default()
-    };
-    let mut e = Engine::new(model, &opts).expect("cuda engine");
+    let (spec, mut e) = sweep_engine(preset, depths);
     let settings = [
         (
             "temperature 1",
