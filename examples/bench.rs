@@ -9,6 +9,7 @@
 //!                                               [--against-loaded-first]]
 //!                                               [--shapes PRESET] [--load PATH [REPS]]
 //!                                               [--sampling [PRESET [DEPTHS]]] [--step-loop [PRESET [DEPTHS]]]
+//!                                               [--rest [PRESET [DEPTHS]]]
 //!
 //! load s is `Engine::new` (upload, allocation, kernels, warm-up); warmup ms is its eager
 //! probe step + graph capture; prefill ms is the prompt to the first token; ms/token the steps
@@ -32,6 +33,9 @@
 //! `--step-loop [PRESET [D1,D2,..]]` prints only decode a step a call (`Engine::step`, what a
 //! host streaming tokens through `dv2_step` runs) against `step_n` in the same engine, by depth
 //! (48 and 8k unless listed): the host's cost a token between the steps.
+//! `--rest [PRESET [D1,D2,..]]` prints only decode in one `step_n`, in 16-step chunks back to back
+//! and in the same chunks each after 100 ms of rest, by depth (48 and 8k unless listed): whether
+//! the board's power cap slows the step.
 //! `--shapes PRESET` takes the kernel table's matrices from that preset (default qwen25_3b).
 //! `--load PATH [REPS]` prints only load times of a model file or directory (read and device
 //! parts), REPS times (3): the first cold or warm as the page cache is, the rest warm.
@@ -989,6 +993,65 @@ fn step_loop(preset: &str, depths: &[usize]) {
     }
 }
 
+/// `--rest [PRESET [D1,D2,..]]`: decode ms/token of 128 tokens after a prompt of each depth in
+/// one `step_n`, in 16-step `step_n` chunks back to back, and in the same chunks each after
+/// 100 ms with the GPU idle (only the chunks timed), the three alternating in one engine,
+/// medians of 5 requests after a warm one. Why: the 32B shape's decode meets the board's power
+/// cap (docs/lab.md, sessions 45-46) and its step spreads ±5% on one machine (session 53); if
+/// the cap slows the step, the rested chunks (half the average power) run faster than those
+/// back to back.
+fn rest_sweep(preset: &str, depths: &[usize]) {
+    const TOKENS: usize = 128;
+    const CHUNK: usize = 16;
+    const REPS: usize = 5;
+    const REST: std::time::Duration = std::time::Duration::from_millis(100);
+    let (spec, mut e) = sweep_engine(preset, depths);
+    println!(
+        "{preset}: ms/token of {TOKENS} tokens: one step_n, {CHUNK}-step chunks back to back, \
+         the chunks after {} ms of rest each (medians of {REPS})",
+        REST.as_millis()
+    );
+    println!(
+        "  {:>6} {:>10} {:>10} {:>10} {:>13}",
+        "depth", "step_n", "chunks", "rested", "rested/chunks"
+    );
+    // A request's decode in chunks, each timed alone after `rest`: ms per token.
+    let chunked = |e: &mut Engine, prompt: &[u32], rest: Option<std::time::Duration>| -> f64 {
+        start_request(e, prompt);
+        let mut out = vec![0u32; CHUNK];
+        let mut ms = 0.0;
+        for _ in 0..TOKENS / CHUNK {
+            if let Some(r) = rest {
+                std::thread::sleep(r);
+            }
+            let t = Instant::now();
+            let n = e.step_n(&mut out).unwrap();
+            ms += t.elapsed().as_secs_f64() * 1e3;
+            assert_eq!(n, CHUNK, "EOS is off: every step runs");
+        }
+        ms / TOKENS as f64
+    };
+    for &depth in depths {
+        let prompt = synth::prompt(spec.vocab, depth, 1);
+        let (mut whole, mut back, mut rested) = (Vec::new(), Vec::new(), Vec::new());
+        for rep in 0..REPS + 1 {
+            let (_, w) = one_request(&mut e, &prompt, TOKENS);
+            let b = chunked(&mut e, &prompt, None);
+            let r = chunked(&mut e, &prompt, Some(REST));
+            if rep > 0 {
+                whole.push(w);
+                back.push(b);
+                rested.push(r);
+            }
+        }
+        let (w, b, r) = (median(whole), median(back), median(rested));
+        println!(
+            "  {depth:>6} {w:>10.4} {b:>10.4} {r:>10.4} {:>+12.2}%",
+            (r / b - 1.0) * 1e2
+        );
+    }
+}
+
 /// `--sampling [PRESET [D1,D2,..]]`: decode ms/token of 128 tokens after a prompt of each
 /// depth, greedy and under three sampling settings (temperature alone; OpenAI's top_p; llama.cpp's
 /// defaults: top-k, top-p, min-p and a repeat penalty), each timed right after the greedy run in
@@ -1169,6 +1232,11 @@ fn main() {
     if let Some(i) = args.iter().position(|a| a == "--step-loop") {
         let (preset, depths) = preset_and_depths(&args, i, &[48, 8192]);
         step_loop(preset, &depths);
+        return;
+    }
+    if let Some(i) = args.iter().position(|a| a == "--rest") {
+        let (preset, depths) = preset_and_depths(&args, i, &[48, 8192]);
+        rest_sweep(preset, &depths);
         return;
     }
     if let Some(i) = args.iter().position(|a| a == "--sampling") {
