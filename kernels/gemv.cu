@@ -826,19 +826,11 @@ GEMV2_KWALK_KERNEL(gemv2_kwalk_x16_w16, false, 16, KwalkTable::Fixed)
 GEMV2_KWALK_KERNEL(gemv2_kwalk_f32, true, GEMV_WARPS, KwalkTable::BeforeX)
 // q/k/v walking K (the 32B shape's 7,168 rows, K = 5,120), 4 rows a warp over the whole K: 32
 // rows a CTA (the host's GEMV2_KWALK_QKV_ROWS), 224 CTAs.
-// GEMV2_X_QKV_W14 (experiment, DV2_X_QKV_W14=1): 14 warps, 56 rows a CTA, 128 CTAs one an SM.
-// Why: the 224 CTAs run two an SM on 112 SMs (20 hold none) and, released, are bound by their
-// walks' issue (their weights are in flight before the wait): 64 rows an SM become 56 on 128.
-#ifdef GEMV2_X_QKV_W14
-#define QKV_KWALK_WARPS 14
-#else
-#define QKV_KWALK_WARPS GEMV_WARPS
-#endif
 extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)
     gemv2_kwalk_qkv(QkvArgs a, const float* __restrict__ x, NormArgs norm, float* out, int cols, int kparts) {
     QkvRows q{a, out};
-    gemv2_kwalk<4, 2, true, QKV_KWALK_WARPS, KwalkTable::BeforeX>(q, a.rows[0] + a.rows[1] + a.rows[2], cols, x,
-                                                                  norm, kparts, nullptr);
+    gemv2_kwalk<4, 2, true, GEMV_WARPS, KwalkTable::BeforeX>(q, a.rows[0] + a.rows[1] + a.rows[2], cols, x, norm,
+                                                             kparts, nullptr);
 }
 // SwiGLU at K = 5,120 (the 32B shape's gate and up; the host's SWIGLU_W20_K): 160
 // chunks, 5 x 32, so 1 chunk a lane over 5 warps a row, 2 rows in flight a warp. Why: over 4

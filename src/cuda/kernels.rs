@@ -392,16 +392,7 @@ fn options(arch: &str, cfg: &Config) -> Vec<String> {
     }
     opts.extend(cfg.nvrtc_defines());
     opts.extend(shared_defines());
-    // DV2_X_QKV_W14=1 (experiment): kernels/gemv.cu's GEMV2_X_QKV_W14.
-    if qkv_w14() {
-        opts.push("-DGEMV2_X_QKV_W14".into());
-    }
     opts
-}
-
-/// DV2_X_QKV_W14=1 (experiment): the K-walking q/k/v over 14 warps, 56 rows a CTA.
-pub fn qkv_w14() -> bool {
-    std::env::var("DV2_X_QKV_W14").as_deref() == Ok("1")
 }
 
 /// Runs NVRTC on `src` and returns the cubin and the compiler's log, or the log as the error.

@@ -571,11 +571,7 @@ impl Ops {
         match kernel {
             Gemv::V2 if self.walks_k(rows, cols, false, GEMV2_KWALK_QKV_ROWS) => {
                 // 4 rows a warp, 8 warps, each over the whole K.
-                let mut cfg = self.kwalk_launch(rows, cols, false, GEMV2_KWALK_QKV_ROWS)?;
-                if crate::cuda::kernels::qkv_w14() {
-                    cfg.grid_dim.0 = rows.div_ceil(56) as u32;
-                    cfg.block_dim.0 = 14 * 32;
-                }
+                let cfg = self.kwalk_launch(rows, cols, false, GEMV2_KWALK_QKV_ROWS)?;
                 let kp = 1i32;
                 launch!(self.gpu, &self.k.gemv2_kwalk_qkv, cfg; args, x, norm, out, cols_i, kp)
                     .map(|_| false)
