@@ -33,9 +33,9 @@
 //! `--step-loop [PRESET [D1,D2,..]]` prints only decode a step a call (`Engine::step`, what a
 //! host streaming tokens through `dv2_step` runs) against `step_n` in the same engine, by depth
 //! (48 and 8k unless listed): the host's cost a token between the steps.
-//! `--rest [PRESET [D1,D2,..]]` prints only decode in one `step_n`, in 16-step chunks back to back
-//! and in the same chunks each after 100 ms of rest, by depth (48 and 8k unless listed): whether
-//! the board's power cap slows the step.
+//! `--rest [PRESET [D1,D2,..]]` prints only decode as one `step_n` request after 1 s idle and
+//! after another request, and in 16-step chunks back to back and each after 100 ms idle, by depth
+//! (48 and 8k unless listed): whether the board's power cap slows the step.
 //! `--shapes PRESET` takes the kernel table's matrices from that preset (default qwen25_3b).
 //! `--load PATH [REPS]` prints only load times of a model file or directory (read and device
 //! parts), REPS times (3): the first cold or warm as the page cache is, the rest warm.
@@ -993,27 +993,29 @@ fn step_loop(preset: &str, depths: &[usize]) {
     }
 }
 
-/// `--rest [PRESET [D1,D2,..]]`: decode ms/token of 128 tokens after a prompt of each depth in
-/// one `step_n`, in 16-step `step_n` chunks back to back, and in the same chunks each after
-/// 100 ms with the GPU idle (only the chunks timed), the three alternating in one engine,
-/// medians of 5 requests after a warm one. Why: the 32B shape's decode meets the board's power
-/// cap (docs/lab.md, sessions 45-46) and its step spreads ±5% on one machine (session 53); if
-/// the cap slows the step, the rested chunks (half the average power) run faster than those
-/// back to back.
+/// `--rest [PRESET [D1,D2,..]]`: decode ms/token of 128 tokens after a prompt of each depth,
+/// as one `step_n` request after 1 s with the GPU idle and right after another such request
+/// (untimed), and in 16-step `step_n` chunks back to back and each after 100 ms idle (only the
+/// chunks timed), the four alternating in one engine, medians of 5 after a warm round. Why: the
+/// 32B shape's decode meets the board's power cap (docs/lab.md, sessions 45-46 and 54) and its
+/// step spreads ±5% on one machine (session 53); where the cap slows the step, a request or a
+/// chunk that starts rested runs faster than one that follows others.
 fn rest_sweep(preset: &str, depths: &[usize]) {
     const TOKENS: usize = 128;
     const CHUNK: usize = 16;
     const REPS: usize = 5;
-    const REST: std::time::Duration = std::time::Duration::from_millis(100);
+    const REQUEST_REST: std::time::Duration = std::time::Duration::from_secs(1);
+    const CHUNK_REST: std::time::Duration = std::time::Duration::from_millis(100);
     let (spec, mut e) = sweep_engine(preset, depths);
     println!(
-        "{preset}: ms/token of {TOKENS} tokens: one step_n, {CHUNK}-step chunks back to back, \
-         the chunks after {} ms of rest each (medians of {REPS})",
-        REST.as_millis()
+        "{preset}: ms/token of {TOKENS} tokens: one step_n after {} ms idle and after another \
+         request, {CHUNK}-step chunks back to back and each after {} ms idle (medians of {REPS})",
+        REQUEST_REST.as_millis(),
+        CHUNK_REST.as_millis()
     );
     println!(
-        "  {:>6} {:>10} {:>10} {:>10} {:>13}",
-        "depth", "step_n", "chunks", "rested", "rested/chunks"
+        "  {:>6} {:>13} {:>13} {:>10} {:>10} {:>13}",
+        "depth", "rested req", "request", "chunks", "rested", "rested/chunks"
     );
     // A request's decode in chunks, each timed alone after `rest`: ms per token.
     let chunked = |e: &mut Engine, prompt: &[u32], rest: Option<std::time::Duration>| -> f64 {
@@ -1033,21 +1035,24 @@ fn rest_sweep(preset: &str, depths: &[usize]) {
     };
     for &depth in depths {
         let prompt = synth::prompt(spec.vocab, depth, 1);
-        let (mut whole, mut back, mut rested) = (Vec::new(), Vec::new(), Vec::new());
+        let mut runs: [Vec<f64>; 4] = Default::default();
         for rep in 0..REPS + 1 {
-            let (_, w) = one_request(&mut e, &prompt, TOKENS);
-            let b = chunked(&mut e, &prompt, None);
-            let r = chunked(&mut e, &prompt, Some(REST));
+            std::thread::sleep(REQUEST_REST);
+            let rested_request = one_request(&mut e, &prompt, TOKENS).1;
+            one_request(&mut e, &prompt, TOKENS);
+            let request = one_request(&mut e, &prompt, TOKENS).1;
+            let back = chunked(&mut e, &prompt, None);
+            let rested = chunked(&mut e, &prompt, Some(CHUNK_REST));
             if rep > 0 {
-                whole.push(w);
-                back.push(b);
-                rested.push(r);
+                for (run, ms) in runs.iter_mut().zip([rested_request, request, back, rested]) {
+                    run.push(ms);
+                }
             }
         }
-        let (w, b, r) = (median(whole), median(back), median(rested));
+        let [rr, r, b, c] = runs.map(median);
         println!(
-            "  {depth:>6} {w:>10.4} {b:>10.4} {r:>10.4} {:>+12.2}%",
-            (r / b - 1.0) * 1e2
+            "  {depth:>6} {rr:>13.4} {r:>13.4} {b:>10.4} {c:>10.4} {:>+12.2}%",
+            (c / b - 1.0) * 1e2
         );
     }
 }
