@@ -1006,6 +1006,12 @@ fn rest_sweep(preset: &str, depths: &[usize]) {
     const REPS: usize = 5;
     const REQUEST_REST: std::time::Duration = std::time::Duration::from_secs(1);
     const CHUNK_REST: std::time::Duration = std::time::Duration::from_millis(100);
+    // The machine by its streaming bandwidth (H200s differ by up to 3%, docs/lab.md session 51).
+    let probe = 1 << 30;
+    let bench = Bench::new(0).expect("CUDA device");
+    let tb_per_s = probe as f64 / bench.floor_us(probe).expect("floor") / 1e6;
+    drop(bench);
+    println!("device bandwidth (1 GiB streaming read): {tb_per_s:.2} TB/s");
     let (spec, mut e) = sweep_engine(preset, depths);
     println!(
         "{preset}: ms/token of {TOKENS} tokens: one step_n after {} ms idle and after another \
