@@ -403,10 +403,6 @@ __device__ __forceinline__ void load_codebook(float* lut) {
 struct Nf4Ref {
     const u8* packed;
     const u16* absmax;  // f16 bits
-    // Experiment (DV2_X_SCALES_U8, docs/lab.md session 53): a byte a block, the block's scale
-    // in steps of its row's, and each row's step (src/nf4.rs row_u8_scales); null without it.
-    const u8* scale_u8;
-    const float* row_step;
     float mma_scale;  // the tensor-core GEMM's power of two on absmax (kernels/gemm.cu)
 };
 // The host passes these structs by value (src/cuda/ops, src/cuda/weights.rs): its sizes, as

@@ -172,45 +172,6 @@ __device__ __forceinline__ u16 load_scale(const u16* p) {
     return v;
 }
 
-#if NF4_SCALE_U8
-// Experiment (DV2_X_SCALES_U8): the GEMV v2 walks read a byte a block (Nf4Ref::scale_u8), sum
-// each row in units of its step and multiply the row's sum by Nf4Ref::row_step where it stores
-// the row. A byte loaded as the f16 scale is, into the same 16-bit register.
-__device__ __forceinline__ u16 load_scale_u8(const u8* p) {
-    unsigned short v;
-    asm("ld.global.nc.L1::no_allocate.u8 %0, [%1];" : "=h"(v) : "l"(p));
-    return v;
-}
-#endif
-
-// Chunk c's scale in row `row` of m, as a walk loads it (dot_chunks converts it).
-__device__ __forceinline__ u16 load_chunk_scale(Nf4Ref m, u32 row, int cols, int c) {
-#if NF4_SCALE_U8
-    return load_scale_u8(m.scale_u8 + (size_t)row * (u32)(cols >> 6) + (c >> 1));
-#else
-    return load_scale(m.absmax + (size_t)row * (u32)(cols >> 6) + (c >> 1));
-#endif
-}
-
-// A loaded chunk scale as the dot product multiplies it: the f16 absmax, or (NF4_SCALE_U8) the
-// byte, the row's step following at the store (row_step_of).
-__device__ __forceinline__ float chunk_scale(u16 s) {
-#if NF4_SCALE_U8
-    return (float)s;
-#else
-    return scale_f32(s);
-#endif
-}
-
-// What a row's sum is multiplied by before it is stored: its step (NF4_SCALE_U8), else 1.
-__device__ __forceinline__ float row_step_of(Nf4Ref m, int local_row) {
-#if NF4_SCALE_U8
-    return __ldg(m.row_step + local_row);
-#else
-    return 1.0f;
-#endif
-}
-
 // Issues the loads of this lane's chunks of one row part (zero scale past the row's end).
 template <int J>
 __device__ __forceinline__ void load_row(Nf4Ref m, int row, int cols, int part, RowChunks<J>& rc) {
@@ -218,12 +179,13 @@ __device__ __forceinline__ void load_row(Nf4Ref m, int row, int cols, int part, 
     // Unsigned 32 x 32 -> 64-bit row offsets: one IMAD.WIDE.U32 each, where a signed row takes
     // its sign's products too (rows and K are never negative).
     const uint4* w = reinterpret_cast<const uint4*>(m.packed + (size_t)(u32)row * (u32)(cols >> 1));
+    const u16* a = m.absmax + (size_t)(u32)row * (u32)(cols >> 6);
 #pragma unroll
     for (int j = 0; j < J; j++) {
         const int c = (part * J + j) * 32 + lane;
         const bool in = c < n_chunks;
         rc.q[j] = in ? load_weights16(w + c) : make_uint4(0u, 0u, 0u, 0u);
-        rc.s[j] = in ? load_chunk_scale(m, (u32)row, cols, c) : (u16)0;
+        rc.s[j] = in ? load_scale(a + (c >> 1)) : (u16)0;
     }
 }
 
@@ -241,7 +203,7 @@ __device__ __forceinline__ float dot_chunks(const RowChunks<J>& rc, GroupSum gro
         float part = 0.0f;
 #pragma unroll
         for (int w0 = 0; w0 < 4; w0 += GROUP) part += group_sum(j, w0, words);
-        acc = fmaf(part, chunk_scale(rc.s[j]), acc);
+        acc = fmaf(part, scale_f32(rc.s[j]), acc);
     }
     return acc;
 }
@@ -412,22 +374,6 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     // instead of following the last barrier.
     RowEpi early_epi{0.0f, 0.0f};
     if (late && (int)threadIdx.x < r1 - r0) early_epi = rows_of.epi(r0 + threadIdx.x);
-#if NF4_SCALE_U8
-    // The steps of the same row, loaded with its epilogue's operands.
-    float early_step[NM];
-#pragma unroll
-    for (int k = 0; k < NM; k++) {
-        const int r = r0 + threadIdx.x;
-        early_step[k] = late && r < r1 ? row_step_of(rows_of.matrix(r, k), rows_of.local(r)) : 0.0f;
-    }
-#endif
-    // Row r's sums times its steps (NF4_SCALE_U8; nothing otherwise).
-    auto scale_sums = [&](int r, float* s) {
-#if NF4_SCALE_U8
-#pragma unroll
-        for (int k = 0; k < NM; k++) s[k] *= row_step_of(rows_of.matrix(r, k), rows_of.local(r));
-#endif
-    };
     XHalves<J> xh;
     if (X16 && X_DIRECT) {
         read_x16_slice<J, 16>(reinterpret_cast<const u32*>(x), part, cols, xh);
@@ -477,10 +423,7 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
 #pragma unroll
                 for (int i = 0; i < R; i++) {
                     const int r = base + i * row_lanes + row_lane;
-                    if (r < r1) {
-                        scale_sums(r, sums[i]);
-                        ss += sq(rows_of.store(r, sums[i]));
-                    }
+                    if (r < r1) ss += sq(rows_of.store(r, sums[i]));
                 }
             }
             continue;
@@ -503,7 +446,6 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
                     total[k] = 0.0f;
                     for (int p = 0; p < kparts; p++) total[k] += partial[(i * row_lanes + rl) * NM + k][p];
                 }
-                scale_sums(r, total);
                 ss += sq(rows_of.store(r, total));
             }
         }
@@ -520,14 +462,6 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
                 for (int p = 0; p < kparts; p++) total[k] += late_partial[(idx * NM + k) * kparts + p];
             }
             const RowEpi e = idx == (int)threadIdx.x ? early_epi : rows_of.epi(r0 + idx);
-#if NF4_SCALE_U8
-            if (idx == (int)threadIdx.x) {
-#pragma unroll
-                for (int k = 0; k < NM; k++) total[k] *= early_step[k];
-            } else {
-                scale_sums(r0 + idx, total);
-            }
-#endif
             ss += sq(rows_of.store(r0 + idx, total, e));
         }
     }
@@ -791,6 +725,7 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
     auto words_at = [&](int i, int c) {
         return reinterpret_cast<const uint4*>(m[i].packed + (size_t)(u32)lr[i] * (u32)(cols >> 1)) + c;
     };
+    auto scale_at = [&](int i, int c) { return m[i].absmax + (size_t)(u32)lr[i] * (u32)(cols >> 6) + (c >> 1); };
     auto load_iter = [&](int t, RowChunks<1> (&b)[R]) {
         const int c = t * 32 + lane;
         if (whole) {
@@ -798,7 +733,7 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
 #pragma unroll
                 for (int i = 0; i < R; i++) {
                     b[i].q[0] = load_weights16(words_at(i, c));
-                    b[i].s[0] = load_chunk_scale(m[i], (u32)lr[i], cols, c);
+                    b[i].s[0] = load_scale(scale_at(i, c));
                 }
             }
             return;
@@ -808,27 +743,14 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
         for (int i = 0; i < R; i++) {
             const bool in = in_k && r0 + i < rows;
             b[i].q[0] = in ? load_weights16(words_at(i, c)) : make_uint4(0u, 0u, 0u, 0u);
-            b[i].s[0] = in ? load_chunk_scale(m[i], (u32)lr[i], cols, c) : (u16)0;
+            b[i].s[0] = in ? load_scale(scale_at(i, c)) : (u16)0;
         }
     };
     RowChunks<1> buf[D][R];
     // The first D iterations' weights go out before the wait (weights are constant).
 #pragma unroll
     for (int d = 0; d < D; d++) load_iter(t_begin + d, buf[d]);
-#if NF4_SCALE_U8
-    // The step of the row this thread stores at the end (below), loaded with the weights and
-    // kept in shared memory across the walk.
-    __shared__ float row_steps[WARPS * R];
-    float step = 0.0f;
-    if ((int)threadIdx.x < block_rows) {
-        const int r = blockIdx.x * block_rows + threadIdx.x;
-        if (r < rows) step = row_step_of(rows_of.matrix(r, 0), rows_of.local(r));
-    }
-#endif
     pdl_enter<true>();
-#if NF4_SCALE_U8
-    if ((int)threadIdx.x < block_rows) row_steps[threadIdx.x] = step;
-#endif
     if (skip_if && *skip_if) return;
     if (X32)
         stage_x_as16<WARPS * 32>(reinterpret_cast<const float*>(x), cols, norm, x_staged);
@@ -866,9 +788,6 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
         if (r < rows) {
             float total = 0.0f;
             for (int p = 0; p < kparts; p++) total += part_sums[((rl << kshift) + p) * R + i];
-#if NF4_SCALE_U8
-            total *= row_steps[threadIdx.x];  // this thread's own store, before the walk
-#endif
             ss = sq(rows_of.store(r, &total));
         }
     }

@@ -92,32 +92,6 @@ pub fn encode(x: f32) -> u8 {
     THRESHOLDS.iter().map(|&t| (x > t) as u8).sum()
 }
 
-/// Experiment `DV2_X_SCALES_U8=1` (docs/lab.md, session 53): the CUDA backend uploads each
-/// matrix's scales a second time as [`row_u8_scales`], which the GEMV v2 walks read.
-pub fn scales_u8_experiment() -> bool {
-    std::env::var("DV2_X_SCALES_U8").as_deref() == Ok("1")
-}
-
-/// Each block's scale as a byte of its row's step: block `b` of row `r` decodes with
-/// `q[b] as f32 * step[r]`, where `step[r]` is the row's largest scale / 255 and `q[b]` the
-/// block's scale over it, rounded to nearest (an all-zero row: step 0, every byte 0).
-pub fn row_u8_scales(absmax: &[f16], row_blocks: usize) -> (Vec<u8>, Vec<f32>) {
-    let mut q = Vec::with_capacity(absmax.len());
-    let mut steps = Vec::with_capacity(absmax.len() / row_blocks);
-    for row in absmax.chunks_exact(row_blocks) {
-        let step = row.iter().map(|a| a.to_f32()).fold(0f32, f32::max) / 255.0;
-        steps.push(step);
-        q.extend(row.iter().map(|a| {
-            if step > 0.0 {
-                (a.to_f32() / step).round().min(255.0) as u8
-            } else {
-                0
-            }
-        }));
-    }
-    (q, steps)
-}
-
 /// A matrix's packed codes: bytes of its own, or where they lie in a read-only file map (a
 /// bitsandbytes checkpoint's codes are this layout: taken there, with no copy at load).
 #[derive(Clone)]
@@ -285,24 +259,6 @@ impl Nf4Matrix {
         {
             decode_block(codes, scale.to_f32(), dst);
         }
-    }
-
-    /// The matrix decoded with its scales as [`row_u8_scales`] keeps them (row-major).
-    pub fn dequantize_row_u8(&self) -> Vec<f32> {
-        let blocks = self.cols / BLOCK;
-        let (q, steps) = row_u8_scales(&self.absmax, blocks);
-        let mut out = vec![0f32; self.rows * self.cols];
-        for (r, row) in out.chunks_exact_mut(self.cols).enumerate() {
-            let packed = &self.packed[r * self.row_bytes()..(r + 1) * self.row_bytes()];
-            for (b, (codes, dst)) in packed
-                .chunks_exact(BLOCK / 2)
-                .zip(row.chunks_exact_mut(BLOCK))
-                .enumerate()
-            {
-                decode_block(codes, q[r * blocks + b] as f32 * steps[r], dst);
-            }
-        }
-        out
     }
 
     /// Decodes the whole matrix (row-major).
@@ -615,35 +571,6 @@ mod tests {
             .to_string();
         assert!(err.contains("multiple of 64"), "{err}");
         assert!(Nf4Matrix::quantize(2, 64, &[0.0; 64]).is_err());
-    }
-
-    #[test]
-    fn row_u8_scales_round_to_the_nearest_step_of_their_row() {
-        let a: Vec<f16> = [
-            0.5f32, 0.25, 0.0, 0.001, 0.0, 0.0, 0.0, 0.0, 3.0, 2.9, 0.3, 1e-4,
-        ]
-        .into_iter()
-        .map(f16::from_f32)
-        .collect();
-        let (q, steps) = row_u8_scales(&a, 4);
-        assert_eq!(steps.len(), 3);
-        assert_eq!(
-            (&q[4..8], steps[1]),
-            (&[0u8; 4][..], 0.0),
-            "an all-zero row"
-        );
-        for (r, row) in a.chunks_exact(4).enumerate() {
-            let max = row.iter().map(|v| v.to_f32()).fold(0f32, f32::max);
-            assert_eq!(steps[r], max / 255.0);
-            for (b, v) in row.iter().enumerate() {
-                let decoded = q[r * 4 + b] as f32 * steps[r];
-                assert!((decoded - v.to_f32()).abs() <= steps[r] / 2.0 * 1.0001);
-            }
-            if max > 0.0 {
-                let top = row.iter().position(|v| v.to_f32() == max).unwrap();
-                assert_eq!(q[r * 4 + top], 255, "the row's largest is its 255th step");
-            }
-        }
     }
 
     #[test]

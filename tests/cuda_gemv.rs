@@ -37,12 +37,7 @@ impl Matrix {
     fn new(gpu: &Gpu, rows: usize, cols: usize, seed: u64) -> Matrix {
         let q = Nf4Matrix::quantize(rows, cols, &random(rows * cols, seed, -1.0, 1.0)).unwrap();
         Matrix {
-            // DV2_X_SCALES_U8 (experiment): the GEMV v2 walks decode with the byte scales.
-            w: if decodev2::nf4::scales_u8_experiment() {
-                q.dequantize_row_u8()
-            } else {
-                q.dequantize()
-            },
+            w: q.dequantize(),
             cols,
             dev: DeviceMatrix::upload(gpu, &q).unwrap(),
         }

@@ -137,8 +137,6 @@ pub fn random_f32(len: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
 struct RandomMatrix {
     packed: CudaSlice<u8>,
     absmax: CudaSlice<u16>,
-    /// Experiment `DV2_X_SCALES_U8` (see [`super::weights::Nf4Ref`]).
-    scales_u8: Option<(CudaSlice<u8>, CudaSlice<f32>)>,
     mma_scale: f32,
 }
 
@@ -151,25 +149,13 @@ impl RandomMatrix {
         Ok(Self {
             packed: gpu.upload(&random_bytes(rows * cols / 2, seed))?,
             absmax: gpu.upload(scale_bits(&absmax))?,
-            scales_u8: if crate::nf4::scales_u8_experiment() {
-                let (q, steps) = crate::nf4::row_u8_scales(&absmax, cols / crate::nf4::BLOCK);
-                Some((gpu.upload(&q)?, gpu.upload(&steps)?))
-            } else {
-                None
-            },
             mma_scale: mma_scale(&absmax),
         })
     }
     fn as_ref(&self, gpu: &Gpu) -> Nf4Ref {
-        let (scale_u8, row_step) = match &self.scales_u8 {
-            Some((q, steps)) => (gpu.ptr(q), gpu.ptr(steps)),
-            None => (0, 0),
-        };
         Nf4Ref {
             packed: gpu.ptr(&self.packed),
             absmax: gpu.ptr(&self.absmax),
-            scale_u8,
-            row_step,
             mma_scale: self.mma_scale,
         }
     }

@@ -392,10 +392,6 @@ fn options(arch: &str, cfg: &Config) -> Vec<String> {
     }
     opts.extend(cfg.nvrtc_defines());
     opts.extend(shared_defines());
-    // DV2_X_SCALES_U8=1 (experiment): kernels/gemv.cu's NF4_SCALE_U8.
-    if crate::nf4::scales_u8_experiment() {
-        opts.push("-DNF4_SCALE_U8=1".into());
-    }
     opts
 }
 

@@ -17,15 +17,11 @@ use crate::nf4::Nf4Matrix;
 pub struct Nf4Ref {
     pub packed: u64,
     pub absmax: u64,
-    /// Experiment `DV2_X_SCALES_U8` ([`crate::nf4::row_u8_scales`]): the bytes and the rows'
-    /// steps, 0 without it.
-    pub scale_u8: u64,
-    pub row_step: u64,
     /// See [`mma_scale`].
     pub mma_scale: f32,
 }
 
-// SAFETY: plain old data, laid out as the kernels' struct (four pointers, a float, padding).
+// SAFETY: plain old data, laid out as the kernels' struct (two pointers, a float, padding).
 unsafe impl DeviceRepr for Nf4Ref {}
 
 /// The power of two the tensor-core GEMM multiplies a matrix's absmax by before rounding
@@ -71,8 +67,6 @@ pub struct DeviceMatrix {
     pub cols: usize,
     packed: CudaSlice<u8>,
     absmax: CudaSlice<u16>,
-    /// Experiment `DV2_X_SCALES_U8`: the scales as bytes of their rows' steps, and the steps.
-    scales_u8: Option<(CudaSlice<u8>, CudaSlice<f32>)>,
     mma_scale: f32,
 }
 
@@ -87,26 +81,14 @@ impl DeviceMatrix {
             cols: m.cols,
             packed: up.upload(&m.packed)?,
             absmax: up.upload(scale_bits(&m.absmax))?,
-            scales_u8: if crate::nf4::scales_u8_experiment() {
-                let (q, steps) = crate::nf4::row_u8_scales(&m.absmax, m.cols / crate::nf4::BLOCK);
-                Some((up.upload(&q)?, up.upload(&steps)?))
-            } else {
-                None
-            },
             mma_scale: mma_scale(&m.absmax),
         })
     }
 
     pub fn as_ref(&self, gpu: &Gpu) -> Nf4Ref {
-        let (scale_u8, row_step) = match &self.scales_u8 {
-            Some((q, steps)) => (gpu.ptr(q), gpu.ptr(steps)),
-            None => (0, 0),
-        };
         Nf4Ref {
             packed: gpu.ptr(&self.packed),
             absmax: gpu.ptr(&self.absmax),
-            scale_u8,
-            row_step,
             mma_scale: self.mma_scale,
         }
     }
