@@ -1259,7 +1259,7 @@ fn load_times(path: &str, reps: usize) {
     }
 }
 
-/// `--context` and `--sampling`'s arguments after the flag at `i`: the preset (qwen25_3b
+/// A sweep's arguments after its flag at `i` (`--context`, `--sampling`, ...): the preset (qwen25_3b
 /// unless named) and the depths (a comma list after the preset, else `default`); a word
 /// starting with `--` is the next flag, not either.
 fn preset_and_depths<'a>(args: &'a [String], i: usize, default: &[usize]) -> (&'a str, Vec<usize>) {
@@ -1272,6 +1272,17 @@ fn preset_and_depths<'a>(args: &'a [String], i: usize, default: &[usize]) -> (&'
         None => default.to_vec(),
     };
     (preset.map_or("qwen25_3b", |p| p.as_str()), depths)
+}
+
+/// `--against VAR=VALUE`'s setting, or `default` where the flag is absent.
+fn against_arg<'a>(args: &'a [String], default: (&'a str, &'a str)) -> (&'a str, &'a str) {
+    match args.iter().position(|a| a == "--against") {
+        Some(i) => args
+            .get(i + 1)
+            .and_then(|a| a.split_once('='))
+            .expect("--against VAR=VALUE"),
+        None => default,
+    }
 }
 
 fn main() {
@@ -1353,13 +1364,7 @@ fn main() {
     }
     if let Some(i) = args.iter().position(|a| a == "--energy") {
         let (preset, depths) = preset_and_depths(&args, i, &[48, 8192]);
-        let against = match args.iter().position(|a| a == "--against") {
-            Some(i) => args
-                .get(i + 1)
-                .and_then(|a| a.split_once('='))
-                .expect("--against VAR=VALUE"),
-            None => ("DV2_STAGED_UPLOAD", "0"),
-        };
+        let against = against_arg(&args, ("DV2_STAGED_UPLOAD", "0"));
         energy_sweep(preset, &depths, against);
         return;
     }
@@ -1369,13 +1374,7 @@ fn main() {
             i,
             &[48, 256, 512, 1024, 2048, 4096, 8192, 16384, 32512],
         );
-        let against = match args.iter().position(|a| a == "--against") {
-            Some(i) => args
-                .get(i + 1)
-                .and_then(|a| a.split_once('='))
-                .expect("--against VAR=VALUE"),
-            None => ("DV2_ATTN_LONG", "0"),
-        };
+        let against = against_arg(&args, ("DV2_ATTN_LONG", "0"));
         context_sweep(
             &json_path,
             preset,
