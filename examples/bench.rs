@@ -721,7 +721,8 @@ fn decode_profile(steps: usize, depth: usize, preset: &str) {
 /// configuration, both resident, serves the ids check and every depth; at each depth their
 /// requests alternate, and their decodes chunk by chunk ([`time_request_pair`]): the paired
 /// chunks' median ratio and quartiles follow the table. Writes the table and the JSON
-/// (`tests/gpu/plot-context.py` draws it).
+/// (`tests/gpu/plot-context.py` draws it), and prints at each depth how long the board's power cap held
+/// the clocks down while it was timed ([`power_capped_s`]).
 fn context_sweep(
     json_path: &str,
     preset: &str,
@@ -841,7 +842,15 @@ fn context_sweep(
         .iter()
         .map(|&depth| {
             let prompt = synth::prompt(spec.vocab, depth, 1);
+            let (capped, t) = (power_capped_s(), Instant::now());
             let ([on_a, on_b], pairs) = time_request_pair(&mut a, &mut b, &prompt, TOKENS, 2);
+            if let (Some(before), Some(after)) = (capped, power_capped_s()) {
+                println!(
+                    "  depth {depth}: the board's power cap held the clocks down {:.1} s of the {:.1} s its timing took",
+                    after - before,
+                    t.elapsed().as_secs_f64()
+                );
+            }
             paired.push(pairs);
             (on_a, on_b)
         })
@@ -1066,6 +1075,27 @@ fn rest_sweep(preset: &str, depths: &[usize]) {
     }
 }
 
+/// How long the board's software power cap has held the GPU's clocks down since the driver
+/// loaded, in seconds (nvidia-smi's "SW Power Capping" counter), or None where nvidia-smi does
+/// not give it. Why: the 32B shape's decode runs at the 700 W cap, which slows it by up to 7%
+/// (docs/lab.md, session 54); each timing says how much of it ran capped.
+fn power_capped_s() -> Option<f64> {
+    let out = std::process::Command::new("nvidia-smi")
+        .args(["-q", "-d", "PERFORMANCE", "-i", "0"])
+        .output()
+        .ok()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().find(|l| l.contains("SW Power Capping"))?;
+    let us: f64 = line
+        .split(':')
+        .nth(1)?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    Some(us / 1e6)
+}
+
 /// The GPU's energy counter (mJ since the driver loaded: nvidia-smi's
 /// `total_energy_consumption`), or None where nvidia-smi does not answer with a number.
 fn energy_mj() -> Option<f64> {
@@ -1120,6 +1150,7 @@ fn energy_sweep(preset: &str, depths: &[usize], against: (&str, &str)) {
         let prompt = synth::prompt(spec.vocab, depth, 1);
         // Each round's [J a token, s a token] for each engine.
         let mut rounds: Vec<[[f64; 2]; 2]> = Vec::new();
+        let capped = power_capped_s();
         for round in 0..ROUNDS + 1 {
             let order = if round % 2 == 0 { [0, 1] } else { [1, 0] };
             let mut got = [[0.0; 2]; 2];
@@ -1145,6 +1176,7 @@ fn energy_sweep(preset: &str, depths: &[usize], against: (&str, &str)) {
                 rounds.push(got);
             }
         }
+        let capped = capped.zip(power_capped_s()).map(|(b, a)| a - b);
         let med = |f: &dyn Fn(&[[f64; 2]; 2]) -> f64| median(rounds.iter().map(f).collect());
         let (ja, ta) = (med(&|r| r[0][0]), med(&|r| r[0][1]));
         let (jb, tb) = (med(&|r| r[1][0]), med(&|r| r[1][1]));
@@ -1155,6 +1187,9 @@ fn energy_sweep(preset: &str, depths: &[usize], against: (&str, &str)) {
             (med(&|r| r[1][0] / r[0][0]) - 1.0) * 1e2,
             (med(&|r| r[1][1] / r[0][1]) - 1.0) * 1e2
         );
+        if let Some(c) = capped {
+            println!("  depth {depth}: the board's power cap held the clocks down {c:.1} s of it");
+        }
     }
     println!("  (J ratio, t ratio: {against_label}'s over the default's, the median of the rounds' ratios)");
 }
