@@ -721,8 +721,8 @@ fn decode_profile(steps: usize, depth: usize, preset: &str) {
 /// configuration, both resident, serves the ids check and every depth; at each depth their
 /// requests alternate, and their decodes chunk by chunk ([`time_request_pair`]): the paired
 /// chunks' median ratio and quartiles follow the table. Writes the table and the JSON
-/// (`tests/gpu/plot-context.py` draws it), and prints at each depth how long the board's power cap held
-/// the clocks down while it was timed ([`power_capped_s`]).
+/// (`tests/gpu/plot-context.py` draws it), and prints at each depth how long the board's power
+/// cap held the clocks down while it was timed ([`power_capped_s`]).
 fn context_sweep(
     json_path: &str,
     preset: &str,
