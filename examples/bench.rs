@@ -711,6 +711,13 @@ fn decode_profile(steps: usize, depth: usize, preset: &str) {
     println!("{steps} eager decode steps after a {depth}-token prompt: {ids:?}");
 }
 
+/// The device's bandwidth in TB/s by a streaming read of 1 GiB (the bench kernels' floor).
+fn streaming_tb_per_s() -> f64 {
+    let probe = 1 << 30;
+    let bench = Bench::new(0).expect("CUDA device");
+    probe as f64 / bench.floor_us(probe).expect("floor") / 1e6
+}
+
 /// `--context [PRESET [D1,D2,..]]`: a preset's shape (Qwen2.5-3B by default) at max_seq
 /// 32768, by context depth (48 to 32k by default): prefill of a prompt that long (ms and tok/s,
 /// wall clock to the first token), then decode of 128 tokens after it (graph replays,
@@ -744,11 +751,8 @@ fn context_sweep(
     let t = Instant::now();
     let model = synth::build(&spec, 0).unwrap();
     println!("{preset}: built in {:.1} s", t.elapsed().as_secs_f64());
-    let bench = Bench::new(0).expect("CUDA device");
-    // Bandwidth of a large streaming read, as the floor's divisor.
-    let probe = 1 << 30;
-    let tb_per_s = probe as f64 / bench.floor_us(probe).expect("floor") / 1e6;
-    drop(bench);
+    // The floor's divisor.
+    let tb_per_s = streaming_tb_per_s();
     let weights = decodev2::cuda::budget::weight_bytes(&spec);
     println!(
         "device bandwidth (1 GiB streaming read): {tb_per_s:.2} TB/s; weights {:.2} GB/token",
@@ -1019,11 +1023,10 @@ fn rest_sweep(preset: &str, depths: &[usize]) {
     const REQUEST_REST: std::time::Duration = std::time::Duration::from_secs(1);
     const CHUNK_REST: std::time::Duration = std::time::Duration::from_millis(100);
     // The machine by its streaming bandwidth (H200s differ by up to 3%, docs/lab.md session 51).
-    let probe = 1 << 30;
-    let bench = Bench::new(0).expect("CUDA device");
-    let tb_per_s = probe as f64 / bench.floor_us(probe).expect("floor") / 1e6;
-    drop(bench);
-    println!("device bandwidth (1 GiB streaming read): {tb_per_s:.2} TB/s");
+    println!(
+        "device bandwidth (1 GiB streaming read): {:.2} TB/s",
+        streaming_tb_per_s()
+    );
     let (spec, mut e) = sweep_engine(preset, depths);
     println!(
         "{preset}: ms/token of {TOKENS} tokens: one step_n after {} ms idle and after another \
@@ -1320,6 +1323,9 @@ fn against_arg<'a>(args: &'a [String], default: (&'a str, &'a str)) -> (&'a str,
     }
 }
 
+/// A sweep of one engine by depth: its preset and depths.
+type Sweep = fn(&str, &[usize]);
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let flag = |f: &str| args.iter().any(|a| a == f);
@@ -1382,20 +1388,18 @@ fn main() {
         load_times(args.get(i + 1).expect("--load PATH"), reps);
         return;
     }
-    if let Some(i) = args.iter().position(|a| a == "--step-loop") {
-        let (preset, depths) = preset_and_depths(&args, i, &[48, 8192]);
-        step_loop(preset, &depths);
-        return;
-    }
-    if let Some(i) = args.iter().position(|a| a == "--rest") {
-        let (preset, depths) = preset_and_depths(&args, i, &[48, 8192]);
-        rest_sweep(preset, &depths);
-        return;
-    }
-    if let Some(i) = args.iter().position(|a| a == "--sampling") {
-        let (preset, depths) = preset_and_depths(&args, i, &[48, 8192]);
-        sampling_sweep(preset, &depths);
-        return;
+    // The sweeps of one engine by depth (48 and 8k unless listed).
+    let sweeps: [(&str, Sweep); 3] = [
+        ("--step-loop", step_loop),
+        ("--rest", rest_sweep),
+        ("--sampling", sampling_sweep),
+    ];
+    for (name, sweep) in sweeps {
+        if let Some(i) = args.iter().position(|a| a == name) {
+            let (preset, depths) = preset_and_depths(&args, i, &[48, 8192]);
+            sweep(preset, &depths);
+            return;
+        }
     }
     if let Some(i) = args.iter().position(|a| a == "--energy") {
         let (preset, depths) = preset_and_depths(&args, i, &[48, 8192]);
