@@ -855,12 +855,150 @@ struct SwigluRowsPrmt : SwigluRows {
 // (SWIGLU_W20_K, SWIGLU_W20_KPARTS, SWIGLU_W20_WARPS), so the walk's row addresses fold into immediates and its warps' roles (a
 // division by 5) into constants: sm_90's late iteration ~372 -> ~344 instructions, +0.8-1.0%
 // decode at the 32B shape from 48 to 8k (docs/lab.md, session 39).
+#if GEMV2_X_SWIGLU_MMA
+// DV2_X_SWIGLU_MMA=1 (experiment): the same rows, products summed by mma.sync m16n8k16 instead of
+// f16x2 FMA chains and a warp reduction a row. A step of the CTA is 8 rows of gate and up: lane
+// (g = lane / 4, t = lane % 4) of warp w holds chunks 8w + 4j + t (j = 0, 1; 16 bytes, 32
+// weights each) of gate row g (the tile's row g) and up row g (its row g + 8), so the 20
+// warps cover K = 5,120 and each warp-instruction loads 64 bytes from each of 8 rows. The
+// mma sums over the four lanes of a quad, which span two 64-weight blocks: x in column c of
+// the B tile is nonzero only in the lanes whose chunks lie in the warp's block c (lane (c,
+// t) with c = 2j + t / 2), so column c of D is block c's sum and each block's f16 scale
+// applies in f32 after the 16 products of a step. Lane (g, 0) ends with blocks 0 and 1 of
+// its rows, lane (g, 1) blocks 2 and 3.
+__device__ __forceinline__ void mma_16816_x(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ u32 load_scale_pair(const u16* p) {
+    u32 v;
+    asm("ld.global.nc.L1::no_allocate.b32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+#define SWIGLU_MMA_LATE_ROWS 240
+struct SwigluMmaStep {
+    uint4 q[2][2];  // [gate, up][j]
+    u32 s[2];       // the f16 scales of blocks 2t, 2t + 1 of the warp's four (lanes t = 0, 1)
+};
+template <typename Rows>
+__device__ __forceinline__ void swiglu_mma_walk(Rows rows_of, int rows, const float* __restrict__ x, NormArgs norm,
+                                                int early_ctas, int early_rows) {
+    constexpr int K = SWIGLU_W20_K, WARPS = SWIGLU_W20_WARPS;
+    static_assert(K == WARPS * 256, "each warp two chunks a lane of four lanes");
+    __shared__ float late[SWIGLU_MMA_LATE_ROWS * 2 * WARPS];
+    extern __shared__ __align__(16) float gemv2_dyn[];
+    u32* lut = reinterpret_cast<u32*>(gemv2_dyn);
+    float* x_staged = gemv2_dyn + PRMT_LUT_WORDS;
+    timeline_start();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const u32 lane4 = lane * 4;
+    const int late_rows =
+        early_ctas > 0 ? (rows - early_ctas * early_rows + (int)gridDim.x - early_ctas - 1) / ((int)gridDim.x - early_ctas)
+                       : 0;
+    const int per_cta = early_ctas == 0 ? (rows + gridDim.x - 1) / gridDim.x
+                        : (int)blockIdx.x < early_ctas ? early_rows
+                                                       : late_rows;
+    const int r0 = early_ctas == 0 || (int)blockIdx.x < early_ctas
+                       ? blockIdx.x * per_cta
+                       : early_ctas * early_rows + ((int)blockIdx.x - early_ctas) * late_rows;
+    const int r1 = min(rows, r0 + per_cta);
+    if (r1 - r0 > SWIGLU_MMA_LATE_ROWS) __trap();  // the host checks
+    // This lane's pointers into row r0 + g of gate and up, advanced 8 rows a step.
+    const uint4* wp[2];
+    const u16* sp[2];
+#pragma unroll
+    for (int k = 0; k < 2; k++) {
+        const Nf4Ref m = rows_of.matrix(r0, k);
+        wp[k] = reinterpret_cast<const uint4*>(m.packed + (size_t)(u32)(r0 + g) * (u32)(K / 2)) + warp * 8 + t;
+        sp[k] = m.absmax + (size_t)(u32)(r0 + g) * (u32)(K / 64) + warp * 4 + 2 * (t & 1);
+    }
+    auto load_step = [&](int base, SwigluMmaStep& st) {
+        // Past r1 the registers keep what they held: a row's sums depend on its own row of A
+        // alone, and those rows are never stored.
+        const bool in = base + g < r1;
+#pragma unroll
+        for (int k = 0; k < 2; k++) {
+            if (in) {
+#pragma unroll
+                for (int j = 0; j < 2; j++) st.q[k][j] = load_weights16(wp[k] + 4 * j);
+                st.s[k] = load_scale_pair(sp[k]);
+            }
+            wp[k] += 8 * (K / 32);
+            sp[k] += 8 * (K / 64);
+        }
+    };
+    SwigluMmaStep cur{}, nxt{};
+    load_step(r0, cur);
+    if (threadIdx.x < GEMV_THREADS) load_byte_codebook_prmt<GEMV_THREADS>(lut);
+    pdl_enter<true>();
+    stage_x<WARPS * 32>(x, K, norm, x_staged);
+    __syncthreads();
+    // B's x: chunk 8w + 4j + t as f16 pairs where this lane's column holds its block, else 0.
+    u32 xb[2][16];
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+        const bool mine = g == 2 * j + (t >> 1);
+        const float* c = x_staged + (warp * 8 + 4 * j + t) * X_STAGE_STRIDE;
+#pragma unroll
+        for (int q = 0; q < 8; q++) {
+            const float4 v = *reinterpret_cast<const float4*>(c + 4 * q);
+            xb[j][2 * q] = mine ? pack_f16x2(v.x, v.y) : 0u;
+            xb[j][2 * q + 1] = mine ? pack_f16x2(v.z, v.w) : 0u;
+        }
+    }
+    for (int base = r0; base < r1; base += 8) {
+        if (base + 8 < r1) load_step(base + 8, nxt);
+        float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const u32 gw[4] = {cur.q[0][j].x, cur.q[0][j].y, cur.q[0][j].z, cur.q[0][j].w};
+            const u32 uw[4] = {cur.q[1][j].x, cur.q[1][j].y, cur.q[1][j].z, cur.q[1][j].w};
+#pragma unroll
+            for (int m = 0; m < 8; m++) {
+                // Bytes 2m and 2m + 1 of the chunk: A's k pairs 2t and 2t + 8, B's likewise.
+                const int word = m >> 1, byte = 2 * (m & 1);
+                mma_16816_x(d, prmt_lut_entry(lut, gw[word], byte, lane4), prmt_lut_entry(lut, uw[word], byte, lane4),
+                            prmt_lut_entry(lut, gw[word], byte + 1, lane4),
+                            prmt_lut_entry(lut, uw[word], byte + 1, lane4), xb[j][2 * m], xb[j][2 * m + 1]);
+            }
+        }
+        const u32 sg = cur.s[0], su = cur.s[1];
+        float pg = d[0] * scale_f32((u16)sg) + d[1] * scale_f32((u16)(sg >> 16));
+        float pu = d[2] * scale_f32((u16)su) + d[3] * scale_f32((u16)(su >> 16));
+        pg += __shfl_xor_sync(0xffffffffu, pg, 1);
+        pu += __shfl_xor_sync(0xffffffffu, pu, 1);
+        if (t == 0 && base + g < r1) {
+            float* l = late + (base - r0 + g) * 2 * WARPS + warp;
+            l[0] = pg;
+            l[WARPS] = pu;
+        }
+        cur = nxt;
+    }
+    rows_of.tail();
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < r1 - r0; idx += blockDim.x) {
+        float total[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int k = 0; k < 2; k++)
+            for (int p = 0; p < WARPS; p++) total[k] += late[(idx * 2 + k) * WARPS + p];
+        rows_of.store(r0 + idx, total);
+    }
+    rows_of.finish();
+    timeline_end();
+}
+#endif
 extern "C" __global__ void __maxnreg__(GEMV2_W20_MAX_REGS)
     gemv2_swiglu_j1_w20(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm, float* out, int rows,
                         int out_f16, int early_ctas, int early_rows) {
     SwigluRowsPrmt g{{gate, up, out, out_f16 != 0}};
+#if GEMV2_X_SWIGLU_MMA
+    swiglu_mma_walk(g, rows, x, norm, early_ctas, early_rows);
+#else
     gemv2_walk<1, 2, 2, false, SWIGLU_W20_WARPS>(g, rows, SWIGLU_W20_K, x, norm, SWIGLU_W20_KPARTS, nullptr,
                                                  early_ctas, early_rows);
+#endif
 }
 // Down at K = DOWN_W27_K (the 32B shape's 27,648: 864 chunks) walking rows as SwiGLU does: one
 // chunk a lane over all 27 warps of the CTA, 4 rows a warp a step, so a CTA reads 4 whole
