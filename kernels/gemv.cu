@@ -948,13 +948,13 @@ __device__ __forceinline__ void swiglu_mma_walk(Rows rows_of, int rows, const fl
             xb[j][2 * q + 1] = mine ? pack_f16x2(v.z, v.w) : 0u;
         }
     }
-    // One step's sums from the rows in st, left as K part `warp` of rows base + g.
-    auto step = [&](const SwigluMmaStep& st, int base) {
+    for (int base = r0; base < r1; base += 8) {
+        if (base + 8 < r1) load_step(base + 8, nxt);
         float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int j = 0; j < 2; j++) {
-            const u32 gw[4] = {st.q[0][j].x, st.q[0][j].y, st.q[0][j].z, st.q[0][j].w};
-            const u32 uw[4] = {st.q[1][j].x, st.q[1][j].y, st.q[1][j].z, st.q[1][j].w};
+            const u32 gw[4] = {cur.q[0][j].x, cur.q[0][j].y, cur.q[0][j].z, cur.q[0][j].w};
+            const u32 uw[4] = {cur.q[1][j].x, cur.q[1][j].y, cur.q[1][j].z, cur.q[1][j].w};
 #pragma unroll
             for (int m = 0; m < 8; m++) {
                 // Bytes 2m and 2m + 1 of the chunk: A's k pairs 2t and 2t + 8, B's likewise.
@@ -964,7 +964,7 @@ __device__ __forceinline__ void swiglu_mma_walk(Rows rows_of, int rows, const fl
                             prmt_lut_entry(lut, uw[word], byte + 1, lane4), xb[j][2 * m], xb[j][2 * m + 1]);
             }
         }
-        const u32 sg = st.s[0], su = st.s[1];
+        const u32 sg = cur.s[0], su = cur.s[1];
         float pg = d[0] * scale_f32((u16)sg) + d[1] * scale_f32((u16)(sg >> 16));
         float pu = d[2] * scale_f32((u16)su) + d[3] * scale_f32((u16)(su >> 16));
         pg += __shfl_xor_sync(0xffffffffu, pg, 1);
@@ -974,23 +974,8 @@ __device__ __forceinline__ void swiglu_mma_walk(Rows rows_of, int rows, const fl
             l[0] = pg;
             l[WARPS] = pu;
         }
-    };
-#if GEMV2_X_SWIGLU_MMA == 2
-    // Two steps an iteration, each loading into the buffer the other computes from: no copies.
-    for (int base = r0; base < r1; base += 16) {
-        if (base + 8 < r1) load_step(base + 8, nxt);
-        step(cur, base);
-        if (base + 8 >= r1) break;
-        if (base + 16 < r1) load_step(base + 16, cur);
-        step(nxt, base + 8);
-    }
-#else
-    for (int base = r0; base < r1; base += 8) {
-        if (base + 8 < r1) load_step(base + 8, nxt);
-        step(cur, base);
         cur = nxt;
     }
-#endif
     rows_of.tail();
     __syncthreads();
     for (int idx = threadIdx.x; idx < r1 - r0; idx += blockDim.x) {

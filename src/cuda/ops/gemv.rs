@@ -635,7 +635,7 @@ impl Ops {
                 let (early_ctas, early_rows) =
                     skewed_split(rows, cfg.grid_dim.0, GEMV2_SWIGLU_SKEW);
                 let ctas = cfg.grid_dim.0 as usize;
-                if crate::cuda::kernels::swiglu_mma() > 0
+                if crate::cuda::kernels::swiglu_mma()
                     && (early_rows as usize > 240 || rows.div_ceil(ctas) + 2 > 240)
                 {
                     return Err(Error::Unsupported(format!(
