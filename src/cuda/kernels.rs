@@ -392,16 +392,7 @@ fn options(arch: &str, cfg: &Config) -> Vec<String> {
     }
     opts.extend(cfg.nvrtc_defines());
     opts.extend(shared_defines());
-    // DV2_X_SWIGLU_MMA=1 (experiment): kernels/gemv.cu's GEMV2_X_SWIGLU_MMA.
-    if swiglu_mma() {
-        opts.push("-DGEMV2_X_SWIGLU_MMA=1".into());
-    }
     opts
-}
-
-/// DV2_X_SWIGLU_MMA=1 (experiment): the 20-warp SwiGLU's products by mma.sync, 8 rows a step.
-pub fn swiglu_mma() -> bool {
-    std::env::var("DV2_X_SWIGLU_MMA").as_deref() == Ok("1")
 }
 
 /// Runs NVRTC on `src` and returns the cubin and the compiler's log, or the log as the error.

@@ -634,14 +634,6 @@ impl Ops {
                 let f16 = i32::from(out_f16);
                 let (early_ctas, early_rows) =
                     skewed_split(rows, cfg.grid_dim.0, GEMV2_SWIGLU_SKEW);
-                let ctas = cfg.grid_dim.0 as usize;
-                if crate::cuda::kernels::swiglu_mma()
-                    && (early_rows as usize > 240 || rows.div_ceil(ctas) + 2 > 240)
-                {
-                    return Err(Error::Unsupported(format!(
-                        "DV2_X_SWIGLU_MMA: {rows} rows over {ctas} CTAs"
-                    )));
-                }
                 launch!(self.gpu, &self.k.gemv2_swiglu_w20, cfg; gate, up, x, norm, out, rows_i, f16, early_ctas, early_rows)
             }
             Gemv::V2 => {
