@@ -9,7 +9,7 @@
 //!                                               [--against-loaded-first]]
 //!                                               [--shapes PRESET] [--load PATH [REPS]]
 //!                                               [--sampling [PRESET [DEPTHS]]] [--step-loop [PRESET [DEPTHS]]]
-//!                                               [--rest [PRESET [DEPTHS]]] [--energy [PRESET [DEPTHS]] [--against VAR=VALUE]]
+//!                                               [--rest [PRESET [DEPTHS]]]
 //!
 //! load s is `Engine::new` (upload, allocation, kernels, warm-up); warmup ms is its eager
 //! probe step + graph capture; prefill ms is the prompt to the first token; ms/token the steps
@@ -36,9 +36,6 @@
 //! `--rest [PRESET [D1,D2,..]]` prints only decode as one `step_n` request after 1 s idle and
 //! after another request, and in 16-step chunks back to back and each after 100 ms idle, by depth
 //! (48 and 8k unless listed): whether the board's power cap slows the step.
-//! `--energy [PRESET [D1,D2,..]]` prints only the energy (nvidia-smi's counter) and time a token
-//! of whole requests in blocks of 4, the default engine's against `--against`'s
-//! (`DV2_STAGED_UPLOAD=0`, the same decode, unless given), by depth (48 and 8k unless listed).
 //! `--shapes PRESET` takes the kernel table's matrices from that preset (default qwen25_3b).
 //! `--load PATH [REPS]` prints only load times of a model file or directory (read and device
 //! parts), REPS times (3): the first cold or warm as the page cache is, the rest warm.
@@ -1099,104 +1096,6 @@ fn power_capped_s() -> Option<f64> {
     Some(us / 1e6)
 }
 
-/// The GPU's energy counter (mJ since the driver loaded: nvidia-smi's
-/// `total_energy_consumption`), or None where nvidia-smi does not answer with a number.
-fn energy_mj() -> Option<f64> {
-    let out = std::process::Command::new("nvidia-smi")
-        .args([
-            "--query-gpu=total_energy_consumption",
-            "--format=csv,noheader,nounits",
-            "-i",
-            "0",
-        ])
-        .output()
-        .ok()?;
-    String::from_utf8_lossy(&out.stdout).trim().parse().ok()
-}
-
-/// `--energy [PRESET [D1,D2,..]] [--against VAR=VALUE]`: energy and time a token of whole
-/// requests (a prompt of each depth, then 128 decode steps), the default engine's against one
-/// loaded under `against`, each timed over blocks of 4 requests back to back with the GPU's
-/// energy counter read around the block (nvidia-smi), the two engines' blocks alternating,
-/// medians of 5 rounds after a warm one. Why: the 32B shape's decode runs at the board's
-/// power cap (docs/lab.md, session 54), where joules a token set its speed under sustained load
-/// beside bytes and latency; the paired chunks of `--context` give the time, this the energy.
-fn energy_sweep(preset: &str, depths: &[usize], against: (&str, &str)) {
-    const TOKENS: usize = 128;
-    const BLOCK: usize = 4;
-    const ROUNDS: usize = 5;
-    if energy_mj().is_none() {
-        println!("nvidia-smi gives no energy counter here: nothing to measure");
-        return;
-    }
-    let spec = decodev2::arch::preset(preset).expect("preset");
-    let model = synth::build(&spec, 0).unwrap();
-    let against_label = format!("{}={}", against.0, against.1);
-    let opts = EngineOptions {
-        backend: BackendKind::Cuda,
-        max_seq: depths.iter().max().unwrap() + 256,
-        ..EngineOptions::default()
-    };
-    let mut engines = [
-        Engine::new(model.clone(), &opts).expect("cuda engine"),
-        with_env(&[against], || Engine::new(model, &opts)).expect("cuda engine"),
-    ];
-    println!(
-        "{preset}: a request (prompt, then {TOKENS} steps) in blocks of {BLOCK} back to back, \
-         the default against {against_label}, medians of {ROUNDS} rounds"
-    );
-    println!(
-        "  {:>6} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9}",
-        "depth", "J/token", "tok/s", "J/token", "tok/s", "J ratio", "t ratio"
-    );
-    for &depth in depths {
-        let prompt = synth::prompt(spec.vocab, depth, 1);
-        // Each round's [J a token, s a token] for each engine.
-        let mut rounds: Vec<[[f64; 2]; 2]> = Vec::new();
-        let capped = power_capped_s();
-        for round in 0..ROUNDS + 1 {
-            let order = if round % 2 == 0 { [0, 1] } else { [1, 0] };
-            let mut got = [[0.0; 2]; 2];
-            for i in order {
-                let e = &mut engines[i];
-                let Some(before) = energy_mj() else {
-                    println!("nvidia-smi stopped giving the energy counter");
-                    return;
-                };
-                let t = Instant::now();
-                for _ in 0..BLOCK {
-                    one_request(e, &prompt, TOKENS);
-                }
-                let secs = t.elapsed().as_secs_f64();
-                let Some(after) = energy_mj() else {
-                    println!("nvidia-smi stopped giving the energy counter");
-                    return;
-                };
-                let tokens = (BLOCK * TOKENS) as f64;
-                got[i] = [(after - before) / 1e3 / tokens, secs / tokens];
-            }
-            if round > 0 {
-                rounds.push(got);
-            }
-        }
-        let capped = capped.zip(power_capped_s()).map(|(b, a)| a - b);
-        let med = |f: &dyn Fn(&[[f64; 2]; 2]) -> f64| median(rounds.iter().map(f).collect());
-        let (ja, ta) = (med(&|r| r[0][0]), med(&|r| r[0][1]));
-        let (jb, tb) = (med(&|r| r[1][0]), med(&|r| r[1][1]));
-        println!(
-            "  {depth:>6} {ja:>10.3} {:>10.1} {jb:>10.3} {:>10.1} {:>+8.2}% {:>+8.2}%",
-            1.0 / ta,
-            1.0 / tb,
-            (med(&|r| r[1][0] / r[0][0]) - 1.0) * 1e2,
-            (med(&|r| r[1][1] / r[0][1]) - 1.0) * 1e2
-        );
-        if let Some(c) = capped {
-            println!("  depth {depth}: the board's power cap held the clocks down {c:.1} s of it");
-        }
-    }
-    println!("  (J ratio, t ratio: {against_label}'s over the default's, the median of the rounds' ratios)");
-}
-
 /// `--sampling [PRESET [D1,D2,..]]`: decode ms/token of 128 tokens after a prompt of each
 /// depth, greedy and under three sampling settings (temperature alone; OpenAI's top_p; llama.cpp's
 /// defaults: top-k, top-p, min-p and a repeat penalty), each timed right after the greedy run in
@@ -1400,12 +1299,6 @@ fn main() {
             sweep(preset, &depths);
             return;
         }
-    }
-    if let Some(i) = args.iter().position(|a| a == "--energy") {
-        let (preset, depths) = preset_and_depths(&args, i, &[48, 8192]);
-        let against = against_arg(&args, ("DV2_STAGED_UPLOAD", "0"));
-        energy_sweep(preset, &depths, against);
-        return;
     }
     if let Some(i) = args.iter().position(|a| a == "--context") {
         let (preset, depths) = preset_and_depths(
