@@ -204,11 +204,7 @@ fn time_request_pair(
                 [order[1], order[0]]
             };
             for i in turn {
-                let e = if i == 0 { &mut *a } else { &mut *b };
-                let t = Instant::now();
-                let n = e.step_n(&mut out).unwrap();
-                chunk_ms[i] = t.elapsed().as_secs_f64() * 1e3;
-                assert_eq!(n, PAIR_CHUNK, "EOS is off: every step runs");
+                chunk_ms[i] = timed_steps(if i == 0 { &mut *a } else { &mut *b }, &mut out);
             }
             decode_ms[0] += chunk_ms[0];
             decode_ms[1] += chunk_ms[1];
@@ -271,12 +267,20 @@ fn medians_after_warmup(runs: &[(f64, f64)]) -> (f64, f64) {
 /// One request from a reset: its prefill (ms) and its decode of `tokens` ids after the first
 /// (ms per token).
 fn one_request(e: &mut Engine, prompt: &[u32], tokens: usize) -> (f64, f64) {
-    let mut out = vec![0u32; tokens];
     let prefill_ms = start_request(e, prompt);
+    (
+        prefill_ms,
+        timed_steps(e, &mut vec![0u32; tokens]) / tokens as f64,
+    )
+}
+
+/// One `step_n` of `out.len()` decode steps, timed (ms); every step runs (EOS is off).
+fn timed_steps(e: &mut Engine, out: &mut [u32]) -> f64 {
     let t = Instant::now();
-    let n = e.step_n(&mut out).unwrap();
-    assert_eq!(n, tokens, "EOS is off: every step runs");
-    (prefill_ms, t.elapsed().as_secs_f64() * 1e3 / tokens as f64)
+    let n = e.step_n(out).unwrap();
+    let ms = t.elapsed().as_secs_f64() * 1e3;
+    assert_eq!(n, out.len(), "EOS is off: every step runs");
+    ms
 }
 
 /// A request's start from a reset: the prefill of `prompt` (timed, ms) and the first decode
@@ -1015,7 +1019,7 @@ fn step_loop(preset: &str, depths: &[usize]) {
 /// chunk that starts rested runs faster than one that follows others.
 fn rest_sweep(preset: &str, depths: &[usize]) {
     const TOKENS: usize = 128;
-    const CHUNK: usize = 16;
+    const CHUNK: usize = PAIR_CHUNK;
     const REPS: usize = 5;
     const REQUEST_REST: std::time::Duration = std::time::Duration::from_secs(1);
     const CHUNK_REST: std::time::Duration = std::time::Duration::from_millis(100);
@@ -1044,10 +1048,7 @@ fn rest_sweep(preset: &str, depths: &[usize]) {
             if let Some(r) = rest {
                 std::thread::sleep(r);
             }
-            let t = Instant::now();
-            let n = e.step_n(&mut out).unwrap();
-            ms += t.elapsed().as_secs_f64() * 1e3;
-            assert_eq!(n, CHUNK, "EOS is off: every step runs");
+            ms += timed_steps(e, &mut out);
         }
         ms / TOKENS as f64
     };
