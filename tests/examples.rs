@@ -102,19 +102,43 @@ fn venv() -> PathBuf {
     static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     BUILT
         .get_or_init(|| {
-            let venv = std::env::temp_dir().join(format!("dv2-venv-{}", std::process::id()));
-            let _ = std::fs::remove_dir_all(&venv);
+            let scratch = std::env::temp_dir().join(format!("dv2-py-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&scratch);
+            // pip builds in the source tree (build/, egg-info, the bundled .so), so each test
+            // process installs from its own copy: nextest runs several of them at once.
+            let package = scratch.join("python");
+            copy_package(&root().join("python"), &package);
+            let venv = scratch.join("venv");
             run(Command::new("python3").args(["-m", "venv"]).arg(&venv));
             run(Command::new(venv.join("bin/pip"))
                 .args(["install", "-q", "openai", "llm"])
-                .arg(format!("{}[server]", root().join("python").display()))
+                .arg(format!("{}[server]", package.display()))
                 .env("DV2_LIB", lib_dir().join("libdecodev2.so")));
-            for built in ["python/build", "python/decodev2.egg-info"] {
-                let _ = std::fs::remove_dir_all(root().join(built));
-            }
             venv
         })
         .clone()
+}
+
+/// The package's sources (what git tracks under python/), without what an earlier build left.
+fn copy_package(from: &Path, to: &Path) {
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let name = entry.file_name();
+        let built = ["build", "libdecodev2.so", "__pycache__"]
+            .iter()
+            .any(|b| name == *b)
+            || name.to_string_lossy().ends_with(".egg-info");
+        if built {
+            continue;
+        }
+        let target = to.join(&name);
+        if entry.file_type().unwrap().is_dir() {
+            copy_package(&entry.path(), &target);
+        } else {
+            std::fs::create_dir_all(to).unwrap();
+            std::fs::copy(entry.path(), &target).unwrap();
+        }
+    }
 }
 
 /// Each failing call raises its status's class (all of them Dv2Error).
