@@ -392,14 +392,12 @@ fn options(arch: &str, cfg: &Config) -> Vec<String> {
     }
     opts.extend(cfg.nvrtc_defines());
     opts.extend(shared_defines());
-    // DV2_X_W20_BOTH=1: DV2_X_ROW_ADDR=1 and DV2_X_CHAIN4=1 together (experiment branch only).
     // DV2_X_ROW_ADDR=1 (experiment): kernels/gemv.cu's GEMV2_X_ROW_ADDR.
-    let both = std::env::var("DV2_X_W20_BOTH").as_deref() == Ok("1");
-    if both || std::env::var("DV2_X_ROW_ADDR").as_deref() == Ok("1") {
+    if std::env::var("DV2_X_ROW_ADDR").as_deref() == Ok("1") {
         opts.push("-DGEMV2_X_ROW_ADDR=1".into());
     }
     // DV2_X_CHAIN4=1 (experiment): kernels/gemv.cu's GEMV2_X_W20_CHAIN.
-    if both || std::env::var("DV2_X_CHAIN4").as_deref() == Ok("1") {
+    if std::env::var("DV2_X_CHAIN4").as_deref() == Ok("1") {
         opts.push("-DGEMV2_X_W20_CHAIN=4".into());
     }
     opts
