@@ -272,13 +272,13 @@ __device__ __forceinline__ u32 fixed_lut_entry(u32 word, int k, u32 lane_at) {
 // dot_chunks with the f16-pair table (lane4 = 4 * lane): each group of GEMV2_CHAIN words one
 // f16x2 FMA chain, summed in f32. PRMT: the table laid out for prmt_lut_entry.
 // FIXED: the PRMT table at window offset KWALK_TABLE_AT, lane4 holding it (fixed_lut_entry).
-template <int J, bool PRMT = false, bool FIXED = false, int CHAIN = GEMV2_CHAIN>
+template <int J, bool PRMT = false, bool FIXED = false>
 __device__ __forceinline__ float dot_row_pair16(const RowChunks<J>& rc, const XHalves<J>& xh, const u32* lut,
                                                 u32 lane4) {
-    return dot_chunks<J, CHAIN>(rc, [&](int j, int w0, const u32* words) {
+    return dot_chunks<J, GEMV2_CHAIN>(rc, [&](int j, int w0, const u32* words) {
         u32 h = 0u;
 #pragma unroll
-        for (int w = w0; w < w0 + CHAIN; w++)
+        for (int w = w0; w < w0 + GEMV2_CHAIN; w++)
 #pragma unroll
             for (int k = 0; k < 4; k++) {
                 const u32 e = FIXED  ? fixed_lut_entry(words[w], k, lane4)
@@ -298,8 +298,7 @@ __device__ __forceinline__ float dot_row_pair16(const RowChunks<J>& rc, const XH
 // or 20 for gemv2_swiglu_j1_w20's 5 warps a row).
 // X_DIRECT (with X16): each lane loads its own chunks of x from global memory, nothing staged
 // (every chunk of x is read by one lane of the CTA: J = 1 over K / 32 lanes).
-template <int J, int R, int NM, bool X16, int WARPS = GEMV_WARPS, bool X_DIRECT = false, int CHAIN = GEMV2_CHAIN,
-          typename Rows>
+template <int J, int R, int NM, bool X16, int WARPS = GEMV_WARPS, bool X_DIRECT = false, typename Rows>
 __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, const float* __restrict__ x,
                                            NormArgs norm, int kparts, const int* skip_if, int early_ctas = 0,
                                            int early_rows = 0) {
@@ -428,7 +427,7 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
 #pragma unroll
         for (int i = 0; i < R; i++)
 #pragma unroll
-            for (int k = 0; k < NM; k++) sums[i][k] = dot_row_pair16<J, prmt_table, false, CHAIN>(cur[i][k], xh, pair16_lut, lane4);
+            for (int k = 0; k < NM; k++) sums[i][k] = dot_row_pair16<J, prmt_table>(cur[i][k], xh, pair16_lut, lane4);
 #pragma unroll
         for (int i = 0; i < R; i++)
 #pragma unroll
@@ -880,11 +879,6 @@ extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)
 // session 40). The register bound is the 20 warps' (96: the allocation granularity of 8 below
 // 65,536 / 640).
 #define GEMV2_W20_MAX_REGS 96
-// DV2_X_CHAIN4=1 (experiment): SwiGLU's and lm_head's 20-warp walks sum 4 words of a chunk (16
-// products) in one f16x2 chain where the default sums 2 (GEMV2_CHAIN).
-#ifndef GEMV2_X_W20_CHAIN
-#define GEMV2_X_W20_CHAIN GEMV2_CHAIN
-#endif
 struct SwigluRowsPrmt : SwigluRows {
     static constexpr bool prmt_table = true;
 };
@@ -896,9 +890,8 @@ extern "C" __global__ void __maxnreg__(GEMV2_W20_MAX_REGS)
     gemv2_swiglu_j1_w20(Nf4Ref gate, Nf4Ref up, const float* __restrict__ x, NormArgs norm, float* out, int rows,
                         int out_f16, int early_ctas, int early_rows) {
     SwigluRowsPrmt g{{gate, up, out, out_f16 != 0}};
-    gemv2_walk<1, 2, 2, false, SWIGLU_W20_WARPS, false, GEMV2_X_W20_CHAIN>(g, rows, SWIGLU_W20_K, x, norm,
-                                                                            SWIGLU_W20_KPARTS, nullptr, early_ctas,
-                                                                            early_rows);
+    gemv2_walk<1, 2, 2, false, SWIGLU_W20_WARPS>(g, rows, SWIGLU_W20_K, x, norm, SWIGLU_W20_KPARTS, nullptr,
+                                                 early_ctas, early_rows);
 }
 // Down at K = DOWN_W27_K (the 32B shape's 27,648: 864 chunks) walking rows as SwiGLU does: one
 // chunk a lane over all 27 warps of the CTA, 4 rows a warp a step, so a CTA reads 4 whole
@@ -928,7 +921,6 @@ extern "C" __global__ void __maxnreg__(GEMV2_W20_MAX_REGS)
     gemv2_logits_j1_w20(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y, int rows,
                         const int* skip_if, int* state, int* scratch, int eos, int* ring, int* hist) {
     LogitRows p{m, y, state, scratch, eos, ring, hist, NEG_INF, -1};
-    gemv2_walk<1, 4, 1, false, SWIGLU_W20_WARPS, false, GEMV2_X_W20_CHAIN>(p, rows, SWIGLU_W20_K, x, norm,
-                                                                            SWIGLU_W20_KPARTS, skip_if);
+    gemv2_walk<1, 4, 1, false, SWIGLU_W20_WARPS>(p, rows, SWIGLU_W20_K, x, norm, SWIGLU_W20_KPARTS, skip_if);
 }
 #endif

@@ -396,10 +396,6 @@ fn options(arch: &str, cfg: &Config) -> Vec<String> {
     if std::env::var("DV2_X_ROW_ADDR").as_deref() == Ok("1") {
         opts.push("-DGEMV2_X_ROW_ADDR=1".into());
     }
-    // DV2_X_CHAIN4=1 (experiment): kernels/gemv.cu's GEMV2_X_W20_CHAIN.
-    if std::env::var("DV2_X_CHAIN4").as_deref() == Ok("1") {
-        opts.push("-DGEMV2_X_W20_CHAIN=4".into());
-    }
     opts
 }
 
