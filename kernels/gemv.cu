@@ -189,24 +189,6 @@ __device__ __forceinline__ void load_row(Nf4Ref m, int row, int cols, int part, 
     }
 }
 
-#ifndef GEMV2_X_ROW_ADDR
-#define GEMV2_X_ROW_ADDR 0
-#endif
-// GEMV2_X_ROW_ADDR (experiment, DV2_X_ROW_ADDR=1): the 20-warp SwiGLU's loads (J = 1, K a
-// constant whose chunks the CTA's K parts cover exactly) from 32-bit offsets: the weights at
-// row x K/2 + 16 c, the scale at row x K/32 + 2 (c / 2), one IMAD each shared by gate and up,
-// then each pointer one 64-bit add, where load_row makes each as a 64-bit product and adds the
-// chunk's offset in 64 bits per matrix: sm_90's loop 447 -> 431 instructions. The offsets fit
-// 32 bits (27,648 rows x 2,560 bytes).
-static_assert(SWIGLU_W20_K / 32 == SWIGLU_W20_KPARTS * 32, "every lane's chunk lies within K");
-__device__ __forceinline__ void load_row_at(Nf4Ref m, int row, int cols, int part, RowChunks<1>& rc) {
-    const u32 c = (u32)(part * 32 + (int)(threadIdx.x & 31));
-    const u32 w_off = (u32)row * (u32)(cols >> 1) + c * 16u;
-    const u32 s_off = (u32)row * (u32)(cols >> 5) + (c >> 1) * 2u;
-    rc.q[0] = load_weights16(reinterpret_cast<const uint4*>(m.packed + w_off));
-    rc.s[0] = load_scale(reinterpret_cast<const u16*>(reinterpret_cast<const u8*>(m.absmax) + s_off));
-}
-
 // One row part's dot product with this lane's x, shared by the v2 tables: each chunk's four
 // 32-bit words of weights (four bytes each, each byte two weights) summed GROUP words at a
 // time by `group_sum(j, w0, words)` (words w0 .. w0 + GROUP - 1 of chunk j), the groups
@@ -374,19 +356,6 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
 #pragma unroll
         for (int i = 0; i < R; i++) {
             const int r = base + i * row_lanes + row_lane;
-#if GEMV2_X_ROW_ADDR
-            // SwiGLU's 20-warp walk alone (lm_head's and down's loops were not shorter). The
-            // branch stays: without it ptxas issued the loads after the products.
-            if (WARPS != GEMV_WARPS && J == 1 && NM == 2) {
-                if (r < r1) {
-#pragma unroll
-                    for (int k = 0; k < NM; k++)
-                        load_row_at(rows_of.matrix(r, k), rows_of.local(r), cols, part,
-                                    reinterpret_cast<RowChunks<1>&>(rc[i][k]));
-                }
-                continue;
-            }
-#endif
             if (r < r1) {
 #pragma unroll
                 for (int k = 0; k < NM; k++) load_row<J>(rows_of.matrix(r, k), rows_of.local(r), cols, part, rc[i][k]);
