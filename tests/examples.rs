@@ -96,16 +96,16 @@ fn c_example_passes_the_gates_on_cpu() {
 }
 
 /// A fresh virtual environment with `pip install openai ./python[server]` (the library this
-/// test run built bundled through DV2_LIB at build time), made once per test process: pip
-/// builds in python/, which two concurrent builds would share. Left in the temporary directory.
+/// test run built bundled through DV2_LIB at build time), made once per test process from that
+/// process's own copy of python/ (pip builds in the source tree). Left in the temporary directory.
 fn venv() -> PathBuf {
     static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     BUILT
         .get_or_init(|| {
             let scratch = std::env::temp_dir().join(format!("dv2-py-{}", std::process::id()));
             let _ = std::fs::remove_dir_all(&scratch);
-            // pip builds in the source tree (build/, egg-info, the bundled .so), so each test
-            // process installs from its own copy: nextest runs several of them at once.
+            // pip builds in the source tree (build/, egg-info, the bundled .so), so a shared
+            // python/ raced when nextest ran two of these processes at once.
             let package = scratch.join("python");
             copy_package(&root().join("python"), &package);
             let venv = scratch.join("venv");
