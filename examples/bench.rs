@@ -1212,17 +1212,6 @@ fn preset_and_depths<'a>(args: &'a [String], i: usize, default: &[usize]) -> (&'
     (preset.map_or("qwen25_3b", |p| p.as_str()), depths)
 }
 
-/// `--against VAR=VALUE`'s setting, or `default` where the flag is absent.
-fn against_arg<'a>(args: &'a [String], default: (&'a str, &'a str)) -> (&'a str, &'a str) {
-    match args.iter().position(|a| a == "--against") {
-        Some(i) => args
-            .get(i + 1)
-            .and_then(|a| a.split_once('='))
-            .expect("--against VAR=VALUE"),
-        None => default,
-    }
-}
-
 /// A sweep of one engine by depth: its preset and depths.
 type Sweep = fn(&str, &[usize]);
 
@@ -1307,7 +1296,13 @@ fn main() {
             i,
             &[48, 256, 512, 1024, 2048, 4096, 8192, 16384, 32512],
         );
-        let against = against_arg(&args, ("DV2_ATTN_LONG", "0"));
+        let against = match args.iter().position(|a| a == "--against") {
+            Some(i) => args
+                .get(i + 1)
+                .and_then(|a| a.split_once('='))
+                .expect("--against VAR=VALUE"),
+            None => ("DV2_ATTN_LONG", "0"),
+        };
         context_sweep(
             &json_path,
             preset,

@@ -119,7 +119,7 @@ fn venv() -> PathBuf {
         .clone()
 }
 
-/// The package's sources (what git tracks under python/), without what an earlier build left.
+/// python/'s files, less what a build leaves there (build/, *.egg-info, the bundled .so).
 fn copy_package(from: &Path, to: &Path) {
     for entry in std::fs::read_dir(from).unwrap() {
         let entry = entry.unwrap();
