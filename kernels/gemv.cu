@@ -200,9 +200,11 @@ __device__ __forceinline__ float dot_chunks(const RowChunks<J>& rc, GroupSum gro
 #pragma unroll
     for (int j = 0; j < J; j++) {
         const u32 words[4] = {rc.q[j].x, rc.q[j].y, rc.q[j].z, rc.q[j].w};
-        float part = 0.0f;
+        // Started from the first group, not from 0.0f: ptxas keeps a `0.0f + s` (an FADD a
+        // chunk: it is -0.0f's sign), and the sums are the same to the bit.
+        float part = group_sum(j, 0, words);
 #pragma unroll
-        for (int w0 = 0; w0 < 4; w0 += GROUP) part += group_sum(j, w0, words);
+        for (int w0 = GROUP; w0 < 4; w0 += GROUP) part += group_sum(j, w0, words);
         acc = fmaf(part, scale_f32(rc.s[j]), acc);
     }
     return acc;
