@@ -192,11 +192,10 @@ __device__ __forceinline__ void load_row(Nf4Ref m, int row, int cols, int part, 
 // One row part's dot product with this lane's x, shared by the v2 tables: each chunk's four
 // 32-bit words of weights (four bytes each, each byte two weights) summed GROUP words at a
 // time by `group_sum(j, w0, words)` (words w0 .. w0 + GROUP - 1 of chunk j), the groups
-// added in f32, then times the chunk's absmax.
+// added in f32, then times the chunk's absmax, added to acc in the same FMA.
 template <int J, int GROUP, typename GroupSum>
-__device__ __forceinline__ float dot_chunks(const RowChunks<J>& rc, GroupSum group_sum) {
+__device__ __forceinline__ float dot_chunks(const RowChunks<J>& rc, GroupSum group_sum, float acc) {
     static_assert(GROUP == 1 || GROUP == 2 || GROUP == 4, "groups of 1, 2 or 4 words");
-    float acc = 0.0f;
 #pragma unroll
     for (int j = 0; j < J; j++) {
         const u32 words[4] = {rc.q[j].x, rc.q[j].y, rc.q[j].z, rc.q[j].w};
@@ -256,9 +255,11 @@ __device__ __forceinline__ u32 fixed_lut_entry(u32 word, int k, u32 lane_at) {
 // dot_chunks with the f16-pair table (lane4 = 4 * lane): each group of GEMV2_CHAIN words one
 // f16x2 FMA chain, summed in f32. PRMT: the table laid out for prmt_lut_entry.
 // FIXED: the PRMT table at window offset KWALK_TABLE_AT, lane4 holding it (fixed_lut_entry).
+// acc: what the row's sum adds to (the K walk's running sum: its FMA's addend, where an add
+// after the FMA was one instruction more a chunk).
 template <int J, bool PRMT = false, bool FIXED = false>
 __device__ __forceinline__ float dot_row_pair16(const RowChunks<J>& rc, const XHalves<J>& xh, const u32* lut,
-                                                u32 lane4) {
+                                                u32 lane4, float acc = 0.0f) {
     return dot_chunks<J, GEMV2_CHAIN>(rc, [&](int j, int w0, const u32* words) {
         u32 h = 0u;
 #pragma unroll
@@ -271,7 +272,7 @@ __device__ __forceinline__ float dot_row_pair16(const RowChunks<J>& rc, const XH
                 h = hfma2(e, xh.h[j][4 * w + k], h);
             }
         return half2_sum(h);
-    });
+    }, acc);
 }
 
 // The walk shared by the v2 kernels. `Rows` maps a row index to its matrix and epilogue:
@@ -723,11 +724,12 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
     // unpredicated, the row offsets as unsigned products: sm_90's round of 10 loads ~70 -> ~38
     // instructions, +1.0-1.4% decode at the 32B shape from 48 to 8k (docs/lab.md, session 39).
     const bool whole = (n_chunks & 31) == 0 && r0 + R <= rows;  // the same for the whole warp
-    // Row i's chunk c and its scale, by unsigned offsets (a row is never negative).
+    // Row i's chunk c and its scale, by unsigned offsets (a row or a chunk is never negative:
+    // a signed c >> 1 cost the scale's address a sign extension a row).
     auto words_at = [&](int i, int c) {
         return reinterpret_cast<const uint4*>(m[i].packed + (size_t)(u32)lr[i] * (u32)(cols >> 1)) + c;
     };
-    auto scale_at = [&](int i, int c) { return m[i].absmax + (size_t)(u32)lr[i] * (u32)(cols >> 6) + (c >> 1); };
+    auto scale_at = [&](int i, int c) { return m[i].absmax + (size_t)(u32)lr[i] * (u32)(cols >> 6) + ((u32)c >> 1); };
     auto load_iter = [&](int t, RowChunks<1> (&b)[R]) {
         const int c = t * 32 + lane;
         if (whole) {
@@ -770,7 +772,7 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
                 XHalves<1> xh;
                 read_x16_chunk(x_staged, tt * 32 + lane, n_chunks, xh.h[0]);
 #pragma unroll
-                for (int i = 0; i < R; i++) acc[i] += dot_row_pair16<1, PRMT, FIXED>(buf[d][i], xh, pair16_lut, lane4);
+                for (int i = 0; i < R; i++) acc[i] = dot_row_pair16<1, PRMT, FIXED>(buf[d][i], xh, pair16_lut, lane4, acc[i]);
                 load_iter(tt + D, buf[d]);
             }
         }
