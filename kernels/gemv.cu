@@ -283,9 +283,6 @@ __device__ __forceinline__ float dot_row_pair16(const RowChunks<J>& rc, const XH
 // or 20 for gemv2_swiglu_j1_w20's 5 warps a row).
 // X_DIRECT (with X16): each lane loads its own chunks of x from global memory, nothing staged
 // (every chunk of x is read by one lane of the CTA: J = 1 over K / 32 lanes).
-#ifndef GEMV2_X_DOWN_STEP
-#define GEMV2_X_DOWN_STEP 0
-#endif
 template <int J, int R, int NM, bool X16, int WARPS = GEMV_WARPS, bool X_DIRECT = false, typename Rows>
 __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, const float* __restrict__ x,
                                            NormArgs norm, int kparts, const int* skip_if, int early_ctas = 0,
@@ -358,34 +355,7 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     const bool late = (r1 - r0) * NM * kparts <= late_floats;
     // Software pipeline: the loads of the next block are issued before this block's math.
     RowChunks<J> cur[R][NM], nxt[R][NM];
-    // GEMV2_X_DOWN_STEP (experiment, DV2_X_DOWN_STEP=1; the 27-warp down, the one X_DIRECT walk:
-    // one matrix, K a constant whose chunks the CTA's K parts cover exactly): this lane's chunk
-    // of the block's first row and its scale as two pointers, each row of the block an
-    // immediate offset from them, both advanced by a block after each block's loads, where each
-    // row's addresses were made from its index (~10 instructions a row).
-    constexpr bool stepped = GEMV2_X_DOWN_STEP && X_DIRECT && J == 1 && NM == 1;
-    const int row_words = cols >> 5, row_scales = cols >> 6;  // uint4s, scales a row
-    const uint4* w_at = nullptr;
-    const u16* s_at = nullptr;
-    if (stepped) {
-        const Nf4Ref m = rows_of.matrix(r0, 0);
-        const u32 c = (u32)(part * 32 + lane), r = (u32)(r0 + row_lane);
-        w_at = reinterpret_cast<const uint4*>(m.packed) + (size_t)r * (u32)row_words + c;
-        s_at = m.absmax + (size_t)r * (u32)row_scales + (c >> 1);
-    }
     auto load_block = [&](int base, RowChunks<J> (&rc)[R][NM]) {
-        if (stepped) {
-#pragma unroll
-            for (int i = 0; i < R; i++) {
-                if (base + i * row_lanes + row_lane < r1) {
-                    rc[i][0].q[0] = load_weights16(w_at + i * row_lanes * row_words);
-                    rc[i][0].s[0] = load_scale(s_at + i * row_lanes * row_scales);
-                }
-            }
-            w_at += block * row_words;
-            s_at += block * row_scales;
-            return;
-        }
 #pragma unroll
         for (int i = 0; i < R; i++) {
             const int r = base + i * row_lanes + row_lane;
@@ -908,7 +878,6 @@ extern "C" __global__ void __maxnreg__(GEMV2_W20_MAX_REGS)
 struct PlainRowsPrmt : PlainRows {
     static constexpr bool prmt_table = true;
 };
-static_assert(DOWN_W27_K / 32 == DOWN_W27_WARPS * 32, "every lane's chunk lies within K");
 extern "C" __global__ void __launch_bounds__(DOWN_W27_WARPS * 32, 1)
     gemv2_down_j1_w27(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y, int rows, int accumulate,
                       const int* skip_if, float* ss_out) {
