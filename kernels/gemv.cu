@@ -684,15 +684,9 @@ enum class KwalkTable {
               // the CTA GEMV2_PRMT_TABLE bytes more)
     Fixed,    // the PRMT-addressed table at window offset KWALK_TABLE_AT, past x
 };
-#ifndef GEMV2_X_KWALK_STEP
-#define GEMV2_X_KWALK_STEP 0
-#endif
-// KC (experiment GEMV2_X_KWALK_STEP): K as a constant (0: cols).
-template <int R, int D, bool X32, int WARPS = GEMV_WARPS, KwalkTable TABLE = KwalkTable::Static, int KC = 0,
-          typename Rows>
+template <int R, int D, bool X32, int WARPS = GEMV_WARPS, KwalkTable TABLE = KwalkTable::Static, typename Rows>
 __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, const void* __restrict__ x,
                                             NormArgs norm, int kparts, const int* skip_if) {
-    if (KC) cols = KC;
     constexpr bool FIXED = TABLE == KwalkTable::Fixed, PRMT = TABLE != KwalkTable::Static;
     __shared__ __align__(16) u32 pair16_static[PRMT ? 1 : BYTE_LUT_WORDS];
     __shared__ float part_sums[WARPS * R];
@@ -737,27 +731,8 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
         return reinterpret_cast<const uint4*>(m[i].packed + (size_t)(u32)lr[i] * (u32)(cols >> 1)) + c;
     };
     auto scale_at = [&](int i, int c) { return m[i].absmax + (size_t)(u32)lr[i] * (u32)(cols >> 6) + ((u32)c >> 1); };
-    // GEMV2_X_KWALK_STEP (experiment, DV2_X_KWALK_STEP=1; KC, K = 5,120: the 32B shape's q/k/v
-    // and o, whose kernels checked that every warp's rows lie whole and consecutive in one
-    // matrix): a lane's loads from its first row's 32-bit offsets (its chunk, its scale), each
-    // row an immediate offset and each iteration one add for all rows, where each row's
-    // addresses were made from its matrix and row every iteration, and no path for rows or
-    // chunks past the ends: the loops ~581 -> 521 (q/k/v) and ~736 -> 662 (o) executed.
-    const uint4* w_base = reinterpret_cast<const uint4*>(m[0].packed);
-    const u16* s_base = m[0].absmax;
-    const u32 w_off = (u32)lr[0] * (u32)(cols >> 5) + lane, s_off = (u32)lr[0] * (u32)(cols >> 6) + (lane >> 1);
     auto load_iter = [&](int t, RowChunks<1> (&b)[R]) {
         const int c = t * 32 + lane;
-        if (KC != 0) {
-            if (t < t_end) {
-#pragma unroll
-                for (int i = 0; i < R; i++) {
-                    b[i].q[0] = load_weights16(w_base + (w_off + (u32)t * 32u) + i * (cols >> 5));
-                    b[i].s[0] = load_scale(s_base + (s_off + (u32)t * 16u) + i * (cols >> 6));
-                }
-            }
-            return;
-        }
         if (whole) {
             if (t < t_end) {
 #pragma unroll
@@ -860,28 +835,12 @@ GEMV2_KWALK_KERNEL(gemv2_kwalk_x16_w16, false, 16, KwalkTable::Fixed)
 // PRMT-addressed table before x (77 KB a CTA at K = 5,120, two an SM), one PRMT a lookup where
 // a shift and a LOP3 made the address (the loops -16% and -15%): +0.7..+1.2% decode at the 32B
 // shape from 48 to 8k (docs/lab.md, session 40).
-extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)
-    gemv2_kwalk_f32(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y, const float* __restrict__ bias,
-                    int rows, int cols, int kparts, int accumulate, const int* skip_if, float* ss_out) {
-    PlainRows p{m, y, bias, accumulate, ss_out};
-    if (GEMV2_X_KWALK_STEP && cols == SWIGLU_W20_K && rows % (5 * (GEMV_WARPS / kparts)) == 0) {
-        gemv2_kwalk<5, 2, true, GEMV_WARPS, KwalkTable::BeforeX, SWIGLU_W20_K>(p, rows, cols, x, norm, kparts,
-                                                                                skip_if);
-        return;
-    }
-    gemv2_kwalk<5, 2, true, GEMV_WARPS, KwalkTable::BeforeX>(p, rows, cols, x, norm, kparts, skip_if);
-}
+GEMV2_KWALK_KERNEL(gemv2_kwalk_f32, true, GEMV_WARPS, KwalkTable::BeforeX)
 // q/k/v walking K (the 32B shape's 7,168 rows, K = 5,120), 4 rows a warp over the whole K: 32
 // rows a CTA (the host's GEMV2_KWALK_QKV_ROWS), 224 CTAs.
 extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)
     gemv2_kwalk_qkv(QkvArgs a, const float* __restrict__ x, NormArgs norm, float* out, int cols, int kparts) {
     QkvRows q{a, out};
-    if (GEMV2_X_KWALK_STEP && cols == SWIGLU_W20_K && a.rows[0] % 4 == 0 && a.rows[1] % 4 == 0 &&
-        (a.rows[0] + a.rows[1] + a.rows[2]) % (4 * (GEMV_WARPS / kparts)) == 0) {
-        gemv2_kwalk<4, 2, true, GEMV_WARPS, KwalkTable::BeforeX, SWIGLU_W20_K>(q, a.rows[0] + a.rows[1] + a.rows[2],
-                                                                                cols, x, norm, kparts, nullptr);
-        return;
-    }
     gemv2_kwalk<4, 2, true, GEMV_WARPS, KwalkTable::BeforeX>(q, a.rows[0] + a.rows[1] + a.rows[2], cols, x, norm,
                                                              kparts, nullptr);
 }

@@ -392,10 +392,6 @@ fn options(arch: &str, cfg: &Config) -> Vec<String> {
     }
     opts.extend(cfg.nvrtc_defines());
     opts.extend(shared_defines());
-    // DV2_X_KWALK_STEP=1 (experiment): kernels/gemv.cu's GEMV2_X_KWALK_STEP.
-    if std::env::var("DV2_X_KWALK_STEP").as_deref() == Ok("1") {
-        opts.push("-DGEMV2_X_KWALK_STEP=1".into());
-    }
     opts
 }
 
