@@ -276,6 +276,17 @@ __device__ __forceinline__ float dot_row_pair16(const RowChunks<J>& rc, const XH
     }, acc);
 }
 
+// A Rows type's finish(), given the walk's byte table where it takes one (FfnSplitRows, the
+// DV2_X_FFN_SPLITK experiment: the down half of its FFN reads the same table).
+template <typename Rows>
+__device__ __forceinline__ auto finish_rows(const Rows& r, const u32* lut, int) -> decltype(r.finish(lut)) {
+    r.finish(lut);
+}
+template <typename Rows>
+__device__ __forceinline__ void finish_rows(const Rows& r, const u32*, long) {
+    r.finish();
+}
+
 // The walk shared by the v2 kernels. `Rows` maps a row index to its matrix and epilogue:
 //   Nf4Ref matrix(int row, int* local_row); void store(int row, float sum[NM]) for NM
 //   matrices per row (1, or 2 for SwiGLU's gate and up); void tail(), run as the walk ends,
@@ -470,7 +481,7 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
         }
     }
     if (float* out = rows_of.ss_out()) block_sum_to(ss, out + blockIdx.x);
-    rows_of.finish();
+    finish_rows(rows_of, pair16_lut, 0);
     timeline_end();
 }
 
@@ -903,5 +914,327 @@ extern "C" __global__ void __maxnreg__(GEMV2_W20_MAX_REGS)
                         const int* skip_if, int* state, int* scratch, int eos, int* ring, int* hist) {
     LogitRows p{m, y, state, scratch, eos, ring, hist, NEG_INF, -1};
     gemv2_walk<1, 4, 1, false, SWIGLU_W20_WARPS>(p, rows, SWIGLU_W20_K, x, norm, SWIGLU_W20_KPARTS, skip_if);
+}
+#endif
+
+#if GEMV2_X_FFN_SPLITK && __CUDA_ARCH__ >= 900
+// DV2_X_FFN_SPLITK (experiment, the 3B shape's FFN in one kernel): each CTA runs SwiGLU's walk
+// over its rows r0..r1 of gate and up (as gemv2_swiglu_j2_narrow: the same rows, the same
+// sums), keeps act = silu(gate x) * (up x) of those rows in shared memory (f16, as the down
+// GEMV reads it), then adds W_down[:, r0:r1] act[r0:r1] into y with red.global.add: down split
+// over K by the SwiGLU's rows, so no CTA waits for another and no down kernel starts cold. Its
+// slice of W_down comes from W_down^T (row k = column k of W_down, hidden / 2 bytes; element
+// 2i in the high nibble of byte i, as every NF4 row) by one bulk copy into shared memory at the
+// CTA's start, in flight during the SwiGLU walk, and its scales from W_down's absmax transposed
+// ([intermediate / 64][hidden] f16). A thread takes a 16-byte chunk of a tile row (32 outputs)
+// and every 4th k of the CTA's rows (the quarter-warp kl = lane / 8), accumulating each NF4
+// block's products in f16 pairs (at most 16 a chain, as the walks) before its scale in f32; the
+// 4 k-lanes add by shuffles. The sums' order differs from the down GEMV's, and the adds into y
+// come in any order (not bitwise reproducible run to run).
+// Launched as gemv2_swiglu_j2_narrow (K = hidden = 2,048 in 8 warps: 64 chunks a tile row, 8
+// a warp), with dynamic shared memory: x staged, then the tile (max_rows x hidden / 2 bytes),
+// then the act pairs (max_rows words).
+__device__ __forceinline__ void ffn_tile_copy(void* dst, const void* src, u32 bytes, u64* bar) {
+    asm volatile(
+        "mbarrier.init.shared::cta.b64 [%0], 1;\n\t"
+        "fence.mbarrier_init.release.cluster;" ::"r"((u32)__cvta_generic_to_shared(bar))
+        : "memory");
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"((u32)__cvta_generic_to_shared(bar)),
+                 "r"(bytes)
+                 : "memory");
+    for (u32 off = 0; off < bytes; off += 16384) {
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                         (u32)__cvta_generic_to_shared(reinterpret_cast<char*>(dst) + off)),
+                     "l"(reinterpret_cast<const char*>(src) + off), "r"(min(16384u, bytes - off)),
+                     "r"((u32)__cvta_generic_to_shared(bar))
+                     : "memory");
+    }
+}
+__device__ __forceinline__ void ffn_tile_wait(u64* bar) {
+    asm volatile(
+        "{\n\t.reg .pred done;\n"
+        "FFN_WAIT:\n\t"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0;\n\t"
+        "@!done bra FFN_WAIT;\n\t}" ::"r"((u32)__cvta_generic_to_shared(bar))
+        : "memory");
+}
+__device__ __forceinline__ void red_add4(float* p, float a, float b, float c, float d) {
+    asm volatile("red.relaxed.gpu.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(a), "f"(b), "f"(c), "f"(d)
+                 : "memory");
+}
+// The CTA's rows as gemv2_walk takes them (its early_ctas split).
+__device__ __forceinline__ void ffn_cta_rows(int rows, int early_ctas, int early_rows, int& r0, int& r1) {
+    const int late_rows =
+        early_ctas > 0 ? (rows - early_ctas * early_rows + (int)gridDim.x - early_ctas - 1) / ((int)gridDim.x - early_ctas)
+                       : 0;
+    const int per_cta = early_ctas == 0 ? (rows + gridDim.x - 1) / gridDim.x
+                        : (int)blockIdx.x < early_ctas ? early_rows
+                                                       : late_rows;
+    r0 = early_ctas == 0 || (int)blockIdx.x < early_ctas ? blockIdx.x * per_cta
+                                                          : early_ctas * early_rows + ((int)blockIdx.x - early_ctas) * late_rows;
+    r1 = min(rows, r0 + per_cta);
+}
+// PRMT: the walk's table is the PRMT-addressed one (dynamic shared memory before x: the 32B
+// shape's 20-warp walk); STREAM: the CTA's rows of W_down^T come from global memory as the
+// sums go (537 KB a CTA at the 32B shape, past shared memory), else from the tile.
+template <bool PRMT, bool STREAM>
+struct FfnSplitRows {
+    static constexpr bool prmt_table = PRMT;
+    // Kernel parameters and constants only: what the walk must not hold in registers (at 96 a
+    // thread, values computed here and kept across it cost the 32B walk's loop 443 -> 502
+    // SASS instructions of recomputed addresses). The CTA's rows and the shared-memory
+    // layout are recomputed where used.
+    Nf4Ref gate, up;
+    const uint4* down_t;  // global W_down^T
+    const u16* down_t_scales;
+    float* y;
+    const float* x_res;  // not null: CTA 0 adds it into y too (y then starts at zero)
+    float* zero;         // not null: CTA 0 zeroes its `hidden` floats (the decode step's next
+                         // layer's y, which must be zero before that layer's adds)
+    int hidden, rows, early_ctas, early_rows, max_rows;
+    u64* bar;  // the tile's bulk copy (not STREAM; static shared memory)
+    __device__ void range(int& r0, int& r1) const { ffn_cta_rows(rows, early_ctas, early_rows, r0, r1); }
+    // Dynamic shared memory: (PRMT: the table,) x staged, then STREAM: the k-lanes' sums [4][32]
+    // [hidden / 32] and the act pairs; else the tile (max_rows rows of W_down^T) and the act pairs.
+    __device__ float* after_x() const {
+        extern __shared__ __align__(16) float gemv2_dyn[];
+        return gemv2_dyn + (PRMT ? PRMT_LUT_WORDS : 0) + (hidden >> 5) * X_STAGE_STRIDE;
+    }
+    __device__ float* acc_s() const { return after_x(); }
+    __device__ uint4* tile() const { return reinterpret_cast<uint4*>(after_x()); }
+    __device__ u32* act2() const {
+        return reinterpret_cast<u32*>(after_x() + (STREAM ? 4 * hidden : max_rows * (hidden >> 3)));
+    }
+    __device__ void tail() const {}
+    __device__ Nf4Ref matrix(int, int k) const { return k == 0 ? gate : up; }
+    __device__ int local(int r) const { return r; }
+    __device__ RowEpi epi(int) const { return {0.0f, 0.0f}; }
+    __device__ float store(int r, const float* s, RowEpi) const { return store(r, s); }
+    __device__ float store(int r, const float* s) const {
+        const float v = s[0] / (1.0f + expf(-s[0])) * s[1];
+        const u32 h = f32_to_f16(v);
+        int r0, r1;
+        range(r0, r1);
+        act2()[r - r0] = h | (h << 16);
+        return v;
+    }
+    __device__ float* ss_out() const { return nullptr; }
+    // Chunk c of W_down^T's row k (r0: the CTA's first row).
+    __device__ uint4 chunk(int k, int c, int chunks, int r0) const {
+        if (STREAM) return load_weights16(down_t + (size_t)k * chunks + c);
+        return tile()[(k - r0) * chunks + c];
+    }
+    // The products of `w` (a chunk of W_down^T's row k) and act[k] into h (f16 pairs).
+    __device__ __forceinline__ void products(const u32* lut, uint4 w4, int k, int r0, u32 lane4, u32 (&h)[16]) const {
+        const u32 a2 = act2()[k - r0];
+        const u32 w[4] = {w4.x, w4.y, w4.z, w4.w};
+#pragma unroll
+        for (int q = 0; q < 4; q++)
+#pragma unroll
+            for (int kb = 0; kb < 4; kb++) {
+                const u32 e = PRMT ? prmt_lut_entry(lut, w[q], kb, lane4) : byte_lut_entry(lut, w[q], kb, lane4);
+                h[4 * q + kb] = hfma2(e, a2, h[4 * q + kb]);
+            }
+    }
+    // y += W_down[:, r0:r1] act[r0:r1].
+    __device__ void finish(const u32* lut) const {
+        if (STREAM) finish_stream(lut);
+        else finish_tile(lut);
+    }
+    // From global memory (STREAM): each lane's k's in groups of 4 inside an NF4 block, the next
+    // group's loads issued before this group's products (across blocks too); each block's sums
+    // into the lane's column of acc_s (registers hold no sums across blocks: 96 at 20 warps);
+    // then the k-lanes' columns added in order by output and sent.
+    __device__ void finish_stream(const u32* lut) const {
+        __syncthreads();  // every act pair stored
+        int r0, r1;
+        range(r0, r1);
+        float* acc_s = this->acc_s();
+        const int lane = threadIdx.x & 31, kl = lane >> 3;
+        const int c = (threadIdx.x >> 5) * 8 + (lane & 7);
+        const int chunks = hidden >> 5;
+        const u32 lane4 = lane * 4;
+        float* mine = acc_s + kl * 32 * chunks + c;  // output 32c + i at mine[i * chunks]
+#pragma unroll
+        for (int i = 0; i < 32; i++) mine[i * chunks] = 0.0f;
+        auto load_group = [&](int k, int hi, uint4 (&w)[4]) {
+#pragma unroll
+            for (int u = 0; u < 4; u++)
+                if (k + 4 * u < hi) w[u] = chunk(k + 4 * u, c, chunks, r0);
+        };
+        int k = r0 + kl;
+        if (k < r1) {
+            int b = k >> 6;
+            uint4 cur[4], nxt[4];
+            load_group(k, min(r1, (b + 1) << 6), cur);
+            u32 h[16];
+#pragma unroll
+            for (int i = 0; i < 16; i++) h[i] = 0u;
+            for (;;) {
+                const int hi = min(r1, (b + 1) << 6);
+                int kn = k + 16;
+                if (kn >= hi) kn = k + 4 * ((hi - k + 3) >> 2);  // the lane's first k at or past hi
+                const int bn = kn >> 6;
+                const bool more = kn < r1;
+                if (more) load_group(kn, min(r1, (bn + 1) << 6), nxt);
+#pragma unroll
+                for (int u = 0; u < 4; u++)
+                    if (k + 4 * u < hi) products(lut, cur[u], k + 4 * u, r0, lane4, h);
+                if (bn != b || !more) {
+                    const uint4* sp = reinterpret_cast<const uint4*>(down_t_scales + (size_t)b * hidden + 32 * c);
+#pragma unroll
+                    for (int q4 = 0; q4 < 4; q4++) {
+                        const uint4 s4 = sp[q4];
+                        const u32 sw[4] = {s4.x, s4.y, s4.z, s4.w};
+#pragma unroll
+                        for (int i = 0; i < 4; i++) {
+                            const int q = 4 * q4 + i;
+                            float hl, hh, sl, sh;
+                            asm("{.reg .b16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h;}" : "=f"(hl), "=f"(hh) : "r"(h[q]));
+                            asm("{.reg .b16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h;}" : "=f"(sl), "=f"(sh) : "r"(sw[i]));
+                            mine[(2 * q) * chunks] = fmaf(hl, sl, mine[(2 * q) * chunks]);
+                            mine[(2 * q + 1) * chunks] = fmaf(hh, sh, mine[(2 * q + 1) * chunks]);
+                            h[q] = 0u;
+                        }
+                    }
+                }
+                if (!more) break;
+                k = kn, b = bn;
+#pragma unroll
+                for (int u = 0; u < 4; u++) cur[u] = nxt[u];
+            }
+        }
+        __syncthreads();
+        if (zero && blockIdx.x == 0)  // CTA 0 always has rows (the last CTAs may have none)
+            for (int i = threadIdx.x; i < hidden; i += blockDim.x) zero[i] = 0.0f;
+        for (int j4 = threadIdx.x; j4 < (hidden >> 2); j4 += blockDim.x) {
+            float v[4];
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int j = 4 * j4 + e, at = (j & 31) * chunks + (j >> 5);
+                v[e] = acc_s[at] + acc_s[32 * chunks + at] + acc_s[64 * chunks + at] + acc_s[96 * chunks + at];
+            }
+            if (x_res && blockIdx.x == 0) {
+                const float4 r = reinterpret_cast<const float4*>(x_res)[j4];
+                v[0] += r.x, v[1] += r.y, v[2] += r.z, v[3] += r.w;
+            }
+            red_add4(y + 4 * j4, v[0], v[1], v[2], v[3]);
+        }
+    }
+    // From the tile in shared memory (not STREAM).
+    __device__ void finish_tile(const u32* lut) const {
+        __syncthreads();  // every act pair stored
+        ffn_tile_wait(bar);
+        int r0, r1;
+        range(r0, r1);
+        const uint4* tile = this->tile();
+        const u32* act2 = this->act2();
+        const int lane = threadIdx.x & 31, kl = lane >> 3;
+        const int c = (threadIdx.x >> 5) * 8 + (lane & 7);  // the thread's 16-byte chunk of a row
+        const int chunks = hidden >> 5;
+        const u32 lane4 = lane * 4;
+        float acc[32];
+#pragma unroll
+        for (int i = 0; i < 32; i++) acc[i] = 0.0f;
+        for (int b = r0 >> 6; b <= (r1 - 1) >> 6; b++) {
+            const int k_begin = max(r0, b << 6), k_end = min(r1, (b + 1) << 6);
+            u32 h[16];
+#pragma unroll
+            for (int i = 0; i < 16; i++) h[i] = 0u;
+            // This lane's k's of the block (every 4th), 4 at a time: their loads first.
+            for (int k = k_begin + ((kl - (k_begin - r0)) & 3); k < k_end; k += 16) {
+                uint4 w4[4];
+#pragma unroll
+                for (int u = 0; u < 4; u++)
+                    if (k + 4 * u < k_end) w4[u] = chunk(k + 4 * u, c, chunks, r0);
+#pragma unroll
+                for (int u = 0; u < 4; u++) {
+                    if (k + 4 * u >= k_end) break;
+                    const u32 a2 = act2[k + 4 * u - r0];
+                    const u32 w[4] = {w4[u].x, w4[u].y, w4[u].z, w4[u].w};
+#pragma unroll
+                    for (int q = 0; q < 4; q++)
+#pragma unroll
+                        for (int kb = 0; kb < 4; kb++) {
+                            const u32 e = PRMT ? prmt_lut_entry(lut, w[q], kb, lane4) : byte_lut_entry(lut, w[q], kb, lane4);
+                            h[4 * q + kb] = hfma2(e, a2, h[4 * q + kb]);
+                        }
+                }
+            }
+            // The block's scales of the chunk's 32 outputs: f16, output 2i in the low half of word i.
+            const uint4* sp = reinterpret_cast<const uint4*>(down_t_scales + (size_t)b * hidden + 32 * c);
+#pragma unroll
+            for (int q4 = 0; q4 < 4; q4++) {
+                const uint4 s4 = sp[q4];
+                const u32 s[4] = {s4.x, s4.y, s4.z, s4.w};
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    const int q = 4 * q4 + i;
+                    float hl, hh, sl, sh;
+                    asm("{.reg .b16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h;}" : "=f"(hl), "=f"(hh) : "r"(h[q]));
+                    asm("{.reg .b16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h;}" : "=f"(sl), "=f"(sh) : "r"(s[i]));
+                    acc[2 * q] = fmaf(hl, sl, acc[2 * q]);
+                    acc[2 * q + 1] = fmaf(hh, sh, acc[2 * q + 1]);
+                }
+            }
+        }
+        // The 4 k-lanes (lanes 8 apart) add; each then sends a quarter of the chunk's outputs.
+#pragma unroll
+        for (int i = 0; i < 32; i++) {
+            acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], 8);
+            acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], 16);
+        }
+        float* out = y + 32 * c;
+        if (x_res && blockIdx.x == 0) {
+            const float4* xr = reinterpret_cast<const float4*>(x_res + 32 * c + 8 * kl);
+            const float4 a = xr[0], b = xr[1];
+#pragma unroll
+            for (int q = 0; q < 4; q++)
+                if (kl == q) {
+                    acc[8 * q] += a.x, acc[8 * q + 1] += a.y, acc[8 * q + 2] += a.z, acc[8 * q + 3] += a.w;
+                    acc[8 * q + 4] += b.x, acc[8 * q + 5] += b.y, acc[8 * q + 6] += b.z, acc[8 * q + 7] += b.w;
+                }
+        }
+        if (zero && blockIdx.x == 0)  // CTA 0 always has rows (the last CTAs may have none)
+            for (int i = threadIdx.x; i < hidden; i += blockDim.x) zero[i] = 0.0f;
+#pragma unroll
+        for (int q = 0; q < 4; q++)
+            if (kl == q) {
+                red_add4(out + 8 * q, acc[8 * q], acc[8 * q + 1], acc[8 * q + 2], acc[8 * q + 3]);
+                red_add4(out + 8 * q + 4, acc[8 * q + 4], acc[8 * q + 5], acc[8 * q + 6], acc[8 * q + 7]);
+            }
+    }
+};
+extern "C" __global__ void __maxnreg__(GEMV2_MAX_REGS)
+    gemv2_ffn_splitk(Nf4Ref gate, Nf4Ref up, const uint4* down_t, const u16* down_t_scales, const float* __restrict__ x,
+                     NormArgs norm, float* y, const float* x_res, float* zero, int rows, int hidden, int max_rows,
+                     int early_ctas, int early_rows) {
+    __shared__ __align__(8) u64 bar;
+    FfnSplitRows<false, false> f{gate, up, down_t, down_t_scales, y, x_res, zero, hidden, rows, early_ctas, early_rows,
+                                 max_rows, &bar};
+    int r0, r1;
+    f.range(r0, r1);
+    if (r0 >= r1) return;  // no rows (the whole CTA: no barrier below is left waiting)
+    const int row_bytes = hidden >> 1;
+    if (threadIdx.x == 0)
+        ffn_tile_copy(f.tile(), reinterpret_cast<const char*>(down_t) + (size_t)r0 * row_bytes,
+                      (u32)((r1 - r0) * row_bytes), &bar);
+    gemv2_walk<2, 1, 2, false>(f, rows, hidden, x, norm, 1, nullptr, early_ctas, early_rows);
+}
+// The 32B shape's (hidden = SWIGLU_W20_K: 160 chunks a row, 8 a warp over the 20 warps):
+// gemv2_swiglu_j1_w20's walk, then the CTA's ~210 rows of W_down^T (537 KB) straight from
+// global memory. Dynamic shared memory: the PRMT table, x staged, the k-lanes' sums (4 x
+// hidden floats), the act pairs (max_rows).
+extern "C" __global__ void __maxnreg__(GEMV2_W20_MAX_REGS)
+    gemv2_ffn_splitk_w20(Nf4Ref gate, Nf4Ref up, const uint4* down_t, const u16* down_t_scales,
+                         const float* __restrict__ x, NormArgs norm, float* y, const float* x_res, float* zero, int rows,
+                         int early_ctas, int early_rows) {
+    FfnSplitRows<true, true> f{gate, up, down_t, down_t_scales, y, x_res, zero, SWIGLU_W20_K, rows, early_ctas,
+                               early_rows, 0, nullptr};
+    int r0, r1;
+    f.range(r0, r1);
+    if (r0 >= r1) return;
+    gemv2_walk<1, 2, 2, false, SWIGLU_W20_WARPS>(f, rows, SWIGLU_W20_K, x, norm, SWIGLU_W20_KPARTS, nullptr,
+                                                 early_ctas, early_rows);
 }
 #endif

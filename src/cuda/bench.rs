@@ -603,6 +603,153 @@ impl Bench {
         })
     }
 
+    /// DV2_X_FFN_SPLITK=1 (experiment): the FFN of `hidden` x `inter` on random weights,
+    /// today's two kernels (SwiGLU writing f16 act, down adding into y) against the split-K
+    /// kernel (`Ops::ffn_splitk`), each over rotated copies, in four rounds of both (the order
+    /// alternating; none with `rounds` 0: the check alone, for the sanitizers); returns the
+    /// rounds' timings and the largest |y difference| of one launch each from the same y,
+    /// over the largest |change|.
+    #[allow(clippy::type_complexity)]
+    pub fn ffn(
+        &self,
+        hidden: usize,
+        inter: usize,
+        rounds: usize,
+    ) -> Result<(Vec<(Timing, Timing)>, f64)> {
+        let gpu = &self.ops.gpu;
+        let weight_bytes = 3 * stored_bytes(inter, hidden);
+        let copies = if rounds == 0 {
+            1
+        } else {
+            Self::copies(weight_bytes)
+        };
+        let blocks = inter / 64;
+        struct Copy {
+            gate: RandomMatrix,
+            up: RandomMatrix,
+            down: RandomMatrix,
+            down_t: CudaSlice<u8>,
+            down_t_scales: CudaSlice<u16>,
+        }
+        let mut sets = Vec::with_capacity(copies);
+        for c in 0..copies {
+            let seed = 100 + 8 * c as u64;
+            // W_down's codes and scales here, so that its transpose can be made from them.
+            let codes = random_bytes(hidden * inter / 2, seed + 4);
+            let absmax: Vec<f16> = random_f32(hidden * blocks, seed + 5, 0.01, 0.1)
+                .into_iter()
+                .map(f16::from_f32)
+                .collect();
+            let code = |j: usize, k: usize| {
+                let b = codes[j * inter / 2 + k / 2];
+                if k.is_multiple_of(2) {
+                    b >> 4
+                } else {
+                    b & 15
+                }
+            };
+            let mut t_codes = vec![0u8; hidden * inter / 2];
+            for k in 0..inter {
+                for i in 0..hidden / 2 {
+                    t_codes[k * hidden / 2 + i] = code(2 * i, k) << 4 | code(2 * i + 1, k);
+                }
+            }
+            let mut t_scales = vec![f16::ZERO; hidden * blocks];
+            for j in 0..hidden {
+                for b in 0..blocks {
+                    t_scales[b * hidden + j] = absmax[j * blocks + b];
+                }
+            }
+            sets.push(Copy {
+                gate: RandomMatrix::new(gpu, inter, hidden, seed)?,
+                up: RandomMatrix::new(gpu, inter, hidden, seed + 2)?,
+                down: RandomMatrix {
+                    packed: gpu.upload(&codes)?,
+                    absmax: gpu.upload(scale_bits(&absmax))?,
+                    mma_scale: mma_scale(&absmax),
+                },
+                down_t: gpu.upload(&t_codes)?,
+                down_t_scales: gpu.upload(scale_bits(&t_scales))?,
+            });
+        }
+        let x = gpu.upload(&random_f32(hidden, 3, -1.0, 1.0))?;
+        let y0 = random_f32(hidden, 4, -1.0, 1.0);
+        let (y, y_fused) = (gpu.upload(&y0)?, gpu.upload(&y0)?);
+        let act = gpu.zeros::<f32>(inter)?;
+        let (xp, actp) = (gpu.ptr(&x), gpu.ptr(&act));
+        let act_f16 = self.ops.ffn_act_f16(inter, hidden);
+        let pair = |c: &Copy, yp: u64| -> Result<()> {
+            self.ops.swiglu(
+                c.gate.as_ref(gpu),
+                c.up.as_ref(gpu),
+                inter,
+                hidden,
+                Input::raw(xp),
+                actp,
+                act_f16,
+            )?;
+            let input = Input {
+                f16: act_f16,
+                ..Input::raw(actp)
+            };
+            self.ops
+                .gemv(c.down.as_ref(gpu), hidden, inter, input, yp, true, 0, 0)
+                .map(|_| ())
+        };
+        let fused = |c: &Copy, yp: u64| -> Result<()> {
+            self.ops.ffn_splitk(
+                c.gate.as_ref(gpu),
+                c.up.as_ref(gpu),
+                gpu.ptr(&c.down_t),
+                gpu.ptr(&c.down_t_scales),
+                inter,
+                hidden,
+                Input::raw(xp),
+                yp,
+                0,
+                0,
+            )
+        };
+        // One launch of each from y0: the change each makes, and how far apart they are.
+        pair(&sets[0], gpu.ptr(&y))?;
+        fused(&sets[0], gpu.ptr(&y_fused))?;
+        let by_pair = gpu.download(&y, hidden)?;
+        let by_fused = gpu.download(&y_fused, hidden)?;
+        let change = by_pair
+            .iter()
+            .zip(&y0)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        let diff = by_pair
+            .iter()
+            .zip(&by_fused)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        let bytes = weight_bytes + hidden * 8;
+        let floor_us = self.floor_us(bytes)?;
+        let timing = |name: &str, median_us: f64| Timing {
+            name: name.into(),
+            bytes,
+            median_us,
+            floor_us,
+        };
+        // The order alternating: pair first, then fused first, ...
+        let mut timed = Vec::with_capacity(rounds);
+        for round in 0..rounds {
+            let time_pair = || self.time_rotated(copies, |i| pair(&sets[i], gpu.ptr(&y)));
+            let time_fused = || self.time_rotated(copies, |i| fused(&sets[i], gpu.ptr(&y)));
+            let (p, f) = if round % 2 == 0 {
+                let p = time_pair()?;
+                (p, time_fused()?)
+            } else {
+                let f = time_fused()?;
+                (time_pair()?, f)
+            };
+            timed.push((timing("swiglu + down", p), timing("split-K ffn", f)));
+        }
+        Ok((timed, (diff / change.max(f32::MIN_POSITIVE)) as f64))
+    }
+
     /// Times the tensor-core GEMM (`y = W x`, plain store) for `rows` x `k` weights over `n`
     /// columns on random data, x in f16 as a prefill chunk has it; returns the timing and
     /// TFLOP/s (2 rows k n per launch).
