@@ -1215,30 +1215,6 @@ fn preset_and_depths<'a>(args: &'a [String], i: usize, default: &[usize]) -> (&'
 /// A sweep of one engine by depth: its preset and depths.
 type Sweep = fn(&str, &[usize]);
 
-/// DV2_X_FFN_SPLITK=1 (experiment): the FFN as two kernels against the split-K kernel.
-/// `rounds` 0: the one-launch check alone (for the sanitizers).
-fn ffn_splitk(hidden: usize, inter: usize, rounds: usize) {
-    let bench = Bench::new(0).expect("CUDA device");
-    println!(
-        "{}: the FFN of hidden {hidden}, intermediate {inter} ({})",
-        bench.device_name(),
-        bench.variants()
-    );
-    let (rounds, err) = bench.ffn(hidden, inter, rounds).expect("ffn bench");
-    println!("  one launch each from the same y: max |diff| / max |change| = {err:.2e}");
-    for (i, (pair, fused)) in rounds.iter().enumerate() {
-        println!(
-            "  round {i} ({} first): swiglu + down {:8.2} us ({:.2} of floor), split-K {:8.2} us ({:.2}), ratio {:.4}",
-            if i % 2 == 0 { "pair" } else { "split-K" },
-            pair.median_us,
-            pair.of_floor(),
-            fused.median_us,
-            fused.of_floor(),
-            pair.median_us / fused.median_us
-        );
-    }
-}
-
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let flag = |f: &str| args.iter().any(|a| a == f);
@@ -1294,16 +1270,6 @@ fn main() {
     }
     if flag("--l2-hot") {
         l2_hot();
-        return;
-    }
-    if let Some(i) = args.iter().position(|a| a == "--ffn") {
-        let num = |j: usize, d: usize| args.get(i + j).and_then(|a| a.parse().ok()).unwrap_or(d);
-        let rounds = if args.get(i + 3).is_some_and(|a| a == "check") {
-            0
-        } else {
-            4
-        };
-        ffn_splitk(num(1, 2048), num(2, 11008), rounds);
         return;
     }
     if let Some(i) = args.iter().position(|a| a == "--load") {

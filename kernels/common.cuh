@@ -437,27 +437,7 @@ static_assert(sizeof(NormArgs) == SIZEOF_NORMARGS, "NormArgs differs from the ho
 // 11) fetched in two round trips. Each lane adds its values in index order either way, so the
 // batch does not change the sum.
 #define NORM_BATCH 12
-__device__ __forceinline__ float norm_factor(NormArgs norm, int n, const float* __restrict__ x) {
-#if GEMV2_X_FFN_SPLITK
-    // DV2_X_FFN_SPLITK: ss_parts < 0 (x written by the split-K FFN's adds, which leave no sums):
-    // the CTA sums x's squares itself, every thread of it here (one barrier pair), every
-    // thread adding the warps' sums in the same order (so all CTAs agree to the bit).
-    if (norm.ss_parts < 0) {
-        __shared__ float warp_ss[32];
-        float s = 0.0f;
-        for (int q = threadIdx.x; q < (n >> 2); q += blockDim.x) {
-            const float4 v = reinterpret_cast<const float4*>(x)[q];
-            s += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-        }
-        s = warp_sum(s);
-        if ((threadIdx.x & 31) == 0) warp_ss[threadIdx.x >> 5] = s;
-        __syncthreads();
-        float t = 0.0f;
-        for (int w = 0; w < (int)(blockDim.x >> 5); w++) t += warp_ss[w];
-        __syncthreads();
-        return rsqrtf(t / (float)n + norm.eps);
-    }
-#endif
+__device__ __forceinline__ float norm_factor(NormArgs norm, int n) {
     float s = 0.0f;
     for (int base = threadIdx.x & 31; base < norm.ss_parts; base += NORM_BATCH * 32) {
         float v[NORM_BATCH];
@@ -509,7 +489,7 @@ __device__ __forceinline__ void for_each_x_quad(const float* __restrict__ x, int
         }
     };
     load(q_begin + threadIdx.x);
-    const float r = norm.w ? norm_factor(norm, cols, x) : 1.0f;
+    const float r = norm.w ? norm_factor(norm, cols) : 1.0f;
     for (int base = q_begin + threadIdx.x;;) {
 #pragma unroll
         for (int u = 0; u < XB; u++) {

@@ -93,24 +93,12 @@ __device__ __forceinline__ float embed_token(int token, Nf4Ref embed, float* __r
 }
 
 // x = embedding row of state[TOKEN]; with ss_out, its sum of squares there (NormArgs).
-#if GEMV2_X_FFN_SPLITK
-// DV2_X_FFN_SPLITK: also zeroes `zero` (hidden floats; the first layer's split-K FFN adds into it).
-extern "C" __global__ void embed_row(const int* __restrict__ state, Nf4Ref embed, float* x, int hidden,
-                                     int vocab, float* ss_out, float* zero) {
-    pdl_enter();
-    const float ss = embed_token(state[STATE_TOKEN], embed, x, hidden, vocab);
-    if (zero)
-        for (int i = threadIdx.x; i < hidden; i += blockDim.x) zero[i] = 0.0f;
-    if (ss_out) block_sum_to(ss, ss_out);
-}
-#else
 extern "C" __global__ void embed_row(const int* __restrict__ state, Nf4Ref embed, float* x, int hidden,
                                      int vocab, float* ss_out) {
     pdl_enter();
     const float ss = embed_token(state[STATE_TOKEN], embed, x, hidden, vocab);
     if (ss_out) block_sum_to(ss, ss_out);
 }
-#endif
 
 // state[NEXT_TOKEN] = argmax(logits): lowest index wins ties, NaN never wins. Does nothing
 // once the request is finished (next_token stays the EOS id).

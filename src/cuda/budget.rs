@@ -51,13 +51,7 @@ pub fn weight_bytes(s: &ArchSpec) -> usize {
         + if s.qkv_bias { s.qkv_rows() * 4 } else { 0 }
         + 2 * s.hidden * 2;
     let heads = if s.tied_embed { 1 } else { 2 };
-    // DV2_X_FFN_SPLITK=1 (experiment): W_down^T beside W_down.
-    let down_t = if super::weights::ffn_splitk_shape(s.hidden, s.intermediate) {
-        nf4(s.hidden, s.intermediate)
-    } else {
-        0
-    };
-    s.n_layers * (per_layer + down_t) + heads * nf4(s.vocab, s.hidden) + s.hidden * 2
+    s.n_layers * per_layer + heads * nf4(s.vocab, s.hidden) + s.hidden * 2
 }
 
 /// Slots per layer in the KV cache: max_seq plus one poisoned guard slot.

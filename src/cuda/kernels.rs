@@ -392,22 +392,7 @@ fn options(arch: &str, cfg: &Config) -> Vec<String> {
     }
     opts.extend(cfg.nvrtc_defines());
     opts.extend(shared_defines());
-    // DV2_X_FFN_SPLITK=1 (experiment): kernels/gemv.cu's GEMV2_X_FFN_SPLITK.
-    if ffn_splitk() {
-        opts.push("-DGEMV2_X_FFN_SPLITK=1".into());
-    }
     opts
-}
-
-/// The most dynamic shared memory `gemv2_ffn_splitk` takes (x staged, its tile, its act pairs).
-pub const FFN_SPLITK_MAX_SMEM: usize = 96 * 1024;
-/// ... and `gemv2_ffn_splitk_w20` (the PRMT table, x staged, 4 x 5,120 sums, its act pairs).
-pub const FFN_SPLITK_W20_MAX_SMEM: usize = 180 * 1024;
-
-/// DV2_X_FFN_SPLITK=1 (experiment): SwiGLU and down in one kernel, down split over K by
-/// SwiGLU's rows (kernels/gemv.cu `gemv2_ffn_splitk`; `bench --ffn`).
-pub fn ffn_splitk() -> bool {
-    std::env::var("DV2_X_FFN_SPLITK").as_deref() == Ok("1")
 }
 
 /// Runs NVRTC on `src` and returns the cubin and the compiler's log, or the log as the error.
@@ -546,10 +531,6 @@ pub struct Kernels {
     /// dynamic shared memory the device lets it take.
     pub gemv2_down_w27: CudaFunction,
     pub gemv2_down_w27_room: usize,
-    /// DV2_X_FFN_SPLITK=1: [`ffn_splitk`]'s kernel, up to FFN_SPLITK_MAX_SMEM bytes of dynamic shared memory.
-    pub gemv2_ffn_splitk: Option<CudaFunction>,
-    /// DV2_X_FFN_SPLITK=1: the same at hidden SWIGLU_W20_K (the 32B shape), SwiGLU's 20-warp walk.
-    pub gemv2_ffn_splitk_w20: Option<CudaFunction>,
     /// The dynamic shared memory (x staged) every GEMV v2 kernel may take on this device, by
     /// x's type ([f32, f16]), and lm_head's (its table and x): what the device allows beside
     /// their static shared memory where that is less than they ask (99 KiB a CTA on sm_86,
@@ -702,16 +683,6 @@ impl Kernels {
             gemv2_swiglu_w20_room: 0,
             gemv2_down_w27: f_smem("gemv2_down_j1_w27", GEMV2_PRMT_TABLE)?,
             gemv2_down_w27_room: 0,
-            gemv2_ffn_splitk: if ffn_splitk() {
-                Some(f_smem("gemv2_ffn_splitk", FFN_SPLITK_MAX_SMEM)?)
-            } else {
-                None
-            },
-            gemv2_ffn_splitk_w20: if ffn_splitk() {
-                Some(f_smem("gemv2_ffn_splitk_w20", FFN_SPLITK_W20_MAX_SMEM)?)
-            } else {
-                None
-            },
             gemv2_logits: if cfg.logits_argmax {
                 Some(gemv2(
                     "gemv2_logits",

@@ -13,7 +13,6 @@ use super::device::{driver_error, Gpu};
 use super::kernels::state;
 use super::ops::{
     check_shape, one_cta, AttnArgs, Input, LogitsHead, Norm, Ops, PartialSums, QkvArgs,
-    SUMS_BY_CONSUMER,
 };
 use super::prefill::{chunk_size, prefill_chunk};
 use super::profile::StageMarks;
@@ -382,30 +381,15 @@ impl CudaBackend {
         };
         let sums = |parts: usize| (ss_out != 0).then_some(PartialSums { ptr: ss_out, parts });
         // x += W input (the residual add), with the partial sums for the next norm.
-        let residual = |w: &DeviceMatrix, k: usize, input: Input, x: u64| {
+        let residual = |w: &DeviceMatrix, k: usize, input: Input| {
             let parts = ops.gemv(w.as_ref(gpu), s.hidden, k, input, x, true, 0, ss_out)?;
             Ok::<_, Error>(sums(parts))
         };
-        // DV2_X_FFN_SPLITK=1 (experiment): the residual in rows 0..3 of the arena's x in turn,
-        // layer l's in row l % 3: its split-K FFN adds into row (l + 1) % 3 (zero, then
-        // x + W_down act) and zeroes row (l + 2) % 3 for the next layer; embed_row zeroes row 1.
-        // (Decided by what the load built, not by the environment now: the bench's
-        // `--against` sets the switch only while it loads.)
-        let split = ops.k.gemv2_ffn_splitk.is_some()
-            && a.x.len() >= 3 * s.hidden
-            && self.model.layers.iter().all(|l| l.down_t.is_some());
-        let row = |l: usize| x + 4 * (s.hidden * (l % 3)) as u64;
         // x = embed[token]: [hidden].
-        if ops.k.gemv2_ffn_splitk.is_some() {
-            let zero = if split { row(1) } else { 0 };
-            launch!(gpu, &ops.k.embed_row, one_cta(256); state, embed, x, hidden, vocab, ss_out, zero)?;
-        } else {
-            launch!(gpu, &ops.k.embed_row, one_cta(256); state, embed, x, hidden, vocab, ss_out)?;
-        }
+        launch!(gpu, &ops.k.embed_row, one_cta(256); state, embed, x, hidden, vocab, ss_out)?;
         let mut x_sums = sums(1);
         mark("embed")?;
         for (l, layer) in self.model.layers.iter().enumerate() {
-            let x = if split { row(l) } else { x };
             // q/k/v = W_qkv rms(x) + bias: [hidden] -> [(n_q + 2 n_kv) head_dim].
             let args = QkvArgs {
                 m: [0, 1, 2].map(|i| layer.qkv[i].as_ref(gpu)),
@@ -429,27 +413,10 @@ impl CudaBackend {
             }
             mark("attention + merge")?;
             // x += W_o attn: [n_q head_dim] -> [hidden].
-            x_sums = residual(&layer.o, s.hidden, Input::raw(attn), x)?;
+            x_sums = residual(&layer.o, s.hidden, Input::raw(attn))?;
             mark("o_proj (+residual)")?;
             // act = silu(W_gate rms(x)) * (W_up rms(x)): [hidden] -> [intermediate].
             let input = self.normed(x, &layer.ffn_norm, xn, x_sums);
-            if let (true, Some(t)) = (split, &layer.down_t) {
-                ops.ffn_splitk(
-                    layer.gate.as_ref(gpu),
-                    layer.up.as_ref(gpu),
-                    self.ptr(&t.codes),
-                    self.ptr(&t.scales),
-                    s.intermediate,
-                    s.hidden,
-                    input,
-                    row(l + 1),
-                    x,
-                    row(l + 2),
-                )?;
-                x_sums = Some(SUMS_BY_CONSUMER);
-                mark("ffn_norm + split-K FFN (+residual)")?;
-                continue;
-            }
             let act_f16 = ops.ffn_act_f16(s.intermediate, s.hidden);
             ops.swiglu(
                 layer.gate.as_ref(gpu),
@@ -466,14 +433,9 @@ impl CudaBackend {
                 ..Input::raw(act)
             };
             // x += W_down act: [intermediate] -> [hidden].
-            x_sums = residual(&layer.down, s.intermediate, act_in, x)?;
+            x_sums = residual(&layer.down, s.intermediate, act_in)?;
             mark("down (+residual)")?;
         }
-        let x = if split {
-            row(self.model.layers.len())
-        } else {
-            x
-        };
         if logits {
             // logits = W_lm rms(x): [hidden] -> [vocab], their argmax, the commit.
             // Replays after the request finished must not overwrite the last logits.

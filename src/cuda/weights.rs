@@ -94,57 +94,6 @@ impl DeviceMatrix {
     }
 }
 
-/// DV2_X_FFN_SPLITK=1 (experiment): W_down^T's codes (row k = column k of W_down, element 2i
-/// in the high nibble of byte i as every row) and W_down's scales as `[intermediate / 64]
-/// [hidden]` f16, for kernels/gemv.cu `gemv2_ffn_splitk`.
-pub struct DownT {
-    pub codes: CudaSlice<u8>,
-    pub scales: CudaSlice<u16>,
-}
-
-impl DownT {
-    fn upload(up: &mut Staging, down: &Nf4Matrix) -> Result<Self> {
-        let (hidden, inter) = (down.rows, down.cols);
-        let blocks = inter / 64;
-        let codes = &down.packed[..];
-        let code = |j: usize, k: usize| {
-            let b = codes[j * inter / 2 + k / 2];
-            if k.is_multiple_of(2) {
-                b >> 4
-            } else {
-                b & 15
-            }
-        };
-        let mut t_codes = vec![0u8; hidden * inter / 2];
-        crate::par::for_rows(&mut t_codes, hidden / 2, hidden, |first, rows| {
-            for (k, row) in rows.chunks_exact_mut(hidden / 2).enumerate() {
-                for (i, byte) in row.iter_mut().enumerate() {
-                    *byte = code(2 * i, first + k) << 4 | code(2 * i + 1, first + k);
-                }
-            }
-        });
-        let mut t_scales = vec![f16::ZERO; hidden * blocks];
-        for j in 0..hidden {
-            for b in 0..blocks {
-                t_scales[b * hidden + j] = down.absmax[j * blocks + b];
-            }
-        }
-        Ok(Self {
-            codes: up.upload(&t_codes)?,
-            scales: up.upload(scale_bits(&t_scales))?,
-        })
-    }
-}
-
-/// Whether the decode step takes the split-K FFN for this shape (DV2_X_FFN_SPLITK=1): hidden
-/// 2,048 or 5,120 (its kernels' 8 or 20 warps of 8 chunks) and an intermediate of whole NF4
-/// blocks.
-pub fn ffn_splitk_shape(hidden: usize, intermediate: usize) -> bool {
-    super::kernels::ffn_splitk()
-        && (hidden == 2048 || hidden == super::ops::SWIGLU_W20_K)
-        && intermediate.is_multiple_of(64)
-}
-
 pub struct DeviceLayer {
     pub attn_norm: CudaSlice<u16>,
     /// q, k, v (InternLM2's fused wqkv split by rows at upload: byte-exact).
@@ -155,7 +104,6 @@ pub struct DeviceLayer {
     pub gate: DeviceMatrix,
     pub up: DeviceMatrix,
     pub down: DeviceMatrix,
-    pub down_t: Option<DownT>,
 }
 
 pub struct DeviceModel {
@@ -211,11 +159,6 @@ pub fn upload(gpu: &Gpu, model: &HostModel, staged: bool) -> Result<DeviceModel>
             gate: m(up, &layer.gate)?,
             up: m(up, &layer.up)?,
             down: m(up, &layer.down)?,
-            down_t: if ffn_splitk_shape(s.hidden, s.intermediate) {
-                Some(DownT::upload(up, &layer.down)?)
-            } else {
-                None
-            },
         });
     }
     Ok(DeviceModel {

@@ -8,10 +8,9 @@ use super::gemm::{Epilogue, GemmArgs, GemmMatrix};
 use super::{check_sums, no_sums, Input, NormArgs, Ops, MAX_ARGMAX_CTAS};
 use crate::cuda::device::driver_error;
 use crate::cuda::kernels::{
-    gemv2_x_smem, Kernels, FFN_SPLITK_MAX_SMEM, GEMV2_KWALK_KPARTS, GEMV2_KWALK_QKV_ROWS,
-    GEMV2_KWALK_ROWS, GEMV2_KWALK_W16_ROWS, GEMV2_KWALK_W16_WARPS, GEMV2_MAX_K, GEMV2_PRMT_TABLE,
-    GEMV2_X16_MAX_K, GEMV3_CTAS_PER_SM, GEMV3_KH2_CTAS_PER_SM, GEMV3_MAX_K, GEMV3_WARPS,
-    GEMV_WARPS, KWALK_TABLE_AT,
+    gemv2_x_smem, Kernels, GEMV2_KWALK_KPARTS, GEMV2_KWALK_QKV_ROWS, GEMV2_KWALK_ROWS,
+    GEMV2_KWALK_W16_ROWS, GEMV2_KWALK_W16_WARPS, GEMV2_MAX_K, GEMV2_PRMT_TABLE, GEMV2_X16_MAX_K,
+    GEMV3_CTAS_PER_SM, GEMV3_KH2_CTAS_PER_SM, GEMV3_MAX_K, GEMV3_WARPS, GEMV_WARPS, KWALK_TABLE_AT,
 };
 use crate::cuda::weights::Nf4Ref;
 use crate::error::{Error, Result};
@@ -650,89 +649,6 @@ impl Ops {
                 launch!(self.gpu, &self.k.gemv2_swiglu[j - 1], cfg; gate, up, x, norm, out, rows_i, cols_i, kp, f16, early_ctas, early_rows)
             }
         }
-    }
-}
-
-impl Ops {
-    /// DV2_X_FFN_SPLITK=1 (experiment): `y += W_down (silu(gate x) * (up x))` in one kernel
-    /// (kernels/gemv.cu `gemv2_ffn_splitk`), `rows` = intermediate, `cols` = hidden, over
-    /// SwiGLU's GEMV v2 grid; `down_t` is W_down^T's codes (row k = column k of W_down) and
-    /// `down_t_scales` its absmax as `[rows / 64][cols]` f16. Hidden 2,048 (8 warps of 8
-    /// chunks) or SWIGLU_W20_K (SwiGLU's 20-warp walk); y is added to by atomics, so it must
-    /// not be x. With `x_res` (not 0), y must
-    /// start at zero and ends at x_res + W_down act; with `zero` (not 0), its `cols` floats
-    /// are zeroed (the decode step's next layer's y).
-    #[allow(clippy::too_many_arguments)]
-    pub fn ffn_splitk(
-        &self,
-        gate: Nf4Ref,
-        up: Nf4Ref,
-        down_t: u64,
-        down_t_scales: u64,
-        rows: usize,
-        cols: usize,
-        input: Input,
-        y: u64,
-        x_res: u64,
-        zero: u64,
-    ) -> Result<()> {
-        let (x, norm) = self.input(input, cols)?;
-        if cols == SWIGLU_W20_K && self.swiglu_w20 {
-            let f = self.k.gemv2_ffn_splitk_w20.as_ref().ok_or_else(|| {
-                Error::Internal("gemv2_ffn_splitk_w20 not compiled (DV2_X_FFN_SPLITK=1)".into())
-            })?;
-            let row_lanes = (SWIGLU_W20_WARPS / SWIGLU_W20_KPARTS) as usize;
-            let grid = self.sms.min(rows.div_ceil(row_lanes) as u32);
-            let (early_ctas, early_rows) = skewed_split(rows, grid, GEMV2_SWIGLU_SKEW);
-            let max_rows = ffn_max_rows(rows, grid as usize, early_ctas, early_rows);
-            let cfg = LaunchConfig {
-                grid_dim: (grid, 1, 1),
-                block_dim: (SWIGLU_W20_WARPS * 32, 1, 1),
-                // The table and x, the k-lanes' sums, the act pairs.
-                shared_mem_bytes: (prmt_table_and_x_smem(cols, false) + 16 * cols + 4 * max_rows)
-                    as u32,
-            };
-            let rows_i = rows as i32;
-            return launch!(self.gpu, f, cfg; gate, up, down_t, down_t_scales, x, norm, y, x_res, zero, rows_i, early_ctas, early_rows);
-        }
-        let f = self.k.gemv2_ffn_splitk.as_ref().ok_or_else(|| {
-            Error::Internal("gemv2_ffn_splitk not compiled (DV2_X_FFN_SPLITK=1)".into())
-        })?;
-        if cols != 256 * GEMV_WARPS as usize || !rows.is_multiple_of(64) {
-            return Err(Error::Unsupported(format!(
-                "the split-K FFN takes hidden {} or {SWIGLU_W20_K} and intermediate a multiple of 64, not {cols} and {rows}",
-                256 * GEMV_WARPS
-            )));
-        }
-        let (j, kparts, mut cfg) = self.gemv_v2_launch(rows, cols, false, 2)?;
-        if j != 2 || kparts != 1 {
-            return Err(Error::Internal(format!(
-                "the split-K FFN needs SwiGLU's J = 2 walk, one warp a row, not J = {j} over {kparts}"
-            )));
-        }
-        let ctas = cfg.grid_dim.0 as usize;
-        let (early_ctas, early_rows) = skewed_split(rows, cfg.grid_dim.0, GEMV2_SWIGLU_SKEW);
-        let max_rows = ffn_max_rows(rows, ctas, early_ctas, early_rows);
-        let smem = gemv2_x_smem(cols, false) + max_rows * cols / 2 + max_rows * 4;
-        if smem > FFN_SPLITK_MAX_SMEM {
-            return Err(Error::Internal(format!(
-                "the split-K FFN's {smem} bytes of shared memory pass {FFN_SPLITK_MAX_SMEM}"
-            )));
-        }
-        cfg.shared_mem_bytes = smem as u32;
-        let (rows_i, cols_i, max_rows_i) = (rows as i32, cols as i32, max_rows as i32);
-        launch!(self.gpu, f, cfg; gate, up, down_t, down_t_scales, x, norm, y, x_res, zero, rows_i, cols_i, max_rows_i, early_ctas, early_rows)
-    }
-}
-
-/// The most rows a CTA of the split-K FFN takes (kernels/gemv.cu `ffn_cta_rows`; the last
-/// CTAs may have none).
-fn ffn_max_rows(rows: usize, ctas: usize, early_ctas: i32, early_rows: i32) -> usize {
-    if early_ctas == 0 {
-        rows.div_ceil(ctas)
-    } else {
-        let (e, er) = (early_ctas as usize, early_rows as usize);
-        er.max((rows - e * er).div_ceil(ctas - e))
     }
 }
 

@@ -82,10 +82,6 @@ pub struct PartialSums {
     pub parts: usize,
 }
 
-/// DV2_X_FFN_SPLITK=1 (experiment): no partial sums left (the split-K FFN's adds); the
-/// consuming kernel sums x's squares itself (kernels/common.cuh `norm_factor`, ss_parts < 0).
-pub(crate) const SUMS_BY_CONSUMER: PartialSums = PartialSums { ptr: 0, parts: 0 };
-
 /// An RMSNorm to apply to a GEMV's input: weights, epsilon, a buffer for the normed x when
 /// the norm runs as its own kernel, and the partial sums of squares of x when its producer
 /// left them (then the GEMV v2/v3 kernels fold the norm into their x load).
@@ -212,7 +208,7 @@ impl Ops {
                 NormArgs {
                     w,
                     eps,
-                    ss_parts: if sums.ptr == 0 { -1 } else { sums.parts as i32 },
+                    ss_parts: sums.parts as i32,
                     ss: sums.ptr,
                 },
             )),
