@@ -119,15 +119,16 @@ __device__ __forceinline__ void stage_x_as16(const float* __restrict__ x, int co
 template <int J>
 struct XHalves;
 
-// Chunk c of x as f16 pairs from stage_x16's copy (zeros past the last chunk, unless not
-// CHECKED: c is then one of x's chunks); STRIDE 16: from x itself, unstaged (its chunks 16
-// words apart).
-template <int STRIDE = X16_STAGE_STRIDE, bool CHECKED = true>
+// Chunk c of x as f16 pairs from stage_x16's copy: zeros past the last chunk, or with
+// LAST_PAST_END that last chunk itself (for weights whose zero scales multiply it by 0);
+// STRIDE 16: from x itself, unstaged (its chunks 16 words apart).
+template <int STRIDE = X16_STAGE_STRIDE, bool LAST_PAST_END = false>
 __device__ __forceinline__ void read_x16_chunk(const u32* __restrict__ staged, int c, int n_chunks, u32 (&h)[16]) {
+    if (LAST_PAST_END) c = min(c, n_chunks - 1);
 #pragma unroll
     for (int q = 0; q < 4; q++) {
-        const uint4 v = !CHECKED || c < n_chunks ? *reinterpret_cast<const uint4*>(staged + c * STRIDE + 4 * q)
-                                                 : make_uint4(0u, 0u, 0u, 0u);
+        const uint4 v = LAST_PAST_END || c < n_chunks ? *reinterpret_cast<const uint4*>(staged + c * STRIDE + 4 * q)
+                                                      : make_uint4(0u, 0u, 0u, 0u);
         h[4 * q] = v.x, h[4 * q + 1] = v.y, h[4 * q + 2] = v.z, h[4 * q + 3] = v.w;
     }
 }
@@ -776,9 +777,7 @@ __device__ __forceinline__ void gemv2_kwalk(Rows rows_of, int rows, int cols, co
                 // clears and a predicate an iteration (the 32B shape's q/k/v and o loops -13 and
                 // -11 SASS instructions). With the static table ptxas doubles that loop's LOP3s
                 // under the clamp (1,002 -> 1,155), so that walk keeps the zeros.
-                const int c = tt * 32 + lane;
-                if (PRMT) read_x16_chunk<X16_STAGE_STRIDE, false>(x_staged, min(c, n_chunks - 1), n_chunks, xh.h[0]);
-                else read_x16_chunk(x_staged, c, n_chunks, xh.h[0]);
+                read_x16_chunk<X16_STAGE_STRIDE, PRMT>(x_staged, tt * 32 + lane, n_chunks, xh.h[0]);
 #pragma unroll
                 for (int i = 0; i < R; i++) acc[i] = dot_row_pair16<1, PRMT, FIXED>(buf[d][i], xh, pair16_lut, lane4, acc[i]);
                 load_iter(tt + D, buf[d]);
