@@ -357,7 +357,36 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     const bool late = (r1 - r0) * NM * kparts <= late_floats;
     // Software pipeline: the loads of the next block are issued before this block's math.
     RowChunks<J> cur[R][NM], nxt[R][NM];
+    // The one-matrix one-CTA-an-SM walks (the 27-warp down, the 20-warp lm_head: K a constant
+    // whose chunks the CTA's K parts cover exactly, a row lane's rows a block apart) load from
+    // two running pointers, this lane's chunk of its first row of the block and that chunk's
+    // scale, each row of the block an immediate offset from them, where each row's addresses
+    // were made from its index (~10 instructions a row): their loops 460 -> 437 and 411 -> 386
+    // SASS instructions, +0.6..+1.2% decode at the 32B shape at 48 and +0.4..+0.8% at 8k
+    // (docs/lab.md, session 59).
+    constexpr bool stepped = WARPS != GEMV_WARPS && J == 1 && NM == 1;
+    const int row_words = cols >> 5, row_scales = cols >> 6;  // uint4s, scales a row
+    const uint4* w_at = nullptr;
+    const u16* s_at = nullptr;
+    if (stepped) {
+        const Nf4Ref m = rows_of.matrix(r0, 0);
+        const u32 c = (u32)(part * 32 + lane), r = (u32)(r0 + row_lane);
+        w_at = reinterpret_cast<const uint4*>(m.packed) + (size_t)r * (u32)row_words + c;
+        s_at = m.absmax + (size_t)r * (u32)row_scales + (c >> 1);
+    }
     auto load_block = [&](int base, RowChunks<J> (&rc)[R][NM]) {
+        if (stepped) {
+#pragma unroll
+            for (int i = 0; i < R; i++) {
+                if (base + i * row_lanes + row_lane < r1) {
+                    rc[i][0].q[0] = load_weights16(w_at + i * row_lanes * row_words);
+                    rc[i][0].s[0] = load_scale(s_at + i * row_lanes * row_scales);
+                }
+            }
+            w_at += block * row_words;
+            s_at += block * row_scales;
+            return;
+        }
 #pragma unroll
         for (int i = 0; i < R; i++) {
             const int r = base + i * row_lanes + row_lane;
@@ -885,6 +914,8 @@ extern "C" __global__ void __maxnreg__(GEMV2_W20_MAX_REGS)
 struct PlainRowsPrmt : PlainRows {
     static constexpr bool prmt_table = true;
 };
+// The walk's running pointers (its `stepped` loads) take every lane's chunk to lie within K.
+static_assert(DOWN_W27_K / 32 == DOWN_W27_WARPS * 32, "one chunk a lane covers K exactly");
 extern "C" __global__ void __launch_bounds__(DOWN_W27_WARPS * 32, 1)
     gemv2_down_j1_w27(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y, int rows, int accumulate,
                       const int* skip_if, float* ss_out) {
@@ -897,6 +928,7 @@ extern "C" __global__ void __launch_bounds__(DOWN_W27_WARPS * 32, 1)
 // before x. Why: J = 3 over 2 warps a row holds 1 row in flight a warp; lm_head took 152 us a
 // step in the graph against 92 for its bytes (61%), where SwiGLU's walk at the same K reaches
 // 90%. Here 112 us alone under ncu and in the graph (docs/lab.md, session 46).
+static_assert(SWIGLU_W20_K / 32 == SWIGLU_W20_KPARTS * 32, "one chunk a lane covers K exactly");
 extern "C" __global__ void __maxnreg__(GEMV2_W20_MAX_REGS)
     gemv2_logits_j1_w20(Nf4Ref m, const float* __restrict__ x, NormArgs norm, float* y, int rows,
                         const int* skip_if, int* state, int* scratch, int eos, int* ring, int* hist) {
