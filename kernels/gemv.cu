@@ -376,10 +376,11 @@ __device__ __forceinline__ void gemv2_walk(Rows rows_of, int rows, int cols, con
     }
     auto load_block = [&](int base, RowChunks<J> (&rc)[R][NM]) {
         if (stepped) {
-            // A block inside the CTA's rows loads unpredicated, which ptxas issues before the
-            // block's products (copied into place), where the predicated loads went after them:
-            // loops 437 -> 461 and 386 -> 410 SASS instructions, yet +0.8..+0.9% decode at the
-            // 32B shape at 48 and 8k on an H100 (docs/lab.md, session 60).
+            // A block wholly inside the CTA's rows loads without the per-row test: ptxas then
+            // issues those loads ahead of the current block's products, where behind the test
+            // it issued them after (loops 437 -> 461 and 386 -> 410 SASS instructions, yet
+            // +0.8..+0.9% decode at the 32B shape at 48 and 8k on an H100: the loads' timing
+            // over their count; docs/lab.md, session 60).
             const bool full = base + block <= r1;
 #pragma unroll
             for (int i = 0; i < R; i++) {
