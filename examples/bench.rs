@@ -53,7 +53,7 @@ use std::time::Instant;
 
 use decodev2::arch::{ArchSpec, MEDIUM_LLAMA, QWEN25_3B};
 use decodev2::config::VARIABLES;
-use decodev2::cuda::bench::{Bench, GlRing, Handover, Timing, CHAIN_LINK_MAX_SMEM};
+use decodev2::cuda::bench::{Bench, GlRing, GlWalk, Handover, Timing, CHAIN_LINK_MAX_SMEM};
 use decodev2::cuda::ops::{Gemv, GemvChoice};
 use decodev2::cuda::CudaBackend;
 use decodev2::engine::{Backend, BackendKind, Engine, EngineOptions};
@@ -598,28 +598,55 @@ fn boundary() {
         pages,
         page: kb << 10,
     };
+    // The walk with its codebook in registers decodes as the table does (else its rows mean
+    // nothing).
+    let mismatches = bench
+        .register_codebook_mismatches()
+        .expect("codebook check");
+    assert_eq!(
+        mismatches, 0,
+        "the codebook in registers differs from the table"
+    );
     let runs = [
-        (ring(4, 32), "barriers", Handover::ByCount, true),
-        (ring(4, 32), "flagged pairs", Handover::Flagged, true),
-        (ring(4, 32), "no hand-over", Handover::None, true),
+        (ring(4, 32), "barriers", Handover::ByCount, GlWalk::Table),
+        (
+            ring(4, 32),
+            "flagged pairs",
+            Handover::Flagged,
+            GlWalk::Table,
+        ),
+        (ring(4, 32), "no hand-over", Handover::None, GlWalk::Table),
+        // Issue 36's question: the walk with no shared-memory lookups.
+        (
+            ring(4, 32),
+            "barriers, codebook in regs",
+            Handover::ByCount,
+            GlWalk::Registers,
+        ),
+        (
+            ring(4, 32),
+            "no hand-over, codebook in regs",
+            Handover::None,
+            GlWalk::Registers,
+        ),
         (
             ring(4, 32),
             "no hand-over, pages unread",
             Handover::None,
-            false,
+            GlWalk::Unread,
         ),
         // The ring alone by its shape: a fixed cost a page, not the bytes in flight.
         (
             ring(8, 16),
             "no hand-over, pages unread",
             Handover::None,
-            false,
+            GlWalk::Unread,
         ),
         (
             ring(16, 8),
             "no hand-over, pages unread",
             Handover::None,
-            false,
+            GlWalk::Unread,
         ),
     ];
     for (ring, what, handover, walk) in runs {
@@ -627,7 +654,7 @@ fn boundary() {
             .grid_layers_us(&s, s.n_layers, handover, walk, ring)
             .expect("grid layers bench");
         println!(
-            "persistent skeleton, {} layers of the 3B shape, {:>2} x {:>2} KB pages, {what:<26} {us:8.3} µs a layer",
+            "persistent skeleton, {} layers of the 3B shape, {:>2} x {:>2} KB pages, {what:<30} {us:8.3} µs a layer",
             s.n_layers,
             ring.pages,
             ring.page >> 10
