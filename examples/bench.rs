@@ -537,7 +537,8 @@ fn l2_hot() {
 /// then, for comparison, a grid-wide barrier's cost inside one launch of a CTA per SM (two
 /// ways), alone and as a persistent kernel's hand-over with data (after each barrier, or as
 /// flagged pairs without one); then the skeleton of a persistent step on the 3B shape, by its
-/// hand-over and its ring of pages (docs/lab.md, session 48).
+/// hand-over, its ring of pages and its walk's codebook (the lane-copied table or registers;
+/// docs/lab.md, sessions 48 and 60).
 fn boundary() {
     const LINKS: usize = 216;
     println!("kernel boundary in a graph, {LINKS} dependent empty launches, µs per launch:");
