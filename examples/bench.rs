@@ -53,7 +53,7 @@ use std::time::Instant;
 
 use decodev2::arch::{ArchSpec, MEDIUM_LLAMA, QWEN25_3B};
 use decodev2::config::VARIABLES;
-use decodev2::cuda::bench::{Bench, GlRing, GlWalk, Handover, Timing, CHAIN_LINK_MAX_SMEM};
+use decodev2::cuda::bench::{Bench, GlRing, Handover, Timing, CHAIN_LINK_MAX_SMEM};
 use decodev2::cuda::ops::{Gemv, GemvChoice};
 use decodev2::cuda::CudaBackend;
 use decodev2::engine::{Backend, BackendKind, Engine, EngineOptions};
@@ -537,8 +537,7 @@ fn l2_hot() {
 /// then, for comparison, a grid-wide barrier's cost inside one launch of a CTA per SM (two
 /// ways), alone and as a persistent kernel's hand-over with data (after each barrier, or as
 /// flagged pairs without one); then the skeleton of a persistent step on the 3B shape, by its
-/// hand-over, its ring of pages and its walk's codebook (the lane-copied table or registers;
-/// docs/lab.md, sessions 48 and 60).
+/// hand-over and its ring of pages (docs/lab.md, session 48).
 fn boundary() {
     const LINKS: usize = 216;
     println!("kernel boundary in a graph, {LINKS} dependent empty launches, µs per launch:");
@@ -599,55 +598,28 @@ fn boundary() {
         pages,
         page: kb << 10,
     };
-    // The walk with its codebook in registers decodes as the table does (else its rows mean
-    // nothing).
-    let mismatches = bench
-        .register_codebook_mismatches()
-        .expect("codebook check");
-    assert_eq!(
-        mismatches, 0,
-        "the codebook in registers differs from the table"
-    );
     let runs = [
-        (ring(4, 32), "barriers", Handover::ByCount, GlWalk::Table),
-        (
-            ring(4, 32),
-            "flagged pairs",
-            Handover::Flagged,
-            GlWalk::Table,
-        ),
-        (ring(4, 32), "no hand-over", Handover::None, GlWalk::Table),
-        // Issue 36's question: the walk with no shared-memory lookups.
-        (
-            ring(4, 32),
-            "barriers, codebook in regs",
-            Handover::ByCount,
-            GlWalk::Registers,
-        ),
-        (
-            ring(4, 32),
-            "no hand-over, codebook in regs",
-            Handover::None,
-            GlWalk::Registers,
-        ),
+        (ring(4, 32), "barriers", Handover::ByCount, true),
+        (ring(4, 32), "flagged pairs", Handover::Flagged, true),
+        (ring(4, 32), "no hand-over", Handover::None, true),
         (
             ring(4, 32),
             "no hand-over, pages unread",
             Handover::None,
-            GlWalk::Unread,
+            false,
         ),
         // The ring alone by its shape: a fixed cost a page, not the bytes in flight.
         (
             ring(8, 16),
             "no hand-over, pages unread",
             Handover::None,
-            GlWalk::Unread,
+            false,
         ),
         (
             ring(16, 8),
             "no hand-over, pages unread",
             Handover::None,
-            GlWalk::Unread,
+            false,
         ),
     ];
     for (ring, what, handover, walk) in runs {
@@ -655,7 +627,7 @@ fn boundary() {
             .grid_layers_us(&s, s.n_layers, handover, walk, ring)
             .expect("grid layers bench");
         println!(
-            "persistent skeleton, {} layers of the 3B shape, {:>2} x {:>2} KB pages, {what:<30} {us:8.3} µs a layer",
+            "persistent skeleton, {} layers of the 3B shape, {:>2} x {:>2} KB pages, {what:<26} {us:8.3} µs a layer",
             s.n_layers,
             ring.pages,
             ring.page >> 10

@@ -269,61 +269,6 @@ extern "C" __global__ void __launch_bounds__(256, 1) grid_phases(u32* bar, const
     }
 }
 
-// The NF4 codebook's f16 bits as two byte planes in registers: lo[i] the low bytes of entries
-// 4i .. 4i + 3, hi[i] their high bytes (rounded as load_byte_codebook rounds them).
-struct RegCodebook {
-    u32 lo[4], hi[4];
-};
-__device__ __forceinline__ RegCodebook reg_codebook() {
-    const float nf4[16] = NF4_CODEBOOK;
-    RegCodebook c;
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        c.lo[i] = c.hi[i] = 0;
-#pragma unroll
-        for (int b = 0; b < 4; b++) {
-            const u32 h = pack_f16x2(nf4[4 * i + b], 0.0f) & 0xffffu;
-            c.lo[i] |= (h & 0xffu) << (8 * b);
-            c.hi[i] |= (h >> 8) << (8 * b);
-        }
-    }
-    return c;
-}
-
-// The entries of bytes 0..3 of `word` that byte_lut_entry reads from the lane-copied table
-// ({codebook(high nibble), codebook(low nibble)} as f16 pairs), made in registers by byte
-// permutes instead (issue 36's question: a walk with no shared-memory lookups). Per 16 bits
-// of the word: its four nibbles' low 3 bits pick from entries 0..7 and 8..15 of each plane
-// (4 permutes), bit 3 picks between the two (2), and two permutes pair the bytes into f16s:
-// 16 permutes and a few masks and shifts a word, where the table takes 4 shared loads and their
-// addresses.
-__device__ __forceinline__ void reg_entries(const RegCodebook& c, u32 word, u32 (&e)[4]) {
-    const u32 half_of = 0x32103210u | ((word & 0x88888888u) >> 1);  // per nibble: i, or i + 4 past 7
-#pragma unroll
-    for (int j = 0; j < 2; j++) {
-        const u32 q = (word >> (16 * j)) & 0x7777u, pick = half_of >> (16 * j);
-        const u32 lo = __byte_perm(__byte_perm(c.lo[0], c.lo[1], q), __byte_perm(c.lo[2], c.lo[3], q), pick);
-        const u32 hi = __byte_perm(__byte_perm(c.hi[0], c.hi[1], q), __byte_perm(c.hi[2], c.hi[3], q), pick);
-        e[2 * j] = __byte_perm(lo, hi, 0x4051);      // byte 2j: {nibble 1's f16, nibble 0's}
-        e[2 * j + 1] = __byte_perm(lo, hi, 0x6273);  // byte 2j + 1: {nibble 3's, nibble 2's}
-    }
-}
-
-// Counts into `mismatches` the entries of all 256 byte values where reg_entries differs from
-// the lane-copied table (a test's check: 0). 256 threads; the first 64 take bytes 4t .. 4t + 3.
-extern "C" __global__ void __launch_bounds__(256) reg_codebook_check(u32* mismatches) {
-    __shared__ __align__(16) u32 lut[BYTE_LUT_WORDS];
-    load_byte_codebook<256>(lut);
-    __syncthreads();
-    const u32 t = threadIdx.x;
-    if (t >= 64) return;
-    const u32 word = 4 * t | (4 * t + 1) << 8 | (4 * t + 2) << 16 | (4 * t + 3) << 24;
-    u32 e[4];
-    reg_entries(reg_codebook(), word, e);
-    for (int k = 0; k < 4; k++)
-        if (e[k] != byte_lut_entry(lut, word, k, 4 * (t & 31))) atomicAdd(mismatches, 1u);
-}
-
 // A skeleton of issue 36's persistent decode step, for its timing: `layers` layers of the 3B
 // shape's five operators in one launch, a CTA an SM. Each operator's weights stream through a
 // ring of `pages` shared-memory pages of `page` bytes by bulk copies (cp.async.bulk), which a
@@ -351,38 +296,10 @@ extern "C" __global__ void __launch_bounds__(256) reg_codebook_check(u32* mismat
 // a page; the producer warp: 11.4); each operator's pages asked for only after its barrier
 // (+0.6-2.9 us a layer); 16 walking warps (+4 us a layer); two chunks at a time into eight
 // sums (17.5 against 17.8 us without hand-overs, 31.6 against 30.7 with barriers).
-// How grid_layers' consumers treat each page (GridLayerArgs::walk).
-#define GL_WALK_UNREAD 0     // waited for and released unread: the ring's own pace
-#define GL_WALK_TABLE 1      // GEMV v2's lookups in the lane-copied table, 16 FMAs a chunk
-#define GL_WALK_REGISTERS 2  // the same entries from reg_entries, no shared-memory lookups
 #define GL_MAX_PAGES 16
 #define GL_OPS 5
 #define GL_MAX_K 11008
 #define GL_THREADS 256  // the consumers; one more warp is the producer
-
-// A consumer's chunks of one page (thread t: chunks t, t + GL_THREADS, ...), each word's four
-// entries as WALK says, times the thread's pairs of x into its four f16-pair sums.
-template <int WALK>
-__device__ __forceinline__ void gl_walk_page(const uint4* page, u32 chunks, const u32* lut, u32 lane4,
-                                             const RegCodebook& codebook, const u32 (&xr)[16], u32 (&acc)[4]) {
-    for (u32 j = threadIdx.x; j < chunks; j += GL_THREADS) {
-        const uint4 q = page[j];
-        const u32 words[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            u32 entry[4];
-            if (WALK == GL_WALK_TABLE) {
-#pragma unroll
-                for (int b = 0; b < 4; b++) entry[b] = byte_lut_entry(lut, words[e], b, lane4);
-            } else {
-                reg_entries(codebook, words[e], entry);
-            }
-#pragma unroll
-            for (int b = 0; b < 4; b++) acc[e] = hfma2(entry[b], xr[4 * e + b], acc[e]);
-        }
-    }
-}
-
 struct GridLayerArgs {
     const unsigned char* w;  // layers x (the slices of every operator, CTA by CTA)
     float* x_a;              // the vectors handed over, GL_MAX_K floats each
@@ -393,7 +310,7 @@ struct GridLayerArgs {
     int ops_k[GL_OPS];
     int layers;
     int handover;  // HANDOVER_BY_COUNT, _FLAGGED (x_a and x_b hold GL_MAX_K pairs) or _NONE
-    int walk;      // GL_WALK_*
+    int walk;      // 0: each page waited for and released unread (the ring's own pace)
     int page;      // bytes of a page, a multiple of 16
     int pages;     // pages of the ring, up to GL_MAX_PAGES
     int _pad;
@@ -420,7 +337,6 @@ extern "C" __global__ void __launch_bounds__(GL_THREADS + 32, 1) grid_layers(Gri
     const int tid = threadIdx.x;
     const u32 lane4 = 4u * (tid & 31);
     if (tid < GL_THREADS) load_byte_codebook<GL_THREADS>(lut);
-    const RegCodebook codebook = reg_codebook();
     if (tid == 0)
         for (u32 p = 0; p < ring; p++) {
             asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"((u32)__cvta_generic_to_shared(&full[p])));
@@ -497,10 +413,15 @@ extern "C" __global__ void __launch_bounds__(GL_THREADS + 32, 1) grid_layers(Gri
                 if (!mbarrier_wait(&full[slot], (g / ring) & 1) && tid == 0) atomicExch(a.failed, 1u);
                 const u32 bytes = min(page_bytes, s - i * page_bytes);
                 const uint4* page = reinterpret_cast<const uint4*>(pages + slot * page_bytes);
-                const u32 chunks = bytes / 16;
-                if (a.walk == GL_WALK_TABLE) gl_walk_page<GL_WALK_TABLE>(page, chunks, lut, lane4, codebook, xr, acc);
-                else if (a.walk == GL_WALK_REGISTERS)
-                    gl_walk_page<GL_WALK_REGISTERS>(page, chunks, lut, lane4, codebook, xr, acc);
+                for (u32 j = tid; a.walk && j < bytes / 16; j += GL_THREADS) {
+                    const uint4 q = page[j];
+                    const u32 words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+                    for (int e = 0; e < 4; e++)
+#pragma unroll
+                        for (int b = 0; b < 4; b++)
+                            acc[e] = hfma2(byte_lut_entry(lut, words[e], b, lane4), xr[4 * e + b], acc[e]);
+                }
                 __syncwarp();  // the warp's reads of the page done: one arrival for the warp
                 if (tid % 32 == 0)
                     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"((u32)__cvta_generic_to_shared(&empty[slot]))

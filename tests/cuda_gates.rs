@@ -1049,15 +1049,3 @@ fn argmax_kernel_keeps_the_lowest_index_across_its_ctas() {
         assert_eq!(bench.argmax(&logits).unwrap(), want, "{what}");
     }
 }
-
-/// The persistent skeleton's codebook in registers (kernels/bench.cu, `reg_entries`: byte
-/// permutes of the codebook's f16 byte planes) gives every one of the 256 byte values the
-/// f16 pair that GEMV v2's lane-copied table holds, so its timing is that of the same decode.
-#[test]
-fn codebook_in_registers_equals_the_table() {
-    let _device = exclusive_device();
-    let Some(bench) = cuda_or_skip("CUDA bench", decodev2::cuda::bench::Bench::new(0)) else {
-        return;
-    };
-    assert_eq!(bench.register_codebook_mismatches().unwrap(), 0);
-}

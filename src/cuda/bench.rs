@@ -78,17 +78,6 @@ impl Handover {
     }
 }
 
-/// What grid_layers' consumers do with each page (kernels/bench.cu, `GL_WALK_*`): release it
-/// unread (the ring's own pace), or walk its chunks as GEMV v2 does, each byte's f16 pair
-/// looked up in the lane-copied table in shared memory or made in registers by byte permutes
-/// of the codebook (the same entries: [`Bench::register_codebook_mismatches`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum GlWalk {
-    Unread = 0,
-    Table = 1,
-    Registers = 2,
-}
-
 /// grid_layers' ring of shared-memory pages: how many, of how many bytes.
 #[derive(Clone, Copy, Debug)]
 pub struct GlRing {
@@ -179,7 +168,6 @@ pub struct Bench {
     grid_barriers: CudaFunction,
     grid_phases: CudaFunction,
     grid_layers: CudaFunction,
-    reg_codebook_check: CudaFunction,
     sink: CudaSlice<u32>,
 }
 
@@ -199,7 +187,7 @@ impl Bench {
         };
         let (stream_read, chain_link) = (f("stream_read")?, f("chain_link")?);
         let (grid_barriers, grid_phases) = (f("grid_barriers")?, f("grid_phases")?);
-        let (grid_layers, reg_codebook_check) = (f("grid_layers")?, f("reg_codebook_check")?);
+        let grid_layers = f("grid_layers")?;
         allow_dynamic_smem(
             &ops.gpu,
             std::slice::from_ref(&chain_link),
@@ -213,7 +201,6 @@ impl Bench {
             grid_barriers,
             grid_phases,
             grid_layers,
-            reg_codebook_check,
             sink,
         })
     }
@@ -417,15 +404,16 @@ impl Bench {
     /// step over `layers` layers of `spec`'s five operators (q/k/v, the attention as a
     /// hand-over of no weights, o, gate/up, down) in one launch, the weights streamed through
     /// `ring`'s shared-memory pages by bulk copies that a producer warp runs ahead across the
-    /// operators, the NF4 walk's lookups and FMAs on each chunk as `walk` says, each
-    /// operator's output handed on by `handover` (by a count, flagged or none). Weights random,
-    /// `layers` of them in HBM (never L2's).
+    /// operators, the NF4 walk's table lookups and FMAs on each chunk (without `walk`, the pages
+    /// waited for and released unread: the ring's own pace), each operator's output handed on
+    /// by `handover` (by a count, flagged or none). Weights random, `layers` of them in HBM
+    /// (never L2's).
     pub fn grid_layers_us(
         &self,
         spec: &ArchSpec,
         layers: usize,
         handover: Handover,
-        walk: GlWalk,
+        walk: bool,
         ring: GlRing,
     ) -> Result<f64> {
         let grid = self.ops.sms as usize;
@@ -514,22 +502,6 @@ impl Bench {
             )),
             _ => Err(Error::Cuda("grid layers: a page's wait gave up".into())),
         }
-    }
-
-    /// The entries of the 256 byte values where grid_layers' codebook in registers differs
-    /// from the lane-copied table (kernels/bench.cu, `reg_codebook_check`): 0 when it decodes
-    /// as GEMV v2 does.
-    pub fn register_codebook_mismatches(&self) -> Result<u32> {
-        let gpu = &self.ops.gpu;
-        let count = gpu.zeros::<u32>(1)?;
-        let cfg = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let ptr = gpu.ptr(&count);
-        launch!(gpu, &self.reg_codebook_check, cfg; ptr)?;
-        Ok(gpu.download(&count, 1)?[0])
     }
 
     /// Times one GEMV-family kernel on random weights: `kind` is "qkv" (rows = q+k+v rows,
