@@ -474,8 +474,14 @@ pub fn ptxas_report(unit: &KernelUnit, arch: &str, cfg: &Config) -> Result<Strin
     with_nvrtc(|| {
         let src = source(unit, cfg.kernel_dir.as_ref())?;
         let mut opts = options(arch, cfg);
-        check_nvrtc(arch)?;
+        let version = check_nvrtc(arch)?;
         opts.push("--ptxas-options=-v".into());
+        // NVRTC 12.9+ keeps compiled code in the driver's compute cache where a driver is
+        // installed, and a cached compile runs no ptxas, so reports nothing (docs/lab.md,
+        // session 62). NVRTC before 12.9 has no such cache and refuses the option.
+        if version >= (12, 9) {
+            opts.push("--no-cache".into());
+        }
         nvrtc_compile(unit.name, &src, &opts).map(|(_, log)| log)
     })
 }
