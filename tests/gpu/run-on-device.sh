@@ -3,10 +3,12 @@
 # .device/ here: every packed test with DV2_REQUIRE_CUDA=1, the C and Python examples with
 # --backend cuda, and compute-sanitizer memcheck/racecheck on the C example.
 # Logs go to $OUT (or ./device-logs).
-# Usage: bash tests/gpu/run-on-device.sh [suite] [switches] [examples] [sanitize] [soak] [big]
-#   [prehopper] [prehopper-sanitize] [prehopper-speed]
-#   (no part named: suite, switches and examples; "sanitize" alone: those and the sanitizers;
-#   the parts can go in separate device calls, the switch sweep being the longest; "soak": the
+# Usage: bash tests/gpu/run-on-device.sh [suite] [gates] [switches] [examples] [sanitize] [soak]
+#   [big] [prehopper] [prehopper-sanitize] [prehopper-speed]
+#   (no part named: suite, gates, switches and examples; "sanitize" alone: those and the
+#   sanitizers; "suite" is every packed test but cuda_gates, "gates" cuda_gates alone: 500-580 s
+#   on an H100 (sessions 61-62), so the two need separate device calls of 600 s, as the switch
+#   sweep does; "soak": the
 #   GPU soak (tests/cuda_soak.rs), "big": the Qwen2.5-32B shape against the oracle, minutes
 #   and ~40 GB of host memory, "prehopper": the pre-Hopper path forced (DV2_HOPPER=0) through
 #   every GPU gate (~10 minutes), "prehopper-sanitize": the C example under the sanitizers with
@@ -16,7 +18,7 @@ set -uo pipefail
 # A pack carried as a tarball (tests/gpu/pack-carry.sh) unpacks here first.
 [[ -d .device || ! -f .dz/device.tgz ]] || tar xzf .dz/device.tgz
 parts=" $* "
-[[ $parts == "  " || $parts == " sanitize " ]] && parts=" suite switches examples $* "
+[[ $parts == "  " || $parts == " sanitize " ]] && parts=" suite gates switches examples $* "
 want() { [[ $parts == *" $1 "* ]]; }
 out=${OUT:-device-logs}; mkdir -p "$out"
 export DV2_REQUIRE_CUDA=1 DV2_CACHE_DIR=/tmp/dv2-cache
@@ -24,9 +26,25 @@ export LD_LIBRARY_PATH="$PWD/.device/lib:/usr/local/cuda/lib64${LD_LIBRARY_PATH:
 status=0
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
 
+# The test binaries hold the paths they were built at; that path leads here (as in
+# .device/run-tests.sh).
+pack_root=$(sed -n 's/^pack_root="\(.*\)"$/\1/p' .device/run-tests.sh)
+[[ -z $pack_root || -e $pack_root ]] || { mkdir -p "$(dirname "$pack_root")" && ln -s "$PWD" "$pack_root"; }
+# Packed test binaries by name, each with --nocapture, into one log; the lines worth reading.
+run_tests() {
+  local log=$1; shift
+  : > "$log"
+  for t in "$@"; do
+    echo "== $t" >> "$log"
+    "$t" --nocapture >> "$log" 2>&1 || { echo "FAILED: ${t##*/}" >> "$log"; status=1; }
+  done
+  grep -E "^== |^test |test result|SKIP|FAILED|panicked|max \|logit|oracle|built in|qwen25|chunk" "$log" | grep -v "^test .* ok$" | tail -50
+}
 if want suite; then
-  bash .device/run-tests.sh --nocapture > "$out/tests.log" 2>&1 || status=1
-  grep -E "^test |test result|SKIP|FAILED|panicked|max \|logit|oracle|built in|qwen25|chunk" "$out/tests.log" | grep -v "^test .* ok$" | tail -50
+  run_tests "$out/tests.log" $(ls .device/tests/* | grep -v '/cuda_gates$')
+fi
+if want gates; then
+  run_tests "$out/gates.log" .device/tests/cuda_gates
 fi
 
 # A cuda_gates test under switch settings ("NAME=value" words); one line: ok or FAILED and
