@@ -2,7 +2,9 @@
 # Load times for issue 31, on the GPU machine (after `tar xzf .dz/device.tgz`):
 #   cold  = the file's pages evicted from the page cache (sync, then posix_fadvise DONTNEED on
 #           every file: no root needed; `fincore` shows what stayed resident where it exists)
-#           and an empty kernel cache (DV2_CACHE_DIR pointed at a new directory);
+#           and an empty kernel cache (DV2_CACHE_DIR pointed at a new directory; and
+#           CUDA_CACHE_DISABLE=1, or NVRTC 12.9+ serves what an earlier process on the machine
+#           compiled from the driver's compute cache: docs/lab.md, session 62);
 #   warm  = the same loads again, pages and compiled kernels cached.
 # Each `bench --load` line splits a load into the read (parse, codes taken or re-quantized)
 # and the device part (allocation, upload, kernels, warm-up), then `load_file` loads as a
@@ -40,9 +42,9 @@ measure() {
   cache=$(mktemp -d "$work/kernels-XXXX")
   evict "$path"
   echo "== cold: $path (page cache evicted, kernel cache empty: $cache)"
-  DV2_CACHE_DIR=$cache "$ex/bench" --load "$path" 1
+  CUDA_CACHE_DISABLE=1 DV2_CACHE_DIR=$cache "$ex/bench" --load "$path" 1
   # What the cold load compiled into its new cache (session 30: the bnb directory's cold load
-  # showed no compile time; this says whether it wrote cubins).
+  # showed no compile time, NVRTC's own cache being the likely reason, session 62).
   echo "kernel cache after the cold load:"; ls -l "$cache"
   echo "== warm: $path (pages and kernels cached)"
   DV2_CACHE_DIR=$cache "$ex/bench" --load "$path" "$reps"
