@@ -163,7 +163,8 @@ pub const VARIABLES: &[Variable] = &[
         name: "DV2_CACHE_DIR",
         default: "~/.cache/decodev2",
         effect: "tool: where compiled kernels (cubins) are cached; loads that miss it together \
-                 compile a unit once (compile.lock)",
+                 compile a unit once (compile.lock). NVRTC 12.9+ keeps its own copy in the driver's \
+                 compute cache (`CUDA_CACHE_PATH`; `CUDA_CACHE_DISABLE=1` turns it off)",
         lab: "-",
     },
     Variable {
