@@ -55,16 +55,39 @@ impl KvCache {
     }
 }
 
+/// Rows whose dot products one pass over x carries together. Each row's sum is one chain of
+/// adds in K order; alone, every add waits for the one before, so interleaving independent
+/// rows lets the CPU overlap them (the sums, and so every result, are unchanged).
+const ROWS_TOGETHER: usize = 8;
+
 /// `y = W x` with W in NF4, rows computed on every core (each row's sum in K order).
 pub fn matvec(w: &Nf4Matrix, x: &[f32], y: &mut [f32]) {
     debug_assert_eq!((x.len(), y.len()), (w.cols, w.rows));
     crate::par::for_rows(y, 1, w.cols, |first, ys| {
-        let mut row = vec![0f32; w.cols];
-        for (i, out) in ys.iter_mut().enumerate() {
-            w.dequantize_row(first + i, &mut row);
-            *out = row.iter().zip(x).map(|(a, b)| a * b).sum();
+        let mut rows = vec![0f32; ROWS_TOGETHER * w.cols];
+        for (g, out) in ys.chunks_mut(ROWS_TOGETHER).enumerate() {
+            let row0 = first + g * ROWS_TOGETHER;
+            for (j, row) in rows.chunks_exact_mut(w.cols).take(out.len()).enumerate() {
+                w.dequantize_row(row0 + j, row);
+            }
+            let sums = dot_rows(&rows, x);
+            out.copy_from_slice(&sums[..out.len()]);
         }
     });
+}
+
+/// The dot products of x with each of the [`ROWS_TOGETHER`] rows laid end to end in `rows`,
+/// each summed in K order from −0.0 (as `Iterator::sum` does), the rows' chains interleaved.
+fn dot_rows(rows: &[f32], x: &[f32]) -> [f32; ROWS_TOGETHER] {
+    let cols = x.len();
+    let r: [&[f32]; ROWS_TOGETHER] = std::array::from_fn(|j| &rows[j * cols..][..cols]);
+    let mut sums = [-0.0f32; ROWS_TOGETHER];
+    for k in 0..cols {
+        for j in 0..ROWS_TOGETHER {
+            sums[j] += r[j][k] * x[k];
+        }
+    }
+    sums
 }
 
 /// RMSNorm into `out`.
@@ -120,6 +143,48 @@ fn project_qkv(spec: &ArchSpec, layer: &Layer, xn: &[f32]) -> (Vec<f32>, Vec<f32
     }
 }
 
+/// One query head's attention over slots `0..scores.len()` of layer `l`, KV head `kvh`, into
+/// `out`: softmax of the scaled scores, then the values weighted by it.
+fn attend(
+    kv: &KvCache,
+    l: usize,
+    kvh: usize,
+    q_head: &[f32],
+    scale: f32,
+    scores: &mut [f32],
+    out: &mut [f32],
+) {
+    let hd = q_head.len();
+    let key = |t: usize| &kv.k[kv.slot(l, t)][kvh * hd..(kvh + 1) * hd];
+    // Scores of ROWS_TOGETHER keys at a time (see dot_rows), the rest one by one; each is
+    // summed in head_dim order from −0.0 either way.
+    let done = scores.len() / ROWS_TOGETHER * ROWS_TOGETHER;
+    for (g, group) in scores[..done].chunks_exact_mut(ROWS_TOGETHER).enumerate() {
+        let keys: [&[f32]; ROWS_TOGETHER] = std::array::from_fn(|j| key(g * ROWS_TOGETHER + j));
+        let mut sums = [-0.0f32; ROWS_TOGETHER];
+        for d in 0..hd {
+            for j in 0..ROWS_TOGETHER {
+                sums[j] += q_head[d] * keys[j][d];
+            }
+        }
+        for (score, sum) in group.iter_mut().zip(sums) {
+            *score = sum * scale;
+        }
+    }
+    for (t, score) in scores.iter_mut().enumerate().skip(done) {
+        *score = q_head.iter().zip(key(t)).map(|(a, b)| a * b).sum::<f32>() * scale;
+    }
+    let max = scores.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
+    scores.iter_mut().for_each(|v| *v = (*v - max).exp());
+    let denom: f32 = scores.iter().sum();
+    out.fill(0.0);
+    for (t, p) in scores.iter().enumerate() {
+        let value = &kv.v[kv.slot(l, t)][kvh * hd..(kvh + 1) * hd];
+        out.iter_mut().zip(value).for_each(|(o, v)| *o += p * v);
+    }
+    out.iter_mut().for_each(|o| *o /= denom);
+}
+
 /// One teacher-forced position: feeds `id` at `pos`, writes its K/V into slot `pos`, attends
 /// to slots `0..=pos`, returns the logits `[vocab]`.
 pub fn forward_token(
@@ -149,7 +214,6 @@ pub fn forward_token(
     model.embed.dequantize_row(id as usize, &mut x);
     let mut xn = vec![0f32; h];
     let mut attn = vec![0f32; h];
-    let mut scores = vec![0f32; pos + 1];
     for (l, layer) in model.layers.iter().enumerate() {
         rms_norm(&x, &layer.attn_norm, s.rms_eps, &mut xn);
         let (mut q, mut k, v) = project_qkv(s, layer, &xn);
@@ -160,26 +224,17 @@ pub fn forward_token(
         let slot = kv.slot(l, pos);
         kv.k[slot.clone()].copy_from_slice(&k);
         kv.v[slot].copy_from_slice(&v);
-        for (qh, (q_head, out)) in q
-            .chunks_exact(hd)
-            .zip(attn.chunks_exact_mut(hd))
-            .enumerate()
-        {
-            let kvh = qh / group;
-            for (t, score) in scores.iter_mut().enumerate() {
-                let key = &kv.k[kv.slot(l, t)][kvh * hd..(kvh + 1) * hd];
-                *score = q_head.iter().zip(key).map(|(a, b)| a * b).sum::<f32>() * scale;
+        // Heads on every core where the context is long enough to pay for it; each head is
+        // one call's, so the split changes no result.
+        let kv = &*kv;
+        crate::par::for_rows(&mut attn, hd, (pos + 1) * hd, |first, heads| {
+            let mut scores = vec![0f32; pos + 1];
+            for (i, out) in heads.chunks_exact_mut(hd).enumerate() {
+                let qh = first + i;
+                let q_head = &q[qh * hd..(qh + 1) * hd];
+                attend(kv, l, qh / group, q_head, scale, &mut scores, out);
             }
-            let max = scores.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
-            scores.iter_mut().for_each(|v| *v = (*v - max).exp());
-            let denom: f32 = scores.iter().sum();
-            out.fill(0.0);
-            for (t, p) in scores.iter().enumerate() {
-                let value = &kv.v[kv.slot(l, t)][kvh * hd..(kvh + 1) * hd];
-                out.iter_mut().zip(value).for_each(|(o, v)| *o += p * v);
-            }
-            out.iter_mut().for_each(|o| *o /= denom);
-        }
+        });
         let mut proj = vec![0f32; h];
         matvec(&layer.o, &attn, &mut proj);
         x.iter_mut().zip(&proj).for_each(|(x, p)| *x += p);
@@ -245,6 +300,80 @@ mod tests {
     use super::*;
     use crate::arch::{TINY_INTERNLM, TINY_LLAMA};
     use crate::synth;
+
+    /// A seeded stream of values in [-3, 3) with a sign mix (xorshift).
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut state = seed | 1;
+        (0..n)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                (state >> 40) as f32 / (1u64 << 24) as f32 * 6.0 - 3.0
+            })
+            .collect()
+    }
+
+    #[test]
+    fn matvec_equals_each_row_summed_alone() {
+        // Row counts below, at and past the interleave, not multiples of it.
+        for rows in [1, 7, 8, 37] {
+            let cols = 192;
+            let w = Nf4Matrix::quantize(rows, cols, &values(rows * cols, rows as u64)).unwrap();
+            let x = values(cols, 99);
+            let mut y = vec![f32::NAN; rows];
+            matvec(&w, &x, &mut y);
+            let mut row = vec![0f32; cols];
+            for (r, got) in y.iter().enumerate() {
+                w.dequantize_row(r, &mut row);
+                let want: f32 = row.iter().zip(&x).map(|(a, b)| a * b).sum();
+                assert_eq!(got.to_bits(), want.to_bits(), "{rows} rows, row {r}");
+            }
+        }
+    }
+
+    #[test]
+    fn attention_equals_each_key_scored_alone() {
+        let spec = ArchSpec {
+            max_seq: 40,
+            ..TINY_LLAMA
+        };
+        let mut kv = KvCache::new(&spec, spec.max_seq).unwrap();
+        kv.k = values(kv.k.len(), 5);
+        kv.v = values(kv.v.len(), 6);
+        let hd = spec.head_dim;
+        let q = values(hd, 7);
+        let scale = 0.25;
+        // Slot counts below, at and past the interleave, not multiples of it.
+        for (len, l, kvh) in [(1, 0, 0), (8, 1, 1), (21, 1, 0), (40, 0, 1)] {
+            let mut scores = vec![0f32; len];
+            let mut out = vec![0f32; hd];
+            attend(&kv, l, kvh, &q, scale, &mut scores, &mut out);
+            // The plain definition: each score alone, softmax, the weighted values.
+            let head = |c: &[f32], t: usize| c[kv.slot(l, t)][kvh * hd..(kvh + 1) * hd].to_vec();
+            let want_scores: Vec<f32> = (0..len)
+                .map(|t| {
+                    q.iter()
+                        .zip(head(&kv.k, t))
+                        .map(|(a, b)| a * b)
+                        .sum::<f32>()
+                        * scale
+                })
+                .collect();
+            let max = want_scores.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
+            let p: Vec<f32> = want_scores.iter().map(|v| (v - max).exp()).collect();
+            let denom: f32 = p.iter().sum();
+            let mut want = vec![0f32; hd];
+            for (t, p) in p.iter().enumerate() {
+                want.iter_mut()
+                    .zip(head(&kv.v, t))
+                    .for_each(|(o, v)| *o += p * v);
+            }
+            want.iter_mut().for_each(|o| *o /= denom);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&out), bits(&want), "{len} slots");
+        }
+    }
 
     #[test]
     fn greedy_is_deterministic_on_the_seed_presets() {
