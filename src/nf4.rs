@@ -257,8 +257,34 @@ impl Nf4Matrix {
             .zip(scales)
             .zip(out.chunks_exact_mut(BLOCK))
         {
-            decode_block(codes, scale.to_f32(), dst);
+            decode_block(codes, *scale, dst);
         }
+    }
+
+    /// `x`'s dot products with rows `first .. first + N`, each the sum in column order, from
+    /// −0.0, of the products of x with the values [`Self::dequantize_row`] gives
+    /// (`Iterator::sum`'s result, to the bit). The N rows' chains of adds are interleaved: one
+    /// chain alone waits an add's latency per element, N of them overlap.
+    pub fn dot_rows<const N: usize>(&self, first: usize, x: &[f32]) -> [f32; N] {
+        debug_assert_eq!(x.len(), self.cols);
+        let (row_bytes, blocks) = (self.row_bytes(), self.cols / BLOCK);
+        let mut sums = [-0.0f32; N];
+        for (b, xb) in x.chunks_exact(BLOCK).enumerate() {
+            let values: [[f32; 16]; N] =
+                std::array::from_fn(|j| block_values(self.absmax[(first + j) * blocks + b]));
+            let codes: [&[u8; BLOCK / 2]; N] = std::array::from_fn(|j| {
+                let at = (first + j) * row_bytes + b * BLOCK / 2;
+                self.packed[at..at + BLOCK / 2].try_into().unwrap()
+            });
+            for (i, pair) in xb.chunks_exact(2).enumerate() {
+                for j in 0..N {
+                    let byte = codes[j][i];
+                    sums[j] += values[j][(byte >> 4) as usize] * pair[0];
+                    sums[j] += values[j][(byte & 0x0f) as usize] * pair[1];
+                }
+            }
+        }
+        sums
     }
 
     /// Decodes the whole matrix (row-major).
@@ -374,11 +400,18 @@ fn encode_block(block: &[f32], out: &mut [u8]) -> f32 {
     absmax
 }
 
+/// A block's 16 possible values: `CODEBOOK[nibble] * absmax`.
+fn block_values(absmax: f16) -> [f32; 16] {
+    let absmax = absmax.to_f32();
+    std::array::from_fn(|nibble| CODEBOOK[nibble] * absmax)
+}
+
 /// Decodes 32 bytes of one block into 64 values.
-fn decode_block(codes: &[u8], absmax: f32, out: &mut [f32]) {
+fn decode_block(codes: &[u8], absmax: f16, out: &mut [f32]) {
+    let values = block_values(absmax);
     for (byte, pair) in codes.iter().zip(out.chunks_exact_mut(2)) {
-        pair[0] = CODEBOOK[(byte >> 4) as usize] * absmax;
-        pair[1] = CODEBOOK[(byte & 0x0f) as usize] * absmax;
+        pair[0] = values[(byte >> 4) as usize];
+        pair[1] = values[(byte & 0x0f) as usize];
     }
 }
 

@@ -55,39 +55,24 @@ impl KvCache {
     }
 }
 
-/// Rows whose dot products one pass over x carries together. Each row's sum is one chain of
-/// adds in K order; alone, every add waits for the one before, so interleaving independent
-/// rows lets the CPU overlap them (the sums, and so every result, are unchanged).
+/// Rows (or keys) whose dot products one pass carries together: each sum is one chain of adds
+/// in K order, and interleaving independent chains lets the CPU overlap them (the sums, and so
+/// every result, are unchanged).
 const ROWS_TOGETHER: usize = 8;
 
 /// `y = W x` with W in NF4, rows computed on every core (each row's sum in K order).
 pub fn matvec(w: &Nf4Matrix, x: &[f32], y: &mut [f32]) {
     debug_assert_eq!((x.len(), y.len()), (w.cols, w.rows));
     crate::par::for_rows(y, 1, w.cols, |first, ys| {
-        let mut rows = vec![0f32; ROWS_TOGETHER * w.cols];
-        for (g, out) in ys.chunks_mut(ROWS_TOGETHER).enumerate() {
-            let row0 = first + g * ROWS_TOGETHER;
-            for (j, row) in rows.chunks_exact_mut(w.cols).take(out.len()).enumerate() {
-                w.dequantize_row(row0 + j, row);
-            }
-            let sums = dot_rows(&rows, x);
-            out.copy_from_slice(&sums[..out.len()]);
+        let rest = first + ys.len() / ROWS_TOGETHER * ROWS_TOGETHER;
+        let mut groups = ys.chunks_exact_mut(ROWS_TOGETHER);
+        for (g, out) in groups.by_ref().enumerate() {
+            out.copy_from_slice(&w.dot_rows::<ROWS_TOGETHER>(first + g * ROWS_TOGETHER, x));
+        }
+        for (i, out) in groups.into_remainder().iter_mut().enumerate() {
+            [*out] = w.dot_rows::<1>(rest + i, x);
         }
     });
-}
-
-/// The dot products of x with each of the [`ROWS_TOGETHER`] rows laid end to end in `rows`,
-/// each summed in K order from −0.0 (as `Iterator::sum` does), the rows' chains interleaved.
-fn dot_rows(rows: &[f32], x: &[f32]) -> [f32; ROWS_TOGETHER] {
-    let cols = x.len();
-    let r: [&[f32]; ROWS_TOGETHER] = std::array::from_fn(|j| &rows[j * cols..][..cols]);
-    let mut sums = [-0.0f32; ROWS_TOGETHER];
-    for k in 0..cols {
-        for j in 0..ROWS_TOGETHER {
-            sums[j] += r[j][k] * x[k];
-        }
-    }
-    sums
 }
 
 /// RMSNorm into `out`.
