@@ -72,8 +72,9 @@ fn greedy_near_ties(
     ties
 }
 
-/// Held for the whole of each test: the tests share one device, and the memory checks read
-/// its free bytes, which another test's engine would change.
+/// Held while a test has an engine (most tests: the whole test): the tests share one device,
+/// and the memory checks read its free bytes, which another test's engine would change. The
+/// decode-against-oracle gates let it go for their CPU oracle ([`decode_engine_vs_oracle`]).
 fn exclusive_device() -> std::sync::MutexGuard<'static, ()> {
     static DEVICE: std::sync::Mutex<()> = std::sync::Mutex::new(());
     DEVICE
@@ -625,7 +626,6 @@ fn a_model_too_large_for_the_device_is_a_clear_error() {
 /// use: the merge's CTA-wide path), on tiny_llama (head_dim 16) and medium_llama (64).
 #[test]
 fn long_context_decode_matches_the_oracle() {
-    let _device = exclusive_device();
     for name in ["tiny_llama", "medium_llama"] {
         decode_vs_oracle(name, 3, 1100, 1040, 6);
     }
@@ -636,7 +636,6 @@ fn long_context_decode_matches_the_oracle() {
 /// merging through global memory.
 #[test]
 fn decode_up_to_a_long_max_seq_matches_the_oracle() {
-    let _device = exclusive_device();
     decode_vs_oracle("tiny_llama", 5, 8200, 8190, 10);
     decode_vs_oracle("medium_llama", 5, 8200, 8190, 10);
 }
@@ -648,7 +647,6 @@ fn decode_up_to_a_long_max_seq_matches_the_oracle() {
 /// at the same depths (tests/gpu/run-on-device.sh switches).
 #[test]
 fn decode_with_the_long_attention_matches_the_oracle_across_cluster_counts() {
-    let _device = exclusive_device();
     decode_vs_oracle("medium_llama", 6, 600, 500, 24);
     decode_vs_oracle("medium_llama", 8, 1600, 1500, 40);
     decode_vs_oracle("medium_llama", 7, 4200, 4090, 40);
@@ -661,7 +659,6 @@ fn decode_with_the_long_attention_matches_the_oracle_across_cluster_counts() {
 /// across 1,520 slots (three clusters merging through global memory).
 #[test]
 fn long_attention_at_gqa_groups_of_3_and_5_matches_the_oracle() {
-    let _device = exclusive_device();
     const MAX_SEQ: usize = 1600;
     for (n_q, n_kv) in [(9usize, 3usize), (10, 2)] {
         let spec = ArchSpec {
@@ -680,10 +677,11 @@ fn long_attention_at_gqa_groups_of_3_and_5_matches_the_oracle() {
                 ..EngineOptions::default()
             };
             let label = format!("medium_llama with {n_q}/{n_kv} heads");
+            let device = exclusive_device();
             let Some(e) = cuda_or_skip(&label, Engine::new(model.clone(), &opts)) else {
                 return;
             };
-            decode_engine_vs_oracle(&label, e, &spec, &model, &prompt, steps);
+            decode_engine_vs_oracle(&label, device, e, &spec, &model, &prompt, steps);
         }
     }
 }
@@ -743,7 +741,6 @@ fn long_attention_equals_v3_on_the_3b_shape_at_16k() {
 /// its 32-slot chunk, 1 to 10 chunks in use.
 #[test]
 fn decode_at_every_position_matches_the_oracle() {
-    let _device = exclusive_device();
     for name in ["tiny_llama", "medium_llama"] {
         decode_vs_oracle(name, 4, 300, 1, 299);
     }
@@ -754,15 +751,19 @@ fn decode_at_every_position_matches_the_oracle() {
 /// may differ from the oracle's argmax only at near-ties.
 fn decode_vs_oracle(name: &str, seed: u64, max_seq: usize, len: usize, steps: usize) {
     let (spec, model, prompt) = oracle_case(name, seed, max_seq, len);
+    let device = exclusive_device();
     let Some(e) = cuda_engine_at(name, seed, max_seq) else {
         return;
     };
-    decode_engine_vs_oracle(name, e, &spec, &model, &prompt, steps);
+    decode_engine_vs_oracle(name, device, e, &spec, &model, &prompt, steps);
 }
 
-/// [`decode_vs_oracle`] for an engine `e` loaded from `model` (of `spec`, at its max_seq).
+/// [`decode_vs_oracle`] for an engine `e` loaded from `model` (of `spec`, at its max_seq),
+/// with the device held (`device`) until the engine is done and dropped: the oracle then runs
+/// while other tests use the device.
 fn decode_engine_vs_oracle(
     name: &str,
+    device: std::sync::MutexGuard<'static, ()>,
     mut e: Engine,
     spec: &ArchSpec,
     model: &HostModel,
@@ -780,6 +781,8 @@ fn decode_engine_vs_oracle(
         e.logits(&mut logits).unwrap();
         got.push(logits);
     }
+    drop(e);
+    drop(device);
     // teacher[p]: the oracle's logits after ids[..=p]; decode step i fed position len + i.
     let teacher = step_logits(
         model,
