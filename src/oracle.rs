@@ -286,29 +286,18 @@ mod tests {
     use crate::arch::{TINY_INTERNLM, TINY_LLAMA};
     use crate::synth;
 
-    /// A seeded stream of values in [-3, 3) with a sign mix (xorshift).
-    fn values(n: usize, seed: u64) -> Vec<f32> {
-        let mut state = seed | 1;
-        (0..n)
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                (state >> 40) as f32 / (1u64 << 24) as f32 * 6.0 - 3.0
-            })
-            .collect()
-    }
-
     #[test]
     fn matvec_equals_each_row_summed_alone() {
+        let model = synth::build(&TINY_LLAMA, 0).unwrap();
+        let gate = &model.layers[0].gate;
+        let mut x = vec![0f32; gate.cols];
+        model.embed.dequantize_row(3, &mut x);
         // Row counts below, at and past the interleave, not multiples of it.
         for rows in [1, 7, 8, 37] {
-            let cols = 192;
-            let w = Nf4Matrix::quantize(rows, cols, &values(rows * cols, rows as u64)).unwrap();
-            let x = values(cols, 99);
+            let w = gate.select_rows(&(0..rows).collect::<Vec<_>>());
             let mut y = vec![f32::NAN; rows];
             matvec(&w, &x, &mut y);
-            let mut row = vec![0f32; cols];
+            let mut row = vec![0f32; w.cols];
             for (r, got) in y.iter().enumerate() {
                 w.dequantize_row(r, &mut row);
                 let want: f32 = row.iter().zip(&x).map(|(a, b)| a * b).sum();
@@ -323,17 +312,19 @@ mod tests {
             max_seq: 40,
             ..TINY_LLAMA
         };
+        let model = synth::build(&spec, 0).unwrap();
         let mut kv = KvCache::new(&spec, spec.max_seq).unwrap();
-        kv.k = values(kv.k.len(), 5);
-        kv.v = values(kv.v.len(), 6);
+        step_logits(&model, &mut kv, &synth::prompt(spec.vocab, 40, 5), 0).unwrap();
         let hd = spec.head_dim;
-        let q = values(hd, 7);
+        let mut q = vec![0f32; spec.hidden];
+        model.embed.dequantize_row(3, &mut q);
+        let q = &q[..hd];
         let scale = 0.25;
         // Slot counts below, at and past the interleave, not multiples of it.
         for (len, l, kvh) in [(1, 0, 0), (8, 1, 1), (21, 1, 0), (40, 0, 1)] {
             let mut scores = vec![0f32; len];
             let mut out = vec![0f32; hd];
-            attend(&kv, l, kvh, &q, scale, &mut scores, &mut out);
+            attend(&kv, l, kvh, q, scale, &mut scores, &mut out);
             // The plain definition: each score alone, softmax, the weighted values.
             let head = |c: &[f32], t: usize| c[kv.slot(l, t)][kvh * hd..(kvh + 1) * hd].to_vec();
             let want_scores: Vec<f32> = (0..len)
