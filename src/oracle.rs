@@ -128,6 +128,18 @@ fn project_qkv(spec: &ArchSpec, layer: &Layer, xn: &[f32]) -> (Vec<f32>, Vec<f32
     }
 }
 
+/// `x`'s dot products with each of the N rows, each summed in order from −0.0 (`Iterator::sum`'s
+/// result, to the bit), the N chains of adds interleaved (see [`ROWS_TOGETHER`]).
+fn dots<const N: usize>(x: &[f32], rows: [&[f32]; N]) -> [f32; N] {
+    let mut sums = [-0.0f32; N];
+    for (d, xd) in x.iter().enumerate() {
+        for (sum, row) in sums.iter_mut().zip(&rows) {
+            *sum += xd * row[d];
+        }
+    }
+    sums
+}
+
 /// One query head's attention over slots `0..scores.len()` of layer `l`, KV head `kvh`, into
 /// `out`: softmax of the scaled scores, then the values weighted by it.
 fn attend(
@@ -141,23 +153,18 @@ fn attend(
 ) {
     let hd = q_head.len();
     let key = |t: usize| &kv.k[kv.slot(l, t)][kvh * hd..(kvh + 1) * hd];
-    // Scores of ROWS_TOGETHER keys at a time (see dot_rows), the rest one by one; each is
-    // summed in head_dim order from −0.0 either way.
-    let done = scores.len() / ROWS_TOGETHER * ROWS_TOGETHER;
-    for (g, group) in scores[..done].chunks_exact_mut(ROWS_TOGETHER).enumerate() {
-        let keys: [&[f32]; ROWS_TOGETHER] = std::array::from_fn(|j| key(g * ROWS_TOGETHER + j));
-        let mut sums = [-0.0f32; ROWS_TOGETHER];
-        for d in 0..hd {
-            for j in 0..ROWS_TOGETHER {
-                sums[j] += q_head[d] * keys[j][d];
-            }
-        }
-        for (score, sum) in group.iter_mut().zip(sums) {
+    // Scores of ROWS_TOGETHER keys at a time, the rest one by one.
+    let rest = scores.len() / ROWS_TOGETHER * ROWS_TOGETHER;
+    let mut groups = scores.chunks_exact_mut(ROWS_TOGETHER);
+    for (g, group) in groups.by_ref().enumerate() {
+        let keys = std::array::from_fn(|j| key(g * ROWS_TOGETHER + j));
+        for (score, sum) in group.iter_mut().zip(dots::<ROWS_TOGETHER>(q_head, keys)) {
             *score = sum * scale;
         }
     }
-    for (t, score) in scores.iter_mut().enumerate().skip(done) {
-        *score = q_head.iter().zip(key(t)).map(|(a, b)| a * b).sum::<f32>() * scale;
+    for (i, score) in groups.into_remainder().iter_mut().enumerate() {
+        let [sum] = dots(q_head, [key(rest + i)]);
+        *score = sum * scale;
     }
     let max = scores.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
     scores.iter_mut().for_each(|v| *v = (*v - max).exp());
