@@ -13,7 +13,11 @@
 # NCU_KERNELS: another kernel-name regex for the decode step (e.g. an experiment's kernel
 # beside the two it replaces: NCU_KERNELS='gemv2_ffn_fused|gemv2_swiglu|gemv2_nf4_j3'), with
 # NCU_SKIP: how many matching launches to skip first (default 200).
-# Usage: bash tests/gpu/profile-kernels.sh [shapes PRESET]
+# With `skeleton` instead: the same sections and shared memory's for the persistent step's
+# skeleton (`bench --boundary`'s grid_layers, kernels/bench.cu) walking the 3B shape's layers
+# with no hand-over, one launch: what holds its table walk at 2.3 TB/s where its shared-memory
+# wavefronts allow 5.6 and its issue 6.4 (issue 36; docs/lab.md, sessions 48, 60 and 64).
+# Usage: bash tests/gpu/profile-kernels.sh [shapes PRESET | skeleton]
 set -uo pipefail
 out=${OUT:-device-logs}; mkdir -p "$out"
 export DV2_CACHE_DIR=/tmp/dv2-cache
@@ -21,7 +25,12 @@ export LD_LIBRARY_PATH="$PWD/.device/lib:/usr/local/cuda/lib64${LD_LIBRARY_PATH:
 ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 sections=(--section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats
   --section SourceCounters --section LaunchStats)
-if [[ ${1:-} == shapes ]]; then
+if [[ ${1:-} == skeleton ]]; then
+  # grid_layers_us times 3 + 25 graph replays of one launch a row; the rows run barriers,
+  # flagged pairs, then no hand-over: launches 57-84 are the third row's.
+  timeout 500 "$ncu" "${sections[@]}" --section MemoryWorkloadAnalysis_Tables --kernel-name grid_layers \
+    --launch-skip 60 --launch-count 1 .device/examples/bench --boundary > "$out/ncu-kernels.txt" 2>&1
+elif [[ ${1:-} == shapes ]]; then
   # The third launch: past the warm-up ones, on a rotated copy of the weights.
   timeout 500 "$ncu" "${sections[@]}" --kernel-name regex:'gemv2_swiglu' --launch-skip 2 --launch-count 1 \
     .device/examples/bench --shapes "${2:?usage: profile-kernels.sh shapes PRESET}" --skip-3b \
@@ -36,4 +45,4 @@ else
     > "$out/ncu-kernels.txt" 2>&1
 fi
 echo "ncu rc=$?"
-grep -E "^  [a-z0-9_]+\(|Duration|DRAM Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Eligible Warps|Issued Warp|Active Warps Per|Warp Cycles Per Issued|Block Limit (Registers|Shared)|stall|Stall" "$out/ncu-kernels.txt" | cut -c1-150 | head -150
+grep -E "^  [a-z0-9_]+\(|Duration|DRAM Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Eligible Warps|Issued Warp|Active Warps Per|Warp Cycles Per Issued|Block Limit (Registers|Shared)|stall|Stall|Bank Conflicts|Wavefronts|MIO" "$out/ncu-kernels.txt" | cut -c1-150 | head -150
