@@ -13,10 +13,11 @@
 # NCU_KERNELS: another kernel-name regex for the decode step (e.g. an experiment's kernel
 # beside the two it replaces: NCU_KERNELS='gemv2_ffn_fused|gemv2_swiglu|gemv2_nf4_j3'), with
 # NCU_SKIP: how many matching launches to skip first (default 200).
-# With `skeleton` instead: the same sections and shared memory's for the persistent step's
-# skeleton (`bench --boundary`'s grid_layers, kernels/bench.cu) walking the 3B shape's layers
-# with no hand-over, one launch: what holds its table walk at 2.3 TB/s where its shared-memory
-# wavefronts allow 5.6 and its issue 6.4 (issue 36; docs/lab.md, sessions 48, 60 and 64).
+# With `skeleton` instead: those sections and the memory tables (shared memory's wavefronts and
+# bank conflicts) for the persistent step's skeleton (`bench --boundary`'s grid_layers,
+# kernels/bench.cu) walking the 3B shape's layers with no hand-over, one launch: what holds its
+# table walk at 2.3 TB/s where its shared-memory wavefronts allow 5.6 and its issue 6.4
+# (issue 36; docs/lab.md, sessions 48, 60 and 64).
 # Usage: bash tests/gpu/profile-kernels.sh [shapes PRESET | skeleton]
 set -uo pipefail
 out=${OUT:-device-logs}; mkdir -p "$out"
