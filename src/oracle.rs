@@ -276,12 +276,36 @@ pub fn greedy(model: &HostModel, prompt: &[u32], n_new: usize) -> Result<Vec<u32
     for (pos, &id) in prompt.iter().enumerate() {
         logits = forward_token(model, &rope, &mut kv, id, pos)?;
     }
+    continue_greedy(model, &rope, &mut kv, logits, prompt.len(), n_new)
+}
+
+/// [`greedy`]'s ids after a prompt already fed: `kv` holds its `len` tokens and `logits` are
+/// the logits after the last of them (the first id is their argmax).
+pub fn greedy_after(
+    model: &HostModel,
+    kv: &mut KvCache,
+    logits: Vec<f32>,
+    len: usize,
+    n_new: usize,
+) -> Result<Vec<u32>> {
+    let rope = RopeTable::new(kv.max_seq, model.spec.head_dim, model.spec.rope_theta)?;
+    continue_greedy(model, &rope, kv, logits, len, n_new)
+}
+
+fn continue_greedy(
+    model: &HostModel,
+    rope: &RopeTable,
+    kv: &mut KvCache,
+    mut logits: Vec<f32>,
+    len: usize,
+    n_new: usize,
+) -> Result<Vec<u32>> {
     let mut out = Vec::with_capacity(n_new);
     for i in 0..n_new {
         let id = argmax(&logits);
         out.push(id);
         if i + 1 < n_new {
-            logits = forward_token(model, &rope, &mut kv, id, prompt.len() + i)?;
+            logits = forward_token(model, rope, kv, id, len + i)?;
         }
     }
     Ok(out)
@@ -290,7 +314,7 @@ pub fn greedy(model: &HostModel, prompt: &[u32], n_new: usize) -> Result<Vec<u32
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::arch::{TINY_INTERNLM, TINY_LLAMA};
+    use crate::arch::{MEDIUM_LLAMA, TINY_INTERNLM, TINY_LLAMA};
     use crate::synth;
 
     #[test]
@@ -356,6 +380,22 @@ mod tests {
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&out), bits(&want), "{len} slots");
         }
+    }
+
+    #[test]
+    fn greedy_after_a_fed_prompt_equals_greedy() {
+        let spec = MEDIUM_LLAMA;
+        let model = synth::build(&spec, 1).unwrap();
+        let prompt = synth::prompt(spec.vocab, 10, 2);
+        let mut kv = KvCache::new(&spec, spec.max_seq).unwrap();
+        let logits = step_logits(&model, &mut kv, &prompt, 0)
+            .unwrap()
+            .pop()
+            .unwrap();
+        assert_eq!(
+            greedy_after(&model, &mut kv, logits, prompt.len(), 9).unwrap(),
+            greedy(&model, &prompt, 9).unwrap()
+        );
     }
 
     #[test]

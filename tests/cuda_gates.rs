@@ -7,7 +7,7 @@ use common::*;
 use decodev2::arch::{preset, ArchSpec, MEDIUM_LLAMA, QWEN25_3B};
 use decodev2::engine::{BackendKind, Engine, EngineOptions};
 use decodev2::model::HostModel;
-use decodev2::oracle::{greedy, step_logits, KvCache};
+use decodev2::oracle::{greedy, greedy_after, step_logits, KvCache};
 use decodev2::{synth, Error};
 
 /// None when `id` is the argmax of the oracle's `logits`; else the oracle's margin of its
@@ -971,22 +971,14 @@ fn prefill_at_head_dim_128_over_a_long_prefix_matches_the_oracle() {
     ) else {
         return;
     };
-    // The oracle's logits after the prompt, then its greedy ids, continued on the same cache
+    // The oracle's logits after the prompt, then its greedy ids continued on the same cache
     // (what `greedy` computes, without teacher-forcing the 2,500 tokens a second time).
     let mut kv = KvCache::new(&spec, MAX_SEQ).unwrap();
     let teacher = step_logits(&model, &mut kv, &prompt, 0)
         .unwrap()
         .pop()
         .unwrap();
-    let mut want = vec![decodev2::oracle::argmax(&teacher)];
-    for pos in LEN..LEN + 5 {
-        let id = *want.last().unwrap();
-        let logits = step_logits(&model, &mut kv, &[id], pos)
-            .unwrap()
-            .pop()
-            .unwrap();
-        want.push(decodev2::oracle::argmax(&logits));
-    }
+    let want = greedy_after(&model, &mut kv, teacher.clone(), LEN, 6).unwrap();
     for split in [LEN, 1000] {
         e.reset().unwrap();
         let mut first = e.prefill(&prompt[..split]).unwrap();
