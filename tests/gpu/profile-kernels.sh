@@ -29,7 +29,10 @@ sections=(--section SpeedOfLight --section Occupancy --section SchedulerStats --
 if [[ ${1:-} == skeleton ]]; then
   # grid_layers_us times 3 + 25 graph replays of one launch a row; the rows run barriers,
   # flagged pairs, then no hand-over: launches 57-84 are the third row's.
-  timeout 500 "$ncu" "${sections[@]}" --section MemoryWorkloadAnalysis_Tables --kernel-name grid_layers \
+  # --print-details all and the stall metrics: the warp-state section's stall reasons are a
+  # chart, which the command line leaves out otherwise (session 65).
+  timeout 500 "$ncu" "${sections[@]}" --section MemoryWorkloadAnalysis_Tables --print-details all \
+    --metrics 'regex:^smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$' --kernel-name grid_layers \
     --launch-skip 60 --launch-count 1 .device/examples/bench --boundary > "$out/ncu-kernels.txt" 2>&1
 elif [[ ${1:-} == shapes ]]; then
   # The third launch: past the warm-up ones, on a rotated copy of the weights.
@@ -46,4 +49,4 @@ else
     > "$out/ncu-kernels.txt" 2>&1
 fi
 echo "ncu rc=$?"
-grep -E "^  [a-z0-9_]+\(|Duration|DRAM Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Eligible Warps|Issued Warp|Active Warps Per|Warp Cycles Per Issued|Block Limit (Registers|Shared)|stall|Stall|Bank Conflicts|Wavefronts|MIO" "$out/ncu-kernels.txt" | cut -c1-150 | head -150
+grep -E "^  [a-z0-9_]+\(|Duration|DRAM Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Eligible Warps|Issued Warp|Active Warps Per|Warp Cycles Per Issued|Block Limit (Registers|Shared)|stall|Stall|Bank Conflicts|Wavefronts|MIO|issue_stalled" "$out/ncu-kernels.txt" | cut -c1-150 | head -150
