@@ -115,17 +115,15 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode(AttnArgs 
     }
 }
 
-// Attention v2 (without clusters, or DV2_ATTN_CLUSTERS=0; the kernels above where its shared memory does not fit the model): CTAs per (KV head, chunk
-// of ATTN2_CHUNK slots), each computing several q heads of the GQA group, so each K/V row is
-// read from memory once per step (and from L2 by the KV head's other CTAs) instead of once
-// per q head. The group's heads are split over up to 8 CTAs (ATTN_SPLIT on the host): the
-// scores and the weighted sum of V are serial loops per thread over heads, so a CTA with a
-// quarter of the heads finishes them in a quarter of the rounds (docs/lab.md, session 8).
-// The chunk's K and V are staged in shared memory with 16-byte loads issued together;
-// scores, softmax and the weighted sum of V run from shared memory. Chunks past valid_len
-// exit at once (the grid stays static). The live slot (t == position) comes from the
-// rotated projections, never from the cache; the KV head's first CTA of chunk 0 writes it.
-// Partials per (q head, chunk) go to attn2_merge.
+// The shared parts of attention v2 and v3 (attn3_decode_body below walks for both). A CTA
+// computes several q heads of a KV head's GQA group, so each K/V row is read from memory once
+// per step (and from L2 by the KV head's other CTAs) instead of once per q head; the group's
+// heads are split over up to 8 CTAs (ATTN_SPLIT on the host): the scores and the weighted sum
+// of V are serial loops per thread over heads, so a CTA with a quarter of the heads finishes
+// them in a quarter of the rounds (docs/lab.md, session 8). K and V are staged in shared
+// memory by 32-slot chunks with 16-byte loads issued together; scores, softmax and the
+// weighted sum of V run from shared memory. The live slot (t == position) comes from the
+// rotated projections, never from the cache; one CTA of the KV head writes it.
 
 // Every global load of the prologue (the chunk's K and V rows, the q/k pairs to rotate with
 // their cos and sin, the live v) is issued before its first shared store. Interleaved, each
@@ -215,130 +213,6 @@ __device__ __forceinline__ void rotate_live_batched(const AttnArgs& a, int kvh, 
     }
 }
 
-// HD: the largest head_dim the kernel takes (MAX_HEAD_DIM, or 128 for attn2_decode_hd128):
-// the batched prologue's per-thread loads are unrolled for it.
-template <int HD = MAX_HEAD_DIM>
-__device__ __forceinline__ void attn2_decode_body(const AttnArgs& a) {
-    const int chunk = blockIdx.y, hd = a.head_dim, half = hd >> 1;
-    // gridDim.x = n_kv * parts: `parts` CTAs share a KV head's chunk, each taking gn of its
-    // group's q heads from q head q0 (ATTN_SPLIT on the host).
-    const int group = a.n_q / a.n_kv, parts = gridDim.x / a.n_kv, gn = group / parts;
-    const int kvh = blockIdx.x / parts, q0 = kvh * group + (blockIdx.x % parts) * gn;
-    const int pos = a.state[STATE_POSITION];
-    if (pos >= a.max_seq) return;
-    const int valid = pos + 1, t0 = chunk * ATTN2_CHUNK;
-    if (t0 >= valid) return;
-    const int n_t = min(ATTN2_CHUNK, valid - t0);
-    const int row_words = (hd >> 1) + 1;  // bf16 pairs per staged row, +1 word of padding
-
-    __shared__ float q_s[ATTN2_MAX_GROUP_X_HD];
-    __shared__ float kcur[MAX_HEAD_DIM], vcur[MAX_HEAD_DIM];
-    __shared__ u32 k_s[ATTN2_CHUNK * (MAX_HEAD_DIM / 2 + 1)], v_s[ATTN2_CHUNK * (MAX_HEAD_DIM / 2 + 1)];
-    __shared__ float p_s[ATTN2_MAX_GROUP][ATTN2_CHUNK];
-    const size_t slot_stride = (size_t)a.n_kv * hd;
-
-    // Rows t0 .. t0+n_t-1 of K and V (16-byte loads), skipping the live slot.
-    const int vec_per_row = hd >> 3;  // uint4 = 8 bf16
-    auto kv_offset = [&](int i) { return (size_t)(t0 + i / vec_per_row) * slot_stride + kvh * hd + (i % vec_per_row) * 8; };
-    auto stage = [&](int i, uint4 kv, uint4 vv) {
-        u32* kd = k_s + (i / vec_per_row) * row_words + (i % vec_per_row) * 4;
-        u32* vd = v_s + (i / vec_per_row) * row_words + (i % vec_per_row) * 4;
-        kd[0] = kv.x; kd[1] = kv.y; kd[2] = kv.z; kd[3] = kv.w;
-        vd[0] = vv.x; vd[1] = vv.y; vd[2] = vv.z; vd[3] = vv.w;
-    };
-    auto live = [&](int i) { return t0 + i / vec_per_row == pos; };
-    constexpr int KV_VECS = ATTN2_CHUNK * (HD / 8) / ATTN_THREADS;  // per thread, at most
-    uint4 kreg[KV_VECS], vreg[KV_VECS];
-#pragma unroll
-    for (int u = 0; u < KV_VECS; u++) {
-        const int i = threadIdx.x + u * ATTN_THREADS;
-        if (i < n_t * vec_per_row && !live(i)) {
-            kreg[u] = *reinterpret_cast<const uint4*>(a.k_cache + kv_offset(i));
-            vreg[u] = *reinterpret_cast<const uint4*>(a.v_cache + kv_offset(i));
-        }
-    }
-    pdl_enter();
-    // Rotate the group's q heads (scale folded in) and the live k; take the live v.
-    rotate_live_batched<HD>(a, kvh, q0, gn, pos, q_s, kcur, vcur, [&] {
-#pragma unroll
-        for (int u = 0; u < KV_VECS; u++) {
-            const int i = threadIdx.x + u * ATTN_THREADS;
-            if (i < n_t * vec_per_row && !live(i)) stage(i, kreg[u], vreg[u]);
-        }
-    });
-    __syncthreads();
-    if (pos >= t0 && pos < t0 + n_t) {
-        const int t = pos - t0;
-        for (int w = threadIdx.x; w < half; w += blockDim.x) {
-            k_s[t * row_words + w] = (u32)f32_to_bf16(kcur[2 * w]) | ((u32)f32_to_bf16(kcur[2 * w + 1]) << 16);
-            v_s[t * row_words + w] = (u32)f32_to_bf16(vcur[2 * w]) | ((u32)f32_to_bf16(vcur[2 * w + 1]) << 16);
-        }
-    }
-    if (chunk == 0 && q0 == kvh * group) {  // one CTA of the KV head writes its slot
-        for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-            a.k_cache[pos * slot_stride + kvh * hd + d] = f32_to_bf16(kcur[d]);
-            a.v_cache[pos * slot_stride + kvh * hd + d] = f32_to_bf16(vcur[d]);
-        }
-    }
-    __syncthreads();
-
-    // Scores: a warp takes one q head at a time, a lane one slot.
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    for (int g = warp; g < gn; g += ATTN_WARPS) {
-        float score = NEG_INF;
-        if (lane < n_t) {
-            const u32* krow = k_s + lane * row_words;
-            const float* q = q_s + g * hd;
-            float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // independent chains
-            for (int w = 0; w < half; w += 2) {
-#pragma unroll
-                for (int u = 0; u < 2; u++) {
-                    const u32 pair = krow[w + u];
-                    acc[2 * u] = fmaf(q[2 * (w + u)], bf16_to_f32((u16)(pair & 0xffffu)), acc[2 * u]);
-                    acc[2 * u + 1] = fmaf(q[2 * (w + u) + 1], bf16_to_f32((u16)(pair >> 16)), acc[2 * u + 1]);
-                }
-            }
-            score = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-        }
-        const float m = warp_max(score);
-        const float p = lane < n_t ? expf(score - m) : 0.0f;
-        const float l = warp_sum(p);
-        p_s[g][lane] = p;
-        if (lane == 0) {
-            const size_t at = ((size_t)(q0 + g) * gridDim.y + chunk) * 2;
-            a.part_ml[at] = m;
-            a.part_ml[at + 1] = l;
-        }
-    }
-    __syncthreads();
-    // Weighted sum of V: a thread takes one bf16 pair of dims for some heads of the group.
-    const int pairs = half;
-    for (int i = threadIdx.x; i < gn * pairs; i += blockDim.x) {
-        const int g = i / pairs, w = i % pairs;
-        float ax = 0.0f, ay = 0.0f;
-        for (int t = 0; t < n_t; t++) {
-            const u32 pair = v_s[t * row_words + w];
-            const float p = p_s[g][t];
-            ax = fmaf(p, bf16_to_f32((u16)(pair & 0xffffu)), ax);
-            ay = fmaf(p, bf16_to_f32((u16)(pair >> 16)), ay);
-        }
-        float* out = a.part_acc + ((size_t)(q0 + g) * gridDim.y + chunk) * hd;
-        out[2 * w] = ax;
-        out[2 * w + 1] = ay;
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode(AttnArgs a) {
-    attn2_decode_body(a);
-}
-// The kernel for head_dim <= 128: its prologue unrolled for 128
-// dims, 1,720 SASS instructions against 2,896. Why: each warp runs this code once, and its
-// fetch is cold every layer; session 13 measured attention's time following its code size
-// (-0.57 us a layer here; attention v3: 8,440 -> 4,984 instructions, -5 us).
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode_hd128(AttnArgs a) {
-    attn2_decode_body<128>(a);
-}
-
 // Attention v3 (the default where clusters exist; DV2_ATTN_CLUSTERS=0 takes v2): attention v2's CTAs in
 // thread-block clusters that merge their partials through distributed shared memory, so no
 // merge kernel runs. Grid (parts, splits, n_kv), clusters of (1, splits): the CTAs of a
@@ -365,19 +239,29 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode_hd128(At
 // loops one shared-load round trip per iteration on the kernel's serial chain (the weighted
 // sum: 6-22 of them at the 3B shape's 8 splits), and the kernel mostly waits (docs/lab.md,
 // session 15: 0.08 issued per scheduler cycle). Measured: -0.0055 ms/token (session 16, run 2).
-template <int HD>
+// CLUSTER false: attention v2 (no clusters: before sm_90, or DV2_ATTN_CLUSTERS=0), the same
+// walk with gridDim.y splits of at least ATTN2_CHUNK slots each (the host picks about four
+// CTAs an SM), whose partials go to attn2_merge; a split past the context leaves at once.
+// Why: v2 was a CTA a 32-slot chunk of max_seq (16 x 1,024 CTAs a layer on the 3B shape at
+// max_seq 32,768, nearly all leaving at once), and streamed the KV at 100-135 GB/s. Measured
+// against it with DV2_HOPPER=0 on an H100: +14% decode at depth 48, +30% at 2k, +56% at 8k,
+// +134% at 32k (docs/lab.md, session 65; the old kernel last in 2133ba4's parent).
+template <int HD, bool CLUSTER = true>
 __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out) {
     timeline_start();
     const int hd = HD ? HD : a.head_dim, half = hd >> 1;
     // Grid (parts, splits, n_kv): KV head z, its q heads [q0, q0 + gn) from the host's count.
     const int gn = a.heads_per_cta, group = gn * gridDim.x;
     const int kvh = blockIdx.z, q0 = kvh * group + blockIdx.x * gn;
-    const int splits = cluster_size(), rank = cluster_rank();
+    const int splits = CLUSTER ? cluster_size() : gridDim.y, rank = CLUSTER ? cluster_rank() : blockIdx.y;
     const int split_shift = log2_pow2(splits);  // splits: 1, 2, 4 or 8 (the host checks)
     const int pos = a.state[STATE_POSITION];
     if (pos >= a.max_seq) return;  // every CTA: no slot to write or read
-    const int valid = pos + 1, per = (valid + splits - 1) >> split_shift;
+    const int valid = pos + 1;
+    const int per = CLUSTER ? (valid + splits - 1) >> split_shift : max((valid + splits - 1) / splits, ATTN2_CHUNK);
     const int t_begin = min(valid, rank * per), t_end = min(valid, t_begin + per);
+    if constexpr (!CLUSTER)
+        if (t_begin >= t_end) return;  // a split past the context: attn2_merge never reads it
     const int row_words = half + 1;  // bf16 pairs per staged row, +1 word of padding
 
     __shared__ float q_s[ATTN2_MAX_GROUP_X_HD];
@@ -526,6 +410,19 @@ __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out)
         }
         __syncthreads();  // k_s, v_s, p_s and corr_s free for the next chunk
     }
+    if constexpr (!CLUSTER) {  // the split's partials, for attn2_merge
+        for (int i = threadIdx.x; i < gn * hd; i += blockDim.x) {
+            const int g = i / hd, d = i % hd;
+            a.part_acc[((size_t)(q0 + g) * splits + rank) * hd + d] = acc_s[i];
+        }
+        if ((int)threadIdx.x < gn) {
+            const size_t at = ((size_t)(q0 + threadIdx.x) * splits + rank) * 2;
+            a.part_ml[at] = m_run[threadIdx.x];
+            a.part_ml[at + 1] = l_run[threadIdx.x];
+        }
+        timeline_end();
+        return;
+    }
     // The merge across the cluster: rank r's dims of each head from every rank's max, sum and
     // partial output.
     const float* part = acc_s;
@@ -573,9 +470,18 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn3_decode_hd128(At
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn3_decode_hd64(AttnArgs a, float* out) {
     attn3_decode_body<64>(a, out);
 }
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode(AttnArgs a) {
+    attn3_decode_body<0, false>(a, nullptr);
+}
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode_hd128(AttnArgs a) {
+    attn3_decode_body<128, false>(a, nullptr);
+}
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode_hd64(AttnArgs a) {
+    attn3_decode_body<64, false>(a, nullptr);
+}
 
-// Combines the chunks 0 .. ceil(valid_len / ATTN2_CHUNK)-1 of each q head. Grid n_q; the
-// chunk weights exp(m_c - M) / L are computed once, in parallel, then every output sums its
+// Combines attn2_decode's splits in use (its "chunks" here: n_chunks = its grid's splits) of
+// each q head. Grid n_q; the chunk weights exp(m_c - M) / L are computed once, in parallel, then every output sums its
 // chunks with the loads in flight together.
 // The first MERGE_AHEAD chunks' partials are loaded
 // together with the position, before the number of chunks in use is known: their addresses
@@ -605,7 +511,10 @@ extern "C" __global__ void attn2_merge(const float* __restrict__ part_acc, const
     for (int c = 0; c < MERGE_AHEAD; c++) acc_ahead[c] = c < n_chunks && d0 < head_dim ? acc[(size_t)c * head_dim + d0] : 0.0f;
     const int pos = state[STATE_POSITION];
     if (pos >= max_seq) return;
-    const int used = min(pos / ATTN2_CHUNK + 1, ATTN2_MAX_CHUNKS);
+    // The splits in use, as attn2_decode cuts them: ceil(valid / per) of per =
+    // max(ceil(valid / n_chunks), ATTN2_CHUNK) slots each.
+    const int valid = pos + 1, per = max((valid + n_chunks - 1) / n_chunks, ATTN2_CHUNK);
+    const int used = min((valid + per - 1) / per, ATTN2_MAX_CHUNKS);
     // m and l of chunk c (chunks `lane` and d0 from the early loads).
     auto ml_of = [&](int c) {
         return c == lane ? ml_lane : (c == d0 ? ml_d0 : reinterpret_cast<const float2*>(ml)[c]);

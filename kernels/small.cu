@@ -207,7 +207,7 @@ extern "C" __global__ void embed_rows(const int* __restrict__ ids, Nf4Ref embed,
 }
 
 // RoPE on q and k of token i (position pos0 + i) in place, k and v into the KV cache as bf16
-// at that slot: the same arithmetic as attn2_decode's, so both paths store the same bits.
+// at that slot: the same arithmetic as the decode attention's, so both paths store the same bits.
 // One CTA per token. Work items: the (n_q + n_kv) * head_dim/2 pairs to rotate, then the
 // kv_dim elements of v; a thread loads ROPE_BATCH items before it stores any (in program
 // order a load may not pass a store to the same row, so a strided loop waited a round trip

@@ -550,8 +550,8 @@ pub struct Kernels {
     pub gemv2_logits_w20: Option<CudaFunction>,
     pub gemv2_logits_w20_room: usize,
     /// Attention v2: for any head_dim, and unrolled for head_dim <= 128.
-    pub attn2_decode: CudaFunction,
-    pub attn2_decode_hd128: CudaFunction,
+    /// Attention v2 for any head_dim, 128 and 64.
+    pub attn2_decode: [CudaFunction; 3],
     pub attn2_merge: CudaFunction,
     /// Attention v3 (v2's CTAs in clusters that merge through distributed shared memory) by
     /// head_dim: [any, 128, 64], the last two with the head_dim built in, in less code.
@@ -658,6 +658,12 @@ impl Kernels {
             f("attn3_decode_hd64")?,
         ];
         allow_dynamic_smem(gpu, &attn3_decode, ATTN2_MAX_GROUP_X_HD * 4)?;
+        let attn2_decode = [
+            f("attn2_decode")?,
+            f("attn2_decode_hd128")?,
+            f("attn2_decode_hd64")?,
+        ];
+        allow_dynamic_smem(gpu, &attn2_decode, ATTN2_MAX_GROUP_X_HD * 4)?;
         // The f16-x kernels that take K past GEMV2_MAX_K (down at the 32B shape).
         let x16_max_smem = gemv2_x_smem(GEMV2_X16_MAX_K, true);
         let mut k = Self {
@@ -707,8 +713,7 @@ impl Kernels {
                 None
             },
             gemv2_logits_w20_room: 0,
-            attn2_decode: f("attn2_decode")?,
-            attn2_decode_hd128: f("attn2_decode_hd128")?,
+            attn2_decode,
             attn2_merge: f("attn2_merge")?,
             attn3_decode,
             gemm_store: gemm("gemm_store")?,

@@ -6,8 +6,8 @@ use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig};
 use super::Ops;
 use crate::arch::ArchSpec;
 use crate::cuda::kernels::{
-    ATTN2_CHUNK, ATTNL_MAX_CLUSTERS, ATTNL_MAX_GROUP, ATTNL_RANKS, ATTNM_ROWS, ATTNM_THREADS,
-    ATTNP_Q_FLOATS, ATTNP_ROWS, ATTNP_THREADS, ATTN_THREADS,
+    ATTN2_CHUNK, ATTN2_MAX_CHUNKS, ATTNL_MAX_CLUSTERS, ATTNL_MAX_GROUP, ATTNL_RANKS, ATTNM_ROWS,
+    ATTNM_THREADS, ATTNP_Q_FLOATS, ATTNP_ROWS, ATTNP_THREADS, ATTN_THREADS,
 };
 use crate::error::{Error, Result};
 
@@ -81,8 +81,9 @@ pub enum Attention {
     /// does not fit the model (a GQA group over 16, or over 2,048 q values per KV head, or
     /// over 32k slots).
     V1,
-    /// CTAs per (KV head, 32-slot chunk), [`ATTN_SPLIT`] of them sharing the group's q heads,
-    /// then the merge kernel: the default without thread-block clusters.
+    /// CTAs per (KV head, split of the context), [`ATTN_SPLIT`] of them sharing the group's q
+    /// heads, each walking its split in 32-slot chunks, then the merge kernel: the default
+    /// without thread-block clusters.
     V2,
     /// v2's CTAs in clusters of [`ATTN3_SPLITS`] that split the context and merge through
     /// distributed shared memory, no merge kernel (kernels/attention.cu, attn3_decode).
@@ -113,8 +114,8 @@ pub fn attn_long_partials(s: &ArchSpec) -> (usize, usize) {
     (slices * s.head_dim / ATTNL_RANKS, slices * 2)
 }
 
-/// Attention time splits of a KV capacity: v1 splits it in up to 32 parts; v2 in chunks
-/// of 32 slots. The arena holds partials for the larger of the two.
+/// Attention time splits of a KV capacity: v1 splits it in up to 32 parts; v2 in at most one
+/// split per 32 slots ([`attn2_splits`]). The arena holds partials for the larger of the two.
 pub fn attn_partials(max_seq: usize) -> usize {
     attn_splits_v1(max_seq).max(max_seq.div_ceil(ATTN2_CHUNK))
 }
@@ -233,24 +234,26 @@ impl Ops {
                 launch!(self.gpu, f, cfg, cluster = (1, ATTN3_SPLITS, 1); args, out)
             }
             Attention::V2 => {
-                let chunks = max_seq.div_ceil(ATTN2_CHUNK);
+                let heads = (args.n_q / args.n_kv) as usize / parts;
+                let splits = attn2_splits(self.sms as usize, args.n_kv as usize * parts, max_seq);
                 let args = AttnArgs {
-                    n_splits: chunks as i32,
+                    n_splits: splits as i32,
+                    heads_per_cta: heads as i32,
                     ..args
                 };
+                // Grid (parts, splits, KV heads), as v3's; dynamic shared memory: the running
+                // outputs of a CTA's q heads.
                 let cfg = LaunchConfig {
-                    grid_dim: ((args.n_kv as usize * parts) as u32, chunks as u32, 1),
+                    grid_dim: (parts as u32, splits as u32, args.n_kv as u32),
                     block_dim: (ATTN_THREADS, 1, 1),
-                    shared_mem_bytes: 0,
+                    shared_mem_bytes: (heads * args.head_dim as usize * 4) as u32,
                 };
-                let nc = chunks as i32;
-                // For head_dim <= 128 the kernel unrolled for it: 1,720 SASS instructions
-                // against 2,896, -0.018..-0.020 ms/token (docs/lab.md, 01f5749).
-                let f = if args.head_dim <= 128 {
-                    &self.k.attn2_decode_hd128
-                } else {
-                    &self.k.attn2_decode
-                };
+                let f = &self.k.attn2_decode[match args.head_dim {
+                    128 => 1,
+                    64 => 2,
+                    _ => 0,
+                }];
+                let nc = splits as i32;
                 launch!(self.gpu, f, cfg; args)?;
                 launch!(self.gpu, &self.k.attn2_merge, merge; pa, pm, st, out, hd, nc, ms)
             }
@@ -276,6 +279,20 @@ impl Ops {
     }
 }
 
+/// Attention v2's CTAs an SM that its splits aim for: 4 measured faster than 8 and 16 on an
+/// H100 at depths 48, 8k and 32k of the 3B shape (docs/lab.md, session 65).
+const ATTN2_CTAS_PER_SM: usize = 4;
+
+/// Attention v2's splits of the context: enough for [`ATTN2_CTAS_PER_SM`] CTAs an SM over the
+/// `ctas_per_split` CTAs of a split, at most the chunks of `max_seq` (the room
+/// [`attn_partials`] makes) and [`ATTN2_MAX_CHUNKS`] (attn2_merge's).
+fn attn2_splits(sms: usize, ctas_per_split: usize, max_seq: usize) -> usize {
+    (ATTN2_CTAS_PER_SM * sms)
+        .div_ceil(ctas_per_split.max(1))
+        .clamp(1, ATTN2_MAX_CHUNKS)
+        .min(max_seq.div_ceil(ATTN2_CHUNK))
+}
+
 /// CTAs per KV head for attention v2: the largest divisor of the GQA `group` that is at
 /// most `requested`, so every CTA takes the same number of q heads.
 fn attn_split_parts(requested: usize, group: usize) -> usize {
@@ -297,6 +314,12 @@ mod tests {
         assert_eq!(attn_prefill_tokens(2, 256, 32), Some(8));
         assert_eq!(attn_prefill_tokens(32, 256, 32), None);
         assert_eq!(attn_split_parts(2, 8), 2);
+        // v2's splits: four CTAs an SM (the 3B shape's 16 a split on 132 SMs), capped by
+        // max_seq's chunks and the merge's limit.
+        assert_eq!(attn2_splits(132, 16, 32768), 33);
+        assert_eq!(attn2_splits(132, 16, 64), 2);
+        assert_eq!(attn2_splits(132, 16, 1), 1);
+        assert_eq!(attn2_splits(4096, 1, 1 << 20), ATTN2_MAX_CHUNKS);
         assert_eq!(attn_split_parts(4, 6), 3);
         assert_eq!(attn_split_parts(2, 1), 1);
         assert_eq!(attn_split_parts(16, 8), 8);
