@@ -92,7 +92,8 @@ pub const VARIABLES: &[Variable] = &[
         default: "1",
         effect: "`0`: decode attention v2 (a merge kernel) instead of v3 (thread-block clusters; \
                  v2 is the default on GPUs without clusters)",
-        lab: "session 14: v3 -0.027 ms/token against v2 (25dec59)",
+        lab: "session 14: v3 -0.027 ms/token against v2 (25dec59); v2 rebuilt as splits in session 65 \
+              (ca52b8f), not yet timed against v3",
     },
     Variable {
         name: "DV2_ATTN_LONG",
