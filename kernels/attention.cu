@@ -245,7 +245,7 @@ __device__ __forceinline__ void rotate_live_batched(const AttnArgs& a, int kvh, 
 // Why: v2 was a CTA a 32-slot chunk of max_seq (16 x 1,024 CTAs a layer on the 3B shape at
 // max_seq 32,768, nearly all leaving at once), and streamed the KV at 100-135 GB/s. Measured
 // against it with DV2_HOPPER=0 on an H100: +14% decode at depth 48, +30% at 2k, +56% at 8k,
-// +134% at 32k (docs/lab.md, session 65; the old kernel last in 2133ba4's parent).
+// +134% at 32k (docs/lab.md, session 65, which names the commit that last held the old one).
 template <int HD, bool CLUSTER = true>
 __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out) {
     timeline_start();
@@ -254,7 +254,7 @@ __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out)
     const int gn = a.heads_per_cta, group = gn * gridDim.x;
     const int kvh = blockIdx.z, q0 = kvh * group + blockIdx.x * gn;
     const int splits = CLUSTER ? cluster_size() : gridDim.y, rank = CLUSTER ? cluster_rank() : blockIdx.y;
-    const int split_shift = log2_pow2(splits);  // splits: 1, 2, 4 or 8 (the host checks)
+    const int split_shift = log2_pow2(splits);  // with clusters: 1, 2, 4 or 8 (the host checks)
     const int pos = a.state[STATE_POSITION];
     if (pos >= a.max_seq) return;  // every CTA: no slot to write or read
     const int valid = pos + 1;
@@ -480,9 +480,9 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode_hd64(Att
     attn3_decode_body<64, false>(a, nullptr);
 }
 
-// Combines attn2_decode's splits in use (its "chunks" here: n_chunks = its grid's splits) of
-// each q head. Grid n_q; the chunk weights exp(m_c - M) / L are computed once, in parallel, then every output sums its
-// chunks with the loads in flight together.
+// Combines attn2_decode's splits in use ("chunks" here: n_chunks is its grid's splits) of each
+// q head. Grid n_q; the chunk weights exp(m_c - M) / L are computed once, in parallel, then
+// every output sums its chunks with the loads in flight together.
 // The first MERGE_AHEAD chunks' partials are loaded
 // together with the position, before the number of chunks in use is known: their addresses
 // do not depend on it (the buffers hold n_chunks chunks), so the state, m/l and acc round

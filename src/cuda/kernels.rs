@@ -549,8 +549,8 @@ pub struct Kernels {
     /// shared memory the device lets it take.
     pub gemv2_logits_w20: Option<CudaFunction>,
     pub gemv2_logits_w20_room: usize,
-    /// Attention v2: for any head_dim, and unrolled for head_dim <= 128.
-    /// Attention v2 for any head_dim, 128 and 64.
+    /// Attention v2 (v3's walk without clusters, its splits' partials for attn2_merge) by
+    /// head_dim: [any, 128, 64], the last two with the head_dim built in.
     pub attn2_decode: [CudaFunction; 3],
     pub attn2_merge: CudaFunction,
     /// Attention v3 (v2's CTAs in clusters that merge through distributed shared memory) by

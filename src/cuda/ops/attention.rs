@@ -279,8 +279,9 @@ impl Ops {
     }
 }
 
-/// Attention v2's CTAs an SM that its splits aim for: 4 measured faster than 8 and 16 on an
-/// H100 at depths 48, 8k and 32k of the 3B shape (docs/lab.md, session 65).
+/// Attention v2's CTAs an SM that its splits aim for: 4 measured faster than 16 on an H100 at
+/// depths 48, 8k and 32k of the 3B shape, and than 8 with one CTA a KV head (docs/lab.md,
+/// session 65).
 const ATTN2_CTAS_PER_SM: usize = 4;
 
 /// Attention v2's splits of the context: enough for [`ATTN2_CTAS_PER_SM`] CTAs an SM over the
