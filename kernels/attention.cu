@@ -118,11 +118,12 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode(AttnArgs 
 // The shared parts of attention v2 and v3 (attn3_decode_body below walks for both). A CTA
 // computes several q heads of a KV head's GQA group, so each K/V row is read from memory once
 // per step (and from L2 by the KV head's other CTAs) instead of once per q head; the group's
-// heads are split over up to 8 CTAs (ATTN_SPLIT on the host): the scores and the weighted sum
-// of V are serial loops per thread over heads, so a CTA with a quarter of the heads finishes
-// them in a quarter of the rounds (docs/lab.md, session 8). K and V are staged in shared
-// memory by 32-slot chunks with 16-byte loads issued together; scores, softmax and the
-// weighted sum of V run from shared memory. The live slot (t == position) comes from the
+// heads are split over up to 8 CTAs (v3) or 4 (v2; ATTN_SPLIT, ATTN2_SPLIT on the host): the
+// scores and the weighted sum of V are serial loops per thread over heads, so a CTA with a
+// quarter of the heads finishes them in a quarter of the rounds (docs/lab.md, session 8); v2's
+// splits are long at long context, where fewer CTAs reading each chunk won (session 65). K and
+// V are staged in shared memory by 32-slot chunks with 16-byte loads issued together; scores,
+// softmax and the weighted sum of V run from shared memory. The live slot (t == position) comes from the
 // rotated projections, never from the cache; one CTA of the KV head writes it.
 
 // Every global load of the prologue (the chunk's K and V rows, the q/k pairs to rotate with
@@ -241,11 +242,13 @@ __device__ __forceinline__ void rotate_live_batched(const AttnArgs& a, int kvh, 
 // session 15: 0.08 issued per scheduler cycle). Measured: -0.0055 ms/token (session 16, run 2).
 // CLUSTER false: attention v2 (no clusters: before sm_90, or DV2_ATTN_CLUSTERS=0), the same
 // walk with gridDim.y splits of at least ATTN2_CHUNK slots each (the host picks about four
-// CTAs an SM), whose partials go to attn2_merge; a split past the context leaves at once.
-// Why: v2 was a CTA a 32-slot chunk of max_seq (16 x 1,024 CTAs a layer on the 3B shape at
-// max_seq 32,768, nearly all leaving at once), and streamed the KV at 100-135 GB/s. Measured
-// against it with DV2_HOPPER=0 on an H100: +14% decode at depth 48, +30% at 2k, +56% at 8k,
-// +134% at 32k (docs/lab.md, session 65, which names the commit that last held the old one).
+// CTAs an SM, each of two q heads on the 3B shape), whose partials go to attn2_merge; a split
+// past the context leaves at once. Why: v2 was a CTA a 32-slot chunk of max_seq (16 x 1,024
+// CTAs a layer on the 3B shape at max_seq 32,768, nearly all leaving at once), and streamed
+// the KV at 100-135 GB/s. Measured against it with DV2_HOPPER=0 on an H100 (one q head a
+// CTA): +14% decode at depth 48, +30% at 2k, +56% at 8k, +134% at 32k; two q heads a CTA then
+// -0.7% / +14% / +42% at 48 / 8k / 32k (docs/lab.md, session 65, which names the commit that
+// last held the old kernel).
 template <int HD, bool CLUSTER = true>
 __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out) {
     timeline_start();

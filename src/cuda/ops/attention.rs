@@ -81,7 +81,7 @@ pub enum Attention {
     /// does not fit the model (a GQA group over 16, or over 2,048 q values per KV head, or
     /// over 32k slots).
     V1,
-    /// CTAs per (KV head, split of the context), [`ATTN_SPLIT`] of them sharing the group's q
+    /// CTAs per (KV head, split of the context), [`ATTN2_SPLIT`] of them sharing the group's q
     /// heads, each walking its split in 32-slot chunks, then the merge kernel: the default
     /// without thread-block clusters.
     V2,
@@ -90,10 +90,15 @@ pub enum Attention {
     V3,
 }
 
-/// Attention v2/v3: CTAs sharing a KV head's q heads (the largest divisor of the group at
-/// most this): one q head per CTA on the 3B shape, -0.005..-0.006 ms/token against 4
-/// (docs/lab.md, session 12).
+/// Attention v3: CTAs sharing a KV head's q heads (the largest divisor of the group at most
+/// this): one q head per CTA on the 3B shape, -0.005..-0.006 ms/token against 4 (docs/lab.md,
+/// session 12).
 pub const ATTN_SPLIT: usize = 8;
+
+/// Attention v2's [`ATTN_SPLIT`]: two q heads a CTA on the 3B shape, where one lost 0.7% at
+/// depth 48 and gained 14% at 8k and 42% at 32k on an H100 (its splits each read by half as
+/// many CTAs; four heads: -5.0% / +7.9% / +52%; docs/lab.md, session 65).
+const ATTN2_SPLIT: usize = 4;
 
 /// Attention v3: CTAs per cluster, each an equal slice of the context (4: +0.027, 2: +0.113
 /// ms/token against 8, docs/lab.md session 14).
@@ -195,7 +200,8 @@ impl Ops {
             args.head_dim,
             args.max_seq,
         );
-        let parts = attn_split_parts(ATTN_SPLIT, (args.n_q / args.n_kv) as usize);
+        let group = (args.n_q / args.n_kv) as usize;
+        let parts = attn_split_parts(ATTN_SPLIT, group);
         match self.attn {
             Attention::V1 => {
                 let args = AttnArgs {
@@ -213,7 +219,7 @@ impl Ops {
             }
             Attention::V3 => {
                 // Dynamic shared memory: the running outputs of a CTA's q heads.
-                let heads = (args.n_q / args.n_kv) as usize / parts;
+                let heads = group / parts;
                 let args = AttnArgs {
                     n_splits: ATTN3_SPLITS as i32,
                     heads_per_cta: heads as i32,
@@ -234,7 +240,8 @@ impl Ops {
                 launch!(self.gpu, f, cfg, cluster = (1, ATTN3_SPLITS, 1); args, out)
             }
             Attention::V2 => {
-                let heads = (args.n_q / args.n_kv) as usize / parts;
+                let parts = attn_split_parts(ATTN2_SPLIT, group);
+                let heads = group / parts;
                 let splits = attn2_splits(self.sms as usize, args.n_kv as usize * parts, max_seq);
                 let args = AttnArgs {
                     n_splits: splits as i32,
@@ -315,11 +322,11 @@ mod tests {
         assert_eq!(attn_prefill_tokens(2, 256, 32), Some(8));
         assert_eq!(attn_prefill_tokens(32, 256, 32), None);
         assert_eq!(attn_split_parts(2, 8), 2);
-        // v2's splits: four CTAs an SM (the 3B shape's 16 a split on 132 SMs), capped by
+        // v2's splits: four CTAs an SM (the 3B shape's 8 a split on 132 SMs), capped by
         // max_seq's chunks and the merge's limit.
-        assert_eq!(attn2_splits(132, 16, 32768), 33);
-        assert_eq!(attn2_splits(132, 16, 64), 2);
-        assert_eq!(attn2_splits(132, 16, 1), 1);
+        assert_eq!(attn2_splits(132, 8, 32768), 66);
+        assert_eq!(attn2_splits(132, 8, 64), 2);
+        assert_eq!(attn2_splits(132, 8, 1), 1);
         assert_eq!(attn2_splits(4096, 1, 1 << 20), ATTN2_MAX_CHUNKS);
         assert_eq!(attn_split_parts(4, 6), 3);
         assert_eq!(attn_split_parts(2, 1), 1);
