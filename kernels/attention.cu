@@ -249,6 +249,13 @@ __device__ __forceinline__ void rotate_live_batched(const AttnArgs& a, int kvh, 
 // CTA): +14% decode at depth 48, +30% at 2k, +56% at 8k, +134% at 32k; two q heads a CTA then
 // -0.7% / +14% / +42% at 48 / 8k / 32k (docs/lab.md, session 65, which names the commit that
 // last held the old kernel).
+// Slots of each of attention v2's `splits` splits of `valid` slots: at least ATTN2_CHUNK;
+// ceil(valid / this) of them are in use, at most `splits` (attn2_decode cuts them so,
+// attn2_merge counts them so).
+__device__ __forceinline__ int attn2_split_slots(int valid, int splits) {
+    return max((valid + splits - 1) / splits, ATTN2_CHUNK);
+}
+
 template <int HD, bool CLUSTER = true>
 __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out) {
     timeline_start();
@@ -261,7 +268,7 @@ __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out)
     const int pos = a.state[STATE_POSITION];
     if (pos >= a.max_seq) return;  // every CTA: no slot to write or read
     const int valid = pos + 1;
-    const int per = CLUSTER ? (valid + splits - 1) >> split_shift : max((valid + splits - 1) / splits, ATTN2_CHUNK);
+    const int per = CLUSTER ? (valid + splits - 1) >> split_shift : attn2_split_slots(valid, splits);
     const int t_begin = min(valid, rank * per), t_end = min(valid, t_begin + per);
     if constexpr (!CLUSTER)
         if (t_begin >= t_end) return;  // a split past the context: attn2_merge never reads it
@@ -514,9 +521,8 @@ extern "C" __global__ void attn2_merge(const float* __restrict__ part_acc, const
     for (int c = 0; c < MERGE_AHEAD; c++) acc_ahead[c] = c < n_chunks && d0 < head_dim ? acc[(size_t)c * head_dim + d0] : 0.0f;
     const int pos = state[STATE_POSITION];
     if (pos >= max_seq) return;
-    // The splits in use, as attn2_decode cuts them: ceil(valid / per) of per =
-    // max(ceil(valid / n_chunks), ATTN2_CHUNK) slots each.
-    const int valid = pos + 1, per = max((valid + n_chunks - 1) / n_chunks, ATTN2_CHUNK);
+    // The splits in use, as attn2_decode cuts them.
+    const int valid = pos + 1, per = attn2_split_slots(valid, n_chunks);
     const int used = min((valid + per - 1) / per, ATTN2_MAX_CHUNKS);
     // m and l of chunk c (chunks `lane` and d0 from the early loads).
     auto ml_of = [&](int c) {
