@@ -37,7 +37,7 @@ impl CpuBackend {
         // before the RoPE table spends minutes filling a smaller one that fits.
         let kv = KvCache::new(&s, max_seq)?;
         Ok(Self {
-            rope: RopeTable::new(max_seq, s.head_dim, s.rope_theta)?,
+            rope: RopeTable::for_model(&model, max_seq)?,
             kv,
             model,
             eos,

@@ -5,6 +5,7 @@ use half::bf16;
 use crate::arch::{ArchSpec, Family};
 use crate::error::{Error, Result};
 use crate::nf4::Nf4Matrix;
+use crate::rope::RopeScaling;
 
 /// An NF4 projection `y = W x (+ b)`, `W: [out, in]`.
 #[derive(Clone, Debug)]
@@ -43,6 +44,8 @@ pub struct HostModel {
     pub final_norm: Vec<bf16>,
     /// `[vocab, hidden]`; `None` when tied to `embed`.
     pub lm_head: Option<Nf4Matrix>,
+    /// How its RoPE frequencies are scaled (Llama 3.1's bands, linear interpolation).
+    pub rope_scaling: RopeScaling,
 }
 
 impl HostModel {
@@ -85,6 +88,7 @@ impl HostModel {
     pub fn validate(&self) -> Result<()> {
         let s = &self.spec;
         s.validate()?;
+        self.rope_scaling.divisors(s.head_dim, s.rope_theta)?;
         let mat = |name: String, m: &Nf4Matrix, rows: usize, cols: usize| {
             if m.rows != rows || m.cols != cols {
                 return Err(Error::ModelFile(format!(

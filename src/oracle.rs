@@ -256,7 +256,7 @@ pub fn step_logits(
     ids: &[u32],
     pos0: usize,
 ) -> Result<Vec<Vec<f32>>> {
-    let rope = RopeTable::new(kv.max_seq, model.spec.head_dim, model.spec.rope_theta)?;
+    let rope = RopeTable::for_model(model, kv.max_seq)?;
     ids.iter()
         .enumerate()
         .map(|(i, &id)| forward_token(model, &rope, kv, id, pos0 + i))
@@ -271,7 +271,7 @@ pub fn greedy(model: &HostModel, prompt: &[u32], n_new: usize) -> Result<Vec<u32
         return Err(Error::InvalidArgument("empty prompt".into()));
     }
     let mut kv = KvCache::new(s, s.max_seq)?;
-    let rope = RopeTable::new(s.max_seq, s.head_dim, s.rope_theta)?;
+    let rope = RopeTable::for_model(model, s.max_seq)?;
     let mut logits = Vec::new();
     for (pos, &id) in prompt.iter().enumerate() {
         logits = forward_token(model, &rope, &mut kv, id, pos)?;
@@ -288,7 +288,7 @@ pub fn greedy_after(
     len: usize,
     n_new: usize,
 ) -> Result<Vec<u32>> {
-    let rope = RopeTable::new(kv.max_seq, model.spec.head_dim, model.spec.rope_theta)?;
+    let rope = RopeTable::for_model(model, kv.max_seq)?;
     continue_greedy(model, &rope, kv, logits, len, n_new)
 }
 
@@ -435,7 +435,7 @@ mod tests {
         let mut kv = KvCache::new(&TINY_LLAMA, 16).unwrap();
         let clean = step_logits(&model, &mut kv, &[3, 7], 0).unwrap();
         kv.fill_slot(2, 0, 1.0e3);
-        let rope = RopeTable::new(16, 16, TINY_LLAMA.rope_theta).unwrap();
+        let rope = RopeTable::for_model(&model, 16).unwrap();
         let poisoned = forward_token(&model, &rope, &mut kv, 7, 1).unwrap();
         assert_ne!(poisoned, clean[1]);
     }

@@ -1,6 +1,106 @@
-//! Rotary position embedding, rotate-half convention (Hugging Face Llama / Qwen2).
+//! Rotary position embedding, rotate-half convention (Hugging Face Llama / Qwen2), with the
+//! frequency scalings llama-style checkpoints ship. Every backend reads RoPE from the cos/sin
+//! tables built here, so a scaling lives in the tables alone and no kernel knows of it.
+
+use std::f64::consts::PI;
+use std::sync::Arc;
 
 use crate::error::{host_buffer, Error, Result};
+use crate::model::HostModel;
+
+/// How a model's rotary frequencies depart from RoPE's `theta^(-2i/head_dim)`. Each form comes
+/// down to one divisor a frequency pair ([`RopeScaling::divisors`]).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub enum RopeScaling {
+    #[default]
+    None,
+    /// Every frequency over `factor`: positions interpolated (`linear` in a Hugging Face
+    /// config, `rope.scaling.type = linear` in a GGUF).
+    Linear { factor: f32 },
+    /// Llama 3.1's bands (`llama3` in a Hugging Face config): a pair whose wavelength is under
+    /// `original_max_position / high_freq_factor` is kept, one over
+    /// `original_max_position / low_freq_factor` is divided by `factor`, and one between is
+    /// blended smoothly, as transformers' `_compute_llama3_parameters` does.
+    Llama3 {
+        factor: f32,
+        low_freq_factor: f32,
+        high_freq_factor: f32,
+        original_max_position: f32,
+    },
+    /// One divisor a pair, as a GGUF carries Llama 3.1's bands (`rope_freqs.weight`: llama.cpp's
+    /// converter computes them from the `llama3` parameters, and its rope divides each pair's
+    /// frequency by its entry).
+    Divisors(Arc<[f32]>),
+}
+
+impl RopeScaling {
+    /// Each pair's divisor of its frequency `theta^(-2i/head_dim)`; the error names the
+    /// parameter that makes no frequency (a zero, negative or non-finite one, bands in the
+    /// wrong order, a divisor list of the wrong length).
+    pub fn divisors(&self, head_dim: usize, theta: f32) -> Result<Vec<f64>> {
+        let half = head_dim / 2;
+        let positive = |name: &str, v: f32| {
+            if v.is_finite() && v > 0.0 {
+                Ok(v as f64)
+            } else {
+                Err(Error::InvalidSpec(format!(
+                    "RoPE scaling: {name} ({v}) must be finite and > 0"
+                )))
+            }
+        };
+        match self {
+            Self::None => Ok(vec![1.0; half]),
+            Self::Linear { factor } => Ok(vec![positive("factor", *factor)?; half]),
+            Self::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position,
+            } => {
+                let factor = positive("factor", *factor)?;
+                let low = positive("low_freq_factor", *low_freq_factor)?;
+                let high = positive("high_freq_factor", *high_freq_factor)?;
+                let old_len = positive("original_max_position_embeddings", *original_max_position)?;
+                if high <= low {
+                    return Err(Error::InvalidSpec(format!(
+                        "RoPE scaling: high_freq_factor ({high}) must be > low_freq_factor ({low})"
+                    )));
+                }
+                let (low_freq_wavelen, high_freq_wavelen) = (old_len / low, old_len / high);
+                Ok((0..half)
+                    .map(|i| {
+                        let wavelen = 2.0 * PI / inverse_frequency(theta, i, head_dim);
+                        if wavelen < high_freq_wavelen {
+                            1.0
+                        } else if wavelen > low_freq_wavelen {
+                            factor
+                        } else {
+                            let smooth = (old_len / wavelen - low) / (high - low);
+                            1.0 / ((1.0 - smooth) / factor + smooth)
+                        }
+                    })
+                    .collect())
+            }
+            Self::Divisors(d) => {
+                if d.len() != half {
+                    return Err(Error::InvalidSpec(format!(
+                        "RoPE scaling: {} frequency divisors for head_dim {head_dim} ({half} pairs)",
+                        d.len()
+                    )));
+                }
+                d.iter()
+                    .enumerate()
+                    .map(|(i, &v)| positive(&format!("divisor {i}"), v))
+                    .collect()
+            }
+        }
+    }
+}
+
+/// Pair `i`'s unscaled frequency, `theta^(-2i/head_dim)`, in f64.
+fn inverse_frequency(theta: f32, i: usize, head_dim: usize) -> f64 {
+    (theta as f64).powf(-((2 * i) as f64) / head_dim as f64)
+}
 
 /// cos/sin tables `[max_seq, head_dim/2]`, built once.
 #[derive(Clone, Debug)]
@@ -11,23 +111,32 @@ pub struct RopeTable {
 }
 
 impl RopeTable {
-    /// Angles `pos * theta^(-2i/head_dim)`, computed in f64 and rounded to f32.
-    pub fn new(max_seq: usize, head_dim: usize, theta: f32) -> Result<Self> {
+    /// Angles `pos * theta^(-2i/head_dim) / divisor_i`, computed in f64 and rounded to f32.
+    pub fn new(max_seq: usize, head_dim: usize, theta: f32, scaling: &RopeScaling) -> Result<Self> {
         let half = head_dim / 2;
+        let divisors = scaling.divisors(head_dim, theta)?;
         let len = max_seq.checked_mul(half).ok_or_else(|| {
             Error::OutOfMemory(format!("RoPE tables for {max_seq} positions overflow"))
         })?;
         let mut cos: Vec<f32> = host_buffer(len, "RoPE cos table")?;
         let mut sin: Vec<f32> = host_buffer(len, "RoPE sin table")?;
+        let frequencies: Vec<f64> = (0..half)
+            .map(|i| inverse_frequency(theta, i, head_dim) / divisors[i])
+            .collect();
         for pos in 0..max_seq {
-            for i in 0..half {
-                let inv_freq = (theta as f64).powf(-((2 * i) as f64) / head_dim as f64);
-                let angle = pos as f64 * inv_freq;
+            for (i, f) in frequencies.iter().enumerate() {
+                let angle = pos as f64 * f;
                 cos[pos * half + i] = angle.cos() as f32;
                 sin[pos * half + i] = angle.sin() as f32;
             }
         }
         Ok(Self { half, cos, sin })
+    }
+
+    /// The tables of `model`'s RoPE for positions `0..max_seq`.
+    pub fn for_model(model: &HostModel, max_seq: usize) -> Result<Self> {
+        let s = &model.spec;
+        Self::new(max_seq, s.head_dim, s.rope_theta, &model.rope_scaling)
     }
 
     /// Rotates one head in place: `x*cos + rotate_half(x)*sin`, where
@@ -52,7 +161,7 @@ mod tests {
 
     #[test]
     fn position_zero_is_identity_and_rotation_keeps_norm() {
-        let t = RopeTable::new(8, 16, 10000.0).unwrap();
+        let t = RopeTable::new(8, 16, 10000.0, &RopeScaling::None).unwrap();
         let orig: Vec<f32> = (0..16).map(|i| i as f32 - 7.5).collect();
         let mut x = orig.clone();
         t.apply(&mut x, 0);
@@ -65,5 +174,94 @@ mod tests {
         let (c, s) = (5f32.cos(), 5f32.sin());
         assert!((x[0] - (orig[0] * c - orig[8] * s)).abs() < 1e-5);
         assert!((x[8] - (orig[8] * c + orig[0] * s)).abs() < 1e-5);
+    }
+
+    const LLAMA31: RopeScaling = RopeScaling::Llama3 {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position: 8192.0,
+    };
+
+    #[test]
+    fn llama3_bands_match_transformers_form() {
+        // transformers' _compute_llama3_parameters, written as it is there (a `where` on the
+        // frequencies, the blend of inv/factor and inv), against the divisor form here.
+        let (theta, head_dim) = (500_000.0f32, 128);
+        let got = LLAMA31.divisors(head_dim, theta).unwrap();
+        let (factor, low, high, old) = (8.0f64, 1.0f64, 4.0f64, 8192.0f64);
+        for (i, d) in got.iter().enumerate() {
+            let inv = inverse_frequency(theta, i, head_dim);
+            let wavelen = 2.0 * PI / inv;
+            let llama = if wavelen > old / low {
+                inv / factor
+            } else {
+                inv
+            };
+            let smooth = (old / wavelen - low) / (high - low);
+            let smoothed = (1.0 - smooth) * llama / factor + smooth * llama;
+            let medium = !(wavelen < old / high) && !(wavelen > old / low);
+            let want = if medium { smoothed } else { llama };
+            let rel = (inv / d - want).abs() / want;
+            assert!(rel < 1e-12, "pair {i}: {} vs {want}", inv / d);
+        }
+        // Llama 3.1 8B's bands, by hand: wavelength 2*pi*500000^(i/64) is under 2048 for
+        // i <= 28 and over 8192 for i >= 35.
+        assert!(got[..29].iter().all(|&d| d == 1.0));
+        assert!(got[29..35].iter().all(|&d| d > 1.0 && d < 8.0));
+        assert!(got[29..35].windows(2).all(|w| w[0] < w[1]));
+        assert!(got[35..].iter().all(|&d| d == 8.0));
+    }
+
+    #[test]
+    fn a_table_divides_each_pairs_angle() {
+        let (theta, head_dim, pos) = (10_000.0f32, 16, 5usize);
+        let plain = RopeTable::new(8, head_dim, theta, &RopeScaling::None).unwrap();
+        let linear =
+            RopeTable::new(8, head_dim, theta, &RopeScaling::Linear { factor: 4.0 }).unwrap();
+        let divisors: Arc<[f32]> = (1..=8).map(|d| d as f32).collect();
+        let per_pair =
+            RopeTable::new(8, head_dim, theta, &RopeScaling::Divisors(divisors)).unwrap();
+        for i in 0..head_dim / 2 {
+            let angle = pos as f64 * inverse_frequency(theta, i, head_dim);
+            let at = pos * head_dim / 2 + i;
+            assert_eq!(plain.cos[at], angle.cos() as f32);
+            assert_eq!(linear.sin[at], (angle / 4.0).sin() as f32);
+            assert_eq!(per_pair.sin[at], (angle / (i + 1) as f64).sin() as f32);
+        }
+    }
+
+    #[test]
+    fn scalings_that_make_no_frequency_are_refused() {
+        let llama3 = |low: f32, high: f32| RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: low,
+            high_freq_factor: high,
+            original_max_position: 8192.0,
+        };
+        for (scaling, needle) in [
+            (RopeScaling::Linear { factor: 0.0 }, "factor (0)"),
+            (RopeScaling::Linear { factor: f32::NAN }, "factor (NaN)"),
+            (
+                llama3(4.0, 1.0),
+                "high_freq_factor (1) must be > low_freq_factor (4)",
+            ),
+            (llama3(1.0, 1.0), "must be > low_freq_factor"),
+            (llama3(-1.0, 4.0), "low_freq_factor (-1)"),
+            (
+                RopeScaling::Divisors(Arc::from([1.0f32; 7])),
+                "7 frequency divisors",
+            ),
+            (
+                RopeScaling::Divisors(Arc::from([1.0, 2.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0f32])),
+                "divisor 2 (0)",
+            ),
+        ] {
+            let err = RopeTable::new(4, 16, 10_000.0, &scaling).unwrap_err();
+            assert!(
+                matches!(&err, Error::InvalidSpec(m) if m.contains(needle)),
+                "{scaling:?}: {err}"
+            );
+        }
     }
 }

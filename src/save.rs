@@ -24,6 +24,7 @@ use serde_json::json;
 use crate::error::{Error, Result};
 use crate::model::{internlm_wqkv_rows, HostModel, QkvWeights};
 use crate::nf4::{Nf4Matrix, BLOCK, CODEBOOK};
+use crate::rope::RopeScaling;
 
 /// A tensor to write: dtype, shape, little-endian bytes.
 struct Tensor(Dtype, Vec<usize>, Vec<u8>);
@@ -36,6 +37,8 @@ fn le_f32(values: &[f32]) -> Vec<u8> {
 /// model.safetensors.
 pub fn write_bnb_dir(model: &HostModel, dir: &Path) -> Result<()> {
     model.validate()?;
+    // Before any weight is written: a model config.json cannot describe is refused whole.
+    let config = config(model)?;
     let s = &model.spec;
     let io = |e: std::io::Error| Error::Io(format!("{}: {e}", dir.display()));
     std::fs::create_dir_all(dir).map_err(io)?;
@@ -142,18 +145,56 @@ pub fn write_bnb_dir(model: &HostModel, dir: &Path) -> Result<()> {
     let metadata = Some([("format".to_string(), "pt".to_string())].into());
     safetensors::serialize_to_file(views, metadata, &dir.join("model.safetensors"))
         .map_err(|e| Error::Io(format!("{}: {e}", dir.display())))?;
-    std::fs::write(dir.join("config.json"), config(model).to_string()).map_err(io)
+    std::fs::write(dir.join("config.json"), config.to_string()).map_err(io)
+}
+
+/// config.json's `rope_scaling` for `scaling`, in the form transformers reads. A GGUF's
+/// per-pair divisors have none unless they are all one factor (linear).
+fn rope_scaling(scaling: &RopeScaling) -> Result<serde_json::Value> {
+    Ok(match scaling {
+        RopeScaling::None => serde_json::Value::Null,
+        RopeScaling::Linear { factor } => json!({"rope_type": "linear", "factor": factor}),
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position,
+        } => json!({
+            "rope_type": "llama3",
+            "factor": factor,
+            "low_freq_factor": low_freq_factor,
+            "high_freq_factor": high_freq_factor,
+            // An integer where it is one, as transformers' validation expects.
+            "original_max_position_embeddings": if original_max_position.fract() == 0.0 {
+                json!(*original_max_position as u64)
+            } else {
+                json!(original_max_position)
+            },
+        }),
+        RopeScaling::Divisors(d) => match d.first() {
+            Some(&factor) if d.iter().all(|&v| v == factor) => {
+                json!({"rope_type": "linear", "factor": factor})
+            }
+            _ => {
+                return Err(Error::Unsupported(
+                    "RoPE divisors a frequency pair (a GGUF's rope_freqs.weight) have no \
+                     config.json form: convert the Hugging Face checkpoint instead"
+                        .into(),
+                ))
+            }
+        },
+    })
 }
 
 /// config.json for `model`: Qwen2 where it has q/k/v biases, else Llama.
-fn config(model: &HostModel) -> serde_json::Value {
+fn config(model: &HostModel) -> Result<serde_json::Value> {
     let s = &model.spec;
     let (arch, model_type) = if s.qkv_bias {
         ("Qwen2ForCausalLM", "qwen2")
     } else {
         ("LlamaForCausalLM", "llama")
     };
-    json!({
+    Ok(json!({
         "architectures": [arch],
         "model_type": model_type,
         "hidden_size": s.hidden,
@@ -166,6 +207,7 @@ fn config(model: &HostModel) -> serde_json::Value {
         "max_position_embeddings": s.max_seq,
         "rms_norm_eps": s.rms_eps,
         "rope_theta": s.rope_theta,
+        "rope_scaling": rope_scaling(&model.rope_scaling)?,
         "tie_word_embeddings": s.tied_embed,
         "hidden_act": "silu",
         "attention_bias": false,
@@ -181,5 +223,5 @@ fn config(model: &HostModel) -> serde_json::Value {
             "bnb_4bit_quant_storage": "uint8",
             "llm_int8_skip_modules": ["lm_head"],
         },
-    })
+    }))
 }

@@ -10,6 +10,7 @@ use crate::arch::{ArchSpec, Family};
 use crate::error::Result;
 use crate::model::{HostModel, Layer, Linear, QkvWeights};
 use crate::nf4::Nf4Matrix;
+use crate::rope::RopeScaling;
 
 /// Logit scale: lm_head rows have norm ~LOGIT_GAIN, so logits spread over a few units and
 /// the greedy argmax has a margin well above bf16 rounding.
@@ -161,6 +162,7 @@ pub fn build(spec: &ArchSpec, seed: u64) -> Result<HostModel> {
     let top = spec.n_layers;
     let model = HostModel {
         spec: *spec,
+        rope_scaling: RopeScaling::None,
         // Tied models read logits off the embedding, so it gets the lm_head scale.
         embed: g.matrix(
             top,

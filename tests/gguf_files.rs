@@ -8,6 +8,7 @@ use common::gguf_writer::{GgufWriter, Meta};
 use decodev2::load::load;
 use decodev2::model::QkvWeights;
 use decodev2::nf4::Nf4Matrix;
+use decodev2::rope::{RopeScaling, RopeTable};
 use decodev2::Error;
 
 fn write(name: &str, bytes: &[u8]) -> std::path::PathBuf {
@@ -122,6 +123,83 @@ fn truncated_files_name_what_was_cut() {
     assert!(err.contains("past the end of the file"), "{err}");
 }
 
+/// Llama 3.1's bands as llama.cpp's converter stores them (`rope_freqs.weight`), computed by
+/// its formula (convert_hf_to_gguf.py, LlamaModel) for the tiny head: 16 dims, theta 10,000,
+/// factor 8, bands 1 and 4, original length 32.
+fn llama31_rope_freqs() -> Vec<f32> {
+    let (factor, low, high, old) = (8.0f64, 1.0f64, 4.0f64, 32.0f64);
+    (0..8)
+        .map(|i| {
+            let freq = 1.0 / 10_000f64.powf((2 * i) as f64 / 16.0);
+            let wavelen = 2.0 * std::f64::consts::PI / freq;
+            let f = if wavelen < old / high {
+                1.0
+            } else if wavelen > old / low {
+                factor
+            } else {
+                let smooth = (old / wavelen - low) / (high - low);
+                1.0 / ((1.0 - smooth) / factor + smooth)
+            };
+            f as f32
+        })
+        .collect()
+}
+
+#[test]
+fn rope_freqs_and_a_linear_factor_scale_the_rope() {
+    let freqs = llama31_rope_freqs();
+    assert_eq!((freqs[0], freqs[7]), (1.0, 8.0), "the three bands");
+    let mut w = GgufWriter::tiny_llama();
+    w.tensors
+        .push(("rope_freqs.weight".into(), vec![8], freqs.clone()));
+    let m = load(&write("freqs.gguf", &w.bytes())).unwrap();
+    assert_eq!(m.rope_scaling, RopeScaling::Divisors(freqs.clone().into()));
+    // The tables equal those of the Hugging Face parameters the factors came from, to the f32
+    // rounding of the stored factors.
+    let from_file = RopeTable::for_model(&m, 16).unwrap();
+    let llama3 = RopeScaling::Llama3 {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position: 32.0,
+    };
+    let from_params = RopeTable::new(16, 16, 10_000.0, &llama3).unwrap();
+    let most = |a: &[f32], b: &[f32]| {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max)
+    };
+    assert!(most(&from_file.cos, &from_params.cos) < 1e-6);
+    assert!(most(&from_file.sin, &from_params.sin) < 1e-6);
+
+    // A linear factor (llama.cpp: under the type linear, none or no type; rope.scale_linear
+    // its older key), and with rope_freqs both.
+    let mut w = GgufWriter::tiny_llama();
+    w.set_meta("llama.rope.scaling.type", Meta::Str("linear".into()));
+    w.set_meta("llama.rope.scaling.factor", Meta::F32(4.0));
+    let m = load(&write("linear.gguf", &w.bytes())).unwrap();
+    assert_eq!(m.rope_scaling, RopeScaling::Linear { factor: 4.0 });
+    let mut w = GgufWriter::tiny_llama();
+    w.set_meta("llama.rope.scale_linear", Meta::F32(2.0));
+    w.tensors
+        .push(("rope_freqs.weight".into(), vec![8], freqs.clone()));
+    let m = load(&write("both.gguf", &w.bytes())).unwrap();
+    let doubled: Vec<f32> = freqs.iter().map(|f| f * 2.0).collect();
+    assert_eq!(m.rope_scaling, RopeScaling::Divisors(doubled.into()));
+
+    // Factors that make no frequency, or not one a pair.
+    let mut w = GgufWriter::tiny_llama();
+    let mut zero = freqs.clone();
+    zero[3] = 0.0;
+    w.tensors.push(("rope_freqs.weight".into(), vec![8], zero));
+    assert!(load_err("zero.gguf", &w).contains("divisor 3 (0)"));
+    let mut w = GgufWriter::tiny_llama();
+    w.tensors
+        .push(("rope_freqs.weight".into(), vec![7], freqs[..7].to_vec()));
+    assert!(load_err("short.gguf", &w).contains("rope_freqs.weight has dims [7]"));
+}
+
 #[test]
 fn every_inconsistency_is_named() {
     let mut w = GgufWriter::tiny_llama();
@@ -131,6 +209,10 @@ fn every_inconsistency_is_named() {
     let mut w = GgufWriter::tiny_llama();
     w.set_meta("llama.rope.scaling.type", Meta::Str("yarn".into()));
     assert!(load_err("rope.gguf", &w).contains("rope scaling yarn"));
+    let mut w = GgufWriter::tiny_llama();
+    w.set_meta("llama.rope.scaling.type", Meta::Str("linear".into()));
+    w.set_meta("llama.rope.scaling.factor", Meta::F32(f32::INFINITY));
+    assert!(load_err("rope-inf.gguf", &w).contains("factor (inf)"));
 
     let mut w = GgufWriter::tiny_llama();
     w.tensors.retain(|t| t.0 != "blk.0.ffn_up.weight");

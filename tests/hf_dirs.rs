@@ -10,6 +10,7 @@ use decodev2::engine::{BackendKind, Engine, EngineOptions};
 use decodev2::load::load;
 use decodev2::model::QkvWeights;
 use decodev2::nf4::Nf4Matrix;
+use decodev2::rope::RopeScaling;
 use decodev2::Error;
 
 fn dir(name: &str) -> std::path::PathBuf {
@@ -88,6 +89,77 @@ fn rope_theta_from_either_config_generation() {
     assert_eq!(load(&d).unwrap().spec.max_seq, 8);
 }
 
+/// Llama 3.1's RoPE bands as the tiny model's head (16 dims, theta 10,000) meets them with an
+/// original length of 32: pair 0 (wavelength 6.3) is kept, pair 1 (19.9) blended, pairs 2..7
+/// divided by the factor.
+fn llama3_scaling() -> serde_json::Value {
+    serde_json::json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+}
+
+#[test]
+fn rope_scaling_from_either_config_generation() {
+    let want = RopeScaling::Llama3 {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position: 32.0,
+    };
+    // transformers 4.x: rope_scaling beside rope_theta.
+    let mut w = HfWriter::tiny("LlamaForCausalLM");
+    w.config["rope_scaling"] = llama3_scaling();
+    let d = dir("llama3-4");
+    w.write(&d, 1);
+    let scaled = load(&d).unwrap();
+    assert_eq!(scaled.rope_scaling, want);
+    // 5.x: both inside rope_parameters.
+    let mut w5 = HfWriter::tiny("LlamaForCausalLM");
+    w5.config.as_object_mut().unwrap().remove("rope_theta");
+    w5.config["rope_parameters"] = llama3_scaling();
+    w5.config["rope_parameters"]["rope_theta"] = serde_json::json!(10000.0);
+    let d = dir("llama3-5");
+    w5.write(&d, 1);
+    let m5 = load(&d).unwrap();
+    assert_eq!((m5.rope_scaling, m5.spec.rope_theta), (want, 10000.0));
+    // The older key name `type`, and linear interpolation.
+    w.config["rope_scaling"] = serde_json::json!({"type": "linear", "factor": 2.0});
+    let d = dir("linear");
+    w.write(&d, 1);
+    assert_eq!(
+        load(&d).unwrap().rope_scaling,
+        RopeScaling::Linear { factor: 2.0 }
+    );
+
+    // The scaling reaches the decode: the same weights unscaled give other logits from the
+    // second position on (the first token's rotation is the identity either way).
+    let plain = load(&dir_written(&HfWriter::tiny("LlamaForCausalLM"), "plain")).unwrap();
+    let logits = |model: decodev2::model::HostModel| {
+        let opts = EngineOptions {
+            backend: BackendKind::Cpu,
+            ..EngineOptions::default()
+        };
+        let mut engine = Engine::new(model, &opts).unwrap();
+        let mut rows = Vec::new();
+        for id in [3, 17, 5] {
+            engine.prefill(&[id]).unwrap();
+            let mut row = vec![0f32; 32];
+            engine.logits(&mut row).unwrap();
+            rows.push(row);
+        }
+        rows
+    };
+    let (a, b) = (logits(scaled), logits(plain));
+    assert_eq!(a[0], b[0]);
+    assert_ne!(a[1], b[1]);
+    assert_ne!(a[2], b[2]);
+}
+
+fn dir_written(w: &HfWriter, name: &str) -> std::path::PathBuf {
+    let d = dir(name);
+    w.write(&d, 1);
+    d
+}
+
 #[test]
 fn bad_directories_are_named_errors() {
     let check = |name: &str, w: &HfWriter, needle: &str| {
@@ -106,11 +178,27 @@ fn bad_directories_are_named_errors() {
     let mut w = HfWriter::tiny("GPT2LMHeadModel");
     check("arch", &w, "GPT2LMHeadModel");
     w = HfWriter::tiny("LlamaForCausalLM");
-    w.config["rope_scaling"] = serde_json::json!({"type": "linear", "factor": 2.0});
-    check("rope", &w, "rope_scaling");
+    w.config["rope_scaling"] = serde_json::json!({"type": "dynamic", "factor": 2.0});
+    check("rope", &w, "rope_scaling of type dynamic");
     w = HfWriter::tiny("LlamaForCausalLM");
     w.config["rope_parameters"] = serde_json::json!({"rope_type": "yarn", "rope_theta": 1e6});
-    check("rope5", &w, "rope_type yarn");
+    check("rope5", &w, "rope_parameters of type yarn");
+    w = HfWriter::tiny("LlamaForCausalLM");
+    w.config["rope_scaling"] = serde_json::json!({"rope_type": "llama3", "factor": 8.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 32});
+    check(
+        "rope-key",
+        &w,
+        "rope_scaling llama3: low_freq_factor is missing",
+    );
+    w.config["rope_scaling"]["low_freq_factor"] = serde_json::json!(4.0);
+    check(
+        "rope-bands",
+        &w,
+        "high_freq_factor (4) must be > low_freq_factor (4)",
+    );
+    w.config["rope_scaling"] = serde_json::json!("llama3");
+    check("rope-form", &w, "rope_scaling \"llama3\" is not an object");
     w = HfWriter::tiny("Qwen2ForCausalLM");
     w.config["use_sliding_window"] = serde_json::json!(true);
     check("window", &w, "use_sliding_window");

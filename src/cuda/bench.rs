@@ -19,7 +19,7 @@ use crate::arch::ArchSpec;
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::nf4::stored_bytes;
-use crate::rope::RopeTable;
+use crate::rope::{RopeScaling, RopeTable};
 
 /// kernels/bench.cu's grid_layers: the most pages of its shared-memory ring, the operators of
 /// a layer, the largest K of an operator, its consumer threads (one more warp is the
@@ -671,7 +671,7 @@ impl Bench {
             .ops
             .gpu
             .upload(&random_f32(s.qkv_rows(), 10, -1.0, 1.0))?;
-        let rope = RopeTable::new(max_seq, s.head_dim, s.rope_theta)?;
+        let rope = RopeTable::new(max_seq, s.head_dim, s.rope_theta, &RopeScaling::None)?;
         let (cos, sin) = (
             self.ops.gpu.upload(&rope.cos)?,
             self.ops.gpu.upload(&rope.sin)?,

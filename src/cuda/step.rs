@@ -166,7 +166,7 @@ impl CudaBackend {
         let model = weights::upload(gpu, host, ops.cfg.staged_upload)?;
         gpu.sync()?;
         let upload_ms = started.elapsed().as_secs_f64() * 1e3;
-        let rope = RopeTable::new(max_seq, s.head_dim, s.rope_theta)?;
+        let rope = RopeTable::for_model(host, max_seq)?;
         let lens = budget::ArenaLens::new(&s, max_seq, chunk);
         let arena = Arena {
             x: gpu.zeros(lens.rows_hidden)?,

@@ -16,6 +16,7 @@ use crate::arch::{ArchSpec, Family};
 use crate::error::{Error, Result};
 use crate::model::{HostModel, Layer, Linear, QkvWeights};
 use crate::nf4::Nf4Matrix;
+use crate::rope::RopeScaling;
 
 /// A metadata value.
 #[derive(Clone, Debug, PartialEq)]
@@ -319,14 +320,14 @@ impl Gguf {
 
     /// [`Self::model`], with `admit` judging the shape before any weight is read.
     pub fn model_admitted(&self, admit: super::Admit) -> Result<HostModel> {
-        let (spec, permuted) = self.spec()?;
+        let (spec, permuted, rope_scaling) = self.spec()?;
         admit(&spec)?;
-        self.weights(spec, permuted)
+        self.weights(spec, permuted, rope_scaling)
     }
 
-    /// The hyper-parameters from the metadata, and whether q and k rows are in llama.cpp's
-    /// permuted order.
-    fn spec(&self) -> Result<(ArchSpec, bool)> {
+    /// The hyper-parameters from the metadata, whether q and k rows are in llama.cpp's
+    /// permuted order, and RoPE's scaling.
+    fn spec(&self) -> Result<(ArchSpec, bool, RopeScaling)> {
         let arch = self.str("general.architecture").ok_or_else(|| {
             Error::ModelFile(format!("{}: general.architecture is missing", self.name))
         })?;
@@ -343,14 +344,6 @@ impl Gguf {
             }
         };
         let key = |k: &str| format!("{arch}.{k}");
-        if let Some(kind) = self.str(&key("rope.scaling.type")) {
-            if kind != "none" {
-                return Err(Error::Unsupported(format!(
-                    "{}: rope scaling {kind}",
-                    self.name
-                )));
-            }
-        }
         let hidden = self.int(&key("embedding_length"))?;
         let n_q_heads = self.int(&key("attention.head_count"))?;
         let n_kv_heads = self
@@ -390,14 +383,54 @@ impl Gguf {
             qkv_bias: has_bias,
             tied_embed: !self.tensors.contains_key("output.weight"),
         };
-        spec.validate().map_err(|e| match e {
+        let invalid = |e: Error| match e {
             Error::InvalidSpec(m) => Error::Unsupported(format!("{}: {m}", self.name)),
             other => other,
-        })?;
-        Ok((spec, permuted))
+        };
+        spec.validate().map_err(invalid)?;
+        let rope_scaling = self.rope_scaling(arch, head_dim)?;
+        rope_scaling
+            .divisors(head_dim, spec.rope_theta)
+            .map_err(invalid)?;
+        Ok((spec, permuted, rope_scaling))
     }
 
-    fn weights(&self, spec: ArchSpec, permuted: bool) -> Result<HostModel> {
+    /// RoPE's scaling as llama.cpp reads it: a linear factor (`rope.scaling.factor`, or the
+    /// older `rope.scale_linear`; 0 means none) under the scaling type `linear` or `none` (or
+    /// no type), times the per-pair divisors of a `rope_freqs.weight` tensor, which is how
+    /// llama.cpp's converter stores Llama 3.1's bands.
+    fn rope_scaling(&self, arch: &str, head_dim: usize) -> Result<RopeScaling> {
+        let key = |k: &str| format!("{arch}.{k}");
+        if let Some(kind) = self.str(&key("rope.scaling.type")) {
+            if !matches!(kind, "none" | "linear") {
+                return Err(Error::Unsupported(format!(
+                    "{}: rope scaling {kind} (none and linear are read, and rope_freqs.weight)",
+                    self.name
+                )));
+            }
+        }
+        let factor = self
+            .float(&key("rope.scaling.factor"))
+            .or_else(|| self.float(&key("rope.scale_linear")))
+            .filter(|f| *f != 0.0)
+            .map_or(1.0, |f| f as f32);
+        const FREQS: &str = "rope_freqs.weight";
+        Ok(if self.tensors.contains_key(FREQS) {
+            let divisors = self.vector(FREQS, head_dim / 2)?;
+            RopeScaling::Divisors(divisors.into_iter().map(|d| d * factor).collect())
+        } else if factor != 1.0 {
+            RopeScaling::Linear { factor }
+        } else {
+            RopeScaling::None
+        })
+    }
+
+    fn weights(
+        &self,
+        spec: ArchSpec,
+        permuted: bool,
+        rope_scaling: RopeScaling,
+    ) -> Result<HostModel> {
         let (h, kv, inter, head_dim) =
             (spec.hidden, spec.kv_dim(), spec.intermediate, spec.head_dim);
         let identity = |r: usize| r;
@@ -450,6 +483,7 @@ impl Gguf {
             } else {
                 Some(self.matrix("output.weight", spec.vocab, h, identity)?)
             },
+            rope_scaling,
         };
         model.validate()?;
         Ok(model)

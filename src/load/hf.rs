@@ -21,6 +21,7 @@ use crate::arch::{ArchSpec, Family};
 use crate::error::{Error, Result};
 use crate::model::{HostModel, Layer, Linear, QkvWeights};
 use crate::nf4::{Codes, MappedBytes, Nf4Matrix};
+use crate::rope::RopeScaling;
 
 /// Where a tensor lives: its file (index into `Shards::maps`), dtype, shape and bytes.
 struct TensorEntry {
@@ -224,8 +225,57 @@ pub fn metadata(dir: &Path) -> Result<super::Metadata> {
         .collect())
 }
 
-/// Reads `config.json` into a spec, refusing what decodev2 does not compute.
-fn spec_from_config(dir: &Path) -> Result<ArchSpec> {
+/// RoPE's theta and scaling. transformers 4.x writes `rope_theta` and `rope_scaling`, 5.x one
+/// `rope_parameters` that holds both; a scaling names its kind in `rope_type` (older files:
+/// `type`), and its parameters are those transformers' `ROPE_INIT_FUNCTIONS` read.
+fn rope_from_config(c: &Value, path: &Path) -> Result<(f64, RopeScaling)> {
+    let theta = c["rope_parameters"]["rope_theta"]
+        .as_f64()
+        .or(c["rope_theta"].as_f64())
+        .unwrap_or(10000.0);
+    let (key, params) = match &c["rope_scaling"] {
+        Value::Null => ("rope_parameters", &c["rope_parameters"]),
+        scaling => ("rope_scaling", scaling),
+    };
+    if !(params.is_null() || params.is_object()) {
+        return Err(file_err(path, format!("{key} {params} is not an object")));
+    }
+    let kind = params["rope_type"]
+        .as_str()
+        .or(params["type"].as_str())
+        .unwrap_or("default");
+    let number = |name: &str| {
+        params[name].as_f64().map(|v| v as f32).ok_or_else(|| {
+            file_err(
+                path,
+                format!("{key} {kind}: {name} is missing or not a number"),
+            )
+        })
+    };
+    let scaling = match kind {
+        "default" => RopeScaling::None,
+        "linear" => RopeScaling::Linear {
+            factor: number("factor")?,
+        },
+        "llama3" => RopeScaling::Llama3 {
+            factor: number("factor")?,
+            low_freq_factor: number("low_freq_factor")?,
+            high_freq_factor: number("high_freq_factor")?,
+            original_max_position: number("original_max_position_embeddings")?,
+        },
+        other => {
+            return Err(Error::Unsupported(format!(
+                "{}: {key} of type {other} (default, linear and llama3 are read)",
+                path.display()
+            )))
+        }
+    };
+    Ok((theta, scaling))
+}
+
+/// Reads `config.json` into a spec and its RoPE scaling, refusing what decodev2 does not
+/// compute.
+fn spec_from_config(dir: &Path) -> Result<(ArchSpec, RopeScaling)> {
     let path = dir.join("config.json");
     let text = super::read_text(&path)?;
     let c: Value = serde_json::from_str(&text).map_err(|e| file_err(&path, e))?;
@@ -246,27 +296,7 @@ fn spec_from_config(dir: &Path) -> Result<ArchSpec> {
             .map(|v| v as usize)
             .ok_or_else(|| file_err(&path, format!("{key} is missing or not a count")))
     };
-    // transformers 4.x writes rope_theta (and rope_scaling); 5.x writes rope_parameters.
-    if !c["rope_scaling"].is_null() {
-        return Err(Error::Unsupported(format!(
-            "{}: rope_scaling {}",
-            path.display(),
-            c["rope_scaling"]
-        )));
-    }
-    let rope = &c["rope_parameters"];
-    if let Some(kind) = rope["rope_type"].as_str() {
-        if kind != "default" {
-            return Err(Error::Unsupported(format!(
-                "{}: rope_parameters.rope_type {kind}",
-                path.display()
-            )));
-        }
-    }
-    let rope_theta = rope["rope_theta"]
-        .as_f64()
-        .or(c["rope_theta"].as_f64())
-        .unwrap_or(10000.0);
+    let (rope_theta, rope_scaling) = rope_from_config(&c, &path)?;
     let quant = &c["quantization_config"];
     if !quant.is_null() {
         let method = quant["quant_method"].as_str().unwrap_or("none");
@@ -334,17 +364,21 @@ fn spec_from_config(dir: &Path) -> Result<ArchSpec> {
         qkv_bias: qwen,
         tied_embed: c["tie_word_embeddings"].as_bool().unwrap_or(false),
     };
-    spec.validate().map_err(|e| match e {
+    let invalid = |e: Error| match e {
         Error::InvalidSpec(m) => Error::Unsupported(format!("{}: {m}", path.display())),
         other => other,
-    })?;
-    Ok(spec)
+    };
+    spec.validate().map_err(invalid)?;
+    rope_scaling
+        .divisors(head_dim, spec.rope_theta)
+        .map_err(invalid)?;
+    Ok((spec, rope_scaling))
 }
 
 /// Loads a Hugging Face model directory, with `admit` judging the shape before any weight
 /// is read.
 pub fn load(dir: &Path, admit: super::Admit) -> Result<HostModel> {
-    let mut spec = spec_from_config(dir)?;
+    let (mut spec, rope_scaling) = spec_from_config(dir)?;
     let shards = Shards::open(dir)?;
     let (h, kv, inter) = (spec.hidden, spec.kv_dim(), spec.intermediate);
     // Some tied checkpoints still ship lm_head.weight; an untied one must.
@@ -389,6 +423,7 @@ pub fn load(dir: &Path, admit: super::Admit) -> Result<HostModel> {
         } else {
             Some(shards.matrix("lm_head.weight", spec.vocab, h)?)
         },
+        rope_scaling,
     };
     model.validate()?;
     Ok(model)
