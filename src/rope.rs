@@ -200,7 +200,8 @@ mod tests {
             };
             let smooth = (old / wavelen - low) / (high - low);
             let smoothed = (1.0 - smooth) * llama / factor + smooth * llama;
-            let medium = !(wavelen < old / high) && !(wavelen > old / low);
+            // `~(wavelen < high_wl) * ~(wavelen > low_wl)` there; the values are finite.
+            let medium = wavelen >= old / high && wavelen <= old / low;
             let want = if medium { smoothed } else { llama };
             let rel = (inv / d - want).abs() / want;
             assert!(rel < 1e-12, "pair {i}: {} vs {want}", inv / d);
