@@ -13,6 +13,7 @@ use decodev2::load::load;
 use decodev2::model::{HostModel, QkvWeights};
 use decodev2::nf4::Codes;
 use decodev2::oracle::{step_logits, KvCache};
+use decodev2::rope::RopeScaling;
 use decodev2::save::write_bnb_dir;
 use decodev2::{synth, Error};
 use half::f16;
@@ -87,6 +88,46 @@ fn a_written_directory_loads_back_with_the_same_codes() {
         }
         assert_eq!(logits(&back), logits(&model), "{name}: logits");
     }
+}
+
+/// A model's RoPE scaling is written as config.json's `rope_scaling` and read back the same
+/// (its logits too); per-pair divisors that no `rope_scaling` expresses are refused before
+/// anything is written.
+#[test]
+fn rope_scaling_is_written_and_read_back() {
+    let mut model = synth::build(&TINY_LLAMA, 7).unwrap();
+    for (name, scaling) in [
+        (
+            "llama3",
+            RopeScaling::Llama3 {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position: 32.0,
+            },
+        ),
+        ("linear", RopeScaling::Linear { factor: 2.5 }),
+        ("one-factor", RopeScaling::Divisors(vec![3.0f32; 8].into())),
+    ] {
+        model.rope_scaling = scaling;
+        let d = dir(name);
+        write_bnb_dir(&model, &d).unwrap();
+        let back = load(&d).unwrap();
+        let want = match &model.rope_scaling {
+            RopeScaling::Divisors(_) => RopeScaling::Linear { factor: 3.0 },
+            other => other.clone(),
+        };
+        assert_eq!(back.rope_scaling, want, "{name}");
+        assert_eq!(logits(&back), logits(&model), "{name}: logits");
+    }
+    model.rope_scaling = RopeScaling::Divisors((1..=8).map(|d| d as f32).collect());
+    let d = dir("divisors");
+    let err = write_bnb_dir(&model, &d).unwrap_err();
+    assert!(
+        matches!(&err, Error::Unsupported(m) if m.contains("rope_freqs")),
+        "{err}"
+    );
+    assert!(!d.join("model.safetensors").exists());
 }
 
 /// The tensors of a safetensors file, to edit and write again.

@@ -8,6 +8,7 @@ use decodev2::arch::{preset, ArchSpec, MEDIUM_LLAMA, QWEN25_3B};
 use decodev2::engine::{BackendKind, Engine, EngineOptions};
 use decodev2::model::HostModel;
 use decodev2::oracle::{greedy, greedy_after, step_logits, KvCache};
+use decodev2::rope::RopeScaling;
 use decodev2::{synth, Error};
 
 /// None when `id` is the argmax of the oracle's `logits`; else the oracle's margin of its
@@ -744,6 +745,51 @@ fn decode_at_every_position_matches_the_oracle() {
     for name in ["tiny_llama", "medium_llama"] {
         decode_vs_oracle(name, 4, 300, 1, 299);
     }
+}
+
+/// A scaled RoPE (Llama 3.1's bands, here over medium_llama's 64-dim heads with an original
+/// length of 64: pairs 0-3 kept, 4-8 blended, 9-31 divided by 8) reaches the device only
+/// through the cos/sin tables: the chunked prefill and the decode match the oracle, which
+/// rotates by the same scaling.
+#[test]
+fn llama3_rope_scaling_matches_the_oracle() {
+    let (spec, mut model, prompt) = oracle_case("medium_llama", 6, 160, 40);
+    let unscaled = model.clone();
+    model.rope_scaling = RopeScaling::Llama3 {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position: 64.0,
+    };
+    // Guard: the scaling moves the oracle's logits by more than the gate's cap.
+    let last = |m: &HostModel| {
+        step_logits(m, &mut KvCache::new(&spec, 160).unwrap(), &prompt, 0)
+            .unwrap()
+            .pop()
+            .unwrap()
+    };
+    let moved = max_abs_diff(&last(&model), &last(&unscaled));
+    assert!(moved > 0.05, "the scaling moves the logits by only {moved}");
+    println!("medium_llama, llama3 RoPE: the scaling moves the oracle's last logits by {moved:.4}");
+    let device = exclusive_device();
+    let opts = EngineOptions {
+        max_seq: 160,
+        backend: BackendKind::Cuda,
+        ..EngineOptions::default()
+    };
+    let made = Engine::new(model.clone(), &opts);
+    let Some(e) = cuda_or_skip("CUDA engine for medium_llama with llama3 RoPE", made) else {
+        return;
+    };
+    decode_engine_vs_oracle(
+        "medium_llama, llama3 RoPE",
+        device,
+        e,
+        &spec,
+        &model,
+        &prompt,
+        100,
+    );
 }
 
 /// A prompt of `len` seeded ids prefilled, then `steps` greedy decode steps: each step's
