@@ -215,6 +215,18 @@ fn every_inconsistency_is_named() {
     assert!(load_err("rope-inf.gguf", &w).contains("factor (inf)"));
 
     let mut w = GgufWriter::tiny_llama();
+    w.set_meta("llama.attention.key_length", Meta::U32(8));
+    assert!(load_err("key_length.gguf", &w)
+        .contains("llama.attention.key_length 8 is not embedding_length / head_count (16)"));
+    let mut w = GgufWriter::tiny_llama();
+    w.set_meta("llama.attention.key_length", Meta::U32(16));
+    w.set_meta("llama.attention.value_length", Meta::U32(16));
+    load(&write("head_lengths.gguf", &w.bytes())).expect("lengths equal to the heads' load");
+    let mut w = GgufWriter::tiny_llama();
+    w.set_meta("llama.expert_count", Meta::U32(8));
+    assert!(load_err("experts.gguf", &w).contains("a mixture of 8 experts"));
+
+    let mut w = GgufWriter::tiny_llama();
     w.tensors.retain(|t| t.0 != "blk.0.ffn_up.weight");
     assert!(load_err("missing.gguf", &w).contains("blk.0.ffn_up.weight is missing"));
 

@@ -358,6 +358,25 @@ impl Gguf {
                 )));
             }
         }
+        // Heads narrower than embedding_length / head_count (Mistral Nemo's 128 of 160), and
+        // a mixture of experts under the llama architecture (Mixtral), are named here rather
+        // than met later as a tensor of the wrong shape or a missing one.
+        for k in ["attention.key_length", "attention.value_length"] {
+            if let Ok(len) = self.int(&key(k)) {
+                if len != head_dim {
+                    return Err(Error::Unsupported(format!(
+                        "{}: {arch}.{k} {len} is not embedding_length / head_count ({head_dim})",
+                        self.name
+                    )));
+                }
+            }
+        }
+        if let Ok(experts @ 1..) = self.int(&key("expert_count")) {
+            return Err(Error::Unsupported(format!(
+                "{}: a mixture of {experts} experts ({arch}.expert_count)",
+                self.name
+            )));
+        }
         let embed_info = self.tensors.get("token_embd.weight").ok_or_else(|| {
             Error::ModelFile(format!(
                 "{}: tensor token_embd.weight is missing",
