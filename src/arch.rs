@@ -42,6 +42,12 @@ impl ArchSpec {
         (self.n_q_heads + 2 * self.n_kv_heads) * self.head_dim
     }
 
+    /// Width of q and of the attention's output (all q heads): `hidden` in most models; not in
+    /// those whose heads are set apart from it (Mistral Nemo: 32 heads of 128 over hidden 5,120).
+    pub fn q_dim(&self) -> usize {
+        self.n_q_heads * self.head_dim
+    }
+
     /// Width of one KV row (all KV heads of one position).
     pub fn kv_dim(&self) -> usize {
         self.n_kv_heads * self.head_dim
@@ -84,12 +90,6 @@ impl ArchSpec {
                 ));
             }
         }
-        if self.hidden != self.n_q_heads * self.head_dim {
-            return fail(format!(
-                "hidden ({}) != n_q_heads ({}) * head_dim ({})",
-                self.hidden, self.n_q_heads, self.head_dim
-            ));
-        }
         if !self.n_q_heads.is_multiple_of(self.n_kv_heads) {
             return fail(format!(
                 "n_q_heads ({}) is not a multiple of n_kv_heads ({})",
@@ -114,6 +114,12 @@ impl ArchSpec {
                 self.intermediate
             ));
         }
+        if !self.q_dim().is_multiple_of(NF4_GROUP) {
+            return fail(format!(
+                "n_q_heads ({}) * head_dim ({}) is not a multiple of {NF4_GROUP}",
+                self.n_q_heads, self.head_dim
+            ));
+        }
         if self.vocab > i32::MAX as usize {
             return fail(format!(
                 "vocab ({}) does not fit int32 token ids",
@@ -134,6 +140,12 @@ impl ArchSpec {
         }
         if self.family == Family::InternlmGqa && self.qkv_bias {
             return fail("internlm_gqa with qkv_bias is not supported".into());
+        }
+        if self.family == Family::InternlmGqa && self.hidden != self.q_dim() {
+            return fail(format!(
+                "internlm_gqa with hidden ({}) != n_q_heads ({}) * head_dim ({})",
+                self.hidden, self.n_q_heads, self.head_dim
+            ));
         }
         Ok(())
     }
@@ -249,20 +261,23 @@ mod tests {
     #[test]
     fn each_broken_invariant_is_named() {
         type Breaker = fn(&mut ArchSpec);
-        let cases: [(Breaker, &str); 7] = [
-            (|s| s.hidden = 65, "hidden (65) != n_q_heads"),
+        let cases: [(Breaker, &str); 8] = [
+            (|s| s.hidden = 65, "hidden (65) is not a multiple of 64"),
+            (
+                |s| s.head_dim = 8,
+                "n_q_heads (4) * head_dim (8) is not a multiple of 64",
+            ),
+            (
+                |s| {
+                    s.family = Family::InternlmGqa;
+                    s.hidden = 128
+                },
+                "internlm_gqa with hidden (128) != n_q_heads (4) * head_dim (16)",
+            ),
             (|s| s.n_kv_heads = 3, "not a multiple of n_kv_heads"),
             (|s| s.intermediate = 100, "intermediate (100)"),
             (|s| s.vocab = 0, "vocab must be > 0"),
             (|s| s.rms_eps = f32::NAN, "rms_eps"),
-            (
-                |s| {
-                    s.head_dim = 8;
-                    s.n_q_heads = 4;
-                    s.hidden = 32
-                },
-                "hidden (32) is not a multiple of 64",
-            ),
             (|s| s.rope_theta = 0.5, "rope_theta"),
         ];
         for (breaker, expected) in cases {

@@ -136,7 +136,7 @@ impl HostModel {
             vec_len(p("ffn_norm"), l.ffn_norm.len(), s.hidden)?;
             match (&l.qkv, s.family) {
                 (QkvWeights::Separate { q, k, v }, Family::LlamaSwiglu) => {
-                    for (name, lin, rows) in [("q", q, s.hidden), ("k", k, kv), ("v", v, kv)] {
+                    for (name, lin, rows) in [("q", q, s.q_dim()), ("k", k, kv), ("v", v, kv)] {
                         mat(p(name), &lin.weight, rows, s.hidden)?;
                         match (&lin.bias, s.qkv_bias) {
                             (Some(b), true) => vec_len(p(&format!("{name}.bias")), b.len(), rows)?,
@@ -164,7 +164,7 @@ impl HostModel {
                     )))
                 }
             }
-            mat(p("o"), &l.o, s.hidden, s.hidden)?;
+            mat(p("o"), &l.o, s.hidden, s.q_dim())?;
             mat(p("gate"), &l.gate, s.intermediate, s.hidden)?;
             mat(p("up"), &l.up, s.intermediate, s.hidden)?;
             mat(p("down"), &l.down, s.hidden, s.intermediate)?;

@@ -104,7 +104,7 @@ fn project_qkv(spec: &ArchSpec, layer: &Layer, xn: &[f32]) -> (Vec<f32>, Vec<f32
     let kv = spec.kv_dim();
     match &layer.qkv {
         QkvWeights::Separate { q, k, v } => {
-            let mut out = [vec![0f32; spec.hidden], vec![0f32; kv], vec![0f32; kv]];
+            let mut out = [vec![0f32; spec.q_dim()], vec![0f32; kv], vec![0f32; kv]];
             for (lin, y) in [q, k, v].into_iter().zip(out.iter_mut()) {
                 matvec(&lin.weight, xn, y);
                 if let Some(b) = &lin.bias {
@@ -121,7 +121,7 @@ fn project_qkv(spec: &ArchSpec, layer: &Layer, xn: &[f32]) -> (Vec<f32>, Vec<f32
                 .iter()
                 .map(|&r| packed[r])
                 .collect();
-            let (q, rest) = split.split_at(spec.hidden);
+            let (q, rest) = split.split_at(spec.q_dim());
             let (k, v) = rest.split_at(kv);
             (q.to_vec(), k.to_vec(), v.to_vec())
         }
@@ -205,7 +205,7 @@ pub fn forward_token(
     let mut x = vec![0f32; h];
     model.embed.dequantize_row(id as usize, &mut x);
     let mut xn = vec![0f32; h];
-    let mut attn = vec![0f32; h];
+    let mut attn = vec![0f32; s.q_dim()];
     for (l, layer) in model.layers.iter().enumerate() {
         rms_norm(&x, &layer.attn_norm, s.rms_eps, &mut xn);
         let (mut q, mut k, v) = project_qkv(s, layer, &xn);

@@ -85,7 +85,7 @@ pub fn write_bnb_dir(model: &HostModel, dir: &Path) -> Result<()> {
             }
             QkvWeights::InternlmFused { wqkv } => {
                 let rows = internlm_wqkv_rows(s);
-                let (q, rest) = rows.split_at(s.hidden);
+                let (q, rest) = rows.split_at(s.q_dim());
                 let (k, v) = rest.split_at(s.kv_dim());
                 for (t, r) in [("q_proj", q), ("k_proj", k), ("v_proj", v)] {
                     nf4(p(&format!("self_attn.{t}.weight")), &wqkv.select_rows(r));

@@ -140,7 +140,7 @@ pub fn build(spec: &ArchSpec, seed: u64) -> Result<HostModel> {
             Family::LlamaSwiglu => {
                 let bias = |role| spec.qkv_bias.then_some(role);
                 QkvWeights::Separate {
-                    q: g.linear(l, Role::Q, bias(Role::QBias), h, h)?,
+                    q: g.linear(l, Role::Q, bias(Role::QBias), spec.q_dim(), h)?,
                     k: g.linear(l, Role::K, bias(Role::KBias), kv, h)?,
                     v: g.linear(l, Role::V, bias(Role::VBias), kv, h)?,
                 }
@@ -152,7 +152,13 @@ pub fn build(spec: &ArchSpec, seed: u64) -> Result<HostModel> {
         layers.push(Layer {
             attn_norm: g.norm(l, Role::AttnNorm, h),
             qkv,
-            o: g.matrix(l, Role::O, h, h, k_std)?,
+            o: g.matrix(
+                l,
+                Role::O,
+                h,
+                spec.q_dim(),
+                1.0 / (spec.q_dim() as f32).sqrt(),
+            )?,
             ffn_norm: g.norm(l, Role::FfnNorm, h),
             gate: g.matrix(l, Role::Gate, inter, h, k_std)?,
             up: g.matrix(l, Role::Up, inter, h, k_std)?,

@@ -43,11 +43,15 @@ fn a_written_directory_loads_back_with_the_same_codes() {
     let mut qwen_like = TINY_LLAMA;
     qwen_like.qkv_bias = true;
     qwen_like.tied_embed = true;
+    // Heads set apart from hidden / heads (Mistral Nemo's form): q and o 128 wide over 64.
+    let mut wide_heads = TINY_LLAMA;
+    wide_heads.head_dim = 32;
     let cases = [
         ("tiny_llama", preset("tiny_llama").unwrap()),
         ("tiny_internlm", preset("tiny_internlm").unwrap()),
         ("medium_llama", preset("medium_llama").unwrap()),
         ("qwen_like", qwen_like),
+        ("wide_heads", wide_heads),
     ];
     for (name, spec) in cases {
         let model = synth::build(&spec, 7).unwrap();

@@ -792,6 +792,35 @@ fn llama3_rope_scaling_matches_the_oracle() {
     );
 }
 
+/// Heads set apart from hidden / heads (Mistral Nemo: 32 heads of 128 over hidden 5,120):
+/// medium_llama's 8 heads at 128 and at 32 dims, q and the attention's output 1,024 and 256
+/// wide over hidden 512: the chunked prefill and the decode (o's K the q width) match the
+/// oracle.
+#[test]
+fn heads_set_apart_from_hidden_match_the_oracle() {
+    for head_dim in [128, 32] {
+        let spec = ArchSpec {
+            head_dim,
+            max_seq: 128,
+            ..MEDIUM_LLAMA
+        };
+        let model = synth::build(&spec, 8).unwrap();
+        let prompt = synth::prompt(spec.vocab, 40, 108);
+        let device = exclusive_device();
+        let opts = EngineOptions {
+            max_seq: spec.max_seq,
+            backend: BackendKind::Cuda,
+            ..EngineOptions::default()
+        };
+        let name = format!("medium_llama, heads of {head_dim}");
+        let made = Engine::new(model.clone(), &opts);
+        let Some(e) = cuda_or_skip(&format!("CUDA engine for {name}"), made) else {
+            return;
+        };
+        decode_engine_vs_oracle(&name, device, e, &spec, &model, &prompt, 80);
+    }
+}
+
 /// A prompt of `len` seeded ids prefilled, then `steps` greedy decode steps: each step's
 /// logits within the cap of the oracle's, teacher-forced on the ids the engine chose, which
 /// may differ from the oracle's argmax only at near-ties.

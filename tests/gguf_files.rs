@@ -200,6 +200,53 @@ fn rope_freqs_and_a_linear_factor_scale_the_rope() {
     assert!(load_err("short.gguf", &w).contains("rope_freqs.weight has dims [7]"));
 }
 
+/// Heads set apart from embedding_length / head_count (attention.key_length, as Mistral Nemo's
+/// files have): q is [heads x key_length, hidden] and o [hidden, heads x key_length].
+#[test]
+fn heads_wider_than_hidden_over_heads_load() {
+    let mut w = GgufWriter::tiny_llama();
+    w.set_meta("llama.attention.key_length", Meta::U32(32));
+    w.set_meta("llama.attention.value_length", Meta::U32(32));
+    w.set_meta("llama.rope.dimension_count", Meta::U32(32));
+    let resize = |w: &mut GgufWriter, name: &str, dims: Vec<usize>| {
+        let t = w.tensor_mut(name);
+        let n = dims.iter().product();
+        t.2 = (0..n)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 500.0)
+            .collect();
+        t.1 = dims;
+    };
+    resize(&mut w, "blk.0.attn_q.weight", vec![64, 128]);
+    resize(&mut w, "blk.0.attn_k.weight", vec![64, 64]);
+    resize(&mut w, "blk.0.attn_v.weight", vec![64, 64]);
+    resize(&mut w, "blk.0.attn_output.weight", vec![128, 64]);
+    let model = load(&write("wide_heads.gguf", &w.bytes())).unwrap();
+    let s = model.spec;
+    assert_eq!(
+        (s.hidden, s.head_dim, s.q_dim(), s.kv_dim()),
+        (64, 32, 128, 64)
+    );
+    let QkvWeights::Separate { q, .. } = &model.layers[0].qkv else {
+        panic!()
+    };
+    assert_eq!((q.weight.rows, q.weight.cols), (128, 64));
+    assert_eq!((model.layers[0].o.rows, model.layers[0].o.cols), (64, 128));
+    // q's rows un-permuted within heads of 32: llama.cpp's row 2 of head 1 is row 1 of it.
+    let src = &w.tensor_mut("blk.0.attn_q.weight").2;
+    let mut got = vec![0f32; 64];
+    q.weight.dequantize_row(32 + 1, &mut got);
+    let want = &src[(32 + 2) * 64..(32 + 3) * 64];
+    assert_eq!(got, Nf4Matrix::quantize(1, 64, want).unwrap().dequantize());
+    // It decodes (the oracle's math at q width 128 over hidden 64).
+    let opts = decodev2::engine::EngineOptions {
+        backend: decodev2::engine::BackendKind::Cpu,
+        ..Default::default()
+    };
+    let mut engine = decodev2::engine::Engine::new(model, &opts).unwrap();
+    engine.prefill(&[1, 5, 9]).unwrap();
+    engine.step().unwrap();
+}
+
 #[test]
 fn every_inconsistency_is_named() {
     let mut w = GgufWriter::tiny_llama();
@@ -215,13 +262,12 @@ fn every_inconsistency_is_named() {
     assert!(load_err("rope-inf.gguf", &w).contains("factor (inf)"));
 
     let mut w = GgufWriter::tiny_llama();
-    w.set_meta("llama.attention.key_length", Meta::U32(8));
-    assert!(load_err("key_length.gguf", &w)
-        .contains("llama.attention.key_length 8 is not embedding_length / head_count (16)"));
-    let mut w = GgufWriter::tiny_llama();
-    w.set_meta("llama.attention.key_length", Meta::U32(16));
+    w.set_meta("llama.attention.key_length", Meta::U32(32));
     w.set_meta("llama.attention.value_length", Meta::U32(16));
-    load(&write("head_lengths.gguf", &w.bytes())).expect("lengths equal to the heads' load");
+    assert!(load_err("value_length.gguf", &w).contains("value heads of 16 beside key heads of 32"));
+    let mut w = GgufWriter::tiny_llama();
+    w.set_meta("llama.attention.key_length", Meta::U32(32));
+    assert!(load_err("key_length.gguf", &w).contains("blk.0.attn_q.weight has dims [64, 64]"));
     let mut w = GgufWriter::tiny_llama();
     w.set_meta("llama.expert_count", Meta::U32(8));
     assert!(load_err("experts.gguf", &w).contains("a mixture of 8 experts"));

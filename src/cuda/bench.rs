@@ -685,7 +685,7 @@ impl Bench {
             .gpu
             .zeros::<f32>(s.n_q_heads * partials * s.head_dim)?;
         let part_ml = self.ops.gpu.zeros::<f32>(s.n_q_heads * partials * 2)?;
-        let out = self.ops.gpu.zeros::<f32>(s.hidden)?;
+        let out = self.ops.gpu.zeros::<f32>(s.q_dim())?;
         // q/k/v in one part: a zero second part where the kernels add one (DV2_QKV_KHALVES).
         let qkv2 = self.ops.gpu.zeros::<f32>(s.qkv_rows())?;
         let gpu = &self.ops.gpu;
@@ -716,7 +716,7 @@ impl Bench {
             };
             self.ops.attention(args, out_ptr)
         })?;
-        let bytes = 2 * valid_len * s.kv_dim() * 2 + s.qkv_rows() * 4 + s.hidden * 4;
+        let bytes = 2 * valid_len * s.kv_dim() * 2 + s.qkv_rows() * 4 + s.q_dim() * 4;
         Ok(Timing {
             name: format!("attention, valid_len {valid_len}"),
             bytes,

@@ -45,7 +45,7 @@ impl Budget {
 pub fn weight_bytes(s: &ArchSpec) -> usize {
     let nf4 = crate::nf4::stored_bytes;
     let per_layer = nf4(s.qkv_rows(), s.hidden)
-        + nf4(s.hidden, s.hidden)
+        + nf4(s.hidden, s.q_dim())
         + 2 * nf4(s.intermediate, s.hidden)
         + nf4(s.hidden, s.intermediate)
         + if s.qkv_bias { s.qkv_rows() * 4 } else { 0 }
@@ -66,8 +66,10 @@ pub fn kv_bytes(s: &ArchSpec, max_seq: usize) -> usize {
 /// Elements (4 bytes each) of the activation arena's buffers, as the backend allocates them:
 /// one list, so that the budget counts what is allocated.
 pub struct ArenaLens {
-    /// x, xn and attn: a prefill chunk's rows of hidden (the decode step uses the first).
+    /// x and xn: a prefill chunk's rows of hidden (the decode step uses the first).
     pub rows_hidden: usize,
+    /// attn: a chunk's rows of the attention's output, n_q_heads x head_dim.
+    pub rows_q: usize,
     /// q/k/v: two rows at least (q/k/v's K halves, `DV2_QKV_KHALVES`, in the decode step).
     pub qkv: usize,
     pub act: usize,
@@ -96,6 +98,7 @@ impl ArenaLens {
         let (long_acc, long_ml) = attn_long_partials(s);
         Self {
             rows_hidden: rows * s.hidden,
+            rows_q: rows * s.q_dim(),
             qkv: rows.max(2) * s.qkv_rows(),
             act: rows * s.intermediate,
             logits: s.vocab,
@@ -113,7 +116,8 @@ impl ArenaLens {
     }
 
     pub fn bytes(&self) -> usize {
-        4 * (3 * self.rows_hidden
+        4 * (2 * self.rows_hidden
+            + self.rows_q
             + self.qkv
             + self.act
             + self.logits

@@ -158,7 +158,7 @@ impl CudaBackend {
             ops.gemm(
                 Epilogue::Accumulate,
                 &o,
-                s.hidden,
+                s.q_dim(),
                 attn,
                 m,
                 x_m,

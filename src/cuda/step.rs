@@ -172,7 +172,7 @@ impl CudaBackend {
             x: gpu.zeros(lens.rows_hidden)?,
             xn: gpu.zeros(lens.rows_hidden)?,
             qkv: gpu.zeros(lens.qkv)?,
-            attn: gpu.zeros(lens.rows_hidden)?,
+            attn: gpu.zeros(lens.rows_q)?,
             act: gpu.zeros(lens.act)?,
             logits: gpu.zeros(lens.logits)?,
             part_acc: gpu.zeros(lens.part_acc)?,
@@ -413,7 +413,7 @@ impl CudaBackend {
             }
             mark("attention + merge")?;
             // x += W_o attn: [n_q head_dim] -> [hidden].
-            x_sums = residual(&layer.o, s.hidden, Input::raw(attn))?;
+            x_sums = residual(&layer.o, s.q_dim(), Input::raw(attn))?;
             mark("o_proj (+residual)")?;
             // act = silu(W_gate rms(x)) * (W_up rms(x)): [hidden] -> [intermediate].
             let input = self.normed(x, &layer.ffn_norm, xn, x_sums);

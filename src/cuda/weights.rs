@@ -144,7 +144,7 @@ pub fn upload(gpu: &Gpu, model: &HostModel, staged: bool) -> Result<DeviceModel>
             ),
             QkvWeights::InternlmFused { wqkv } => {
                 let rows = internlm_wqkv_rows(s);
-                let (q, rest) = rows.split_at(s.hidden);
+                let (q, rest) = rows.split_at(s.q_dim());
                 let (k, v) = rest.split_at(s.kv_dim());
                 let mut part = |r: &[usize]| m(up, &wqkv.select_rows(r));
                 ([part(q)?, part(k)?, part(v)?], [None, None, None])

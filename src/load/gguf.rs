@@ -349,7 +349,19 @@ impl Gguf {
         let n_kv_heads = self
             .int(&key("attention.head_count_kv"))
             .unwrap_or(n_q_heads);
-        let head_dim = hidden.checked_div(n_q_heads).unwrap_or(0);
+        // A head's width is embedding_length / head_count unless the file sets it apart
+        // (attention.key_length: Mistral Nemo's heads of 128 over 5,120 / 32).
+        let head_dim = self
+            .int(&key("attention.key_length"))
+            .unwrap_or(hidden.checked_div(n_q_heads).unwrap_or(0));
+        if let Ok(len) = self.int(&key("attention.value_length")) {
+            if len != head_dim {
+                return Err(Error::Unsupported(format!(
+                    "{}: value heads of {len} beside key heads of {head_dim}",
+                    self.name
+                )));
+            }
+        }
         if let Ok(rot) = self.int(&key("rope.dimension_count")) {
             if rot != head_dim {
                 return Err(Error::Unsupported(format!(
@@ -358,19 +370,8 @@ impl Gguf {
                 )));
             }
         }
-        // Heads narrower than embedding_length / head_count (Mistral Nemo's 128 of 160), and
-        // a mixture of experts under the llama architecture (Mixtral), are named here rather
-        // than met later as a tensor of the wrong shape or a missing one.
-        for k in ["attention.key_length", "attention.value_length"] {
-            if let Ok(len) = self.int(&key(k)) {
-                if len != head_dim {
-                    return Err(Error::Unsupported(format!(
-                        "{}: {arch}.{k} {len} is not embedding_length / head_count ({head_dim})",
-                        self.name
-                    )));
-                }
-            }
-        }
+        // A mixture of experts under the llama architecture (Mixtral) is named here rather than
+        // met later as a missing tensor.
         if let Ok(experts @ 1..) = self.int(&key("expert_count")) {
             return Err(Error::Unsupported(format!(
                 "{}: a mixture of {experts} experts ({arch}.expert_count)",
@@ -481,11 +482,11 @@ impl Gguf {
             layers.push(Layer {
                 attn_norm: self.norm(&p("attn_norm.weight"), h)?,
                 qkv: QkvWeights::Separate {
-                    q: linear("attn_q", h, true)?,
+                    q: linear("attn_q", spec.q_dim(), true)?,
                     k: linear("attn_k", kv, true)?,
                     v: linear("attn_v", kv, false)?,
                 },
-                o: self.matrix(&p("attn_output.weight"), h, h, identity)?,
+                o: self.matrix(&p("attn_output.weight"), h, spec.q_dim(), identity)?,
                 ffn_norm: self.norm(&p("ffn_norm.weight"), h)?,
                 gate: self.matrix(&p("ffn_gate.weight"), inter, h, identity)?,
                 up: self.matrix(&p("ffn_up.weight"), inter, h, identity)?,

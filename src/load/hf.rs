@@ -340,15 +340,11 @@ fn spec_from_config(dir: &Path) -> Result<(ArchSpec, RopeScaling)> {
     let n_kv_heads = c["num_key_value_heads"]
         .as_u64()
         .map_or(n_q_heads, |v| v as usize);
-    let head_dim = hidden.checked_div(n_q_heads).unwrap_or(0);
-    if let Some(hd) = c["head_dim"].as_u64() {
-        if hd as usize != head_dim {
-            return Err(Error::Unsupported(format!(
-                "{}: head_dim {hd} != hidden_size / heads ({head_dim})",
-                path.display()
-            )));
-        }
-    }
+    // Most configs leave head_dim to hidden_size / heads; some set it apart (Mistral Nemo).
+    let head_dim = match c["head_dim"].as_u64() {
+        Some(hd) => hd as usize,
+        None => hidden.checked_div(n_q_heads).unwrap_or(0),
+    };
     let spec = ArchSpec {
         family: Family::LlamaSwiglu,
         n_layers: count("num_hidden_layers")?,
@@ -402,11 +398,11 @@ pub fn load(dir: &Path, admit: super::Admit) -> Result<HostModel> {
         layers.push(Layer {
             attn_norm: shards.norm(&p("input_layernorm.weight"), h)?,
             qkv: QkvWeights::Separate {
-                q: linear("q_proj", h)?,
+                q: linear("q_proj", spec.q_dim())?,
                 k: linear("k_proj", kv)?,
                 v: linear("v_proj", kv)?,
             },
-            o: shards.matrix(&p("self_attn.o_proj.weight"), h, h)?,
+            o: shards.matrix(&p("self_attn.o_proj.weight"), h, spec.q_dim())?,
             ffn_norm: shards.norm(&p("post_attention_layernorm.weight"), h)?,
             gate: shards.matrix(&p("mlp.gate_proj.weight"), inter, h)?,
             up: shards.matrix(&p("mlp.up_proj.weight"), inter, h)?,

@@ -65,6 +65,12 @@ CONFIGS = {
         rope_theta=10000.0, tie_word_embeddings=False, rope_scaling=dict(
             rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
             original_max_position_embeddings=32)), 0.05),
+    # Heads set apart from hidden / heads (Mistral Nemo's form): 8 heads of 64 over hidden 256,
+    # q and o 512 wide.
+    "tiny_wide_heads": (LlamaConfig, LlamaForCausalLM, dict(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=64, vocab_size=1000, max_position_embeddings=256,
+        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False), 0.05),
 }
 LARGE = {
     "qwen25_3b_shape": (Qwen2Config, Qwen2ForCausalLM, dict(

@@ -247,9 +247,9 @@ impl Ops {
 }
 
 /// Whether the CUDA kernels take the model's shape, from the spec alone (no device, no
-/// weights): head_dim, and K of the linears (the spec's own check keeps both multiples of 64).
-/// K = hidden feeds GEMV v2 (gate/up, lm_head with its argmax), K = intermediate only down,
-/// which GEMV v3 takes past v2's limit.
+/// weights): head_dim, and K of the linears (the spec's own check keeps them multiples of 64).
+/// K = hidden feeds GEMV v2 (gate/up, lm_head with its argmax), K = n_q_heads x head_dim o,
+/// held to the same limit, K = intermediate only down, which GEMV v3 takes past v2's limit.
 pub fn check_shape(s: &ArchSpec) -> Result<()> {
     if s.head_dim > MAX_HEAD_DIM || !s.head_dim.is_multiple_of(8) {
         return Err(Error::Unsupported(format!(
@@ -261,6 +261,12 @@ pub fn check_shape(s: &ArchSpec) -> Result<()> {
         return Err(Error::Unsupported(format!(
             "hidden {}: the CUDA kernels take hidden up to {GEMV2_MAX_K}",
             s.hidden
+        )));
+    }
+    if s.q_dim() > GEMV2_MAX_K {
+        return Err(Error::Unsupported(format!(
+            "{} q heads of {}: the CUDA kernels take n_q_heads x head_dim up to {GEMV2_MAX_K}",
+            s.n_q_heads, s.head_dim
         )));
     }
     if s.intermediate > GEMV3_MAX_K {
