@@ -127,22 +127,6 @@ fn abi_corpus_replays() {
     println!("abi: {} inputs replayed", inputs.len());
 }
 
-/// GPT-2's byte-level alphabet: the character each byte stands for in a vocabulary's pieces.
-fn byte_level_chars() -> Vec<char> {
-    let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || b >= 174;
-    let mut next = 256;
-    (0..256u32)
-        .map(|b| {
-            if printable(b) {
-                char::from_u32(b).unwrap()
-            } else {
-                next += 1;
-                char::from_u32(next - 1).unwrap()
-            }
-        })
-        .collect()
-}
-
 fn write_seeds_if_asked() {
     if std::env::var_os("DV2_WRITE_FUZZ_SEEDS").is_none() {
         return;
@@ -192,7 +176,10 @@ fn write_seeds_if_asked() {
     spm.set_meta("tokenizer.chat_template", Meta::Str(template.into()));
     std::fs::write(corpus("gguf").join("seed-tiny-llama-spm"), spm.bytes()).unwrap();
     let mut bpe = GgufWriter::tiny_llama();
-    let mut tokens: Vec<String> = byte_level_chars().into_iter().map(String::from).collect();
+    let mut tokens: Vec<String> = common::gguf_writer::byte_level_chars()
+        .into_iter()
+        .map(String::from)
+        .collect();
     tokens.extend(["\u{120}t", "he", "\u{120}the", "<|endoftext|>"].map(String::from));
     let mut types = vec![1i32; tokens.len()];
     *types.last_mut().unwrap() = 3;

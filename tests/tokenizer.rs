@@ -5,6 +5,7 @@
 
 mod common;
 
+use common::gguf_writer::{byte_level_chars, GgufWriter, Meta};
 use common::{fixture_json, json_ids, smollm2_path};
 use decodev2::chat::Message;
 use decodev2::load::gguf::Gguf;
@@ -192,4 +193,41 @@ fn sentencepiece_ids_equal_the_reference_on_80_strings() {
     // Special-token text parsed: "<s>" becomes BOS; as text it is spelled out.
     assert_eq!(tk.encode("<s>", false, true).unwrap(), [1]);
     assert_ne!(tk.encode("<s>", false, false).unwrap(), [1]);
+}
+
+/// A GGUF byte-level vocabulary under Llama 3's pre-tokenizer takes a pre-token that is a
+/// token whole, before any merge, and puts BOS first unless the file says otherwise, as
+/// llama.cpp reads those vocabularies; under another pre-tokenizer the merges decide and BOS
+/// waits for the file's flag. The toy vocabulary: the 256 byte pieces, "ab" (merge "a b") and
+/// "abc", which no merge makes.
+#[test]
+fn llama3_vocabularies_take_whole_tokens_and_bos() {
+    let mut tokens: Vec<String> = byte_level_chars().into_iter().map(String::from).collect();
+    tokens.extend(["ab", "abc", "<|begin_of_text|>"].map(String::from));
+    let (ab, abc, bos) = (256, 257, 258);
+    let mut types = vec![1i32; tokens.len()];
+    types[bos as usize] = 3;
+    let tokenizer = |pre: &str| {
+        let mut w = GgufWriter::tiny_llama();
+        w.set_meta("tokenizer.ggml.model", Meta::Str("gpt2".into()));
+        w.set_meta("tokenizer.ggml.pre", Meta::Str(pre.into()));
+        w.set_meta("tokenizer.ggml.tokens", Meta::StrArray(tokens.clone()));
+        w.set_meta("tokenizer.ggml.token_type", Meta::I32Array(types.clone()));
+        w.set_meta("tokenizer.ggml.merges", Meta::StrArray(vec!["a b".into()]));
+        w.set_meta("tokenizer.ggml.bos_token_id", Meta::U32(bos));
+        let path = std::env::temp_dir().join(format!("dv2-tok-{}-{pre}.gguf", std::process::id()));
+        std::fs::write(&path, w.bytes()).unwrap();
+        Tokenizer::from_gguf(&Gguf::open(&path).unwrap()).unwrap()
+    };
+    // A printable byte's piece is its own character, its id the byte.
+    let c_id = b'c' as u32;
+    let llama3 = tokenizer("llama-bpe");
+    assert_eq!(llama3.encode("abc", true, false).unwrap(), [bos, abc]);
+    // Whole pre-tokens only: "abcab" is one, and no token, so the merges make it.
+    assert_eq!(
+        llama3.encode("abcab", false, false).unwrap(),
+        [ab, c_id, ab]
+    );
+    let smollm = tokenizer("smollm");
+    assert_eq!(smollm.encode("abc", true, false).unwrap(), [ab, c_id]);
 }

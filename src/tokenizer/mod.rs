@@ -272,12 +272,18 @@ impl Tokenizer {
                     .ok_or_else(|| Error::ModelFile(format!("merge {m:?} is not two tokens")))
             })
             .collect::<Result<Vec<_>>>()?;
+        // llama.cpp's Llama 3 vocabularies take a pre-token that is a token whole before any
+        // merge (Meta's tokenizer.json says so too: "ignore_merges": true), and put BOS first
+        // unless the file says otherwise.
+        let pre = g.str("tokenizer.ggml.pre");
+        let llama3 = matches!(pre, Some("llama3" | "llama-v3" | "llama-bpe"));
         let bpe = BPE::builder()
             .vocab_and_merges(vocab, merges)
+            .ignore_merges(llama3)
             .build()
             .map_err(tk_error("BPE"))?;
         let mut tk = tokenizers::Tokenizer::new(bpe);
-        tk.with_pre_tokenizer(Some(gguf_pre_tokenizer(g.str("tokenizer.ggml.pre"))?));
+        tk.with_pre_tokenizer(Some(gguf_pre_tokenizer(pre)?));
         tk.with_decoder(Some(ByteLevelDecoder::default()));
         // Control tokens are special (matched whole where special text is parsed); user-defined
         // ones are matched whole always, as llama.cpp does.
@@ -293,7 +299,7 @@ impl Tokenizer {
         tk.add_tokens(&typed(TOKEN_USER_DEFINED, false));
         let bytes = byte_level_bytes();
         let pieces = tokens.iter().map(|t| byte_level_piece(t, &bytes)).collect();
-        let add_bos = flag("tokenizer.ggml.add_bos_token").unwrap_or(false);
+        let add_bos = flag("tokenizer.ggml.add_bos_token").unwrap_or(llama3);
         Self::with_modes(tk, pieces, control, special, add_bos, chat_template)
     }
 

@@ -147,3 +147,19 @@ impl GgufWriter {
             .expect("tensor")
     }
 }
+
+/// GPT-2's byte-level alphabet: the character each byte stands for in a vocabulary's pieces.
+pub fn byte_level_chars() -> Vec<char> {
+    let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || b >= 174;
+    let mut next = 256;
+    (0..256u32)
+        .map(|b| {
+            if printable(b) {
+                char::from_u32(b).unwrap()
+            } else {
+                next += 1;
+                char::from_u32(next - 1).unwrap()
+            }
+        })
+        .collect()
+}
