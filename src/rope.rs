@@ -9,7 +9,8 @@ use crate::error::{host_buffer, Error, Result};
 use crate::model::HostModel;
 
 /// How a model's rotary frequencies depart from RoPE's `theta^(-2i/head_dim)`. Each form comes
-/// down to one divisor a frequency pair ([`RopeScaling::divisors`]).
+/// down to one divisor a frequency pair ([`RopeScaling::divisors`]) and, for YaRN, a magnitude
+/// both cos and sin are multiplied by ([`RopeScaling::magnitude`]).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub enum RopeScaling {
     #[default]
@@ -31,6 +32,41 @@ pub enum RopeScaling {
     /// converter computes them from the `llama3` parameters, and its rope divides each pair's
     /// frequency by its entry).
     Divisors(Arc<[f32]>),
+    /// YaRN (`yarn` in a Hugging Face config or a GGUF; Qwen2.5's long-context setting): pairs
+    /// that turn more than `beta_fast` times over `original_max_position` are kept, fewer than
+    /// `beta_slow` times divided by `factor`, a linear ramp between (its ends rounded out to
+    /// whole pairs with `truncate`); cos and sin scaled by `attention_factor`. As transformers
+    /// 5's `_compute_yarn_parameters`, vLLM and llama.cpp compute it, with `factor` as given
+    /// (transformers 4.x recomputed it as max_position_embeddings / original).
+    Yarn {
+        factor: f32,
+        original_max_position: f32,
+        beta_fast: f32,
+        beta_slow: f32,
+        truncate: bool,
+        attention_factor: f32,
+    },
+}
+
+/// `v` as f64 when finite and > 0; else an error naming the parameter.
+fn positive(name: &str, v: f32) -> Result<f64> {
+    if v.is_finite() && v > 0.0 {
+        Ok(v as f64)
+    } else {
+        Err(Error::InvalidSpec(format!(
+            "RoPE scaling: {name} ({v}) must be finite and > 0"
+        )))
+    }
+}
+
+/// YaRN's default attention factor for a context stretched `factor` times (transformers'
+/// `get_mscale`): 0.1 ln(factor) + 1, or 1 where it is not stretched.
+pub fn yarn_mscale(factor: f64, mscale: f64) -> f64 {
+    if factor <= 1.0 {
+        1.0
+    } else {
+        0.1 * mscale * factor.ln() + 1.0
+    }
 }
 
 impl RopeScaling {
@@ -39,15 +75,6 @@ impl RopeScaling {
     /// wrong order, a divisor list of the wrong length).
     pub fn divisors(&self, head_dim: usize, theta: f32) -> Result<Vec<f64>> {
         let half = head_dim / 2;
-        let positive = |name: &str, v: f32| {
-            if v.is_finite() && v > 0.0 {
-                Ok(v as f64)
-            } else {
-                Err(Error::InvalidSpec(format!(
-                    "RoPE scaling: {name} ({v}) must be finite and > 0"
-                )))
-            }
-        };
         match self {
             Self::None => Ok(vec![1.0; half]),
             Self::Linear { factor } => Ok(vec![positive("factor", *factor)?; half]),
@@ -81,6 +108,46 @@ impl RopeScaling {
                     })
                     .collect())
             }
+            Self::Yarn {
+                factor,
+                original_max_position,
+                beta_fast,
+                beta_slow,
+                truncate,
+                attention_factor,
+            } => {
+                let factor = positive("factor", *factor)?;
+                let old_len = positive("original_max_position_embeddings", *original_max_position)?;
+                let (fast, slow) = (
+                    positive("beta_fast", *beta_fast)?,
+                    positive("beta_slow", *beta_slow)?,
+                );
+                positive("attention_factor", *attention_factor)?;
+                if fast <= slow {
+                    return Err(Error::InvalidSpec(format!(
+                        "RoPE scaling: beta_fast ({fast}) must be > beta_slow ({slow})"
+                    )));
+                }
+                // The dimension at which a pair turns `rotations` times over the original
+                // length (transformers' find_correction_dim), then the ramp's ends.
+                let dim = head_dim as f64;
+                let turns_at = |rotations: f64| {
+                    dim * (old_len / (rotations * 2.0 * PI)).ln() / (2.0 * (theta as f64).ln())
+                };
+                let (mut low, mut high) = (turns_at(fast), turns_at(slow));
+                if *truncate {
+                    (low, high) = (low.floor(), high.ceil());
+                }
+                let (low, high) = (low.max(0.0), high.min(dim - 1.0));
+                let span = if high == low { 0.001 } else { high - low };
+                // Pair i's frequency: (1 - ramp) of the original plus ramp of it over factor.
+                Ok((0..half)
+                    .map(|i| {
+                        let ramp = ((i as f64 - low) / span).clamp(0.0, 1.0);
+                        1.0 / (1.0 - ramp + ramp / factor)
+                    })
+                    .collect())
+            }
             Self::Divisors(d) => {
                 if d.len() != half {
                     return Err(Error::InvalidSpec(format!(
@@ -93,6 +160,16 @@ impl RopeScaling {
                     .map(|(i, &v)| positive(&format!("divisor {i}"), v))
                     .collect()
             }
+        }
+    }
+
+    /// What cos and sin are multiplied by: YaRN's attention factor, else 1.
+    pub fn magnitude(&self) -> f64 {
+        match self {
+            Self::Yarn {
+                attention_factor, ..
+            } => *attention_factor as f64,
+            _ => 1.0,
         }
     }
 }
@@ -111,7 +188,8 @@ pub struct RopeTable {
 }
 
 impl RopeTable {
-    /// Angles `pos * theta^(-2i/head_dim) / divisor_i`, computed in f64 and rounded to f32.
+    /// Angles `pos * theta^(-2i/head_dim) / divisor_i`, computed in f64; their cos and sin times
+    /// the scaling's magnitude, rounded to f32.
     pub fn new(max_seq: usize, head_dim: usize, theta: f32, scaling: &RopeScaling) -> Result<Self> {
         let half = head_dim / 2;
         let divisors = scaling.divisors(head_dim, theta)?;
@@ -123,11 +201,12 @@ impl RopeTable {
         let frequencies: Vec<f64> = (0..half)
             .map(|i| inverse_frequency(theta, i, head_dim) / divisors[i])
             .collect();
+        let magnitude = scaling.magnitude();
         for pos in 0..max_seq {
             for (i, f) in frequencies.iter().enumerate() {
                 let angle = pos as f64 * f;
-                cos[pos * half + i] = angle.cos() as f32;
-                sin[pos * half + i] = angle.sin() as f32;
+                cos[pos * half + i] = (angle.cos() * magnitude) as f32;
+                sin[pos * half + i] = (angle.sin() * magnitude) as f32;
             }
         }
         Ok(Self { half, cos, sin })
@@ -215,6 +294,50 @@ mod tests {
     }
 
     #[test]
+    fn yarn_matches_transformers_form() {
+        // Qwen2.5's long-context setting over Qwen2.5-7B's heads (128 dims, theta 1e6).
+        let (theta, head_dim, factor, old) = (1e6f32, 128usize, 4.0f64, 32768.0f64);
+        let yarn = RopeScaling::Yarn {
+            factor: 4.0,
+            original_max_position: 32768.0,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            truncate: true,
+            attention_factor: yarn_mscale(factor, 1.0) as f32,
+        };
+        let got = yarn.divisors(head_dim, theta).unwrap();
+        // transformers' _compute_yarn_parameters, written as it is there.
+        let dim = head_dim as f64;
+        let base = theta as f64;
+        let correction_dim = |rot: f64| (dim * (old / (rot * 2.0 * PI)).ln()) / (2.0 * base.ln());
+        let low = correction_dim(32.0).floor().max(0.0);
+        let high = correction_dim(1.0).ceil().min(dim - 1.0);
+        // By hand: 128 ln(32768 / 64 pi) / 2 ln 1e6 = 23.6 and, for one turn, 39.65.
+        assert_eq!((low, high), (23.0, 40.0));
+        for (i, d) in got.iter().enumerate() {
+            let extrapolation = 1.0 / base.powf(2.0 * i as f64 / dim);
+            let interpolation = extrapolation / factor;
+            let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+            let extrapolation_factor = 1.0 - ramp;
+            let want =
+                interpolation * (1.0 - extrapolation_factor) + extrapolation * extrapolation_factor;
+            let inv = inverse_frequency(theta, i, head_dim) / d;
+            assert!(
+                (inv - want).abs() / want < 1e-12,
+                "pair {i}: {inv} vs {want}"
+            );
+        }
+        assert!(got[..=23].iter().all(|&d| d == 1.0));
+        assert!(got[40..].iter().all(|&d| d == 4.0));
+        // The magnitude: 0.1 ln 4 + 1 on cos and sin alike.
+        let table = RopeTable::new(4, head_dim, theta, &yarn).unwrap();
+        let m = 1.0 + 0.1 * 4f64.ln();
+        assert_eq!(table.cos[0], m as f32);
+        let (c, s) = (table.cos[3 * 64 + 5] as f64, table.sin[3 * 64 + 5] as f64);
+        assert!(((c * c + s * s).sqrt() - m).abs() < 1e-6);
+    }
+
+    #[test]
     fn a_table_divides_each_pairs_angle() {
         let (theta, head_dim, pos) = (10_000.0f32, 16, 5usize);
         let plain = RopeTable::new(8, head_dim, theta, &RopeScaling::None).unwrap();
@@ -252,6 +375,28 @@ mod tests {
             (
                 RopeScaling::Divisors(Arc::from([1.0f32; 7])),
                 "7 frequency divisors",
+            ),
+            (
+                RopeScaling::Yarn {
+                    factor: 4.0,
+                    original_max_position: 64.0,
+                    beta_fast: 1.0,
+                    beta_slow: 32.0,
+                    truncate: true,
+                    attention_factor: 1.1,
+                },
+                "beta_fast (1) must be > beta_slow (32)",
+            ),
+            (
+                RopeScaling::Yarn {
+                    factor: 4.0,
+                    original_max_position: 0.0,
+                    beta_fast: 32.0,
+                    beta_slow: 1.0,
+                    truncate: true,
+                    attention_factor: 1.1,
+                },
+                "original_max_position_embeddings (0)",
             ),
             (
                 RopeScaling::Divisors(Arc::from([1.0, 2.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0f32])),

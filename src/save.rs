@@ -148,6 +148,15 @@ pub fn write_bnb_dir(model: &HostModel, dir: &Path) -> Result<()> {
     std::fs::write(dir.join("config.json"), config.to_string()).map_err(io)
 }
 
+/// An integer where `v` is one, as transformers' validation expects of a length.
+fn whole(v: f32) -> serde_json::Value {
+    if v.fract() == 0.0 {
+        json!(v as u64)
+    } else {
+        json!(v)
+    }
+}
+
 /// config.json's `rope_scaling` for `scaling`, in the form transformers reads. A GGUF's
 /// per-pair divisors have none unless they are all one factor (linear).
 fn rope_scaling(scaling: &RopeScaling) -> Result<serde_json::Value> {
@@ -164,12 +173,23 @@ fn rope_scaling(scaling: &RopeScaling) -> Result<serde_json::Value> {
             "factor": factor,
             "low_freq_factor": low_freq_factor,
             "high_freq_factor": high_freq_factor,
-            // An integer where it is one, as transformers' validation expects.
-            "original_max_position_embeddings": if original_max_position.fract() == 0.0 {
-                json!(*original_max_position as u64)
-            } else {
-                json!(original_max_position)
-            },
+            "original_max_position_embeddings": whole(*original_max_position),
+        }),
+        RopeScaling::Yarn {
+            factor,
+            original_max_position,
+            beta_fast,
+            beta_slow,
+            truncate,
+            attention_factor,
+        } => json!({
+            "rope_type": "yarn",
+            "factor": factor,
+            "original_max_position_embeddings": whole(*original_max_position),
+            "beta_fast": beta_fast,
+            "beta_slow": beta_slow,
+            "truncate": truncate,
+            "attention_factor": attention_factor,
         }),
         RopeScaling::Divisors(d) => match d.first() {
             Some(&factor) if d.iter().all(|&v| v == factor) => {

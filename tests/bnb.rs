@@ -111,6 +111,17 @@ fn rope_scaling_is_written_and_read_back() {
             },
         ),
         ("linear", RopeScaling::Linear { factor: 2.5 }),
+        (
+            "yarn",
+            RopeScaling::Yarn {
+                factor: 4.0,
+                original_max_position: 8.0,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                truncate: false,
+                attention_factor: 1.2,
+            },
+        ),
         ("one-factor", RopeScaling::Divisors(vec![3.0f32; 8].into())),
     ] {
         model.rope_scaling = scaling;

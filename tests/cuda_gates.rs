@@ -747,77 +747,64 @@ fn decode_at_every_position_matches_the_oracle() {
     }
 }
 
-/// A scaled RoPE (Llama 3.1's bands, here over medium_llama's 64-dim heads with an original
-/// length of 64: pairs 0-3 kept, 4-8 blended, 9-31 divided by 8) reaches the device only
-/// through the cos/sin tables: the chunked prefill and the decode match the oracle, which
-/// rotates by the same scaling.
+/// Scaled RoPEs reach the device only through the cos/sin tables: the chunked prefill and the
+/// decode match the oracle, which rotates by the same scaling. Llama 3.1's bands over
+/// medium_llama's 64-dim heads with an original length of 64 (pairs 0-3 kept, 4-8 blended,
+/// 9-31 divided by 8), and YaRN at factor 4 over an original 32 (a ramp over pairs 0-6, the
+/// rest divided by 4, cos and sin times 1.139).
 #[test]
-fn llama3_rope_scaling_matches_the_oracle() {
-    let (spec, mut model, prompt) = oracle_case("medium_llama", 6, 160, 40);
-    let unscaled = model.clone();
-    model.rope_scaling = RopeScaling::Llama3 {
-        factor: 8.0,
-        low_freq_factor: 1.0,
-        high_freq_factor: 4.0,
-        original_max_position: 64.0,
-    };
-    // Guard: the scaling moves the oracle's logits by more than the gate's cap.
-    let last = |m: &HostModel| {
-        step_logits(m, &mut KvCache::new(&spec, 160).unwrap(), &prompt, 0)
-            .unwrap()
-            .pop()
-            .unwrap()
-    };
-    let moved = max_abs_diff(&last(&model), &last(&unscaled));
-    assert!(moved > 0.05, "the scaling moves the logits by only {moved}");
-    println!("medium_llama, llama3 RoPE: the scaling moves the oracle's last logits by {moved:.4}");
-    let device = exclusive_device();
-    let opts = EngineOptions {
-        max_seq: 160,
-        backend: BackendKind::Cuda,
-        ..EngineOptions::default()
-    };
-    let made = Engine::new(model.clone(), &opts);
-    let Some(e) = cuda_or_skip("CUDA engine for medium_llama with llama3 RoPE", made) else {
-        return;
-    };
-    decode_engine_vs_oracle(
-        "medium_llama, llama3 RoPE",
-        device,
-        e,
-        &spec,
-        &model,
-        &prompt,
-        100,
-    );
-}
-
-/// Heads set apart from hidden / heads (Mistral Nemo: 32 heads of 128 over hidden 5,120):
-/// medium_llama's 8 heads at 128 and at 32 dims, q and the attention's output 1,024 and 256
-/// wide over hidden 512: the chunked prefill and the decode (o's K the q width) match the
-/// oracle.
-#[test]
-fn heads_set_apart_from_hidden_match_the_oracle() {
-    for head_dim in [128, 32] {
-        let spec = ArchSpec {
-            head_dim,
-            max_seq: 128,
-            ..MEDIUM_LLAMA
+fn scaled_rope_matches_the_oracle() {
+    let scalings = [
+        (
+            "llama3",
+            RopeScaling::Llama3 {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position: 64.0,
+            },
+        ),
+        (
+            "yarn",
+            RopeScaling::Yarn {
+                factor: 4.0,
+                original_max_position: 32.0,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                truncate: true,
+                attention_factor: (1.0 + 0.1 * 4f64.ln()) as f32,
+            },
+        ),
+    ];
+    for (kind, scaling) in scalings {
+        let (spec, mut model, prompt) = oracle_case("medium_llama", 6, 160, 40);
+        let unscaled = model.clone();
+        model.rope_scaling = scaling;
+        // Guard: the scaling moves the oracle's logits by more than the gate's cap.
+        let last = |m: &HostModel| {
+            step_logits(m, &mut KvCache::new(&spec, 160).unwrap(), &prompt, 0)
+                .unwrap()
+                .pop()
+                .unwrap()
         };
-        let model = synth::build(&spec, 8).unwrap();
-        let prompt = synth::prompt(spec.vocab, 40, 108);
+        let moved = max_abs_diff(&last(&model), &last(&unscaled));
+        assert!(
+            moved > 0.05,
+            "{kind}: the scaling moves the logits by only {moved}"
+        );
+        let name = format!("medium_llama, {kind} RoPE");
+        println!("{name}: the scaling moves the oracle's last logits by {moved:.4}");
         let device = exclusive_device();
         let opts = EngineOptions {
-            max_seq: spec.max_seq,
+            max_seq: 160,
             backend: BackendKind::Cuda,
             ..EngineOptions::default()
         };
-        let name = format!("medium_llama, heads of {head_dim}");
         let made = Engine::new(model.clone(), &opts);
         let Some(e) = cuda_or_skip(&format!("CUDA engine for {name}"), made) else {
-            return;
+            continue; // the next scaling's guard still runs
         };
-        decode_engine_vs_oracle(&name, device, e, &spec, &model, &prompt, 80);
+        decode_engine_vs_oracle(&name, device, e, &spec, &model, &prompt, 100);
     }
 }
 

@@ -188,6 +188,26 @@ fn rope_freqs_and_a_linear_factor_scale_the_rope() {
     let doubled: Vec<f32> = freqs.iter().map(|f| f * 2.0).collect();
     assert_eq!(m.rope_scaling, RopeScaling::Divisors(doubled.into()));
 
+    // YaRN as llama.cpp reads it (Qwen2.5's long-context GGUFs); the keys that change its
+    // magnitude or ramp weight are refused by name.
+    let mut w = GgufWriter::tiny_llama();
+    w.set_meta("llama.rope.scaling.type", Meta::Str("yarn".into()));
+    w.set_meta("llama.rope.scaling.factor", Meta::F32(4.0));
+    w.set_meta("llama.rope.scaling.original_context_length", Meta::U32(64));
+    let m = load(&write("yarn.gguf", &w.bytes())).unwrap();
+    let want = RopeScaling::Yarn {
+        factor: 4.0,
+        original_max_position: 64.0,
+        beta_fast: 32.0,
+        beta_slow: 1.0,
+        truncate: true,
+        attention_factor: (1.0 + 0.1 * 4f64.ln()) as f32,
+    };
+    assert_eq!(m.rope_scaling, want);
+    w.set_meta("llama.rope.scaling.yarn_log_multiplier", Meta::F32(0.1));
+    assert!(load_err("yarn-log.gguf", &w)
+        .contains("YaRN with llama.rope.scaling.yarn_log_multiplier = 0.1"));
+
     // Factors that make no frequency, or not one a pair.
     let mut w = GgufWriter::tiny_llama();
     let mut zero = freqs.clone();
@@ -254,8 +274,8 @@ fn every_inconsistency_is_named() {
     assert!(load_err("arch.gguf", &w).contains("architecture gpt2"));
 
     let mut w = GgufWriter::tiny_llama();
-    w.set_meta("llama.rope.scaling.type", Meta::Str("yarn".into()));
-    assert!(load_err("rope.gguf", &w).contains("rope scaling yarn"));
+    w.set_meta("llama.rope.scaling.type", Meta::Str("longrope".into()));
+    assert!(load_err("rope.gguf", &w).contains("rope scaling longrope"));
     let mut w = GgufWriter::tiny_llama();
     w.set_meta("llama.rope.scaling.type", Meta::Str("linear".into()));
     w.set_meta("llama.rope.scaling.factor", Meta::F32(f32::INFINITY));

@@ -121,6 +121,31 @@ fn rope_scaling_from_either_config_generation() {
     w5.write(&d, 1);
     let m5 = load(&d).unwrap();
     assert_eq!((m5.rope_scaling, m5.spec.rope_theta), (want, 10000.0));
+    // YaRN in Qwen2.5's long-context form: the attention factor from the factor, betas 32 and
+    // 1; then with the factor's mscale ratio (mscale, mscale_all_dim), and one given outright.
+    let mut q = HfWriter::tiny("Qwen2ForCausalLM");
+    q.config["rope_scaling"] = serde_json::json!({"type": "yarn", "factor": 4.0,
+        "original_max_position_embeddings": 32768});
+    let d = dir("yarn");
+    q.write(&d, 1);
+    let yarn = |attention_factor: f64| RopeScaling::Yarn {
+        factor: 4.0,
+        original_max_position: 32768.0,
+        beta_fast: 32.0,
+        beta_slow: 1.0,
+        truncate: true,
+        attention_factor: attention_factor as f32,
+    };
+    assert_eq!(load(&d).unwrap().rope_scaling, yarn(1.0 + 0.1 * 4f64.ln()));
+    q.config["rope_scaling"]["mscale"] = serde_json::json!(1.0);
+    q.config["rope_scaling"]["mscale_all_dim"] = serde_json::json!(0.5);
+    q.write(&d, 1);
+    let ratio = (1.0 + 0.1 * 4f64.ln()) / (1.0 + 0.05 * 4f64.ln());
+    assert_eq!(load(&d).unwrap().rope_scaling, yarn(ratio));
+    q.config["rope_scaling"]["attention_factor"] = serde_json::json!(1.25);
+    q.write(&d, 1);
+    assert_eq!(load(&d).unwrap().rope_scaling, yarn(1.25));
+
     // The older key name `type`, and linear interpolation.
     w.config["rope_scaling"] = serde_json::json!({"type": "linear", "factor": 2.0});
     let d = dir("linear");
@@ -181,8 +206,10 @@ fn bad_directories_are_named_errors() {
     w.config["rope_scaling"] = serde_json::json!({"type": "dynamic", "factor": 2.0});
     check("rope", &w, "rope_scaling of type dynamic");
     w = HfWriter::tiny("LlamaForCausalLM");
+    w.config["rope_parameters"] = serde_json::json!({"rope_type": "longrope", "rope_theta": 1e6});
+    check("rope5", &w, "rope_parameters of type longrope");
     w.config["rope_parameters"] = serde_json::json!({"rope_type": "yarn", "rope_theta": 1e6});
-    check("rope5", &w, "rope_parameters of type yarn");
+    check("rope5-yarn", &w, "rope_parameters yarn: factor is missing");
     w = HfWriter::tiny("LlamaForCausalLM");
     w.config["rope_scaling"] = serde_json::json!({"rope_type": "llama3", "factor": 8.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 32});

@@ -16,7 +16,7 @@ use crate::arch::{ArchSpec, Family};
 use crate::error::{Error, Result};
 use crate::model::{HostModel, Layer, Linear, QkvWeights};
 use crate::nf4::Nf4Matrix;
-use crate::rope::RopeScaling;
+use crate::rope::{yarn_mscale, RopeScaling};
 
 /// A metadata value.
 #[derive(Clone, Debug, PartialEq)]
@@ -408,7 +408,7 @@ impl Gguf {
             other => other,
         };
         spec.validate().map_err(invalid)?;
-        let rope_scaling = self.rope_scaling(arch, head_dim)?;
+        let rope_scaling = self.rope_scaling(arch, head_dim, spec.max_seq)?;
         rope_scaling
             .divisors(head_dim, spec.rope_theta)
             .map_err(invalid)?;
@@ -418,22 +418,24 @@ impl Gguf {
     /// RoPE's scaling as llama.cpp reads it: a linear factor (`rope.scaling.factor`, or the
     /// older `rope.scale_linear`; 0 means none) under the scaling type `linear` or `none` (or
     /// no type), times the per-pair divisors of a `rope_freqs.weight` tensor, which is how
-    /// llama.cpp's converter stores Llama 3.1's bands.
-    fn rope_scaling(&self, arch: &str, head_dim: usize) -> Result<RopeScaling> {
+    /// llama.cpp's converter stores Llama 3.1's bands; or YaRN under the type `yarn`.
+    fn rope_scaling(&self, arch: &str, head_dim: usize, context: usize) -> Result<RopeScaling> {
         let key = |k: &str| format!("{arch}.{k}");
-        if let Some(kind) = self.str(&key("rope.scaling.type")) {
-            if !matches!(kind, "none" | "linear") {
-                return Err(Error::Unsupported(format!(
-                    "{}: rope scaling {kind} (none and linear are read, and rope_freqs.weight)",
-                    self.name
-                )));
-            }
-        }
         let factor = self
             .float(&key("rope.scaling.factor"))
             .or_else(|| self.float(&key("rope.scale_linear")))
             .filter(|f| *f != 0.0)
             .map_or(1.0, |f| f as f32);
+        match self.str(&key("rope.scaling.type")) {
+            None | Some("none" | "linear") => {}
+            Some("yarn") => return self.yarn(arch, factor, context),
+            Some(kind) => {
+                return Err(Error::Unsupported(format!(
+                "{}: rope scaling {kind} (none, linear and yarn are read, and rope_freqs.weight)",
+                self.name
+            )))
+            }
+        }
         const FREQS: &str = "rope_freqs.weight";
         Ok(if self.tensors.contains_key(FREQS) {
             let divisors = self.vector(FREQS, head_dim / 2)?;
@@ -442,6 +444,38 @@ impl Gguf {
             RopeScaling::Linear { factor }
         } else {
             RopeScaling::None
+        })
+    }
+
+    /// YaRN as llama.cpp runs it: `factor` over `rope.scaling.original_context_length` (else the
+    /// context length), the ramp between `yarn_beta_fast` and `yarn_beta_slow` (32 and 1 unless
+    /// set) rounded out to whole pairs, cos and sin scaled by 0.1 ln(factor) + 1. The keys that
+    /// change that magnitude or the ramp's weight in llama.cpp (DeepSeek's and others') are
+    /// refused by name rather than half read.
+    fn yarn(&self, arch: &str, factor: f32, context: usize) -> Result<RopeScaling> {
+        let key = |k: &str| format!("{arch}.rope.scaling.{k}");
+        for (k, neutral) in [
+            ("attn_factor", 1.0),
+            ("yarn_attn_factor", 1.0),
+            ("yarn_ext_factor", 1.0),
+            ("yarn_log_multiplier", 0.0),
+        ] {
+            if let Some(v) = self.float(&key(k)).filter(|v| *v != neutral) {
+                return Err(Error::Unsupported(format!(
+                    "{}: YaRN with {} = {v}",
+                    self.name,
+                    key(k)
+                )));
+            }
+        }
+        let original = self.int(&key("original_context_length")).unwrap_or(context);
+        Ok(RopeScaling::Yarn {
+            factor,
+            original_max_position: original as f32,
+            beta_fast: self.float(&key("yarn_beta_fast")).unwrap_or(32.0) as f32,
+            beta_slow: self.float(&key("yarn_beta_slow")).unwrap_or(1.0) as f32,
+            truncate: true,
+            attention_factor: yarn_mscale(factor as f64, 1.0) as f32,
         })
     }
 

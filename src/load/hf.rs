@@ -21,7 +21,7 @@ use crate::arch::{ArchSpec, Family};
 use crate::error::{Error, Result};
 use crate::model::{HostModel, Layer, Linear, QkvWeights};
 use crate::nf4::{Codes, MappedBytes, Nf4Matrix};
-use crate::rope::RopeScaling;
+use crate::rope::{yarn_mscale, RopeScaling};
 
 /// Where a tensor lives: its file (index into `Shards::maps`), dtype, shape and bytes.
 struct TensorEntry {
@@ -263,9 +263,32 @@ fn rope_from_config(c: &Value, path: &Path) -> Result<(f64, RopeScaling)> {
             high_freq_factor: number("high_freq_factor")?,
             original_max_position: number("original_max_position_embeddings")?,
         },
+        "yarn" => {
+            let factor = number("factor")?;
+            let optional = |name: &str| params[name].as_f64().filter(|v| *v != 0.0);
+            // transformers: the factor's mscale, or the ratio of two where both are given.
+            let attention_factor = optional("attention_factor").unwrap_or_else(|| {
+                let f = factor as f64;
+                match (optional("mscale"), optional("mscale_all_dim")) {
+                    (Some(m), Some(all)) => yarn_mscale(f, m) / yarn_mscale(f, all),
+                    _ => yarn_mscale(f, 1.0),
+                }
+            });
+            RopeScaling::Yarn {
+                factor,
+                original_max_position: params["original_max_position_embeddings"]
+                    .as_f64()
+                    .or(c["max_position_embeddings"].as_f64())
+                    .unwrap_or(0.0) as f32,
+                beta_fast: optional("beta_fast").unwrap_or(32.0) as f32,
+                beta_slow: optional("beta_slow").unwrap_or(1.0) as f32,
+                truncate: params["truncate"].as_bool().unwrap_or(true),
+                attention_factor: attention_factor as f32,
+            }
+        }
         other => {
             return Err(Error::Unsupported(format!(
-                "{}: {key} of type {other} (default, linear and llama3 are read)",
+                "{}: {key} of type {other} (default, linear, llama3 and yarn are read)",
                 path.display()
             )))
         }

@@ -65,6 +65,13 @@ CONFIGS = {
         rope_theta=10000.0, tie_word_embeddings=False, rope_scaling=dict(
             rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
             original_max_position_embeddings=32)), 0.05),
+    # YaRN at factor 4 over an original length of 64; max_position_embeddings is 4 x 64 so
+    # that transformers 4.x (which takes the factor as their ratio) and 5.x (as given) agree.
+    "tiny_qwen2_yarn": (Qwen2Config, Qwen2ForCausalLM, dict(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=512, max_position_embeddings=256, rms_norm_eps=1e-6,
+        rope_theta=1e6, tie_word_embeddings=True, rope_scaling=dict(
+            rope_type="yarn", factor=4.0, original_max_position_embeddings=64)), 0.05),
     # Heads set apart from hidden / heads (Mistral Nemo's form): 8 heads of 64 over hidden 256,
     # q and o 512 wide.
     "tiny_wide_heads": (LlamaConfig, LlamaForCausalLM, dict(
