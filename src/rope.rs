@@ -70,9 +70,10 @@ pub fn yarn_mscale(factor: f64, mscale: f64) -> f64 {
 }
 
 impl RopeScaling {
-    /// Each pair's divisor of its frequency `theta^(-2i/head_dim)`; the error names the
-    /// parameter that makes no frequency (a zero, negative or non-finite one, bands in the
-    /// wrong order, a divisor list of the wrong length).
+    /// Each pair's divisor of its frequency `theta^(-2i/head_dim)`. The loaders call it to
+    /// check a scaling whole: the error names the parameter that makes no table (a zero,
+    /// negative or non-finite one, bands or betas in the wrong order, a divisor list of the
+    /// wrong length).
     pub fn divisors(&self, head_dim: usize, theta: f32) -> Result<Vec<f64>> {
         let half = head_dim / 2;
         match self {

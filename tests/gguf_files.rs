@@ -204,6 +204,10 @@ fn rope_freqs_and_a_linear_factor_scale_the_rope() {
         attention_factor: (1.0 + 0.1 * 4f64.ln()) as f32,
     };
     assert_eq!(m.rope_scaling, want);
+    let mut both = w.clone();
+    both.tensors
+        .push(("rope_freqs.weight".into(), vec![8], freqs.clone()));
+    assert!(load_err("yarn-freqs.gguf", &both).contains("YaRN over the per-pair divisors"));
     w.set_meta("llama.rope.scaling.yarn_log_multiplier", Meta::F32(0.1));
     assert!(load_err("yarn-log.gguf", &w)
         .contains("YaRN with llama.rope.scaling.yarn_log_multiplier = 0.1"));

@@ -426,8 +426,15 @@ impl Gguf {
             .or_else(|| self.float(&key("rope.scale_linear")))
             .filter(|f| *f != 0.0)
             .map_or(1.0, |f| f as f32);
+        const FREQS: &str = "rope_freqs.weight";
         match self.str(&key("rope.scaling.type")) {
             None | Some("none" | "linear") => {}
+            Some("yarn") if self.tensors.contains_key(FREQS) => {
+                return Err(Error::Unsupported(format!(
+                    "{}: YaRN over the per-pair divisors of {FREQS}",
+                    self.name
+                )))
+            }
             Some("yarn") => return self.yarn(arch, factor, context),
             Some(kind) => {
                 return Err(Error::Unsupported(format!(
@@ -436,7 +443,6 @@ impl Gguf {
             )))
             }
         }
-        const FREQS: &str = "rope_freqs.weight";
         Ok(if self.tensors.contains_key(FREQS) {
             let divisors = self.vector(FREQS, head_dim / 2)?;
             RopeScaling::Divisors(divisors.into_iter().map(|d| d * factor).collect())

@@ -1,5 +1,6 @@
 //! Writes small GGUF v3 files for the loader tests (F32 tensors only).
 
+#[derive(Clone)]
 pub enum Meta {
     U32(u32),
     F32(f32),
@@ -10,6 +11,7 @@ pub enum Meta {
     I32Array(Vec<i32>),
 }
 
+#[derive(Clone)]
 pub struct GgufWriter {
     pub meta: Vec<(String, Meta)>,
     /// (name, ggml dims, data): dims[0] varies fastest.
