@@ -195,16 +195,17 @@ fn sentencepiece_ids_equal_the_reference_on_80_strings() {
     assert_ne!(tk.encode("<s>", false, false).unwrap(), [1]);
 }
 
-/// A GGUF byte-level vocabulary under Llama 3's pre-tokenizer takes a pre-token that is a
-/// token whole, before any merge, and puts BOS first unless the file says otherwise, as
-/// llama.cpp reads those vocabularies; under another pre-tokenizer the merges decide and BOS
-/// waits for the file's flag. The toy vocabulary: the 256 byte pieces, "ab" (merge "a b") and
-/// "abc", which no merge makes.
+/// GGUF byte-level vocabularies under Llama 3's and Mistral's Tekken pre-tokenizers take a
+/// pre-token that is a token whole, before any merge, and put BOS first unless the file says
+/// otherwise, as llama.cpp reads those vocabularies; under another pre-tokenizer the merges
+/// decide and BOS waits for the file's flag. Tekken also breaks words where lower case turns
+/// upper. The toy vocabulary: the 256 byte pieces, "ab" (merge "a b"), "abc" and "aB", which no
+/// merge makes.
 #[test]
-fn llama3_vocabularies_take_whole_tokens_and_bos() {
+fn llama3_and_tekken_vocabularies_take_whole_tokens_and_bos() {
     let mut tokens: Vec<String> = byte_level_chars().into_iter().map(String::from).collect();
-    tokens.extend(["ab", "abc", "<|begin_of_text|>"].map(String::from));
-    let (ab, abc, bos) = (256, 257, 258);
+    tokens.extend(["ab", "abc", "aB", "<s>"].map(String::from));
+    let (ab, abc, a_upper_b, bos) = (256, 257, 258, 259);
     let mut types = vec![1i32; tokens.len()];
     types[bos as usize] = 3;
     let tokenizer = |pre: &str| {
@@ -219,15 +220,22 @@ fn llama3_vocabularies_take_whole_tokens_and_bos() {
         std::fs::write(&path, w.bytes()).unwrap();
         Tokenizer::from_gguf(&Gguf::open(&path).unwrap()).unwrap()
     };
-    // A printable byte's piece is its own character, its id the byte.
-    let c_id = b'c' as u32;
+    // Byte b's piece is the vocabulary's entry b.
+    let byte = |c: u8| c as u32;
     let llama3 = tokenizer("llama-bpe");
     assert_eq!(llama3.encode("abc", true, false).unwrap(), [bos, abc]);
+    assert_eq!(llama3.encode("aB", false, false).unwrap(), [a_upper_b]);
     // Whole pre-tokens only: "abcab" is one, and no token, so the merges make it.
     assert_eq!(
         llama3.encode("abcab", false, false).unwrap(),
-        [ab, c_id, ab]
+        [ab, byte(b'c'), ab]
+    );
+    let tekken = tokenizer("tekken");
+    assert_eq!(tekken.encode("abc", true, false).unwrap(), [bos, abc]);
+    assert_eq!(
+        tekken.encode("aB 12", false, false).unwrap(),
+        [byte(b'a'), byte(b'B'), byte(b' '), byte(b'1'), byte(b'2')]
     );
     let smollm = tokenizer("smollm");
-    assert_eq!(smollm.encode("abc", true, false).unwrap(), [ab, c_id]);
+    assert_eq!(smollm.encode("abc", true, false).unwrap(), [ab, byte(b'c')]);
 }

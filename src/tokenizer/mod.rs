@@ -29,6 +29,10 @@ const GPT2_SPLIT: &str =
 const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// Llama 3's split (llama.cpp `llama-bpe`): digits in runs of up to three.
 const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Mistral's Tekken split (llama.cpp `tekken`, Mistral Nemo's tokenizer.json, whose Unicode
+/// classes this is; llama.cpp's regex engine takes an approximation of them): words broken
+/// at a lower-to-upper case change, digits one by one.
+const TEKKEN_SPLIT: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// Control tokens that end a turn in the families llama.cpp knows, whatever the file calls
 /// its EOS (llama.cpp's end-of-generation set).
@@ -154,9 +158,10 @@ fn gguf_pre_tokenizer(pre: Option<&str>) -> Result<PreTokenizerWrapper> {
         "llama3" | "llama-v3" | "llama-bpe" | "smaug-bpe" => {
             vec![split(LLAMA3_SPLIT)?, byte_level(false)]
         }
+        "tekken" => vec![split(TEKKEN_SPLIT)?, byte_level(false)],
         other => {
             return Err(Error::Unsupported(format!(
-                "tokenizer.ggml.pre = {other} (default, gpt-2, smollm, qwen2, llama-bpe are read)"
+                "tokenizer.ggml.pre = {other} (default, gpt-2, smollm, qwen2, llama-bpe, tekken are read)"
             )))
         }
     };
@@ -272,14 +277,14 @@ impl Tokenizer {
                     .ok_or_else(|| Error::ModelFile(format!("merge {m:?} is not two tokens")))
             })
             .collect::<Result<Vec<_>>>()?;
-        // llama.cpp's Llama 3 vocabularies take a pre-token that is a token whole before any
-        // merge (Meta's tokenizer.json says so too: "ignore_merges": true), and put BOS first
-        // unless the file says otherwise.
+        // llama.cpp's Llama 3 and Tekken vocabularies take a pre-token that is a token whole
+        // before any merge (their tokenizer.json say so too: "ignore_merges": true), and put
+        // BOS first unless the file says otherwise.
         let pre = g.str("tokenizer.ggml.pre");
-        let llama3 = matches!(pre, Some("llama3" | "llama-v3" | "llama-bpe"));
+        let whole_first = matches!(pre, Some("llama3" | "llama-v3" | "llama-bpe" | "tekken"));
         let bpe = BPE::builder()
             .vocab_and_merges(vocab, merges)
-            .ignore_merges(llama3)
+            .ignore_merges(whole_first)
             .build()
             .map_err(tk_error("BPE"))?;
         let mut tk = tokenizers::Tokenizer::new(bpe);
@@ -299,7 +304,7 @@ impl Tokenizer {
         tk.add_tokens(&typed(TOKEN_USER_DEFINED, false));
         let bytes = byte_level_bytes();
         let pieces = tokens.iter().map(|t| byte_level_piece(t, &bytes)).collect();
-        let add_bos = flag("tokenizer.ggml.add_bos_token").unwrap_or(llama3);
+        let add_bos = flag("tokenizer.ggml.add_bos_token").unwrap_or(whole_first);
         Self::with_modes(tk, pieces, control, special, add_bos, chat_template)
     }
 
@@ -577,7 +582,13 @@ mod tests {
     fn unknown_pre_tokenizers_are_refused() {
         let err = gguf_pre_tokenizer(Some("no-such-split")).expect_err("refused");
         assert!(err.to_string().contains("no-such-split"), "{err}");
-        for pre in [None, Some("smollm"), Some("qwen2"), Some("llama-bpe")] {
+        for pre in [
+            None,
+            Some("smollm"),
+            Some("qwen2"),
+            Some("llama-bpe"),
+            Some("tekken"),
+        ] {
             assert!(gguf_pre_tokenizer(pre).is_ok(), "{pre:?}");
         }
     }
