@@ -125,7 +125,8 @@ typedef struct dv2_options {
   uint32_t struct_size;
   // A dv2_backend value.
   int32_t backend;
-  // KV capacity in tokens; 0 = the model's own max_seq.
+  // KV capacity in tokens; 0 = the model's own max_seq (on CUDA, where that does not fit
+  // the device, the largest multiple of 256 that does).
   int32_t max_seq;
   // Token id that ends a request (sets finished); -1 = none; -2 = the model file's own
   // (its end-of-turn token where it names one, else its EOS; dv2_load only).

@@ -34,7 +34,8 @@ pub enum BackendKind {
 #[derive(Clone, Debug)]
 pub struct EngineOptions {
     pub backend: BackendKind,
-    /// KV capacity in tokens; 0 takes the model's `max_seq`.
+    /// KV capacity in tokens; 0 takes the model's `max_seq` (on CUDA, where that does not fit
+    /// the device, the largest multiple of 256 that does: [`Engine::fitted_from`]).
     pub max_seq: usize,
     /// Generating this id sets `finished`; `None` never finishes.
     pub eos: Option<u32>,
@@ -68,7 +69,8 @@ impl Default for EngineOptions {
 /// (kept for the backend, so that a load creates the device's context once).
 enum Admitted {
     Cpu,
-    Cuda(Gpu),
+    /// The device and the KV capacity it takes.
+    Cuda(Gpu, usize),
 }
 
 /// One decoding session over one model.
@@ -83,6 +85,8 @@ pub struct Engine {
     has_output: bool,
     /// A prompt has been prefilled since the last reset: there is a token to feed.
     has_token: bool,
+    /// The model's own capacity where the device took only `max_seq` of it.
+    fitted_from: Option<usize>,
     /// The model file's tokenizer, or why there is none.
     tokenizer: std::result::Result<Tokenizer, String>,
     meta: Metadata,
@@ -119,12 +123,14 @@ impl Engine {
     fn admit(spec: &ArchSpec, opts: &EngineOptions) -> Result<Admitted> {
         spec.validate()?;
         let max_seq = Self::max_seq_for(spec, opts)?;
-        let cuda = || CudaBackend::admit(spec, max_seq, opts.device, opts.prefill_chunk);
+        // A capacity the host left to the model is fitted to the device; one it chose is not.
+        let fit = opts.max_seq == 0;
+        let cuda = || CudaBackend::admit(spec, max_seq, fit, opts.device, opts.prefill_chunk);
         match opts.backend {
             BackendKind::Cpu => Ok(Admitted::Cpu),
-            BackendKind::Cuda => cuda().map(Admitted::Cuda),
+            BackendKind::Cuda => cuda().map(|(gpu, max_seq)| Admitted::Cuda(gpu, max_seq)),
             BackendKind::Auto => match cuda() {
-                Ok(gpu) => Ok(Admitted::Cuda(gpu)),
+                Ok((gpu, max_seq)) => Ok(Admitted::Cuda(gpu, max_seq)),
                 Err(Error::BackendUnavailable(_) | Error::OutOfMemory(_)) => Ok(Admitted::Cpu),
                 Err(e) => Err(e),
             },
@@ -145,33 +151,35 @@ impl Engine {
             ));
         }
         let spec = model.spec;
-        let max_seq = Self::max_seq_for(&spec, opts)?;
-        let cuda = |admitted: Option<Admitted>| {
-            let (eos, graph, chunk) = (opts.eos, opts.graph, opts.prefill_chunk);
-            match admitted {
-                Some(Admitted::Cuda(gpu)) => {
-                    CudaBackend::on(gpu, &model, max_seq, eos, graph, chunk)
-                }
-                _ => CudaBackend::new(&model, max_seq, eos, opts.device, graph, chunk),
-            }
+        let wanted = Self::max_seq_for(&spec, opts)?;
+        let admitted = match admitted {
+            Some(admitted) => admitted,
+            None => Self::admit(&spec, opts)?,
         };
-        let backend: Box<dyn Backend> = match (opts.backend, admitted) {
-            (BackendKind::Cpu, _) | (BackendKind::Auto, Some(Admitted::Cpu)) => Box::new(
-                CpuBackend::new(Arc::new(model.into_owned()), max_seq, opts.eos)?,
-            ),
-            (BackendKind::Cuda, admitted) => Box::new(cuda(admitted)?),
-            // No device, or a model too large for it: the CPU runs it.
-            (BackendKind::Auto, admitted) => match cuda(admitted) {
-                Ok(b) => Box::new(b),
-                Err(Error::BackendUnavailable(_) | Error::OutOfMemory(_)) => Box::new(
-                    CpuBackend::new(Arc::new(model.into_owned()), max_seq, opts.eos)?,
-                ),
-                Err(e) => return Err(e),
-            },
+        let cpu = |model: HostModel| -> Result<(Box<dyn Backend>, usize)> {
+            let backend = CpuBackend::new(Arc::new(model.into_owned()), wanted, opts.eos)?;
+            Ok((Box::new(backend), wanted))
+        };
+        let (backend, max_seq) = match admitted {
+            Admitted::Cpu => cpu(model)?,
+            Admitted::Cuda(gpu, max_seq) => {
+                let (eos, graph, chunk) = (opts.eos, opts.graph, opts.prefill_chunk);
+                match CudaBackend::on(gpu, &model, max_seq, eos, graph, chunk) {
+                    Ok(b) => (Box::new(b) as Box<dyn Backend>, max_seq),
+                    // Too large for the device after all: under Auto the CPU runs it.
+                    Err(Error::BackendUnavailable(_) | Error::OutOfMemory(_))
+                        if opts.backend == BackendKind::Auto =>
+                    {
+                        cpu(model)?
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
         };
         Ok(Self {
             spec,
             max_seq,
+            fitted_from: (max_seq < wanted).then_some(wanted),
             backend,
             position: 0,
             finished: false,
@@ -239,6 +247,13 @@ impl Engine {
     /// KV capacity in tokens.
     pub fn max_seq(&self) -> usize {
         self.max_seq
+    }
+
+    /// The model's own capacity, where it did not fit the device with the weights and
+    /// [`Self::max_seq`] is the largest multiple of 256 slots that did (only when the host left
+    /// max_seq to the model); else None.
+    pub fn fitted_from(&self) -> Option<usize> {
+        self.fitted_from
     }
 
     /// KV slots left in this request (host-side count; no device read).

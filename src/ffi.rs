@@ -206,7 +206,8 @@ pub struct dv2_options {
     pub struct_size: u32,
     /// A dv2_backend value.
     pub backend: i32,
-    /// KV capacity in tokens; 0 = the model's own max_seq.
+    /// KV capacity in tokens; 0 = the model's own max_seq (on CUDA, where that does not fit
+    /// the device, the largest multiple of 256 that does).
     pub max_seq: i32,
     /// Token id that ends a request (sets finished); -1 = none; -2 = the model file's own
     /// (its end-of-turn token where it names one, else its EOS; dv2_load only).
@@ -456,10 +457,16 @@ fn engine_options(opts: *const dv2_options) -> Result<EngineOptions> {
 /// # Safety
 /// `out` was checked non-null and is valid for a write.
 unsafe fn hand_out(engine: Engine, out: *mut *mut dv2_engine, what: &str) {
+    let fitted = match engine.fitted_from() {
+        Some(own) => format!(
+            ": the model's {own} with the weights do not fit the device; set max_seq to choose"
+        ),
+        None => String::new(),
+    };
     log(
         dv2_log_level::DV2_LOG_INFO,
         &format!(
-            "loaded {what} on backend {} (max_seq {})",
+            "loaded {what} on backend {} (max_seq {}{fitted})",
             engine.backend_name(),
             engine.max_seq()
         ),

@@ -623,6 +623,61 @@ fn a_model_too_large_for_the_device_is_a_clear_error() {
     assert_eq!(run_case(&mut e, &case).greedy, case.greedy);
 }
 
+/// A model whose own context does not fit the device with its weights, loaded with max_seq left
+/// to it, gets the largest multiple of 256 slots that does (and decodes as the oracle does);
+/// asked for that context outright, it is refused. The shape: 32 layers of 8 KV heads of 64,
+/// 64 KiB of KV cache a slot, so 2^28 slots would take 16 TiB.
+#[test]
+fn a_default_context_too_large_for_the_device_is_fitted_to_it() {
+    let spec = ArchSpec {
+        n_layers: 32,
+        n_kv_heads: 8,
+        max_seq: 1 << 28,
+        ..MEDIUM_LLAMA
+    };
+    let model = synth::build(&spec, 3).unwrap();
+    let prompt = synth::prompt(spec.vocab, 8, 103);
+    let device = exclusive_device();
+    let opts = EngineOptions {
+        backend: BackendKind::Cuda,
+        ..EngineOptions::default()
+    };
+    let Some(mut e) = cuda_or_skip("CUDA engine, fitted", Engine::new(model.clone(), &opts)) else {
+        return;
+    };
+    let fitted = e.max_seq();
+    println!("2^28 slots asked by the model: {fitted} fitted");
+    assert_eq!(e.fitted_from(), Some(1 << 28));
+    assert!(
+        fitted % 256 == 0 && (4096..1 << 28).contains(&fitted),
+        "{fitted}"
+    );
+    let mut ids = vec![e.prefill(&prompt).unwrap()];
+    for _ in 0..15 {
+        ids.push(e.step().unwrap());
+    }
+    drop(e);
+    let explicit = EngineOptions {
+        max_seq: 1 << 28,
+        ..opts
+    };
+    let err = Engine::new(model.clone(), &explicit)
+        .err()
+        .expect("must not fit");
+    assert!(matches!(err, Error::OutOfMemory(_)), "{err:?}");
+    drop(device);
+    // The oracle at a capacity of 64: the same weights, RoPE and ids.
+    let small = HostModel {
+        spec: ArchSpec {
+            max_seq: 64,
+            ..spec
+        },
+        ..model
+    };
+    let ties = greedy_near_ties(&small, &prompt, &ids, 0.05, "fitted");
+    println!("fitted: 16 ids, swaps at near-ties (step, oracle gap): {ties:?}");
+}
+
 /// Decode past 1,024 slots: more than 32 attention chunks for the decode step to merge (35 in
 /// use: the merge's CTA-wide path), on tiny_llama (head_dim 16) and medium_llama (64).
 #[test]

@@ -54,6 +54,30 @@ pub fn weight_bytes(s: &ArchSpec) -> usize {
     s.n_layers * per_layer + heads * nf4(s.vocab, s.hidden) + s.hidden * 2
 }
 
+/// KV capacities fitted to a device ([`largest_fitting`]) are multiples of this many slots.
+pub const FIT_STEP: usize = 256;
+
+/// The largest multiple of [`FIT_STEP`] up to `limit` for which `fits` holds, or None where not
+/// even one step does. `fits` must be monotone (a budget that fits some capacity fits every
+/// smaller one), as [`estimate`]'s total is.
+pub fn largest_fitting(limit: usize, fits: impl Fn(usize) -> bool) -> Option<usize> {
+    let mut most = limit / FIT_STEP;
+    if most == 0 || !fits(FIT_STEP) {
+        return None;
+    }
+    // Steps: `least` fits; `most` bounds the answer from above.
+    let mut least = 1;
+    while least < most {
+        let mid = least + (most - least).div_ceil(2);
+        if fits(mid * FIT_STEP) {
+            least = mid;
+        } else {
+            most = mid - 1;
+        }
+    }
+    Some(least * FIT_STEP)
+}
+
 /// Slots per layer in the KV cache: max_seq plus one poisoned guard slot.
 pub fn kv_stride(max_seq: usize) -> usize {
     max_seq + 1
@@ -149,6 +173,21 @@ pub fn estimate(s: &ArchSpec, max_seq: usize, chunk: usize) -> Budget {
 mod tests {
     use super::*;
     use crate::arch::QWEN25_3B;
+
+    #[test]
+    fn the_largest_fitting_capacity_is_a_whole_step() {
+        // Every capacity up to 10,000 slots fits: 39 steps of 256 (9,984).
+        assert_eq!(largest_fitting(131_072, |m| m <= 10_000), Some(9_984));
+        assert_eq!(largest_fitting(131_072, |m| m <= 131_072), Some(131_072));
+        assert_eq!(largest_fitting(1_000, |_| true), Some(768));
+        assert_eq!(largest_fitting(131_072, |m| m < 256), None);
+        assert_eq!(largest_fitting(100, |_| true), None);
+        // On the budget itself: the 3B shape's weights and a KV cache in 8 GiB.
+        let s = QWEN25_3B;
+        let fits = |m: usize| estimate(&s, m, 512).check(8 << 30, 80 << 30).is_ok();
+        let m = largest_fitting(1 << 20, fits).unwrap();
+        assert!(fits(m) && !fits(m + FIT_STEP), "{m}");
+    }
 
     #[test]
     fn too_big_names_both_numbers() {

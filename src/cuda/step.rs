@@ -115,20 +115,37 @@ impl CudaBackend {
     /// alone: a device, the kernels' limits, then the VRAM budget against the device's free
     /// memory (at the requested prefill chunk; [`Self::new`] checks again at the chunk it
     /// settles on). The engine asks before reading any weight, so a refused model fails in
-    /// well under a second. Returns the device opened, for [`Self::on`]: a context dropped
-    /// between the two would be created again.
-    pub fn admit(s: &ArchSpec, max_seq: usize, device: usize, chunk: usize) -> Result<Gpu> {
+    /// well under a second. With `fit` (the host left max_seq to the model), a capacity past the
+    /// budget becomes the largest multiple of [`budget::FIT_STEP`] within it. Returns the device
+    /// opened, for [`Self::on`] (a context dropped between the two would be created again), and
+    /// the capacity.
+    pub fn admit(
+        s: &ArchSpec,
+        max_seq: usize,
+        fit: bool,
+        device: usize,
+        chunk: usize,
+    ) -> Result<(Gpu, usize)> {
         let cfg = Config::from_env();
         let gpu = Gpu::open(device, &cfg)?;
         check_shape(s)?;
         let (free, total) = gpu.memory()?;
-        let chunk = if cfg.prefill_by_steps {
-            0
-        } else {
-            chunk_size(chunk, cfg.prefill_chunk.as_deref(), max_seq)?
+        let budget_at = |max_seq: usize| {
+            let chunk = if cfg.prefill_by_steps {
+                0
+            } else {
+                chunk_size(chunk, cfg.prefill_chunk.as_deref(), max_seq)?
+            };
+            budget::estimate(s, max_seq, chunk).check(free, total)
         };
-        budget::estimate(s, max_seq, chunk).check(free, total)?;
-        Ok(gpu)
+        match budget_at(max_seq) {
+            Err(Error::OutOfMemory(why)) if fit => {
+                let fitted = budget::largest_fitting(max_seq, |m| budget_at(m).is_ok())
+                    .ok_or(Error::OutOfMemory(why))?;
+                Ok((gpu, fitted))
+            }
+            checked => checked.map(|()| (gpu, max_seq)),
+        }
     }
 
     /// Opens `device`, then [`Self::on`] it.
