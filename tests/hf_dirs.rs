@@ -226,6 +226,9 @@ fn bad_directories_are_named_errors() {
     );
     w.config["rope_scaling"] = serde_json::json!("llama3");
     check("rope-form", &w, "rope_scaling \"llama3\" is not an object");
+    w = HfWriter::tiny("LlamaForCausalLM");
+    w.config["partial_rotary_factor"] = serde_json::json!(0.5);
+    check("partial-rotary", &w, "partial_rotary_factor 0.5");
     w = HfWriter::tiny("Qwen2ForCausalLM");
     w.config["use_sliding_window"] = serde_json::json!(true);
     check("window", &w, "use_sliding_window");

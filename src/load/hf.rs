@@ -233,6 +233,16 @@ fn rope_from_config(c: &Value, path: &Path) -> Result<(f64, RopeScaling)> {
         .as_f64()
         .or(c["rope_theta"].as_f64())
         .unwrap_or(10000.0);
+    // transformers rotates only this share of each head where a config sets it below 1.
+    let partial = c["rope_parameters"]["partial_rotary_factor"]
+        .as_f64()
+        .or(c["partial_rotary_factor"].as_f64());
+    if let Some(share) = partial.filter(|share| *share != 1.0) {
+        return Err(Error::Unsupported(format!(
+            "{}: partial_rotary_factor {share} (RoPE over part of each head)",
+            path.display()
+        )));
+    }
     let (key, params) = match &c["rope_scaling"] {
         Value::Null => ("rope_parameters", &c["rope_parameters"]),
         scaling => ("rope_scaling", scaling),
