@@ -292,6 +292,16 @@ fn every_inconsistency_is_named() {
     let mut w = GgufWriter::tiny_llama();
     w.set_meta("llama.attention.key_length", Meta::U32(32));
     assert!(load_err("key_length.gguf", &w).contains("blk.0.attn_q.weight has dims [64, 64]"));
+    // A tensor the reader would pass over: an o-projection bias.
+    let mut w = GgufWriter::tiny_llama();
+    w.tensors
+        .push(("blk.0.attn_output.bias".into(), vec![64], vec![0.5; 64]));
+    assert!(load_err("o_bias.gguf", &w).contains("tensor blk.0.attn_output.bias (1 unread in all)"));
+    let mut w = GgufWriter::tiny_llama();
+    w.tensors
+        .push(("blk.1.attn_norm.weight".into(), vec![64], vec![1.0; 64]));
+    assert!(load_err("layer_past.gguf", &w).contains("tensor blk.1.attn_norm.weight"));
+
     let mut w = GgufWriter::tiny_llama();
     w.set_meta("llama.expert_count", Meta::U32(8));
     assert!(load_err("experts.gguf", &w).contains("a mixture of 8 experts"));

@@ -408,11 +408,53 @@ impl Gguf {
             other => other,
         };
         spec.validate().map_err(invalid)?;
+        self.every_tensor_is_read(&spec)?;
         let rope_scaling = self.rope_scaling(arch, head_dim, spec.max_seq)?;
         rope_scaling
             .divisors(head_dim, spec.rope_theta)
             .map_err(invalid)?;
         Ok((spec, permuted, rope_scaling))
+    }
+
+    /// Every tensor of the file must be one this reader takes for `spec`: one it would pass over
+    /// (an o-projection or FFN bias, a q/k norm, an expert) changes the model's output, so the
+    /// file is refused naming it, as llama.cpp refuses tensors its architecture does not create.
+    fn every_tensor_is_read(&self, spec: &ArchSpec) -> Result<()> {
+        const LAYER: [&str; 9] = [
+            "attn_norm.weight",
+            "attn_q.weight",
+            "attn_k.weight",
+            "attn_v.weight",
+            "attn_output.weight",
+            "ffn_norm.weight",
+            "ffn_gate.weight",
+            "ffn_up.weight",
+            "ffn_down.weight",
+        ];
+        const QKV_BIAS: [&str; 3] = ["attn_q.bias", "attn_k.bias", "attn_v.bias"];
+        let read = |name: &str| match name.strip_prefix("blk.").and_then(|r| r.split_once('.')) {
+            Some((layer, rest)) => {
+                layer.parse::<usize>().is_ok_and(|l| l < spec.n_layers)
+                    && (LAYER.contains(&rest) || (spec.qkv_bias && QKV_BIAS.contains(&rest)))
+            }
+            None => {
+                matches!(
+                    name,
+                    "token_embd.weight" | "output_norm.weight" | "rope_freqs.weight"
+                ) || (name == "output.weight" && !spec.tied_embed)
+            }
+        };
+        let mut unread: Vec<&String> = self.tensors.keys().filter(|n| !read(n)).collect();
+        unread.sort();
+        match unread.first() {
+            None => Ok(()),
+            Some(first) => Err(Error::Unsupported(format!(
+                "{}: tensor {first} ({} unread in all) is not one decodev2 reads, and would change \
+                 the model's output",
+                self.name,
+                unread.len()
+            ))),
+        }
     }
 
     /// RoPE's scaling as llama.cpp reads it: a linear factor (`rope.scaling.factor`, or the
