@@ -226,6 +226,25 @@ fn bad_directories_are_named_errors() {
     );
     w.config["rope_scaling"] = serde_json::json!("llama3");
     check("rope-form", &w, "rope_scaling \"llama3\" is not an object");
+    // A tensor the loader would pass over: an o-projection bias (an old checkpoint's
+    // rotary_emb.inv_freq buffer, which config.json determines, loads).
+    w = HfWriter::tiny("LlamaForCausalLM");
+    w.tensors.push((
+        "model.layers.0.self_attn.rotary_emb.inv_freq".into(),
+        vec![8],
+        vec![1.0; 8],
+    ));
+    load(&dir_written(&w, "inv-freq")).expect("an inv_freq buffer loads");
+    w.tensors.push((
+        "model.layers.0.self_attn.o_proj.bias".into(),
+        vec![64],
+        vec![0.5; 64],
+    ));
+    check(
+        "o-bias",
+        &w,
+        "tensor model.layers.0.self_attn.o_proj.bias (1 unread in all)",
+    );
     w = HfWriter::tiny("LlamaForCausalLM");
     w.config["partial_rotary_factor"] = serde_json::json!(0.5);
     check("partial-rotary", &w, "partial_rotary_factor 0.5");

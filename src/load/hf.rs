@@ -118,6 +118,74 @@ impl Shards {
         self.index.contains_key(name)
     }
 
+    /// Every tensor of the directory must be one [`load`] takes for `spec` (with a bitsandbytes
+    /// linear's quant state beside it, and the `rotary_emb.inv_freq` buffers old checkpoints
+    /// carry, which config.json determines): one it would pass over (an o-projection or MLP
+    /// bias, a q/k norm, a layer past num_hidden_layers) changes the model's output, so the
+    /// directory is refused naming it.
+    fn every_tensor_is_read(&self, spec: &ArchSpec) -> Result<()> {
+        const LINEARS: [&str; 7] = [
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        ];
+        const QUANT_STATE: [&str; 5] = [
+            "absmax",
+            "quant_map",
+            "nested_absmax",
+            "nested_quant_map",
+            "quant_state.bitsandbytes__nf4",
+        ];
+        let in_layer = |rest: &str| {
+            let linear = rest.split_once(".weight").is_some_and(|(linear, part)| {
+                LINEARS.contains(&linear)
+                    && (part.is_empty()
+                        || part
+                            .strip_prefix('.')
+                            .is_some_and(|s| QUANT_STATE.contains(&s)))
+            });
+            let bias = rest
+                .strip_suffix(".bias")
+                .is_some_and(|l| spec.qkv_bias && LINEARS[..3].contains(&l));
+            linear
+                || bias
+                || matches!(
+                    rest,
+                    "input_layernorm.weight"
+                        | "post_attention_layernorm.weight"
+                        | "self_attn.rotary_emb.inv_freq"
+                )
+        };
+        let read = |name: &str| match name
+            .strip_prefix("model.layers.")
+            .and_then(|r| r.split_once('.'))
+        {
+            Some((layer, rest)) => {
+                layer.parse::<usize>().is_ok_and(|l| l < spec.n_layers) && in_layer(rest)
+            }
+            None => {
+                matches!(
+                    name,
+                    "model.embed_tokens.weight" | "model.norm.weight" | "model.rotary_emb.inv_freq"
+                ) || (name == "lm_head.weight" && !spec.tied_embed)
+            }
+        };
+        let mut unread: Vec<&String> = self.index.keys().filter(|n| !read(n)).collect();
+        unread.sort();
+        match unread.first() {
+            None => Ok(()),
+            Some(first) => Err(Error::Unsupported(format!(
+                "tensor {first} ({} unread in all) is not one decodev2 reads, and would change the \
+                 model's output",
+                unread.len()
+            ))),
+        }
+    }
+
     /// Checks shape `[rows, cols]` (rows = 0: a vector of cols) and dtype; returns a row reader.
     fn rows(&self, name: &str, rows: usize, cols: usize) -> Result<RowReader<'_>> {
         let (dtype, shape, data, path) = self.get(name)?;
@@ -414,6 +482,7 @@ pub fn load(dir: &Path, admit: super::Admit) -> Result<HostModel> {
     if spec.tied_embed && shards.has("lm_head.weight") {
         spec.tied_embed = false;
     }
+    shards.every_tensor_is_read(&spec)?;
     admit(&spec)?;
     let mut layers = Vec::with_capacity(spec.n_layers);
     for i in 0..spec.n_layers {
