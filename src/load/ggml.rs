@@ -21,6 +21,7 @@ pub enum GgmlType {
     Q4K,
     Q5K,
     Q6K,
+    Iq4Nl,
 }
 
 impl GgmlType {
@@ -38,6 +39,7 @@ impl GgmlType {
             12 => Self::Q4K,
             13 => Self::Q5K,
             14 => Self::Q6K,
+            20 => Self::Iq4Nl,
             30 => Self::Bf16,
             _ => return None,
         })
@@ -58,6 +60,7 @@ impl GgmlType {
             Self::Q4K => (256, 144),
             Self::Q5K => (256, 176),
             Self::Q6K => (256, 210),
+            Self::Iq4Nl => (32, 18),
         }
     }
 
@@ -91,6 +94,7 @@ impl GgmlType {
                 Self::Q4K => q4_k(b, y),
                 Self::Q5K => q5_k(b, y),
                 Self::Q6K => q6_k(b, y),
+                Self::Iq4Nl => iq4_nl(b, y),
             }
         }
     }
@@ -143,6 +147,21 @@ fn q5_1(b: &[u8], y: &mut [f32]) {
     let (d, m) = (f16_at(b, 0), f16_at(b, 2));
     for (y, q) in y.iter_mut().zip(q5_quants(&b[4..8], &b[8..24])) {
         *y = q as f32 * d + m;
+    }
+}
+
+/// IQ4_NL's 16 non-linear levels (ggml's `kvalues_iq4nl`).
+const IQ4_NL_LEVELS: [i8; 16] = [
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+];
+
+/// d (f16), 16 bytes of nibbles as Q4_0's, each an index into [`IQ4_NL_LEVELS`]. What
+/// llama.cpp writes for a Q2_K / Q3_K file's tensors whose rows are not whole super-blocks.
+fn iq4_nl(b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, 0);
+    for (j, q) in b[2..18].iter().enumerate() {
+        y[j] = d * IQ4_NL_LEVELS[(q & 0x0f) as usize] as f32;
+        y[j + 16] = d * IQ4_NL_LEVELS[(q >> 4) as usize] as f32;
     }
 }
 
@@ -349,7 +368,7 @@ mod tests {
         let fixture: serde_json::Value =
             serde_json::from_str(include_str!("../../tests/fixtures/ggml_blocks.json")).unwrap();
         let cases = fixture["cases"].as_array().unwrap();
-        assert_eq!(cases.len(), 10);
+        assert_eq!(cases.len(), 11);
         for case in cases {
             let name = case["name"].as_str().unwrap();
             let ty = GgmlType::from_id(case["type"].as_u64().unwrap() as u32).expect(name);
