@@ -8,6 +8,7 @@ use common::gguf_writer::{GgufWriter, Meta};
 use decodev2::load::load;
 use decodev2::model::QkvWeights;
 use decodev2::nf4::Nf4Matrix;
+use decodev2::oracle::{step_logits, KvCache};
 use decodev2::rope::{RopeScaling, RopeTable};
 use decodev2::Error;
 
@@ -269,6 +270,50 @@ fn heads_wider_than_hidden_over_heads_load() {
     let mut engine = decodev2::engine::Engine::new(model, &opts).unwrap();
     engine.prefill(&[1, 5, 9]).unwrap();
     engine.step().unwrap();
+}
+
+/// A split GGUF (llama.cpp's `gguf-split`: NAME-00001-of-00003.gguf and its siblings, the
+/// metadata in the first, each part's tensors in its own data section) loads from its first
+/// part as the unsplit file does; a later part or a missing one is a clear error.
+#[test]
+fn a_split_file_loads_from_its_first_part() {
+    let whole = GgufWriter::tiny_llama();
+    let parts: Vec<GgufWriter> = (0..3)
+        .map(|p| {
+            let mut w = GgufWriter {
+                meta: if p == 0 {
+                    whole.meta.clone()
+                } else {
+                    Vec::new()
+                },
+                tensors: whole.tensors.iter().skip(p).step_by(3).cloned().collect(),
+            };
+            w.set_meta("split.no", Meta::U32(p as u32));
+            w.set_meta("split.count", Meta::U32(3));
+            w.set_meta("split.tensors.count", Meta::U32(whole.tensors.len() as u32));
+            w
+        })
+        .collect();
+    let paths: Vec<_> = parts
+        .iter()
+        .enumerate()
+        .map(|(p, w)| write(&format!("split-{:05}-of-00003.gguf", p + 1), &w.bytes()))
+        .collect();
+    let split = load(&paths[0]).unwrap();
+    let single = load(&write("unsplit.gguf", &whole.bytes())).unwrap();
+    let logits = |m: &decodev2::model::HostModel| {
+        let mut kv = KvCache::new(&m.spec, 8).unwrap();
+        step_logits(m, &mut kv, &[1, 7, 3], 0).unwrap()
+    };
+    assert_eq!(logits(&split), logits(&single));
+    let err = load(&paths[1]).unwrap_err().to_string();
+    assert!(
+        err.contains("part 2 of 3 of a split GGUF: open the first part"),
+        "{err}"
+    );
+    std::fs::remove_file(&paths[2]).unwrap();
+    let err = load(&paths[0]).unwrap_err().to_string();
+    assert!(err.contains("split-00003-of-00003.gguf"), "{err}");
 }
 
 #[test]

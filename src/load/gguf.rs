@@ -28,18 +28,21 @@ pub enum Value {
     Array(Vec<Value>),
 }
 
-/// One tensor of the directory: ggml dims (`dims[0]` varies fastest), type, byte range.
+/// One tensor of the directory: ggml dims (`dims[0]` varies fastest), type, byte range in the
+/// map of part `part` (0 for an unsplit file).
 #[derive(Clone, Debug)]
 pub struct TensorInfo {
     pub dims: Vec<usize>,
     pub ty: GgmlType,
     pub start: usize,
     pub len: usize,
+    pub part: usize,
 }
 
-/// A parsed GGUF file over its memory map.
+/// A parsed GGUF file over its memory map, or the parts of a split one (llama.cpp's
+/// `gguf-split`: `NAME-00001-of-00003.gguf` and its siblings) over theirs.
 pub struct Gguf {
-    map: memmap2::Mmap,
+    maps: Vec<memmap2::Mmap>,
     pub version: u32,
     pub meta: HashMap<String, Value>,
     pub tensors: HashMap<String, TensorInfo>,
@@ -122,24 +125,94 @@ impl<'a> Cursor<'a> {
 }
 
 impl Gguf {
+    /// Opens a GGUF file; the first part of a split one brings its other parts, which lie
+    /// beside it under the names llama.cpp's `gguf-split` gives them.
     pub fn open(path: &Path) -> Result<Self> {
+        let name = path.display().to_string();
+        let (map, version, meta, mut tensors) = Self::open_part(path, 0)?;
+        let mut maps = vec![map];
+        let count = |meta: &HashMap<String, Value>, key: &str| match meta.get(key) {
+            Some(Value::Int(v)) => Some(*v),
+            _ => None,
+        };
+        let parts = count(&meta, "split.count").unwrap_or(1);
+        if parts > 1 {
+            let no = count(&meta, "split.no").unwrap_or(0);
+            if no != 0 {
+                return Err(Error::InvalidArgument(format!(
+                    "{name} is part {} of {parts} of a split GGUF: open the first part",
+                    no + 1
+                )));
+            }
+            let prefix = name
+                .strip_suffix(&format!("-00001-of-{parts:05}.gguf"))
+                .ok_or_else(|| {
+                    Error::ModelFile(format!(
+                        "{name}: split.count is {parts}, but the name does not end in \
+                         -00001-of-{parts:05}.gguf, so its other parts cannot be found"
+                    ))
+                })?;
+            for part in 1..parts as usize {
+                let path = format!("{prefix}-{:05}-of-{parts:05}.gguf", part + 1);
+                let (map, _, part_meta, part_tensors) = Self::open_part(Path::new(&path), part)?;
+                if count(&part_meta, "split.no") != Some(part as i64)
+                    || count(&part_meta, "split.count") != Some(parts)
+                {
+                    return Err(Error::ModelFile(format!(
+                        "{path}: its split.no / split.count do not say part {} of {parts}",
+                        part + 1
+                    )));
+                }
+                for (tensor, info) in part_tensors {
+                    if tensors.insert(tensor.clone(), info).is_some() {
+                        return Err(Error::ModelFile(format!(
+                            "{path}: tensor {tensor} is in two parts"
+                        )));
+                    }
+                }
+                maps.push(map);
+            }
+        }
+        if let Some(n) = count(&meta, "split.tensors.count") {
+            if n != tensors.len() as i64 {
+                return Err(Error::ModelFile(format!(
+                    "{name}: split.tensors.count is {n}, the parts hold {}",
+                    tensors.len()
+                )));
+            }
+        }
+        Ok(Self {
+            maps,
+            version,
+            meta,
+            tensors,
+            name,
+        })
+    }
+
+    /// One file's map and its parse, its tensors marked as part `part`.
+    #[allow(clippy::type_complexity)]
+    fn open_part(
+        path: &Path,
+        part: usize,
+    ) -> Result<(
+        memmap2::Mmap,
+        u32,
+        HashMap<String, Value>,
+        HashMap<String, TensorInfo>,
+    )> {
         let name = path.display().to_string();
         let file = super::open_regular(path)?;
         // SAFETY: the map is read-only; a file truncated by another process while mapped is
         // outside what any mmap-based loader can guard against (documented in docs/api.md).
         let map =
             unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::Io(format!("{name}: {e}")))?;
-        let (version, meta, tensors) = Self::parse(&map).map_err(|e| match e {
+        let (version, meta, mut tensors) = Self::parse(&map).map_err(|e| match e {
             Error::ModelFile(m) => Error::ModelFile(format!("{name}: {m}")),
             other => other,
         })?;
-        Ok(Self {
-            map,
-            version,
-            meta,
-            tensors,
-            name,
-        })
+        tensors.values_mut().for_each(|t| t.part = part);
+        Ok((map, version, meta, tensors))
     }
 
     #[allow(clippy::type_complexity)]
@@ -210,6 +283,7 @@ impl Gguf {
                     ty,
                     start,
                     len,
+                    part: 0,
                 },
             );
         }
@@ -277,7 +351,7 @@ impl Gguf {
     }
 
     fn bytes(&self, t: &TensorInfo) -> &[u8] {
-        &self.map[t.start..t.start + t.len]
+        &self.maps[t.part][t.start..t.start + t.len]
     }
 
     /// A vector tensor in f32.
