@@ -22,6 +22,7 @@ pub enum GgmlType {
     Q5K,
     Q6K,
     Iq4Nl,
+    Iq4Xs,
 }
 
 impl GgmlType {
@@ -40,6 +41,7 @@ impl GgmlType {
             13 => Self::Q5K,
             14 => Self::Q6K,
             20 => Self::Iq4Nl,
+            23 => Self::Iq4Xs,
             30 => Self::Bf16,
             _ => return None,
         })
@@ -61,6 +63,7 @@ impl GgmlType {
             Self::Q5K => (256, 176),
             Self::Q6K => (256, 210),
             Self::Iq4Nl => (32, 18),
+            Self::Iq4Xs => (256, 136),
         }
     }
 
@@ -95,6 +98,7 @@ impl GgmlType {
                 Self::Q5K => q5_k(b, y),
                 Self::Q6K => q6_k(b, y),
                 Self::Iq4Nl => iq4_nl(b, y),
+                Self::Iq4Xs => iq4_xs(b, y),
             }
         }
     }
@@ -162,6 +166,23 @@ fn iq4_nl(b: &[u8], y: &mut [f32]) {
     for (j, q) in b[2..18].iter().enumerate() {
         y[j] = d * IQ4_NL_LEVELS[(q & 0x0f) as usize] as f32;
         y[j + 16] = d * IQ4_NL_LEVELS[(q >> 4) as usize] as f32;
+    }
+}
+
+/// d (f16), scales_h (u16), scales_l[4], qs[128]: 8 sub-blocks of 32 as IQ4_NL's, each with a
+/// 6-bit scale (minus 32): its low 4 bits a nibble of scales_l, its high 2 from scales_h.
+fn iq4_xs(b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, 0);
+    let scales_h = u16::from_le_bytes([b[2], b[3]]);
+    let (scales_l, qs) = (&b[4..8], &b[8..136]);
+    for (s, (q, y)) in qs.chunks_exact(16).zip(y.chunks_exact_mut(32)).enumerate() {
+        let low = (scales_l[s / 2] >> (4 * (s % 2))) & 0x0f;
+        let high = ((scales_h >> (2 * s)) & 3) as u8;
+        let dl = d * ((low | high << 4) as i32 - 32) as f32;
+        for (j, byte) in q.iter().enumerate() {
+            y[j] = dl * IQ4_NL_LEVELS[(byte & 0x0f) as usize] as f32;
+            y[j + 16] = dl * IQ4_NL_LEVELS[(byte >> 4) as usize] as f32;
+        }
     }
 }
 
@@ -368,7 +389,7 @@ mod tests {
         let fixture: serde_json::Value =
             serde_json::from_str(include_str!("../../tests/fixtures/ggml_blocks.json")).unwrap();
         let cases = fixture["cases"].as_array().unwrap();
-        assert_eq!(cases.len(), 11);
+        assert_eq!(cases.len(), 12);
         for case in cases {
             let name = case["name"].as_str().unwrap();
             let ty = GgmlType::from_id(case["type"].as_u64().unwrap() as u32).expect(name);
