@@ -46,6 +46,11 @@ pub enum RopeScaling {
         truncate: bool,
         attention_factor: f32,
     },
+    /// Dynamic NTK (`dynamic` in a Hugging Face config; InternLM2's): the plain frequencies up
+    /// to `max_position` positions, where transformers starts raising the base with the
+    /// sequence's length. Past it the frequencies depend on the request's own length, which
+    /// these tables cannot hold, so a table longer than `max_position` is refused.
+    DynamicNtk { factor: f32, max_position: usize },
 }
 
 /// `v` as f64 when finite and > 0; else an error naming the parameter.
@@ -78,6 +83,10 @@ impl RopeScaling {
         let half = head_dim / 2;
         match self {
             Self::None => Ok(vec![1.0; half]),
+            Self::DynamicNtk { factor, .. } => {
+                positive("factor", *factor)?;
+                Ok(vec![1.0; half])
+            }
             Self::Linear { factor } => Ok(vec![positive("factor", *factor)?; half]),
             Self::Llama3 {
                 factor,
@@ -194,6 +203,15 @@ impl RopeTable {
     pub fn new(max_seq: usize, head_dim: usize, theta: f32, scaling: &RopeScaling) -> Result<Self> {
         let half = head_dim / 2;
         let divisors = scaling.divisors(head_dim, theta)?;
+        if let RopeScaling::DynamicNtk { max_position, .. } = *scaling {
+            if max_seq > max_position {
+                return Err(Error::Unsupported(format!(
+                    "RoPE scaling dynamic: past {max_position} positions (max_position_embeddings) \
+                     its frequencies follow the request's length, which decodev2 does not compute; \
+                     set max_seq to {max_position} or less (asked: {max_seq})"
+                )));
+            }
+        }
         let len = max_seq.checked_mul(half).ok_or_else(|| {
             Error::OutOfMemory(format!("RoPE tables for {max_seq} positions overflow"))
         })?;
@@ -336,6 +354,23 @@ mod tests {
         assert_eq!(table.cos[0], m as f32);
         let (c, s) = (table.cos[3 * 64 + 5] as f64, table.sin[3 * 64 + 5] as f64);
         assert!(((c * c + s * s).sqrt() - m).abs() < 1e-6);
+    }
+
+    #[test]
+    fn dynamic_ntk_is_the_plain_rope_within_its_length_and_refused_past_it() {
+        let dynamic = RopeScaling::DynamicNtk {
+            factor: 2.0,
+            max_position: 64,
+        };
+        let plain = RopeTable::new(64, 16, 10_000.0, &RopeScaling::None).unwrap();
+        let within = RopeTable::new(64, 16, 10_000.0, &dynamic).unwrap();
+        assert_eq!((within.cos, within.sin), (plain.cos, plain.sin));
+        let err = RopeTable::new(65, 16, 10_000.0, &dynamic).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("set max_seq to 64 or less (asked: 65)"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -162,6 +162,9 @@ fn whole(v: f32) -> serde_json::Value {
 fn rope_scaling(scaling: &RopeScaling) -> Result<serde_json::Value> {
     Ok(match scaling {
         RopeScaling::None => serde_json::Value::Null,
+        // Plain frequencies up to max_position_embeddings (config() writes the model's
+        // max_seq there, at most the horizon read); transformers raises the base only past it.
+        RopeScaling::DynamicNtk { factor, .. } => json!({"rope_type": "dynamic", "factor": factor}),
         RopeScaling::Linear { factor } => json!({"rope_type": "linear", "factor": factor}),
         RopeScaling::Llama3 {
             factor,

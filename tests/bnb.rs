@@ -112,6 +112,13 @@ fn rope_scaling_is_written_and_read_back() {
         ),
         ("linear", RopeScaling::Linear { factor: 2.5 }),
         (
+            "dynamic",
+            RopeScaling::DynamicNtk {
+                factor: 2.0,
+                max_position: TINY_LLAMA.max_seq,
+            },
+        ),
+        (
             "yarn",
             RopeScaling::Yarn {
                 factor: 4.0,

@@ -146,6 +146,33 @@ fn rope_scaling_from_either_config_generation() {
     q.write(&d, 1);
     assert_eq!(load(&d).unwrap().rope_scaling, yarn(1.25));
 
+    // Dynamic NTK (InternLM2's): the plain frequencies within max_position_embeddings, and an
+    // engine asked for more is refused.
+    let mut n = HfWriter::tiny("LlamaForCausalLM");
+    n.config["rope_scaling"] = serde_json::json!({"type": "dynamic", "factor": 2.0});
+    let ntk = load(&dir_written(&n, "dynamic")).unwrap();
+    assert_eq!(
+        ntk.rope_scaling,
+        RopeScaling::DynamicNtk {
+            factor: 2.0,
+            max_position: 16
+        }
+    );
+    let cpu = |max_seq| EngineOptions {
+        backend: BackendKind::Cpu,
+        max_seq,
+        ..EngineOptions::default()
+    };
+    Engine::new(ntk.clone(), &cpu(0)).expect("the model's own 16 positions");
+    let err = Engine::new(ntk, &cpu(32))
+        .err()
+        .expect("past max_position_embeddings");
+    assert!(
+        err.to_string()
+            .contains("set max_seq to 16 or less (asked: 32)"),
+        "{err}"
+    );
+
     // The older key name `type`, and linear interpolation.
     w.config["rope_scaling"] = serde_json::json!({"type": "linear", "factor": 2.0});
     let d = dir("linear");
@@ -203,8 +230,8 @@ fn bad_directories_are_named_errors() {
     let mut w = HfWriter::tiny("GPT2LMHeadModel");
     check("arch", &w, "GPT2LMHeadModel");
     w = HfWriter::tiny("LlamaForCausalLM");
-    w.config["rope_scaling"] = serde_json::json!({"type": "dynamic", "factor": 2.0});
-    check("rope", &w, "rope_scaling of type dynamic");
+    w.config["rope_scaling"] = serde_json::json!({"type": "longrope", "factor": 2.0});
+    check("rope", &w, "rope_scaling of type longrope");
     w = HfWriter::tiny("LlamaForCausalLM");
     w.config["rope_parameters"] = serde_json::json!({"rope_type": "longrope", "rope_theta": 1e6});
     check("rope5", &w, "rope_parameters of type longrope");

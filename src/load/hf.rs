@@ -335,6 +335,12 @@ fn rope_from_config(c: &Value, path: &Path) -> Result<(f64, RopeScaling)> {
         "linear" => RopeScaling::Linear {
             factor: number("factor")?,
         },
+        "dynamic" => RopeScaling::DynamicNtk {
+            factor: number("factor")?,
+            max_position: c["max_position_embeddings"].as_u64().ok_or_else(|| {
+                file_err(path, "rope scaling dynamic without max_position_embeddings")
+            })? as usize,
+        },
         "llama3" => RopeScaling::Llama3 {
             factor: number("factor")?,
             low_freq_factor: number("low_freq_factor")?,
@@ -366,7 +372,7 @@ fn rope_from_config(c: &Value, path: &Path) -> Result<(f64, RopeScaling)> {
         }
         other => {
             return Err(Error::Unsupported(format!(
-                "{}: {key} of type {other} (default, linear, llama3 and yarn are read)",
+                "{}: {key} of type {other} (default, linear, llama3, yarn and dynamic are read)",
                 path.display()
             )))
         }
