@@ -10,6 +10,7 @@ use decodev2::engine::{BackendKind, Engine, EngineOptions};
 use decodev2::load::load;
 use decodev2::model::QkvWeights;
 use decodev2::nf4::Nf4Matrix;
+use decodev2::oracle::{step_logits, KvCache};
 use decodev2::rope::RopeScaling;
 use decodev2::Error;
 
@@ -323,6 +324,71 @@ fn bad_directories_are_named_errors() {
         .unwrap_err()
         .to_string()
         .contains("no model.safetensors"));
+}
+
+/// InternLM2's own checkpoint layout (its remote code's names, one fused wqkv in its grouped
+/// packing): tiny_internlm's synthetic weights written that way load back to the same model,
+/// the oracle's logits bit for bit (every NF4 block re-quantizes to its codes and scale).
+#[test]
+fn an_internlm2_directory_loads_its_fused_wqkv() {
+    use decodev2::arch::TINY_INTERNLM;
+    let model = decodev2::synth::build(&TINY_INTERNLM, 5).unwrap();
+    let s = model.spec;
+    let matrix = |name: String, m: &Nf4Matrix| (name, vec![m.rows, m.cols], m.dequantize());
+    let norm = |name: String, w: &[half::bf16]| {
+        let values: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
+        (name, vec![values.len()], values)
+    };
+    let mut tensors = vec![
+        matrix("model.tok_embeddings.weight".into(), &model.embed),
+        norm("model.norm.weight".into(), &model.final_norm),
+    ];
+    if let Some(head) = &model.lm_head {
+        tensors.push(matrix("output.weight".into(), head));
+    }
+    for (i, l) in model.layers.iter().enumerate() {
+        let p = |t: &str| format!("model.layers.{i}.{t}");
+        let QkvWeights::InternlmFused { wqkv } = &l.qkv else {
+            panic!("tiny_internlm keeps a fused wqkv")
+        };
+        tensors.extend([
+            norm(p("attention_norm.weight"), &l.attn_norm),
+            matrix(p("attention.wqkv.weight"), wqkv),
+            matrix(p("attention.wo.weight"), &l.o),
+            norm(p("ffn_norm.weight"), &l.ffn_norm),
+            matrix(p("feed_forward.w1.weight"), &l.gate),
+            matrix(p("feed_forward.w3.weight"), &l.up),
+            matrix(p("feed_forward.w2.weight"), &l.down),
+        ]);
+    }
+    let config = serde_json::json!({
+        "architectures": ["InternLM2ForCausalLM"], "model_type": "internlm2", "bias": false,
+        "hidden_size": s.hidden, "intermediate_size": s.intermediate,
+        "num_hidden_layers": s.n_layers, "num_attention_heads": s.n_q_heads,
+        "num_key_value_heads": s.n_kv_heads, "vocab_size": s.vocab,
+        "max_position_embeddings": s.max_seq, "rms_norm_eps": s.rms_eps,
+        "rope_theta": s.rope_theta, "tie_word_embeddings": s.tied_embed, "hidden_act": "silu",
+    });
+    let w = HfWriter {
+        config,
+        tensors,
+        dtype: "F32",
+    };
+    let back = load(&dir_written(&w, "internlm2")).unwrap();
+    assert_eq!(back.spec, s);
+    let logits = |m: &decodev2::model::HostModel| {
+        let mut kv = KvCache::new(&m.spec, m.spec.max_seq).unwrap();
+        step_logits(m, &mut kv, &[3, 1, 4, 1, 5], 0).unwrap()
+    };
+    assert_eq!(logits(&back), logits(&model));
+    // Its `bias` (on wqkv and wo alike) is refused, as any InternLM2 with biases is.
+    let mut biased = w;
+    biased.config["bias"] = serde_json::json!(true);
+    let err = load(&dir_written(&biased, "internlm2-bias")).unwrap_err();
+    assert!(
+        err.to_string().contains("internlm_gqa with qkv_bias"),
+        "{err}"
+    );
 }
 
 /// A Hugging Face directory's own tokenizer (tokenizer.json of another family than SmolLM2's:

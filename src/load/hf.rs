@@ -118,21 +118,13 @@ impl Shards {
         self.index.contains_key(name)
     }
 
-    /// Every tensor of the directory must be one [`load`] takes for `spec` (with a bitsandbytes
+    /// Every tensor of the directory must be one [`load`] takes for `spec` under its family's
+    /// `names` (with a bitsandbytes
     /// linear's quant state beside it, and the `rotary_emb.inv_freq` buffers old checkpoints
     /// carry, which config.json determines): one it would pass over (an o-projection or MLP
     /// bias, a q/k norm, a layer past num_hidden_layers) changes the model's output, so the
     /// directory is refused naming it.
-    fn every_tensor_is_read(&self, spec: &ArchSpec) -> Result<()> {
-        const LINEARS: [&str; 7] = [
-            "self_attn.q_proj",
-            "self_attn.k_proj",
-            "self_attn.v_proj",
-            "self_attn.o_proj",
-            "mlp.gate_proj",
-            "mlp.up_proj",
-            "mlp.down_proj",
-        ];
+    fn every_tensor_is_read(&self, spec: &ArchSpec, names: &Names) -> Result<()> {
         const QUANT_STATE: [&str; 5] = [
             "absmax",
             "quant_map",
@@ -140,9 +132,14 @@ impl Shards {
             "nested_quant_map",
             "quant_state.bitsandbytes__nf4",
         ];
+        let linears = names.linears();
+        let biased: &[&str] = match (&names.qkv, spec.qkv_bias) {
+            (QkvNames::Separate(qkv), true) => qkv,
+            _ => &[],
+        };
         let in_layer = |rest: &str| {
             let linear = rest.split_once(".weight").is_some_and(|(linear, part)| {
-                LINEARS.contains(&linear)
+                linears.contains(&linear)
                     && (part.is_empty()
                         || part
                             .strip_prefix('.')
@@ -150,14 +147,14 @@ impl Shards {
             });
             let bias = rest
                 .strip_suffix(".bias")
-                .is_some_and(|l| spec.qkv_bias && LINEARS[..3].contains(&l));
+                .is_some_and(|l| biased.contains(&l));
             linear
                 || bias
+                || rest == names.attn_norm
+                || rest == names.ffn_norm
                 || matches!(
                     rest,
-                    "input_layernorm.weight"
-                        | "post_attention_layernorm.weight"
-                        | "self_attn.rotary_emb.inv_freq"
+                    "self_attn.rotary_emb.inv_freq" | "attention.rotary_emb.inv_freq"
                 )
         };
         let read = |name: &str| match name
@@ -168,10 +165,10 @@ impl Shards {
                 layer.parse::<usize>().is_ok_and(|l| l < spec.n_layers) && in_layer(rest)
             }
             None => {
-                matches!(
-                    name,
-                    "model.embed_tokens.weight" | "model.norm.weight" | "model.rotary_emb.inv_freq"
-                ) || (name == "lm_head.weight" && !spec.tied_embed)
+                name == names.embed
+                    || name == "model.norm.weight"
+                    || name == "model.rotary_emb.inv_freq"
+                    || (name == names.lm_head && !spec.tied_embed)
             }
         };
         let mut unread: Vec<&String> = self.index.keys().filter(|n| !read(n)).collect();
@@ -387,12 +384,14 @@ fn spec_from_config(dir: &Path) -> Result<(ArchSpec, RopeScaling)> {
     let text = super::read_text(&path)?;
     let c: Value = serde_json::from_str(&text).map_err(|e| file_err(&path, e))?;
     let arch = c["architectures"][0].as_str().unwrap_or("");
-    let qwen = match arch {
-        "LlamaForCausalLM" | "MistralForCausalLM" => false,
-        "Qwen2ForCausalLM" => true,
+    // InternLM2's `bias` covers wqkv and wo together: its spec check refuses it.
+    let (family, qkv_bias) = match arch {
+        "LlamaForCausalLM" | "MistralForCausalLM" => (Family::LlamaSwiglu, false),
+        "Qwen2ForCausalLM" => (Family::LlamaSwiglu, true),
+        "InternLM2ForCausalLM" => (Family::InternlmGqa, c["bias"].as_bool().unwrap_or(false)),
         other => {
             return Err(Error::Unsupported(format!(
-                "{}: architecture {other:?} (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM are read)",
+                "{}: architecture {other:?} (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, InternLM2ForCausalLM are read)",
                 path.display()
             )))
         }
@@ -453,7 +452,7 @@ fn spec_from_config(dir: &Path) -> Result<(ArchSpec, RopeScaling)> {
         None => hidden.checked_div(n_q_heads).unwrap_or(0),
     };
     let spec = ArchSpec {
-        family: Family::LlamaSwiglu,
+        family,
         n_layers: count("num_hidden_layers")?,
         hidden,
         n_q_heads,
@@ -464,7 +463,7 @@ fn spec_from_config(dir: &Path) -> Result<(ArchSpec, RopeScaling)> {
         max_seq: count("max_position_embeddings")?.min(window.unwrap_or(usize::MAX)),
         rms_eps: c["rms_norm_eps"].as_f64().unwrap_or(1e-6) as f32,
         rope_theta: rope_theta as f32,
-        qkv_bias: qwen,
+        qkv_bias,
         tied_embed: c["tie_word_embeddings"].as_bool().unwrap_or(false),
     };
     let invalid = |e: Error| match e {
@@ -478,54 +477,127 @@ fn spec_from_config(dir: &Path) -> Result<(ArchSpec, RopeScaling)> {
     Ok((spec, rope_scaling))
 }
 
+/// Where a family keeps its tensors in a checkpoint (names after `model.layers.{i}.` for a
+/// layer's; a linear's without its `.weight`): Llama's, which Mistral and Qwen2 share, or
+/// InternLM2's (its remote code's: one fused wqkv, w1 / w3 / w2 for gate / up / down).
+struct Names {
+    embed: &'static str,
+    lm_head: &'static str,
+    attn_norm: &'static str,
+    ffn_norm: &'static str,
+    qkv: QkvNames,
+    /// o, gate, up, down.
+    rest: [&'static str; 4],
+}
+
+/// q, k and v as three linears, or InternLM2's one wqkv in its grouped packing.
+enum QkvNames {
+    Separate([&'static str; 3]),
+    Fused(&'static str),
+}
+
+impl Names {
+    fn of(family: Family) -> &'static Self {
+        const LLAMA: Names = Names {
+            embed: "model.embed_tokens.weight",
+            lm_head: "lm_head.weight",
+            attn_norm: "input_layernorm.weight",
+            ffn_norm: "post_attention_layernorm.weight",
+            qkv: QkvNames::Separate(["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
+            rest: [
+                "self_attn.o_proj",
+                "mlp.gate_proj",
+                "mlp.up_proj",
+                "mlp.down_proj",
+            ],
+        };
+        const INTERNLM2: Names = Names {
+            embed: "model.tok_embeddings.weight",
+            lm_head: "output.weight",
+            attn_norm: "attention_norm.weight",
+            ffn_norm: "ffn_norm.weight",
+            qkv: QkvNames::Fused("attention.wqkv"),
+            rest: [
+                "attention.wo",
+                "feed_forward.w1",
+                "feed_forward.w3",
+                "feed_forward.w2",
+            ],
+        };
+        match family {
+            Family::LlamaSwiglu => &LLAMA,
+            Family::InternlmGqa => &INTERNLM2,
+        }
+    }
+
+    fn linears(&self) -> Vec<&'static str> {
+        let qkv = match self.qkv {
+            QkvNames::Separate(three) => three.to_vec(),
+            QkvNames::Fused(one) => vec![one],
+        };
+        qkv.into_iter().chain(self.rest).collect()
+    }
+}
+
 /// Loads a Hugging Face model directory, with `admit` judging the shape before any weight
 /// is read.
 pub fn load(dir: &Path, admit: super::Admit) -> Result<HostModel> {
     let (mut spec, rope_scaling) = spec_from_config(dir)?;
     let shards = Shards::open(dir)?;
-    let (h, kv, inter) = (spec.hidden, spec.kv_dim(), spec.intermediate);
-    // Some tied checkpoints still ship lm_head.weight; an untied one must.
-    if spec.tied_embed && shards.has("lm_head.weight") {
+    let names = Names::of(spec.family);
+    let (h, kv, inter, q) = (spec.hidden, spec.kv_dim(), spec.intermediate, spec.q_dim());
+    // Some tied checkpoints still ship their lm_head; an untied one must.
+    if spec.tied_embed && shards.has(names.lm_head) {
         spec.tied_embed = false;
     }
-    shards.every_tensor_is_read(&spec)?;
+    shards.every_tensor_is_read(&spec, names)?;
     admit(&spec)?;
+    let [o, gate, up, down] = names.rest;
     let mut layers = Vec::with_capacity(spec.n_layers);
     for i in 0..spec.n_layers {
         let p = |t: &str| format!("model.layers.{i}.{t}");
+        let weight = |linear: &str, rows: usize, cols: usize| {
+            shards.matrix(&p(&format!("{linear}.weight")), rows, cols)
+        };
         let linear = |t: &str, rows: usize| -> Result<Linear> {
             Ok(Linear {
-                weight: shards.matrix(&p(&format!("self_attn.{t}.weight")), rows, h)?,
+                weight: weight(t, rows, h)?,
                 bias: if spec.qkv_bias {
-                    Some(shards.vector(&p(&format!("self_attn.{t}.bias")), rows)?)
+                    Some(shards.vector(&p(&format!("{t}.bias")), rows)?)
                 } else {
                     None
                 },
             })
         };
-        layers.push(Layer {
-            attn_norm: shards.norm(&p("input_layernorm.weight"), h)?,
-            qkv: QkvWeights::Separate {
-                q: linear("q_proj", spec.q_dim())?,
-                k: linear("k_proj", kv)?,
-                v: linear("v_proj", kv)?,
+        let qkv = match names.qkv {
+            QkvNames::Separate([q_proj, k_proj, v_proj]) => QkvWeights::Separate {
+                q: linear(q_proj, q)?,
+                k: linear(k_proj, kv)?,
+                v: linear(v_proj, kv)?,
             },
-            o: shards.matrix(&p("self_attn.o_proj.weight"), h, spec.q_dim())?,
-            ffn_norm: shards.norm(&p("post_attention_layernorm.weight"), h)?,
-            gate: shards.matrix(&p("mlp.gate_proj.weight"), inter, h)?,
-            up: shards.matrix(&p("mlp.up_proj.weight"), inter, h)?,
-            down: shards.matrix(&p("mlp.down_proj.weight"), h, inter)?,
+            QkvNames::Fused(wqkv) => QkvWeights::InternlmFused {
+                wqkv: weight(wqkv, spec.qkv_rows(), h)?,
+            },
+        };
+        layers.push(Layer {
+            attn_norm: shards.norm(&p(names.attn_norm), h)?,
+            qkv,
+            o: weight(o, h, q)?,
+            ffn_norm: shards.norm(&p(names.ffn_norm), h)?,
+            gate: weight(gate, inter, h)?,
+            up: weight(up, inter, h)?,
+            down: weight(down, h, inter)?,
         });
     }
     let model = HostModel {
         spec,
-        embed: shards.matrix("model.embed_tokens.weight", spec.vocab, h)?,
+        embed: shards.matrix(names.embed, spec.vocab, h)?,
         layers,
         final_norm: shards.norm("model.norm.weight", h)?,
         lm_head: if spec.tied_embed {
             None
         } else {
-            Some(shards.matrix("lm_head.weight", spec.vocab, h)?)
+            Some(shards.matrix(names.lm_head, spec.vocab, h)?)
         },
         rope_scaling,
     };
