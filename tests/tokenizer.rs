@@ -239,3 +239,45 @@ fn llama3_and_tekken_vocabularies_take_whole_tokens_and_bos() {
     let smollm = tokenizer("smollm");
     assert_eq!(smollm.encode("abc", true, false).unwrap(), [ab, byte(b'c')]);
 }
+
+/// A Hugging Face directory with no tokenizer.json but a SentencePiece tokenizer.model
+/// (InternLM2's, older Llama-2 uploads'): the same vocabulary as above written as the
+/// ModelProto (make_spm_model.py, checked there against the `sentencepiece` package) gives the
+/// reference ids for all 80 strings, BOS and EOS from tokenizer_config.json; a unigram model,
+/// and a normalizer that collapses whitespace, are refused by name.
+#[test]
+fn a_directorys_sentencepiece_model_equals_the_reference() {
+    let json = fixture_json("spm_tokenizer.json");
+    let model = std::fs::read(common::repo_file("tests/fixtures/spm_tokenizer.model")).unwrap();
+    let dir = std::env::temp_dir().join(format!("dv2-spm-model-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("tokenizer.model"), &model).unwrap();
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        r#"{"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": true}"#,
+    )
+    .unwrap();
+    let tk = Tokenizer::from_hf_dir(&dir).unwrap();
+    assert_eq!((tk.special.bos, tk.special.eos), (Some(1), Some(2)));
+    for c in json["cases"].as_array().unwrap() {
+        let text = c["text"].as_str().unwrap();
+        let ids = tk.encode(text, false, false).unwrap();
+        assert_eq!(ids, json_ids(&c["ids"]), "{text:?}");
+        assert_eq!(tk.decode(&ids, false).unwrap(), text.as_bytes(), "{text:?}");
+        assert_eq!(tk.encode(text, true, false).unwrap()[0], 1, "BOS first");
+    }
+    // The same proto with its model type set to unigram (TrainerSpec field 3 = 1), then with
+    // remove_extra_whitespaces on (NormalizerSpec field 4 = 1): both refused.
+    let refused = |patched: Vec<u8>, needle: &str| {
+        std::fs::write(dir.join("tokenizer.model"), patched).unwrap();
+        let err = Tokenizer::from_hf_dir(&dir).err().expect("refused");
+        assert!(err.to_string().contains(needle), "{err}");
+    };
+    let mut trainer = model.clone();
+    trainer.extend([0x12, 0x02, 0x18, 0x01]); // field 2 (LEN 2): field 3 varint 1
+    refused(trainer, "SentencePiece model type 1");
+    let mut normalizer = model.clone();
+    normalizer.extend([0x1a, 0x02, 0x20, 0x01]); // field 3 (LEN 2): field 4 varint 1
+    refused(normalizer, "remove_extra_whitespaces true");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

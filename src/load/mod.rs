@@ -101,13 +101,7 @@ pub fn load_admitted(path: &Path, admit: Admit) -> Result<Loaded> {
     let meta = std::fs::metadata(path).map_err(|e| Error::Io(format!("{shown}: {e}")))?;
     if meta.is_dir() {
         if path.join("config.json").exists() {
-            let tokenizer = if path.join("tokenizer.json").exists() {
-                Tokenizer::from_hf_dir(path)
-            } else {
-                Err(Error::Unsupported(format!(
-                    "{shown}: no tokenizer.json in the model directory"
-                )))
-            };
+            let tokenizer = Tokenizer::from_hf_dir(path);
             return Ok(Loaded {
                 model: hf::load(path, admit)?,
                 tokenizer,

@@ -60,6 +60,73 @@ pub struct SpecialIds {
 }
 
 mod spm;
+mod spm_model;
+
+/// A SentencePiece vocabulary: its pieces, their scores and types (SentencePiece's: 1 normal,
+/// 2 unknown, 3 control, 4 user-defined, 6 byte), the unknown piece and whether text gets a
+/// space prefix.
+struct SpmVocab {
+    tokens: Vec<String>,
+    scores: Vec<f32>,
+    types: Vec<i64>,
+    unk: u32,
+    space_prefix: bool,
+}
+
+/// What a Hugging Face directory's tokenizer_config.json (and config.json, for ids it names
+/// only by number) says of its tokenizer.
+struct HfSettings {
+    special: SpecialIds,
+    add_bos: Option<bool>,
+    chat_template: Option<String>,
+}
+
+impl HfSettings {
+    /// `token_id` maps a token's text to its id; ids past `size` are dropped.
+    fn read(dir: &Path, size: usize, token_id: impl Fn(&str) -> Option<u32>) -> Self {
+        let config = |name: &str| -> serde_json::Value {
+            crate::load::read_text(&dir.join(name))
+                .ok()
+                .and_then(|t| serde_json::from_str(&t).ok())
+                .unwrap_or(serde_json::Value::Null)
+        };
+        let (tok_config, model_config) = (config("tokenizer_config.json"), config("config.json"));
+        let id_of = |key: &str| -> Option<u32> {
+            let named = match &tok_config[key] {
+                serde_json::Value::String(s) => Some(s.clone()),
+                v => v["content"].as_str().map(str::to_string),
+            };
+            named
+                .and_then(|t| token_id(&t))
+                .or_else(|| {
+                    model_config[format!("{key}_id")]
+                        .as_u64()
+                        .and_then(|v| u32::try_from(v).ok())
+                })
+                .filter(|v| (*v as usize) < size)
+        };
+        // A string, or named templates of which "default" is the chat one.
+        let chat_template = match &tok_config["chat_template"] {
+            serde_json::Value::String(t) => Some(t.clone()),
+            serde_json::Value::Array(named) => named
+                .iter()
+                .find(|t| t["name"] == "default")
+                .and_then(|t| t["template"].as_str())
+                .map(str::to_string),
+            _ => None,
+        };
+        Self {
+            special: SpecialIds {
+                bos: id_of("bos_token"),
+                eos: id_of("eos_token"),
+                eot: None,
+                pad: id_of("pad_token"),
+            },
+            add_bos: tok_config["add_bos_token"].as_bool(),
+            chat_template,
+        }
+    }
+}
 
 /// What turns text into ids.
 enum Encoder {
@@ -218,45 +285,22 @@ impl Tokenizer {
                     .collect(),
                 _ => vec![0.0; tokens.len()],
             };
-            let typed = |want: i64| -> Vec<(String, u32)> {
-                let mut list: Vec<(String, u32)> = tokens
-                    .iter()
-                    .zip(&types)
-                    .enumerate()
-                    .filter(|(_, (t, ty))| **ty == want && !t.is_empty())
-                    .map(|(i, (t, _))| (t.clone(), i as u32))
-                    .collect();
-                // The longest text first where two start alike.
-                list.sort_by_key(|(t, _)| std::cmp::Reverse(t.len()));
-                list
-            };
-            let pieces = tokens
-                .iter()
-                .enumerate()
-                .map(|(i, t)| {
-                    if control[i] {
-                        t.clone().into_bytes()
-                    } else {
-                        metaspace_piece(t)
-                    }
-                })
-                .collect();
             let unk = id("tokenizer.ggml.unknown_token_id").unwrap_or(0);
-            let encoder = Encoder::Spm {
-                spm: Box::new(spm::Spm::new(&tokens, &scores, unk)),
-                control: typed(TOKEN_CONTROL),
-                user_defined: typed(TOKEN_USER_DEFINED),
-            };
+            let mut types = types;
+            types.resize(tokens.len(), 1);
             // llama.cpp's defaults for a SentencePiece vocabulary: BOS first, a space prefix.
-            return Ok(Self {
-                encoder,
-                pieces,
-                control,
+            return Ok(Self::sentencepiece(
+                SpmVocab {
+                    tokens,
+                    scores,
+                    types,
+                    unk,
+                    space_prefix: flag("tokenizer.ggml.add_space_prefix").unwrap_or(true),
+                },
                 special,
-                add_bos: flag("tokenizer.ggml.add_bos_token").unwrap_or(true),
+                flag("tokenizer.ggml.add_bos_token").unwrap_or(true),
                 chat_template,
-                space_prefix: flag("tokenizer.ggml.add_space_prefix").unwrap_or(true),
-            });
+            ));
         }
         if model != "gpt2" {
             return Err(Error::Unsupported(format!(
@@ -308,9 +352,37 @@ impl Tokenizer {
         Self::with_modes(tk, pieces, control, special, add_bos, chat_template)
     }
 
-    /// A Hugging Face directory's `tokenizer.json`, with the special ids and the BOS rule of
-    /// its `tokenizer_config.json` and `config.json` where they say.
+    /// A Hugging Face directory's tokenizer: its `tokenizer.json`, or where it has none its
+    /// SentencePiece `tokenizer.model`; with the special ids, the BOS rule and the chat template
+    /// of its `tokenizer_config.json` and `config.json` where they say.
     pub fn from_hf_dir(dir: &Path) -> Result<Self> {
+        if dir.join("tokenizer.json").exists() {
+            return Self::from_hf_json(dir);
+        }
+        let path = dir.join("tokenizer.model");
+        if !path.exists() {
+            return Err(Error::Unsupported(format!(
+                "{}: no tokenizer.json or tokenizer.model in the model directory",
+                dir.display()
+            )));
+        }
+        let bytes =
+            std::fs::read(&path).map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
+        let vocab = spm_model::read(&bytes)?;
+        let index: HashMap<&str, u32> = vocab
+            .tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.as_str(), i as u32))
+            .collect();
+        let settings = HfSettings::read(dir, vocab.tokens.len(), |t| index.get(t).copied());
+        // transformers' LlamaTokenizer puts BOS first unless the config says otherwise.
+        let add_bos = settings.add_bos.unwrap_or(true);
+        let (special, chat_template) = (settings.special, settings.chat_template);
+        Ok(Self::sentencepiece(vocab, special, add_bos, chat_template))
+    }
+
+    fn from_hf_json(dir: &Path) -> Result<Self> {
         let path = dir.join("tokenizer.json");
         let text = crate::load::read_text(&path)?;
         let shown = path.display().to_string();
@@ -343,49 +415,69 @@ impl Tokenizer {
         let control = (0..size as u32)
             .map(|id| special_ids.contains(&id))
             .collect();
-        let config = |name: &str| -> serde_json::Value {
-            crate::load::read_text(&dir.join(name))
-                .ok()
-                .and_then(|t| serde_json::from_str(&t).ok())
-                .unwrap_or(serde_json::Value::Null)
-        };
-        let (tok_config, model_config) = (config("tokenizer_config.json"), config("config.json"));
-        let id_of = |key: &str| -> Option<u32> {
-            let named = match &tok_config[key] {
-                serde_json::Value::String(s) => Some(s.clone()),
-                v => v["content"].as_str().map(str::to_string),
-            };
-            named
-                .and_then(|t| tk.token_to_id(&t))
-                .or_else(|| {
-                    model_config[format!("{key}_id")]
-                        .as_u64()
-                        .and_then(|v| u32::try_from(v).ok())
-                })
-                .filter(|v| (*v as usize) < size)
-        };
-        let special = SpecialIds {
-            bos: id_of("bos_token"),
-            eos: id_of("eos_token"),
-            eot: None,
-            pad: id_of("pad_token"),
-        };
-        let add_bos = tok_config["add_bos_token"].as_bool().unwrap_or(false);
-        // A string, or named templates of which "default" is the chat one.
-        let chat_template = match &tok_config["chat_template"] {
-            serde_json::Value::String(t) => Some(t.clone()),
-            serde_json::Value::Array(named) => named
-                .iter()
-                .find(|t| t["name"] == "default")
-                .and_then(|t| t["template"].as_str())
-                .map(str::to_string),
-            _ => None,
-        };
+        let settings = HfSettings::read(dir, size, |t| tk.token_to_id(t));
+        let add_bos = settings.add_bos.unwrap_or(false);
         // The file's post-processor (BOS templates) is replaced by add_bos, applied the same
         // way for every format.
         let mut tk = tk;
         tk.with_post_processor(None::<tokenizers::PostProcessorWrapper>);
+        let (special, chat_template) = (settings.special, settings.chat_template);
         Self::with_modes(tk, pieces, control, special, add_bos, chat_template)
+    }
+
+    /// A SentencePiece BPE vocabulary's tokenizer (a GGUF's `llama` model, or a directory's
+    /// tokenizer.model).
+    fn sentencepiece(
+        vocab: SpmVocab,
+        special: SpecialIds,
+        add_bos: bool,
+        chat_template: Option<String>,
+    ) -> Self {
+        let SpmVocab {
+            tokens,
+            scores,
+            types,
+            unk,
+            space_prefix,
+        } = vocab;
+        let control: Vec<bool> = types.iter().map(|t| *t == TOKEN_CONTROL).collect();
+        let typed = |want: i64| -> Vec<(String, u32)> {
+            let mut list: Vec<(String, u32)> = tokens
+                .iter()
+                .zip(&types)
+                .enumerate()
+                .filter(|(_, (t, ty))| **ty == want && !t.is_empty())
+                .map(|(i, (t, _))| (t.clone(), i as u32))
+                .collect();
+            // The longest text first where two start alike.
+            list.sort_by_key(|(t, _)| std::cmp::Reverse(t.len()));
+            list
+        };
+        let pieces = tokens
+            .iter()
+            .zip(&control)
+            .map(|(t, control)| {
+                if *control {
+                    t.clone().into_bytes()
+                } else {
+                    metaspace_piece(t)
+                }
+            })
+            .collect();
+        let encoder = Encoder::Spm {
+            spm: Box::new(spm::Spm::new(&tokens, &scores, unk)),
+            control: typed(TOKEN_CONTROL),
+            user_defined: typed(TOKEN_USER_DEFINED),
+        };
+        Self {
+            encoder,
+            pieces,
+            control,
+            special,
+            add_bos,
+            chat_template,
+            space_prefix,
+        }
     }
 
     fn with_modes(
