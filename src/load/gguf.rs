@@ -518,17 +518,7 @@ impl Gguf {
                 ) || (name == "output.weight" && !spec.tied_embed)
             }
         };
-        let mut unread: Vec<&String> = self.tensors.keys().filter(|n| !read(n)).collect();
-        unread.sort();
-        match unread.first() {
-            None => Ok(()),
-            Some(first) => Err(Error::Unsupported(format!(
-                "{}: tensor {first} ({} unread in all) is not one decodev2 reads, and would change \
-                 the model's output",
-                self.name,
-                unread.len()
-            ))),
-        }
+        super::refuse_unread(&self.name, self.tensors.keys(), read)
     }
 
     /// RoPE's scaling as llama.cpp reads it: a linear factor (`rope.scaling.factor`, or the

@@ -124,7 +124,7 @@ impl Shards {
     /// carry, which config.json determines): one it would pass over (an o-projection or MLP
     /// bias, a q/k norm, a layer past num_hidden_layers) changes the model's output, so the
     /// directory is refused naming it.
-    fn every_tensor_is_read(&self, spec: &ArchSpec, names: &Names) -> Result<()> {
+    fn every_tensor_is_read(&self, dir: &Path, spec: &ArchSpec, names: &Names) -> Result<()> {
         const QUANT_STATE: [&str; 5] = [
             "absmax",
             "quant_map",
@@ -171,16 +171,7 @@ impl Shards {
                     || (name == names.lm_head && !spec.tied_embed)
             }
         };
-        let mut unread: Vec<&String> = self.index.keys().filter(|n| !read(n)).collect();
-        unread.sort();
-        match unread.first() {
-            None => Ok(()),
-            Some(first) => Err(Error::Unsupported(format!(
-                "tensor {first} ({} unread in all) is not one decodev2 reads, and would change the \
-                 model's output",
-                unread.len()
-            ))),
-        }
+        super::refuse_unread(&dir.display().to_string(), self.index.keys(), read)
     }
 
     /// Checks shape `[rows, cols]` (rows = 0: a vector of cols) and dtype; returns a row reader.
@@ -550,7 +541,7 @@ pub fn load(dir: &Path, admit: super::Admit) -> Result<HostModel> {
     if spec.tied_embed && shards.has(names.lm_head) {
         spec.tied_embed = false;
     }
-    shards.every_tensor_is_read(&spec, names)?;
+    shards.every_tensor_is_read(dir, &spec, names)?;
     admit(&spec)?;
     let [o, gate, up, down] = names.rest;
     let mut layers = Vec::with_capacity(spec.n_layers);

@@ -29,6 +29,26 @@ fn finite(file: &str, tensor: &str, values: Vec<f32>) -> Result<Vec<f32>> {
     }
 }
 
+/// Refuses a model file holding tensors its reader would pass over (`read` false for the
+/// name): each would change the model's output. The error names the first in sorted order
+/// and how many there are.
+fn refuse_unread<'a>(
+    file: &str,
+    names: impl Iterator<Item = &'a String>,
+    read: impl Fn(&str) -> bool,
+) -> Result<()> {
+    let mut unread: Vec<&String> = names.filter(|n| !read(n)).collect();
+    unread.sort();
+    match unread.first() {
+        None => Ok(()),
+        Some(first) => Err(Error::Unsupported(format!(
+            "{file}: tensor {first} ({} unread in all) is not one decodev2 reads, and would change \
+             the model's output",
+            unread.len()
+        ))),
+    }
+}
+
 /// Opens `path` for reading, refusing anything but a regular file: the open itself cannot block
 /// (a FIFO's would wait for a writer; O_NONBLOCK, which regular files ignore), and the
 /// opened file is checked before anything reads it.
