@@ -9,7 +9,7 @@
 //!                                               [--against-loaded-first]]
 //!                                               [--shapes PRESET] [--load PATH [REPS]]
 //!                                               [--sampling [PRESET [DEPTHS]]] [--step-loop [PRESET [DEPTHS]]]
-//!                                               [--rest [PRESET [DEPTHS]]]
+//!                                               [--rest [PRESET [DEPTHS]]] [--turns [PRESET [DEPTHS]]]
 //!
 //! load s is `Engine::new` (upload, allocation, kernels, warm-up); warmup ms is its eager
 //! probe step + graph capture; prefill ms is the prompt to the first token; ms/token the steps
@@ -36,6 +36,9 @@
 //! `--rest [PRESET [D1,D2,..]]` prints only decode as one `step_n` request after 1 s idle and
 //! after another request, and in 16-step chunks back to back and each after 100 ms idle, by depth
 //! (48 and 8k unless listed): whether the board's power cap slows the step.
+//! `--turns [PRESET [D1,D2,..]]` prints only the time to the first id of a chat turn of 32
+//! new ids after a conversation of each depth (48 and 8k unless listed), prefilled whole
+//! against from the depth after a rewind (what a host that keeps the earlier turns pays).
 //! `--shapes PRESET` takes the kernel table's matrices from that preset (default qwen25_3b).
 //! `--load PATH [REPS]` prints only load times of a model file or directory (read and device
 //! parts), REPS times (3): the first cold or warm as the page cache is, the rest warm.
@@ -1010,6 +1013,47 @@ fn step_loop(preset: &str, depths: &[usize]) {
     }
 }
 
+/// `--turns [PRESET [D1,D2,..]]`: time to the first token of a chat turn that adds 32 ids
+/// to a conversation of each depth, prefilled whole (`reset`, then the prefill of depth + 32
+/// ids) against from where it leaves the earlier turns (`rewind` to the depth, then the
+/// prefill of the 32 new ids), alternating in one engine (max_seq: the deepest depth + 256),
+/// wall clock to the first id, medians of 5 after a warm round; and whether the two chose the
+/// same first id.
+fn turns_sweep(preset: &str, depths: &[usize]) {
+    const NEW: usize = 32;
+    const REPS: usize = 5;
+    let (spec, mut e) = sweep_engine(preset, depths);
+    println!(
+        "{preset}: ms to the first id of a turn of {NEW} new ids after DEPTH ids, prefilled \
+         whole against after a rewind to DEPTH (medians of {REPS})"
+    );
+    println!(
+        "  {:>6} {:>10} {:>10} {:>8} {:>9}",
+        "depth", "whole", "rewound", "ratio", "same id"
+    );
+    for &depth in depths {
+        let turn = synth::prompt(spec.vocab, depth + NEW, 1);
+        let (mut whole, mut rewound, mut same) = (Vec::new(), Vec::new(), true);
+        for rep in 0..REPS + 1 {
+            e.reset().unwrap();
+            let t = Instant::now();
+            let a = e.prefill(&turn).unwrap();
+            let whole_ms = t.elapsed().as_secs_f64() * 1e3;
+            e.rewind(depth).unwrap();
+            let t = Instant::now();
+            let b = e.prefill(&turn[depth..]).unwrap();
+            let rewound_ms = t.elapsed().as_secs_f64() * 1e3;
+            if rep > 0 {
+                whole.push(whole_ms);
+                rewound.push(rewound_ms);
+                same &= a == b;
+            }
+        }
+        let (w, r) = (median(whole), median(rewound));
+        println!("  {depth:>6} {w:>10.2} {r:>10.2} {:>8.1} {same:>9}", w / r);
+    }
+}
+
 /// `--rest [PRESET [D1,D2,..]]`: decode ms/token of 128 tokens after a prompt of each depth,
 /// as one `step_n` request after 1 s with the GPU idle and right after another such request
 /// (untimed), and in 16-step `step_n` chunks back to back and each after 100 ms idle (only the
@@ -1278,10 +1322,11 @@ fn main() {
         return;
     }
     // The sweeps of one engine by depth (48 and 8k unless listed).
-    let sweeps: [(&str, Sweep); 3] = [
+    let sweeps: [(&str, Sweep); 4] = [
         ("--step-loop", step_loop),
         ("--rest", rest_sweep),
         ("--sampling", sampling_sweep),
+        ("--turns", turns_sweep),
     ];
     for (name, sweep) in sweeps {
         if let Some(i) = args.iter().position(|a| a == name) {

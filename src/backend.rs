@@ -7,8 +7,10 @@ use crate::sampling::Sampling;
 /// What a backend implements. The engine has validated every argument before calling.
 pub trait Backend: Send {
     fn name(&self) -> &'static str;
-    /// position = valid_len = 0, finished = false; the KV cache is not cleared.
-    fn reset(&mut self) -> Result<()>;
+    /// position = valid_len = `position` (at most the current one), finished = false, no
+    /// pending token; the KV cache is not cleared: its slots below `position` stay the
+    /// request's, the rest are overwritten before attention reads them. 0 starts a new request.
+    fn rewind(&mut self, position: usize) -> Result<()>;
     /// Teacher-forces `ids` from the current position; then next_token = token = the id after
     /// the last one (greedy, or drawn under the sampling settings), finished = (next_token ==
     /// eos).

@@ -84,12 +84,12 @@ impl Backend for CpuBackend {
         "cpu"
     }
 
-    fn reset(&mut self) -> Result<()> {
+    fn rewind(&mut self, position: usize) -> Result<()> {
         // The KV cache is left dirty on purpose: attention reads only slots < valid_len.
-        self.position = 0;
-        self.valid_len = 0;
+        self.position = position;
+        self.valid_len = position;
         self.finished = false;
-        self.history.clear();
+        self.history.truncate(position);
         Ok(())
     }
 

@@ -274,8 +274,22 @@ impl Engine {
 
     /// Starts a new request: position 0, not finished. Does not clear the KV cache.
     pub fn reset(&mut self) -> Result<()> {
-        self.backend.reset()?;
-        self.position = 0;
+        self.rewind(0)
+    }
+
+    /// Moves the request back to `position` (at most the current one), keeping the KV cache
+    /// of the positions before it, so that a prompt sharing those ids is prefilled only from
+    /// its first new one. Not finished, and no pending token: a prefill comes next. Position i
+    /// holds the i-th id fed: the prompt's ids, then each id a step returned but the last.
+    pub fn rewind(&mut self, position: usize) -> Result<()> {
+        if position > self.position {
+            return Err(Error::InvalidArgument(format!(
+                "rewind to position {position} is past the current position {}",
+                self.position
+            )));
+        }
+        self.run(|b| b.rewind(position))?;
+        self.position = position;
         self.finished = false;
         self.has_token = false;
         Ok(())

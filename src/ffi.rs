@@ -640,6 +640,28 @@ pub unsafe extern "C" fn dv2_reset(engine: *mut dv2_engine) -> dv2_status {
     unsafe { with_engine(engine, |e| e.reset()) }
 }
 
+/// Moves the current request back to `position` (0 <= position <= dv2_position), keeping
+/// the KV cache of the positions before it: the next dv2_prefill continues from there, so a
+/// prompt that begins with the ids at those positions (a chat's earlier turns) is prefilled
+/// only from its first new id. Position i holds the i-th id fed: the prompt ids, then each id
+/// a step returned except the last (still pending). Clears finished and the pending token, as
+/// dv2_reset does (a step needs a dv2_prefill first); dv2_rewind(engine, 0) is dv2_reset.
+/// Errors (handle unchanged): DV2_ERR_INVALID_ARGUMENT (position < 0 or past the current one).
+///
+/// # Safety
+/// `engine` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn dv2_rewind(engine: *mut dv2_engine, position: i32) -> dv2_status {
+    // SAFETY: forwarded contract.
+    unsafe {
+        with_engine(engine, |e| {
+            let position = usize::try_from(position)
+                .map_err(|_| Error::InvalidArgument(format!("position {position} is negative")))?;
+            e.rewind(position)
+        })
+    }
+}
+
 /// Feeds `n_ids` prompt ids from the current position (teacher-forced) and computes the
 /// next token (greedy, or sampled under dv2_set_sampling), written to `*out_next` when `out_next` is not NULL. Consecutive calls
 /// append. Errors (handle unchanged): DV2_ERR_NULL_POINTER (ids), DV2_ERR_INVALID_ARGUMENT

@@ -576,6 +576,53 @@ fn step_n_equals_repeated_steps_and_memory_does_not_grow() {
     );
 }
 
+/// A request rewound into its prompt, into its generated ids past the long-context
+/// attention's threshold (512 slots), and to 0, then continued, decodes like the oracle run
+/// on the ids at its positions: logits within the cap, ids the oracle's but for near-ties.
+/// Under sampling settings that read the history, each id is the reference sampler's.
+#[test]
+fn a_rewound_request_decodes_like_the_oracle() {
+    const CAP: f32 = 0.05;
+    let (spec, model, prompt) = oracle_case("medium_llama", 2, 640, 530);
+    let device = exclusive_device();
+    let Some(mut e) = cuda_engine_at("medium_llama", 2, 640) else {
+        return;
+    };
+    let new = [3, 14, 15, 92, 65];
+    let runs: Vec<(usize, Rewound)> = [20, 535, 0]
+        .into_iter()
+        .map(|keep| {
+            (
+                keep,
+                decode_after_rewind(&mut e, &prompt, 12, keep, &new, 8),
+            )
+        })
+        .collect();
+    let drawn = rewound_draws_follow_the_kept_history(&mut e);
+    drop(e);
+    drop(device);
+    for (keep, r) in runs {
+        let fed: Vec<u32> = r.context.iter().chain(&r.ids[..8]).copied().collect();
+        let kv = &mut KvCache::new(&spec, spec.max_seq).unwrap();
+        let teacher = step_logits(&model, kv, &fed, 0).unwrap();
+        let first = r.context.len() - 1;
+        let worst = r
+            .logits
+            .iter()
+            .zip(&teacher[first..])
+            .map(|(got, want)| max_abs_diff(got, want))
+            .fold(0f32, f32::max);
+        assert!(worst <= CAP, "rewound to {keep}: |logit - oracle| {worst}");
+        let name = format!("rewound to {keep}");
+        let ties = teacher_near_ties(&teacher[first..], &r.ids, worst, &name);
+        println!(
+            "{name}, {} new ids: max |logit - oracle| = {worst:.5} (cap {CAP}); near-ties {ties:?}",
+            new.len()
+        );
+    }
+    println!("{drawn} sampled ids after a rewind equal the reference sampler's");
+}
+
 #[test]
 fn step_n_stops_at_eos_inside_a_batch() {
     let _device = exclusive_device();

@@ -159,3 +159,78 @@ fn a_max_seq_too_large_for_host_memory_is_an_error_not_an_abort() {
     assert!(matches!(err, Error::OutOfMemory(_)), "{err:?}");
     assert!(err.to_string().contains("host memory"), "{err}");
 }
+
+/// medium_llama (vocab 128) on the CPU with room for the rewind tests' requests.
+fn medium_engine() -> Engine {
+    let opts = EngineOptions {
+        max_seq: 64,
+        ..options(BackendKind::Cpu)
+    };
+    Engine::load_synthetic("medium_llama", 1, &opts).unwrap()
+}
+
+/// A request rewound into its prompt, into its generated ids, to its whole position and to 0,
+/// then continued, chooses the ids and computes the logits, bit for bit, of a fresh request
+/// prefilled with the ids at its positions.
+#[test]
+fn a_rewound_request_continues_as_a_fresh_prefill_of_its_ids() {
+    let mut e = medium_engine();
+    let prompt: Vec<u32> = (0..20).map(|i| (i * 13 + 5) % 128).collect();
+    let new = [3, 14, 15, 92, 65];
+    for keep in [10, 23, 28, 0] {
+        let r = decode_after_rewind(&mut e, &prompt, 8, keep, &new, 6);
+        e.reset().unwrap();
+        let mut ids = vec![e.prefill(&r.context).unwrap()];
+        let mut logits = vec![vec![0f32; 128]];
+        e.logits(&mut logits[0]).unwrap();
+        for _ in 0..6 {
+            ids.push(e.step().unwrap());
+            let mut row = vec![0f32; 128];
+            e.logits(&mut row).unwrap();
+            logits.push(row);
+        }
+        assert_eq!(r.ids, ids, "keep {keep}");
+        assert_eq!(r.logits, logits, "keep {keep}");
+    }
+}
+
+#[test]
+fn rewound_draws_follow_the_kept_history_on_the_cpu() {
+    assert_eq!(
+        rewound_draws_follow_the_kept_history(&mut medium_engine()),
+        22
+    );
+}
+
+/// A rewind past the position is refused and changes nothing; a rewind leaves no pending
+/// token, and clears finished.
+#[test]
+fn rewind_errors_leave_the_request_as_it_was() {
+    let case = tiny_case();
+    let mut e = engine(None);
+    e.prefill(&case.prompt[..case.prefill_len]).unwrap();
+    let err = e.rewind(case.prefill_len + 1).unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
+    assert!(
+        err.to_string().contains("past the current position"),
+        "{err}"
+    );
+    assert_eq!(e.position().unwrap(), case.prefill_len);
+    assert_eq!(e.step().unwrap(), case.greedy[1], "the request goes on");
+    e.rewind(case.prefill_len).unwrap();
+    assert!(matches!(e.step(), Err(Error::InvalidState(_))));
+    assert_eq!(
+        e.prefill(&[case.greedy[0]]).unwrap(),
+        case.greedy[1],
+        "the pending id fed again"
+    );
+
+    let eos = case.greedy[1];
+    let mut e = engine(Some(eos));
+    e.prefill(&case.prompt[..case.prefill_len]).unwrap();
+    e.step().unwrap();
+    assert!(e.finished().unwrap());
+    e.rewind(2).unwrap();
+    assert!(!e.finished().unwrap());
+    assert_eq!(e.position().unwrap(), 2);
+}

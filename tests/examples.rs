@@ -165,6 +165,34 @@ except d.ModelFileError as err:
     print("file", err.status)
 "#;
 
+/// `Engine.start` keeps the KV cache of the prefix a prompt shares with the last request's
+/// ids (its prompt and what it decoded, batched or a step at a time) and prefills the rest:
+/// the same ids as a fresh prefill, on the CPU bit for bit; `reuse=False`, a rewind past the
+/// position, and a prompt equal to the last one's ids (one id prefilled again) too.
+const START_REUSES_THE_PREFIX: &str = r#"
+import decodev2 as d
+e = d.Engine.synthetic("medium_llama", seed=1, backend="cpu", max_seq=64)
+a = [3, 1, 4, 1, 5, 9, 2, 6]
+first = e.start(a)
+decoded = [first] + e.step_n(4) + [e.step()]
+b = a + decoded[:4] + [7, 7]
+got = [e.start(b)] + e.step_n(5)
+reused = e.reused
+e.reset()
+want = [e.prefill(b)] + e.step_n(5)
+assert got == want, (got, want)
+assert reused >= len(a) + 4, reused
+again = [e.start(b)] + e.step_n(5)
+assert again == want and e.reused == len(b) - 1, (again, e.reused)
+cold = [e.start(b, reuse=False)] + e.step_n(5)
+assert cold == want and e.reused == 0, (cold, e.reused)
+try:
+    e.rewind(e.position() + 1)
+except d.Dv2Error as err:
+    print("rewind", err.status)
+print("reused", reused, len(b) - 1)
+"#;
+
 /// `Engine.generate` (ids decoded in dv2_step_n batches) against the loop it ran before, a step a
 /// call with the same checks, on SmolLM2 (CPU): the same text where the reply ends at the model's
 /// end of generation (EOS on: the engine stops there; ~18 ids), at max_tokens (10, EOS off: the
@@ -249,6 +277,13 @@ state DV2_ERR_INVALID_STATE
 text DV2_ERR_UNSUPPORTED
 file DV2_ERR_IO",
         "{typed}"
+    );
+    let reuse = run(Command::new(venv.join("bin/python"))
+        .args(["-c", START_REUSES_THE_PREFIX])
+        .current_dir(std::env::temp_dir()));
+    assert!(
+        reuse.starts_with("rewind DV2_ERR_INVALID_ARGUMENT\nreused "),
+        "{reuse}"
     );
     if let Some(model) = common::smollm2_path() {
         let text = run(Command::new(venv.join("bin/decodev2"))

@@ -77,6 +77,7 @@ fn null_handle_everywhere() {
     // SAFETY: NULL handles are part of the contract; other pointers are valid.
     unsafe {
         expect(dv2_reset(null_mut()), DV2_ERR_NULL_POINTER, "engine");
+        expect(dv2_rewind(null_mut(), 0), DV2_ERR_NULL_POINTER, "engine");
         expect(
             dv2_prefill(null_mut(), ids.as_ptr(), 1, &mut v),
             DV2_ERR_NULL_POINTER,
@@ -234,6 +235,18 @@ fn out_of_range_counts_and_ids() {
             DV2_ERR_INVALID_ARGUMENT,
             "vocab = 32",
         );
+        expect(dv2_rewind(h, -1), DV2_ERR_INVALID_ARGUMENT, "negative");
+        expect(
+            dv2_rewind(h, 3),
+            DV2_ERR_INVALID_ARGUMENT,
+            "past the current position 2",
+        );
+        assert_eq!(dv2_position(h, &mut pos), DV2_OK);
+        assert_eq!(pos, 2, "a refused rewind moves nothing");
+        assert_eq!(dv2_rewind(h, 1), DV2_OK);
+        assert_eq!(dv2_position(h, &mut pos), DV2_OK);
+        assert_eq!(pos, 1);
+        expect(dv2_step(h, &mut v), DV2_ERR_INVALID_STATE, "prefill");
     }
     logits.push(0.0);
     // SAFETY: 32 floats.

@@ -65,6 +65,7 @@ for name, restype, argtypes in [
     ("dv2_load_synthetic", ctypes.c_int, [ctypes.c_char_p, ctypes.c_uint64, ctypes.POINTER(Options), ctypes.POINTER(_P)]),
     ("dv2_free", None, [_P]),
     ("dv2_reset", ctypes.c_int, [_P]),
+    ("dv2_rewind", ctypes.c_int, [_P, ctypes.c_int32]),
     ("dv2_prefill", ctypes.c_int, [_P, _I32P, ctypes.c_size_t, _I32P]),
     ("dv2_step", ctypes.c_int, [_P, _I32P]),
     ("dv2_step_n", ctypes.c_int, [_P, ctypes.c_size_t, _I32P, ctypes.POINTER(ctypes.c_size_t)]),
@@ -206,6 +207,9 @@ class Engine:
 
     def __init__(self, handle):
         self._h = handle
+        # The ids at the request's positions (what its KV cache holds), and the pending id.
+        self._fed, self._pending = [], None
+        self.reused = 0  # positions the last start() kept from the request before
         info = ModelInfo(struct_size=ctypes.sizeof(ModelInfo))
         _check(lib.dv2_get_model_info(self._h, ctypes.byref(info)), "dv2_get_model_info")
         self.info = info
@@ -250,6 +254,31 @@ class Engine:
 
     def reset(self):
         _check(lib.dv2_reset(self._h), "dv2_reset")
+        self._fed, self._pending = [], None
+
+    def rewind(self, position):
+        """Moves the request back to `position` (at most position()), keeping the KV cache of
+        the positions before it; a prefill comes next (see dv2_rewind)."""
+        _check(lib.dv2_rewind(self._h, position), "dv2_rewind")
+        del self._fed[position:]
+        self._pending = None
+
+    def start(self, ids, reuse=True):
+        """Starts a new request with the prompt `ids` and returns the first id it chooses. With
+        reuse, the KV cache of the longest prefix the prompt shares with the ids at the last
+        request's positions (its prompt and the ids it decoded) is kept, and only the rest of
+        the prompt is prefilled: a chat's earlier turns are not computed again. `reused` tells
+        how many positions were kept. The kept positions were computed by that request's
+        forwards (decode steps, or another prefill's chunks), so on CUDA the logits can differ
+        from a fresh prefill's by rounding, and an id chosen at a near-tie with them."""
+        keep = 0
+        if reuse and len(self._fed) == self.position():
+            limit = min(len(self._fed), len(ids) - 1)  # at least one id to prefill
+            while keep < limit and self._fed[keep] == ids[keep]:
+                keep += 1
+        self.rewind(keep)
+        self.reused = keep
+        return self.prefill(ids[keep:])
 
     def prefill(self, ids):
         """Feeds ids from the current position; returns the next id (greedy, or sampled under
@@ -257,11 +286,15 @@ class Engine:
         arr = (ctypes.c_int32 * len(ids))(*ids)
         nxt = ctypes.c_int32()
         _check(lib.dv2_prefill(self._h, arr, len(ids), ctypes.byref(nxt)), "dv2_prefill")
+        self._fed.extend(ids)
+        self._pending = nxt.value
         return nxt.value
 
     def step(self):
         out = ctypes.c_int32()
         _check(lib.dv2_step(self._h, ctypes.byref(out)), "dv2_step")
+        self._fed.append(self._pending)
+        self._pending = out.value
         return out.value
 
     def step_n(self, n):
@@ -269,7 +302,11 @@ class Engine:
         out = (ctypes.c_int32 * n)()
         count = ctypes.c_size_t()
         _check(lib.dv2_step_n(self._h, n, out, ctypes.byref(count)), "dv2_step_n")
-        return list(out[: count.value])
+        ids = list(out[: count.value])
+        self._fed.append(self._pending)
+        self._fed.extend(ids[:-1])
+        self._pending = ids[-1]
+        return ids
 
     def next_token(self):
         out = ctypes.c_int32()
@@ -291,26 +328,26 @@ class Engine:
         count = min(n_top, self.info.vocab)
         return lp.value, list(zip(ids[:count], lps[:count]))
 
-    def generate(self, prompt, max_tokens=256, chat=False, **sampling):
+    def generate(self, prompt, max_tokens=256, chat=False, reuse=True, **sampling):
         """Starts a new request and yields its reply as text, piece by piece, as it is decoded.
         `prompt`: text, a list of ids, or with chat=True a list of {"role", "content"} messages
-        put through the model's chat template. Sampling settings as set_sampling (none given:
-        those already set; the default is greedy). Stops after max_tokens ids, at max_seq, or at
-        the model's end of generation (not yielded). The ids are decoded in dv2_step_n batches
-        of about BURST_S seconds (the host out of the token loop, as the server decodes), so the
-        engine may have decoded past an end of generation that is not its EOS id by the time
-        this returns: the next request resets it."""
+        put through the model's chat template; the prefix it shares with the last request is
+        not prefilled again unless reuse is False (start()). Sampling settings as set_sampling
+        (none given: those already set; the default is greedy). Stops after max_tokens ids, at
+        max_seq, or at the model's end of generation (not yielded). The ids are decoded in
+        dv2_step_n batches of about BURST_S seconds (the host out of the token loop, as the
+        server decodes), so the engine may have decoded past an end of generation that is not
+        its EOS id by the time this returns: the next request rewinds before those ids."""
         if chat:
             ids = self.tokenize(self.chat(prompt), add_special=True, parse_special=True)
         elif isinstance(prompt, (str, bytes)):
             ids = self.tokenize(prompt)
         else:
             ids = list(prompt)
-        self.reset()
         if sampling:
             self.set_sampling(**sampling)
         stream = TextStream()
-        next_id = self.prefill(ids)
+        next_id = self.start(ids, reuse)
         room = self.info.max_seq - len(ids)  # steps the KV cache holds after the prompt
         ahead = []  # ids a batch decoded past next_id, not yet yielded
         batch, clock = 1, time.perf_counter()

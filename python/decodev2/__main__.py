@@ -3,6 +3,8 @@
     python -m decodev2 generate MODEL --prompt "The capital of France is" [--tokens N]
     python -m decodev2 chat MODEL            # a conversation on stdin, the model's chat template
     python -m decodev2 serve MODEL [--port 8000]   # an OpenAI-compatible server (the server extra)
+A request's prompt is prefilled from where it leaves the last request's ids (a chat's earlier
+turns are not computed again; serve --no-prefix-reuse prefills every prompt whole).
 Options: --backend auto|cpu|cuda, --temperature T, --top-p P, --seed S, --max-seq N."""
 import argparse
 import sys
@@ -45,11 +47,14 @@ def main(argv=None):
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-seq", type=int, default=4096)
+    p.add_argument("--no-prefix-reuse", dest="reuse", action="store_false",
+                   help="prefill every prompt whole, not from where it leaves the last request's ids")
     args = ap.parse_args(argv)
     if args.command == "serve":
         from .server import serve
 
-        serve(args.model, host=args.host, port=args.port, backend=args.backend, max_seq=args.max_seq)
+        serve(args.model, host=args.host, port=args.port, backend=args.backend, max_seq=args.max_seq,
+              reuse=args.reuse)
         return 0
     with _engine(args) as e:
         if args.command == "generate":

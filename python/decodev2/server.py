@@ -5,11 +5,14 @@ max_tokens, stop, temperature, top_p, seed, logprobs, presence_penalty and frequ
 penalty_last_n ids, 64 unless given, the prompt's included, as llama.cpp's server counts them),
 and llama.cpp's extensions top_k, min_p, repeat_penalty and penalty_last_n (an OpenAI client
 passes them in extra_body). decodev2 decodes batch 1: requests wait their turn on one lock and
-run one at a time in a worker thread. A request decodes in dv2_step_n batches of about 20 ms
-(a step at a time where a step takes longer, or where logprobs are asked), whose pieces then
-stream out one by one.
+run one at a time in a worker thread. A prompt is prefilled from its first id that differs from
+the ids the last request left in the KV cache (Engine.start: a chat's earlier turns are not
+prefilled again; usage.prompt_tokens_details.cached_tokens counts the ids kept), unless
+--no-prefix-reuse. A request decodes in dv2_step_n batches of about 20 ms (a step at a time
+where a step takes longer, or where logprobs are asked), whose pieces then stream out one by
+one.
 
-    python -m decodev2 serve MODEL [--host 127.0.0.1] [--port 8000] [--backend auto]
+    python -m decodev2 serve MODEL [--host 127.0.0.1] [--port 8000] [--backend auto] [--no-prefix-reuse]
 
 Needs the `server` extra (`pip install "./python[server]"`)."""
 import asyncio
@@ -53,8 +56,8 @@ def _number(body, name, default, low, high, kind=float):
 class Generator:
     """One engine, one request at a time."""
 
-    def __init__(self, engine, name):
-        self.engine, self.name = engine, name
+    def __init__(self, engine, name, reuse=True):
+        self.engine, self.name, self.reuse = engine, name, reuse
         self.lock = threading.Lock()
 
     def params(self, body):
@@ -94,8 +97,10 @@ class Generator:
     def run(self, prompt, p, emit):
         """Tokenizes prompt (a (text, chat) pair) and decodes after it, calling emit(text,
         tokens) per piece of text, with the logprob entries of the tokens whose text begins in it
-        (where asked); returns (text, finish_reason, prompt_tokens, completion_tokens, tokens).
-        Stops at max_tokens, a stop string (not emitted) or the model's end of generation."""
+        (where asked); returns (text, finish_reason, prompt_tokens, cached_tokens,
+        completion_tokens, tokens): cached_tokens are the prompt's first ids whose KV cache the
+        last request left (Engine.start). Stops at max_tokens, a stop string (not emitted) or
+        the model's end of generation."""
         with self.lock:
             e = self.engine
             text, chat = prompt
@@ -103,14 +108,13 @@ class Generator:
                 ids = e.tokenize(e.chat(text), add_special=True, parse_special=True)
             else:
                 ids = e.tokenize(text, add_special=True)
-            e.reset()
             e.set_sampling(**{k: p[k] for k in SAMPLING})
             room = e.info.max_seq - len(ids)
             if room < 1:
                 raise BadRequest(f"the prompt's {len(ids)} tokens leave no room in max_seq {e.info.max_seq}")
             stream, text, sent, count = TextStream(), "", 0, 0
             tokens, told = [], 0  # logprob entries, and how many went out
-            next_id = e.prefill(ids)
+            next_id = e.start(ids, self.reuse)
             finish = "length"
             hold = max((len(s) for s in p["stop"]), default=1) - 1
 
@@ -157,7 +161,7 @@ class Generator:
                     next_id = ahead.pop(0)
             if len(text) > sent or len(tokens) > told:
                 out(len(text), final=True)
-            return text, finish, len(ids), count, tokens
+            return text, finish, len(ids), e.reused, count, tokens
 
 
 def _token(data):
@@ -181,8 +185,8 @@ def logprobs_of(tokens, chat):
     }
 
 
-def create_app(engine, name):
-    gen = Generator(engine, name)
+def create_app(engine, name, reuse=True):
+    gen = Generator(engine, name, reuse)
 
     async def models(_request):
         return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "owned_by": "decodev2"}]})
@@ -233,14 +237,15 @@ def create_app(engine, name):
             if not body.get("stream"):
                 loop = asyncio.get_running_loop()
                 try:
-                    text, finish, n_in, n, tokens = await loop.run_in_executor(
+                    text, finish, n_in, cached, n, tokens = await loop.run_in_executor(
                         None, gen.run, prompt, p, lambda _t, _l: None)
                 except (BadRequest, Dv2Error) as err:
                     return _error(400, str(err))
                 return JSONResponse({
                     "id": rid, "object": kind, "created": created, "model": name,
                     "choices": [choice(text, finish, tokens)],
-                    "usage": {"prompt_tokens": n_in, "completion_tokens": n, "total_tokens": n_in + n},
+                    "usage": {"prompt_tokens": n_in, "completion_tokens": n, "total_tokens": n_in + n,
+                              "prompt_tokens_details": {"cached_tokens": cached}},
                 })
 
             queue = asyncio.Queue()
@@ -284,11 +289,11 @@ def create_app(engine, name):
     ], exception_handlers={404: not_found})
 
 
-def serve(model, host="127.0.0.1", port=8000, backend="auto", max_seq=4096):
+def serve(model, host="127.0.0.1", port=8000, backend="auto", max_seq=4096, reuse=True):
     import os
 
     import uvicorn
 
     engine = Engine.load(model, backend=backend, max_seq=max_seq, eos_id=-2)
     name = os.path.basename(model.rstrip("/"))
-    uvicorn.run(create_app(engine, name), host=host, port=port, log_level="warning")
+    uvicorn.run(create_app(engine, name, reuse), host=host, port=port, log_level="warning")

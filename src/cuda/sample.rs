@@ -268,7 +268,7 @@ impl CudaBackend {
             .ops
             .gpu
             .download(&self.arena.ring, st[state::RING_COUNT] as usize)?;
-        self.reset()?;
+        self.rewind(0)?;
         Ok(ids.into_iter().map(|i| i as u32).collect())
     }
 }

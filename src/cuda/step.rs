@@ -243,7 +243,7 @@ impl CudaBackend {
         self.record_step()?;
         self.ops.gpu.sync()?;
         self.graph = Some(self.capture_recorded()?);
-        self.reset()
+        self.rewind(0)
     }
 
     /// Captures the step as [`Self::record_step`] enqueues it under the settings in force.
@@ -587,19 +587,24 @@ impl Backend for CudaBackend {
         "cuda"
     }
 
-    fn reset(&mut self) -> Result<()> {
-        // position = valid_len = 0, finished = 0; the KV cache keeps its (dirty) contents.
+    fn rewind(&mut self, position: usize) -> Result<()> {
+        // position = valid_len = `position`, the rest of the state 0; the KV cache keeps its
+        // contents (below `position` the request's, above it dirty), and so does the history
+        // the penalties read (its entries below `position` are the request's ids).
         // argmax_logits' and the long attention's arrival counts are zero after every
         // completed launch; zeroed here too, so that no interrupted step can leave the next
         // one miscounting.
         self.position = None;
         self.settled = None;
         let zeros = [0i32; state::LEN];
+        let mut st = zeros;
+        st[state::POSITION] = position as i32;
+        st[state::VALID_LEN] = position as i32;
         self.ops
             .gpu
             .stream
-            .memcpy_htod(&zeros, &mut self.state)
-            .map_err(driver_error("state reset"))?;
+            .memcpy_htod(&st, &mut self.state)
+            .map_err(driver_error("state rewind"))?;
         self.ops
             .gpu
             .stream
@@ -613,7 +618,7 @@ impl Backend for CudaBackend {
             .map_err(driver_error("attention count reset"))?;
         self.sampler.reset(&self.ops.gpu)?;
         self.ops.gpu.sync()?;
-        self.position = Some(0);
+        self.position = Some(position);
         Ok(())
     }
 

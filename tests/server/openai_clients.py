@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Drives `decodev2 serve` (already listening at BASE_URL, SmolLM2 on the CPU) with the official
 `openai` client and raw HTTP: a chat answer containing "Paris", a stream of more than one
-chunk, a completion cut at a stop string, logprobs in the chat and completions formats, and 4xx
-JSON errors for malformed requests.
+chunk, a second turn whose first turn is not prefilled again, a completion cut at a stop
+string, logprobs in the chat and completions formats, and 4xx JSON errors for malformed
+requests.
 Prints one line per check; exits 1 on the first failure.
 
 Usage: python3 tests/server/openai_clients.py BASE_URL"""
@@ -31,6 +32,15 @@ chunks = list(client.chat.completions.create(
 streamed = "".join(c.choices[0].delta.content or "" for c in chunks)
 print(f"stream: {len(chunks)} chunks, {streamed!r}")
 assert len(chunks) >= 2 and streamed == text, (len(chunks), streamed)
+
+# A second turn: the first turn's prompt and reply, whose KV cache the last request left, are
+# not prefilled again (usage.prompt_tokens_details.cached_tokens).
+turns = [{"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": text},
+         {"role": "user", "content": "And of Italy?"}]
+second = client.chat.completions.create(model=model, messages=turns, max_tokens=20, temperature=0)
+cached = second.usage.prompt_tokens_details.cached_tokens
+print("second turn:", repr(second.choices[0].message.content), second.usage)
+assert reply.usage.prompt_tokens <= cached < second.usage.prompt_tokens, (reply.usage, second.usage)
 
 done = client.completions.create(model=model, prompt="The capital of France is", max_tokens=16, temperature=0,
                                  stop=[","])
