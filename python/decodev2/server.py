@@ -1,5 +1,6 @@
 """An OpenAI-compatible HTTP server over one loaded model (Starlette on uvicorn): /v1/models,
-/v1/completions and /v1/chat/completions, streamed as server-sent events or not, with
+/v1/completions and /v1/chat/completions, streamed as server-sent events (the usage in a last
+chunk under stream_options.include_usage) or not, with
 max_tokens, stop, temperature, top_p, seed, logprobs, presence_penalty and frequency_penalty
 (OpenAI's: subtracted once, and per occurrence, from the logit of an id among the request's last
 penalty_last_n ids, 64 unless given, the prompt's included, as llama.cpp's server counts them),
@@ -234,6 +235,10 @@ def create_app(engine, name, reuse=True):
                     return {"index": 0, key: content, "logprobs": logprobs, "finish_reason": finish}
                 return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
+            def usage(n_in, cached, n):
+                return {"prompt_tokens": n_in, "completion_tokens": n, "total_tokens": n_in + n,
+                        "prompt_tokens_details": {"cached_tokens": cached}}
+
             if not body.get("stream"):
                 loop = asyncio.get_running_loop()
                 try:
@@ -243,19 +248,23 @@ def create_app(engine, name, reuse=True):
                     return _error(400, str(err))
                 return JSONResponse({
                     "id": rid, "object": kind, "created": created, "model": name,
-                    "choices": [choice(text, finish, tokens)],
-                    "usage": {"prompt_tokens": n_in, "completion_tokens": n, "total_tokens": n_in + n,
-                              "prompt_tokens_details": {"cached_tokens": cached}},
+                    "choices": [choice(text, finish, tokens)], "usage": usage(n_in, cached, n),
                 })
+            # stream_options.include_usage: every chunk has "usage": null, and one more chunk with
+            # no choices carries the request's usage before [DONE], as OpenAI streams it.
+            options = body.get("stream_options") or {}
+            if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+                return _error(400, "stream_options must be an object whose include_usage is a boolean")
+            with_usage = options.get("include_usage", False)
 
             queue = asyncio.Queue()
             loop = asyncio.get_running_loop()
 
             def work():
                 try:
-                    finish = gen.run(prompt, p, lambda t, lps: loop.call_soon_threadsafe(
-                        queue.put_nowait, ("text", (t, lps))))[1]
-                    loop.call_soon_threadsafe(queue.put_nowait, ("end", ("", [], finish)))
+                    _, finish, n_in, cached, n, _ = gen.run(prompt, p, lambda t, lps: loop.call_soon_threadsafe(
+                        queue.put_nowait, ("text", (t, lps))))
+                    loop.call_soon_threadsafe(queue.put_nowait, ("end", ("", [], finish, (n_in, cached, n))))
                 except Exception as err:  # noqa: BLE001 - reported in the stream
                     loop.call_soon_threadsafe(queue.put_nowait, ("error", str(err)))
 
@@ -267,11 +276,16 @@ def create_app(engine, name, reuse=True):
                     if what == "error":
                         yield f"data: {json.dumps({'error': {'message': value, 'type': 'server_error'}})}\n\n"
                         break
-                    text, tokens, finish = (*value, None) if what == "text" else value
+                    text, tokens, finish, counts = (*value, None, None) if what == "text" else value
                     data = {"id": rid, "object": chunk, "created": created, "model": name,
                             "choices": [choice(text, finish, tokens, delta=True)]}
+                    if with_usage:
+                        data["usage"] = None
                     yield f"data: {json.dumps(data)}\n\n"
                     if what == "end":
+                        if with_usage:
+                            data.update(choices=[], usage=usage(*counts))
+                            yield f"data: {json.dumps(data)}\n\n"
                         break
                 yield "data: [DONE]\n\n"
 

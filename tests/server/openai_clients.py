@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Drives `decodev2 serve` (already listening at BASE_URL, SmolLM2 on the CPU) with the official
 `openai` client and raw HTTP: a chat answer containing "Paris", a stream of more than one
-chunk, a second turn whose first turn is not prefilled again, a completion cut at a stop
-string, logprobs in the chat and completions formats, and 4xx JSON errors for malformed
-requests.
+chunk (with the usage at its end where asked), a second turn whose first turn is not prefilled
+again, a completion cut at a stop string, logprobs in the chat and completions formats, and 4xx
+JSON errors for malformed requests.
 Prints one line per check; exits 1 on the first failure.
 
 Usage: python3 tests/server/openai_clients.py BASE_URL"""
@@ -32,6 +32,18 @@ chunks = list(client.chat.completions.create(
 streamed = "".join(c.choices[0].delta.content or "" for c in chunks)
 print(f"stream: {len(chunks)} chunks, {streamed!r}")
 assert len(chunks) >= 2 and streamed == text, (len(chunks), streamed)
+assert all(c.usage is None for c in chunks)
+
+# stream_options.include_usage: one more chunk, with no choices, carries the usage.
+chunks = list(client.chat.completions.create(
+    model=model, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=40,
+    temperature=0, stream=True, stream_options={"include_usage": True}))
+last = chunks[-1]
+print("stream usage:", last.usage)
+assert last.choices == [] and all(c.usage is None for c in chunks[:-1])
+assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == text
+assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (reply.usage.prompt_tokens,
+                                                                    reply.usage.completion_tokens)
 
 # A second turn: the first turn's prompt and reply, whose KV cache the last request left, are
 # not prefilled again (usage.prompt_tokens_details.cached_tokens).
@@ -102,6 +114,7 @@ for path, data in [("/v1/chat/completions", b"{not json"), ("/v1/completions", b
                    ("/v1/completions", b'{"prompt": "x", "frequency_penalty": 2.5}'),
                    ("/v1/completions", b'{"prompt": "x", "top_k": -1}'),
                    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}'),
+                   ("/v1/completions", b'{"prompt": "x", "stream": true, "stream_options": {"include_usage": 1}}'),
                    ("/v1/nothing", b"{}")]:
     status, body = raw(path, data)
     print("4xx:", path, status, body)
