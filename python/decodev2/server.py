@@ -95,14 +95,17 @@ class Generator:
             return _number(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS, int)
         return _number(body, "logprobs", 0, 0, MAX_TOP_LOGPROBS, int)
 
-    def run(self, prompt, p, emit):
+    def run(self, prompt, p, emit, gone=lambda: False):
         """Tokenizes prompt (a (text, chat) pair) and decodes after it, calling emit(text,
         tokens) per piece of text, with the logprob entries of the tokens whose text begins in it
         (where asked); returns (text, finish_reason, prompt_tokens, cached_tokens,
         completion_tokens, tokens): cached_tokens are the prompt's first ids whose KV cache the
         last request left (Engine.start). Stops at max_tokens, a stop string (not emitted) or
-        the model's end of generation."""
+        the model's end of generation, or before the next id once gone() says the client left
+        (finish_reason "cancelled"; nothing runs for a client gone before its turn)."""
         with self.lock:
+            if gone():
+                return "", "cancelled", 0, 0, 0, []
             e = self.engine
             text, chat = prompt
             if chat:
@@ -130,6 +133,9 @@ class Generator:
             ahead = []  # ids a dv2_step_n batch decoded past next_id, not yet handled
             batch, clock = 1, time.perf_counter()
             while count < limit:
+                if gone():
+                    finish = "cancelled"
+                    break
                 # next_id is the last id decoded when nothing is ahead: finished says it ended.
                 if not ahead and e.finished():
                     finish = "stop"
@@ -259,17 +265,27 @@ def create_app(engine, name, reuse=True):
 
             queue = asyncio.Queue()
             loop = asyncio.get_running_loop()
+            # Set when the stream ends early (the client disconnected): the request stops at its
+            # next id rather than decoding to max_tokens while the next requests wait.
+            left = threading.Event()
 
             def work():
                 try:
                     _, finish, n_in, cached, n, _ = gen.run(prompt, p, lambda t, lps: loop.call_soon_threadsafe(
-                        queue.put_nowait, ("text", (t, lps))))
+                        queue.put_nowait, ("text", (t, lps))), left.is_set)
                     loop.call_soon_threadsafe(queue.put_nowait, ("end", ("", [], finish, (n_in, cached, n))))
                 except Exception as err:  # noqa: BLE001 - reported in the stream
                     loop.call_soon_threadsafe(queue.put_nowait, ("error", str(err)))
 
             async def events():
                 loop.run_in_executor(None, work)
+                try:
+                    async for event in relay():
+                        yield event
+                finally:
+                    left.set()
+
+            async def relay():
                 chunk = "chat.completion.chunk" if chat else "text_completion"
                 while True:
                     what, value = await queue.get()

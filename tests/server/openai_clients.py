@@ -2,13 +2,14 @@
 """Drives `decodev2 serve` (already listening at BASE_URL, SmolLM2 on the CPU) with the official
 `openai` client and raw HTTP: a chat answer containing "Paris", a stream of more than one
 chunk (with the usage at its end where asked), a second turn whose first turn is not prefilled
-again, a completion cut at a stop string, logprobs in the chat and completions formats, and 4xx
-JSON errors for malformed requests.
+again, a completion cut at a stop string, logprobs in the chat and completions formats, a
+stream left early that stops decoding, and 4xx JSON errors for malformed requests.
 Prints one line per check; exits 1 on the first failure.
 
 Usage: python3 tests/server/openai_clients.py BASE_URL"""
 import json
 import sys
+import time
 import urllib.error
 import urllib.request
 
@@ -97,6 +98,23 @@ try:
     raise AssertionError("a message without content was accepted")
 except BadRequestError as err:
     print("4xx:", err.status_code, err.body)
+
+# A client that leaves a stream early: its request stops at the next id, so the next request
+# does not wait for the rest of it (a greedy completion of this prompt repeats itself to
+# max_tokens).
+ask = dict(model=model, prompt="one, one, one, one, one,", max_tokens=2000, temperature=0)
+stream = client.completions.create(**ask, stream=True)
+pieces, times = iter(stream), []
+for _ in range(12):
+    next(pieces)
+    times.append(time.perf_counter())
+stream.close()
+per_id = (times[-1] - times[1]) / 10
+start = time.perf_counter()
+quick = client.completions.create(model=model, prompt="The capital of France is", max_tokens=4, temperature=0)
+waited = time.perf_counter() - start
+print(f"left early: {per_id * 1e3:.1f} ms an id; the next request answered in {waited:.2f} s")
+assert waited < 200 * per_id + 1.0, (waited, per_id)
 
 
 def raw(path, data):
