@@ -249,13 +249,6 @@ __device__ __forceinline__ void rotate_live_batched(const AttnArgs& a, int kvh, 
 // CTA): +14% decode at depth 48, +30% at 2k, +56% at 8k, +134% at 32k; two q heads a CTA then
 // -0.7% / +14% / +42% at 48 / 8k / 32k (docs/lab.md, session 65, which names the commit that
 // last held the old kernel).
-// Slots of each of attention v2's `splits` splits of `valid` slots: at least ATTN2_CHUNK;
-// ceil(valid / this) of them are in use, at most `splits` (attn2_decode cuts them so,
-// attn2_merge counts them so).
-__device__ __forceinline__ int attn2_split_slots(int valid, int splits) {
-    return max((valid + splits - 1) / splits, ATTN2_CHUNK);
-}
-
 template <int HD, bool CLUSTER = true>
 __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out) {
     timeline_start();
@@ -521,7 +514,8 @@ extern "C" __global__ void attn2_merge(const float* __restrict__ part_acc, const
     for (int c = 0; c < MERGE_AHEAD; c++) acc_ahead[c] = c < n_chunks && d0 < head_dim ? acc[(size_t)c * head_dim + d0] : 0.0f;
     const int pos = state[STATE_POSITION];
     if (pos >= max_seq) return;
-    // The splits in use, as attn2_decode cuts them.
+    // The splits in use, as attn2_decode and attn_long_flat_decode cut them: ceil(valid / per)
+    // of per = attn2_split_slots slots each.
     const int valid = pos + 1, per = attn2_split_slots(valid, n_chunks);
     const int used = min((valid + per - 1) / per, ATTN2_MAX_CHUNKS);
     // m and l of chunk c (chunks `lane` and d0 from the early loads).

@@ -207,19 +207,25 @@ __device__ __forceinline__ int attnl_clusters(int tiles, int n_cl) {
     return tiles < 3 * ATTNL_CLUSTER_TILES ? 1 : min(tiles / ATTNL_CLUSTER_TILES, n_cl);
 }
 
-template <int HD>
+// CLUSTER false (DV2_X_ATTNL_FLAT, GPUs without clusters): grid (1, splits, n_kv), CTA y
+// takes attn2_merge's split y (attn2_split_slots: whole tiles), merges its warps as below and
+// writes its partial for attn2_merge (m in natural-log units, as attention v2's) instead of
+// the cluster's and the clusters' merges.
+template <int HD, bool CLUSTER = true>
 __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, int* counts) {
     constexpr int V4 = HD / 32, MT = HD / 16, DR = HD / ATTNL_RANKS;
     // CTA_TIMELINE marks: 3 prologue done, 4 tiles done, 6 warps merged, 5 cluster merge read.
     timeline_start();
-    const int rank = cluster_rank(), cl = blockIdx.y, kvh = blockIdx.z, n_cl = gridDim.y;
+    const int rank = CLUSTER ? cluster_rank() : 0, cl = blockIdx.y, kvh = blockIdx.z, n_cl = gridDim.y;
     const int gn = a.n_q / a.n_kv, q0 = kvh * gn;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int pos = a.state[STATE_POSITION];
     if (pos >= a.max_seq) return;  // every CTA: no slot to write or read
     const int valid = pos + 1, tiles = (valid + ATTNL_TILE - 1) / ATTNL_TILE;
-    const int used = attnl_clusters(tiles, n_cl);
-    if (cl >= used) return;  // the whole cluster: no barrier waits for it
+    const int used = CLUSTER ? attnl_clusters(tiles, n_cl) : 1;
+    if (cl >= used && CLUSTER) return;  // the whole cluster: no barrier waits for it
+    const int split_slots = CLUSTER ? 0 : attn2_split_slots(valid, n_cl);
+    if (!CLUSTER && cl * split_slots >= valid) return;  // a split past the context
     // The cluster merge's inbox: from every rank, its m and l and its partial of this rank's
     // dims of each head, pushed (st.async) and counted in bytes on push_bar. Why pushes: the
     // loads from the peers' shared memory waited behind a cluster barrier whose release fence
@@ -228,11 +234,14 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
     __shared__ __align__(16) float recv_o[ATTNL_RANKS][ATTNL_MAX_GROUP][DR];
     __shared__ __align__(8) float recv_ml[ATTNL_RANKS][ATTNL_MAX_GROUP][2];
     __shared__ __align__(8) u64 push_bar;
-    if (threadIdx.x == 0) push_barrier_init(&push_bar);
-    cluster_arrive_relaxed();  // the wait before the pushes: every peer's push_bar initialised
+    if constexpr (CLUSTER) {
+        if (threadIdx.x == 0) push_barrier_init(&push_bar);
+        cluster_arrive_relaxed();  // the wait before the pushes: every peer's push_bar initialised
+    }
     const long long cta = cl * ATTNL_RANKS + rank, ctas = used * ATTNL_RANKS;
-    const int tile_end = (int)(tiles * (cta + 1) / ctas);
-    int tile = (int)(tiles * cta / ctas) + warp;
+    const int tile_end = CLUSTER ? (int)(tiles * (cta + 1) / ctas)
+                                 : (min(valid, (cl + 1) * split_slots) + ATTNL_TILE - 1) / ATTNL_TILE;
+    int tile = (CLUSTER ? (int)(tiles * cta / ctas) : cl * split_slots / ATTNL_TILE) + warp;
 
     // Two tiles a warp in flight, in two buffers used in turn (a copy from one to the other
     // waited for the loads it copied).
@@ -251,7 +260,7 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
     __syncthreads();
     timeline_mark(3);
     const size_t slot_stride = (size_t)a.n_kv * HD;
-    if (rank == 0 && cl == 0) {  // one CTA of the KV head writes its slot
+    if (rank == 0 && cl == 0) {  // one CTA of the KV head writes its slot (a split: the first)
         for (int d = threadIdx.x; d < HD; d += blockDim.x) {
             a.k_cache[pos * slot_stride + kvh * HD + d] = f32_to_bf16(kcur[d]);
             a.v_cache[pos * slot_stride + kvh * HD + d] = f32_to_bf16(vcur[d]);
@@ -384,6 +393,20 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
     // The cluster's merge: rank r's dims of each head from every rank's partial, each rank's
     // share pushed to it.
     __syncthreads();  // o_w[0], m_cta and l_cta complete
+    if constexpr (!CLUSTER) {  // the split's partial, for attn2_merge
+        constexpr float LN2 = 0.6931471805599453f;
+        for (int i = threadIdx.x; i < gn * HD; i += ATTN_THREADS) {
+            const int h = i / HD, d = i % HD;
+            a.part_acc[((size_t)(q0 + h) * n_cl + cl) * HD + d] = o_w[0][h][d];
+        }
+        if ((int)threadIdx.x < gn) {
+            const size_t at = ((size_t)(q0 + threadIdx.x) * n_cl + cl) * 2;
+            a.part_ml[at] = m_cta[threadIdx.x] * LN2;  // exp2's units to attn2_merge's expf
+            a.part_ml[at + 1] = l_cta[threadIdx.x];
+        }
+        timeline_end();
+        return;
+    }
     cluster_wait();   // every peer's push_bar initialised (long ago)
     if (threadIdx.x == 0) push_barrier_expect(&push_bar, ATTNL_RANKS * gn * (DR + 2) * 4);
     static_assert(DR % 4 == 0, "a push carries 4 dims");
@@ -476,3 +499,9 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
     }
 ATTNL_KERNEL(64)
 ATTNL_KERNEL(128)
+#define ATTNL_FLAT_KERNEL(HD)                                                                               \
+    extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_long_flat_decode_hd##HD(AttnArgs a) { \
+        attn_long_body<HD, false>(a, nullptr, nullptr);                                                   \
+    }
+ATTNL_FLAT_KERNEL(64)
+ATTNL_FLAT_KERNEL(128)

@@ -141,6 +141,13 @@ __device__ __forceinline__ float warp_sum_spread(float* v) {
 // log2 of n, a power of two (1 << log2_pow2(n) == n): a shift where code would divide.
 __device__ __forceinline__ int log2_pow2(int n) { return __ffs(n) - 1; }
 
+// Slots of each of `splits` splits of `valid` slots in the decode attentions without clusters
+// (attention v2, the flat long-context attention) and their merge (attn2_merge): at least
+// ATTN2_CHUNK, whole 16-slot tiles; ceil(valid / this) of them are in use, at most `splits`.
+__device__ __forceinline__ int attn2_split_slots(int valid, int splits) {
+    return (max((valid + splits - 1) / splits, ATTN2_CHUNK) + 15) & ~15;
+}
+
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));

@@ -216,6 +216,11 @@ pub struct Config {
     pub cache_dir: Option<PathBuf>,
     pub lineinfo: bool,
     pub cta_timeline: bool,
+    /// Experiment (DV2_X_ATTNL_FLAT=1): on a GPU without clusters, the long-context attention's
+    /// walk in splits merged by attn2_merge (kernels/attention_long.cu, attn_long_flat_decode),
+    /// with DV2_X_ATTNL_FLAT_CTAS CTAs an SM (default 1).
+    pub x_attnl_flat: bool,
+    pub x_attnl_flat_ctas: usize,
 }
 
 impl Default for Config {
@@ -261,6 +266,10 @@ impl Config {
                 .or_else(|| default_cache_dir(&var)),
             lineinfo: is("DV2_LINEINFO", "1"),
             cta_timeline: is("DV2_CTA_TIMELINE", "1"),
+            x_attnl_flat: is("DV2_X_ATTNL_FLAT", "1"),
+            x_attnl_flat_ctas: var("DV2_X_ATTNL_FLAT_CTAS")
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(1),
         }
     }
 

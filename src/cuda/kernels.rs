@@ -578,6 +578,8 @@ pub struct Kernels {
     pub attn_prefill_mma: [CudaFunction; 4],
     /// Long-context decode attention for head_dim 64 and 128.
     pub attn_long_decode: [CudaFunction; 2],
+    /// The long-context attention without clusters (DV2_X_ATTNL_FLAT): [64, 128].
+    pub attn_long_flat_decode: [CudaFunction; 2],
     /// The sampler (kernels/sample.cu).
     pub sample_draw: CudaFunction,
 }
@@ -731,6 +733,10 @@ impl Kernels {
                 f("attn_prefill_mma_hd128")?,
             ],
             attn_long_decode: [f("attn_long_decode_hd64")?, f("attn_long_decode_hd128")?],
+            attn_long_flat_decode: [
+                f("attn_long_flat_decode_hd64")?,
+                f("attn_long_flat_decode_hd128")?,
+            ],
             sample_draw: f("sample_draw")?,
             gemv2_room: [0; 2],
             gemv2_logits_room: 0,

@@ -425,6 +425,8 @@ impl CudaBackend {
             let args = self.attn_args(l, halves);
             if ops.attn_long {
                 ops.attention_long(args, attn, self.ptr(&a.attn_counts))?;
+            } else if ops.attn_long_flat {
+                ops.attention_long_flat(args, attn)?;
             } else {
                 ops.attention(args, attn)?;
             }

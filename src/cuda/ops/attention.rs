@@ -267,6 +267,38 @@ impl Ops {
         }
     }
 
+    /// The long-context attention's walk without clusters (`DV2_X_ATTNL_FLAT`), then
+    /// attn2_merge into `out`: grid (1, splits, n_kv), about `DV2_X_ATTNL_FLAT_CTAS` CTAs an SM,
+    /// each every q head of its KV head over a split of whole 16-slot tiles.
+    pub fn attention_long_flat(&self, args: AttnArgs, out: u64) -> Result<()> {
+        let max_seq = args.max_seq as usize;
+        let splits = (self.cfg.x_attnl_flat_ctas.max(1) * self.sms as usize)
+            .div_ceil(args.n_kv as usize)
+            .clamp(1, ATTN2_MAX_CHUNKS)
+            .min(max_seq.div_ceil(ATTN2_CHUNK));
+        let cfg = LaunchConfig {
+            grid_dim: (1, splits as u32, args.n_kv as u32),
+            block_dim: (ATTN_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let f = &self.k.attn_long_flat_decode[(args.head_dim == 128) as usize];
+        launch!(self.gpu, f, cfg; args)?;
+        let merge = LaunchConfig {
+            grid_dim: (args.n_q as u32, 1, 1),
+            block_dim: ((args.head_dim as u32).next_multiple_of(32), 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (pa, pm, st, hd, nc, ms) = (
+            args.part_acc,
+            args.part_ml,
+            args.state,
+            args.head_dim,
+            splits as i32,
+            args.max_seq,
+        );
+        launch!(self.gpu, &self.k.attn2_merge, merge; pa, pm, st, out, hd, nc, ms)
+    }
+
     /// The long-context decode attention of one layer (RoPE and the KV write fused) into
     /// `out`: grid (ATTNL_RANKS, clusters, n_kv) in clusters of ATTNL_RANKS, one CTA per SM
     /// at most when every cluster runs (the kernel leaves clusters idle at shorter context;

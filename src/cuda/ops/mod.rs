@@ -142,6 +142,10 @@ pub struct Ops {
     /// device has clusters, `DV2_ATTN_LONG` is on and [`Ops::fit`] finds the model's shape
     /// taken.
     pub attn_long: bool,
+    /// Experiment (`DV2_X_ATTNL_FLAT`): without clusters, the long-context attention's walk
+    /// in splits and attn2_merge ([`Ops::attention_long_flat`]), where [`Ops::fit`] finds the
+    /// shape taken.
+    pub attn_long_flat: bool,
     /// Streaming multiprocessors of the device.
     pub(super) sms: u32,
     /// SwiGLU at K = 5,120 over 20 warps a CTA with its table in shared memory
@@ -161,6 +165,7 @@ impl Ops {
             .map_err(driver_error("multiprocessor count"))? as u32;
         let attn = decode_attention(&gpu.caps, &cfg);
         let attn_long = gpu.caps.clusters && cfg.attn_long;
+        let attn_long_flat = !gpu.caps.clusters && cfg.attn_long && cfg.x_attnl_flat;
         let swiglu_w20 = gemv::swiglu_w20_fits(&k, gpu.caps.max_smem_per_cta)?;
         let down_w27 = cfg.down_w27 && gemv::down_w27_fits(&k, gpu.caps.max_smem_per_cta)?;
         Ok(Self {
@@ -170,6 +175,7 @@ impl Ops {
             gemv: GemvChoice::Auto,
             attn,
             attn_long,
+            attn_long_flat,
             sms,
             swiglu_w20,
             down_w27,
@@ -189,6 +195,7 @@ impl Ops {
             self.attn = Attention::V1;
         }
         self.attn_long &= attn_long_fits(s);
+        self.attn_long_flat &= attn_long_fits(s);
         Ok(())
     }
 
