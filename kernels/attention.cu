@@ -240,7 +240,9 @@ __device__ __forceinline__ void rotate_live_batched(const AttnArgs& a, int kvh, 
 // loops one shared-load round trip per iteration on the kernel's serial chain (the weighted
 // sum: 6-22 of them at the 3B shape's 8 splits), and the kernel mostly waits (docs/lab.md,
 // session 15: 0.08 issued per scheduler cycle). Measured: -0.0055 ms/token (session 16, run 2).
-// CLUSTER false: attention v2 (no clusters: before sm_90, or DV2_ATTN_CLUSTERS=0), the same
+// CLUSTER false: attention v2 (no clusters: before sm_90, or DV2_ATTN_CLUSTERS=0; without
+// clusters the long-context attention takes its place where it takes the shape, unless
+// DV2_ATTN_LONG=0), the same
 // walk with gridDim.y splits of at least ATTN2_CHUNK slots each (the host picks about four
 // CTAs an SM, each of two q heads on the 3B shape), whose partials go to attn2_merge; a split
 // past the context leaves at once. Why: v2 was a CTA a 32-slot chunk of max_seq (16 x 1,024

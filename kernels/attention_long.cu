@@ -207,7 +207,7 @@ __device__ __forceinline__ int attnl_clusters(int tiles, int n_cl) {
     return tiles < 3 * ATTNL_CLUSTER_TILES ? 1 : min(tiles / ATTNL_CLUSTER_TILES, n_cl);
 }
 
-// CLUSTER false (DV2_X_ATTNL_FLAT, GPUs without clusters): grid (1, splits, n_kv), CTA y
+// CLUSTER false (GPUs without clusters, or DV2_HOPPER=0): grid (1, splits, n_kv), CTA y
 // takes attn2_merge's split y (attn2_split_slots: whole tiles), merges its warps as below and
 // writes its partial for attn2_merge (m in natural-log units, as attention v2's) instead of
 // the cluster's and the clusters' merges.

@@ -99,8 +99,10 @@ pub const VARIABLES: &[Variable] = &[
         name: "DV2_ATTN_LONG",
         default: "1",
         effect: "`0`: no long-context decode attention (flash-decoding over the whole GPU, at \
-                 every depth): attention v3",
-        lab: "sessions 22 (the context sweep), 28 (from depth 1) and 39 (the 32B shape)",
+                 every depth; without clusters, its splits merged by attn2_merge): attention v3, \
+                 or v2 without clusters",
+        lab: "sessions 22 (the context sweep), 28 (from depth 1) and 39 (the 32B shape); without \
+              clusters session 67 (+3.7% at 48, +5.7% at 2k, +23% at 8k, +81% at 32k)",
     },
     Variable {
         name: "DV2_SAMPLE_SHORTCUTS",
@@ -216,11 +218,6 @@ pub struct Config {
     pub cache_dir: Option<PathBuf>,
     pub lineinfo: bool,
     pub cta_timeline: bool,
-    /// Experiment (DV2_X_ATTNL_FLAT=1): on a GPU without clusters, the long-context attention's
-    /// walk in splits merged by attn2_merge (kernels/attention_long.cu, attn_long_flat_decode),
-    /// with DV2_X_ATTNL_FLAT_CTAS CTAs an SM (default 1).
-    pub x_attnl_flat: bool,
-    pub x_attnl_flat_ctas: usize,
 }
 
 impl Default for Config {
@@ -266,10 +263,6 @@ impl Config {
                 .or_else(|| default_cache_dir(&var)),
             lineinfo: is("DV2_LINEINFO", "1"),
             cta_timeline: is("DV2_CTA_TIMELINE", "1"),
-            x_attnl_flat: is("DV2_X_ATTNL_FLAT", "1"),
-            x_attnl_flat_ctas: var("DV2_X_ATTNL_FLAT_CTAS")
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(1),
         }
     }
 

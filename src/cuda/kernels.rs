@@ -578,7 +578,7 @@ pub struct Kernels {
     pub attn_prefill_mma: [CudaFunction; 4],
     /// Long-context decode attention for head_dim 64 and 128.
     pub attn_long_decode: [CudaFunction; 2],
-    /// The long-context attention without clusters (DV2_X_ATTNL_FLAT): [64, 128].
+    /// The long-context attention without clusters: [64, 128].
     pub attn_long_flat_decode: [CudaFunction; 2],
     /// The sampler (kernels/sample.cu).
     pub sample_draw: CudaFunction,

@@ -142,9 +142,9 @@ pub struct Ops {
     /// device has clusters, `DV2_ATTN_LONG` is on and [`Ops::fit`] finds the model's shape
     /// taken.
     pub attn_long: bool,
-    /// Experiment (`DV2_X_ATTNL_FLAT`): without clusters, the long-context attention's walk
-    /// in splits and attn2_merge ([`Ops::attention_long_flat`]), where [`Ops::fit`] finds the
-    /// shape taken.
+    /// Without clusters, the long-context attention's walk in splits and attn2_merge
+    /// ([`Ops::attention_long_flat`]), in place of [`Ops::attn`]: where `DV2_ATTN_LONG` is on
+    /// and [`Ops::fit`] finds the shape taken.
     pub attn_long_flat: bool,
     /// Streaming multiprocessors of the device.
     pub(super) sms: u32,
@@ -165,7 +165,7 @@ impl Ops {
             .map_err(driver_error("multiprocessor count"))? as u32;
         let attn = decode_attention(&gpu.caps, &cfg);
         let attn_long = gpu.caps.clusters && cfg.attn_long;
-        let attn_long_flat = !gpu.caps.clusters && cfg.attn_long && cfg.x_attnl_flat;
+        let attn_long_flat = !gpu.caps.clusters && cfg.attn_long;
         let swiglu_w20 = gemv::swiglu_w20_fits(&k, gpu.caps.max_smem_per_cta)?;
         let down_w27 = cfg.down_w27 && gemv::down_w27_fits(&k, gpu.caps.max_smem_per_cta)?;
         Ok(Self {
