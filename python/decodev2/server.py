@@ -1,17 +1,18 @@
 """An OpenAI-compatible HTTP server over one loaded model (Starlette on uvicorn): /v1/models,
 /v1/completions and /v1/chat/completions, streamed as server-sent events (the usage in a last
-chunk under stream_options.include_usage) or not, with
-max_tokens, stop, temperature, top_p, seed, logprobs, presence_penalty and frequency_penalty
-(OpenAI's: subtracted once, and per occurrence, from the logit of an id among the request's last
-penalty_last_n ids, 64 unless given, the prompt's included, as llama.cpp's server counts them),
-and llama.cpp's extensions top_k, min_p, repeat_penalty and penalty_last_n (an OpenAI client
-passes them in extra_body). decodev2 decodes batch 1: requests wait their turn on one lock and
-run one at a time in a worker thread. A prompt is prefilled from its first id that differs from
-the ids the last request left in the KV cache (Engine.start: a chat's earlier turns are not
-prefilled again; usage.prompt_tokens_details.cached_tokens counts the ids kept), unless
---no-prefix-reuse. A request decodes in dv2_step_n batches of about 20 ms (a step at a time
-where a step takes longer, or where logprobs are asked), whose pieces then stream out one by
-one.
+chunk under stream_options.include_usage) or not, with max_tokens, stop, temperature, top_p,
+seed, logprobs, presence_penalty and frequency_penalty (OpenAI's: subtracted once, and per
+occurrence, from the logit of an id among the request's last penalty_last_n ids, 64 unless
+given, the prompt's included, as llama.cpp's server counts them), n (up to 16 choices, decoded
+one after the other, choice i drawn with seed + i), and llama.cpp's extensions top_k, min_p,
+repeat_penalty and penalty_last_n (an OpenAI client passes them in extra_body). decodev2
+decodes batch 1: requests wait their turn on one lock and run one at a time in a worker
+thread. A prompt is prefilled from its first id that differs from the ids the last request left
+in the KV cache (Engine.start: a chat's earlier turns, and a choice's prompt after the first
+choice, are not prefilled again; usage.prompt_tokens_details.cached_tokens counts the ids kept),
+unless --no-prefix-reuse. A request decodes in dv2_step_n batches of about 20 ms (a step at a
+time where a step takes longer, or where logprobs are asked), whose pieces then stream out one
+by one.
 
     python -m decodev2 serve MODEL [--host 127.0.0.1] [--port 8000] [--backend auto] [--no-prefix-reuse]
 
@@ -30,6 +31,7 @@ from starlette.routing import Route
 from . import Dv2Error, Engine, TextStream, next_batch
 
 MAX_TOP_LOGPROBS = 20
+MAX_CHOICES = 16
 # The request fields that go to Engine.set_sampling as they are.
 SAMPLING = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "repeat_penalty",
             "penalty_last_n", "top_k", "min_p")
@@ -80,6 +82,7 @@ class Generator:
             "top_k": _number(body, "top_k", 0, 0, 1 << 20, int),
             "min_p": _number(body, "min_p", 0.0, 0.0, 1.0),
             "stop": stop,
+            "n": _number(body, "n", 1, 1, MAX_CHOICES, int),
         }
 
     @staticmethod
@@ -94,6 +97,23 @@ class Generator:
         if asked is True:
             return _number(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS, int)
         return _number(body, "logprobs", 0, 0, MAX_TOP_LOGPROBS, int)
+
+    def run_choices(self, prompt, p, emit, done, gone=lambda: False):
+        """run() for each of the request's n choices, one after the other: choice i draws with
+        seed + i (sampled choices differ; at temperature 0 they are the same), and each after
+        the first prefills only the prompt's last id (Engine.start keeps the rest). Calls
+        emit(i, text, tokens) per piece and done(i, finish_reason) at the end of choice i;
+        returns the choices' (text, finish_reason, tokens) and the usage's (prompt_tokens,
+        cached_tokens of the first choice, completion_tokens of all)."""
+        choices, usage = [], None
+        for i in range(p["n"]):
+            seeded = dict(p, seed=(p["seed"] + i) % (1 << 64))
+            text, finish, n_in, cached, n, tokens = self.run(
+                prompt, seeded, lambda t, lps, i=i: emit(i, t, lps), gone)
+            choices.append((text, finish, tokens))
+            done(i, finish)
+            usage = (n_in, cached, n) if usage is None else (usage[0], usage[1], usage[2] + n)
+        return choices, usage
 
     def run(self, prompt, p, emit, gone=lambda: False):
         """Tokenizes prompt (a (text, chat) pair) and decodes after it, calling emit(text,
@@ -233,13 +253,13 @@ def create_app(engine, name, reuse=True):
                 return _error(400, str(err))
             rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
 
-            def choice(text, finish, tokens, delta=False):
+            def choice(index, text, finish, tokens, delta=False):
                 logprobs = None if p["logprobs"] is None else logprobs_of(tokens, chat)
                 if chat:
                     key = "delta" if delta else "message"
                     content = {"content": text} if delta else {"role": "assistant", "content": text}
-                    return {"index": 0, key: content, "logprobs": logprobs, "finish_reason": finish}
-                return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+                    return {"index": index, key: content, "logprobs": logprobs, "finish_reason": finish}
+                return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
             def usage(n_in, cached, n):
                 return {"prompt_tokens": n_in, "completion_tokens": n, "total_tokens": n_in + n,
@@ -248,13 +268,13 @@ def create_app(engine, name, reuse=True):
             if not body.get("stream"):
                 loop = asyncio.get_running_loop()
                 try:
-                    text, finish, n_in, cached, n, tokens = await loop.run_in_executor(
-                        None, gen.run, prompt, p, lambda _t, _l: None)
+                    choices, counts = await loop.run_in_executor(
+                        None, gen.run_choices, prompt, p, lambda *_: None, lambda *_: None)
                 except (BadRequest, Dv2Error) as err:
                     return _error(400, str(err))
                 return JSONResponse({
                     "id": rid, "object": kind, "created": created, "model": name,
-                    "choices": [choice(text, finish, tokens)], "usage": usage(n_in, cached, n),
+                    "choices": [choice(i, *c) for i, c in enumerate(choices)], "usage": usage(*counts),
                 })
             # stream_options.include_usage: every chunk has "usage": null, and one more chunk with
             # no choices carries the request's usage before [DONE], as OpenAI streams it.
@@ -269,13 +289,16 @@ def create_app(engine, name, reuse=True):
             # next id rather than decoding to max_tokens while the next requests wait.
             left = threading.Event()
 
+            def put(*event):
+                loop.call_soon_threadsafe(queue.put_nowait, event)
+
             def work():
                 try:
-                    _, finish, n_in, cached, n, _ = gen.run(prompt, p, lambda t, lps: loop.call_soon_threadsafe(
-                        queue.put_nowait, ("text", (t, lps))), left.is_set)
-                    loop.call_soon_threadsafe(queue.put_nowait, ("end", ("", [], finish, (n_in, cached, n))))
+                    _, counts = gen.run_choices(prompt, p, lambda i, t, lps: put("text", (i, t, lps, None)),
+                                                lambda i, finish: put("text", (i, "", [], finish)), left.is_set)
+                    put("end", counts)
                 except Exception as err:  # noqa: BLE001 - reported in the stream
-                    loop.call_soon_threadsafe(queue.put_nowait, ("error", str(err)))
+                    put("error", str(err))
 
             async def events():
                 loop.run_in_executor(None, work)
@@ -292,17 +315,17 @@ def create_app(engine, name, reuse=True):
                     if what == "error":
                         yield f"data: {json.dumps({'error': {'message': value, 'type': 'server_error'}})}\n\n"
                         break
-                    text, tokens, finish, counts = (*value, None, None) if what == "text" else value
-                    data = {"id": rid, "object": chunk, "created": created, "model": name,
-                            "choices": [choice(text, finish, tokens, delta=True)]}
+                    data = {"id": rid, "object": chunk, "created": created, "model": name}
+                    if what == "end":
+                        if with_usage:
+                            data.update(choices=[], usage=usage(*value))
+                            yield f"data: {json.dumps(data)}\n\n"
+                        break
+                    index, text, tokens, finish = value
+                    data["choices"] = [choice(index, text, finish, tokens, delta=True)]
                     if with_usage:
                         data["usage"] = None
                     yield f"data: {json.dumps(data)}\n\n"
-                    if what == "end":
-                        if with_usage:
-                            data.update(choices=[], usage=usage(*counts))
-                            yield f"data: {json.dumps(data)}\n\n"
-                        break
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")

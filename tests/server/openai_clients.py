@@ -2,8 +2,9 @@
 """Drives `decodev2 serve` (already listening at BASE_URL, SmolLM2 on the CPU) with the official
 `openai` client and raw HTTP: a chat answer containing "Paris", a stream of more than one
 chunk (with the usage at its end where asked), a second turn whose first turn is not prefilled
-again, a completion cut at a stop string, logprobs in the chat and completions formats, a
-stream left early that stops decoding, and 4xx JSON errors for malformed requests.
+again, a completion cut at a stop string, seeds, n choices (streamed too), logprobs in the chat
+and completions formats, a stream left early that stops decoding, and 4xx JSON errors for
+malformed requests.
 Prints one line per check; exits 1 on the first failure.
 
 Usage: python3 tests/server/openai_clients.py BASE_URL"""
@@ -65,6 +66,24 @@ sampled = [client.completions.create(model=model, prompt="Once upon a time", max
                                      seed=s).choices[0].text for s in (1, 1, 2)]
 print("seeds:", sampled)
 assert sampled[0] == sampled[1] != sampled[2]
+
+# n choices: choice i draws with seed + i, so choices 0 and 1 of seed 1 are the completions of
+# seeds 1 and 2 above; streamed, each choice's chunks carry its index and end in its
+# finish_reason; at temperature 0 every choice is the greedy one.
+several = client.completions.create(model=model, prompt="Once upon a time", max_tokens=12, temperature=0.9,
+                                    seed=1, n=3)
+texts = [c.text for c in sorted(several.choices, key=lambda c: c.index)]
+print("n=3:", texts, several.usage)
+assert [c.index for c in several.choices] == [0, 1, 2] and texts[:2] == [sampled[0], sampled[2]]
+assert several.usage.completion_tokens > 12 * 2
+stream = list(client.completions.create(model=model, prompt="Once upon a time", max_tokens=12, temperature=0.9,
+                                        seed=1, n=3, stream=True))
+by_index = {i: "".join(c.choices[0].text for c in stream if c.choices[0].index == i) for i in range(3)}
+ends = [c.choices[0].index for c in stream if c.choices[0].finish_reason]
+print("n=3 streamed:", by_index, ends)
+assert [by_index[i] for i in range(3)] == texts and ends == [0, 1, 2]
+greedy = client.completions.create(model=model, prompt="Once upon a time", max_tokens=8, temperature=0, n=2)
+assert greedy.choices[0].text == greedy.choices[1].text
 
 # OpenAI's penalties (and llama.cpp's extensions through extra_body) reach the sampler: at
 # temperature 0 a strong frequency penalty changes a greedy completion that repeats itself.
@@ -133,6 +152,7 @@ for path, data in [("/v1/chat/completions", b"{not json"), ("/v1/completions", b
                    ("/v1/completions", b'{"prompt": "x", "top_k": -1}'),
                    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}'),
                    ("/v1/completions", b'{"prompt": "x", "stream": true, "stream_options": {"include_usage": 1}}'),
+                   ("/v1/completions", b'{"prompt": "x", "n": 0}'),
                    ("/v1/nothing", b"{}")]:
     status, body = raw(path, data)
     print("4xx:", path, status, body)
