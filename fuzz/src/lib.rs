@@ -328,8 +328,8 @@ fn last_error() -> String {
 
 /// An `abi` input: calls through the C ABI on one engine, as a C host would make them (every
 /// pointer valid for the room it declares, or NULL), each chosen by a byte (its low 4 bits)
-/// with its arguments from the bytes after it: prefill, step, step_n, logits, logprobs, reset,
-/// set_sampling, tokenize, detokenize, token_to_piece, chat_apply_template, token_special,
+/// with its arguments from the bytes after it: prefill, step, step_n, logits, logprobs, reset
+/// (rewind where the byte's top bit is set), set_sampling, tokenize, detokenize, token_to_piece, chat_apply_template, token_special,
 /// token_is_eog, meta_str, meta_key, and the queries. A finding (a panic here, which AFL reports
 /// as a crash): a call that returns DV2_ERR_INTERNAL (a panic the ABI caught) or an error
 /// without a message, writes past the room it was given, leaves the handle unusable
@@ -458,6 +458,20 @@ pub fn abi(target: &AbiTarget, data: &[u8]) {
                     }
                 }
                 ("dv2_logprobs", s)
+            }
+            5 if null => {
+                // A position from -1 to two past the current one.
+                let to = i32::from(args.u16()) % (position + 4) - 1;
+                // SAFETY: the live handle.
+                let s = unsafe { ffi::dv2_rewind(h, to) };
+                if (0..=position).contains(&to) {
+                    assert_eq!(s, DV2_OK, "rewind to {to} of {position}: {}", last_error());
+                    check_position(h, to);
+                } else {
+                    assert_eq!(s, DV2_ERR_INVALID_ARGUMENT, "rewind to {to} of {position}");
+                    check_position(h, position);
+                }
+                ("dv2_rewind", s)
             }
             5 => {
                 // SAFETY: the live handle.
