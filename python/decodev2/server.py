@@ -267,11 +267,25 @@ def create_app(engine, name, reuse=True):
 
             if not body.get("stream"):
                 loop = asyncio.get_running_loop()
+                # The client may leave (a timeout) before the answer: checked every 0.1 s, so that
+                # the request stops decoding at its next id, as a stream left early does.
+                left = threading.Event()
+
+                async def watch():
+                    while not left.is_set():
+                        if await request.is_disconnected():
+                            left.set()
+                        await asyncio.sleep(0.1)
+
+                watcher = asyncio.create_task(watch())
                 try:
                     choices, counts = await loop.run_in_executor(
-                        None, gen.run_choices, prompt, p, lambda *_: None, lambda *_: None)
+                        None, gen.run_choices, prompt, p, lambda *_: None, lambda *_: None, left.is_set)
                 except (BadRequest, Dv2Error) as err:
                     return _error(400, str(err))
+                finally:
+                    left.set()
+                    watcher.cancel()
                 return JSONResponse({
                     "id": rid, "object": kind, "created": created, "model": name,
                     "choices": [choice(i, *c) for i, c in enumerate(choices)], "usage": usage(*counts),

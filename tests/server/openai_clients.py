@@ -3,8 +3,8 @@
 `openai` client and raw HTTP: a chat answer containing "Paris", a stream of more than one
 chunk (with the usage at its end where asked), a second turn whose first turn is not prefilled
 again, a completion cut at a stop string, seeds, n choices (streamed too), logprobs in the chat
-and completions formats, a stream left early that stops decoding, and 4xx JSON errors for
-malformed requests.
+and completions formats, a stream left early and a request timed out that stop decoding, and 4xx
+JSON errors for malformed requests.
 Prints one line per check; exits 1 on the first failure.
 
 Usage: python3 tests/server/openai_clients.py BASE_URL"""
@@ -14,7 +14,7 @@ import time
 import urllib.error
 import urllib.request
 
-from openai import BadRequestError, OpenAI
+from openai import APITimeoutError, BadRequestError, OpenAI
 
 base = sys.argv[1].rstrip("/")
 client = OpenAI(base_url=f"{base}/v1", api_key="unused")
@@ -133,6 +133,18 @@ start = time.perf_counter()
 quick = client.completions.create(model=model, prompt="The capital of France is", max_tokens=4, temperature=0)
 waited = time.perf_counter() - start
 print(f"left early: {per_id * 1e3:.1f} ms an id; the next request answered in {waited:.2f} s")
+assert waited < 200 * per_id + 1.0, (waited, per_id)
+
+# The same for a client that gives up on a completion not streamed (its timeout).
+try:
+    client.with_options(timeout=1.0, max_retries=0).completions.create(**ask)
+    raise AssertionError("2,000 ids within 1 s")
+except APITimeoutError:
+    pass
+start = time.perf_counter()
+client.completions.create(model=model, prompt="The capital of France is", max_tokens=4, temperature=0)
+waited = time.perf_counter() - start
+print(f"timed out: the next request answered in {waited:.2f} s")
 assert waited < 200 * per_id + 1.0, (waited, per_id)
 
 
