@@ -1,18 +1,19 @@
 """An OpenAI-compatible HTTP server over one loaded model (Starlette on uvicorn): /v1/models,
 /v1/completions and /v1/chat/completions, streamed as server-sent events (the usage in a last
-chunk under stream_options.include_usage) or not, with max_tokens, stop, temperature, top_p,
-seed, logprobs, presence_penalty and frequency_penalty (OpenAI's: subtracted once, and per
-occurrence, from the logit of an id among the request's last penalty_last_n ids, 64 unless
-given, the prompt's included, as llama.cpp's server counts them), n (up to 16 choices, decoded
-one after the other, choice i drawn with seed + i), and llama.cpp's extensions top_k, min_p,
-repeat_penalty and penalty_last_n (an OpenAI client passes them in extra_body). decodev2
-decodes batch 1: requests wait their turn on one lock and run one at a time in a worker
-thread. A prompt is prefilled from its first id that differs from the ids the last request left
-in the KV cache (Engine.start: a chat's earlier turns, and a choice's prompt after the first
-choice, are not prefilled again; usage.prompt_tokens_details.cached_tokens counts the ids kept),
-unless --no-prefix-reuse. A request decodes in dv2_step_n batches of about 20 ms (a step at a
-time where a step takes longer, or where logprobs are asked), whose pieces then stream out one
-by one.
+chunk under stream_options.include_usage) or not, with max_tokens (or max_completion_tokens),
+stop, temperature, top_p, seed, logprobs, presence_penalty and frequency_penalty (OpenAI's:
+subtracted once, and per occurrence, from the logit of an id among the request's last
+penalty_last_n ids, 64 unless given, the prompt's included, as llama.cpp's server counts them),
+n (up to 16 choices, decoded one after the other, choice i drawn with seed + i), and
+llama.cpp's extensions top_k, min_p, repeat_penalty and penalty_last_n (an OpenAI client passes
+them in extra_body). decodev2 decodes batch 1: requests wait their turn on one lock and run one
+at a time in a worker thread; a request whose client leaves stops at its next id. A prompt is
+prefilled from its first id that differs from the ids the last request left in the KV cache
+(Engine.start: a chat's earlier turns, and a choice's prompt after the first choice, are not
+prefilled again; usage.prompt_tokens_details.cached_tokens counts the ids kept), unless
+--no-prefix-reuse. A request decodes in dv2_step_n batches of about 20 ms (a step at a time
+where a step takes longer, or where logprobs are asked), whose pieces then stream out one by
+one.
 
     python -m decodev2 serve MODEL [--host 127.0.0.1] [--port 8000] [--backend auto] [--no-prefix-reuse]
 
@@ -71,7 +72,9 @@ class Generator:
             raise BadRequest("stop must be a non-empty string or a list of up to 4 of them")
         return {
             "logprobs": self.logprobs_asked(body),
-            "max_tokens": _number(body, "max_tokens", 256, 1, 1 << 20, int),
+            # max_completion_tokens: the chat API's newer name for it (the first given counts).
+            "max_tokens": _number(body, "max_tokens" if body.get("max_tokens") is not None else "max_completion_tokens",
+                                  256, 1, 1 << 20, int),
             "temperature": _number(body, "temperature", 1.0, 0.0, 2.0),
             "top_p": _number(body, "top_p", 1.0, 1e-6, 1.0),
             "seed": _number(body, "seed", 0, 0, (1 << 64) - 1, int),

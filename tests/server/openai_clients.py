@@ -27,6 +27,10 @@ reply = client.chat.completions.create(
 text = reply.choices[0].message.content
 print("chat:", repr(text), reply.choices[0].finish_reason, reply.usage)
 assert "Paris" in text, text
+short = client.chat.completions.create(
+    model=model, messages=[{"role": "user", "content": "What is the capital of France?"}], max_completion_tokens=3,
+    temperature=0)
+assert short.usage.completion_tokens == 3 and short.choices[0].finish_reason == "length", short
 
 chunks = list(client.chat.completions.create(
     model=model, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=40,
