@@ -168,7 +168,8 @@ except d.ModelFileError as err:
 /// `Engine.start` keeps the KV cache of the prefix a prompt shares with the last request's
 /// ids (its prompt and what it decoded, batched or a step at a time) and prefills the rest:
 /// the same ids as a fresh prefill, on the CPU bit for bit; `reuse=False`, a rewind past the
-/// position, and a prompt equal to the last one's ids (one id prefilled again) too.
+/// position, and a prompt equal to the last one's ids (one id prefilled again) too. An id or a
+/// position past int32 is a ValueError, not its low 32 bits.
 const START_REUSES_THE_PREFIX: &str = r#"
 import decodev2 as d
 e = d.Engine.synthetic("medium_llama", seed=1, backend="cpu", max_seq=64)
@@ -190,6 +191,13 @@ try:
     e.rewind(e.position() + 1)
 except d.Dv2Error as err:
     print("rewind", err.status)
+# An id past int32 is refused, not fed as its low 32 bits (id 5).
+for call in (lambda: e.prefill([(1 << 32) + 5]), lambda: e.rewind((1 << 32) + 1), lambda: e.piece(-(1 << 40))):
+    try:
+        call()
+        raise AssertionError("an int past int32 went through")
+    except ValueError as err:
+        assert "outside int32" in str(err), err
 print("reused", reused, len(b) - 1)
 "#;
 

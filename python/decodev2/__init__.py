@@ -154,6 +154,16 @@ _ERRORS = {1: InvalidArgumentError, 2: InvalidArgumentError, 3: InvalidStateErro
            15: InvalidArgumentError, 16: NonFiniteError, 17: BufferTooSmallError}
 
 
+def _int32(values, what):
+    """`values` (ints) as the library's int32 arguments take them: ctypes would keep only the
+    low 32 bits of one outside int32 (2**32 + 5 would become id 5), so such a value is a
+    ValueError here."""
+    for v in values:
+        if not -(1 << 31) <= v < (1 << 31):
+            raise ValueError(f"{what} {v} is outside int32")
+    return values
+
+
 def _check(status, call):
     if status != DV2_OK:
         raise _ERRORS.get(status, Dv2Error)(status, call)
@@ -259,7 +269,7 @@ class Engine:
     def rewind(self, position):
         """Moves the request back to `position` (at most position()), keeping the KV cache of
         the positions before it; a prefill comes next (see dv2_rewind)."""
-        _check(lib.dv2_rewind(self._h, position), "dv2_rewind")
+        _check(lib.dv2_rewind(self._h, *_int32([position], "position")), "dv2_rewind")
         del self._fed[position:]
         self._pending = None
 
@@ -283,7 +293,7 @@ class Engine:
     def prefill(self, ids):
         """Feeds ids from the current position; returns the next id (greedy, or sampled under
         set_sampling)."""
-        arr = (ctypes.c_int32 * len(ids))(*ids)
+        arr = (ctypes.c_int32 * len(ids))(*_int32(ids, "id"))
         nxt = ctypes.c_int32()
         _check(lib.dv2_prefill(self._h, arr, len(ids), ctypes.byref(nxt)), "dv2_prefill")
         self._fed.extend(ids)
@@ -324,6 +334,7 @@ class Engine:
         first). Call it right after the prefill or step that returned token_id."""
         lp = ctypes.c_float()
         ids, lps = (ctypes.c_int32 * max(n_top, 1))(), (ctypes.c_float * max(n_top, 1))()
+        token_id, = _int32([token_id], "id")
         _check(lib.dv2_logprobs(self._h, token_id, n_top, ctypes.byref(lp), ids, lps), "dv2_logprobs")
         count = min(n_top, self.info.vocab)
         return lp.value, list(zip(ids[:count], lps[:count]))
@@ -414,7 +425,7 @@ class Engine:
 
     def detokenize(self, ids, skip_special=False):
         """The bytes of `ids` (decode them with .decode("utf-8") for a whole sequence)."""
-        arr = (ctypes.c_int32 * max(len(ids), 1))(*ids)
+        arr = (ctypes.c_int32 * max(len(ids), 1))(*_int32(ids, "id"))
         flags = DV2_DETOKENIZE_SKIP_SPECIAL if skip_special else 0
         call = lambda out, cap, n: lib.dv2_detokenize(self._h, arr, len(ids), flags, out, cap, n)
         return self._bytes(call, "dv2_detokenize")
@@ -447,6 +458,7 @@ class Engine:
 
     def is_eog(self, token_id):
         out = ctypes.c_int32()
+        token_id, = _int32([token_id], "id")
         _check(lib.dv2_token_is_eog(self._h, token_id, ctypes.byref(out)), "dv2_token_is_eog")
         return bool(out.value)
 
@@ -466,6 +478,7 @@ class Engine:
 
     def piece(self, token_id):
         """The bytes of one id (possibly part of a UTF-8 character)."""
+        token_id, = _int32([token_id], "id")
         call = lambda out, cap, n: lib.dv2_token_to_piece(self._h, token_id, out, cap, n)
         return self._bytes(call, "dv2_token_to_piece")
 
