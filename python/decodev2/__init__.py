@@ -447,6 +447,8 @@ class Engine:
             if name == "struct_size" or name not in dict(Sampling._fields_):
                 raise TypeError(f"unknown sampling setting {name!r}")
             setattr(s, name, value)
+            if isinstance(value, int) and getattr(s, name) != value:  # ctypes kept its low bits
+                raise ValueError(f"sampling setting {name} = {value} is outside its C type's range")
         _check(lib.dv2_set_sampling(self._h, ctypes.byref(s)), "dv2_set_sampling")
 
     def special(self, which):
