@@ -227,7 +227,8 @@ class Engine:
     @staticmethod
     def _options(backend, max_seq, eos_id):
         opts = lib.dv2_options_default()
-        opts.backend, opts.max_seq, opts.eos_id = BACKENDS[backend], max_seq, eos_id
+        opts.backend = BACKENDS[backend]
+        opts.max_seq, opts.eos_id = _int32([max_seq, eos_id], "max_seq or eos_id")
         return opts
 
     @classmethod
