@@ -194,7 +194,8 @@ except d.Dv2Error as err:
 # An id past int32 is refused, not fed as its low 32 bits (id 5).
 for call in (lambda: e.prefill([(1 << 32) + 5]), lambda: e.rewind((1 << 32) + 1), lambda: e.piece(-(1 << 40)),
              lambda: e.set_sampling(temperature=1.0, top_k=(1 << 32) + 1), lambda: e.set_sampling(seed=-1),
-             lambda: d.Engine.synthetic("tiny_llama", backend="cpu", max_seq=(1 << 32) + 8)):
+             lambda: d.Engine.synthetic("tiny_llama", backend="cpu", max_seq=(1 << 32) + 8),
+             lambda: d.Engine.synthetic("tiny_llama", seed=-1, backend="cpu")):
     try:
         call()
         raise AssertionError("an int past int32 went through")

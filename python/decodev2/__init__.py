@@ -235,6 +235,8 @@ class Engine:
     def synthetic(cls, preset, seed=0, backend="auto", max_seq=0, eos_id=-1):
         h = _P()
         opts = cls._options(backend, max_seq, eos_id)
+        if not 0 <= seed < 1 << 64:
+            raise ValueError(f"seed {seed} is outside uint64")
         _check(lib.dv2_load_synthetic(preset.encode(), seed, ctypes.byref(opts), ctypes.byref(h)), "dv2_load_synthetic")
         return cls(h)
 
