@@ -270,9 +270,6 @@ impl Tokenizer {
             _ => None,
         };
         let chat_template = g.str("tokenizer.chat_template").map(str::to_string);
-        let control: Vec<bool> = (0..tokens.len())
-            .map(|i| types.get(i) == Some(&TOKEN_CONTROL))
-            .collect();
         if model == "llama" {
             let scores: Vec<f32> = match g.meta.get("tokenizer.ggml.scores") {
                 Some(Value::Array(items)) => items
@@ -348,6 +345,9 @@ impl Tokenizer {
         tk.add_tokens(&typed(TOKEN_USER_DEFINED, false));
         let bytes = byte_level_bytes();
         let pieces = tokens.iter().map(|t| byte_level_piece(t, &bytes)).collect();
+        let control = (0..tokens.len())
+            .map(|i| types.get(i) == Some(&TOKEN_CONTROL))
+            .collect();
         let add_bos = flag("tokenizer.ggml.add_bos_token").unwrap_or(whole_first);
         Self::with_modes(tk, pieces, control, special, add_bos, chat_template)
     }
