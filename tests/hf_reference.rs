@@ -36,9 +36,11 @@ fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
 /// One backend's run of a model: whether its greedy ids are transformers' (a failure
 /// description if not), and its teacher-forced logits at the reference's positions, or None
 /// where the backend is absent (SKIP printed).
-fn run_model(dir: &Path, backend: BackendKind) -> Option<(Option<String>, Vec<Vec<f32>>)> {
-    let reference: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.join("reference.json")).unwrap()).unwrap();
+fn run_model(
+    dir: &Path,
+    reference: &serde_json::Value,
+    backend: BackendKind,
+) -> Option<(Option<String>, Vec<Vec<f32>>)> {
     let (prompt, greedy, seq) = (
         ids(&reference["prompt"]),
         ids(&reference["greedy"]),
@@ -128,13 +130,13 @@ fn check_model(dir: &Path) -> Vec<String> {
     let cpu = if large {
         None
     } else {
-        run_model(dir, BackendKind::Cpu)
+        run_model(dir, &reference, BackendKind::Cpu)
     };
     if let Some((ids_differ, logits)) = &cpu {
         failures.extend(check("transformers", max_diff(logits, &transformers), cap));
         failures.extend(ids_differ.clone());
     }
-    if let Some((ids_differ, logits)) = run_model(dir, BackendKind::Cuda) {
+    if let Some((ids_differ, logits)) = run_model(dir, &reference, BackendKind::Cuda) {
         let failed = match &cpu {
             Some((_, cpu_logits)) => {
                 print!(
