@@ -268,12 +268,12 @@ def create_app(engine, name, reuse=True):
                 return {"prompt_tokens": n_in, "completion_tokens": n, "total_tokens": n_in + n,
                         "prompt_tokens_details": {"cached_tokens": cached}}
 
+            loop = asyncio.get_running_loop()
+            # Set when the client leaves (a stream closed early, a timeout): the request stops at
+            # its next id rather than decoding to max_tokens while the next requests wait.
+            left = threading.Event()
             if not body.get("stream"):
-                loop = asyncio.get_running_loop()
-                # The client may leave (a timeout) before the answer: checked every 0.1 s, so that
-                # the request stops decoding at its next id, as a stream left early does.
-                left = threading.Event()
-
+                # Nothing is sent until the answer, so the disconnect is polled every 0.1 s.
                 async def watch():
                     while not left.is_set():
                         if await request.is_disconnected():
@@ -301,10 +301,6 @@ def create_app(engine, name, reuse=True):
             with_usage = options.get("include_usage", False)
 
             queue = asyncio.Queue()
-            loop = asyncio.get_running_loop()
-            # Set when the stream ends early (the client disconnected): the request stops at its
-            # next id rather than decoding to max_tokens while the next requests wait.
-            left = threading.Event()
 
             def put(*event):
                 loop.call_soon_threadsafe(queue.put_nowait, event)
