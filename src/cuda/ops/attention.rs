@@ -188,18 +188,6 @@ impl Ops {
     /// `args.n_splits` and `args.heads_per_cta` are ignored: each kernel sets its own.
     pub fn attention(&self, args: AttnArgs, out: u64) -> Result<()> {
         let max_seq = args.max_seq as usize;
-        let merge = LaunchConfig {
-            grid_dim: (args.n_q as u32, 1, 1),
-            block_dim: ((args.head_dim as u32).next_multiple_of(32), 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let (pa, pm, st, hd, ms) = (
-            args.part_acc,
-            args.part_ml,
-            args.state,
-            args.head_dim,
-            args.max_seq,
-        );
         let group = (args.n_q / args.n_kv) as usize;
         let parts = attn_split_parts(ATTN_SPLIT, group);
         match self.attn {
@@ -213,9 +201,8 @@ impl Ops {
                     block_dim: (ATTN_THREADS, 1, 1),
                     shared_mem_bytes: 0,
                 };
-                let ns = args.n_splits;
                 launch!(self.gpu, &self.k.attn_decode, cfg; args)?;
-                launch!(self.gpu, &self.k.attn_merge, merge; pa, pm, st, out, hd, ns, ms)
+                self.merge_splits(&self.k.attn_merge, &args, out, args.n_splits)
             }
             Attention::V3 => {
                 // Dynamic shared memory: the running outputs of a CTA's q heads.
@@ -242,7 +229,12 @@ impl Ops {
             Attention::V2 => {
                 let parts = attn_split_parts(ATTN2_SPLIT, group);
                 let heads = group / parts;
-                let splits = attn2_splits(self.sms as usize, args.n_kv as usize * parts, max_seq);
+                let splits = attn2_splits(
+                    ATTN2_CTAS_PER_SM,
+                    self.sms as usize,
+                    args.n_kv as usize * parts,
+                    max_seq,
+                );
                 let args = AttnArgs {
                     n_splits: splits as i32,
                     heads_per_cta: heads as i32,
@@ -260,11 +252,34 @@ impl Ops {
                     64 => 2,
                     _ => 0,
                 }];
-                let nc = splits as i32;
                 launch!(self.gpu, f, cfg; args)?;
-                launch!(self.gpu, &self.k.attn2_merge, merge; pa, pm, st, out, hd, nc, ms)
+                self.merge_splits(&self.k.attn2_merge, &args, out, splits as i32)
             }
         }
+    }
+
+    /// The merge of a decode attention's `splits` partials (`merge`: attn_merge or
+    /// attn2_merge) into `out`: a CTA per q head, a thread per dim.
+    fn merge_splits(
+        &self,
+        merge: &CudaFunction,
+        args: &AttnArgs,
+        out: u64,
+        splits: i32,
+    ) -> Result<()> {
+        let cfg = LaunchConfig {
+            grid_dim: (args.n_q as u32, 1, 1),
+            block_dim: ((args.head_dim as u32).next_multiple_of(32), 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (pa, pm, st, hd, ms) = (
+            args.part_acc,
+            args.part_ml,
+            args.state,
+            args.head_dim,
+            args.max_seq,
+        );
+        launch!(self.gpu, merge, cfg; pa, pm, st, out, hd, splits, ms)
     }
 
     /// The long-context attention's walk without clusters, then attn2_merge into `out`: grid
@@ -272,11 +287,12 @@ impl Ops {
     /// whole 16-slot tiles. Measured against attention v2 under `DV2_HOPPER=0` on an H100:
     /// +3.7% decode at depth 48, +5.7% at 2k, +23% at 8k, +81% at 32k (docs/lab.md, session 67).
     pub fn attention_long_flat(&self, args: AttnArgs, out: u64) -> Result<()> {
-        let max_seq = args.max_seq as usize;
-        let splits = (self.sms as usize)
-            .div_ceil(args.n_kv as usize)
-            .clamp(1, ATTN2_MAX_CHUNKS)
-            .min(max_seq.div_ceil(ATTN2_CHUNK));
+        let splits = attn2_splits(
+            1,
+            self.sms as usize,
+            args.n_kv as usize,
+            args.max_seq as usize,
+        );
         let cfg = LaunchConfig {
             grid_dim: (1, splits as u32, args.n_kv as u32),
             block_dim: (ATTN_THREADS, 1, 1),
@@ -284,20 +300,7 @@ impl Ops {
         };
         let f = &self.k.attn_long_flat_decode[(args.head_dim == 128) as usize];
         launch!(self.gpu, f, cfg; args)?;
-        let merge = LaunchConfig {
-            grid_dim: (args.n_q as u32, 1, 1),
-            block_dim: ((args.head_dim as u32).next_multiple_of(32), 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let (pa, pm, st, hd, nc, ms) = (
-            args.part_acc,
-            args.part_ml,
-            args.state,
-            args.head_dim,
-            splits as i32,
-            args.max_seq,
-        );
-        launch!(self.gpu, &self.k.attn2_merge, merge; pa, pm, st, out, hd, nc, ms)
+        self.merge_splits(&self.k.attn2_merge, &args, out, splits as i32)
     }
 
     /// The long-context decode attention of one layer (RoPE and the KV write fused) into
@@ -324,11 +327,12 @@ impl Ops {
 /// session 65).
 const ATTN2_CTAS_PER_SM: usize = 4;
 
-/// Attention v2's splits of the context: enough for [`ATTN2_CTAS_PER_SM`] CTAs an SM over the
-/// `ctas_per_split` CTAs of a split, at most the chunks of `max_seq` (the room
-/// [`attn_partials`] makes) and [`ATTN2_MAX_CHUNKS`] (attn2_merge's).
-fn attn2_splits(sms: usize, ctas_per_split: usize, max_seq: usize) -> usize {
-    (ATTN2_CTAS_PER_SM * sms)
+/// The splits of the context of a decode attention merged by attn2_merge: enough for
+/// `ctas_per_sm` CTAs an SM ([`ATTN2_CTAS_PER_SM`] for attention v2, 1 for the long-context
+/// one without clusters) over the `ctas_per_split` CTAs of a split, at most the chunks of
+/// `max_seq` (the room [`attn_partials`] makes) and [`ATTN2_MAX_CHUNKS`] (attn2_merge's).
+fn attn2_splits(ctas_per_sm: usize, sms: usize, ctas_per_split: usize, max_seq: usize) -> usize {
+    (ctas_per_sm * sms)
         .div_ceil(ctas_per_split.max(1))
         .clamp(1, ATTN2_MAX_CHUNKS)
         .min(max_seq.div_ceil(ATTN2_CHUNK))
@@ -357,10 +361,13 @@ mod tests {
         assert_eq!(attn_split_parts(2, 8), 2);
         // v2's splits: four CTAs an SM (the 3B shape's 8 a split on 132 SMs), capped by
         // max_seq's chunks and the merge's limit.
-        assert_eq!(attn2_splits(132, 8, 32768), 66);
-        assert_eq!(attn2_splits(132, 8, 64), 2);
-        assert_eq!(attn2_splits(132, 8, 1), 1);
-        assert_eq!(attn2_splits(4096, 1, 1 << 20), ATTN2_MAX_CHUNKS);
+        assert_eq!(attn2_splits(ATTN2_CTAS_PER_SM, 132, 8, 32768), 66);
+        assert_eq!(attn2_splits(ATTN2_CTAS_PER_SM, 132, 8, 64), 2);
+        assert_eq!(attn2_splits(ATTN2_CTAS_PER_SM, 132, 8, 1), 1);
+        assert_eq!(
+            attn2_splits(ATTN2_CTAS_PER_SM, 4096, 1, 1 << 20),
+            ATTN2_MAX_CHUNKS
+        );
         assert_eq!(attn_split_parts(4, 6), 3);
         assert_eq!(attn_split_parts(2, 1), 1);
         assert_eq!(attn_split_parts(16, 8), 8);
