@@ -237,6 +237,34 @@ for eos_id, max_seq, max_tokens in [(-2, 0, 40), (-1, 0, 10), (-1, 48, 40)]:
     got = "".join(e.generate(prompt, max_tokens=max_tokens, chat=True))
     assert got == want, (eos_id, max_seq, max_tokens, got, want)
     print(max(batches), end=" ")
+# Stop strings: the reply ends before the earliest one reached, and nothing of it is yielded.
+word = want.split()[len(want.split()) // 2]
+for stop in ([word], [want[-3:], word], "never in the reply"):
+    pieces = list(e.generate(prompt, max_tokens=40, chat=True, stop=stop))
+    stops = [stop] if isinstance(stop, str) else stop
+    cut = min((want.find(s) for s in stops if s in want), default=len(want))
+    assert "".join(pieces) == want[:cut], (stop, pieces, want)
+"#;
+
+/// `StopText` over pieces that split the stop strings: the text before the first one, released
+/// as soon as no stop string can begin in it.
+const STOP_TEXT: &str = r#"
+import decodev2 as d
+s = d.StopText(["</s>", "||"])  # the last 3 characters held back
+out = [(s.add(p), s.release()) for p in ["ab", "c<", "/", "x|", "y<", "/s"]]
+assert out == [(False, ""), (False, "a"), (False, "b"), (False, "c<"), (False, "/x"), (False, "|y")], out
+assert s.add(">z") and s.text == "abc</x|y" and s.release(final=True) == "", (s.text, s.sent)
+s = d.StopText(["||"])
+assert s.add("a|") is False and s.add("|b") is True and s.release(final=True) == "a", s.text
+t = d.StopText([])
+assert not t.add("anything") and t.release() == "anything"
+for bad in ([""], [3]):
+    try:
+        d.StopText(bad)
+        raise AssertionError("a bad stop string went through")
+    except ValueError:
+        pass
+print("stop text ok")
 "#;
 
 /// `pip install ./python` into a fresh virtual environment ([`venv`]), then `import decodev2`
@@ -289,6 +317,10 @@ text DV2_ERR_UNSUPPORTED
 file DV2_ERR_IO",
         "{typed}"
     );
+    let stop = run(Command::new(venv.join("bin/python"))
+        .args(["-c", STOP_TEXT])
+        .current_dir(std::env::temp_dir()));
+    assert_eq!(stop.trim(), "stop text ok");
     let reuse = run(Command::new(venv.join("bin/python"))
         .args(["-c", START_REUSES_THE_PREFIX])
         .current_dir(std::env::temp_dir()));
@@ -305,6 +337,30 @@ file DV2_ERR_IO",
             .current_dir(std::env::temp_dir())
             .env_remove("DV2_LIB"));
         assert!(text.starts_with("The capital of France is Paris"), "{text}");
+        let stopped = run(Command::new(venv.join("bin/decodev2"))
+            .arg("generate")
+            .arg(&model)
+            .args(["--prompt", "The capital of France is", "--tokens", "4"])
+            .args(["--backend", "cpu", "--stop", "xyz", "--stop", " Paris"])
+            .current_dir(std::env::temp_dir())
+            .env_remove("DV2_LIB"));
+        assert_eq!(stopped, "The capital of France is\n");
+        // A conversation on stdin, after a system message.
+        let question = std::env::temp_dir().join(format!("dv2-question-{}", std::process::id()));
+        std::fs::write(&question, "What is the capital of France?\n").unwrap();
+        let answer = run(Command::new(venv.join("bin/decodev2"))
+            .arg("chat")
+            .arg(&model)
+            .args([
+                "--system",
+                "You are a geography teacher. Answer in one sentence.",
+            ])
+            .args(["--tokens", "24", "--backend", "cpu"])
+            .stdin(std::fs::File::open(&question).unwrap())
+            .current_dir(std::env::temp_dir())
+            .env_remove("DV2_LIB"));
+        std::fs::remove_file(&question).unwrap();
+        assert!(answer.contains("Paris"), "{answer}");
         let batches = run(Command::new(venv.join("bin/python"))
             .args(["-c", GENERATE_IN_BATCHES])
             .arg(&model)

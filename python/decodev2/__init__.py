@@ -342,13 +342,15 @@ class Engine:
         count = min(n_top, self.info.vocab)
         return lp.value, list(zip(ids[:count], lps[:count]))
 
-    def generate(self, prompt, max_tokens=256, chat=False, reuse=True, **sampling):
+    def generate(self, prompt, max_tokens=256, chat=False, reuse=True, stop=(), **sampling):
         """Starts a new request and yields its reply as text, piece by piece, as it is decoded.
         `prompt`: text, a list of ids, or with chat=True a list of {"role", "content"} messages
         put through the model's chat template; the prefix it shares with the last request is
         not prefilled again unless reuse is False (start()). Sampling settings as set_sampling
         (none given: those already set; the default is greedy). Stops after max_tokens ids, at
-        max_seq, or at the model's end of generation (not yielded). The ids are decoded in
+        max_seq, at the model's end of generation (not yielded), or where the text reaches one
+        of the `stop` strings (a string or a list of them; the reply ends before it, and the
+        text that could still begin one is held back until it cannot). The ids are decoded in
         dv2_step_n batches of about BURST_S seconds (the host out of the token loop, as the
         server decodes), so the engine may have decoded past an end of generation that is not
         its EOS id by the time this returns: the next request rewinds before those ids."""
@@ -358,6 +360,7 @@ class Engine:
             ids = self.tokenize(prompt)
         else:
             ids = list(prompt)
+        stops = StopText([stop] if isinstance(stop, str) else stop)
         if sampling:
             self.set_sampling(**sampling)
         stream = TextStream()
@@ -369,18 +372,24 @@ class Engine:
             # next_id is the last id decoded when nothing is ahead: finished says it was EOS
             # (a batch stops at EOS, so no id ahead of one is).
             if (not ahead and self.finished()) or self._ends(next_id):
-                return
-            text = stream.push(self.piece(next_id))
+                break
+            stopped = stops.add(stream.push(self.piece(next_id)))
+            text = stops.release(final=stopped)
             if text:
                 yield text
+            if stopped:
+                return
             if not ahead:
                 # n steps have run: the wanted ids left and the room left for them.
                 wanted = min(max_tokens - n - 1, room - n)
                 if wanted <= 0:
-                    return
+                    break
                 ahead = self.step_n(min(batch, wanted))
                 batch, clock = next_batch(len(ahead), clock)
             next_id = ahead.pop(0)
+        text = stops.release(final=True)
+        if text:
+            yield text
 
     def _ends(self, token_id):
         """Whether token_id ends a generation (the model file's end-of-generation ids; none
@@ -486,6 +495,37 @@ class Engine:
         token_id, = _int32([token_id], "id")
         call = lambda out, cap, n: lib.dv2_token_to_piece(self._h, token_id, out, cap, n)
         return self._bytes(call, "dv2_token_to_piece")
+
+
+class StopText:
+    """A reply's text as it grows, cut before the first of the stop strings it reaches:
+    add(text) appends and says whether a stop string was reached; release() gives the new text
+    that can go out, holding back the tail that could still begin a stop string (all of it
+    with final=True)."""
+
+    def __init__(self, stops):
+        self.stops = list(stops)
+        if not all(isinstance(s, str) and s for s in self.stops):
+            raise ValueError("stop strings must be non-empty strings")
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.text = ""
+        self.sent = 0  # characters release() gave
+
+    def add(self, text):
+        # A stop string not in the text before can only begin in its last `hold` characters.
+        start = max(len(self.text) - self.hold, 0)
+        self.text += text
+        cut = min((i for i in (self.text.find(s, start) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text = self.text[:cut]
+        return cut >= 0
+
+    def release(self, final=False):
+        upto = len(self.text) if final or not self.stops else len(self.text) - self.hold
+        if upto <= self.sent:
+            return ""
+        new, self.sent = self.text[self.sent:upto], upto
+        return new
 
 
 class TextStream:

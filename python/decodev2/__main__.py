@@ -1,11 +1,12 @@
 """The decodev2 command line: greedy or sampled text from a model file.
 
     python -m decodev2 generate MODEL --prompt "The capital of France is" [--tokens N]
-    python -m decodev2 chat MODEL            # a conversation on stdin, the model's chat template
+    python -m decodev2 chat MODEL [--system TEXT]   # a conversation on stdin, the chat template
     python -m decodev2 serve MODEL [--port 8000]   # an OpenAI-compatible server (the server extra)
 A request's prompt is prefilled from where it leaves the last request's ids (a chat's earlier
 turns are not computed again; serve --no-prefix-reuse prefills every prompt whole).
-Options: --backend auto|cpu|cuda, --temperature T, --top-p P, --seed S, --max-seq N."""
+Options: --backend auto|cpu|cuda, --temperature T, --top-p P, --seed S, --max-seq N, --stop TEXT
+(repeatable: the reply ends before the first of them)."""
 import argparse
 import sys
 
@@ -19,10 +20,10 @@ def _engine(args):
     return e
 
 
-def _stream(e, prompt, tokens, out, chat=False):
-    """Writes the reply to `prompt` as it is generated (up to `tokens` ids; the model's end of
-    generation is not written)."""
-    for text in e.generate(prompt, max_tokens=tokens, chat=chat):
+def _stream(e, prompt, args, out, chat=False):
+    """Writes the reply to `prompt` as it is generated (up to args.tokens ids; the model's end
+    of generation and a stop string are not written)."""
+    for text in e.generate(prompt, max_tokens=args.tokens, chat=chat, stop=args.stop):
         out.write(text)
         out.flush()
 
@@ -39,8 +40,11 @@ def main(argv=None):
         p.add_argument("--top-p", type=float, default=1.0)
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--max-seq", type=int, default=4096)
+        p.add_argument("--stop", action="append", default=[], help="end the reply before this text (repeatable)")
         if name == "generate":
             p.add_argument("--prompt", required=True)
+        else:
+            p.add_argument("--system", help="a system message ahead of the conversation")
     p = sub.add_parser("serve")
     p.add_argument("model")
     p.add_argument("--backend", default="auto", choices=BACKENDS)
@@ -59,10 +63,10 @@ def main(argv=None):
     with _engine(args) as e:
         if args.command == "generate":
             sys.stdout.write(args.prompt)
-            _stream(e, args.prompt, args.tokens, sys.stdout)
+            _stream(e, args.prompt, args, sys.stdout)
             print()
             return 0
-        messages = []
+        messages = [{"role": "system", "content": args.system}] if args.system else []
         for line in sys.stdin:
             messages.append({"role": "user", "content": line.rstrip("\n")})
             reply = []
@@ -75,7 +79,7 @@ def main(argv=None):
                 def flush(self):
                     sys.stdout.flush()
 
-            _stream(e, messages, args.tokens, Tee(), chat=True)
+            _stream(e, messages, args, Tee(), chat=True)
             print()
             messages.append({"role": "assistant", "content": "".join(reply)})
     return 0

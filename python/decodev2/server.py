@@ -29,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from . import Dv2Error, Engine, TextStream, next_batch
+from . import Dv2Error, Engine, StopText, TextStream, next_batch
 
 MAX_TOP_LOGPROBS = 20
 MAX_CHOICES = 16
@@ -130,27 +130,26 @@ class Generator:
             if gone():
                 return "", "cancelled", 0, 0, 0, []
             e = self.engine
-            text, chat = prompt
+            content, chat = prompt
             if chat:
-                ids = e.tokenize(e.chat(text), add_special=True, parse_special=True)
+                ids = e.tokenize(e.chat(content), add_special=True, parse_special=True)
             else:
-                ids = e.tokenize(text, add_special=True)
+                ids = e.tokenize(content, add_special=True)
             e.set_sampling(**{k: p[k] for k in SAMPLING})
             room = e.info.max_seq - len(ids)
             if room < 1:
                 raise BadRequest(f"the prompt's {len(ids)} tokens leave no room in max_seq {e.info.max_seq}")
-            stream, text, sent, count = TextStream(), "", 0, 0
+            stream, stops, count = TextStream(), StopText(p["stop"]), 0
             tokens, told = [], 0  # logprob entries, and how many went out
             next_id = e.start(ids, self.reuse)
             finish = "length"
-            hold = max((len(s) for s in p["stop"]), default=1) - 1
 
-            def out(upto, final=False):
-                nonlocal sent, told
-                new = tokens[told:] if final else [t for t in tokens[told:] if t["offset"] < upto]
+            def out(text, final=False):
+                """Emits text, the new text stops released, with the tokens that begin in it."""
+                nonlocal told
+                new = tokens[told:] if final else [t for t in tokens[told:] if t["offset"] < stops.sent]
                 told += len(new)
-                emit(text[sent:upto], new)
-                sent = upto
+                emit(text, new)
 
             limit = min(p["max_tokens"], room)
             ahead = []  # ids a dv2_step_n batch decoded past next_id, not yet handled
@@ -166,20 +165,17 @@ class Generator:
                 piece = e.piece(next_id)
                 if p["logprobs"] is not None:
                     lp, top = e.logprobs(next_id, p["logprobs"])
-                    tokens.append({"offset": len(text), "id": next_id, "bytes": piece, "logprob": lp,
+                    tokens.append({"offset": len(stops.text), "id": next_id, "bytes": piece, "logprob": lp,
                                    "top": [(i, v, e.piece(i)) for i, v in top]})
-                text += stream.push(piece)
                 count += 1
-                cut = min((text.find(s) for s in p["stop"] if s in text), default=-1)
-                if cut >= 0:
+                if stops.add(stream.push(piece)):
                     # The tokens that began the stop string go with it.
-                    text, finish = text[:cut], "stop"
-                    tokens = [t for t in tokens if t["offset"] < cut]
+                    finish = "stop"
+                    tokens = [t for t in tokens if t["offset"] < len(stops.text)]
                     break
-                # Everything but what could still begin a stop string goes out now.
-                safe = len(text) - hold if p["stop"] else len(text)
-                if safe > sent:
-                    out(safe)
+                text = stops.release()
+                if text:
+                    out(text)
                 if count == limit:
                     break
                 if p["logprobs"] is not None:
@@ -189,9 +185,10 @@ class Generator:
                         ahead = e.step_n(min(batch, limit - count))
                         batch, clock = next_batch(len(ahead), clock)
                     next_id = ahead.pop(0)
-            if len(text) > sent or len(tokens) > told:
-                out(len(text), final=True)
-            return text, finish, len(ids), e.reused, count, tokens
+            text = stops.release(final=True)
+            if text or len(tokens) > told:
+                out(text, final=True)
+            return stops.text, finish, len(ids), e.reused, count, tokens
 
 
 def _token(data):
