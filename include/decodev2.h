@@ -65,6 +65,8 @@ typedef enum dv2_status {
 typedef enum dv2_limits {
   // The most alternatives dv2_logprobs gives per call (OpenAI's `top_logprobs` limit).
   DV2_MAX_TOP_LOGPROBS = 20,
+  // The most ids dv2_set_logit_bias takes.
+  DV2_MAX_LOGIT_BIAS = 1024,
 } dv2_limits;
 
 // Backend choice in `dv2_options.backend`.
@@ -475,6 +477,22 @@ struct dv2_sampling dv2_sampling_default(void);
 // # Safety
 // `sampling` readable.
 enum dv2_status dv2_set_sampling(struct dv2_engine *engine, const struct dv2_sampling *sampling);
+
+// Adds `biases[i]` to the logit of `ids[i]` (i < n) before the penalties and the draw, greedy
+// or sampled, in the current request and the later ones (kept across dv2_reset until set
+// again; n = 0 clears it, and ids and biases may then be NULL). A bias of -INFINITY bans its
+// id; the logits dv2_logits and dv2_logprobs read are the model's, without it. Errors (bias
+// unchanged): DV2_ERR_INVALID_ARGUMENT (a NULL array with n > 0, more than
+// DV2_MAX_LOGIT_BIAS ids, an id outside the vocabulary or given twice, a bias NaN or
+// +INFINITY; the entry named). On CUDA the first request with a bias under given sampling
+// settings captures its step's graph here, as dv2_set_sampling does.
+//
+// # Safety
+// `ids` and `biases` readable for `n` values each.
+enum dv2_status dv2_set_logit_bias(struct dv2_engine *engine,
+                                   const int32_t *ids,
+                                   const float *biases,
+                                   size_t n);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -1,9 +1,10 @@
 // The sampler (src/cuda/sample.rs launches it; src/sampling.rs is its reference and says what
-// it computes): penalties, then the thresholds of top-k and top-p, then a Gumbel-max draw over
-// the ids left. Uses common.cuh.
+// it computes): the logit bias, penalties, then the thresholds of top-k and top-p, then a
+// Gumbel-max draw over the ids left. Uses common.cuh.
 //
 // Everything a request can change is read from device memory (SampleParams, written by the
-// host at dv2_set_sampling), since kernel arguments are frozen in the captured graph. One
+// host at dv2_set_sampling, and the bias at dv2_set_logit_bias), since kernel arguments are
+// frozen in the captured graph. One
 // cooperative kernel (every CTA resident, one per SM) runs the phases a setting needs with
 // grid barriers between them, one launch and one graph node a step. A phase's time is its
 // chain of L2 round trips (~7 us a select pass, docs/lab.md session 24), so the kernel saves
@@ -54,6 +55,15 @@ static_assert(sizeof(SampleWork) == 4 * SAMPLE_WORK_WORDS, "SampleWork differs f
 static_assert(SAMPLE_BINS % SAMPLE_THREADS == 0, "a thread reads SAMPLE_BINS / SAMPLE_THREADS bins");
 static_assert(SAMPLE_CANDIDATES <= SAMPLE_THREADS, "a thread ranks one candidate");
 static_assert(2 * SAMPLE_CANDIDATES <= SAMPLE_BINS, "the candidates and the ids kept fit in the histogram's halves");
+
+// The logits the draw changes in place and puts back at its end: the logit bias's (bias: its
+// count, then per id (id, bias bits, the logit it replaced)), then the penalties' (saved).
+struct Changed {
+    int* bias;
+    const int* saved;
+    int biased;
+    int penalties;
+};
 
 // The radix select's passes: key bits [20, 32), [8, 20), [0, 8).
 __device__ __forceinline__ int select_shift(int pass) { return pass == 0 ? 20 : pass == 1 ? 8 : 0; }
@@ -183,6 +193,19 @@ __device__ __forceinline__ void grid_barrier(SampleWork* w) {
             }
         }
         __threadfence();
+    }
+    __syncthreads();
+}
+
+// The logit bias added in place in the logits, by one CTA, each id's logit saved beside its
+// bias for the draw to put back (the ids are distinct: src/sampling.rs LogitBias).
+__device__ void add_bias(float* logits, int* bias) {
+    const int n = bias[0];
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        int* e = bias + 1 + 3 * j;
+        const float l = logits[e[0]];
+        e[2] = __float_as_int(l);
+        logits[e[0]] = __fadd_rn(l, __int_as_float(e[1]));
     }
     __syncthreads();
 }
@@ -412,15 +435,24 @@ __device__ __forceinline__ void draw_share(const float* __restrict__ logits, int
     }
 }
 
-// The draw's end, in the one CTA that has the id: next_token, the logits the penalties changed
-// put back, the histogram buffer last used (dirty >= 0) zeroed.
-__device__ void finish_draw(int id, float* logits, int* state, const SampleWork* w, const int* saved, int penalties,
+// The draw's end, in the one CTA that has the id: next_token, the logits the penalties and the
+// bias changed put back (the penalties' first: an id of both saved the biased logit there),
+// the histogram buffer last used (dirty >= 0) zeroed.
+__device__ void finish_draw(int id, float* logits, int* state, const SampleWork* w, Changed changed,
                             unsigned long long* bins, int dirty) {
     if (threadIdx.x == 0) state[STATE_NEXT_TOKEN] = id < 0 ? 0 : id;
-    const int n_saved = penalties ? __ldcg(&w->n_saved) : 0;
+    const int n_saved = changed.penalties ? __ldcg(&w->n_saved) : 0;
     for (int j = threadIdx.x; j < n_saved; j += blockDim.x) {
-        const int i = __ldcg(&saved[2 * j]);
-        if (i >= 0) logits[i] = __int_as_float(__ldcg(&saved[2 * j + 1]));
+        const int i = __ldcg(&changed.saved[2 * j]);
+        if (i >= 0) logits[i] = __int_as_float(__ldcg(&changed.saved[2 * j + 1]));
+    }
+    if (changed.biased) {
+        __syncthreads();
+        const int n = __ldcg(&changed.bias[0]);
+        for (int j = threadIdx.x; j < n; j += blockDim.x) {
+            const int* e = changed.bias + 1 + 3 * j;
+            logits[__ldcg(&e[0])] = __int_as_float(__ldcg(&e[2]));
+        }
     }
     if (dirty >= 0)
         for (int b = threadIdx.x; b < SAMPLE_BINS; b += blockDim.x) bins[(size_t)dirty * SAMPLE_BINS + b] = 0;
@@ -450,7 +482,7 @@ __device__ void gather_candidates(const float* __restrict__ logits, int vocab, S
 // and finish_draw. The thresholds' passes keep the same ids, by construction. `lo`, `hi`:
 // the candidates' ids and keys, then from SAMPLE_CANDIDATES those top-k keeps.
 __device__ void finish_from_candidates(float* logits, int n, int* state, const SampleParams* p, SampleWork* w,
-                                       const int* saved, int penalties, unsigned long long* bins, int dirty, float m,
+                                       Changed changed, unsigned long long* bins, int dirty, float m,
                                        unsigned long long slot, u32* lo, u32* hi) {
     __shared__ unsigned long long s_mass[SAMPLE_CANDIDATES];
     __shared__ int s_kept;
@@ -496,7 +528,7 @@ __device__ void finish_from_candidates(float* logits, int n, int* state, const S
         }
     }
     block_argmax(best, best_i);
-    finish_draw(best_i, logits, state, w, saved, penalties, bins, dirty);
+    finish_draw(best_i, logits, state, w, changed, bins, dirty);
     if (threadIdx.x == 0) w->n_candidates = 0;
 }
 
@@ -507,7 +539,7 @@ __device__ void finish_from_candidates(float* logits, int n, int* state, const S
 // passes would find, two passes sooner. Else (less than 1 - top_p of the time) it returns
 // false, the CTAs' scratch read, and the caller takes the passes. Returns true having finished.
 __device__ bool draw_in_top_p(float* logits, int vocab, int* state, const SampleParams* p, SampleWork* w,
-                              const int* saved, int penalties, float m, unsigned long long slot) {
+                              Changed changed, float m, unsigned long long slot) {
     __shared__ int s_winner;
     float best = NEG_INF;
     int best_i = -1;
@@ -535,7 +567,7 @@ __device__ bool draw_in_top_p(float* logits, int vocab, int* state, const Sample
     __syncthreads();
     const int winner = s_winner;
     if (winner < 0) {  // every logit NaN
-        if (blockIdx.x == 0) finish_draw(winner, logits, state, w, saved, penalties, nullptr, -1);
+        if (blockIdx.x == 0) finish_draw(winner, logits, state, w, changed, nullptr, -1);
         return true;
     }
     const u32 key_w = order_key(logits[winner]);
@@ -552,31 +584,35 @@ __device__ bool draw_in_top_p(float* logits, int vocab, int* state, const Sample
     block_suffix_sum(above, rest, cta_above);
     const unsigned long long target = top_p_target(total, p->top_p);
     if (cta_above >= target) return false;
-    if (blockIdx.x == 0) finish_draw(winner, logits, state, w, saved, penalties, nullptr, -1);
+    if (blockIdx.x == 0) finish_draw(winner, logits, state, w, changed, nullptr, -1);
     return true;
 }
 
 // The sampler: state[NEXT_TOKEN] = the kept id of the largest z + gumbel (z = (l - max) / t;
 // kept: at or above the top-k and top-p thresholds, z >= ln(min_p)), or at temperature 0 the
-// argmax (lowest id on a tie) of the penalized logits; the slot the id takes is
-// state[POSITION] + slot_offset (the decode step draws before its commit, the prefill after
-// its last advance). `penalties`, `top_k`, `top_p`: the phases the captured plan runs (the
-// host's Plan). Top-k counts its first digit in the maximum's pass; when its candidates are
+// argmax (lowest id on a tie) of the penalized logits, the logit bias added first; the slot the
+// id takes is state[POSITION] + slot_offset (the decode step draws before its commit, the
+// prefill after its last advance). `biased`, `penalties`, `top_k`, `top_p`: the phases the
+// captured plan runs (the host's Plan). Top-k counts its first digit in the maximum's pass; when its candidates are
 // few, one CTA finishes over them (finish_from_candidates), else the select's passes go on.
 // Top-p alone first tries the draw by rejection (draw_in_top_p). `shortcuts` 0
 // (DV2_SAMPLE_SHORTCUTS=0): the select's passes alone. The passes end in the draw over the
 // whole vocabulary, whose last CTA (argmax_across_ctas) writes the id, puts back the logits
-// the penalties changed and zeroes the histogram buffer last used.
+// the bias and the penalties changed and zeroes the histogram buffer last used.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_draw(float* logits, int vocab, int* state, int slot_offset, const SampleParams* p, SampleWork* w,
                 unsigned long long* bins, int* scratch, const int* __restrict__ hist, int* counts, int* saved,
-                int penalties, int top_k, int top_p, int shortcuts) {
+                int* bias, int biased, int penalties, int top_k, int top_p, int shortcuts) {
     pdl_enter();
     if (state[STATE_FINISHED]) return;
     __shared__ u32 lo[SAMPLE_BINS], hi[SAMPLE_BINS];
     const int slot_i = state[STATE_POSITION] + slot_offset;
-    if (penalties) {
-        if (blockIdx.x == 0) penalize(logits, vocab, slot_i, p, w, hist, counts, saved);
+    const Changed changed = {bias, saved, biased, penalties};
+    if (biased || penalties) {
+        if (blockIdx.x == 0) {
+            if (biased) add_bias(logits, bias);
+            if (penalties) penalize(logits, vocab, slot_i, p, w, hist, counts, saved);
+        }
         grid_barrier(w);
     }
     const unsigned long long slot = (unsigned long long)slot_i;
@@ -598,8 +634,8 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
                 gather_candidates(logits, vocab, w, pick.bin, lo);
                 grid_barrier(w);
                 if (blockIdx.x == 0)
-                    finish_from_candidates(logits, (int)(pick.above + pick.weight), state, p, w, saved, penalties,
-                                           bins, dirty, m, slot, lo, hi);
+                    finish_from_candidates(logits, (int)(pick.above + pick.weight), state, p, w, changed, bins,
+                                           dirty, m, slot, lo, hi);
                 return;
             } else if (pick.target == pick.weight) {
                 tau = prefix;  // every id of the bin stays
@@ -607,7 +643,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
                 tau = select_threshold(logits, vocab, w, p, bins, 0, false, tau, m, lo, hi, dirty, 1, prefix,
                                        pick.target);
             }
-        } else if (top_p && shortcuts && draw_in_top_p(logits, vocab, state, p, w, saved, penalties, m, slot)) {
+        } else if (top_p && shortcuts && draw_in_top_p(logits, vocab, state, p, w, changed, m, slot)) {
             return;
         }
         if (top_p) tau = select_threshold(logits, vocab, w, p, bins, 3, true, tau, m, lo, hi, dirty, 0, 0u, 0ull);
@@ -618,5 +654,5 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     draw_share<false>(logits, vocab, m, p, tau, slot, best, best_i, unused);
     block_argmax(best, best_i);
     if (!argmax_across_ctas(best, best_i, scratch)) return;
-    finish_draw(best_i, logits, state, w, saved, penalties, bins, dirty);
+    finish_draw(best_i, logits, state, w, changed, bins, dirty);
 }

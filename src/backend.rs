@@ -2,7 +2,7 @@
 //! engine and the backends depend on it and not on each other.
 
 use crate::error::Result;
-use crate::sampling::Sampling;
+use crate::sampling::{LogitBias, Sampling};
 
 /// What a backend implements. The engine has validated every argument before calling.
 pub trait Backend: Send {
@@ -28,6 +28,9 @@ pub trait Backend: Send {
     /// The sampling settings of this and later requests (validated); a failure leaves the
     /// settings in force unchanged.
     fn set_sampling(&mut self, s: &Sampling) -> Result<()>;
+    /// The logit bias of this and later requests (validated against the vocabulary); a
+    /// failure leaves the bias in force unchanged.
+    fn set_logit_bias(&mut self, bias: &LogitBias) -> Result<()>;
     /// Diagnostic: true while nothing was written past the last KV slot (backends with a
     /// guard region check it; others have nothing to check).
     fn kv_guard_intact(&mut self) -> Result<bool> {

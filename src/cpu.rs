@@ -9,7 +9,7 @@ use crate::error::Result;
 use crate::model::HostModel;
 use crate::oracle::{argmax, forward_token, KvCache};
 use crate::rope::RopeTable;
-use crate::sampling::Sampling;
+use crate::sampling::{LogitBias, Sampling};
 
 pub struct CpuBackend {
     model: Arc<HostModel>,
@@ -26,6 +26,7 @@ pub struct CpuBackend {
     /// The first position since the engine last asked whose logits were not all finite.
     non_finite: Option<usize>,
     sampling: Sampling,
+    bias: LogitBias,
     /// The request's ids so far, prompt included (the penalties' window).
     history: Vec<u32>,
 }
@@ -49,6 +50,7 @@ impl CpuBackend {
             logits: vec![0.0; s.vocab],
             non_finite: None,
             sampling: Sampling::default(),
+            bias: LogitBias::default(),
             history: Vec::new(),
         })
     }
@@ -64,11 +66,11 @@ impl CpuBackend {
         self.position += 1;
         self.valid_len = self.position;
         if choose {
-            self.next_token = if self.sampling.is_greedy() {
+            self.next_token = if self.bias.is_empty() && self.sampling.is_greedy() {
                 argmax(&self.logits)
             } else {
-                self.sampling
-                    .choose(&self.logits, &self.history, self.position)
+                let logits = self.bias.applied(&self.logits);
+                self.sampling.choose(&logits, &self.history, self.position)
             };
         }
         Ok(())
@@ -117,6 +119,11 @@ impl Backend for CpuBackend {
 
     fn set_sampling(&mut self, s: &Sampling) -> Result<()> {
         self.sampling = *s;
+        Ok(())
+    }
+
+    fn set_logit_bias(&mut self, bias: &LogitBias) -> Result<()> {
+        self.bias = bias.clone();
         Ok(())
     }
 

@@ -18,7 +18,7 @@ use crate::cuda::CudaBackend;
 use crate::error::{Error, Result};
 use crate::load::Metadata;
 use crate::model::HostModel;
-use crate::sampling::Sampling;
+use crate::sampling::{LogitBias, Sampling};
 use crate::synth;
 use crate::tokenizer::Tokenizer;
 
@@ -270,6 +270,14 @@ impl Engine {
     pub fn set_sampling(&mut self, sampling: &Sampling) -> Result<()> {
         sampling.validate()?;
         self.run(|b| b.set_sampling(sampling))
+    }
+
+    /// Adds `biases[i]` to the logit of `ids[i]` before the penalties and the draw, greedy or
+    /// sampled, in the current request and the later ones (until set again; none clears it).
+    /// Refused entries ([`LogitBias::new`]) leave the bias as it was.
+    pub fn set_logit_bias(&mut self, ids: &[i32], biases: &[f32]) -> Result<()> {
+        let bias = LogitBias::new(ids, biases, self.spec.vocab)?;
+        self.run(|b| b.set_logit_bias(&bias))
     }
 
     /// Starts a new request: position 0, not finished. Does not clear the KV cache.

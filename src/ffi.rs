@@ -100,9 +100,12 @@ fn status_of(e: &Error) -> dv2_status {
 pub enum dv2_limits {
     /// The most alternatives dv2_logprobs gives per call (OpenAI's `top_logprobs` limit).
     DV2_MAX_TOP_LOGPROBS = 20,
+    /// The most ids dv2_set_logit_bias takes.
+    DV2_MAX_LOGIT_BIAS = 1024,
 }
-use dv2_limits::DV2_MAX_TOP_LOGPROBS;
+use dv2_limits::{DV2_MAX_LOGIT_BIAS, DV2_MAX_TOP_LOGPROBS};
 const _: () = assert!(DV2_MAX_TOP_LOGPROBS as usize == crate::sampling::MAX_TOP_LOGPROBS);
+const _: () = assert!(DV2_MAX_LOGIT_BIAS as usize == crate::sampling::MAX_LOGIT_BIAS);
 
 /// Backend choice in `dv2_options.backend`.
 #[repr(C)]
@@ -1361,6 +1364,49 @@ pub unsafe extern "C" fn dv2_set_sampling(
                 penalty_last_n: c.penalty_last_n,
                 seed: c.seed,
             })
+        })
+    }
+}
+
+/// Adds `biases[i]` to the logit of `ids[i]` (i < n) before the penalties and the draw, greedy
+/// or sampled, in the current request and the later ones (kept across dv2_reset until set
+/// again; n = 0 clears it, and ids and biases may then be NULL). A bias of -INFINITY bans its
+/// id; the logits dv2_logits and dv2_logprobs read are the model's, without it. Errors (bias
+/// unchanged): DV2_ERR_INVALID_ARGUMENT (a NULL array with n > 0, more than
+/// DV2_MAX_LOGIT_BIAS ids, an id outside the vocabulary or given twice, a bias NaN or
+/// +INFINITY; the entry named). On CUDA the first request with a bias under given sampling
+/// settings captures its step's graph here, as dv2_set_sampling does.
+///
+/// # Safety
+/// `ids` and `biases` readable for `n` values each.
+#[no_mangle]
+pub unsafe extern "C" fn dv2_set_logit_bias(
+    engine: *mut dv2_engine,
+    ids: *const i32,
+    biases: *const f32,
+    n: usize,
+) -> dv2_status {
+    // SAFETY: forwarded contract.
+    unsafe {
+        with_engine(engine, |e| {
+            if n == 0 {
+                return e.set_logit_bias(&[], &[]);
+            }
+            require(ids, "ids")?;
+            require(biases, "biases")?;
+            if n > DV2_MAX_LOGIT_BIAS as usize {
+                return Err(Error::InvalidArgument(format!(
+                    "logit bias: {n} ids (at most {})",
+                    DV2_MAX_LOGIT_BIAS as usize
+                )));
+            }
+            // SAFETY: non-null, n <= DV2_MAX_LOGIT_BIAS (the byte lengths fit isize), readable
+            // by the caller's contract.
+            let (ids, biases) = (
+                std::slice::from_raw_parts(ids, n),
+                std::slice::from_raw_parts(biases, n),
+            );
+            e.set_logit_bias(ids, biases)
         })
     }
 }

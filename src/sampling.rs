@@ -11,7 +11,8 @@
 //! in f32, g Gumbel noise from Philox4x32-10 keyed by the seed and counted by (the slot the id
 //! will take, the id), so that the ids of a request depend on its seed alone, never on how the
 //! steps are batched, and a device computes the draw in one parallel pass. Temperature 0 is the
-//! greedy argmax (after the penalties, which default to none).
+//! greedy argmax (after the penalties, which default to none). A [`LogitBias`] is added to the
+//! logits before all of it (as llama.cpp's chain and OpenAI's `logit_bias` do).
 
 use crate::error::{Error, Result};
 
@@ -114,8 +115,8 @@ impl Sampling {
         (self.min_p as f64).ln() as f32
     }
 
-    /// The id for the slot `slot` (the position it will take) from `logits`; `history`: the
-    /// request's ids so far.
+    /// The id for the slot `slot` (the position it will take) from `logits` (a logit bias
+    /// applied already: [`LogitBias::applied`]); `history`: the request's ids so far.
     pub fn choose(&self, logits: &[f32], history: &[u32], slot: usize) -> u32 {
         let mut logits = logits.to_vec();
         self.penalize(&mut logits, history);
@@ -218,6 +219,70 @@ impl Sampling {
         kept.iter_mut().for_each(|k| k.1 /= total);
         kept.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         kept
+    }
+}
+
+/// The most ids a [`LogitBias`] holds (the device keeps them in a buffer of this size).
+pub const MAX_LOGIT_BIAS: usize = 1024;
+
+/// Values added to the logits of some ids before the penalties and the draw, greedy or not:
+/// a large negative one bans an id (-inf: never chosen while another is possible), a positive
+/// one favours it. Kept across requests until set again, as the sampling settings are.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LogitBias {
+    /// (id, bias), in id order, each id once.
+    entries: Vec<(u32, f32)>,
+}
+
+impl LogitBias {
+    /// The bias of each `ids[i]` by `biases[i]`: refused (naming the entry) where an id is
+    /// outside the vocabulary or repeated, a bias is NaN or +inf, or there are more than
+    /// [`MAX_LOGIT_BIAS`].
+    pub fn new(ids: &[i32], biases: &[f32], vocab: usize) -> Result<Self> {
+        let bad = |why: String| Err(Error::InvalidArgument(format!("logit bias: {why}")));
+        if ids.len() != biases.len() {
+            return bad(format!("{} ids but {} biases", ids.len(), biases.len()));
+        }
+        if ids.len() > MAX_LOGIT_BIAS {
+            return bad(format!("{} ids (at most {MAX_LOGIT_BIAS})", ids.len()));
+        }
+        let mut entries = Vec::with_capacity(ids.len());
+        for (i, (&id, &bias)) in ids.iter().zip(biases).enumerate() {
+            if id < 0 || id as usize >= vocab {
+                return bad(format!(
+                    "entry {i}: id {id} outside the vocabulary of {vocab}"
+                ));
+            }
+            if bias.is_nan() || bias == f32::INFINITY {
+                return bad(format!(
+                    "entry {i}: bias {bias} for id {id} (finite or -inf)"
+                ));
+            }
+            entries.push((id as u32, bias));
+        }
+        entries.sort_by_key(|e| e.0);
+        if let Some(w) = entries.windows(2).find(|w| w[0].0 == w[1].0) {
+            return bad(format!("id {} given twice", w[0].0));
+        }
+        Ok(Self { entries })
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// (id, bias) in id order.
+    pub fn entries(&self) -> &[(u32, f32)] {
+        &self.entries
+    }
+
+    /// `logits` with the biases added (f32, as the device adds them).
+    pub fn applied(&self, logits: &[f32]) -> Vec<f32> {
+        let mut out = logits.to_vec();
+        for &(id, bias) in &self.entries {
+            out[id as usize] += bias;
+        }
+        out
     }
 }
 
@@ -399,6 +464,38 @@ mod tests {
             let err = bad.validate().unwrap_err();
             assert!(err.to_string().contains(field), "{err}");
         }
+    }
+
+    #[test]
+    fn a_logit_bias_adds_to_its_ids_and_refuses_what_has_no_meaning() {
+        let logits = [0.5f32, 2.0, 1.0, -1.0];
+        let bias = LogitBias::new(&[1, 3], &[f32::NEG_INFINITY, 4.0], 4).unwrap();
+        assert_eq!(bias.entries(), &[(1, f32::NEG_INFINITY), (3, 4.0)]);
+        let biased = bias.applied(&logits);
+        assert_eq!(biased, [0.5, f32::NEG_INFINITY, 1.0, 3.0]);
+        // Greedy picks the favoured id; a sampled draw never the banned one.
+        let s = Sampling::default();
+        assert_eq!(s.choose(&biased, &[], 1), 3);
+        let hot = Sampling {
+            temperature: 2.0,
+            ..s
+        };
+        assert!((0..200).all(|slot| hot.choose(&biased, &[], slot) != 1));
+        assert!(LogitBias::new(&[], &[], 4).unwrap().is_empty());
+        for (ids, biases, why) in [
+            (&[4][..], &[1.0f32][..], "outside the vocabulary"),
+            (&[-1], &[1.0], "outside the vocabulary"),
+            (&[2, 0, 2], &[1.0, 1.0, -1.0], "id 2 given twice"),
+            (&[0], &[f32::NAN], "finite or -inf"),
+            (&[0], &[f32::INFINITY], "finite or -inf"),
+            (&[0, 1], &[1.0], "2 ids but 1 biases"),
+        ] {
+            let err = LogitBias::new(ids, biases, 4).unwrap_err().to_string();
+            assert!(err.contains(why), "{ids:?} {biases:?}: {err}");
+        }
+        let many: Vec<i32> = (0..=MAX_LOGIT_BIAS as i32).collect();
+        let err = LogitBias::new(&many, &vec![0.0; many.len()], 4096).unwrap_err();
+        assert!(err.to_string().contains("at most"), "{err}");
     }
 
     #[test]

@@ -576,6 +576,18 @@ fn step_n_equals_repeated_steps_and_memory_does_not_grow() {
     );
 }
 
+/// A logit bias in the device's draw: greedy and sampled ids the reference's over the biased
+/// logits read back (which are the model's), a refused bias changing nothing, a cleared one
+/// the plain greedy ids (tests/common logit_bias_steers_the_draw).
+#[test]
+fn a_logit_bias_steers_the_draw_on_the_device() {
+    let _device = exclusive_device();
+    let Some(mut e) = cuda_engine_at("medium_llama", 2, 640) else {
+        return;
+    };
+    assert_eq!(logit_bias_steers_the_draw(&mut e), 18);
+}
+
 /// A request rewound into its prompt, into its generated ids past the long-context
 /// attention's threshold (512 slots), and to 0, then continued, decodes like the oracle run
 /// on the ids at its positions: logits within the cap, ids the oracle's but for near-ties.

@@ -202,6 +202,11 @@ fn rewound_draws_follow_the_kept_history_on_the_cpu() {
     );
 }
 
+#[test]
+fn a_logit_bias_steers_the_draw_on_the_cpu() {
+    assert_eq!(logit_bias_steers_the_draw(&mut medium_engine()), 18);
+}
+
 /// A rewind past the position is refused and changes nothing; a rewind leaves no pending
 /// token, and clears finished.
 #[test]

@@ -381,7 +381,8 @@ file DV2_ERR_IO",
 
 /// `decodev2 serve` on SmolLM2 (CPU) from the fresh venv ([`venv`]), driven by real clients:
 /// the official `openai` client and raw HTTP (tests/server/openai_clients.py: a chat answer with
-/// "Paris", a stream of several chunks, a stop string, seeds, logprobs, 4xx JSON errors); the
+/// "Paris", a stream of several chunks, a stop string, seeds, logprobs, logit_bias, 4xx JSON
+/// errors); the
 /// `llm` command line with the server as an OpenAI-compatible model; then load
 /// (tests/server/load_clients.py: 400 sequential requests and two bursts of 10 concurrent
 /// clients, the server's RSS flat).
@@ -430,7 +431,8 @@ fn openai_client_talks_to_the_server() {
         let clients = output(
             Command::new(venv.join("bin/python"))
                 .arg(root().join("tests/server/openai_clients.py"))
-                .arg(&base),
+                .arg(&base)
+                .arg(&model),
         );
         let llm = output(
             Command::new(venv.join("bin/llm"))

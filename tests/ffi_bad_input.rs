@@ -1280,6 +1280,77 @@ fn sampling_with_bad_input() {
     unsafe { dv2_free(h) };
 }
 
+/// dv2_set_logit_bias: a NULL handle, NULL arrays with n > 0, too many ids, an id outside the
+/// vocabulary or given twice, a NaN or +inf bias: each refused with the entry named, the bias
+/// left as it was (none: the greedy fixture ids); n = 0 with NULL arrays clears it.
+#[test]
+fn logit_bias_with_bad_input() {
+    let (h, case) = tiny();
+    let vocab = decodev2::arch::TINY_LLAMA.vocab as i32;
+    let many = vec![0i32; dv2_limits::DV2_MAX_LOGIT_BIAS as usize + 1];
+    // SAFETY: the arrays are valid for the counts given, or NULL as each case says.
+    unsafe {
+        expect(
+            dv2_set_logit_bias(null_mut(), [1].as_ptr(), [1.0].as_ptr(), 1),
+            DV2_ERR_NULL_POINTER,
+            "engine",
+        );
+        expect(
+            dv2_set_logit_bias(h, null(), [1.0].as_ptr(), 1),
+            DV2_ERR_NULL_POINTER,
+            "ids",
+        );
+        expect(
+            dv2_set_logit_bias(h, [1].as_ptr(), null(), 1),
+            DV2_ERR_NULL_POINTER,
+            "biases",
+        );
+        let zeros = vec![0f32; many.len()];
+        expect(
+            dv2_set_logit_bias(h, many.as_ptr(), zeros.as_ptr(), many.len()),
+            DV2_ERR_INVALID_ARGUMENT,
+            "at most 1024",
+        );
+        for (ids, biases, needle) in [
+            (vec![vocab], vec![1.0f32], "outside the vocabulary"),
+            (vec![-3], vec![1.0], "id -3"),
+            (vec![4, 9, 4], vec![1.0, 1.0, 1.0], "id 4 given twice"),
+            (vec![2], vec![f32::NAN], "entry 0: bias NaN"),
+            (vec![5, 2], vec![0.0, f32::INFINITY], "entry 1: bias inf"),
+        ] {
+            expect(
+                dv2_set_logit_bias(h, ids.as_ptr(), biases.as_ptr(), ids.len()),
+                DV2_ERR_INVALID_ARGUMENT,
+                needle,
+            );
+        }
+    }
+    still_usable(h, &case);
+    // SAFETY: valid arrays; NULL ones with n = 0 are part of the contract.
+    unsafe {
+        let first = case.greedy[0] as i32;
+        assert_eq!(
+            dv2_set_logit_bias(h, [first].as_ptr(), [f32::NEG_INFINITY].as_ptr(), 1),
+            DV2_OK
+        );
+        let mut next = 0;
+        let prompt: Vec<i32> = case.prompt[..case.prefill_len]
+            .iter()
+            .map(|&i| i as i32)
+            .collect();
+        assert_eq!(dv2_reset(h), DV2_OK);
+        assert_eq!(
+            dv2_prefill(h, prompt.as_ptr(), prompt.len(), &mut next),
+            DV2_OK
+        );
+        assert_ne!(next, first, "the banned id was chosen");
+        assert_eq!(dv2_set_logit_bias(h, null(), null(), 0), DV2_OK);
+    }
+    still_usable(h, &case);
+    // SAFETY: a live handle.
+    unsafe { dv2_free(h) };
+}
+
 /// dv2_logprobs: a NULL handle, no forward yet, n_top outside 0..=20, an id outside the
 /// vocabulary, NULL arrays with n_top > 0 are each refused, the handle stays usable; a good
 /// call gives the greedy id's log-probability as the top one, in order, summing to at most 1.

@@ -84,6 +84,8 @@ for name, restype, argtypes in [
                                           ctypes.POINTER(ctypes.c_size_t)]),
     ("dv2_sampling_default", Sampling, []),
     ("dv2_set_sampling", ctypes.c_int, [_P, ctypes.POINTER(Sampling)]),
+    ("dv2_set_logit_bias", ctypes.c_int, [_P, ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_float),
+                                          ctypes.c_size_t]),
     ("dv2_token_special", ctypes.c_int, [_P, ctypes.c_int32, _I32P]),
     ("dv2_token_is_eog", ctypes.c_int, [_P, ctypes.c_int32, _I32P]),
     ("dv2_meta_str", ctypes.c_int, [_P, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t,
@@ -462,6 +464,15 @@ class Engine:
             if isinstance(value, int) and getattr(s, name) != value:  # ctypes kept its low bits
                 raise ValueError(f"sampling setting {name} = {value} is outside its C type's range")
         _check(lib.dv2_set_sampling(self._h, ctypes.byref(s)), "dv2_set_sampling")
+
+    def set_logit_bias(self, bias=None):
+        """Adds bias[id] to the logit of each id (a dict; float("-inf") bans it) before the
+        penalties and the draw, greedy or sampled, in this request and the next ones; None or
+        {} clears it."""
+        bias = dict(bias or {})
+        ids = (ctypes.c_int32 * max(len(bias), 1))(*_int32(list(bias), "id"))
+        values = (ctypes.c_float * max(len(bias), 1))(*bias.values())
+        _check(lib.dv2_set_logit_bias(self._h, ids, values, len(bias)), "dv2_set_logit_bias")
 
     def special(self, which):
         """The id of "bos", "eos", "eot" or "pad" as the model file names it, or None."""

@@ -4,8 +4,8 @@ chunk under stream_options.include_usage) or not, with max_tokens (or max_comple
 stop, temperature, top_p, seed, logprobs, presence_penalty and frequency_penalty (OpenAI's:
 subtracted once, and per occurrence, from the logit of an id among the request's last
 penalty_last_n ids, 64 unless given, the prompt's included, as llama.cpp's server counts them),
-n (up to 16 choices, decoded one after the other, choice i drawn with seed + i), and
-llama.cpp's extensions top_k, min_p, repeat_penalty and penalty_last_n (an OpenAI client passes
+n (up to 16 choices, decoded one after the other, choice i drawn with seed + i), logit_bias
+(up to 1024 token ids, each bias in [-100, 100] added to the id's logit), and llama.cpp's extensions top_k, min_p, repeat_penalty and penalty_last_n (an OpenAI client passes
 them in extra_body). decodev2 decodes batch 1: requests wait their turn on one lock and run one
 at a time in a worker thread; a request whose client leaves stops at its next id. A prompt is
 prefilled from its first id that differs from the ids the last request left in the KV cache
@@ -33,6 +33,7 @@ from . import Dv2Error, Engine, StopText, TextStream, next_batch
 
 MAX_TOP_LOGPROBS = 20
 MAX_CHOICES = 16
+MAX_LOGIT_BIAS = 1024  # DV2_MAX_LOGIT_BIAS
 # The request fields that go to Engine.set_sampling as they are.
 SAMPLING = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "repeat_penalty",
             "penalty_last_n", "top_k", "min_p")
@@ -86,7 +87,27 @@ class Generator:
             "min_p": _number(body, "min_p", 0.0, 0.0, 1.0),
             "stop": stop,
             "n": _number(body, "n", 1, 1, MAX_CHOICES, int),
+            "logit_bias": self.logit_bias_of(body),
         }
+
+    def logit_bias_of(self, body):
+        """The request's logit_bias ({"token id": bias in [-100, 100]}, OpenAI's) as
+        Engine.set_logit_bias takes it."""
+        asked = body.get("logit_bias") or {}
+        if not isinstance(asked, dict) or len(asked) > MAX_LOGIT_BIAS:
+            raise BadRequest(f"logit_bias must be an object of up to {MAX_LOGIT_BIAS} token ids")
+        bias = {}
+        for key in asked:
+            try:
+                token = int(key)
+            except ValueError:
+                raise BadRequest(f"logit_bias key {key!r} is not a token id")
+            if not 0 <= token < self.engine.info.vocab:
+                raise BadRequest(f"logit_bias token {token} is outside the vocabulary of {self.engine.info.vocab}")
+            if token in bias:
+                raise BadRequest(f"logit_bias names token {token} twice")
+            bias[token] = _number(asked, key, 0.0, -100.0, 100.0)
+        return bias
 
     @staticmethod
     def logprobs_asked(body):
@@ -136,6 +157,7 @@ class Generator:
             else:
                 ids = e.tokenize(content, add_special=True)
             e.set_sampling(**{k: p[k] for k in SAMPLING})
+            e.set_logit_bias(p["logit_bias"])
             room = e.info.max_seq - len(ids)
             if room < 1:
                 raise BadRequest(f"the prompt's {len(ids)} tokens leave no room in max_seq {e.info.max_seq}")

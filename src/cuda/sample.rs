@@ -14,7 +14,7 @@ use super::ops::{one_cta, MAX_ARGMAX_CTAS};
 use super::step::CudaBackend;
 use crate::backend::Backend;
 use crate::error::{Error, Result};
-use crate::sampling::Sampling;
+use crate::sampling::{LogitBias, Sampling, MAX_LOGIT_BIAS};
 
 /// Threads per CTA of the sampler's kernel.
 pub const SAMPLE_THREADS: u32 = 512;
@@ -82,6 +82,8 @@ impl SampleParams {
 /// The phases a draw runs under some settings; a graph is captured per plan.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Plan {
+    /// A logit bias applies.
+    pub biased: bool,
     /// Some penalty applies.
     pub penalties: bool,
     /// A random draw (temperature > 0); else the argmax of the penalized logits.
@@ -92,13 +94,15 @@ pub struct Plan {
 }
 
 impl Plan {
-    /// None where the settings are the greedy argmax of today's step (no sampler).
-    pub fn of(s: &Sampling, vocab: usize) -> Option<Self> {
-        if s.is_greedy() {
+    /// None where the settings (and no bias) are the greedy argmax of today's step (no
+    /// sampler).
+    pub fn of(s: &Sampling, biased: bool, vocab: usize) -> Option<Self> {
+        if s.is_greedy() && !biased {
             return None;
         }
         let random = s.temperature > 0.0;
         Some(Self {
+            biased,
             penalties: !s.penalties_off(),
             random,
             top_k: random && s.top_k > 0 && (s.top_k as usize) < vocab,
@@ -119,8 +123,12 @@ pub struct DeviceSampler {
     saved: CudaSlice<i32>,
     /// The id fed at each position of the request (commits and prefill write it).
     pub history: CudaSlice<i32>,
-    /// The settings in force and their plan (None: greedy).
+    /// The logit bias as the kernel reads it: its count, then per id (id, bias bits, the logit
+    /// it replaced in the last draw).
+    bias: CudaSlice<i32>,
+    /// The settings and the bias in force, and their plan (None: greedy).
     pub settings: Sampling,
+    pub logit_bias: LogitBias,
     pub plan: Option<Plan>,
 }
 
@@ -132,6 +140,7 @@ pub struct SamplerLens {
     pub counts: usize,
     pub saved: usize,
     pub history: usize,
+    pub bias: usize,
 }
 
 impl SamplerLens {
@@ -142,11 +151,12 @@ impl SamplerLens {
             counts: vocab,
             saved: 2 * (max_seq + 1),
             history: max_seq + 1,
+            bias: 1 + 3 * MAX_LOGIT_BIAS,
         }
     }
 
     pub fn bytes(&self) -> usize {
-        4 * (16 + self.work + 2 * self.bins + self.counts + self.saved + self.history)
+        4 * (16 + self.work + 2 * self.bins + self.counts + self.saved + self.history + self.bias)
     }
 }
 
@@ -159,7 +169,9 @@ impl DeviceSampler {
             counts: gpu.zeros(lens.counts)?,
             saved: gpu.zeros(lens.saved)?,
             history: gpu.zeros(lens.history)?,
+            bias: gpu.zeros(lens.bias)?,
             settings: Sampling::default(),
+            logit_bias: LogitBias::default(),
             plan: None,
         })
     }
@@ -170,7 +182,21 @@ impl DeviceSampler {
             .memcpy_htod(&SampleParams::of(s).words(), &mut self.params)
             .map_err(driver_error("sampling settings"))?;
         self.settings = *s;
-        self.plan = Plan::of(s, vocab);
+        self.plan = Plan::of(s, !self.logit_bias.is_empty(), vocab);
+        Ok(())
+    }
+
+    /// Writes the logit bias the kernel reads (stream-ordered as [`Self::set`]).
+    pub fn set_bias(&mut self, gpu: &Gpu, bias: &LogitBias, vocab: usize) -> Result<()> {
+        let mut words = vec![bias.entries().len() as i32];
+        for &(id, b) in bias.entries() {
+            words.extend([id as i32, b.to_bits() as i32, 0]);
+        }
+        gpu.stream
+            .memcpy_htod(&words, &mut self.bias.slice_mut(..words.len()))
+            .map_err(driver_error("logit bias"))?;
+        self.logit_bias = bias.clone();
+        self.plan = Plan::of(&self.settings, !bias.is_empty(), vocab);
         Ok(())
     }
 
@@ -203,12 +229,14 @@ impl CudaBackend {
             self.ptr(&smp.bins),
             self.ptr(&self.arena.argmax),
         );
-        let (hist, counts, saved) = (
+        let (hist, counts, saved, bias) = (
             self.ptr(&smp.history),
             self.ptr(&smp.counts),
             self.ptr(&smp.saved),
+            self.ptr(&smp.bias),
         );
-        let [penalties, top_k, top_p, shortcuts] = [
+        let [biased, penalties, top_k, top_p, shortcuts] = [
+            plan.biased,
             plan.penalties,
             plan.top_k,
             plan.top_p,
@@ -219,7 +247,7 @@ impl CudaBackend {
             grid_dim: (self.ops.sms.min(MAX_ARGMAX_CTAS as u32), 1, 1),
             ..one_cta(SAMPLE_THREADS)
         };
-        launch!(self.ops.gpu, &self.ops.k.sample_draw, grid, cooperative; logits, vocab, state, slot_offset, params, work, bins, scratch, hist, counts, saved, penalties, top_k, top_p, shortcuts)
+        launch!(self.ops.gpu, &self.ops.k.sample_draw, grid, cooperative; logits, vocab, state, slot_offset, params, work, bins, scratch, hist, counts, saved, bias, biased, penalties, top_k, top_p, shortcuts)
     }
 
     /// Measuring tool (the kernel-level distribution test): `n` draws from `logits` under the
@@ -240,6 +268,7 @@ impl CudaBackend {
             )));
         }
         let plan = self.sampler.plan.unwrap_or(Plan {
+            biased: false,
             penalties: false,
             random: false,
             top_k: false,

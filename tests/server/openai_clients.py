@@ -3,11 +3,12 @@
 `openai` client and raw HTTP: a chat answer containing "Paris", a stream of more than one
 chunk (with the usage at its end where asked), a second turn whose first turn is not prefilled
 again, a completion cut at a stop string, seeds, n choices (streamed too), logprobs in the chat
-and completions formats, a stream left early and a request timed out that stop decoding, and 4xx
-JSON errors for malformed requests.
+and completions formats, logit_bias, a stream left early and a request timed out that stop
+decoding, and 4xx JSON errors for malformed requests.
 Prints one line per check; exits 1 on the first failure.
 
-Usage: python3 tests/server/openai_clients.py BASE_URL"""
+Usage: python3 tests/server/openai_clients.py BASE_URL MODEL (the served model file, whose
+tokenizer gives logit_bias its ids)"""
 import json
 import sys
 import time
@@ -99,6 +100,22 @@ extended = client.completions.create(**ask, extra_body={"repeat_penalty": 3.0, "
 print("penalties:", repr(plain), repr(penalized), repr(extended))
 assert plain != penalized and plain != extended
 
+# logit_bias, by the ids of the model's tokenizer: banning the id greedy decoding chose first
+# changes the completion's start; one favoured by 100 is the whole completion, greedy or sampled.
+import decodev2
+
+words = decodev2.Engine.load(sys.argv[2], backend="cpu", max_seq=16)
+paris, banana = (words.tokenize(w, add_special=False)[0] for w in (" Paris", " banana"))
+ask = dict(model=model, prompt="The capital of France is", max_tokens=4, temperature=0)
+plain = client.completions.create(**ask).choices[0].text
+banned = client.completions.create(**ask, logit_bias={str(paris): -100}).choices[0].text
+forced = [client.completions.create(**ask | {"temperature": t}, logit_bias={str(banana): 100}).choices[0].text
+          for t in (0, 1)]
+print("logit_bias:", repr(plain), repr(banned), forced)
+assert plain.startswith(" Paris") and not banned.startswith(" Paris"), (plain, banned)
+assert forced == [words.piece(banana).decode() * 4] * 2, forced
+words.close()
+
 scored = client.chat.completions.create(
     model=model, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=8,
     temperature=0, logprobs=True, top_logprobs=3)
@@ -169,6 +186,10 @@ for path, data in [("/v1/chat/completions", b"{not json"), ("/v1/completions", b
                    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}'),
                    ("/v1/completions", b'{"prompt": "x", "stream": true, "stream_options": {"include_usage": 1}}'),
                    ("/v1/completions", b'{"prompt": "x", "n": 0}'),
+                   ("/v1/completions", b'{"prompt": "x", "logit_bias": {"x": 1}}'),
+                   ("/v1/completions", b'{"prompt": "x", "logit_bias": {"99999999": 1}}'),
+                   ("/v1/completions", b'{"prompt": "x", "logit_bias": {"1": 101}}'),
+                   ("/v1/completions", b'{"prompt": "x", "logit_bias": [1, 2]}'),
                    ("/v1/nothing", b"{}")]:
     status, body = raw(path, data)
     print("4xx:", path, status, body)
