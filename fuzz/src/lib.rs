@@ -329,7 +329,7 @@ fn last_error() -> String {
 /// An `abi` input: calls through the C ABI on one engine, as a C host would make them (every
 /// pointer valid for the room it declares, or NULL), each chosen by a byte (its low 4 bits)
 /// with its arguments from the bytes after it: prefill, step, step_n, logits, logprobs, reset
-/// (rewind where the byte's top bit is set), set_sampling, tokenize, detokenize, token_to_piece, chat_apply_template, token_special,
+/// (rewind where the byte's top bit is set), set_sampling (set_logit_bias where it is), tokenize, detokenize, token_to_piece, chat_apply_template, token_special,
 /// token_is_eog, meta_str, meta_key, and the queries. A finding (a panic here, which AFL reports
 /// as a crash): a call that returns DV2_ERR_INTERNAL (a panic the ABI caught) or an error
 /// without a message, writes past the room it was given, leaves the handle unusable
@@ -349,6 +349,8 @@ pub fn abi(target: &AbiTarget, data: &[u8]) {
             "{}",
             last_error()
         );
+        let no_bias = ffi::dv2_set_logit_bias(h, std::ptr::null(), std::ptr::null(), 0);
+        assert_eq!(no_bias, DV2_OK, "{}", last_error());
     }
     let mut args = Args(data);
     while !args.0.is_empty() {
@@ -480,6 +482,23 @@ pub fn abi(target: &AbiTarget, data: &[u8]) {
                     check_position(h, 0);
                 }
                 ("dv2_reset", s)
+            }
+            6 if null => {
+                // Ids inside the vocabulary and past it, repeated or not; any bias.
+                let n = args.u8() as usize % 6;
+                let ids: Vec<i32> = (0..n)
+                    .map(|_| i32::from(args.u16() as i16) % (vocab + 2))
+                    .collect();
+                let biases: Vec<f32> = (0..n).map(|_| args.f32()).collect();
+                let (ids_ptr, biases_ptr) = if n == 0 {
+                    (std::ptr::null(), std::ptr::null())
+                } else {
+                    (ids.as_ptr(), biases.as_ptr())
+                };
+                // SAFETY: the arrays NULL (n = 0) or `n` readable values each.
+                ("dv2_set_logit_bias", unsafe {
+                    ffi::dv2_set_logit_bias(h, ids_ptr, biases_ptr, n)
+                })
             }
             6 => {
                 let mut sampling = ffi::dv2_sampling_default();
