@@ -218,6 +218,9 @@ pub struct Config {
     pub cache_dir: Option<PathBuf>,
     pub lineinfo: bool,
     pub cta_timeline: bool,
+    /// Experiment (DV2_X_PREFILL_SPLIT=1): a tensor-core prefill attention whose CTAs leave SMs
+    /// idle (a short chunk deep in the context) splits its slots, merged by attn_prefill_merge.
+    pub x_prefill_split: bool,
 }
 
 impl Default for Config {
@@ -263,6 +266,7 @@ impl Config {
                 .or_else(|| default_cache_dir(&var)),
             lineinfo: is("DV2_LINEINFO", "1"),
             cta_timeline: is("DV2_CTA_TIMELINE", "1"),
+            x_prefill_split: is("DV2_X_PREFILL_SPLIT", "1"),
         }
     }
 

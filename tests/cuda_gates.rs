@@ -623,6 +623,48 @@ fn a_rewound_request_decodes_like_the_oracle() {
     println!("{drawn} sampled ids after a rewind equal the reference sampler's");
 }
 
+/// A short chunk deep in the context (7 ids after 3,000, as a chat's next turn after a
+/// rewind): its last logits and 6 steps after it against the oracle. There the prefill
+/// attention's CTAs leave most SMs idle; with `DV2_X_PREFILL_SPLIT=1` they split the slots.
+#[test]
+fn a_short_chunk_deep_in_the_context_matches_the_oracle() {
+    const CAP: f32 = 0.05;
+    const DEPTH: usize = 3000;
+    let (spec, model, prompt) = oracle_case("medium_llama", 3, 4096, DEPTH + 7);
+    let device = exclusive_device();
+    let Some(mut e) = cuda_engine_at("medium_llama", 3, 4096) else {
+        return;
+    };
+    let logits = |e: &mut Engine| {
+        let mut row = vec![0f32; spec.vocab];
+        e.logits(&mut row).unwrap();
+        row
+    };
+    e.prefill(&prompt[..DEPTH]).unwrap();
+    let mut ids = vec![e.prefill(&prompt[DEPTH..]).unwrap()];
+    let mut got = vec![logits(&mut e)];
+    for _ in 0..6 {
+        ids.push(e.step().unwrap());
+        got.push(logits(&mut e));
+    }
+    drop(e);
+    drop(device);
+    let fed: Vec<u32> = prompt.iter().chain(&ids[..6]).copied().collect();
+    let kv = &mut KvCache::new(&spec, spec.max_seq).unwrap();
+    let teacher = step_logits(&model, kv, &fed, 0).unwrap();
+    let first = prompt.len() - 1;
+    let worst = got
+        .iter()
+        .zip(&teacher[first..])
+        .map(|(g, w)| max_abs_diff(g, w))
+        .fold(0f32, f32::max);
+    assert!(worst <= CAP, "|logit - oracle| {worst}");
+    let ties = teacher_near_ties(&teacher[first..], &ids, worst, "short chunk");
+    println!(
+        "7 ids after {DEPTH}, then 6 steps: max |logit - oracle| = {worst:.5} (cap {CAP}); near-ties {ties:?}"
+    );
+}
+
 #[test]
 fn step_n_stops_at_eos_inside_a_batch() {
     let _device = exclusive_device();
