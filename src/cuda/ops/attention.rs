@@ -425,4 +425,29 @@ mod tests {
         assert_eq!(attn_split_parts(16, 8), 8);
         assert_eq!(attn_split_parts(1, 8), 1);
     }
+
+    #[test]
+    fn a_short_chunk_deep_in_the_context_splits_and_a_long_one_does_not() {
+        // The 3B shape at max_seq 32,768: partials for 1,024 splits of 16 q heads of 128.
+        let room = PrefillSplitRoom {
+            pos0: 0,
+            acc_floats: 16 * 1024 * 128,
+            ml_floats: 16 * 1024 * 2,
+        };
+        // 32 ids after 32,512: 8 CTAs, a split for each of 16 SMs' worth.
+        assert_eq!(prefill_splits(132, 8, 32543, 32 * 16, 128, room), 16);
+        // After 2,048: 65 tiles, at least 8 a split.
+        assert_eq!(prefill_splits(132, 8, 2079, 32 * 16, 128, room), 8);
+        // A first chunk of 48 ids: 2 tiles, no split.
+        assert_eq!(prefill_splits(132, 8, 47, 48 * 16, 128, room), 1);
+        // A chunk of 2,048 ids fills the GPU: 2 x 256 CTAs.
+        assert_eq!(prefill_splits(132, 512, 34559, 2048 * 16, 128, room), 1);
+        // Partials for fewer: as many as fit (here 4 of the 16).
+        let small = PrefillSplitRoom {
+            acc_floats: 4 * 32 * 16 * 128,
+            ml_floats: 4 * 32 * 16 * 2,
+            ..room
+        };
+        assert_eq!(prefill_splits(132, 8, 32543, 32 * 16, 128, small), 4);
+    }
 }
