@@ -20,6 +20,12 @@ struct PrefillAttnArgs {
     float scale;
     int out_f16;
     int first;  // the chunk's token of row 0 (qkv and out start there): position pos0 + first
+    // DV2_PREFILL_SPLIT: gridDim.z splits of the slots, each CTA's rows written
+    // unnormalized to part_acc [split][token][q head][head_dim] with (m, l) in part_ml, for
+    // attn_prefill_merge (tensor-core kernels only; 1: no split, out written directly).
+    int splits;
+    float* part_acc;
+    float* part_ml;
 };
 static_assert(sizeof(PrefillAttnArgs) == SIZEOF_PREFILLATTNARGS, "PrefillAttnArgs differs from the host's (src/cuda/ops)");
 
@@ -247,14 +253,21 @@ __device__ __forceinline__ void attn_prefill_mma_body(const PrefillAttnArgs& a) 
     const int row0 = blockIdx.y * ATTNM_ROWS;
     const int last_row = min(row0 + ATTNM_ROWS, rows_total) - 1;
     const int last = pos0 + last_row / group;  // the CTA's last slot
+    // Split blockIdx.z of gridDim.z walks the whole tiles t_begin .. end - 1 of slots 0 .. last
+    // (the whole of them without a split); a split past `last` walks none.
+    const int split = blockIdx.z, n_tiles = last / ATTNP_TILE + 1;
+    const int per = (n_tiles + gridDim.z - 1) / gridDim.z * ATTNP_TILE;
+    const int t_begin = split * per, end = min(last + 1, t_begin + per);
 
-    // This thread's chunk 0 of tile 0; a tile, and a pass of the staging, further in elements.
+    // This thread's chunk 0 of tile t_begin; a tile, and a pass of the staging, further in
+    // elements.
     const size_t slot_stride = (size_t)a.n_kv * HD, tile_stride = ATTNP_TILE * slot_stride;
     const size_t pass_stride = Stage::KEYS_PER_PASS * slot_stride;
-    const size_t first_chunk = Stage::key(0) * slot_stride + (size_t)kvh * HD + 8 * Stage::col(0);
+    const size_t first_chunk =
+        (t_begin + Stage::key(0)) * slot_stride + (size_t)kvh * HD + 8 * Stage::col(0);
     const u16 *k_at = a.k_cache + first_chunk, *v_at = a.v_cache + first_chunk;
     Stage next;
-    next.load(k_at, v_at, pass_stride, ATTNP_TILE - 1 <= last, last + 1);
+    if (t_begin < end) next.load(k_at, v_at, pass_stride, t_begin + ATTNP_TILE <= end, end - t_begin);
 
     // This thread's two rows (g, g + 8 of the warp's 16): positions; padding rows take the
     // CTA's last position (finite, never stored, and no mask on their account).
@@ -292,7 +305,7 @@ __device__ __forceinline__ void attn_prefill_mma_body(const PrefillAttnArgs& a) 
         for (int e = 0; e < 4; e++) o_acc[d][e] = 0.0f;
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
 
-    for (int t0 = 0; t0 <= last; t0 += ATTNP_TILE) {
+    for (int t0 = t_begin; t0 < end; t0 += ATTNP_TILE) {
         // Buffer (tile & 1) was last read two tiles ago, before the previous barrier.
         k_s = kv_s + ((t0 / ATTNP_TILE) & 1) * BUF_WORDS;
         next.store(k_s, k_s + ATTNP_TILE * Stage::STRIDE);
@@ -300,7 +313,7 @@ __device__ __forceinline__ void attn_prefill_mma_body(const PrefillAttnArgs& a) 
         k_at += tile_stride;
         v_at += tile_stride;
         const int t1 = t0 + ATTNP_TILE;
-        if (t1 <= last) next.load(k_at, v_at, pass_stride, t1 + ATTNP_TILE - 1 <= last, last + 1 - t1);
+        if (t1 < end) next.load(k_at, v_at, pass_stride, t1 + ATTNP_TILE <= end, end - t1);
         if (t0 > w_last) continue;  // every row of this warp is before the tile
 
         // S = Q K^T: 16 rows x 32 slots. Lane l addresses row l % 8 of matrix l / 8: slots
@@ -342,16 +355,19 @@ __device__ __forceinline__ void attn_prefill_mma_body(const PrefillAttnArgs& a) 
         for (int nt = 0; nt < 4; nt++)
 #pragma unroll
             for (int e = 0; e < 4; e++) mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
-        float corr[2], sum[2] = {0.0f, 0.0f};
+        float corr[2], sum[2] = {0.0f, 0.0f}, m_use[2];
         bool moved = false;
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
             mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-            // Finite: slot 0 is in every row's first tile, so m is finite from there on.
+            // Finite from a row's first tile with a slot at or before it: slot 0's without a
+            // split; a split that begins past the row sees -inf, taken as 0 so that its p and
+            // corr are 0, not NaN (the same values wherever m is finite).
             const float m_new = fmaxf(m[h], mx[h]);
             moved |= m_new != m[h];
-            corr[h] = exp2_approx(m[h] - m_new);
+            m_use[h] = m_new == NEG_INF ? 0.0f : m_new;
+            corr[h] = exp2_approx(m[h] - m_use[h]);
             m[h] = m_new;
         }
         u32 pf[2][4];  // P as the A fragments of the two 16-slot k-steps
@@ -360,7 +376,7 @@ __device__ __forceinline__ void attn_prefill_mma_body(const PrefillAttnArgs& a) 
             float p[4];
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                p[e] = exp2_approx(s[nt][e] - m[e >> 1]);
+                p[e] = exp2_approx(s[nt][e] - m_use[e >> 1]);
                 sum[e >> 1] += p[e];
             }
             pf[nt >> 1][(nt & 1) * 2 + 0] = pack_f16x2(p[0], p[1]);
@@ -403,12 +419,47 @@ __device__ __forceinline__ void attn_prefill_mma_body(const PrefillAttnArgs& a) 
     for (int h = 0; h < 2; h++) {
         const int rr = row0 + warp * 16 + g + 8 * h;
         if (rr >= rows_total) continue;
-        const size_t out0 = (size_t)(rr / group) * a.n_q * HD + (kvh * group + rr % group) * HD;
+        const size_t row = (size_t)(rr / group) * a.n_q + kvh * group + rr % group;
+        if (gridDim.z > 1) {  // the split's partial, unnormalized, for attn_prefill_merge
+            const size_t part = (size_t)split * a.n * a.n_q + row;
+#pragma unroll
+            for (int d = 0; d < DT; d++)
+                store_pair(a.part_acc, part * HD + 8 * d + 2 * t, o_acc[d][2 * h], o_acc[d][2 * h + 1], false);
+            if (t == 0) {
+                a.part_ml[2 * part] = m[h];
+                a.part_ml[2 * part + 1] = l[h];
+            }
+            continue;
+        }
         const float inv = 1.0f / l[h];
 #pragma unroll
         for (int d = 0; d < DT; d++)
-            store_pair(a.out, out0 + 8 * d + 2 * t, o_acc[d][2 * h] * inv, o_acc[d][2 * h + 1] * inv, a.out_f16);
+            store_pair(a.out, row * HD + 8 * d + 2 * t, o_acc[d][2 * h] * inv, o_acc[d][2 * h + 1] * inv, a.out_f16);
     }
+}
+
+// The splits of a split prefill attention merged (attn_prefill_mma with gridDim.z = a.splits
+// > 1): a CTA per (token, q head) row, a thread per pair of dims. m is in log2 units; a split
+// that began past the row left m = -inf and l = 0, weight 0. Split 0 holds slot 0, so the
+// largest m is finite.
+extern "C" __global__ void attn_prefill_merge(PrefillAttnArgs a) {
+    pdl_enter();
+    const size_t row = blockIdx.x, rows = (size_t)a.n * a.n_q;
+    const int d = 2 * threadIdx.x, hd = a.head_dim;
+    float mx = NEG_INF;
+    for (int s = 0; s < a.splits; s++) mx = fmaxf(mx, a.part_ml[2 * (s * rows + row)]);
+    float l = 0.0f, lo = 0.0f, hi = 0.0f;
+    for (int s = 0; s < a.splits; s++) {
+        const size_t part = s * rows + row;
+        const float w = exp2_approx(a.part_ml[2 * part] - mx);
+        l += w * a.part_ml[2 * part + 1];
+        if (d < hd) {
+            const float2 acc = *reinterpret_cast<const float2*>(a.part_acc + part * hd + d);
+            lo += w * acc.x;
+            hi += w * acc.y;
+        }
+    }
+    if (d < hd) store_pair(a.out, row * hd + d, lo / l, hi / l, a.out_f16);
 }
 
 #define ATTNM_KERNEL(HD)                                                                                       \

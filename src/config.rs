@@ -118,6 +118,15 @@ pub const VARIABLES: &[Variable] = &[
         lab: "2026-11-29, chunked tensor-core prefill (issue 6)",
     },
     Variable {
+        name: "DV2_PREFILL_SPLIT",
+        default: "1",
+        effect: "`0`: a prefill chunk's tensor-core attention never splits its slots (it splits \
+                 them where its CTAs would leave SMs idle: a short chunk deep in the context, a \
+                 chat's next turn after dv2_rewind)",
+        lab: "session 68: 3B, a 32-id turn's first id on an H100 4.56 -> 2.99 ms after 2k, \
+              10.5 -> 3.6 after 8k, 34.0 -> 5.6 after 32k",
+    },
+    Variable {
         name: "DV2_PREFILL_TAIL",
         default: "1",
         effect: "`0`: the prompt's last layer on every token instead of the last token alone",
@@ -206,6 +215,8 @@ pub struct Config {
     /// The prompt through the decode step, token by token (`DV2_PREFILL=n1`).
     pub prefill_by_steps: bool,
     pub prefill_tail: bool,
+    /// A tensor-core prefill attention whose CTAs leave SMs idle splits its slots.
+    pub prefill_split: bool,
     /// The decode step's linears through the tensor-core GEMM (`DV2_LINEAR=mma`).
     pub linear_mma: bool,
     /// A bitsandbytes linear's codes left in the file's map until uploaded.
@@ -253,6 +264,7 @@ impl Config {
             sample_shortcuts: on("DV2_SAMPLE_SHORTCUTS"),
             prefill_by_steps: is("DV2_PREFILL", "n1"),
             prefill_tail: on("DV2_PREFILL_TAIL"),
+            prefill_split: on("DV2_PREFILL_SPLIT"),
             linear_mma: is("DV2_LINEAR", "mma"),
             mapped_codes: on("DV2_MAPPED_CODES"),
             staged_upload: on("DV2_STAGED_UPLOAD"),
@@ -332,6 +344,7 @@ mod tests {
         let c = Config::default();
         assert!(c.graph && c.pdl && c.fuse_rms && c.ffn_f16 && c.qkv_khalves);
         assert!(c.logits_argmax && c.attn_clusters && c.attn_long && c.prefill_tail);
+        assert!(c.prefill_split);
         assert!(c.logits_w20 && c.down_w27 && c.loads_first && c.mapped_codes && c.staged_upload);
         assert!(!c.prefill_by_steps && !c.linear_mma && !c.lineinfo && !c.cta_timeline);
         let c = with(&[

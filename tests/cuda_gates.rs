@@ -637,7 +637,8 @@ fn a_rewound_request_decodes_like_the_oracle() {
 
 /// A short chunk deep in the context (7 ids after 3,000, as a chat's next turn after a
 /// rewind): its last logits and 6 steps after it against the oracle. There the prefill
-/// attention's CTAs leave most SMs idle (xp/s67 splits the slots).
+/// attention's CTAs alone would leave most SMs idle, so they split the slots
+/// (`DV2_PREFILL_SPLIT=0` turns that off).
 #[test]
 fn a_short_chunk_deep_in_the_context_matches_the_oracle() {
     const CAP: f32 = 0.05;

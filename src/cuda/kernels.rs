@@ -576,6 +576,8 @@ pub struct Kernels {
     pub attn_prefill: [CudaFunction; 2],
     /// Tensor-core prefill attention for head_dim 16, 32, 64, 128.
     pub attn_prefill_mma: [CudaFunction; 4],
+    /// The splits of a split prefill attention merged (DV2_PREFILL_SPLIT).
+    pub attn_prefill_merge: CudaFunction,
     /// Long-context decode attention for head_dim 64 and 128.
     pub attn_long_decode: [CudaFunction; 2],
     /// The long-context attention without clusters: [64, 128].
@@ -726,6 +728,7 @@ impl Kernels {
             advance_by: f("advance_by")?,
             begin_prefill: f("begin_prefill")?,
             attn_prefill: [f("attn_prefill_r2")?, f("attn_prefill_r8")?],
+            attn_prefill_merge: f("attn_prefill_merge")?,
             attn_prefill_mma: [
                 f("attn_prefill_mma_hd16")?,
                 f("attn_prefill_mma_hd32")?,

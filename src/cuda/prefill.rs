@@ -8,7 +8,7 @@
 use cudarc::driver::LaunchConfig;
 
 use super::budget::kv_stride;
-use super::ops::{one_cta, Epilogue, GemmMatrix, Ops, PrefillAttnArgs};
+use super::ops::{one_cta, Epilogue, GemmMatrix, Ops, PrefillAttnArgs, PrefillSplitRoom};
 use super::step::{Activations, CudaBackend};
 use crate::arch::ArchSpec;
 use crate::error::{Error, Result};
@@ -62,9 +62,16 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Prompt ids `start .. start + n` (uploaded) as one chunk at the state's position: every
-    /// layer's KV slots written; with `last`, the logits and next_token of its last token.
-    pub(super) fn prefill_chunk(&self, start: usize, n: usize, last: bool) -> Result<()> {
+    /// Prompt ids `start .. start + n` (uploaded) as one chunk at the state's position (`pos`,
+    /// as the host knows it): every layer's KV slots written; with `last`, the logits and
+    /// next_token of its last token.
+    pub(super) fn prefill_chunk(
+        &self,
+        start: usize,
+        pos: usize,
+        n: usize,
+        last: bool,
+    ) -> Result<()> {
         let gpu = &self.ops.gpu;
         let (s, a, ops) = (&self.spec, &self.arena, &self.ops);
         let Activations {
@@ -138,22 +145,33 @@ impl CudaBackend {
             );
             let (n_q, n_kv, hd) = (s.n_q_heads as i32, s.n_kv_heads as i32, s.head_dim as i32);
             launch!(gpu, &ops.k.rope_kv_rows, rows; qkv, k_cache, v_cache, cos, sin, state, ld_i, n_q, n_kv, hd)?;
-            ops.attn_prefill(PrefillAttnArgs {
-                qkv: qkv + (first * ld * 4) as u64,
-                k_cache,
-                v_cache,
-                state,
-                out: attn,
-                n: m as i32,
-                ld: ld_i,
-                n_q,
-                n_kv,
-                head_dim: hd,
-                qb: 0,
-                scale: 1.0 / (s.head_dim as f32).sqrt(),
-                out_f16: 1,
-                first: first as i32,
-            })?;
+            let room = PrefillSplitRoom {
+                pos0: pos + first,
+                acc_floats: a.part_acc.len(),
+                ml_floats: a.part_ml.len(),
+            };
+            ops.attn_prefill(
+                PrefillAttnArgs {
+                    qkv: qkv + (first * ld * 4) as u64,
+                    k_cache,
+                    v_cache,
+                    state,
+                    out: attn,
+                    n: m as i32,
+                    ld: ld_i,
+                    n_q,
+                    n_kv,
+                    head_dim: hd,
+                    qb: 0,
+                    scale: 1.0 / (s.head_dim as f32).sqrt(),
+                    out_f16: 1,
+                    first: first as i32,
+                    splits: 1,
+                    part_acc: self.ptr(&a.part_acc),
+                    part_ml: self.ptr(&a.part_ml),
+                },
+                Some(room),
+            )?;
             let o = [matrix(&layer.o, 0)];
             ops.gemm(
                 Epilogue::Accumulate,

@@ -647,9 +647,9 @@ impl Backend for CudaBackend {
         if self.chunk == 0 {
             self.prefill_by_steps(ids.len())?;
         } else {
-            for start in (0..ids.len()).step_by(self.chunk) {
-                let n = self.chunk.min(ids.len() - start);
-                self.prefill_chunk(start, n, start + n == ids.len())?;
+            for i in (0..ids.len()).step_by(self.chunk) {
+                let n = self.chunk.min(ids.len() - i);
+                self.prefill_chunk(i, start + i, n, i + n == ids.len())?;
             }
         }
         if let Some(plan) = self.sampler.plan {

@@ -7,7 +7,7 @@ use super::Ops;
 use crate::arch::ArchSpec;
 use crate::cuda::kernels::{
     ATTN2_CHUNK, ATTN2_MAX_CHUNKS, ATTNL_MAX_CLUSTERS, ATTNL_MAX_GROUP, ATTNL_RANKS, ATTNM_ROWS,
-    ATTNM_THREADS, ATTNP_Q_FLOATS, ATTNP_ROWS, ATTNP_THREADS, ATTN_THREADS,
+    ATTNM_THREADS, ATTNP_Q_FLOATS, ATTNP_ROWS, ATTNP_THREADS, ATTNP_TILE, ATTN_THREADS,
 };
 use crate::error::{Error, Result};
 
@@ -62,6 +62,34 @@ pub struct PrefillAttnArgs {
     /// The chunk's token at row 0 of `qkv` and `out` (0, or the last token alone: its
     /// position is the state's plus `first`; the KV slots of the whole chunk are written).
     pub first: i32,
+    /// Splits of the slots (set by [`Ops::attn_prefill`]) and their partials' room.
+    pub splits: i32,
+    pub part_acc: u64,
+    pub part_ml: u64,
+}
+
+/// Where a prefill chunk's attention may split its slots (`DV2_PREFILL_SPLIT`): the
+/// position of its row 0 and the floats the partial buffers hold.
+#[derive(Clone, Copy)]
+pub struct PrefillSplitRoom {
+    pub pos0: usize,
+    pub acc_floats: usize,
+    pub ml_floats: usize,
+}
+
+/// Splits of a tensor-core prefill attention of `ctas` CTAs whose last row is at `last`:
+/// about a CTA an SM, at least 8 tiles (256 slots) a split, as many as the partials hold.
+fn prefill_splits(
+    sms: usize,
+    ctas: usize,
+    last: usize,
+    rows: usize,
+    hd: usize,
+    room: PrefillSplitRoom,
+) -> usize {
+    let tiles = last / ATTNP_TILE + 1;
+    let fit = (room.acc_floats / (rows * hd)).min(room.ml_floats / (rows * 2));
+    (sms / ctas).min(tiles / 8).min(fit).max(1)
 }
 
 // SAFETY: plain old data matching the kernel's struct.
@@ -147,15 +175,47 @@ impl Ops {
     /// K/V already in the cache). `args.qb` is ignored: the CUDA-core kernels (head_dims the
     /// tensor-core kernels lack) take 8 rows per CTA, measured faster than 32 (docs/lab.md),
     /// raised to ATTNP_ROWS when one token's q heads need it.
-    pub fn attn_prefill(&self, args: PrefillAttnArgs) -> Result<()> {
+    /// With `room`, the tensor-core kernels split the slots where their CTAs would leave SMs
+    /// idle (a short chunk deep in the context), then attn_prefill_merge
+    /// (`DV2_PREFILL_SPLIT=0`: never).
+    pub fn attn_prefill(
+        &self,
+        args: PrefillAttnArgs,
+        room: Option<PrefillSplitRoom>,
+    ) -> Result<()> {
         if let Some(f) = self.attn_prefill_mma(args.head_dim as usize) {
             let rows = (args.n * args.n_q / args.n_kv) as u32;
+            let (n_kv, tiles) = (args.n_kv as u32, rows.div_ceil(ATTNM_ROWS as u32));
+            let splits = match room.filter(|_| self.cfg.prefill_split) {
+                Some(room) => prefill_splits(
+                    self.sms as usize,
+                    (n_kv * tiles) as usize,
+                    room.pos0 + args.n as usize - 1,
+                    (args.n * args.n_q) as usize,
+                    args.head_dim as usize,
+                    room,
+                ),
+                None => 1,
+            };
+            let args = PrefillAttnArgs {
+                splits: splits as i32,
+                ..args
+            };
             let cfg = LaunchConfig {
-                grid_dim: (args.n_kv as u32, rows.div_ceil(ATTNM_ROWS as u32), 1),
+                grid_dim: (n_kv, tiles, splits as u32),
                 block_dim: (ATTNM_THREADS, 1, 1),
                 shared_mem_bytes: 0,
             };
-            return launch!(self.gpu, f, cfg; args);
+            launch!(self.gpu, f, cfg; args)?;
+            if splits == 1 {
+                return Ok(());
+            }
+            let merge = LaunchConfig {
+                grid_dim: ((args.n * args.n_q) as u32, 1, 1),
+                block_dim: ((args.head_dim as u32 / 2).next_multiple_of(32), 1, 1),
+                shared_mem_bytes: 0,
+            };
+            return launch!(self.gpu, &self.k.attn_prefill_merge, merge; args);
         }
         let (group, head_dim) = ((args.n_q / args.n_kv) as usize, args.head_dim as usize);
         let tokens = attn_prefill_tokens(group, head_dim, 8)
@@ -372,5 +432,30 @@ mod tests {
         assert_eq!(attn_split_parts(2, 1), 1);
         assert_eq!(attn_split_parts(16, 8), 8);
         assert_eq!(attn_split_parts(1, 8), 1);
+    }
+
+    #[test]
+    fn a_short_chunk_deep_in_the_context_splits_and_a_long_one_does_not() {
+        // The 3B shape at max_seq 32,768: partials for 1,024 splits of 16 q heads of 128.
+        let room = PrefillSplitRoom {
+            pos0: 0,
+            acc_floats: 16 * 1024 * 128,
+            ml_floats: 16 * 1024 * 2,
+        };
+        // 32 ids after 32,512: 8 CTAs, a split for each of 16 SMs' worth.
+        assert_eq!(prefill_splits(132, 8, 32543, 32 * 16, 128, room), 16);
+        // After 2,048: 65 tiles, at least 8 a split.
+        assert_eq!(prefill_splits(132, 8, 2079, 32 * 16, 128, room), 8);
+        // A first chunk of 48 ids: 2 tiles, no split.
+        assert_eq!(prefill_splits(132, 8, 47, 48 * 16, 128, room), 1);
+        // A chunk of 2,048 ids fills the GPU: 2 x 256 CTAs.
+        assert_eq!(prefill_splits(132, 512, 34559, 2048 * 16, 128, room), 1);
+        // Partials for fewer: as many as fit (here 4 of the 16).
+        let small = PrefillSplitRoom {
+            acc_floats: 4 * 32 * 16 * 128,
+            ml_floats: 4 * 32 * 16 * 2,
+            ..room
+        };
+        assert_eq!(prefill_splits(132, 8, 32543, 32 * 16, 128, small), 4);
     }
 }

@@ -31,7 +31,7 @@ mod gemv;
 
 pub use attention::{
     attn_long_fits, attn_long_partials, attn_partials, attn_prefill_tokens, Attention, AttnArgs,
-    PrefillAttnArgs, ATTN3_SPLITS, ATTN_SPLIT,
+    PrefillAttnArgs, PrefillSplitRoom, ATTN3_SPLITS, ATTN_SPLIT,
 };
 pub(super) use gemm::GemmArgs;
 pub use gemm::{Epilogue, GemmMatrix};
