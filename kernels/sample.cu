@@ -4,14 +4,13 @@
 //
 // Everything a request can change is read from device memory (SampleParams, written by the
 // host at dv2_set_sampling, and the bias at dv2_set_logit_bias), since kernel arguments are
-// frozen in the captured graph. One
-// cooperative kernel (every CTA resident, one per SM) runs the phases a setting needs with
-// grid barriers between them, one launch and one graph node a step. A phase's time is its
-// chain of L2 round trips (~7 us a select pass, docs/lab.md session 24), so the kernel saves
-// passes: top-k counts its first digit in the maximum's pass and, when the ids in and above
-// the bin of the k-th largest logit are few, one CTA ranks them and finishes; top-p alone
-// draws first and keeps the draw when the winner is in its set. Every buffer the kernel
-// counts in (barrier, bins, counts) is zero again when it ends.
+// frozen in the captured graph. One cooperative kernel (every CTA resident, one per SM) runs
+// the phases a setting needs with grid barriers between them, one launch and one graph node a
+// step. A phase's time is its chain of L2 round trips (~7 us a select pass, docs/lab.md
+// session 24), so the kernel saves passes: top-k counts its first digit in the maximum's pass
+// and, when the ids in and above the bin of the k-th largest logit are few, one CTA ranks them
+// and finishes; top-p alone draws first and keeps the draw when the winner is in its set.
+// Every buffer the kernel counts in (barrier, bins, counts) is zero again when it ends.
 //
 // Why a Gumbel-max draw: argmax over the kept ids of z_i + G_i, z the logit over the
 // temperature and G_i Gumbel noise from Philox keyed by (seed, slot, id), draws from the
@@ -593,8 +592,9 @@ __device__ bool draw_in_top_p(float* logits, int vocab, int* state, const Sample
 // argmax (lowest id on a tie) of the penalized logits, the logit bias added first; the slot the
 // id takes is state[POSITION] + slot_offset (the decode step draws before its commit, the
 // prefill after its last advance). `biased`, `penalties`, `top_k`, `top_p`: the phases the
-// captured plan runs (the host's Plan). Top-k counts its first digit in the maximum's pass; when its candidates are
-// few, one CTA finishes over them (finish_from_candidates), else the select's passes go on.
+// captured plan runs (the host's Plan). Top-k counts its first digit in the maximum's pass;
+// when its candidates are few, one CTA finishes over them (finish_from_candidates), else the
+// select's passes go on.
 // Top-p alone first tries the draw by rejection (draw_in_top_p). `shortcuts` 0
 // (DV2_SAMPLE_SHORTCUTS=0): the select's passes alone. The passes end in the draw over the
 // whole vocabulary, whose last CTA (argmax_across_ctas) writes the id, puts back the logits
