@@ -317,6 +317,11 @@ text DV2_ERR_UNSUPPORTED
 file DV2_ERR_IO",
         "{typed}"
     );
+    // The server's API key and /health (tests/server/api_key.py; no model file needed).
+    let key = run(Command::new(venv.join("bin/python"))
+        .arg(root().join("tests/server/api_key.py"))
+        .current_dir(std::env::temp_dir()));
+    assert!(key.trim_end().ends_with("api key ok"), "{key}");
     let stop = run(Command::new(venv.join("bin/python"))
         .args(["-c", STOP_TEXT])
         .current_dir(std::env::temp_dir()));

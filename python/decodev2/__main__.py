@@ -8,6 +8,7 @@ turns are not computed again; serve --no-prefix-reuse prefills every prompt whol
 Options: --backend auto|cpu|cuda, --temperature T, --top-p P, --seed S, --max-seq N, --stop TEXT
 (repeatable: the reply ends before the first of them)."""
 import argparse
+import os
 import sys
 
 from . import BACKENDS, Engine
@@ -53,12 +54,14 @@ def main(argv=None):
     p.add_argument("--max-seq", type=int, default=4096)
     p.add_argument("--no-prefix-reuse", dest="reuse", action="store_false",
                    help="prefill every prompt whole, not from where it leaves the last request's ids")
+    p.add_argument("--api-key", default=os.environ.get("DECODEV2_API_KEY"),
+                   help="answer /v1 requests only with 'Authorization: Bearer KEY' (default: $DECODEV2_API_KEY)")
     args = ap.parse_args(argv)
     if args.command == "serve":
         from .server import serve
 
         serve(args.model, host=args.host, port=args.port, backend=args.backend, max_seq=args.max_seq,
-              reuse=args.reuse)
+              reuse=args.reuse, api_key=args.api_key or None)
         return 0
     with _engine(args) as e:
         if args.command == "generate":

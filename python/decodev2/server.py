@@ -16,9 +16,13 @@ where a step takes longer, or where logprobs are asked), whose pieces then strea
 one.
 
     python -m decodev2 serve MODEL [--host 127.0.0.1] [--port 8000] [--backend auto] [--no-prefix-reuse]
+        [--api-key KEY]   # (or DECODEV2_API_KEY) the /v1 routes answer only "Authorization: Bearer KEY"
+
+GET /health answers {"status": "ok"} once the model is loaded (no key needed).
 
 Needs the `server` extra (`pip install "./python[server]"`)."""
 import asyncio
+import hmac
 import json
 import threading
 import time
@@ -234,8 +238,26 @@ def logprobs_of(tokens, chat):
     }
 
 
-def create_app(engine, name, reuse=True):
+def create_app(engine, name, reuse=True, api_key=None):
+    """The app over `engine`, served as `name`. With api_key, the /v1 routes answer only requests
+    that carry it (`Authorization: Bearer KEY`, as OpenAI clients send their key); /health needs
+    none."""
     gen = Generator(engine, name, reuse)
+
+    def guarded(endpoint):
+        if api_key is None:
+            return endpoint
+        want = f"Bearer {api_key}".encode()
+
+        async def check(request):
+            if not hmac.compare_digest(request.headers.get("authorization", "").encode(), want):
+                return _error(401, "a missing or wrong API key (Authorization: Bearer KEY)", "authentication_error")
+            return await endpoint(request)
+
+        return check
+
+    async def health(_request):
+        return JSONResponse({"status": "ok"})
 
     async def models(_request):
         return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "owned_by": "decodev2"}]})
@@ -368,17 +390,18 @@ def create_app(engine, name, reuse=True):
         return _error(404, f"no route {request.url.path}", "not_found_error")
 
     return Starlette(routes=[
-        Route("/v1/models", models),
-        Route("/v1/completions", handler(False), methods=["POST"]),
-        Route("/v1/chat/completions", handler(True), methods=["POST"]),
+        Route("/health", health),
+        Route("/v1/models", guarded(models)),
+        Route("/v1/completions", guarded(handler(False)), methods=["POST"]),
+        Route("/v1/chat/completions", guarded(handler(True)), methods=["POST"]),
     ], exception_handlers={404: not_found})
 
 
-def serve(model, host="127.0.0.1", port=8000, backend="auto", max_seq=4096, reuse=True):
+def serve(model, host="127.0.0.1", port=8000, backend="auto", max_seq=4096, reuse=True, api_key=None):
     import os
 
     import uvicorn
 
     engine = Engine.load(model, backend=backend, max_seq=max_seq, eos_id=-2)
     name = os.path.basename(model.rstrip("/"))
-    uvicorn.run(create_app(engine, name, reuse), host=host, port=port, log_level="warning")
+    uvicorn.run(create_app(engine, name, reuse, api_key), host=host, port=port, log_level="warning")
