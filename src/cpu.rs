@@ -7,9 +7,13 @@ use std::sync::Arc;
 use crate::backend::Backend;
 use crate::error::Result;
 use crate::model::HostModel;
-use crate::oracle::{argmax, forward_token, KvCache};
+use crate::oracle::{argmax, forward_chunk, KvCache};
 use crate::rope::RopeTable;
 use crate::sampling::{LogitBias, Sampling};
+
+/// Prompt ids fed through one forward ([`forward_chunk`]: each weight decoded once for 8 of
+/// them); the activations of a chunk are a few of its rows of the widest linear.
+const PREFILL_CHUNK: usize = 64;
 
 pub struct CpuBackend {
     model: Arc<HostModel>,
@@ -55,16 +59,17 @@ impl CpuBackend {
         })
     }
 
-    /// Feeds `id` at `position`, writes its KV slot, advances position and valid_len; with
-    /// `choose`, picks next_token (greedy or sampled, for the slot after).
-    fn forward(&mut self, id: u32, choose: bool) -> Result<()> {
-        self.logits = forward_token(&self.model, &self.rope, &mut self.kv, id, self.position)?;
-        if self.non_finite.is_none() && !self.logits.iter().all(|v| v.is_finite()) {
-            self.non_finite = Some(self.position);
-        }
-        self.history.push(id);
-        self.position += 1;
+    /// Feeds `ids` from `position`, writes their KV slots, advances position and valid_len,
+    /// keeps the last one's logits; with `choose`, picks next_token (greedy or sampled, for the
+    /// slot after).
+    fn forward(&mut self, ids: &[u32], choose: bool) -> Result<()> {
+        self.logits = forward_chunk(&self.model, &self.rope, &mut self.kv, ids, self.position)?;
+        self.history.extend_from_slice(ids);
+        self.position += ids.len();
         self.valid_len = self.position;
+        if self.non_finite.is_none() && !self.logits.iter().all(|v| v.is_finite()) {
+            self.non_finite = Some(self.position - 1);
+        }
         if choose {
             self.next_token = if self.bias.is_empty() && self.sampling.is_greedy() {
                 argmax(&self.logits)
@@ -96,8 +101,9 @@ impl Backend for CpuBackend {
     }
 
     fn prefill(&mut self, ids: &[u32]) -> Result<()> {
-        for (i, &id) in ids.iter().enumerate() {
-            self.forward(id, i + 1 == ids.len())?;
+        let chunks = ids.len().div_ceil(PREFILL_CHUNK);
+        for (i, chunk) in ids.chunks(PREFILL_CHUNK).enumerate() {
+            self.forward(chunk, i + 1 == chunks)?;
         }
         self.token = self.next_token;
         self.finished = self.is_eos(self.next_token);
@@ -106,7 +112,7 @@ impl Backend for CpuBackend {
 
     fn step_n(&mut self, out: &mut [u32]) -> Result<usize> {
         for (i, slot) in out.iter_mut().enumerate() {
-            self.forward(self.token, true)?;
+            self.forward(&[self.token], true)?;
             self.token = self.next_token;
             self.finished |= self.is_eos(self.next_token);
             *slot = self.next_token;

@@ -75,6 +75,47 @@ pub fn matvec(w: &Nf4Matrix, x: &[f32], y: &mut [f32]) {
     });
 }
 
+/// `W x` for each of the `xs.len() / cols` inputs of `xs` (row-major), row-major in the result:
+/// each value the one [`matvec`] gives for that input, to the bit, with each weight decoded once
+/// for 8 inputs ([`Nf4Matrix::dot_rows_x8`]).
+pub fn matmul(w: &Nf4Matrix, xs: &[f32]) -> Vec<f32> {
+    let (rows, cols) = (w.rows, w.cols);
+    let n = xs.len() / cols;
+    let mut ys = vec![0f32; n * rows];
+    let mut xt = vec![[0f32; 8]; cols];
+    let mut yt = vec![[0f32; 8]; rows];
+    for t0 in (0..n).step_by(8) {
+        let width = (n - t0).min(8);
+        for (c, col) in xt.iter_mut().enumerate() {
+            for (t, x) in col.iter_mut().enumerate() {
+                *x = if t < width {
+                    xs[(t0 + t) * cols + c]
+                } else {
+                    0.0
+                };
+            }
+        }
+        crate::par::for_rows(&mut yt, 1, 8 * cols, |first, out| {
+            let rest = first + out.len() / ROWS_TOGETHER * ROWS_TOGETHER;
+            let mut groups = out.chunks_exact_mut(ROWS_TOGETHER);
+            for (g, group) in groups.by_ref().enumerate() {
+                group.copy_from_slice(
+                    &w.dot_rows_x8::<ROWS_TOGETHER>(first + g * ROWS_TOGETHER, &xt),
+                );
+            }
+            for (i, row) in groups.into_remainder().iter_mut().enumerate() {
+                [*row] = w.dot_rows_x8::<1>(rest + i, &xt);
+            }
+        });
+        for (r, sums) in yt.iter().enumerate() {
+            for (t, sum) in sums[..width].iter().enumerate() {
+                ys[(t0 + t) * rows + r] = *sum;
+            }
+        }
+    }
+    ys
+}
+
 /// RMSNorm into `out`.
 pub fn rms_norm(x: &[f32], w: &[bf16], eps: f32, out: &mut [f32]) {
     let mean_sq = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
@@ -99,31 +140,46 @@ pub fn argmax(values: &[f32]) -> u32 {
     best as u32
 }
 
-/// Projects the normed input to (q, k, v), biases added, InternLM2 packing undone.
+/// `W x` for each input of `xs` (one or more rows of `w.cols`): [`matvec`] for one, [`matmul`]
+/// for more (the same values).
+fn linear(w: &Nf4Matrix, xs: &[f32]) -> Vec<f32> {
+    if xs.len() == w.cols {
+        let mut y = vec![0f32; w.rows];
+        matvec(w, xs, &mut y);
+        return y;
+    }
+    matmul(w, xs)
+}
+
+/// Projects the normed inputs (`xn`: rows of hidden) to (q, k, v) (rows of q_dim, kv_dim,
+/// kv_dim), biases added, InternLM2 packing undone.
 fn project_qkv(spec: &ArchSpec, layer: &Layer, xn: &[f32]) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let kv = spec.kv_dim();
     match &layer.qkv {
         QkvWeights::Separate { q, k, v } => {
-            let mut out = [vec![0f32; spec.q_dim()], vec![0f32; kv], vec![0f32; kv]];
-            for (lin, y) in [q, k, v].into_iter().zip(out.iter_mut()) {
-                matvec(&lin.weight, xn, y);
+            let [q, k, v] = [q, k, v].map(|lin| {
+                let mut y = linear(&lin.weight, xn);
                 if let Some(b) = &lin.bias {
-                    y.iter_mut().zip(b).for_each(|(y, b)| *y += b);
+                    y.chunks_exact_mut(b.len())
+                        .for_each(|y| y.iter_mut().zip(b).for_each(|(y, b)| *y += b));
                 }
-            }
-            let [q, k, v] = out;
+                y
+            });
             (q, k, v)
         }
         QkvWeights::InternlmFused { wqkv } => {
-            let mut packed = vec![0f32; wqkv.rows];
-            matvec(wqkv, xn, &mut packed);
-            let split: Vec<f32> = internlm_wqkv_rows(spec)
-                .iter()
-                .map(|&r| packed[r])
-                .collect();
-            let (q, rest) = split.split_at(spec.q_dim());
-            let (k, v) = rest.split_at(kv);
-            (q.to_vec(), k.to_vec(), v.to_vec())
+            let packed = linear(wqkv, xn);
+            let order = internlm_wqkv_rows(spec);
+            let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
+            for row in packed.chunks_exact(wqkv.rows) {
+                let split: Vec<f32> = order.iter().map(|&r| row[r]).collect();
+                let (qr, rest) = split.split_at(spec.q_dim());
+                let (kr, vr) = rest.split_at(kv);
+                q.extend_from_slice(qr);
+                k.extend_from_slice(kr);
+                v.extend_from_slice(vr);
+            }
+            (q, k, v)
         }
     }
 }
@@ -186,65 +242,104 @@ pub fn forward_token(
     id: u32,
     pos: usize,
 ) -> Result<Vec<f32>> {
+    forward_chunk(model, rope, kv, &[id], pos)
+}
+
+/// Feeds `ids` at positions `pos0..` (their K/V into those slots) and returns the last one's
+/// logits `[vocab]`: the same values as [`forward_token`] on each id in turn, to the bit (each
+/// token's sums in the same order), with each linear's weights decoded once for up to 8 ids.
+/// Refused, with nothing written, where an id is past the vocabulary or the ids past max_seq.
+pub fn forward_chunk(
+    model: &HostModel,
+    rope: &RopeTable,
+    kv: &mut KvCache,
+    ids: &[u32],
+    pos0: usize,
+) -> Result<Vec<f32>> {
     let s = &model.spec;
-    if id as usize >= s.vocab {
+    if let Some(id) = ids.iter().find(|&&id| id as usize >= s.vocab) {
         return Err(Error::InvalidArgument(format!(
             "token id {id} >= vocab {}",
             s.vocab
         )));
     }
-    if pos >= kv.max_seq {
+    let n = ids.len();
+    if n == 0 {
+        return Err(Error::InvalidArgument("no ids to feed".into()));
+    }
+    if pos0 + n > kv.max_seq {
         return Err(Error::SequenceFull(format!(
-            "position {pos} >= max_seq {}",
+            "position {} >= max_seq {}",
+            pos0 + n - 1,
             kv.max_seq
         )));
     }
     let (h, hd) = (s.hidden, s.head_dim);
     let group = s.n_q_heads / s.n_kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
-    let mut x = vec![0f32; h];
-    model.embed.dequantize_row(id as usize, &mut x);
-    let mut xn = vec![0f32; h];
-    let mut attn = vec![0f32; s.q_dim()];
+    let mut x = vec![0f32; n * h];
+    for (row, &id) in x.chunks_exact_mut(h).zip(ids) {
+        model.embed.dequantize_row(id as usize, row);
+    }
+    let mut xn = vec![0f32; n * h];
+    let norm = |x: &[f32], w: &[bf16], xn: &mut [f32]| {
+        for (x, xn) in x.chunks_exact(h).zip(xn.chunks_exact_mut(h)) {
+            rms_norm(x, w, s.rms_eps, xn);
+        }
+    };
+    let mut attn = vec![0f32; n * s.q_dim()];
     for (l, layer) in model.layers.iter().enumerate() {
-        rms_norm(&x, &layer.attn_norm, s.rms_eps, &mut xn);
+        norm(&x, &layer.attn_norm, &mut xn);
         let (mut q, mut k, v) = project_qkv(s, layer, &xn);
-        q.chunks_exact_mut(hd)
-            .for_each(|head| rope.apply(head, pos));
-        k.chunks_exact_mut(hd)
-            .for_each(|head| rope.apply(head, pos));
-        let slot = kv.slot(l, pos);
-        kv.k[slot.clone()].copy_from_slice(&k);
-        kv.v[slot].copy_from_slice(&v);
-        // Heads on every core where the context is long enough to pay for it; each head is
-        // one call's, so the split changes no result.
+        for (t, (q, k)) in q
+            .chunks_exact_mut(s.q_dim())
+            .zip(k.chunks_exact_mut(s.kv_dim()))
+            .enumerate()
+        {
+            q.chunks_exact_mut(hd)
+                .for_each(|head| rope.apply(head, pos0 + t));
+            k.chunks_exact_mut(hd)
+                .for_each(|head| rope.apply(head, pos0 + t));
+            let slot = kv.slot(l, pos0 + t);
+            kv.k[slot.clone()].copy_from_slice(k);
+            kv.v[slot].copy_from_slice(&v[t * s.kv_dim()..(t + 1) * s.kv_dim()]);
+        }
+        // Each token attends to the slots up to its own. Heads on every core where the
+        // context is long enough to pay for it; each head is one call's, so the split changes
+        // no result.
         let kv = &*kv;
-        crate::par::for_rows(&mut attn, hd, (pos + 1) * hd, |first, heads| {
-            let mut scores = vec![0f32; pos + 1];
-            for (i, out) in heads.chunks_exact_mut(hd).enumerate() {
-                let qh = first + i;
-                let q_head = &q[qh * hd..(qh + 1) * hd];
-                attend(kv, l, qh / group, q_head, scale, &mut scores, out);
-            }
-        });
-        let mut proj = vec![0f32; h];
-        matvec(&layer.o, &attn, &mut proj);
+        for (t, (q, attn)) in q
+            .chunks_exact(s.q_dim())
+            .zip(attn.chunks_exact_mut(s.q_dim()))
+            .enumerate()
+        {
+            let pos = pos0 + t;
+            crate::par::for_rows(attn, hd, (pos + 1) * hd, |first, heads| {
+                let mut scores = vec![0f32; pos + 1];
+                for (i, out) in heads.chunks_exact_mut(hd).enumerate() {
+                    let qh = first + i;
+                    let q_head = &q[qh * hd..(qh + 1) * hd];
+                    attend(kv, l, qh / group, q_head, scale, &mut scores, out);
+                }
+            });
+        }
+        let proj = linear(&layer.o, &attn);
         x.iter_mut().zip(&proj).for_each(|(x, p)| *x += p);
 
-        rms_norm(&x, &layer.ffn_norm, s.rms_eps, &mut xn);
-        let mut gate = vec![0f32; s.intermediate];
-        let mut up = vec![0f32; s.intermediate];
-        matvec(&layer.gate, &xn, &mut gate);
-        matvec(&layer.up, &xn, &mut up);
+        norm(&x, &layer.ffn_norm, &mut xn);
+        let mut gate = linear(&layer.gate, &xn);
+        let up = linear(&layer.up, &xn);
         gate.iter_mut()
             .zip(&up)
             .for_each(|(g, u)| *g = silu(*g) * u);
-        matvec(&layer.down, &gate, &mut proj);
+        let proj = linear(&layer.down, &gate);
         x.iter_mut().zip(&proj).for_each(|(x, p)| *x += p);
     }
-    rms_norm(&x, &model.final_norm, s.rms_eps, &mut xn);
+    let last = &x[(n - 1) * h..];
+    let mut xn_last = vec![0f32; h];
+    rms_norm(last, &model.final_norm, s.rms_eps, &mut xn_last);
     let mut logits = vec![0f32; s.vocab];
-    matvec(model.lm_head(), &xn, &mut logits);
+    matvec(model.lm_head(), &xn_last, &mut logits);
     Ok(logits)
 }
 
@@ -335,6 +430,89 @@ mod tests {
                 assert_eq!(got.to_bits(), want.to_bits(), "{rows} rows, row {r}");
             }
         }
+    }
+
+    #[test]
+    fn matmul_equals_matvec_for_each_input_to_the_bit() {
+        let model = synth::build(&TINY_LLAMA, 0).unwrap();
+        let up = &model.layers[0].up;
+        let mut xs = vec![0f32; 13 * up.cols];
+        for (t, x) in xs.chunks_exact_mut(up.cols).enumerate() {
+            model.embed.dequantize_row(3 + t, x);
+        }
+        // Inputs below, at and past a group of 8; rows below, at and past the interleave.
+        for (n, rows) in [(2, 1), (8, 7), (13, 37), (13, up.rows)] {
+            let w = up.select_rows(&(0..rows).collect::<Vec<_>>());
+            let ys = matmul(&w, &xs[..n * w.cols]);
+            for (t, (x, got)) in xs
+                .chunks_exact(w.cols)
+                .zip(ys.chunks_exact(rows))
+                .enumerate()
+            {
+                let mut want = vec![0f32; rows];
+                matvec(&w, x, &mut want);
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(got), bits(&want), "{n} inputs, {rows} rows, input {t}");
+            }
+        }
+    }
+
+    /// A chunk fed in one forward gives the same last logits and K/V, to the bit, as its ids fed
+    /// one by one, with q/k/v biases, InternLM2's fused wqkv and GQA.
+    #[test]
+    fn a_chunk_equals_its_ids_fed_one_by_one() {
+        let mut biased = synth::build(&TINY_LLAMA, 2).unwrap();
+        for (l, layer) in biased.layers.iter_mut().enumerate() {
+            let QkvWeights::Separate { q, k, v } = &mut layer.qkv else {
+                unreachable!()
+            };
+            for (i, lin) in [q, k, v].into_iter().enumerate() {
+                let rows = lin.weight.rows;
+                lin.bias = Some(
+                    (0..rows)
+                        .map(|r| ((r * 7 + i + l) % 11) as f32 * 0.05 - 0.25)
+                        .collect(),
+                );
+            }
+        }
+        let models = [
+            biased,
+            synth::build(&TINY_INTERNLM, 1).unwrap(),
+            synth::build(&MEDIUM_LLAMA, 1).unwrap(),
+        ];
+        for model in &models {
+            let spec = model.spec;
+            let rope = RopeTable::for_model(model, 32).unwrap();
+            let prompt = synth::prompt(spec.vocab, 18, 3);
+            let (mut one, mut chunked) = (
+                KvCache::new(&spec, 32).unwrap(),
+                KvCache::new(&spec, 32).unwrap(),
+            );
+            let mut want = Vec::new();
+            for (pos, &id) in prompt.iter().enumerate() {
+                want = forward_token(model, &rope, &mut one, id, pos).unwrap();
+            }
+            for (pos, &id) in prompt[..5].iter().enumerate() {
+                forward_token(model, &rope, &mut chunked, id, pos).unwrap();
+            }
+            let got = forward_chunk(model, &rope, &mut chunked, &prompt[5..], 5).unwrap();
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "{:?}: logits", spec.family);
+            for l in 0..spec.n_layers {
+                for pos in 0..prompt.len() {
+                    let slot = one.slot(l, pos);
+                    assert_eq!(bits(&one.k[slot.clone()]), bits(&chunked.k[slot.clone()]));
+                    assert_eq!(bits(&one.v[slot.clone()]), bits(&chunked.v[slot]));
+                }
+            }
+        }
+        let model = &models[0];
+        let rope = RopeTable::for_model(model, model.spec.max_seq).unwrap();
+        let mut kv = KvCache::new(&model.spec, model.spec.max_seq).unwrap();
+        let full = forward_chunk(model, &rope, &mut kv, &[1, 2], model.spec.max_seq - 1);
+        assert!(matches!(full, Err(Error::SequenceFull(_))), "{full:?}");
+        let bad = forward_chunk(model, &rope, &mut kv, &[1, model.spec.vocab as u32], 0);
+        assert!(matches!(bad, Err(Error::InvalidArgument(_))), "{bad:?}");
     }
 
     #[test]
