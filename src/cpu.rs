@@ -12,7 +12,7 @@ use crate::rope::RopeTable;
 use crate::sampling::{LogitBias, Sampling};
 
 /// Prompt ids fed through one forward ([`forward_chunk`]: each weight decoded once for 8 of
-/// them); the activations of a chunk are a few of its rows of the widest linear.
+/// them). The chunk's activations are 64 rows of each linear's output, a few MB at most.
 const PREFILL_CHUNK: usize = 64;
 
 pub struct CpuBackend {
