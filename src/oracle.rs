@@ -77,40 +77,50 @@ pub fn matvec(w: &Nf4Matrix, x: &[f32], y: &mut [f32]) {
 
 /// `W x` for each of the `xs.len() / cols` inputs of `xs` (row-major), row-major in the result:
 /// each value the one [`matvec`] gives for that input, to the bit, with each weight decoded once
-/// for 8 inputs ([`Nf4Matrix::dot_rows_x8`]).
+/// for 8 inputs ([`Nf4Matrix::dot_rows_x8`]). Rows on every core, each thread's rows over every
+/// group of 8 inputs (their weights stay in its cache).
 pub fn matmul(w: &Nf4Matrix, xs: &[f32]) -> Vec<f32> {
     let (rows, cols) = (w.rows, w.cols);
     let n = xs.len() / cols;
-    let mut ys = vec![0f32; n * rows];
-    let mut xt = vec![[0f32; 8]; cols];
-    let mut yt = vec![[0f32; 8]; rows];
-    for t0 in (0..n).step_by(8) {
-        let width = (n - t0).min(8);
-        for (c, col) in xt.iter_mut().enumerate() {
-            for (t, x) in col.iter_mut().enumerate() {
-                *x = if t < width {
-                    xs[(t0 + t) * cols + c]
-                } else {
-                    0.0
-                };
-            }
+    let groups = n.div_ceil(8);
+    // Input group g's column c at xt[g * cols + c], lane t: input 8 g + t (0 past n).
+    let mut xt = vec![[0f32; 8]; groups * cols];
+    for (i, x) in xs.chunks_exact(cols).enumerate() {
+        for (c, v) in x.iter().enumerate() {
+            xt[(i / 8) * cols + c][i % 8] = *v;
         }
-        crate::par::for_rows(&mut yt, 1, 8 * cols, |first, out| {
-            let rest = first + out.len() / ROWS_TOGETHER * ROWS_TOGETHER;
-            let mut groups = out.chunks_exact_mut(ROWS_TOGETHER);
-            for (g, group) in groups.by_ref().enumerate() {
-                group.copy_from_slice(
-                    &w.dot_rows_x8::<ROWS_TOGETHER>(first + g * ROWS_TOGETHER, &xt),
-                );
+    }
+    // Row r's sums for group g at yt[r * groups + g].
+    let mut yt = vec![[0f32; 8]; rows * groups];
+    crate::par::for_rows(&mut yt, groups, 8 * groups * cols, |first, out| {
+        let mut row = first;
+        let mut left = out;
+        while !left.is_empty() {
+            let together = if left.len() >= ROWS_TOGETHER * groups {
+                ROWS_TOGETHER
+            } else {
+                1
+            };
+            let (now, rest) = left.split_at_mut(together * groups);
+            for g in 0..groups {
+                let inputs = &xt[g * cols..(g + 1) * cols];
+                if together == ROWS_TOGETHER {
+                    let sums = w.dot_rows_x8::<ROWS_TOGETHER>(row, inputs);
+                    for (j, s) in sums.into_iter().enumerate() {
+                        now[j * groups + g] = s;
+                    }
+                } else {
+                    [now[g]] = w.dot_rows_x8::<1>(row, inputs);
+                }
             }
-            for (i, row) in groups.into_remainder().iter_mut().enumerate() {
-                [*row] = w.dot_rows_x8::<1>(rest + i, &xt);
-            }
-        });
-        for (r, sums) in yt.iter().enumerate() {
-            for (t, sum) in sums[..width].iter().enumerate() {
-                ys[(t0 + t) * rows + r] = *sum;
-            }
+            row += together;
+            left = rest;
+        }
+    });
+    let mut ys = vec![0f32; n * rows];
+    for (r, sums) in yt.chunks_exact(groups).enumerate() {
+        for (i, y) in ys.iter_mut().skip(r).step_by(rows).enumerate() {
+            *y = sums[i / 8][i % 8];
         }
     }
     ys
