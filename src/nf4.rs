@@ -261,21 +261,32 @@ impl Nf4Matrix {
         }
     }
 
+    /// Block `b` of rows `first .. first + N`: each row's 16 code values (scaled) and its
+    /// packed codes.
+    #[inline(always)]
+    fn blocks_of<const N: usize>(
+        &self,
+        first: usize,
+        b: usize,
+    ) -> ([[f32; 16]; N], [&[u8; BLOCK / 2]; N]) {
+        let (row_bytes, blocks) = (self.row_bytes(), self.cols / BLOCK);
+        let values = std::array::from_fn(|j| block_values(self.absmax[(first + j) * blocks + b]));
+        let codes = std::array::from_fn(|j| {
+            let at = (first + j) * row_bytes + b * BLOCK / 2;
+            self.packed[at..at + BLOCK / 2].try_into().unwrap()
+        });
+        (values, codes)
+    }
+
     /// `x`'s dot products with rows `first .. first + N`, each the sum in column order, from
     /// −0.0, of the products of x with the values [`Self::dequantize_row`] gives
     /// (`Iterator::sum`'s result, to the bit). The N rows' chains of adds are interleaved: one
     /// chain alone waits an add's latency per element, N of them overlap.
     pub fn dot_rows<const N: usize>(&self, first: usize, x: &[f32]) -> [f32; N] {
         debug_assert_eq!(x.len(), self.cols);
-        let (row_bytes, blocks) = (self.row_bytes(), self.cols / BLOCK);
         let mut sums = [-0.0f32; N];
         for (b, xb) in x.chunks_exact(BLOCK).enumerate() {
-            let values: [[f32; 16]; N] =
-                std::array::from_fn(|j| block_values(self.absmax[(first + j) * blocks + b]));
-            let codes: [&[u8; BLOCK / 2]; N] = std::array::from_fn(|j| {
-                let at = (first + j) * row_bytes + b * BLOCK / 2;
-                self.packed[at..at + BLOCK / 2].try_into().unwrap()
-            });
+            let (values, codes) = self.blocks_of::<N>(first, b);
             for (i, pair) in xb.chunks_exact(2).enumerate() {
                 for j in 0..N {
                     let byte = codes[j][i];
@@ -293,15 +304,9 @@ impl Nf4Matrix {
     /// each weight decoded once for the 8 and the 8 sums of a row one vector add.
     pub fn dot_rows_x8<const N: usize>(&self, first: usize, xt: &[[f32; 8]]) -> [[f32; 8]; N] {
         debug_assert_eq!(xt.len(), self.cols);
-        let (row_bytes, blocks) = (self.row_bytes(), self.cols / BLOCK);
         let mut sums = [[-0.0f32; 8]; N];
         for (b, xb) in xt.chunks_exact(BLOCK).enumerate() {
-            let values: [[f32; 16]; N] =
-                std::array::from_fn(|j| block_values(self.absmax[(first + j) * blocks + b]));
-            let codes: [&[u8; BLOCK / 2]; N] = std::array::from_fn(|j| {
-                let at = (first + j) * row_bytes + b * BLOCK / 2;
-                self.packed[at..at + BLOCK / 2].try_into().unwrap()
-            });
+            let (values, codes) = self.blocks_of::<N>(first, b);
             for (i, pair) in xb.chunks_exact(2).enumerate() {
                 for j in 0..N {
                     let byte = codes[j][i];
