@@ -377,9 +377,10 @@ pub fn greedy(model: &HostModel, prompt: &[u32], n_new: usize) -> Result<Vec<u32
     }
     let mut kv = KvCache::new(s, s.max_seq)?;
     let rope = RopeTable::for_model(model, s.max_seq)?;
+    // The prompt in chunks: the logits after it are the same bits as fed an id at a time.
     let mut logits = Vec::new();
-    for (pos, &id) in prompt.iter().enumerate() {
-        logits = forward_token(model, &rope, &mut kv, id, pos)?;
+    for (i, chunk) in prompt.chunks(64).enumerate() {
+        logits = forward_chunk(model, &rope, &mut kv, chunk, 64 * i)?;
     }
     continue_greedy(model, &rope, &mut kv, logits, prompt.len(), n_new)
 }
