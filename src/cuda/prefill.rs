@@ -170,7 +170,7 @@ impl CudaBackend {
                     part_acc: self.ptr(&a.part_acc),
                     part_ml: self.ptr(&a.part_ml),
                 },
-                Some(room),
+                room,
             )?;
             let o = [matrix(&layer.o, 0)];
             ops.gemm(

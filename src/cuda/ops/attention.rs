@@ -175,27 +175,24 @@ impl Ops {
     /// K/V already in the cache). `args.qb` is ignored: the CUDA-core kernels (head_dims the
     /// tensor-core kernels lack) take 8 rows per CTA, measured faster than 32 (docs/lab.md),
     /// raised to ATTNP_ROWS when one token's q heads need it.
-    /// With `room`, the tensor-core kernels split the slots where their CTAs would leave SMs
-    /// idle (a short chunk deep in the context), then attn_prefill_merge
+    /// The tensor-core kernels split the slots where their CTAs would leave SMs idle (a short
+    /// chunk deep in the context; as many splits as `room` holds), then attn_prefill_merge
     /// (`DV2_PREFILL_SPLIT=0`: never).
-    pub fn attn_prefill(
-        &self,
-        args: PrefillAttnArgs,
-        room: Option<PrefillSplitRoom>,
-    ) -> Result<()> {
+    pub fn attn_prefill(&self, args: PrefillAttnArgs, room: PrefillSplitRoom) -> Result<()> {
         if let Some(f) = self.attn_prefill_mma(args.head_dim as usize) {
             let rows = (args.n * args.n_q / args.n_kv) as u32;
             let (n_kv, tiles) = (args.n_kv as u32, rows.div_ceil(ATTNM_ROWS as u32));
-            let splits = match room.filter(|_| self.cfg.prefill_split) {
-                Some(room) => prefill_splits(
+            let splits = if self.cfg.prefill_split {
+                prefill_splits(
                     self.sms as usize,
                     (n_kv * tiles) as usize,
                     room.pos0 + args.n as usize - 1,
                     (args.n * args.n_q) as usize,
                     args.head_dim as usize,
                     room,
-                ),
-                None => 1,
+                )
+            } else {
+                1
             };
             let args = PrefillAttnArgs {
                 splits: splits as i32,
