@@ -253,6 +253,22 @@ impl CudaBackend {
         Ok(StepGraph(graph))
     }
 
+    /// `apply` (a [`DeviceSampler`] setter) with `new`, then the sampled step's graphs for the
+    /// plan that makes ([`Self::capture_sampled`]); a failed capture applies `previous` back.
+    fn set_sampler<T>(
+        &mut self,
+        new: &T,
+        previous: T,
+        apply: fn(&mut DeviceSampler, &Gpu, &T, usize) -> Result<()>,
+    ) -> Result<()> {
+        apply(&mut self.sampler, &self.ops.gpu, new, self.spec.vocab)?;
+        let captured = self.capture_sampled();
+        if captured.is_err() {
+            apply(&mut self.sampler, &self.ops.gpu, &previous, self.spec.vocab)?;
+        }
+        captured
+    }
+
     /// Captures the sampled step's graphs for the plan in force unless they are there (or the
     /// step runs eagerly).
     fn capture_sampled(&mut self) -> Result<()> {
@@ -697,27 +713,14 @@ impl Backend for CudaBackend {
     /// step runs as a graph). A failed capture puts the previous settings back.
     fn set_sampling(&mut self, s: &Sampling) -> Result<()> {
         let previous = self.sampler.settings;
-        self.sampler.set(&self.ops.gpu, s, self.spec.vocab)?;
-        let captured = self.capture_sampled();
-        if captured.is_err() {
-            self.sampler
-                .set(&self.ops.gpu, &previous, self.spec.vocab)?;
-        }
-        captured
+        self.set_sampler(s, previous, DeviceSampler::set)
     }
 
     /// The bias into the sampler's buffer, and the graphs of its plan as
     /// [`Self::set_sampling`] captures them.
     fn set_logit_bias(&mut self, bias: &LogitBias) -> Result<()> {
         let previous = self.sampler.logit_bias.clone();
-        self.sampler
-            .set_bias(&self.ops.gpu, bias, self.spec.vocab)?;
-        let captured = self.capture_sampled();
-        if captured.is_err() {
-            self.sampler
-                .set_bias(&self.ops.gpu, &previous, self.spec.vocab)?;
-        }
-        captured
+        self.set_sampler(bias, previous, DeviceSampler::set_bias)
     }
 
     fn next_token(&mut self) -> Result<u32> {
