@@ -7,13 +7,9 @@ use std::sync::Arc;
 use crate::backend::Backend;
 use crate::error::Result;
 use crate::model::HostModel;
-use crate::oracle::{argmax, forward_chunk, KvCache};
+use crate::oracle::{argmax, forward_chunk, KvCache, FORWARD_CHUNK};
 use crate::rope::RopeTable;
 use crate::sampling::{LogitBias, Sampling};
-
-/// Prompt ids fed through one forward ([`forward_chunk`]: each weight decoded once for 8 of
-/// them). The chunk's activations are 64 rows of each linear's output, a few MB at most.
-const PREFILL_CHUNK: usize = 64;
 
 pub struct CpuBackend {
     model: Arc<HostModel>,
@@ -101,8 +97,8 @@ impl Backend for CpuBackend {
     }
 
     fn prefill(&mut self, ids: &[u32]) -> Result<()> {
-        let chunks = ids.len().div_ceil(PREFILL_CHUNK);
-        for (i, chunk) in ids.chunks(PREFILL_CHUNK).enumerate() {
+        let chunks = ids.len().div_ceil(FORWARD_CHUNK);
+        for (i, chunk) in ids.chunks(FORWARD_CHUNK).enumerate() {
             self.forward(chunk, i + 1 == chunks)?;
         }
         self.token = self.next_token;

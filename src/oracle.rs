@@ -255,6 +255,11 @@ pub fn forward_token(
     forward_chunk(model, rope, kv, &[id], pos)
 }
 
+/// The most prompt ids the CPU backend's prefill and [`greedy`] feed through one
+/// [`forward_chunk`]: its activations are that many rows of each linear's output, a few MB
+/// at most.
+pub const FORWARD_CHUNK: usize = 64;
+
 /// Feeds `ids` at positions `pos0..` (their K/V into those slots) and returns the last one's
 /// logits `[vocab]`: the same values as [`forward_token`] on each id in turn, to the bit (each
 /// token's sums in the same order), with each linear's weights decoded once for up to 8 ids.
@@ -379,8 +384,8 @@ pub fn greedy(model: &HostModel, prompt: &[u32], n_new: usize) -> Result<Vec<u32
     let rope = RopeTable::for_model(model, s.max_seq)?;
     // The prompt in chunks: the logits after it are the same bits as fed an id at a time.
     let mut logits = Vec::new();
-    for (i, chunk) in prompt.chunks(64).enumerate() {
-        logits = forward_chunk(model, &rope, &mut kv, chunk, 64 * i)?;
+    for (i, chunk) in prompt.chunks(FORWARD_CHUNK).enumerate() {
+        logits = forward_chunk(model, &rope, &mut kv, chunk, FORWARD_CHUNK * i)?;
     }
     continue_greedy(model, &rope, &mut kv, logits, prompt.len(), n_new)
 }
