@@ -5,8 +5,9 @@ stop, temperature, top_p, seed, logprobs, presence_penalty and frequency_penalty
 subtracted once, and per occurrence, from the logit of an id among the request's last
 penalty_last_n ids, 64 unless given, the prompt's included, as llama.cpp's server counts them),
 n (up to 16 choices, decoded one after the other, choice i drawn with seed + i), logit_bias
-(up to 1024 token ids, each bias in [-100, 100] added to the id's logit), and llama.cpp's extensions top_k, min_p, repeat_penalty and penalty_last_n (an OpenAI client passes
-them in extra_body). decodev2 decodes batch 1: requests wait their turn on one lock and run one
+(up to 1024 token ids, each bias in [-100, 100] added to the id's logit), and llama.cpp's
+extensions top_k, min_p, repeat_penalty and penalty_last_n (an OpenAI client passes them in
+extra_body). decodev2 decodes batch 1: requests wait their turn on one lock and run one
 at a time in a worker thread; a request whose client leaves stops at its next id. A prompt is
 prefilled from its first id that differs from the ids the last request left in the KV cache
 (Engine.start: a chat's earlier turns, and a choice's prompt after the first choice, are not
