@@ -56,6 +56,9 @@ typedef enum dv2_status {
   // An output buffer is smaller than the result; the call wrote the size it needs (ids or
   // bytes) to its count out-pointer and nothing else. The handle is unchanged.
   DV2_ERR_BUFFER_TOO_SMALL = 17,
+  // A state file (dv2_state_save_file) is not one, is truncated or extended, or was saved
+  // from another model; the message says which. The handle is unchanged.
+  DV2_ERR_STATE_FILE = 18,
   // A bug in decodev2 (a caught panic). A handle it happened on is poisoned: every later
   // call on it returns this status; free it.
   DV2_ERR_INTERNAL = 99,
@@ -264,6 +267,39 @@ enum dv2_status dv2_reset(struct dv2_engine *engine);
 // # Safety
 // `engine` is NULL or a live handle.
 enum dv2_status dv2_rewind(struct dv2_engine *engine, int32_t position);
+
+// Saves the current request to the file at `path`: the ids at positions 0..dv2_position and
+// their KV slots (the CPU's f32, the GPU's bf16: 2 x layers x KV width x 2 bytes a position on
+// the GPU), so that dv2_state_load_file, in this process or a later one, on either backend,
+// continues the request without prefilling those ids again (a long system prompt or document
+// computed once). The pending id (the last one chosen) is not saved. The file is written
+// beside `path` and renamed over it when complete: a failed save leaves an earlier file whole.
+// Errors: DV2_ERR_IO (the file cannot be written), DV2_ERR_OUT_OF_MEMORY (no host memory for
+// the copy). The handle is unchanged.
+//
+// # Safety
+// `engine` is NULL or a live handle; `path` a NUL-terminated string.
+enum dv2_status dv2_state_save_file(struct dv2_engine *engine, const char *path);
+
+// Loads a file dv2_state_save_file wrote from the same model (same weights; any backend,
+// any max_seq that holds it) as the current request: positions 0..n hold its ids, written to
+// `out_ids[0 .. *out_n]`, and their KV slots. Then, as after dv2_rewind, nothing is pending:
+// dv2_prefill continues from position n (feed at least the last id again, or the next
+// prompt's new ids). When `cap` < n: DV2_ERR_BUFFER_TOO_SMALL with n in `*out_n` (call with
+// `cap` = 0 and `out_ids` = NULL to ask for it). Errors, handle unchanged: DV2_ERR_IO
+// (missing, unreadable), DV2_ERR_STATE_FILE (not a state file, truncated or extended, another
+// model, an id outside the vocabulary), DV2_ERR_SEQUENCE_FULL (n > max_seq),
+// DV2_ERR_OUT_OF_MEMORY. A device error while the slots are written (DV2_ERR_CUDA) leaves the
+// handle reset to position 0.
+//
+// # Safety
+// `engine` is NULL or a live handle; `path` a NUL-terminated string; `out_ids` has room for
+// `cap` int32_t; `out_n` writable.
+enum dv2_status dv2_state_load_file(struct dv2_engine *engine,
+                                    const char *path,
+                                    int32_t *out_ids,
+                                    size_t cap,
+                                    size_t *out_n);
 
 // Feeds `n_ids` prompt ids from the current position (teacher-forced) and computes the
 // next token (greedy, or sampled under dv2_set_sampling), written to `*out_next` when `out_next` is not NULL. Consecutive calls

@@ -10,6 +10,7 @@ use crate::model::HostModel;
 use crate::oracle::{argmax, forward_chunk, KvCache, FORWARD_CHUNK};
 use crate::rope::RopeTable;
 use crate::sampling::{LogitBias, Sampling};
+use crate::state::{KvValues, SavedState};
 
 pub struct CpuBackend {
     model: Arc<HostModel>,
@@ -127,6 +128,24 @@ impl Backend for CpuBackend {
     fn set_logit_bias(&mut self, bias: &LogitBias) -> Result<()> {
         self.bias = bias.clone();
         Ok(())
+    }
+
+    fn save_state(&mut self, len: usize) -> Result<SavedState> {
+        let (keys, values) = self.kv.prefix(self.model.spec.n_layers, len)?;
+        Ok(SavedState {
+            ids: self.history[..len].to_vec(),
+            keys: KvValues::F32(keys),
+            values: KvValues::F32(values),
+        })
+    }
+
+    fn load_state(&mut self, state: &SavedState) -> Result<()> {
+        let n = state.ids.len();
+        let (keys, values) = (state.keys.f32s(), state.values.f32s());
+        self.kv
+            .set_prefix(self.model.spec.n_layers, n, &keys, &values);
+        self.history = state.ids.clone();
+        self.rewind(n)
     }
 
     fn take_non_finite(&mut self) -> Option<usize> {

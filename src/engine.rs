@@ -19,6 +19,7 @@ use crate::error::{Error, Result};
 use crate::load::Metadata;
 use crate::model::HostModel;
 use crate::sampling::{LogitBias, Sampling};
+use crate::state::{self, SavedState};
 use crate::synth;
 use crate::tokenizer::Tokenizer;
 
@@ -90,6 +91,8 @@ pub struct Engine {
     /// The model file's tokenizer, or why there is none.
     tokenizer: std::result::Result<Tokenizer, String>,
     meta: Metadata,
+    /// [`state::fingerprint`] of the model: which state files it loads.
+    fingerprint: u64,
 }
 
 impl Engine {
@@ -151,6 +154,7 @@ impl Engine {
             ));
         }
         let spec = model.spec;
+        let fingerprint = state::fingerprint(&model);
         let wanted = Self::max_seq_for(&spec, opts)?;
         let admitted = match admitted {
             Some(admitted) => admitted,
@@ -189,6 +193,7 @@ impl Engine {
                 "the model was not loaded from a file (a synthetic or host-built model)".into(),
             ),
             meta: Metadata::new(),
+            fingerprint,
         })
     }
 
@@ -300,6 +305,76 @@ impl Engine {
         self.position = position;
         self.finished = false;
         self.has_token = false;
+        Ok(())
+    }
+
+    /// Saves the request's state to `path` (see [`crate::state`]): the ids at positions
+    /// 0..position and their KV slots, so that [`Self::load_state`], in this process or a later
+    /// one, on either backend, continues from there without prefilling them again. The pending
+    /// id (the last one chosen) is not part of it. Returns the count of positions saved. The
+    /// request is unchanged; a failed save leaves any earlier file at `path` whole.
+    pub fn save_state(&mut self, path: &std::path::Path) -> Result<usize> {
+        let len = self.position;
+        let saved = self.run(|b| b.save_state(len))?;
+        state::write(path, &saved, &self.spec, self.fingerprint)?;
+        Ok(len)
+    }
+
+    /// Reads a state file [`Self::save_state`] wrote from this model (the same weights; any
+    /// backend and max_seq) and checks it against this engine; the engine is unchanged.
+    pub fn read_state(&self, path: &std::path::Path) -> Result<SavedState> {
+        let expected = state::Expected {
+            spec: &self.spec,
+            fingerprint: self.fingerprint,
+            max_seq: self.max_seq,
+        };
+        state::read(path, &expected)
+    }
+
+    /// [`Self::read_state`], then [`Self::restore_state`]; returns the ids at the positions
+    /// it holds.
+    pub fn load_state(&mut self, path: &std::path::Path) -> Result<Vec<u32>> {
+        let saved = self.read_state(path)?;
+        self.restore_state(&saved)?;
+        Ok(saved.ids)
+    }
+
+    /// Replaces the request with `saved`: positions 0..n hold its ids and their KV slots; not
+    /// finished, and no pending token (a prefill comes next, as after [`Self::rewind`]), so
+    /// a prompt that begins with its ids is prefilled from its first new one. A state of the
+    /// wrong size is refused with the engine unchanged; a device error while the slots are
+    /// written leaves the engine at position 0.
+    pub fn restore_state(&mut self, saved: &SavedState) -> Result<()> {
+        let n = saved.ids.len();
+        if n > self.max_seq {
+            return Err(Error::SequenceFull(format!(
+                "a state of {n} positions exceeds max_seq {}",
+                self.max_seq
+            )));
+        }
+        let len = self.spec.n_layers * n * self.spec.kv_dim();
+        if saved.keys.count() != len || saved.values.count() != len {
+            return Err(Error::InvalidArgument(format!(
+                "a state of {n} positions holds {} keys and {} values; this model takes {len}",
+                saved.keys.count(),
+                saved.values.count()
+            )));
+        }
+        if let Some(id) = saved.ids.iter().find(|id| **id as usize >= self.spec.vocab) {
+            return Err(Error::InvalidArgument(format!(
+                "the state's id {id} is out of range (vocab {})",
+                self.spec.vocab
+            )));
+        }
+        self.finished = false;
+        self.has_token = false;
+        if let Err(e) = self.backend.load_state(saved) {
+            // Slots of the request before may be overwritten: it is gone either way.
+            let _ = self.backend.rewind(0);
+            self.position = self.backend.position().unwrap_or(0);
+            return Err(e);
+        }
+        self.position = n;
         Ok(())
     }
 

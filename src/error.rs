@@ -54,6 +54,9 @@ pub enum Error {
     /// An output buffer is smaller than the result; the entry reports the size it needs.
     #[error("buffer too small: {0}")]
     BufferTooSmall(String),
+    /// A state file is not one, is truncated or extended, or was saved from another model.
+    #[error("state file: {0}")]
+    StateFile(String),
     /// A bug in decodev2 (a caught panic, a broken internal invariant).
     #[error("internal error: {0}")]
     Internal(String),

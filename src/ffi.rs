@@ -65,6 +65,9 @@ pub enum dv2_status {
     /// An output buffer is smaller than the result; the call wrote the size it needs (ids or
     /// bytes) to its count out-pointer and nothing else. The handle is unchanged.
     DV2_ERR_BUFFER_TOO_SMALL = 17,
+    /// A state file (dv2_state_save_file) is not one, is truncated or extended, or was saved
+    /// from another model; the message says which. The handle is unchanged.
+    DV2_ERR_STATE_FILE = 18,
     /// A bug in decodev2 (a caught panic). A handle it happened on is poisoned: every later
     /// call on it returns this status; free it.
     DV2_ERR_INTERNAL = 99,
@@ -90,6 +93,7 @@ fn status_of(e: &Error) -> dv2_status {
         Error::Cuda(_) => DV2_ERR_CUDA,
         Error::NonFinite(_) => DV2_ERR_NON_FINITE,
         Error::BufferTooSmall(_) => DV2_ERR_BUFFER_TOO_SMALL,
+        Error::StateFile(_) => DV2_ERR_STATE_FILE,
         Error::Internal(_) => DV2_ERR_INTERNAL,
     }
 }
@@ -500,7 +504,7 @@ pub extern "C" fn dv2_last_error() -> *const c_char {
 /// can hold any int.)
 #[no_mangle]
 pub extern "C" fn dv2_status_name(status: i32) -> *const c_char {
-    const NAMES: [(dv2_status, &str); 19] = [
+    const NAMES: [(dv2_status, &str); 20] = [
         (DV2_OK, "DV2_OK\0"),
         (DV2_ERR_NULL_POINTER, "DV2_ERR_NULL_POINTER\0"),
         (DV2_ERR_INVALID_ARGUMENT, "DV2_ERR_INVALID_ARGUMENT\0"),
@@ -519,6 +523,7 @@ pub extern "C" fn dv2_status_name(status: i32) -> *const c_char {
         (DV2_ERR_ABI_MISMATCH, "DV2_ERR_ABI_MISMATCH\0"),
         (DV2_ERR_NON_FINITE, "DV2_ERR_NON_FINITE\0"),
         (DV2_ERR_BUFFER_TOO_SMALL, "DV2_ERR_BUFFER_TOO_SMALL\0"),
+        (DV2_ERR_STATE_FILE, "DV2_ERR_STATE_FILE\0"),
         (DV2_ERR_INTERNAL, "DV2_ERR_INTERNAL\0"),
     ];
     let name = NAMES
@@ -661,6 +666,69 @@ pub unsafe extern "C" fn dv2_rewind(engine: *mut dv2_engine, position: i32) -> d
             let position = usize::try_from(position)
                 .map_err(|_| Error::InvalidArgument(format!("position {position} is negative")))?;
             e.rewind(position)
+        })
+    }
+}
+
+/// Saves the current request to the file at `path`: the ids at positions 0..dv2_position and
+/// their KV slots (the CPU's f32, the GPU's bf16: 2 x layers x KV width x 2 bytes a position on
+/// the GPU), so that dv2_state_load_file, in this process or a later one, on either backend,
+/// continues the request without prefilling those ids again (a long system prompt or document
+/// computed once). The pending id (the last one chosen) is not saved. The file is written
+/// beside `path` and renamed over it when complete: a failed save leaves an earlier file whole.
+/// Errors: DV2_ERR_IO (the file cannot be written), DV2_ERR_OUT_OF_MEMORY (no host memory for
+/// the copy). The handle is unchanged.
+///
+/// # Safety
+/// `engine` is NULL or a live handle; `path` a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn dv2_state_save_file(
+    engine: *mut dv2_engine,
+    path: *const c_char,
+) -> dv2_status {
+    // SAFETY: forwarded contract.
+    unsafe {
+        with_engine(engine, |e| {
+            let path = c_str(path, "path")?;
+            e.save_state(std::path::Path::new(path)).map(drop)
+        })
+    }
+}
+
+/// Loads a file dv2_state_save_file wrote from the same model (same weights; any backend,
+/// any max_seq that holds it) as the current request: positions 0..n hold its ids, written to
+/// `out_ids[0 .. *out_n]`, and their KV slots. Then, as after dv2_rewind, nothing is pending:
+/// dv2_prefill continues from position n (feed at least the last id again, or the next
+/// prompt's new ids). When `cap` < n: DV2_ERR_BUFFER_TOO_SMALL with n in `*out_n` (call with
+/// `cap` = 0 and `out_ids` = NULL to ask for it). Errors, handle unchanged: DV2_ERR_IO
+/// (missing, unreadable), DV2_ERR_STATE_FILE (not a state file, truncated or extended, another
+/// model, an id outside the vocabulary), DV2_ERR_SEQUENCE_FULL (n > max_seq),
+/// DV2_ERR_OUT_OF_MEMORY. A device error while the slots are written (DV2_ERR_CUDA) leaves the
+/// handle reset to position 0.
+///
+/// # Safety
+/// `engine` is NULL or a live handle; `path` a NUL-terminated string; `out_ids` has room for
+/// `cap` int32_t; `out_n` writable.
+#[no_mangle]
+pub unsafe extern "C" fn dv2_state_load_file(
+    engine: *mut dv2_engine,
+    path: *const c_char,
+    out_ids: *mut i32,
+    cap: usize,
+    out_n: *mut usize,
+) -> dv2_status {
+    // SAFETY: forwarded contract.
+    unsafe {
+        with_engine(engine, |e| {
+            require(out_n, "out_n")?;
+            let path = c_str(path, "path")?;
+            let saved = e.read_state(std::path::Path::new(path))?;
+            let ids: Vec<i32> = saved.ids.iter().map(|&id| id as i32).collect();
+            // Too small a buffer loads nothing: copy_out reports the count needed.
+            if ids.len() <= cap {
+                e.restore_state(&saved)?;
+            }
+            copy_out(&ids, out_ids, cap, out_n)
         })
     }
 }

@@ -45,6 +45,34 @@ impl KvCache {
         start..start + self.kv_dim
     }
 
+    /// Keys and values of slots 0..n of each of `n_layers` layers, each `[layer][slot][kv_dim]`
+    /// (what [`crate::state`] saves).
+    pub fn prefix(&self, n_layers: usize, n: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+        let per_layer = n * self.kv_dim;
+        let copy = |cache: &[f32]| -> Result<Vec<f32>> {
+            let mut out = crate::error::host_buffer(n_layers * per_layer, "saved KV values")?;
+            for l in 0..n_layers {
+                let first = self.slot(l, 0).start;
+                out[l * per_layer..(l + 1) * per_layer]
+                    .copy_from_slice(&cache[first..first + per_layer]);
+            }
+            Ok(out)
+        };
+        Ok((copy(&self.k)?, copy(&self.v)?))
+    }
+
+    /// Writes [`Self::prefix`]'s layout of `n_layers` layers back into their slots 0..n.
+    pub fn set_prefix(&mut self, n_layers: usize, n: usize, keys: &[f32], values: &[f32]) {
+        let per_layer = n * self.kv_dim;
+        for (cache, src) in [(&mut self.k, keys), (&mut self.v, values)] {
+            for l in 0..n_layers {
+                let first = l * self.max_seq * self.kv_dim;
+                cache[first..first + per_layer]
+                    .copy_from_slice(&src[l * per_layer..(l + 1) * per_layer]);
+            }
+        }
+    }
+
     /// Fills slot `pos` of every layer, keys and values, with `value` (dirty-tail tests).
     pub fn fill_slot(&mut self, n_layers: usize, pos: usize, value: f32) {
         for l in 0..n_layers {

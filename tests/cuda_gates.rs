@@ -588,6 +588,56 @@ fn a_logit_bias_steers_the_draw_on_the_device() {
     assert_eq!(logit_bias_steers_the_draw(&mut e), 18);
 }
 
+/// A request saved on the device and loaded by a second device engine of the same model
+/// continues bit for bit as the first does from the same position (the slots' bf16 bits and
+/// the penalties' history come back). A state saved on the CPU loads on the device (its f32
+/// keys and values rounded to bf16), and the device's on the CPU: each continues within the
+/// logit cap of the backend that saved it.
+#[test]
+fn a_saved_state_moves_between_engines_and_backends() {
+    const CAP: f32 = 0.05;
+    let dir = std::env::temp_dir().join(format!("dv2-state-gpu-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (gpu_path, cpu_path) = (dir.join("gpu.dv2state"), dir.join("cpu.dv2state"));
+    let _device = exclusive_device();
+    let Some(mut first) = cuda_engine_at("medium_llama", 2, 640) else {
+        return;
+    };
+    let (pending, want) = save_a_request(&mut first, &gpu_path);
+    drop(first);
+    let mut gpu = cuda_engine_at("medium_llama", 2, 640).unwrap();
+    let got = load_a_request(&mut gpu, &gpu_path, pending);
+    assert_eq!(got.held, want.held);
+    assert_eq!(got.logits, want.logits);
+    assert_eq!(got.ids, want.ids);
+    let opts = EngineOptions {
+        max_seq: 640,
+        ..options(BackendKind::Cpu)
+    };
+    let mut cpu = Engine::load_synthetic("medium_llama", 2, &opts).unwrap();
+    let (cpu_pending, cpu_want) = save_a_request(&mut cpu, &cpu_path);
+    let on_gpu = load_a_request(&mut gpu, &cpu_path, cpu_pending);
+    let on_cpu = load_a_request(&mut cpu, &gpu_path, pending);
+    assert_eq!(on_gpu.held, cpu_want.held);
+    assert_eq!(on_cpu.held, want.held);
+    let to_gpu = max_abs_diff(&on_gpu.logits, &cpu_want.logits);
+    let to_cpu = max_abs_diff(&on_cpu.logits, &want.logits);
+    assert!(
+        to_gpu <= CAP,
+        "CPU state on the device: |logit - CPU's| {to_gpu}"
+    );
+    assert!(
+        to_cpu <= CAP,
+        "device state on the CPU: |logit - device's| {to_cpu}"
+    );
+    println!(
+        "{} positions: device -> device bit for bit; CPU -> device max |logit diff| {to_gpu:.5}, \
+         device -> CPU {to_cpu:.5} (cap {CAP})",
+        want.held.len()
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 /// A request rewound into its prompt, into its generated ids past the long-context
 /// attention's threshold (512 slots), and to 0, then continued, decodes like the oracle run
 /// on the ids at its positions: logits within the cap, ids the oracle's but for near-ties.

@@ -207,6 +207,77 @@ fn a_logit_bias_steers_the_draw_on_the_cpu() {
     assert_eq!(logit_bias_steers_the_draw(&mut medium_engine()), 18);
 }
 
+/// A request saved to a file and loaded by a fresh engine of the same model continues bit for
+/// bit as the original does from the same position, penalties over the loaded history
+/// included; a bad state file, another model's, or one too long for max_seq is refused and
+/// the request goes on where it was.
+#[test]
+fn a_loaded_state_continues_the_request_bit_for_bit() {
+    let dir = std::env::temp_dir().join(format!("dv2-state-cpu-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("request.dv2state");
+    let (pending, want) = save_a_request(&mut medium_engine(), &path);
+    let mut fresh = medium_engine();
+    let got = load_a_request(&mut fresh, &path, pending);
+    assert_eq!(got.held, want.held);
+    assert_eq!(got.logits, want.logits);
+    assert_eq!(got.ids, want.ids);
+    // The first id is the reference sampler's over the loaded history (the penalties read it).
+    let history: Vec<u32> = got.held.iter().chain(&[pending]).copied().collect();
+    let first = state_sampling().choose(&got.logits, &history, history.len());
+    assert_eq!(got.ids[0], first);
+
+    let position = fresh.position().unwrap();
+    let bytes = std::fs::read(&path).unwrap();
+    let cases: [(&str, Vec<u8>); 2] = [
+        ("truncated", bytes[..bytes.len() - 3].to_vec()),
+        ("magic", [b"NOTSTATE", &bytes[8..]].concat()),
+    ];
+    for (what, broken) in cases {
+        let bad = dir.join(format!("{what}.dv2state"));
+        std::fs::write(&bad, broken).unwrap();
+        let err = fresh.load_state(&bad).unwrap_err();
+        assert!(matches!(err, Error::StateFile(_)), "{what}: {err}");
+        assert!(err.to_string().contains(what), "{what}: {err}");
+    }
+    let err = fresh.load_state(&dir.join("missing.dv2state")).unwrap_err();
+    assert!(matches!(err, Error::Io(_)), "{err}");
+    let mut other = Engine::load_synthetic(
+        "medium_llama",
+        2,
+        &EngineOptions {
+            max_seq: 64,
+            ..options(BackendKind::Cpu)
+        },
+    )
+    .unwrap();
+    let other_path = dir.join("other.dv2state");
+    other.prefill(&[1, 2, 3]).unwrap();
+    other.save_state(&other_path).unwrap();
+    let err = fresh.load_state(&other_path).unwrap_err();
+    assert!(err.to_string().contains("another model"), "{err}");
+    let mut short = Engine::load_synthetic(
+        "medium_llama",
+        1,
+        &EngineOptions {
+            max_seq: want.held.len() - 1,
+            ..options(BackendKind::Cpu)
+        },
+    )
+    .unwrap();
+    assert!(matches!(
+        short.load_state(&path),
+        Err(Error::SequenceFull(_))
+    ));
+    assert_eq!(
+        fresh.position().unwrap(),
+        position,
+        "the request is where it was"
+    );
+    assert!(fresh.step().is_ok(), "and goes on");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 /// A rewind past the position is refused and changes nothing; a rewind leaves no pending
 /// token, and clears finished.
 #[test]

@@ -246,6 +246,33 @@ for stop in ([word], [want[-3:], word], "never in the reply"):
     assert "".join(pieces) == want[:cut], (stop, pieces, want)
 "#;
 
+/// A request saved by `save_state` and loaded by another engine of the model with `load_state`:
+/// the ids it holds come back, and `start` reuses all of them, choosing the ids the saving
+/// engine chooses; another model's engine refuses the file with StateFileError.
+const SAVED_STATE: &str = r#"
+import os, tempfile, decodev2 as d
+path = os.path.join(tempfile.mkdtemp(), "request.dv2state")
+e = d.Engine.synthetic("medium_llama", seed=1, backend="cpu", max_seq=64)
+a = [3, 1, 4, 1, 5, 9, 2, 6]
+decoded = [e.start(a)] + e.step_n(4)
+assert e.save_state(path) == len(a) + 4
+b = a + decoded[:4] + [7, 7]
+want = [e.start(b)] + e.step_n(5)
+f = d.Engine.synthetic("medium_llama", seed=1, backend="cpu", max_seq=64)
+held = f.load_state(path)
+assert held == a + decoded[:4], held
+got = [f.start(b)] + f.step_n(5)
+assert got == want and f.reused == len(held), (got, want, f.reused)
+g = d.Engine.synthetic("medium_llama", seed=2, backend="cpu", max_seq=64)
+try:
+    g.load_state(path)
+    raise AssertionError("another model's state loaded")
+except d.StateFileError as err:
+    assert isinstance(err, OSError) and "another model" in str(err), err
+    print("other model", err.status)
+print("state ok")
+"#;
+
 /// `StopText` over pieces that split the stop strings: the text before the first one, released
 /// as soon as no stop string can begin in it.
 const STOP_TEXT: &str = r#"
@@ -322,6 +349,14 @@ file DV2_ERR_IO",
         .arg(root().join("tests/server/api_key.py"))
         .current_dir(std::env::temp_dir()));
     assert!(key.trim_end().ends_with("api key ok"), "{key}");
+    let state = run(Command::new(venv.join("bin/python"))
+        .args(["-c", SAVED_STATE])
+        .current_dir(std::env::temp_dir()));
+    assert_eq!(
+        state.trim(),
+        "other model DV2_ERR_STATE_FILE\nstate ok",
+        "{state}"
+    );
     let stop = run(Command::new(venv.join("bin/python"))
         .args(["-c", STOP_TEXT])
         .current_dir(std::env::temp_dir()));
@@ -350,6 +385,38 @@ file DV2_ERR_IO",
             .current_dir(std::env::temp_dir())
             .env_remove("DV2_LIB"));
         assert_eq!(stopped, "The capital of France is\n");
+        // --prompt-cache: the second run's prompt is the first's ids and more; it prefills
+        // only the new ones, and its text is the uncached run's.
+        let cache = std::env::temp_dir().join(format!("dv2-cache-{}", std::process::id()));
+        let cached = |prompt: &str| {
+            run(Command::new(venv.join("bin/decodev2"))
+                .arg("generate")
+                .arg(&model)
+                .args(["--prompt", prompt, "--tokens", "4", "--backend", "cpu"])
+                .arg("--prompt-cache")
+                .arg(&cache)
+                .current_dir(std::env::temp_dir())
+                .env_remove("DV2_LIB"))
+        };
+        let first = cached("The capital of France is");
+        assert!(
+            first.contains("prompt cache: 0 prompt ids reused"),
+            "{first}"
+        );
+        let second = cached("The capital of France is Paris. The capital of Italy is");
+        assert!(!second.contains("prompt cache: 0 "), "{second}");
+        let uncached = run(Command::new(venv.join("bin/decodev2"))
+            .arg("generate")
+            .arg(&model)
+            .args([
+                "--prompt",
+                "The capital of France is Paris. The capital of Italy is",
+            ])
+            .args(["--tokens", "4", "--backend", "cpu"])
+            .current_dir(std::env::temp_dir())
+            .env_remove("DV2_LIB"));
+        assert_eq!(second.lines().next(), uncached.lines().next(), "{second}");
+        std::fs::remove_file(&cache).unwrap();
         // A conversation on stdin, after a system message.
         let question = std::env::temp_dir().join(format!("dv2-question-{}", std::process::id()));
         std::fs::write(&question, "What is the capital of France?\n").unwrap();

@@ -489,10 +489,15 @@ fn name_of(status: i32) -> String {
 /// A C enum can hold any int: every integer gets a name, none crashes.
 #[test]
 fn status_names_of_any_integer() {
-    for status in [DV2_OK, DV2_ERR_NON_FINITE, DV2_ERR_INTERNAL] {
+    for status in [
+        DV2_OK,
+        DV2_ERR_NON_FINITE,
+        DV2_ERR_STATE_FILE,
+        DV2_ERR_INTERNAL,
+    ] {
         assert_eq!(name_of(status as i32), format!("{status:?}"));
     }
-    for status in [-1, 18, 98, 100, i32::MIN, i32::MAX] {
+    for status in [-1, 19, 98, 100, i32::MIN, i32::MAX] {
         assert_eq!(name_of(status), "DV2_UNKNOWN_STATUS");
     }
 }
@@ -1433,4 +1438,115 @@ fn logprobs_refuse_bad_arguments_and_give_the_log_softmax() {
         assert_eq!(ids[0], id);
         dv2_free(h);
     }
+}
+
+/// dv2_state_save_file and dv2_state_load_file: NULL handle, path and count; a path that
+/// cannot be written; a missing file; a buffer too small (the count needed, nothing loaded);
+/// the file cut at every length and each header and id byte changed: each refused with a
+/// message and the request left where it was; then a good load continues the fixture's ids.
+#[test]
+fn state_files_with_bad_input() {
+    let (h, case) = tiny();
+    let dir = scratch("state");
+    let (path, bad) = (c_path(&dir.join("ok.dv2state")), dir.join("bad.dv2state"));
+    let bad_c = c_path(&bad);
+    let prompt: Vec<i32> = case.prompt[..case.prefill_len]
+        .iter()
+        .map(|&i| i as i32)
+        .collect();
+    let (mut ids, mut n, mut next) = (vec![-7i32; 64], 0usize, 0i32);
+    // SAFETY: valid buffers for the counts given; NULL where a case says.
+    unsafe {
+        expect(
+            dv2_state_save_file(null_mut(), path.as_ptr()),
+            DV2_ERR_NULL_POINTER,
+            "engine",
+        );
+        expect(dv2_state_save_file(h, null()), DV2_ERR_NULL_POINTER, "path");
+        expect(
+            dv2_state_load_file(null_mut(), path.as_ptr(), ids.as_mut_ptr(), 64, &mut n),
+            DV2_ERR_NULL_POINTER,
+            "engine",
+        );
+        expect(
+            dv2_state_load_file(h, null(), ids.as_mut_ptr(), 64, &mut n),
+            DV2_ERR_NULL_POINTER,
+            "path",
+        );
+        expect(
+            dv2_state_load_file(h, path.as_ptr(), ids.as_mut_ptr(), 64, null_mut()),
+            DV2_ERR_NULL_POINTER,
+            "out_n",
+        );
+        assert_eq!(
+            dv2_prefill(h, prompt.as_ptr(), prompt.len(), &mut next),
+            DV2_OK
+        );
+        let nowhere = c_path(&dir.join("no/such/dir/x.dv2state"));
+        expect(
+            dv2_state_save_file(h, nowhere.as_ptr()),
+            DV2_ERR_IO,
+            "cannot write",
+        );
+        assert_eq!(dv2_state_save_file(h, path.as_ptr()), DV2_OK);
+        expect(
+            dv2_state_load_file(h, bad_c.as_ptr(), ids.as_mut_ptr(), 64, &mut n),
+            DV2_ERR_IO,
+            "cannot open",
+        );
+        expect(
+            dv2_state_load_file(h, path.as_ptr(), ids.as_mut_ptr(), 2, &mut n),
+            DV2_ERR_BUFFER_TOO_SMALL,
+            "capacity 2",
+        );
+        assert_eq!(n, prompt.len());
+        assert!(ids.iter().all(|&id| id == -7), "nothing written");
+    }
+    let mut position = 0i32;
+    let good = std::fs::read(dir.join("ok.dv2state")).unwrap();
+    let header = decodev2::state::HEADER_BYTES;
+    let mut variants: Vec<Vec<u8>> = (0..good.len()).map(|len| good[..len].to_vec()).collect();
+    // Every header bit that matters (magic, version, type, fingerprint, shape, count), and the
+    // top bit of each id (an id past the vocabulary).
+    let flips = (0..header)
+        .flat_map(|at| [(at, 0x01u8), (at, 0x80)])
+        .chain((0..prompt.len()).map(|i| (header + 4 * i + 3, 0x80)));
+    for (at, flip) in flips {
+        let mut b = good.clone();
+        b[at] ^= flip;
+        variants.push(b);
+    }
+    for (i, bytes) in variants.iter().enumerate() {
+        std::fs::write(&bad, bytes).unwrap();
+        // SAFETY: valid buffers.
+        let status =
+            unsafe { dv2_state_load_file(h, bad_c.as_ptr(), ids.as_mut_ptr(), 64, &mut n) };
+        assert_ne!(status, DV2_OK, "variant {i} of {} loaded", good.len());
+        assert!(!last_error().is_empty(), "variant {i}: no message");
+        // SAFETY: a live handle and a writable out-pointer.
+        assert_eq!(unsafe { dv2_position(h, &mut position) }, DV2_OK);
+        assert_eq!(
+            position as usize,
+            prompt.len(),
+            "variant {i} moved the request"
+        );
+    }
+    // SAFETY: valid buffers.
+    unsafe {
+        assert_eq!(dv2_reset(h), DV2_OK);
+        assert_eq!(
+            dv2_state_load_file(h, path.as_ptr(), ids.as_mut_ptr(), 64, &mut n),
+            DV2_OK
+        );
+        assert_eq!(&ids[..n], &prompt[..]);
+        assert_eq!(dv2_position(h, &mut position), DV2_OK);
+        assert_eq!(position as usize, prompt.len());
+        let pending = case.greedy[0] as i32;
+        assert_eq!(dv2_prefill(h, &pending, 1, &mut next), DV2_OK);
+        assert_eq!(next as u32, case.greedy[1], "the loaded request goes on");
+    }
+    still_usable(h, &case);
+    // SAFETY: a live handle.
+    unsafe { dv2_free(h) };
+    std::fs::remove_dir_all(dir).unwrap();
 }

@@ -66,6 +66,9 @@ for name, restype, argtypes in [
     ("dv2_free", None, [_P]),
     ("dv2_reset", ctypes.c_int, [_P]),
     ("dv2_rewind", ctypes.c_int, [_P, ctypes.c_int32]),
+    ("dv2_state_save_file", ctypes.c_int, [_P, ctypes.c_char_p]),
+    ("dv2_state_load_file", ctypes.c_int, [_P, ctypes.c_char_p, ctypes.POINTER(ctypes.c_int32), ctypes.c_size_t,
+                                           ctypes.POINTER(ctypes.c_size_t)]),
     ("dv2_prefill", ctypes.c_int, [_P, _I32P, ctypes.c_size_t, _I32P]),
     ("dv2_step", ctypes.c_int, [_P, _I32P]),
     ("dv2_step_n", ctypes.c_int, [_P, ctypes.c_size_t, _I32P, ctypes.POINTER(ctypes.c_size_t)]),
@@ -146,6 +149,10 @@ class NonFiniteError(Dv2Error, ArithmeticError):
     """The logits hold inf or NaN."""
 
 
+class StateFileError(Dv2Error, OSError):
+    """A state file (save_state) that is not one, is truncated, or is of another model."""
+
+
 class BufferTooSmallError(Dv2Error):
     """An output buffer too small (the wrapper sizes its buffers; not seen through it)."""
 
@@ -153,7 +160,7 @@ class BufferTooSmallError(Dv2Error):
 _ERRORS = {1: InvalidArgumentError, 2: InvalidArgumentError, 3: InvalidStateError, 4: SequenceFullError,
            5: FinishedError, 6: InvalidArgumentError, 7: UnsupportedError, 8: ModelFileError, 9: ModelFileError,
            10: BackendUnavailableError, 11: OutOfMemoryError, 13: InvalidArgumentError, 14: InvalidArgumentError,
-           15: InvalidArgumentError, 16: NonFiniteError, 17: BufferTooSmallError}
+           15: InvalidArgumentError, 16: NonFiniteError, 17: BufferTooSmallError, 18: StateFileError}
 
 
 def _int32(values, what):
@@ -277,6 +284,26 @@ class Engine:
         _check(lib.dv2_rewind(self._h, *_int32([position], "position")), "dv2_rewind")
         del self._fed[position:]
         self._pending = None
+
+    def save_state(self, path):
+        """Saves the request to the file at `path`: the ids at its positions and their KV cache
+        (not the pending id). load_state puts it back, in this process or a later one, on either
+        backend, so that a long prompt is prefilled once. Returns the positions saved; a failed
+        save leaves an earlier file at `path` whole (see dv2_state_save_file)."""
+        _check(lib.dv2_state_save_file(self._h, os.fsencode(path)), "dv2_state_save_file")
+        return len(self._fed)
+
+    def load_state(self, path):
+        """Makes the state file at `path` (saved from this model by save_state) the request and
+        returns the ids at its positions; nothing is pending, so start(prompt) prefills only
+        what the prompt adds to them. A file that is not one, or of another model, raises
+        StateFileError and leaves the request as it was."""
+        ids = (ctypes.c_int32 * max(self.info.max_seq, 1))()  # a state never holds more
+        count = ctypes.c_size_t()
+        _check(lib.dv2_state_load_file(self._h, os.fsencode(path), ids, len(ids), ctypes.byref(count)),
+               "dv2_state_load_file")
+        self._fed, self._pending = list(ids[: count.value]), None
+        return list(self._fed)
 
     def start(self, ids, reuse=True):
         """Starts a new request with the prompt `ids` and returns the first id it chooses. With

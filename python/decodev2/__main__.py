@@ -6,12 +6,13 @@
 A request's prompt is prefilled from where it leaves the last request's ids (a chat's earlier
 turns are not computed again; serve --no-prefix-reuse prefills every prompt whole).
 Options: --backend auto|cpu|cuda, --temperature T, --top-p P, --seed S, --max-seq N, --stop TEXT
-(repeatable: the reply ends before the first of them)."""
+(repeatable: the reply ends before the first of them); generate --prompt-cache FILE: the request's
+KV cache is saved to FILE, and a later prompt's prefix that FILE holds is not prefilled again."""
 import argparse
 import os
 import sys
 
-from . import BACKENDS, Engine
+from . import BACKENDS, Dv2Error, Engine
 
 
 def _engine(args):
@@ -29,6 +30,17 @@ def _stream(e, prompt, args, out, chat=False):
         out.flush()
 
 
+def _load_prompt_cache(e, path):
+    """Loads the prompt cache at `path` where there is one; one this engine cannot use (another
+    model, a broken file) is reported and left to be overwritten."""
+    if not os.path.exists(path):
+        return
+    try:
+        e.load_state(path)
+    except Dv2Error as err:
+        print(f"decodev2: prompt cache {path} not used: {err}", file=sys.stderr)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="decodev2", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -44,6 +56,8 @@ def main(argv=None):
         p.add_argument("--stop", action="append", default=[], help="end the reply before this text (repeatable)")
         if name == "generate":
             p.add_argument("--prompt", required=True)
+            p.add_argument("--prompt-cache", metavar="FILE",
+                           help="save the KV cache to FILE; a later prompt's prefix held there is not prefilled again")
         else:
             p.add_argument("--system", help="a system message ahead of the conversation")
     p = sub.add_parser("serve")
@@ -65,9 +79,15 @@ def main(argv=None):
         return 0
     with _engine(args) as e:
         if args.command == "generate":
+            if args.prompt_cache:
+                _load_prompt_cache(e, args.prompt_cache)
             sys.stdout.write(args.prompt)
             _stream(e, args.prompt, args, sys.stdout)
             print()
+            if args.prompt_cache:
+                e.save_state(args.prompt_cache)
+                print(f"decodev2: prompt cache: {e.reused} prompt ids reused, {e.position()} saved to "
+                      f"{args.prompt_cache}", file=sys.stderr)
             return 0
         messages = [{"role": "system", "content": args.system}] if args.system else []
         for line in sys.stdin:

