@@ -77,8 +77,12 @@ pub struct PrefillSplitRoom {
     pub ml_floats: usize,
 }
 
-/// Splits of a tensor-core prefill attention of `ctas` CTAs whose last row is at `last`:
-/// about a CTA an SM, at least 8 tiles (256 slots) a split, as many as the partials hold.
+/// Splits of a tensor-core prefill attention of `ctas` CTAs whose last row is at `last`: up to
+/// two CTAs an SM with at least 12 tiles (384 slots) a split, or, where that leaves SMs without
+/// a CTA, up to one an SM with at least 8 tiles; as many as the partials hold. On the 3B
+/// shape's 32-id turn (an H100) that is 8 / 21 / 32 splits after 2k / 8k / 32k, the best of
+/// the (CTAs an SM, least tiles) settings measured at each: (1, 8), (2, 12), (2, 8..16)
+/// (docs/lab.md, session 69).
 fn prefill_splits(
     sms: usize,
     ctas: usize,
@@ -89,7 +93,11 @@ fn prefill_splits(
 ) -> usize {
     let tiles = last / ATTNP_TILE + 1;
     let fit = (room.acc_floats / (rows * hd)).min(room.ml_floats / (rows * 2));
-    (sms / ctas).min(tiles / 8).min(fit).max(1)
+    let one_an_sm = (sms / ctas).min(tiles / 8);
+    (2 * sms / ctas)
+        .min((tiles / 12).max(one_an_sm))
+        .min(fit)
+        .max(1)
 }
 
 // SAFETY: plain old data matching the kernel's struct.
@@ -439,15 +447,19 @@ mod tests {
             acc_floats: 16 * 1024 * 128,
             ml_floats: 16 * 1024 * 2,
         };
-        // 32 ids after 32,512: 8 CTAs, a split for each of 16 SMs' worth.
-        assert_eq!(prefill_splits(132, 8, 32543, 32 * 16, 128, room), 16);
+        // 32 ids after 32,512: 8 CTAs, two an SM (33 splits), as many as the partials hold.
+        assert_eq!(prefill_splits(132, 8, 32543, 32 * 16, 128, room), 32);
+        // After 8,192: 257 tiles, 12 a split (two CTAs an SM would be 33).
+        assert_eq!(prefill_splits(132, 8, 8223, 32 * 16, 128, room), 21);
+        // After 4,096: 129 tiles; 12 a split would leave SMs idle: one CTA an SM, 8 tiles or more.
+        assert_eq!(prefill_splits(132, 8, 4127, 32 * 16, 128, room), 16);
         // After 2,048: 65 tiles, at least 8 a split.
         assert_eq!(prefill_splits(132, 8, 2079, 32 * 16, 128, room), 8);
         // A first chunk of 48 ids: 2 tiles, no split.
         assert_eq!(prefill_splits(132, 8, 47, 48 * 16, 128, room), 1);
         // A chunk of 2,048 ids fills the GPU: 2 x 256 CTAs.
         assert_eq!(prefill_splits(132, 512, 34559, 2048 * 16, 128, room), 1);
-        // Partials for fewer: as many as fit (here 4 of the 16).
+        // Partials for fewer: as many as fit (here 4 of the 32).
         let small = PrefillSplitRoom {
             acc_floats: 4 * 32 * 16 * 128,
             ml_floats: 4 * 32 * 16 * 2,
