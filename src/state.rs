@@ -14,11 +14,11 @@
 //! nonsense without an error.
 
 use std::borrow::Cow;
-use std::io::{BufReader, BufWriter, Read, Write};
+use std::io::{BufReader, Read, Write};
 use std::path::{Path, PathBuf};
 
 use crate::arch::ArchSpec;
-use crate::error::{host_buffer, Error, Result};
+use crate::error::{host_capacity, Error, Result};
 use crate::model::{HostModel, QkvWeights};
 
 const MAGIC: &[u8; 8] = b"DV2STATE";
@@ -165,24 +165,24 @@ pub fn write(path: &Path, state: &SavedState, spec: &ArchSpec, fingerprint: u64)
     let io = |what: &str, e: std::io::Error| Error::Io(format!("{what} {}: {e}", path.display()));
     let partial = partial_path(path);
     let body = || -> std::io::Result<()> {
-        let mut w = BufWriter::with_capacity(1 << 20, std::fs::File::create(&partial)?);
-        w.write_all(MAGIC)?;
-        w.write_all(&VERSION.to_le_bytes())?;
-        w.write_all(&state.keys.type_code().to_le_bytes())?;
-        w.write_all(&fingerprint.to_le_bytes())?;
-        w.write_all(&(spec.n_layers as u32).to_le_bytes())?;
-        w.write_all(&(spec.kv_dim() as u32).to_le_bytes())?;
-        w.write_all(&(n as u64).to_le_bytes())?;
-        for id in &state.ids {
-            w.write_all(&id.to_le_bytes())?;
-        }
+        let mut file = std::fs::File::create(&partial)?;
+        let mut header = Vec::with_capacity(HEADER_BYTES);
+        header.extend_from_slice(MAGIC);
+        header.extend_from_slice(&VERSION.to_le_bytes());
+        header.extend_from_slice(&state.keys.type_code().to_le_bytes());
+        header.extend_from_slice(&fingerprint.to_le_bytes());
+        header.extend_from_slice(&(spec.n_layers as u32).to_le_bytes());
+        header.extend_from_slice(&(spec.kv_dim() as u32).to_le_bytes());
+        header.extend_from_slice(&(n as u64).to_le_bytes());
+        file.write_all(&header)?;
+        write_le(&mut file, &state.ids)?;
         for kv in [&state.keys, &state.values] {
             match kv {
-                KvValues::F32(v) => v.iter().try_for_each(|x| w.write_all(&x.to_le_bytes()))?,
-                KvValues::Bf16(v) => v.iter().try_for_each(|x| w.write_all(&x.to_le_bytes()))?,
+                KvValues::F32(v) => write_le(&mut file, v)?,
+                KvValues::Bf16(v) => write_le(&mut file, v)?,
             }
         }
-        w.into_inner().map_err(|e| e.into_error())?.sync_all()
+        file.sync_all()
     };
     if let Err(e) = body() {
         let _ = std::fs::remove_file(&partial);
@@ -216,7 +216,7 @@ pub fn read(path: &Path, expected: &Expected) -> Result<SavedState> {
         .map_err(|e| Error::Io(format!("cannot stat {}: {e}", path.display())))?
         .len();
     let bad = |why: String| Error::StateFile(format!("{}: {why}", path.display()));
-    let mut r = BufReader::with_capacity(1 << 20, file);
+    let mut r = BufReader::new(file);
     let mut header = [0u8; HEADER_BYTES];
     r.read_exact(&mut header).map_err(|_| {
         bad(format!(
@@ -269,8 +269,7 @@ pub fn read(path: &Path, expected: &Expected) -> Result<SavedState> {
             "{file_len} bytes; {n} positions of this model take {want} (truncated or extended)"
         )));
     }
-    let mut ids = host_buffer::<u32>(n, "a state file's ids")?;
-    read_le(&mut r, &mut ids, u32::from_le_bytes).map_err(|e| bad(e.to_string()))?;
+    let ids: Vec<u32> = read_le(&mut r, n, "a state file's ids", &bad)?;
     if let Some((i, id)) = ids
         .iter()
         .enumerate()
@@ -281,16 +280,13 @@ pub fn read(path: &Path, expected: &Expected) -> Result<SavedState> {
             spec.vocab
         )));
     }
+    let what = "a state file's KV values";
     let mut kv = || -> Result<KvValues> {
         let len = values as usize;
         Ok(if elem == 4 {
-            let mut v = host_buffer::<f32>(len, "a state file's KV values")?;
-            read_le(&mut r, &mut v, f32::from_le_bytes).map_err(|e| bad(e.to_string()))?;
-            KvValues::F32(v)
+            KvValues::F32(read_le(&mut r, len, what, &bad)?)
         } else {
-            let mut v = host_buffer::<u16>(len, "a state file's KV values")?;
-            read_le(&mut r, &mut v, u16::from_le_bytes).map_err(|e| bad(e.to_string()))?;
-            KvValues::Bf16(v)
+            KvValues::Bf16(read_le(&mut r, len, what, &bad)?)
         })
     };
     let keys = kv()?;
@@ -298,21 +294,58 @@ pub fn read(path: &Path, expected: &Expected) -> Result<SavedState> {
     Ok(SavedState { ids, keys, values })
 }
 
-/// Fills `out` from `r`, each value from its N little-endian bytes, a MiB at a time.
-fn read_le<T, const N: usize>(
-    r: &mut impl Read,
-    out: &mut [T],
-    from: fn([u8; N]) -> T,
-) -> std::io::Result<()> {
-    let mut buf = vec![0u8; (1 << 20) / N * N];
-    for chunk in out.chunks_mut(buf.len() / N) {
-        let bytes = &mut buf[..chunk.len() * N];
-        r.read_exact(bytes)?;
-        for (o, b) in chunk.iter_mut().zip(bytes.chunks_exact(N)) {
-            *o = from(b.try_into().unwrap());
+/// Bytes a state file is read and written in: large enough that the copies run at memory speed.
+const IO_CHUNK: usize = 4 << 20;
+
+/// A value of a state file: its little-endian bytes.
+trait LittleEndian: Copy {
+    const BYTES: usize;
+    fn put(self, out: &mut Vec<u8>);
+    fn take(bytes: &[u8]) -> Self;
+}
+
+macro_rules! little_endian {
+    ($($t:ty),*) => {$(
+        impl LittleEndian for $t {
+            const BYTES: usize = std::mem::size_of::<$t>();
+            fn put(self, out: &mut Vec<u8>) {
+                out.extend_from_slice(&self.to_le_bytes());
+            }
+            fn take(bytes: &[u8]) -> Self {
+                <$t>::from_le_bytes(bytes.try_into().unwrap())
+            }
         }
+    )*};
+}
+little_endian!(u16, u32, f32);
+
+/// Writes `values` as little-endian bytes, a chunk at a time.
+fn write_le<T: LittleEndian>(w: &mut impl Write, values: &[T]) -> std::io::Result<()> {
+    let mut buf = Vec::with_capacity(IO_CHUNK);
+    for chunk in values.chunks(IO_CHUNK / T::BYTES) {
+        buf.clear();
+        chunk.iter().for_each(|v| v.put(&mut buf));
+        w.write_all(&buf)?;
     }
     Ok(())
+}
+
+/// Reads `len` little-endian values, a chunk at a time, into a buffer refused as
+/// [`host_capacity`] refuses (`what` names it); a short read is `bad`'s error.
+fn read_le<T: LittleEndian>(
+    r: &mut impl Read,
+    len: usize,
+    what: &str,
+    bad: &impl Fn(String) -> Error,
+) -> Result<Vec<T>> {
+    let mut out = host_capacity(len, what)?;
+    let mut buf = vec![0u8; IO_CHUNK / T::BYTES * T::BYTES];
+    while out.len() < len {
+        let bytes = &mut buf[..(len - out.len()).min(IO_CHUNK / T::BYTES) * T::BYTES];
+        r.read_exact(bytes).map_err(|e| bad(e.to_string()))?;
+        out.extend(bytes.chunks_exact(T::BYTES).map(T::take));
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
