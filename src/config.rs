@@ -123,8 +123,8 @@ pub const VARIABLES: &[Variable] = &[
         effect: "`0`: a prefill chunk's tensor-core attention never splits its slots (it splits \
                  them where its CTAs would leave SMs idle: a short chunk deep in the context, a \
                  chat's next turn after dv2_rewind)",
-        lab: "session 68: 3B, a 32-id turn's first id on an H100 4.56 -> 2.99 ms after 2k, \
-              10.5 -> 3.6 after 8k, 34.0 -> 5.6 after 32k",
+        lab: "sessions 68-69: 3B, a 32-id turn's first id on an H100 4.56 -> 3.0 ms after 2k, \
+              10.5 -> 3.6 after 8k, 34.0 -> 4.7 after 32k",
     },
     Variable {
         name: "DV2_PREFILL_TAIL",
