@@ -420,19 +420,34 @@ file DV2_ERR_IO",
         // A conversation on stdin, after a system message.
         let question = std::env::temp_dir().join(format!("dv2-question-{}", std::process::id()));
         std::fs::write(&question, "What is the capital of France?\n").unwrap();
-        let answer = run(Command::new(venv.join("bin/decodev2"))
-            .arg("chat")
-            .arg(&model)
-            .args([
-                "--system",
-                "You are a geography teacher. Answer in one sentence.",
-            ])
-            .args(["--tokens", "24", "--backend", "cpu"])
-            .stdin(std::fs::File::open(&question).unwrap())
-            .current_dir(std::env::temp_dir())
-            .env_remove("DV2_LIB"));
-        std::fs::remove_file(&question).unwrap();
+        // With a prompt cache, a second conversation's system message is not prefilled again.
+        let chat = || {
+            run(Command::new(venv.join("bin/decodev2"))
+                .arg("chat")
+                .arg(&model)
+                .args([
+                    "--system",
+                    "You are a geography teacher. Answer in one sentence.",
+                ])
+                .args(["--tokens", "24", "--backend", "cpu", "--prompt-cache"])
+                .arg(&cache)
+                .stdin(std::fs::File::open(&question).unwrap())
+                .current_dir(std::env::temp_dir())
+                .env_remove("DV2_LIB"))
+        };
+        let answer = chat();
         assert!(answer.contains("Paris"), "{answer}");
+        assert!(answer.contains("prompt cache: 0 prompt ids reused"), "{answer}");
+        let again = chat();
+        let reused: usize = again
+            .split("prompt cache: ")
+            .nth(1)
+            .and_then(|rest| rest.split(' ').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("{again}"));
+        assert!(reused > 10, "the system message reused: {again}");
+        std::fs::remove_file(&question).unwrap();
+        std::fs::remove_file(&cache).unwrap();
         let batches = run(Command::new(venv.join("bin/python"))
             .args(["-c", GENERATE_IN_BATCHES])
             .arg(&model)

@@ -6,8 +6,9 @@
 A request's prompt is prefilled from where it leaves the last request's ids (a chat's earlier
 turns are not computed again; serve --no-prefix-reuse prefills every prompt whole).
 Options: --backend auto|cpu|cuda, --temperature T, --top-p P, --seed S, --max-seq N, --stop TEXT
-(repeatable: the reply ends before the first of them); generate --prompt-cache FILE: the request's
-KV cache is saved to FILE, and a later prompt's prefix that FILE holds is not prefilled again."""
+(repeatable: the reply ends before the first of them), --prompt-cache FILE (the request's KV cache
+is saved to FILE after each reply, and a later run's prompt prefix that FILE holds, a long system
+message for one, is not prefilled again)."""
 import argparse
 import os
 import sys
@@ -41,6 +42,15 @@ def _load_prompt_cache(e, path):
         print(f"decodev2: prompt cache {path} not used: {err}", file=sys.stderr)
 
 
+def _save_prompt_cache(e, path):
+    """Saves the request to the prompt cache at `path` (none given: nothing) and says on stderr
+    how much of its prompt the cache held."""
+    if path:
+        e.save_state(path)
+        print(f"decodev2: prompt cache: {e.reused} prompt ids reused, {e.position()} saved to {path}",
+              file=sys.stderr)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="decodev2", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -54,10 +64,10 @@ def main(argv=None):
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--max-seq", type=int, default=4096)
         p.add_argument("--stop", action="append", default=[], help="end the reply before this text (repeatable)")
+        p.add_argument("--prompt-cache", metavar="FILE",
+                       help="save the KV cache to FILE; a later prompt's prefix held there is not prefilled again")
         if name == "generate":
             p.add_argument("--prompt", required=True)
-            p.add_argument("--prompt-cache", metavar="FILE",
-                           help="save the KV cache to FILE; a later prompt's prefix held there is not prefilled again")
         else:
             p.add_argument("--system", help="a system message ahead of the conversation")
     p = sub.add_parser("serve")
@@ -78,16 +88,13 @@ def main(argv=None):
               reuse=args.reuse, api_key=args.api_key or None)
         return 0
     with _engine(args) as e:
+        if args.prompt_cache:
+            _load_prompt_cache(e, args.prompt_cache)
         if args.command == "generate":
-            if args.prompt_cache:
-                _load_prompt_cache(e, args.prompt_cache)
             sys.stdout.write(args.prompt)
             _stream(e, args.prompt, args, sys.stdout)
             print()
-            if args.prompt_cache:
-                e.save_state(args.prompt_cache)
-                print(f"decodev2: prompt cache: {e.reused} prompt ids reused, {e.position()} saved to "
-                      f"{args.prompt_cache}", file=sys.stderr)
+            _save_prompt_cache(e, args.prompt_cache)
             return 0
         messages = [{"role": "system", "content": args.system}] if args.system else []
         for line in sys.stdin:
@@ -104,6 +111,7 @@ def main(argv=None):
 
             _stream(e, messages, args, Tee(), chat=True)
             print()
+            _save_prompt_cache(e, args.prompt_cache)
             messages.append({"role": "assistant", "content": "".join(reply)})
     return 0
 
