@@ -437,7 +437,10 @@ file DV2_ERR_IO",
         };
         let answer = chat();
         assert!(answer.contains("Paris"), "{answer}");
-        assert!(answer.contains("prompt cache: 0 prompt ids reused"), "{answer}");
+        assert!(
+            answer.contains("prompt cache: 0 prompt ids reused"),
+            "{answer}"
+        );
         let again = chat();
         let reused: usize = again
             .split("prompt cache: ")
