@@ -190,6 +190,8 @@ pub struct AbiTarget {
     engine: *mut ffi::dv2_engine,
     vocab: i32,
     max_seq: i32,
+    /// Where the state op saves the request and loads it back (one file a process).
+    state_file: std::ffi::CString,
 }
 
 impl AbiTarget {
@@ -217,16 +219,20 @@ impl AbiTarget {
             unsafe { ffi::dv2_free(engine) };
             return None;
         }
+        let state_file =
+            std::env::temp_dir().join(format!("dv2-fuzz-abi-{}.dv2state", std::process::id()));
         Some(Self {
             engine,
             vocab: info.vocab,
             max_seq: info.max_seq,
+            state_file: std::ffi::CString::new(state_file.to_str()?).ok()?,
         })
     }
 }
 
 impl Drop for AbiTarget {
     fn drop(&mut self) {
+        let _ = std::fs::remove_file(self.state_file.to_str().unwrap_or_default());
         // SAFETY: the handle from dv2_load, freed once.
         unsafe { ffi::dv2_free(self.engine) };
     }
@@ -330,7 +336,8 @@ fn last_error() -> String {
 /// pointer valid for the room it declares, or NULL), each chosen by a byte (its low 4 bits)
 /// with its arguments from the bytes after it: prefill, step, step_n, logits, logprobs, reset
 /// (rewind where the byte's top bit is set), set_sampling (set_logit_bias where it is), tokenize, detokenize, token_to_piece, chat_apply_template, token_special,
-/// token_is_eog, meta_str, meta_key, and the queries. A finding (a panic here, which AFL reports
+/// token_is_eog, meta_str, meta_key, and the queries (the state op where bits 4-6 read 4: the
+/// request saved, then loaded back as saved or with a byte changed). A finding (a panic here, which AFL reports
 /// as a crash): a call that returns DV2_ERR_INTERNAL (a panic the ABI caught) or an error
 /// without a message, writes past the room it was given, leaves the handle unusable
 /// (dv2_position failing after it) or its position outside 0..=max_seq, or returns ids or
@@ -628,6 +635,36 @@ pub fn abi(target: &AbiTarget, data: &[u8]) {
                     assert_eq!(s, DV2_ERR_INVALID_ARGUMENT, "key {index} of {count}");
                 }
                 ("dv2_meta_key", s)
+            }
+            15 if op & 0x70 == 0x40 => {
+                // SAFETY: a NUL-terminated path.
+                let saved = unsafe { ffi::dv2_state_save_file(h, target.state_file.as_ptr()) };
+                let path = target.state_file.to_str().unwrap_or_default();
+                let (at, flip) = (args.u16() as usize, args.u8());
+                if saved == DV2_OK && flip != 0 {
+                    if let Ok(mut bytes) = std::fs::read(path) {
+                        let at = at % bytes.len();
+                        bytes[at] ^= flip;
+                        let _ = std::fs::write(path, bytes);
+                    }
+                }
+                let cap = if null { 0 } else { args.u8() as usize % 48 };
+                let (s, out, n) = buffer_call("dv2_state_load_file", cap, -7i32, |out, n| {
+                    let out = if null { std::ptr::null_mut() } else { out };
+                    // SAFETY: a NUL-terminated path; `out` NULL (room 0) or room for `cap`.
+                    unsafe { ffi::dv2_state_load_file(h, target.state_file.as_ptr(), out, cap, n) }
+                });
+                if s == DV2_OK {
+                    // Only a file of this request's length loads, whatever byte changed.
+                    assert_eq!(
+                        n as i32, position,
+                        "a state of {n} ids loaded at {position}"
+                    );
+                    check_position(h, position);
+                    let ids = &out.data[..n];
+                    assert!(ids.iter().all(|id| (0..vocab).contains(id)), "ids {ids:?}");
+                }
+                ("dv2_state_load_file", s)
             }
             _ => {
                 let mut info = ffi::dv2_model_info {
