@@ -3,9 +3,13 @@
  * model's end of generation (dv2_options.eos_id = -2: the file's end-of-turn or EOS id).
  *
  *   chat MODEL "What is the capital of France?" [--backend auto|cpu|cuda] [--tokens N]
+ *        [--prompt-cache FILE]
  *
  * A piece can end inside a UTF-8 character (an emoji spans several ids), so the bytes are
- * gathered and printed up to the last complete character. */
+ * gathered and printed up to the last complete character. With --prompt-cache, the request is
+ * saved to FILE at the end (dv2_state_save_file), and a later run loads it first
+ * (dv2_state_load_file) and prefills only the ids its prompt does not share with the saved
+ * ones (dv2_rewind to where they part). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -30,16 +34,17 @@ static size_t complete_utf8(const unsigned char *text, size_t n) {
 }
 
 int main(int argc, char **argv) {
-    const char *model = NULL, *question = NULL, *backend = "auto";
+    const char *model = NULL, *question = NULL, *backend = "auto", *cache = NULL;
     int max_tokens = 64;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--backend") && i + 1 < argc) backend = argv[++i];
         else if (!strcmp(argv[i], "--tokens") && i + 1 < argc) max_tokens = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--prompt-cache") && i + 1 < argc) cache = argv[++i];
         else if (!model) model = argv[i];
         else if (!question) question = argv[i];
     }
     if (!model || !question || max_tokens < 1) {
-        fprintf(stderr, "usage: chat MODEL QUESTION [--backend auto|cpu|cuda] [--tokens N]\n");
+        fprintf(stderr, "usage: chat MODEL QUESTION [--backend auto|cpu|cuda] [--tokens N] [--prompt-cache FILE]\n");
         return 2;
     }
     dv2_options opts = dv2_options_default();
@@ -55,7 +60,7 @@ int main(int argc, char **argv) {
     s = dv2_chat_apply_template(e, &msg, 1, 1, NULL, 0, &len);
     if (s != DV2_OK && s != DV2_ERR_BUFFER_TOO_SMALL) return fail("dv2_chat_apply_template", s);
     char *prompt = malloc(len + 1);
-    int32_t *ids = NULL;
+    int32_t *ids = NULL, *saved = NULL;
     enum { PENDING = 4096 }; /* room for a piece and a held partial character */
     unsigned char *pending = malloc(PENDING);
     int rc = 1;
@@ -77,8 +82,31 @@ int main(int argc, char **argv) {
         goto done;
     }
 
+    /* The ids a saved request holds: those the prompt begins with need no prefill (at least
+     * its last id is prefilled, for the id after it). */
+    size_t keep = 0;
+    if (cache) {
+        dv2_model_info info = {.struct_size = sizeof info};
+        size_t n_saved = 0;
+        if ((s = dv2_get_model_info(e, &info)) != DV2_OK) {
+            rc = fail("dv2_get_model_info", s);
+            goto done;
+        }
+        saved = malloc((size_t)info.max_seq * sizeof *saved); /* a state holds at most max_seq */
+        if (!saved) goto done;
+        s = dv2_state_load_file(e, cache, saved, (size_t)info.max_seq, &n_saved);
+        if (s == DV2_OK) {
+            while (keep < n_saved && keep + 1 < n_ids && saved[keep] == ids[keep]) keep++;
+            if ((s = dv2_rewind(e, (int32_t)keep)) != DV2_OK) {
+                rc = fail("dv2_rewind", s);
+                goto done;
+            }
+        } else if (s != DV2_ERR_IO) { /* no file yet is the first run; others are worth a word */
+            fprintf(stderr, "prompt cache not used: %s: %s\n", dv2_status_name(s), dv2_last_error());
+        }
+    }
     int32_t id;
-    if ((s = dv2_prefill(e, ids, n_ids, &id)) != DV2_OK) {
+    if ((s = dv2_prefill(e, ids + keep, n_ids - keep, &id)) != DV2_OK) {
         rc = fail("dv2_prefill", s);
         goto done;
     }
@@ -114,10 +142,18 @@ int main(int argc, char **argv) {
     fwrite(pending, 1, held, stdout);
     printf("\n");
     fprintf(stderr, ended ? "[end of generation]\n" : "[token limit]\n");
+    if (cache) {
+        if ((s = dv2_state_save_file(e, cache)) != DV2_OK) {
+            rc = fail("dv2_state_save_file", s);
+            goto done;
+        }
+        fprintf(stderr, "[prompt cache: %zu of %zu prompt ids reused]\n", keep, n_ids);
+    }
     rc = 0;
 done:
     free(prompt);
     free(ids);
+    free(saved);
     free(pending);
     dv2_free(e);
     return rc;

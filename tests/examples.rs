@@ -617,13 +617,40 @@ fn c_chat_answers_and_stops_at_the_end_of_generation() {
     if cargo_missing() {
         return;
     }
-    let text = run(Command::new(make_c_example("chat"))
+    let chat = make_c_example("chat");
+    let text = run(Command::new(&chat)
         .arg(&model)
         .arg("What is the capital of France?")
         .args(["--backend", "cpu", "--tokens", "200"]));
     println!("{text}");
     assert!(text.contains("Paris"), "{text}");
     assert!(text.contains("[end of generation]"), "{text}");
+    // --prompt-cache: the second question shares the chat template's opening with the first
+    // request the file holds, and only the rest is prefilled.
+    let cache = std::env::temp_dir().join(format!("dv2-c-chat-{}", std::process::id()));
+    let cached = |question: &str| {
+        run(Command::new(&chat)
+            .arg(&model)
+            .arg(question)
+            .args(["--backend", "cpu", "--tokens", "24", "--prompt-cache"])
+            .arg(&cache))
+    };
+    let first = cached("What is the capital of France?");
+    assert!(first.contains("[prompt cache: 0 of "), "{first}");
+    let second = cached("What is the capital of Italy?");
+    let reused: usize = second
+        .split("[prompt cache: ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{second}"));
+    assert!(reused > 10, "{second}");
+    let uncached = run(Command::new(&chat)
+        .arg(&model)
+        .arg("What is the capital of Italy?")
+        .args(["--backend", "cpu", "--tokens", "24"]));
+    assert_eq!(second.lines().next(), uncached.lines().next(), "{second}");
+    std::fs::remove_file(&cache).unwrap();
 }
 
 /// Text in, streamed text out on SmolLM2 (examples_c/complete.py: the model file's tokenizer
