@@ -45,16 +45,20 @@ impl KvCache {
         start..start + self.kv_dim
     }
 
+    /// Layer `layer`'s slots 0..n in [`Self::k`] and [`Self::v`].
+    fn prefix_of(&self, layer: usize, n: usize) -> std::ops::Range<usize> {
+        let first = self.slot(layer, 0).start;
+        first..first + n * self.kv_dim
+    }
+
     /// Keys and values of slots 0..n of each of `n_layers` layers, each `[layer][slot][kv_dim]`
     /// (what [`crate::state`] saves).
     pub fn prefix(&self, n_layers: usize, n: usize) -> Result<(Vec<f32>, Vec<f32>)> {
-        let per_layer = n * self.kv_dim;
         let copy = |cache: &[f32]| -> Result<Vec<f32>> {
-            let mut out = crate::error::host_buffer(n_layers * per_layer, "saved KV values")?;
+            let mut out =
+                crate::error::host_capacity(n_layers * n * self.kv_dim, "saved KV values")?;
             for l in 0..n_layers {
-                let first = self.slot(l, 0).start;
-                out[l * per_layer..(l + 1) * per_layer]
-                    .copy_from_slice(&cache[first..first + per_layer]);
+                out.extend_from_slice(&cache[self.prefix_of(l, n)]);
             }
             Ok(out)
         };
@@ -64,12 +68,10 @@ impl KvCache {
     /// Writes [`Self::prefix`]'s layout of `n_layers` layers back into their slots 0..n.
     pub fn set_prefix(&mut self, n_layers: usize, n: usize, keys: &[f32], values: &[f32]) {
         let per_layer = n * self.kv_dim;
-        for (cache, src) in [(&mut self.k, keys), (&mut self.v, values)] {
-            for l in 0..n_layers {
-                let first = l * self.max_seq * self.kv_dim;
-                cache[first..first + per_layer]
-                    .copy_from_slice(&src[l * per_layer..(l + 1) * per_layer]);
-            }
+        for l in 0..n_layers {
+            let (at, from) = (self.prefix_of(l, n), l * per_layer..(l + 1) * per_layer);
+            self.k[at.clone()].copy_from_slice(&keys[from.clone()]);
+            self.v[at].copy_from_slice(&values[from]);
         }
     }
 
