@@ -46,9 +46,8 @@ def _save_prompt_cache(e, path):
     """Saves the request to the prompt cache at `path` (none given: nothing) and says on stderr
     how much of its prompt the cache held."""
     if path:
-        e.save_state(path)
-        print(f"decodev2: prompt cache: {e.reused} prompt ids reused, {e.position()} saved to {path}",
-              file=sys.stderr)
+        saved = e.save_state(path)
+        print(f"decodev2: prompt cache: {e.reused} prompt ids reused, {saved} saved to {path}", file=sys.stderr)
 
 
 def main(argv=None):
