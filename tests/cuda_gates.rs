@@ -596,8 +596,7 @@ fn a_logit_bias_steers_the_draw_on_the_device() {
 #[test]
 fn a_saved_state_moves_between_engines_and_backends() {
     const CAP: f32 = 0.05;
-    let dir = std::env::temp_dir().join(format!("dv2-state-gpu-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = scratch("state-gpu");
     let (gpu_path, cpu_path) = (dir.join("gpu.dv2state"), dir.join("cpu.dv2state"));
     let _device = exclusive_device();
     let Some(mut first) = cuda_engine_at("medium_llama", 2, 640) else {

@@ -213,8 +213,7 @@ fn a_logit_bias_steers_the_draw_on_the_cpu() {
 /// the request goes on where it was.
 #[test]
 fn a_loaded_state_continues_the_request_bit_for_bit() {
-    let dir = std::env::temp_dir().join(format!("dv2-state-cpu-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = scratch("state-cpu");
     let path = dir.join("request.dv2state");
     let (pending, want) = save_a_request(&mut medium_engine(), &path);
     let mut fresh = medium_engine();

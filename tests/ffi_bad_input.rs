@@ -502,13 +502,6 @@ fn status_names_of_any_integer() {
     }
 }
 
-/// A temporary directory for one test.
-fn scratch(test: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("dv2-{test}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
 fn c_path(p: &std::path::Path) -> CString {
     CString::new(p.to_str().unwrap()).unwrap()
 }

