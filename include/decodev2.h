@@ -286,12 +286,13 @@ enum dv2_status dv2_state_save_file(struct dv2_engine *engine, const char *path)
 // `out_ids[0 .. *out_n]`, and their KV slots. Then, as after dv2_rewind, nothing is pending:
 // dv2_prefill continues from position n (feed at least the last id again, or the next
 // prompt's new ids). A `cap` of max_seq (dv2_model_info) always holds the ids; a smaller one
-// than n gives DV2_ERR_BUFFER_TOO_SMALL with n in `*out_n` and loads nothing (the file was
-// read: `cap` = 0 asks for n at that cost). Errors, handle unchanged: DV2_ERR_IO
-// (missing, unreadable), DV2_ERR_STATE_FILE (not a state file, truncated or extended, another
-// model, an id outside the vocabulary), DV2_ERR_SEQUENCE_FULL (n > max_seq),
-// DV2_ERR_OUT_OF_MEMORY. A device error while the slots are written (DV2_ERR_CUDA) leaves the
-// handle reset to position 0.
+// than n gives DV2_ERR_BUFFER_TOO_SMALL with n in `*out_n` and loads nothing (only the
+// file's header and ids are read: `cap` = 0 asks for n cheaply). Errors, handle unchanged:
+// DV2_ERR_IO (missing, unreadable), DV2_ERR_STATE_FILE (not a state file, truncated or
+// extended, another model, an id outside the vocabulary), DV2_ERR_SEQUENCE_FULL (n >
+// max_seq), DV2_ERR_OUT_OF_MEMORY. An error while the slots are written (DV2_ERR_CUDA from the
+// device, or DV2_ERR_IO / DV2_ERR_STATE_FILE where the file fails a read after those checks,
+// changed or cut short meanwhile) leaves the handle reset to position 0.
 //
 // # Safety
 // `engine` is NULL or a live handle; `path` a NUL-terminated string; `out_ids` has room for

@@ -3,7 +3,7 @@
 
 use crate::error::Result;
 use crate::sampling::{LogitBias, Sampling};
-use crate::state::SavedState;
+use crate::state::{StateReader, StateWriter, ValueType};
 
 /// What a backend implements. The engine has validated every argument before calling.
 pub trait Backend: Send {
@@ -32,12 +32,14 @@ pub trait Backend: Send {
     /// The logit bias of this and later requests (validated against the vocabulary); a
     /// failure leaves the bias in force unchanged.
     fn set_logit_bias(&mut self, bias: &LogitBias) -> Result<()>;
-    /// The ids at positions 0..`len` (at most the position) and their KV slots; the state is
-    /// unchanged.
-    fn save_state(&mut self, len: usize) -> Result<SavedState>;
-    /// Writes `state`'s ids and KV slots at positions 0..n (n = its ids, at most max_seq,
-    /// checked against the model), then [`Self::rewind`]s to n: a prefill comes next.
-    fn load_state(&mut self, state: &SavedState) -> Result<()>;
+    /// The type its KV cache holds: the type of the values of the state files it saves.
+    fn kv_value_type(&self) -> ValueType;
+    /// Writes the ids at positions 0..`len` (at most the position) and then their KV slots, in
+    /// [`crate::state::file_order`], to `file`; the state is unchanged.
+    fn save_state(&mut self, len: usize, file: &mut StateWriter) -> Result<()>;
+    /// Reads `file`'s ids and KV slots into positions 0..n (n = its ids, at most max_seq, the
+    /// file checked against the model), then [`Self::rewind`]s to n: a prefill comes next.
+    fn load_state(&mut self, file: &mut StateReader) -> Result<()>;
     /// Diagnostic: true while nothing was written past the last KV slot (backends with a
     /// guard region check it; others have nothing to check).
     fn kv_guard_intact(&mut self) -> Result<bool> {

@@ -149,8 +149,9 @@ pub const VARIABLES: &[Variable] = &[
     Variable {
         name: "DV2_STAGED_UPLOAD",
         default: "1",
-        effect: "`0`: each weight tensor copied to the device from pageable memory (the driver's \
-                 staging) instead of through two page-locked buffers filled on every core",
+        effect: "`0`: each weight tensor, and a state file's KV slots, copied between the host \
+                 and the device through pageable memory instead of through two page-locked \
+                 buffers (filled on every core for the weights)",
         lab: "session 35: 32B bitsandbytes upload 2.5-3.4 s pageable, 1.4-1.6 s staged",
     },
     Variable {

@@ -10,7 +10,7 @@ use crate::model::HostModel;
 use crate::oracle::{argmax, forward_chunk, KvCache, FORWARD_CHUNK};
 use crate::rope::RopeTable;
 use crate::sampling::{LogitBias, Sampling};
-use crate::state::{KvValues, SavedState};
+use crate::state::{file_order, StateReader, StateWriter, ValueType};
 
 pub struct CpuBackend {
     model: Arc<HostModel>,
@@ -130,21 +130,24 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn save_state(&mut self, len: usize) -> Result<SavedState> {
-        let (keys, values) = self.kv.prefix(self.model.spec.n_layers, len)?;
-        Ok(SavedState {
-            ids: self.history[..len].to_vec(),
-            keys: KvValues::F32(keys),
-            values: KvValues::F32(values),
-        })
+    fn kv_value_type(&self) -> ValueType {
+        ValueType::F32
     }
 
-    fn load_state(&mut self, state: &SavedState) -> Result<()> {
-        let n = state.ids.len();
-        let (keys, values) = (state.keys.f32s(), state.values.f32s());
-        self.kv
-            .set_prefix(self.model.spec.n_layers, n, &keys, &values);
-        self.history = state.ids.clone();
+    fn save_state(&mut self, len: usize, file: &mut StateWriter) -> Result<()> {
+        file.write_ids(&self.history[..len])?;
+        for (kv, layer) in file_order(self.model.spec.n_layers) {
+            file.write_f32s(self.kv.layer_prefix(kv, layer, len))?;
+        }
+        Ok(())
+    }
+
+    fn load_state(&mut self, file: &mut StateReader) -> Result<()> {
+        let n = file.ids().len();
+        for (kv, layer) in file_order(self.model.spec.n_layers) {
+            file.read_f32s(self.kv.layer_prefix_mut(kv, layer, n))?;
+        }
+        self.history = file.ids().to_vec();
         self.rewind(n)
     }
 

@@ -19,7 +19,7 @@ use crate::error::{Error, Result};
 use crate::load::Metadata;
 use crate::model::HostModel;
 use crate::sampling::{LogitBias, Sampling};
-use crate::state::{self, SavedState};
+use crate::state::{self, StateReader, StateWriter};
 use crate::synth;
 use crate::tokenizer::Tokenizer;
 
@@ -315,60 +315,50 @@ impl Engine {
     /// request is unchanged; a failed save leaves any earlier file at `path` whole.
     pub fn save_state(&mut self, path: &std::path::Path) -> Result<usize> {
         let len = self.position;
-        let saved = self.run(|b| b.save_state(len))?;
-        state::write(path, &saved, &self.spec, self.fingerprint)?;
+        let value_type = self.backend.kv_value_type();
+        let mut file = StateWriter::create(path, &self.spec, self.fingerprint, value_type, len)?;
+        self.run(|b| b.save_state(len, &mut file))?;
+        file.finish()?;
         Ok(len)
     }
 
-    /// Reads a state file [`Self::save_state`] wrote from this model (the same weights; any
-    /// backend and max_seq) and checks it against this engine; the engine is unchanged.
-    pub fn read_state(&self, path: &std::path::Path) -> Result<SavedState> {
+    /// Opens a state file [`Self::save_state`] wrote from this model (the same weights; any
+    /// backend and max_seq) and checks it against this engine, its ids read; the engine is
+    /// unchanged.
+    pub fn open_state(&self, path: &std::path::Path) -> Result<StateReader> {
         let expected = state::Expected {
             spec: &self.spec,
             fingerprint: self.fingerprint,
             max_seq: self.max_seq,
         };
-        state::read(path, &expected)
+        StateReader::open(path, &expected)
     }
 
-    /// [`Self::read_state`], then [`Self::restore_state`]; returns the ids at the positions
+    /// [`Self::open_state`], then [`Self::restore_state`]; returns the ids at the positions
     /// it holds.
     pub fn load_state(&mut self, path: &std::path::Path) -> Result<Vec<u32>> {
-        let saved = self.read_state(path)?;
-        self.restore_state(&saved)?;
-        Ok(saved.ids)
+        let mut file = self.open_state(path)?;
+        self.restore_state(&mut file)?;
+        Ok(file.ids().to_vec())
     }
 
-    /// Replaces the request with `saved`: positions 0..n hold its ids and their KV slots; not
-    /// finished, and no pending token (a prefill comes next, as after [`Self::rewind`]), so
-    /// a prompt that begins with its ids is prefilled from its first new one. A state of the
-    /// wrong size is refused with the engine unchanged; a device error while the slots are
-    /// written leaves the engine at position 0.
-    pub fn restore_state(&mut self, saved: &SavedState) -> Result<()> {
-        let n = saved.ids.len();
-        if n > self.max_seq {
-            return Err(Error::SequenceFull(format!(
-                "a state of {n} positions exceeds max_seq {}",
+    /// Replaces the request with the state `file` holds: positions 0..n hold its ids and their
+    /// KV slots; not finished, and no pending token (a prefill comes next, as after
+    /// [`Self::rewind`]), so a prompt that begins with its ids is prefilled from its first new
+    /// one. A file opened by another model's engine is refused with the engine unchanged; an
+    /// error while the slots are written (the file's read or the device) leaves the engine at
+    /// position 0.
+    pub fn restore_state(&mut self, file: &mut StateReader) -> Result<()> {
+        let n = file.ids().len();
+        if file.fingerprint() != self.fingerprint || n > self.max_seq {
+            return Err(Error::InvalidArgument(format!(
+                "a state of {n} positions opened for another engine (this one's max_seq is {})",
                 self.max_seq
-            )));
-        }
-        let len = self.spec.n_layers * n * self.spec.kv_dim();
-        if saved.keys.count() != len || saved.values.count() != len {
-            return Err(Error::InvalidArgument(format!(
-                "a state of {n} positions holds {} keys and {} values; this model takes {len}",
-                saved.keys.count(),
-                saved.values.count()
-            )));
-        }
-        if let Some(id) = saved.ids.iter().find(|id| **id as usize >= self.spec.vocab) {
-            return Err(Error::InvalidArgument(format!(
-                "the state's id {id} is out of range (vocab {})",
-                self.spec.vocab
             )));
         }
         self.finished = false;
         self.has_token = false;
-        if let Err(e) = self.backend.load_state(saved) {
+        if let Err(e) = self.backend.load_state(file) {
             // Slots of the request before may be overwritten: it is gone either way.
             let _ = self.backend.rewind(0);
             self.position = self.backend.position().unwrap_or(0);

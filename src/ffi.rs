@@ -700,12 +700,13 @@ pub unsafe extern "C" fn dv2_state_save_file(
 /// `out_ids[0 .. *out_n]`, and their KV slots. Then, as after dv2_rewind, nothing is pending:
 /// dv2_prefill continues from position n (feed at least the last id again, or the next
 /// prompt's new ids). A `cap` of max_seq (dv2_model_info) always holds the ids; a smaller one
-/// than n gives DV2_ERR_BUFFER_TOO_SMALL with n in `*out_n` and loads nothing (the file was
-/// read: `cap` = 0 asks for n at that cost). Errors, handle unchanged: DV2_ERR_IO
-/// (missing, unreadable), DV2_ERR_STATE_FILE (not a state file, truncated or extended, another
-/// model, an id outside the vocabulary), DV2_ERR_SEQUENCE_FULL (n > max_seq),
-/// DV2_ERR_OUT_OF_MEMORY. A device error while the slots are written (DV2_ERR_CUDA) leaves the
-/// handle reset to position 0.
+/// than n gives DV2_ERR_BUFFER_TOO_SMALL with n in `*out_n` and loads nothing (only the
+/// file's header and ids are read: `cap` = 0 asks for n cheaply). Errors, handle unchanged:
+/// DV2_ERR_IO (missing, unreadable), DV2_ERR_STATE_FILE (not a state file, truncated or
+/// extended, another model, an id outside the vocabulary), DV2_ERR_SEQUENCE_FULL (n >
+/// max_seq), DV2_ERR_OUT_OF_MEMORY. An error while the slots are written (DV2_ERR_CUDA from the
+/// device, or DV2_ERR_IO / DV2_ERR_STATE_FILE where the file fails a read after those checks,
+/// changed or cut short meanwhile) leaves the handle reset to position 0.
 ///
 /// # Safety
 /// `engine` is NULL or a live handle; `path` a NUL-terminated string; `out_ids` has room for
@@ -723,11 +724,11 @@ pub unsafe extern "C" fn dv2_state_load_file(
         with_engine(engine, |e| {
             require(out_n, "out_n")?;
             let path = c_str(path, "path")?;
-            let saved = e.read_state(std::path::Path::new(path))?;
-            let ids: Vec<i32> = saved.ids.iter().map(|&id| id as i32).collect();
+            let mut file = e.open_state(std::path::Path::new(path))?;
+            let ids: Vec<i32> = file.ids().iter().map(|&id| id as i32).collect();
             // Too small a buffer loads nothing: copy_out reports the count needed.
             if ids.len() <= cap {
-                e.restore_state(&saved)?;
+                e.restore_state(&mut file)?;
             }
             copy_out(&ids, out_ids, cap, out_n)
         })

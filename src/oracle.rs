@@ -13,6 +13,7 @@ use crate::error::{Error, Result};
 use crate::model::{internlm_wqkv_rows, HostModel, Layer, QkvWeights};
 use crate::nf4::Nf4Matrix;
 use crate::rope::RopeTable;
+use crate::state::Kv;
 
 /// f32 KV cache `[layers, max_seq, n_kv, head_dim]` for keys and for values.
 #[derive(Clone, Debug)]
@@ -51,27 +52,21 @@ impl KvCache {
         first..first + n * self.kv_dim
     }
 
-    /// Keys and values of slots 0..n of each of `n_layers` layers, each `[layer][slot][kv_dim]`
-    /// (what [`crate::state`] saves).
-    pub fn prefix(&self, n_layers: usize, n: usize) -> Result<(Vec<f32>, Vec<f32>)> {
-        let copy = |cache: &[f32]| -> Result<Vec<f32>> {
-            let mut out =
-                crate::error::host_capacity(n_layers * n * self.kv_dim, "saved KV values")?;
-            for l in 0..n_layers {
-                out.extend_from_slice(&cache[self.prefix_of(l, n)]);
-            }
-            Ok(out)
-        };
-        Ok((copy(&self.k)?, copy(&self.v)?))
+    /// Layer `layer`'s keys or values at slots 0..n: what a state file holds of it.
+    pub fn layer_prefix(&self, kv: Kv, layer: usize, n: usize) -> &[f32] {
+        let at = self.prefix_of(layer, n);
+        match kv {
+            Kv::Keys => &self.k[at],
+            Kv::Values => &self.v[at],
+        }
     }
 
-    /// Writes [`Self::prefix`]'s layout of `n_layers` layers back into their slots 0..n.
-    pub fn set_prefix(&mut self, n_layers: usize, n: usize, keys: &[f32], values: &[f32]) {
-        let per_layer = n * self.kv_dim;
-        for l in 0..n_layers {
-            let (at, from) = (self.prefix_of(l, n), l * per_layer..(l + 1) * per_layer);
-            self.k[at.clone()].copy_from_slice(&keys[from.clone()]);
-            self.v[at].copy_from_slice(&values[from]);
+    /// [`Self::layer_prefix`], to be written (a state file loaded).
+    pub fn layer_prefix_mut(&mut self, kv: Kv, layer: usize, n: usize) -> &mut [f32] {
+        let at = self.prefix_of(layer, n);
+        match kv {
+            Kv::Keys => &mut self.k[at],
+            Kv::Values => &mut self.v[at],
         }
     }
 

@@ -4,21 +4,25 @@
 //!
 //! The file, little-endian: the header ([`HEADER_BYTES`]: magic, version, the KV values' type,
 //! the model's fingerprint, layers, KV width, the count of ids n), the n ids (u32), then the
-//! keys and the values, each `[layer][position][kv_dim]` for positions 0..n, in the type of
-//! the backend that saved them (the CPU's f32, the GPU's bf16). A backend of the other type
-//! converts them as it loads (bf16 to f32 exactly, f32 to bf16 rounded to nearest even, as the
-//! GPU rounds the keys and values it computes).
+//! keys and the values, each `[layer][position][kv_dim]` for positions 0..n ([`file_order`]),
+//! in the type of the backend that saved them (the CPU's f32, the GPU's bf16). A backend of the
+//! other type converts them as it loads (bf16 to f32 exactly, f32 to bf16 rounded to nearest
+//! even, as the GPU rounds the keys and values it computes).
+//!
+//! The values stream between the file and the backend's cache a chunk at a time
+//! ([`StateWriter`], [`StateReader`]): a state of any size takes no host buffer of its size,
+//! and on the GPU the file's reads overlap the copies to the device.
 //!
 //! The fingerprint ([`fingerprint`]) hashes the model's shape and a sample of its weights, so
 //! that a state is refused by any other model: keys and values from other weights would decode
 //! nonsense without an error.
 
-use std::borrow::Cow;
-use std::io::{BufReader, Read, Write};
+use std::fs::File;
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
 use crate::arch::ArchSpec;
-use crate::error::{host_capacity, Error, Result};
+use crate::error::{Error, Result};
 use crate::model::{HostModel, QkvWeights};
 
 const MAGIC: &[u8; 8] = b"DV2STATE";
@@ -26,59 +30,45 @@ const VERSION: u32 = 1;
 /// magic, version, value type, fingerprint, layers, KV width, count of ids.
 pub const HEADER_BYTES: usize = 8 + 4 + 4 + 8 + 4 + 4 + 8;
 
-/// KV values of `[layer][position][kv_dim]`, in the type the backend keeps them in.
-#[derive(Clone, Debug, PartialEq)]
-pub enum KvValues {
-    F32(Vec<f32>),
-    /// bf16 bit patterns.
-    Bf16(Vec<u16>),
+/// The type of a state file's KV values: the type the saving backend keeps them in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ValueType {
+    /// The CPU backend's.
+    F32,
+    /// The GPU's: bf16 bit patterns.
+    Bf16,
 }
 
-impl KvValues {
-    fn type_code(&self) -> u32 {
+impl ValueType {
+    fn code(self) -> u32 {
         match self {
-            KvValues::F32(_) => 0,
-            KvValues::Bf16(_) => 1,
+            ValueType::F32 => 0,
+            ValueType::Bf16 => 1,
         }
     }
 
-    /// How many values.
-    pub fn count(&self) -> usize {
+    /// Bytes of one value.
+    pub fn bytes(self) -> usize {
         match self {
-            KvValues::F32(v) => v.len(),
-            KvValues::Bf16(v) => v.len(),
-        }
-    }
-
-    /// The values as f32 (bf16 widens exactly).
-    pub fn f32s(&self) -> Cow<'_, [f32]> {
-        match self {
-            KvValues::F32(v) => Cow::Borrowed(v),
-            KvValues::Bf16(v) => v
-                .iter()
-                .map(|&b| f32::from_bits((b as u32) << 16))
-                .collect(),
-        }
-    }
-
-    /// The values as bf16 bit patterns (f32 rounds to nearest even, as the GPU's kernels do).
-    pub fn bf16s(&self) -> Cow<'_, [u16]> {
-        match self {
-            KvValues::F32(v) => v
-                .iter()
-                .map(|&f| half::bf16::from_f32(f).to_bits())
-                .collect(),
-            KvValues::Bf16(v) => Cow::Borrowed(v),
+            ValueType::F32 => 4,
+            ValueType::Bf16 => 2,
         }
     }
 }
 
-/// The ids at positions 0..n of a request and their keys and values.
-#[derive(Clone, Debug, PartialEq)]
-pub struct SavedState {
-    pub ids: Vec<u32>,
-    pub keys: KvValues,
-    pub values: KvValues,
+/// Which cache a run of a file's values belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kv {
+    Keys,
+    Values,
+}
+
+/// The file's order of its values, a layer's slots 0..n at a time: every layer's keys, then
+/// every layer's values.
+pub fn file_order(layers: usize) -> impl Iterator<Item = (Kv, usize)> {
+    [Kv::Keys, Kv::Values]
+        .into_iter()
+        .flat_map(move |kv| (0..layers).map(move |layer| (kv, layer)))
 }
 
 /// FNV-1a, 64 bits: a hash of a few hundred KiB with no dependency; it tells models apart, it
@@ -145,207 +135,363 @@ pub struct Expected<'a> {
     pub max_seq: usize,
 }
 
-/// Writes `state` to `path` through a temporary file beside it, renamed over `path` once
-/// complete: a failed or interrupted save leaves any earlier file at `path` whole.
-pub fn write(path: &Path, state: &SavedState, spec: &ArchSpec, fingerprint: u64) -> Result<()> {
-    let n = state.ids.len();
-    let len = spec.n_layers * n * spec.kv_dim();
-    if (state.keys.count(), state.values.count()) != (len, len)
-        || state.keys.type_code() != state.values.type_code()
-    {
-        return Err(Error::Internal(format!(
-            "a backend saved {} keys and {} values of types {} and {} for {n} positions \
-             ({len} each, of one type)",
-            state.keys.count(),
-            state.values.count(),
-            state.keys.type_code(),
-            state.values.type_code()
-        )));
-    }
-    let io = |what: &str, e: std::io::Error| Error::Io(format!("{what} {}: {e}", path.display()));
-    let partial = partial_path(path);
-    let body = || -> std::io::Result<()> {
-        let mut file = std::fs::File::create(&partial)?;
+/// Bytes a state file's values are converted in: large enough that the copies run at memory
+/// speed, small enough to stay in cache.
+const IO_CHUNK: usize = 4 << 20;
+
+/// A state file being written: [`StateWriter::create`] writes its header beside `path`, the
+/// backend its ids ([`Self::write_ids`]) and then its values in [`file_order`], and
+/// [`Self::finish`] moves the file over `path`. Dropped before that, it removes what it wrote:
+/// a failed or interrupted save leaves any earlier file at `path` whole.
+pub struct StateWriter {
+    file: File,
+    path: PathBuf,
+    partial: PathBuf,
+    value_type: ValueType,
+    n: usize,
+    ids_written: bool,
+    /// Values still owed.
+    left: usize,
+    done: bool,
+}
+
+impl StateWriter {
+    /// Starts the state file of `n` positions of the model `spec` (fingerprint `fingerprint`)
+    /// whose KV values are `value_type`.
+    pub fn create(
+        path: &Path,
+        spec: &ArchSpec,
+        fingerprint: u64,
+        value_type: ValueType,
+        n: usize,
+    ) -> Result<Self> {
+        let partial = partial_path(path);
+        let file = File::create(&partial).map_err(|e| write_error(path, e))?;
+        let mut w = Self {
+            file,
+            path: path.to_path_buf(),
+            partial,
+            value_type,
+            n,
+            ids_written: false,
+            left: 2 * spec.n_layers * n * spec.kv_dim(),
+            done: false,
+        };
         let mut header = Vec::with_capacity(HEADER_BYTES);
         header.extend_from_slice(MAGIC);
         header.extend_from_slice(&VERSION.to_le_bytes());
-        header.extend_from_slice(&state.keys.type_code().to_le_bytes());
+        header.extend_from_slice(&value_type.code().to_le_bytes());
         header.extend_from_slice(&fingerprint.to_le_bytes());
         header.extend_from_slice(&(spec.n_layers as u32).to_le_bytes());
         header.extend_from_slice(&(spec.kv_dim() as u32).to_le_bytes());
         header.extend_from_slice(&(n as u64).to_le_bytes());
-        file.write_all(&header)?;
-        write_le(&mut file, &state.ids)?;
-        for kv in [&state.keys, &state.values] {
-            match kv {
-                KvValues::F32(v) => write_le(&mut file, v)?,
-                KvValues::Bf16(v) => write_le(&mut file, v)?,
-            }
-        }
-        file.sync_all()
-    };
-    if let Err(e) = body() {
-        let _ = std::fs::remove_file(&partial);
-        return Err(io("cannot write the state file", e));
+        w.write(&header)?;
+        Ok(w)
     }
-    std::fs::rename(&partial, path).map_err(|e| {
-        let _ = std::fs::remove_file(&partial);
-        io("cannot move the written state into place at", e)
-    })
+
+    fn write(&mut self, bytes: &[u8]) -> Result<()> {
+        self.file
+            .write_all(bytes)
+            .map_err(|e| write_error(&self.path, e))
+    }
+
+    /// The ids at positions 0..n, first.
+    pub fn write_ids(&mut self, ids: &[u32]) -> Result<()> {
+        if self.ids_written || ids.len() != self.n {
+            return Err(Error::Internal(format!(
+                "a backend saved {} ids for a state of {} positions (already saved: {})",
+                ids.len(),
+                self.n,
+                self.ids_written
+            )));
+        }
+        let bytes: Vec<u8> = ids.iter().flat_map(|id| id.to_le_bytes()).collect();
+        self.write(&bytes)?;
+        self.ids_written = true;
+        Ok(())
+    }
+
+    /// Checks that `count` values of `value_type` come next.
+    fn owe(&mut self, count: usize, value_type: ValueType) -> Result<()> {
+        if !self.ids_written || value_type != self.value_type || count > self.left {
+            return Err(Error::Internal(format!(
+                "a backend saved {count} values of {value_type:?} where {} of {:?} were \
+                 owed (ids saved: {})",
+                self.left, self.value_type, self.ids_written
+            )));
+        }
+        self.left -= count;
+        Ok(())
+    }
+
+    /// The next values, f32 (a state of [`ValueType::F32`]).
+    pub fn write_f32s(&mut self, values: &[f32]) -> Result<()> {
+        self.owe(values.len(), ValueType::F32)?;
+        let mut bytes = Vec::with_capacity(IO_CHUNK.min(4 * values.len()));
+        for chunk in values.chunks(IO_CHUNK / 4) {
+            bytes.clear();
+            bytes.extend(chunk.iter().flat_map(|v| v.to_le_bytes()));
+            self.write(&bytes)?;
+        }
+        Ok(())
+    }
+
+    /// The next values as their little-endian bf16 bytes (a state of [`ValueType::Bf16`]).
+    pub fn write_bf16_bytes(&mut self, bytes: &[u8]) -> Result<()> {
+        self.owe(bytes.len() / 2, ValueType::Bf16)?;
+        self.write(bytes)
+    }
+
+    /// Flushes the file to the disk and moves it over `path`, once every value is written.
+    pub fn finish(mut self) -> Result<()> {
+        if !self.ids_written || self.left != 0 {
+            return Err(Error::Internal(format!(
+                "a state file finished with {} values unsaved (ids saved: {})",
+                self.left, self.ids_written
+            )));
+        }
+        self.file
+            .sync_all()
+            .map_err(|e| write_error(&self.path, e))?;
+        std::fs::rename(&self.partial, &self.path).map_err(|e| {
+            Error::Io(format!(
+                "cannot move the written state into place at {}: {e}",
+                self.path.display()
+            ))
+        })?;
+        self.done = true;
+        Ok(())
+    }
 }
 
-/// `path` with `.partial-<pid>` added to its name: where [`write`] writes before the rename.
+impl Drop for StateWriter {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = std::fs::remove_file(&self.partial);
+        }
+    }
+}
+
+fn write_error(path: &Path, e: std::io::Error) -> Error {
+    Error::Io(format!(
+        "cannot write the state file {}: {e}",
+        path.display()
+    ))
+}
+
+/// `path` with `.partial-<pid>` added to its name: where [`StateWriter`] writes before the
+/// rename.
 fn partial_path(path: &Path) -> PathBuf {
     let mut name = path.file_name().unwrap_or_default().to_os_string();
     name.push(format!(".partial-{}", std::process::id()));
     path.with_file_name(name)
 }
 
-/// Reads a state file and checks it against `expected` before it allocates for its values:
-/// the magic and version, the model (fingerprint, layers, KV width), the count of ids against
-/// the engine's capacity and against the file's length, every id against the vocabulary.
-pub fn read(path: &Path, expected: &Expected) -> Result<SavedState> {
-    let file = std::fs::File::open(path).map_err(|e| {
-        Error::Io(format!(
-            "cannot open the state file {}: {e}",
-            path.display()
-        ))
-    })?;
-    let file_len = file
-        .metadata()
-        .map_err(|e| Error::Io(format!("cannot stat {}: {e}", path.display())))?
-        .len();
-    let bad = |why: String| Error::StateFile(format!("{}: {why}", path.display()));
-    let mut r = BufReader::new(file);
-    let mut header = [0u8; HEADER_BYTES];
-    r.read_exact(&mut header).map_err(|_| {
-        bad(format!(
-            "{file_len} bytes, shorter than a state file's {HEADER_BYTES}-byte header"
-        ))
-    })?;
-    if &header[..8] != MAGIC {
-        return Err(bad("not a decodev2 state file (no DV2STATE magic)".into()));
-    }
-    let u32_at = |at: usize| u32::from_le_bytes(header[at..at + 4].try_into().unwrap());
-    let u64_at = |at: usize| u64::from_le_bytes(header[at..at + 8].try_into().unwrap());
-    let (version, type_code, fingerprint) = (u32_at(8), u32_at(12), u64_at(16));
-    let (layers, kv_dim, n) = (u32_at(24) as usize, u32_at(28) as usize, u64_at(32));
-    if version != VERSION {
-        return Err(bad(format!(
-            "version {version}; this library reads version {VERSION}"
-        )));
-    }
-    let elem = match type_code {
-        0 => 4,
-        1 => 2,
-        t => return Err(bad(format!("unknown KV value type {t}"))),
-    };
-    let spec = expected.spec;
-    if (layers, kv_dim) != (spec.n_layers, spec.kv_dim()) {
-        return Err(bad(format!(
-            "saved from a model of {layers} layers and KV width {kv_dim}; this one has {} and {}",
-            spec.n_layers,
-            spec.kv_dim()
-        )));
-    }
-    if fingerprint != expected.fingerprint {
-        return Err(bad(
-            "saved from another model (the same shape, other weights or RoPE scaling)".into(),
-        ));
-    }
-    if n > expected.max_seq as u64 {
-        return Err(Error::SequenceFull(format!(
-            "the state file {} holds {n} positions; this engine's max_seq is {}",
-            path.display(),
-            expected.max_seq
-        )));
-    }
-    let n = n as usize;
-    // n <= max_seq (an int32) and layers x kv_dim are the model's: no product overflows u64.
-    let values = (layers * n * kv_dim) as u64;
-    let want = HEADER_BYTES as u64 + 4 * n as u64 + 2 * values * elem;
-    if file_len != want {
-        return Err(bad(format!(
-            "{file_len} bytes; {n} positions of this model take {want} (truncated or extended)"
-        )));
-    }
-    let ids: Vec<u32> = read_le(&mut r, n, "a state file's ids", &bad)?;
-    if let Some((i, id)) = ids
-        .iter()
-        .enumerate()
-        .find(|(_, id)| **id as usize >= spec.vocab)
-    {
-        return Err(bad(format!(
-            "id {id} at position {i} is outside the vocabulary ({})",
-            spec.vocab
-        )));
-    }
-    let what = "a state file's KV values";
-    let mut kv = || -> Result<KvValues> {
-        let len = values as usize;
-        Ok(if elem == 4 {
-            KvValues::F32(read_le(&mut r, len, what, &bad)?)
-        } else {
-            KvValues::Bf16(read_le(&mut r, len, what, &bad)?)
+/// A state file opened and checked, its ids read ([`StateReader::open`]); its values are read
+/// next, in [`file_order`], by the backend they load into.
+pub struct StateReader {
+    file: File,
+    path: PathBuf,
+    ids: Vec<u32>,
+    value_type: ValueType,
+    fingerprint: u64,
+    /// Values not yet read.
+    left: usize,
+    /// File bytes of the values being converted.
+    scratch: Vec<u8>,
+}
+
+impl StateReader {
+    /// Opens a state file and checks it against `expected` before anything is allocated for
+    /// its values: the magic and version, the model (fingerprint, layers, KV width), the count
+    /// of ids against the engine's capacity and against the file's length, every id against
+    /// the vocabulary.
+    pub fn open(path: &Path, expected: &Expected) -> Result<Self> {
+        let mut file = File::open(path).map_err(|e| {
+            Error::Io(format!(
+                "cannot open the state file {}: {e}",
+                path.display()
+            ))
+        })?;
+        let file_len = file
+            .metadata()
+            .map_err(|e| Error::Io(format!("cannot stat {}: {e}", path.display())))?
+            .len();
+        let bad = |why: String| Error::StateFile(format!("{}: {why}", path.display()));
+        let mut header = [0u8; HEADER_BYTES];
+        file.read_exact(&mut header).map_err(|_| {
+            bad(format!(
+                "{file_len} bytes, shorter than a state file's {HEADER_BYTES}-byte header"
+            ))
+        })?;
+        if &header[..8] != MAGIC {
+            return Err(bad("not a decodev2 state file (no DV2STATE magic)".into()));
+        }
+        let u32_at = |at: usize| u32::from_le_bytes(header[at..at + 4].try_into().unwrap());
+        let u64_at = |at: usize| u64::from_le_bytes(header[at..at + 8].try_into().unwrap());
+        let (version, type_code, fingerprint) = (u32_at(8), u32_at(12), u64_at(16));
+        let (layers, kv_dim, n) = (u32_at(24) as usize, u32_at(28) as usize, u64_at(32));
+        if version != VERSION {
+            return Err(bad(format!(
+                "version {version}; this library reads version {VERSION}"
+            )));
+        }
+        let value_type = match type_code {
+            0 => ValueType::F32,
+            1 => ValueType::Bf16,
+            t => return Err(bad(format!("unknown KV value type {t}"))),
+        };
+        let spec = expected.spec;
+        if (layers, kv_dim) != (spec.n_layers, spec.kv_dim()) {
+            return Err(bad(format!(
+                "saved from a model of {layers} layers and KV width {kv_dim}; this one has {} and {}",
+                spec.n_layers,
+                spec.kv_dim()
+            )));
+        }
+        if fingerprint != expected.fingerprint {
+            return Err(bad(
+                "saved from another model (the same shape, other weights or RoPE scaling)".into(),
+            ));
+        }
+        if n > expected.max_seq as u64 {
+            return Err(Error::SequenceFull(format!(
+                "the state file {} holds {n} positions; this engine's max_seq is {}",
+                path.display(),
+                expected.max_seq
+            )));
+        }
+        let n = n as usize;
+        // n <= max_seq (an int32) and layers x kv_dim are the model's: no product overflows u64.
+        let values = 2 * (layers * n * kv_dim) as u64;
+        let want = HEADER_BYTES as u64 + 4 * n as u64 + values * value_type.bytes() as u64;
+        if file_len != want {
+            return Err(bad(format!(
+                "{file_len} bytes; {n} positions of this model take {want} (truncated or extended)"
+            )));
+        }
+        let mut id_bytes = crate::error::host_buffer::<u8>(4 * n, "a state file's ids")?;
+        file.read_exact(&mut id_bytes)
+            .map_err(|e| read_error(path, e))?;
+        let ids: Vec<u32> = id_bytes
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        if let Some((i, id)) = ids
+            .iter()
+            .enumerate()
+            .find(|(_, id)| **id as usize >= spec.vocab)
+        {
+            return Err(bad(format!(
+                "id {id} at position {i} is outside the vocabulary ({})",
+                spec.vocab
+            )));
+        }
+        Ok(Self {
+            file,
+            path: path.to_path_buf(),
+            ids,
+            value_type,
+            fingerprint,
+            left: values as usize,
+            scratch: Vec::new(),
         })
-    };
-    let keys = kv()?;
-    let values = kv()?;
-    Ok(SavedState { ids, keys, values })
-}
+    }
 
-/// Bytes a state file is read and written in: large enough that the copies run at memory speed.
-const IO_CHUNK: usize = 4 << 20;
+    /// The ids at positions 0..n.
+    pub fn ids(&self) -> &[u32] {
+        &self.ids
+    }
 
-/// A value of a state file: its little-endian bytes.
-trait LittleEndian: Copy {
-    const BYTES: usize;
-    fn put(self, out: &mut Vec<u8>);
-    fn take(bytes: &[u8]) -> Self;
-}
+    /// The fingerprint of the model that saved the file (the one it was opened against).
+    pub fn fingerprint(&self) -> u64 {
+        self.fingerprint
+    }
 
-macro_rules! little_endian {
-    ($($t:ty),*) => {$(
-        impl LittleEndian for $t {
-            const BYTES: usize = std::mem::size_of::<$t>();
-            fn put(self, out: &mut Vec<u8>) {
-                out.extend_from_slice(&self.to_le_bytes());
+    /// The type of the file's values.
+    pub fn value_type(&self) -> ValueType {
+        self.value_type
+    }
+
+    /// Values not yet read.
+    pub fn values_left(&self) -> usize {
+        self.left
+    }
+
+    /// Reads the next `count` values' bytes into `out` (`out` of `count` × the file's value
+    /// size) or into the scratch buffer (`out` None).
+    fn read_next(&mut self, count: usize, out: Option<&mut [u8]>) -> Result<()> {
+        if count > self.left {
+            return Err(Error::Internal(format!(
+                "a backend asked for {count} values of a state file with {} left",
+                self.left
+            )));
+        }
+        let bytes = count * self.value_type.bytes();
+        let out = match out {
+            Some(out) => out,
+            None => {
+                self.scratch.resize(bytes, 0);
+                &mut self.scratch[..]
             }
-            fn take(bytes: &[u8]) -> Self {
-                <$t>::from_le_bytes(bytes.try_into().unwrap())
+        };
+        self.file
+            .read_exact(&mut out[..bytes])
+            .map_err(|e| read_error(&self.path, e))?;
+        self.left -= count;
+        Ok(())
+    }
+
+    /// The next `out.len()` values as f32 (bf16 widens exactly).
+    pub fn read_f32s(&mut self, out: &mut [f32]) -> Result<()> {
+        for chunk in out.chunks_mut(IO_CHUNK / 4) {
+            self.read_next(chunk.len(), None)?;
+            match self.value_type {
+                ValueType::F32 => {
+                    for (o, b) in chunk.iter_mut().zip(self.scratch.chunks_exact(4)) {
+                        *o = f32::from_le_bytes(b.try_into().unwrap());
+                    }
+                }
+                ValueType::Bf16 => {
+                    for (o, b) in chunk.iter_mut().zip(self.scratch.chunks_exact(2)) {
+                        *o = f32::from_bits(
+                            (u16::from_le_bytes(b.try_into().unwrap()) as u32) << 16,
+                        );
+                    }
+                }
             }
         }
-    )*};
-}
-little_endian!(u16, u32, f32);
-
-/// Writes `values` as little-endian bytes, a chunk at a time.
-fn write_le<T: LittleEndian>(w: &mut impl Write, values: &[T]) -> std::io::Result<()> {
-    let mut buf = Vec::with_capacity(IO_CHUNK);
-    for chunk in values.chunks(IO_CHUNK / T::BYTES) {
-        buf.clear();
-        chunk.iter().for_each(|v| v.put(&mut buf));
-        w.write_all(&buf)?;
+        Ok(())
     }
-    Ok(())
+
+    /// The next `out.len() / 2` values as little-endian bf16 bytes (f32 rounds to nearest
+    /// even, as the GPU's kernels round): a bf16 file's bytes are read into `out` as they are.
+    pub fn read_bf16_bytes(&mut self, out: &mut [u8]) -> Result<()> {
+        match self.value_type {
+            ValueType::Bf16 => self.read_next(out.len() / 2, Some(out)),
+            ValueType::F32 => {
+                for chunk in out.chunks_mut(IO_CHUNK / 2) {
+                    self.read_next(chunk.len() / 2, None)?;
+                    for (o, b) in chunk.chunks_exact_mut(2).zip(self.scratch.chunks_exact(4)) {
+                        let f = f32::from_le_bytes(b.try_into().unwrap());
+                        o.copy_from_slice(&half::bf16::from_f32(f).to_bits().to_le_bytes());
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
 }
 
-/// Reads `len` little-endian values, a chunk at a time, into a buffer refused as
-/// [`host_capacity`] refuses (`what` names it); a short read is `bad`'s error.
-fn read_le<T: LittleEndian>(
-    r: &mut impl Read,
-    len: usize,
-    what: &str,
-    bad: &impl Fn(String) -> Error,
-) -> Result<Vec<T>> {
-    let mut out = host_capacity(len, what)?;
-    let mut buf = vec![0u8; IO_CHUNK / T::BYTES * T::BYTES];
-    while out.len() < len {
-        let bytes = &mut buf[..(len - out.len()).min(IO_CHUNK / T::BYTES) * T::BYTES];
-        r.read_exact(bytes).map_err(|e| bad(e.to_string()))?;
-        out.extend(bytes.chunks_exact(T::BYTES).map(T::take));
+fn read_error(path: &Path, e: std::io::Error) -> Error {
+    if e.kind() == std::io::ErrorKind::UnexpectedEof {
+        Error::StateFile(format!("{}: cut short while it was read", path.display()))
+    } else {
+        Error::Io(format!(
+            "cannot read the state file {}: {e}",
+            path.display()
+        ))
     }
-    Ok(out)
 }
 
 #[cfg(test)]
@@ -356,31 +502,71 @@ mod tests {
         crate::arch::preset("tiny_llama").unwrap()
     }
 
-    fn state(spec: &ArchSpec, n: usize) -> SavedState {
-        let len = spec.n_layers * n * spec.kv_dim();
-        SavedState {
-            ids: (0..n as u32).map(|i| i * 7 % spec.vocab as u32).collect(),
-            keys: KvValues::F32((0..len).map(|i| i as f32 * 0.25 - 3.0).collect()),
-            values: KvValues::F32((0..len).map(|i| (i * 31 % 1000) as f32).collect()),
+    /// Values of a test state: keys then values, each `[layer][position][kv_dim]`.
+    fn values(spec: &ArchSpec, n: usize) -> Vec<f32> {
+        let len = 2 * spec.n_layers * n * spec.kv_dim();
+        (0..len).map(|i| (i % 1000) as f32 * 0.25 - 3.0).collect()
+    }
+
+    /// Saves `n` positions of [`values`] as f32, a layer at a time as a backend does.
+    fn save(path: &Path, spec: &ArchSpec, fingerprint: u64, n: usize) {
+        let mut w = StateWriter::create(path, spec, fingerprint, ValueType::F32, n).unwrap();
+        w.write_ids(
+            &(0..n as u32)
+                .map(|i| i * 7 % spec.vocab as u32)
+                .collect::<Vec<_>>(),
+        )
+        .unwrap();
+        for layer in values(spec, n).chunks(n * spec.kv_dim()) {
+            w.write_f32s(layer).unwrap();
+        }
+        w.finish().unwrap();
+    }
+
+    fn expected(spec: &ArchSpec, fingerprint: u64, max_seq: usize) -> Expected<'_> {
+        Expected {
+            spec,
+            fingerprint,
+            max_seq,
         }
     }
 
     #[test]
     fn bf16_widens_exactly_and_f32_rounds_to_nearest_even() {
-        let f = KvValues::F32(vec![
-            1.0,
-            1.0 + 2f32.powi(-8),
-            1.0 + 3.0 * 2f32.powi(-8),
-            -0.0,
-        ]);
-        let b = f.bf16s().into_owned();
+        let dir = tempfile_dir();
+        let path = dir.join("s.dv2state");
+        let spec = ArchSpec {
+            n_layers: 1,
+            n_kv_heads: 1,
+            head_dim: 2,
+            ..spec()
+        };
         // 1 + 2^-8 is half-way between 1 and 1 + 2^-7: ties go to the even 1.0; 1 + 3 x 2^-8
         // half-way between 1 + 2^-7 and 1 + 2^-6: to the even 1 + 2^-6.
-        assert_eq!(b, vec![0x3f80, 0x3f80, 0x3f82, 0x8000]);
-        assert_eq!(
-            *KvValues::Bf16(b).f32s(),
-            [1.0, 1.0, 1.0 + 2f32.powi(-6), -0.0]
-        );
+        let f = [1.0, 1.0 + 2f32.powi(-8), 1.0 + 3.0 * 2f32.powi(-8), -0.0];
+        let mut w = StateWriter::create(&path, &spec, 9, ValueType::F32, 1).unwrap();
+        w.write_ids(&[3]).unwrap();
+        w.write_f32s(&f).unwrap();
+        w.finish().unwrap();
+        let mut r = StateReader::open(&path, &expected(&spec, 9, 1)).unwrap();
+        let mut b = [0u8; 8];
+        r.read_bf16_bytes(&mut b).unwrap();
+        assert_eq!(r.values_left(), 0);
+        let bits: Vec<u16> = b
+            .chunks(2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]))
+            .collect();
+        assert_eq!(bits, [0x3f80, 0x3f80, 0x3f82, 0x8000]);
+
+        let mut w = StateWriter::create(&path, &spec, 9, ValueType::Bf16, 1).unwrap();
+        w.write_ids(&[3]).unwrap();
+        w.write_bf16_bytes(&b).unwrap();
+        w.finish().unwrap();
+        let mut r = StateReader::open(&path, &expected(&spec, 9, 1)).unwrap();
+        let mut widened = [0f32; 4];
+        r.read_f32s(&mut widened).unwrap();
+        assert_eq!(widened, [1.0, 1.0, 1.0 + 2f32.powi(-6), -0.0]);
+        std::fs::remove_dir_all(dir).unwrap();
     }
 
     #[test]
@@ -388,37 +574,49 @@ mod tests {
         let dir = tempfile_dir();
         let path = dir.join("s.dv2state");
         let spec = spec();
-        let saved = state(&spec, 5);
-        write(&path, &saved, &spec, 42).unwrap();
-        let expected = Expected {
-            spec: &spec,
-            fingerprint: 42,
-            max_seq: 5,
-        };
-        assert_eq!(read(&path, &expected).unwrap(), saved);
+        save(&path, &spec, 42, 5);
+        let expected = expected(&spec, 42, 5);
+        let mut r = StateReader::open(&path, &expected).unwrap();
+        assert_eq!(
+            r.ids(),
+            (0..5)
+                .map(|i| i * 7 % spec.vocab as u32)
+                .collect::<Vec<_>>()
+        );
+        let mut back = vec![0f32; r.values_left()];
+        // Read in pieces unlike the writes', as a backend's staging reads them.
+        for piece in back.chunks_mut(333) {
+            r.read_f32s(piece).unwrap();
+        }
+        assert_eq!(back, values(&spec, 5));
+        assert!(matches!(r.read_f32s(&mut [0.0]), Err(Error::Internal(_))));
         let other = Expected {
             fingerprint: 43,
             ..expected
         };
-        let err = read(&path, &other).unwrap_err().to_string();
+        let err = StateReader::open(&path, &other).err().unwrap().to_string();
         assert!(err.contains("another model"), "{err}");
         let small = Expected {
             max_seq: 4,
             ..expected
         };
-        assert!(matches!(read(&path, &small), Err(Error::SequenceFull(_))));
+        assert!(matches!(
+            StateReader::open(&path, &small),
+            Err(Error::SequenceFull(_))
+        ));
         let wider = ArchSpec {
             n_layers: spec.n_layers + 1,
             ..spec
         };
-        let err = read(
+        let err = StateReader::open(
             &path,
             &Expected {
                 spec: &wider,
                 ..expected
             },
         )
-        .unwrap_err()
+        .err()
+        .unwrap()
         .to_string();
         assert!(err.contains("layers"), "{err}");
         // Truncated by a byte, extended by one, magic and an id broken: each its own error,
@@ -436,7 +634,7 @@ mod tests {
         ];
         for (what, b) in cases {
             std::fs::write(&path, b).unwrap();
-            let err = read(&path, &expected).unwrap_err();
+            let err = StateReader::open(&path, &expected).err().unwrap();
             assert!(matches!(err, Error::StateFile(_)), "{what}: {err}");
             assert!(err.to_string().contains(what), "{what}: {err}");
         }
@@ -450,21 +648,47 @@ mod tests {
             max_seq: i32::MAX as usize,
             ..expected
         };
-        let err = read(&path, &big).unwrap_err().to_string();
+        let err = StateReader::open(&path, &big).err().unwrap().to_string();
         assert!(err.contains("truncated"), "{err}");
+        // A file cut short after it was opened: the read that finds its end says so.
+        std::fs::write(&path, &bytes).unwrap();
+        let mut r = StateReader::open(&path, &expected).unwrap();
+        std::fs::write(&path, &bytes[..bytes.len() - 8]).unwrap();
+        let mut all = vec![0f32; r.values_left()];
+        let err = r.read_f32s(&mut all).unwrap_err();
+        assert!(err.to_string().contains("cut short"), "{err}");
         std::fs::remove_dir_all(dir).unwrap();
     }
 
     #[test]
-    fn a_failed_write_keeps_the_earlier_file_whole() {
+    fn a_failed_or_unfinished_write_keeps_the_earlier_file_whole() {
         let dir = tempfile_dir();
         let path = dir.join("s.dv2state");
         let spec = spec();
-        write(&path, &state(&spec, 3), &spec, 1).unwrap();
+        save(&path, &spec, 1, 3);
         let before = std::fs::read(&path).unwrap();
+        // Dropped before finish: its partial file is gone, the earlier file as it was.
+        let mut w = StateWriter::create(&path, &spec, 1, ValueType::F32, 4).unwrap();
+        w.write_ids(&[1, 2, 3, 4]).unwrap();
+        w.write_f32s(&[0.5; 10]).unwrap();
+        drop(w);
+        assert!(!partial_path(&path).exists());
+        assert_eq!(std::fs::read(&path).unwrap(), before);
+        // Finished short of its values, or written out of order: an internal error, no file.
+        let mut w = StateWriter::create(&path, &spec, 1, ValueType::F32, 4).unwrap();
+        assert!(matches!(w.write_f32s(&[0.5]), Err(Error::Internal(_))));
+        w.write_ids(&[1, 2, 3, 4]).unwrap();
+        assert!(matches!(
+            w.write_bf16_bytes(&[0, 0]),
+            Err(Error::Internal(_))
+        ));
+        assert!(matches!(w.finish(), Err(Error::Internal(_))));
+        assert_eq!(std::fs::read(&path).unwrap(), before);
         // A directory where the partial file would go makes the write fail before the rename.
         std::fs::create_dir(partial_path(&path)).unwrap();
-        let err = write(&path, &state(&spec, 4), &spec, 1).unwrap_err();
+        let err = StateWriter::create(&path, &spec, 1, ValueType::F32, 4)
+            .err()
+            .unwrap();
         assert!(matches!(err, Error::Io(_)), "{err}");
         assert_eq!(std::fs::read(&path).unwrap(), before);
         std::fs::remove_dir_all(dir).unwrap();

@@ -1,77 +1,76 @@
-//! A request's ids and KV slots to and from the host, for [`crate::state`]'s files.
-
-use cudarc::driver::CudaSlice;
+//! A request's ids and KV slots to and from a state file ([`crate::state`]), through the
+//! staging buffers: each layer's slots 0..n are one run of bytes of its cache, and the file's
+//! reads overlap the copies of the runs before.
 
 use super::budget::kv_stride;
 use super::device::driver_error;
+use super::staging::Staging;
 use super::step::CudaBackend;
 use crate::backend::Backend;
-use crate::error::{host_buffer, Result};
-use crate::state::{KvValues, SavedState};
+use crate::error::Result;
+use crate::state::{file_order, Kv, StateReader, StateWriter};
+
+/// Bytes of one staging buffer of a state's copies: past a few MiB the copies run at the
+/// file's speed, and the two page-locked buffers take a few milliseconds to allocate.
+const STATE_STAGE_BYTES: usize = 8 << 20;
 
 impl CudaBackend {
-    /// The history's ids at positions 0..len and their keys and values (bf16), each cache
-    /// `[layer][slot][kv_dim]` without the slots past `len`.
-    pub(super) fn saved_state(&mut self, len: usize) -> Result<SavedState> {
-        if len == 0 {
-            let none = || KvValues::Bf16(Vec::new());
-            let (ids, keys, values) = (Vec::new(), none(), none());
-            return Ok(SavedState { ids, keys, values });
-        }
-        let (layers, kv_dim) = (self.spec.n_layers, self.spec.kv_dim());
-        let (per_layer, stride) = (len * kv_dim, kv_stride(self.max_seq) * kv_dim);
-        let stream = &self.ops.gpu.stream;
-        let copy = |cache: &CudaSlice<u16>| -> Result<Vec<u16>> {
-            let mut out = host_buffer::<u16>(layers * per_layer, "saved KV values")?;
-            for l in 0..layers {
-                let first = l * stride;
-                stream
-                    .memcpy_dtoh(
-                        &cache.slice(first..first + per_layer),
-                        &mut out[l * per_layer..(l + 1) * per_layer],
-                    )
-                    .map_err(driver_error("KV download"))?;
-            }
-            Ok(out)
+    /// The device address and the bytes of layer `layer`'s slots 0..n in `kv`'s cache (bf16).
+    fn layer_run(&self, kv: Kv, layer: usize, n: usize) -> (u64, usize) {
+        let kv_dim = self.spec.kv_dim();
+        let cache = match kv {
+            Kv::Keys => &self.k_cache,
+            Kv::Values => &self.v_cache,
         };
-        let keys = copy(&self.k_cache)?;
-        let values = copy(&self.v_cache)?;
-        let mut ids = vec![0i32; len];
-        stream
-            .memcpy_dtoh(&self.sampler.history.slice(..len), &mut ids)
-            .map_err(driver_error("history download"))?;
-        self.ops.gpu.sync()?;
-        Ok(SavedState {
-            ids: ids.into_iter().map(|id| id as u32).collect(),
-            keys: KvValues::Bf16(keys),
-            values: KvValues::Bf16(values),
-        })
+        let first = layer * kv_stride(self.max_seq) * kv_dim;
+        (self.ptr(cache) + 2 * first as u64, 2 * n * kv_dim)
     }
 
-    /// Uploads `state`'s ids into the history and its keys and values (as bf16) into slots
-    /// 0..n of each layer, then rewinds to n.
-    pub(super) fn load_saved_state(&mut self, state: &SavedState) -> Result<()> {
-        let n = state.ids.len();
+    /// Writes the history's ids at positions 0..len, then their keys and values (bf16), to
+    /// `file`.
+    pub(super) fn save_state_to(&mut self, len: usize, file: &mut StateWriter) -> Result<()> {
+        let mut ids = vec![0i32; len];
+        if len > 0 {
+            self.ops
+                .gpu
+                .stream
+                .memcpy_dtoh(&self.sampler.history.slice(..len), &mut ids)
+                .map_err(driver_error("history download"))?;
+            self.ops.gpu.sync()?;
+        }
+        file.write_ids(&ids.iter().map(|&id| id as u32).collect::<Vec<_>>())?;
+        if len == 0 {
+            return Ok(());
+        }
+        let mut staging =
+            Staging::new(&self.ops.gpu, self.ops.cfg.staged_upload, STATE_STAGE_BYTES)?;
+        for (kv, layer) in file_order(self.spec.n_layers) {
+            let (src, bytes) = self.layer_run(kv, layer, len);
+            // SAFETY: `layer_run` gives a range inside the cache, which `self` keeps allocated.
+            unsafe { staging.from_device(src, bytes, |chunk| file.write_bf16_bytes(chunk)) }?;
+        }
+        Ok(())
+    }
+
+    /// Reads `file`'s keys and values (as bf16) into slots 0..n of each layer and its ids into
+    /// the history, then rewinds to n.
+    pub(super) fn load_state_from(&mut self, file: &mut StateReader) -> Result<()> {
+        let n = file.ids().len();
         if n > 0 {
-            let (layers, kv_dim) = (self.spec.n_layers, self.spec.kv_dim());
-            let (per_layer, stride) = (n * kv_dim, kv_stride(self.max_seq) * kv_dim);
-            let stream = &self.ops.gpu.stream;
-            for (cache, src) in [
-                (&mut self.k_cache, state.keys.bf16s()),
-                (&mut self.v_cache, state.values.bf16s()),
-            ] {
-                for l in 0..layers {
-                    let first = l * stride;
-                    stream
-                        .memcpy_htod(
-                            &src[l * per_layer..(l + 1) * per_layer],
-                            &mut cache.slice_mut(first..first + per_layer),
-                        )
-                        .map_err(driver_error("KV upload"))?;
-                }
+            let mut staging =
+                Staging::new(&self.ops.gpu, self.ops.cfg.staged_upload, STATE_STAGE_BYTES)?;
+            for (kv, layer) in file_order(self.spec.n_layers) {
+                let (dst, bytes) = self.layer_run(kv, layer, n);
+                // SAFETY: `layer_run` gives a range inside the cache, which `self` keeps
+                // allocated; no kernel runs on it before the rewind below synchronizes.
+                unsafe { staging.to_device(dst, bytes, |_, stage| file.read_bf16_bytes(stage)) }?;
             }
-            let ids: Vec<i32> = state.ids.iter().map(|&id| id as i32).collect();
-            stream
+            // Dropping the staging waits for its copies out of the page-locked buffers.
+            drop(staging);
+            let ids: Vec<i32> = file.ids().iter().map(|&id| id as i32).collect();
+            self.ops
+                .gpu
+                .stream
                 .memcpy_htod(&ids, &mut self.sampler.history.slice_mut(..n))
                 .map_err(driver_error("history upload"))?;
         }

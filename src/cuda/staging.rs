@@ -1,19 +1,21 @@
-//! Host-to-device copies of the weights through two page-locked staging buffers.
+//! Copies between the host and the device through two page-locked staging buffers: the weights
+//! at load, a state file's KV slots ([`crate::state`]).
 //!
 //! A copy from pageable memory (`cuMemcpyHtoDAsync` from a `Vec`) is staged by the driver
-//! itself, one bounce buffer at a time on one thread. Here the host fills one buffer, on every
-//! core for a large tensor, while the DMA engine drains the other: the copy runs at the slower
-//! of the two, not their sum. The 32B shape's 18.4 GB went up in 2.5–3.4 s pageable, 1.4–1.6 s
-//! staged (docs/lab.md, session 35); `DV2_STAGED_UPLOAD=0` takes the pageable copies, as does a
-//! host that cannot page-lock the buffers.
+//! itself, one bounce buffer at a time on one thread. Here the host fills one buffer (on every
+//! core for a large tensor, or by a file's read) while the DMA engine drains the other: the
+//! copy runs at the slower of the two, not their sum. The 32B shape's 18.4 GB went up in
+//! 2.5–3.4 s pageable, 1.4–1.6 s staged (docs/lab.md, session 35); `DV2_STAGED_UPLOAD=0` takes
+//! the pageable copies for the weights, as does a host that cannot page-lock the buffers.
 
 use cudarc::driver::{CudaEvent, CudaSlice, DeviceRepr, PinnedHostSlice};
 
 use super::device::{driver_error, Gpu};
 use crate::error::Result;
 
-/// Bytes of one staging buffer: two of them page-locked for the whole upload.
-const STAGE_BYTES: usize = 32 << 20;
+/// Bytes of one staging buffer of the weights' upload: two of them page-locked for the whole
+/// upload.
+pub const WEIGHT_STAGE_BYTES: usize = 32 << 20;
 
 /// Bytes each thread copies into a buffer (a 32 MiB chunk on 16 threads: 2 MiB each); a
 /// tensor smaller than this is copied by the calling thread alone.
@@ -37,11 +39,12 @@ fn as_bytes<T: Plain>(data: &[T]) -> &[u8] {
     unsafe { std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), std::mem::size_of_val(data)) }
 }
 
-/// The weights' uploads of one model: through the staging buffers, or (`staged` false) each a
-/// pageable copy as [`Gpu::upload`] makes it.
+/// Copies through the staging buffers, or (`staged` false, or the host refused to page-lock
+/// them) each a pageable copy.
 pub struct Staging<'g> {
     gpu: &'g Gpu,
     buffers: Option<Buffers>,
+    stage_bytes: usize,
 }
 
 struct Buffers {
@@ -53,10 +56,12 @@ struct Buffers {
 }
 
 impl<'g> Staging<'g> {
-    pub fn new(gpu: &'g Gpu, staged: bool) -> Result<Self> {
+    /// Two buffers of `stage_bytes` each, page-locked where `staged`.
+    pub fn new(gpu: &'g Gpu, staged: bool, stage_bytes: usize) -> Result<Self> {
         let pinned = || {
-            // SAFETY: the buffer's bytes are written (by `upload`) before any copy reads them.
-            unsafe { gpu.ctx.alloc_pinned::<u8>(STAGE_BYTES) }
+            // SAFETY: the buffer's bytes are written (by `to_device`'s fill) before any copy
+            // reads them, and read (by `from_device`) only after the copy into them is done.
+            unsafe { gpu.ctx.alloc_pinned::<u8>(stage_bytes) }
                 .map_err(driver_error("page-locked staging buffer"))
         };
         let event = || {
@@ -71,24 +76,73 @@ impl<'g> Staging<'g> {
                 next: 0,
             })
         };
-        // A host that cannot page-lock 64 MiB now still loads, by the pageable copies.
+        // A host that cannot page-lock the buffers now still copies, by the pageable copies.
         let buffers = if staged { buffers().ok() } else { None };
-        Ok(Self { gpu, buffers })
+        Ok(Self {
+            gpu,
+            buffers,
+            stage_bytes,
+        })
     }
 
     /// A new device buffer holding `data`, copied in chunks through the staging buffers. The
     /// copies are in flight on the stream when this returns, ordered before anything launched
     /// after it; dropping the staging waits for them.
     pub fn upload<T: Plain>(&mut self, data: &[T]) -> Result<CudaSlice<T>> {
-        let Some(bufs) = self.buffers.as_mut().filter(|_| !data.is_empty()) else {
+        if self.buffers.is_none() || data.is_empty() {
             return self.gpu.upload(data);
-        };
+        }
         // SAFETY: every byte of the allocation is written by the copies below, which the
         // stream orders before any kernel that reads it.
         let dst = unsafe { self.gpu.stream.alloc::<T>(data.len()) }
             .map_err(driver_error("allocation"))?;
-        let base = self.gpu.ptr(&dst);
-        for (i, chunk) in as_bytes(data).chunks(STAGE_BYTES).enumerate() {
+        let bytes = as_bytes(data);
+        let fill = |at: usize, stage: &mut [u8]| {
+            crate::par::copy(stage, &bytes[at..at + stage.len()], PIECE_BYTES);
+            Ok(())
+        };
+        // SAFETY: `dst`, just allocated on this context, holds `bytes.len()` bytes; the caller
+        // owns it from here, and the stream orders the copies before anything it launches.
+        unsafe { self.to_device(self.gpu.ptr(&dst), bytes.len(), fill) }?;
+        Ok(dst)
+    }
+
+    /// Copies `len` bytes to the device memory at `dst`, a buffer at a time: `fill(at, stage)`
+    /// writes the bytes at offset `at` of the `len` into `stage`. With the page-locked buffers
+    /// the copies are in flight on the stream when this returns (dropping the staging waits for
+    /// them); without, each is done before the next fill.
+    ///
+    /// # Safety
+    /// `dst .. dst + len` is device memory of this staging's context that nothing else reads or
+    /// writes until the stream is past the copies, and stays allocated until then.
+    pub unsafe fn to_device(
+        &mut self,
+        dst: u64,
+        len: usize,
+        mut fill: impl FnMut(usize, &mut [u8]) -> Result<()>,
+    ) -> Result<()> {
+        let stream = &self.gpu.stream;
+        let Some(bufs) = self.buffers.as_mut() else {
+            let mut stage = vec![0u8; self.stage_bytes.min(len)];
+            for at in (0..len).step_by(self.stage_bytes) {
+                let stage = &mut stage[..self.stage_bytes.min(len - at)];
+                fill(at, stage)?;
+                // SAFETY: this chunk lies inside the `len` bytes from `dst` (this function's
+                // contract); the stream's synchronize below ends the read of `stage` before it
+                // is filled again.
+                unsafe {
+                    cudarc::driver::result::memcpy_htod_async(
+                        dst + at as u64,
+                        stage,
+                        stream.cu_stream(),
+                    )
+                }
+                .map_err(driver_error("upload"))?;
+                self.gpu.sync()?;
+            }
+            return Ok(());
+        };
+        for at in (0..len).step_by(self.stage_bytes) {
             let b = bufs.next;
             bufs.next ^= 1;
             bufs.drained[b]
@@ -96,23 +150,68 @@ impl<'g> Staging<'g> {
                 .map_err(driver_error("staging wait"))?;
             let stage = &mut bufs.pinned[b]
                 .as_mut_slice()
-                .map_err(driver_error("staging buffer"))?[..chunk.len()];
-            crate::par::copy(stage, chunk, PIECE_BYTES);
-            // SAFETY: `dst` holds `data`'s bytes from `base`, this chunk at its offset; the
-            // staged bytes stay unwritten until `drained[b]`, recorded after this copy, fires.
+                .map_err(driver_error("staging buffer"))?[..self.stage_bytes.min(len - at)];
+            fill(at, stage)?;
+            // SAFETY: this chunk lies inside the `len` bytes from `dst` (this function's
+            // contract); the staged bytes stay unwritten until `drained[b]`, recorded after
+            // this copy, fires.
             unsafe {
                 cudarc::driver::result::memcpy_htod_async(
-                    base + (i * STAGE_BYTES) as u64,
-                    stage,
-                    self.gpu.stream.cu_stream(),
+                    dst + at as u64,
+                    &*stage,
+                    stream.cu_stream(),
                 )
             }
             .map_err(driver_error("upload"))?;
             bufs.drained[b]
-                .record(&self.gpu.stream)
+                .record(stream)
                 .map_err(driver_error("staging event"))?;
         }
-        Ok(dst)
+        Ok(())
+    }
+
+    /// Copies `len` bytes of the device memory at `src` to the host, a buffer at a time, after
+    /// everything on the stream before it: `take(stage)` is given each chunk in order once it
+    /// has arrived.
+    ///
+    /// # Safety
+    /// `src .. src + len` is device memory of this staging's context, allocated until this
+    /// returns.
+    pub unsafe fn from_device(
+        &mut self,
+        src: u64,
+        len: usize,
+        mut take: impl FnMut(&[u8]) -> Result<()>,
+    ) -> Result<()> {
+        let mut pageable = Vec::new();
+        for at in (0..len).step_by(self.stage_bytes) {
+            let size = self.stage_bytes.min(len - at);
+            // An upload's copy out of the page-locked buffer is earlier on the same stream:
+            // it has read the buffer before this copy writes it.
+            let stage: &mut [u8] = match self.buffers.as_mut() {
+                Some(bufs) => &mut bufs.pinned[0]
+                    .as_mut_slice()
+                    .map_err(driver_error("staging buffer"))?[..size],
+                None => {
+                    pageable.resize(size, 0);
+                    &mut pageable[..]
+                }
+            };
+            // SAFETY: this chunk lies inside the `len` bytes from `src` (this function's
+            // contract); the stream's synchronize below ends the copy into `stage` before it
+            // is read.
+            unsafe {
+                cudarc::driver::result::memcpy_dtoh_async(
+                    &mut *stage,
+                    src + at as u64,
+                    self.gpu.stream.cu_stream(),
+                )
+            }
+            .map_err(driver_error("download"))?;
+            self.gpu.sync()?;
+            take(stage)?;
+        }
+        Ok(())
     }
 }
 

@@ -25,7 +25,7 @@ use crate::error::{Error, Result};
 use crate::model::HostModel;
 use crate::rope::RopeTable;
 use crate::sampling::{LogitBias, Sampling};
-use crate::state::SavedState;
+use crate::state::{StateReader, StateWriter, ValueType};
 
 /// bf16 bit pattern written into the KV guard slots (a NaN no kernel produces).
 const KV_POISON: u16 = 0x7fa5;
@@ -745,12 +745,16 @@ impl Backend for CudaBackend {
         Ok(self.settled_state()?[state::FINISHED] != 0)
     }
 
-    fn save_state(&mut self, len: usize) -> Result<SavedState> {
-        self.saved_state(len)
+    fn kv_value_type(&self) -> ValueType {
+        ValueType::Bf16
     }
 
-    fn load_state(&mut self, state: &SavedState) -> Result<()> {
-        self.load_saved_state(state)
+    fn save_state(&mut self, len: usize, file: &mut StateWriter) -> Result<()> {
+        self.save_state_to(len, file)
+    }
+
+    fn load_state(&mut self, file: &mut StateReader) -> Result<()> {
+        self.load_state_from(file)
     }
 
     fn kv_guard_intact(&mut self) -> Result<bool> {
