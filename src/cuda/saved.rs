@@ -10,9 +10,11 @@ use crate::backend::Backend;
 use crate::error::Result;
 use crate::state::{file_order, Kv, StateReader, StateWriter};
 
-/// Bytes of one staging buffer of a state's copies: past a few MiB the copies run at the
-/// file's speed, and the two page-locked buffers take a few milliseconds to allocate.
-const STATE_STAGE_BYTES: usize = 8 << 20;
+/// Bytes of one staging buffer of a state's copies. Page-locking costs time by the byte, and
+/// each buffer is a synchronization: 2 and 4 MiB loaded an 8k state of the 3B shape in 54-61
+/// ms on an H100, 1 MiB in 56-66, 8 MiB in 59-68 (and a 2k state 20-22 ms against 27), 16 MiB
+/// in 65-71 (docs/lab.md, session 70).
+const STATE_STAGE_BYTES: usize = 4 << 20;
 
 impl CudaBackend {
     /// The device address and the bytes of layer `layer`'s slots 0..n in `kv`'s cache (bf16).
