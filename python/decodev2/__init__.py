@@ -297,7 +297,8 @@ class Engine:
         """Makes the state file at `path` (saved from this model by save_state) the request and
         returns the ids at its positions; nothing is pending, so start(prompt) prefills only
         what the prompt adds to them. A file that is not one, or of another model, raises
-        StateFileError and leaves the request as it was."""
+        StateFileError and leaves the request as it was; one changed or cut short while it is
+        read (after those checks), or a device error, leaves the request reset to position 0."""
         ids = (ctypes.c_int32 * max(self.info.max_seq, 1))()  # a state never holds more
         count = ctypes.c_size_t()
         _check(lib.dv2_state_load_file(self._h, os.fsencode(path), ids, len(ids), ctypes.byref(count)),
