@@ -394,32 +394,44 @@ class Engine:
         if sampling:
             self.set_sampling(**sampling)
         stream = TextStream()
-        next_id = self.start(ids, reuse)
+        first = self.start(ids, reuse)
         room = self.info.max_seq - len(ids)  # steps the KV cache holds after the prompt
-        ahead = []  # ids a batch decoded past next_id, not yet yielded
-        batch, clock = 1, time.perf_counter()
-        for n in range(max_tokens):
-            # next_id is the last id decoded when nothing is ahead: finished says it was EOS
-            # (a batch stops at EOS, so no id ahead of one is).
-            if (not ahead and self.finished()) or self._ends(next_id):
-                break
+        for next_id in self.decoded(first, min(max_tokens, room + 1)):
             stopped = stops.add(stream.push(self.piece(next_id)))
             text = stops.release(final=stopped)
             if text:
                 yield text
             if stopped:
                 return
-            if not ahead:
-                # n steps have run: the wanted ids left and the room left for them.
-                wanted = min(max_tokens - n - 1, room - n)
-                if wanted <= 0:
-                    break
-                ahead = self.step_n(min(batch, wanted))
-                batch, clock = next_batch(len(ahead), clock)
-            next_id = ahead.pop(0)
         text = stops.release(final=True)
         if text:
             yield text
+
+    def decoded(self, first, limit, each_step=False):
+        """Yields the ids a request decodes: `first` (the id start() or prefill() chose), then
+        the ids after it, `limit` at most, ending before the model's end of generation (the
+        engine's EOS id, or any id the model file counts as one). Decodes in dv2_step_n
+        batches of about BURST_S seconds (the host out of the token loop), or a dv2_step per
+        id where each_step (a caller that reads each id's logits before the next step). The
+        next step runs only when the caller asks for the next id, so a caller that stops
+        early leaves no step run past it but a batch's."""
+        next_id, ahead = first, []  # ahead: ids a batch decoded past next_id, not yet yielded
+        batch, clock = 1, time.perf_counter()
+        for n in range(limit):
+            # next_id is the last id decoded when nothing is ahead: finished says it was EOS
+            # (a batch stops at EOS, so no id ahead of one is).
+            if (not ahead and self.finished()) or self._ends(next_id):
+                return
+            yield next_id
+            if n + 1 == limit:
+                return
+            if each_step:
+                next_id = self.step()
+                continue
+            if not ahead:
+                ahead = self.step_n(min(batch, limit - n - 1))
+                batch, clock = next_batch(len(ahead), clock)
+            next_id = ahead.pop(0)
 
     def _ends(self, token_id):
         """Whether token_id ends a generation (the model file's end-of-generation ids; none

@@ -34,7 +34,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from . import Dv2Error, Engine, StopText, TextStream, next_batch
+from . import Dv2Error, Engine, StopText, TextStream
 
 MAX_TOP_LOGPROBS = 20
 MAX_CHOICES = 16
@@ -168,8 +168,7 @@ class Generator:
                 raise BadRequest(f"the prompt's {len(ids)} tokens leave no room in max_seq {e.info.max_seq}")
             stream, stops, count = TextStream(), StopText(p["stop"]), 0
             tokens, told = [], 0  # logprob entries, and how many went out
-            next_id = e.start(ids, self.reuse)
-            finish = "length"
+            first = e.start(ids, self.reuse)
 
             def out(text, final=False):
                 """Emits text, the new text stops released, with the tokens that begin in it."""
@@ -179,15 +178,10 @@ class Generator:
                 emit(text, new)
 
             limit = min(p["max_tokens"], room)
-            ahead = []  # ids a dv2_step_n batch decoded past next_id, not yet handled
-            batch, clock = 1, time.perf_counter()
-            while count < limit:
+            # The logprobs read each step's logits: one dv2_step per id where they are asked.
+            for next_id in e.decoded(first, limit, each_step=p["logprobs"] is not None):
                 if gone():
                     finish = "cancelled"
-                    break
-                # next_id is the last id decoded when nothing is ahead: finished says it ended.
-                if not ahead and e.finished():
-                    finish = "stop"
                     break
                 piece = e.piece(next_id)
                 if p["logprobs"] is not None:
@@ -203,15 +197,9 @@ class Generator:
                 text = stops.release()
                 if text:
                     out(text)
-                if count == limit:
-                    break
-                if p["logprobs"] is not None:
-                    next_id = e.step()  # the logprobs read each step's logits
-                else:
-                    if not ahead:
-                        ahead = e.step_n(min(batch, limit - count))
-                        batch, clock = next_batch(len(ahead), clock)
-                    next_id = ahead.pop(0)
+            else:
+                # The ids ran out: at the model's end of generation, or at the limit.
+                finish = "stop" if count < limit else "length"
             text = stops.release(final=True)
             if text or len(tokens) > told:
                 out(text, final=True)

@@ -114,6 +114,13 @@ forced = [client.completions.create(**ask | {"temperature": t}, logit_bias={str(
 print("logit_bias:", repr(plain), repr(banned), forced)
 assert plain.startswith(" Paris") and not banned.startswith(" Paris"), (plain, banned)
 assert forced == [words.piece(banana).decode() * 4] * 2, forced
+# An end of generation that is not the engine's EOS id (SmolLM2's <|endoftext|>: the server
+# stops at <|im_end|>) ends the completion too, with nothing of it in the text.
+ends = [i for i in range(8) if words.is_eog(i) and i != words.special("eos")]
+if ends:
+    ended = client.completions.create(**ask, logit_bias={str(ends[0]): 100}).choices[0]
+    print("other end of generation:", ends[0], repr(ended.text), ended.finish_reason)
+    assert (ended.text, ended.finish_reason) == ("", "stop"), ended
 words.close()
 
 scored = client.chat.completions.create(
