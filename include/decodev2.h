@@ -303,6 +303,36 @@ enum dv2_status dv2_state_load_file(struct dv2_engine *engine,
                                     size_t cap,
                                     size_t *out_n);
 
+// Writes the current request's state to `buf[0 .. *out_bytes]`: the bytes dv2_state_save_file
+// writes into its file, for a host that keeps states in memory (a cache of conversations)
+// and loads them with dv2_state_load_data, or writes them to a file that dv2_state_load_file
+// reads. When `cap` is too small: DV2_ERR_BUFFER_TOO_SMALL with the bytes needed in
+// `*out_bytes` and nothing written (call with `cap` = 0 and `buf` = NULL to ask; the size
+// grows by the same count of bytes with each position). The request is unchanged. Errors:
+// DV2_ERR_NULL_POINTER (`out_bytes`, or `buf` where `cap` holds the state), DV2_ERR_CUDA.
+//
+// # Safety
+// `engine` is NULL or a live handle; `buf` NULL or writable for `cap` bytes; `out_bytes`
+// writable.
+enum dv2_status dv2_state_save_data(struct dv2_engine *engine,
+                                    uint8_t *buf,
+                                    size_t cap,
+                                    size_t *out_bytes);
+
+// dv2_state_load_file on a state in memory, `data[0 .. len]` (what dv2_state_save_data wrote,
+// or a state file's contents): the same results, and the same errors but DV2_ERR_IO;
+// DV2_ERR_NULL_POINTER for `data` or `out_n`.
+//
+// # Safety
+// `engine` is NULL or a live handle; `data` NULL or readable for `len` bytes; `out_ids` has
+// room for `cap` int32_t; `out_n` writable.
+enum dv2_status dv2_state_load_data(struct dv2_engine *engine,
+                                    const uint8_t *data,
+                                    size_t len,
+                                    int32_t *out_ids,
+                                    size_t cap,
+                                    size_t *out_n);
+
 // Feeds `n_ids` prompt ids from the current position (teacher-forced) and computes the
 // next token (greedy, or sampled under dv2_set_sampling), written to `*out_next` when `out_next` is not NULL. Consecutive calls
 // append. Errors (handle unchanged): DV2_ERR_NULL_POINTER (ids), DV2_ERR_INVALID_ARGUMENT

@@ -36,10 +36,10 @@ pub trait Backend: Send {
     fn kv_value_type(&self) -> ValueType;
     /// Writes the ids at positions 0..`len` (at most the position) and then their KV slots, in
     /// [`crate::state::file_order`], to `file`; the state is unchanged.
-    fn save_state(&mut self, len: usize, file: &mut StateWriter) -> Result<()>;
+    fn save_state(&mut self, len: usize, file: &mut StateWriter<'_>) -> Result<()>;
     /// Reads `file`'s ids and KV slots into positions 0..n (n = its ids, at most max_seq, the
     /// file checked against the model), then [`Self::rewind`]s to n: a prefill comes next.
-    fn load_state(&mut self, file: &mut StateReader) -> Result<()>;
+    fn load_state(&mut self, file: &mut StateReader<'_>) -> Result<()>;
     /// Diagnostic: true while nothing was written past the last KV slot (backends with a
     /// guard region check it; others have nothing to check).
     fn kv_guard_intact(&mut self) -> Result<bool> {

@@ -134,7 +134,7 @@ impl Backend for CpuBackend {
         ValueType::F32
     }
 
-    fn save_state(&mut self, len: usize, file: &mut StateWriter) -> Result<()> {
+    fn save_state(&mut self, len: usize, file: &mut StateWriter<'_>) -> Result<()> {
         file.write_ids(&self.history[..len])?;
         for (kv, layer) in file_order(self.model.spec.n_layers) {
             file.write_f32s(self.kv.layer_prefix(kv, layer, len))?;
@@ -142,7 +142,7 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn load_state(&mut self, file: &mut StateReader) -> Result<()> {
+    fn load_state(&mut self, file: &mut StateReader<'_>) -> Result<()> {
         let n = file.ids().len();
         for (kv, layer) in file_order(self.model.spec.n_layers) {
             file.read_f32s(self.kv.layer_prefix_mut(kv, layer, n))?;

@@ -314,24 +314,60 @@ impl Engine {
     /// id (the last one chosen) is not part of it. Returns the count of positions saved. The
     /// request is unchanged; a failed save leaves any earlier file at `path` whole.
     pub fn save_state(&mut self, path: &std::path::Path) -> Result<usize> {
+        let (len, value_type) = (self.position, self.backend.kv_value_type());
+        let file = StateWriter::create(path, &self.spec, self.fingerprint, value_type, len)?;
+        self.save_into(file)
+    }
+
+    /// Bytes [`Self::save_state_bytes`] writes now: the size of the file [`Self::save_state`]
+    /// would write.
+    pub fn state_size(&self) -> usize {
+        state::state_bytes(&self.spec, self.position, self.backend.kv_value_type()) as usize
+    }
+
+    /// [`Self::save_state`] into `out`, the same bytes as the file: returns their count
+    /// ([`Self::state_size`]), at the start of `out`; `out` too small is
+    /// [`Error::BufferTooSmall`] with nothing written.
+    pub fn save_state_bytes(&mut self, out: &mut [u8]) -> Result<usize> {
+        let size = self.state_size();
+        let Some(out) = out.get_mut(..size) else {
+            return Err(Error::BufferTooSmall(format!(
+                "the state takes {size} bytes, capacity {}",
+                out.len()
+            )));
+        };
+        let (len, value_type) = (self.position, self.backend.kv_value_type());
+        let buf = StateWriter::in_memory(out, &self.spec, self.fingerprint, value_type, len)?;
+        self.save_into(buf)?;
+        Ok(size)
+    }
+
+    fn save_into(&mut self, mut to: StateWriter<'_>) -> Result<usize> {
         let len = self.position;
-        let value_type = self.backend.kv_value_type();
-        let mut file = StateWriter::create(path, &self.spec, self.fingerprint, value_type, len)?;
-        self.run(|b| b.save_state(len, &mut file))?;
-        file.finish()?;
+        self.run(|b| b.save_state(len, &mut to))?;
+        to.finish()?;
         Ok(len)
+    }
+
+    /// What a state must match to load into this engine.
+    fn expected_state(&self) -> state::Expected<'_> {
+        state::Expected {
+            spec: &self.spec,
+            fingerprint: self.fingerprint,
+            max_seq: self.max_seq,
+        }
     }
 
     /// Opens a state file [`Self::save_state`] wrote from this model (the same weights; any
     /// backend and max_seq) and checks it against this engine, its ids read; the engine is
     /// unchanged.
-    pub fn open_state(&self, path: &std::path::Path) -> Result<StateReader> {
-        let expected = state::Expected {
-            spec: &self.spec,
-            fingerprint: self.fingerprint,
-            max_seq: self.max_seq,
-        };
-        StateReader::open(path, &expected)
+    pub fn open_state(&self, path: &std::path::Path) -> Result<StateReader<'static>> {
+        StateReader::open(path, &self.expected_state())
+    }
+
+    /// [`Self::open_state`] on a state's bytes ([`Self::save_state_bytes`], or a file's).
+    pub fn open_state_bytes<'b>(&self, bytes: &'b [u8]) -> Result<StateReader<'b>> {
+        StateReader::from_bytes(bytes, &self.expected_state())
     }
 
     /// [`Self::open_state`], then [`Self::restore_state`]; returns the ids at the positions
@@ -348,7 +384,7 @@ impl Engine {
     /// one. A file opened by another model's engine is refused with the engine unchanged; an
     /// error while the slots are written (the file's read or the device) leaves the engine at
     /// position 0.
-    pub fn restore_state(&mut self, file: &mut StateReader) -> Result<()> {
+    pub fn restore_state(&mut self, file: &mut StateReader<'_>) -> Result<()> {
         let n = file.ids().len();
         if file.fingerprint() != self.fingerprint || n > self.max_seq {
             return Err(Error::InvalidArgument(format!(

@@ -724,13 +724,99 @@ pub unsafe extern "C" fn dv2_state_load_file(
         with_engine(engine, |e| {
             require(out_n, "out_n")?;
             let path = c_str(path, "path")?;
-            let mut file = e.open_state(std::path::Path::new(path))?;
-            let ids: Vec<i32> = file.ids().iter().map(|&id| id as i32).collect();
-            // Too small a buffer loads nothing: copy_out reports the count needed.
-            if ids.len() <= cap {
-                e.restore_state(&mut file)?;
+            let file = e.open_state(std::path::Path::new(path))?;
+            restore_opened(e, file, out_ids, cap, out_n)
+        })
+    }
+}
+
+/// Makes an opened state the request and writes its ids out, as dv2_state_load_file and
+/// dv2_state_load_data do: a `cap` too small for them loads nothing.
+///
+/// # Safety
+/// As [`copy_out`]'s.
+unsafe fn restore_opened(
+    e: &mut Engine,
+    mut state: crate::state::StateReader<'_>,
+    out_ids: *mut i32,
+    cap: usize,
+    out_n: *mut usize,
+) -> Result<()> {
+    let ids: Vec<i32> = state.ids().iter().map(|&id| id as i32).collect();
+    if ids.len() <= cap {
+        e.restore_state(&mut state)?;
+    }
+    // SAFETY: forwarded contract.
+    unsafe { copy_out(&ids, out_ids, cap, out_n) }
+}
+
+/// Writes the current request's state to `buf[0 .. *out_bytes]`: the bytes dv2_state_save_file
+/// writes into its file, for a host that keeps states in memory (a cache of conversations)
+/// and loads them with dv2_state_load_data, or writes them to a file that dv2_state_load_file
+/// reads. When `cap` is too small: DV2_ERR_BUFFER_TOO_SMALL with the bytes needed in
+/// `*out_bytes` and nothing written (call with `cap` = 0 and `buf` = NULL to ask; the size
+/// grows by the same count of bytes with each position). The request is unchanged. Errors:
+/// DV2_ERR_NULL_POINTER (`out_bytes`, or `buf` where `cap` holds the state), DV2_ERR_CUDA.
+///
+/// # Safety
+/// `engine` is NULL or a live handle; `buf` NULL or writable for `cap` bytes; `out_bytes`
+/// writable.
+#[no_mangle]
+pub unsafe extern "C" fn dv2_state_save_data(
+    engine: *mut dv2_engine,
+    buf: *mut u8,
+    cap: usize,
+    out_bytes: *mut usize,
+) -> dv2_status {
+    // SAFETY: forwarded contract.
+    unsafe {
+        with_engine(engine, |e| {
+            require(out_bytes, "out_bytes")?;
+            let size = e.state_size();
+            // SAFETY: non-null and writable by contract.
+            out_bytes.write(size);
+            if size > cap {
+                return Err(Error::BufferTooSmall(format!(
+                    "the state takes {size} bytes, capacity {cap}"
+                )));
             }
-            copy_out(&ids, out_ids, cap, out_n)
+            require(buf, "buf")?;
+            // SAFETY: non-null and writable for `cap` >= `size` bytes by contract (`size` is
+            // a state's length in host memory: it fits isize).
+            let out = std::slice::from_raw_parts_mut(buf, size);
+            e.save_state_bytes(out).map(drop)
+        })
+    }
+}
+
+/// dv2_state_load_file on a state in memory, `data[0 .. len]` (what dv2_state_save_data wrote,
+/// or a state file's contents): the same results, and the same errors but DV2_ERR_IO;
+/// DV2_ERR_NULL_POINTER for `data` or `out_n`.
+///
+/// # Safety
+/// `engine` is NULL or a live handle; `data` NULL or readable for `len` bytes; `out_ids` has
+/// room for `cap` int32_t; `out_n` writable.
+#[no_mangle]
+pub unsafe extern "C" fn dv2_state_load_data(
+    engine: *mut dv2_engine,
+    data: *const u8,
+    len: usize,
+    out_ids: *mut i32,
+    cap: usize,
+    out_n: *mut usize,
+) -> dv2_status {
+    // SAFETY: forwarded contract.
+    unsafe {
+        with_engine(engine, |e| {
+            require(out_n, "out_n")?;
+            require(data, "data")?;
+            if len > isize::MAX as usize {
+                return Err(Error::InvalidArgument(format!("len = {len}")));
+            }
+            // SAFETY: non-null, readable for `len` bytes by contract, `len` within isize.
+            let bytes = std::slice::from_raw_parts(data, len);
+            let state = e.open_state_bytes(bytes)?;
+            restore_opened(e, state, out_ids, cap, out_n)
         })
     }
 }

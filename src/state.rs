@@ -139,23 +139,41 @@ pub struct Expected<'a> {
 /// speed, small enough to stay in cache.
 const IO_CHUNK: usize = 4 << 20;
 
-/// A state file being written: [`StateWriter::create`] writes its header beside `path`, the
-/// backend its ids ([`Self::write_ids`]) and then its values in [`file_order`], and
-/// [`Self::finish`] moves the file over `path`. Dropped before that, it removes what it wrote:
-/// a failed or interrupted save leaves any earlier file at `path` whole.
-pub struct StateWriter {
-    file: File,
-    path: PathBuf,
-    partial: PathBuf,
+/// Bytes of the state of `n` positions of `spec`'s model whose values are `value_type`: what
+/// [`StateWriter`] writes, a state file's length.
+pub fn state_bytes(spec: &ArchSpec, n: usize, value_type: ValueType) -> u64 {
+    // n <= max_seq (an int32) and layers x kv_dim are a model's: no product overflows u64.
+    let values = 2 * (spec.n_layers * spec.kv_dim()) as u64 * n as u64;
+    HEADER_BYTES as u64 + 4 * n as u64 + values * value_type.bytes() as u64
+}
+
+/// A state being written: [`StateWriter::create`] (a file) or [`StateWriter::in_memory`] (a
+/// host's buffer) writes its header, the backend its ids ([`StateWriter::write_ids`]) and then
+/// its values in [`file_order`], and [`StateWriter::finish`] completes it.
+pub struct StateWriter<'a> {
+    sink: Sink<'a>,
     value_type: ValueType,
     n: usize,
     ids_written: bool,
     /// Values still owed.
     left: usize,
-    done: bool,
 }
 
-impl StateWriter {
+enum Sink<'a> {
+    /// A file written beside `path` and moved over it by `finish`; dropped before that, it
+    /// removes what it wrote: a failed or interrupted save leaves any earlier file at `path`
+    /// whole.
+    File {
+        file: File,
+        path: PathBuf,
+        partial: PathBuf,
+        done: bool,
+    },
+    /// A buffer of exactly the state's bytes, filled from `at`.
+    Memory { buf: &'a mut [u8], at: usize },
+}
+
+impl StateWriter<'static> {
     /// Starts the state file of `n` positions of the model `spec` (fingerprint `fingerprint`)
     /// whose KV values are `value_type`.
     pub fn create(
@@ -167,15 +185,54 @@ impl StateWriter {
     ) -> Result<Self> {
         let partial = partial_path(path);
         let file = File::create(&partial).map_err(|e| write_error(path, e))?;
-        let mut w = Self {
+        let sink = Sink::File {
             file,
             path: path.to_path_buf(),
             partial,
+            done: false,
+        };
+        Self::start(sink, spec, fingerprint, value_type, n)
+    }
+}
+
+impl<'a> StateWriter<'a> {
+    /// [`Self::create`] into `buf`, whose length is [`state_bytes`] of the state.
+    pub fn in_memory(
+        buf: &'a mut [u8],
+        spec: &ArchSpec,
+        fingerprint: u64,
+        value_type: ValueType,
+        n: usize,
+    ) -> Result<Self> {
+        let want = state_bytes(spec, n, value_type);
+        if buf.len() as u64 != want {
+            return Err(Error::Internal(format!(
+                "a state of {want} bytes given a buffer of {}",
+                buf.len()
+            )));
+        }
+        Self::start(
+            Sink::Memory { buf, at: 0 },
+            spec,
+            fingerprint,
+            value_type,
+            n,
+        )
+    }
+
+    fn start(
+        sink: Sink<'a>,
+        spec: &ArchSpec,
+        fingerprint: u64,
+        value_type: ValueType,
+        n: usize,
+    ) -> Result<Self> {
+        let mut w = Self {
+            sink,
             value_type,
             n,
             ids_written: false,
             left: 2 * spec.n_layers * n * spec.kv_dim(),
-            done: false,
         };
         let mut header = Vec::with_capacity(HEADER_BYTES);
         header.extend_from_slice(MAGIC);
@@ -190,9 +247,19 @@ impl StateWriter {
     }
 
     fn write(&mut self, bytes: &[u8]) -> Result<()> {
-        self.file
-            .write_all(bytes)
-            .map_err(|e| write_error(&self.path, e))
+        match &mut self.sink {
+            Sink::File { file, path, .. } => {
+                file.write_all(bytes).map_err(|e| write_error(path, e))
+            }
+            Sink::Memory { buf, at } => {
+                let to = buf
+                    .get_mut(*at..*at + bytes.len())
+                    .ok_or_else(|| Error::Internal("a state wrote past its buffer".into()))?;
+                to.copy_from_slice(bytes);
+                *at += bytes.len();
+                Ok(())
+            }
+        }
     }
 
     /// The ids at positions 0..n, first.
@@ -242,32 +309,52 @@ impl StateWriter {
         self.write(bytes)
     }
 
-    /// Flushes the file to the disk and moves it over `path`, once every value is written.
+    /// Completes the state once every value is written: a file is flushed to the disk and
+    /// moved over its path.
     pub fn finish(mut self) -> Result<()> {
         if !self.ids_written || self.left != 0 {
             return Err(Error::Internal(format!(
-                "a state file finished with {} values unsaved (ids saved: {})",
+                "a state finished with {} values unsaved (ids saved: {})",
                 self.left, self.ids_written
             )));
         }
-        self.file
-            .sync_all()
-            .map_err(|e| write_error(&self.path, e))?;
-        std::fs::rename(&self.partial, &self.path).map_err(|e| {
-            Error::Io(format!(
-                "cannot move the written state into place at {}: {e}",
-                self.path.display()
-            ))
-        })?;
-        self.done = true;
+        match &mut self.sink {
+            Sink::File {
+                file,
+                path,
+                partial,
+                done,
+            } => {
+                file.sync_all().map_err(|e| write_error(path, e))?;
+                std::fs::rename(&*partial, &*path).map_err(|e| {
+                    Error::Io(format!(
+                        "cannot move the written state into place at {}: {e}",
+                        path.display()
+                    ))
+                })?;
+                *done = true;
+            }
+            Sink::Memory { buf, at } if *at != buf.len() => {
+                return Err(Error::Internal(format!(
+                    "a state filled {at} of its {} bytes",
+                    buf.len()
+                )));
+            }
+            Sink::Memory { .. } => {}
+        }
         Ok(())
     }
 }
 
-impl Drop for StateWriter {
+impl Drop for Sink<'_> {
     fn drop(&mut self) {
-        if !self.done {
-            let _ = std::fs::remove_file(&self.partial);
+        if let Sink::File {
+            partial,
+            done: false,
+            ..
+        } = self
+        {
+            let _ = std::fs::remove_file(partial);
         }
     }
 }
@@ -287,11 +374,13 @@ fn partial_path(path: &Path) -> PathBuf {
     path.with_file_name(name)
 }
 
-/// A state file opened and checked, its ids read ([`StateReader::open`]); its values are read
-/// next, in [`file_order`], by the backend they load into.
-pub struct StateReader {
-    file: File,
-    path: PathBuf,
+/// A state opened and checked, its ids read ([`StateReader::open`] from a file,
+/// [`StateReader::from_bytes`] from memory); its values are read next, in [`file_order`], by
+/// the backend they load into.
+pub struct StateReader<'a> {
+    source: Box<dyn Read + 'a>,
+    /// The file's path, or what the bytes are, for messages.
+    name: String,
     ids: Vec<u32>,
     value_type: ValueType,
     fingerprint: u64,
@@ -301,31 +390,48 @@ pub struct StateReader {
     scratch: Vec<u8>,
 }
 
-impl StateReader {
+impl StateReader<'static> {
     /// Opens a state file and checks it against `expected` before anything is allocated for
     /// its values: the magic and version, the model (fingerprint, layers, KV width), the count
     /// of ids against the engine's capacity and against the file's length, every id against
     /// the vocabulary.
     pub fn open(path: &Path, expected: &Expected) -> Result<Self> {
-        let mut file = File::open(path).map_err(|e| {
+        let file = File::open(path).map_err(|e| {
             Error::Io(format!(
                 "cannot open the state file {}: {e}",
                 path.display()
             ))
         })?;
-        let file_len = file
+        let len = file
             .metadata()
             .map_err(|e| Error::Io(format!("cannot stat {}: {e}", path.display())))?
             .len();
-        let bad = |why: String| Error::StateFile(format!("{}: {why}", path.display()));
+        Self::new(Box::new(file), len, path.display().to_string(), expected)
+    }
+}
+
+impl<'a> StateReader<'a> {
+    /// [`Self::open`] on a state's bytes in memory (what [`StateWriter::in_memory`] wrote).
+    pub fn from_bytes(bytes: &'a [u8], expected: &Expected) -> Result<Self> {
+        let len = bytes.len() as u64;
+        Self::new(Box::new(bytes), len, "the state's bytes".into(), expected)
+    }
+
+    fn new(
+        mut source: Box<dyn Read + 'a>,
+        len: u64,
+        name: String,
+        expected: &Expected,
+    ) -> Result<Self> {
+        let bad = |why: String| Error::StateFile(format!("{name}: {why}"));
         let mut header = [0u8; HEADER_BYTES];
-        file.read_exact(&mut header).map_err(|_| {
+        source.read_exact(&mut header).map_err(|_| {
             bad(format!(
-                "{file_len} bytes, shorter than a state file's {HEADER_BYTES}-byte header"
+                "{len} bytes, shorter than a state's {HEADER_BYTES}-byte header"
             ))
         })?;
         if &header[..8] != MAGIC {
-            return Err(bad("not a decodev2 state file (no DV2STATE magic)".into()));
+            return Err(bad("not a decodev2 state (no DV2STATE magic)".into()));
         }
         let u32_at = |at: usize| u32::from_le_bytes(header[at..at + 4].try_into().unwrap());
         let u64_at = |at: usize| u64::from_le_bytes(header[at..at + 8].try_into().unwrap());
@@ -356,23 +462,21 @@ impl StateReader {
         }
         if n > expected.max_seq as u64 {
             return Err(Error::SequenceFull(format!(
-                "the state file {} holds {n} positions; this engine's max_seq is {}",
-                path.display(),
+                "{name} holds {n} positions; this engine's max_seq is {}",
                 expected.max_seq
             )));
         }
         let n = n as usize;
-        // n <= max_seq (an int32) and layers x kv_dim are the model's: no product overflows u64.
-        let values = 2 * (layers * n * kv_dim) as u64;
-        let want = HEADER_BYTES as u64 + 4 * n as u64 + values * value_type.bytes() as u64;
-        if file_len != want {
+        let want = state_bytes(spec, n, value_type);
+        if len != want {
             return Err(bad(format!(
-                "{file_len} bytes; {n} positions of this model take {want} (truncated or extended)"
+                "{len} bytes; {n} positions of this model take {want} (truncated or extended)"
             )));
         }
-        let mut id_bytes = crate::error::host_buffer::<u8>(4 * n, "a state file's ids")?;
-        file.read_exact(&mut id_bytes)
-            .map_err(|e| read_error(path, e))?;
+        let mut id_bytes = crate::error::host_buffer::<u8>(4 * n, "a state's ids")?;
+        source
+            .read_exact(&mut id_bytes)
+            .map_err(|e| read_error(&name, e))?;
         let ids: Vec<u32> = id_bytes
             .chunks_exact(4)
             .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
@@ -388,12 +492,12 @@ impl StateReader {
             )));
         }
         Ok(Self {
-            file,
-            path: path.to_path_buf(),
+            source,
+            name,
             ids,
             value_type,
             fingerprint,
-            left: values as usize,
+            left: 2 * layers * n * kv_dim,
             scratch: Vec::new(),
         })
     }
@@ -403,12 +507,12 @@ impl StateReader {
         &self.ids
     }
 
-    /// The fingerprint of the model that saved the file (the one it was opened against).
+    /// The fingerprint of the model that saved the state (the one it was opened against).
     pub fn fingerprint(&self) -> u64 {
         self.fingerprint
     }
 
-    /// The type of the file's values.
+    /// The type of the state's values.
     pub fn value_type(&self) -> ValueType {
         self.value_type
     }
@@ -418,12 +522,12 @@ impl StateReader {
         self.left
     }
 
-    /// Reads the next `count` values' bytes into `out` (`out` of `count` × the file's value
+    /// Reads the next `count` values' bytes into `out` (`out` of `count` × the state's value
     /// size) or into the scratch buffer (`out` None).
     fn read_next(&mut self, count: usize, out: Option<&mut [u8]>) -> Result<()> {
         if count > self.left {
             return Err(Error::Internal(format!(
-                "a backend asked for {count} values of a state file with {} left",
+                "a backend asked for {count} values of a state with {} left",
                 self.left
             )));
         }
@@ -435,9 +539,9 @@ impl StateReader {
                 &mut self.scratch[..]
             }
         };
-        self.file
+        self.source
             .read_exact(&mut out[..bytes])
-            .map_err(|e| read_error(&self.path, e))?;
+            .map_err(|e| read_error(&self.name, e))?;
         self.left -= count;
         Ok(())
     }
@@ -483,14 +587,11 @@ impl StateReader {
     }
 }
 
-fn read_error(path: &Path, e: std::io::Error) -> Error {
+fn read_error(name: &str, e: std::io::Error) -> Error {
     if e.kind() == std::io::ErrorKind::UnexpectedEof {
-        Error::StateFile(format!("{}: cut short while it was read", path.display()))
+        Error::StateFile(format!("{name}: cut short while it was read"))
     } else {
-        Error::Io(format!(
-            "cannot read the state file {}: {e}",
-            path.display()
-        ))
+        Error::Io(format!("cannot read the state file {name}: {e}"))
     }
 }
 
@@ -508,19 +609,19 @@ mod tests {
         (0..len).map(|i| (i % 1000) as f32 * 0.25 - 3.0).collect()
     }
 
-    /// Saves `n` positions of [`values`] as f32, a layer at a time as a backend does.
-    fn save(path: &Path, spec: &ArchSpec, fingerprint: u64, n: usize) {
-        let mut w = StateWriter::create(path, spec, fingerprint, ValueType::F32, n).unwrap();
-        w.write_ids(
-            &(0..n as u32)
-                .map(|i| i * 7 % spec.vocab as u32)
-                .collect::<Vec<_>>(),
-        )
-        .unwrap();
+    /// Writes `n` positions of [`values`] as f32 to `w`, a layer at a time as a backend does.
+    fn fill(mut w: StateWriter, spec: &ArchSpec, n: usize) {
+        let ids: Vec<u32> = (0..n as u32).map(|i| i * 7 % spec.vocab as u32).collect();
+        w.write_ids(&ids).unwrap();
         for layer in values(spec, n).chunks(n * spec.kv_dim()) {
             w.write_f32s(layer).unwrap();
         }
         w.finish().unwrap();
+    }
+
+    fn save(path: &Path, spec: &ArchSpec, fingerprint: u64, n: usize) {
+        let w = StateWriter::create(path, spec, fingerprint, ValueType::F32, n).unwrap();
+        fill(w, spec, n);
     }
 
     fn expected(spec: &ArchSpec, fingerprint: u64, max_seq: usize) -> Expected<'_> {
@@ -590,6 +691,24 @@ mod tests {
         }
         assert_eq!(back, values(&spec, 5));
         assert!(matches!(r.read_f32s(&mut [0.0]), Err(Error::Internal(_))));
+        // In memory: the file's bytes, read back the same way; a buffer of another size refused.
+        let file_bytes = std::fs::read(&path).unwrap();
+        let mut memory = vec![0u8; state_bytes(&spec, 5, ValueType::F32) as usize];
+        fill(
+            StateWriter::in_memory(&mut memory, &spec, 42, ValueType::F32, 5).unwrap(),
+            &spec,
+            5,
+        );
+        assert_eq!(memory, file_bytes);
+        let mut r = StateReader::from_bytes(&memory, &expected).unwrap();
+        let mut again = vec![0f32; r.values_left()];
+        r.read_f32s(&mut again).unwrap();
+        assert_eq!(again, back);
+        let mut short = vec![0u8; memory.len() - 1];
+        let err = StateWriter::in_memory(&mut short, &spec, 42, ValueType::F32, 5).err();
+        assert!(matches!(err, Some(Error::Internal(_))));
+        let err = StateReader::from_bytes(&memory[..memory.len() - 1], &expected).err();
+        assert!(matches!(err, Some(Error::StateFile(_))));
         let other = Expected {
             fingerprint: 43,
             ..expected

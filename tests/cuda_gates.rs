@@ -592,7 +592,8 @@ fn a_logit_bias_steers_the_draw_on_the_device() {
 /// continues bit for bit as the first does from the same position (the slots' bf16 bits and
 /// the penalties' history come back). A state saved on the CPU loads on the device (its f32
 /// keys and values rounded to bf16), and the device's on the CPU: each continues within the
-/// logit cap of the backend that saved it.
+/// logit cap of the backend that saved it. A state loaded from memory and saved again is the
+/// file's bytes.
 #[test]
 fn a_saved_state_moves_between_engines_and_backends() {
     const CAP: f32 = 0.05;
@@ -609,6 +610,22 @@ fn a_saved_state_moves_between_engines_and_backends() {
     assert_eq!(got.held, want.held);
     assert_eq!(got.logits, want.logits);
     assert_eq!(got.ids, want.ids);
+    // Saved again from memory (the device's save through its staging buffers): the file's
+    // bytes; loaded from them, the same continuation.
+    let bytes = std::fs::read(&gpu_path).unwrap();
+    let mut state = gpu.open_state_bytes(&bytes).unwrap();
+    gpu.restore_state(&mut state).unwrap();
+    let mut again = vec![0u8; gpu.state_size()];
+    gpu.save_state_bytes(&mut again).unwrap();
+    assert!(
+        again == bytes,
+        "the device's state saved again differs from its file"
+    );
+    let from_memory = continue_after_load(&mut gpu, pending);
+    assert_eq!(
+        (from_memory.logits, from_memory.ids),
+        (want.logits.clone(), want.ids.clone())
+    );
     let opts = EngineOptions {
         max_seq: 640,
         ..options(BackendKind::Cpu)

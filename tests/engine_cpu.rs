@@ -226,8 +226,24 @@ fn a_loaded_state_continues_the_request_bit_for_bit() {
     let first = state_sampling().choose(&got.logits, &history, history.len());
     assert_eq!(got.ids[0], first);
 
-    let position = fresh.position().unwrap();
+    // The same state from memory: saved again, the file's bytes; continued, the same ids.
     let bytes = std::fs::read(&path).unwrap();
+    let mut from_memory = medium_engine();
+    let mut state = from_memory.open_state_bytes(&bytes).unwrap();
+    from_memory.restore_state(&mut state).unwrap();
+    assert_eq!(from_memory.state_size(), bytes.len());
+    let mut again = vec![0u8; bytes.len() + 9];
+    assert_eq!(
+        from_memory.save_state_bytes(&mut again).unwrap(),
+        bytes.len()
+    );
+    assert_eq!(&again[..bytes.len()], &bytes[..]);
+    let err = from_memory.save_state_bytes(&mut again[..bytes.len() - 1]);
+    assert!(matches!(err, Err(Error::BufferTooSmall(_))), "{err:?}");
+    let cont = continue_after_load(&mut from_memory, pending);
+    assert_eq!((cont.logits, cont.ids), (want.logits, want.ids));
+
+    let position = fresh.position().unwrap();
     let cases: [(&str, Vec<u8>); 2] = [
         ("truncated", bytes[..bytes.len() - 3].to_vec()),
         ("magic", [b"NOTSTATE", &bytes[8..]].concat()),

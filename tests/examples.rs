@@ -274,6 +274,16 @@ held = f.load_state(path)
 assert held == a + decoded[:4], held
 got = [f.start(b)] + f.step_n(5)
 assert got == want and f.reused == len(held), (got, want, f.reused)
+# In memory: the file's bytes, and loaded from them the same continuation.
+data = open(path, "rb").read()
+h = d.Engine.synthetic("medium_llama", seed=1, backend="cpu", max_seq=64)
+assert h.load_state_bytes(data) == held and h.state_bytes() == data
+assert [h.start(b)] + h.step_n(5) == want
+try:
+    h.load_state_bytes(data[:-1])
+    raise AssertionError("a cut state loaded")
+except d.StateFileError as err:
+    assert "truncated" in str(err), err
 g = d.Engine.synthetic("medium_llama", seed=2, backend="cpu", max_seq=64)
 try:
     g.load_state(path)

@@ -1448,6 +1448,7 @@ fn state_files_with_bad_input() {
         .map(|&i| i as i32)
         .collect();
     let (mut ids, mut n, mut next) = (vec![-7i32; 64], 0usize, 0i32);
+    let (mut size, mut memory) = (0usize, Vec::new());
     // SAFETY: valid buffers for the counts given; NULL where a case says.
     unsafe {
         expect(
@@ -1482,6 +1483,48 @@ fn state_files_with_bad_input() {
             "cannot write",
         );
         assert_eq!(dv2_state_save_file(h, path.as_ptr()), DV2_OK);
+        // The same state in memory: its size asked, a buffer a byte short left untouched.
+        expect(
+            dv2_state_save_data(h, null_mut(), 0, null_mut()),
+            DV2_ERR_NULL_POINTER,
+            "out_bytes",
+        );
+        expect(
+            dv2_state_save_data(h, null_mut(), 0, &mut size),
+            DV2_ERR_BUFFER_TOO_SMALL,
+            "capacity 0",
+        );
+        memory.resize(size, 0xa5u8);
+        expect(
+            dv2_state_save_data(h, memory.as_mut_ptr(), size - 1, &mut size),
+            DV2_ERR_BUFFER_TOO_SMALL,
+            "bytes",
+        );
+        assert!(memory.iter().all(|&b| b == 0xa5), "nothing written");
+        expect(
+            dv2_state_save_data(h, null_mut(), size, &mut size),
+            DV2_ERR_NULL_POINTER,
+            "buf",
+        );
+        assert_eq!(
+            dv2_state_save_data(h, memory.as_mut_ptr(), size, &mut size),
+            DV2_OK
+        );
+        expect(
+            dv2_state_load_data(h, null(), size, ids.as_mut_ptr(), 64, &mut n),
+            DV2_ERR_NULL_POINTER,
+            "data",
+        );
+        expect(
+            dv2_state_load_data(h, memory.as_ptr(), size, ids.as_mut_ptr(), 64, null_mut()),
+            DV2_ERR_NULL_POINTER,
+            "out_n",
+        );
+        expect(
+            dv2_state_load_data(h, memory.as_ptr(), usize::MAX, ids.as_mut_ptr(), 64, &mut n),
+            DV2_ERR_INVALID_ARGUMENT,
+            "len",
+        );
         expect(
             dv2_state_load_file(h, bad_c.as_ptr(), ids.as_mut_ptr(), 64, &mut n),
             DV2_ERR_IO,
@@ -1497,6 +1540,7 @@ fn state_files_with_bad_input() {
     }
     let mut position = 0i32;
     let good = std::fs::read(dir.join("ok.dv2state")).unwrap();
+    assert_eq!(memory, good, "the state's bytes are its file's");
     let header = decodev2::state::HEADER_BYTES;
     let mut variants: Vec<Vec<u8>> = (0..good.len()).map(|len| good[..len].to_vec()).collect();
     // Every header bit that matters (magic, version, type, fingerprint, shape, count), and the
@@ -1516,6 +1560,11 @@ fn state_files_with_bad_input() {
             unsafe { dv2_state_load_file(h, bad_c.as_ptr(), ids.as_mut_ptr(), 64, &mut n) };
         assert_ne!(status, DV2_OK, "variant {i} of {} loaded", good.len());
         assert!(!last_error().is_empty(), "variant {i}: no message");
+        // SAFETY: `bytes` readable for its length; valid buffers.
+        let status = unsafe {
+            dv2_state_load_data(h, bytes.as_ptr(), bytes.len(), ids.as_mut_ptr(), 64, &mut n)
+        };
+        assert_ne!(status, DV2_OK, "variant {i} loaded from memory");
         // SAFETY: a live handle and a writable out-pointer.
         assert_eq!(unsafe { dv2_position(h, &mut position) }, DV2_OK);
         assert_eq!(
@@ -1526,17 +1575,22 @@ fn state_files_with_bad_input() {
     }
     // SAFETY: valid buffers.
     unsafe {
-        assert_eq!(dv2_reset(h), DV2_OK);
-        assert_eq!(
-            dv2_state_load_file(h, path.as_ptr(), ids.as_mut_ptr(), 64, &mut n),
-            DV2_OK
-        );
-        assert_eq!(&ids[..n], &prompt[..]);
-        assert_eq!(dv2_position(h, &mut position), DV2_OK);
-        assert_eq!(position as usize, prompt.len());
-        let pending = case.greedy[0] as i32;
-        assert_eq!(dv2_prefill(h, &pending, 1, &mut next), DV2_OK);
-        assert_eq!(next as u32, case.greedy[1], "the loaded request goes on");
+        for from_memory in [false, true] {
+            assert_eq!(dv2_reset(h), DV2_OK);
+            ids.fill(-7);
+            let status = if from_memory {
+                dv2_state_load_data(h, memory.as_ptr(), size, ids.as_mut_ptr(), 64, &mut n)
+            } else {
+                dv2_state_load_file(h, path.as_ptr(), ids.as_mut_ptr(), 64, &mut n)
+            };
+            assert_eq!(status, DV2_OK);
+            assert_eq!(&ids[..n], &prompt[..]);
+            assert_eq!(dv2_position(h, &mut position), DV2_OK);
+            assert_eq!(position as usize, prompt.len());
+            let pending = case.greedy[0] as i32;
+            assert_eq!(dv2_prefill(h, &pending, 1, &mut next), DV2_OK);
+            assert_eq!(next as u32, case.greedy[1], "the loaded request goes on");
+        }
     }
     still_usable(h, &case);
     // SAFETY: a live handle.

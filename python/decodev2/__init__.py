@@ -69,6 +69,9 @@ for name, restype, argtypes in [
     ("dv2_state_save_file", ctypes.c_int, [_P, ctypes.c_char_p]),
     ("dv2_state_load_file", ctypes.c_int, [_P, ctypes.c_char_p, ctypes.POINTER(ctypes.c_int32), ctypes.c_size_t,
                                            ctypes.POINTER(ctypes.c_size_t)]),
+    ("dv2_state_save_data", ctypes.c_int, [_P, ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]),
+    ("dv2_state_load_data", ctypes.c_int, [_P, ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_int32),
+                                           ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]),
     ("dv2_prefill", ctypes.c_int, [_P, _I32P, ctypes.c_size_t, _I32P]),
     ("dv2_step", ctypes.c_int, [_P, _I32P]),
     ("dv2_step_n", ctypes.c_int, [_P, ctypes.c_size_t, _I32P, ctypes.POINTER(ctypes.c_size_t)]),
@@ -299,10 +302,26 @@ class Engine:
         what the prompt adds to them. A file that is not one, or of another model, raises
         StateFileError and leaves the request as it was; one changed or cut short while it is
         read (after those checks), or a device error, leaves the request reset to position 0."""
+        return self._loaded(lambda ids, cap, count: lib.dv2_state_load_file(self._h, os.fsencode(path), ids, cap, count),
+                            "dv2_state_load_file")
+
+    def state_bytes(self):
+        """save_state's file as bytes, kept in memory (a cache of conversations, say) for
+        load_state_bytes; written to a file, load_state reads them."""
+        return self._bytes(lambda buf, cap, count: lib.dv2_state_save_data(self._h, buf, cap, count),
+                           "dv2_state_save_data")
+
+    def load_state_bytes(self, data):
+        """load_state on a state's bytes (state_bytes, or a state file's contents)."""
+        data = bytes(data)
+        return self._loaded(lambda ids, cap, count: lib.dv2_state_load_data(self._h, data, len(data), ids, cap, count),
+                            "dv2_state_load_data")
+
+    def _loaded(self, call, name):
+        """Runs a state load, call(ids, cap, count), and takes its ids as the request's."""
         ids = (ctypes.c_int32 * max(self.info.max_seq, 1))()  # a state never holds more
         count = ctypes.c_size_t()
-        _check(lib.dv2_state_load_file(self._h, os.fsencode(path), ids, len(ids), ctypes.byref(count)),
-               "dv2_state_load_file")
+        _check(call(ids, len(ids), ctypes.byref(count)), name)
         self._fed, self._pending = list(ids[: count.value]), None
         return list(self._fed)
 

@@ -30,7 +30,7 @@ impl CudaBackend {
 
     /// Writes the history's ids at positions 0..len, then their keys and values (bf16), to
     /// `file`.
-    pub(super) fn save_state_to(&mut self, len: usize, file: &mut StateWriter) -> Result<()> {
+    pub(super) fn save_state_to(&mut self, len: usize, file: &mut StateWriter<'_>) -> Result<()> {
         let mut ids = vec![0i32; len];
         if len > 0 {
             self.ops
@@ -56,7 +56,7 @@ impl CudaBackend {
 
     /// Reads `file`'s keys and values (as bf16) into slots 0..n of each layer and its ids into
     /// the history, then rewinds to n.
-    pub(super) fn load_state_from(&mut self, file: &mut StateReader) -> Result<()> {
+    pub(super) fn load_state_from(&mut self, file: &mut StateReader<'_>) -> Result<()> {
         let n = file.ids().len();
         if n > 0 {
             let mut staging =

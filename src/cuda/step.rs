@@ -749,11 +749,11 @@ impl Backend for CudaBackend {
         ValueType::Bf16
     }
 
-    fn save_state(&mut self, len: usize, file: &mut StateWriter) -> Result<()> {
+    fn save_state(&mut self, len: usize, file: &mut StateWriter<'_>) -> Result<()> {
         self.save_state_to(len, file)
     }
 
-    fn load_state(&mut self, file: &mut StateReader) -> Result<()> {
+    fn load_state(&mut self, file: &mut StateReader<'_>) -> Result<()> {
         self.load_state_from(file)
     }
 
