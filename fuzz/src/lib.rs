@@ -336,8 +336,8 @@ fn last_error() -> String {
 /// pointer valid for the room it declares, or NULL), each chosen by a byte (its low 4 bits)
 /// with its arguments from the bytes after it: prefill, step, step_n, logits, logprobs, reset
 /// (rewind where the byte's top bit is set), set_sampling (set_logit_bias where it is), tokenize, detokenize, token_to_piece, chat_apply_template, token_special,
-/// token_is_eog, meta_str, meta_key, and the queries (the state op where bits 4-6 read 4: the
-/// request saved, then loaded back as saved or with a byte changed). A finding (a panic here, which AFL reports
+/// token_is_eog, meta_str, meta_key, and the queries (the state ops where bits 4-6 read 4, a
+/// file, or 5, memory: the request saved, then loaded back as saved or with a byte changed). A finding (a panic here, which AFL reports
 /// as a crash): a call that returns DV2_ERR_INTERNAL (a panic the ABI caught) or an error
 /// without a message, writes past the room it was given, leaves the handle unusable
 /// (dv2_position failing after it) or its position outside 0..=max_seq, or returns ids or
@@ -665,6 +665,38 @@ pub fn abi(target: &AbiTarget, data: &[u8]) {
                     assert!(ids.iter().all(|id| (0..vocab).contains(id)), "ids {ids:?}");
                 }
                 ("dv2_state_load_file", s)
+            }
+            15 if op & 0x70 == 0x50 => {
+                // The state in memory: saved into a guarded room (NULL with none), then loaded
+                // back from the bytes it got, as saved or with a byte changed.
+                let room = if null { 0 } else { args.u16() as usize };
+                let (saved, bytes, size) =
+                    buffer_call("dv2_state_save_data", room, CANARY_BYTE, |out, n| {
+                        let out = if null { std::ptr::null_mut() } else { out };
+                        // SAFETY: `out` NULL (room 0) or room for `room` bytes.
+                        unsafe { ffi::dv2_state_save_data(h, out, room, n) }
+                    });
+                let mut data = bytes.data[..size.min(room)].to_vec();
+                let (at, flip) = (args.u16() as usize, args.u8());
+                if saved == DV2_OK && flip != 0 {
+                    let at = at % data.len();
+                    data[at] ^= flip;
+                }
+                let cap = args.u8() as usize % 48;
+                let (s, out, n) = buffer_call("dv2_state_load_data", cap, -7i32, |out, n| {
+                    // SAFETY: `data` readable for its length; room for `cap` ids.
+                    unsafe { ffi::dv2_state_load_data(h, data.as_ptr(), data.len(), out, cap, n) }
+                });
+                if s == DV2_OK {
+                    assert_eq!(
+                        n as i32, position,
+                        "a state of {n} ids loaded at {position}"
+                    );
+                    check_position(h, position);
+                    let ids = &out.data[..n];
+                    assert!(ids.iter().all(|id| (0..vocab).contains(id)), "ids {ids:?}");
+                }
+                ("dv2_state_load_data", s)
             }
             _ => {
                 let mut info = ffi::dv2_model_info {
