@@ -10,6 +10,7 @@ lives in.
         first = e.prefill([1, 2, 3])
         ids = e.step_n(8)
 """
+import collections
 import ctypes
 import os
 import time
@@ -333,14 +334,15 @@ class Engine:
         how many positions were kept. The kept positions were computed by that request's
         forwards (decode steps, or another prefill's chunks), so on CUDA the logits can differ
         from a fresh prefill's by rounding, and an id chosen at a near-tie with them."""
-        keep = 0
-        if reuse and len(self._fed) == self.position():
-            limit = min(len(self._fed), len(ids) - 1)  # at least one id to prefill
-            while keep < limit and self._fed[keep] == ids[keep]:
-                keep += 1
+        keep = _shared(self.held(), ids) if reuse else 0
         self.rewind(keep)
         self.reused = keep
         return self.prefill(ids[keep:])
+
+    def held(self):
+        """The ids at the engine's positions, as this object fed them (none where a call it did
+        not make moved the engine)."""
+        return list(self._fed) if len(self._fed) == self.position() else []
 
     def prefill(self, ids):
         """Feeds ids from the current position; returns the next id (greedy, or sampled under
@@ -565,6 +567,54 @@ class Engine:
         token_id, = _int32([token_id], "id")
         call = lambda out, cap, n: lib.dv2_token_to_piece(self._h, token_id, out, cap, n)
         return self._bytes(call, "dv2_token_to_piece")
+
+
+def _shared(held, ids):
+    """How many first ids `ids` shares with `held`, leaving at least one of `ids` to prefill."""
+    limit, keep = min(len(held), len(ids) - 1), 0
+    while keep < limit and held[keep] == ids[keep]:
+        keep += 1
+    return keep
+
+
+class StateCache:
+    """Earlier requests' states (Engine.state_bytes) in host memory, up to `limit_bytes`, the least
+    recently used dropped first, so that conversations taking turns on one engine are not
+    prefilled again: Engine.start alone keeps only what the last request left. start() caches
+    what the engine holds before a request replaces most of it (keeps less than half), then
+    begins the request from the cached state it shares the most ids with, where that is
+    MIN_IDS more than the engine holds."""
+
+    MIN_IDS = 32  # fewer ids prefill faster than a state saves and loads
+
+    def __init__(self, limit_bytes):
+        self.limit, self.size = limit_bytes, 0
+        self.entries = collections.OrderedDict()  # ids (a tuple) -> the state's bytes
+
+    def start(self, engine, ids):
+        """Engine.start(ids), from a cached state where one shares more of `ids`."""
+        held = engine.held()
+        keep = _shared(held, ids)
+        if len(held) >= self.MIN_IDS and keep < len(held) // 2:
+            self._put(tuple(held), engine)
+        best = max(self.entries, key=lambda key: _shared(key, ids), default=None)
+        if best is not None and _shared(best, ids) >= keep + self.MIN_IDS:
+            self.entries.move_to_end(best)
+            engine.load_state_bytes(self.entries[best])
+        return engine.start(ids)
+
+    def _put(self, held, engine):
+        if any(key[: len(held)] == held for key in self.entries):
+            return  # a cached state holds these ids and more: it serves whatever this one would
+        data = engine.state_bytes()
+        if len(data) > self.limit:
+            return
+        for key in [key for key in self.entries if held[: len(key)] == key]:
+            self.size -= len(self.entries.pop(key))  # states these ids hold and more replace
+        while self.size + len(data) > self.limit:
+            self.size -= len(self.entries.popitem(last=False)[1])
+        self.entries[held] = data
+        self.size += len(data)
 
 
 class StopText:

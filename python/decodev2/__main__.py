@@ -77,6 +77,9 @@ def main(argv=None):
     p.add_argument("--max-seq", type=int, default=4096)
     p.add_argument("--no-prefix-reuse", dest="reuse", action="store_false",
                    help="prefill every prompt whole, not from where it leaves the last request's ids")
+    p.add_argument("--state-cache", type=int, default=2048, metavar="MIB",
+                   help="host memory for earlier conversations' states, so that conversations taking turns "
+                        "are not prefilled again (0: none)")
     p.add_argument("--api-key", default=os.environ.get("DECODEV2_API_KEY"),
                    help="answer /v1 requests only with 'Authorization: Bearer KEY' (default: $DECODEV2_API_KEY)")
     args = ap.parse_args(argv)
@@ -84,7 +87,7 @@ def main(argv=None):
         from .server import serve
 
         serve(args.model, host=args.host, port=args.port, backend=args.backend, max_seq=args.max_seq,
-              reuse=args.reuse, api_key=args.api_key or None)
+              reuse=args.reuse, api_key=args.api_key or None, state_cache_mib=args.state_cache)
         return 0
     with _engine(args) as e:
         if args.prompt_cache:

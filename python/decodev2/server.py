@@ -11,12 +11,15 @@ extra_body). decodev2 decodes batch 1: requests wait their turn on one lock and 
 at a time in a worker thread; a request whose client leaves stops at its next id. A prompt is
 prefilled from its first id that differs from the ids the last request left in the KV cache
 (Engine.start: a chat's earlier turns, and a choice's prompt after the first choice, are not
-prefilled again; usage.prompt_tokens_details.cached_tokens counts the ids kept), unless
+prefilled again; usage.prompt_tokens_details.cached_tokens counts the ids kept), or from an
+earlier conversation's state kept in host memory (StateCache, up to --state-cache MiB, 2048
+unless given, 0 for none: conversations taking turns are not prefilled again either), unless
 --no-prefix-reuse. A request decodes in dv2_step_n batches of about 20 ms (a step at a time
 where a step takes longer, or where logprobs are asked), whose pieces then stream out one by
 one.
 
     python -m decodev2 serve MODEL [--host 127.0.0.1] [--port 8000] [--backend auto] [--no-prefix-reuse]
+        [--state-cache 2048]
         [--api-key KEY]   # (or DECODEV2_API_KEY) the /v1 routes answer only "Authorization: Bearer KEY"
 
 GET /health answers {"status": "ok"} once the model is loaded (no key needed).
@@ -34,7 +37,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from . import Dv2Error, Engine, StopText, TextStream
+from . import Dv2Error, Engine, StateCache, StopText, TextStream
 
 MAX_TOP_LOGPROBS = 20
 MAX_CHOICES = 16
@@ -66,8 +69,9 @@ def _number(body, name, default, low, high, kind=float):
 class Generator:
     """One engine, one request at a time."""
 
-    def __init__(self, engine, name, reuse=True):
+    def __init__(self, engine, name, reuse=True, state_cache_mib=2048):
         self.engine, self.name, self.reuse = engine, name, reuse
+        self.states = StateCache(state_cache_mib << 20) if reuse and state_cache_mib > 0 else None
         self.lock = threading.Lock()
 
     def params(self, body):
@@ -168,7 +172,7 @@ class Generator:
                 raise BadRequest(f"the prompt's {len(ids)} tokens leave no room in max_seq {e.info.max_seq}")
             stream, stops, count = TextStream(), StopText(p["stop"]), 0
             tokens, told = [], 0  # logprob entries, and how many went out
-            first = e.start(ids, self.reuse)
+            first = self.states.start(e, ids) if self.states else e.start(ids, self.reuse)
 
             def out(text, final=False):
                 """Emits text, the new text stops released, with the tokens that begin in it."""
@@ -227,11 +231,11 @@ def logprobs_of(tokens, chat):
     }
 
 
-def create_app(engine, name, reuse=True, api_key=None):
+def create_app(engine, name, reuse=True, api_key=None, state_cache_mib=2048):
     """The app over `engine`, served as `name`. With api_key, the /v1 routes answer only requests
     that carry it (`Authorization: Bearer KEY`, as OpenAI clients send their key); /health needs
     none."""
-    gen = Generator(engine, name, reuse)
+    gen = Generator(engine, name, reuse, state_cache_mib)
 
     def guarded(endpoint):
         if api_key is None:
@@ -386,11 +390,13 @@ def create_app(engine, name, reuse=True, api_key=None):
     ], exception_handlers={404: not_found})
 
 
-def serve(model, host="127.0.0.1", port=8000, backend="auto", max_seq=4096, reuse=True, api_key=None):
+def serve(model, host="127.0.0.1", port=8000, backend="auto", max_seq=4096, reuse=True, api_key=None,
+          state_cache_mib=2048):
     import os
 
     import uvicorn
 
     engine = Engine.load(model, backend=backend, max_seq=max_seq, eos_id=-2)
     name = os.path.basename(model.rstrip("/"))
-    uvicorn.run(create_app(engine, name, reuse, api_key), host=host, port=port, log_level="warning")
+    app = create_app(engine, name, reuse, api_key, state_cache_mib)
+    uvicorn.run(app, host=host, port=port, log_level="warning")

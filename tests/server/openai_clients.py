@@ -2,9 +2,10 @@
 """Drives `decodev2 serve` (already listening at BASE_URL, SmolLM2 on the CPU) with the official
 `openai` client and raw HTTP: a chat answer containing "Paris", a stream of more than one
 chunk (with the usage at its end where asked), a second turn whose first turn is not prefilled
-again, a completion cut at a stop string, seeds, n choices (streamed too), logprobs in the chat
-and completions formats, logit_bias, a stream left early and a request timed out that stop
-decoding, and 4xx JSON errors for malformed requests.
+again, nor after another conversation's turn, a completion cut at a stop string, seeds, n
+choices (streamed too), logprobs in the chat and completions formats, logit_bias, a stream
+left early and a request timed out that stop decoding, and 4xx JSON errors for malformed
+requests.
 Prints one line per check; exits 1 on the first failure.
 
 Usage: python3 tests/server/openai_clients.py BASE_URL MODEL (the served model file, whose
@@ -60,6 +61,23 @@ second = client.chat.completions.create(model=model, messages=turns, max_tokens=
 cached = second.usage.prompt_tokens_details.cached_tokens
 print("second turn:", repr(second.choices[0].message.content), second.usage)
 assert reply.usage.prompt_tokens <= cached < second.usage.prompt_tokens, (reply.usage, second.usage)
+
+# Conversations taking turns: A's second turn after B's first starts from A's state, which the
+# server kept in host memory when B replaced it (StateCache), not from the template's opening B
+# leaves; and it decodes what the same request decodes again from the engine's own cache.
+sys_a, sys_b = "You are a geography teacher. " * 8, "You are a cooking assistant. " * 8
+a1 = [{"role": "system", "content": sys_a}, {"role": "user", "content": "What is the capital of Spain?"}]
+ra = client.chat.completions.create(model=model, messages=a1, max_tokens=8, temperature=0)
+client.chat.completions.create(model=model, messages=[{"role": "system", "content": sys_b},
+                                                      {"role": "user", "content": "How do I boil an egg?"}],
+                               max_tokens=8, temperature=0)
+a2 = a1 + [{"role": "assistant", "content": ra.choices[0].message.content},
+           {"role": "user", "content": "And of Portugal?"}]
+back = client.chat.completions.create(model=model, messages=a2, max_tokens=8, temperature=0)
+again = client.chat.completions.create(model=model, messages=a2, max_tokens=8, temperature=0)
+print("turns taken:", ra.usage.prompt_tokens, back.usage, repr(back.choices[0].message.content))
+assert back.usage.prompt_tokens_details.cached_tokens >= ra.usage.prompt_tokens, (ra.usage, back.usage)
+assert back.choices[0].message.content == again.choices[0].message.content
 
 done = client.completions.create(model=model, prompt="The capital of France is", max_tokens=16, temperature=0,
                                  stop=[","])
