@@ -4,7 +4,9 @@
     python -m decodev2 chat MODEL [--system TEXT]   # a conversation on stdin, the chat template
     python -m decodev2 serve MODEL [--port 8000]   # an OpenAI-compatible server (the server extra)
 A request's prompt is prefilled from where it leaves the last request's ids (a chat's earlier
-turns are not computed again; serve --no-prefix-reuse prefills every prompt whole).
+turns are not computed again; serve also keeps earlier conversations' states in host memory,
+--state-cache MIB, so that conversations taking turns are not either; serve --no-prefix-reuse
+prefills every prompt whole).
 Options: --backend auto|cpu|cuda, --temperature T, --top-p P, --seed S, --max-seq N, --stop TEXT
 (repeatable: the reply ends before the first of them), --prompt-cache FILE (the request's KV cache
 is saved to FILE after each reply, and a later run's prompt prefix that FILE holds, a long system
