@@ -11,9 +11,10 @@ use crate::error::Result;
 use crate::state::{file_order, Kv, StateReader, StateWriter};
 
 /// Bytes of one staging buffer of a state's copies. Page-locking costs time by the byte, and
-/// each buffer is a synchronization: 2 and 4 MiB loaded an 8k state of the 3B shape in 54-61
-/// ms on an H100, 1 MiB in 56-66, 8 MiB in 59-68 (and a 2k state 20-22 ms against 27), 16 MiB
-/// in 65-71 (docs/lab.md, session 70).
+/// each buffer is a synchronization: an 8k state of the 3B shape loaded (with its last id
+/// prefilled) in 50-61 ms on an H100 through 2 or 4 MiB buffers, 56-66 through 1 MiB, 59-68
+/// through 8 and 65-71 through 16; a 2k state in 20-22 ms through 2 or 4 MiB, 27 through 8
+/// (docs/lab.md, session 70).
 const STATE_STAGE_BYTES: usize = 4 << 20;
 
 impl CudaBackend {
