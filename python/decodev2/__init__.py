@@ -581,9 +581,9 @@ class StateCache:
     """Earlier requests' states (Engine.state_bytes) in host memory, up to `limit_bytes`, the least
     recently used dropped first, so that conversations taking turns on one engine are not
     prefilled again: Engine.start alone keeps only what the last request left. start() caches
-    what the engine holds before a request replaces most of it (keeps less than half), then
-    begins the request from the cached state it shares the most ids with, where that is
-    MIN_IDS more than the engine holds."""
+    what the engine holds before a request replaces most of it (keeps less than half, and is
+    not wholly inside it), then begins the request from the cached state it shares the most
+    ids with, where that is MIN_IDS more than the engine holds."""
 
     MIN_IDS = 32  # fewer ids prefill faster than a state saves and loads
 
@@ -595,7 +595,9 @@ class StateCache:
         """Engine.start(ids), from a cached state where one shares more of `ids`."""
         held = engine.held()
         keep = _shared(held, ids)
-        if len(held) >= self.MIN_IDS and keep < len(held) // 2:
+        # Not where the request lies wholly inside what the engine holds (another choice or a
+        # retry of the same prompt): only the last reply goes then.
+        if len(held) >= self.MIN_IDS and keep < len(held) // 2 and keep < len(ids) - 1:
             self._put(tuple(held), engine)
         best = max(self.entries, key=lambda key: _shared(key, ids), default=None)
         if best is not None and _shared(best, ids) >= keep + self.MIN_IDS:
