@@ -294,6 +294,43 @@ except d.StateFileError as err:
 print("state ok")
 "#;
 
+/// `StateCache` on a synthetic model (CPU), room for two states of a 64-id conversation: what
+/// the engine holds is kept before another conversation replaces it, the least recently used
+/// goes first, a state that extends a kept one replaces it, a request inside what the engine
+/// holds keeps nothing, and the bytes kept never pass the limit; a conversation started from a
+/// kept state decodes what it decodes from a whole prefill.
+const STATE_CACHE: &str = r#"
+import decodev2 as d
+e = d.Engine.synthetic("medium_llama", seed=1, backend="cpu", max_seq=256)
+conv = {c: [c * 31 % 200 + 1] + [(c * 7 + i) % 200 for i in range(63)] for c in (1, 2, 3)}
+e.start(conv[1])
+one = len(e.state_bytes())  # a state of 64 ids
+cache = d.StateCache(2 * one + one // 2)
+def turn(ids):
+    cache.start(e, ids)
+    assert cache.size <= cache.limit and cache.size == sum(map(len, cache.entries.values()))
+    return e.reused
+def kept():
+    return [next(c for c in conv if tuple(conv[c]) == key[:64]) for key in cache.entries]
+e.reset()
+turn(conv[1])
+turn(conv[2])
+turn(conv[3])
+assert kept() == [1, 2], kept()
+# 3 kept, 1 out (the least recently used), 2 loaded.
+assert turn(conv[2] + [5, 6]) == 64 and kept() == [3, 2], kept()
+# Inside what the engine holds: nothing kept.
+assert turn(conv[2] + [5, 6, 7]) == 66 and kept() == [3, 2], kept()
+# 2's 67 ids replace its 64.
+assert turn(conv[1] + [9]) == 0 and kept() == [3, 2] and len(list(cache.entries)[1]) == 67
+f = d.Engine.synthetic("medium_llama", seed=1, backend="cpu", max_seq=256)
+ids = conv[2] + [5, 6, 7, 8]
+want = [f.start(ids, reuse=False)] + f.step_n(6)
+got = [cache.start(e, ids)] + e.step_n(6)
+assert e.reused == 67 and kept() == [1, 2] and got == want, (e.reused, kept(), got, want)
+print("state cache ok")
+"#;
+
 /// `StopText` over pieces that split the stop strings: the text before the first one, released
 /// as soon as no stop string can begin in it.
 const STOP_TEXT: &str = r#"
@@ -378,6 +415,10 @@ file DV2_ERR_IO",
         "other model DV2_ERR_STATE_FILE\nstate ok",
         "{state}"
     );
+    let cache = run(Command::new(venv.join("bin/python"))
+        .args(["-c", STATE_CACHE])
+        .current_dir(std::env::temp_dir()));
+    assert_eq!(cache.trim(), "state cache ok", "{cache}");
     let stop = run(Command::new(venv.join("bin/python"))
         .args(["-c", STOP_TEXT])
         .current_dir(std::env::temp_dir()));
