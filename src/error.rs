@@ -66,16 +66,9 @@ pub type Result<T> = std::result::Result<T, Error>;
 
 /// A host buffer of `len` default values, or `OutOfMemory` naming `what` instead of the abort
 /// an infallible allocation would cause (a caller-chosen max_seq sizes several buffers).
+/// Requests larger than the machine's memory (MemTotal + SwapTotal on Linux) are refused
+/// before allocating: with overcommit, a reservation can succeed and only fail when touched.
 pub fn host_buffer<T: Clone + Default>(len: usize, what: &str) -> Result<Vec<T>> {
-    let mut v = host_capacity(len, what)?;
-    v.resize(len, T::default());
-    Ok(v)
-}
-
-/// An empty host buffer with room for `len` values, refused as [`host_buffer`] refuses: requests
-/// larger than the machine's memory (MemTotal + SwapTotal on Linux) are refused before
-/// allocating, since with overcommit a reservation can succeed and only fail when touched.
-pub fn host_capacity<T>(len: usize, what: &str) -> Result<Vec<T>> {
     let bytes = len.saturating_mul(std::mem::size_of::<T>());
     let too_big = || {
         Error::OutOfMemory(format!(
@@ -88,6 +81,7 @@ pub fn host_capacity<T>(len: usize, what: &str) -> Result<Vec<T>> {
     }
     let mut v = Vec::new();
     v.try_reserve_exact(len).map_err(|_| too_big())?;
+    v.resize(len, T::default());
     Ok(v)
 }
 
