@@ -143,8 +143,12 @@ const IO_CHUNK: usize = 4 << 20;
 /// [`StateWriter`] writes, a state file's length.
 pub fn state_bytes(spec: &ArchSpec, n: usize, value_type: ValueType) -> u64 {
     // n <= max_seq (an int32) and layers x kv_dim are a model's: no product overflows u64.
-    let values = 2 * (spec.n_layers * spec.kv_dim()) as u64 * n as u64;
-    HEADER_BYTES as u64 + 4 * n as u64 + values * value_type.bytes() as u64
+    HEADER_BYTES as u64 + 4 * n as u64 + (value_count(spec, n) * value_type.bytes()) as u64
+}
+
+/// The keys and values of `n` positions of `spec`'s model: the values a state holds.
+fn value_count(spec: &ArchSpec, n: usize) -> usize {
+    2 * spec.n_layers * n * spec.kv_dim()
 }
 
 /// A state being written: [`StateWriter::create`] (a file) or [`StateWriter::in_memory`] (a
@@ -232,7 +236,7 @@ impl<'a> StateWriter<'a> {
             value_type,
             n,
             ids_written: false,
-            left: 2 * spec.n_layers * n * spec.kv_dim(),
+            left: value_count(spec, n),
         };
         let mut header = Vec::with_capacity(HEADER_BYTES);
         header.extend_from_slice(MAGIC);
@@ -497,7 +501,7 @@ impl<'a> StateReader<'a> {
             ids,
             value_type,
             fingerprint,
-            left: 2 * layers * n * kv_dim,
+            left: value_count(spec, n),
             scratch: Vec::new(),
         })
     }
@@ -605,14 +609,20 @@ mod tests {
 
     /// Values of a test state: keys then values, each `[layer][position][kv_dim]`.
     fn values(spec: &ArchSpec, n: usize) -> Vec<f32> {
-        let len = 2 * spec.n_layers * n * spec.kv_dim();
-        (0..len).map(|i| (i % 1000) as f32 * 0.25 - 3.0).collect()
+        (0..value_count(spec, n))
+            .map(|i| (i % 1000) as f32 * 0.25 - 3.0)
+            .collect()
     }
 
-    /// Writes `n` positions of [`values`] as f32 to `w`, a layer at a time as a backend does.
+    /// Ids of a test state.
+    fn ids(spec: &ArchSpec, n: usize) -> Vec<u32> {
+        (0..n as u32).map(|i| i * 7 % spec.vocab as u32).collect()
+    }
+
+    /// Writes `n` positions of [`ids`] and [`values`] as f32 to `w`, a layer at a time as a
+    /// backend does.
     fn fill(mut w: StateWriter, spec: &ArchSpec, n: usize) {
-        let ids: Vec<u32> = (0..n as u32).map(|i| i * 7 % spec.vocab as u32).collect();
-        w.write_ids(&ids).unwrap();
+        w.write_ids(&ids(spec, n)).unwrap();
         for layer in values(spec, n).chunks(n * spec.kv_dim()) {
             w.write_f32s(layer).unwrap();
         }
@@ -678,12 +688,7 @@ mod tests {
         save(&path, &spec, 42, 5);
         let expected = expected(&spec, 42, 5);
         let mut r = StateReader::open(&path, &expected).unwrap();
-        assert_eq!(
-            r.ids(),
-            (0..5)
-                .map(|i| i * 7 % spec.vocab as u32)
-                .collect::<Vec<_>>()
-        );
+        assert_eq!(r.ids(), ids(&spec, 5));
         let mut back = vec![0f32; r.values_left()];
         // Read in pieces unlike the writes', as a backend's staging reads them.
         for piece in back.chunks_mut(333) {
