@@ -122,39 +122,36 @@ impl<'g> Staging<'g> {
         mut fill: impl FnMut(usize, &mut [u8]) -> Result<()>,
     ) -> Result<()> {
         let stream = &self.gpu.stream;
-        let Some(bufs) = self.buffers.as_mut() else {
-            let mut stage = vec![0u8; self.stage_bytes.min(len)];
-            for at in (0..len).step_by(self.stage_bytes) {
-                let stage = &mut stage[..self.stage_bytes.min(len - at)];
-                fill(at, stage)?;
-                // SAFETY: this chunk lies inside the `len` bytes from `dst` (this function's
-                // contract); the stream's synchronize below ends the read of `stage` before it
-                // is filled again.
-                unsafe {
-                    cudarc::driver::result::memcpy_htod_async(
-                        dst + at as u64,
-                        stage,
-                        stream.cu_stream(),
-                    )
-                }
-                .map_err(driver_error("upload"))?;
-                self.gpu.sync()?;
-            }
-            return Ok(());
-        };
+        let mut pageable = Vec::new();
         for at in (0..len).step_by(self.stage_bytes) {
-            let b = bufs.next;
-            bufs.next ^= 1;
-            bufs.drained[b]
-                .synchronize()
-                .map_err(driver_error("staging wait"))?;
-            let stage = &mut bufs.pinned[b]
-                .as_mut_slice()
-                .map_err(driver_error("staging buffer"))?[..self.stage_bytes.min(len - at)];
+            let size = self.stage_bytes.min(len - at);
+            // The buffer to fill, and the event its copy records (none for pageable memory,
+            // whose copy is waited for instead).
+            let (stage, drained): (&mut [u8], _) = match self.buffers.as_mut() {
+                Some(Buffers {
+                    pinned,
+                    drained,
+                    next,
+                }) => {
+                    let b = *next;
+                    *next ^= 1;
+                    drained[b]
+                        .synchronize()
+                        .map_err(driver_error("staging wait"))?;
+                    let stage = pinned[b]
+                        .as_mut_slice()
+                        .map_err(driver_error("staging buffer"))?;
+                    (&mut stage[..size], Some(&drained[b]))
+                }
+                None => {
+                    pageable.resize(size, 0);
+                    (&mut pageable[..], None)
+                }
+            };
             fill(at, stage)?;
             // SAFETY: this chunk lies inside the `len` bytes from `dst` (this function's
-            // contract); the staged bytes stay unwritten until `drained[b]`, recorded after
-            // this copy, fires.
+            // contract); the staged bytes stay unwritten until `drained`, recorded after this
+            // copy, fires, or (pageable) until the synchronize below.
             unsafe {
                 cudarc::driver::result::memcpy_htod_async(
                     dst + at as u64,
@@ -163,9 +160,12 @@ impl<'g> Staging<'g> {
                 )
             }
             .map_err(driver_error("upload"))?;
-            bufs.drained[b]
-                .record(stream)
-                .map_err(driver_error("staging event"))?;
+            match drained {
+                Some(event) => event
+                    .record(stream)
+                    .map_err(driver_error("staging event"))?,
+                None => self.gpu.sync()?,
+            }
         }
         Ok(())
     }
