@@ -274,8 +274,7 @@ enum dv2_status dv2_rewind(struct dv2_engine *engine, int32_t position);
 // continues the request without prefilling those ids again (a long system prompt or document
 // computed once). The pending id (the last one chosen) is not saved. The file is written
 // beside `path` and renamed over it when complete: a failed save leaves an earlier file whole.
-// Errors: DV2_ERR_IO (the file cannot be written), DV2_ERR_OUT_OF_MEMORY (no host memory for
-// the copy). The handle is unchanged.
+// Errors: DV2_ERR_IO (the file cannot be written), DV2_ERR_CUDA. The handle is unchanged.
 //
 // # Safety
 // `engine` is NULL or a live handle; `path` a NUL-terminated string.

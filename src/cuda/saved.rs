@@ -32,19 +32,17 @@ impl CudaBackend {
     /// Writes the history's ids at positions 0..len, then their keys and values (bf16), to
     /// `file`.
     pub(super) fn save_state_to(&mut self, len: usize, file: &mut StateWriter<'_>) -> Result<()> {
-        let mut ids = vec![0i32; len];
-        if len > 0 {
-            self.ops
-                .gpu
-                .stream
-                .memcpy_dtoh(&self.sampler.history.slice(..len), &mut ids)
-                .map_err(driver_error("history download"))?;
-            self.ops.gpu.sync()?;
-        }
-        file.write_ids(&ids.iter().map(|&id| id as u32).collect::<Vec<_>>())?;
         if len == 0 {
-            return Ok(());
+            return file.write_ids(&[]);
         }
+        let mut ids = vec![0i32; len];
+        self.ops
+            .gpu
+            .stream
+            .memcpy_dtoh(&self.sampler.history.slice(..len), &mut ids)
+            .map_err(driver_error("history download"))?;
+        self.ops.gpu.sync()?;
+        file.write_ids(&ids.iter().map(|&id| id as u32).collect::<Vec<_>>())?;
         let mut staging =
             Staging::new(&self.ops.gpu, self.ops.cfg.staged_upload, STATE_STAGE_BYTES)?;
         for (kv, layer) in file_order(self.spec.n_layers) {
