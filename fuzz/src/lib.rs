@@ -655,14 +655,7 @@ pub fn abi(target: &AbiTarget, data: &[u8]) {
                     unsafe { ffi::dv2_state_load_file(h, target.state_file.as_ptr(), out, cap, n) }
                 });
                 if s == DV2_OK {
-                    // Only a file of this request's length loads, whatever byte changed.
-                    assert_eq!(
-                        n as i32, position,
-                        "a state of {n} ids loaded at {position}"
-                    );
-                    check_position(h, position);
-                    let ids = &out.data[..n];
-                    assert!(ids.iter().all(|id| (0..vocab).contains(id)), "ids {ids:?}");
+                    check_loaded_state(h, position, vocab, &out.data[..n]);
                 }
                 ("dv2_state_load_file", s)
             }
@@ -688,13 +681,7 @@ pub fn abi(target: &AbiTarget, data: &[u8]) {
                     unsafe { ffi::dv2_state_load_data(h, data.as_ptr(), data.len(), out, cap, n) }
                 });
                 if s == DV2_OK {
-                    assert_eq!(
-                        n as i32, position,
-                        "a state of {n} ids loaded at {position}"
-                    );
-                    check_position(h, position);
-                    let ids = &out.data[..n];
-                    assert!(ids.iter().all(|id| (0..vocab).contains(id)), "ids {ids:?}");
+                    check_loaded_state(h, position, vocab, &out.data[..n]);
                 }
                 ("dv2_state_load_data", s)
             }
@@ -751,6 +738,18 @@ pub fn abi(target: &AbiTarget, data: &[u8]) {
 }
 
 /// The position the last call left, which must be `want`.
+/// A state loaded back into the request it was saved from (at `position`): only one of this
+/// request's length loads, whatever byte changed, and its ids are in the vocabulary.
+fn check_loaded_state(h: *mut ffi::dv2_engine, position: i32, vocab: i32, ids: &[i32]) {
+    let n = ids.len();
+    assert_eq!(
+        n as i32, position,
+        "a state of {n} ids loaded at {position}"
+    );
+    check_position(h, position);
+    assert!(ids.iter().all(|id| (0..vocab).contains(id)), "ids {ids:?}");
+}
+
 fn check_position(h: *mut ffi::dv2_engine, want: i32) {
     let mut p = -1i32;
     // SAFETY: the live handle and a writable out-pointer.
