@@ -295,7 +295,7 @@ class Engine:
         backend, so that a long prompt is prefilled once. Returns the positions saved; a failed
         save leaves an earlier file at `path` whole (see dv2_state_save_file)."""
         _check(lib.dv2_state_save_file(self._h, os.fsencode(path)), "dv2_state_save_file")
-        return len(self._fed)
+        return self.position()
 
     def load_state(self, path):
         """Makes the state file at `path` (saved from this model by save_state) the request and
@@ -599,8 +599,9 @@ class StateCache:
         # retry of the same prompt): only the last reply goes then.
         if len(held) >= self.MIN_IDS and keep < len(held) // 2 and keep < len(ids) - 1:
             self._put(tuple(held), engine)
-        best = max(self.entries, key=lambda key: _shared(key, ids), default=None)
-        if best is not None and _shared(best, ids) >= keep + self.MIN_IDS:
+        shared = {key: _shared(key, ids) for key in self.entries}
+        best = max(shared, key=shared.get, default=None)
+        if best is not None and shared[best] >= keep + self.MIN_IDS:
             self.entries.move_to_end(best)
             engine.load_state_bytes(self.entries[best])
         return engine.start(ids)
