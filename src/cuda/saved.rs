@@ -10,8 +10,9 @@ use crate::backend::Backend;
 use crate::error::Result;
 use crate::state::{file_order, Kv, StateReader, StateWriter};
 
-/// Bytes of one staging buffer of a state's copies. Page-locking costs time by the byte, and
-/// each buffer is a synchronization: an 8k state of the 3B shape loaded (with its last id
+/// Bytes of one staging buffer of a state's copies, two of them page-locked at the first save or
+/// load and kept by the backend from then on. Page-locking costs time by the byte, and each
+/// buffer is a synchronization: an 8k state of the 3B shape loaded (with its last id
 /// prefilled) in 50-61 ms on an H100 through 2 or 4 MiB buffers, 56-66 through 1 MiB, 59-68
 /// through 8 and 65-71 through 16; a 2k state in 20-22 ms through 2 or 4 MiB, 27 through 8
 /// (docs/lab.md, session 70).
@@ -43,13 +44,19 @@ impl CudaBackend {
             .map_err(driver_error("history download"))?;
         self.ops.gpu.sync()?;
         file.write_ids(&ids.iter().map(|&id| id as u32).collect::<Vec<_>>())?;
-        let mut staging =
-            Staging::new(&self.ops.gpu, self.ops.cfg.staged_upload, STATE_STAGE_BYTES)?;
+        let kept = self.state_stage.take();
+        let mut staging = Staging::resume(
+            &self.ops.gpu,
+            self.ops.cfg.staged_upload,
+            STATE_STAGE_BYTES,
+            kept,
+        );
         for (kv, layer) in file_order(self.spec.n_layers) {
             let (src, bytes) = self.layer_run(kv, layer, len);
             // SAFETY: `layer_run` gives a range inside the cache, which `self` keeps allocated.
             unsafe { staging.from_device(src, bytes, |chunk| file.write_bf16_bytes(chunk)) }?;
         }
+        self.state_stage = staging.finish()?;
         Ok(())
     }
 
@@ -58,16 +65,20 @@ impl CudaBackend {
     pub(super) fn load_state_from(&mut self, file: &mut StateReader<'_>) -> Result<()> {
         let n = file.ids().len();
         if n > 0 {
-            let mut staging =
-                Staging::new(&self.ops.gpu, self.ops.cfg.staged_upload, STATE_STAGE_BYTES)?;
+            let kept = self.state_stage.take();
+            let mut staging = Staging::resume(
+                &self.ops.gpu,
+                self.ops.cfg.staged_upload,
+                STATE_STAGE_BYTES,
+                kept,
+            );
             for (kv, layer) in file_order(self.spec.n_layers) {
                 let (dst, bytes) = self.layer_run(kv, layer, n);
                 // SAFETY: `layer_run` gives a range inside the cache, which `self` keeps
                 // allocated; no kernel runs on it before the rewind below synchronizes.
                 unsafe { staging.to_device(dst, bytes, |_, stage| file.read_bf16_bytes(stage)) }?;
             }
-            // Dropping the staging waits for its copies out of the page-locked buffers.
-            drop(staging);
+            self.state_stage = staging.finish()?;
             let ids: Vec<i32> = file.ids().iter().map(|&id| id as i32).collect();
             self.ops
                 .gpu

@@ -43,11 +43,13 @@ fn as_bytes<T: Plain>(data: &[T]) -> &[u8] {
 /// them) each a pageable copy.
 pub struct Staging<'g> {
     gpu: &'g Gpu,
-    buffers: Option<Buffers>,
+    buffers: Option<StageBuffers>,
     stage_bytes: usize,
 }
 
-struct Buffers {
+/// The two page-locked buffers of a [`Staging`], which a holder may keep between stagings of
+/// the same size ([`Staging::resume`], [`Staging::finish`]).
+pub struct StageBuffers {
     pinned: [PinnedHostSlice<u8>; 2],
     /// Recorded after the copy out of the buffer of the same index: the host may refill that
     /// buffer once it has fired.
@@ -57,32 +59,30 @@ struct Buffers {
 
 impl<'g> Staging<'g> {
     /// Two buffers of `stage_bytes` each, page-locked where `staged`.
-    pub fn new(gpu: &'g Gpu, staged: bool, stage_bytes: usize) -> Result<Self> {
-        let pinned = || {
-            // SAFETY: the buffer's bytes are written (by `to_device`'s fill) before any copy
-            // reads them, and read (by `from_device`) only after the copy into them is done.
-            unsafe { gpu.ctx.alloc_pinned::<u8>(stage_bytes) }
-                .map_err(driver_error("page-locked staging buffer"))
+    pub fn new(gpu: &'g Gpu, staged: bool, stage_bytes: usize) -> Self {
+        Self::resume(gpu, staged, stage_bytes, None)
+    }
+
+    /// As [`Self::new`], through `kept` (buffers of `stage_bytes` that an earlier staging's
+    /// [`Self::finish`] gave back) where `staged` and given: page-locking costs time by the
+    /// byte, each time.
+    pub fn resume(
+        gpu: &'g Gpu,
+        staged: bool,
+        stage_bytes: usize,
+        kept: Option<StageBuffers>,
+    ) -> Self {
+        let buffers = match kept {
+            _ if !staged => None,
+            Some(kept) if kept.pinned[0].len() == stage_bytes => Some(kept),
+            // A host that cannot page-lock the buffers now still copies, by the pageable copies.
+            _ => StageBuffers::new(gpu, stage_bytes).ok(),
         };
-        let event = || {
-            gpu.ctx
-                .new_event(None)
-                .map_err(driver_error("staging event"))
-        };
-        let buffers = || -> Result<Buffers> {
-            Ok(Buffers {
-                pinned: [pinned()?, pinned()?],
-                drained: [event()?, event()?],
-                next: 0,
-            })
-        };
-        // A host that cannot page-lock the buffers now still copies, by the pageable copies.
-        let buffers = if staged { buffers().ok() } else { None };
-        Ok(Self {
+        Self {
             gpu,
             buffers,
             stage_bytes,
-        })
+        }
     }
 
     /// A new device buffer holding `data`, copied in chunks through the staging buffers. The
@@ -128,7 +128,7 @@ impl<'g> Staging<'g> {
             // The buffer to fill, and the event its copy records (none for pageable memory,
             // whose copy is waited for instead).
             let (stage, drained): (&mut [u8], _) = match self.buffers.as_mut() {
-                Some(Buffers {
+                Some(StageBuffers {
                     pinned,
                     drained,
                     next,
@@ -213,9 +213,41 @@ impl<'g> Staging<'g> {
         }
         Ok(())
     }
+
+    /// Waits for the copies out of the page-locked buffers, then gives the buffers back (None
+    /// for pageable copies) for a later [`Self::resume`].
+    pub fn finish(self) -> Result<Option<StageBuffers>> {
+        if let Some(buffers) = &self.buffers {
+            for event in &buffers.drained {
+                event.synchronize().map_err(driver_error("staging wait"))?;
+            }
+        }
+        Ok(self.buffers)
+    }
 }
 
-impl Drop for Buffers {
+impl StageBuffers {
+    fn new(gpu: &Gpu, stage_bytes: usize) -> Result<Self> {
+        let pinned = || {
+            // SAFETY: the buffer's bytes are written (by `to_device`'s fill) before any copy
+            // reads them, and read (by `from_device`) only after the copy into them is done.
+            unsafe { gpu.ctx.alloc_pinned::<u8>(stage_bytes) }
+                .map_err(driver_error("page-locked staging buffer"))
+        };
+        let event = || {
+            gpu.ctx
+                .new_event(None)
+                .map_err(driver_error("staging event"))
+        };
+        Ok(Self {
+            pinned: [pinned()?, pinned()?],
+            drained: [event()?, event()?],
+            next: 0,
+        })
+    }
+}
+
+impl Drop for StageBuffers {
     /// The page-locked buffers are freed after the copies out of them are done.
     fn drop(&mut self) {
         for event in &self.drained {

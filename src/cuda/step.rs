@@ -17,6 +17,7 @@ use super::ops::{
 use super::prefill::{chunk_size, prefill_chunk};
 use super::profile::StageMarks;
 use super::sample::{DeviceSampler, Plan};
+use super::staging::StageBuffers;
 use super::weights::{self, DeviceMatrix, DeviceModel};
 use crate::arch::ArchSpec;
 use crate::backend::Backend;
@@ -109,6 +110,8 @@ pub struct CudaBackend {
     pub(super) warmup_ms: f64,
     /// Host time of the weights' upload at load, to its last copy's end.
     upload_ms: f64,
+    /// The page-locked buffers of state saves and loads, from the first on ([`super::saved`]).
+    pub(super) state_stage: Option<StageBuffers>,
 }
 
 impl CudaBackend {
@@ -224,6 +227,7 @@ impl CudaBackend {
             chunk,
             warmup_ms: 0.0,
             upload_ms,
+            state_stage: None,
             free_at_open: free,
             non_finite: None,
             ops,

@@ -72,7 +72,7 @@ pub struct DeviceMatrix {
 
 impl DeviceMatrix {
     pub fn upload(gpu: &Gpu, m: &Nf4Matrix) -> Result<Self> {
-        Self::upload_through(&mut Staging::new(gpu, false, WEIGHT_STAGE_BYTES)?, m)
+        Self::upload_through(&mut Staging::new(gpu, false, WEIGHT_STAGE_BYTES), m)
     }
 
     fn upload_through(up: &mut Staging, m: &Nf4Matrix) -> Result<Self> {
@@ -133,7 +133,7 @@ fn bias(up: &mut Staging, b: &Option<Vec<f32>>) -> Result<Option<CudaSlice<f32>>
 /// each tensor copied from pageable memory (`DV2_STAGED_UPLOAD=0`).
 pub fn upload(gpu: &Gpu, model: &HostModel, staged: bool) -> Result<DeviceModel> {
     let s = &model.spec;
-    let up = &mut Staging::new(gpu, staged, WEIGHT_STAGE_BYTES)?;
+    let up = &mut Staging::new(gpu, staged, WEIGHT_STAGE_BYTES);
     let m = DeviceMatrix::upload_through;
     let mut layers = Vec::with_capacity(model.layers.len());
     for layer in &model.layers {
