@@ -8,7 +8,7 @@
 //! 2.5–3.4 s pageable, 1.4–1.6 s staged (docs/lab.md, session 35); `DV2_STAGED_UPLOAD=0` takes
 //! the pageable copies for the weights, as does a host that cannot page-lock the buffers.
 
-use cudarc::driver::{CudaEvent, CudaSlice, DeviceRepr, PinnedHostSlice};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DeviceRepr, PinnedHostSlice};
 
 use super::device::{driver_error, Gpu};
 use crate::error::Result;
@@ -51,8 +51,8 @@ pub struct Staging<'g> {
 /// the same size ([`Staging::resume`], [`Staging::finish`]).
 pub struct StageBuffers {
     pinned: [PinnedHostSlice<u8>; 2],
-    /// Recorded after the copy out of the buffer of the same index: the host may refill that
-    /// buffer once it has fired.
+    /// Recorded after the copy out of (an upload) or into (a download) the buffer of the same
+    /// index: the host may refill or read that buffer once it has fired.
     drained: [CudaEvent; 2],
     next: usize,
 }
@@ -172,7 +172,8 @@ impl<'g> Staging<'g> {
 
     /// Copies `len` bytes of the device memory at `src` to the host, a buffer at a time, after
     /// everything on the stream before it: `take(stage)` is given each chunk in order once it
-    /// has arrived.
+    /// has arrived. With the page-locked buffers the next chunk's copy runs while `take` has
+    /// this one.
     ///
     /// # Safety
     /// `src .. src + len` is device memory of this staging's context, allocated until this
@@ -183,33 +184,42 @@ impl<'g> Staging<'g> {
         len: usize,
         mut take: impl FnMut(&[u8]) -> Result<()>,
     ) -> Result<()> {
-        let mut pageable = Vec::new();
-        for at in (0..len).step_by(self.stage_bytes) {
-            let size = self.stage_bytes.min(len - at);
-            // An upload's copy out of the page-locked buffer is earlier on the same stream:
-            // it has read the buffer before this copy writes it.
-            let stage: &mut [u8] = match self.buffers.as_mut() {
-                Some(bufs) => &mut bufs.pinned[0]
-                    .as_mut_slice()
-                    .map_err(driver_error("staging buffer"))?[..size],
-                None => {
-                    pageable.resize(size, 0);
-                    &mut pageable[..]
+        let chunks: Vec<(u64, usize)> = (0..len)
+            .step_by(self.stage_bytes)
+            .map(|at| (src + at as u64, self.stage_bytes.min(len - at)))
+            .collect();
+        let stream = &self.gpu.stream;
+        let Some(buffers) = self.buffers.as_mut() else {
+            let mut pageable = Vec::new();
+            for (from, size) in chunks {
+                pageable.resize(size, 0);
+                // SAFETY: the chunk lies inside the `len` bytes from `src` (this function's
+                // contract); the synchronize below ends the copy before `pageable` is read.
+                unsafe {
+                    cudarc::driver::result::memcpy_dtoh_async(
+                        &mut pageable[..],
+                        from,
+                        stream.cu_stream(),
+                    )
                 }
-            };
-            // SAFETY: this chunk lies inside the `len` bytes from `src` (this function's
-            // contract); the stream's synchronize below ends the copy into `stage` before it
-            // is read.
-            unsafe {
-                cudarc::driver::result::memcpy_dtoh_async(
-                    &mut *stage,
-                    src + at as u64,
-                    self.gpu.stream.cu_stream(),
-                )
+                .map_err(driver_error("download"))?;
+                self.gpu.sync()?;
+                take(&pageable)?;
             }
-            .map_err(driver_error("download"))?;
-            self.gpu.sync()?;
-            take(stage)?;
+            return Ok(());
+        };
+        // Chunk i goes through buffer i % 2; chunk i + 1's copy starts before the host takes
+        // chunk i, into the buffer the host took chunk i - 1 from.
+        let start = |buffers: &mut StageBuffers, i: usize| match chunks.get(i) {
+            // SAFETY: the chunk lies inside the `len` bytes from `src` (this function's
+            // contract); the host reads its buffer only through `arrived`.
+            Some(&(from, size)) => unsafe { buffers.start_download(i % 2, from, size, stream) },
+            None => Ok(()),
+        };
+        start(buffers, 0)?;
+        for (i, &(_, size)) in chunks.iter().enumerate() {
+            start(buffers, i + 1)?;
+            take(buffers.arrived(i % 2, size)?)?;
         }
         Ok(())
     }
@@ -244,6 +254,45 @@ impl StageBuffers {
             drained: [event()?, event()?],
             next: 0,
         })
+    }
+
+    /// Starts the copy of `size` bytes at `from` into buffer `b`, after everything on `stream`
+    /// before it (an upload's copies out of the buffer included).
+    ///
+    /// # Safety
+    /// `from .. from + size` is device memory of the buffers' context, allocated until the
+    /// copy is done; the host neither reads nor writes buffer `b` until [`Self::arrived`].
+    unsafe fn start_download(
+        &mut self,
+        b: usize,
+        from: u64,
+        size: usize,
+        stream: &CudaStream,
+    ) -> Result<()> {
+        let stage = self.pinned[b]
+            .as_mut_slice()
+            .map_err(driver_error("staging buffer"))?;
+        // SAFETY: the range is device memory allocated until the copy is done (this
+        // function's contract); `arrived` waits for the copy before the host reads `stage`.
+        unsafe {
+            cudarc::driver::result::memcpy_dtoh_async(&mut stage[..size], from, stream.cu_stream())
+        }
+        .map_err(driver_error("download"))?;
+        self.drained[b]
+            .record(stream)
+            .map_err(driver_error("staging event"))
+    }
+
+    /// The first `size` bytes of buffer `b` once the copy [`Self::start_download`] started
+    /// into it is done.
+    fn arrived(&self, b: usize, size: usize) -> Result<&[u8]> {
+        self.drained[b]
+            .synchronize()
+            .map_err(driver_error("staging wait"))?;
+        let stage = self.pinned[b]
+            .as_slice()
+            .map_err(driver_error("staging buffer"))?;
+        Ok(&stage[..size])
     }
 }
 
