@@ -4,7 +4,8 @@
 
 use super::budget::kv_stride;
 use super::device::driver_error;
-use super::staging::Staging;
+use super::ops::Ops;
+use super::staging::{StageBuffers, Staging};
 use super::step::CudaBackend;
 use crate::backend::Backend;
 use crate::error::Result;
@@ -17,6 +18,16 @@ use crate::state::{file_order, Kv, StateReader, StateWriter};
 /// through 8 and 65-71 through 16; a 2k state in 20-22 ms through 2 or 4 MiB, 27 through 8
 /// (docs/lab.md, session 70).
 const STATE_STAGE_BYTES: usize = 4 << 20;
+
+/// A staging for a state's copies, through the buffers the last one gave back (`kept`), if any.
+fn state_staging<'g>(ops: &'g Ops, kept: &mut Option<StageBuffers>) -> Staging<'g> {
+    Staging::resume(
+        &ops.gpu,
+        ops.cfg.staged_upload,
+        STATE_STAGE_BYTES,
+        kept.take(),
+    )
+}
 
 impl CudaBackend {
     /// The device address and the bytes of layer `layer`'s slots 0..n in `kv`'s cache (bf16).
@@ -44,13 +55,7 @@ impl CudaBackend {
             .map_err(driver_error("history download"))?;
         self.ops.gpu.sync()?;
         file.write_ids(&ids.iter().map(|&id| id as u32).collect::<Vec<_>>())?;
-        let kept = self.state_stage.take();
-        let mut staging = Staging::resume(
-            &self.ops.gpu,
-            self.ops.cfg.staged_upload,
-            STATE_STAGE_BYTES,
-            kept,
-        );
+        let mut staging = state_staging(&self.ops, &mut self.state_stage);
         for (kv, layer) in file_order(self.spec.n_layers) {
             let (src, bytes) = self.layer_run(kv, layer, len);
             // SAFETY: `layer_run` gives a range inside the cache, which `self` keeps allocated.
@@ -65,13 +70,7 @@ impl CudaBackend {
     pub(super) fn load_state_from(&mut self, file: &mut StateReader<'_>) -> Result<()> {
         let n = file.ids().len();
         if n > 0 {
-            let kept = self.state_stage.take();
-            let mut staging = Staging::resume(
-                &self.ops.gpu,
-                self.ops.cfg.staged_upload,
-                STATE_STAGE_BYTES,
-                kept,
-            );
+            let mut staging = state_staging(&self.ops, &mut self.state_stage);
             for (kv, layer) in file_order(self.spec.n_layers) {
                 let (dst, bytes) = self.layer_run(kv, layer, n);
                 // SAFETY: `layer_run` gives a range inside the cache, which `self` keeps
