@@ -278,6 +278,10 @@ assert got == want and f.reused == len(held), (got, want, f.reused)
 data = open(path, "rb").read()
 h = d.Engine.synthetic("medium_llama", seed=1, backend="cpu", max_seq=64)
 assert h.load_state_bytes(data) == held and h.state_bytes() == data
+assert h.state_size() == len(data) and isinstance(h.state_bytes(), bytearray)
+# Any buffer loads where it lies: a bytearray, a view of one, a read-only view (copied).
+for buf in (bytearray(data), memoryview(bytearray(data)), memoryview(data)):
+    assert h.load_state_bytes(buf) == held, type(buf)
 assert [h.start(b)] + h.step_n(5) == want
 try:
     h.load_state_bytes(data[:-1])
@@ -297,8 +301,8 @@ print("state ok")
 /// `StateCache` on a synthetic model (CPU), room for two states of a 64-id conversation: what
 /// the engine holds is kept before another conversation replaces it, the least recently used
 /// goes first, a state that extends a kept one replaces it, a request inside what the engine
-/// holds keeps nothing, and the bytes kept never pass the limit; a conversation started from a
-/// kept state decodes what it decodes from a whole prefill.
+/// holds keeps nothing, and the bytes kept never pass the limit (a state past it is not even
+/// saved); a conversation started from a kept state decodes what it decodes from a whole prefill.
 const STATE_CACHE: &str = r#"
 import decodev2 as d
 e = d.Engine.synthetic("medium_llama", seed=1, backend="cpu", max_seq=256)
@@ -328,6 +332,16 @@ ids = conv[2] + [5, 6, 7, 8]
 want = [f.start(ids, reuse=False)] + f.step_n(6)
 got = [cache.start(e, ids)] + e.step_n(6)
 assert e.reused == 67 and kept() == [1, 2] and got == want, (e.reused, kept(), got, want)
+# A state past the limit is neither kept nor saved (its size asked first).
+small = d.StateCache(one // 2)
+e.reset()
+small.start(e, conv[1])
+def refuse():
+    raise AssertionError("a state past the limit saved")
+e.state_bytes = refuse
+small.start(e, conv[2])
+del e.state_bytes
+assert not small.entries and small.size == 0
 print("state cache ok")
 "#;
 

@@ -316,12 +316,18 @@ class Engine:
             made.append(bytearray(size))
             return (ctypes.c_char * size).from_buffer(made[-1])
 
-        call = lambda buf, cap, count: lib.dv2_state_save_data(self._h, buf, cap, count)
-        view, n = self._fetch(call, "dv2_state_save_data", writable)
+        view, n = self._fetch(self._save_data, "dv2_state_save_data", writable)
         del view  # a bytearray cannot be resized while a view of it is held
         data = made[-1]
         del data[n:]
         return data
+
+    def state_size(self):
+        """The bytes state_bytes would return now (a state's size grows with its positions)."""
+        return self._size(self._save_data, "dv2_state_save_data")
+
+    def _save_data(self, buf, cap, count):
+        return lib.dv2_state_save_data(self._h, buf, cap, count)
 
     def load_state_bytes(self, data):
         """load_state on a state's bytes (state_bytes, or a state file's contents): bytes, a
@@ -490,14 +496,20 @@ class Engine:
     def _fetch(call, name, make):
         """Runs call(buffer, cap, count) with no buffer to learn the size
         (DV2_ERR_BUFFER_TOO_SMALL), then with make(size); returns (buffer, count)."""
+        n = Engine._size(call, name)
+        buf = make(max(n, 1))
+        count = ctypes.c_size_t()
+        _check(call(buf, n, ctypes.byref(count)), name)
+        return buf, count.value
+
+    @staticmethod
+    def _size(call, name):
+        """The count call(buffer, cap, count) gives with no buffer (DV2_ERR_BUFFER_TOO_SMALL)."""
         count = ctypes.c_size_t()
         status = call(None, 0, ctypes.byref(count))
         if status not in (DV2_OK, DV2_ERR_BUFFER_TOO_SMALL):
             _check(status, name)
-        n = count.value
-        buf = make(max(n, 1))
-        _check(call(buf, n, ctypes.byref(count)), name)
-        return buf, count.value
+        return count.value
 
     def _bytes(self, call, name):
         """The bytes an entry with the text buffer rule writes."""
@@ -623,9 +635,9 @@ class StateCache:
     def _put(self, held, engine):
         if any(key[: len(held)] == held for key in self.entries):
             return  # a cached state holds these ids and more: it serves whatever this one would
-        data = engine.state_bytes()
-        if len(data) > self.limit:
+        if engine.state_size() > self.limit:
             return
+        data = engine.state_bytes()
         for key in [key for key in self.entries if held[: len(key)] == key]:
             self.size -= len(self.entries.pop(key))  # states these ids hold and more replace
         while self.size + len(data) > self.limit:
