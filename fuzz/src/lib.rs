@@ -384,8 +384,10 @@ pub fn abi(target: &AbiTarget, data: &[u8]) {
                 };
                 // SAFETY: `ptr` NULL or `n` readable ids; `out` NULL or writable.
                 let s = unsafe { ffi::dv2_prefill(h, ptr, n, out) };
-                if s == DV2_OK {
+                if s == DV2_OK || s == DV2_ERR_NON_FINITE {
                     check_position(h, position + n as i32);
+                }
+                if s == DV2_OK {
                     if !null {
                         assert!((0..vocab).contains(&next), "prefill's next id {next}");
                     }
@@ -397,8 +399,10 @@ pub fn abi(target: &AbiTarget, data: &[u8]) {
                 let out: *mut i32 = if null { std::ptr::null_mut() } else { &mut id };
                 // SAFETY: `out` NULL or writable.
                 let s = unsafe { ffi::dv2_step(h, out) };
-                if s == DV2_OK {
+                if s == DV2_OK || s == DV2_ERR_NON_FINITE {
                     check_position(h, position + 1);
+                }
+                if s == DV2_OK {
                     if !null {
                         assert!((0..vocab).contains(&id), "step's id {id}");
                     }
@@ -421,6 +425,13 @@ pub fn abi(target: &AbiTarget, data: &[u8]) {
                     assert!(count <= n, "step_n counted {count} of {n}");
                     check_position(h, position + count as i32);
                     assert!(ids.data[..count].iter().all(|id| (0..vocab).contains(id)));
+                }
+                if s == DV2_ERR_NON_FINITE {
+                    let p = position_now(h);
+                    assert!(
+                        (position + 1..=position + n as i32).contains(&p),
+                        "step_n of {n} at {position} failed non-finite at {p}"
+                    );
                 }
                 ("dv2_step_n", s)
             }
@@ -728,7 +739,12 @@ pub fn abi(target: &AbiTarget, data: &[u8]) {
             (0..=target.max_seq).contains(&after),
             "position {after} after {name}"
         );
-        if status != DV2_OK && status != DV2_FINISHED {
+        // Only a forward finds non-finite logits, and it moved the position as it would have
+        // on success (docs/api.md; checked by its op above): a state loaded with a value
+        // changed to inf or NaN is one way to them.
+        let forward = matches!(name, "dv2_prefill" | "dv2_step" | "dv2_step_n");
+        assert!(status != DV2_ERR_NON_FINITE || forward, "{name} non-finite");
+        if status != DV2_OK && status != DV2_FINISHED && status != DV2_ERR_NON_FINITE {
             assert_eq!(
                 after, position,
                 "{name} failed ({status:?}) and moved the position"
@@ -751,13 +767,18 @@ fn check_loaded_state(h: *mut ffi::dv2_engine, position: i32, vocab: i32, ids: &
 }
 
 fn check_position(h: *mut ffi::dv2_engine, want: i32) {
+    assert_eq!(position_now(h), want, "position");
+}
+
+/// The handle's position (the call must succeed).
+fn position_now(h: *mut ffi::dv2_engine) -> i32 {
     let mut p = -1i32;
     // SAFETY: the live handle and a writable out-pointer.
     assert_eq!(
         unsafe { ffi::dv2_position(h, &mut p) },
         ffi::dv2_status::DV2_OK
     );
-    assert_eq!(p, want, "position");
+    p
 }
 
 /// A call that writes up to `cap` elements and their count (`dv2_tokenize` and the text
