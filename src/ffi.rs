@@ -978,7 +978,8 @@ pub unsafe extern "C" fn dv2_logits(
 /// `top_logprobs[0 .. n_top]` the `n_top` most likely ids, most likely first (the lower id
 /// first on a tie), fewer than `n_top` only where the vocabulary is smaller. `n_top` in 0 ..=
 /// DV2_MAX_TOP_LOGPROBS; the two arrays may be NULL when it is 0. On CUDA the logits are read
-/// back: call it per step where logprobs are wanted. DV2_ERR_INVALID_STATE before any prefill.
+/// back: call it per step where logprobs are wanted. DV2_ERR_INVALID_STATE before any prefill;
+/// DV2_ERR_NON_FINITE where the logits hold inf or NaN (nothing written).
 ///
 /// # Safety
 /// `out_logprob` NULL or writable; `top_ids` and `top_logprobs` NULL or with room for `n_top`

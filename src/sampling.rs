@@ -321,6 +321,13 @@ pub fn logprobs(logits: &[f32], id: u32, n_top: usize) -> Result<Logprobs> {
             "n_top = {n_top} (at most {MAX_TOP_LOGPROBS})"
         )));
     }
+    if let Some(i) = logits.iter().position(|l| !l.is_finite()) {
+        return Err(Error::NonFinite(format!(
+            "logit {i} is {}: the last forward's log-probabilities are undefined (reset to \
+             start again)",
+            logits[i]
+        )));
+    }
     let max = logits.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v)) as f64;
     let log_z = max
         + logits
@@ -513,6 +520,15 @@ mod tests {
         assert_eq!(logprobs(&logits, 0, 9).unwrap().top.len(), 5);
         assert!(logprobs(&logits, 5, 1).is_err());
         assert!(logprobs(&logits, 0, MAX_TOP_LOGPROBS + 1).is_err());
+        // Logits past f32's range (a forward that returned DV2_ERR_NON_FINITE): an error, not
+        // NaN log-probabilities.
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let mut poisoned = logits;
+            poisoned[3] = bad;
+            let err = logprobs(&poisoned, 0, 2).unwrap_err();
+            assert!(matches!(err, Error::NonFinite(_)), "{err}");
+            assert!(err.to_string().contains("logit 3"), "{err}");
+        }
     }
 
     #[test]
