@@ -206,6 +206,36 @@ fn write_seeds_if_asked() {
         tk.apply_chat_template(&[], true)
             .expect("the seed's chat template renders");
     }
+    // The RoPE scalings a file names: YaRN's keys under the internlm2 architecture's prefix,
+    // and Llama 3.1's rope_freqs tensor with a linear factor.
+    let mut yarn = GgufWriter::tiny_llama();
+    for (key, _) in yarn.meta.iter_mut() {
+        if let Some(rest) = key.strip_prefix("llama.") {
+            *key = format!("internlm2.{rest}");
+        }
+    }
+    yarn.set_meta("general.architecture", Meta::Str("internlm2".into()));
+    yarn.set_meta("internlm2.rope.scaling.type", Meta::Str("yarn".into()));
+    yarn.set_meta("internlm2.rope.scaling.factor", Meta::F32(4.0));
+    yarn.set_meta(
+        "internlm2.rope.scaling.original_context_length",
+        Meta::U32(64),
+    );
+    let mut freqs = GgufWriter::tiny_llama();
+    let divisors = (1..=8).map(|d| d as f32).collect();
+    freqs
+        .tensors
+        .push(("rope_freqs.weight".into(), vec![8], divisors));
+    freqs.set_meta("llama.rope.scale_linear", Meta::F32(2.0));
+    for (seed, w) in [
+        ("seed-internlm2-yarn", yarn),
+        ("seed-llama-rope-freqs", freqs),
+    ] {
+        let path = corpus("gguf").join(seed);
+        std::fs::write(&path, w.bytes()).unwrap();
+        let m = decodev2::load::load_all(&path).unwrap().model;
+        assert_ne!(m.rope_scaling, decodev2::rope::RopeScaling::None, "{seed}");
+    }
     std::fs::create_dir_all(corpus("hf")).unwrap();
     for arch in ["LlamaForCausalLM", "Qwen2ForCausalLM"] {
         let dir = scratch(arch);
