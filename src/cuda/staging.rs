@@ -224,7 +224,7 @@ impl<'g> Staging<'g> {
         Ok(())
     }
 
-    /// Waits for the copies out of the page-locked buffers, then gives the buffers back (None
+    /// Waits for the copies through the page-locked buffers, then gives the buffers back (None
     /// for pageable copies) for a later [`Self::resume`].
     pub fn finish(self) -> Result<Option<StageBuffers>> {
         if let Some(buffers) = &self.buffers {
@@ -297,7 +297,7 @@ impl StageBuffers {
 }
 
 impl Drop for StageBuffers {
-    /// The page-locked buffers are freed after the copies out of them are done.
+    /// The page-locked buffers are freed after the copies out of or into them are done.
     fn drop(&mut self) {
         for event in &self.drained {
             let _ = event.synchronize();
