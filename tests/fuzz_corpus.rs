@@ -3,7 +3,8 @@
 //! holds whole inputs (the seeds the runs grew from, and every input that ever crashed or hung
 //! a target) and queue.patches: the inputs AFL++ kept for new coverage, as edits on a seed
 //! (fuzz/pack_corpus.py packs them; the few past 4 KB of edits are left out).
-//! `DV2_WRITE_FUZZ_SEEDS=1` writes the seeds (tiny valid model files).
+//! `DV2_WRITE_FUZZ_SEEDS=1` writes the seeds (tiny valid model files) that are not there yet: a
+//! seed already there is kept as it is, since queue.patches holds edits on its bytes.
 
 mod common;
 
@@ -127,6 +128,13 @@ fn abi_corpus_replays() {
     println!("abi: {} inputs replayed", inputs.len());
 }
 
+/// Writes a seed where none is (see the module's note).
+fn write_seed(path: &Path, bytes: &[u8]) {
+    if !path.exists() {
+        std::fs::write(path, bytes).unwrap();
+    }
+}
+
 fn write_seeds_if_asked() {
     if std::env::var_os("DV2_WRITE_FUZZ_SEEDS").is_none() {
         return;
@@ -134,11 +142,10 @@ fn write_seeds_if_asked() {
     use common::gguf_writer::{GgufWriter, Meta};
     use common::safetensors_writer::HfWriter;
     std::fs::create_dir_all(corpus("gguf")).unwrap();
-    std::fs::write(
-        corpus("gguf").join("seed-tiny-llama"),
-        GgufWriter::tiny_llama().bytes(),
-    )
-    .unwrap();
+    write_seed(
+        &corpus("gguf").join("seed-tiny-llama"),
+        &GgufWriter::tiny_llama().bytes(),
+    );
     // The same with a tokenizer and a chat template: SentencePiece (byte pieces, scores,
     // control tokens), then byte-level BPE (the 256 byte characters, three merges).
     let template = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}</s>{% endfor %}\
@@ -174,7 +181,7 @@ fn write_seeds_if_asked() {
     spm.set_meta("tokenizer.ggml.eos_token_id", Meta::U32(2));
     spm.set_meta("tokenizer.ggml.unknown_token_id", Meta::U32(0));
     spm.set_meta("tokenizer.chat_template", Meta::Str(template.into()));
-    std::fs::write(corpus("gguf").join("seed-tiny-llama-spm"), spm.bytes()).unwrap();
+    write_seed(&corpus("gguf").join("seed-tiny-llama-spm"), &spm.bytes());
     let mut bpe = GgufWriter::tiny_llama();
     let mut tokens: Vec<String> = common::gguf_writer::byte_level_chars()
         .into_iter()
@@ -196,7 +203,7 @@ fn write_seeds_if_asked() {
     bpe.set_meta("tokenizer.ggml.token_type", Meta::I32Array(types));
     bpe.set_meta("tokenizer.ggml.merges", Meta::StrArray(merges));
     bpe.set_meta("tokenizer.chat_template", Meta::Str(template.into()));
-    std::fs::write(corpus("gguf").join("seed-tiny-llama-bpe"), bpe.bytes()).unwrap();
+    write_seed(&corpus("gguf").join("seed-tiny-llama-bpe"), &bpe.bytes());
     for seed in ["seed-tiny-llama-spm", "seed-tiny-llama-bpe"] {
         let path = corpus("gguf").join(seed);
         let loaded = decodev2::load::load_all(&path).unwrap();
@@ -232,7 +239,7 @@ fn write_seeds_if_asked() {
         ("seed-llama-rope-freqs", freqs),
     ] {
         let path = corpus("gguf").join(seed);
-        std::fs::write(&path, w.bytes()).unwrap();
+        write_seed(&path, &w.bytes());
         let m = decodev2::load::load_all(&path).unwrap().model;
         assert_ne!(m.rope_scaling, decodev2::rope::RopeScaling::None, "{seed}");
     }
@@ -244,7 +251,7 @@ fn write_seeds_if_asked() {
         input.extend_from_slice(targets::HF_SEPARATOR);
         input.extend_from_slice(targets::HF_SEPARATOR);
         input.extend(std::fs::read(dir.join("model.safetensors")).unwrap());
-        std::fs::write(corpus("hf").join(format!("seed-{arch}")), input).unwrap();
+        write_seed(&corpus("hf").join(format!("seed-{arch}")), &input);
         std::fs::remove_dir_all(&dir).unwrap();
     }
     // A bitsandbytes 4-bit directory (decodev2's writer), its down_proj with nested scales.
@@ -308,6 +315,6 @@ fn write_seeds_if_asked() {
     input.extend_from_slice(targets::HF_SEPARATOR);
     input.extend(weights);
     decodev2::load::load(&dir).expect("the bnb seed loads");
-    std::fs::write(corpus("hf").join("seed-bnb-nf4"), input).unwrap();
+    write_seed(&corpus("hf").join("seed-bnb-nf4"), &input);
     std::fs::remove_dir_all(&dir).unwrap();
 }
