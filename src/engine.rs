@@ -561,8 +561,9 @@ impl Engine {
     fn check_finite(&mut self) -> Result<()> {
         match self.backend.take_non_finite() {
             Some(p) => Err(Error::NonFinite(format!(
-                "the logits at position {p} hold inf or NaN (weights or activations past f32's \
-                 range); the position moved on as for any step, reset to start again"
+                "the logits at position {p} hold inf or NaN (weights, activations or a loaded \
+                 state's values past f32's range); the position moved on as for any step, reset \
+                 to start again"
             ))),
             None => Ok(()),
         }

@@ -48,7 +48,8 @@ pub enum Error {
     /// A CUDA driver or NVRTC call failed.
     #[error("cuda: {0}")]
     Cuda(String),
-    /// A forward ran but its logits hold inf or NaN (weights or activations past f32's range).
+    /// A forward ran but its logits hold inf or NaN (weights, activations or a loaded state's
+    /// values past f32's range).
     #[error("non-finite logits: {0}")]
     NonFinite(String),
     /// An output buffer is smaller than the result; the entry reports the size it needs.

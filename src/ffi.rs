@@ -60,7 +60,8 @@ pub enum dv2_status {
     /// A struct's `struct_size` does not match this library's.
     DV2_ERR_ABI_MISMATCH = 15,
     /// The forward ran (the position moved on) but its logits hold inf or NaN: the model's
-    /// weights or activations passed f32's range. The ids it chose mean nothing; reset.
+    /// weights or activations, or a loaded state's values, passed f32's range. The ids it chose
+    /// mean nothing; reset. Also dv2_logprobs on such logits.
     DV2_ERR_NON_FINITE = 16,
     /// An output buffer is smaller than the result; the call wrote the size it needs (ids or
     /// bytes) to its count out-pointer and nothing else. The handle is unchanged.
