@@ -244,14 +244,64 @@ fn write_seeds_if_asked() {
         assert_ne!(m.rope_scaling, decodev2::rope::RopeScaling::None, "{seed}");
     }
     std::fs::create_dir_all(corpus("hf")).unwrap();
-    for arch in ["LlamaForCausalLM", "Qwen2ForCausalLM"] {
-        let dir = scratch(arch);
-        HfWriter::tiny(arch).write(&dir, 1);
+    // InternLM2's own layout (its tensor names, q/k/v fused into one wqkv of the q heads' and
+    // the k and v heads' rows) with Llama 3.1's rope_scaling.
+    let mut internlm = HfWriter::tiny("LlamaForCausalLM");
+    internlm.config["architectures"] = serde_json::json!(["InternLM2ForCausalLM"]);
+    internlm.config["model_type"] = serde_json::json!("internlm2");
+    internlm.config["bias"] = serde_json::json!(false);
+    internlm.config["rope_scaling"] = serde_json::json!({
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8,
+    });
+    let mut wqkv = Vec::new();
+    internlm.tensors.retain(|(name, _, values)| {
+        let fused = ["q_proj", "k_proj", "v_proj"]
+            .iter()
+            .any(|m| name.contains(m));
+        if fused {
+            wqkv.extend_from_slice(values);
+        }
+        !fused
+    });
+    let renames = [
+        ("model.embed_tokens.", "model.tok_embeddings."),
+        ("lm_head.", "output."),
+        ("input_layernorm.", "attention_norm."),
+        ("self_attn.o_proj.", "attention.wo."),
+        ("post_attention_layernorm.", "ffn_norm."),
+        ("mlp.gate_proj.", "feed_forward.w1."),
+        ("mlp.up_proj.", "feed_forward.w3."),
+        ("mlp.down_proj.", "feed_forward.w2."),
+    ];
+    for (name, _, _) in internlm.tensors.iter_mut() {
+        for (from, to) in renames {
+            *name = name.replace(from, to);
+        }
+    }
+    let rows = wqkv.len() / 64;
+    internlm.tensors.push((
+        "model.layers.0.attention.wqkv.weight".into(),
+        vec![rows, 64],
+        wqkv,
+    ));
+    let writers = [
+        ("LlamaForCausalLM", HfWriter::tiny("LlamaForCausalLM")),
+        ("Qwen2ForCausalLM", HfWriter::tiny("Qwen2ForCausalLM")),
+        ("InternLM2ForCausalLM-llama3-rope", internlm),
+    ];
+    for (name, writer) in writers {
+        let dir = scratch(name);
+        writer.write(&dir, 1);
+        let loaded = decodev2::load::load_all(&dir).unwrap().model;
+        assert_eq!(loaded.spec.n_layers, 1, "{name}");
+        let scaled = loaded.rope_scaling != decodev2::rope::RopeScaling::None;
+        assert_eq!(scaled, name.ends_with("-rope"), "{name}");
         let mut input = std::fs::read(dir.join("config.json")).unwrap();
         input.extend_from_slice(targets::HF_SEPARATOR);
         input.extend_from_slice(targets::HF_SEPARATOR);
         input.extend(std::fs::read(dir.join("model.safetensors")).unwrap());
-        write_seed(&corpus("hf").join(format!("seed-{arch}")), &input);
+        write_seed(&corpus("hf").join(format!("seed-{name}")), &input);
         std::fs::remove_dir_all(&dir).unwrap();
     }
     // A bitsandbytes 4-bit directory (decodev2's writer), its down_proj with nested scales.
