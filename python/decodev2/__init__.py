@@ -310,16 +310,11 @@ class Engine:
         """save_state's file in memory, as a bytearray the library writes where it lies (an 8k
         state of a 3B model is 288 MiB: no copy of it is made), kept (a cache of conversations,
         say) for load_state_bytes; written to a file, load_state reads it."""
-        made = []
-
-        def writable(size):
-            made.append(bytearray(size))
-            return (ctypes.c_char * size).from_buffer(made[-1])
-
-        view, n = self._fetch(self._save_data, "dv2_state_save_data", writable)
-        del view  # a bytearray cannot be resized while a view of it is held
-        data = made[-1]
-        del data[n:]
+        size = self.state_size()
+        data = bytearray(size)
+        count = ctypes.c_size_t()
+        _check(self._save_data((ctypes.c_char * size).from_buffer(data), size, ctypes.byref(count)),
+               "dv2_state_save_data")
         return data
 
     def state_size(self):
@@ -332,10 +327,10 @@ class Engine:
     def load_state_bytes(self, data):
         """load_state on a state's bytes (state_bytes, or a state file's contents): bytes, a
         bytearray or any other buffer, read where they lie unless it is read-only and not bytes."""
-        view = data if isinstance(data, bytes) else memoryview(data).cast("B")
-        if isinstance(view, memoryview):
-            view = bytes(view) if view.readonly else (ctypes.c_char * view.nbytes).from_buffer(view)
-        return self._loaded(lambda ids, cap, count: lib.dv2_state_load_data(self._h, view, len(view), ids, cap, count),
+        if not isinstance(data, bytes):
+            view = memoryview(data).cast("B")
+            data = bytes(view) if view.readonly else (ctypes.c_char * view.nbytes).from_buffer(view)
+        return self._loaded(lambda ids, cap, count: lib.dv2_state_load_data(self._h, data, len(data), ids, cap, count),
                             "dv2_state_load_data")
 
     def _loaded(self, call, name):
