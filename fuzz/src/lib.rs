@@ -752,7 +752,6 @@ pub fn abi(target: &AbiTarget, data: &[u8]) {
     }
 }
 
-/// The position the last call left, which must be `want`.
 /// A state loaded back into the request it was saved from (at `position`): only one of this
 /// request's length loads, whatever byte changed, and its ids are in the vocabulary.
 fn check_loaded_state(h: *mut ffi::dv2_engine, position: i32, vocab: i32, ids: &[i32]) {
@@ -765,6 +764,7 @@ fn check_loaded_state(h: *mut ffi::dv2_engine, position: i32, vocab: i32, ids: &
     assert!(ids.iter().all(|id| (0..vocab).contains(id)), "ids {ids:?}");
 }
 
+/// The position the last call left, which must be `want`.
 fn check_position(h: *mut ffi::dv2_engine, want: i32) {
     assert_eq!(position_now(h), want, "position");
 }
