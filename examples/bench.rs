@@ -10,6 +10,7 @@
 //!                                               [--shapes PRESET] [--load PATH [REPS]]
 //!                                               [--sampling [PRESET [DEPTHS]]] [--step-loop [PRESET [DEPTHS]]]
 //!                                               [--rest [PRESET [DEPTHS]]] [--turns [PRESET [DEPTHS]]]
+//!                                               [--short-chunks [PRESET [DEPTHS]]]
 //!
 //! load s is `Engine::new` (upload, allocation, kernels, warm-up); warmup ms is its eager
 //! probe step + graph capture; prefill ms is the prompt to the first token; ms/token the steps
@@ -39,6 +40,9 @@
 //! `--turns [PRESET [D1,D2,..]]` prints only the time to the first id of a chat turn of 32
 //! new ids after a conversation of each depth (48 and 8k unless listed), prefilled whole
 //! against from the depth after a rewind (what a host that keeps the earlier turns pays).
+//! `--short-chunks [PRESET [D1,D2,..]]` prints only the time to the next id of a chunk of 1 to
+//! 16 ids after a rewind to each depth (48 and 8k unless listed), on GEMV v3's column kernels
+//! against the GEMM (`DV2_PREFILL_GEMV=0`), beside a decode step.
 //! `--shapes PRESET` takes the kernel table's matrices from that preset (default qwen25_3b).
 //! `--load PATH [REPS]` prints only load times of a model file or directory (read and device
 //! parts), REPS times (3): the first cold or warm as the page cache is, the rest warm.
@@ -1054,6 +1058,77 @@ fn turns_sweep(preset: &str, depths: &[usize]) {
     }
 }
 
+/// `--short-chunks [PRESET [D1,D2,..]]`: ms to the next id of a chunk of 1 to 16 ids after a
+/// rewind to each depth (a chat turn's few new ids; a speculative draft's check), on GEMV v3's
+/// column kernels (the default) and on the GEMM (`DV2_PREFILL_GEMV=0`), one engine each, their
+/// requests alternating; beside them a step a call of the default engine. Medians of 7 after
+/// a warm round; the last column says whether both engines gave the same ids. At 16 ids (past
+/// GEMV3_COLS) both run the GEMM: the two engines' spread.
+fn short_chunks_sweep(preset: &str, depths: &[usize]) {
+    const REPS: usize = 7;
+    const SIZES: [usize; 5] = [1, 2, 4, 8, 16];
+    let spec = decodev2::arch::preset(preset).expect("preset");
+    let model = synth::build(&spec, 0).unwrap();
+    let load = |env: &[(&str, &str)]| {
+        with_env(env, || {
+            let opts = EngineOptions {
+                backend: BackendKind::Cuda,
+                max_seq: depths.iter().max().unwrap() + 256,
+                ..EngineOptions::default()
+            };
+            Engine::new(model.clone(), &opts).expect("cuda engine")
+        })
+    };
+    let mut engines = [load(&[]), load(&[("DV2_PREFILL_GEMV", "0")])];
+    println!(
+        "{preset}: ms to the next id of a chunk of N ids after a rewind to DEPTH: GEMV v3 columns \
+         (default) | GEMM (DV2_PREFILL_GEMV=0); a decode step (a step a call); medians of {REPS}"
+    );
+    println!(
+        "  {:>6} {:>4} {:>9} {:>9} {:>7} {:>9} {:>6}",
+        "depth", "N", "columns", "GEMM", "ratio", "step", "same"
+    );
+    for &depth in depths {
+        let prompt = synth::prompt(spec.vocab, depth + 32, 1);
+        for e in engines.iter_mut() {
+            e.reset().unwrap();
+            e.prefill(&prompt[..depth]).unwrap();
+        }
+        let mut steps = Vec::new();
+        for rep in 0..REPS + 1 {
+            engines[0].rewind(depth).unwrap();
+            engines[0].prefill(&prompt[depth..depth + 1]).unwrap();
+            let t = Instant::now();
+            engines[0].step().unwrap();
+            if rep > 0 {
+                steps.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+        let step = median(steps);
+        for n in SIZES {
+            let chunk = &prompt[depth..depth + n];
+            let mut times = [Vec::new(), Vec::new()];
+            let mut ids = [0u32; 2];
+            for rep in 0..REPS + 1 {
+                for (i, e) in engines.iter_mut().enumerate() {
+                    e.rewind(depth).unwrap();
+                    let t = Instant::now();
+                    ids[i] = e.prefill(chunk).unwrap();
+                    if rep > 0 {
+                        times[i].push(t.elapsed().as_secs_f64() * 1e3);
+                    }
+                }
+            }
+            let [cols, gemm] = times.map(median);
+            println!(
+                "  {depth:>6} {n:>4} {cols:>9.3} {gemm:>9.3} {:>7.2} {step:>9.3} {:>6}",
+                gemm / cols,
+                ids[0] == ids[1]
+            );
+        }
+    }
+}
+
 /// `--rest [PRESET [D1,D2,..]]`: decode ms/token of 128 tokens after a prompt of each depth,
 /// as one `step_n` request after 1 s with the GPU idle and right after another such request
 /// (untimed), and in 16-step `step_n` chunks back to back and each after 100 ms idle (only the
@@ -1322,11 +1397,12 @@ fn main() {
         return;
     }
     // The sweeps of one engine by depth (48 and 8k unless listed).
-    let sweeps: [(&str, Sweep); 4] = [
+    let sweeps: [(&str, Sweep); 5] = [
         ("--step-loop", step_loop),
         ("--rest", rest_sweep),
         ("--sampling", sampling_sweep),
         ("--turns", turns_sweep),
+        ("--short-chunks", short_chunks_sweep),
     ];
     for (name, sweep) in sweeps {
         if let Some(i) = args.iter().position(|a| a == name) {

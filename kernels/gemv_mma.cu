@@ -253,3 +253,113 @@ extern "C" __global__ void __launch_bounds__(GEMV3_THREADS, GEMV3_KH2_CTAS_PER_S
     gemv3_body<1, 2, EPI_STORE, GEMV3_IO_NORM, 2>(a);
 }
 #endif
+
+// GEMV v3 over up to eight columns: a prefill chunk of at most GEMV3_COLS ids (a chat turn's
+// few new ids, a speculative draft's check) on the decode's tensor-core walk instead of the
+// GEMM, whose tiles and K splits are sized for many columns. Column c of x (f16, [n][k], the
+// prefill's producers write it so) goes to B's column c, so one MMA serves every column where
+// the decode kernel above replicates one; columns from n to 7 repeat column 0 and are not
+// stored. Thread (g, t) then holds rows g and g + 8 of columns 2t and 2t + 1. y is [n][ldy],
+// f32 (SwiGLU: f16, down's input). No norm on load, no sums out: the prefill norms its rows
+// before (rms_rows).
+template <int T, int S, int EPI>
+__device__ __forceinline__ void gemv3_cols_body(const GemmArgs& a) {
+    __shared__ __align__(16) u32 lut[BYTE_LUT_WORDS];
+    __shared__ float red[GEMV3_WARPS][T * 16][GEMV3_COLS + 1];  // +1: rows 8 floats apart meet fewer banks
+    extern __shared__ uint4 xs[];                              // [n][k / 8] f16 octets
+    const int outputs = EPI == EPI_SWIGLU ? a.rows[0] : a.rows[0] + a.rows[1] + a.rows[2];
+    const int groups = (outputs + 16 * (EPI == EPI_SWIGLU ? 1 : T) - 1) / (16 * (EPI == EPI_SWIGLU ? 1 : T));
+    load_byte_codebook<GEMV3_THREADS>(lut);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const u32 lane4 = 4 * lane;
+    const int kblocks = a.k >> 6;
+    const int kb0 = warp * kblocks / GEMV3_WARPS, kb1 = (warp + 1) * kblocks / GEMV3_WARPS;
+    const int stages = (kb1 - kb0 + S - 1) / S;
+    Gemv3Stage<T, S> cur, nxt;
+    if (stages > 0 && (int)blockIdx.x < groups) gemv3_load<T, S, EPI>(a, blockIdx.x, kb0, kb1, g, t, cur);
+    pdl_enter();
+    if (a.skip_if && *a.skip_if) return;
+    const int octets = a.n * (a.k >> 3);
+    for (int i = threadIdx.x; i < octets; i += GEMV3_THREADS) xs[i] = reinterpret_cast<const uint4*>(a.x)[i];
+    __syncthreads();
+    // This thread's B column: its own, or column 0 where the chunk has fewer.
+    const uint4* xcol = xs + (g < a.n ? g : 0) * (a.k >> 3);
+    for (int group = blockIdx.x; group < groups; group += gridDim.x) {
+        float acc[T][4] = {};
+        for (int st = 0; st < stages; st++) {
+            const int kb = kb0 + st * S;
+            const bool last = st + 1 == stages;
+            const int next_group = last ? group + gridDim.x : group;
+            if (next_group < groups) gemv3_load<T, S, EPI>(a, next_group, last ? kb0 : kb + S, kb1, g, t, nxt);
+#pragma unroll
+            for (int j = 0; j < S; j++) {
+                if (kb + j >= kb1) break;
+                const uint4 x0 = xcol[(kb + j) * 8 + 2 * t], x1 = xcol[(kb + j) * 8 + 2 * t + 1];
+                const u32 bw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+                for (int i = 0; i < T; i++) {
+                    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                    const Gemv3Block& blk = cur.b[j][i];
+#pragma unroll
+                    for (int s = 0; s < 4; s++) {
+                        const int k = (s & 1) * 2;
+                        u32 af[4];
+#pragma unroll
+                        for (int h = 0; h < 2; h++) {
+                            const u32 word = s < 2 ? blk.w[h].x : blk.w[h].y;
+                            af[h] = byte_lut_entry(lut, word, k, lane4);
+                            af[2 + h] = byte_lut_entry(lut, word, k + 1, lane4);
+                        }
+                        mma_16816(c, af, bw[2 * s], bw[2 * s + 1]);
+                    }
+                    const float s0 = scale_f32(blk.s[0]), s1 = scale_f32(blk.s[1]);
+                    acc[i][0] = fmaf(c[0], s0, acc[i][0]);
+                    acc[i][1] = fmaf(c[1], s0, acc[i][1]);
+                    acc[i][2] = fmaf(c[2], s1, acc[i][2]);
+                    acc[i][3] = fmaf(c[3], s1, acc[i][3]);
+                }
+            }
+            cur = nxt;
+        }
+#pragma unroll
+        for (int i = 0; i < T; i++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) red[warp][i * 16 + g + 8 * (e >> 1)][2 * t + (e & 1)] = acc[i][e];
+        __syncthreads();
+        // One thread an (output row, column) of the group: SwiGLU 16 x 8, the others T*16 x 8.
+        const int row_in = threadIdx.x / GEMV3_COLS, col = threadIdx.x % GEMV3_COLS;
+        const int group_rows = EPI == EPI_SWIGLU ? 16 : T * 16;
+        if (row_in < group_rows && col < a.n) {
+            float sum = 0.0f;
+#pragma unroll
+            for (int w = 0; w < GEMV3_WARPS; w++) sum += red[w][row_in][col];
+            if (EPI == EPI_SWIGLU) {
+                float up = 0.0f;
+#pragma unroll
+                for (int w = 0; w < GEMV3_WARPS; w++) up += red[w][16 + row_in][col];
+                const int r = group * 16 + row_in;
+                if (r < a.rows[0])
+                    reinterpret_cast<u16*>(a.y)[(size_t)col * a.ldy + r] = f32_to_f16(sum / (1.0f + expf(-sum)) * up);
+            } else {
+                const int row = group * T * 16 + row_in;
+                const StackedRow r = gemv3_stacked<EPI>(a, row);
+                if (r.valid) {
+                    float* out = a.y + (size_t)col * a.ldy + row;
+                    const float* bias = gemv3_bias<EPI>(a, r.matrix);
+                    const float v = sum + (bias ? bias[r.local] : 0.0f);
+                    *out = EPI == EPI_ACCUMULATE ? *out + v : v;
+                }
+            }
+        }
+        // red is rewritten by the next group's warps only after every thread read it.
+        __syncthreads();
+    }
+}
+
+#define GEMV3_COLS_KERNEL(NAME, T, S, EPI)                                                            \
+    extern "C" __global__ void __launch_bounds__(GEMV3_THREADS, GEMV3_CTAS_PER_SM) NAME(GemmArgs a) {             \
+        gemv3_cols_body<T, S, EPI>(a);                                                                \
+    }
+GEMV3_COLS_KERNEL(gemv3_cols_store, 1, 4, EPI_STORE)
+GEMV3_COLS_KERNEL(gemv3_cols_acc, 1, 4, EPI_ACCUMULATE)
+GEMV3_COLS_KERNEL(gemv3_cols_swiglu, 2, 2, EPI_SWIGLU)

@@ -127,6 +127,13 @@ pub const VARIABLES: &[Variable] = &[
               10.5 -> 3.6 after 8k, 34.0 -> 4.7 after 32k",
     },
     Variable {
+        name: "DV2_PREFILL_GEMV",
+        default: "1",
+        effect: "`0`: a prefill chunk of up to 8 ids through the tensor-core GEMM instead of GEMV \
+                 v3 over its columns (one MMA serving every column)",
+        lab: "session 72: not yet measured",
+    },
+    Variable {
         name: "DV2_PREFILL_TAIL",
         default: "1",
         effect: "`0`: the prompt's last layer on every token instead of the last token alone",
@@ -218,6 +225,8 @@ pub struct Config {
     pub prefill_tail: bool,
     /// A tensor-core prefill attention whose CTAs leave SMs idle splits its slots.
     pub prefill_split: bool,
+    /// A prefill chunk of up to GEMV3_COLS ids through GEMV v3's column kernels.
+    pub prefill_gemv: bool,
     /// The decode step's linears through the tensor-core GEMM (`DV2_LINEAR=mma`).
     pub linear_mma: bool,
     /// A bitsandbytes linear's codes left in the file's map until uploaded.
@@ -266,6 +275,7 @@ impl Config {
             prefill_by_steps: is("DV2_PREFILL", "n1"),
             prefill_tail: on("DV2_PREFILL_TAIL"),
             prefill_split: on("DV2_PREFILL_SPLIT"),
+            prefill_gemv: on("DV2_PREFILL_GEMV"),
             linear_mma: is("DV2_LINEAR", "mma"),
             mapped_codes: on("DV2_MAPPED_CODES"),
             staged_upload: on("DV2_STAGED_UPLOAD"),

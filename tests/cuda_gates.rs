@@ -1127,7 +1127,8 @@ fn chunked_prefill_of_150_tokens_matches_the_oracle() {
 }
 
 /// Issue 6: the chunked tensor-core prefill against the oracle, at chunk 32 (so 31, 32, 33
-/// straddle a chunk boundary) and at the default chunk.
+/// straddle a chunk boundary), at chunk 8 (every chunk on GEMV v3's column kernels,
+/// `DV2_PREFILL_GEMV`) and at the default chunk.
 #[test]
 fn chunked_prefill_matches_the_oracle() {
     let _device = exclusive_device();
@@ -1147,7 +1148,7 @@ fn chunked_prefill_matches_the_oracle() {
             0,
         )
         .unwrap();
-        for chunk in [32, 0] {
+        for chunk in [32, 8, 0] {
             let opts = EngineOptions {
                 max_seq: MAX_SEQ,
                 prefill_chunk: chunk,

@@ -16,7 +16,9 @@ use decodev2::config::Config;
 use decodev2::cuda::bench::random_f32 as random;
 use decodev2::cuda::device::Gpu;
 use decodev2::cuda::kernels::state;
-use decodev2::cuda::ops::{Gemv, GemvChoice, Input, LogitsHead, Ops, QkvArgs, ARGMAX_SCRATCH};
+use decodev2::cuda::ops::{
+    Epilogue, GemmMatrix, Gemv, GemvChoice, Input, LogitsHead, Ops, QkvArgs, ARGMAX_SCRATCH,
+};
 use decodev2::cuda::weights::DeviceMatrix;
 use decodev2::nf4::Nf4Matrix;
 use half::f16;
@@ -500,4 +502,164 @@ fn lm_head_and_its_argmax_match_the_cpu_on_both_walks() {
             "w20 {w20}: the argmax of the logits the kernel wrote"
         );
     }
+}
+
+/// A prefill chunk's linears at 1 to 8 columns (`Ops::gemm`, x f16 [n][K]), on GEMV v3's
+/// column kernels (the default) and on the GEMM (`DV2_PREFILL_GEMV=0`), against the CPU on
+/// the f16-rounded x: q/k/v stacked with a bias, `y += W x` over a residual, and SwiGLU
+/// written as f16. K = 2,048 and 11,008 (the 3B shape's) fit eight columns a launch; 27,648
+/// (the 32B shape's down) three, so its eight go in three launches.
+#[test]
+fn a_short_prefill_chunks_linears_match_the_cpu_on_both_paths() {
+    let cfg = Config::from_env();
+    let Some(gpu) = cuda_or_skip("GPU", Gpu::open(0, &cfg)) else {
+        return;
+    };
+    let mut ops = Ops::new(gpu, cfg.clone()).unwrap();
+    let mut worst = 0f32;
+    for k in [2048, 11008, 27648] {
+        let rows = 200;
+        let gpu = &ops.gpu;
+        let seed = k as u64;
+        let [a, b, c] = [1, 3, 5].map(|m| Matrix::new(gpu, rows, k, seed + m));
+        let bias = random(rows, seed + 7, -0.5, 0.5);
+        let bias_d = gpu.upload(&bias).unwrap();
+        for n in [1, 3, 8] {
+            let (x16, x) = f16_rounded(&random(n * k, seed + 9 + n as u64, -1.0, 1.0));
+            let x16d = gpu.upload(&x16).unwrap();
+            let residual = random(n * rows, seed + 11, -1.0, 1.0);
+            for on in [true, false] {
+                ops.cfg.prefill_gemv = on;
+                let gpu = &ops.gpu;
+                let path = if on { "GEMV v3 columns" } else { "GEMM" };
+                let mut check =
+                    |what: &str, got: &[f32], want: &dyn Fn(usize, usize) -> (f32, f32)| {
+                        for (i, g) in got.iter().enumerate() {
+                            let (col, r) = (i / (got.len() / n), i % (got.len() / n));
+                            let (v, tol) = want(col, r);
+                            let err = (g - v).abs();
+                            worst = worst.max(err / tol);
+                            assert!(
+                                err <= tol,
+                                "{path}, K = {k}, n = {n}, {what}: column {col} row {r} got {g}, \
+                             want {v} (tolerance {tol})"
+                            );
+                        }
+                    };
+                let xcol = |col: usize| &x[col * k..(col + 1) * k];
+                let x_ptr = gpu.ptr(&x16d);
+
+                // q/k/v-like: A's rows with a bias, then B's and C's half each.
+                let mats = [
+                    GemmMatrix {
+                        m: a.dev.as_ref(gpu),
+                        rows,
+                        bias: gpu.ptr(&bias_d),
+                    },
+                    GemmMatrix {
+                        m: b.dev.as_ref(gpu),
+                        rows: rows / 2,
+                        bias: 0,
+                    },
+                    GemmMatrix {
+                        m: c.dev.as_ref(gpu),
+                        rows: rows / 2,
+                        bias: 0,
+                    },
+                ];
+                let ld = 2 * rows;
+                let y = gpu.zeros::<f32>(n * ld).unwrap();
+                ops.gemm(
+                    Epilogue::Store,
+                    &mats,
+                    k,
+                    x_ptr,
+                    n,
+                    gpu.ptr(&y),
+                    ld,
+                    0,
+                    true,
+                )
+                .unwrap();
+                check(
+                    "stacked store",
+                    &gpu.download(&y, n * ld).unwrap(),
+                    &|col, r| {
+                        let (m, row, add) = match r {
+                            r if r < rows => (&a, r, bias[r]),
+                            r if r < rows + rows / 2 => (&b, r - rows, 0.0),
+                            r => (&c, r - rows - rows / 2, 0.0),
+                        };
+                        let (v, mag) = m.dot(row, xcol(col));
+                        (v + add, tolerance(mag))
+                    },
+                );
+
+                // The residual: y += A x.
+                let y = gpu.upload(&residual).unwrap();
+                ops.gemm(
+                    Epilogue::Accumulate,
+                    &mats[..1],
+                    k,
+                    x_ptr,
+                    n,
+                    gpu.ptr(&y),
+                    rows,
+                    0,
+                    true,
+                )
+                .unwrap();
+                check(
+                    "accumulate",
+                    &gpu.download(&y, n * rows).unwrap(),
+                    &|col, r| {
+                        let (v, mag) = a.dot(r, xcol(col));
+                        (residual[col * rows + r] + v, tolerance(mag))
+                    },
+                );
+
+                // SwiGLU of A and B, written as f16.
+                let gate_up = [
+                    GemmMatrix {
+                        m: a.dev.as_ref(gpu),
+                        rows,
+                        bias: 0,
+                    },
+                    GemmMatrix {
+                        m: b.dev.as_ref(gpu),
+                        rows,
+                        bias: 0,
+                    },
+                ];
+                let out = gpu.zeros::<u16>(n * rows).unwrap();
+                ops.gemm(
+                    Epilogue::Swiglu,
+                    &gate_up,
+                    k,
+                    x_ptr,
+                    n,
+                    gpu.ptr(&out),
+                    rows,
+                    0,
+                    true,
+                )
+                .unwrap();
+                let got: Vec<f32> = gpu
+                    .download(&out, n * rows)
+                    .unwrap()
+                    .iter()
+                    .map(|&h| f16::from_bits(h).to_f32())
+                    .collect();
+                check("SwiGLU (f16)", &got, &|col, r| {
+                    let ((g, gm), (u, um)) = (a.dot(r, xcol(col)), b.dot(r, xcol(col)));
+                    let (tg, tu) = (tolerance(gm), tolerance(um));
+                    let v = silu(g) * u;
+                    let tol = 1.1 * tg * (u.abs() + tu) + (silu(g).abs() + 1.1 * tg) * tu;
+                    // Plus f16's rounding of the output.
+                    (v, tol + v.abs() / 1024.0 + 1e-4)
+                });
+            }
+        }
+    }
+    println!("short prefill chunks' linears: worst |error| / tolerance {worst:.3}");
 }

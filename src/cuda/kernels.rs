@@ -102,6 +102,12 @@ pub const GEMV3_MAX_K: usize = 32768;
 /// GEMV v3's dynamic shared memory limit (its static table takes 32 KiB more).
 pub const GEMV3_MAX_SMEM: usize = GEMV3_MAX_K * 2;
 const _: () = assert!(GEMV3_MAX_SMEM + 32 * 1024 + 1024 <= 227 * 1024);
+/// The most columns (prefill rows) one launch of GEMV v3's column kernels takes, and the
+/// dynamic shared memory they may stage them in (f16, [columns][K]: eight columns up to K =
+/// 11,264; their static table and sums take ~42 KiB more).
+pub const GEMV3_COLS: usize = 8;
+pub const GEMV3_COLS_MAX_SMEM: usize = 176 * 1024;
+const _: () = assert!(GEMV3_COLS_MAX_SMEM + 42 * 1024 + 1024 <= 227 * 1024);
 /// Tensor-core prefill attention: warps per CTA and (token, q head) rows per CTA (16 a warp).
 /// Four warps share each staged tile; one warp per CTA (4x the CTAs) measured slower.
 pub const ATTNM_WARPS: usize = 4;
@@ -185,6 +191,7 @@ fn shared_defines() -> Vec<String> {
         ("ATTNL_MAX_GROUP", ATTNL_MAX_GROUP),
         ("ATTNL_MAX_CLUSTERS", ATTNL_MAX_CLUSTERS),
         ("GEMV3_WARPS", GEMV3_WARPS),
+        ("GEMV3_COLS", GEMV3_COLS),
         ("SWIGLU_W20_K", super::ops::SWIGLU_W20_K),
         ("SWIGLU_W20_KPARTS", super::ops::SWIGLU_W20_KPARTS as usize),
         ("LOGITS_W20_LATE_SUMS", super::ops::LOGITS_W20_LATE_SUMS),
@@ -563,6 +570,10 @@ pub struct Kernels {
     pub gemv3_lean: [CudaFunction; 3],
     /// q/k/v's lean store kernel in K halves (`DV2_QKV_KHALVES`, default; compiled only then).
     pub gemv3_qkv_kh2: Option<CudaFunction>,
+    /// GEMV v3 over up to GEMV3_COLS columns by epilogue (a short prefill chunk), and the
+    /// dynamic shared memory (its columns of x) the device lets each take.
+    pub gemv3_cols: [CudaFunction; 3],
+    pub gemv3_cols_room: usize,
     /// The NF4 tensor-core GEMM by epilogue.
     pub gemm_store: GemmKernels,
     pub gemm_acc: GemmKernels,
@@ -650,6 +661,12 @@ impl Kernels {
             f("gemv3_swiglu_lean")?,
         ];
         allow_dynamic_smem(gpu, &gemv3_lean, GEMV3_MAX_SMEM)?;
+        let gemv3_cols = [
+            f("gemv3_cols_store")?,
+            f("gemv3_cols_acc")?,
+            f("gemv3_cols_swiglu")?,
+        ];
+        allow_dynamic_smem(gpu, &gemv3_cols, GEMV3_COLS_MAX_SMEM)?;
         let gemv3_qkv_kh2 = if cfg.qkv_khalves {
             Some(f_smem("gemv3_store_lean_kh2", GEMV3_MAX_SMEM)?)
         } else {
@@ -675,6 +692,8 @@ impl Kernels {
             gemv3,
             gemv3_lean,
             gemv3_qkv_kh2,
+            gemv3_cols,
+            gemv3_cols_room: 0,
             rms_norm: f("rms_norm")?,
             embed_row: f("embed_row")?,
             attn_decode: f("attn_decode")?,
@@ -754,6 +773,7 @@ impl Kernels {
             .chain([&k.gemv2_nf4_x16_j4, &k.gemv2_kwalk_x16])
             .collect();
         k.gemv2_room = [dynamic_smem_room(&f32_x)?, dynamic_smem_room(&f16_x)?];
+        k.gemv3_cols_room = dynamic_smem_room(&k.gemv3_cols.iter().collect::<Vec<_>>())?;
         k.gemv2_swiglu_w20_room = dynamic_smem_room(&[&k.gemv2_swiglu_w20])?;
         k.gemv2_down_w27_room = dynamic_smem_room(&[&k.gemv2_down_w27])?;
         k.gemv2_kwalk_w16_room = dynamic_smem_room(&[&k.gemv2_kwalk_x16_w16])?;

@@ -4,7 +4,9 @@
 use cudarc::driver::{DeviceRepr, LaunchConfig};
 
 use super::{NormArgs, Ops};
-use crate::cuda::kernels::{GEMM_NT, GEMM_WARPS, GEMM_WARP_ROWS};
+use crate::cuda::kernels::{
+    GEMM_NT, GEMM_WARPS, GEMM_WARP_ROWS, GEMV3_COLS, GEMV3_CTAS_PER_SM, GEMV3_WARPS,
+};
 use crate::cuda::weights::Nf4Ref;
 use crate::error::{Error, Result};
 
@@ -109,6 +111,9 @@ impl Ops {
                 "the GEMM takes f32 activations at one column only".into(),
             ));
         }
+        if f16 && n <= GEMV3_COLS && self.cfg.prefill_gemv {
+            return self.gemv3_cols(epilogue, mats, k, x, n, y, ldy, skip_if);
+        }
         let mut args = GemmArgs::new(mats, x, y, skip_if, n, k, NormArgs::NONE, 0);
         args.ldy = ldy as i32;
         // SwiGLU sums only the gate's rows into outputs; its warps take 16 outputs each.
@@ -143,6 +148,80 @@ impl Ops {
         };
         launch!(self.gpu, f, cfg, cluster = (1, 1, cluster_z); args)
     }
+}
+
+impl Ops {
+    /// [`Ops::gemm`]'s f16 case at `n` <= GEMV3_COLS columns on GEMV v3's column kernels:
+    /// the columns that fit the shared memory the device allows a CTA at K = `k` a launch
+    /// (the 32B shape's down: three), each launch reading the weights once.
+    #[allow(clippy::too_many_arguments)]
+    fn gemv3_cols(
+        &self,
+        epilogue: Epilogue,
+        mats: &[GemmMatrix],
+        k: usize,
+        x: u64,
+        n: usize,
+        y: u64,
+        ldy: usize,
+        skip_if: u64,
+    ) -> Result<()> {
+        let per_launch = (self.k.gemv3_cols_room / (2 * k)).min(GEMV3_COLS);
+        if per_launch == 0 || !k.is_multiple_of(64) {
+            return Err(Error::Unsupported(format!(
+                "K = {k}: GEMV v3's column kernels take multiples of 64 whose column fits {} \
+                 bytes of shared memory",
+                self.k.gemv3_cols_room
+            )));
+        }
+        if epilogue == Epilogue::Accumulate && mats.len() != 1 {
+            return Err(Error::Internal(
+                "GEMV v3 accumulates one matrix at a time".into(),
+            ));
+        }
+        let (f, outputs, y_bytes) = match epilogue {
+            Epilogue::Store => (&self.k.gemv3_cols[0], mats.iter().map(|m| m.rows).sum(), 4),
+            Epilogue::Accumulate => (&self.k.gemv3_cols[1], mats[0].rows, 4),
+            Epilogue::Swiglu => (&self.k.gemv3_cols[2], mats[0].rows, 2),
+        };
+        let groups = outputs.div_ceil(16) as u32;
+        let mut col = 0;
+        while col < n {
+            let cols = per_launch.min(n - col);
+            let smem = 2 * k * cols;
+            let mut args = GemmArgs::new(
+                mats,
+                x + (2 * k * col) as u64,
+                y + (y_bytes * ldy * col) as u64,
+                skip_if,
+                cols,
+                k,
+                NormArgs::NONE,
+                0,
+            );
+            args.ldy = ldy as i32;
+            args.kw = GEMV3_WARPS as i32;
+            // Persistent CTAs over groups of 16 outputs: as many as stay resident together.
+            let resident = cols_ctas_per_sm(smem, epilogue == Epilogue::Swiglu);
+            let cfg = LaunchConfig {
+                grid_dim: (groups.min(resident * self.sms).max(1), 1, 1),
+                block_dim: ((GEMV3_WARPS * 32) as u32, 1, 1),
+                shared_mem_bytes: smem as u32,
+            };
+            launch!(self.gpu, f, cfg; args)?;
+            col += cols;
+        }
+        Ok(())
+    }
+}
+
+/// CTAs of GEMV v3's column kernels an SM holds at once with `smem` bytes of columns: their
+/// registers allow GEMV3_CTAS_PER_SM; each also takes its 32 KiB table, its sums (T = 2 tiles
+/// for SwiGLU) and the 1 KiB the driver reserves, of an SM's 228 KiB.
+fn cols_ctas_per_sm(smem: usize, swiglu: bool) -> u32 {
+    let tiles = if swiglu { 2 } else { 1 };
+    let fixed = 32 * 1024 + GEMV3_WARPS * tiles * 16 * (GEMV3_COLS + 1) * 4 + 1024;
+    ((228 * 1024) / (smem + fixed)).clamp(1, GEMV3_CTAS_PER_SM as usize) as u32
 }
 
 /// The GEMM width for `n` columns: the index into [`GEMM_NT`] of the narrowest width that
@@ -183,6 +262,15 @@ fn gemm_k_parts(row_tiles: usize, ctas_n: usize, k_blocks: usize, sms: usize) ->
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn column_kernels_resident_by_their_shared_memory() {
+        // 3B q/k/v and o (K = 2,048) at eight columns: two; down (K = 11,008): one.
+        assert_eq!(cols_ctas_per_sm(8 * 2 * 2048, false), 2);
+        assert_eq!(cols_ctas_per_sm(8 * 2 * 11008, false), 1);
+        assert_eq!(cols_ctas_per_sm(8 * 2 * 5120, true), 1);
+        assert_eq!(cols_ctas_per_sm(2 * 2048, true), 2);
+    }
 
     #[test]
     fn gemm_shapes() {
