@@ -71,6 +71,8 @@ typedef enum dv2_limits {
   DV2_MAX_TOP_LOGPROBS = 20,
   // The most ids dv2_set_logit_bias takes.
   DV2_MAX_LOGIT_BIAS = 1024,
+  // The longest draft dv2_set_speculation takes.
+  DV2_MAX_DRAFT = 15,
 } dv2_limits;
 
 // Backend choice in `dv2_options.backend`.
@@ -562,6 +564,32 @@ enum dv2_status dv2_set_logit_bias(struct dv2_engine *engine,
                                    const int32_t *ids,
                                    const float *biases,
                                    size_t n);
+
+// Speculative greedy decoding in dv2_step and dv2_step_n (prompt lookup): before each step,
+// up to `max_draft` ids that followed the last earlier occurrence of the request's last two or
+// three ids are fed with the pending id in one forward, and those greedy decoding would have
+// produced are kept. The ids are those of steps one at a time (on CUDA up to near-ties: the
+// check runs on the prefill's kernels, whose rounding differs from the step's), in fewer
+// forwards where the text repeats its context (code being edited, an answer quoting its
+// source); where it does not, a failed check costs about one step more than the step it
+// replaces. Only while decoding is plain greedy: under sampling, penalties or a logit bias
+// every step is a step. 0, the default, turns it off; kept across dv2_reset. Errors (setting
+// unchanged): DV2_ERR_INVALID_ARGUMENT for `max_draft` outside 0..DV2_MAX_DRAFT.
+//
+// # Safety
+// `engine` a live handle or NULL.
+enum dv2_status dv2_set_speculation(struct dv2_engine *engine, int32_t max_draft);
+
+// What speculative decoding did since the handle was loaded: the checks (forwards over a
+// draft), the draft ids fed and those accepted (each accepted id is a step saved). Any
+// output pointer may be NULL.
+//
+// # Safety
+// Each non-NULL output pointer writable.
+enum dv2_status dv2_speculation_stats(struct dv2_engine *engine,
+                                      uint64_t *out_checks,
+                                      uint64_t *out_drafted,
+                                      uint64_t *out_accepted);
 
 #ifdef __cplusplus
 }  // extern "C"

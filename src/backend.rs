@@ -21,6 +21,15 @@ pub trait Backend: Send {
     /// finishes.
     /// Returns the number of ids written.
     fn step_n(&mut self, out: &mut [u32]) -> Result<usize>;
+    /// A speculative step (greedy, no logit bias: the engine checks): feeds the pending token
+    /// and then `draft` from the current position in one forward, keeps the longest prefix of
+    /// the draft that greedy steps would have fed, and writes the greedy ids those steps give
+    /// (the accepted draft ids, then the id after them; through EOS at most) to `out`
+    /// (`out.len()` > `draft.len()`), leaving the state as after that many steps. Returns the
+    /// number of ids written. `draft.len()` is at most [`Self::draft_room`].
+    fn step_draft(&mut self, draft: &[u32], out: &mut [u32]) -> Result<usize>;
+    /// The longest draft [`Self::step_draft`] takes.
+    fn draft_room(&self) -> usize;
     fn next_token(&mut self) -> Result<u32>;
     /// Copies the last forward's logits (`vocab` values).
     fn logits(&mut self, out: &mut [f32]) -> Result<()>;

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use crate::backend::Backend;
 use crate::error::Result;
 use crate::model::HostModel;
-use crate::oracle::{argmax, forward_chunk, KvCache, FORWARD_CHUNK};
+use crate::oracle::{argmax, forward_chunk, forward_chunk_rows, KvCache, FORWARD_CHUNK};
 use crate::rope::RopeTable;
 use crate::sampling::{LogitBias, Sampling};
 use crate::state::{file_order, StateReader, StateWriter, ValueType};
@@ -118,6 +118,40 @@ impl Backend for CpuBackend {
             }
         }
         Ok(out.len())
+    }
+
+    fn step_draft(&mut self, draft: &[u32], out: &mut [u32]) -> Result<usize> {
+        let fed: Vec<u32> = std::iter::once(self.token)
+            .chain(draft.iter().copied())
+            .collect();
+        let rows = forward_chunk_rows(&self.model, &self.rope, &mut self.kv, &fed, self.position)?;
+        // Row i's id is what the step feeding fed[i] gives; fed[i + 1] was fed on the guess
+        // that it is that id. The KV slots past the last row kept are left as any rewind
+        // leaves them.
+        let mut kept = 0;
+        for (i, logits) in rows.iter().enumerate() {
+            let id = argmax(logits);
+            out[i] = id;
+            kept = i + 1;
+            if self.non_finite.is_none() && !logits.iter().all(|v| v.is_finite()) {
+                self.non_finite = Some(self.position + i);
+            }
+            if self.is_eos(id) || draft.get(i) != Some(&id) {
+                break;
+            }
+        }
+        self.history.extend_from_slice(&fed[..kept]);
+        self.position += kept;
+        self.valid_len = self.position;
+        self.logits.clone_from(&rows[kept - 1]);
+        self.next_token = out[kept - 1];
+        self.token = self.next_token;
+        self.finished |= self.is_eos(self.next_token);
+        Ok(kept)
+    }
+
+    fn draft_room(&self) -> usize {
+        FORWARD_CHUNK - 1
     }
 
     fn set_sampling(&mut self, s: &Sampling) -> Result<()> {

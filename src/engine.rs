@@ -14,6 +14,7 @@ use crate::arch::{preset, ArchSpec};
 pub use crate::backend::Backend;
 use crate::cpu::CpuBackend;
 use crate::cuda::device::Gpu;
+pub use crate::cuda::draft::MAX_DRAFT;
 use crate::cuda::CudaBackend;
 use crate::error::{Error, Result};
 use crate::load::Metadata;
@@ -93,6 +94,27 @@ pub struct Engine {
     meta: Metadata,
     /// [`state::fingerprint`] of the model: which state files it loads.
     fingerprint: u64,
+    /// The request's ids (those fed, then the pending one): what drafts are looked up in. A
+    /// draft is only a guess the backend checks, so this mirror need not be exact after an
+    /// error.
+    context: Vec<u32>,
+    /// Speculative greedy decoding: the longest draft (0: off).
+    max_draft: usize,
+    /// Whether decoding is plain greedy (greedy settings, no logit bias): the only case a
+    /// draft is checked in (its ids are then the argmax of each row).
+    plain_greedy: bool,
+    biased: bool,
+    speculation: SpeculationStats,
+}
+
+/// What speculative decoding did since the engine was loaded.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SpeculationStats {
+    /// Speculative steps (one forward over the pending id and a draft).
+    pub checks: u64,
+    /// Draft ids fed, and those greedy decoding produced (each one a step saved).
+    pub drafted: u64,
+    pub accepted: u64,
 }
 
 impl Engine {
@@ -194,6 +216,11 @@ impl Engine {
             ),
             meta: Metadata::new(),
             fingerprint,
+            context: Vec::new(),
+            max_draft: 0,
+            plain_greedy: true,
+            biased: false,
+            speculation: SpeculationStats::default(),
         })
     }
 
@@ -274,7 +301,9 @@ impl Engine {
     /// set again); the default is greedy. Refused values leave the settings as they were.
     pub fn set_sampling(&mut self, sampling: &Sampling) -> Result<()> {
         sampling.validate()?;
-        self.run(|b| b.set_sampling(sampling))
+        self.run(|b| b.set_sampling(sampling))?;
+        self.plain_greedy = sampling.is_greedy();
+        Ok(())
     }
 
     /// Adds `biases[i]` to the logit of `ids[i]` before the penalties and the draw, greedy or
@@ -282,7 +311,31 @@ impl Engine {
     /// Refused entries ([`LogitBias::new`]) leave the bias as it was.
     pub fn set_logit_bias(&mut self, ids: &[i32], biases: &[f32]) -> Result<()> {
         let bias = LogitBias::new(ids, biases, self.spec.vocab)?;
-        self.run(|b| b.set_logit_bias(&bias))
+        self.run(|b| b.set_logit_bias(&bias))?;
+        self.biased = !bias.is_empty();
+        Ok(())
+    }
+
+    /// Speculative greedy decoding in [`Self::step_n`]: before each step, up to `max_draft`
+    /// ids that followed an earlier occurrence of the request's last ids ([`crate::speculate`])
+    /// are fed with the pending id in one forward, and those greedy decoding would have
+    /// produced are kept: the same ids as steps one at a time, up to the rounding between the
+    /// two paths' kernels on CUDA (near-ties), in fewer forwards where the text repeats its
+    /// context. Only where decoding is plain greedy (no sampling, penalties or logit bias);
+    /// otherwise, and with 0 (the default), every step is a step. At most [`MAX_DRAFT`].
+    pub fn set_speculation(&mut self, max_draft: usize) -> Result<()> {
+        if max_draft > MAX_DRAFT {
+            return Err(Error::InvalidArgument(format!(
+                "max_draft {max_draft} (0 to {MAX_DRAFT})"
+            )));
+        }
+        self.max_draft = max_draft;
+        Ok(())
+    }
+
+    /// What speculative decoding did since the engine was loaded.
+    pub fn speculation_stats(&self) -> SpeculationStats {
+        self.speculation
     }
 
     /// Starts a new request: position 0, not finished. Does not clear the KV cache.
@@ -305,6 +358,7 @@ impl Engine {
         self.position = position;
         self.finished = false;
         self.has_token = false;
+        self.context.truncate(position);
         Ok(())
     }
 
@@ -398,9 +452,11 @@ impl Engine {
             // Slots of the request before may be overwritten: it is gone either way.
             let _ = self.backend.rewind(0);
             self.position = self.backend.position().unwrap_or(0);
+            self.context.clear();
             return Err(e);
         }
         self.position = n;
+        self.context = file.ids().to_vec();
         Ok(())
     }
 
@@ -432,11 +488,15 @@ impl Engine {
                 self.max_seq
             )));
         }
+        // The pending id, if any, is not fed: it leaves the context.
+        self.context.truncate(self.position);
         self.run(|b| b.prefill(ids))?;
         self.position += ids.len();
         self.has_output = true;
         self.has_token = true;
         let next = self.run(|b| b.next_token())?;
+        self.context.extend_from_slice(ids);
+        self.context.push(next);
         self.finished = self.run(|b| b.finished())?;
         self.check_finite()?;
         Ok(next)
@@ -471,11 +531,41 @@ impl Engine {
             )));
         }
         let n = out.len().min(room);
-        let done = self.run(|b| b.step_n(&mut out[..n]))?;
-        self.position += done;
+        if self.max_draft == 0 || !self.plain_greedy || self.biased {
+            let done = self.run(|b| b.step_n(&mut out[..n]))?;
+            self.after_steps(&out[..done])?;
+            return Ok(done);
+        }
+        let mut written = 0;
+        while written < n && !self.finished {
+            // The draft leaves a slot for the id after it, in `out` and in the cache.
+            let room = (n - written).min(self.max_seq - self.position);
+            let max = self.max_draft.min(self.backend.draft_room()).min(room - 1);
+            let draft = crate::speculate::lookup(&self.context, max).to_vec();
+            let slots = &mut out[written..n];
+            let done = if draft.is_empty() {
+                self.run(|b| b.step_n(&mut slots[..1]))?
+            } else {
+                let done = self.run(|b| b.step_draft(&draft, slots))?;
+                self.speculation.checks += 1;
+                self.speculation.drafted += draft.len() as u64;
+                let accepted = slots.iter().zip(&draft).take_while(|(a, b)| a == b);
+                self.speculation.accepted += accepted.count().min(done) as u64;
+                done
+            };
+            self.after_steps(&out[written..written + done])?;
+            written += done;
+        }
+        Ok(written)
+    }
+
+    /// The host mirror after steps that wrote `ids`: each fed the pending id and made the
+    /// next one pending.
+    fn after_steps(&mut self, ids: &[u32]) -> Result<()> {
+        self.position += ids.len();
+        self.context.extend_from_slice(ids);
         self.finished = self.run(|b| b.finished())?;
-        self.check_finite()?;
-        Ok(done)
+        self.check_finite()
     }
 
     /// The last greedy id.
@@ -574,6 +664,7 @@ impl Engine {
         if result.is_err() {
             if let Ok(p) = self.backend.position() {
                 self.position = p;
+                self.context.truncate(p);
             }
         }
         result

@@ -107,8 +107,11 @@ pub enum dv2_limits {
     DV2_MAX_TOP_LOGPROBS = 20,
     /// The most ids dv2_set_logit_bias takes.
     DV2_MAX_LOGIT_BIAS = 1024,
+    /// The longest draft dv2_set_speculation takes.
+    DV2_MAX_DRAFT = 15,
 }
-use dv2_limits::{DV2_MAX_LOGIT_BIAS, DV2_MAX_TOP_LOGPROBS};
+use dv2_limits::{DV2_MAX_DRAFT, DV2_MAX_LOGIT_BIAS, DV2_MAX_TOP_LOGPROBS};
+const _: () = assert!(DV2_MAX_DRAFT as usize == crate::engine::MAX_DRAFT);
 const _: () = assert!(DV2_MAX_TOP_LOGPROBS as usize == crate::sampling::MAX_TOP_LOGPROBS);
 const _: () = assert!(DV2_MAX_LOGIT_BIAS as usize == crate::sampling::MAX_LOGIT_BIAS);
 
@@ -1564,6 +1567,70 @@ pub unsafe extern "C" fn dv2_set_logit_bias(
                 std::slice::from_raw_parts(biases, n),
             );
             e.set_logit_bias(ids, biases)
+        })
+    }
+}
+
+/// Speculative greedy decoding in dv2_step and dv2_step_n (prompt lookup): before each step,
+/// up to `max_draft` ids that followed the last earlier occurrence of the request's last two or
+/// three ids are fed with the pending id in one forward, and those greedy decoding would have
+/// produced are kept. The ids are those of steps one at a time (on CUDA up to near-ties: the
+/// check runs on the prefill's kernels, whose rounding differs from the step's), in fewer
+/// forwards where the text repeats its context (code being edited, an answer quoting its
+/// source); where it does not, a failed check costs about one step more than the step it
+/// replaces. Only while decoding is plain greedy: under sampling, penalties or a logit bias
+/// every step is a step. 0, the default, turns it off; kept across dv2_reset. Errors (setting
+/// unchanged): DV2_ERR_INVALID_ARGUMENT for `max_draft` outside 0..DV2_MAX_DRAFT.
+///
+/// # Safety
+/// `engine` a live handle or NULL.
+#[no_mangle]
+pub unsafe extern "C" fn dv2_set_speculation(
+    engine: *mut dv2_engine,
+    max_draft: i32,
+) -> dv2_status {
+    // SAFETY: forwarded contract.
+    unsafe {
+        with_engine(engine, |e| {
+            let max_draft = usize::try_from(max_draft).map_err(|_| {
+                Error::InvalidArgument(format!(
+                    "max_draft {max_draft} (0 to {})",
+                    DV2_MAX_DRAFT as usize
+                ))
+            })?;
+            e.set_speculation(max_draft)
+        })
+    }
+}
+
+/// What speculative decoding did since the handle was loaded: the checks (forwards over a
+/// draft), the draft ids fed and those accepted (each accepted id is a step saved). Any
+/// output pointer may be NULL.
+///
+/// # Safety
+/// Each non-NULL output pointer writable.
+#[no_mangle]
+pub unsafe extern "C" fn dv2_speculation_stats(
+    engine: *mut dv2_engine,
+    out_checks: *mut u64,
+    out_drafted: *mut u64,
+    out_accepted: *mut u64,
+) -> dv2_status {
+    // SAFETY: forwarded contract.
+    unsafe {
+        with_engine(engine, |e| {
+            let stats = e.speculation_stats();
+            for (ptr, value) in [
+                (out_checks, stats.checks),
+                (out_drafted, stats.drafted),
+                (out_accepted, stats.accepted),
+            ] {
+                if !ptr.is_null() {
+                    // SAFETY: non-null, writable by the caller's contract.
+                    ptr.write_unaligned(value);
+                }
+            }
+            Ok(())
         })
     }
 }

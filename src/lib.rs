@@ -21,6 +21,7 @@ pub(crate) mod par;
 pub mod rope;
 pub mod sampling;
 pub mod save;
+pub mod speculate;
 pub mod state;
 pub mod synth;
 pub mod tokenizer;

@@ -296,6 +296,46 @@ pub fn forward_chunk(
     ids: &[u32],
     pos0: usize,
 ) -> Result<Vec<f32>> {
+    let x = forward_layers(model, rope, kv, ids, pos0)?;
+    Ok(logits_of_row(
+        model,
+        &x[(ids.len() - 1) * model.spec.hidden..],
+    ))
+}
+
+/// [`forward_chunk`] with every id's logits `[ids.len()][vocab]`: row i the same values as
+/// [`forward_token`] on `ids[i]` after the ids before it (a speculative draft's check).
+pub fn forward_chunk_rows(
+    model: &HostModel,
+    rope: &RopeTable,
+    kv: &mut KvCache,
+    ids: &[u32],
+    pos0: usize,
+) -> Result<Vec<Vec<f32>>> {
+    let x = forward_layers(model, rope, kv, ids, pos0)?;
+    Ok(x.chunks_exact(model.spec.hidden)
+        .map(|row| logits_of_row(model, row))
+        .collect())
+}
+
+/// The final norm and lm_head of one row of the last layer's output.
+fn logits_of_row(model: &HostModel, x: &[f32]) -> Vec<f32> {
+    let s = &model.spec;
+    let mut xn = vec![0f32; s.hidden];
+    rms_norm(x, &model.final_norm, s.rms_eps, &mut xn);
+    let mut logits = vec![0f32; s.vocab];
+    matvec(model.lm_head(), &xn, &mut logits);
+    logits
+}
+
+/// The layers of [`forward_chunk`]: the residual stream `[ids.len()][hidden]` after the last.
+fn forward_layers(
+    model: &HostModel,
+    rope: &RopeTable,
+    kv: &mut KvCache,
+    ids: &[u32],
+    pos0: usize,
+) -> Result<Vec<f32>> {
     let s = &model.spec;
     if let Some(id) = ids.iter().find(|&&id| id as usize >= s.vocab) {
         return Err(Error::InvalidArgument(format!(
@@ -375,12 +415,7 @@ pub fn forward_chunk(
         let proj = linear(&layer.down, &gate);
         x.iter_mut().zip(&proj).for_each(|(x, p)| *x += p);
     }
-    let last = &x[(n - 1) * h..];
-    let mut xn_last = vec![0f32; h];
-    rms_norm(last, &model.final_norm, s.rms_eps, &mut xn_last);
-    let mut logits = vec![0f32; s.vocab];
-    matvec(model.lm_head(), &xn_last, &mut logits);
-    Ok(logits)
+    Ok(x)
 }
 
 /// Teacher-forced logits `[ids.len()][vocab]` for `ids` fed at positions `pos0..`, over the

@@ -325,3 +325,113 @@ fn rewind_errors_leave_the_request_as_it_was() {
     assert!(!e.finished().unwrap());
     assert_eq!(e.position().unwrap(), 2);
 }
+
+/// Steps `n` ids in calls of `sizes` (cycled) until `n` or the request ends; returns the ids
+/// and the logits after the last call.
+fn decode_in_calls(e: &mut Engine, n: usize, sizes: &[usize]) -> (Vec<u32>, Vec<f32>) {
+    let mut ids = Vec::new();
+    for &size in sizes.iter().cycle() {
+        if ids.len() >= n || e.finished().unwrap() || e.room() == 0 {
+            break;
+        }
+        let mut out = vec![0u32; size.min(n - ids.len())];
+        let done = e.step_n(&mut out).unwrap();
+        ids.extend_from_slice(&out[..done]);
+    }
+    let mut logits = vec![0f32; e.spec().vocab];
+    e.logits(&mut logits).unwrap();
+    (ids, logits)
+}
+
+/// Speculative greedy decoding (`set_speculation`) on the CPU gives the ids and the logits of
+/// plain greedy steps to the bit, at every preset, in calls of 1 to 40 ids (a draft cut by the
+/// call's room), up to max_seq (a draft cut by the cache's room) and through EOS (a draft
+/// that holds it stops there). The synthetic models' greedy output falls into loops, which
+/// drafts predict: checks are made and ids accepted, else the test would prove nothing.
+#[test]
+fn speculative_greedy_equals_greedy_steps_to_the_bit() {
+    for name in ["tiny_llama", "tiny_internlm", "medium_llama"] {
+        let c = case(name);
+        let prompt = &c.prompt[..c.prefill_len];
+        let opts = EngineOptions {
+            max_seq: 96,
+            ..options(BackendKind::Cpu)
+        };
+        let load = |draft: usize, eos: Option<u32>| {
+            let opts = EngineOptions {
+                eos,
+                ..opts.clone()
+            };
+            let mut e = Engine::load_synthetic(&c.preset, c.seed, &opts).unwrap();
+            e.set_speculation(draft).unwrap();
+            e.prefill(prompt).unwrap();
+            e
+        };
+        let steps = 96 - prompt.len();
+        let (plain_ids, plain_logits) = decode_in_calls(&mut load(0, None), steps, &[steps]);
+        assert_eq!(plain_ids.len(), steps, "{name}: up to max_seq");
+        for (draft, sizes) in [(15, vec![steps]), (4, vec![1, 7, 2, 40]), (1, vec![3])] {
+            let mut e = load(draft, None);
+            let (ids, logits) = decode_in_calls(&mut e, steps, &sizes);
+            assert_eq!(ids, plain_ids, "{name}, drafts of {draft}, calls {sizes:?}");
+            assert_eq!(
+                logits, plain_logits,
+                "{name}, drafts of {draft}: last logits"
+            );
+            assert_eq!(e.position().unwrap(), 96);
+            let stats = e.speculation_stats();
+            assert!(
+                stats.checks > 0 && stats.accepted > 0 && stats.accepted <= stats.drafted,
+                "{name}: {stats:?}"
+            );
+        }
+        // EOS: an id the loop produces late; both stop right after it.
+        let eos = plain_ids[steps / 2];
+        let first = plain_ids.iter().position(|&id| id == eos).unwrap();
+        for draft in [0, 8] {
+            let mut e = load(draft, Some(eos));
+            let (ids, _) = decode_in_calls(&mut e, steps, &[steps]);
+            assert_eq!(
+                ids,
+                plain_ids[..=first],
+                "{name}, drafts of {draft}, EOS {eos}"
+            );
+            assert!(e.finished().unwrap());
+            assert_eq!(e.position().unwrap(), prompt.len() + first + 1);
+        }
+    }
+}
+
+/// Drafts are checked only while decoding is plain greedy; a rewind keeps the setting.
+#[test]
+fn speculation_only_under_plain_greedy_and_its_bounds() {
+    let c = case("tiny_llama");
+    let mut e = Engine::load_synthetic(&c.preset, c.seed, &options(BackendKind::Cpu)).unwrap();
+    assert!(matches!(
+        e.set_speculation(decodev2::engine::MAX_DRAFT + 1),
+        Err(Error::InvalidArgument(_))
+    ));
+    e.set_speculation(8).unwrap();
+    let prompt = &c.prompt[..c.prefill_len];
+    let mut out = [0u32; 32];
+    e.set_logit_bias(&[1], &[0.5]).unwrap();
+    e.prefill(prompt).unwrap();
+    e.step_n(&mut out).unwrap();
+    assert_eq!(e.speculation_stats().checks, 0, "a logit bias: steps only");
+    e.set_logit_bias(&[], &[]).unwrap();
+    e.set_sampling(&decodev2::sampling::Sampling {
+        temperature: 0.7,
+        seed: 1,
+        ..Default::default()
+    })
+    .unwrap();
+    e.rewind(prompt.len()).unwrap();
+    e.prefill(&[prompt[0]]).unwrap();
+    e.step_n(&mut out).unwrap();
+    assert_eq!(e.speculation_stats().checks, 0, "sampling: steps only");
+    e.set_sampling(&Default::default()).unwrap();
+    e.reset().unwrap();
+    e.prefill(prompt).unwrap();
+    e.step_n(&mut out).unwrap();
+    assert!(e.speculation_stats().checks > 0, "greedy again: drafts");
+}

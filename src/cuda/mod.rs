@@ -36,6 +36,7 @@ macro_rules! launch {
 pub mod bench;
 pub mod budget;
 pub mod device;
+pub mod draft;
 mod kernel_cache;
 pub mod kernels;
 pub mod ops;

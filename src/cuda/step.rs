@@ -10,6 +10,7 @@ use cudarc::driver::{CudaGraph, CudaSlice};
 
 use super::budget::{self, kv_stride};
 use super::device::{driver_error, Gpu};
+use super::draft::DraftBuffers;
 use super::kernels::state;
 use super::ops::{
     check_shape, one_cta, AttnArgs, Input, LogitsHead, Norm, Ops, PartialSums, QkvArgs,
@@ -103,7 +104,7 @@ pub struct CudaBackend {
     pub(super) chunk: usize,
     /// The position of the first forward whose logits held inf or NaN, not yet taken by the
     /// engine ([`Backend::take_non_finite`]).
-    non_finite: Option<usize>,
+    pub(super) non_finite: Option<usize>,
     /// Free device memory on the context before the load ([`Backend::device_used_bytes`]).
     free_at_open: usize,
     /// Host time of the eager probe step and the graph capture at load (0 without a graph).
@@ -112,6 +113,8 @@ pub struct CudaBackend {
     upload_ms: f64,
     /// The page-locked buffers of state saves and loads, from the first on ([`super::saved`]).
     pub(super) state_stage: Option<StageBuffers>,
+    /// The speculative step's buffers, from its first use on ([`super::draft`]).
+    pub(super) draft: Option<DraftBuffers>,
 }
 
 impl CudaBackend {
@@ -228,6 +231,7 @@ impl CudaBackend {
             warmup_ms: 0.0,
             upload_ms,
             state_stage: None,
+            draft: None,
             free_at_open: free,
             non_finite: None,
             ops,
@@ -561,7 +565,7 @@ impl CudaBackend {
     }
 
     /// The state as the last prefill or step_n left it, or read back where work ran since.
-    fn settled_state(&self) -> Result<[i32; state::LEN]> {
+    pub(super) fn settled_state(&self) -> Result<[i32; state::LEN]> {
         match self.settled {
             Some(st) => Ok(st),
             None => self.read_state(),
@@ -726,6 +730,14 @@ impl Backend for CudaBackend {
     fn set_logit_bias(&mut self, bias: &LogitBias) -> Result<()> {
         let previous = self.sampler.logit_bias.clone();
         self.set_sampler(bias, previous, DeviceSampler::set_bias)
+    }
+
+    fn step_draft(&mut self, draft: &[u32], out: &mut [u32]) -> Result<usize> {
+        self.run_draft(draft, out)
+    }
+
+    fn draft_room(&self) -> usize {
+        self.draft_capacity()
     }
 
     fn next_token(&mut self) -> Result<u32> {

@@ -1,0 +1,152 @@
+//! A speculative step on the device ([`crate::backend::Backend::step_draft`]): the pending token and a draft
+//! fed as one prefill chunk (so one pass over the weights checks every draft id), each row's
+//! logits by one lm_head over the chunk's rows and their argmax, then the state set to where
+//! greedy steps over the accepted ids would have left it.
+
+use cudarc::driver::CudaSlice;
+
+use super::device::driver_error;
+use super::kernels::state;
+use super::ops::{Epilogue, GemmMatrix};
+use super::step::{Activations, CudaBackend};
+use crate::error::Result;
+
+/// The longest draft a step checks: the chunk's rows past the pending token.
+pub const MAX_DRAFT: usize = 15;
+
+/// Buffers of the speculative step, allocated at its first use: the logits of each row of the
+/// chunk, and a decode state a row for argmax_logits (its finished flag clear, its position
+/// the row's: a non-finite row marks itself).
+pub(super) struct DraftBuffers {
+    logits: CudaSlice<f32>,
+    rows_state: CudaSlice<i32>,
+}
+
+impl CudaBackend {
+    fn draft_buffers(&mut self) -> Result<&DraftBuffers> {
+        if self.draft.is_none() {
+            let gpu = &self.ops.gpu;
+            self.draft = Some(DraftBuffers {
+                logits: gpu.zeros::<f32>((MAX_DRAFT + 1) * self.spec.vocab)?,
+                rows_state: gpu.zeros::<i32>((MAX_DRAFT + 1) * state::LEN)?,
+            });
+        }
+        Ok(self.draft.as_ref().expect("allocated above"))
+    }
+
+    /// The longest draft this engine's chunk holds beside the pending token (none where the
+    /// prompt goes through the decode step a token at a time).
+    pub(super) fn draft_capacity(&self) -> usize {
+        MAX_DRAFT.min(self.chunk.saturating_sub(1))
+    }
+
+    /// [`crate::backend::Backend::step_draft`] on the device.
+    pub(super) fn run_draft(&mut self, draft: &[u32], out: &mut [u32]) -> Result<usize> {
+        let st = self.settled_state()?;
+        let (pos, n, vocab) = (
+            st[state::POSITION] as usize,
+            draft.len() + 1,
+            self.spec.vocab,
+        );
+        let fed: Vec<i32> = std::iter::once(st[state::TOKEN])
+            .chain(draft.iter().map(|&id| id as i32))
+            .collect();
+        self.draft_buffers()?;
+        self.position = None;
+        self.settled = None;
+        let mut rows_state = vec![0i32; n * state::LEN];
+        for (i, row) in rows_state.chunks_exact_mut(state::LEN).enumerate() {
+            row[state::POSITION] = (pos + i) as i32;
+        }
+        let stream = &self.ops.gpu.stream;
+        let bufs = self.draft.as_mut().expect("allocated above");
+        stream
+            .memcpy_htod(&fed, &mut self.arena.prompt.slice_mut(..n))
+            .map_err(driver_error("draft upload"))?;
+        stream
+            .memcpy_htod(
+                &rows_state,
+                &mut bufs.rows_state.slice_mut(..n * state::LEN),
+            )
+            .map_err(driver_error("draft rows' state"))?;
+        // Every row's output: no prompt-tail shortcut (last = false), then lm_head over them.
+        self.prefill_chunk(0, pos, n, false)?;
+        let bufs = self.draft.as_ref().expect("allocated above");
+        let (ops, s) = (&self.ops, &self.spec);
+        let Activations { x, xn, .. } = self.activations();
+        let final_norm = self.ptr(&self.model.final_norm);
+        ops.rms_rows(x, final_norm, xn, s.hidden, s.rms_eps, n, true)?;
+        let lm_head = self.model.lm_head();
+        let head = [GemmMatrix {
+            m: lm_head.as_ref(&ops.gpu),
+            rows: vocab,
+            bias: 0,
+        }];
+        let logits = ops.gpu.ptr(&bufs.logits);
+        ops.gemm(
+            Epilogue::Store,
+            &head,
+            s.hidden,
+            xn,
+            n,
+            logits,
+            vocab,
+            0,
+            true,
+        )?;
+        let (scratch, vocab_i) = (self.ptr(&self.arena.argmax), vocab as i32);
+        for i in 0..n {
+            let row = logits + (4 * i * vocab) as u64;
+            let row_state = ops.gpu.ptr(&bufs.rows_state) + (4 * i * state::LEN) as u64;
+            launch!(ops.gpu, &ops.k.argmax_logits, ops.argmax_launch(); row, vocab_i, row_state, scratch)?;
+        }
+        let rows = ops.gpu.download(&bufs.rows_state, n * state::LEN)?;
+
+        // Row i's id is what the step feeding fed[i] gives; fed[i + 1] was fed on the guess
+        // that it is that id.
+        let mut kept = 0;
+        for (i, row) in rows.chunks_exact(state::LEN).enumerate() {
+            let id = row[state::NEXT_TOKEN];
+            out[i] = id as u32;
+            kept = i + 1;
+            if row[state::NONFINITE] != 0 {
+                self.non_finite.get_or_insert(pos + i);
+            }
+            if id == self.eos || draft.get(i) != Some(&(id as u32)) {
+                break;
+            }
+        }
+        let last = out[kept - 1] as i32;
+        let mut next = [0i32; state::LEN];
+        next[state::TOKEN] = last;
+        next[state::NEXT_TOKEN] = last;
+        next[state::POSITION] = (pos + kept) as i32;
+        next[state::VALID_LEN] = (pos + kept) as i32;
+        next[state::FINISHED] = (last == self.eos) as i32;
+        // The history the penalties read: the ids fed, and the pending one at its position.
+        let mut hist = fed[..kept].to_vec();
+        hist.push(last);
+        let stream = &self.ops.gpu.stream;
+        stream
+            .memcpy_htod(&next, &mut self.state)
+            .map_err(driver_error("draft state"))?;
+        stream
+            .memcpy_htod(
+                &hist,
+                &mut self.sampler.history.slice_mut(pos..pos + kept + 1),
+            )
+            .map_err(driver_error("draft history"))?;
+        let bufs = self.draft.as_ref().expect("allocated above");
+        let kept_row = (kept - 1) * vocab;
+        stream
+            .memcpy_dtod(
+                &bufs.logits.slice(kept_row..kept_row + vocab),
+                &mut self.arena.logits,
+            )
+            .map_err(driver_error("draft logits"))?;
+        self.ops.gpu.sync()?;
+        self.settled = Some(next);
+        self.position = Some(pos + kept);
+        Ok(kept)
+    }
+}

@@ -1,0 +1,68 @@
+//! Prompt-lookup drafts for speculative greedy decoding: the ids that followed the last
+//! earlier occurrence of the request's last few ids. Text that repeats its context (code being
+//! edited, a summary quoting its source, a list continued) repeats such runs; the backend
+//! checks a draft in one forward ([`crate::backend::Backend::step_draft`]), so a draft only
+//! costs time, never changes an id.
+
+/// The longest and shortest run of last ids a draft is looked up by: a longer match first (it
+/// predicts better); one id alone matches too often to pay for the check.
+const NGRAM_MAX: usize = 3;
+const NGRAM_MIN: usize = 2;
+
+/// Up to `max` ids that followed the most recent earlier occurrence of the last `NGRAM_MAX`
+/// (then fewer, down to `NGRAM_MIN`) ids of `context`; empty where none occurs.
+pub fn lookup(context: &[u32], max: usize) -> &[u32] {
+    if max == 0 {
+        return &[];
+    }
+    let len = context.len();
+    for n in (NGRAM_MIN..=NGRAM_MAX).rev() {
+        if len <= n {
+            continue;
+        }
+        let tail = &context[len - n..];
+        // Starts of earlier occurrences, latest first; the one at len - n is the tail itself.
+        if let Some(start) = (0..len - n).rev().find(|&i| &context[i..i + n] == tail) {
+            let from = start + n;
+            return &context[from..len.min(from + max)];
+        }
+    }
+    &[]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_ids_after_the_latest_match_of_the_longest_tail() {
+        // Tail [7, 8, 9] occurs at 1 and at 6: the later one's followers.
+        let c = [1, 7, 8, 9, 2, 3, 7, 8, 9, 4, 5, 6, 7, 8, 9];
+        assert_eq!(lookup(&c, 3), &[4, 5, 6]);
+        assert_eq!(lookup(&c, 10), &[4, 5, 6, 7, 8, 9]);
+        assert_eq!(lookup(&c, 0), &[] as &[u32]);
+    }
+
+    #[test]
+    fn a_shorter_tail_where_the_longest_does_not_recur() {
+        // [5, 8, 9] never occurred before; [8, 9] did, followed by 4.
+        let c = [8, 9, 4, 1, 5, 8, 9];
+        assert_eq!(lookup(&c, 4), &[4, 1, 5, 8]);
+    }
+
+    #[test]
+    fn none_where_no_pair_recurs() {
+        assert!(lookup(&[1, 2, 3, 4, 5], 4).is_empty());
+        assert!(lookup(&[3], 4).is_empty());
+        assert!(lookup(&[], 4).is_empty());
+        // A single id recurring is not enough.
+        assert!(lookup(&[1, 2, 3, 1], 4).is_empty());
+    }
+
+    #[test]
+    fn a_period_drafts_itself() {
+        // A greedy loop [a, b, a, b, ...]: the draft continues the period.
+        let c = [9, 25, 20, 25, 20, 25];
+        assert_eq!(lookup(&c, 4), &[20, 25]);
+    }
+}
