@@ -10,7 +10,7 @@
 //!                                               [--shapes PRESET] [--load PATH [REPS]]
 //!                                               [--sampling [PRESET [DEPTHS]]] [--step-loop [PRESET [DEPTHS]]]
 //!                                               [--rest [PRESET [DEPTHS]]] [--turns [PRESET [DEPTHS]]]
-//!                                               [--short-chunks [PRESET [DEPTHS]]]
+//!                                               [--short-chunks [PRESET [DEPTHS]]] [--speculate [PRESET [DEPTHS]]]
 //!
 //! load s is `Engine::new` (upload, allocation, kernels, warm-up); warmup ms is its eager
 //! probe step + graph capture; prefill ms is the prompt to the first token; ms/token the steps
@@ -43,6 +43,9 @@
 //! `--short-chunks [PRESET [D1,D2,..]]` prints only the time to the next id of a chunk of 1 to
 //! 16 ids after a rewind to each depth (48 and 8k unless listed), on GEMV v3's column kernels
 //! against the GEMM (`DV2_PREFILL_GEMV=0`), beside a decode step.
+//! `--speculate [PRESET [D1,D2,..]]` prints only speculative greedy decoding against plain
+//! steps by depth (48 and 8k unless listed): tok/s at drafts of 4, 8 and 15, the drafts
+//! accepted, and what a check of k ids costs where none is taken.
 //! `--shapes PRESET` takes the kernel table's matrices from that preset (default qwen25_3b).
 //! `--load PATH [REPS]` prints only load times of a model file or directory (read and device
 //! parts), REPS times (3): the first cold or warm as the page cache is, the rest warm.
@@ -1129,6 +1132,90 @@ fn short_chunks_sweep(preset: &str, depths: &[usize]) {
     }
 }
 
+/// `--speculate [PRESET [D1,D2,..]]`: speculative greedy decoding (`Engine::set_speculation`)
+/// against plain steps, one engine, by depth: 256 ids by one `step_n` after a prompt of each
+/// depth at drafts of 0 (off), 4, 8 and 15 (ms/token, the checks and accepted draft ids, and
+/// whether the ids equal the plain run's), medians of 3 after a warm round. The synthetic
+/// model's greedy output loops, which drafts predict well: this is the best case. Then what a
+/// check costs by draft length, from the same pending id: a draft of k ids none of which is
+/// taken (every id the vocabulary's last but one, against a step's ms), medians of 7.
+fn speculate_sweep(preset: &str, depths: &[usize]) {
+    const TOKENS: usize = 256;
+    const REPS: usize = 3;
+    let (spec, mut e) = sweep_engine(preset, depths);
+    println!(
+        "{preset}: {TOKENS} greedy ids by step_n, speculative against plain (medians of {REPS})"
+    );
+    println!(
+        "  {:>6} {:>6} {:>9} {:>8} {:>7} {:>9} {:>8} {:>6}",
+        "depth", "draft", "ms/token", "tok/s", "speedup", "checks", "accepted", "same"
+    );
+    for &depth in depths {
+        let prompt = synth::prompt(spec.vocab, depth, 1);
+        let mut plain: Option<(Vec<u32>, f64)> = None;
+        for draft in [0, 4, 8, 15] {
+            e.set_speculation(draft).unwrap();
+            let (mut times, mut ids) = (Vec::new(), Vec::new());
+            let before = e.speculation_stats();
+            for rep in 0..REPS + 1 {
+                e.reset().unwrap();
+                e.prefill(&prompt).unwrap();
+                let mut out = vec![0u32; TOKENS];
+                let t = Instant::now();
+                let done = e.step_n(&mut out).unwrap();
+                if rep > 0 {
+                    times.push(t.elapsed().as_secs_f64() * 1e3 / done as f64);
+                }
+                out.truncate(done);
+                ids = out;
+            }
+            let after = e.speculation_stats();
+            let ms = median(times);
+            let (base_ids, base_ms) = plain.get_or_insert_with(|| (ids.clone(), ms)).clone();
+            let reps = (REPS + 1) as u64;
+            println!(
+                "  {depth:>6} {draft:>6} {ms:>9.4} {:>8.1} {:>7.2} {:>9} {:>8} {:>6}",
+                1e3 / ms,
+                base_ms / ms,
+                (after.checks - before.checks) / reps,
+                format!(
+                    "{}/{}",
+                    (after.accepted - before.accepted) / reps,
+                    (after.drafted - before.drafted) / reps
+                ),
+                ids == base_ids
+            );
+        }
+        e.set_speculation(0).unwrap();
+        // A check's cost by draft length, no draft id taken, against a step.
+        let wrong = (spec.vocab - 2) as u32;
+        let mut row = format!("  {depth:>6} a check of k ids none taken, ms (a step:");
+        let mut timed = |draft: &[u32]| {
+            let mut times = Vec::new();
+            for rep in 0..8 {
+                e.rewind(depth - 1).unwrap();
+                e.prefill(&prompt[depth - 1..]).unwrap();
+                let mut out = vec![0u32; draft.len() + 1];
+                let t = Instant::now();
+                if draft.is_empty() {
+                    e.step_n(&mut out).unwrap();
+                } else {
+                    e.step_draft(draft, &mut out).unwrap();
+                }
+                if rep > 0 {
+                    times.push(t.elapsed().as_secs_f64() * 1e3);
+                }
+            }
+            median(times)
+        };
+        write!(row, " {:.3})", timed(&[])).unwrap();
+        for k in [1, 3, 7, 15] {
+            write!(row, " k={k}: {:.3}", timed(&vec![wrong; k])).unwrap();
+        }
+        println!("{row}");
+    }
+}
+
 /// `--rest [PRESET [D1,D2,..]]`: decode ms/token of 128 tokens after a prompt of each depth,
 /// as one `step_n` request after 1 s with the GPU idle and right after another such request
 /// (untimed), and in 16-step `step_n` chunks back to back and each after 100 ms idle (only the
@@ -1397,12 +1484,13 @@ fn main() {
         return;
     }
     // The sweeps of one engine by depth (48 and 8k unless listed).
-    let sweeps: [(&str, Sweep); 5] = [
+    let sweeps: [(&str, Sweep); 6] = [
         ("--step-loop", step_loop),
         ("--rest", rest_sweep),
         ("--sampling", sampling_sweep),
         ("--turns", turns_sweep),
         ("--short-chunks", short_chunks_sweep),
+        ("--speculate", speculate_sweep),
     ];
     for (name, sweep) in sweeps {
         if let Some(i) = args.iter().position(|a| a == name) {

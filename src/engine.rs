@@ -515,6 +515,100 @@ impl Engine {
         if out.is_empty() {
             return Err(Error::InvalidArgument("step_n needs n >= 1".into()));
         }
+        let room = self.steppable()?;
+        let n = out.len().min(room);
+        if self.max_draft == 0 || !self.plain_greedy || self.biased {
+            let done = self.run(|b| b.step_n(&mut out[..n]))?;
+            self.after_steps(&out[..done])?;
+            return Ok(done);
+        }
+        let mut written = 0;
+        while written < n && !self.finished {
+            // The draft leaves a slot for the id after it, in `out` and in the cache.
+            let room = (n - written).min(self.max_seq - self.position);
+            let max = self.max_draft.min(self.backend.draft_room()).min(room - 1);
+            let draft = crate::speculate::lookup(&self.context, max).to_vec();
+            let slots = &mut out[written..n];
+            let done = if draft.is_empty() {
+                let done = self.run(|b| b.step_n(&mut slots[..1]))?;
+                self.after_steps(&slots[..done])?;
+                done
+            } else {
+                self.checked_draft(&draft, slots)?
+            };
+            written += done;
+        }
+        Ok(written)
+    }
+
+    /// One speculative step on a draft the host chose (a draft model's, its own lookup):
+    /// feeds the pending id and `draft` in one forward, keeps the longest prefix of the draft
+    /// that greedy steps would have fed, and writes the ids those steps give (the accepted
+    /// draft ids, then the id after them; through EOS at most) to `out`. Returns their count,
+    /// 1 to `draft.len() + 1`; the state is as after that many steps. Plain greedy decoding
+    /// only (no sampling, penalties or logit bias: [`Error::InvalidState`]); `out` must hold
+    /// `draft.len() + 1` ids and the cache that many slots; at most [`MAX_DRAFT`] ids (and on
+    /// CUDA the prefill chunk less one).
+    pub fn step_draft(&mut self, draft: &[u32], out: &mut [u32]) -> Result<usize> {
+        let room = self.steppable()?;
+        if !self.plain_greedy || self.biased {
+            return Err(Error::InvalidState(
+                "a draft is checked under plain greedy decoding only (no sampling, penalties \
+                 or logit bias)"
+                    .into(),
+            ));
+        }
+        let max = MAX_DRAFT.min(self.backend.draft_room());
+        if draft.is_empty() || draft.len() > max {
+            return Err(Error::InvalidArgument(format!(
+                "a draft of {} ids (1 to {max} here)",
+                draft.len()
+            )));
+        }
+        if let Some((i, id)) = draft
+            .iter()
+            .enumerate()
+            .find(|(_, id)| **id as usize >= self.spec.vocab)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "draft[{i}] = {id} is out of range (vocab {})",
+                self.spec.vocab
+            )));
+        }
+        if out.len() <= draft.len() {
+            return Err(Error::BufferTooSmall(format!(
+                "a draft of {} ids writes up to {} ids, capacity {}",
+                draft.len(),
+                draft.len() + 1,
+                out.len()
+            )));
+        }
+        if room <= draft.len() {
+            return Err(Error::SequenceFull(format!(
+                "a draft of {} ids at position {} needs {} slots, max_seq {}",
+                draft.len(),
+                self.position,
+                draft.len() + 1,
+                self.max_seq
+            )));
+        }
+        self.checked_draft(draft, out)
+    }
+
+    /// [`Self::step_draft`] after its checks: the backend's step, the statistics, the mirror.
+    fn checked_draft(&mut self, draft: &[u32], out: &mut [u32]) -> Result<usize> {
+        let done = self.run(|b| b.step_draft(draft, out))?;
+        let accepted = out[..done].iter().zip(draft).take_while(|(a, b)| a == b);
+        self.speculation.checks += 1;
+        self.speculation.drafted += draft.len() as u64;
+        self.speculation.accepted += accepted.count() as u64;
+        self.after_steps(&out[..done])?;
+        Ok(done)
+    }
+
+    /// The checks before any step: a pending token, not finished, room in the cache; returns
+    /// the room.
+    fn steppable(&self) -> Result<usize> {
         if !self.has_token {
             return Err(Error::InvalidState(
                 "no pending token: prefill a prompt first".into(),
@@ -530,33 +624,7 @@ impl Engine {
                 self.position, self.max_seq
             )));
         }
-        let n = out.len().min(room);
-        if self.max_draft == 0 || !self.plain_greedy || self.biased {
-            let done = self.run(|b| b.step_n(&mut out[..n]))?;
-            self.after_steps(&out[..done])?;
-            return Ok(done);
-        }
-        let mut written = 0;
-        while written < n && !self.finished {
-            // The draft leaves a slot for the id after it, in `out` and in the cache.
-            let room = (n - written).min(self.max_seq - self.position);
-            let max = self.max_draft.min(self.backend.draft_room()).min(room - 1);
-            let draft = crate::speculate::lookup(&self.context, max).to_vec();
-            let slots = &mut out[written..n];
-            let done = if draft.is_empty() {
-                self.run(|b| b.step_n(&mut slots[..1]))?
-            } else {
-                let done = self.run(|b| b.step_draft(&draft, slots))?;
-                self.speculation.checks += 1;
-                self.speculation.drafted += draft.len() as u64;
-                let accepted = slots.iter().zip(&draft).take_while(|(a, b)| a == b);
-                self.speculation.accepted += accepted.count().min(done) as u64;
-                done
-            };
-            self.after_steps(&out[written..written + done])?;
-            written += done;
-        }
-        Ok(written)
+        Ok(room)
     }
 
     /// The host mirror after steps that wrote `ids`: each fed the pending id and made the

@@ -435,3 +435,61 @@ fn speculation_only_under_plain_greedy_and_its_bounds() {
     e.step_n(&mut out).unwrap();
     assert!(e.speculation_stats().checks > 0, "greedy again: drafts");
 }
+
+/// A host's own draft (`Engine::step_draft`): the greedy continuation is taken whole with the
+/// id after it, a wrong draft gives the one id a step gives, and bad calls are errors that
+/// leave the request as it was.
+#[test]
+fn a_hosts_draft_is_checked_against_greedy_steps() {
+    let c = case("medium_llama");
+    let prompt = &c.prompt[..c.prefill_len];
+    let load = || {
+        let mut e = Engine::load_synthetic(&c.preset, c.seed, &options(BackendKind::Cpu)).unwrap();
+        e.prefill(prompt).unwrap();
+        e
+    };
+    let mut plain = [0u32; 6];
+    load().step_n(&mut plain).unwrap();
+    let mut e = load();
+    let mut out = [0u32; 6];
+    assert_eq!(e.step_draft(&plain[..5], &mut out).unwrap(), 6);
+    assert_eq!(out, plain);
+    assert_eq!(e.position().unwrap(), prompt.len() + 6);
+    let mut e = load();
+    let wrong: Vec<u32> = plain[..3].iter().map(|&id| (id + 1) % 16).collect();
+    assert_eq!(e.step_draft(&wrong, &mut out).unwrap(), 1);
+    assert_eq!(out[0], plain[0]);
+    assert_eq!(e.position().unwrap(), prompt.len() + 1);
+    // Bad calls: nothing moves.
+    let vocab = e.spec().vocab as u32;
+    let too_long = vec![1u32; decodev2::engine::MAX_DRAFT + 1];
+    for (draft, room) in [
+        (&[][..], 6),
+        (&too_long[..], 32),
+        (&[vocab][..], 6),
+        (&[1, 2][..], 2),
+    ] {
+        let mut out = vec![0u32; room];
+        let err = e.step_draft(draft, &mut out).unwrap_err();
+        assert!(
+            matches!(err, Error::InvalidArgument(_) | Error::BufferTooSmall(_)),
+            "{draft:?}: {err:?}"
+        );
+        assert_eq!(e.position().unwrap(), prompt.len() + 1);
+    }
+    e.set_sampling(&decodev2::sampling::Sampling {
+        temperature: 0.5,
+        ..Default::default()
+    })
+    .unwrap();
+    assert!(matches!(
+        e.step_draft(&[1], &mut out),
+        Err(Error::InvalidState(_))
+    ));
+    e.set_sampling(&Default::default()).unwrap();
+    assert_eq!(e.step_n(&mut out[..1]).unwrap(), 1);
+    assert_eq!(
+        out[0], plain[1],
+        "the request went on where the wrong draft left it"
+    );
+}
