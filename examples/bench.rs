@@ -44,7 +44,7 @@
 //! 16 ids after a rewind to each depth (48 and 8k unless listed), on GEMV v3's column kernels
 //! against the GEMM (`DV2_PREFILL_GEMV=0`), beside a decode step.
 //! `--speculate [PRESET [D1,D2,..]]` prints only speculative greedy decoding against plain
-//! steps by depth (48 and 8k unless listed): tok/s at drafts of 4, 8 and 15, the drafts
+//! steps by depth (48 and 8k unless listed): tok/s at drafts of 4, 7 and 15, the drafts
 //! accepted, and what a check of k ids costs where none is taken.
 //! `--shapes PRESET` takes the kernel table's matrices from that preset (default qwen25_3b).
 //! `--load PATH [REPS]` prints only load times of a model file or directory (read and device
@@ -1134,7 +1134,7 @@ fn short_chunks_sweep(preset: &str, depths: &[usize]) {
 
 /// `--speculate [PRESET [D1,D2,..]]`: speculative greedy decoding (`Engine::set_speculation`)
 /// against plain steps, one engine, by depth: 256 ids by one `step_n` after a prompt of each
-/// depth at drafts of 0 (off), 4, 8 and 15 (ms/token, the checks and accepted draft ids, and
+/// depth at drafts of 0 (off), 4, 7 (eight rows: one launch of the column kernels) and 15 (ms/token, the checks and accepted draft ids, and
 /// whether the ids equal the plain run's), medians of 3 after a warm round. The synthetic
 /// model's greedy output loops, which drafts predict well: this is the best case. Then what a
 /// check costs by draft length, from the same pending id: a draft of k ids none of which is
@@ -1153,7 +1153,7 @@ fn speculate_sweep(preset: &str, depths: &[usize]) {
     for &depth in depths {
         let prompt = synth::prompt(spec.vocab, depth, 1);
         let mut plain: Option<(Vec<u32>, f64)> = None;
-        for draft in [0, 4, 8, 15] {
+        for draft in [0, 4, 7, 15] {
             e.set_speculation(draft).unwrap();
             let (mut times, mut ids) = (Vec::new(), Vec::new());
             let before = e.speculation_stats();

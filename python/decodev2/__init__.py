@@ -93,6 +93,8 @@ for name, restype, argtypes in [
     ("dv2_set_sampling", ctypes.c_int, [_P, ctypes.POINTER(Sampling)]),
     ("dv2_set_logit_bias", ctypes.c_int, [_P, ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_float),
                                           ctypes.c_size_t]),
+    ("dv2_set_speculation", ctypes.c_int, [_P, ctypes.c_int32]),
+    ("dv2_speculation_stats", ctypes.c_int, [_P] + [ctypes.POINTER(ctypes.c_uint64)] * 3),
     ("dv2_token_special", ctypes.c_int, [_P, ctypes.c_int32, _I32P]),
     ("dv2_token_is_eog", ctypes.c_int, [_P, ctypes.c_int32, _I32P]),
     ("dv2_meta_str", ctypes.c_int, [_P, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t,
@@ -555,6 +557,22 @@ class Engine:
         ids = (ctypes.c_int32 * max(len(bias), 1))(*_int32(list(bias), "id"))
         values = (ctypes.c_float * max(len(bias), 1))(*bias.values())
         _check(lib.dv2_set_logit_bias(self._h, ids, values, len(bias)), "dv2_set_logit_bias")
+
+    def set_speculation(self, max_draft):
+        """Speculative greedy decoding (prompt lookup, dv2_set_speculation): up to max_draft
+        ids (0 to 15; 0 turns it off) copied from an earlier occurrence of the request's last
+        ids are checked in one forward with the pending id. The ids are greedy decoding's;
+        fewer forwards where the reply repeats its context. Plain greedy decoding only (no
+        sampling, penalties or logit bias): otherwise every step is a step."""
+        max_draft, = _int32([max_draft], "max_draft")
+        _check(lib.dv2_set_speculation(self._h, max_draft), "dv2_set_speculation")
+
+    def speculation_stats(self):
+        """{"checks", "drafted", "accepted"} since the engine was loaded: forwards over a
+        draft, the draft ids fed, and those kept (each a step saved)."""
+        out = [ctypes.c_uint64() for _ in range(3)]
+        _check(lib.dv2_speculation_stats(self._h, *map(ctypes.byref, out)), "dv2_speculation_stats")
+        return dict(zip(("checks", "drafted", "accepted"), (v.value for v in out)))
 
     def special(self, which):
         """The id of "bos", "eos", "eot" or "pad" as the model file names it, or None."""

@@ -18,10 +18,15 @@ import sys
 from . import BACKENDS, Dv2Error, Engine
 
 
+SPECULATE_HELP = ("greedy replies: check up to N ids (1-15) copied from where the text's last ids occurred "
+                  "before in one forward; faster where the reply repeats its context (0: off)")
+
+
 def _engine(args):
     e = Engine.load(args.model, backend=args.backend, max_seq=args.max_seq, eos_id=-2)
     if args.temperature > 0:
         e.set_sampling(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    e.set_speculation(args.speculate)
     return e
 
 
@@ -64,6 +69,7 @@ def main(argv=None):
         p.add_argument("--top-p", type=float, default=1.0)
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--max-seq", type=int, default=4096)
+        p.add_argument("--speculate", type=int, default=0, metavar="N", help=SPECULATE_HELP)
         p.add_argument("--stop", action="append", default=[], help="end the reply before this text (repeatable)")
         p.add_argument("--prompt-cache", metavar="FILE",
                        help="save the KV cache to FILE; a later prompt's prefix held there is not prefilled again")
@@ -77,6 +83,7 @@ def main(argv=None):
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-seq", type=int, default=4096)
+    p.add_argument("--speculate", type=int, default=0, metavar="N", help=SPECULATE_HELP)
     p.add_argument("--no-prefix-reuse", dest="reuse", action="store_false",
                    help="prefill every prompt whole, not from where it leaves the last request's ids")
     p.add_argument("--state-cache", type=int, default=2048, metavar="MIB",
@@ -89,7 +96,8 @@ def main(argv=None):
         from .server import serve
 
         serve(args.model, host=args.host, port=args.port, backend=args.backend, max_seq=args.max_seq,
-              reuse=args.reuse, api_key=args.api_key or None, state_cache_mib=args.state_cache)
+              reuse=args.reuse, api_key=args.api_key or None, state_cache_mib=args.state_cache,
+              speculate=args.speculate)
         return 0
     with _engine(args) as e:
         if args.prompt_cache:

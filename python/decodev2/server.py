@@ -391,12 +391,13 @@ def create_app(engine, name, reuse=True, api_key=None, state_cache_mib=2048):
 
 
 def serve(model, host="127.0.0.1", port=8000, backend="auto", max_seq=4096, reuse=True, api_key=None,
-          state_cache_mib=2048):
+          state_cache_mib=2048, speculate=0):
     import os
 
     import uvicorn
 
     engine = Engine.load(model, backend=backend, max_seq=max_seq, eos_id=-2)
+    engine.set_speculation(speculate)
     name = os.path.basename(model.rstrip("/"))
     app = create_app(engine, name, reuse, api_key, state_cache_mib)
     uvicorn.run(app, host=host, port=port, log_level="warning")
