@@ -527,7 +527,7 @@ impl Engine {
             // The draft leaves a slot for the id after it, in `out` and in the cache.
             let room = (n - written).min(self.max_seq - self.position);
             let max = self.max_draft.min(self.backend.draft_room()).min(room - 1);
-            let draft = crate::speculate::lookup(&self.context, max).to_vec();
+            let draft = crate::speculate::lookup(&self.context, max);
             let slots = &mut out[written..n];
             let done = if draft.is_empty() {
                 let done = self.run(|b| b.step_n(&mut slots[..1]))?;

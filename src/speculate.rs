@@ -10,24 +10,33 @@ const NGRAM_MAX: usize = 3;
 const NGRAM_MIN: usize = 2;
 
 /// Up to `max` ids that followed the most recent earlier occurrence of the last `NGRAM_MAX`
-/// (then fewer, down to `NGRAM_MIN`) ids of `context`; empty where none occurs.
-pub fn lookup(context: &[u32], max: usize) -> &[u32] {
-    if max == 0 {
-        return &[];
-    }
+/// (then fewer, down to `NGRAM_MIN`) ids of `context`; empty where none occurs. Where the
+/// occurrence is so recent that fewer than `max` ids follow it, the copy runs on into the ids
+/// it has copied (as an LZ77 match overlaps itself): the span between the two occurrences is
+/// taken to repeat, as in a loop.
+pub fn lookup(context: &[u32], max: usize) -> Vec<u32> {
     let len = context.len();
     for n in (NGRAM_MIN..=NGRAM_MAX).rev() {
-        if len <= n {
-            continue;
+        if max == 0 || len <= n {
+            break;
         }
         let tail = &context[len - n..];
         // Starts of earlier occurrences, latest first; the one at len - n is the tail itself.
         if let Some(start) = (0..len - n).rev().find(|&i| &context[i..i + n] == tail) {
-            let from = start + n;
-            return &context[from..len.min(from + max)];
+            let period = len - n - start;
+            let mut draft: Vec<u32> = Vec::with_capacity(max);
+            for i in 0..max {
+                let at = start + n + i;
+                draft.push(if at < len {
+                    context[at]
+                } else {
+                    draft[i - period]
+                });
+            }
+            return draft;
         }
     }
-    &[]
+    Vec::new()
 }
 
 #[cfg(test)]
@@ -38,16 +47,16 @@ mod tests {
     fn the_ids_after_the_latest_match_of_the_longest_tail() {
         // Tail [7, 8, 9] occurs at 1 and at 6: the later one's followers.
         let c = [1, 7, 8, 9, 2, 3, 7, 8, 9, 4, 5, 6, 7, 8, 9];
-        assert_eq!(lookup(&c, 3), &[4, 5, 6]);
-        assert_eq!(lookup(&c, 10), &[4, 5, 6, 7, 8, 9]);
-        assert_eq!(lookup(&c, 0), &[] as &[u32]);
+        assert_eq!(lookup(&c, 3), [4, 5, 6]);
+        assert_eq!(lookup(&c, 6), [4, 5, 6, 7, 8, 9]);
+        assert!(lookup(&c, 0).is_empty());
     }
 
     #[test]
     fn a_shorter_tail_where_the_longest_does_not_recur() {
         // [5, 8, 9] never occurred before; [8, 9] did, followed by 4.
         let c = [8, 9, 4, 1, 5, 8, 9];
-        assert_eq!(lookup(&c, 4), &[4, 1, 5, 8]);
+        assert_eq!(lookup(&c, 4), [4, 1, 5, 8]);
     }
 
     #[test]
@@ -60,9 +69,15 @@ mod tests {
     }
 
     #[test]
-    fn a_period_drafts_itself() {
-        // A greedy loop [a, b, a, b, ...]: the draft continues the period.
+    fn a_recent_match_continues_its_period() {
+        // A greedy loop [25, 20]: the match two ids back leaves one id, then the period runs on.
         let c = [9, 25, 20, 25, 20, 25];
-        assert_eq!(lookup(&c, 4), &[20, 25]);
+        assert_eq!(lookup(&c, 5), [20, 25, 20, 25, 20]);
+        // A period of three: [1, 2, 3] repeated.
+        let c = [7, 1, 2, 3, 1, 2, 3, 1];
+        assert_eq!(lookup(&c, 4), [2, 3, 1, 2]);
+        // Past the copied ids of a match far back, the span between the two occurrences.
+        let c = [5, 6, 7, 8, 5, 6];
+        assert_eq!(lookup(&c, 4), [7, 8, 5, 6]);
     }
 }

@@ -462,7 +462,7 @@ fn a_hosts_draft_is_checked_against_greedy_steps() {
     assert_eq!(e.position().unwrap(), prompt.len() + 1);
     // Bad calls: nothing moves.
     let vocab = e.spec().vocab as u32;
-    let too_long = vec![1u32; decodev2::engine::MAX_DRAFT + 1];
+    let too_long = [1u32; decodev2::engine::MAX_DRAFT + 1];
     for (draft, room) in [
         (&[][..], 6),
         (&too_long[..], 32),
