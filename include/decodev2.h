@@ -368,6 +368,27 @@ enum dv2_status dv2_step_n(struct dv2_engine *engine,
                            int32_t *out_ids,
                            size_t *out_count);
 
+// One speculative step on the host's own draft (a draft model's ids, its own lookup): feeds
+// the pending id and `draft[0 .. n_draft]` in one forward, keeps the longest prefix of the
+// draft that greedy steps would have produced, and writes the ids those steps give (the
+// accepted draft ids, then the id after them; through EOS at most) to
+// `out_ids[0 .. *out_count]`, 1 to n_draft + 1 of them; the request is then as after that many
+// dv2_step calls (dv2_logits holds the last one's logits). Plain greedy decoding only
+// (DV2_ERR_INVALID_STATE under sampling, penalties or a logit bias). Errors, the request
+// unchanged and `*out_count` 0: DV2_ERR_INVALID_ARGUMENT (n_draft 0 or past DV2_MAX_DRAFT,
+// or on CUDA past the prefill chunk less one; a draft id outside the vocabulary),
+// DV2_ERR_BUFFER_TOO_SMALL (n_out under n_draft + 1), DV2_ERR_SEQUENCE_FULL (fewer than
+// n_draft + 1 slots left), and those of dv2_step.
+//
+// # Safety
+// `draft` readable for `n_draft` ids; `out_ids` has room for `n_out`; `out_count` writable.
+enum dv2_status dv2_step_draft(struct dv2_engine *engine,
+                               const int32_t *draft,
+                               size_t n_draft,
+                               int32_t *out_ids,
+                               size_t n_out,
+                               size_t *out_count);
+
 // The last id chosen (after prefill or step). DV2_ERR_INVALID_STATE before any prefill.
 //
 // # Safety

@@ -932,6 +932,68 @@ pub unsafe extern "C" fn dv2_step_n(
     }
 }
 
+/// One speculative step on the host's own draft (a draft model's ids, its own lookup): feeds
+/// the pending id and `draft[0 .. n_draft]` in one forward, keeps the longest prefix of the
+/// draft that greedy steps would have produced, and writes the ids those steps give (the
+/// accepted draft ids, then the id after them; through EOS at most) to
+/// `out_ids[0 .. *out_count]`, 1 to n_draft + 1 of them; the request is then as after that many
+/// dv2_step calls (dv2_logits holds the last one's logits). Plain greedy decoding only
+/// (DV2_ERR_INVALID_STATE under sampling, penalties or a logit bias). Errors, the request
+/// unchanged and `*out_count` 0: DV2_ERR_INVALID_ARGUMENT (n_draft 0 or past DV2_MAX_DRAFT,
+/// or on CUDA past the prefill chunk less one; a draft id outside the vocabulary),
+/// DV2_ERR_BUFFER_TOO_SMALL (n_out under n_draft + 1), DV2_ERR_SEQUENCE_FULL (fewer than
+/// n_draft + 1 slots left), and those of dv2_step.
+///
+/// # Safety
+/// `draft` readable for `n_draft` ids; `out_ids` has room for `n_out`; `out_count` writable.
+#[no_mangle]
+pub unsafe extern "C" fn dv2_step_draft(
+    engine: *mut dv2_engine,
+    draft: *const i32,
+    n_draft: usize,
+    out_ids: *mut i32,
+    n_out: usize,
+    out_count: *mut usize,
+) -> dv2_status {
+    if !out_count.is_null() {
+        // SAFETY: non-null; writable by the caller's contract.
+        unsafe { out_count.write(0) };
+    }
+    // SAFETY: forwarded contract.
+    unsafe {
+        with_engine(engine, |e| {
+            require(draft, "draft")?;
+            require(out_ids, "out_ids")?;
+            require(out_count, "out_count")?;
+            if n_draft == 0 || n_draft > DV2_MAX_DRAFT as usize {
+                return Err(Error::InvalidArgument(format!(
+                    "a draft of {n_draft} ids (1 to {})",
+                    DV2_MAX_DRAFT as usize
+                )));
+            }
+            // SAFETY: non-null, n_draft <= DV2_MAX_DRAFT ids, readable by the contract.
+            let draft = std::slice::from_raw_parts(draft, n_draft);
+            let draft = draft
+                .iter()
+                .enumerate()
+                .map(|(i, &id)| {
+                    u32::try_from(id).map_err(|_| {
+                        Error::InvalidArgument(format!("draft[{i}] = {id} is out of range"))
+                    })
+                })
+                .collect::<Result<Vec<u32>>>()?;
+            // The engine writes at most n_draft + 1 ids; a shorter room is its error.
+            let mut ids = vec![0u32; n_out.min(n_draft + 1)];
+            let done = e.step_draft(&draft, &mut ids)?;
+            // SAFETY: done <= ids.len() <= n_out; out_ids has room for n_out by contract.
+            let out = std::slice::from_raw_parts_mut(out_ids, done);
+            out.iter_mut().zip(&ids).for_each(|(o, id)| *o = *id as i32);
+            out_count.write(done);
+            Ok(())
+        })
+    }
+}
+
 /// The last id chosen (after prefill or step). DV2_ERR_INVALID_STATE before any prefill.
 ///
 /// # Safety

@@ -1597,3 +1597,129 @@ fn state_files_with_bad_input() {
     unsafe { dv2_free(h) };
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// dv2_set_speculation, dv2_speculation_stats and dv2_step_draft: a NULL handle, NULL arrays,
+/// a draft empty or past DV2_MAX_DRAFT, a negative or out-of-vocabulary draft id, too small an
+/// output, sampling in force: each refused with a message, the request where it was and
+/// `*out_count` 0; then a draft of the greedy continuation is taken whole with the id after
+/// it, and dv2_step_n under speculation gives the fixture's greedy ids.
+#[test]
+fn speculation_and_drafts_with_bad_input() {
+    let (h, case) = tiny();
+    let prompt: Vec<i32> = case.prompt[..case.prefill_len]
+        .iter()
+        .map(|&v| v as i32)
+        .collect();
+    let greedy: Vec<i32> = case.greedy.iter().map(|&v| v as i32).collect();
+    let vocab = decodev2::arch::TINY_LLAMA.vocab as i32;
+    let long = [1i32; dv2_limits::DV2_MAX_DRAFT as usize + 1];
+    let (mut out, mut count) = ([0i32; 32], 7usize);
+    // SAFETY: valid buffers for the counts given, or NULL as each case says.
+    unsafe {
+        expect(
+            dv2_set_speculation(null_mut(), 4),
+            DV2_ERR_NULL_POINTER,
+            "engine",
+        );
+        expect(
+            dv2_set_speculation(h, -1),
+            DV2_ERR_INVALID_ARGUMENT,
+            "max_draft -1",
+        );
+        expect(
+            dv2_set_speculation(h, 16),
+            DV2_ERR_INVALID_ARGUMENT,
+            "max_draft 16",
+        );
+        expect(
+            dv2_speculation_stats(null_mut(), null_mut(), null_mut(), null_mut()),
+            DV2_ERR_NULL_POINTER,
+            "engine",
+        );
+        expect(
+            dv2_step_draft(h, [1].as_ptr(), 1, out.as_mut_ptr(), 2, &mut count),
+            DV2_ERR_INVALID_STATE,
+            "prefill",
+        );
+        let mut next = 0;
+        assert_eq!(
+            dv2_prefill(h, prompt.as_ptr(), prompt.len(), &mut next),
+            DV2_OK
+        );
+        let at = prompt.len() as i32;
+        for (draft, n_out, want, needle) in [
+            (&[][..], 4, DV2_ERR_INVALID_ARGUMENT, "a draft of 0 ids"),
+            (&long[..], 32, DV2_ERR_INVALID_ARGUMENT, "a draft of 16 ids"),
+            (&[3, -2][..], 4, DV2_ERR_INVALID_ARGUMENT, "draft[1] = -2"),
+            (&[vocab][..], 4, DV2_ERR_INVALID_ARGUMENT, "draft[0]"),
+            (&[1, 2, 3][..], 3, DV2_ERR_BUFFER_TOO_SMALL, "capacity 3"),
+        ] {
+            count = 7;
+            expect(
+                dv2_step_draft(
+                    h,
+                    draft.as_ptr(),
+                    draft.len(),
+                    out.as_mut_ptr(),
+                    n_out,
+                    &mut count,
+                ),
+                want,
+                needle,
+            );
+            assert_eq!(count, 0, "{needle}");
+            let mut p = 0;
+            assert_eq!(dv2_position(h, &mut p), DV2_OK);
+            assert_eq!(p, at, "{needle}: the request moved");
+        }
+        expect(
+            dv2_step_draft(h, null(), 1, out.as_mut_ptr(), 2, &mut count),
+            DV2_ERR_NULL_POINTER,
+            "draft",
+        );
+        expect(
+            dv2_step_draft(h, [1].as_ptr(), 1, null_mut(), 2, &mut count),
+            DV2_ERR_NULL_POINTER,
+            "out_ids",
+        );
+        let mut sampled = dv2_sampling_default();
+        sampled.temperature = 0.8;
+        assert_eq!(dv2_set_sampling(h, &sampled), DV2_OK);
+        expect(
+            dv2_step_draft(h, [1].as_ptr(), 1, out.as_mut_ptr(), 2, &mut count),
+            DV2_ERR_INVALID_STATE,
+            "plain greedy",
+        );
+        assert_eq!(dv2_set_sampling(h, &dv2_sampling_default()), DV2_OK);
+        // The greedy continuation as a draft: every id kept, and the one after it.
+        assert_eq!(next, greedy[0]);
+        let n = 4.min(greedy.len() - 2);
+        assert_eq!(
+            dv2_step_draft(
+                h,
+                greedy[1..=n].as_ptr(),
+                n,
+                out.as_mut_ptr(),
+                out.len(),
+                &mut count
+            ),
+            DV2_OK
+        );
+        assert_eq!(&out[..count], &greedy[1..=n + 1]);
+        let (mut checks, mut drafted, mut accepted) = (0u64, 0u64, 0u64);
+        assert_eq!(
+            dv2_speculation_stats(h, &mut checks, &mut drafted, &mut accepted),
+            DV2_OK
+        );
+        assert_eq!((checks, drafted, accepted), (1, n as u64, n as u64));
+        assert_eq!(
+            dv2_speculation_stats(h, null_mut(), null_mut(), null_mut()),
+            DV2_OK
+        );
+        // Speculation on: dv2_step_n's ids are still the greedy ones.
+        assert_eq!(dv2_set_speculation(h, 8), DV2_OK);
+    }
+    still_usable(h, &case);
+    // SAFETY: a live handle.
+    unsafe { dv2_free(h) };
+}

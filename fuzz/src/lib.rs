@@ -337,7 +337,8 @@ fn last_error() -> String {
 /// with its arguments from the bytes after it: prefill, step, step_n, logits, logprobs, reset
 /// (rewind where the byte's top bit is set), set_sampling (set_logit_bias where it is), tokenize, detokenize, token_to_piece, chat_apply_template, token_special,
 /// token_is_eog, meta_str, meta_key, and the queries (the state ops where bits 4-6 read 4, a
-/// file, or 5, memory: the request saved, then loaded back as saved or with a byte changed). A finding (a panic here, which AFL reports
+/// file, or 5, memory: the request saved, then loaded back as saved or with a byte changed;
+/// 6: set_speculation and step_draft, a host's draft, so that later step_n calls speculate). A finding (a panic here, which AFL reports
 /// as a crash): a call that returns DV2_ERR_INTERNAL (a panic the ABI caught) or an error
 /// without a message, writes past the room it was given, leaves the handle unusable
 /// (dv2_position failing after it) or its position outside 0..=max_seq, or returns ids or
@@ -358,6 +359,7 @@ pub fn abi(target: &AbiTarget, data: &[u8]) {
         );
         let no_bias = ffi::dv2_set_logit_bias(h, std::ptr::null(), std::ptr::null(), 0);
         assert_eq!(no_bias, DV2_OK, "{}", last_error());
+        assert_eq!(ffi::dv2_set_speculation(h, 0), DV2_OK, "{}", last_error());
     }
     let mut args = Args(data);
     while !args.0.is_empty() {
@@ -692,6 +694,47 @@ pub fn abi(target: &AbiTarget, data: &[u8]) {
                 }
                 ("dv2_state_load_data", s)
             }
+            15 if op & 0x70 == 0x60 => {
+                // Speculation: its setting (-2 to 17), then a draft of the host's (0 to 17
+                // ids, the vocabulary's and a little past it) into a guarded room; step_n
+                // calls after it decode with the setting.
+                let max_draft = i32::from(args.u8() % 20) - 2;
+                // SAFETY: a live handle.
+                let set = unsafe { ffi::dv2_set_speculation(h, max_draft) };
+                let ok_setting = (0..=ffi::dv2_limits::DV2_MAX_DRAFT as i32).contains(&max_draft);
+                assert_eq!(
+                    set == DV2_OK,
+                    ok_setting,
+                    "set_speculation({max_draft}): {set:?}"
+                );
+                let n = args.u8() as usize % 18;
+                let draft: Vec<i32> = (0..n).map(|_| args.id(vocab + 2)).collect();
+                let room = args.u8() as usize % 20;
+                let mut out = Guarded::new(room, -7i32);
+                let mut count = usize::MAX;
+                let ptr = if null {
+                    std::ptr::null()
+                } else {
+                    draft.as_ptr()
+                };
+                // SAFETY: `ptr` NULL or `n` readable ids; room for `room` ids; `count` writable.
+                let s = unsafe { ffi::dv2_step_draft(h, ptr, n, out.ptr(), room, &mut count) };
+                out.check("dv2_step_draft");
+                if s == DV2_OK {
+                    assert!(
+                        (1..=n + 1).contains(&count),
+                        "step_draft wrote {count} of {n}"
+                    );
+                    check_position(h, position + count as i32);
+                    let ids = &out.data[..count];
+                    assert!(ids.iter().all(|id| (0..vocab).contains(id)));
+                    // Every id but the last is the draft's (accepted), the last is free.
+                    assert_eq!(ids[..count - 1], draft[..count - 1], "accepted ids");
+                } else {
+                    assert_eq!(count, 0, "step_draft failed ({s:?}) and counted {count}");
+                }
+                ("dv2_step_draft", s)
+            }
             _ => {
                 let mut info = ffi::dv2_model_info {
                     struct_size: if null {
@@ -738,7 +781,10 @@ pub fn abi(target: &AbiTarget, data: &[u8]) {
         // Only a forward finds non-finite logits, and it moved the position as it would have
         // on success (docs/api.md; checked by its op above): a state loaded with a value
         // changed to inf or NaN is one way to them. dv2_logprobs then refuses them.
-        let forward = matches!(name, "dv2_prefill" | "dv2_step" | "dv2_step_n");
+        let forward = matches!(
+            name,
+            "dv2_prefill" | "dv2_step" | "dv2_step_n" | "dv2_step_draft"
+        );
         assert!(
             status != DV2_ERR_NON_FINITE || forward || name == "dv2_logprobs",
             "{name} non-finite"
