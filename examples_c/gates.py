@@ -42,6 +42,12 @@ def run_case(case, backend):
         print(f"{case['preset']} seed {case['seed']}: backend {e.backend}, vocab {e.info.vocab}, max_seq {e.info.max_seq}")
         greedy = [e.prefill(case["prompt"][: case["prefill_len"]])]
         greedy += e.step_n(len(case["greedy"]) - 1)
+        # The same request with speculative decoding (drafts of up to 7 ids): the same ids.
+        e.reset()
+        e.set_speculation(7)
+        speculative = [e.prefill(case["prompt"][: case["prefill_len"]])]
+        speculative += e.step_n(len(case["greedy"]) - 1)
+        e.set_speculation(0)
         e.reset()
         teacher = []
         for tok in case["prompt"]:
@@ -49,10 +55,11 @@ def run_case(case, backend):
             logits = e.logits()
             teacher.append(max(range(len(logits)), key=logits.__getitem__))
     failures = 0
-    for name, got in (("greedy", greedy), ("teacher", teacher)):
-        print(f"  {name:8s} {' '.join(map(str, got))}")
-        if got != case[name]:
-            print(f"  expected {' '.join(map(str, case[name]))}")
+    for name, want, got in (("greedy", "greedy", greedy), ("speculative", "greedy", speculative),
+                            ("teacher", "teacher", teacher)):
+        print(f"  {name:11s} {' '.join(map(str, got))}")
+        if got != case[want]:
+            print(f"  expected    {' '.join(map(str, case[want]))}")
             failures += 1
     return failures
 

@@ -94,6 +94,8 @@ for name, restype, argtypes in [
     ("dv2_set_logit_bias", ctypes.c_int, [_P, ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_float),
                                           ctypes.c_size_t]),
     ("dv2_set_speculation", ctypes.c_int, [_P, ctypes.c_int32]),
+    ("dv2_step_draft", ctypes.c_int, [_P, _I32P, ctypes.c_size_t, _I32P, ctypes.c_size_t,
+                                      ctypes.POINTER(ctypes.c_size_t)]),
     ("dv2_speculation_stats", ctypes.c_int, [_P] + [ctypes.POINTER(ctypes.c_uint64)] * 3),
     ("dv2_token_special", ctypes.c_int, [_P, ctypes.c_int32, _I32P]),
     ("dv2_token_is_eog", ctypes.c_int, [_P, ctypes.c_int32, _I32P]),
@@ -388,6 +390,22 @@ class Engine:
         self._fed.extend(ids[:-1])
         self._pending = ids[-1]
         return ids
+
+    def step_draft(self, draft):
+        """Checks a draft of the host's own (dv2_step_draft: a draft model's ids, say) in one
+        forward with the pending id: returns the ids greedy steps give, the draft's accepted
+        ids and the one after them (1 to len(draft) + 1)."""
+        ids = _int32(list(draft), "draft id")
+        arr = (ctypes.c_int32 * max(len(ids), 1))(*ids)
+        out = (ctypes.c_int32 * (len(ids) + 1))()
+        count = ctypes.c_size_t()
+        _check(lib.dv2_step_draft(self._h, arr, len(ids), out, len(ids) + 1, ctypes.byref(count)),
+               "dv2_step_draft")
+        got = list(out[: count.value])
+        self._fed.append(self._pending)
+        self._fed.extend(got[:-1])
+        self._pending = got[-1]
+        return got
 
     def next_token(self):
         out = ctypes.c_int32()
