@@ -1,11 +1,11 @@
-//! A speculative step on the device ([`crate::backend::Backend::step_draft`]): the pending token and a draft
-//! fed as one prefill chunk (so one pass over the weights checks every draft id), each row's
-//! logits by one lm_head over the chunk's rows and their argmax, then the state set to where
-//! greedy steps over the accepted ids would have left it.
+//! A speculative step on the device ([`crate::backend::Backend::step_draft`]): the pending
+//! token and a draft fed as one prefill chunk (so one pass over the weights checks every draft
+//! id), each row's logits by one lm_head over the chunk's rows and their argmax, then the state
+//! set to where greedy steps over the accepted ids would have left it.
 
 use cudarc::driver::CudaSlice;
 
-use super::device::driver_error;
+use super::device::{driver_error, Gpu};
 use super::kernels::state;
 use super::ops::{Epilogue, GemmMatrix};
 use super::step::{Activations, CudaBackend};
@@ -22,18 +22,16 @@ pub(super) struct DraftBuffers {
     rows_state: CudaSlice<i32>,
 }
 
-impl CudaBackend {
-    fn draft_buffers(&mut self) -> Result<&DraftBuffers> {
-        if self.draft.is_none() {
-            let gpu = &self.ops.gpu;
-            self.draft = Some(DraftBuffers {
-                logits: gpu.zeros::<f32>((MAX_DRAFT + 1) * self.spec.vocab)?,
-                rows_state: gpu.zeros::<i32>((MAX_DRAFT + 1) * state::LEN)?,
-            });
-        }
-        Ok(self.draft.as_ref().expect("allocated above"))
+impl DraftBuffers {
+    fn new(gpu: &Gpu, vocab: usize) -> Result<Self> {
+        Ok(Self {
+            logits: gpu.zeros::<f32>((MAX_DRAFT + 1) * vocab)?,
+            rows_state: gpu.zeros::<i32>((MAX_DRAFT + 1) * state::LEN)?,
+        })
     }
+}
 
+impl CudaBackend {
     /// The longest draft this engine's chunk holds beside the pending token (none where the
     /// prompt goes through the decode step a token at a time).
     pub(super) fn draft_capacity(&self) -> usize {
@@ -42,6 +40,23 @@ impl CudaBackend {
 
     /// [`crate::backend::Backend::step_draft`] on the device.
     pub(super) fn run_draft(&mut self, draft: &[u32], out: &mut [u32]) -> Result<usize> {
+        let mut bufs = match self.draft.take() {
+            Some(bufs) => bufs,
+            None => DraftBuffers::new(&self.ops.gpu, self.spec.vocab)?,
+        };
+        let kept = self.check_draft(&mut bufs, draft, out);
+        self.draft = Some(bufs);
+        kept
+    }
+
+    /// The forward over the pending token and `draft`, the rows' ids read back, and the state,
+    /// the history and the logits of the last row kept written; returns the ids kept.
+    fn check_draft(
+        &mut self,
+        bufs: &mut DraftBuffers,
+        draft: &[u32],
+        out: &mut [u32],
+    ) -> Result<usize> {
         let st = self.settled_state()?;
         let (pos, n, vocab) = (
             st[state::POSITION] as usize,
@@ -51,7 +66,6 @@ impl CudaBackend {
         let fed: Vec<i32> = std::iter::once(st[state::TOKEN])
             .chain(draft.iter().map(|&id| id as i32))
             .collect();
-        self.draft_buffers()?;
         self.position = None;
         self.settled = None;
         let mut rows_state = vec![0i32; n * state::LEN];
@@ -59,7 +73,6 @@ impl CudaBackend {
             row[state::POSITION] = (pos + i) as i32;
         }
         let stream = &self.ops.gpu.stream;
-        let bufs = self.draft.as_mut().expect("allocated above");
         stream
             .memcpy_htod(&fed, &mut self.arena.prompt.slice_mut(..n))
             .map_err(driver_error("draft upload"))?;
@@ -71,7 +84,6 @@ impl CudaBackend {
             .map_err(driver_error("draft rows' state"))?;
         // Every row's output: no prompt-tail shortcut (last = false), then lm_head over them.
         self.prefill_chunk(0, pos, n, false)?;
-        let bufs = self.draft.as_ref().expect("allocated above");
         let (ops, s) = (&self.ops, &self.spec);
         let Activations { x, xn, .. } = self.activations();
         let final_norm = self.ptr(&self.model.final_norm);
@@ -136,7 +148,6 @@ impl CudaBackend {
                 &mut self.sampler.history.slice_mut(pos..pos + kept + 1),
             )
             .map_err(driver_error("draft history"))?;
-        let bufs = self.draft.as_ref().expect("allocated above");
         let kept_row = (kept - 1) * vocab;
         stream
             .memcpy_dtod(
