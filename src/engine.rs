@@ -469,16 +469,7 @@ impl Engine {
                 "prefill needs at least one id".into(),
             ));
         }
-        if let Some((i, id)) = ids
-            .iter()
-            .enumerate()
-            .find(|(_, id)| **id as usize >= self.spec.vocab)
-        {
-            return Err(Error::InvalidArgument(format!(
-                "ids[{i}] = {id} is out of range (vocab {})",
-                self.spec.vocab
-            )));
-        }
+        self.in_vocab(ids, "ids")?;
         let room = self.max_seq - self.position;
         if ids.len() > room {
             return Err(Error::SequenceFull(format!(
@@ -565,16 +556,7 @@ impl Engine {
                 draft.len()
             )));
         }
-        if let Some((i, id)) = draft
-            .iter()
-            .enumerate()
-            .find(|(_, id)| **id as usize >= self.spec.vocab)
-        {
-            return Err(Error::InvalidArgument(format!(
-                "draft[{i}] = {id} is out of range (vocab {})",
-                self.spec.vocab
-            )));
-        }
+        self.in_vocab(draft, "draft")?;
         if out.len() <= draft.len() {
             return Err(Error::BufferTooSmall(format!(
                 "a draft of {} ids writes up to {} ids, capacity {}",
@@ -604,6 +586,21 @@ impl Engine {
         self.speculation.accepted += accepted.count() as u64;
         self.after_steps(&out[..done])?;
         Ok(done)
+    }
+
+    /// Refuses the first of `ids` (the argument `name`) outside the vocabulary.
+    fn in_vocab(&self, ids: &[u32], name: &str) -> Result<()> {
+        match ids
+            .iter()
+            .enumerate()
+            .find(|(_, id)| **id as usize >= self.spec.vocab)
+        {
+            Some((i, id)) => Err(Error::InvalidArgument(format!(
+                "{name}[{i}] = {id} is out of range (vocab {})",
+                self.spec.vocab
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// The checks before any step: a pending token, not finished, room in the cache; returns

@@ -148,9 +148,7 @@ impl Ops {
         };
         launch!(self.gpu, f, cfg, cluster = (1, 1, cluster_z); args)
     }
-}
 
-impl Ops {
     /// [`Ops::gemm`]'s f16 case at `n` <= GEMV3_COLS columns on GEMV v3's column kernels:
     /// the columns that fit the shared memory the device allows a CTA at K = `k` a launch
     /// (the 32B shape's down: three), each launch reading the weights once.
