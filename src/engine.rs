@@ -14,12 +14,12 @@ use crate::arch::{preset, ArchSpec};
 pub use crate::backend::Backend;
 use crate::cpu::CpuBackend;
 use crate::cuda::device::Gpu;
-pub use crate::cuda::draft::MAX_DRAFT;
 use crate::cuda::CudaBackend;
 use crate::error::{Error, Result};
 use crate::load::Metadata;
 use crate::model::HostModel;
 use crate::sampling::{LogitBias, Sampling};
+pub use crate::speculate::MAX_DRAFT;
 use crate::state::{self, StateReader, StateWriter};
 use crate::synth;
 use crate::tokenizer::Tokenizer;
@@ -100,9 +100,9 @@ pub struct Engine {
     context: Vec<u32>,
     /// Speculative greedy decoding: the longest draft (0: off).
     max_draft: usize,
-    /// Whether decoding is plain greedy (greedy settings, no logit bias): the only case a
-    /// draft is checked in (its ids are then the argmax of each row).
-    plain_greedy: bool,
+    /// Whether the sampling settings are greedy, and whether a logit bias is set: drafts are
+    /// checked only under plain greedy decoding ([`Self::plain_greedy`]).
+    greedy: bool,
     biased: bool,
     speculation: SpeculationStats,
 }
@@ -218,7 +218,7 @@ impl Engine {
             fingerprint,
             context: Vec::new(),
             max_draft: 0,
-            plain_greedy: true,
+            greedy: true,
             biased: false,
             speculation: SpeculationStats::default(),
         })
@@ -302,7 +302,7 @@ impl Engine {
     pub fn set_sampling(&mut self, sampling: &Sampling) -> Result<()> {
         sampling.validate()?;
         self.run(|b| b.set_sampling(sampling))?;
-        self.plain_greedy = sampling.is_greedy();
+        self.greedy = sampling.is_greedy();
         Ok(())
     }
 
@@ -508,7 +508,7 @@ impl Engine {
         }
         let room = self.steppable()?;
         let n = out.len().min(room);
-        if self.max_draft == 0 || !self.plain_greedy || self.biased {
+        if self.max_draft == 0 || !self.plain_greedy() {
             let done = self.run(|b| b.step_n(&mut out[..n]))?;
             self.after_steps(&out[..done])?;
             return Ok(done);
@@ -542,7 +542,7 @@ impl Engine {
     /// CUDA the prefill chunk less one).
     pub fn step_draft(&mut self, draft: &[u32], out: &mut [u32]) -> Result<usize> {
         let room = self.steppable()?;
-        if !self.plain_greedy || self.biased {
+        if !self.plain_greedy() {
             return Err(Error::InvalidState(
                 "a draft is checked under plain greedy decoding only (no sampling, penalties \
                  or logit bias)"
@@ -586,6 +586,12 @@ impl Engine {
         self.speculation.accepted += accepted.count() as u64;
         self.after_steps(&out[..done])?;
         Ok(done)
+    }
+
+    /// Greedy settings and no logit bias: each id is its logits' argmax, which a draft's check
+    /// reproduces row by row.
+    fn plain_greedy(&self) -> bool {
+        self.greedy && !self.biased
     }
 
     /// Refuses the first of `ids` (the argument `name`) outside the vocabulary.

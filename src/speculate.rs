@@ -4,6 +4,10 @@
 //! checks a draft in one forward ([`crate::backend::Backend::step_draft`]), so a draft only
 //! costs time, never changes an id.
 
+/// The longest draft a speculative step checks (the ABI's `DV2_MAX_DRAFT`): with the pending
+/// id, 16 rows of one forward.
+pub const MAX_DRAFT: usize = 15;
+
 /// The longest and shortest run of last ids a draft is looked up by: a longer match first (it
 /// predicts better); one id alone matches too often to pay for the check.
 const NGRAM_MAX: usize = 3;

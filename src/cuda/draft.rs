@@ -10,9 +10,7 @@ use super::kernels::state;
 use super::ops::{Epilogue, GemmMatrix};
 use super::step::{Activations, CudaBackend};
 use crate::error::Result;
-
-/// The longest draft a step checks: the chunk's rows past the pending token.
-pub const MAX_DRAFT: usize = 15;
+use crate::speculate::MAX_DRAFT;
 
 /// Buffers of the speculative step, allocated at its first use: the logits of each row of the
 /// chunk, and a decode state a row for argmax_logits (its finished flag clear, its position
