@@ -10,7 +10,9 @@ prefills every prompt whole).
 Options: --backend auto|cpu|cuda, --temperature T, --top-p P, --seed S, --max-seq N, --stop TEXT
 (repeatable: the reply ends before the first of them), --prompt-cache FILE (the request's KV cache
 is saved to FILE after each reply, and a later run's prompt prefix that FILE holds, a long system
-message for one, is not prefilled again)."""
+message for one, is not prefilled again), --speculate N (greedy replies check up to N ids copied
+from where the text's last ids occurred before in one forward: the same reply, sooner where it
+repeats its context; serve takes it too)."""
 import argparse
 import os
 import sys

@@ -19,7 +19,7 @@ where a step takes longer, or where logprobs are asked), whose pieces then strea
 one.
 
     python -m decodev2 serve MODEL [--host 127.0.0.1] [--port 8000] [--backend auto] [--no-prefix-reuse]
-        [--state-cache 2048]
+        [--state-cache 2048] [--speculate 0]   # greedy requests check drafts of up to N ids
         [--api-key KEY]   # (or DECODEV2_API_KEY) the /v1 routes answer only "Authorization: Bearer KEY"
 
 GET /health answers {"status": "ok"} once the model is loaded (no key needed).
