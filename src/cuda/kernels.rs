@@ -103,7 +103,7 @@ pub const GEMV3_MAX_K: usize = 32768;
 pub const GEMV3_MAX_SMEM: usize = GEMV3_MAX_K * 2;
 const _: () = assert!(GEMV3_MAX_SMEM + 32 * 1024 + 1024 <= 227 * 1024);
 /// The most columns (prefill rows) one launch of GEMV v3's column kernels takes, and the
-/// dynamic shared memory they may stage them in (f16, [columns][K]: eight columns up to K =
+/// dynamic shared memory they may stage them in (f16, `[columns][K]`: eight columns up to K =
 /// 11,264; their static table and sums take ~42 KiB more).
 pub const GEMV3_COLS: usize = 8;
 pub const GEMV3_COLS_MAX_SMEM: usize = 176 * 1024;
