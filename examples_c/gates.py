@@ -48,6 +48,13 @@ def run_case(case, backend):
         speculative = [e.prefill(case["prompt"][: case["prefill_len"]])]
         speculative += e.step_n(len(case["greedy"]) - 1)
         e.set_speculation(0)
+        # A host's own draft of the next three greedy ids: all kept, with the one after them.
+        e.reset()
+        e.prefill(case["prompt"][: case["prefill_len"]])
+        drafted = e.step_draft(case["greedy"][1:4])
+        if drafted != case["greedy"][1:5]:
+            print(f"  step_draft  {' '.join(map(str, drafted))}, expected {' '.join(map(str, case['greedy'][1:5]))}")
+            speculative = []
         e.reset()
         teacher = []
         for tok in case["prompt"]:
