@@ -131,7 +131,7 @@ pub const VARIABLES: &[Variable] = &[
         default: "1",
         effect: "`0`: a prefill chunk of up to 8 ids through the tensor-core GEMM instead of GEMV \
                  v3 over its columns (one MMA serving every column)",
-        lab: "session 72: 3B, a chunk of 1 to 8 ids after a rewind on an H100 3-17% sooner \
+        lab: "session 72: 3B, a chunk of 1 to 8 ids after a rewind on an H100 1-13% sooner \
               (4 ids at depth 48: 1.69 against 1.95 ms); whole prompts within the spread",
     },
     Variable {
