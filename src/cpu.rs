@@ -125,20 +125,15 @@ impl Backend for CpuBackend {
             .chain(draft.iter().copied())
             .collect();
         let rows = forward_chunk_rows(&self.model, &self.rope, &mut self.kv, &fed, self.position)?;
-        // Row i's id is what the step feeding fed[i] gives; fed[i + 1] was fed on the guess
-        // that it is that id. The KV slots past the last row kept are left as any rewind
-        // leaves them.
-        let mut kept = 0;
-        for (i, logits) in rows.iter().enumerate() {
-            let id = argmax(logits);
-            out[i] = id;
-            kept = i + 1;
-            if self.non_finite.is_none() && !logits.iter().all(|v| v.is_finite()) {
-                self.non_finite = Some(self.position + i);
-            }
-            if self.is_eos(id) || draft.get(i) != Some(&id) {
-                break;
-            }
+        let ids: Vec<u32> = rows.iter().map(|logits| argmax(logits)).collect();
+        let kept = crate::speculate::kept_rows(draft, &ids, |id| self.is_eos(id));
+        out[..kept].copy_from_slice(&ids[..kept]);
+        // The KV slots past the last row kept are left as any rewind leaves them.
+        if self.non_finite.is_none() {
+            let bad = rows[..kept]
+                .iter()
+                .position(|l| !l.iter().all(|v| v.is_finite()));
+            self.non_finite = bad.map(|i| self.position + i);
         }
         self.history.extend_from_slice(&fed[..kept]);
         self.position += kept;

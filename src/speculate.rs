@@ -43,9 +43,38 @@ pub fn lookup(context: &[u32], max: usize) -> Vec<u32> {
     Vec::new()
 }
 
+/// The rows a check keeps: row i's id is what the step feeding the pending id and then
+/// `draft[..i]` gives, and `draft[i]` was fed on the guess that it is that id; so rows are kept
+/// through the first whose id is not the draft's next (or has none), or is EOS. `ids` holds
+/// every row's id (`draft.len() + 1`); returns 1 to `ids.len()`.
+pub fn kept_rows(draft: &[u32], ids: &[u32], is_eos: impl Fn(u32) -> bool) -> usize {
+    ids.iter()
+        .enumerate()
+        .position(|(i, &id)| is_eos(id) || draft.get(i) != Some(&id))
+        .map_or(ids.len(), |i| i + 1)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rows_are_kept_through_the_first_miss_or_eos() {
+        let none = |_| false;
+        assert_eq!(kept_rows(&[4, 5, 6], &[4, 5, 6, 7], none), 4, "all taken");
+        assert_eq!(kept_rows(&[4, 5, 6], &[4, 9, 6, 7], none), 2, "a miss");
+        assert_eq!(
+            kept_rows(&[4, 5, 6], &[1, 5, 6, 7], none),
+            1,
+            "the first missed"
+        );
+        assert_eq!(
+            kept_rows(&[4, 5, 6], &[4, 5, 6, 7], |id| id == 5),
+            2,
+            "EOS taken"
+        );
+        assert_eq!(kept_rows(&[], &[3], none), 1);
+    }
 
     #[test]
     fn the_ids_after_the_latest_match_of_the_longest_tail() {

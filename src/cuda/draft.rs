@@ -112,19 +112,12 @@ impl CudaBackend {
         }
         let rows = ops.gpu.download(&bufs.rows_state, n * state::LEN)?;
 
-        // Row i's id is what the step feeding fed[i] gives; fed[i + 1] was fed on the guess
-        // that it is that id.
-        let mut kept = 0;
-        for (i, row) in rows.chunks_exact(state::LEN).enumerate() {
-            let id = row[state::NEXT_TOKEN];
-            out[i] = id as u32;
-            kept = i + 1;
-            if row[state::NONFINITE] != 0 {
-                self.non_finite.get_or_insert(pos + i);
-            }
-            if id == self.eos || draft.get(i) != Some(&(id as u32)) {
-                break;
-            }
+        let rows: Vec<&[i32]> = rows.chunks_exact(state::LEN).collect();
+        let ids: Vec<u32> = rows.iter().map(|r| r[state::NEXT_TOKEN] as u32).collect();
+        let kept = crate::speculate::kept_rows(draft, &ids, |id| id as i32 == self.eos);
+        out[..kept].copy_from_slice(&ids[..kept]);
+        if let Some(i) = rows[..kept].iter().position(|r| r[state::NONFINITE] != 0) {
+            self.non_finite.get_or_insert(pos + i);
         }
         let last = out[kept - 1] as i32;
         let mut next = [0i32; state::LEN];
