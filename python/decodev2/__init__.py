@@ -376,16 +376,18 @@ class Engine:
     def step(self):
         out = ctypes.c_int32()
         _check(lib.dv2_step(self._h, ctypes.byref(out)), "dv2_step")
-        self._fed.append(self._pending)
-        self._pending = out.value
-        return out.value
+        return self._stepped([out.value])[0]
 
     def step_n(self, n):
         """Up to n ids in one call; fewer when EOS or max_seq stops the request."""
         out = (ctypes.c_int32 * n)()
         count = ctypes.c_size_t()
         _check(lib.dv2_step_n(self._h, n, out, ctypes.byref(count)), "dv2_step_n")
-        ids = list(out[: count.value])
+        return self._stepped(list(out[: count.value]))
+
+    def _stepped(self, ids):
+        """The mirror after steps that returned `ids`: each fed the pending id and left the
+        next one pending."""
         self._fed.append(self._pending)
         self._fed.extend(ids[:-1])
         self._pending = ids[-1]
@@ -401,11 +403,7 @@ class Engine:
         count = ctypes.c_size_t()
         _check(lib.dv2_step_draft(self._h, arr, len(ids), out, len(ids) + 1, ctypes.byref(count)),
                "dv2_step_draft")
-        got = list(out[: count.value])
-        self._fed.append(self._pending)
-        self._fed.extend(got[:-1])
-        self._pending = got[-1]
-        return got
+        return self._stepped(list(out[: count.value]))
 
     def next_token(self):
         out = ctypes.c_int32()
