@@ -384,6 +384,42 @@ unsafe fn with_engine(
     status
 }
 
+/// The host's ids (`name[i]`, int32) as the engine's, a negative one refused by its index.
+fn ids_from_c(ids: &[i32], name: &str) -> Result<Vec<u32>> {
+    ids.iter()
+        .enumerate()
+        .map(|(i, &id)| {
+            u32::try_from(id)
+                .map_err(|_| Error::InvalidArgument(format!("{name}[{i}] = {id} is negative")))
+        })
+        .collect()
+}
+
+/// Zeroes a call's id count first, so that every path, errors included, leaves it written (0
+/// unless ids were).
+///
+/// # Safety
+/// `out_count` is NULL or valid for one write.
+unsafe fn clear_count(out_count: *mut usize) {
+    if !out_count.is_null() {
+        // SAFETY: non-null, writable by the caller's contract.
+        unsafe { out_count.write(0) };
+    }
+}
+
+/// Writes stepped ids to the host's array and their count.
+///
+/// # Safety
+/// `out_ids` has room for `ids.len()` int32_t; `out_count` non-null and writable.
+unsafe fn write_ids(ids: &[u32], out_ids: *mut i32, out_count: *mut usize) {
+    // SAFETY: room for ids.len() values, and a writable count, by the caller's contract.
+    unsafe {
+        let out = std::slice::from_raw_parts_mut(out_ids, ids.len());
+        out.iter_mut().zip(ids).for_each(|(o, id)| *o = *id as i32);
+        out_count.write(ids.len());
+    }
+}
+
 /// Writes `value` through an out-pointer, or fails naming it.
 ///
 /// # Safety
@@ -855,14 +891,7 @@ pub unsafe extern "C" fn dv2_prefill(
             // SAFETY: non-null, n_ids <= max_seq (so the byte length fits isize), readable by
             // the caller's contract.
             let ids = std::slice::from_raw_parts(ids, n_ids);
-            let ids = ids
-                .iter()
-                .enumerate()
-                .map(|(i, &id)| {
-                    u32::try_from(id)
-                        .map_err(|_| Error::InvalidArgument(format!("ids[{i}] = {id} is negative")))
-                })
-                .collect::<Result<Vec<u32>>>()?;
+            let ids = ids_from_c(ids, "ids")?;
             let next = e.prefill(&ids)?;
             if !out_next.is_null() {
                 out_next.write(next as i32);
@@ -906,11 +935,8 @@ pub unsafe extern "C" fn dv2_step_n(
     out_ids: *mut i32,
     out_count: *mut usize,
 ) -> dv2_status {
-    // Every path, errors included, leaves *out_count written (0 unless ids were).
-    if !out_count.is_null() {
-        // SAFETY: non-null; writable by the caller's contract.
-        unsafe { out_count.write(0) };
-    }
+    // SAFETY: NULL or writable by the caller's contract.
+    unsafe { clear_count(out_count) };
     // SAFETY: forwarded contract.
     unsafe {
         with_engine(engine, |e| {
@@ -924,9 +950,7 @@ pub unsafe extern "C" fn dv2_step_n(
             let mut ids = vec![0u32; n];
             let done = e.step_n(&mut ids)?;
             // SAFETY: done <= n <= the caller's n; out_ids has room for n by contract.
-            let out = std::slice::from_raw_parts_mut(out_ids, done);
-            out.iter_mut().zip(&ids).for_each(|(o, id)| *o = *id as i32);
-            out_count.write(done);
+            write_ids(&ids[..done], out_ids, out_count);
             Ok(())
         })
     }
@@ -955,10 +979,8 @@ pub unsafe extern "C" fn dv2_step_draft(
     n_out: usize,
     out_count: *mut usize,
 ) -> dv2_status {
-    if !out_count.is_null() {
-        // SAFETY: non-null; writable by the caller's contract.
-        unsafe { out_count.write(0) };
-    }
+    // SAFETY: NULL or writable by the caller's contract.
+    unsafe { clear_count(out_count) };
     // SAFETY: forwarded contract.
     unsafe {
         with_engine(engine, |e| {
@@ -973,22 +995,12 @@ pub unsafe extern "C" fn dv2_step_draft(
             }
             // SAFETY: non-null, n_draft <= DV2_MAX_DRAFT ids, readable by the contract.
             let draft = std::slice::from_raw_parts(draft, n_draft);
-            let draft = draft
-                .iter()
-                .enumerate()
-                .map(|(i, &id)| {
-                    u32::try_from(id).map_err(|_| {
-                        Error::InvalidArgument(format!("draft[{i}] = {id} is out of range"))
-                    })
-                })
-                .collect::<Result<Vec<u32>>>()?;
+            let draft = ids_from_c(draft, "draft")?;
             // The engine writes at most n_draft + 1 ids; a shorter room is its error.
             let mut ids = vec![0u32; n_out.min(n_draft + 1)];
             let done = e.step_draft(&draft, &mut ids)?;
             // SAFETY: done <= ids.len() <= n_out; out_ids has room for n_out by contract.
-            let out = std::slice::from_raw_parts_mut(out_ids, done);
-            out.iter_mut().zip(&ids).for_each(|(o, id)| *o = *id as i32);
-            out_count.write(done);
+            write_ids(&ids[..done], out_ids, out_count);
             Ok(())
         })
     }
@@ -1294,14 +1306,7 @@ pub unsafe extern "C" fn dv2_detokenize(
                 // SAFETY: non-null with n_ids readable int32_t by contract.
                 std::slice::from_raw_parts(ids, n_ids)
             };
-            let ids = ids
-                .iter()
-                .enumerate()
-                .map(|(i, &id)| {
-                    u32::try_from(id)
-                        .map_err(|_| Error::InvalidArgument(format!("ids[{i}] = {id} is negative")))
-                })
-                .collect::<Result<Vec<u32>>>()?;
+            let ids = ids_from_c(ids, "ids")?;
             let skip = flags & dv2_detokenize_flags::DV2_DETOKENIZE_SKIP_SPECIAL as u32 != 0;
             let bytes = e.tokenizer()?.decode(&ids, skip)?;
             copy_out(&bytes, out.cast::<u8>(), cap, out_len)
