@@ -97,7 +97,7 @@ pub struct Engine {
     /// The request's ids (those fed, then the pending one): what drafts are looked up in. A
     /// draft is only a guess the backend checks, so this mirror need not be exact after an
     /// error.
-    context: Vec<u32>,
+    context: crate::speculate::Context,
     /// Speculative greedy decoding: the longest draft (0: off).
     max_draft: usize,
     /// Whether the sampling settings are greedy, and whether a logit bias is set: drafts are
@@ -216,7 +216,7 @@ impl Engine {
             ),
             meta: Metadata::new(),
             fingerprint,
-            context: Vec::new(),
+            context: Default::default(),
             max_draft: 0,
             greedy: true,
             biased: false,
@@ -456,7 +456,7 @@ impl Engine {
             return Err(e);
         }
         self.position = n;
-        self.context = file.ids().to_vec();
+        self.context.set(file.ids());
         Ok(())
     }
 
@@ -518,7 +518,7 @@ impl Engine {
             // The draft leaves a slot for the id after it, in `out` and in the cache.
             let room = (n - written).min(self.max_seq - self.position);
             let max = self.max_draft.min(self.backend.draft_room()).min(room - 1);
-            let draft = crate::speculate::lookup(&self.context, max);
+            let draft = self.context.draft(max);
             let slots = &mut out[written..n];
             let done = if draft.is_empty() {
                 let done = self.run(|b| b.step_n(&mut slots[..1]))?;
