@@ -11,6 +11,7 @@
 //!                                               [--sampling [PRESET [DEPTHS]]] [--step-loop [PRESET [DEPTHS]]]
 //!                                               [--rest [PRESET [DEPTHS]]] [--turns [PRESET [DEPTHS]]]
 //!                                               [--short-chunks [PRESET [DEPTHS]]] [--speculate [PRESET [DEPTHS]]]
+//!                                               [--checks [PRESET [DEPTHS]]]
 //!
 //! load s is `Engine::new` (upload, allocation, kernels, warm-up); warmup ms is its eager
 //! probe step + graph capture; prefill ms is the prompt to the first token; ms/token the steps
@@ -46,6 +47,10 @@
 //! `--speculate [PRESET [D1,D2,..]]` prints only speculative greedy decoding against plain
 //! steps by depth (48 and 8k unless listed): tok/s at drafts of 4, 7 and 15, the drafts
 //! accepted, and what a check of k ids costs where none is taken.
+//! `--checks [PRESET [D1,D2,..]]` prints only what a speculative check of k = 1, 7 and 15
+//! draft ids costs where none is taken, 24 checks in a row after a prompt of each depth (48 and
+//! 8k unless listed), against 24 steps: the run tests/gpu/trace-checks.sh traces kernel by
+//! kernel.
 //! `--shapes PRESET` takes the kernel table's matrices from that preset (default qwen25_3b).
 //! `--load PATH [REPS]` prints only load times of a model file or directory (read and device
 //! parts), REPS times (3): the first cold or warm as the page cache is, the rest warm.
@@ -1216,6 +1221,44 @@ fn speculate_sweep(preset: &str, depths: &[usize]) {
     }
 }
 
+/// `--checks [PRESET [D1,D2,..]]`: after a prompt of each depth, 24 steps one `step_n` call
+/// each, then for k = 1, 7, 15, 24 checks of k draft ids that are all wrong (each keeps one
+/// id and moves the position by one, as a step), medians of their wall times. No rewinds or
+/// prefills between them, so a kernel trace of this run holds the checks alone, back to back.
+fn checks(preset: &str, depths: &[usize]) {
+    const CHECKS: usize = 24;
+    let (spec, mut e) = sweep_engine(preset, depths);
+    let wrong = (spec.vocab - 2) as u32;
+    println!("{preset}: ms a call, {CHECKS} calls in a row (medians), none of a draft's ids taken");
+    for &depth in depths {
+        e.reset().unwrap();
+        e.prefill(&synth::prompt(spec.vocab, depth, 1)).unwrap();
+        let mut row = format!("  {depth:>6}");
+        for k in [0, 1, 7, 15] {
+            let draft = vec![wrong; k];
+            let mut out = vec![0u32; k + 1];
+            let times: Vec<f64> = (0..CHECKS)
+                .map(|_| {
+                    let t = Instant::now();
+                    if k == 0 {
+                        e.step_n(&mut out).unwrap();
+                    } else {
+                        e.step_draft(&draft, &mut out).unwrap();
+                    }
+                    t.elapsed().as_secs_f64() * 1e3
+                })
+                .collect();
+            let label = if k == 0 {
+                "a step".into()
+            } else {
+                format!("k={k}")
+            };
+            write!(row, "  {label}: {:.3}", median(times)).unwrap();
+        }
+        println!("{row}");
+    }
+}
+
 /// `--rest [PRESET [D1,D2,..]]`: decode ms/token of 128 tokens after a prompt of each depth,
 /// as one `step_n` request after 1 s with the GPU idle and right after another such request
 /// (untimed), and in 16-step `step_n` chunks back to back and each after 100 ms idle (only the
@@ -1484,13 +1527,14 @@ fn main() {
         return;
     }
     // The sweeps of one engine by depth (48 and 8k unless listed).
-    let sweeps: [(&str, Sweep); 6] = [
+    let sweeps: [(&str, Sweep); 7] = [
         ("--step-loop", step_loop),
         ("--rest", rest_sweep),
         ("--sampling", sampling_sweep),
         ("--turns", turns_sweep),
         ("--short-chunks", short_chunks_sweep),
         ("--speculate", speculate_sweep),
+        ("--checks", checks),
     ];
     for (name, sweep) in sweeps {
         if let Some(i) = args.iter().position(|a| a == name) {
