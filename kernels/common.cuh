@@ -19,12 +19,12 @@ typedef unsigned long long u64;
 // (`shared_defines`), so the two sides cannot drift: GEMV_THREADS, ATTN_THREADS, MAX_HEAD_DIM,
 // ATTN2_CHUNK, ATTN2_MAX_GROUP, ATTN2_MAX_GROUP_X_HD, ATTN2_MAX_CHUNKS and STATE_TOKEN,
 // STATE_POSITION, STATE_VALID_LEN, STATE_NEXT_TOKEN, STATE_FINISHED, STATE_RING_COUNT,
-// STATE_NONFINITE.
+// STATE_NONFINITE, STATE_LEN.
 #if !defined(GEMV_THREADS) || !defined(ATTN_THREADS) || !defined(MAX_HEAD_DIM) || !defined(ATTN2_CHUNK) || \
     !defined(ATTN2_MAX_GROUP) || !defined(ATTN2_MAX_GROUP_X_HD) || !defined(ATTN2_MAX_CHUNKS) ||            \
     !defined(STATE_TOKEN) || !defined(STATE_POSITION) || !defined(STATE_VALID_LEN) ||                      \
     !defined(STATE_NEXT_TOKEN) || !defined(STATE_FINISHED) || !defined(STATE_RING_COUNT) ||               \
-    !defined(STATE_NONFINITE)
+    !defined(STATE_NONFINITE) || !defined(STATE_LEN)
 #error "the host passes the shared constants as -D options (src/cuda/kernels.rs)"
 #endif
 #if !defined(GEMM_WARPS) || !defined(ATTNM_WARPS) || !defined(ATTNP_THREADS) || \

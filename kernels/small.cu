@@ -108,8 +108,13 @@ extern "C" __global__ void embed_row(const int* __restrict__ state, Nf4Ref embed
 // the pairs, in CTA order (so the result does not depend on which CTA is last), and resets
 // the count for the next launch. Why: one CTA reading the whole vocabulary (600 KB at 152k
 // ids) runs at one SM's share of the L2 bandwidth, several microseconds a token.
+// A grid of gridDim.y rows (a speculative check's, one launch for all): row y's logits at
+// y * n, its state at y * STATE_LEN and its scratch at y * (1 + 2 * gridDim.x).
 extern "C" __global__ void argmax_logits(const float* __restrict__ logits, int n, int* state, int* scratch) {
     pdl_enter();
+    logits += (size_t)blockIdx.y * n;
+    state += blockIdx.y * STATE_LEN;
+    scratch += blockIdx.y * (1 + 2 * gridDim.x);
     if (state[STATE_FINISHED]) return;
     float best = NEG_INF;
     int best_i = -1;

@@ -7,17 +7,19 @@ use cudarc::driver::CudaSlice;
 
 use super::device::{driver_error, Gpu};
 use super::kernels::state;
-use super::ops::{Epilogue, GemmMatrix};
+use super::ops::{Epilogue, GemmMatrix, ARGMAX_SCRATCH};
 use super::step::{Activations, CudaBackend};
 use crate::error::Result;
 use crate::speculate::MAX_DRAFT;
 
 /// Buffers of the speculative step, allocated at its first use: the logits of each row of the
-/// chunk, and a decode state a row for argmax_logits (its finished flag clear, its position
-/// the row's: a non-finite row marks itself).
+/// chunk, a decode state a row for argmax_logits (its finished flag clear, its position the
+/// row's: a non-finite row marks itself), and the argmax's scratch a row (one launch takes
+/// every row).
 pub(super) struct DraftBuffers {
     logits: CudaSlice<f32>,
     rows_state: CudaSlice<i32>,
+    argmax_scratch: CudaSlice<i32>,
 }
 
 impl DraftBuffers {
@@ -25,6 +27,7 @@ impl DraftBuffers {
         Ok(Self {
             logits: gpu.zeros::<f32>((MAX_DRAFT + 1) * vocab)?,
             rows_state: gpu.zeros::<i32>((MAX_DRAFT + 1) * state::LEN)?,
+            argmax_scratch: gpu.zeros::<i32>((MAX_DRAFT + 1) * ARGMAX_SCRATCH)?,
         })
     }
 }
@@ -104,12 +107,14 @@ impl CudaBackend {
             0,
             true,
         )?;
-        let (scratch, vocab_i) = (self.ptr(&self.arena.argmax), vocab as i32);
-        for i in 0..n {
-            let row = logits + (4 * i * vocab) as u64;
-            let row_state = ops.gpu.ptr(&bufs.rows_state) + (4 * i * state::LEN) as u64;
-            launch!(ops.gpu, &ops.k.argmax_logits, ops.argmax_launch(); row, vocab_i, row_state, scratch)?;
-        }
+        let (rows_state, scratch) = (
+            ops.gpu.ptr(&bufs.rows_state),
+            ops.gpu.ptr(&bufs.argmax_scratch),
+        );
+        let mut argmax = ops.argmax_launch();
+        argmax.grid_dim.1 = n as u32;
+        let vocab_i = vocab as i32;
+        launch!(ops.gpu, &ops.k.argmax_logits, argmax; logits, vocab_i, rows_state, scratch)?;
         let rows = ops.gpu.download(&bufs.rows_state, n * state::LEN)?;
 
         let rows: Vec<&[i32]> = rows.chunks_exact(state::LEN).collect();

@@ -214,6 +214,7 @@ fn shared_defines() -> Vec<String> {
         ("STATE_FINISHED", state::FINISHED),
         ("STATE_RING_COUNT", state::RING_COUNT),
         ("STATE_NONFINITE", state::NONFINITE),
+        ("STATE_LEN", state::LEN),
     ];
     values
         .iter()
