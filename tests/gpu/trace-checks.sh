@@ -28,8 +28,8 @@ python3 - /tmp/check-trace.csv <<'PY'
 import csv, sys, statistics as st
 rows = [r for r in csv.DictReader(open(sys.argv[1])) if r["graph"] == "0"]
 rows.sort(key=lambda r: int(r["start_ns"]))
-# Eager kernels in groups, each from an embed_rows (a prefill chunk's first kernel); a check
-# is a group with k + 1 argmax_logits launches (k >= 1).
+# Eager kernels in groups, each from an embed_rows (a prefill chunk's first kernel, a CTA a
+# row); a check is a group with argmax_logits in it, of k + 1 rows.
 groups, cur = [], None
 for r in rows:
     if r["name"] == "embed_rows":
@@ -38,8 +38,7 @@ for r in rows:
     if cur is not None:
         cur.append(r)
 t = lambda r, f: int(r[f]) / 1e3
-checks = [(sum(r["name"] == "argmax_logits" for r in g) - 1, g) for g in groups]
-checks = [(k, g) for k, g in checks if k >= 1]
+checks = [(int(g[0]["grid"]) - 1, g) for g in groups if any(r["name"] == "argmax_logits" for r in g)]
 runs = []
 for i, (k, g) in enumerate(checks):
     prev_end = t(checks[i - 1][1][-1], "end_ns") if i else None
