@@ -663,3 +663,138 @@ fn a_short_prefill_chunks_linears_match_the_cpu_on_both_paths() {
     }
     println!("short prefill chunks' linears: worst |error| / tolerance {worst:.3}");
 }
+
+/// `Ops::normed_gemm`, a prefill chunk's RMSNorm and the linear after it: at 1, 5 and 8 rows on
+/// GEMV v3's column kernels norming x as they stage it (the default) and after `rms_rows`
+/// (`DV2_PREFILL_NORM=0`), and at 9 rows (past the column kernels: `rms_rows` and the GEMM),
+/// against the CPU's norm of the f32 residual and the linear in f64: q/k/v-like stacked
+/// matrices with a bias, and SwiGLU (f16 out). K = 2,048 and 5,120 (the 3B and 32B shapes'
+/// hidden).
+#[test]
+fn a_short_prefill_chunks_norm_and_linear_match_the_cpu_on_both_paths() {
+    let cfg = Config::from_env();
+    let Some(gpu) = cuda_or_skip("GPU", Gpu::open(0, &cfg)) else {
+        return;
+    };
+    let mut ops = Ops::new(gpu, cfg.clone()).unwrap();
+    let (eps, rows, mut worst) = (1e-5f32, 160, 0f32);
+    for k in [2048, 5120] {
+        let gpu = &ops.gpu;
+        let seed = 3 * k as u64;
+        let [a, b] = [1, 3].map(|m| Matrix::new(gpu, rows, k, seed + m));
+        let bias = random(rows, seed + 5, -0.5, 0.5);
+        let bias_d = gpu.upload(&bias).unwrap();
+        let norm_w: Vec<u16> = random(k, seed + 7, 0.5, 1.5)
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_bits())
+            .collect();
+        let norm_d = gpu.upload(&norm_w).unwrap();
+        for n in [1, 5, 8, 9] {
+            // A residual's scale: the norm must divide it out.
+            let x = random(n * k, seed + 9 + n as u64, -6.0, 6.0);
+            let x_d = gpu.upload(&x).unwrap();
+            let normed: Vec<Vec<f32>> = x
+                .chunks_exact(k)
+                .map(|col| {
+                    let ms = col.iter().map(|v| (v * v) as f64).sum::<f64>() / k as f64;
+                    let r = 1.0 / (ms + eps as f64).sqrt();
+                    col.iter()
+                        .zip(&norm_w)
+                        .map(|(&v, &w)| (v as f64 * r * half::bf16::from_bits(w).to_f64()) as f32)
+                        .collect()
+                })
+                .collect();
+            for fused in [true, false] {
+                ops.cfg.prefill_norm = fused;
+                let gpu = &ops.gpu;
+                let path = match (n, fused) {
+                    (9, _) => "rms_rows and the GEMM",
+                    (_, true) => "columns norming x",
+                    _ => "rms_rows and the columns",
+                };
+                let xn = gpu.zeros::<u16>(n * k).unwrap();
+                let norm = (gpu.ptr(&norm_d), eps);
+                let mut check =
+                    |what: &str, got: &[f32], want: &dyn Fn(usize, usize) -> (f32, f32)| {
+                        for (i, g) in got.iter().enumerate() {
+                            let (col, r) = (i / (got.len() / n), i % (got.len() / n));
+                            let (v, tol) = want(col, r);
+                            let err = (g - v).abs();
+                            worst = worst.max(err / tol);
+                            assert!(
+                                err <= tol,
+                                "{path}, K = {k}, n = {n}, {what}: column {col} row {r} got {g}, \
+                             want {v} (tolerance {tol})"
+                            );
+                        }
+                    };
+                let mats = [
+                    GemmMatrix {
+                        m: a.dev.as_ref(gpu),
+                        rows,
+                        bias: gpu.ptr(&bias_d),
+                    },
+                    GemmMatrix {
+                        m: b.dev.as_ref(gpu),
+                        rows,
+                        bias: 0,
+                    },
+                ];
+                let y = gpu.zeros::<f32>(n * 2 * rows).unwrap();
+                ops.normed_gemm(
+                    Epilogue::Store,
+                    &mats,
+                    k,
+                    gpu.ptr(&x_d),
+                    norm,
+                    n,
+                    gpu.ptr(&xn),
+                    gpu.ptr(&y),
+                    2 * rows,
+                )
+                .unwrap();
+                check(
+                    "stacked store",
+                    &gpu.download(&y, n * 2 * rows).unwrap(),
+                    &|col, r| {
+                        let (m, row, add) = if r < rows {
+                            (&a, r, bias[r])
+                        } else {
+                            (&b, r - rows, 0.0)
+                        };
+                        let (v, mag) = m.dot(row, &normed[col]);
+                        (v + add, tolerance(mag))
+                    },
+                );
+                let out = gpu.zeros::<u16>(n * rows).unwrap();
+                let gate_up = [GemmMatrix { bias: 0, ..mats[0] }, mats[1]];
+                ops.normed_gemm(
+                    Epilogue::Swiglu,
+                    &gate_up,
+                    k,
+                    gpu.ptr(&x_d),
+                    norm,
+                    n,
+                    gpu.ptr(&xn),
+                    gpu.ptr(&out),
+                    rows,
+                )
+                .unwrap();
+                let got: Vec<f32> = gpu
+                    .download(&out, n * rows)
+                    .unwrap()
+                    .iter()
+                    .map(|&h| f16::from_bits(h).to_f32())
+                    .collect();
+                check("SwiGLU (f16)", &got, &|col, r| {
+                    let ((g, gm), (u, um)) = (a.dot(r, &normed[col]), b.dot(r, &normed[col]));
+                    let (tg, tu) = (tolerance(gm), tolerance(um));
+                    let v = silu(g) * u;
+                    let tol = 1.1 * tg * (u.abs() + tu) + (silu(g).abs() + 1.1 * tg) * tu;
+                    (v, tol + v.abs() / 1024.0 + 1e-4)
+                });
+            }
+        }
+    }
+    println!("short prefill chunks' norm and linear: worst |error| / tolerance {worst:.3}");
+}

@@ -88,7 +88,6 @@ impl CudaBackend {
         let (ops, s) = (&self.ops, &self.spec);
         let Activations { x, xn, .. } = self.activations();
         let final_norm = self.ptr(&self.model.final_norm);
-        ops.rms_rows(x, final_norm, xn, s.hidden, s.rms_eps, n, true)?;
         let lm_head = self.model.lm_head();
         let head = [GemmMatrix {
             m: lm_head.as_ref(&ops.gpu),
@@ -96,16 +95,16 @@ impl CudaBackend {
             bias: 0,
         }];
         let logits = ops.gpu.ptr(&bufs.logits);
-        ops.gemm(
+        ops.normed_gemm(
             Epilogue::Store,
             &head,
             s.hidden,
-            xn,
+            x,
+            (final_norm, s.rms_eps),
             n,
+            xn,
             logits,
             vocab,
-            0,
-            true,
         )?;
         let (rows_state, scratch) = (
             ops.gpu.ptr(&bufs.rows_state),
