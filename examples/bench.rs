@@ -11,7 +11,7 @@
 //!                                               [--sampling [PRESET [DEPTHS]]] [--step-loop [PRESET [DEPTHS]]]
 //!                                               [--rest [PRESET [DEPTHS]]] [--turns [PRESET [DEPTHS]]]
 //!                                               [--short-chunks [PRESET [DEPTHS]]] [--speculate [PRESET [DEPTHS]]]
-//!                                               [--checks [PRESET [DEPTHS]]]
+//!                                               [--checks [PRESET [DEPTHS]] [--against VAR=VALUE]]
 //!
 //! load s is `Engine::new` (upload, allocation, kernels, warm-up); warmup ms is its eager
 //! probe step + graph capture; prefill ms is the prompt to the first token; ms/token the steps
@@ -49,8 +49,8 @@
 //! accepted, and what a check of k ids costs where none is taken.
 //! `--checks [PRESET [D1,D2,..]]` prints only what a speculative check of k = 1, 7 and 15
 //! draft ids costs where none is taken, 24 checks in a row after a prompt of each depth (48 and
-//! 8k unless listed), against 24 steps: the run tests/gpu/trace-checks.sh traces kernel by
-//! kernel.
+//! 8k unless listed), against 24 steps, and with `--against` the same in a second engine under
+//! that setting: the run tests/gpu/trace-checks.sh traces kernel by kernel.
 //! `--shapes PRESET` takes the kernel table's matrices from that preset (default qwen25_3b).
 //! `--load PATH [REPS]` prints only load times of a model file or directory (read and device
 //! parts), REPS times (3): the first cold or warm as the page cache is, the rest warm.
@@ -1221,41 +1221,73 @@ fn speculate_sweep(preset: &str, depths: &[usize]) {
     }
 }
 
-/// `--checks [PRESET [D1,D2,..]]`: after a prompt of each depth, 24 steps one `step_n` call
-/// each, then for k = 1, 7, 15, 24 checks of k draft ids that are all wrong (each keeps one
-/// id and moves the position by one, as a step), medians of their wall times. No rewinds or
-/// prefills between them, so a kernel trace of this run holds the checks alone, back to back.
+/// `--checks [PRESET [D1,D2,..]] [--against VAR=VALUE]`: after a prompt of each depth, 24 steps
+/// one `step_n` call each, then for k = 1, 7, 15, 24 checks of k draft ids that are all wrong
+/// (each keeps one id and moves the position by one, as a step), medians of their wall times;
+/// with `--against`, a second engine loaded under that setting does the same after each of the
+/// default's runs of 24 (one process, the runs alternating). No rewinds or prefills between a
+/// run's calls, so a kernel trace holds its checks alone, back to back.
 fn checks(preset: &str, depths: &[usize]) {
     const CHECKS: usize = 24;
-    let (spec, mut e) = sweep_engine(preset, depths);
+    let args: Vec<String> = std::env::args().collect();
+    let against = args
+        .iter()
+        .position(|a| a == "--against")
+        .and_then(|i| args.get(i + 1))
+        .map(|a| a.split_once('=').expect("--against VAR=VALUE"));
+    let spec = decodev2::arch::preset(preset).expect("preset");
+    let model = synth::build(&spec, 0).unwrap();
+    let load = |env: &[(&str, &str)]| {
+        with_env(env, || {
+            let opts = EngineOptions {
+                backend: BackendKind::Cuda,
+                max_seq: depths.iter().max().unwrap() + 512,
+                ..EngineOptions::default()
+            };
+            Engine::new(model.clone(), &opts).expect("cuda engine")
+        })
+    };
+    let mut engines = vec![("default".to_string(), load(&[]))];
+    if let Some((var, value)) = against {
+        engines.push((format!("{var}={value}"), load(&[(var, value)])));
+    }
     let wrong = (spec.vocab - 2) as u32;
     println!("{preset}: ms a call, {CHECKS} calls in a row (medians), none of a draft's ids taken");
     for &depth in depths {
-        e.reset().unwrap();
-        e.prefill(&synth::prompt(spec.vocab, depth, 1)).unwrap();
-        let mut row = format!("  {depth:>6}");
+        for (_, e) in engines.iter_mut() {
+            e.reset().unwrap();
+            e.prefill(&synth::prompt(spec.vocab, depth, 1)).unwrap();
+        }
+        let mut rows: Vec<String> = engines
+            .iter()
+            .map(|(label, _)| format!("  {depth:>6} {label:>20}"))
+            .collect();
         for k in [0, 1, 7, 15] {
             let draft = vec![wrong; k];
             let mut out = vec![0u32; k + 1];
-            let times: Vec<f64> = (0..CHECKS)
-                .map(|_| {
-                    let t = Instant::now();
-                    if k == 0 {
-                        e.step_n(&mut out).unwrap();
-                    } else {
-                        e.step_draft(&draft, &mut out).unwrap();
-                    }
-                    t.elapsed().as_secs_f64() * 1e3
-                })
-                .collect();
-            let label = if k == 0 {
-                "a step".into()
-            } else {
-                format!("k={k}")
-            };
-            write!(row, "  {label}: {:.3}", median(times)).unwrap();
+            for ((_, e), row) in engines.iter_mut().zip(rows.iter_mut()) {
+                let times: Vec<f64> = (0..CHECKS)
+                    .map(|_| {
+                        let t = Instant::now();
+                        if k == 0 {
+                            e.step_n(&mut out).unwrap();
+                        } else {
+                            e.step_draft(&draft, &mut out).unwrap();
+                        }
+                        t.elapsed().as_secs_f64() * 1e3
+                    })
+                    .collect();
+                let label = if k == 0 {
+                    "a step".into()
+                } else {
+                    format!("k={k}")
+                };
+                write!(row, "  {label}: {:.3}", median(times)).unwrap();
+            }
         }
-        println!("{row}");
+        for row in rows {
+            println!("{row}");
+        }
     }
 }
 

@@ -9,8 +9,8 @@
 # over its launches). Why: a check costs
 # 1.7-2.1 decode steps (docs/lab.md, session 72) and ncu, a kernel at a time at base clocks,
 # cannot say whether launches, round trips or the kernels themselves make the difference.
-# Usage: bash tests/gpu/trace-checks.sh [PRESET [DEPTHS]]   (qwen25_3b 48,8192; the CSV,
-# gzipped, goes to $OUT or ./device-logs)
+# Usage: bash tests/gpu/trace-checks.sh [PRESET [DEPTHS [--against VAR=VALUE]]]   (qwen25_3b
+# 48,8192; the CSV, gzipped, goes to $OUT or ./device-logs)
 set -uo pipefail
 out=${OUT:-device-logs}; mkdir -p "$out"
 export DV2_CACHE_DIR=/tmp/dv2-cache
@@ -21,7 +21,7 @@ libfile=$(find /usr/local/cuda/ -name 'libcupti.so*' 2>/dev/null | sort | head -
 cc -std=c11 -O2 -Wall -shared -fPIC -I"$(dirname "$header")" -I/usr/local/cuda/include tests/gpu/kernel_trace.c \
   "$libfile" -Wl,-rpath,"$(dirname "$libfile")" -o /tmp/libkernel_trace.so || exit 1
 timeout 400 env DV2_TRACE_OUT=/tmp/check-trace.csv LD_PRELOAD=/tmp/libkernel_trace.so \
-  "${BENCH:-.device/examples/bench}" --checks "${1:-qwen25_3b}" "${2:-48,8192}" > "$out/checks-bench.txt" 2>&1
+  "${BENCH:-.device/examples/bench}" --checks "${1:-qwen25_3b}" "${2:-48,8192}" "${@:3}" > "$out/checks-bench.txt" 2>&1
 echo "bench rc=$?"; cat "$out/checks-bench.txt"
 gzip -c /tmp/check-trace.csv > "$out/check-trace.csv.gz"
 python3 - /tmp/check-trace.csv <<'PY'
@@ -39,10 +39,11 @@ for r in rows:
         cur.append(r)
 t = lambda r, f: int(r[f]) / 1e3
 checks = [(int(g[0]["grid"]) - 1, g) for g in groups if any(r["name"] == "argmax_logits" for r in g)]
+# Runs of 24 checks (the bench's; with --against the engines' runs alternate, default first).
 runs = []
 for i, (k, g) in enumerate(checks):
     prev_end = t(checks[i - 1][1][-1], "end_ns") if i else None
-    if not runs or runs[-1][0] != k:
+    if not runs or runs[-1][0] != k or len(runs[-1][1]) == 24:
         runs.append((k, []))
     runs[-1][1].append((g, prev_end))
 for k, run in runs:
