@@ -260,10 +260,8 @@ extern "C" __global__ void __launch_bounds__(GEMV3_THREADS, GEMV3_KH2_CTAS_PER_S
 // prefill's producers write it so) goes to B's column c, so one MMA serves every column where
 // the decode kernel above replicates one; columns from n to 7 repeat column 0 and are not
 // stored. Thread (g, t) then holds rows g and g + 8 of columns 2t and 2t + 1. y is [n][ldy],
-// f32 (SwiGLU: f16, down's input). With a.norm.w, x is instead the f32 residual [n][k] and
-// each CTA RMS-norms its columns as it stages them (a warp a column sums its squares; eps
-// a.norm.eps, weights a.norm.w): q/k/v, gate/up and lm_head of a short chunk without an
-// rms_rows launch before each (DV2_PREFILL_NORM=0: that launch, and x in f16).
+// f32 (SwiGLU: f16, down's input). No norm on load, no sums out: the prefill norms its rows
+// before (rms_rows).
 template <int T, int S, int EPI>
 __device__ __forceinline__ void gemv3_cols_body(const GemmArgs& a) {
     __shared__ __align__(16) u32 lut[BYTE_LUT_WORDS];
@@ -281,35 +279,8 @@ __device__ __forceinline__ void gemv3_cols_body(const GemmArgs& a) {
     if (stages > 0 && (int)blockIdx.x < groups) gemv3_load<T, S, EPI>(a, blockIdx.x, kb0, kb1, g, t, cur);
     pdl_enter();
     if (a.skip_if && *a.skip_if) return;
-    if (a.norm.w) {
-        __shared__ float rinv[GEMV3_COLS];
-        const float4* x4 = reinterpret_cast<const float4*>(a.x);
-        const int quads = a.k >> 2;
-        for (int c = warp; c < a.n; c += GEMV3_WARPS) {
-            float ss = 0.0f;
-#pragma unroll 4
-            for (int q = lane; q < quads; q += 32) {
-                const float4 v = x4[(size_t)c * quads + q];
-                ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-            }
-            ss = warp_sum(ss);
-            if (lane == 0) rinv[c] = rsqrtf(ss / (float)a.k + a.norm.eps);
-        }
-        __syncthreads();
-        u32* x16 = reinterpret_cast<u32*>(xs);
-        const uint2* w4 = reinterpret_cast<const uint2*>(a.norm.w);
-        for (int i = threadIdx.x; i < a.n * quads; i += GEMV3_THREADS) {
-            const int c = i / quads;
-            const float4 v = x4[i];
-            const uint2 w = w4[i - c * quads];
-            const float r = rinv[c];
-            x16[2 * i] = pack_f16x2(v.x * r * bf16_to_f32((u16)(w.x & 0xffffu)), v.y * r * bf16_to_f32((u16)(w.x >> 16)));
-            x16[2 * i + 1] = pack_f16x2(v.z * r * bf16_to_f32((u16)(w.y & 0xffffu)), v.w * r * bf16_to_f32((u16)(w.y >> 16)));
-        }
-    } else {
-        const int octets = a.n * (a.k >> 3);
-        for (int i = threadIdx.x; i < octets; i += GEMV3_THREADS) xs[i] = reinterpret_cast<const uint4*>(a.x)[i];
-    }
+    const int octets = a.n * (a.k >> 3);
+    for (int i = threadIdx.x; i < octets; i += GEMV3_THREADS) xs[i] = reinterpret_cast<const uint4*>(a.x)[i];
     __syncthreads();
     // This thread's B column: its own, or column 0 where the chunk has fewer.
     const uint4* xcol = xs + (g < a.n ? g : 0) * (a.k >> 3);

@@ -135,14 +135,6 @@ pub const VARIABLES: &[Variable] = &[
               (4 ids at depth 48: 1.69 against 1.95 ms); whole prompts within the spread",
     },
     Variable {
-        name: "DV2_PREFILL_NORM",
-        default: "1",
-        effect: "`0`: a prefill chunk of up to 8 ids RMS-normed by its own launch before q/k/v, \
-                 gate/up and a check's lm_head, instead of by GEMV v3's column kernels as they \
-                 stage x",
-        lab: "session 73: (to be measured)",
-    },
-    Variable {
         name: "DV2_PREFILL_TAIL",
         default: "1",
         effect: "`0`: the prompt's last layer on every token instead of the last token alone",
@@ -236,7 +228,6 @@ pub struct Config {
     pub prefill_split: bool,
     /// A prefill chunk of up to GEMV3_COLS ids through GEMV v3's column kernels.
     pub prefill_gemv: bool,
-    pub prefill_norm: bool,
     /// The decode step's linears through the tensor-core GEMM (`DV2_LINEAR=mma`).
     pub linear_mma: bool,
     /// A bitsandbytes linear's codes left in the file's map until uploaded.
@@ -286,7 +277,6 @@ impl Config {
             prefill_tail: on("DV2_PREFILL_TAIL"),
             prefill_split: on("DV2_PREFILL_SPLIT"),
             prefill_gemv: on("DV2_PREFILL_GEMV"),
-            prefill_norm: on("DV2_PREFILL_NORM"),
             linear_mma: is("DV2_LINEAR", "mma"),
             mapped_codes: on("DV2_MAPPED_CODES"),
             staged_upload: on("DV2_STAGED_UPLOAD"),

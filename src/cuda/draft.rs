@@ -88,6 +88,7 @@ impl CudaBackend {
         let (ops, s) = (&self.ops, &self.spec);
         let Activations { x, xn, .. } = self.activations();
         let final_norm = self.ptr(&self.model.final_norm);
+        ops.rms_rows(x, final_norm, xn, s.hidden, s.rms_eps, n, true)?;
         let lm_head = self.model.lm_head();
         let head = [GemmMatrix {
             m: lm_head.as_ref(&ops.gpu),
@@ -95,16 +96,16 @@ impl CudaBackend {
             bias: 0,
         }];
         let logits = ops.gpu.ptr(&bufs.logits);
-        ops.normed_gemm(
+        ops.gemm(
             Epilogue::Store,
             &head,
             s.hidden,
-            x,
-            (final_norm, s.rms_eps),
-            n,
             xn,
+            n,
             logits,
             vocab,
+            0,
+            true,
         )?;
         let (rows_state, scratch) = (
             ops.gpu.ptr(&bufs.rows_state),

@@ -113,21 +113,30 @@ impl CudaBackend {
             };
             let m = n - first;
             let x_m = x + (first * s.hidden * 4) as u64;
+            ops.rms_rows(
+                x,
+                self.ptr(&layer.attn_norm),
+                xn,
+                s.hidden,
+                s.rms_eps,
+                n,
+                true,
+            )?;
             let qkv_mats = [0, 1, 2].map(|i| {
                 let bias = layer.qkv_bias[i].as_ref().map_or(0, |b| self.ptr(b));
                 matrix(&layer.qkv[i], bias)
             });
             let ld = s.qkv_rows();
-            ops.normed_gemm(
+            ops.gemm(
                 Epilogue::Store,
                 &qkv_mats,
                 s.hidden,
-                x,
-                (self.ptr(&layer.attn_norm), s.rms_eps),
-                n,
                 xn,
+                n,
                 qkv,
                 ld,
+                0,
+                true,
             )?;
             let (cos, sin, ld_i) = (
                 self.ptr(&self.rope_cos),
@@ -175,18 +184,27 @@ impl CudaBackend {
                 0,
                 true,
             )?;
+            ops.rms_rows(
+                x_m,
+                self.ptr(&layer.ffn_norm),
+                xn,
+                s.hidden,
+                s.rms_eps,
+                m,
+                true,
+            )?;
             let gate_up = [matrix(&layer.gate, 0), matrix(&layer.up, 0)];
             let inter = s.intermediate;
-            ops.normed_gemm(
+            ops.gemm(
                 Epilogue::Swiglu,
                 &gate_up,
                 s.hidden,
-                x_m,
-                (self.ptr(&layer.ffn_norm), s.rms_eps),
-                m,
                 xn,
+                m,
                 act,
                 inter,
+                0,
+                true,
             )?;
             let down = [matrix(&layer.down, 0)];
             ops.gemm(

@@ -112,7 +112,7 @@ impl Ops {
             ));
         }
         if f16 && n <= GEMV3_COLS && self.cfg.prefill_gemv {
-            return self.gemv3_cols(epilogue, mats, k, x, NormArgs::NONE, n, y, ldy, skip_if);
+            return self.gemv3_cols(epilogue, mats, k, x, n, y, ldy, skip_if);
         }
         let mut args = GemmArgs::new(mats, x, y, skip_if, n, k, NormArgs::NONE, 0);
         args.ldy = ldy as i32;
@@ -149,39 +149,9 @@ impl Ops {
         launch!(self.gpu, f, cfg, cluster = (1, 1, cluster_z); args)
     }
 
-    /// A prefill chunk's RMSNorm and the linear after it: `n` rows of the f32 residual `x`
-    /// ([n][k]) normed by `norm_w` (bf16) and `eps`, then [`Ops::gemm`] over them. Where GEMV
-    /// v3's column kernels take the chunk they norm x as they stage it (`DV2_PREFILL_NORM=0`:
-    /// not); else `rms_rows` writes the normed rows to `xn` (f16) for the GEMM.
-    #[allow(clippy::too_many_arguments)]
-    pub fn normed_gemm(
-        &self,
-        epilogue: Epilogue,
-        mats: &[GemmMatrix],
-        k: usize,
-        x: u64,
-        (norm_w, eps): (u64, f32),
-        n: usize,
-        xn: u64,
-        y: u64,
-        ldy: usize,
-    ) -> Result<()> {
-        if n <= GEMV3_COLS && self.cfg.prefill_gemv && self.cfg.prefill_norm {
-            let norm = NormArgs {
-                w: norm_w,
-                eps,
-                ..NormArgs::NONE
-            };
-            return self.gemv3_cols(epilogue, mats, k, x, norm, n, y, ldy, 0);
-        }
-        self.rms_rows(x, norm_w, xn, k, eps, n, true)?;
-        self.gemm(epilogue, mats, k, xn, n, y, ldy, 0, true)
-    }
-
     /// [`Ops::gemm`]'s f16 case at `n` <= GEMV3_COLS columns on GEMV v3's column kernels:
     /// the columns that fit the shared memory the device allows a CTA at K = `k` a launch
-    /// (the 32B shape's down: three), each launch reading the weights once. With `norm.w`, x
-    /// is f32 and normed on load ([`Ops::normed_gemm`]).
+    /// (the 32B shape's down: three), each launch reading the weights once.
     #[allow(clippy::too_many_arguments)]
     fn gemv3_cols(
         &self,
@@ -189,7 +159,6 @@ impl Ops {
         mats: &[GemmMatrix],
         k: usize,
         x: u64,
-        norm: NormArgs,
         n: usize,
         y: u64,
         ldy: usize,
@@ -214,19 +183,18 @@ impl Ops {
             Epilogue::Swiglu => (&self.k.gemv3_cols[2], mats[0].rows, 2),
         };
         let groups = outputs.div_ceil(16) as u32;
-        let x_bytes = if norm.w != 0 { 4 } else { 2 };
         let mut col = 0;
         while col < n {
             let cols = per_launch.min(n - col);
             let smem = 2 * k * cols;
             let mut args = GemmArgs::new(
                 mats,
-                x + (x_bytes * k * col) as u64,
+                x + (2 * k * col) as u64,
                 y + (y_bytes * ldy * col) as u64,
                 skip_if,
                 cols,
                 k,
-                norm,
+                NormArgs::NONE,
                 0,
             );
             args.ldy = ldy as i32;
