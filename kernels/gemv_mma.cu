@@ -262,7 +262,12 @@ extern "C" __global__ void __launch_bounds__(GEMV3_THREADS, GEMV3_KH2_CTAS_PER_S
 // stored. Thread (g, t) then holds rows g and g + 8 of columns 2t and 2t + 1. y is [n][ldy],
 // f32 (SwiGLU: f16, down's input). No norm on load, no sums out: the prefill norms its rows
 // before (rms_rows).
-template <int T, int S, int EPI>
+// X_L2 (DV2_X_COLS_L2, an experiment): x is not staged; each thread reads its column's octets
+// from global memory (L2: every CTA reads the same x) beside the weights' loads. Why: down's x at
+// 8 columns fills 176 KiB of a CTA, so an SM holds one CTA of 8 warps, which stages all of x
+// (twice its rows' bytes of weights) before it streams its rows: down's column walk ran at 29%
+// of the bandwidth in a check (docs/lab.md, session 73).
+template <int T, int S, int EPI, bool X_L2 = false>
 __device__ __forceinline__ void gemv3_cols_body(const GemmArgs& a) {
     __shared__ __align__(16) u32 lut[BYTE_LUT_WORDS];
     __shared__ float red[GEMV3_WARPS][T * 16][GEMV3_COLS + 1];  // +1: rows 8 floats apart meet fewer banks
@@ -279,11 +284,13 @@ __device__ __forceinline__ void gemv3_cols_body(const GemmArgs& a) {
     if (stages > 0 && (int)blockIdx.x < groups) gemv3_load<T, S, EPI>(a, blockIdx.x, kb0, kb1, g, t, cur);
     pdl_enter();
     if (a.skip_if && *a.skip_if) return;
-    const int octets = a.n * (a.k >> 3);
-    for (int i = threadIdx.x; i < octets; i += GEMV3_THREADS) xs[i] = reinterpret_cast<const uint4*>(a.x)[i];
-    __syncthreads();
+    if (!X_L2) {
+        const int octets = a.n * (a.k >> 3);
+        for (int i = threadIdx.x; i < octets; i += GEMV3_THREADS) xs[i] = reinterpret_cast<const uint4*>(a.x)[i];
+        __syncthreads();
+    }
     // This thread's B column: its own, or column 0 where the chunk has fewer.
-    const uint4* xcol = xs + (g < a.n ? g : 0) * (a.k >> 3);
+    const uint4* xcol = (X_L2 ? reinterpret_cast<const uint4*>(a.x) : xs) + (g < a.n ? g : 0) * (a.k >> 3);
     for (int group = blockIdx.x; group < groups; group += gridDim.x) {
         float acc[T][4] = {};
         for (int st = 0; st < stages; st++) {
@@ -294,7 +301,8 @@ __device__ __forceinline__ void gemv3_cols_body(const GemmArgs& a) {
 #pragma unroll
             for (int j = 0; j < S; j++) {
                 if (kb + j >= kb1) break;
-                const uint4 x0 = xcol[(kb + j) * 8 + 2 * t], x1 = xcol[(kb + j) * 8 + 2 * t + 1];
+                const uint4 x0 = X_L2 ? __ldg(xcol + (kb + j) * 8 + 2 * t) : xcol[(kb + j) * 8 + 2 * t];
+                const uint4 x1 = X_L2 ? __ldg(xcol + (kb + j) * 8 + 2 * t + 1) : xcol[(kb + j) * 8 + 2 * t + 1];
                 const u32 bw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
 #pragma unroll
                 for (int i = 0; i < T; i++) {
@@ -356,10 +364,13 @@ __device__ __forceinline__ void gemv3_cols_body(const GemmArgs& a) {
     }
 }
 
-#define GEMV3_COLS_KERNEL(NAME, T, S, EPI)                                                            \
+#define GEMV3_COLS_KERNEL(NAME, T, S, EPI, X_L2)                                                      \
     extern "C" __global__ void __launch_bounds__(GEMV3_THREADS, GEMV3_CTAS_PER_SM) NAME(GemmArgs a) {             \
-        gemv3_cols_body<T, S, EPI>(a);                                                                \
+        gemv3_cols_body<T, S, EPI, X_L2>(a);                                                          \
     }
-GEMV3_COLS_KERNEL(gemv3_cols_store, 1, 4, EPI_STORE)
-GEMV3_COLS_KERNEL(gemv3_cols_acc, 1, 4, EPI_ACCUMULATE)
-GEMV3_COLS_KERNEL(gemv3_cols_swiglu, 2, 2, EPI_SWIGLU)
+GEMV3_COLS_KERNEL(gemv3_cols_store, 1, 4, EPI_STORE, false)
+GEMV3_COLS_KERNEL(gemv3_cols_acc, 1, 4, EPI_ACCUMULATE, false)
+GEMV3_COLS_KERNEL(gemv3_cols_swiglu, 2, 2, EPI_SWIGLU, false)
+GEMV3_COLS_KERNEL(gemv3_cols_store_l2, 1, 4, EPI_STORE, true)
+GEMV3_COLS_KERNEL(gemv3_cols_acc_l2, 1, 4, EPI_ACCUMULATE, true)
+GEMV3_COLS_KERNEL(gemv3_cols_swiglu_l2, 2, 2, EPI_SWIGLU, true)

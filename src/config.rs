@@ -228,6 +228,9 @@ pub struct Config {
     pub prefill_split: bool,
     /// A prefill chunk of up to GEMV3_COLS ids through GEMV v3's column kernels.
     pub prefill_gemv: bool,
+    /// `DV2_X_COLS_L2=1` (an experiment, off): GEMV v3's column kernels read a large x from L2
+    /// instead of staging it (docs/lab.md, session 73).
+    pub x_cols_l2: bool,
     /// The decode step's linears through the tensor-core GEMM (`DV2_LINEAR=mma`).
     pub linear_mma: bool,
     /// A bitsandbytes linear's codes left in the file's map until uploaded.
@@ -277,6 +280,7 @@ impl Config {
             prefill_tail: on("DV2_PREFILL_TAIL"),
             prefill_split: on("DV2_PREFILL_SPLIT"),
             prefill_gemv: on("DV2_PREFILL_GEMV"),
+            x_cols_l2: is("DV2_X_COLS_L2", "1"),
             linear_mma: is("DV2_LINEAR", "mma"),
             mapped_codes: on("DV2_MAPPED_CODES"),
             staged_upload: on("DV2_STAGED_UPLOAD"),

@@ -575,6 +575,8 @@ pub struct Kernels {
     /// dynamic shared memory (its columns of x) the device lets each take.
     pub gemv3_cols: [CudaFunction; 3],
     pub gemv3_cols_room: usize,
+    /// The same reading x from L2, not staged (`DV2_X_COLS_L2`, an experiment).
+    pub gemv3_cols_l2: [CudaFunction; 3],
     /// The NF4 tensor-core GEMM by epilogue.
     pub gemm_store: GemmKernels,
     pub gemm_acc: GemmKernels,
@@ -668,6 +670,11 @@ impl Kernels {
             f("gemv3_cols_swiglu")?,
         ];
         allow_dynamic_smem(gpu, &gemv3_cols, GEMV3_COLS_MAX_SMEM)?;
+        let gemv3_cols_l2 = [
+            f("gemv3_cols_store_l2")?,
+            f("gemv3_cols_acc_l2")?,
+            f("gemv3_cols_swiglu_l2")?,
+        ];
         let gemv3_qkv_kh2 = if cfg.qkv_khalves {
             Some(f_smem("gemv3_store_lean_kh2", GEMV3_MAX_SMEM)?)
         } else {
@@ -695,6 +702,7 @@ impl Kernels {
             gemv3_qkv_kh2,
             gemv3_cols,
             gemv3_cols_room: 0,
+            gemv3_cols_l2,
             rms_norm: f("rms_norm")?,
             embed_row: f("embed_row")?,
             attn_decode: f("attn_decode")?,

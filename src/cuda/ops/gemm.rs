@@ -164,7 +164,14 @@ impl Ops {
         ldy: usize,
         skip_if: u64,
     ) -> Result<()> {
-        let per_launch = (self.k.gemv3_cols_room / (2 * k)).min(GEMV3_COLS);
+        // DV2_X_COLS_L2 (an experiment): where x would take over 64 KiB of a CTA, every column
+        // in one launch of the kernels that read x from L2 instead of staging it.
+        let from_l2 = self.cfg.x_cols_l2 && 2 * k * n > 64 * 1024;
+        let per_launch = if from_l2 {
+            GEMV3_COLS
+        } else {
+            (self.k.gemv3_cols_room / (2 * k)).min(GEMV3_COLS)
+        };
         if per_launch == 0 || !k.is_multiple_of(64) {
             return Err(Error::Unsupported(format!(
                 "K = {k}: GEMV v3's column kernels take multiples of 64 whose column fits {} \
@@ -177,16 +184,21 @@ impl Ops {
                 "GEMV v3 accumulates one matrix at a time".into(),
             ));
         }
+        let kernels = if from_l2 {
+            &self.k.gemv3_cols_l2
+        } else {
+            &self.k.gemv3_cols
+        };
         let (f, outputs, y_bytes) = match epilogue {
-            Epilogue::Store => (&self.k.gemv3_cols[0], mats.iter().map(|m| m.rows).sum(), 4),
-            Epilogue::Accumulate => (&self.k.gemv3_cols[1], mats[0].rows, 4),
-            Epilogue::Swiglu => (&self.k.gemv3_cols[2], mats[0].rows, 2),
+            Epilogue::Store => (&kernels[0], mats.iter().map(|m| m.rows).sum(), 4),
+            Epilogue::Accumulate => (&kernels[1], mats[0].rows, 4),
+            Epilogue::Swiglu => (&kernels[2], mats[0].rows, 2),
         };
         let groups = outputs.div_ceil(16) as u32;
         let mut col = 0;
         while col < n {
             let cols = per_launch.min(n - col);
-            let smem = 2 * k * cols;
+            let smem = if from_l2 { 0 } else { 2 * k * cols };
             let mut args = GemmArgs::new(
                 mats,
                 x + (2 * k * col) as u64,
