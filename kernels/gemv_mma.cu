@@ -263,7 +263,8 @@ extern "C" __global__ void __launch_bounds__(GEMV3_THREADS, GEMV3_KH2_CTAS_PER_S
 // f32 (SwiGLU: f16, down's input). No norm on load, no sums out: the prefill norms its rows
 // before (rms_rows).
 // X_L2 (DV2_X_COLS_L2, an experiment): x is not staged; each thread reads its column's octets
-// from global memory (L2: every CTA reads the same x) beside the weights' loads. Why: down's x at
+// of the next S blocks from global memory (L2: every CTA reads the same x) right after the next
+// stage's weights, so both are in flight during this stage's math. Why: down's x at
 // 8 columns fills 176 KiB of a CTA, so an SM holds one CTA of 8 warps, which stages all of x
 // (twice its rows' bytes of weights) before it streams its rows: down's column walk ran at 29%
 // of the bandwidth in a check (docs/lab.md, session 73).
@@ -291,18 +292,32 @@ __device__ __forceinline__ void gemv3_cols_body(const GemmArgs& a) {
     }
     // This thread's B column: its own, or column 0 where the chunk has fewer.
     const uint4* xcol = (X_L2 ? reinterpret_cast<const uint4*>(a.x) : xs) + (g < a.n ? g : 0) * (a.k >> 3);
+    // X_L2: this thread's octets of blocks kb .. kb + S - 1 (those below kb1), by stage.
+    uint4 xcur[X_L2 ? S : 1][2], xnxt[X_L2 ? S : 1][2];
+    auto load_x = [&](int kb, uint4 (*dst)[2]) {
+#pragma unroll
+        for (int j = 0; j < S; j++)
+            if (kb + j < kb1) {
+                dst[j][0] = __ldg(xcol + (kb + j) * 8 + 2 * t);
+                dst[j][1] = __ldg(xcol + (kb + j) * 8 + 2 * t + 1);
+            }
+    };
+    if (X_L2 && stages > 0) load_x(kb0, xcur);
     for (int group = blockIdx.x; group < groups; group += gridDim.x) {
         float acc[T][4] = {};
         for (int st = 0; st < stages; st++) {
             const int kb = kb0 + st * S;
             const bool last = st + 1 == stages;
             const int next_group = last ? group + gridDim.x : group;
-            if (next_group < groups) gemv3_load<T, S, EPI>(a, next_group, last ? kb0 : kb + S, kb1, g, t, nxt);
+            if (next_group < groups) {
+                gemv3_load<T, S, EPI>(a, next_group, last ? kb0 : kb + S, kb1, g, t, nxt);
+                if (X_L2) load_x(last ? kb0 : kb + S, xnxt);
+            }
 #pragma unroll
             for (int j = 0; j < S; j++) {
                 if (kb + j >= kb1) break;
-                const uint4 x0 = X_L2 ? __ldg(xcol + (kb + j) * 8 + 2 * t) : xcol[(kb + j) * 8 + 2 * t];
-                const uint4 x1 = X_L2 ? __ldg(xcol + (kb + j) * 8 + 2 * t + 1) : xcol[(kb + j) * 8 + 2 * t + 1];
+                const uint4 x0 = X_L2 ? xcur[j][0] : xcol[(kb + j) * 8 + 2 * t];
+                const uint4 x1 = X_L2 ? xcur[j][1] : xcol[(kb + j) * 8 + 2 * t + 1];
                 const u32 bw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
 #pragma unroll
                 for (int i = 0; i < T; i++) {
@@ -328,6 +343,10 @@ __device__ __forceinline__ void gemv3_cols_body(const GemmArgs& a) {
                 }
             }
             cur = nxt;
+            if (X_L2) {
+#pragma unroll
+                for (int j = 0; j < S; j++) xcur[j][0] = xnxt[j][0], xcur[j][1] = xnxt[j][1];
+            }
         }
 #pragma unroll
         for (int i = 0; i < T; i++)
@@ -371,6 +390,7 @@ __device__ __forceinline__ void gemv3_cols_body(const GemmArgs& a) {
 GEMV3_COLS_KERNEL(gemv3_cols_store, 1, 4, EPI_STORE, false)
 GEMV3_COLS_KERNEL(gemv3_cols_acc, 1, 4, EPI_ACCUMULATE, false)
 GEMV3_COLS_KERNEL(gemv3_cols_swiglu, 2, 2, EPI_SWIGLU, false)
-GEMV3_COLS_KERNEL(gemv3_cols_store_l2, 1, 4, EPI_STORE, true)
-GEMV3_COLS_KERNEL(gemv3_cols_acc_l2, 1, 4, EPI_ACCUMULATE, true)
+// With x's octets in registers beside the weights', two blocks a stage (four spill).
+GEMV3_COLS_KERNEL(gemv3_cols_store_l2, 1, 2, EPI_STORE, true)
+GEMV3_COLS_KERNEL(gemv3_cols_acc_l2, 1, 2, EPI_ACCUMULATE, true)
 GEMV3_COLS_KERNEL(gemv3_cols_swiglu_l2, 2, 2, EPI_SWIGLU, true)
