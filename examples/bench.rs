@@ -979,14 +979,34 @@ fn context_sweep(
 /// A CUDA engine on `preset`'s synthetic weights (seed 0) with room for 256 tokens past the
 /// deepest of `depths`, and the preset's shape: the one engine of a sweep by depth.
 fn sweep_engine(preset: &str, depths: &[usize]) -> (decodev2::arch::ArchSpec, Engine) {
+    let (spec, mut engines) = sweep_engines(preset, depths, &[&[]]);
+    (spec, engines.remove(0))
+}
+
+/// A sweep's engines on one synthetic model of `preset`, each loaded under its settings
+/// (environment variables; the engine reads them at load), with room for the deepest depth
+/// and 512 ids after it.
+fn sweep_engines(
+    preset: &str,
+    depths: &[usize],
+    settings: &[&[(&str, &str)]],
+) -> (decodev2::arch::ArchSpec, Vec<Engine>) {
     let spec = decodev2::arch::preset(preset).expect("preset");
     let model = synth::build(&spec, 0).unwrap();
     let opts = EngineOptions {
         backend: BackendKind::Cuda,
-        max_seq: depths.iter().max().unwrap() + 256,
+        max_seq: depths.iter().max().unwrap() + 512,
         ..EngineOptions::default()
     };
-    (spec, Engine::new(model, &opts).expect("cuda engine"))
+    let engines = settings
+        .iter()
+        .map(|env| {
+            with_env(env, || {
+                Engine::new(model.clone(), &opts).expect("cuda engine")
+            })
+        })
+        .collect();
+    (spec, engines)
 }
 
 /// `--step-loop [PRESET [D1,D2,..]]`: decode ms/token of 128 tokens after a prompt of each
@@ -1075,19 +1095,7 @@ fn turns_sweep(preset: &str, depths: &[usize]) {
 fn short_chunks_sweep(preset: &str, depths: &[usize]) {
     const REPS: usize = 7;
     const SIZES: [usize; 5] = [1, 2, 4, 8, 16];
-    let spec = decodev2::arch::preset(preset).expect("preset");
-    let model = synth::build(&spec, 0).unwrap();
-    let load = |env: &[(&str, &str)]| {
-        with_env(env, || {
-            let opts = EngineOptions {
-                backend: BackendKind::Cuda,
-                max_seq: depths.iter().max().unwrap() + 256,
-                ..EngineOptions::default()
-            };
-            Engine::new(model.clone(), &opts).expect("cuda engine")
-        })
-    };
-    let mut engines = [load(&[]), load(&[("DV2_PREFILL_GEMV", "0")])];
+    let (spec, mut engines) = sweep_engines(preset, depths, &[&[], &[("DV2_PREFILL_GEMV", "0")]]);
     println!(
         "{preset}: ms to the next id of a chunk of N ids after a rewind to DEPTH: GEMV v3 columns \
          (default) | GEMM (DV2_PREFILL_GEMV=0); a decode step (a step a call); medians of {REPS}"
@@ -1235,22 +1243,16 @@ fn checks(preset: &str, depths: &[usize]) {
         .position(|a| a == "--against")
         .and_then(|i| args.get(i + 1))
         .map(|a| a.split_once('=').expect("--against VAR=VALUE"));
-    let spec = decodev2::arch::preset(preset).expect("preset");
-    let model = synth::build(&spec, 0).unwrap();
-    let load = |env: &[(&str, &str)]| {
-        with_env(env, || {
-            let opts = EngineOptions {
-                backend: BackendKind::Cuda,
-                max_seq: depths.iter().max().unwrap() + 512,
-                ..EngineOptions::default()
-            };
-            Engine::new(model.clone(), &opts).expect("cuda engine")
-        })
-    };
-    let mut engines = vec![("default".to_string(), load(&[]))];
-    if let Some((var, value)) = against {
-        engines.push((format!("{var}={value}"), load(&[(var, value)])));
-    }
+    let settings: Vec<(String, Vec<(&str, &str)>)> = std::iter::once(("default".into(), vec![]))
+        .chain(against.map(|(var, value)| (format!("{var}={value}"), vec![(var, value)])))
+        .collect();
+    let envs: Vec<&[(&str, &str)]> = settings.iter().map(|(_, env)| env.as_slice()).collect();
+    let (spec, loaded) = sweep_engines(preset, depths, &envs);
+    let mut engines: Vec<(&String, Engine)> = settings
+        .iter()
+        .map(|(label, _)| label)
+        .zip(loaded)
+        .collect();
     let wrong = (spec.vocab - 2) as u32;
     println!("{preset}: ms a call, {CHECKS} calls in a row (medians), none of a draft's ids taken");
     for &depth in depths {

@@ -13,13 +13,7 @@
 # 48,8192; the CSV, gzipped, goes to $OUT or ./device-logs)
 set -uo pipefail
 out=${OUT:-device-logs}; mkdir -p "$out"
-export DV2_CACHE_DIR=/tmp/dv2-cache
-export LD_LIBRARY_PATH="$PWD/.device/lib:/usr/local/cuda/lib64:/usr/local/cuda/extras/CUPTI/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-header=$(find /usr/local/cuda/ -name cupti.h 2>/dev/null | head -1)
-libfile=$(find /usr/local/cuda/ -name 'libcupti.so*' 2>/dev/null | sort | head -1)
-[[ -n $header && -n $libfile ]] || { echo "CUPTI not found under /usr/local/cuda"; exit 1; }
-cc -std=c11 -O2 -Wall -shared -fPIC -I"$(dirname "$header")" -I/usr/local/cuda/include tests/gpu/kernel_trace.c \
-  "$libfile" -Wl,-rpath,"$(dirname "$libfile")" -o /tmp/libkernel_trace.so || exit 1
+source tests/gpu/kernel-trace-build.sh
 timeout 400 env DV2_TRACE_OUT=/tmp/check-trace.csv LD_PRELOAD=/tmp/libkernel_trace.so \
   "${BENCH:-.device/examples/bench}" --checks "${1:-qwen25_3b}" "${2:-48,8192}" "${@:3}" > "$out/checks-bench.txt" 2>&1
 echo "bench rc=$?"; cat "$out/checks-bench.txt"

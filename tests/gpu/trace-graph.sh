@@ -18,13 +18,7 @@
 # their steps' medians side by side: a comparison of two settings on the GPU's clock.
 set -uo pipefail
 out=${OUT:-device-logs}; mkdir -p "$out"
-export DV2_CACHE_DIR=/tmp/dv2-cache
-export LD_LIBRARY_PATH="$PWD/.device/lib:/usr/local/cuda/lib64:/usr/local/cuda/extras/CUPTI/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-header=$(find /usr/local/cuda/ -name cupti.h 2>/dev/null | head -1)
-libfile=$(find /usr/local/cuda/ -name 'libcupti.so*' 2>/dev/null | sort | head -1)
-[[ -n $header && -n $libfile ]] || { echo "CUPTI not found under /usr/local/cuda"; exit 1; }
-cc -std=c11 -O2 -Wall -shared -fPIC -I"$(dirname "$header")" -I/usr/local/cuda/include tests/gpu/kernel_trace.c \
-  "$libfile" -Wl,-rpath,"$(dirname "$libfile")" -o /tmp/libkernel_trace.so || exit 1
+source tests/gpu/kernel-trace-build.sh
 args=("$@")
 [[ $# -gt 0 ]] || args=(--skip-kernels --skip-variants --rows none)
 # The preload goes to the bench alone: timeout's own exit would rewrite the file empty.
