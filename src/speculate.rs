@@ -12,8 +12,8 @@ pub const MAX_DRAFT: usize = 15;
 /// of two ids (a draft is looked up by the last three ids, else two: a longer match predicts
 /// better; one id alone matches too often to pay for the check), so that a draft takes a few
 /// hash lookups instead of a scan of the whole context (at 32k ids, ~100 µs a step on a 2-core
-/// host, against ~1 µs). The index is built the first time a draft is asked for and follows the ids from then
-/// on: pushed ids are indexed when the next draft is asked for, truncated ones undone exactly.
+/// host, against ~1 µs). The index is built the first time a draft is asked for and follows the
+/// ids from then on: pushed ids are indexed at the next draft, truncated ones undone exactly.
 #[derive(Debug, Default)]
 pub struct Context {
     ids: Vec<u32>,
@@ -52,10 +52,9 @@ impl Context {
     }
 
     /// Up to `max` ids that followed the most recent earlier occurrence of the last three (else
-    /// two) ids; empty where none occurs. Where the
-    /// occurrence is so recent that fewer than `max` ids follow it, the copy runs on into the
-    /// ids it has copied (as an LZ77 match overlaps itself): the span between the two
-    /// occurrences is taken to repeat, as in a loop.
+    /// two) ids; empty where none occurs. Where the occurrence is so recent that fewer than
+    /// `max` ids follow it, the copy runs on into the ids it has copied (as an LZ77 match
+    /// overlaps itself): the span between the two occurrences is taken to repeat, as in a loop.
     pub fn draft(&mut self, max: usize) -> Vec<u32> {
         if max == 0 {
             return Vec::new();
