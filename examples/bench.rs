@@ -1229,6 +1229,16 @@ fn speculate_sweep(preset: &str, depths: &[usize]) {
     }
 }
 
+/// `--against VAR=VALUE` among the arguments, if given (a value without `=` stops the bench).
+fn against_arg(args: &[String]) -> Option<(&str, &str)> {
+    let i = args.iter().position(|a| a == "--against")?;
+    Some(
+        args.get(i + 1)
+            .and_then(|a| a.split_once('='))
+            .expect("--against VAR=VALUE"),
+    )
+}
+
 /// `--checks [PRESET [D1,D2,..]] [--against VAR=VALUE]`: after a prompt of each depth, 24 steps
 /// one `step_n` call each, then for k = 1, 7, 15, 24 checks of k draft ids that are all wrong
 /// (each keeps one id and moves the position by one, as a step), medians of their wall times;
@@ -1238,21 +1248,12 @@ fn speculate_sweep(preset: &str, depths: &[usize]) {
 fn checks(preset: &str, depths: &[usize]) {
     const CHECKS: usize = 24;
     let args: Vec<String> = std::env::args().collect();
-    let against = args
-        .iter()
-        .position(|a| a == "--against")
-        .and_then(|i| args.get(i + 1))
-        .map(|a| a.split_once('=').expect("--against VAR=VALUE"));
-    let settings: Vec<(String, Vec<(&str, &str)>)> = std::iter::once(("default".into(), vec![]))
-        .chain(against.map(|(var, value)| (format!("{var}={value}"), vec![(var, value)])))
-        .collect();
-    let envs: Vec<&[(&str, &str)]> = settings.iter().map(|(_, env)| env.as_slice()).collect();
-    let (spec, loaded) = sweep_engines(preset, depths, &envs);
-    let mut engines: Vec<(&String, Engine)> = settings
-        .iter()
-        .map(|(label, _)| label)
-        .zip(loaded)
-        .collect();
+    let against: Vec<(&str, &str)> = against_arg(&args).into_iter().collect();
+    let envs: &[&[(&str, &str)]] = &[&[], &against];
+    let (spec, loaded) = sweep_engines(preset, depths, &envs[..1 + against.len()]);
+    let labels = std::iter::once("default".to_string())
+        .chain(against.iter().map(|(var, value)| format!("{var}={value}")));
+    let mut engines: Vec<(String, Engine)> = labels.zip(loaded).collect();
     let wrong = (spec.vocab - 2) as u32;
     println!("{preset}: ms a call, {CHECKS} calls in a row (medians), none of a draft's ids taken");
     for &depth in depths {
@@ -1583,13 +1584,7 @@ fn main() {
             i,
             &[48, 256, 512, 1024, 2048, 4096, 8192, 16384, 32512],
         );
-        let against = match args.iter().position(|a| a == "--against") {
-            Some(i) => args
-                .get(i + 1)
-                .and_then(|a| a.split_once('='))
-                .expect("--against VAR=VALUE"),
-            None => ("DV2_ATTN_LONG", "0"),
-        };
+        let against = against_arg(&args).unwrap_or(("DV2_ATTN_LONG", "0"));
         context_sweep(
             &json_path,
             preset,
