@@ -262,12 +262,12 @@ extern "C" __global__ void __launch_bounds__(GEMV3_THREADS, GEMV3_KH2_CTAS_PER_S
 // stored. Thread (g, t) then holds rows g and g + 8 of columns 2t and 2t + 1. y is [n][ldy],
 // f32 (SwiGLU: f16, down's input). No norm on load, no sums out: the prefill norms its rows
 // before (rms_rows).
-// X_L2 (DV2_X_COLS_L2, an experiment): x is not staged; each thread reads its column's octets
-// of the next S blocks from global memory (L2: every CTA reads the same x) right after the next
-// stage's weights, so both are in flight during this stage's math. Why: down's x at
-// 8 columns fills 176 KiB of a CTA, so an SM holds one CTA of 8 warps, which stages all of x
-// (twice its rows' bytes of weights) before it streams its rows: down's column walk ran at 29%
-// of the bandwidth in a check (docs/lab.md, session 73).
+// X_L2 (an x over 64 KiB a CTA; DV2_COLS_X_L2=0 stages it): x is not staged; each thread
+// reads its column's octets of the next S blocks from global memory (L2: every CTA reads the
+// same x) right after the next stage's weights, so both are in flight during this stage's
+// math. Why: down's x at 8 columns fills 176 KiB of a CTA, so an SM holds one CTA of 8 warps,
+// which staged all of x (twice its rows' bytes of weights) before it streamed its rows:
+// down's column walk ran at 29% of the bandwidth in a check (docs/lab.md, sessions 73-74).
 template <int T, int S, int EPI, bool X_L2 = false>
 __device__ __forceinline__ void gemv3_cols_body(const GemmArgs& a) {
     __shared__ __align__(16) u32 lut[BYTE_LUT_WORDS];

@@ -135,6 +135,15 @@ pub const VARIABLES: &[Variable] = &[
               (4 ids at depth 48: 1.69 against 1.95 ms); whole prompts within the spread",
     },
     Variable {
+        name: "DV2_COLS_X_L2",
+        default: "1",
+        effect: "`0`: GEMV v3's column kernels stage an x over 64 KiB a CTA (down in a check of \
+                 3 to 8 ids) in shared memory before their weights, in as many launches as fit, \
+                 instead of reading it from L2 beside the weights in one launch",
+        lab: "session 74: 3B, a check of 7 ids on an H100 2.5% sooner at depth 48 (2.044 -> \
+              1.992 ms), 2.9% at 8k (2.517 -> 2.443); 1 and 15 ids unchanged",
+    },
+    Variable {
         name: "DV2_PREFILL_TAIL",
         default: "1",
         effect: "`0`: the prompt's last layer on every token instead of the last token alone",
@@ -228,9 +237,8 @@ pub struct Config {
     pub prefill_split: bool,
     /// A prefill chunk of up to GEMV3_COLS ids through GEMV v3's column kernels.
     pub prefill_gemv: bool,
-    /// `DV2_X_COLS_L2=1` (an experiment, off): GEMV v3's column kernels read a large x from L2
-    /// instead of staging it (docs/lab.md, session 73).
-    pub x_cols_l2: bool,
+    /// GEMV v3's column kernels read an x over 64 KiB a CTA from L2 instead of staging it.
+    pub cols_x_l2: bool,
     /// The decode step's linears through the tensor-core GEMM (`DV2_LINEAR=mma`).
     pub linear_mma: bool,
     /// A bitsandbytes linear's codes left in the file's map until uploaded.
@@ -280,7 +288,7 @@ impl Config {
             prefill_tail: on("DV2_PREFILL_TAIL"),
             prefill_split: on("DV2_PREFILL_SPLIT"),
             prefill_gemv: on("DV2_PREFILL_GEMV"),
-            x_cols_l2: is("DV2_X_COLS_L2", "1"),
+            cols_x_l2: on("DV2_COLS_X_L2"),
             linear_mma: is("DV2_LINEAR", "mma"),
             mapped_codes: on("DV2_MAPPED_CODES"),
             staged_upload: on("DV2_STAGED_UPLOAD"),

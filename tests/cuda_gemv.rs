@@ -508,7 +508,7 @@ fn lm_head_and_its_argmax_match_the_cpu_on_both_walks() {
 /// column kernels (the default) and on the GEMM (`DV2_PREFILL_GEMV=0`), against the CPU on
 /// the f16-rounded x: q/k/v stacked with a bias, `y += W x` over a residual, and SwiGLU
 /// written as f16. K = 2,048 and 11,008 (the 3B shape's) fit eight columns a launch; 27,648
-/// (the 32B shape's down) three, so its eight go in three launches. With `DV2_X_COLS_L2`'s
+/// (the 32B shape's down) three, so its eight go in three launches. With `DV2_COLS_X_L2`'s
 /// kernels too, which take every column in one launch where x passes 64 KiB.
 #[test]
 fn a_short_prefill_chunks_linears_match_the_cpu_on_both_paths() {
@@ -531,11 +531,11 @@ fn a_short_prefill_chunks_linears_match_the_cpu_on_both_paths() {
             let residual = random(n * rows, seed + 11, -1.0, 1.0);
             for (on, l2) in [(true, false), (true, true), (false, false)] {
                 ops.cfg.prefill_gemv = on;
-                ops.cfg.x_cols_l2 = l2;
+                ops.cfg.cols_x_l2 = l2;
                 let gpu = &ops.gpu;
                 let path = match (on, l2) {
                     (true, false) => "GEMV v3 columns",
-                    (true, true) => "GEMV v3 columns, x from L2 (DV2_X_COLS_L2)",
+                    (true, true) => "GEMV v3 columns, x from L2 (DV2_COLS_X_L2)",
                     _ => "GEMM",
                 };
                 let mut check =

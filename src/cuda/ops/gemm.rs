@@ -164,9 +164,10 @@ impl Ops {
         ldy: usize,
         skip_if: u64,
     ) -> Result<()> {
-        // DV2_X_COLS_L2 (an experiment): where x would take over 64 KiB of a CTA, every column
-        // in one launch of the kernels that read x from L2 instead of staging it.
-        let from_l2 = self.cfg.x_cols_l2 && 2 * k * n > 64 * 1024;
+        // Where x would take over 64 KiB of a CTA (down in a check of 3 to 8 ids), every column in
+        // one launch of the kernels that read x from L2 beside the weights instead of staging it
+        // first (DV2_COLS_X_L2=0: staged, in as many launches as fit; docs/lab.md, session 74).
+        let from_l2 = self.cfg.cols_x_l2 && 2 * k * n > 64 * 1024;
         let per_launch = if from_l2 {
             GEMV3_COLS
         } else {
