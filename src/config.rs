@@ -239,9 +239,6 @@ pub struct Config {
     pub prefill_gemv: bool,
     /// GEMV v3's column kernels read an x over 64 KiB a CTA from L2 instead of staging it.
     pub cols_x_l2: bool,
-    /// `DV2_X_COLS_SPLIT=1` (an experiment, off): those kernels split a group's K across a
-    /// cluster of two CTAs where one CTA a group leaves half the SMs' slots empty.
-    pub x_cols_split: bool,
     /// The decode step's linears through the tensor-core GEMM (`DV2_LINEAR=mma`).
     pub linear_mma: bool,
     /// A bitsandbytes linear's codes left in the file's map until uploaded.
@@ -292,7 +289,6 @@ impl Config {
             prefill_split: on("DV2_PREFILL_SPLIT"),
             prefill_gemv: on("DV2_PREFILL_GEMV"),
             cols_x_l2: on("DV2_COLS_X_L2"),
-            x_cols_split: is("DV2_X_COLS_SPLIT", "1"),
             linear_mma: is("DV2_LINEAR", "mma"),
             mapped_codes: on("DV2_MAPPED_CODES"),
             staged_upload: on("DV2_STAGED_UPLOAD"),

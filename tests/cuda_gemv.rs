@@ -509,8 +509,7 @@ fn lm_head_and_its_argmax_match_the_cpu_on_both_walks() {
 /// the f16-rounded x: q/k/v stacked with a bias, `y += W x` over a residual, and SwiGLU
 /// written as f16. K = 2,048 and 11,008 (the 3B shape's) fit eight columns a launch; 27,648
 /// (the 32B shape's down) three, so its eight go in three launches staged (`DV2_COLS_X_L2=0`);
-/// from L2 (where x passes 64 KiB) every column in one launch, and with `DV2_X_COLS_SPLIT` a
-/// group's K split across a cluster of two CTAs (200 rows: every launch takes clusters).
+/// from L2 (the default where x passes 64 KiB) every column in one launch.
 #[test]
 fn a_short_prefill_chunks_linears_match_the_cpu_on_both_paths() {
     let cfg = Config::from_env();
@@ -530,21 +529,13 @@ fn a_short_prefill_chunks_linears_match_the_cpu_on_both_paths() {
             let (x16, x) = f16_rounded(&random(n * k, seed + 9 + n as u64, -1.0, 1.0));
             let x16d = gpu.upload(&x16).unwrap();
             let residual = random(n * rows, seed + 11, -1.0, 1.0);
-            let paths = [
-                (true, false, false),
-                (true, true, false),
-                (true, true, true),
-                (false, false, false),
-            ];
-            for (on, l2, split) in paths {
+            for (on, l2) in [(true, false), (true, true), (false, false)] {
                 ops.cfg.prefill_gemv = on;
                 ops.cfg.cols_x_l2 = l2;
-                ops.cfg.x_cols_split = split;
                 let gpu = &ops.gpu;
-                let path = match (on, l2, split) {
-                    (true, false, _) => "GEMV v3 columns, x staged (DV2_COLS_X_L2=0)",
-                    (true, true, false) => "GEMV v3 columns",
-                    (true, true, true) => "GEMV v3 columns, K split in clusters (DV2_X_COLS_SPLIT)",
+                let path = match (on, l2) {
+                    (true, false) => "GEMV v3 columns, x staged (DV2_COLS_X_L2=0)",
+                    (true, true) => "GEMV v3 columns, x from L2",
                     _ => "GEMM",
                 };
                 let mut check =

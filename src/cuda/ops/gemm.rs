@@ -196,15 +196,6 @@ impl Ops {
             Epilogue::Swiglu => (&kernels[2], mats[0].rows, 2),
         };
         let groups = outputs.div_ceil(16) as u32;
-        // DV2_X_COLS_SPLIT (an experiment): from L2, a cluster of two CTAs a group, K split
-        // between them, where the groups alone would leave over half the CTA slots empty (down).
-        let slots = cols_ctas_per_sm(0, epilogue == Epilogue::Swiglu) * self.sms;
-        let cluster =
-            if from_l2 && self.cfg.x_cols_split && self.gpu.caps.clusters && 2 * groups <= slots {
-                2
-            } else {
-                1
-            };
         let mut col = 0;
         while col < n {
             let cols = per_launch.min(n - col);
@@ -223,17 +214,12 @@ impl Ops {
             args.kw = GEMV3_WARPS as i32;
             // Persistent CTAs over groups of 16 outputs: as many as stay resident together.
             let resident = cols_ctas_per_sm(smem, epilogue == Epilogue::Swiglu);
-            let ctas = if cluster > 1 {
-                cluster * groups
-            } else {
-                groups.min(resident * self.sms).max(1)
-            };
             let cfg = LaunchConfig {
-                grid_dim: (ctas, 1, 1),
+                grid_dim: (groups.min(resident * self.sms).max(1), 1, 1),
                 block_dim: ((GEMV3_WARPS * 32) as u32, 1, 1),
                 shared_mem_bytes: smem as u32,
             };
-            launch!(self.gpu, f, cfg, cluster = (cluster, 1, 1); args)?;
+            launch!(self.gpu, f, cfg; args)?;
             col += cols;
         }
         Ok(())
