@@ -137,8 +137,9 @@ pub const VARIABLES: &[Variable] = &[
     Variable {
         name: "DV2_COLS_X_L2",
         default: "1",
-        effect: "`0`: GEMV v3's column kernels stage an x over 64 KiB a CTA (down in a check of \
-                 3 to 8 ids) in shared memory before their weights, in as many launches as fit, \
+        effect: "`0`: GEMV v3's column kernels stage an x over 64 KiB a CTA in shared memory \
+                 before their weights, in as many launches as fit, where each group of 16 \
+                 outputs has a CTA of its own (the 3B shape's down in a check of 3 to 8 ids), \
                  instead of reading it from L2 beside the weights in one launch",
         lab: "session 74: 3B, a check of 7 ids on an H100 2.5% sooner at depth 48 (2.044 -> \
               1.992 ms), 2.9% at 8k (2.517 -> 2.443); 1 and 15 ids unchanged",
@@ -237,7 +238,8 @@ pub struct Config {
     pub prefill_split: bool,
     /// A prefill chunk of up to GEMV3_COLS ids through GEMV v3's column kernels.
     pub prefill_gemv: bool,
-    /// GEMV v3's column kernels read an x over 64 KiB a CTA from L2 instead of staging it.
+    /// GEMV v3's column kernels read an x over 64 KiB a CTA from L2 instead of staging it,
+    /// where each group of outputs has a CTA of its own.
     pub cols_x_l2: bool,
     /// The decode step's linears through the tensor-core GEMM (`DV2_LINEAR=mma`).
     pub linear_mma: bool,

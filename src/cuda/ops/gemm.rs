@@ -164,10 +164,27 @@ impl Ops {
         ldy: usize,
         skip_if: u64,
     ) -> Result<()> {
-        // Where x would take over 64 KiB of a CTA (down in a check of 3 to 8 ids), every column in
-        // one launch of the kernels that read x from L2 beside the weights instead of staging it
-        // first (DV2_COLS_X_L2=0: staged, in as many launches as fit; docs/lab.md, session 74).
-        let from_l2 = self.cfg.cols_x_l2 && 2 * k * n > 64 * 1024;
+        if epilogue == Epilogue::Accumulate && mats.len() != 1 {
+            return Err(Error::Internal(
+                "GEMV v3 accumulates one matrix at a time".into(),
+            ));
+        }
+        let (kernel, outputs, y_bytes) = match epilogue {
+            Epilogue::Store => (0, mats.iter().map(|m| m.rows).sum(), 4),
+            Epilogue::Accumulate => (1, mats[0].rows, 4),
+            Epilogue::Swiglu => (2, mats[0].rows, 2),
+        };
+        let swiglu = epilogue == Epilogue::Swiglu;
+        let groups = outputs.div_ceil(16) as u32;
+        // Where x would take over 64 KiB of a CTA and each group of 16 outputs gets a CTA of its
+        // own at once (the 3B shape's down in a check of 3 to 8 ids), staging x buys no reuse
+        // and holds the weights' loads back: every column goes in one launch of the kernels that
+        // read x from L2 beside the weights (DV2_COLS_X_L2=0: staged, in as many launches as
+        // fit; docs/lab.md, session 74). Where CTAs walk several groups (the 32B shape's), x
+        // stays staged, as timed.
+        let from_l2 = self.cfg.cols_x_l2
+            && 2 * k * n > 64 * 1024
+            && groups <= cols_ctas_per_sm(0, swiglu) * self.sms;
         let per_launch = if from_l2 {
             GEMV3_COLS
         } else {
@@ -180,22 +197,11 @@ impl Ops {
                 self.k.gemv3_cols_room
             )));
         }
-        if epilogue == Epilogue::Accumulate && mats.len() != 1 {
-            return Err(Error::Internal(
-                "GEMV v3 accumulates one matrix at a time".into(),
-            ));
-        }
-        let kernels = if from_l2 {
-            &self.k.gemv3_cols_l2
+        let f = if from_l2 {
+            &self.k.gemv3_cols_l2[kernel]
         } else {
-            &self.k.gemv3_cols
+            &self.k.gemv3_cols[kernel]
         };
-        let (f, outputs, y_bytes) = match epilogue {
-            Epilogue::Store => (&kernels[0], mats.iter().map(|m| m.rows).sum(), 4),
-            Epilogue::Accumulate => (&kernels[1], mats[0].rows, 4),
-            Epilogue::Swiglu => (&kernels[2], mats[0].rows, 2),
-        };
-        let groups = outputs.div_ceil(16) as u32;
         let mut col = 0;
         while col < n {
             let cols = per_launch.min(n - col);
@@ -213,7 +219,7 @@ impl Ops {
             args.ldy = ldy as i32;
             args.kw = GEMV3_WARPS as i32;
             // Persistent CTAs over groups of 16 outputs: as many as stay resident together.
-            let resident = cols_ctas_per_sm(smem, epilogue == Epilogue::Swiglu);
+            let resident = cols_ctas_per_sm(smem, swiglu);
             let cfg = LaunchConfig {
                 grid_dim: (groups.min(resident * self.sms).max(1), 1, 1),
                 block_dim: ((GEMV3_WARPS * 32) as u32, 1, 1),
