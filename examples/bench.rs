@@ -976,7 +976,7 @@ fn context_sweep(
     println!("wrote {json_path}");
 }
 
-/// A CUDA engine on `preset`'s synthetic weights (seed 0) with room for 256 tokens past the
+/// A CUDA engine on `preset`'s synthetic weights (seed 0) with room for 512 tokens past the
 /// deepest of `depths`, and the preset's shape: the one engine of a sweep by depth.
 fn sweep_engine(preset: &str, depths: &[usize]) -> (decodev2::arch::ArchSpec, Engine) {
     let (spec, mut engines) = sweep_engines(preset, depths, &[&[]]);
