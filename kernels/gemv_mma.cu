@@ -268,10 +268,17 @@ extern "C" __global__ void __launch_bounds__(GEMV3_THREADS, GEMV3_KH2_CTAS_PER_S
 // math. Why: down's x at 8 columns fills 176 KiB of a CTA, so an SM holds one CTA of 8 warps,
 // which staged all of x (twice its rows' bytes of weights) before it streamed its rows:
 // down's column walk ran at 29% of the bandwidth in a check (docs/lab.md, sessions 73-74).
+// In a cluster of 2 (X_L2 only, where the groups alone would fill under half the CTA slots;
+// DV2_COLS_SPLIT=0: never), a group's K is split across the cluster's CTAs (16 warps where one
+// CTA has 8), so that down's 128 groups fill two CTAs an SM, each with its loads in flight;
+// rank 1 stores its sums in rank 0's shared memory, which adds them after its own (a fixed
+// order: the same sums every run). Down 13.6 -> 8.8 us a launch in a check of 7 ids (H200,
+// docs/lab.md session 75).
 template <int T, int S, int EPI, bool X_L2 = false>
 __device__ __forceinline__ void gemv3_cols_body(const GemmArgs& a) {
     __shared__ __align__(16) u32 lut[BYTE_LUT_WORDS];
     __shared__ float red[GEMV3_WARPS][T * 16][GEMV3_COLS + 1];  // +1: rows 8 floats apart meet fewer banks
+    __shared__ float peer[X_L2 ? T * 16 : 1][GEMV3_COLS];     // rank 1's sums, in rank 0
     extern __shared__ uint4 xs[];                              // [n][k / 8] f16 octets
     const int outputs = EPI == EPI_SWIGLU ? a.rows[0] : a.rows[0] + a.rows[1] + a.rows[2];
     const int groups = (outputs + 16 * (EPI == EPI_SWIGLU ? 1 : T) - 1) / (16 * (EPI == EPI_SWIGLU ? 1 : T));
@@ -279,10 +286,14 @@ __device__ __forceinline__ void gemv3_cols_body(const GemmArgs& a) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const u32 lane4 = 4 * lane;
     const int kblocks = a.k >> 6;
-    const int kb0 = warp * kblocks / GEMV3_WARPS, kb1 = (warp + 1) * kblocks / GEMV3_WARPS;
+    // A cluster's CTAs share each group: rank r takes K's slices r * GEMV3_WARPS + warp.
+    const int ctas = X_L2 ? cluster_size() : 1, rank = X_L2 ? cluster_rank() : 0;
+    const int slice = rank * GEMV3_WARPS + warp, slices = ctas * GEMV3_WARPS;
+    const int kb0 = slice * kblocks / slices, kb1 = (slice + 1) * kblocks / slices;
     const int stages = (kb1 - kb0 + S - 1) / S;
+    const int first_group = blockIdx.x / ctas, group_step = gridDim.x / ctas;
     Gemv3Stage<T, S> cur, nxt;
-    if (stages > 0 && (int)blockIdx.x < groups) gemv3_load<T, S, EPI>(a, blockIdx.x, kb0, kb1, g, t, cur);
+    if (stages > 0 && first_group < groups) gemv3_load<T, S, EPI>(a, first_group, kb0, kb1, g, t, cur);
     pdl_enter();
     if (a.skip_if && *a.skip_if) return;
     if (!X_L2) {
@@ -303,12 +314,12 @@ __device__ __forceinline__ void gemv3_cols_body(const GemmArgs& a) {
             }
     };
     if (X_L2 && stages > 0) load_x(kb0, xcur);
-    for (int group = blockIdx.x; group < groups; group += gridDim.x) {
+    for (int group = first_group; group < groups; group += group_step) {
         float acc[T][4] = {};
         for (int st = 0; st < stages; st++) {
             const int kb = kb0 + st * S;
             const bool last = st + 1 == stages;
-            const int next_group = last ? group + gridDim.x : group;
+            const int next_group = last ? group + group_step : group;
             if (next_group < groups) {
                 gemv3_load<T, S, EPI>(a, next_group, last ? kb0 : kb + S, kb1, g, t, nxt);
                 if (X_L2) load_x(last ? kb0 : kb + S, xnxt);
@@ -356,14 +367,30 @@ __device__ __forceinline__ void gemv3_cols_body(const GemmArgs& a) {
         // One thread an (output row, column) of the group: SwiGLU 16 x 8, the others T*16 x 8.
         const int row_in = threadIdx.x / GEMV3_COLS, col = threadIdx.x % GEMV3_COLS;
         const int group_rows = EPI == EPI_SWIGLU ? 16 : T * 16;
-        if (row_in < group_rows && col < a.n) {
-            float sum = 0.0f;
+        const bool mine = row_in < group_rows && col < a.n;
+        float sum = 0.0f, up = 0.0f;
+        if (mine) {
 #pragma unroll
             for (int w = 0; w < GEMV3_WARPS; w++) sum += red[w][row_in][col];
             if (EPI == EPI_SWIGLU) {
-                float up = 0.0f;
 #pragma unroll
                 for (int w = 0; w < GEMV3_WARPS; w++) up += red[w][16 + row_in][col];
+            }
+        }
+        if (ctas > 1) {
+            if (mine && rank == 1) {
+                store_in_cta(&peer[row_in][col], 0, sum);
+                if (EPI == EPI_SWIGLU) store_in_cta(&peer[16 + row_in][col], 0, up);
+            }
+            cluster_arrive();
+            cluster_wait();
+            if (mine && rank == 0) {
+                sum += peer[row_in][col];
+                if (EPI == EPI_SWIGLU) up += peer[16 + row_in][col];
+            }
+        }
+        if (mine && rank == 0) {
+            if (EPI == EPI_SWIGLU) {
                 const int r = group * 16 + row_in;
                 if (r < a.rows[0])
                     reinterpret_cast<u16*>(a.y)[(size_t)col * a.ldy + r] = f32_to_f16(sum / (1.0f + expf(-sum)) * up);
@@ -377,6 +404,11 @@ __device__ __forceinline__ void gemv3_cols_body(const GemmArgs& a) {
                     *out = EPI == EPI_ACCUMULATE ? *out + v : v;
                 }
             }
+        }
+        // peer is rewritten by rank 1 for the next group only after rank 0 read it.
+        if (ctas > 1) {
+            cluster_arrive_relaxed();
+            cluster_wait();
         }
         // red is rewritten by the next group's warps only after every thread read it.
         __syncthreads();

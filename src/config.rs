@@ -145,6 +145,16 @@ pub const VARIABLES: &[Variable] = &[
               1.992 ms), 2.9% at 8k (2.517 -> 2.443); 1 and 15 ids unchanged",
     },
     Variable {
+        name: "DV2_COLS_SPLIT",
+        default: "1",
+        effect: "`0`: where those kernels read x from L2 and their groups of 16 outputs alone \
+                 would fill under half the CTA slots (the 3B shape's down), a CTA a group \
+                 instead of a cluster of two that split the group's K",
+        lab: "session 75: 3B, a check of 7 ids on an H200 7.2% sooner at depth 48 (2.008 -> \
+              1.864 ms), 6.4% at 8k (2.460 -> 2.302); down 13.6 -> 8.8 us a launch; 1 and 15 \
+              ids unchanged",
+    },
+    Variable {
         name: "DV2_PREFILL_TAIL",
         default: "1",
         effect: "`0`: the prompt's last layer on every token instead of the last token alone",
@@ -241,6 +251,9 @@ pub struct Config {
     /// GEMV v3's column kernels read an x over 64 KiB a CTA from L2 instead of staging it,
     /// where each group of outputs has a CTA of its own.
     pub cols_x_l2: bool,
+    /// Those kernels split a group's K across a cluster of two CTAs where one CTA a group
+    /// leaves half the SMs' slots empty.
+    pub cols_split: bool,
     /// The decode step's linears through the tensor-core GEMM (`DV2_LINEAR=mma`).
     pub linear_mma: bool,
     /// A bitsandbytes linear's codes left in the file's map until uploaded.
@@ -291,6 +304,7 @@ impl Config {
             prefill_split: on("DV2_PREFILL_SPLIT"),
             prefill_gemv: on("DV2_PREFILL_GEMV"),
             cols_x_l2: on("DV2_COLS_X_L2"),
+            cols_split: on("DV2_COLS_SPLIT"),
             linear_mma: is("DV2_LINEAR", "mma"),
             mapped_codes: on("DV2_MAPPED_CODES"),
             staged_upload: on("DV2_STAGED_UPLOAD"),
@@ -370,7 +384,7 @@ mod tests {
         let c = Config::default();
         assert!(c.graph && c.pdl && c.fuse_rms && c.ffn_f16 && c.qkv_khalves);
         assert!(c.logits_argmax && c.attn_clusters && c.attn_long && c.prefill_tail);
-        assert!(c.prefill_split);
+        assert!(c.prefill_split && c.prefill_gemv && c.cols_x_l2 && c.cols_split);
         assert!(c.logits_w20 && c.down_w27 && c.loads_first && c.mapped_codes && c.staged_upload);
         assert!(!c.prefill_by_steps && !c.linear_mma && !c.lineinfo && !c.cta_timeline);
         let c = with(&[

@@ -509,7 +509,9 @@ fn lm_head_and_its_argmax_match_the_cpu_on_both_walks() {
 /// the f16-rounded x: q/k/v stacked with a bias, `y += W x` over a residual, and SwiGLU
 /// written as f16. K = 2,048 and 11,008 (the 3B shape's) fit eight columns a launch; 27,648
 /// (the 32B shape's down) three, so its eight go in three launches staged (`DV2_COLS_X_L2=0`);
-/// from L2 (the default where x passes 64 KiB) every column in one launch.
+/// from L2 (the default where x passes 64 KiB) every column in one launch, a group's K split
+/// across a cluster of two CTAs (the default where the groups leave CTA slots empty; 200
+/// rows: every launch takes clusters) and not (`DV2_COLS_SPLIT=0`).
 #[test]
 fn a_short_prefill_chunks_linears_match_the_cpu_on_both_paths() {
     let cfg = Config::from_env();
@@ -529,13 +531,21 @@ fn a_short_prefill_chunks_linears_match_the_cpu_on_both_paths() {
             let (x16, x) = f16_rounded(&random(n * k, seed + 9 + n as u64, -1.0, 1.0));
             let x16d = gpu.upload(&x16).unwrap();
             let residual = random(n * rows, seed + 11, -1.0, 1.0);
-            for (on, l2) in [(true, false), (true, true), (false, false)] {
+            let paths = [
+                (true, false, false),
+                (true, true, false),
+                (true, true, true),
+                (false, false, false),
+            ];
+            for (on, l2, split) in paths {
                 ops.cfg.prefill_gemv = on;
                 ops.cfg.cols_x_l2 = l2;
+                ops.cfg.cols_split = split;
                 let gpu = &ops.gpu;
-                let path = match (on, l2) {
-                    (true, false) => "GEMV v3 columns, x staged (DV2_COLS_X_L2=0)",
-                    (true, true) => "GEMV v3 columns, x from L2",
+                let path = match (on, l2, split) {
+                    (true, false, _) => "GEMV v3 columns, x staged (DV2_COLS_X_L2=0)",
+                    (true, true, false) => "GEMV v3 columns, x from L2 (DV2_COLS_SPLIT=0)",
+                    (true, true, true) => "GEMV v3 columns, x from L2, K split in clusters",
                     _ => "GEMM",
                 };
                 let mut check =

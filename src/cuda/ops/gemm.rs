@@ -202,6 +202,15 @@ impl Ops {
         } else {
             &self.k.gemv3_cols[kernel]
         };
+        // From L2, a cluster of two CTAs a group, K split between them, where the groups alone
+        // would leave over half the CTA slots empty (down; `DV2_COLS_SPLIT=0`: never).
+        let slots = cols_ctas_per_sm(0, swiglu) * self.sms;
+        let cluster =
+            if from_l2 && self.cfg.cols_split && self.gpu.caps.clusters && 2 * groups <= slots {
+                2
+            } else {
+                1
+            };
         let mut col = 0;
         while col < n {
             let cols = per_launch.min(n - col);
@@ -220,12 +229,17 @@ impl Ops {
             args.kw = GEMV3_WARPS as i32;
             // Persistent CTAs over groups of 16 outputs: as many as stay resident together.
             let resident = cols_ctas_per_sm(smem, swiglu);
+            let ctas = if cluster > 1 {
+                cluster * groups
+            } else {
+                groups.min(resident * self.sms).max(1)
+            };
             let cfg = LaunchConfig {
-                grid_dim: (groups.min(resident * self.sms).max(1), 1, 1),
+                grid_dim: (ctas, 1, 1),
                 block_dim: ((GEMV3_WARPS * 32) as u32, 1, 1),
                 shared_mem_bytes: smem as u32,
             };
-            launch!(self.gpu, f, cfg; args)?;
+            launch!(self.gpu, f, cfg, cluster = (cluster, 1, 1); args)?;
             col += cols;
         }
         Ok(())
