@@ -439,27 +439,56 @@ __device__ __forceinline__ void attn_prefill_mma_body(const PrefillAttnArgs& a) 
 }
 
 // The splits of a split prefill attention merged (attn_prefill_mma with gridDim.z = a.splits
-// > 1): a CTA per (token, q head) row, a thread per pair of dims. m is in log2 units; a split
-// that began past the row left m = -inf and l = 0, weight 0. Split 0 holds slot 0, so the
-// largest m is finite.
+// > 1): a CTA per (token, q head) row, ATTNP_MERGE_WAYS threads a pair of dims (blockDim.y),
+// thread y taking splits y, y + ATTNP_MERGE_WAYS, .., its loop unrolled so that several
+// splits' loads are in flight; the maximum by all the CTA's threads, the partial sums added in
+// y order (a fixed order). m is in log2 units; a split that began past the row left m = -inf
+// and l = 0, weight 0. Split 0 holds slot 0, so the largest m is finite. Why: with one thread
+// a pair of dims walking every split in turn, a check's merge took 6 us a launch at 8k
+// (session 74); this way a speculative check of 1 / 7 / 15 ids was 15 / 13 / 15% sooner at 32k
+// and 4% at 8k (H200, docs/lab.md session 75).
 extern "C" __global__ void attn_prefill_merge(PrefillAttnArgs a) {
     pdl_enter();
+    __shared__ float warp_max[32];
+    __shared__ float sums[ATTNP_MERGE_WAYS][3][MAX_HEAD_DIM / 2];
     const size_t row = blockIdx.x, rows = (size_t)a.n * a.n_q;
-    const int d = 2 * threadIdx.x, hd = a.head_dim;
+    const int x = threadIdx.x, way = threadIdx.y, d = 2 * x, hd = a.head_dim;
+    const int tid = way * blockDim.x + x, threads = blockDim.x * ATTNP_MERGE_WAYS;
     float mx = NEG_INF;
-    for (int s = 0; s < a.splits; s++) mx = fmaxf(mx, a.part_ml[2 * (s * rows + row)]);
+    for (int s = tid; s < a.splits; s += threads) mx = fmaxf(mx, a.part_ml[2 * (s * rows + row)]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    if ((tid & 31) == 0) warp_max[tid >> 5] = mx;
+    __syncthreads();
+    mx = NEG_INF;
+    for (int w = 0; w < threads / 32; w++) mx = fmaxf(mx, warp_max[w]);
     float l = 0.0f, lo = 0.0f, hi = 0.0f;
-    for (int s = 0; s < a.splits; s++) {
+#pragma unroll 4
+    for (int s = way; s < a.splits; s += ATTNP_MERGE_WAYS) {
         const size_t part = s * rows + row;
-        const float w = exp2_approx(a.part_ml[2 * part] - mx);
-        l += w * a.part_ml[2 * part + 1];
+        const float2 ml = *reinterpret_cast<const float2*>(a.part_ml + 2 * part);
+        const float w = exp2_approx(ml.x - mx);
+        l += w * ml.y;
         if (d < hd) {
             const float2 acc = *reinterpret_cast<const float2*>(a.part_acc + part * hd + d);
             lo += w * acc.x;
             hi += w * acc.y;
         }
     }
-    if (d < hd) store_pair(a.out, row * hd + d, lo / l, hi / l, a.out_f16);
+    if (way > 0 && d < hd) {
+        sums[way][0][x] = l;
+        sums[way][1][x] = lo;
+        sums[way][2][x] = hi;
+    }
+    __syncthreads();
+    if (way > 0 || d >= hd) return;
+#pragma unroll
+    for (int w = 1; w < ATTNP_MERGE_WAYS; w++) {
+        l += sums[w][0][x];
+        lo += sums[w][1][x];
+        hi += sums[w][2][x];
+    }
+    store_pair(a.out, row * hd + d, lo / l, hi / l, a.out_f16);
 }
 
 #define ATTNM_KERNEL(HD)                                                                                       \

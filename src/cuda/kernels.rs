@@ -52,6 +52,8 @@ pub const ATTNP_THREADS: u32 = 128;
 pub const ATTNP_ROWS: usize = 32;
 pub const ATTNP_TILE: usize = 32;
 pub const ATTNP_Q_FLOATS: usize = 4096;
+/// Threads a pair of dims in the split prefill attention's merge, each a share of the splits.
+pub const ATTNP_MERGE_WAYS: usize = 4;
 
 /// Floats per 32-float chunk of x as GEMV v2 stages it in shared memory (4 of padding keep
 /// the lanes' 16-byte reads conflict-free).
@@ -186,6 +188,7 @@ fn shared_defines() -> Vec<String> {
         ("ATTNP_THREADS", ATTNP_THREADS as usize),
         ("ATTNP_TILE", ATTNP_TILE),
         ("ATTNP_Q_FLOATS", ATTNP_Q_FLOATS),
+        ("ATTNP_MERGE_WAYS", ATTNP_MERGE_WAYS),
         ("ATTNM_WARPS", ATTNM_WARPS),
         ("ATTNL_RANKS", ATTNL_RANKS),
         ("ATTNL_MAX_GROUP", ATTNL_MAX_GROUP),

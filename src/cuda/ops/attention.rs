@@ -7,7 +7,8 @@ use super::Ops;
 use crate::arch::ArchSpec;
 use crate::cuda::kernels::{
     ATTN2_CHUNK, ATTN2_MAX_CHUNKS, ATTNL_MAX_CLUSTERS, ATTNL_MAX_GROUP, ATTNL_RANKS, ATTNM_ROWS,
-    ATTNM_THREADS, ATTNP_Q_FLOATS, ATTNP_ROWS, ATTNP_THREADS, ATTNP_TILE, ATTN_THREADS,
+    ATTNM_THREADS, ATTNP_MERGE_WAYS, ATTNP_Q_FLOATS, ATTNP_ROWS, ATTNP_THREADS, ATTNP_TILE,
+    ATTN_THREADS,
 };
 use crate::error::{Error, Result};
 
@@ -217,7 +218,11 @@ impl Ops {
             }
             let merge = LaunchConfig {
                 grid_dim: ((args.n * args.n_q) as u32, 1, 1),
-                block_dim: ((args.head_dim as u32 / 2).next_multiple_of(32), 1, 1),
+                block_dim: (
+                    (args.head_dim as u32 / 2).next_multiple_of(32),
+                    ATTNP_MERGE_WAYS as u32,
+                    1,
+                ),
                 shared_mem_bytes: 0,
             };
             return launch!(self.gpu, &self.k.attn_prefill_merge, merge; args);
