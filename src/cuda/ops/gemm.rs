@@ -176,15 +176,15 @@ impl Ops {
         };
         let swiglu = epilogue == Epilogue::Swiglu;
         let groups = outputs.div_ceil(16) as u32;
+        // CTAs of the kernels that read x from L2 (no dynamic shared memory) resident at once.
+        let slots = cols_ctas_per_sm(0, swiglu) * self.sms;
         // Where x would take over 64 KiB of a CTA and each group of 16 outputs gets a CTA of its
         // own at once (the 3B shape's down in a check of 3 to 8 ids), staging x buys no reuse
         // and holds the weights' loads back: every column goes in one launch of the kernels that
         // read x from L2 beside the weights (DV2_COLS_X_L2=0: staged, in as many launches as
         // fit; docs/lab.md, session 74). Where CTAs walk several groups (the 32B shape's), x
         // stays staged, as timed.
-        let from_l2 = self.cfg.cols_x_l2
-            && 2 * k * n > 64 * 1024
-            && groups <= cols_ctas_per_sm(0, swiglu) * self.sms;
+        let from_l2 = self.cfg.cols_x_l2 && 2 * k * n > 64 * 1024 && groups <= slots;
         let per_launch = if from_l2 {
             GEMV3_COLS
         } else {
@@ -204,7 +204,6 @@ impl Ops {
         };
         // From L2, a cluster of two CTAs a group, K split between them, where the groups alone
         // would leave over half the CTA slots empty (down; `DV2_COLS_SPLIT=0`: never).
-        let slots = cols_ctas_per_sm(0, swiglu) * self.sms;
         let cluster =
             if from_l2 && self.cfg.cols_split && self.gpu.caps.clusters && 2 * groups <= slots {
                 2
