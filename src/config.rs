@@ -137,12 +137,13 @@ pub const VARIABLES: &[Variable] = &[
     Variable {
         name: "DV2_COLS_X_L2",
         default: "1",
-        effect: "`0`: GEMV v3's column kernels stage an x over 64 KiB a CTA in shared memory \
-                 before their weights, in as many launches as fit, where each group of 16 \
-                 outputs has a CTA of its own (the 3B shape's down in a check of 3 to 8 ids), \
-                 instead of reading it from L2 beside the weights in one launch",
+        effect: "`0`: GEMV v3's column kernels stage x in shared memory before their weights, \
+                 in as many launches as fit, where each group of 16 outputs has a CTA of its \
+                 own (the 3B shape's q/k/v, o and down in a check of up to 8 ids), instead of \
+                 reading it from L2 beside the weights in one launch",
         lab: "session 74: 3B, a check of 7 ids on an H100 2.5% sooner at depth 48 (2.044 -> \
-              1.992 ms), 2.9% at 8k (2.517 -> 2.443); 1 and 15 ids unchanged",
+              1.992 ms), 2.9% at 8k (2.517 -> 2.443); session 76, x under 64 KiB too: 1 id on \
+              an H200 8.7% sooner at 48 (1.882 -> 1.719 ms), 8.0% at 8k; 7 and 15 unchanged",
     },
     Variable {
         name: "DV2_COLS_SPLIT",
@@ -248,8 +249,8 @@ pub struct Config {
     pub prefill_split: bool,
     /// A prefill chunk of up to GEMV3_COLS ids through GEMV v3's column kernels.
     pub prefill_gemv: bool,
-    /// GEMV v3's column kernels read an x over 64 KiB a CTA from L2 instead of staging it,
-    /// where each group of outputs has a CTA of its own.
+    /// GEMV v3's column kernels read x from L2 instead of staging it, where each group of
+    /// outputs has a CTA of its own.
     pub cols_x_l2: bool,
     /// Those kernels split a group's K across a cluster of two CTAs where one CTA a group
     /// leaves half the SMs' slots empty.

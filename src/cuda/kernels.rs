@@ -578,7 +578,7 @@ pub struct Kernels {
     /// dynamic shared memory (its columns of x) the device lets each take.
     pub gemv3_cols: [CudaFunction; 3],
     pub gemv3_cols_room: usize,
-    /// The same reading x from L2, not staged (an x over 64 KiB a CTA; `DV2_COLS_X_L2`).
+    /// The same reading x from L2, not staged (where each group has a CTA; `DV2_COLS_X_L2`).
     pub gemv3_cols_l2: [CudaFunction; 3],
     /// The NF4 tensor-core GEMM by epilogue.
     pub gemm_store: GemmKernels,

@@ -178,13 +178,13 @@ impl Ops {
         let groups = outputs.div_ceil(16) as u32;
         // CTAs of the kernels that read x from L2 (no dynamic shared memory) resident at once.
         let slots = cols_ctas_per_sm(0, swiglu) * self.sms;
-        // Where x would take over 64 KiB of a CTA and each group of 16 outputs gets a CTA of its
-        // own at once (the 3B shape's down in a check of 3 to 8 ids), staging x buys no reuse
-        // and holds the weights' loads back: every column goes in one launch of the kernels that
-        // read x from L2 beside the weights (DV2_COLS_X_L2=0: staged, in as many launches as
-        // fit; docs/lab.md, session 74). Where CTAs walk several groups (the 32B shape's), x
-        // stays staged, as timed.
-        let from_l2 = self.cfg.cols_x_l2 && 2 * k * n > 64 * 1024 && groups <= slots;
+        // Where each group of 16 outputs gets a CTA of its own at once (the 3B shape's q/k/v, o
+        // and down in a check), staging x buys no reuse and holds the weights' loads back:
+        // every column goes in one launch of the kernels that read x from L2 beside the weights
+        // (DV2_COLS_X_L2=0: staged, in as many launches as fit; docs/lab.md, sessions 74 and
+        // 76, the latter for an x of any size). Where CTAs walk several groups (the LM head,
+        // gate/up, the 32B shape's), x stays staged, as timed.
+        let from_l2 = self.cfg.cols_x_l2 && groups <= slots;
         let per_launch = if from_l2 {
             GEMV3_COLS
         } else {
