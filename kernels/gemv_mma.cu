@@ -296,6 +296,10 @@ __device__ __forceinline__ void gemv3_cols_body(const GemmArgs& a) {
     if (stages > 0 && first_group < groups) gemv3_load<T, S, EPI>(a, first_group, kb0, kb1, g, t, cur);
     pdl_enter();
     if (a.skip_if && *a.skip_if) return;
+    // Rank 1 writes rank 0's shared memory only once both have started: this arrival, and the
+    // wait before the first group's exchange (a CTA may start later than its cluster peer;
+    // without it racecheck found the write landing in a CTA not yet entered, session 76).
+    if (ctas > 1 && first_group < groups) cluster_arrive_relaxed();
     if (!X_L2) {
         const int octets = a.n * (a.k >> 3);
         for (int i = threadIdx.x; i < octets; i += GEMV3_THREADS) xs[i] = reinterpret_cast<const uint4*>(a.x)[i];
@@ -378,6 +382,7 @@ __device__ __forceinline__ void gemv3_cols_body(const GemmArgs& a) {
             }
         }
         if (ctas > 1) {
+            if (group == first_group) cluster_wait();
             if (mine && rank == 1) {
                 store_in_cta(&peer[row_in][col], 0, sum);
                 if (EPI == EPI_SWIGLU) store_in_cta(&peer[16 + row_in][col], 0, up);
