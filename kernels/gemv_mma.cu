@@ -303,8 +303,8 @@ __device__ __forceinline__ void gemv3_cols_body(const GemmArgs& a) {
     if (!X_L2) {
         const int octets = a.n * (a.k >> 3);
         for (int i = threadIdx.x; i < octets; i += GEMV3_THREADS) xs[i] = reinterpret_cast<const uint4*>(a.x)[i];
-        __syncthreads();
     }
+    __syncthreads();  // the table, and x where staged, written before any warp reads them
     // This thread's B column: its own, or column 0 where the chunk has fewer.
     const uint4* xcol = (X_L2 ? reinterpret_cast<const uint4*>(a.x) : xs) + (g < a.n ? g : 0) * (a.k >> 3);
     // X_L2: this thread's octets of blocks kb .. kb + S - 1 (those below kb1), by stage.
