@@ -149,7 +149,7 @@ pub const VARIABLES: &[Variable] = &[
         name: "DV2_COLS_SPLIT",
         default: "1",
         effect: "`0`: where those kernels read x from L2 and their groups of 16 outputs alone \
-                 would fill under half the CTA slots (the 3B shape's down), a CTA a group \
+                 would fill under half the CTA slots (the 3B shape's o and down), a CTA a group \
                  instead of a cluster of two that split the group's K",
         lab: "session 75: 3B, a check of 7 ids on an H200 7.2% sooner at depth 48 (2.008 -> \
               1.864 ms), 6.4% at 8k (2.460 -> 2.302); down 13.6 -> 8.8 us a launch; 1 and 15 \
