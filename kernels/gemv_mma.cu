@@ -265,9 +265,10 @@ extern "C" __global__ void __launch_bounds__(GEMV3_THREADS, GEMV3_KH2_CTAS_PER_S
 // X_L2 (where each group has a CTA of its own; DV2_COLS_X_L2=0 stages it): x is not staged;
 // each thread reads its column's octets of the next S blocks from global memory (L2: every CTA
 // reads the same x) right after the next stage's weights, so both are in flight during this
-// stage's math. Why: down's x at 8 columns fills 176 KiB of a CTA, so an SM holds one CTA of 8 warps,
-// which staged all of x (twice its rows' bytes of weights) before it streamed its rows:
-// down's column walk ran at 29% of the bandwidth in a check (docs/lab.md, sessions 73-74).
+// stage's math. Why: down's x at 8 columns fills 176 KiB of a CTA, so an SM holds one CTA of
+// 8 warps, which staged all of x (twice its rows' bytes of weights) before it streamed its
+// rows: down's column walk ran at 29% of the bandwidth in a check (docs/lab.md, sessions
+// 73-74).
 // In a cluster of 2 (X_L2 only, where the groups alone would fill under half the CTA slots;
 // DV2_COLS_SPLIT=0: never), a group's K is split across the cluster's CTAs (16 warps where one
 // CTA has 8), so that down's 128 groups fill two CTAs an SM, each with its loads in flight;
