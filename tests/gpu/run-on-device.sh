@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from the repository root, after ../shared/tools/device-pack built
 # .device/ here: every packed test with DV2_REQUIRE_CUDA=1, the C and Python examples with
-# --backend cuda, and compute-sanitizer memcheck/racecheck on the C example.
+# --backend cuda, and compute-sanitizer memcheck/racecheck on the C example (and the column
+# kernels' test).
 # Logs go to $OUT (or ./device-logs).
 # Usage: bash tests/gpu/run-on-device.sh [suite] [gates] [switches] [examples] [sanitize] [soak]
 #   [big] [prehopper] [prehopper-sanitize] [prehopper-speed]
@@ -123,6 +124,15 @@ if want sanitize; then
       graph_replay_equals_eager_with_the_long_attention > "$out/sanitizer-$tool-long.log" 2>&1 \
       && echo "compute-sanitizer $tool (long-context attention): ok" || { echo "compute-sanitizer $tool (long-context attention): FAILED"; status=1; }
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|test result" "$out/sanitizer-$tool-long.log" | tail -3
+  done
+  # GEMV v3's column kernels (a short chunk's linears: staged, from L2, K split in clusters)
+  # on their own test: racecheck found two races there that the C example met only by its
+  # prompts' lengths (docs/lab.md, session 76).
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool $tool --kernel-name kns=gemv3_cols --error-exitcode 7 .device/tests/cuda_gemv --exact \
+      a_short_prefill_chunks_linears_match_the_cpu_on_both_paths > "$out/sanitizer-$tool-cols.log" 2>&1 \
+      && echo "compute-sanitizer $tool (column kernels): ok" || { echo "compute-sanitizer $tool (column kernels): FAILED"; status=1; }
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|test result" "$out/sanitizer-$tool-cols.log" | tail -3
   done
 fi
 if want soak; then
