@@ -509,9 +509,9 @@ fn lm_head_and_its_argmax_match_the_cpu_on_both_walks() {
 /// the f16-rounded x: q/k/v stacked with a bias, `y += W x` over a residual, and SwiGLU
 /// written as f16. K = 2,048 and 11,008 (the 3B shape's) fit eight columns a launch; 27,648
 /// (the 32B shape's down) three, so its eight go in three launches staged (`DV2_COLS_X_L2=0`);
-/// from L2 (the default where x passes 64 KiB) every column in one launch, a group's K split
-/// across a cluster of two CTAs (the default where the groups leave CTA slots empty; 200
-/// rows: every launch takes clusters) and not (`DV2_COLS_SPLIT=0`).
+/// from L2 (the default where each group has a CTA of its own) every column in one launch, a
+/// group's K split across a cluster of two CTAs (the default where the groups leave CTA slots
+/// empty; 200 rows: every launch takes clusters) and not (`DV2_COLS_SPLIT=0`).
 #[test]
 fn a_short_prefill_chunks_linears_match_the_cpu_on_both_paths() {
     let cfg = Config::from_env();

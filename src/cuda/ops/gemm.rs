@@ -203,7 +203,8 @@ impl Ops {
             &self.k.gemv3_cols[kernel]
         };
         // From L2, a cluster of two CTAs a group, K split between them, where the groups alone
-        // would leave over half the CTA slots empty (down; `DV2_COLS_SPLIT=0`: never).
+        // would leave over half the CTA slots empty (the 3B shape's o and down;
+        // `DV2_COLS_SPLIT=0`: never).
         let cluster =
             if from_l2 && self.cfg.cols_split && self.gpu.caps.clusters && 2 * groups <= slots {
                 2
