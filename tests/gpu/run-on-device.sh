@@ -103,6 +103,15 @@ sanitize_c_example() {
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|failed gates" "$out/${prefix}sanitizer-$tool.log" | tail -3
   done
 }
+# One packed test under a compute-sanitizer tool: a line saying ok or FAILED, then the log's
+# summary lines. Usage: sanitize_test LABEL LOG_NAME TOOL BINARY TEST [SANITIZER_OPTION...]
+sanitize_test() {
+  local label=$1 log="$out/sanitizer-$3-$2.log" tool=$3 binary=$4 test=$5
+  shift 5
+  compute-sanitizer --tool $tool "$@" --error-exitcode 7 "$binary" --exact "$test" > "$log" 2>&1 \
+    && echo "compute-sanitizer $tool ($label): ok" || { echo "compute-sanitizer $tool ($label): FAILED"; status=1; }
+  grep -E "ERROR SUMMARY|RACECHECK SUMMARY|test result" "$log" | tail -3
+}
 if want examples; then
   build_c_example && /tmp/gates --backend cuda > "$out/c-example.log" 2>&1 && echo "C example (cuda): ok" \
     || { echo "C example (cuda): FAILED"; status=1; }
@@ -120,19 +129,15 @@ if want sanitize; then
   # docs/lab.md, session 29).
   for tool in memcheck racecheck synccheck; do
     only=(); [[ $tool == memcheck ]] || only=(--kernel-name kns=attn_long)
-    compute-sanitizer --tool $tool "${only[@]}" --error-exitcode 7 .device/tests/cuda_gates --exact \
-      graph_replay_equals_eager_with_the_long_attention > "$out/sanitizer-$tool-long.log" 2>&1 \
-      && echo "compute-sanitizer $tool (long-context attention): ok" || { echo "compute-sanitizer $tool (long-context attention): FAILED"; status=1; }
-    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|test result" "$out/sanitizer-$tool-long.log" | tail -3
+    sanitize_test "long-context attention" long $tool .device/tests/cuda_gates \
+      graph_replay_equals_eager_with_the_long_attention "${only[@]}"
   done
   # GEMV v3's column kernels (a short chunk's linears: staged, from L2, K split in clusters)
   # on their own test: racecheck found two races there that the C example met only by its
   # prompts' lengths (docs/lab.md, session 76).
   for tool in memcheck racecheck; do
-    compute-sanitizer --tool $tool --kernel-name kns=gemv3_cols --error-exitcode 7 .device/tests/cuda_gemv --exact \
-      a_short_prefill_chunks_linears_match_the_cpu_on_both_paths > "$out/sanitizer-$tool-cols.log" 2>&1 \
-      && echo "compute-sanitizer $tool (column kernels): ok" || { echo "compute-sanitizer $tool (column kernels): FAILED"; status=1; }
-    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|test result" "$out/sanitizer-$tool-cols.log" | tail -3
+    sanitize_test "column kernels" cols $tool .device/tests/cuda_gemv \
+      a_short_prefill_chunks_linears_match_the_cpu_on_both_paths --kernel-name kns=gemv3_cols
   done
 fi
 if want soak; then
