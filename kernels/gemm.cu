@@ -37,7 +37,8 @@ struct GemmArgs {
 };
 static_assert(sizeof(GemmArgs) == SIZEOF_GEMMARGS, "GemmArgs differs from the host's (src/cuda/ops)");
 
-enum { EPI_STORE = 0, EPI_ACCUMULATE = 1, EPI_SWIGLU = 2 };
+// EPI_ROPE: GEMV v3's column kernels only (q/k/v stored rotated, k and v into the cache).
+enum { EPI_STORE = 0, EPI_ACCUMULATE = 1, EPI_SWIGLU = 2, EPI_ROPE = 3 };
 
 __device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
     u32 r;

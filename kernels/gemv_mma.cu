@@ -53,22 +53,28 @@ __device__ __forceinline__ const float* gemv3_bias(const GemmArgs& a, int matrix
     return EPI == EPI_ACCUMULATE ? a.bias[0] : pick_bias(a, matrix);
 }
 
-// Row h (0: g, 1: g + 8) of tile i of row group `group`, as a stacked-matrix row.
+// Row h (0: g, 1: g + 8) of tile i of row group `group`, as a stacked-matrix row. EPI_ROPE:
+// a group is 8 rows of a head's first half and the 8 they rotate with (rope_half rows on), so
+// that one thread's epilogue holds both of a pair.
 template <int T, int EPI>
-__device__ __forceinline__ StackedRow gemv3_row(const GemmArgs& a, int group, int i, int h, int g) {
+__device__ __forceinline__ StackedRow gemv3_row(const GemmArgs& a, int group, int i, int h, int g, int rope_half = 0) {
     if (EPI == EPI_SWIGLU) return swiglu_row(a, group * 16 + g + 8 * h, i);
+    if (EPI == EPI_ROPE) {
+        const int per_head = rope_half >> 3, head = group / per_head;
+        return stacked_row(a, 2 * rope_half * head + 8 * (group - head * per_head) + g + h * rope_half);
+    }
     return gemv3_stacked<EPI>(a, (group * T + i) * 16 + g + 8 * h);
 }
 
 // Issues the loads of blocks kb .. kb+S-1 (those below kb1) of a row group's tiles.
 template <int T, int S, int EPI>
 __device__ __forceinline__ void gemv3_load(const GemmArgs& a, int group, int kb, int kb1, int g, int t,
-                                           Gemv3Stage<T, S>& st) {
+                                           Gemv3Stage<T, S>& st, int rope_half = 0) {
 #pragma unroll
     for (int i = 0; i < T; i++)
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            const StackedRow r = gemv3_row<T, EPI>(a, group, i, h, g);
+            const StackedRow r = gemv3_row<T, EPI>(a, group, i, h, g, rope_half);
             const Nf4Ref m = gemv3_pick<EPI>(a, r.matrix);
             const u8* wrow = m.packed + (size_t)r.local * (a.k >> 1) + 8 * t;
             const u16* srow = m.absmax + (size_t)r.local * (a.k >> 6);
@@ -276,9 +282,53 @@ extern "C" __global__ void __launch_bounds__(GEMV3_THREADS, GEMV3_KH2_CTAS_PER_S
 // order: the same sums every run), both having started (the barrier at the start). Down 13.6
 // -> 8.8 us a launch in a check of 7 ids (H200, docs/lab.md session 75); at any x size, a
 // check of 1 id 8% sooner (session 76).
+// EPI_ROPE's operands (DV2_X_QKV_ROPE, an experiment): what rope_kv_rows takes.
+struct RopeArgs {
+    u16* k_cache;
+    u16* v_cache;
+    const float* cos;
+    const float* sin;
+    const int* state;
+    int n_q, n_kv, head_dim;
+    int col0;  // the launch's first column of the chunk
+};
+static_assert(sizeof(RopeArgs) == SIZEOF_ROPEARGS, "RopeArgs differs from the host's (src/cuda/ops)");
+
+// EPI_ROPE's store of one pair (dims j and j + head_dim/2 of a head, j8 of the group's 8) at
+// chunk column col: the bias, then RoPE on q and k heads as rope_kv_rows computes it, the
+// pair into y, and k's and v's into the cache at the column's position. Replaces
+// rope_kv_rows after a short chunk's q/k/v, one launch a layer fewer.
+__device__ __forceinline__ void gemv3_rope_store(const GemmArgs& a, const RopeArgs& r, int group, int j8, int col,
+                                                 float lo, float hi) {
+    const int half = r.head_dim >> 1, per_head = half >> 3, head = group / per_head;
+    const int j = 8 * (group - head * per_head) + j8, row = head * r.head_dim + j;
+    const StackedRow s0 = stacked_row(a, row), s1 = stacked_row(a, row + half);
+    if (!s0.valid) return;
+    const float* bias = gemv3_bias<EPI_ROPE>(a, s0.matrix);
+    if (bias) lo += bias[s0.local], hi += bias[s1.local];
+    const int pos = r.state[STATE_POSITION] + r.col0 + col, rotated = r.n_q + r.n_kv;
+    if (head < rotated) {
+        const float c = r.cos[(size_t)pos * half + j], s = r.sin[(size_t)pos * half + j];
+        const float x1 = lo, x2 = hi;
+        lo = x1 * c - x2 * s;
+        hi = x2 * c + x1 * s;
+    }
+    float* out = a.y + (size_t)col * a.ldy;
+    out[row] = lo;
+    out[row + half] = hi;
+    if (head >= r.n_q) {
+        u16* cache = head < rotated ? r.k_cache : r.v_cache;
+        const int kv_head = head - (head < rotated ? r.n_q : rotated);
+        const size_t at = (size_t)pos * r.n_kv * r.head_dim + (size_t)kv_head * r.head_dim + j;
+        cache[at] = f32_to_bf16(lo);
+        cache[at + half] = f32_to_bf16(hi);
+    }
+}
+
 template <int T, int S, int EPI, bool X_L2 = false>
-__device__ __forceinline__ void gemv3_cols_body(const GemmArgs& a) {
+__device__ __forceinline__ void gemv3_cols_body(const GemmArgs& a, const RopeArgs& rope) {
     __shared__ __align__(16) u32 lut[BYTE_LUT_WORDS];
+    __shared__ float rope_sums[EPI == EPI_ROPE ? 16 : 1][GEMV3_COLS];  // a group's final sums
     __shared__ float red[GEMV3_WARPS][T * 16][GEMV3_COLS + 1];  // +1: rows 8 floats apart meet fewer banks
     __shared__ float peer[X_L2 ? T * 16 : 1][GEMV3_COLS];     // rank 1's sums, in rank 0
     extern __shared__ uint4 xs[];                              // [n][k / 8] f16 octets
@@ -294,8 +344,9 @@ __device__ __forceinline__ void gemv3_cols_body(const GemmArgs& a) {
     const int kb0 = slice * kblocks / slices, kb1 = (slice + 1) * kblocks / slices;
     const int stages = (kb1 - kb0 + S - 1) / S;
     const int first_group = blockIdx.x / ctas, group_step = gridDim.x / ctas;
+    const int rope_half = EPI == EPI_ROPE ? rope.head_dim >> 1 : 0;
     Gemv3Stage<T, S> cur, nxt;
-    if (stages > 0 && first_group < groups) gemv3_load<T, S, EPI>(a, first_group, kb0, kb1, g, t, cur);
+    if (stages > 0 && first_group < groups) gemv3_load<T, S, EPI>(a, first_group, kb0, kb1, g, t, cur, rope_half);
     pdl_enter();
     if (a.skip_if && *a.skip_if) return;
     // Rank 1 writes rank 0's shared memory only once both have started: this arrival, and the
@@ -327,7 +378,7 @@ __device__ __forceinline__ void gemv3_cols_body(const GemmArgs& a) {
             const bool last = st + 1 == stages;
             const int next_group = last ? group + group_step : group;
             if (next_group < groups) {
-                gemv3_load<T, S, EPI>(a, next_group, last ? kb0 : kb + S, kb1, g, t, nxt);
+                gemv3_load<T, S, EPI>(a, next_group, last ? kb0 : kb + S, kb1, g, t, nxt, rope_half);
                 if (X_L2) load_x(last ? kb0 : kb + S, xnxt);
             }
 #pragma unroll
@@ -396,7 +447,13 @@ __device__ __forceinline__ void gemv3_cols_body(const GemmArgs& a) {
                 if (EPI == EPI_SWIGLU) up += peer[16 + row_in][col];
             }
         }
-        if (mine && rank == 0) {
+        if (EPI == EPI_ROPE) {
+            // Each pair meets in one thread: rows j8 and j8 + 8 of the group.
+            if (mine && rank == 0) rope_sums[row_in][col] = sum;
+            __syncthreads();
+            if (mine && rank == 0 && row_in < 8)
+                gemv3_rope_store(a, rope, group, row_in, col, rope_sums[row_in][col], rope_sums[row_in + 8][col]);
+        } else if (mine && rank == 0) {
             if (EPI == EPI_SWIGLU) {
                 const int r = group * 16 + row_in;
                 if (r < a.rows[0])
@@ -424,12 +481,18 @@ __device__ __forceinline__ void gemv3_cols_body(const GemmArgs& a) {
 
 #define GEMV3_COLS_KERNEL(NAME, T, S, EPI, X_L2)                                                      \
     extern "C" __global__ void __launch_bounds__(GEMV3_THREADS, GEMV3_CTAS_PER_SM) NAME(GemmArgs a) {             \
-        gemv3_cols_body<T, S, EPI, X_L2>(a);                                                          \
+        gemv3_cols_body<T, S, EPI, X_L2>(a, RopeArgs{});                                              \
+    }
+#define GEMV3_COLS_ROPE_KERNEL(NAME, S, X_L2)                                                                  \
+    extern "C" __global__ void __launch_bounds__(GEMV3_THREADS, GEMV3_CTAS_PER_SM) NAME(GemmArgs a, RopeArgs r) { \
+        gemv3_cols_body<1, S, EPI_ROPE, X_L2>(a, r);                                                           \
     }
 GEMV3_COLS_KERNEL(gemv3_cols_store, 1, 4, EPI_STORE, false)
 GEMV3_COLS_KERNEL(gemv3_cols_acc, 1, 4, EPI_ACCUMULATE, false)
 GEMV3_COLS_KERNEL(gemv3_cols_swiglu, 2, 2, EPI_SWIGLU, false)
+GEMV3_COLS_ROPE_KERNEL(gemv3_cols_rope, 4, false)
 // With x's octets in registers beside the weights', two blocks a stage (four spill).
 GEMV3_COLS_KERNEL(gemv3_cols_store_l2, 1, 2, EPI_STORE, true)
 GEMV3_COLS_KERNEL(gemv3_cols_acc_l2, 1, 2, EPI_ACCUMULATE, true)
 GEMV3_COLS_KERNEL(gemv3_cols_swiglu_l2, 2, 2, EPI_SWIGLU, true)
+GEMV3_COLS_ROPE_KERNEL(gemv3_cols_rope_l2, 2, true)

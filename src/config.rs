@@ -255,6 +255,9 @@ pub struct Config {
     /// Those kernels split a group's K across a cluster of two CTAs where one CTA a group
     /// leaves half the SMs' slots empty.
     pub cols_split: bool,
+    /// `DV2_X_QKV_ROPE=1` (an experiment, off): a short chunk's q/k/v column kernel applies
+    /// RoPE and writes the cache itself, with no rope_kv_rows after it.
+    pub x_qkv_rope: bool,
     /// The decode step's linears through the tensor-core GEMM (`DV2_LINEAR=mma`).
     pub linear_mma: bool,
     /// A bitsandbytes linear's codes left in the file's map until uploaded.
@@ -306,6 +309,7 @@ impl Config {
             prefill_gemv: on("DV2_PREFILL_GEMV"),
             cols_x_l2: on("DV2_COLS_X_L2"),
             cols_split: on("DV2_COLS_SPLIT"),
+            x_qkv_rope: is("DV2_X_QKV_ROPE", "1"),
             linear_mma: is("DV2_LINEAR", "mma"),
             mapped_codes: on("DV2_MAPPED_CODES"),
             staged_upload: on("DV2_STAGED_UPLOAD"),

@@ -154,7 +154,9 @@ pub const GEMV3_KH2_CTAS_PER_SM: u32 = 3;
 /// indices, CTAs per SM, the NF4 codebook, and the sizes of the argument structs the host
 /// passes by value, which the kernels `static_assert` against their own definitions.
 fn shared_defines() -> Vec<String> {
-    use super::ops::{AttnArgs, GemmArgs, NormArgs, PrefillAttnArgs, QkvArgs, MAX_ARGMAX_CTAS};
+    use super::ops::{
+        AttnArgs, GemmArgs, NormArgs, PrefillAttnArgs, QkvArgs, RopeArgs, MAX_ARGMAX_CTAS,
+    };
     use super::sample::{
         SampleParams, SAMPLE_BINS, SAMPLE_CANDIDATES, SAMPLE_THREADS, SAMPLE_WORK_WORDS,
     };
@@ -170,6 +172,7 @@ fn shared_defines() -> Vec<String> {
         ("SIZEOF_NORMARGS", size_of::<NormArgs>()),
         ("SIZEOF_ATTNARGS", size_of::<AttnArgs>()),
         ("SIZEOF_GEMMARGS", size_of::<GemmArgs>()),
+        ("SIZEOF_ROPEARGS", size_of::<RopeArgs>()),
         ("SIZEOF_PREFILLATTNARGS", size_of::<PrefillAttnArgs>()),
         ("SIZEOF_SAMPLEPARAMS", size_of::<SampleParams>()),
         ("GEMV2_CTAS_PER_SM", super::ops::GEMV2_CTAS_PER_SM as usize),
@@ -574,12 +577,13 @@ pub struct Kernels {
     pub gemv3_lean: [CudaFunction; 3],
     /// q/k/v's lean store kernel in K halves (`DV2_QKV_KHALVES`, default; compiled only then).
     pub gemv3_qkv_kh2: Option<CudaFunction>,
-    /// GEMV v3 over up to GEMV3_COLS columns by epilogue (a short prefill chunk), and the
-    /// dynamic shared memory (its columns of x) the device lets each take.
-    pub gemv3_cols: [CudaFunction; 3],
+    /// GEMV v3 over up to GEMV3_COLS columns by epilogue (a short prefill chunk; the fourth:
+    /// q/k/v stored with RoPE, `DV2_X_QKV_ROPE`), and the dynamic shared memory (its columns
+    /// of x) the device lets each take.
+    pub gemv3_cols: [CudaFunction; 4],
     pub gemv3_cols_room: usize,
     /// The same reading x from L2, not staged (where each group has a CTA; `DV2_COLS_X_L2`).
-    pub gemv3_cols_l2: [CudaFunction; 3],
+    pub gemv3_cols_l2: [CudaFunction; 4],
     /// The NF4 tensor-core GEMM by epilogue.
     pub gemm_store: GemmKernels,
     pub gemm_acc: GemmKernels,
@@ -671,12 +675,14 @@ impl Kernels {
             f("gemv3_cols_store")?,
             f("gemv3_cols_acc")?,
             f("gemv3_cols_swiglu")?,
+            f("gemv3_cols_rope")?,
         ];
         allow_dynamic_smem(gpu, &gemv3_cols, GEMV3_COLS_MAX_SMEM)?;
         let gemv3_cols_l2 = [
             f("gemv3_cols_store_l2")?,
             f("gemv3_cols_acc_l2")?,
             f("gemv3_cols_swiglu_l2")?,
+            f("gemv3_cols_rope_l2")?,
         ];
         let gemv3_qkv_kh2 = if cfg.qkv_khalves {
             Some(f_smem("gemv3_store_lean_kh2", GEMV3_MAX_SMEM)?)

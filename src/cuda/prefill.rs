@@ -8,7 +8,7 @@
 use cudarc::driver::LaunchConfig;
 
 use super::budget::kv_stride;
-use super::ops::{one_cta, Epilogue, GemmMatrix, Ops, PrefillAttnArgs, PrefillSplitRoom};
+use super::ops::{one_cta, Epilogue, GemmMatrix, Ops, PrefillAttnArgs, PrefillSplitRoom, RopeArgs};
 use super::step::{Activations, CudaBackend};
 use crate::arch::ArchSpec;
 use crate::error::{Error, Result};
@@ -127,24 +127,37 @@ impl CudaBackend {
                 matrix(&layer.qkv[i], bias)
             });
             let ld = s.qkv_rows();
-            ops.gemm(
-                Epilogue::Store,
-                &qkv_mats,
-                s.hidden,
-                xn,
-                n,
-                qkv,
-                ld,
-                0,
-                true,
-            )?;
             let (cos, sin, ld_i) = (
                 self.ptr(&self.rope_cos),
                 self.ptr(&self.rope_sin),
                 ld as i32,
             );
             let (n_q, n_kv, hd) = (s.n_q_heads as i32, s.n_kv_heads as i32, s.head_dim as i32);
-            launch!(gpu, &ops.k.rope_kv_rows, rows; qkv, k_cache, v_cache, cos, sin, state, ld_i, n_q, n_kv, hd)?;
+            let rope = RopeArgs {
+                k_cache,
+                v_cache,
+                cos,
+                sin,
+                state,
+                n_q,
+                n_kv,
+                head_dim: hd,
+                col0: 0,
+            };
+            if !ops.qkv_rope(&qkv_mats, s.hidden, xn, n, qkv, ld, rope)? {
+                ops.gemm(
+                    Epilogue::Store,
+                    &qkv_mats,
+                    s.hidden,
+                    xn,
+                    n,
+                    qkv,
+                    ld,
+                    0,
+                    true,
+                )?;
+                launch!(gpu, &ops.k.rope_kv_rows, rows; qkv, k_cache, v_cache, cos, sin, state, ld_i, n_q, n_kv, hd)?;
+            }
             let room = PrefillSplitRoom {
                 pos0: pos + first,
                 acc_floats: a.part_acc.len(),

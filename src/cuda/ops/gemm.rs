@@ -68,6 +68,26 @@ impl GemmArgs {
     }
 }
 
+/// kernels/gemv_mma.cu `RopeArgs`: what rope_kv_rows takes, for GEMV v3's column kernels to
+/// store a short chunk's q/k/v rotated and k and v into the cache (`DV2_X_QKV_ROPE`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct RopeArgs {
+    pub k_cache: u64,
+    pub v_cache: u64,
+    pub cos: u64,
+    pub sin: u64,
+    pub state: u64,
+    pub n_q: i32,
+    pub n_kv: i32,
+    pub head_dim: i32,
+    /// The launch's first column of the chunk (set by the launch: x too big for one).
+    pub col0: i32,
+}
+
+// SAFETY: plain old data matching the kernel's struct.
+unsafe impl DeviceRepr for RopeArgs {}
+
 /// What the tensor-core GEMM does with its sums.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Epilogue {
@@ -111,8 +131,8 @@ impl Ops {
                 "the GEMM takes f32 activations at one column only".into(),
             ));
         }
-        if f16 && n <= GEMV3_COLS && self.cfg.prefill_gemv {
-            return self.gemv3_cols(epilogue, mats, k, x, n, y, ldy, skip_if);
+        if self.takes_columns(n, f16) {
+            return self.gemv3_cols(epilogue, mats, k, x, n, y, ldy, skip_if, None);
         }
         let mut args = GemmArgs::new(mats, x, y, skip_if, n, k, NormArgs::NONE, 0);
         args.ldy = ldy as i32;
@@ -149,6 +169,34 @@ impl Ops {
         launch!(self.gpu, f, cfg, cluster = (1, 1, cluster_z); args)
     }
 
+    /// Whether [`Ops::gemm`] takes `n` columns through GEMV v3's column kernels.
+    fn takes_columns(&self, n: usize, f16: bool) -> bool {
+        f16 && n <= GEMV3_COLS && self.cfg.prefill_gemv
+    }
+
+    /// q/k/v of a chunk of `n` f16 columns as [`Ops::gemm`]'s store, each row's q and k heads
+    /// then rotated and its k and v written into the cache as `rope_kv_rows` does, in one
+    /// launch (`DV2_X_QKV_ROPE=1`, an experiment). Ok(false), nothing launched, where the
+    /// chunk does not take the column kernels or the heads do not split into groups of 16
+    /// pairs' rows; the caller then runs the GEMM and rope_kv_rows.
+    #[allow(clippy::too_many_arguments)]
+    pub fn qkv_rope(
+        &self,
+        mats: &[GemmMatrix],
+        k: usize,
+        x: u64,
+        n: usize,
+        y: u64,
+        ldy: usize,
+        rope: RopeArgs,
+    ) -> Result<bool> {
+        if !self.cfg.x_qkv_rope || !self.takes_columns(n, true) || rope.head_dim % 16 != 0 {
+            return Ok(false);
+        }
+        self.gemv3_cols(Epilogue::Store, mats, k, x, n, y, ldy, 0, Some(rope))?;
+        Ok(true)
+    }
+
     /// [`Ops::gemm`]'s f16 case at `n` <= GEMV3_COLS columns on GEMV v3's column kernels:
     /// the columns that fit the shared memory the device allows a CTA at K = `k` a launch
     /// (the 32B shape's down: three), each launch reading the weights once.
@@ -163,6 +211,7 @@ impl Ops {
         y: u64,
         ldy: usize,
         skip_if: u64,
+        rope: Option<RopeArgs>,
     ) -> Result<()> {
         if epilogue == Epilogue::Accumulate && mats.len() != 1 {
             return Err(Error::Internal(
@@ -170,6 +219,7 @@ impl Ops {
             ));
         }
         let (kernel, outputs, y_bytes) = match epilogue {
+            Epilogue::Store if rope.is_some() => (3, mats.iter().map(|m| m.rows).sum(), 4),
             Epilogue::Store => (0, mats.iter().map(|m| m.rows).sum(), 4),
             Epilogue::Accumulate => (1, mats[0].rows, 4),
             Epilogue::Swiglu => (2, mats[0].rows, 2),
@@ -239,7 +289,13 @@ impl Ops {
                 block_dim: ((GEMV3_WARPS * 32) as u32, 1, 1),
                 shared_mem_bytes: smem as u32,
             };
-            launch!(self.gpu, f, cfg, cluster = (cluster, 1, 1); args)?;
+            match rope {
+                Some(mut rope) => {
+                    rope.col0 = col as i32;
+                    launch!(self.gpu, f, cfg, cluster = (cluster, 1, 1); args, rope)?
+                }
+                None => launch!(self.gpu, f, cfg, cluster = (cluster, 1, 1); args)?,
+            }
             col += cols;
         }
         Ok(())

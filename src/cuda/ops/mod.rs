@@ -34,7 +34,7 @@ pub use attention::{
     PrefillAttnArgs, PrefillSplitRoom, ATTN3_SPLITS, ATTN_SPLIT,
 };
 pub(super) use gemm::GemmArgs;
-pub use gemm::{Epilogue, GemmMatrix};
+pub use gemm::{Epilogue, GemmMatrix, RopeArgs};
 pub use gemv::{
     Gemv, GemvChoice, LogitsHead, QkvArgs, DOWN_W27_K, DOWN_W27_WARPS, GEMV2_CTAS_PER_SM,
     GEMV2_SWIGLU_SKEW, GEMV3_MAX_BYTES, LOGITS_W20_LATE_SUMS, SWIGLU_W20_K, SWIGLU_W20_KPARTS,
