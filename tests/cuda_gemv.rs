@@ -17,7 +17,8 @@ use decodev2::cuda::bench::random_f32 as random;
 use decodev2::cuda::device::Gpu;
 use decodev2::cuda::kernels::state;
 use decodev2::cuda::ops::{
-    Epilogue, GemmMatrix, Gemv, GemvChoice, Input, LogitsHead, Ops, QkvArgs, ARGMAX_SCRATCH,
+    Epilogue, GemmMatrix, Gemv, GemvChoice, Input, LogitsHead, Ops, QkvArgs, RopeArgs,
+    ARGMAX_SCRATCH,
 };
 use decodev2::cuda::weights::DeviceMatrix;
 use decodev2::nf4::Nf4Matrix;
@@ -678,4 +679,148 @@ fn a_short_prefill_chunks_linears_match_the_cpu_on_both_paths() {
         }
     }
     println!("short prefill chunks' linears: worst |error| / tolerance {worst:.3}");
+}
+
+/// `DV2_X_QKV_ROPE`: the q/k/v column kernel that applies RoPE itself stores what the plain
+/// column store followed by rope_kv_rows' arithmetic would (that store's sums rotated on the
+/// CPU), and writes k and v into the cache at each column's position, on every column path.
+#[test]
+fn qkv_rope_stores_the_rotated_sums_and_the_cache() {
+    let cfg = Config::from_env();
+    let Some(gpu) = cuda_or_skip("GPU", Gpu::open(0, &cfg)) else {
+        return;
+    };
+    let mut ops = Ops::new(gpu, cfg.clone()).unwrap();
+    let (k, hd, n_q, n_kv, max_seq, pos0) = (2048, 64, 4, 2, 32, 5);
+    let (half, kv_dim) = (hd / 2, n_kv * hd);
+    let (q_rows, qkv_rows) = (n_q * hd, (n_q + 2 * n_kv) * hd);
+    let gpu = &ops.gpu;
+    let [a, b, c] =
+        [1, 3, 5].map(|m| Matrix::new(gpu, if m == 1 { q_rows } else { kv_dim }, k, 40 + m));
+    let bias = random(q_rows, 47, -0.5, 0.5);
+    let bias_d = gpu.upload(&bias).unwrap();
+    let cos = random(max_seq * half, 48, -1.0, 1.0);
+    let sin = random(max_seq * half, 49, -1.0, 1.0);
+    let (cos_d, sin_d) = (gpu.upload(&cos).unwrap(), gpu.upload(&sin).unwrap());
+    let mut st = vec![0i32; state::LEN];
+    st[state::POSITION] = pos0 as i32;
+    let state_d = gpu.upload(&st).unwrap();
+    let bf16 = |v: f32| half::bf16::from_f32(v).to_bits();
+    for n in [1, 3, 8] {
+        let (x16, _) = f16_rounded(&random(n * k, 50 + n as u64, -1.0, 1.0));
+        for (l2, split) in [(false, false), (true, false), (true, true)] {
+            ops.cfg.prefill_gemv = true;
+            ops.cfg.cols_x_l2 = l2;
+            ops.cfg.cols_split = split;
+            let gpu = &ops.gpu;
+            let x16d = gpu.upload(&x16).unwrap();
+            let mats = [
+                GemmMatrix {
+                    m: a.dev.as_ref(gpu),
+                    rows: q_rows,
+                    bias: gpu.ptr(&bias_d),
+                },
+                GemmMatrix {
+                    m: b.dev.as_ref(gpu),
+                    rows: kv_dim,
+                    bias: 0,
+                },
+                GemmMatrix {
+                    m: c.dev.as_ref(gpu),
+                    rows: kv_dim,
+                    bias: 0,
+                },
+            ];
+            let plain = gpu.zeros::<f32>(n * qkv_rows).unwrap();
+            ops.cfg.x_qkv_rope = false;
+            let x = gpu.ptr(&x16d);
+            ops.gemm(
+                Epilogue::Store,
+                &mats,
+                k,
+                x,
+                n,
+                gpu.ptr(&plain),
+                qkv_rows,
+                0,
+                true,
+            )
+            .unwrap();
+            let plain = gpu.download(&plain, n * qkv_rows).unwrap();
+            let rotated = gpu.zeros::<f32>(n * qkv_rows).unwrap();
+            let k_cache = gpu.zeros::<u16>(max_seq * kv_dim).unwrap();
+            let v_cache = gpu.zeros::<u16>(max_seq * kv_dim).unwrap();
+            let rope = RopeArgs {
+                k_cache: gpu.ptr(&k_cache),
+                v_cache: gpu.ptr(&v_cache),
+                cos: gpu.ptr(&cos_d),
+                sin: gpu.ptr(&sin_d),
+                state: gpu.ptr(&state_d),
+                n_q: n_q as i32,
+                n_kv: n_kv as i32,
+                head_dim: hd as i32,
+                col0: 0,
+            };
+            ops.cfg.x_qkv_rope = true;
+            let ran = ops
+                .qkv_rope(&mats, k, x, n, gpu.ptr(&rotated), qkv_rows, rope)
+                .unwrap();
+            assert!(ran, "the column kernels take {n} columns");
+            let rotated = gpu.download(&rotated, n * qkv_rows).unwrap();
+            let k_cache = gpu.download(&k_cache, max_seq * kv_dim).unwrap();
+            let v_cache = gpu.download(&v_cache, max_seq * kv_dim).unwrap();
+            let path = format!("n = {n}, x from L2 {l2}, split {split}");
+            for col in 0..n {
+                let (pos, row) = (pos0 + col, &plain[col * qkv_rows..(col + 1) * qkv_rows]);
+                let got = &rotated[col * qkv_rows..(col + 1) * qkv_rows];
+                for head in 0..n_q + 2 * n_kv {
+                    for j in 0..half {
+                        let (r, x1, x2) =
+                            (head * hd + j, row[head * hd + j], row[head * hd + j + half]);
+                        let (lo, hi) = if head < n_q + n_kv {
+                            let (c, s) = (cos[pos * half + j], sin[pos * half + j]);
+                            (x1 * c - x2 * s, x2 * c + x1 * s)
+                        } else {
+                            (x1, x2)
+                        };
+                        let tol = 1e-5 * (x1.abs() + x2.abs()) + 1e-6;
+                        assert!(
+                            (got[r] - lo).abs() <= tol && (got[r + half] - hi).abs() <= tol,
+                            "{path}: column {col} head {head} dim {j}: got ({}, {}), want ({lo}, {hi})",
+                            got[r],
+                            got[r + half]
+                        );
+                        if head >= n_q {
+                            let (cache, h) = if head < n_q + n_kv {
+                                (&k_cache, head - n_q)
+                            } else {
+                                (&v_cache, head - n_q - n_kv)
+                            };
+                            let at = pos * kv_dim + h * hd + j;
+                            for (stored, want) in
+                                [(cache[at], got[r]), (cache[at + half], got[r + half])]
+                            {
+                                assert_eq!(
+                                    stored,
+                                    bf16(want),
+                                    "{path}: cache at slot {pos}, head {head}, dim {j}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+            // Slots other than the chunk's untouched.
+            for slot in (0..max_seq).filter(|s| !(pos0..pos0 + n).contains(s)) {
+                let at = slot * kv_dim;
+                assert!(
+                    k_cache[at..at + kv_dim]
+                        .iter()
+                        .chain(&v_cache[at..at + kv_dim])
+                        .all(|&w| w == 0),
+                    "{path}: slot {slot} written"
+                );
+            }
+        }
+    }
 }
