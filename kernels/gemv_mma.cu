@@ -260,29 +260,7 @@ extern "C" __global__ void __launch_bounds__(GEMV3_THREADS, GEMV3_KH2_CTAS_PER_S
 }
 #endif
 
-// GEMV v3 over up to eight columns: a prefill chunk of at most GEMV3_COLS ids (a chat turn's
-// few new ids, a speculative draft's check) on the decode's tensor-core walk instead of the
-// GEMM, whose tiles and K splits are sized for many columns. Column c of x (f16, [n][k], the
-// prefill's producers write it so) goes to B's column c, so one MMA serves every column where
-// the decode kernel above replicates one; columns from n to 7 repeat column 0 and are not
-// stored. Thread (g, t) then holds rows g and g + 8 of columns 2t and 2t + 1. y is [n][ldy],
-// f32 (SwiGLU: f16, down's input). No norm on load, no sums out: the prefill norms its rows
-// before (rms_rows).
-// X_L2 (where each group has a CTA of its own; DV2_COLS_X_L2=0 stages it): x is not staged;
-// each thread reads its column's octets of the next S blocks from global memory (L2: every CTA
-// reads the same x) right after the next stage's weights, so both are in flight during this
-// stage's math. Why: down's x at 8 columns fills 176 KiB of a CTA, so an SM holds one CTA of
-// 8 warps, which staged all of x (twice its rows' bytes of weights) before it streamed its
-// rows: down's column walk ran at 29% of the bandwidth in a check (docs/lab.md, sessions
-// 73-74).
-// In a cluster of 2 (X_L2 only, where the groups alone would fill under half the CTA slots;
-// DV2_COLS_SPLIT=0: never), a group's K is split across the cluster's CTAs (16 warps where one
-// CTA has 8), so that down's 128 groups fill two CTAs an SM, each with its loads in flight;
-// rank 1 stores its sums in rank 0's shared memory, which adds them after its own (a fixed
-// order: the same sums every run), both having started (the barrier at the start). Down 13.6
-// -> 8.8 us a launch in a check of 7 ids (H200, docs/lab.md session 75); at any x size, a
-// check of 1 id 8% sooner (session 76).
-// EPI_ROPE's operands (DV2_X_QKV_ROPE, an experiment): what rope_kv_rows takes.
+// EPI_ROPE's operands (DV2_QKV_ROPE): what rope_kv_rows takes.
 struct RopeArgs {
     u16* k_cache;
     u16* v_cache;
@@ -325,6 +303,28 @@ __device__ __forceinline__ void gemv3_rope_store(const GemmArgs& a, const RopeAr
     }
 }
 
+// GEMV v3 over up to eight columns: a prefill chunk of at most GEMV3_COLS ids (a chat turn's
+// few new ids, a speculative draft's check) on the decode's tensor-core walk instead of the
+// GEMM, whose tiles and K splits are sized for many columns. Column c of x (f16, [n][k], the
+// prefill's producers write it so) goes to B's column c, so one MMA serves every column where
+// the decode kernel above replicates one; columns from n to 7 repeat column 0 and are not
+// stored. Thread (g, t) then holds rows g and g + 8 of columns 2t and 2t + 1. y is [n][ldy],
+// f32 (SwiGLU: f16, down's input). No norm on load, no sums out: the prefill norms its rows
+// before (rms_rows).
+// X_L2 (where each group has a CTA of its own; DV2_COLS_X_L2=0 stages it): x is not staged;
+// each thread reads its column's octets of the next S blocks from global memory (L2: every CTA
+// reads the same x) right after the next stage's weights, so both are in flight during this
+// stage's math. Why: down's x at 8 columns fills 176 KiB of a CTA, so an SM holds one CTA of
+// 8 warps, which staged all of x (twice its rows' bytes of weights) before it streamed its
+// rows: down's column walk ran at 29% of the bandwidth in a check (docs/lab.md, sessions
+// 73-74).
+// In a cluster of 2 (X_L2 only, where the groups alone would fill under half the CTA slots;
+// DV2_COLS_SPLIT=0: never), a group's K is split across the cluster's CTAs (16 warps where one
+// CTA has 8), so that down's 128 groups fill two CTAs an SM, each with its loads in flight;
+// rank 1 stores its sums in rank 0's shared memory, which adds them after its own (a fixed
+// order: the same sums every run), both having started (the barrier at the start). Down 13.6
+// -> 8.8 us a launch in a check of 7 ids (H200, docs/lab.md session 75); at any x size, a
+// check of 1 id 8% sooner (session 76).
 template <int T, int S, int EPI, bool X_L2 = false>
 __device__ __forceinline__ void gemv3_cols_body(const GemmArgs& a, const RopeArgs& rope) {
     __shared__ __align__(16) u32 lut[BYTE_LUT_WORDS];

@@ -681,7 +681,7 @@ fn a_short_prefill_chunks_linears_match_the_cpu_on_both_paths() {
     println!("short prefill chunks' linears: worst |error| / tolerance {worst:.3}");
 }
 
-/// `DV2_X_QKV_ROPE`: the q/k/v column kernel that applies RoPE itself stores what the plain
+/// `DV2_QKV_ROPE`: the q/k/v column kernel that applies RoPE itself stores what the plain
 /// column store followed by rope_kv_rows' arithmetic would (that store's sums rotated on the
 /// CPU), and writes k and v into the cache at each column's position, on every column path.
 #[test]
@@ -732,7 +732,7 @@ fn qkv_rope_stores_the_rotated_sums_and_the_cache() {
                 },
             ];
             let plain = gpu.zeros::<f32>(n * qkv_rows).unwrap();
-            ops.cfg.x_qkv_rope = false;
+            ops.cfg.qkv_rope = false;
             let x = gpu.ptr(&x16d);
             ops.gemm(
                 Epilogue::Store,
@@ -761,7 +761,7 @@ fn qkv_rope_stores_the_rotated_sums_and_the_cache() {
                 head_dim: hd as i32,
                 col0: 0,
             };
-            ops.cfg.x_qkv_rope = true;
+            ops.cfg.qkv_rope = true;
             let ran = ops
                 .qkv_rope(&mats, k, x, n, gpu.ptr(&rotated), qkv_rows, rope)
                 .unwrap();

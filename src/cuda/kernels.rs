@@ -578,7 +578,7 @@ pub struct Kernels {
     /// q/k/v's lean store kernel in K halves (`DV2_QKV_KHALVES`, default; compiled only then).
     pub gemv3_qkv_kh2: Option<CudaFunction>,
     /// GEMV v3 over up to GEMV3_COLS columns by epilogue (a short prefill chunk; the fourth:
-    /// q/k/v stored with RoPE, `DV2_X_QKV_ROPE`), and the dynamic shared memory (its columns
+    /// q/k/v stored with RoPE, `DV2_QKV_ROPE`), and the dynamic shared memory (its columns
     /// of x) the device lets each take.
     pub gemv3_cols: [CudaFunction; 4],
     pub gemv3_cols_room: usize,

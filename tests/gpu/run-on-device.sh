@@ -77,6 +77,7 @@ if want switches; then
   gates_with chunked DV2_PREFILL_TAIL=0
   gates_with a_short_chunk_deep DV2_PREFILL_SPLIT=0
   gates_with a_rewound DV2_PREFILL_SPLIT=0
+  gates_with speculative DV2_QKV_ROPE=0
   gates_with a_saved_state DV2_STAGED_UPLOAD=0
   for v in DV2_QKV_KHALVES=0 DV2_LOGITS_ARGMAX=0 DV2_FFN_F16=0 DV2_FUSE_RMS=0; do
     gates_with qwen25_3b_shape $v

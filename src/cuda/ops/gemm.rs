@@ -69,7 +69,7 @@ impl GemmArgs {
 }
 
 /// kernels/gemv_mma.cu `RopeArgs`: what rope_kv_rows takes, for GEMV v3's column kernels to
-/// store a short chunk's q/k/v rotated and k and v into the cache (`DV2_X_QKV_ROPE`).
+/// store a short chunk's q/k/v rotated and k and v into the cache (`DV2_QKV_ROPE`).
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct RopeArgs {
@@ -176,7 +176,7 @@ impl Ops {
 
     /// q/k/v of a chunk of `n` f16 columns as [`Ops::gemm`]'s store, each row's q and k heads
     /// then rotated and its k and v written into the cache as `rope_kv_rows` does, in one
-    /// launch (`DV2_X_QKV_ROPE=1`, an experiment). Ok(false), nothing launched, where the
+    /// launch (`DV2_QKV_ROPE`, default). Ok(false), nothing launched, where the
     /// chunk does not take the column kernels or the heads do not split into groups of 16
     /// pairs' rows; the caller then runs the GEMM and rope_kv_rows.
     #[allow(clippy::too_many_arguments)]
@@ -190,7 +190,7 @@ impl Ops {
         ldy: usize,
         rope: RopeArgs,
     ) -> Result<bool> {
-        if !self.cfg.x_qkv_rope || !self.takes_columns(n, true) || rope.head_dim % 16 != 0 {
+        if !self.cfg.qkv_rope || !self.takes_columns(n, true) || rope.head_dim % 16 != 0 {
             return Ok(false);
         }
         self.gemv3_cols(Epilogue::Store, mats, k, x, n, y, ldy, 0, Some(rope))?;
