@@ -45,8 +45,9 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode(AttnArgs 
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         int i = d < half ? d : d - half;
         float c = a.rope_cos[pos * half + i], s = a.rope_sin[pos * half + i];
-        q_s[d] = d < half ? q[i] * c - q[i + half] * s : q[i + half] * c + q[i] * s;
-        k_s[d] = d < half ? k[i] * c - k[i + half] * s : k[i + half] * c + k[i] * s;
+        const float2 qr = rope_pair(q[i], q[i + half], c, s), kr = rope_pair(k[i], k[i + half], c, s);
+        q_s[d] = d < half ? qr.x : qr.y;
+        k_s[d] = d < half ? kr.x : kr.y;
         v_s[d] = v[d];
     }
     __syncthreads();
@@ -149,7 +150,8 @@ __device__ __forceinline__ void rope_rotate(const AttnArgs& a, int hd, int gn, i
                                             float x2, float* q_s, float* kcur) {
     const int half = hd >> 1;
     const int g = i / half, j = i % half;
-    const float lo = x1 * c - x2 * s, hi = x2 * c + x1 * s;
+    const float2 r = rope_pair(x1, x2, c, s);
+    const float lo = r.x, hi = r.y;
     if (g < gn) {
         q_s[g * hd + j] = lo * a.scale;
         q_s[g * hd + j + half] = hi * a.scale;

@@ -170,8 +170,9 @@ __device__ __forceinline__ void rotate_live_group(const AttnArgs& a, int kvh, in
     float lo[8], hi[8];
 #pragma unroll
     for (int e = 0; e < 8; e++) {
-        lo[e] = rotates ? x1[e] * c[e] - x2[e] * sn[e] : 0.0f;
-        hi[e] = rotates ? x2[e] * c[e] + x1[e] * sn[e] : 0.0f;
+        const float2 r = rope_pair(x1[e], x2[e], c[e], sn[e]);
+        lo[e] = rotates ? r.x : 0.0f;
+        hi[e] = rotates ? r.y : 0.0f;
     }
     if (head == ATTNL_MAX_GROUP) {
 #pragma unroll

@@ -106,6 +106,14 @@ __device__ __forceinline__ void store_pair(float* out, size_t i, float lo, float
 
 __device__ __forceinline__ float sq(float v) { return v * v; }
 
+// RoPE on one pair of a head's vector (dims j and j + head_dim/2) by the angle whose cosine
+// and sine are c and s. Every kernel that rotates q or k (the decode attentions, rope_kv_rows,
+// the column kernels' q/k/v store) takes this one expression, so the KV cache holds the same
+// bits whichever path wrote a slot.
+__device__ __forceinline__ float2 rope_pair(float x1, float x2, float c, float s) {
+    return make_float2(x1 * c - x2 * s, x2 * c + x1 * s);
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

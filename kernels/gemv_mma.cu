@@ -53,15 +53,25 @@ __device__ __forceinline__ const float* gemv3_bias(const GemmArgs& a, int matrix
     return EPI == EPI_ACCUMULATE ? a.bias[0] : pick_bias(a, matrix);
 }
 
-// Row h (0: g, 1: g + 8) of tile i of row group `group`, as a stacked-matrix row. EPI_ROPE:
-// a group is 8 rows of a head's first half and the 8 they rotate with (rope_half rows on), so
-// that one thread's epilogue holds both of a pair.
+// EPI_ROPE: row group `group` is 8 dims of a head's first half and the 8 they rotate with
+// (rope_half rows on), so that one thread's epilogue holds both of a pair. The head and the
+// dim of the group's pair j8 (of 8).
+struct RopeGroupPair {
+    int head, j;
+};
+__device__ __forceinline__ RopeGroupPair rope_group_pair(int group, int j8, int rope_half) {
+    const int per_head = rope_half >> 3, head = group / per_head;
+    return {head, 8 * (group - head * per_head) + j8};
+}
+
+// Row h (0: g, 1: g + 8) of tile i of row group `group`, as a stacked-matrix row (EPI_ROPE:
+// the first or second of pair g, rope_group_pair).
 template <int T, int EPI>
 __device__ __forceinline__ StackedRow gemv3_row(const GemmArgs& a, int group, int i, int h, int g, int rope_half = 0) {
     if (EPI == EPI_SWIGLU) return swiglu_row(a, group * 16 + g + 8 * h, i);
     if (EPI == EPI_ROPE) {
-        const int per_head = rope_half >> 3, head = group / per_head;
-        return stacked_row(a, 2 * rope_half * head + 8 * (group - head * per_head) + g + h * rope_half);
+        const RopeGroupPair p = rope_group_pair(group, g, rope_half);
+        return stacked_row(a, 2 * rope_half * p.head + p.j + h * rope_half);
     }
     return gemv3_stacked<EPI>(a, (group * T + i) * 16 + g + 8 * h);
 }
@@ -278,8 +288,9 @@ static_assert(sizeof(RopeArgs) == SIZEOF_ROPEARGS, "RopeArgs differs from the ho
 // rope_kv_rows after a short chunk's q/k/v, one launch a layer fewer.
 __device__ __forceinline__ void gemv3_rope_store(const GemmArgs& a, const RopeArgs& r, int group, int j8, int col,
                                                  float lo, float hi) {
-    const int half = r.head_dim >> 1, per_head = half >> 3, head = group / per_head;
-    const int j = 8 * (group - head * per_head) + j8, row = head * r.head_dim + j;
+    const int half = r.head_dim >> 1;
+    const RopeGroupPair p = rope_group_pair(group, j8, half);
+    const int head = p.head, j = p.j, row = head * r.head_dim + j;
     const StackedRow s0 = stacked_row(a, row), s1 = stacked_row(a, row + half);
     if (!s0.valid) return;
     const float* bias = gemv3_bias<EPI_ROPE>(a, s0.matrix);
@@ -287,9 +298,9 @@ __device__ __forceinline__ void gemv3_rope_store(const GemmArgs& a, const RopeAr
     const int pos = r.state[STATE_POSITION] + r.col0 + col, rotated = r.n_q + r.n_kv;
     if (head < rotated) {
         const float c = r.cos[(size_t)pos * half + j], s = r.sin[(size_t)pos * half + j];
-        const float x1 = lo, x2 = hi;
-        lo = x1 * c - x2 * s;
-        hi = x2 * c + x1 * s;
+        const float2 rotated_pair = rope_pair(lo, hi, c, s);
+        lo = rotated_pair.x;
+        hi = rotated_pair.y;
     }
     float* out = a.y + (size_t)col * a.ldy;
     out[row] = lo;

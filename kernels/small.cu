@@ -249,7 +249,8 @@ extern "C" __global__ void rope_kv_rows(float* qkv, u16* k_cache, u16* v_cache, 
             const int idx = base + u * blockDim.x;
             if (idx < rotations) {
                 const int h = idx / half, j = idx % half;
-                const float lo = x1[u] * c[u] - x2[u] * s[u], hi = x2[u] * c[u] + x1[u] * s[u];
+                const float2 r = rope_pair(x1[u], x2[u], c[u], s[u]);
+                const float lo = r.x, hi = r.y;
                 row[h * head_dim + j] = lo;
                 row[h * head_dim + j + half] = hi;
                 if (h >= n_q) {
