@@ -125,11 +125,13 @@ fi
 if want sanitize; then
   sanitize_c_example ""
   # The long-context attention past 2k slots (its cluster merge by pushes on an mbarrier,
-  # several clusters merging through global memory): memcheck on every kernel; racecheck and
-  # synccheck on its kernels alone (~45 s for racecheck, where the whole test passed 120 s:
-  # docs/lab.md, session 29).
+  # several clusters merging through global memory): memcheck and racecheck on every kernel
+  # (racecheck ~115 s on an H100); synccheck on its kernels alone. racecheck with a kernel
+  # filter (any: attn_long, rms_norm, the column kernels) stops at "Internal Sanitizer Error:
+  # failed to handle a hardware exception" on this test and on the C example, where both are
+  # clean with every kernel instrumented (docs/lab.md, session 80).
   for tool in memcheck racecheck synccheck; do
-    only=(); [[ $tool == memcheck ]] || only=(--kernel-name kns=attn_long)
+    only=(); [[ $tool == synccheck ]] && only=(--kernel-name kns=attn_long)
     sanitize_test "long-context attention" long $tool .device/tests/cuda_gates \
       graph_replay_equals_eager_with_the_long_attention "${only[@]}"
   done
