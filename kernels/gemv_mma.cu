@@ -38,10 +38,15 @@ struct Gemv3Stage {
 
 // Output row r as a row of the stacked matrices: the accumulate epilogue (o) always has one
 // matrix (the host checks), so its kernel carries no code to pick among three (code each warp runs once, whose fetch is the cost:
-// docs/lab.md, session 13).
+// docs/lab.md, session 13). Past the last row, row 0 (as stacked_row gives): the walk loads
+// every row of its last group, stored or not, and a row past the matrix read past its codes
+// and scales (memcheck on cuda_gemv's 200-row matrices, docs/lab.md session 80).
 template <int EPI>
 __device__ __forceinline__ StackedRow gemv3_stacked(const GemmArgs& a, int r) {
-    if (EPI == EPI_ACCUMULATE) return StackedRow{0, r, r < a.rows[0]};
+    if (EPI == EPI_ACCUMULATE) {
+        const bool valid = r < a.rows[0];
+        return StackedRow{0, valid ? r : 0, valid};
+    }
     return stacked_row(a, r);
 }
 template <int EPI>
