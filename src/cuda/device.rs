@@ -228,7 +228,7 @@ impl Gpu {
             .map_err(driver_error("stream synchronize"))
     }
 
-    /// Launches `f` on the stream, with programmatic dependent launch when [`Gpu::pdl`].
+    /// Launches `f` on the stream, with programmatic dependent launch when [`Capabilities::pdl`].
     ///
     /// # Safety
     /// `args` holds one [`kernel_arg`] per parameter of `f`, in order and of the declared

@@ -6,7 +6,7 @@
 //! - [`ops`]: every kernel launch and its launch shape, by kernel family.
 //! - [`weights`]: the model uploaded as packed NF4.
 //! - [`budget`]: the VRAM estimate checked before anything is allocated.
-//! - [`bench`]: microbenchmarks (streaming-read floor, GEMV shapes, attention).
+//! - [`mod@bench`]: microbenchmarks (streaming-read floor, GEMV shapes, attention).
 //! - [`step`]: the backend itself: arena, state, KV, and the launch sequence of one step.
 //! - [`prefill`]: the chunked prefill's launch sequence.
 //! - [`profile`]: measuring tools (stage events, the CTA timeline).

@@ -21,7 +21,7 @@ pub const DEFAULT_PREFILL_CHUNK: usize = 1024;
 pub const MAX_PREFILL_CHUNK: usize = 1024;
 
 /// The prefill chunk: 0 (the token-at-a-time path) under `DV2_PREFILL=n1` or when no prefill
-/// attention kernel takes the model's shape, else [`chunk_size`] of `requested` and
+/// attention kernel takes the model's shape, else `chunk_size` of `requested` and
 /// `DV2_PREFILL_CHUNK`.
 pub fn prefill_chunk(ops: &Ops, s: &ArchSpec, max_seq: usize, requested: usize) -> Result<usize> {
     if ops.cfg.prefill_by_steps || !ops.attn_prefill_fits(s.n_q_heads / s.n_kv_heads, s.head_dim) {

@@ -1,7 +1,7 @@
 //! Hugging Face model directories: `config.json` plus `*.safetensors` (one file, or shards
 //! listed by `model.safetensors.index.json`), bf16 / f16 / f32, memory-mapped and re-quantized
 //! to NF4 row by row on every core; or bitsandbytes 4-bit (nf4) linears, whose codes are
-//! decodev2's layout and are taken as they are ([`bnb`]).
+//! decodev2's layout and are taken as they are (`load::bnb`).
 //!
 //! Architectures: `LlamaForCausalLM`, `MistralForCausalLM` (no biases) and `Qwen2ForCausalLM`
 //! (q/k/v biases). Hugging Face stores q and k in the rotate-half layout decodev2 uses, so no

@@ -1,7 +1,7 @@
 //! The model's own tokenizer: text to ids and ids back to bytes, built from what the model file
 //! carries — a GGUF's `tokenizer.ggml.*` metadata (byte-level BPE, `tokenizer.ggml.model` =
 //! gpt2, split the way `tokenizer.ggml.pre` names, run by the `tokenizers` crate; or
-//! SentencePiece BPE, `llama`, in [`spm`]) or a Hugging Face directory's `tokenizer.json`
+//! SentencePiece BPE, `llama`, in `spm`) or a Hugging Face directory's `tokenizer.json`
 //! (the `tokenizers` crate).
 //!
 //! Pieces are raw bytes: a byte-level token can end inside a UTF-8 character, so a streaming

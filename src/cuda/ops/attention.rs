@@ -118,7 +118,7 @@ pub enum Attention {
     /// does not fit the model (a GQA group over 16, or over 2,048 q values per KV head, or
     /// over 32k slots).
     V1,
-    /// CTAs per (KV head, split of the context), [`ATTN2_SPLIT`] of them sharing the group's q
+    /// CTAs per (KV head, split of the context), `ATTN2_SPLIT` of them sharing the group's q
     /// heads, each walking its split in 32-slot chunks, then the merge kernel: the default
     /// without thread-block clusters.
     V2,
@@ -157,7 +157,7 @@ pub fn attn_long_partials(s: &ArchSpec) -> (usize, usize) {
 }
 
 /// Attention time splits of a KV capacity: v1 splits it in up to 32 parts; v2 in at most one
-/// split per 32 slots ([`attn2_splits`]). The arena holds partials for the larger of the two.
+/// split per 32 slots (`attn2_splits`). The arena holds partials for the larger of the two.
 pub fn attn_partials(max_seq: usize) -> usize {
     attn_splits_v1(max_seq).max(max_seq.div_ceil(ATTN2_CHUNK))
 }

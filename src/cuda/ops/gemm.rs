@@ -104,14 +104,14 @@ pub enum Epilogue {
 pub struct GemmMatrix {
     pub m: Nf4Ref,
     pub rows: usize,
-    /// Device address of f32 [rows], or 0.
+    /// Device address of f32 `[rows]`, or 0.
     pub bias: u64,
 }
 
 impl Ops {
-    /// The NF4 tensor-core GEMM over `n` columns: `x` is [n][k], f16 (`f16`, a prefill chunk:
+    /// The NF4 tensor-core GEMM over `n` columns: `x` is `[n][k]`, f16 (`f16`, a prefill chunk:
     /// the producers write it so) or f32 (at n = 1 only: `DV2_LINEAR=mma`'s decode step), `y`
-    /// f32 [n][ldy] (SwiGLU with `f16`: f16); the matrices are stacked by rows (SwiGLU: gate
+    /// f32 `[n][ldy]` (SwiGLU with `f16`: f16); the matrices are stacked by rows (SwiGLU: gate
     /// and up). Skipped on the device while `*skip_if != 0` (0: never).
     #[allow(clippy::too_many_arguments)]
     pub fn gemm(

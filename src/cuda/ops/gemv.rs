@@ -34,7 +34,7 @@ unsafe impl DeviceRepr for QkvArgs {}
 pub const LOGITS_W20_LATE_SUMS: usize = 6 * 1024;
 
 /// Where lm_head's argmax kernel ([`Ops::logits_argmax`]) leaves its result: the decode
-/// state (next_token), the argmax scratch ([`ARGMAX_SCRATCH`] words, zero between launches),
+/// state (next_token), the argmax scratch ([`super::ARGMAX_SCRATCH`] words, zero between launches),
 /// and with `ring` (a device address, 0: none) the commit of the greedy id, as commit_step
 /// (appended to the ring and the request's history `hist`, fed next, finished at `eos`, -1:
 /// none).
@@ -76,7 +76,7 @@ pub const GEMV3_MAX_BYTES: usize = 8 << 20;
 pub const GEMV2_CTAS_PER_SM: u32 = 2;
 
 /// The SwiGLU GEMV v2's first half of CTAs (those placed beside o's) takes this many rows more
-/// each than an equal share ([`skewed_split`]): -0.024..-0.026 ms/token, the best of -8..8
+/// each than an equal share (`skewed_split`): -0.024..-0.026 ms/token, the best of -8..8
 /// (docs/lab.md, sessions 17-18; down and lm_head measured slower with any skew).
 pub const GEMV2_SWIGLU_SKEW: i32 = 2;
 
