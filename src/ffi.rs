@@ -1,8 +1,8 @@
 //! The C ABI: the only place with `extern "C"`. Thin wrappers over [`crate::engine`].
 //!
-//! Every entry runs inside `catch_unwind`: a panic comes back as `DV2_ERR_INTERNAL` with a
-//! message, never unwinds into C and never aborts. Every pointer is null-checked and every
-//! length and id range-checked before use. A failing call stores its message for
+//! Every entry runs inside `catch_unwind` (src/panics.rs): a panic comes back as
+//! `DV2_ERR_INTERNAL` with a message, never unwinds into C, never aborts and prints nothing.
+//! Every pointer is null-checked and every length and id range-checked before use. A failing call stores its message for
 //! `dv2_last_error()` on the calling thread and, where the docs say so, leaves the handle
 //! exactly as it was.
 
@@ -10,13 +10,12 @@
 
 use std::cell::RefCell;
 use std::ffi::{c_char, c_void, CStr, CString};
-use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Mutex, Once};
+use std::sync::Mutex;
 
 use crate::chat::Message;
 use crate::engine::{BackendKind, Engine, EngineOptions};
 use crate::error::{Error, Result};
+use crate::panics;
 use crate::sampling::Sampling;
 
 /// Status code of every call. Numbers are stable and never reused.
@@ -318,44 +317,13 @@ fn fail(e: &Error) -> dv2_status {
     status_of(e)
 }
 
-fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
-    let text = payload
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| payload.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "unknown panic".into());
-    format!("panic inside decodev2: {text}")
-}
-
-/// Entries in flight, on any thread: while one runs, a panic (caught by [`guard`], and on the
-/// library's own worker threads) prints nothing; the message reaches the host through
-/// dv2_last_error and the log callback instead. The process's panic hook is wrapped once, at
-/// the first entry; outside the library's calls it behaves as before.
-static CALLS_IN_FLIGHT: AtomicUsize = AtomicUsize::new(0);
-
-fn quiet_panics() {
-    static WRAPPED: Once = Once::new();
-    WRAPPED.call_once(|| {
-        let previous = std::panic::take_hook();
-        std::panic::set_hook(Box::new(move |info| {
-            if CALLS_IN_FLIGHT.load(Ordering::Relaxed) == 0 {
-                previous(info);
-            }
-        }));
-    });
-}
-
-/// Runs an entry's body: errors become statuses with a last-error message, panics become
-/// DV2_ERR_INTERNAL.
+/// Runs an entry's body: errors become statuses with a last-error message, panics (quiet:
+/// see [`crate::panics`]) become DV2_ERR_INTERNAL.
 fn guard(body: impl FnOnce() -> Result<()>) -> dv2_status {
-    quiet_panics();
-    CALLS_IN_FLIGHT.fetch_add(1, Ordering::Relaxed);
-    let result = catch_unwind(AssertUnwindSafe(body));
-    CALLS_IN_FLIGHT.fetch_sub(1, Ordering::Relaxed);
-    match result {
+    match panics::catch(body) {
         Ok(Ok(())) => DV2_OK,
         Ok(Err(e)) => fail(&e),
-        Err(payload) => fail(&Error::Internal(panic_message(payload.as_ref()))),
+        Err(text) => fail(&Error::Internal(format!("panic inside decodev2: {text}"))),
     }
 }
 
@@ -669,7 +637,7 @@ pub unsafe extern "C" fn dv2_free(engine: *mut dv2_engine) {
     }
     // SAFETY: a live handle from Box::into_raw by the caller's contract; freed once.
     let boxed = unsafe { Box::from_raw(engine) };
-    if catch_unwind(AssertUnwindSafe(move || drop(boxed))).is_err() {
+    if panics::catch(move || drop(boxed)).is_err() {
         log(
             dv2_log_level::DV2_LOG_ERROR,
             "panic while freeing an engine",

@@ -17,6 +17,7 @@ pub mod load;
 pub mod model;
 pub mod nf4;
 pub mod oracle;
+mod panics;
 pub(crate) mod par;
 pub mod rope;
 pub mod sampling;

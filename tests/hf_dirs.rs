@@ -457,3 +457,61 @@ fn a_directory_brings_its_tokenizer_and_metadata() {
         "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     );
 }
+
+/// A tokenizer.json the `tokenizers` crate panics on is the file's error, and the model still
+/// loads: a syntax error inside "decoder" (the fuzz target hf_tokenizer's first find: the crate
+/// panicked reading it), and a well-formed "Precompiled" normalizer whose charsmap is not
+/// base64 (huggingface/tokenizers#2156: the crate's `expect`). One it panics on only when it
+/// encodes (a FixedLength split of length 0: `chunks(0)`, huggingface/tokenizers#2151) loads,
+/// and each text it is given is refused as the file's error, the engine usable after.
+#[test]
+fn a_tokenizer_json_the_tokenizers_crate_panics_on_is_the_files_error() {
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/hf_tokenizer_qwen2_style/tokenizer.json");
+    let json = std::fs::read_to_string(fixture).unwrap();
+    let opts = EngineOptions {
+        backend: BackendKind::Cpu,
+        ..EngineOptions::default()
+    };
+    let load_with = |name: &str, tokenizer_json: String| {
+        let d = dir(name);
+        HfWriter::tiny("Qwen2ForCausalLM").write(&d, 1);
+        std::fs::write(d.join("tokenizer.json"), tokenizer_json).unwrap();
+        Engine::load_file(&d, &opts).expect("the model loads whatever its tokenizer")
+    };
+    let cases = [
+        ("\"decoder\": {", "\"decoder\":A{", "expected value"),
+        (
+            "\"normalizer\": null",
+            "\"normalizer\": {\"type\": \"Precompiled\", \"precompiled_charsmap\": \"#\"}",
+            "the tokenizers crate panicked",
+        ),
+    ];
+    for (i, (from, to, said)) in cases.into_iter().enumerate() {
+        assert!(json.contains(from), "{from}");
+        let e = load_with(&format!("broken-tokenizer-{i}"), json.replacen(from, to, 1));
+        let err = e.tokenizer().err().expect("the tokenizer is refused");
+        let text = err.to_string();
+        assert!(
+            text.contains("tokenizer.json") && text.contains(said),
+            "{text}"
+        );
+    }
+
+    let mut fixed_length: serde_json::Value = serde_json::from_str(&json).unwrap();
+    fixed_length["pre_tokenizer"] = serde_json::json!({"type": "FixedLength", "length": 0});
+    let mut e = load_with("fixed-length-0", fixed_length.to_string());
+    for _ in 0..2 {
+        let err = e
+            .tokenizer()
+            .unwrap()
+            .encode("hello", false, false)
+            .unwrap_err();
+        assert!(matches!(err, Error::ModelFile(_)), "{err:?}");
+        assert!(
+            err.to_string().contains("the tokenizers crate panicked"),
+            "{err}"
+        );
+    }
+    e.prefill(&[1, 2, 3]).expect("the engine is usable after");
+}

@@ -203,6 +203,14 @@ fn tk_error(what: &str) -> impl Fn(tokenizers::Error) -> Error + '_ {
     move |e| Error::ModelFile(format!("{what}: {e}"))
 }
 
+/// A call into the `tokenizers` crate, whose panics on a tokenizer it does not expect (at load,
+/// or at encode where the file's parts run) become a model-file error, `what` first.
+fn contained<T>(what: &str, call: impl FnOnce() -> T) -> Result<T> {
+    crate::panics::catch(call).map_err(|panic| {
+        Error::ModelFile(format!("{what}: the tokenizers crate panicked: {panic}"))
+    })
+}
+
 fn split(pattern: &str) -> Result<PreTokenizerWrapper> {
     let split = Split::new(
         SplitPattern::Regex(pattern.into()),
@@ -386,9 +394,15 @@ impl Tokenizer {
         let path = dir.join("tokenizer.json");
         let text = crate::load::read_text(&path)?;
         let shown = path.display().to_string();
-        let tk = tokenizers::Tokenizer::from_bytes(text.as_bytes()).map_err(tk_error(&shown))?;
+        // JSON first: the tokenizers crate panics on some malformed JSON (a syntax error inside
+        // "decoder", found by fuzz/src/bin/hf_tokenizer.rs), and on some well-formed files too
+        // (huggingface/tokenizers#2151), caught below.
         let json: serde_json::Value =
             serde_json::from_str(&text).map_err(|e| Error::ModelFile(format!("{shown}: {e}")))?;
+        let tk = contained(&shown, || {
+            tokenizers::Tokenizer::from_bytes(text.as_bytes())
+        })?
+        .map_err(tk_error(&shown))?;
         let byte_level = json["decoder"]["type"] == "ByteLevel"
             || json["pre_tokenizer"]["type"] == "ByteLevel"
             || json["pre_tokenizer"]["pretokenizers"]
@@ -523,8 +537,7 @@ impl Tokenizer {
                 literal,
             } => {
                 let tk = if parse_special { parsing } else { literal };
-                let encoding = tk
-                    .encode_fast(text, false)
+                let encoding = contained("tokenize", || tk.encode_fast(text, false))?
                     .map_err(|e| Error::InvalidArgument(format!("tokenize: {e}")))?;
                 ids.extend_from_slice(encoding.get_ids());
             }
