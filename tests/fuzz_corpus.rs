@@ -100,6 +100,11 @@ fn hf_corpus_replays() {
     replay("hf", targets::hf);
 }
 
+#[test]
+fn hf_tokenizer_corpus_replays() {
+    replay("hf_tokenizer", targets::hf_tokenizer);
+}
+
 /// The `text` target's corpus through SmolLM2's tokenizer and chat template (SKIP without the
 /// model file).
 #[test]
@@ -126,6 +131,53 @@ fn abi_corpus_replays() {
         targets::abi(&target, input);
     }
     println!("abi: {} inputs replayed", inputs.len());
+}
+
+/// The `hf_tokenizer` seeds, each checked to read and to give back a text: a SentencePiece
+/// tokenizer.model (tests/fixtures, checked against the `sentencepiece` package) with BOS, EOS
+/// and a chat template from tokenizer_config.json; a byte-level BPE tokenizer.json (Qwen2's
+/// style) with its tokenizer_config.json.
+fn write_hf_tokenizer_seeds() {
+    std::fs::create_dir_all(corpus("hf_tokenizer")).unwrap();
+    let fixture = |name: &str| std::fs::read(common::repo_file(&format!("tests/fixtures/{name}")));
+    let spm_config = br#"{"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": true,
+ "chat_template": "{% for m in messages %}<s>{{ m.role }}: {{ m.content }}</s>{% endfor %}"}"#;
+    let seeds: [(&str, [Vec<u8>; 4]); 2] = [
+        (
+            "seed-spm-model",
+            [
+                fixture("spm_tokenizer.model").unwrap(),
+                spm_config.to_vec(),
+                Vec::new(),
+                Vec::new(),
+            ],
+        ),
+        (
+            "seed-bpe-json",
+            [
+                Vec::new(),
+                fixture("hf_tokenizer_qwen2_style/tokenizer_config.json").unwrap(),
+                Vec::new(),
+                fixture("hf_tokenizer_qwen2_style/tokenizer.json").unwrap(),
+            ],
+        ),
+    ];
+    let dir = scratch("hf_tokenizer-seeds");
+    for (name, parts) in seeds {
+        let input = parts.join(targets::HF_SEPARATOR);
+        for (file, part) in targets::HF_TOKENIZER_FILES.iter().zip(&parts) {
+            let _ = std::fs::remove_file(dir.join(file));
+            if !part.is_empty() {
+                std::fs::write(dir.join(file), part).unwrap();
+            }
+        }
+        let tk = decodev2::tokenizer::Tokenizer::from_hf_dir(&dir).expect(name);
+        let ids = tk.encode("the ab", false, false).unwrap();
+        assert_eq!(tk.decode(&ids, false).unwrap(), b"the ab", "{name}");
+        tk.apply_chat_template(&[], true).expect(name);
+        write_seed(&corpus("hf_tokenizer").join(name), &input);
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// Writes a seed where none is (see the module's note).
@@ -243,6 +295,7 @@ fn write_seeds_if_asked() {
         let m = decodev2::load::load_all(&path).unwrap().model;
         assert_ne!(m.rope_scaling, decodev2::rope::RopeScaling::None, "{seed}");
     }
+    write_hf_tokenizer_seeds();
     std::fs::create_dir_all(corpus("hf")).unwrap();
     // InternLM2's own layout (its tensor names, q/k/v fused into one wqkv of the q heads' and
     // the k and v heads' rows) with Llama 3.1's rope_scaling.

@@ -1,6 +1,7 @@
 //! What each fuzz target runs on one input, shared with the corpus replay in the library's
 //! tests (tests/fuzz_corpus.rs includes this file): `gguf` and `hf` lay the input out as model
-//! files in a scratch directory and load them; `text` puts it through a real model's
+//! files in a scratch directory and load them, `hf_tokenizer` as a directory's tokenizer files
+//! and reads its tokenizer; `text` puts it through a real model's
 //! tokenizer and chat template; `abi` reads it as a sequence of C ABI calls on one engine. Any
 //! error is fine; a panic (a broken round trip or a broken contract of the ABI included), an
 //! abort or a hang is a finding.
@@ -25,9 +26,14 @@ pub fn gguf(dir: &Path, data: &[u8]) {
     let Ok(loaded) = decodev2::load::load_all(&path) else {
         return;
     };
-    let Ok(tokenizer) = loaded.tokenizer else {
-        return;
-    };
+    if let Ok(tokenizer) = loaded.tokenizer {
+        text_through(&tokenizer);
+    }
+}
+
+/// Two texts (special tokens' names, accents, CJK, an emoji, digits) encoded and decoded, and a
+/// chat through the template: what a host does first with a tokenizer it loaded.
+fn text_through(tokenizer: &Tokenizer) {
     for text in [
         "Hello, world! <s></s> <|im_start|>",
         " na\u{ef}ve \u{6771}\u{4eac} \u{1f680} 12345\n",
@@ -56,6 +62,34 @@ pub fn hf(dir: &Path, data: &[u8]) {
         && std::fs::write(dir.join("model.safetensors"), weights).is_ok();
     if written {
         let _ = decodev2::load::load(dir);
+    }
+}
+
+/// The files a Hugging Face directory's tokenizer is read from, in a `hf_tokenizer` input's
+/// order: SentencePiece's protobuf first (the reader written here), tokenizer.json last (a
+/// tokenizer.json present is read instead of tokenizer.model).
+pub const HF_TOKENIZER_FILES: [&str; 4] = [
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "config.json",
+    "tokenizer.json",
+];
+
+/// A Hugging Face tokenizer input: its parts ([`HF_SEPARATOR`] between them) as the files of
+/// [`HF_TOKENIZER_FILES`] (a part empty or missing: no such file), read as `dv2_load` reads a
+/// model directory's tokenizer; where they read, text through it and its chat template.
+pub fn hf_tokenizer(dir: &Path, data: &[u8]) {
+    let mut parts = split(data, HF_SEPARATOR);
+    for name in HF_TOKENIZER_FILES {
+        let path = dir.join(name);
+        let _ = std::fs::remove_file(&path);
+        let part = parts.next().unwrap_or_default();
+        if !part.is_empty() && std::fs::write(&path, part).is_err() {
+            return;
+        }
+    }
+    if let Ok(tokenizer) = Tokenizer::from_hf_dir(dir) {
+        text_through(&tokenizer);
     }
 }
 
