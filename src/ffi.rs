@@ -2,9 +2,9 @@
 //!
 //! Every entry runs inside `catch_unwind` (src/panics.rs): a panic comes back as
 //! `DV2_ERR_INTERNAL` with a message, never unwinds into C, never aborts and prints nothing.
-//! Every pointer is null-checked and every length and id range-checked before use. A failing call stores its message for
-//! `dv2_last_error()` on the calling thread and, where the docs say so, leaves the handle
-//! exactly as it was.
+//! Every pointer is null-checked and every length and id range-checked before use. A failing
+//! call stores its message for `dv2_last_error()` on the calling thread and, where the docs
+//! say so, leaves the handle exactly as it was.
 
 #![allow(non_camel_case_types)] // C names, as they appear in the header
 
