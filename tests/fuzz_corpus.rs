@@ -164,7 +164,14 @@ fn write_hf_tokenizer_seeds() {
     ];
     let dir = scratch("hf_tokenizer-seeds");
     for (name, parts) in seeds {
-        let input = parts.join(targets::HF_SEPARATOR);
+        let sep = targets::HF_SEPARATOR;
+        assert!(
+            parts
+                .iter()
+                .all(|p| !p.windows(sep.len()).any(|w| w == sep)),
+            "{name}: a part holds the separator, so the input would not split back into them"
+        );
+        let input = parts.join(sep);
         for (file, part) in targets::HF_TOKENIZER_FILES.iter().zip(&parts) {
             let _ = std::fs::remove_file(dir.join(file));
             if !part.is_empty() {

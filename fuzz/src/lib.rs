@@ -1,10 +1,10 @@
 //! What each fuzz target runs on one input, shared with the corpus replay in the library's
 //! tests (tests/fuzz_corpus.rs includes this file): `gguf` and `hf` lay the input out as model
 //! files in a scratch directory and load them, `hf_tokenizer` as a directory's tokenizer files
-//! and reads its tokenizer; `text` puts it through a real model's
-//! tokenizer and chat template; `abi` reads it as a sequence of C ABI calls on one engine. Any
-//! error is fine; a panic (a broken round trip or a broken contract of the ABI included), an
-//! abort or a hang is a finding.
+//! and reads its tokenizer; `text` puts it through a real model's tokenizer and chat template;
+//! `abi` reads it as a sequence of C ABI calls on one engine. Any error is fine; a panic (a
+//! broken round trip or a broken contract of the ABI included), an abort or a hang is a
+//! finding.
 
 use std::path::Path;
 
