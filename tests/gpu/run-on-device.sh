@@ -49,7 +49,8 @@ if want gates; then
 fi
 
 # A cuda_gates test under switch settings ("NAME=value" words); one line: ok or FAILED and
-# the max logit errors it prints, one a case. Logs named without '=' (such names do not come back).
+# the max logit errors it prints, one a case. Logs named without '=' (such names do not come
+# back).
 gates_with() {
   local test=$1; shift
   local log="$out/$test-$(echo "$*" | tr ' =' '_-' | tr 'A-Z' 'a-z').log"
