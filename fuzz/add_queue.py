@@ -9,7 +9,9 @@ still keep a few.
 Usage (repository root, after `cd fuzz && cargo afl build --release`):
     python3 fuzz/add_queue.py TARGET /tmp/afl-TARGET/default/queue
 """
-import glob, os, shutil, struct, subprocess, sys, tempfile
+import glob, os, shutil, subprocess, sys, tempfile
+
+from corpus_inputs import queue_entries
 
 target, queue = sys.argv[1], sys.argv[2]
 corpus = f'fuzz/corpus/{target}'
@@ -18,29 +20,13 @@ inputs, maps, keep = (os.path.join(work, d) for d in ('inputs', 'maps', 'keep'))
 for d in (inputs, keep):
     os.makedirs(d)
 
-# The corpus' queue as whole inputs (the format tests/fuzz_corpus.rs reads); none before a
-# target's first campaign, whose queue is then covered against its seeds alone.
+# The corpus' queue as whole inputs; none before a target's first campaign, whose queue is
+# then covered against its seeds alone.
 patches = f'{corpus}/queue.patches'
 packed = open(patches, 'rb').read() if os.path.exists(patches) else b''
-at = n_old = 0
-while at < len(packed):
-    (length,) = struct.unpack_from('<I', packed, at)
-    rec = packed[at + 4:at + 4 + length]
-    at += 4 + length
-    name = rec[1:1 + rec[0]].decode()
-    seed = open(f'{corpus}/{name}', 'rb').read()
-    r = 1 + rec[0]
-    (edits,) = struct.unpack_from('<I', rec, r)
-    r += 4
-    data, copied = b'', 0
-    for _ in range(edits):
-        off, removed, inserted = struct.unpack_from('<III', rec, r)
-        r += 12
-        data += seed[copied:off] + rec[r:r + inserted]
-        r += inserted
-        copied = off + removed
-    open(f'{inputs}/old-{n_old:06d}', 'wb').write(data + seed[copied:])
-    n_old += 1
+n_old = 0
+for n_old, data in enumerate(queue_entries(corpus), 1):
+    open(f'{inputs}/old-{n_old - 1:06d}', 'wb').write(data)
 for f in glob.glob(f'{corpus}/seed-*'):
     shutil.copy(f, f'{inputs}/old-{os.path.basename(f)}')
 new = sorted(glob.glob(f'{queue}/id:*'))
