@@ -75,22 +75,29 @@ pub const HF_TOKENIZER_FILES: [&str; 4] = [
     "tokenizer.json",
 ];
 
-/// A Hugging Face tokenizer input: its parts ([`HF_SEPARATOR`] between them) as the files of
-/// [`HF_TOKENIZER_FILES`] (a part empty or missing: no such file), read as `dv2_load` reads a
-/// model directory's tokenizer; where they read, text through it and its chat template.
+/// A Hugging Face tokenizer input: its files laid out in `dir` ([`write_hf_tokenizer_files`]),
+/// read as `dv2_load` reads a model directory's tokenizer; where they read, text through it
+/// and its chat template.
 pub fn hf_tokenizer(dir: &Path, data: &[u8]) {
-    let mut parts = split(data, HF_SEPARATOR);
-    for name in HF_TOKENIZER_FILES {
-        let path = dir.join(name);
-        let _ = std::fs::remove_file(&path);
-        let part = parts.next().unwrap_or_default();
-        if !part.is_empty() && std::fs::write(&path, part).is_err() {
-            return;
-        }
+    if !write_hf_tokenizer_files(dir, data) {
+        return;
     }
     if let Ok(tokenizer) = Tokenizer::from_hf_dir(dir) {
         text_through(&tokenizer);
     }
+}
+
+/// Writes a `hf_tokenizer` input's parts ([`HF_SEPARATOR`] between them) into `dir` as the
+/// files of [`HF_TOKENIZER_FILES`] (a part empty or missing: no such file, an earlier input's
+/// removed); false where a file could not be written.
+pub fn write_hf_tokenizer_files(dir: &Path, data: &[u8]) -> bool {
+    let mut parts = split(data, HF_SEPARATOR);
+    HF_TOKENIZER_FILES.iter().all(|name| {
+        let path = dir.join(name);
+        let _ = std::fs::remove_file(&path);
+        let part = parts.next().unwrap_or_default();
+        part.is_empty() || std::fs::write(&path, part).is_ok()
+    })
 }
 
 /// The separator between a `text` input's chat messages, and between a message's role and
