@@ -102,6 +102,24 @@ __device__ __forceinline__ void gemv3_load(const GemmArgs& a, int group, int kb,
         }
 }
 
+// One 64-element block of one tile: its four k-steps' MMAs into `c`, the A pairs dequantized
+// by the byte table, B the block's x words `bw` (every column alike, or a column a thread's g).
+__device__ __forceinline__ void gemv3_block_mma(const u32* lut, const Gemv3Block& blk, const u32 (&bw)[8], u32 lane4,
+                                                float (&c)[4]) {
+#pragma unroll
+    for (int s = 0; s < 4; s++) {
+        const int k = (s & 1) * 2;
+        u32 af[4];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const u32 word = s < 2 ? blk.w[h].x : blk.w[h].y;
+            af[h] = byte_lut_entry(lut, word, k, lane4);
+            af[2 + h] = byte_lut_entry(lut, word, k + 1, lane4);
+        }
+        mma_16816(c, af, bw[2 * s], bw[2 * s + 1]);
+    }
+}
+
 // What a GEMV v3 kernel's code holds for its input and output (IO): GEMV3_IO_ANY, both
 // chosen at run time (a.norm.w, a.ss_out); else the bits GEMV3_IO_NORM (x normed on load)
 // and GEMV3_IO_SUMS (partial sums of squares left for the next norm), and nothing for what
@@ -195,18 +213,7 @@ __device__ __forceinline__ void gemv3_body(const GemmArgs& a) {
                 for (int i = 0; i < T; i++) {
                     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
                     const Gemv3Block& blk = cur.b[j][i];
-#pragma unroll
-                    for (int s = 0; s < 4; s++) {
-                        const int k = (s & 1) * 2;
-                        u32 af[4];
-#pragma unroll
-                        for (int h = 0; h < 2; h++) {
-                            const u32 word = s < 2 ? blk.w[h].x : blk.w[h].y;
-                            af[h] = byte_lut_entry(lut, word, k, lane4);
-                            af[2 + h] = byte_lut_entry(lut, word, k + 1, lane4);
-                        }
-                        mma_16816(c, af, bw[2 * s], bw[2 * s + 1]);
-                    }
+                    gemv3_block_mma(lut, blk, bw, lane4, c);
                     acc[i][0] = fmaf(c[0], scale_f32(blk.s[0]), acc[i][0]);
                     acc[i][1] = fmaf(c[2], scale_f32(blk.s[1]), acc[i][1]);
                 }
@@ -407,18 +414,7 @@ __device__ __forceinline__ void gemv3_cols_body(const GemmArgs& a, const RopeArg
                 for (int i = 0; i < T; i++) {
                     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
                     const Gemv3Block& blk = cur.b[j][i];
-#pragma unroll
-                    for (int s = 0; s < 4; s++) {
-                        const int k = (s & 1) * 2;
-                        u32 af[4];
-#pragma unroll
-                        for (int h = 0; h < 2; h++) {
-                            const u32 word = s < 2 ? blk.w[h].x : blk.w[h].y;
-                            af[h] = byte_lut_entry(lut, word, k, lane4);
-                            af[2 + h] = byte_lut_entry(lut, word, k + 1, lane4);
-                        }
-                        mma_16816(c, af, bw[2 * s], bw[2 * s + 1]);
-                    }
+                    gemv3_block_mma(lut, blk, bw, lane4, c);
                     const float s0 = scale_f32(blk.s[0]), s1 = scale_f32(blk.s[1]);
                     acc[i][0] = fmaf(c[0], s0, acc[i][0]);
                     acc[i][1] = fmaf(c[1], s0, acc[i][1]);
