@@ -120,6 +120,26 @@ fn text_corpus_replays() {
     println!("text: {} inputs replayed", inputs.len());
 }
 
+/// The `spm_text` target's corpus through the SentencePiece tokenizer of tests/fixtures.
+#[test]
+fn spm_text_corpus_replays() {
+    let target = targets::spm_text_target(&scratch("spm_text")).expect("the fixture reads");
+    let hi = [decodev2::chat::Message {
+        role: "user".into(),
+        content: "hi".into(),
+    }];
+    let prompt = target.tokenizer.apply_chat_template(&hi, true).unwrap();
+    assert_eq!(
+        prompt, "<s>[INST] hi [/INST]",
+        "the chat ops reach the template"
+    );
+    let inputs = inputs("spm_text");
+    for input in &inputs {
+        targets::text(&target, input);
+    }
+    println!("spm_text: {} inputs replayed", inputs.len());
+}
+
 /// The `abi` target's corpus through the C ABI on the tiny BPE GGUF of the `gguf` corpus,
 /// one engine for all of it as in the fuzzer.
 #[test]
