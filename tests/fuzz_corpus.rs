@@ -113,11 +113,7 @@ fn text_corpus_replays() {
         return;
     }
     let target = targets::smollm2_text_target().expect("SmolLM2's tokenizer");
-    let inputs = inputs("text");
-    for input in &inputs {
-        targets::text(&target, input);
-    }
-    println!("text: {} inputs replayed", inputs.len());
+    replay_text("text", &target);
 }
 
 /// The `spm_text` target's corpus through the SentencePiece tokenizer of tests/fixtures.
@@ -133,11 +129,16 @@ fn spm_text_corpus_replays() {
         prompt, "<s>[INST] hi [/INST]",
         "the chat ops reach the template"
     );
-    let inputs = inputs("spm_text");
+    replay_text("spm_text", &target);
+}
+
+/// A text target's corpus through `target`'s tokenizer.
+fn replay_text(name: &str, target: &targets::TextTarget) {
+    let inputs = inputs(name);
     for input in &inputs {
-        targets::text(&target, input);
+        targets::text(target, input);
     }
-    println!("spm_text: {} inputs replayed", inputs.len());
+    println!("{name}: {} inputs replayed", inputs.len());
 }
 
 /// The `abi` target's corpus through the C ABI on the tiny BPE GGUF of the `gguf` corpus,
