@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from the repository root, after ../shared/tools/device-pack built
 # .device/ here: every packed test with DV2_REQUIRE_CUDA=1, the C and Python examples with
-# --backend cuda, and compute-sanitizer memcheck/racecheck on the C example (and the column
-# kernels' test).
+# --backend cuda, and compute-sanitizer memcheck/racecheck on the C example (and on the
+# long-context attention's and GEMV v3's tests).
 # Logs go to $OUT (or ./device-logs).
 # Usage: bash tests/gpu/run-on-device.sh [suite] [gates] [switches] [examples] [sanitize] [soak]
 #   [big] [prehopper] [prehopper-sanitize] [prehopper-speed]
@@ -140,15 +140,19 @@ if want sanitize; then
     sanitize_test "long-context attention" long $tool .device/tests/cuda_gates \
       graph_replay_equals_eager_with_the_long_attention "${only[@]}"
   done
-  # GEMV v3's column kernels (a short chunk's linears: staged, from L2, K split in clusters)
-  # on their own test: racecheck found two races there that the C example met only by its
-  # prompts' lengths (docs/lab.md, session 76), memcheck a read past a matrix of 200 rows
-  # (session 80). Every kernel instrumented: the test's GEMM path launches kernels a
-  # kns=gemv3_cols filter would leave out, and a filter is what the sanitizer fails on above.
-  for tool in memcheck racecheck; do
-    sanitize_test "column kernels" cols $tool .device/tests/cuda_gemv \
-      a_short_prefill_chunks_linears_match_the_cpu_on_both_paths
-  done
+  # GEMV v3's kernels: memcheck over every cuda_gemv test (~27 s on an H100: the decode walks
+  # and the column kernels, whose read past a matrix of 200 rows it found in session 80);
+  # racecheck on the column kernels' test (a short chunk's linears: staged, from L2, K split in
+  # clusters), where it found two races the C example met only by its prompts' lengths
+  # (docs/lab.md, session 76). Every kernel instrumented: the test's GEMM path launches
+  # kernels a kns=gemv3_cols filter would leave out, and a filter is what the sanitizer fails
+  # on above.
+  compute-sanitizer --tool memcheck --error-exitcode 7 .device/tests/cuda_gemv --test-threads=1 \
+    > "$out/sanitizer-memcheck-gemv.log" 2>&1 \
+    && echo "compute-sanitizer memcheck (cuda_gemv): ok" || { echo "compute-sanitizer memcheck (cuda_gemv): FAILED"; status=1; }
+  grep -E "ERROR SUMMARY|test result" "$out/sanitizer-memcheck-gemv.log" | tail -2
+  sanitize_test "column kernels" cols racecheck .device/tests/cuda_gemv \
+    a_short_prefill_chunks_linears_match_the_cpu_on_both_paths
 fi
 if want soak; then
   .device/tests/cuda_soak --nocapture --ignored --test-threads=1 > "$out/soak.log" 2>&1 \
