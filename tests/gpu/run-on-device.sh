@@ -109,12 +109,15 @@ sanitize_c_example() {
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|failed gates" "$out/${prefix}sanitizer-$tool.log" | tail -3
   done
 }
-# One packed test under a compute-sanitizer tool: a line saying ok or FAILED, then the log's
-# summary lines. Usage: sanitize_test LABEL LOG_NAME TOOL BINARY TEST [SANITIZER_OPTION...]
+# One packed test (TEST empty: all of BINARY's, one at a time) under a compute-sanitizer tool: a
+# line saying ok or FAILED, then the log's summary lines.
+# Usage: sanitize_test LABEL LOG_NAME TOOL BINARY TEST [SANITIZER_OPTION...]
 sanitize_test() {
   local label=$1 log="$out/sanitizer-$3-$2.log" tool=$3 binary=$4 test=$5
   shift 5
-  compute-sanitizer --tool $tool "$@" --error-exitcode 7 "$binary" --exact "$test" > "$log" 2>&1 \
+  local select=(--exact "$test")
+  [[ -n $test ]] || select=(--test-threads=1)
+  compute-sanitizer --tool $tool "$@" --error-exitcode 7 "$binary" "${select[@]}" > "$log" 2>&1 \
     && echo "compute-sanitizer $tool ($label): ok" || { echo "compute-sanitizer $tool ($label): FAILED"; status=1; }
   grep -E "ERROR SUMMARY|RACECHECK SUMMARY|test result" "$log" | tail -3
 }
@@ -147,10 +150,7 @@ if want sanitize; then
   # (docs/lab.md, session 76). Every kernel instrumented: the test's GEMM path launches
   # kernels a kns=gemv3_cols filter would leave out, and a filter is what the sanitizer fails
   # on above.
-  compute-sanitizer --tool memcheck --error-exitcode 7 .device/tests/cuda_gemv --test-threads=1 \
-    > "$out/sanitizer-memcheck-gemv.log" 2>&1 \
-    && echo "compute-sanitizer memcheck (cuda_gemv): ok" || { echo "compute-sanitizer memcheck (cuda_gemv): FAILED"; status=1; }
-  grep -E "ERROR SUMMARY|test result" "$out/sanitizer-memcheck-gemv.log" | tail -2
+  sanitize_test cuda_gemv gemv memcheck .device/tests/cuda_gemv ""
   sanitize_test "column kernels" cols racecheck .device/tests/cuda_gemv \
     a_short_prefill_chunks_linears_match_the_cpu_on_both_paths
 fi
