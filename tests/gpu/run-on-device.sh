@@ -49,11 +49,12 @@ if want gates; then
 fi
 
 # A cuda_gates test under switch settings ("NAME=value" words); one line: ok or FAILED and
-# the max logit errors it prints, one a case. Logs named without '=' (such names do not come
-# back).
+# the max logit errors it prints, one a case. Logs in $switch_logs, named without '=' (such
+# names do not come back).
+switch_logs="$out/switch-logs"
 gates_with() {
   local test=$1; shift
-  local log="$out/$test-$(echo "$*" | tr ' =' '_-' | tr 'A-Z' 'a-z').log"
+  local log="$switch_logs/$test-$(echo "$*" | tr ' =' '_-' | tr 'A-Z' 'a-z').log"
   local result
   env "$@" .device/tests/cuda_gates --nocapture "$test" > "$log" 2>&1 && result=ok || { result=FAILED; status=1; }
   # The tests print "max |logit - oracle| = E", "max |logit - oracle| E" or "max |logit diff| E";
@@ -72,6 +73,7 @@ if want switches; then
   # presets runs; `bench --against DV2_LOADS_FIRST=0` found its logits equal to the bit,
   # docs/lab.md session 50) and DV2_MAPPED_CODES (bitsandbytes directories only; the same
   # bytes, copied or not).
+  mkdir -p "$switch_logs"
   for v in DV2_GRAPH=0 DV2_PDL=0 DV2_FUSE_RMS=0 DV2_FFN_F16=0 DV2_QKV_KHALVES=0 DV2_LOGITS_ARGMAX=0 \
     DV2_ATTN_CLUSTERS=0 DV2_ATTN_LONG=0 DV2_HOPPER=0 DV2_PREFILL_TAIL=0 DV2_LINEAR=mma DV2_PREFILL=n1 \
     DV2_STAGED_UPLOAD=0; do
@@ -88,9 +90,11 @@ if want switches; then
     gates_with qwen25_3b_shape $v
   done
   # The sampler's select passes alone draw the reference's ids too.
-  DV2_SAMPLE_SHORTCUTS=0 .device/tests/sampling --nocapture cuda_every_path > "$out/sampling-no-shortcuts.log" 2>&1 \
+  DV2_SAMPLE_SHORTCUTS=0 .device/tests/sampling --nocapture cuda_every_path > "$switch_logs/sampling-no-shortcuts.log" 2>&1 \
     && echo "DV2_SAMPLE_SHORTCUTS=0 (cuda_every_path_draws_the_references_ids): ok" \
     || { echo "DV2_SAMPLE_SHORTCUTS=0 (cuda_every_path_draws_the_references_ids): FAILED"; status=1; }
+  # One file for the sweep's ~25 logs: a call returns only a few files from $OUT (session 85).
+  tar czf "$out/switch-logs.tgz" -C "$out" switch-logs && rm -r "$switch_logs"
 fi
 
 build_c_example() {
