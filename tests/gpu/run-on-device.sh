@@ -49,8 +49,7 @@ if want gates; then
 fi
 
 # A cuda_gates test under switch settings ("NAME=value" words); one line: ok or FAILED and
-# the max logit errors it prints, one a case. Logs in $switch_logs, named without '=' (such
-# names do not come back).
+# the max logit errors it prints, one a case. Logs in $switch_logs, tarred at the sweep's end.
 switch_logs="$out/switch-logs"
 gates_with() {
   local test=$1; shift
