@@ -1,6 +1,6 @@
-// Decode attention: v1 (a CTA per q head and split, then a merge), v2 (CTAs per KV head and
-// 32-slot chunk, then a merge) and v3 (v2's CTAs in clusters that merge among themselves), with
-// RoPE and the step's KV write fused. Uses common.cuh.
+// Decode attention: v1 (a CTA per q head and split, then a merge) and v2 (CTAs per KV head and
+// split of the context, walked in 32-slot chunks, then a merge), with RoPE and the step's KV
+// write fused. Uses common.cuh.
 
 // GEMV3_KHALVES (an NVRTC define the host sets, DV2_QKV_KHALVES; 1 by default): q/k/v's
 // GEMV v3 in K halves (kernels/gemv_mma.cu, gemv3_store_lean_kh2), the attention adding the
@@ -24,7 +24,7 @@ struct AttnArgs {
     float* part_ml;   // [n_q][n_splits][2]
     int n_q, n_kv, head_dim, max_seq, n_splits;
     float scale;
-    int heads_per_cta;  // attention v3: q heads per CTA (the host's division)
+    int heads_per_cta;  // attention v2: q heads per CTA (the host's division)
     const float* qkv2;  // GEMV3_KHALVES: q/k/v's K-half-1 sums (half 0's, with the bias, at qkv), or zeros
 };
 static_assert(sizeof(AttnArgs) == SIZEOF_ATTNARGS, "AttnArgs differs from the host's (src/cuda/ops)");
@@ -116,10 +116,10 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode(AttnArgs 
     }
 }
 
-// The shared parts of attention v2 and v3 (attn3_decode_body below walks for both). A CTA
+// The parts of attention v2 (attn2_decode_body below). A CTA
 // computes several q heads of a KV head's GQA group, so each K/V row is read from memory once
 // per step (and from L2 by the KV head's other CTAs) instead of once per q head; the group's
-// heads are split over up to 8 CTAs (v3) or 4 (v2; ATTN_SPLIT, ATTN2_SPLIT on the host): the
+// heads are split over up to 4 CTAs (ATTN2_SPLIT on the host): the
 // scores and the weighted sum of V are serial loops per thread over heads, so a CTA with a
 // quarter of the heads finishes them in a quarter of the rounds (docs/lab.md, session 8); v2's
 // splits are long at long context, where fewer CTAs reading each chunk won (session 65). K and
@@ -216,59 +216,39 @@ __device__ __forceinline__ void rotate_live_batched(const AttnArgs& a, int kvh, 
     }
 }
 
-// Attention v3 (the default where clusters exist; DV2_ATTN_CLUSTERS=0 takes v2): attention v2's CTAs in
-// thread-block clusters that merge their partials through distributed shared memory, so no
-// merge kernel runs. Grid (parts, splits, n_kv), clusters of (1, splits): the CTAs of a
-// cluster take the same q heads (as in v2) and split the valid slots into `splits` equal
-// slices, each walking its slice in 32-slot chunks with an online softmax (the next chunk's K
-// and V rows in registers while this one is used; the first before the wait, as v2's
-// PRE_WAIT). Then rank r writes dims [r hd / splits, (r + 1) hd / splits) of the heads,
-// combining every rank's max, sum and partial output from its shared memory.
-// Why: the merge kernel added 2.1 us a layer in the graph (docs/lab.md, session 12) and v2's
-// grid has a column per 32-slot chunk of max_seq (1,024 CTAs at 2,048 slots, most of which
-// only read the position and leave); here the grid is n_kv * parts * splits CTAs whatever
-// the context. Needs head_dim a multiple of splits (the host checks). Measured: -0.027
-// ms/token against v2 and its merge at 1,728 instructions; it lost at 8,440 (+0.27) and 4,984
-// (+0.076), its cluster barrier and GPU-scope fence costing less than the code did
-// (docs/lab.md, sessions 13-14).
+// Attention v2 (where the long-context attention does not take the shape, or DV2_ATTN_LONG=0):
+// grid (parts, splits, n_kv), gridDim.y splits of at least ATTN2_CHUNK slots each (the host
+// picks about four CTAs an SM, each of two q heads on the 3B shape), each walking its slots in
+// 32-slot chunks with an online softmax (the next chunk's K and V rows in registers while this
+// one is used; the first before the wait), its partials to attn2_merge; a split past the
+// context leaves at once. Why: v2 was a CTA a 32-slot chunk of max_seq (16 x 1,024 CTAs a
+// layer on the 3B shape at max_seq 32,768, nearly all leaving at once), and streamed the KV at
+// 100-135 GB/s. Measured against it with DV2_HOPPER=0 on an H100 (one q head a CTA): +14%
+// decode at depth 48, +30% at 2k, +56% at 8k, +134% at 32k; two q heads a CTA then -0.7% /
+// +14% / +42% at 48 / 8k / 32k (docs/lab.md, session 65, which names the commit that last held
+// the old kernel). Attention v3, these CTAs in clusters that merged through distributed shared
+// memory, lost to it at every depth (docs/lab.md, session 86, which names its last commit).
 // HD: the head_dim when known at compile time (64 or 128: the K/V indexing by shifts, half
-// the vectors unrolled), 0 for any. Loops stay rolled (#pragma unroll 1): each warp runs this
-// code about once, and its cold fetch is the cost (docs/lab.md, session 13).
-#define ATTN3_MAX_SPLITS 8
-// The score and
-// weighted-sum loops unrolled by 2 and 4 so that their shared loads issue together, and the
-// softmax's max and sum over only the lanes that can hold a slot (3 shuffle rounds at <= 8
-// slots, 4 at <= 16); the same values in the same order. Why: one q head per CTA leaves those
-// loops one shared-load round trip per iteration on the kernel's serial chain (the weighted
-// sum: 6-22 of them at the 3B shape's 8 splits), and the kernel mostly waits (docs/lab.md,
-// session 15: 0.08 issued per scheduler cycle). Measured: -0.0055 ms/token (session 16, run 2).
-// CLUSTER false: attention v2 (no clusters: before sm_90, or DV2_ATTN_CLUSTERS=0; without
-// clusters the long-context attention takes its place where it takes the shape, unless
-// DV2_ATTN_LONG=0), the same
-// walk with gridDim.y splits of at least ATTN2_CHUNK slots each (the host picks about four
-// CTAs an SM, each of two q heads on the 3B shape), whose partials go to attn2_merge; a split
-// past the context leaves at once. Why: v2 was a CTA a 32-slot chunk of max_seq (16 x 1,024
-// CTAs a layer on the 3B shape at max_seq 32,768, nearly all leaving at once), and streamed
-// the KV at 100-135 GB/s. Measured against it with DV2_HOPPER=0 on an H100 (one q head a
-// CTA): +14% decode at depth 48, +30% at 2k, +56% at 8k, +134% at 32k; two q heads a CTA then
-// -0.7% / +14% / +42% at 48 / 8k / 32k (docs/lab.md, session 65, which names the commit that
-// last held the old kernel).
-template <int HD, bool CLUSTER = true>
-__device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out) {
+// the vectors unrolled), 0 for any. The score and weighted-sum loops unrolled by 2 and 4 so
+// that their shared loads issue together, and the softmax's max and sum over only the lanes
+// that can hold a slot (3 shuffle rounds at <= 8 slots, 4 at <= 16); the same values in the
+// same order. Why: one q head per CTA leaves those loops one shared-load round trip per
+// iteration on the kernel's serial chain, and the kernel mostly waits (docs/lab.md, session
+// 15: 0.08 issued per scheduler cycle). Measured: -0.0055 ms/token (session 16, run 2).
+template <int HD>
+__device__ __forceinline__ void attn2_decode_body(const AttnArgs& a) {
     timeline_start();
     const int hd = HD ? HD : a.head_dim, half = hd >> 1;
     // Grid (parts, splits, n_kv): KV head z, its q heads [q0, q0 + gn) from the host's count.
     const int gn = a.heads_per_cta, group = gn * gridDim.x;
     const int kvh = blockIdx.z, q0 = kvh * group + blockIdx.x * gn;
-    const int splits = CLUSTER ? cluster_size() : gridDim.y, rank = CLUSTER ? cluster_rank() : blockIdx.y;
-    const int split_shift = log2_pow2(splits);  // with clusters: 1, 2, 4 or 8 (the host checks)
+    const int splits = gridDim.y, rank = blockIdx.y;
     const int pos = a.state[STATE_POSITION];
     if (pos >= a.max_seq) return;  // every CTA: no slot to write or read
     const int valid = pos + 1;
-    const int per = CLUSTER ? (valid + splits - 1) >> split_shift : attn2_split_slots(valid, splits);
+    const int per = attn2_split_slots(valid, splits);
     const int t_begin = min(valid, rank * per), t_end = min(valid, t_begin + per);
-    if constexpr (!CLUSTER)
-        if (t_begin >= t_end) return;  // a split past the context: attn2_merge never reads it
+    if (t_begin >= t_end) return;  // a split past the context: attn2_merge never reads it
     const int row_words = half + 1;  // bf16 pairs per staged row, +1 word of padding
 
     __shared__ float q_s[ATTN2_MAX_GROUP_X_HD];
@@ -312,7 +292,7 @@ __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out)
             }
         }
     };
-    if (t_begin < t_end) load_rows(t_begin);  // written by earlier steps: before the wait
+    load_rows(t_begin);  // written by earlier steps: before the wait
     pdl_enter<true>();
     rotate_live_batched<HD ? HD : MAX_HEAD_DIM, HD>(a, kvh, q0, gn, pos, q_s, kcur, vcur, [] {});
     if ((int)threadIdx.x < gn) {
@@ -417,74 +397,26 @@ __device__ __forceinline__ void attn3_decode_body(const AttnArgs& a, float* out)
         }
         __syncthreads();  // k_s, v_s, p_s and corr_s free for the next chunk
     }
-    if constexpr (!CLUSTER) {  // the split's partials, for attn2_merge
-        for (int i = threadIdx.x; i < gn * hd; i += blockDim.x) {
-            const int g = i / hd, d = i % hd;
-            a.part_acc[((size_t)(q0 + g) * splits + rank) * hd + d] = acc_s[i];
-        }
-        if ((int)threadIdx.x < gn) {
-            const size_t at = ((size_t)(q0 + threadIdx.x) * splits + rank) * 2;
-            a.part_ml[at] = m_run[threadIdx.x];
-            a.part_ml[at + 1] = l_run[threadIdx.x];
-        }
-        timeline_end();
-        return;
+    // The split's partials, for attn2_merge.
+    for (int i = threadIdx.x; i < gn * hd; i += blockDim.x) {
+        const int g = i / hd, d = i % hd;
+        a.part_acc[((size_t)(q0 + g) * splits + rank) * hd + d] = acc_s[i];
     }
-    // The merge across the cluster: rank r's dims of each head from every rank's max, sum and
-    // partial output.
-    const float* part = acc_s;
-    cluster_arrive_cluster_release();  // m_run, l_run and acc_s are complete
-    cluster_wait();
-    const int dims = hd >> split_shift;
-    for (int i = threadIdx.x; i < gn * dims; i += blockDim.x) {
-        // HD a power of two: dims too, so i's split is shifts and masks.
-        const int g = HD ? i >> log2_pow2(dims) : i / dims;
-        const int d = rank * dims + (HD ? i & (dims - 1) : i % dims);
-        float m[ATTN3_MAX_SPLITS], l[ATTN3_MAX_SPLITS], o[ATTN3_MAX_SPLITS];
-#pragma unroll
-        for (int r = 0; r < ATTN3_MAX_SPLITS; r++) {
-            if (r < splits) {
-                m[r] = load_from_cta(&m_run[g], r);
-                l[r] = load_from_cta(&l_run[g], r);
-                o[r] = load_from_cta(&part[g * hd + d], r);
-            }
-        }
-        float M = NEG_INF;
-#pragma unroll
-        for (int r = 0; r < ATTN3_MAX_SPLITS; r++)
-            if (r < splits) M = fmaxf(M, m[r]);
-        float L = 0.0f, sum = 0.0f;
-#pragma unroll
-        for (int r = 0; r < ATTN3_MAX_SPLITS; r++) {
-            if (r < splits) {
-                const float w = expf(m[r] - M);  // 0 for an empty slice (m = -inf)
-                L = fmaf(l[r], w, L);
-                sum = fmaf(o[r], w, sum);
-            }
-        }
-        out[(size_t)(q0 + g) * hd + d] = sum / L;
+    if ((int)threadIdx.x < gn) {
+        const size_t at = ((size_t)(q0 + threadIdx.x) * splits + rank) * 2;
+        a.part_ml[at] = m_run[threadIdx.x];
+        a.part_ml[at + 1] = l_run[threadIdx.x];
     }
-    cluster_arrive_relaxed();  // this CTA has read its peers' shared memory (the values are used)
-    cluster_wait();
     timeline_end();
 }
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn3_decode(AttnArgs a, float* out) {
-    attn3_decode_body<0>(a, out);
-}
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn3_decode_hd128(AttnArgs a, float* out) {
-    attn3_decode_body<128>(a, out);
-}
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn3_decode_hd64(AttnArgs a, float* out) {
-    attn3_decode_body<64>(a, out);
-}
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode(AttnArgs a) {
-    attn3_decode_body<0, false>(a, nullptr);
+    attn2_decode_body<0>(a);
 }
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode_hd128(AttnArgs a) {
-    attn3_decode_body<128, false>(a, nullptr);
+    attn2_decode_body<128>(a);
 }
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode_hd64(AttnArgs a) {
-    attn3_decode_body<64, false>(a, nullptr);
+    attn2_decode_body<64>(a);
 }
 
 // Combines attn2_decode's splits in use ("chunks" here: n_chunks is its grid's splits) of each

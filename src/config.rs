@@ -88,19 +88,10 @@ pub const VARIABLES: &[Variable] = &[
         lab: "session 21 (issue 37)",
     },
     Variable {
-        name: "DV2_ATTN_CLUSTERS",
-        default: "1",
-        effect: "`0`: decode attention v2 (a merge kernel) instead of v3 (thread-block clusters; \
-                 v2 is the default on GPUs without clusters)",
-        lab: "session 14: v3 -0.027 ms/token against v2 (25dec59); v2 rebuilt as splits in session 65 \
-              (ca52b8f), not yet timed against v3",
-    },
-    Variable {
         name: "DV2_ATTN_LONG",
         default: "1",
         effect: "`0`: no long-context decode attention (flash-decoding over the whole GPU, at \
-                 every depth; without clusters, its splits merged by attn2_merge): attention v3, \
-                 or v2 without clusters",
+                 every depth; without clusters, its splits merged by attn2_merge): attention v2",
         lab: "sessions 22 (the context sweep), 28 (from depth 1) and 39 (the 32B shape); without \
               clusters session 67 (+3.7% at 48, +5.7% at 2k, +23% at 8k, +81% at 32k)",
     },
@@ -248,7 +239,6 @@ pub struct Config {
     pub down_w27: bool,
     /// The one-CTA-an-SM walks' first weight loads before their table build.
     pub loads_first: bool,
-    pub attn_clusters: bool,
     pub attn_long: bool,
     pub sample_shortcuts: bool,
     /// The prompt through the decode step, token by token (`DV2_PREFILL=n1`).
@@ -309,7 +299,6 @@ impl Config {
             logits_w20: on("DV2_LOGITS_W20"),
             down_w27: on("DV2_DOWN_W27"),
             loads_first: on("DV2_LOADS_FIRST"),
-            attn_clusters: on("DV2_ATTN_CLUSTERS"),
             attn_long: on("DV2_ATTN_LONG"),
             sample_shortcuts: on("DV2_SAMPLE_SHORTCUTS"),
             prefill_by_steps: is("DV2_PREFILL", "n1"),
@@ -397,7 +386,7 @@ mod tests {
     fn switches_are_on_unless_set_to_zero() {
         let c = Config::default();
         assert!(c.graph && c.pdl && c.fuse_rms && c.ffn_f16 && c.qkv_khalves);
-        assert!(c.logits_argmax && c.attn_clusters && c.attn_long && c.prefill_tail);
+        assert!(c.logits_argmax && c.attn_long && c.prefill_tail);
         assert!(c.prefill_split && c.prefill_gemv && c.cols_x_l2 && c.cols_split && c.qkv_rope);
         assert!(c.logits_w20 && c.down_w27 && c.loads_first && c.mapped_codes && c.staged_upload);
         assert!(!c.prefill_by_steps && !c.linear_mma && !c.lineinfo && !c.cta_timeline);

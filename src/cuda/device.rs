@@ -40,7 +40,8 @@ pub fn driver_present() -> bool {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Capabilities {
     /// Thread-block clusters and distributed shared memory (sm_90 and later; `DV2_HOPPER=0`
-    /// off): attention v3 and the GEMM's K split across CTAs.
+    /// off): the long-context attention, the GEMM's K split across CTAs and the column
+    /// kernels' pairs.
     pub clusters: bool,
     /// Programmatic dependent launch (sm_90 and later; `DV2_PDL=0` or `DV2_HOPPER=0` off):
     /// each kernel may start while the one before it drains; the kernels' `pdl_wait()` orders

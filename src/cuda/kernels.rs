@@ -563,13 +563,10 @@ pub struct Kernels {
     /// shared memory the device lets it take.
     pub gemv2_logits_w20: Option<CudaFunction>,
     pub gemv2_logits_w20_room: usize,
-    /// Attention v2 (v3's walk without clusters, its splits' partials for attn2_merge) by
-    /// head_dim: [any, 128, 64], the last two with the head_dim built in.
+    /// Attention v2 (splits of the context, their partials for attn2_merge) by head_dim: [any,
+    /// 128, 64], the last two with the head_dim built in, in less code.
     pub attn2_decode: [CudaFunction; 3],
     pub attn2_merge: CudaFunction,
-    /// Attention v3 (v2's CTAs in clusters that merge through distributed shared memory) by
-    /// head_dim: [any, 128, 64], the last two with the head_dim built in, in less code.
-    pub attn3_decode: [CudaFunction; 3],
     /// GEMV v3 (tensor cores) by epilogue: store (+bias), accumulate, SwiGLU.
     pub gemv3: [CudaFunction; 3],
     /// The same for the decode step's uses alone (store and SwiGLU: a normed x, no sums out;
@@ -689,13 +686,7 @@ impl Kernels {
         } else {
             None
         };
-        // Attention v3 keeps its q heads' running outputs in dynamic shared memory.
-        let attn3_decode = [
-            f("attn3_decode")?,
-            f("attn3_decode_hd128")?,
-            f("attn3_decode_hd64")?,
-        ];
-        allow_dynamic_smem(gpu, &attn3_decode, ATTN2_MAX_GROUP_X_HD * 4)?;
+        // Attention v2 keeps its q heads' running outputs in dynamic shared memory.
         let attn2_decode = [
             f("attn2_decode")?,
             f("attn2_decode_hd128")?,
@@ -756,7 +747,6 @@ impl Kernels {
             gemv2_logits_w20_room: 0,
             attn2_decode,
             attn2_merge: f("attn2_merge")?,
-            attn3_decode,
             gemm_store: gemm("gemm_store")?,
             gemm_acc: gemm("gemm_acc")?,
             gemm_swiglu: gemm("gemm_swiglu")?,

@@ -74,11 +74,11 @@ if want switches; then
   # bytes, copied or not).
   mkdir -p "$switch_logs"
   for v in DV2_GRAPH=0 DV2_PDL=0 DV2_FUSE_RMS=0 DV2_FFN_F16=0 DV2_QKV_KHALVES=0 DV2_LOGITS_ARGMAX=0 \
-    DV2_ATTN_CLUSTERS=0 DV2_ATTN_LONG=0 DV2_HOPPER=0 DV2_PREFILL_TAIL=0 DV2_LINEAR=mma DV2_PREFILL=n1 \
+    DV2_ATTN_LONG=0 DV2_HOPPER=0 DV2_PREFILL_TAIL=0 DV2_LINEAR=mma DV2_PREFILL=n1 \
     DV2_STAGED_UPLOAD=0; do
     gates_with gates_match $v
   done
-  gates_with long_context DV2_ATTN_CLUSTERS=0
+  gates_with long_context DV2_ATTN_LONG=0
   gates_with with_the_long_attention DV2_ATTN_LONG=0
   gates_with chunked DV2_PREFILL_TAIL=0
   gates_with a_short_chunk_deep DV2_PREFILL_SPLIT=0

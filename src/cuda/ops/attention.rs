@@ -1,5 +1,5 @@
-//! The attention launches: the decode step's (v1, v2, v3; kernels/attention.cu) and the
-//! prefill chunk's (kernels/attention_prefill.cu).
+//! The attention launches: the decode step's (v1 and v2, kernels/attention.cu; the long-context
+//! attention, kernels/attention_long.cu) and the prefill chunk's (kernels/attention_prefill.cu).
 
 use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig};
 
@@ -30,7 +30,7 @@ pub struct AttnArgs {
     pub max_seq: i32,
     pub n_splits: i32,
     pub scale: f32,
-    /// Attention v3's q heads per CTA (set by [`Ops::attention`]).
+    /// Attention v2's q heads per CTA (set by [`Ops::attention`]).
     pub heads_per_cta: i32,
     /// Where kernels built with `DV2_QKV_KHALVES` (default) find q/k/v's second K-half sums, which
     /// the attention adds ([`Ops::qkv`] says whether it wrote them after its rows; else a
@@ -120,26 +120,15 @@ pub enum Attention {
     V1,
     /// CTAs per (KV head, split of the context), `ATTN2_SPLIT` of them sharing the group's q
     /// heads, each walking its split in 32-slot chunks, then the merge kernel: the default
-    /// without thread-block clusters.
+    /// where the long-context attention does not take the shape.
     V2,
-    /// v2's CTAs in clusters of [`ATTN3_SPLITS`] that split the context and merge through
-    /// distributed shared memory, no merge kernel (kernels/attention.cu, attn3_decode).
-    V3,
 }
 
-/// Attention v3: CTAs sharing a KV head's q heads (the largest divisor of the group at most
-/// this): one q head per CTA on the 3B shape, -0.005..-0.006 ms/token against 4 (docs/lab.md,
-/// session 12).
-pub const ATTN_SPLIT: usize = 8;
-
-/// Attention v2's [`ATTN_SPLIT`]: two q heads a CTA on the 3B shape, where one lost 0.7% at
+/// Attention v2's CTAs sharing a KV head's q heads (the largest divisor of the group at most
+/// this): two q heads a CTA on the 3B shape, where one lost 0.7% at
 /// depth 48 and gained 14% at 8k and 42% at 32k on an H100 (its splits each read by half as
 /// many CTAs; four heads: -5.0% / +7.9% / +52%; docs/lab.md, session 65).
 const ATTN2_SPLIT: usize = 4;
-
-/// Attention v3: CTAs per cluster, each an equal slice of the context (4: +0.027, 2: +0.113
-/// ms/token against 8, docs/lab.md session 14).
-pub const ATTN3_SPLITS: u32 = 8;
 
 /// Whether the long-context decode attention takes the model's shape: head_dim 64 or 128, at
 /// most [`ATTNL_MAX_GROUP`] q heads per KV head.
@@ -259,7 +248,6 @@ impl Ops {
     pub fn attention(&self, args: AttnArgs, out: u64) -> Result<()> {
         let max_seq = args.max_seq as usize;
         let group = (args.n_q / args.n_kv) as usize;
-        let parts = attn_split_parts(ATTN_SPLIT, group);
         match self.attn {
             Attention::V1 => {
                 let args = AttnArgs {
@@ -273,28 +261,6 @@ impl Ops {
                 };
                 launch!(self.gpu, &self.k.attn_decode, cfg; args)?;
                 self.merge_splits(&self.k.attn_merge, &args, out, args.n_splits)
-            }
-            Attention::V3 => {
-                // Dynamic shared memory: the running outputs of a CTA's q heads.
-                let heads = group / parts;
-                let args = AttnArgs {
-                    n_splits: ATTN3_SPLITS as i32,
-                    heads_per_cta: heads as i32,
-                    ..args
-                };
-                // Grid (parts, splits, KV heads): the kernel takes its KV head from z and its
-                // heads per CTA from the arguments, no division in code each warp runs once.
-                let cfg = LaunchConfig {
-                    grid_dim: (parts as u32, ATTN3_SPLITS, args.n_kv as u32),
-                    block_dim: (ATTN_THREADS, 1, 1),
-                    shared_mem_bytes: (heads * args.head_dim as usize * 4) as u32,
-                };
-                let f = &self.k.attn3_decode[match args.head_dim {
-                    128 => 1,
-                    64 => 2,
-                    _ => 0,
-                }];
-                launch!(self.gpu, f, cfg, cluster = (1, ATTN3_SPLITS, 1); args, out)
             }
             Attention::V2 => {
                 let parts = attn_split_parts(ATTN2_SPLIT, group);
@@ -310,8 +276,9 @@ impl Ops {
                     heads_per_cta: heads as i32,
                     ..args
                 };
-                // Grid (parts, splits, KV heads), as v3's; dynamic shared memory: the running
-                // outputs of a CTA's q heads.
+                // Grid (parts, splits, KV heads): the kernel takes its KV head from z and its
+                // heads per CTA from the arguments; dynamic shared memory: the running outputs
+                // of a CTA's q heads.
                 let cfg = LaunchConfig {
                     grid_dim: (parts as u32, splits as u32, args.n_kv as u32),
                     block_dim: (ATTN_THREADS, 1, 1),

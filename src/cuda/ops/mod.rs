@@ -5,10 +5,8 @@
 //! (tensor cores) below [`GEMV3_MAX_BYTES`] of weights, v2 above; the RMSNorm folded into the
 //! next GEMV's x load (`DV2_FUSE_RMS`); SwiGLU's output in f16 for down (`DV2_FFN_F16`); q/k/v
 //! in K halves (`DV2_QKV_KHALVES`); lm_head with the argmax and the step's commit
-//! (`DV2_LOGITS_ARGMAX`); the long-context attention where the GPU has clusters and the model's
-//! shape fits it (`DV2_ATTN_LONG`), else attention v3 where the GPU has clusters
-//! (`DV2_ATTN_CLUSTERS`); the
-//! prefill's tensor-core GEMM on f16 activations, its attention on tensor cores where head_dim
+//! (`DV2_LOGITS_ARGMAX`); the long-context attention where the model's shape fits it
+//! (`DV2_ATTN_LONG`), else attention v2; the prefill's tensor-core GEMM on f16 activations, its attention on tensor cores where head_dim
 //! is 16, 32, 64 or 128, and its last layer on the last token alone (`DV2_PREFILL_TAIL`);
 //! `DV2_LINEAR=mma` runs the decode step's linears through that GEMM (the seed's ablation).
 //! The tuning numbers are named constants below, each citing the lab row that chose it.
@@ -16,7 +14,7 @@
 use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{DeviceRepr, LaunchConfig};
 
-use super::device::{driver_error, Capabilities, Gpu};
+use super::device::{driver_error, Gpu};
 use super::kernels::{
     Kernels, ATTN2_CHUNK, ATTN2_MAX_CHUNKS, ATTN2_MAX_GROUP, ATTN2_MAX_GROUP_X_HD, GEMV2_MAX_K,
     GEMV3_MAX_K, MAX_HEAD_DIM,
@@ -31,7 +29,7 @@ mod gemv;
 
 pub use attention::{
     attn_long_fits, attn_long_partials, attn_partials, attn_prefill_tokens, Attention, AttnArgs,
-    PrefillAttnArgs, PrefillSplitRoom, ATTN3_SPLITS, ATTN_SPLIT,
+    PrefillAttnArgs, PrefillSplitRoom,
 };
 pub(super) use gemm::GemmArgs;
 pub use gemm::{Epilogue, GemmMatrix, RopeArgs};
@@ -135,8 +133,7 @@ pub struct Ops {
     pub cfg: Config,
     /// The GEMV family per matrix ([`GemvChoice::Auto`]; tests force one).
     pub gemv: GemvChoice,
-    /// The decode attention: v3 where the device has thread-block clusters and
-    /// `DV2_ATTN_CLUSTERS` is on, else v2; v1 where [`Ops::fit`] finds v2's layout too small.
+    /// The decode attention: v2, or v1 where [`Ops::fit`] finds v2's layout too small.
     pub attn: Attention,
     /// The long-context decode attention at every depth, in place of [`Ops::attn`]: where the
     /// device has clusters, `DV2_ATTN_LONG` is on and [`Ops::fit`] finds the model's shape
@@ -163,7 +160,6 @@ impl Ops {
             .ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(driver_error("multiprocessor count"))? as u32;
-        let attn = decode_attention(&gpu.caps, &cfg);
         let attn_long = gpu.caps.clusters && cfg.attn_long;
         let attn_long_flat = !gpu.caps.clusters && cfg.attn_long;
         let swiglu_w20 = gemv::swiglu_w20_fits(&k, gpu.caps.max_smem_per_cta)?;
@@ -173,7 +169,7 @@ impl Ops {
             k,
             cfg,
             gemv: GemvChoice::Auto,
-            attn,
+            attn: Attention::V2,
             attn_long,
             attn_long_flat,
             sms,
@@ -182,7 +178,7 @@ impl Ops {
         })
     }
 
-    /// Checks the shapes the kernels take ([`check_shape`]); attention v2 and v3 fall back to v1
+    /// Checks the shapes the kernels take ([`check_shape`]); attention v2 falls back to v1
     /// where their shared-memory layout does not fit the model; the long-context attention is
     /// off where it does not take the shape.
     pub fn fit(&mut self, s: &ArchSpec, max_seq: usize) -> Result<()> {
@@ -285,16 +281,6 @@ pub fn check_shape(s: &ArchSpec) -> Result<()> {
     Ok(())
 }
 
-/// The decode attention a device takes: v3 where it has clusters and `DV2_ATTN_CLUSTERS` is on,
-/// else v2 ([`Ops::fit`] may still fall back to v1 for the model's shape).
-pub fn decode_attention(caps: &Capabilities, cfg: &Config) -> Attention {
-    if caps.clusters && cfg.attn_clusters {
-        Attention::V3
-    } else {
-        Attention::V2
-    }
-}
-
 fn no_sums(ss_out: u64) -> Result<()> {
     if ss_out != 0 {
         return Err(Error::Internal(
@@ -316,10 +302,11 @@ fn check_sums(ss_out: u64, ctas: u32) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::device::Capabilities;
     use super::*;
 
     /// Each architecture's limits pick its paths: clusters and PDL from sm_90 on (unless
-    /// `DV2_HOPPER=0`), attention v3 only with clusters, the opt-in shared memory as reported.
+    /// `DV2_HOPPER=0`), the opt-in shared memory as reported.
     #[test]
     fn capabilities_choose_the_paths_by_architecture() {
         let defaults = Config::default();
@@ -344,11 +331,8 @@ mod tests {
             let hopper = major >= 9;
             assert_eq!((caps.clusters, caps.pdl), (hopper, hopper), "{arch}");
             assert_eq!(caps.max_smem_per_cta, smem, "{arch}");
-            let want = if hopper { Attention::V3 } else { Attention::V2 };
-            assert_eq!(decode_attention(&caps, &defaults), want, "{arch}");
             let off = Capabilities::of(major, smem, &no_hopper);
             assert!(!off.clusters && !off.pdl, "{arch}");
-            assert_eq!(decode_attention(&off, &no_hopper), Attention::V2, "{arch}");
             let caps = Capabilities::of(major, smem, &no_pdl);
             assert_eq!((caps.clusters, caps.pdl), (hopper, false), "{arch}");
         }
