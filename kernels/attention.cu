@@ -229,7 +229,9 @@ __device__ __forceinline__ void rotate_live_batched(const AttnArgs& a, int kvh, 
 // the old kernel). Attention v3, these CTAs in clusters that merged through distributed shared
 // memory, lost to it at every depth (docs/lab.md, session 86, which names its last commit).
 // HD: the head_dim when known at compile time (64 or 128: the K/V indexing by shifts, half
-// the vectors unrolled), 0 for any. The score and weighted-sum loops unrolled by 2 and 4 so
+// the vectors unrolled), 0 for any. Other loops stay rolled (#pragma unroll 1): each warp
+// runs this code about once, and its cold fetch is the cost (docs/lab.md, session 13). The
+// score and weighted-sum loops unrolled by 2 and 4 so
 // that their shared loads issue together, and the softmax's max and sum over only the lanes
 // that can hold a slot (3 shuffle rounds at <= 8 slots, 4 at <= 16); the same values in the
 // same order. Why: one q head per CTA leaves those loops one shared-load round trip per
