@@ -739,7 +739,7 @@ fn streaming_tb_per_s() -> f64 {
 /// wall clock to the first token), then decode of 128 tokens after it (graph replays,
 /// ms/token), beside the floor (weight bytes plus the KV bytes at that depth, over the
 /// bandwidth the streaming-read kernel measures in this process), and the decode again under
-/// `against` (`--against VAR=VALUE`; `DV2_ATTN_LONG=0`, attention v3 at every depth, unless
+/// `against` (`--against VAR=VALUE`; `DV2_ATTN_LONG=0`, attention v2 at every depth, unless
 /// given: `DV2_HOPPER=0` times the pre-Hopper path beside the default). One engine per
 /// configuration, both resident, serves the ids check and every depth; at each depth their
 /// requests alternate, and their decodes chunk by chunk ([`time_request_pair`]): the paired

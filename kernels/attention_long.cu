@@ -1,11 +1,11 @@
 // Long-context decode attention (flash-decoding): the decode step's attention at every depth
-// where the model's shape and the device take it (src/cuda/ops/mod.rs, Ops::attn_long;
-// attention v3 elsewhere). Uses common.cuh and its own RoPE prologue (rotate_live_group).
+// where the model's shape takes it (src/cuda/ops/mod.rs, Ops::attn_long and attn_long_flat;
+// attention v2 elsewhere). Uses common.cuh and its own RoPE prologue (rotate_live_group).
 //
-// Why: attention v3 gives each CTA one q head, so every K/V row is read by all the q heads of
-// its GQA group (8x the bytes on the 3B shape), and its 8-CTA clusters walk the context in
-// 32-slot steps with one load in flight: 0.1 TB/s of useful KV, 76 tok/s at 32k (docs/lab.md,
-// session 21). Here a CTA takes every q head of its KV head, so each K/V row is read once, and
+// Why: attention v3 (deleted in session 86) gave each CTA one q head, so every K/V row was read
+// by all the q heads of its GQA group (8x the bytes on the 3B shape), and its 8-CTA clusters
+// walked the context in 32-slot steps with one load in flight: 0.1 TB/s of useful KV, 76 tok/s
+// at 32k (docs/lab.md, session 21). Here a CTA takes every q head of its KV head, so each K/V row is read once, and
 // the context is split over (clusters x ATTNL_RANKS) CTAs per KV head.
 //
 // Grid (ATTNL_RANKS, clusters, n_kv), clusters of (ATTNL_RANKS, 1, 1), ATTN_THREADS threads.

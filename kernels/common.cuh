@@ -299,11 +299,11 @@ __device__ __forceinline__ int atomic_add_acq_rel(int* p, int v) {
     return old;
 }
 
-// Thread-block clusters (Hopper; the GEMM's K split, attention v3): the cluster's size and
-// this CTA's rank in it (1 and 0 in a launch without clusters). Before sm_90 there are no
-// clusters: every launch is its own cluster of one, and the host never launches the kernels
-// that need more there (src/cuda/ops: attention v2 instead of v3, the GEMM without its K
-// split across CTAs).
+// Thread-block clusters (Hopper; the GEMM's K split, the column kernels' pairs, the
+// long-context attention): the cluster's size and this CTA's rank in it (1 and 0 in a launch
+// without clusters). Before sm_90 there are no clusters: every launch is its own cluster of
+// one, and the host never launches the kernels that need more there (src/cuda/ops: the long
+// attention's flat walk, the GEMM without its K split across CTAs).
 #if __CUDA_ARCH__ >= 900
 __device__ __forceinline__ int cluster_size() {
     u32 r;
@@ -319,26 +319,12 @@ __device__ __forceinline__ int cluster_rank() {
 __device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
 __device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
-// An arrive that orders this thread's earlier writes for the cluster only (arrive.release
-// fences the whole GPU: MEMBAR.ALL.GPU in the SASS).
-__device__ __forceinline__ void cluster_arrive_cluster_release() {
-    asm volatile("fence.acq_rel.cluster;\n\tbarrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-}
 // Stores v at `local`'s offset in the shared memory of the cluster's CTA `rank`.
 __device__ __forceinline__ void store_in_cta(float* local, int rank, float v) {
     const u32 addr = (u32)__cvta_generic_to_shared(local);
     u32 remote;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
     asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(v) : "memory");
-}
-// A float at `local`'s offset in the shared memory of the cluster's CTA `rank`.
-__device__ __forceinline__ float load_from_cta(const float* local, int rank) {
-    const u32 addr = (u32)__cvta_generic_to_shared(local);
-    u32 remote;
-    float v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-    return v;
 }
 // One-shot pushes into a peer CTA's shared memory (st.async), counted in bytes on the
 // receiver's mbarrier: the receiver waits for its bytes alone, with no fence that orders
@@ -392,9 +378,7 @@ __device__ __forceinline__ int cluster_rank() { return 0; }
 __device__ __forceinline__ void cluster_arrive_relaxed() {}
 __device__ __forceinline__ void cluster_arrive() {}
 __device__ __forceinline__ void cluster_wait() { __syncthreads(); }
-__device__ __forceinline__ void cluster_arrive_cluster_release() { __threadfence_block(); }
 __device__ __forceinline__ void store_in_cta(float* local, int, float v) { *local = v; }
-__device__ __forceinline__ float load_from_cta(const float* local, int) { return *local; }
 // A cluster of one: the pushes are this CTA's own stores, seen after a barrier.
 __device__ __forceinline__ void push_barrier_init(u64*) {}
 __device__ __forceinline__ void push_barrier_expect(u64*, u32) {}

@@ -867,7 +867,7 @@ fn decode_up_to_a_long_max_seq_matches_the_oracle() {
 /// The long-context attention (medium_llama takes it at every depth) from 500 slots, one
 /// cluster per KV head; across 1,520 valid slots, where one cluster per KV head becomes three
 /// merging through global memory; and at 4k (8 clusters per KV head), every position of a
-/// 16-slot tile and of a CTA's share for the live slot. Under `DV2_ATTN_LONG=0`, attention v3
+/// 16-slot tile and of a CTA's share for the live slot. Under `DV2_ATTN_LONG=0`, attention v2
 /// at the same depths (tests/gpu/run-on-device.sh switches).
 #[test]
 fn decode_with_the_long_attention_matches_the_oracle_across_cluster_counts() {
@@ -910,12 +910,12 @@ fn long_attention_at_gqa_groups_of_3_and_5_matches_the_oracle() {
     }
 }
 
-/// The long-context attention against attention v3 (`DV2_ATTN_LONG=0`) on the Qwen2.5-3B
+/// The long-context attention against attention v2 (`DV2_ATTN_LONG=0`) on the Qwen2.5-3B
 /// shape (head_dim 128, 8 q heads per KV head) past 16k slots, where every cluster of the
 /// grid runs: the same greedy ids, logits within the oracle's cap (the CPU oracle would take
 /// hours at this depth).
 #[test]
-fn long_attention_equals_v3_on_the_3b_shape_at_16k() {
+fn long_attention_equals_v2_on_the_3b_shape_at_16k() {
     const CAP: f32 = 0.05;
     let _device = exclusive_device();
     let Some(_) = cuda_engine("tiny_llama", 0, EngineOptions::default()) else {
@@ -947,18 +947,18 @@ fn long_attention_equals_v3_on_the_3b_shape_at_16k() {
         (ids, logits)
     };
     let (ids_long, logits_long) = run(true);
-    let (ids_v3, logits_v3) = run(false);
+    let (ids_v2, logits_v2) = run(false);
     let mut worst = 0f32;
     for i in 0..steps {
-        if ids_long[i] != ids_v3[i] {
+        if ids_long[i] != ids_v2[i] {
             break; // the inputs differ from here on
         }
-        let err = max_abs_diff(&logits_long[i], &logits_v3[i]);
+        let err = max_abs_diff(&logits_long[i], &logits_v2[i]);
         worst = worst.max(err);
-        assert!(err <= CAP, "step {i}: |long - v3| {err}");
+        assert!(err <= CAP, "step {i}: |long - v2| {err}");
     }
-    println!("3B shape at {len}..: long {ids_long:?}\n                     v3   {ids_v3:?}\n max |logit diff| {worst:.5} (cap {CAP})");
-    assert_eq!(ids_long, ids_v3);
+    println!("3B shape at {len}..: long {ids_long:?}\n                     v2   {ids_v2:?}\n max |logit diff| {worst:.5} (cap {CAP})");
+    assert_eq!(ids_long, ids_v2);
 }
 
 /// Every decode position 1..299 from a one-token prompt: the live slot at every place in

@@ -18,7 +18,7 @@ dec.plot(depth, [r["tok_s"] for r in rows], "o-", label="decodev2 decode")
 # The second sweep (bench --against; before it, always DV2_ATTN_LONG=0 as "v3_ms_per_token").
 against = data.get("against", "DV2_ATTN_LONG=0")
 key = "against_ms_per_token" if "against" in data else "v3_ms_per_token"
-labels = {"DV2_ATTN_LONG=0": "attention v3 at every depth (DV2_ATTN_LONG=0)",
+labels = {"DV2_ATTN_LONG=0": "attention v2 at every depth (DV2_ATTN_LONG=0)",
           "DV2_HOPPER=0": "the pre-Hopper path (DV2_HOPPER=0)"}
 if all(key in r for r in rows):
     dec.plot(depth, [1e3 / r[key] for r in rows], "s:", color="C3", label=labels.get(against, against))

@@ -44,7 +44,7 @@ else
   # step at 36 layers), so 200 lands in the second decode step (the prefill's kernels do not
   # match). It was 1000 with attn_long missing from the filter: 864 matches in 6 steps, none
   # profiled (session 34). NCU_SKIP: another skip for an NCU_KERNELS with fewer matches.
-  timeout 400 "$ncu" "${sections[@]}" --kernel-name regex:"${NCU_KERNELS:-gemv3_|gemv2_swiglu|gemv2_nf4_j3|gemv2_kwalk|attn_long|attn2_|attn3_}" \
+  timeout 400 "$ncu" "${sections[@]}" --kernel-name regex:"${NCU_KERNELS:-gemv3_|gemv2_swiglu|gemv2_nf4_j3|gemv2_kwalk|attn_long|attn2_}" \
     --launch-skip "${NCU_SKIP:-200}" --launch-count 6 .device/examples/bench --decode-profile 6 48 "${PRESET:-qwen25_3b}" \
     > "$out/ncu-kernels.txt" 2>&1
 fi
