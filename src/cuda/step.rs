@@ -2,8 +2,8 @@
 //! decode step's schedule (`forward_marked`). Everything is allocated in `new`; a step
 //! allocates nothing, reads nothing back and never synchronises with the host. The step is
 //! captured once into a CUDA graph (`DV2_GRAPH=0`: eager launches, for comparison), with the
-//! long-context attention where the model takes it, else attention v2, at every depth. The chunked prefill is in [`super::prefill`], the measuring tools in
-//! [`super::profile`].
+//! long-context attention where the model takes it, else attention v2, at every depth. The
+//! chunked prefill is in [`super::prefill`], the measuring tools in [`super::profile`].
 
 use cudarc::driver::{CudaGraph, CudaSlice};
 

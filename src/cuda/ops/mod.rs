@@ -6,8 +6,9 @@
 //! next GEMV's x load (`DV2_FUSE_RMS`); SwiGLU's output in f16 for down (`DV2_FFN_F16`); q/k/v
 //! in K halves (`DV2_QKV_KHALVES`); lm_head with the argmax and the step's commit
 //! (`DV2_LOGITS_ARGMAX`); the long-context attention where the model's shape fits it
-//! (`DV2_ATTN_LONG`), else attention v2; the prefill's tensor-core GEMM on f16 activations, its attention on tensor cores where head_dim
-//! is 16, 32, 64 or 128, and its last layer on the last token alone (`DV2_PREFILL_TAIL`);
+//! (`DV2_ATTN_LONG`), else attention v2; the prefill's tensor-core GEMM on f16 activations,
+//! its attention on tensor cores where head_dim is 16, 32, 64 or 128, and its last layer on
+//! the last token alone (`DV2_PREFILL_TAIL`);
 //! `DV2_LINEAR=mma` runs the decode step's linears through that GEMM (the seed's ablation).
 //! The tuning numbers are named constants below, each citing the lab row that chose it.
 
