@@ -116,16 +116,16 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode(AttnArgs 
     }
 }
 
-// The parts of attention v2 (attn2_decode_body below). A CTA
-// computes several q heads of a KV head's GQA group, so each K/V row is read from memory once
-// per step (and from L2 by the KV head's other CTAs) instead of once per q head; the group's
-// heads are split over up to 4 CTAs (ATTN2_SPLIT on the host): the
-// scores and the weighted sum of V are serial loops per thread over heads, so a CTA with a
-// quarter of the heads finishes them in a quarter of the rounds (docs/lab.md, session 8); v2's
-// splits are long at long context, where fewer CTAs reading each chunk won (session 65). K and
-// V are staged in shared memory by 32-slot chunks with 16-byte loads issued together; scores,
-// softmax and the weighted sum of V run from shared memory. The live slot (t == position) comes from the
-// rotated projections, never from the cache; one CTA of the KV head writes it.
+// The parts of attention v2 (attn2_decode_body below). A CTA computes several q heads of a
+// KV head's GQA group, so each K/V row is read from memory once per step (and from L2 by the
+// KV head's other CTAs) instead of once per q head; the group's heads are split over up to 4
+// CTAs (ATTN2_SPLIT on the host): the scores and the weighted sum of V are serial loops per
+// thread over heads, so a CTA with a quarter of the heads finishes them in a quarter of the
+// rounds (docs/lab.md, session 8); v2's splits are long at long context, where fewer CTAs
+// reading each chunk won (session 65). K and V are staged in shared memory by 32-slot chunks
+// with 16-byte loads issued together; scores, softmax and the weighted sum of V run from
+// shared memory. The live slot (t == position) comes from the rotated projections, never from
+// the cache; one CTA of the KV head writes it.
 
 // Every global load of the prologue (the chunk's K and V rows, the q/k pairs to rotate with
 // their cos and sin, the live v) is issued before its first shared store. Interleaved, each
@@ -227,16 +227,17 @@ __device__ __forceinline__ void rotate_live_batched(const AttnArgs& a, int kvh, 
 // decode at depth 48, +30% at 2k, +56% at 8k, +134% at 32k; two q heads a CTA then -0.7% /
 // +14% / +42% at 48 / 8k / 32k (docs/lab.md, session 65, which names the commit that last held
 // the old kernel). Attention v3, these CTAs in clusters that merged through distributed shared
-// memory, lost to it at every depth (docs/lab.md, session 86, which names its last commit).
+// memory, led it by 7% at depth 48 (no merge kernel) and lost by 25% at 2k and 3.7x at 32k, its
+// 8 splits a KV head fixed at any depth (docs/lab.md, session 86, which names its last commit).
 // HD: the head_dim when known at compile time (64 or 128: the K/V indexing by shifts, half
 // the vectors unrolled), 0 for any. Other loops stay rolled (#pragma unroll 1): each warp
 // runs this code about once, and its cold fetch is the cost (docs/lab.md, session 13). The
-// score and weighted-sum loops unrolled by 2 and 4 so
-// that their shared loads issue together, and the softmax's max and sum over only the lanes
-// that can hold a slot (3 shuffle rounds at <= 8 slots, 4 at <= 16); the same values in the
-// same order. Why: one q head per CTA leaves those loops one shared-load round trip per
-// iteration on the kernel's serial chain, and the kernel mostly waits (docs/lab.md, session
-// 15: 0.08 issued per scheduler cycle). Measured: -0.0055 ms/token (session 16, run 2).
+// score and weighted-sum loops unrolled by 2 and 4 so that their shared loads issue together,
+// and the softmax's max and sum over only the lanes that can hold a slot (3 shuffle rounds at
+// <= 8 slots, 4 at <= 16); the same values in the same order. Why: one q head per CTA leaves
+// those loops one shared-load round trip per iteration on the kernel's serial chain, and the
+// kernel mostly waits (docs/lab.md, session 15: 0.08 issued per scheduler cycle). Measured:
+// -0.0055 ms/token (session 16, run 2).
 template <int HD>
 __device__ __forceinline__ void attn2_decode_body(const AttnArgs& a) {
     timeline_start();
