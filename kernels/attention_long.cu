@@ -5,8 +5,8 @@
 // Why: attention v3 (deleted in session 86) gave each CTA one q head, so every K/V row was read
 // by all the q heads of its GQA group (8x the bytes on the 3B shape), and its 8-CTA clusters
 // walked the context in 32-slot steps with one load in flight: 0.1 TB/s of useful KV, 76 tok/s
-// at 32k (docs/lab.md, session 21). Here a CTA takes every q head of its KV head, so each K/V row is read once, and
-// the context is split over (clusters x ATTNL_RANKS) CTAs per KV head.
+// at 32k (docs/lab.md, session 21). Here a CTA takes every q head of its KV head, so each K/V
+// row is read once, and the context is split over (clusters x ATTNL_RANKS) CTAs per KV head.
 //
 // Grid (ATTNL_RANKS, clusters, n_kv), clusters of (ATTNL_RANKS, 1, 1), ATTN_THREADS threads.
 // On the device, from valid_len: the clusters in use (attnl_clusters: at most gridDim.y; the

@@ -125,9 +125,9 @@ pub enum Attention {
 }
 
 /// Attention v2's CTAs sharing a KV head's q heads (the largest divisor of the group at most
-/// this): two q heads a CTA on the 3B shape, where one lost 0.7% at
-/// depth 48 and gained 14% at 8k and 42% at 32k on an H100 (its splits each read by half as
-/// many CTAs; four heads: -5.0% / +7.9% / +52%; docs/lab.md, session 65).
+/// this): two q heads a CTA on the 3B shape, where one lost 0.7% at depth 48 and gained 14% at
+/// 8k and 42% at 32k on an H100 (its splits each read by half as many CTAs; four heads: -5.0% /
+/// +7.9% / +52%; docs/lab.md, session 65).
 const ATTN2_SPLIT: usize = 4;
 
 /// Whether the long-context decode attention takes the model's shape: head_dim 64 or 128, at
