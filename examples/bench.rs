@@ -23,7 +23,7 @@
 //! without one), and a skeleton of a persistent step (issue 36).
 //! `--l2-hot` prints only the decode GEMVs with their weights from HBM and from L2.
 //! `--context [PRESET [D1,D2,..]]` prints only the context sweep: prefill and decode against
-//! depth (48 to 32k unless listed) at max_seq 32768, beside the bandwidth floor at each depth,
+//! depth (48 to 32k unless listed) at max_seq 32768 (`--max-seq N` for another), beside the bandwidth floor at each depth,
 //! on the Qwen2.5-3B shape or the named preset (e.g. `--context qwen25_32b 48,8192`), and
 //! decode and prefill again under `--against`'s setting (default `DV2_ATTN_LONG=0`) in the same process,
 //! the two engines' requests (and their decodes, 16 steps at a time) alternating at each depth,
@@ -734,8 +734,9 @@ fn streaming_tb_per_s() -> f64 {
     probe as f64 / bench.floor_us(probe).expect("floor") / 1e6
 }
 
-/// `--context [PRESET [D1,D2,..]]`: a preset's shape (Qwen2.5-3B by default) at max_seq
-/// 32768, by context depth (48 to 32k by default): prefill of a prompt that long (ms and tok/s,
+/// `--context [PRESET [D1,D2,..]] [--max-seq N]`: a preset's shape (Qwen2.5-3B by default)
+/// at max_seq N (32,768 unless given; past it attention v2's layout does not fit), by context
+/// depth (48 to 32k by default): prefill of a prompt that long (ms and tok/s,
 /// wall clock to the first token), then decode of 128 tokens after it (graph replays,
 /// ms/token), beside the floor (weight bytes plus the KV bytes at that depth, over the
 /// bandwidth the streaming-read kernel measures in this process), and the decode again under
@@ -752,15 +753,15 @@ fn context_sweep(
     depths: &[usize],
     against: (&str, &str),
     against_loaded_first: bool,
+    max_seq: usize,
 ) {
-    const MAX_SEQ: usize = 32768;
     const TOKENS: usize = 128;
     // Checked before the minute the model build and loads take: a depth with no room for its
     // decode would otherwise end the sweep with SequenceFull after them.
-    if let Some(d) = depths.iter().find(|&&d| d + TOKENS + 1 > MAX_SEQ) {
+    if let Some(d) = depths.iter().find(|&&d| d + TOKENS + 1 > max_seq) {
         panic!(
-            "depth {d} leaves no room for {TOKENS} decode steps at max_seq {MAX_SEQ} (deepest: {})",
-            MAX_SEQ - TOKENS - 1
+            "depth {d} leaves no room for {TOKENS} decode steps at max_seq {max_seq} (deepest: {})",
+            max_seq - TOKENS - 1
         );
     }
     let spec = decodev2::arch::preset(preset).expect("preset");
@@ -782,13 +783,13 @@ fn context_sweep(
         with_env(env, || {
             let opts = EngineOptions {
                 backend: BackendKind::Cuda,
-                max_seq: MAX_SEQ,
+                max_seq,
                 ..EngineOptions::default()
             };
             let t = Instant::now();
             let mut e = Engine::new(model.clone(), &opts).expect("cuda engine");
             let used = e.device_used_bytes().unwrap().unwrap_or(0);
-            let budget = decodev2::cuda::budget::estimate(&spec, MAX_SEQ, 0);
+            let budget = decodev2::cuda::budget::estimate(&spec, max_seq, 0);
             println!(
                 "loaded ({}) in {:.1} s; device memory in use {:.2} GB \
                  (budget without prefill activations or reserve: {:.2} GB)",
@@ -1585,12 +1586,21 @@ fn main() {
             &[48, 256, 512, 1024, 2048, 4096, 8192, 16384, 32512],
         );
         let against = against_arg(&args).unwrap_or(("DV2_ATTN_LONG", "0"));
+        let max_seq = args
+            .iter()
+            .position(|a| a == "--max-seq")
+            .map_or(32768, |i| {
+                args.get(i + 1)
+                    .and_then(|n| n.parse().ok())
+                    .expect("--max-seq N")
+            });
         context_sweep(
             &json_path,
             preset,
             &depths,
             against,
             flag("--against-loaded-first"),
+            max_seq,
         );
         return;
     }
