@@ -864,12 +864,12 @@ fn decode_up_to_a_long_max_seq_matches_the_oracle() {
     decode_vs_oracle("medium_llama", 5, 8200, 8190, 10);
 }
 
-/// At a max_seq past attention v2's layout (32,768 slots): on tiny_llama (head_dim 16, which
-/// the long-context attention does not take) attention v1 with q/k/v in one part; on
-/// medium_llama the long-context attention with q/k/v in K halves, which it adds (under
-/// `DV2_ATTN_LONG=0`, attention v1 there too).
+/// At a max_seq past 32,768 slots (where attention v2 once fell back to v1, which does not add
+/// q/k/v's K halves): on tiny_llama (head_dim 16, which the long-context attention does not
+/// take) attention v2, on medium_llama the long-context attention (under `DV2_ATTN_LONG=0`, v2
+/// there too), both with q/k/v in K halves.
 #[test]
-fn decode_at_a_long_context_max_seq_past_v2s_layout_matches_the_oracle() {
+fn decode_at_a_long_context_max_seq_past_32k_matches_the_oracle() {
     decode_vs_oracle("tiny_llama", 12, 33000, 40, 8);
     decode_vs_oracle("medium_llama", 12, 33000, 40, 8);
 }

@@ -183,7 +183,7 @@ impl CudaBackend {
         let mut ops = Ops::new(gpu, cfg)?;
         let chunk = prefill_chunk(&ops, &s, max_seq, chunk)?;
         budget::estimate(&s, max_seq, chunk).check(free, total)?;
-        ops.fit(&s, max_seq)?;
+        ops.fit(&s)?;
         let gpu = &ops.gpu;
         let started = std::time::Instant::now();
         let model = weights::upload(gpu, host, ops.cfg.staged_upload)?;

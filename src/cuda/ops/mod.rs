@@ -17,8 +17,7 @@ use cudarc::driver::{DeviceRepr, LaunchConfig};
 
 use super::device::{driver_error, Gpu};
 use super::kernels::{
-    Kernels, ATTN2_CHUNK, ATTN2_MAX_CHUNKS, ATTN2_MAX_GROUP, ATTN2_MAX_GROUP_X_HD, GEMV2_MAX_K,
-    GEMV3_MAX_K, MAX_HEAD_DIM,
+    Kernels, ATTN2_MAX_GROUP, ATTN2_MAX_GROUP_X_HD, GEMV2_MAX_K, GEMV3_MAX_K, MAX_HEAD_DIM,
 };
 use crate::arch::ArchSpec;
 use crate::config::Config;
@@ -180,15 +179,13 @@ impl Ops {
     }
 
     /// Checks the shapes the kernels take ([`check_shape`]); attention v2 falls back to v1
-    /// where their shared-memory layout does not fit the model; the long-context attention is
-    /// off where it does not take the shape.
-    pub fn fit(&mut self, s: &ArchSpec, max_seq: usize) -> Result<()> {
+    /// where its shared-memory layout does not fit the model's GQA group; the long-context
+    /// attention is off where it does not take the shape. (v2 takes any max_seq: its splits
+    /// are bounded by the SMs, not by the slots.)
+    pub fn fit(&mut self, s: &ArchSpec) -> Result<()> {
         check_shape(s)?;
         let group = s.n_q_heads / s.n_kv_heads;
-        if group > ATTN2_MAX_GROUP
-            || group * s.head_dim > ATTN2_MAX_GROUP_X_HD
-            || max_seq.div_ceil(ATTN2_CHUNK) > ATTN2_MAX_CHUNKS
-        {
+        if group > ATTN2_MAX_GROUP || group * s.head_dim > ATTN2_MAX_GROUP_X_HD {
             self.attn = Attention::V1;
         }
         self.attn_long &= attn_long_fits(s);
@@ -197,9 +194,9 @@ impl Ops {
     }
 
     /// Whether the decode step's attention adds q/k/v's second K half (`AttnArgs::qkv2`): either
-    /// long attention does, and v2; attention v1 alone does not. v1 runs where [`Ops::fit`]
-    /// finds v2's layout too small (past 32,768 slots of max_seq, say) and no long attention
-    /// took the shape.
+    /// long attention does, and v2; attention v1 alone does not (it runs where [`Ops::fit`]
+    /// finds the GQA group too large for v2, more than 16 q heads a KV head, and so for the
+    /// long attention too).
     pub fn attention_adds_halves(&self) -> bool {
         self.attn_long || self.attn_long_flat || self.attn == Attention::V2
     }
