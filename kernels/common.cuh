@@ -29,7 +29,8 @@ typedef unsigned long long u64;
 #endif
 #if !defined(GEMM_WARPS) || !defined(ATTNM_WARPS) || !defined(ATTNP_THREADS) || \
     !defined(ATTNP_TILE) || !defined(ATTNP_Q_FLOATS) || !defined(ATTNL_RANKS) || !defined(ATTNL_MAX_GROUP) || \
-    !defined(ATTNL_MAX_CLUSTERS) || !defined(ATTNP_MERGE_WAYS)
+    !defined(ATTNL_MAX_CLUSTERS) || !defined(ATTNP_MERGE_WAYS) || !defined(ATTNF_MERGE_GROUP) ||    \
+    !defined(ATTNF_MAX_MERGE) || !defined(ATTNF_COUNTS)
 #error "the host passes the prefill and long-attention constants as -D options (src/cuda/kernels.rs)"
 #endif
 #if !defined(NF4_CODEBOOK) || !defined(GEMV2_CTAS_PER_SM) || !defined(GEMV3_CTAS_PER_SM) || \

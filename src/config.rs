@@ -240,6 +240,10 @@ pub struct Config {
     /// The one-CTA-an-SM walks' first weight loads before their table build.
     pub loads_first: bool,
     pub attn_long: bool,
+    /// Experiment, off unless `DV2_X_TAIL_MERGE=1` until a device measures it (docs/lab.md,
+    /// session 87): the flat long attention's splits merged by its own last CTAs instead of
+    /// attn2_merge.
+    pub tail_merge: bool,
     pub sample_shortcuts: bool,
     /// The prompt through the decode step, token by token (`DV2_PREFILL=n1`).
     pub prefill_by_steps: bool,
@@ -300,6 +304,7 @@ impl Config {
             down_w27: on("DV2_DOWN_W27"),
             loads_first: on("DV2_LOADS_FIRST"),
             attn_long: on("DV2_ATTN_LONG"),
+            tail_merge: is("DV2_X_TAIL_MERGE", "1"),
             sample_shortcuts: on("DV2_SAMPLE_SHORTCUTS"),
             prefill_by_steps: is("DV2_PREFILL", "n1"),
             prefill_tail: on("DV2_PREFILL_TAIL"),

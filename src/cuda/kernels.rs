@@ -122,6 +122,18 @@ pub const ATTNL_MAX_GROUP: usize = 8;
 /// The long-context attention's most clusters per KV head (its partials in the arena; the
 /// cross-cluster merge loads them all at once).
 pub const ATTNL_MAX_CLUSTERS: usize = 16;
+/// The flat long attention's tail merge (`DV2_X_TAIL_MERGE=1`): splits a first-level merge
+/// takes, the most partials one merge takes (a group's, or the groups' of at most
+/// [`ATTN2_MAX_CHUNKS`] splits), and the counters of a KV head (the groups', then the last
+/// level's).
+pub const ATTNF_MERGE_GROUP: usize = 8;
+pub const ATTNF_MAX_GROUPS: usize = ATTN2_MAX_CHUNKS.div_ceil(ATTNF_MERGE_GROUP);
+pub const ATTNF_MAX_MERGE: usize = if ATTNF_MAX_GROUPS > ATTNF_MERGE_GROUP {
+    ATTNF_MAX_GROUPS
+} else {
+    ATTNF_MERGE_GROUP
+};
+pub const ATTNF_COUNTS: usize = 1 + ATTNF_MAX_GROUPS;
 
 /// Indices into the int32 decode-state buffer on the device.
 pub mod state {
@@ -196,6 +208,9 @@ fn shared_defines() -> Vec<String> {
         ("ATTNL_RANKS", ATTNL_RANKS),
         ("ATTNL_MAX_GROUP", ATTNL_MAX_GROUP),
         ("ATTNL_MAX_CLUSTERS", ATTNL_MAX_CLUSTERS),
+        ("ATTNF_MERGE_GROUP", ATTNF_MERGE_GROUP),
+        ("ATTNF_MAX_MERGE", ATTNF_MAX_MERGE),
+        ("ATTNF_COUNTS", ATTNF_COUNTS),
         ("GEMV3_WARPS", GEMV3_WARPS),
         ("GEMV3_COLS", GEMV3_COLS),
         ("SWIGLU_W20_K", super::ops::SWIGLU_W20_K),

@@ -450,7 +450,7 @@ impl CudaBackend {
             if ops.attn_long {
                 ops.attention_long(args, attn, self.ptr(&a.attn_counts))?;
             } else if ops.attn_long_flat {
-                ops.attention_long_flat(args, attn)?;
+                ops.attention_long_flat(args, attn, self.ptr(&a.attn_counts))?;
             } else {
                 ops.attention(args, attn)?;
             }

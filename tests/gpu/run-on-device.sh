@@ -5,7 +5,7 @@
 # long-context attention's and GEMV v3's tests).
 # Logs go to $OUT (or ./device-logs).
 # Usage: bash tests/gpu/run-on-device.sh [suite] [gates] [switches] [examples] [sanitize] [soak]
-#   [big] [prehopper] [prehopper-sanitize] [prehopper-speed]
+#   [big] [prehopper] [prehopper-sanitize] [prehopper-speed] [tail-merge]
 #   (no part named: suite, gates, switches and examples; "sanitize" alone: those and the
 #   sanitizers; "suite" is every packed test but cuda_gates, "gates" cuda_gates alone: 500-580 s
 #   on an H100 (sessions 61-62), so the two need separate device calls of 600 s, as the switch
@@ -13,8 +13,9 @@
 #   GPU soak (tests/cuda_soak.rs), "big": the Qwen2.5-32B shape against the oracle, minutes
 #   and ~40 GB of host memory, "prehopper": the pre-Hopper path forced (DV2_HOPPER=0) through
 #   every GPU gate (~10 minutes), "prehopper-sanitize": the C example under the sanitizers with
-#   it, and "prehopper-speed": the 3B context sweep with it beside the default; each only when
-#   named)
+#   it, and "prehopper-speed": the 3B context sweep with it beside the default; "tail-merge":
+#   the DV2_X_TAIL_MERGE=1 experiment's gates, sanitizers and sweep on that path; each only
+#   when named)
 set -uo pipefail
 # A pack carried as a tarball (tests/gpu/pack-carry.sh) unpacks here first.
 [[ -d .device || ! -f .dz/device.tgz ]] || tar xzf .dz/device.tgz
@@ -176,6 +177,25 @@ if want prehopper-speed; then
   .device/examples/bench --json "$out/prehopper-context.json" --context qwen25_3b --against DV2_HOPPER=0 \
     > "$out/prehopper-context.log" 2>&1 || { echo "bench --against DV2_HOPPER=0: FAILED"; status=1; }
   grep -vE "^\s*$" "$out/prehopper-context.log" | tail -14
+fi
+if want tail-merge; then
+  # The experiment DV2_X_TAIL_MERGE=1 (docs/lab.md, session 87: the flat long attention's
+  # splits merged by its own last CTAs instead of attn2_merge) on the pre-Hopper path: the long
+  # attention's gates, memcheck and racecheck on its graph test, then decode across depth
+  # beside attn2_merge in one process.
+  mkdir -p "$switch_logs"
+  for t in long_context a_long_max_seq long_attention; do
+    gates_with $t DV2_HOPPER=0 DV2_X_TAIL_MERGE=1
+  done
+  tar czf "$out/tail-merge-logs.tgz" -C "$out" switch-logs && rm -r "$switch_logs"
+  for tool in memcheck racecheck; do
+    DV2_HOPPER=0 DV2_X_TAIL_MERGE=1 sanitize_test "flat long attention, tail merge" tail-merge $tool \
+      .device/tests/cuda_gates graph_replay_equals_eager_with_the_long_attention
+  done
+  DV2_HOPPER=0 DV2_X_TAIL_MERGE=1 .device/examples/bench --context qwen25_3b 48,2048,8192,32512 \
+    --against DV2_X_TAIL_MERGE=0 > "$out/tail-merge-context.log" 2>&1 \
+    || { echo "bench --against DV2_X_TAIL_MERGE=0: FAILED"; status=1; }
+  grep -vE "^\s*$" "$out/tail-merge-context.log" | tail -14
 fi
 if want big; then
   .device/tests/cuda_gates --nocapture --ignored --exact qwen25_32b_shape_decodes_like_the_oracle \

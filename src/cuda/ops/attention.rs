@@ -319,11 +319,13 @@ impl Ops {
         launch!(self.gpu, merge, cfg; pa, pm, st, out, hd, splits, ms)
     }
 
-    /// The long-context attention's walk without clusters, then attn2_merge into `out`: grid
-    /// (1, splits, n_kv), about a CTA an SM, each every q head of its KV head over a split of
-    /// whole 16-slot tiles. Measured against attention v2 under `DV2_HOPPER=0` on an H100:
-    /// +3.7% decode at depth 48, +5.7% at 2k, +23% at 8k, +81% at 32k (docs/lab.md, session 67).
-    pub fn attention_long_flat(&self, args: AttnArgs, out: u64) -> Result<()> {
+    /// The long-context attention's walk without clusters, then attn2_merge into `out` (or,
+    /// `DV2_X_TAIL_MERGE=1`, the walk's last CTAs merge, counting on `counts`: n_kv *
+    /// ATTNF_COUNTS zeroed ints): grid (1, splits, n_kv), about a CTA an SM, each every q head
+    /// of its KV head over a split of whole 16-slot tiles. Measured against attention v2 under
+    /// `DV2_HOPPER=0` on an H100: +3.7% decode at depth 48, +5.7% at 2k, +23% at 8k, +81% at
+    /// 32k (docs/lab.md, session 67).
+    pub fn attention_long_flat(&self, args: AttnArgs, out: u64, counts: u64) -> Result<()> {
         let splits = attn2_splits(
             1,
             self.sms as usize,
@@ -336,7 +338,11 @@ impl Ops {
             shared_mem_bytes: 0,
         };
         let f = &self.k.attn_long_flat_decode[(args.head_dim == 128) as usize];
-        launch!(self.gpu, f, cfg; args)?;
+        if self.cfg.tail_merge {
+            return launch!(self.gpu, f, cfg; args, out, counts);
+        }
+        let (no_out, no_counts) = (0u64, 0u64);
+        launch!(self.gpu, f, cfg; args, no_out, no_counts)?;
         self.merge_splits(&self.k.attn2_merge, &args, out, splits as i32)
     }
 
