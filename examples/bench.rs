@@ -23,8 +23,8 @@
 //! without one), and a skeleton of a persistent step (issue 36).
 //! `--l2-hot` prints only the decode GEMVs with their weights from HBM and from L2.
 //! `--context [PRESET [D1,D2,..]]` prints only the context sweep: prefill and decode against
-//! depth (48 to 32k unless listed) at max_seq 32768 (`--max-seq N` for another), beside the bandwidth floor at each depth,
-//! on the Qwen2.5-3B shape or the named preset (e.g. `--context qwen25_32b 48,8192`), and
+//! depth (48 to 32k unless listed) at max_seq 32768 (`--max-seq N` for another), beside the
+//! bandwidth floor at each depth, on the Qwen2.5-3B shape or the named preset (e.g. `--context qwen25_32b 48,8192`), and
 //! decode and prefill again under `--against`'s setting (default `DV2_ATTN_LONG=0`) in the same process,
 //! the two engines' requests (and their decodes, 16 steps at a time) alternating at each depth,
 //! with the paired chunks' median ratio, that of two pairs' sums in both turn orders and the
@@ -735,8 +735,7 @@ fn streaming_tb_per_s() -> f64 {
 }
 
 /// `--context [PRESET [D1,D2,..]] [--max-seq N]`: a preset's shape (Qwen2.5-3B by default)
-/// at max_seq N (32,768 unless given; past it attention v2's layout does not fit), by context
-/// depth (48 to 32k by default): prefill of a prompt that long (ms and tok/s,
+/// at max_seq N (32,768 unless given), by context depth (48 to 32k by default): prefill of a prompt that long (ms and tok/s,
 /// wall clock to the first token), then decode of 128 tokens after it (graph replays,
 /// ms/token), beside the floor (weight bytes plus the KV bytes at that depth, over the
 /// bandwidth the streaming-read kernel measures in this process), and the decode again under
