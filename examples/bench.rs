@@ -734,18 +734,18 @@ fn streaming_tb_per_s() -> f64 {
     probe as f64 / bench.floor_us(probe).expect("floor") / 1e6
 }
 
-/// `--context [PRESET [D1,D2,..]] [--max-seq N]`: a preset's shape (Qwen2.5-3B by default)
-/// at max_seq N (32,768 unless given), by context depth (48 to 32k by default): prefill of a
-/// prompt that long (ms and tok/s, wall clock to the first token), then decode of 128 tokens
-/// after it (graph replays, ms/token), beside the floor (weight bytes plus the KV bytes at that depth, over the
-/// bandwidth the streaming-read kernel measures in this process), and the decode again under
-/// `against` (`--against VAR=VALUE`; `DV2_ATTN_LONG=0`, attention v2 at every depth, unless
-/// given: `DV2_HOPPER=0` times the pre-Hopper path beside the default). One engine per
-/// configuration, both resident, serves the ids check and every depth; at each depth their
-/// requests alternate, and their decodes chunk by chunk ([`time_request_pair`]): the paired
-/// chunks' median ratio and quartiles follow the table. Writes the table and the JSON
-/// (`tests/gpu/plot-context.py` draws it), and prints at each depth how long the board's power
-/// cap held the clocks down while it was timed ([`power_capped_s`]).
+/// `--context [PRESET [D1,D2,..]] [--max-seq N]`: a preset's shape (Qwen2.5-3B by default) at
+/// max_seq N (32,768 unless given), by context depth (48 to 32k by default): prefill of a prompt
+/// that long (ms and tok/s, wall clock to the first token), then decode of 128 tokens after it
+/// (graph replays, ms/token), beside the floor (weight bytes plus the KV bytes at that depth, over
+/// the bandwidth the streaming-read kernel measures in this process), and the decode again under
+/// `against` (`--against VAR=VALUE`; `DV2_ATTN_LONG=0`, attention v2 at every depth, unless given:
+/// `DV2_HOPPER=0` times the pre-Hopper path beside the default). One engine per configuration, both
+/// resident, serves the ids check and every depth; at each depth their requests alternate, and
+/// their decodes chunk by chunk ([`time_request_pair`]): the paired chunks' median ratio and
+/// quartiles follow the table. Writes the table and the JSON (`tests/gpu/plot-context.py` draws
+/// it), and prints at each depth how long the board's power cap held the clocks down while it was
+/// timed ([`power_capped_s`]).
 fn context_sweep(
     json_path: &str,
     preset: &str,
