@@ -5,7 +5,7 @@
 # long-context attention's and GEMV v3's tests).
 # Logs go to $OUT (or ./device-logs).
 # Usage: bash tests/gpu/run-on-device.sh [suite] [gates] [switches] [examples] [sanitize] [soak]
-#   [big] [prehopper] [prehopper-sanitize] [prehopper-speed] [tail-merge]
+#   [big] [prehopper] [prehopper-sanitize] [prehopper-speed] [maxseq-speed] [tail-merge]
 #   (no part named: suite, gates, switches and examples; "sanitize" alone: those and the
 #   sanitizers; "suite" is every packed test but cuda_gates, "gates" cuda_gates alone: 500-580 s
 #   on an H100 (sessions 61-62), so the two need separate device calls of 600 s, as the switch
@@ -13,7 +13,8 @@
 #   GPU soak (tests/cuda_soak.rs), "big": the Qwen2.5-32B shape against the oracle, minutes
 #   and ~40 GB of host memory, "prehopper": the pre-Hopper path forced (DV2_HOPPER=0) through
 #   every GPU gate (~10 minutes), "prehopper-sanitize": the C example under the sanitizers with
-#   it, and "prehopper-speed": the 3B context sweep with it beside the default; "tail-merge":
+#   it, and "prehopper-speed": the 3B context sweep with it beside the default;
+#   "maxseq-speed": the 3B sweep at max_seq 65,536 beside the K halves off and v2; "tail-merge":
 #   the DV2_X_TAIL_MERGE=1 experiment's gates, sanitizers and sweep on that path; each only
 #   when named)
 set -uo pipefail
@@ -177,6 +178,17 @@ if want prehopper-speed; then
   .device/examples/bench --json "$out/prehopper-context.json" --context qwen25_3b --against DV2_HOPPER=0 \
     > "$out/prehopper-context.log" 2>&1 || { echo "bench --against DV2_HOPPER=0: FAILED"; status=1; }
   grep -vE "^\s*$" "$out/prehopper-context.log" | tail -14
+fi
+if want maxseq-speed; then
+  # Past 32,768 slots of max_seq (session 87: attention v2 no longer falls back to v1 there,
+  # and q/k/v's K halves run wherever the attention adds them): the 3B sweep at max_seq 65,536
+  # beside the halves off, then beside attention v2.
+  for against in DV2_QKV_KHALVES=0 DV2_ATTN_LONG=0; do
+    log="$out/maxseq-65536-${against%%=*}.log"
+    .device/examples/bench --context qwen25_3b 48,2048,8192,32512 --max-seq 65536 --against $against \
+      > "$log" 2>&1 || { echo "bench --max-seq 65536 --against $against: FAILED"; status=1; }
+    grep -vE "^\s*$" "$log" | tail -14
+  done
 fi
 if want tail-merge; then
   # The experiment DV2_X_TAIL_MERGE=1 (docs/lab.md, session 87: the flat long attention's
