@@ -231,7 +231,10 @@ __device__ __forceinline__ void merge_flat_partials(const AttnArgs& a, float* ou
             l = fmaf(mlc.y, w, l);
         }
         l = warp_sum(l);
-        if (lane == 0) m_s[h] = mx, l_s[h] = l;
+        if (lane == 0) {
+            m_s[h] = mx;
+            l_s[h] = l;
+        }
     }
     __syncthreads();
     for (int i = threadIdx.x; i < gn * HD; i += ATTN_THREADS) {
