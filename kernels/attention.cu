@@ -216,6 +216,100 @@ __device__ __forceinline__ void rotate_live_batched(const AttnArgs& a, int kvh, 
     }
 }
 
+// The splits' merge by the attention's own last CTAs, instead of attn2_merge
+// (DV2_X_TAIL_MERGE=1, an experiment: docs/lab.md, session 87), for attention v2 and the flat
+// long attention. Their partials lie in attn2_merge's layout: per q head, gridDim.y splits of
+// head_dim floats, and m (natural-log units) and l.
+// TAIL_MAX_HEADS: the most q heads one CTA merges (v2's heads per CTA, up to ATTN2_MAX_GROUP;
+// the flat walk's group, up to ATTNL_MAX_GROUP).
+#define TAIL_MAX_HEADS (ATTN2_MAX_GROUP > ATTNL_MAX_GROUP ? ATTN2_MAX_GROUP : ATTNL_MAX_GROUP)
+
+// The shared floats the tail merge's weights take: the caller lends an array its walk no
+// longer uses (v2 is 3.6 KB under the 48 KB of static shared memory a kernel may hold).
+#define TAIL_SCRATCH_FLOATS (TAIL_MAX_HEADS * ATTNF_MAX_MERGE)
+
+// Partials first, first + stride, .. (`count` of them, at most ATTNF_MAX_MERGE) of q heads
+// q0 .. q0 + gn merged: into out where given, else into partial `first` (each element read and
+// written by one thread; m and l written after every thread read them). A warp a head finds
+// the weights, into `scratch` (TAIL_SCRATCH_FLOATS). HD: the head_dim if built in, else 0
+// (a.head_dim).
+template <int HD>
+__device__ __forceinline__ void merge_split_partials(const AttnArgs& a, float* out, float* scratch, int q0, int gn,
+                                                     int first, int stride, int count) {
+    const int hd = HD ? HD : a.head_dim, splits = gridDim.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    float(*w_s)[ATTNF_MAX_MERGE] = reinterpret_cast<float(*)[ATTNF_MAX_MERGE]>(scratch);
+    __shared__ float m_s[TAIL_MAX_HEADS], l_s[TAIL_MAX_HEADS];
+    for (int h = warp; h < gn; h += ATTN_WARPS) {
+        const float2* ml = reinterpret_cast<const float2*>(a.part_ml) + (size_t)(q0 + h) * splits + first;
+        float mx = NEG_INF;
+        for (int c = lane; c < count; c += 32) mx = fmaxf(mx, __ldcg(&ml[c * stride].x));
+        mx = warp_max(mx);
+        float l = 0.0f;
+        for (int c = lane; c < count; c += 32) {
+            const float2 mlc = __ldcg(&ml[c * stride]);
+            const float w = expf(mlc.x - mx);  // finite: every split used holds a valid slot
+            w_s[h][c] = w;
+            l = fmaf(mlc.y, w, l);
+        }
+        l = warp_sum(l);
+        if (lane == 0) {
+            m_s[h] = mx;
+            l_s[h] = l;
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < gn * hd; i += ATTN_THREADS) {
+        const int h = i / hd, d = i % hd;
+        float* acc = a.part_acc + ((size_t)(q0 + h) * splits + first) * hd + d;
+        float o = 0.0f;
+#pragma unroll 8
+        for (int c = 0; c < count; c++) o = fmaf(__ldcg(acc + (size_t)c * stride * hd), w_s[h][c], o);
+        if (out != nullptr) out[(size_t)(q0 + h) * hd + d] = o / l_s[h];
+        else *acc = o;
+    }
+    if (out == nullptr && (int)threadIdx.x < gn) {
+        float* ml = a.part_ml + ((size_t)(q0 + threadIdx.x) * splits + first) * 2;
+        ml[0] = m_s[threadIdx.x];
+        ml[1] = l_s[threadIdx.x];
+    }
+}
+
+// After this CTA stored its partial of split `split` (q heads q0 .. q0 + gn): the splits in use
+// in groups of ATTNF_MERGE_GROUP, the last CTA of a group to arrive (its counter) merges the
+// group's partials into the group's first, and the last of those (the CTA set's counter) the
+// groups' into out; one group's merger writes out itself. `counts`: ATTNF_COUNTS zeroed ints of
+// the CTAs that share these q heads (the set's, then a group's); each last CTA resets its
+// counter for the next layer. `scratch`: for merge_split_partials, unused by the caller now. Two levels keep each merge short: at 32k on the 3B shape the
+// flat walk's 66 splits merge as 9 merges of at most 8 and one of 9, not one CTA reading ~270 KB.
+template <int HD>
+__device__ __forceinline__ void tail_merge_splits(const AttnArgs& a, float* out, int* counts, float* scratch, int q0,
+                                                  int gn, int split) {
+    // The splits in use, as the walk cut them, from the position read again: held from the
+    // walk's start, the count took the flat long attention's 255th register and spilled
+    // (volatile: not merged with that first load).
+    const int valid = *reinterpret_cast<const volatile int*>(&a.state[STATE_POSITION]) + 1;
+    const int per = attn2_split_slots(valid, gridDim.y), used = (valid + per - 1) / per;
+    const int group = split / ATTNF_MERGE_GROUP, groups = (used + ATTNF_MERGE_GROUP - 1) / ATTNF_MERGE_GROUP;
+    const int first = group * ATTNF_MERGE_GROUP, members = min(ATTNF_MERGE_GROUP, used - first);
+    // The CTA's stores ordered before its count by the barrier and thread 0's release, the
+    // merger's loads after the others' stores by its acquire and the barrier (CUTLASS's
+    // semaphore, as the long attention's cluster merge).
+    __shared__ int last;
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomic_add_acq_rel(&counts[1 + group], 1) == members - 1;
+    __syncthreads();
+    if (!last) return;
+    if (threadIdx.x == 0) counts[1 + group] = 0;
+    merge_split_partials<HD>(a, groups == 1 ? out : nullptr, scratch, q0, gn, first, 1, members);
+    if (groups == 1) return;
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomic_add_acq_rel(&counts[0], 1) == groups - 1;
+    __syncthreads();
+    if (!last) return;
+    if (threadIdx.x == 0) counts[0] = 0;
+    merge_split_partials<HD>(a, out, scratch, q0, gn, 0, ATTNF_MERGE_GROUP, groups);
+}
+
 // Attention v2 (where the long-context attention does not take the shape, or DV2_ATTN_LONG=0):
 // grid (parts, splits, n_kv), gridDim.y splits of at least ATTN2_CHUNK slots each (the host
 // picks about four CTAs an SM, each of two q heads on the 3B shape), each walking its slots in
@@ -239,7 +333,7 @@ __device__ __forceinline__ void rotate_live_batched(const AttnArgs& a, int kvh, 
 // kernel mostly waits (docs/lab.md, session 15: 0.08 issued per scheduler cycle). Measured:
 // -0.0055 ms/token (session 16, run 2).
 template <int HD>
-__device__ __forceinline__ void attn2_decode_body(const AttnArgs& a) {
+__device__ __forceinline__ void attn2_decode_body(const AttnArgs& a, float* out, int* counts) {
     timeline_start();
     const int hd = HD ? HD : a.head_dim, half = hd >> 1;
     // Grid (parts, splits, n_kv): KV head z, its q heads [q0, q0 + gn) from the host's count.
@@ -400,7 +494,7 @@ __device__ __forceinline__ void attn2_decode_body(const AttnArgs& a) {
         }
         __syncthreads();  // k_s, v_s, p_s and corr_s free for the next chunk
     }
-    // The split's partials, for attn2_merge.
+    // The split's partials, for attn2_merge or the tail merge.
     for (int i = threadIdx.x; i < gn * hd; i += blockDim.x) {
         const int g = i / hd, d = i % hd;
         a.part_acc[((size_t)(q0 + g) * splits + rank) * hd + d] = acc_s[i];
@@ -410,16 +504,22 @@ __device__ __forceinline__ void attn2_decode_body(const AttnArgs& a) {
         a.part_ml[at] = m_run[threadIdx.x];
         a.part_ml[at + 1] = l_run[threadIdx.x];
     }
+    // The merge's weights in k_s, free since the last chunk's barrier.
+    static_assert(sizeof(k_s) >= TAIL_SCRATCH_FLOATS * sizeof(float), "k_s holds the tail merge's weights");
+    if (counts != nullptr)
+        tail_merge_splits<HD>(a, out, counts + (kvh * gridDim.x + blockIdx.x) * ATTNF_COUNTS,
+                              reinterpret_cast<float*>(k_s), q0, gn, rank);
     timeline_end();
 }
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode(AttnArgs a) {
-    attn2_decode_body<0>(a);
+// counts null: the partials for attn2_merge; else merged into out (tail_merge_splits).
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode(AttnArgs a, float* out, int* counts) {
+    attn2_decode_body<0>(a, out, counts);
 }
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode_hd128(AttnArgs a) {
-    attn2_decode_body<128>(a);
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode_hd128(AttnArgs a, float* out, int* counts) {
+    attn2_decode_body<128>(a, out, counts);
 }
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode_hd64(AttnArgs a) {
-    attn2_decode_body<64>(a);
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn2_decode_hd64(AttnArgs a, float* out, int* counts) {
+    attn2_decode_body<64>(a, out, counts);
 }
 
 // Combines attn2_decode's splits in use ("chunks" here: n_chunks is its grid's splits) of each

@@ -208,90 +208,10 @@ __device__ __forceinline__ int attnl_clusters(int tiles, int n_cl) {
     return tiles < 3 * ATTNL_CLUSTER_TILES ? 1 : min(tiles / ATTNL_CLUSTER_TILES, n_cl);
 }
 
-// Partials first, first + stride, .. (`count` of them, at most ATTNF_MAX_MERGE) of q heads
-// q0 .. q0 + gn in attn2_merge's layout (n_cl splits a head, m in natural-log units) merged:
-// into out where given, else into partial `first` (each element read and written by one
-// thread; m and l written after every thread read them). A warp a head finds the weights.
-template <int HD>
-__device__ __forceinline__ void merge_flat_partials(const AttnArgs& a, float* out, int q0, int gn, int first, int stride,
-                                                    int count) {
-    const int n_cl = gridDim.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    __shared__ float w_s[ATTNL_MAX_GROUP][ATTNF_MAX_MERGE];
-    __shared__ float m_s[ATTNL_MAX_GROUP], l_s[ATTNL_MAX_GROUP];
-    for (int h = warp; h < gn; h += ATTN_WARPS) {
-        const float2* ml = reinterpret_cast<const float2*>(a.part_ml) + (size_t)(q0 + h) * n_cl + first;
-        float mx = NEG_INF;
-        for (int c = lane; c < count; c += 32) mx = fmaxf(mx, __ldcg(&ml[c * stride].x));
-        mx = warp_max(mx);
-        float l = 0.0f;
-        for (int c = lane; c < count; c += 32) {
-            const float2 mlc = __ldcg(&ml[c * stride]);
-            const float w = expf(mlc.x - mx);  // finite: every split used holds a valid slot
-            w_s[h][c] = w;
-            l = fmaf(mlc.y, w, l);
-        }
-        l = warp_sum(l);
-        if (lane == 0) {
-            m_s[h] = mx;
-            l_s[h] = l;
-        }
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < gn * HD; i += ATTN_THREADS) {
-        const int h = i / HD, d = i % HD;
-        float* acc = a.part_acc + ((size_t)(q0 + h) * n_cl + first) * HD + d;
-        float o = 0.0f;
-#pragma unroll 8
-        for (int c = 0; c < count; c++) o = fmaf(__ldcg(acc + (size_t)c * stride * HD), w_s[h][c], o);
-        if (out != nullptr) out[(size_t)(q0 + h) * HD + d] = o / l_s[h];
-        else *acc = o;
-    }
-    if (out == nullptr && (int)threadIdx.x < gn) {
-        float* ml = a.part_ml + ((size_t)(q0 + threadIdx.x) * n_cl + first) * 2;
-        ml[0] = m_s[threadIdx.x];
-        ml[1] = l_s[threadIdx.x];
-    }
-}
-
-// The flat walk's splits merged by its own last CTAs instead of attn2_merge (DV2_X_TAIL_MERGE=1;
-// `counts`: this KV head's ATTNF_COUNTS zeroed ints): the used splits in groups of
-// ATTNF_MERGE_GROUP, the last CTA of a group to arrive (its counter) merging the group's
-// partials into the group's first, and the last of those (the KV head's counter) the groups'
-// into out; one group's merger writes out itself. Each last CTA resets its counter for the
-// next layer. Two levels keep each merge short: at 32k on the 3B shape, 66 splits as 9 merges
-// of 8 and one of 9 instead of one of 66 (~270 KB through one SM).
-template <int HD>
-__device__ __forceinline__ void flat_tail_merge(const AttnArgs& a, float* out, int* counts, int q0, int gn, int cl) {
-    // The splits in use, as the walk cut them, from the position read again: kept from the
-    // walk's start, the count took the 255th register and spilled (volatile: not merged with
-    // that first load).
-    const int valid = *reinterpret_cast<const volatile int*>(&a.state[STATE_POSITION]) + 1;
-    const int per = attn2_split_slots(valid, gridDim.y), used = (valid + per - 1) / per;
-    const int group = cl / ATTNF_MERGE_GROUP, groups = (used + ATTNF_MERGE_GROUP - 1) / ATTNF_MERGE_GROUP;
-    const int first = group * ATTNF_MERGE_GROUP, members = min(ATTNF_MERGE_GROUP, used - first);
-    // The CTA's stores ordered before its count by the barrier and thread 0's release, the
-    // merger's loads after the others' stores by its acquire and the barrier (as the clusters'
-    // merge below).
-    __shared__ int last;
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomic_add_acq_rel(&counts[1 + group], 1) == members - 1;
-    __syncthreads();
-    if (!last) return;
-    if (threadIdx.x == 0) counts[1 + group] = 0;
-    merge_flat_partials<HD>(a, groups == 1 ? out : nullptr, q0, gn, first, 1, members);
-    if (groups == 1) return;
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomic_add_acq_rel(&counts[0], 1) == groups - 1;
-    __syncthreads();
-    if (!last) return;
-    if (threadIdx.x == 0) counts[0] = 0;
-    merge_flat_partials<HD>(a, out, q0, gn, 0, ATTNF_MERGE_GROUP, groups);
-}
-
 // CLUSTER false (GPUs without clusters, or DV2_HOPPER=0): grid (1, splits, n_kv), CTA y
 // takes attn2_merge's split y (attn2_split_slots: whole tiles), merges its warps as below and
 // writes its partial (m in natural-log units, as attention v2's) instead of the cluster's and
-// the clusters' merges: for attn2_merge, or, with `counts`, for flat_tail_merge into `out`.
+// the clusters' merges: for attn2_merge, or, with `counts`, for tail_merge_splits into `out`.
 template <int HD, bool CLUSTER = true>
 __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, int* counts) {
     constexpr int V4 = HD / 32, MT = HD / 16, DR = HD / ATTNL_RANKS;
@@ -485,7 +405,9 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
             a.part_ml[at] = m_cta[threadIdx.x] * LN2;  // exp2's units to attn2_merge's expf
             a.part_ml[at + 1] = l_cta[threadIdx.x];
         }
-        if (counts != nullptr) flat_tail_merge<HD>(a, out, counts + kvh * ATTNF_COUNTS, q0, gn, cl);
+        // The merge's weights in o_w, read by every thread above before the merge's first barrier.
+        static_assert(sizeof(o_w) >= TAIL_SCRATCH_FLOATS * sizeof(float), "o_w holds the tail merge's weights");
+        if (counts != nullptr) tail_merge_splits<HD>(a, out, counts + kvh * ATTNF_COUNTS, &o_w[0][0][0], q0, gn, cl);
         timeline_end();
         return;
     }
@@ -581,7 +503,7 @@ __device__ __forceinline__ void attn_long_body(const AttnArgs& a, float* out, in
     }
 ATTNL_KERNEL(64)
 ATTNL_KERNEL(128)
-// counts null: the partials for attn2_merge; else merged into out (flat_tail_merge).
+// counts null: the partials for attn2_merge; else merged into out (tail_merge_splits).
 #define ATTNL_FLAT_KERNEL(HD)                                                                               \
     extern "C" __global__ void __launch_bounds__(ATTN_THREADS)                                              \
         attn_long_flat_decode_hd##HD(AttnArgs a, float* out, int* counts) {                                 \

@@ -241,8 +241,8 @@ pub struct Config {
     pub loads_first: bool,
     pub attn_long: bool,
     /// Experiment, off unless `DV2_X_TAIL_MERGE=1` until a device measures it (docs/lab.md,
-    /// session 87): the flat long attention's splits merged by its own last CTAs instead of
-    /// attn2_merge.
+    /// session 87): attention v2's and the flat long attention's splits merged by their own
+    /// last CTAs instead of attn2_merge.
     pub tail_merge: bool,
     pub sample_shortcuts: bool,
     /// The prompt through the decode step, token by token (`DV2_PREFILL=n1`).

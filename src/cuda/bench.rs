@@ -688,6 +688,7 @@ impl Bench {
         let out = self.ops.gpu.zeros::<f32>(s.q_dim())?;
         // q/k/v in one part: a zero second part where the kernels add one (DV2_QKV_KHALVES).
         let qkv2 = self.ops.gpu.zeros::<f32>(s.qkv_rows())?;
+        let counts = self.ops.gpu.zeros::<i32>(super::ops::attn_counts_len(s))?;
         let gpu = &self.ops.gpu;
         let base = AttnArgs {
             qkv: gpu.ptr(&qkv),
@@ -707,14 +708,15 @@ impl Bench {
             heads_per_cta: 0,
             qkv2: gpu.ptr(&qkv2),
         };
-        let (layer_bytes, out_ptr) = (2 * layer_elems as u64, gpu.ptr(&out));
+        let (layer_bytes, out_ptr, counts_ptr) =
+            (2 * layer_elems as u64, gpu.ptr(&out), gpu.ptr(&counts));
         let median_us = self.time_rotated(layers, |l| {
             let args = AttnArgs {
                 k_cache: base.k_cache + l as u64 * layer_bytes,
                 v_cache: base.v_cache + l as u64 * layer_bytes,
                 ..base
             };
-            self.ops.attention(args, out_ptr)
+            self.ops.attention(args, out_ptr, counts_ptr)
         })?;
         let bytes = 2 * valid_len * s.kv_dim() * 2 + s.qkv_rows() * 4 + s.q_dim() * 4;
         Ok(Timing {

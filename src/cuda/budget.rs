@@ -115,8 +115,10 @@ pub struct ArenaLens {
 
 impl ArenaLens {
     pub fn new(s: &ArchSpec, max_seq: usize, chunk: usize) -> Self {
-        use super::kernels::{state, ATTNF_COUNTS, ATTNL_RANKS};
-        use super::ops::{attn_long_partials, attn_partials, ARGMAX_SCRATCH, MAX_PARTIAL_SUMS};
+        use super::kernels::state;
+        use super::ops::{
+            attn_counts_len, attn_long_partials, attn_partials, ARGMAX_SCRATCH, MAX_PARTIAL_SUMS,
+        };
         let rows = chunk.max(1);
         let partials = attn_partials(max_seq);
         let (long_acc, long_ml) = attn_long_partials(s);
@@ -131,7 +133,7 @@ impl ArenaLens {
             sums: MAX_PARTIAL_SUMS,
             ids: max_seq,
             argmax: ARGMAX_SCRATCH,
-            attn_counts: s.n_kv_heads * ATTNL_RANKS.max(ATTNF_COUNTS),
+            attn_counts: attn_counts_len(s),
             qkv_zeros: s.qkv_rows(),
             state: state::LEN,
             rope: max_seq * (s.head_dim / 2),

@@ -122,7 +122,8 @@ pub const ATTNL_MAX_GROUP: usize = 8;
 /// The long-context attention's most clusters per KV head (its partials in the arena; the
 /// cross-cluster merge loads them all at once).
 pub const ATTNL_MAX_CLUSTERS: usize = 16;
-/// The flat long attention's tail merge (`DV2_X_TAIL_MERGE=1`): splits a first-level merge
+/// The tail merge of attention v2's and the flat long attention's splits
+/// (`DV2_X_TAIL_MERGE=1`, kernels/attention.cu `tail_merge_splits`): splits a first-level merge
 /// takes, the most partials one merge takes (a group's, or the groups' of at most
 /// [`ATTN2_MAX_CHUNKS`] splits), and the counters of a KV head (the groups', then the last
 /// level's).

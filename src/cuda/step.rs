@@ -452,7 +452,7 @@ impl CudaBackend {
             } else if ops.attn_long_flat {
                 ops.attention_long_flat(args, attn, self.ptr(&a.attn_counts))?;
             } else {
-                ops.attention(args, attn)?;
+                ops.attention(args, attn, self.ptr(&a.attn_counts))?;
             }
             mark("attention + merge")?;
             // x += W_o attn: [n_q head_dim] -> [hidden].

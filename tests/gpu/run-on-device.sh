@@ -6,6 +6,7 @@
 # Logs go to $OUT (or ./device-logs).
 # Usage: bash tests/gpu/run-on-device.sh [suite] [gates] [switches] [examples] [sanitize] [soak]
 #   [big] [prehopper] [prehopper-sanitize] [prehopper-speed] [maxseq-speed] [tail-merge]
+#   [tail-merge-speed]
 #   (no part named: suite, gates, switches and examples; "sanitize" alone: those and the
 #   sanitizers; "suite" is every packed test but cuda_gates, "gates" cuda_gates alone: 500-580 s
 #   on an H100 (sessions 61-62), so the two need separate device calls of 600 s, as the switch
@@ -14,9 +15,9 @@
 #   and ~40 GB of host memory, "prehopper": the pre-Hopper path forced (DV2_HOPPER=0) through
 #   every GPU gate (~10 minutes), "prehopper-sanitize": the C example under the sanitizers with
 #   it, and "prehopper-speed": the 3B context sweep with it beside the default;
-#   "maxseq-speed": the 3B sweep at max_seq 65,536 beside the K halves off and v2; "tail-merge":
-#   the DV2_X_TAIL_MERGE=1 experiment's gates, sanitizers and sweep on that path; each only
-#   when named)
+#   "maxseq-speed": the 3B sweep at max_seq 65,536 beside the K halves off and v2; "tail-merge"
+#   and "tail-merge-speed": the DV2_X_TAIL_MERGE=1 experiment's gates and sanitizers, and its
+#   sweeps; each only when named)
 set -uo pipefail
 # A pack carried as a tarball (tests/gpu/pack-carry.sh) unpacks here first.
 [[ -d .device || ! -f .dz/device.tgz ]] || tar xzf .dz/device.tgz
@@ -191,11 +192,16 @@ if want maxseq-speed; then
   done
 fi
 if want tail-merge; then
-  # The experiment DV2_X_TAIL_MERGE=1 (docs/lab.md, session 87: the flat long attention's
-  # splits merged by its own last CTAs instead of attn2_merge) on the pre-Hopper path: the long
-  # attention's gates, memcheck and racecheck on its graph test, then decode across depth
-  # beside attn2_merge in one process.
+  # The experiment DV2_X_TAIL_MERGE=1 (docs/lab.md, session 87: the splits of attention v2 and
+  # of the flat long attention merged by their own last CTAs instead of attn2_merge): v2 on
+  # the tiny presets (head_dim 16, which the long attention does not take) and at depth under
+  # DV2_ATTN_LONG=0; the flat long attention under DV2_HOPPER=0; memcheck and racecheck on the
+  # flat one's graph test and on the C example (v2).
   mkdir -p "$switch_logs"
+  gates_with gates_match DV2_X_TAIL_MERGE=1
+  for t in long_context with_the_long_attention; do
+    gates_with $t DV2_ATTN_LONG=0 DV2_X_TAIL_MERGE=1
+  done
   for t in long_context a_long_max_seq long_attention; do
     gates_with $t DV2_HOPPER=0 DV2_X_TAIL_MERGE=1
   done
@@ -204,10 +210,17 @@ if want tail-merge; then
     DV2_HOPPER=0 DV2_X_TAIL_MERGE=1 sanitize_test "flat long attention, tail merge" tail-merge $tool \
       .device/tests/cuda_gates graph_replay_equals_eager_with_the_long_attention
   done
-  DV2_HOPPER=0 DV2_X_TAIL_MERGE=1 .device/examples/bench --context qwen25_3b 48,2048,8192,32512 \
-    --against DV2_X_TAIL_MERGE=0 > "$out/tail-merge-context.log" 2>&1 \
-    || { echo "bench --against DV2_X_TAIL_MERGE=0: FAILED"; status=1; }
-  grep -vE "^\s*$" "$out/tail-merge-context.log" | tail -14
+  sanitize_c_example tail-merge- DV2_X_TAIL_MERGE=1
+fi
+if want tail-merge-speed; then
+  # Decode across depth with the experiment beside attn2_merge in one process: the flat long
+  # attention (DV2_HOPPER=0), then attention v2 (DV2_ATTN_LONG=0).
+  for path in DV2_HOPPER=0 DV2_ATTN_LONG=0; do
+    log="$out/tail-merge-${path%%=*}.log"
+    env $path DV2_X_TAIL_MERGE=1 .device/examples/bench --context qwen25_3b 48,2048,8192,32512 \
+      --against DV2_X_TAIL_MERGE=0 > "$log" 2>&1 || { echo "$path bench --against DV2_X_TAIL_MERGE=0: FAILED"; status=1; }
+    grep -vE "^\s*$" "$log" | tail -14
+  done
 fi
 if want big; then
   .device/tests/cuda_gates --nocapture --ignored --exact qwen25_32b_shape_decodes_like_the_oracle \

@@ -6,9 +6,9 @@ use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig};
 use super::Ops;
 use crate::arch::ArchSpec;
 use crate::cuda::kernels::{
-    ATTN2_CHUNK, ATTN2_MAX_CHUNKS, ATTNL_MAX_CLUSTERS, ATTNL_MAX_GROUP, ATTNL_RANKS, ATTNM_ROWS,
-    ATTNM_THREADS, ATTNP_MERGE_WAYS, ATTNP_Q_FLOATS, ATTNP_ROWS, ATTNP_THREADS, ATTNP_TILE,
-    ATTN_THREADS,
+    ATTN2_CHUNK, ATTN2_MAX_CHUNKS, ATTNF_COUNTS, ATTNL_MAX_CLUSTERS, ATTNL_MAX_GROUP, ATTNL_RANKS,
+    ATTNM_ROWS, ATTNM_THREADS, ATTNP_MERGE_WAYS, ATTNP_Q_FLOATS, ATTNP_ROWS, ATTNP_THREADS,
+    ATTNP_TILE, ATTN_THREADS,
 };
 use crate::error::{Error, Result};
 
@@ -138,6 +138,14 @@ pub fn attn_long_fits(s: &ArchSpec) -> bool {
         && s.n_q_heads / s.n_kv_heads <= ATTNL_MAX_GROUP
 }
 
+/// The decode attention's counters (zeroed ints that every kernel leaves zeroed): the long
+/// attention's cluster merge counts on ATTNL_RANKS a KV head; the tail merge
+/// (`DV2_X_TAIL_MERGE=1`) on ATTNF_COUNTS for each set of CTAs sharing q heads, up to
+/// [`ATTN2_SPLIT`] a KV head (v2's parts; the flat long attention's one).
+pub fn attn_counts_len(s: &ArchSpec) -> usize {
+    s.n_kv_heads * ATTNL_RANKS.max(ATTN2_SPLIT * ATTNF_COUNTS)
+}
+
 /// Floats of the long-context attention's partials (outputs, then max and sum pairs): per KV
 /// head, rank and cluster, [`ATTNL_MAX_GROUP`] heads of head_dim / ATTNL_RANKS dims.
 pub fn attn_long_partials(s: &ArchSpec) -> (usize, usize) {
@@ -243,9 +251,11 @@ impl Ops {
         launch!(self.gpu, f, cfg; args)
     }
 
-    /// Attention of one layer (RoPE and the KV write fused), then the merge into `out`.
-    /// `args.n_splits` and `args.heads_per_cta` are ignored: each kernel sets its own.
-    pub fn attention(&self, args: AttnArgs, out: u64) -> Result<()> {
+    /// Attention of one layer (RoPE and the KV write fused), then the merge into `out` (v2 with
+    /// `DV2_X_TAIL_MERGE=1`: by its own last CTAs, counting on `counts`, [`attn_counts_len`]
+    /// zeroed ints). `args.n_splits` and `args.heads_per_cta` are ignored: each kernel sets its
+    /// own.
+    pub fn attention(&self, args: AttnArgs, out: u64, counts: u64) -> Result<()> {
         let max_seq = args.max_seq as usize;
         let group = (args.n_q / args.n_kv) as usize;
         match self.attn {
@@ -289,7 +299,11 @@ impl Ops {
                     64 => 2,
                     _ => 0,
                 }];
-                launch!(self.gpu, f, cfg; args)?;
+                if self.cfg.tail_merge {
+                    return launch!(self.gpu, f, cfg; args, out, counts);
+                }
+                let (no_out, no_counts) = (0u64, 0u64);
+                launch!(self.gpu, f, cfg; args, no_out, no_counts)?;
                 self.merge_splits(&self.k.attn2_merge, &args, out, splits as i32)
             }
         }
@@ -320,8 +334,8 @@ impl Ops {
     }
 
     /// The long-context attention's walk without clusters, then attn2_merge into `out` (or,
-    /// `DV2_X_TAIL_MERGE=1`, the walk's last CTAs merge, counting on `counts`: n_kv *
-    /// ATTNF_COUNTS zeroed ints): grid (1, splits, n_kv), about a CTA an SM, each every q head
+    /// `DV2_X_TAIL_MERGE=1`, the walk's last CTAs merge, counting on `counts`,
+    /// [`attn_counts_len`] zeroed ints): grid (1, splits, n_kv), about a CTA an SM, each every q head
     /// of its KV head over a split of whole 16-slot tiles. Measured against attention v2 under
     /// `DV2_HOPPER=0` on an H100: +3.7% decode at depth 48, +5.7% at 2k, +23% at 8k, +81% at
     /// 32k (docs/lab.md, session 67).

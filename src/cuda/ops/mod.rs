@@ -28,8 +28,8 @@ mod gemm;
 mod gemv;
 
 pub use attention::{
-    attn_long_fits, attn_long_partials, attn_partials, attn_prefill_tokens, Attention, AttnArgs,
-    PrefillAttnArgs, PrefillSplitRoom,
+    attn_counts_len, attn_long_fits, attn_long_partials, attn_partials, attn_prefill_tokens,
+    Attention, AttnArgs, PrefillAttnArgs, PrefillSplitRoom,
 };
 pub(super) use gemm::GemmArgs;
 pub use gemm::{Epilogue, GemmMatrix, RopeArgs};
