@@ -279,8 +279,9 @@ __device__ __forceinline__ void merge_split_partials(const AttnArgs& a, float* o
 // group's partials into the group's first, and the last of those (the CTA set's counter) the
 // groups' into out; one group's merger writes out itself. `counts`: ATTNF_COUNTS zeroed ints of
 // the CTAs that share these q heads (the set's, then a group's); each last CTA resets its
-// counter for the next layer. `scratch`: for merge_split_partials, unused by the caller now. Two levels keep each merge short: at 32k on the 3B shape the
-// flat walk's 66 splits merge as 9 merges of at most 8 and one of 9, not one CTA reading ~270 KB.
+// counter for the next layer. `scratch`: for merge_split_partials, unused by the caller now.
+// Two levels keep each merge short: at 32k on the 3B shape the flat walk's 66 splits merge as
+// 9 merges of at most 8 and one of 9, not one CTA reading ~270 KB.
 template <int HD>
 __device__ __forceinline__ void tail_merge_splits(const AttnArgs& a, float* out, int* counts, float* scratch, int q0,
                                                   int gn, int split) {
