@@ -141,7 +141,7 @@ pub fn attn_long_fits(s: &ArchSpec) -> bool {
 /// The decode attention's counters (zeroed ints that every kernel leaves zeroed): the long
 /// attention's cluster merge counts on ATTNL_RANKS a KV head; the tail merge
 /// (`DV2_X_TAIL_MERGE=1`) on ATTNF_COUNTS for each set of CTAs sharing q heads, up to
-/// [`ATTN2_SPLIT`] a KV head (v2's parts; the flat long attention's one).
+/// `ATTN2_SPLIT` (4) a KV head (v2's parts; the flat long attention's one).
 pub fn attn_counts_len(s: &ArchSpec) -> usize {
     s.n_kv_heads * ATTNL_RANKS.max(ATTN2_SPLIT * ATTNF_COUNTS)
 }
