@@ -3,6 +3,7 @@
 
 use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig};
 
+use super::attention::Attention;
 use super::gemm::{Epilogue, GemmArgs, GemmMatrix};
 use super::{check_sums, no_sums, Input, NormArgs, Ops, MAX_ARGMAX_CTAS};
 use crate::cuda::device::driver_error;
@@ -551,8 +552,7 @@ impl Ops {
 
     /// q, k and v rows of `args` in one grid, written contiguously to `out`.
     /// Returns whether GEMV v3 ran in K halves (`DV2_QKV_KHALVES`, default, where the attention
-    /// adds them: [`Ops::attention_adds_halves`]): `out` then holds the second half's sums after
-    /// the rows.
+    /// adds them): `out` then holds the second half's sums after the rows.
     pub fn qkv(&self, args: QkvArgs, cols: usize, input: Input, out: u64) -> Result<bool> {
         let rows = args.rows.iter().sum::<i32>() as usize;
         let cols_i = cols as i32;
@@ -577,8 +577,11 @@ impl Ops {
                     .map(|_| false)
             }
             Gemv::V3 => {
+                // Attention v1 alone does not add the halves (v2 and both long attentions do);
+                // it runs only where the GQA group is too large for v2 (Ops::fit), and so for
+                // either long attention too.
                 let halves = self.k.gemv3_qkv_kh2.is_some()
-                    && self.attention_adds_halves()
+                    && self.attn == Attention::V2
                     && norm.w != 0
                     && cols.is_multiple_of(128);
                 self.gemv3(Epilogue::Store, &mats, cols, x, norm, out, 0, 0, halves)?;

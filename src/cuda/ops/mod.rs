@@ -193,14 +193,6 @@ impl Ops {
         Ok(())
     }
 
-    /// Whether the decode step's attention adds q/k/v's second K half (`AttnArgs::qkv2`): either
-    /// long attention does, and v2; attention v1 alone does not (it runs where [`Ops::fit`]
-    /// finds the GQA group too large for v2, more than 16 q heads a KV head, and so for the
-    /// long attention too).
-    pub fn attention_adds_halves(&self) -> bool {
-        self.attn_long || self.attn_long_flat || self.attn == Attention::V2
-    }
-
     /// Resolves a GEMV input: with a norm whose partial sums the producer left, the raw x and
     /// the norm arguments for the GEMV's x load; otherwise (no sums, or `DV2_LINEAR=mma`) the
     /// RMSNorm kernel writes the normed x to the scratch buffer, which the linear then reads.
