@@ -289,7 +289,7 @@ __device__ __forceinline__ void tail_merge_splits(const AttnArgs& a, float* out,
     // walk's start, the count took the flat long attention's 255th register and spilled
     // (volatile: not merged with that first load).
     const int valid = *reinterpret_cast<const volatile int*>(&a.state[STATE_POSITION]) + 1;
-    const int per = attn2_split_slots(valid, gridDim.y), used = (valid + per - 1) / per;
+    const int used = attn2_splits_used(valid, gridDim.y);
     const int group = split / ATTNF_MERGE_GROUP, groups = (used + ATTNF_MERGE_GROUP - 1) / ATTNF_MERGE_GROUP;
     const int first = group * ATTNF_MERGE_GROUP, members = min(ATTNF_MERGE_GROUP, used - first);
     // The CTA's stores ordered before its count by the barrier and thread 0's release, the
@@ -554,10 +554,8 @@ extern "C" __global__ void attn2_merge(const float* __restrict__ part_acc, const
     for (int c = 0; c < MERGE_AHEAD; c++) acc_ahead[c] = c < n_chunks && d0 < head_dim ? acc[(size_t)c * head_dim + d0] : 0.0f;
     const int pos = state[STATE_POSITION];
     if (pos >= max_seq) return;
-    // The splits in use, as attn2_decode and attn_long_flat_decode cut them: ceil(valid / per)
-    // of per = attn2_split_slots slots each.
-    const int valid = pos + 1, per = attn2_split_slots(valid, n_chunks);
-    const int used = min((valid + per - 1) / per, ATTN2_MAX_CHUNKS);
+    // The splits in use, as attn2_decode and attn_long_flat_decode cut them.
+    const int used = attn2_splits_used(pos + 1, n_chunks);
     // m and l of chunk c (chunks `lane` and d0 from the early loads).
     auto ml_of = [&](int c) {
         return c == lane ? ml_lane : (c == d0 ? ml_d0 : reinterpret_cast<const float2*>(ml)[c]);

@@ -156,6 +156,12 @@ __device__ __forceinline__ int log2_pow2(int n) { return __ffs(n) - 1; }
 __device__ __forceinline__ int attn2_split_slots(int valid, int splits) {
     return (max((valid + splits - 1) / splits, ATTN2_CHUNK) + 15) & ~15;
 }
+// Those splits in use: the ones holding a slot below `valid` (at most ATTN2_MAX_CHUNKS, the
+// host's bound on `splits`).
+__device__ __forceinline__ int attn2_splits_used(int valid, int splits) {
+    const int per = attn2_split_slots(valid, splits);
+    return min((valid + per - 1) / per, ATTN2_MAX_CHUNKS);
+}
 
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll

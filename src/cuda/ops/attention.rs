@@ -299,12 +299,7 @@ impl Ops {
                     64 => 2,
                     _ => 0,
                 }];
-                if self.cfg.tail_merge {
-                    return launch!(self.gpu, f, cfg; args, out, counts);
-                }
-                let (no_out, no_counts) = (0u64, 0u64);
-                launch!(self.gpu, f, cfg; args, no_out, no_counts)?;
-                self.merge_splits(&self.k.attn2_merge, &args, out, splits as i32)
+                self.walk_then_merge(f, cfg, args, out, counts, splits)
             }
         }
     }
@@ -335,10 +330,10 @@ impl Ops {
 
     /// The long-context attention's walk without clusters, then attn2_merge into `out` (or,
     /// `DV2_X_TAIL_MERGE=1`, the walk's last CTAs merge, counting on `counts`,
-    /// [`attn_counts_len`] zeroed ints): grid (1, splits, n_kv), about a CTA an SM, each every q head
-    /// of its KV head over a split of whole 16-slot tiles. Measured against attention v2 under
-    /// `DV2_HOPPER=0` on an H100: +3.7% decode at depth 48, +5.7% at 2k, +23% at 8k, +81% at
-    /// 32k (docs/lab.md, session 67).
+    /// [`attn_counts_len`] zeroed ints): grid (1, splits, n_kv), about a CTA an SM, each every
+    /// q head of its KV head over a split of whole 16-slot tiles. Measured against attention v2
+    /// under `DV2_HOPPER=0` on an H100: +3.7% decode at depth 48, +5.7% at 2k, +23% at 8k, +81%
+    /// at 32k (docs/lab.md, session 67).
     pub fn attention_long_flat(&self, args: AttnArgs, out: u64, counts: u64) -> Result<()> {
         let splits = attn2_splits(
             1,
@@ -352,6 +347,21 @@ impl Ops {
             shared_mem_bytes: 0,
         };
         let f = &self.k.attn_long_flat_decode[(args.head_dim == 128) as usize];
+        self.walk_then_merge(f, cfg, args, out, counts, splits)
+    }
+
+    /// A walk of the context in `splits` splits (attention v2's or the flat long attention's
+    /// kernel `f`), merged into `out`: by its own last CTAs counting on `counts`
+    /// (`DV2_X_TAIL_MERGE=1`), else (null `out` and `counts`: partials alone) by attn2_merge.
+    fn walk_then_merge(
+        &self,
+        f: &CudaFunction,
+        cfg: LaunchConfig,
+        args: AttnArgs,
+        out: u64,
+        counts: u64,
+        splits: usize,
+    ) -> Result<()> {
         if self.cfg.tail_merge {
             return launch!(self.gpu, f, cfg; args, out, counts);
         }
